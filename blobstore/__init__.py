@@ -1,0 +1,66 @@
+"""blobnet's chunked BLAKE3 blob store: manifests, IDs, the crash-safe store, collections.
+
+See :mod:`blobstore.store` for the theory of operation.
+"""
+
+from __future__ import annotations
+
+from blobstore.collection import CollectionEntry
+from blobstore.errors import (
+    AmbiguousPrefix,
+    BadBlobId,
+    BadCollection,
+    BadManifest,
+    BadTagName,
+    BlobExists,
+    BlobNotFound,
+    ChunkUnavailable,
+    CorruptChunk,
+    NoSpace,
+    PartialBusy,
+    PathNotFound,
+    StoreCorrupt,
+    StoreError,
+)
+from blobstore.manifest import (
+    DEFAULT_CHUNK_SIZE,
+    MAX_BLOB_SIZE,
+    MAX_CHUNK_SIZE,
+    MAX_CHUNKS,
+    MAX_MANIFEST_SIZE,
+    MIN_CHUNK_SIZE,
+    Manifest,
+    parse_blob_id,
+)
+from blobstore.partial import PartialBlob
+from blobstore.store import DEFAULT_GC_GRACE, BlobInfo, Store
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_GC_GRACE",
+    "MAX_BLOB_SIZE",
+    "MAX_CHUNKS",
+    "MAX_CHUNK_SIZE",
+    "MAX_MANIFEST_SIZE",
+    "MIN_CHUNK_SIZE",
+    "AmbiguousPrefix",
+    "BadBlobId",
+    "BadCollection",
+    "BadManifest",
+    "BadTagName",
+    "BlobExists",
+    "BlobInfo",
+    "BlobNotFound",
+    "ChunkUnavailable",
+    "CollectionEntry",
+    "CorruptChunk",
+    "Manifest",
+    "NoSpace",
+    "PartialBlob",
+    "PartialBusy",
+    "PathNotFound",
+    "Store",
+    "StoreCorrupt",
+    "StoreError",
+    "parse_blob_id",
+]

@@ -1,9 +1,381 @@
-"""Local store commands of the ``blob`` program (filled in by the store work)."""
+"""Local store commands of the ``blob`` program: put, get, cat, ls, stat, tag, untag, rm,
+gc, verify.
+
+Errors are raised as the store's typed errors (each has an ``exit_code``); the ``blob``
+main turns them into one line on stderr and that exit status. ``REF`` is a full blob ID,
+a unique prefix of 8+ hex characters, or a tag name.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
 import click
+
+from blobstore.errors import StoreCorrupt, StoreError
+from blobstore.manifest import DEFAULT_CHUNK_SIZE, check_chunk_size
+from blobstore.store import DEFAULT_GC_GRACE, Store
+
+PROGRESS_MIN_BYTES = 32 * 1024 * 1024
+"""Below this a put or get finishes in well under a second: no bar, no flicker."""
+
+_SIZE_RE = re.compile(r"(\d+)\s*([kmg]?)(i?b)?", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'65536', '64K', '64KiB', '1M', '4MiB', '1MB' -> bytes (units are binary)."""
+    match = _SIZE_RE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (try 1M, 4MiB or 65536)")
+    return int(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+class ChunkSize(click.ParamType[int]):
+    name = "SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            size = value
+        else:
+            try:
+                size = parse_size(str(value))
+            except ValueError as exc:
+                self.fail(str(exc), param, ctx)
+        try:
+            check_chunk_size(size)
+        except StoreError as exc:
+            self.fail(str(exc), param, ctx)
+        return size
+
+
+def human_size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _open_store(ctx: click.Context) -> Store:
+    root = ctx.ensure_object(dict).get("store_root")
+    if root is None:
+        raise click.UsageError("no store directory: pass --store DIR or set BLOBNET_STORE")
+    return Store.open(Path(root))
+
+
+def _emit_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2))
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, desc: str, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    """A tqdm byte bar on stderr (bytes, rate, ETA), or None when quiet/small/not a tty."""
+    if not enabled or total < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        leave=False,
+        dynamic_ncols=True,
+    )
+    last = 0
+
+    def update(done: int) -> None:
+        nonlocal last
+        bar.update(done - last)
+        last = done
+
+    try:
+        yield update
+    finally:
+        bar.close()
+
+
+def _tree_size(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.path.getsize(os.path.join(dirpath, name))
+    return total
+
+
+@click.command("put")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--tag", "tag_name", metavar="NAME", help="Tag the blob (one PATH only).")
+@click.option(
+    "--chunk-size",
+    type=ChunkSize(),
+    default=DEFAULT_CHUNK_SIZE,
+    show_default="1MiB",
+    help="Chunk size: a power of two from 64KiB to 16MiB (e.g. 4MiB).",
+)
+@click.option("--move", is_flag=True, help="Move files into the store instead of copying.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def put_cmd(
+    ctx: click.Context,
+    paths: tuple[Path, ...],
+    tag_name: str | None,
+    chunk_size: int,
+    move: bool,
+    as_json: bool,
+) -> None:
+    """Add files (or directories, as collections) to the store; prints ID  PATH."""
+    if tag_name is not None and len(paths) > 1:
+        raise click.UsageError("--tag names one blob: give a single PATH with it")
+    store = _open_store(ctx)
+    results = []
+    for path in paths:
+        is_dir = path.is_dir()
+        if is_dir and move:
+            raise click.UsageError(f"--move takes files, and {path} is a directory")
+        total = _tree_size(path) if is_dir else (path.stat().st_size if path.is_file() else 0)
+        with progress_bar(total, path.name, not as_json) as progress:
+            if is_dir:
+                blob_id = store.put_dir(path, chunk_size=chunk_size, progress=progress)
+            else:
+                blob_id = store.put_path(path, chunk_size=chunk_size, move=move, progress=progress)
+        if tag_name is not None:
+            store.tag(tag_name, blob_id)
+        size = store.manifest(blob_id).size
+        results.append(
+            {"id": blob_id, "path": str(path), "size": size, "collection": is_dir, "tag": tag_name}
+        )
+        if not as_json:
+            click.echo(f"{blob_id}  {path}")
+    if as_json:
+        _emit_json(results)
+
+
+@click.command("get")
+@click.argument("ref")
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="File to write (a directory for a collection).",
+)
+@click.pass_context
+def get_cmd(ctx: click.Context, ref: str, output: Path) -> None:
+    """Write a blob from the local store to OUTPUT (collections become directories)."""
+    store = _open_store(ctx)
+    blob_id = store.resolve(ref)
+    size = store.manifest(blob_id).size
+    with progress_bar(size, output.name, True) as progress:
+        store.export(blob_id, output, progress=progress)
+
+
+@click.command("cat")
+@click.argument("ref")
+@click.pass_context
+def cat_cmd(ctx: click.Context, ref: str) -> None:
+    """Write a blob's raw bytes to stdout (each chunk verified on the way)."""
+    store = _open_store(ctx)
+    blob_id = store.resolve(ref)
+    out = sys.stdout.buffer
+    try:
+        for piece in store.iter_verified(blob_id):
+            out.write(piece)
+        out.flush()
+    except BrokenPipeError:
+        # The reader went away (`blob cat X | head`): not an error. Point stdout at
+        # devnull so the interpreter's final flush does not complain.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+@click.command("ls")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def ls_cmd(ctx: click.Context, as_json: bool) -> None:
+    """List the blobs in the store (complete and partial)."""
+    store = _open_store(ctx)
+    rows = store.list_blobs()
+    if as_json:
+        _emit_json([_info_dict(r) for r in rows])
+        return
+    for r in rows:
+        state = "complete" if r.complete else f"partial {r.verified_chunks}/{r.num_chunks}"
+        tags = ",".join(r.tags)
+        click.echo(f"{r.blob_id}  {human_size(r.size):>10}  {state:<16} {tags}".rstrip())
+
+
+def _info_dict(r: Any) -> dict[str, Any]:
+    return {
+        "id": r.blob_id,
+        "size": r.size,
+        "chunk_size": r.chunk_size,
+        "chunks": r.num_chunks,
+        "complete": r.complete,
+        "verified_chunks": r.verified_chunks,
+        "tags": list(r.tags),
+    }
+
+
+@click.command("stat")
+@click.argument("ref")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def stat_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
+    """Show one blob: size, chunks, state, tags, path, collection entries."""
+    store = _open_store(ctx)
+    blob_id = store.resolve(ref)
+    manifest = store.manifest(blob_id)
+    complete = store.has(blob_id)
+    bits = store.chunk_bitmap(blob_id)
+    verified = int.from_bytes(bits, "little").bit_count()
+    tags = [name for name, target in store.tags().items() if target == blob_id]
+    info: dict[str, Any] = {
+        "id": blob_id,
+        "size": manifest.size,
+        "chunk_size": manifest.chunk_size,
+        "chunks": manifest.num_chunks,
+        "complete": complete,
+        "verified_chunks": verified,
+        "tags": tags,
+        "path": str(store.path(blob_id)) if complete else None,
+        "collection": None,
+    }
+    if complete and store.is_collection(blob_id):
+        info["collection"] = [
+            {"path": e.path, "id": e.blob_id, "size": e.size}
+            for e in store.read_collection(blob_id)
+        ]
+    if as_json:
+        _emit_json(info)
+        return
+    click.echo(f"id:       {blob_id}")
+    click.echo(f"size:     {manifest.size} ({human_size(manifest.size)})")
+    click.echo(f"chunks:   {manifest.num_chunks} x {human_size(manifest.chunk_size)}")
+    state = "complete" if complete else f"partial ({verified}/{manifest.num_chunks} verified)"
+    click.echo(f"state:    {state}")
+    click.echo(f"tags:     {', '.join(tags) or '-'}")
+    if info["path"]:
+        click.echo(f"path:     {info['path']}")
+    if info["collection"] is not None:
+        click.echo(f"collection of {len(info['collection'])} files:")
+        for e in info["collection"]:
+            click.echo(f"  {e['id']}  {human_size(e['size']):>10}  {e['path']}")
+
+
+@click.command("tag")
+@click.argument("name")
+@click.argument("ref")
+@click.pass_context
+def tag_cmd(ctx: click.Context, name: str, ref: str) -> None:
+    """Point tag NAME at a blob (tags protect blobs from gc)."""
+    store = _open_store(ctx)
+    store.tag(name, store.resolve(ref))
+
+
+@click.command("untag")
+@click.argument("name")
+@click.pass_context
+def untag_cmd(ctx: click.Context, name: str) -> None:
+    """Remove tag NAME (the blob stays until rm or gc)."""
+    _open_store(ctx).untag(name)
+
+
+@click.command("rm")
+@click.argument("refs", nargs=-1, required=True)
+@click.pass_context
+def rm_cmd(ctx: click.Context, refs: tuple[str, ...]) -> None:
+    """Remove blobs (and the tags that point at them)."""
+    store = _open_store(ctx)
+    for blob_id in [store.resolve(ref) for ref in refs]:
+        store.rm(blob_id)
+        click.echo(f"removed {blob_id}")
+
+
+@click.command("gc")
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_GC_GRACE,
+    show_default=True,
+    metavar="SECONDS",
+    help="Keep untagged blobs touched within this many seconds.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def gc_cmd(ctx: click.Context, grace: float, as_json: bool) -> None:
+    """Delete untagged blobs and abandoned partials older than the grace period."""
+    removed = _open_store(ctx).gc(grace)
+    if as_json:
+        _emit_json({"removed": removed})
+        return
+    for blob_id in removed:
+        click.echo(f"removed {blob_id}")
+    click.echo(f"gc: removed {len(removed)} blob(s)", err=True)
+
+
+@click.command("verify")
+@click.argument("refs", nargs=-1)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def verify_cmd(ctx: click.Context, refs: tuple[str, ...], as_json: bool) -> None:
+    """Re-hash blobs (all by default); exit status 1 names each corrupt one."""
+    store = _open_store(ctx)
+    ids = [store.resolve(ref) for ref in refs] if refs else store.blob_ids()
+    report = []
+    for blob_id in ids:
+        entry: dict[str, Any] = {"id": blob_id, "ok": True, "bad_chunks": [], "error": None}
+        try:
+            bad = store.verify(blob_id)
+        except StoreCorrupt as exc:
+            entry.update(ok=False, error=str(exc))
+        else:
+            entry.update(ok=not bad, bad_chunks=bad)
+        report.append(entry)
+        if not as_json:
+            if entry["ok"]:
+                click.echo(f"ok       {blob_id}")
+            elif entry["error"]:
+                click.echo(f"CORRUPT  {blob_id}  {entry['error']}")
+            else:
+                chunks = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
+                click.echo(f"CORRUPT  {blob_id}  chunks {chunks}")
+    if as_json:
+        _emit_json(report)
+    corrupt = [e["id"] for e in report if not e["ok"]]
+    if corrupt:
+        raise StoreCorrupt(
+            f"{len(corrupt)} of {len(report)} blob(s) corrupt: {', '.join(corrupt)}; "
+            "remove them with `blob rm` and put or fetch them again"
+        )
 
 
 def register(group: click.Group) -> None:
     """Add the store's commands to the top-level group."""
+    for command in (
+        put_cmd,
+        get_cmd,
+        cat_cmd,
+        ls_cmd,
+        stat_cmd,
+        tag_cmd,
+        untag_cmd,
+        rm_cmd,
+        gc_cmd,
+        verify_cmd,
+    ):
+        group.add_command(command)

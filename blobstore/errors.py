@@ -1,0 +1,98 @@
+"""The store's error types.
+
+Every class carries an integer ``exit_code`` (the ``blob`` program's documented exit
+status for it) and a message meant for a person: what happened, and what to do about it.
+``OSError`` from the operating system is translated into these at one boundary
+(:func:`blobstore.durable.os_errors`), never passed through raw.
+"""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base class of every error the store raises on purpose. Local I/O trouble."""
+
+    exit_code = 5
+
+
+class BlobNotFound(StoreError):
+    """No blob, prefix or tag by that name in this store."""
+
+    exit_code = 3
+
+
+class AmbiguousPrefix(StoreError):
+    """An ID prefix matches more than one blob."""
+
+    exit_code = 3
+
+
+class PathNotFound(StoreError):
+    """A file or directory named by the user does not exist."""
+
+    exit_code = 3
+
+
+class BadBlobId(StoreError):
+    """Text that should be a blob ID (64 lowercase hex characters) is not one."""
+
+    exit_code = 2
+
+
+class BadTagName(StoreError):
+    """A tag name that the store refuses (see ``blobstore.store.TAG_NAME_RE``)."""
+
+    exit_code = 2
+
+
+class BadManifest(StoreError):
+    """Manifest bytes that are not a canonical, in-limits manifest."""
+
+    exit_code = 4
+
+
+class BadCollection(StoreError):
+    """A collection blob whose content is malformed or names hostile paths."""
+
+    exit_code = 4
+
+
+class CorruptChunk(StoreError):
+    """Chunk bytes that do not hash to the manifest's entry (or have the wrong length)."""
+
+    exit_code = 4
+
+
+class ChunkUnavailable(StoreError):
+    """The chunk is not (yet) held and verified in this store."""
+
+    exit_code = 3
+
+
+class BlobExists(StoreError):
+    """The blob is already complete in this store."""
+
+    exit_code = 5
+
+
+class PartialBusy(StoreError):
+    """Another process or handle is writing this partial blob."""
+
+    exit_code = 5
+
+
+class NoSpace(StoreError):
+    """Not enough free disk space for the operation."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, *, needed: int | None = None, available: int | None = None):
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+
+class StoreCorrupt(StoreError):
+    """A check found stored data that does not match its ID."""
+
+    exit_code = 1

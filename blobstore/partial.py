@@ -1,0 +1,240 @@
+"""Partial blobs: a blob being assembled chunk by chunk (a download, usually).
+
+On disk, ``partial/<id>/`` holds ``manifest`` (its canonical bytes), ``data`` (a sparse
+file of the blob's full size; chunk i lives at its own offset), ``bitmap`` (chunks known
+verified, LSB-first, see :mod:`blobstore.bitmap`) and ``lock`` (flock: one writer).
+
+Ordering rules (the crash safety lives here, see also the invariants in
+:mod:`blobstore.store`):
+
+1. A chunk is hashed *before* it is written; a chunk that does not match its manifest
+   entry is never written at all.
+2. ``bitmap`` is replaced atomically and only after ``data`` is fsynced, so a persisted
+   bit never claims bytes that were not durable when the bit was written.
+3. On open, every chunk the persisted bitmap marks is hashed again and dropped if it
+   fails: the bitmap is a hint, the hashes are the truth. A crash, a torn sector or a
+   bit flip can cost a re-download but never yields a wrong blob.
+4. Publication fsyncs ``data``, makes it read-only and hard-links it into ``blobs/``
+   (the store's publish path), then removes the partial directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from blake3 import blake3
+
+from blobstore import bitmap as bm
+from blobstore.durable import os_errors, write_file_atomic
+from blobstore.errors import ChunkUnavailable, CorruptChunk, StoreError
+from blobstore.manifest import Manifest
+
+if TYPE_CHECKING:
+    from blobstore.store import Store
+
+
+def read_span(fd: int, offset: int, length: int) -> bytes:
+    """pread exactly ``length`` bytes (fewer only at end of file)."""
+    parts = []
+    while length > 0:
+        piece = os.pread(fd, length, offset)
+        if not piece:
+            break
+        parts.append(piece)
+        offset += len(piece)
+        length -= len(piece)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def read_bitmap(path: Path, num_chunks: int) -> bytearray | None:
+    """The persisted bitmap, or None if it is missing or malformed."""
+    try:
+        bits = bytearray(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    return bits if bm.is_well_formed(bits, num_chunks) else None
+
+
+def load_bitmap(path: Path, num_chunks: int) -> bytearray:
+    """The persisted bitmap, or an empty one if it is missing or malformed."""
+    bits = read_bitmap(path, num_chunks)
+    return bm.empty_bitmap(num_chunks) if bits is None else bits
+
+
+class PartialBlob:
+    """A writable, resumable partial blob. Get one from :meth:`Store.begin_partial`.
+
+    Holds the partial's exclusive lock until :meth:`close` (or :meth:`publish`). One
+    task writes it at a time; other threads may read its bitmap.
+    """
+
+    def __init__(
+        self, store: Store, manifest: Manifest, directory: Path, lock_fd: int, data_fd: int
+    ) -> None:
+        self.manifest = manifest
+        self.blob_id = manifest.blob_id
+        self._store = store
+        self._dir = directory
+        self._lock_fd = lock_fd
+        self._data_fd = data_fd
+        self._bits = bm.empty_bitmap(manifest.num_chunks)
+        self._count = 0
+        self._dirty = False
+        self._closed = False
+
+    # Opening: called by Store.begin_partial with the lock held.
+    def _load_and_reverify(self, data_existed: bool) -> list[int]:
+        """Adopt the persisted bitmap after re-hashing each chunk it marks.
+
+        If the bitmap is missing or malformed but a data file was already there, every
+        chunk is hashed, so whatever verifies is recovered. Returns the indices that
+        were candidates and failed.
+        """
+        n = self.manifest.num_chunks
+        persisted = read_bitmap(self._dir / "bitmap", n)
+        if persisted is None:
+            persisted = bytearray(bm.full_bitmap(n)) if data_existed else bm.empty_bitmap(n)
+            self._dirty = data_existed
+        dropped = []
+        for i in bm.set_indices(persisted, n):
+            offset, length = self.manifest.chunk_span(i)
+            data = read_span(self._data_fd, offset, length)
+            if len(data) == length and blake3(data).digest() == self.manifest.chunk_hash(i):
+                bm.set_bit(self._bits, i)
+            else:
+                dropped.append(i)
+        self._count = bm.count_bits(self._bits)
+        if dropped:
+            self._dirty = True
+        self.flush()
+        return dropped
+
+    def __enter__(self) -> PartialBlob:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def bitmap(self) -> bytes:
+        """The live bitmap of verified chunks (a copy)."""
+        return bytes(self._bits)
+
+    def has_chunk(self, index: int) -> bool:
+        self.manifest.chunk_span(index)  # IndexError when out of range
+        return bm.get_bit(self._bits, index)
+
+    def missing(self) -> list[int]:
+        return [i for i in range(self.manifest.num_chunks) if not bm.get_bit(self._bits, i)]
+
+    @property
+    def verified_count(self) -> int:
+        return self._count
+
+    @property
+    def is_complete(self) -> bool:
+        return self._count == self.manifest.num_chunks
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"partial blob {self.blob_id[:12]} is closed")
+
+    def write_chunk(self, index: int, data: bytes | bytearray | memoryview) -> None:
+        """Verify chunk ``index`` against the manifest, then write it.
+
+        Raises CorruptChunk (and writes nothing) on a wrong length or hash. Writing a
+        chunk that is already verified is a no-op.
+        """
+        self._check_open()
+        offset, length = self.manifest.chunk_span(index)
+        if bm.get_bit(self._bits, index):
+            return
+        view = memoryview(data).cast("B")
+        if len(view) != length:
+            raise CorruptChunk(
+                f"chunk {index} of blob {self.blob_id[:12]} has {len(view)} bytes, "
+                f"expected {length}; discarded"
+            )
+        if blake3(view).digest() != self.manifest.chunk_hash(index):
+            raise CorruptChunk(
+                f"chunk {index} of blob {self.blob_id[:12]} does not match its hash; discarded"
+            )
+        with os_errors(f"writing chunk {index} of blob {self.blob_id[:12]}"):
+            while view:
+                n = os.pwrite(self._data_fd, view, offset)
+                view = view[n:]
+                offset += n
+        bm.set_bit(self._bits, index)
+        self._count += 1
+        self._dirty = True
+
+    def read_chunk(self, index: int) -> bytes:
+        """Read back a verified chunk of this partial (verified again on the way out)."""
+        self._check_open()
+        if not bm.get_bit(self._bits, index):
+            raise ChunkUnavailable(f"chunk {index} of blob {self.blob_id[:12]} is not held yet")
+        offset, length = self.manifest.chunk_span(index)
+        with os_errors(f"reading chunk {index} of blob {self.blob_id[:12]}"):
+            data = read_span(self._data_fd, offset, length)
+        if blake3(data).digest() != self.manifest.chunk_hash(index):
+            raise CorruptChunk(f"chunk {index} of blob {self.blob_id[:12]} is corrupt on disk")
+        return data
+
+    def flush(self) -> None:
+        """Make written chunks durable: fsync data, then atomically replace the bitmap."""
+        self._check_open()
+        if not self._dirty:
+            return
+        with os_errors(f"saving partial blob {self.blob_id[:12]}"):
+            os.fsync(self._data_fd)
+            write_file_atomic(
+                self._dir / "bitmap",
+                bytes(self._bits),
+                tmp_dir=self._store.tmp_dir,
+                replace=True,
+                mode=0o644,
+            )
+        self._dirty = False
+
+    def publish(self) -> str:
+        """Turn the complete partial into a complete blob; returns its ID."""
+        self._check_open()
+        if not self.is_complete:
+            missing = self.manifest.num_chunks - self._count
+            raise ChunkUnavailable(
+                f"cannot publish blob {self.blob_id[:12]}: {missing} of "
+                f"{self.manifest.num_chunks} chunks are still missing"
+            )
+        self.flush()
+        with os_errors(f"publishing blob {self.blob_id[:12]}"):
+            os.fchmod(self._data_fd, 0o444)
+            os.fsync(self._data_fd)
+        try:
+            self._store._publish_partial(self, self._dir / "data")
+        finally:
+            self._release()
+        return self.blob_id
+
+    def close(self) -> None:
+        """Flush and release the lock. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            os.close(self._data_fd)
+        finally:
+            os.close(self._lock_fd)  # releases the flock
+            self._store._forget_partial(self)

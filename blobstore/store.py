@@ -1,0 +1,1095 @@
+"""The chunked BLAKE3 blob store (DESIGN section 3).
+
+Theory of operation
+===================
+
+Layout under the store root::
+
+    blobnet-store            marker with the format version; refuse foreign dirs
+    lock                     flock: held briefly around every publish and delete
+    blobs/<ab>/<id>          complete blob: its exact bytes, mode 0444
+    blobs/<ab>/<id>.manifest its canonical manifest, mode 0444
+    partial/<id>/            partial blob: manifest, data, bitmap, lock (partial.py)
+    tags/<name>              "<id>\\n": a name that pins a blob
+    tmp/                     temp files of writers in progress, each flock-ed
+
+Invariants
+----------
+
+1. **A complete blob appears only whole.** Its data is written to ``tmp/``, fsynced,
+   then hard-linked to ``blobs/<ab>/<id>``, and the directory fsynced. The manifest is
+   published the same way *before* the data, so whoever sees the data finds the manifest
+   (a crash between the two leaves a manifest alone; open and gc remove it).
+2. **Nothing overwrites a published blob.** Publication uses ``link`` (which fails on an
+   existing name): when two writers race with the same content, the first wins and the
+   second discards its temp. A published blob is never modified; ``rm`` and ``gc`` are
+   the only ways it goes.
+3. **An ID names only matching bytes.** The ID is computed from the bytes as they are
+   copied (one pass: read, hash, write), never trusted from outside; partial chunks are
+   hashed before they are written and again on every reopen (partial.py rules 1 to 4).
+4. **Every durable write goes through** :mod:`blobstore.durable` (temp, fsync,
+   link/replace, fsync dir). A crash anywhere leaves either the old state or the new
+   one, plus at most unlocked temp files that the next :meth:`Store.open` sweeps.
+5. **Processes share the store.** Writers hold flocks on their temp files and partial
+   locks; sweeps and GC remove only what they can lock. The store lock (``lock``)
+   serialises publish, delete and tag changes (never the long hashing), so GC cannot
+   delete a blob at the moment a concurrent ``put`` decides to reuse it.
+6. **GC never deletes** a tagged blob (or a child of a tagged collection), a partial
+   someone holds, or anything modified within the grace period. Re-putting existing
+   content refreshes its mtime, as git does for loose objects.
+7. OSError is translated into the typed errors of :mod:`blobstore.errors` at the public
+   methods; a failed operation removes what it created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import secrets
+import shutil
+import stat
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from blake3 import blake3
+
+from blobstore import bitmap as bm
+from blobstore.collection import (
+    COLLECTION_MAGIC,
+    MAX_COLLECTION_SIZE,
+    CollectionEntry,
+    decode_collection,
+    encode_collection,
+    looks_like_collection,
+)
+from blobstore.durable import (
+    TempFile,
+    fsync_dir,
+    link_or_rename,
+    lock_path,
+    os_errors,
+    sweep_temp_dir,
+    write_all,
+    write_file_atomic,
+)
+from blobstore.errors import (
+    AmbiguousPrefix,
+    BadBlobId,
+    BadCollection,
+    BadManifest,
+    BadTagName,
+    BlobExists,
+    BlobNotFound,
+    ChunkUnavailable,
+    CorruptChunk,
+    NoSpace,
+    PartialBusy,
+    PathNotFound,
+    StoreCorrupt,
+    StoreError,
+)
+from blobstore.manifest import (
+    DEFAULT_CHUNK_SIZE,
+    HASH_SIZE,
+    MAX_MANIFEST_SIZE,
+    Manifest,
+    check_chunk_size,
+    parse_blob_id,
+)
+from blobstore.partial import PartialBlob, load_bitmap, read_span
+
+Progress = Callable[[int], None]
+
+STORE_FORMAT = 1
+MARKER_NAME = "blobnet-store"
+_LAYOUT = ("blobs", "partial", "tags", "tmp")
+
+IO_BUFFER_SIZE = 8 * 1024 * 1024
+"""Bytes per read/write syscall when copying: large enough that syscall and Python
+overhead vanish next to hashing, small enough to stay in L2/L3-friendly territory and
+keep memory flat. Always a multiple of the chunk size (both are powers of two)."""
+
+DEFAULT_GC_GRACE = 3600.0
+"""Seconds an untagged blob survives GC after it was last put: long enough for a
+script to ``put`` then ``tag`` (or a collection's children to wait for their parent)."""
+
+MIN_PREFIX = 8
+"""Shortest ID prefix accepted: 32 bits keeps accidental matches rare in a local store."""
+
+TAG_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}")
+_HEX_RE = re.compile(r"[0-9a-fA-F]+")
+_MANIFEST_SUFFIX = ".manifest"
+_MANIFEST_CACHE_SIZE = 256  # manifests are immutable; cache a few for chunk serving
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """One row of :meth:`Store.list_blobs`."""
+
+    blob_id: str
+    size: int
+    chunk_size: int
+    complete: bool
+    verified_chunks: int
+    tags: tuple[str, ...]
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.size // self.chunk_size)
+
+
+def check_tag_name(name: str) -> None:
+    """Raise BadTagName unless ``name`` is usable as a tag."""
+    if not isinstance(name, str) or TAG_NAME_RE.fullmatch(name) is None:
+        raise BadTagName(
+            f"bad tag name {name!r}: use 1-128 letters, digits and ._@+- "
+            "(starting with a letter or digit)"
+        )
+    if len(name) >= MIN_PREFIX and _HEX_RE.fullmatch(name):
+        raise BadTagName(f"bad tag name {name!r}: it would read as a blob ID prefix")
+
+
+class _ChunkWriter:
+    """Hashes a byte stream chunk by chunk while writing it to ``fd`` (one pass)."""
+
+    def __init__(self, fd: int | None, chunk_size: int) -> None:
+        self.fd = fd
+        self.chunk_size = chunk_size
+        self.pending = bytearray(chunk_size)
+        self.fill = 0
+        self.hashes = bytearray()
+        self.size = 0
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        c = self.chunk_size
+        view = memoryview(data).cast("B")
+        self.size += len(view)
+        if self.fill:
+            take = min(len(view), c - self.fill)
+            self.pending[self.fill : self.fill + take] = view[:take]
+            self.fill += take
+            view = view[take:]
+            if self.fill < c:
+                return
+            self._emit(memoryview(self.pending))
+            self.fill = 0
+        whole = len(view) - len(view) % c
+        if whole:
+            for off in range(0, whole, c):
+                self.hashes += blake3(view[off : off + c]).digest()
+            if self.fd is not None:
+                write_all(self.fd, view[:whole])
+        rest = len(view) - whole
+        if rest:
+            self.pending[:rest] = view[whole:]
+            self.fill = rest
+
+    def _emit(self, chunk: memoryview) -> None:
+        self.hashes += blake3(chunk).digest()
+        if self.fd is not None:
+            write_all(self.fd, chunk)
+
+    def finish(self) -> Manifest:
+        if self.fill:
+            self._emit(memoryview(self.pending)[: self.fill])
+            self.fill = 0
+        return Manifest(size=self.size, chunk_size=self.chunk_size, hashes=bytes(self.hashes))
+
+
+def _read_full(fd: int, view: memoryview) -> int:
+    """readinto ``view`` until it is full or EOF; returns bytes read."""
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+class Store:
+    """A local blob store rooted at a directory. Create with :meth:`Store.open`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.tmp_dir = root / "tmp"
+        self._blobs = root / "blobs"
+        self._partial = root / "partial"
+        self._tags = root / "tags"
+        self._lock_file = root / "lock"
+        self._mutex = threading.Lock()
+        self._open_partials: dict[str, PartialBlob] = {}
+        self._manifests: dict[str, Manifest] = {}
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, root: Path | str) -> Store:
+        """Open (creating if needed) the store at ``root`` and sweep dead temp files."""
+        root = Path(root).expanduser().absolute()
+        with os_errors(f"opening the store at {root}"):
+            root.mkdir(parents=True, exist_ok=True)
+            marker = root / MARKER_NAME
+            if not marker.exists():
+                foreign = {p.name for p in root.iterdir()} - {*_LAYOUT, "lock", MARKER_NAME}
+                if foreign:
+                    raise StoreError(
+                        f"{root} is not empty and is not a blobnet store; "
+                        "choose another --store directory"
+                    )
+            for name in _LAYOUT:
+                (root / name).mkdir(exist_ok=True)
+            if not marker.exists():
+                write_file_atomic(
+                    marker,
+                    f"blobnet store format {STORE_FORMAT}\n".encode(),
+                    tmp_dir=root / "tmp",
+                    replace=False,
+                    mode=0o644,
+                )
+            text = marker.read_text(errors="replace").strip()
+            if text != f"blobnet store format {STORE_FORMAT}":
+                raise StoreError(f"{root} holds an unsupported store format ({text!r})")
+            store = cls(root)
+            store._sweep()
+        return store
+
+    def _sweep(self) -> None:
+        """Remove temp files and partial leftovers that no live process holds."""
+        sweep_temp_dir(self.tmp_dir)
+        with self._store_lock():
+            self._remove_orphan_manifests()
+            for entry in os.scandir(self._partial):
+                fd = lock_path(Path(entry.path) / "lock")
+                if fd is None:
+                    continue
+                try:
+                    has_manifest = os.path.exists(os.path.join(entry.path, "manifest"))
+                    if not has_manifest or self.has(entry.name):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                finally:
+                    os.close(fd)
+
+    def _remove_orphan_manifests(self) -> None:
+        """Delete manifests whose data never arrived (a crash between the two renames).
+
+        Store lock held: no publication is half done, so every such manifest is dead.
+        """
+        for shard in os.scandir(self._blobs):
+            names = set(os.listdir(shard.path))
+            for name in names:
+                if name.endswith(_MANIFEST_SUFFIX) and name[: -len(_MANIFEST_SUFFIX)] not in names:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(shard.path, name))
+
+    @contextlib.contextmanager
+    def _store_lock(self) -> Iterator[None]:
+        fd = os.open(self._lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------ paths
+    def _data_path(self, blob_id: str) -> Path:
+        return self._blobs / blob_id[:2] / blob_id
+
+    def _manifest_path(self, blob_id: str) -> Path:
+        return self._blobs / blob_id[:2] / (blob_id + _MANIFEST_SUFFIX)
+
+    def _partial_dir(self, blob_id: str) -> Path:
+        return self._partial / blob_id
+
+    # ------------------------------------------------------------------ putting
+    def put_bytes(
+        self, data: bytes | bytearray | memoryview, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+    ) -> str:
+        """Store ``data``; returns its blob ID."""
+        return self.put_blocks([data], chunk_size=chunk_size)
+
+    def put_blocks(
+        self,
+        blocks: Iterable[bytes | bytearray | memoryview],
+        *,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        progress: Progress | None = None,
+    ) -> str:
+        """Store the concatenation of ``blocks`` (any sizes); returns its blob ID."""
+        check_chunk_size(chunk_size)
+        with os_errors("adding a blob to the store"), TempFile(self.tmp_dir) as tmp:
+            writer = _ChunkWriter(tmp.fd, chunk_size)
+            for block in blocks:
+                writer.feed(block)
+                if progress is not None:
+                    progress(writer.size)
+            return self._publish_temp(tmp, writer.finish())
+
+    def put_path(
+        self,
+        path: Path | str,
+        *,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        move: bool = False,
+        progress: Progress | None = None,
+    ) -> str:
+        """Store the file at ``path``, hashing while copying; returns its blob ID.
+
+        With ``move=True`` the file is hashed in place and linked into the store, then
+        removed from ``path`` (no copy) when it lies on the store's file system and has
+        no other hard links; otherwise it is copied and then removed.
+        """
+        check_chunk_size(chunk_size)
+        path = Path(path)
+        what = f"adding {path} to the store"
+        with os_errors(what):
+            try:
+                src = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise PathNotFound(f"no such file: {path}") from None
+            try:
+                st = os.fstat(src)
+                if stat.S_ISDIR(st.st_mode):
+                    raise StoreError(f"{path} is a directory; put it as a collection")
+                if not stat.S_ISREG(st.st_mode):
+                    raise StoreError(f"{path} is not a regular file")
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(src, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                if move and st.st_nlink == 1 and st.st_dev == os.stat(self.tmp_dir).st_dev:
+                    return self._move_in(path, src, st, chunk_size, progress)
+                self._check_space(st.st_size, f"copy {path} into the store")
+                with TempFile(self.tmp_dir) as tmp:
+                    writer = _ChunkWriter(tmp.fd, chunk_size)
+                    buf = memoryview(bytearray(max(IO_BUFFER_SIZE, chunk_size)))
+                    while n := _read_full(src, buf):
+                        writer.feed(buf[:n])
+                        if progress is not None:
+                            progress(writer.size)
+                    blob_id = self._publish_temp(tmp, writer.finish())
+            finally:
+                os.close(src)
+            if move:
+                os.unlink(path)
+            return blob_id
+
+    def _move_in(
+        self, path: Path, src: int, st: os.stat_result, chunk_size: int, progress: Progress | None
+    ) -> str:
+        """Hash ``path`` in place, then link it into the store and unlink ``path``."""
+        writer = _ChunkWriter(None, chunk_size)
+        buf = memoryview(bytearray(max(IO_BUFFER_SIZE, chunk_size)))
+        while n := _read_full(src, buf):
+            writer.feed(buf[:n])
+            if progress is not None:
+                progress(writer.size)
+        manifest = writer.finish()
+        after = os.fstat(src)
+        if (after.st_size, after.st_mtime_ns, after.st_ino) != (
+            st.st_size,
+            st.st_mtime_ns,
+            st.st_ino,
+        ) or os.stat(path).st_ino != st.st_ino:
+            raise StoreError(f"{path} changed while it was being hashed; try again")
+        blob_id = manifest.blob_id
+        old_mode = stat.S_IMODE(st.st_mode)
+        os.fchmod(src, 0o444)
+        try:
+            os.fsync(src)
+            with self._store_lock():
+                data_path = self._data_path(blob_id)
+                data_path.parent.mkdir(exist_ok=True)
+                moved = self._publish_locked(
+                    manifest, lambda: link_or_rename(path, data_path, replace=False)
+                )
+        except BaseException:
+            published = _same_file(self._data_path(blob_id), st)
+            if not published:  # give the user's file its mode back
+                with contextlib.suppress(OSError):
+                    os.fchmod(src, old_mode)
+            raise
+        if not moved:  # identical content was already stored: the file is redundant
+            os.unlink(path)
+        fsync_dir(path.parent.absolute())
+        return blob_id
+
+    def _check_space(self, needed: int, what: str) -> None:
+        available = self.free_bytes()
+        if needed > available:
+            raise NoSpace(
+                f"not enough disk space to {what}: need {needed} bytes, "
+                f"{available} available under {self.root}",
+                needed=needed,
+                available=available,
+            )
+
+    def _ensure_manifest(self, manifest: Manifest) -> bool:
+        """Publish the manifest file if missing (store lock held). True if created."""
+        path = self._manifest_path(manifest.blob_id)
+        if path.exists():
+            return False
+        return write_file_atomic(path, manifest.encode(), tmp_dir=self.tmp_dir, replace=False)
+
+    def _reuse_existing(self, manifest: Manifest) -> bool:
+        """If the blob is already complete, refresh its mtime (GC grace); store lock held."""
+        data_path = self._data_path(manifest.blob_id)
+        if not data_path.exists():
+            return False
+        self._ensure_manifest(manifest)
+        with contextlib.suppress(OSError):
+            os.utime(data_path)
+        return True
+
+    def _publish_locked(self, manifest: Manifest, link_data: Callable[[], bool]) -> bool:
+        """Publish manifest then data (store lock held); False if the blob was already
+        complete (then nothing of ours was used). On failure, removes a manifest this
+        call created unless the data made it, so no orphan is left behind."""
+        blob_id = manifest.blob_id
+        data_path = self._data_path(blob_id)
+        data_path.parent.mkdir(exist_ok=True)
+        if self._reuse_existing(manifest):
+            return False
+        manifest_path = self._manifest_path(blob_id)
+        had_manifest = manifest_path.exists()
+        try:
+            self._ensure_manifest(manifest)
+            if link_data():
+                fsync_dir(data_path.parent)
+        except BaseException:
+            if not had_manifest and not data_path.exists():
+                manifest_path.unlink(missing_ok=True)
+            raise
+        return True
+
+    def _publish_temp(self, tmp: TempFile, manifest: Manifest) -> str:
+        """Publish a fully written temp file as the blob ``manifest`` describes."""
+        blob_id = manifest.blob_id
+        tmp.sync(0o444)  # the slow fsync happens before taking the store lock
+        with self._store_lock():
+            data_path = self._data_path(blob_id)
+            data_path.parent.mkdir(exist_ok=True)
+            self._publish_locked(
+                manifest, lambda: link_or_rename(tmp.path, data_path, replace=False)
+            )
+        tmp.discard()  # already gone if it was linked in; deleted if the blob existed
+        return blob_id
+
+    def _publish_partial(self, partial: PartialBlob, data: Path) -> None:
+        """Called by PartialBlob.publish with the partial's lock held and data synced."""
+        manifest = partial.manifest
+        blob_id = manifest.blob_id
+        with os_errors(f"publishing blob {blob_id[:12]}"), self._store_lock():
+            data_path = self._data_path(blob_id)
+            data_path.parent.mkdir(exist_ok=True)
+            try:
+                self._publish_locked(
+                    manifest, lambda: link_or_rename(data, data_path, replace=False)
+                )
+            finally:
+                if data_path.exists():  # published (even if a later fsync failed)
+                    shutil.rmtree(self._partial_dir(blob_id), ignore_errors=True)
+            fsync_dir(self._partial)
+
+    # ------------------------------------------------------------------ partial blobs
+    def begin_partial(self, manifest: Manifest) -> PartialBlob:
+        """Create or resume the partial blob for ``manifest`` (exclusive per blob)."""
+        blob_id = manifest.blob_id
+        pdir = self._partial_dir(blob_id)
+        with os_errors(f"starting partial blob {blob_id[:12]}"):
+            with self._store_lock():
+                if self.has(blob_id):
+                    raise BlobExists(f"blob {blob_id} is already complete in this store")
+                pdir.mkdir(exist_ok=True)
+                lock_fd = lock_path(pdir / "lock")
+            if lock_fd is None:
+                raise PartialBusy(
+                    f"blob {blob_id[:12]} is being written by another process; "
+                    "wait for it or stop that process"
+                )
+            data_fd = -1
+            try:
+                mpath = pdir / "manifest"
+                encoded = manifest.encode()
+                try:
+                    on_disk: bytes | None = mpath.read_bytes()
+                except FileNotFoundError:
+                    on_disk = None
+                if on_disk != encoded:
+                    write_file_atomic(
+                        mpath, encoded, tmp_dir=self.tmp_dir, replace=True, mode=0o444
+                    )
+                data_fd = os.open(pdir / "data", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                data_existed = os.fstat(data_fd).st_size > 0
+                if os.fstat(data_fd).st_size != manifest.size:
+                    os.ftruncate(data_fd, manifest.size)  # sparse: blocks come as chunks land
+                with self._mutex:
+                    if blob_id in self._open_partials:  # cannot happen: flock excludes
+                        raise PartialBusy(f"blob {blob_id[:12]} is already open here")
+                    partial = PartialBlob(self, manifest, pdir, lock_fd, data_fd)
+                    self._open_partials[blob_id] = partial
+            except BaseException:
+                if data_fd >= 0:
+                    os.close(data_fd)
+                os.close(lock_fd)
+                raise
+        try:
+            partial._load_and_reverify(data_existed)
+            missing = sum(manifest.chunk_span(i)[1] for i in partial.missing())
+            with os_errors("checking free space"):
+                self._check_space(missing, f"download blob {blob_id[:12]}")
+        except BaseException:
+            partial._release()
+            raise
+        return partial
+
+    def _forget_partial(self, partial: PartialBlob) -> None:
+        with self._mutex:
+            if self._open_partials.get(partial.blob_id) is partial:
+                del self._open_partials[partial.blob_id]
+
+    def partial_ids(self) -> list[str]:
+        """IDs of partial blobs present (held by anyone or no one)."""
+        with os_errors("listing partial blobs"):
+            return sorted(
+                e.name
+                for e in os.scandir(self._partial)
+                if _is_id(e.name) and os.path.exists(os.path.join(e.path, "manifest"))
+            )
+
+    # ------------------------------------------------------------------ reading
+    def has(self, blob_id: str) -> bool:
+        """Whether the complete blob is in the store."""
+        parse_blob_id(blob_id)
+        return self._data_path(blob_id).exists()
+
+    def _has_partial(self, blob_id: str) -> bool:
+        return (self._partial_dir(blob_id) / "manifest").exists()
+
+    def manifest(self, blob_id: str) -> Manifest:
+        """The manifest of a complete or partial blob."""
+        parse_blob_id(blob_id)
+        with self._mutex:
+            cached = self._manifests.get(blob_id)
+        if cached is not None:
+            return cached
+        with os_errors(f"reading the manifest of {blob_id[:12]}"):
+            complete = True
+            try:
+                data = _read_limited(self._manifest_path(blob_id), MAX_MANIFEST_SIZE)
+            except FileNotFoundError:
+                complete = False
+                try:
+                    data = _read_limited(self._partial_dir(blob_id) / "manifest", MAX_MANIFEST_SIZE)
+                except FileNotFoundError:
+                    raise BlobNotFound(f"no blob {blob_id} in this store") from None
+        try:
+            manifest = Manifest.decode(data)
+        except BadManifest as exc:
+            raise StoreCorrupt(f"stored manifest of {blob_id} is damaged ({exc})") from None
+        if manifest.blob_id != blob_id:
+            raise StoreCorrupt(f"stored manifest of {blob_id} does not match its ID")
+        if complete:
+            with self._mutex:
+                if len(self._manifests) >= _MANIFEST_CACHE_SIZE:
+                    self._manifests.pop(next(iter(self._manifests)))
+                self._manifests[blob_id] = manifest
+        return manifest
+
+    def path(self, blob_id: str) -> Path:
+        """The read-only file holding exactly the complete blob's bytes (mmap it)."""
+        if not self.has(blob_id):
+            raise BlobNotFound(f"no complete blob {blob_id} in this store")
+        return self._data_path(blob_id)
+
+    def read_chunk(self, blob_id: str, index: int) -> bytes:
+        """Chunk ``index``, hashed again before it is returned."""
+        manifest = self.manifest(blob_id)
+        offset, length = manifest.chunk_span(index)
+        with self._mutex:
+            live = self._open_partials.get(blob_id)
+        if live is not None:
+            return live.read_chunk(index)
+        with os_errors(f"reading chunk {index} of {blob_id[:12]}"):
+            if self.has(blob_id):
+                source = self._data_path(blob_id)
+            else:
+                bits = load_bitmap(self._partial_dir(blob_id) / "bitmap", manifest.num_chunks)
+                if not bm.get_bit(bits, index):
+                    raise ChunkUnavailable(f"chunk {index} of {blob_id[:12]} is not held yet")
+                source = self._partial_dir(blob_id) / "data"
+            try:
+                fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:  # removed (or published) meanwhile
+                raise ChunkUnavailable(f"chunk {index} of {blob_id[:12]} is gone") from None
+            try:
+                data = read_span(fd, offset, length)
+            finally:
+                os.close(fd)
+        if len(data) != length or blake3(data).digest() != manifest.chunk_hash(index):
+            raise CorruptChunk(
+                f"chunk {index} of blob {blob_id} is corrupt on disk; run `blob verify`"
+            )
+        return data
+
+    def chunk_bitmap(self, blob_id: str) -> bytes:
+        """Bit i set = chunk i held and verified (see :mod:`blobstore.bitmap`)."""
+        manifest = self.manifest(blob_id)
+        if self.has(blob_id):
+            return bm.full_bitmap(manifest.num_chunks)
+        with self._mutex:
+            live = self._open_partials.get(blob_id)
+        if live is not None:
+            return live.bitmap
+        with os_errors(f"reading the bitmap of {blob_id[:12]}"):
+            return bytes(load_bitmap(self._partial_dir(blob_id) / "bitmap", manifest.num_chunks))
+
+    def iter_verified(self, blob_id: str) -> Iterator[memoryview]:
+        """The complete blob's bytes in large pieces, each chunk checked on the way.
+
+        Each piece is a view of a reused buffer: consume it before asking for the next.
+        Raises CorruptChunk at the first chunk that fails.
+        """
+        manifest = self.manifest(blob_id)
+        path = self.path(blob_id)
+        c = manifest.chunk_size
+        buf = memoryview(bytearray(max(IO_BUFFER_SIZE, c)))
+        with os_errors(f"reading blob {blob_id[:12]}"):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            index = 0
+            remaining = manifest.size
+            while remaining > 0:
+                with os_errors(f"reading blob {blob_id[:12]}"):
+                    n = _read_full(fd, buf[: min(len(buf), remaining)])
+                if n < min(len(buf), remaining):
+                    raise CorruptChunk(f"blob {blob_id} is truncated on disk; run `blob verify`")
+                for off in range(0, n, c):
+                    if blake3(buf[off : min(off + c, n)]).digest() != manifest.chunk_hash(index):
+                        raise CorruptChunk(
+                            f"chunk {index} of blob {blob_id} is corrupt on disk; run `blob verify`"
+                        )
+                    index += 1
+                remaining -= n
+                yield buf[:n]
+        finally:
+            os.close(fd)
+
+    def verify(self, blob_id: str) -> list[int]:
+        """Indices of chunks whose stored bytes fail their hash ([] = intact).
+
+        A complete blob is checked whole; a partial one, the chunks it marks verified.
+        Raises StoreCorrupt if the manifest itself is damaged.
+        """
+        manifest = self.manifest(blob_id)
+        n = manifest.num_chunks
+        if self.has(blob_id):
+            source = self._data_path(blob_id)
+            indices: Iterable[int] = range(n)
+        else:
+            source = self._partial_dir(blob_id) / "data"
+            indices = bm.set_indices(self.chunk_bitmap(blob_id), n)
+        bad = []
+        with os_errors(f"verifying blob {blob_id[:12]}"):
+            try:
+                fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise BlobNotFound(f"blob {blob_id} disappeared while being verified") from None
+            try:
+                for i in indices:
+                    offset, length = manifest.chunk_span(i)
+                    data = read_span(fd, offset, length)
+                    if len(data) != length or blake3(data).digest() != manifest.chunk_hash(i):
+                        bad.append(i)
+                if self.has(blob_id) and os.fstat(fd).st_size != manifest.size and not bad:
+                    bad.append(max(n - 1, 0))  # trailing garbage past the last chunk
+            finally:
+                os.close(fd)
+        return bad
+
+    # ------------------------------------------------------------------ names
+    def resolve(self, ref: str) -> str:
+        """A full ID, a unique prefix of 8+ hex characters, or a tag name -> blob ID."""
+        if _is_id(ref):
+            if self.has(ref) or self._has_partial(ref):
+                return ref
+            raise BlobNotFound(f"no blob {ref} in this store")
+        with os_errors(f"looking up {ref!r}"):
+            tag_file = self._tags / ref
+            if TAG_NAME_RE.fullmatch(ref) and tag_file.is_file():
+                return self._read_tag(tag_file)
+            lowered = ref.lower()
+            if len(ref) >= MIN_PREFIX and _HEX_RE.fullmatch(ref) and len(ref) < 64:
+                matches = sorted(
+                    {i for i in self._complete_ids(lowered[:2]) if i.startswith(lowered)}
+                    | {i for i in self.partial_ids() if i.startswith(lowered)}
+                )
+                if len(matches) == 1:
+                    return matches[0]
+                if matches:
+                    shown = ", ".join(m[:16] for m in matches[:5])
+                    raise AmbiguousPrefix(
+                        f"prefix {ref} matches {len(matches)} blobs ({shown}...); "
+                        "give more characters"
+                    )
+                raise BlobNotFound(f"no blob with ID prefix {ref} in this store")
+        if len(ref) < MIN_PREFIX and _HEX_RE.fullmatch(ref):
+            raise BlobNotFound(
+                f"no tag named {ref!r}, and ID prefixes need at least {MIN_PREFIX} characters"
+            )
+        raise BlobNotFound(f"no blob or tag named {ref!r} in this store")
+
+    def _read_tag(self, path: Path) -> str:
+        text = path.read_text(errors="replace").strip()
+        try:
+            return parse_blob_id(text)
+        except BadBlobId:
+            raise StoreCorrupt(f"tag file {path} is damaged; re-create the tag") from None
+
+    def tag(self, name: str, blob_id: str) -> None:
+        """Point tag ``name`` at ``blob_id`` (complete or partial), replacing any old one."""
+        check_tag_name(name)
+        parse_blob_id(blob_id)
+        with os_errors(f"tagging {blob_id[:12]} as {name}"), self._store_lock():
+            if not (self.has(blob_id) or self._has_partial(blob_id)):
+                raise BlobNotFound(f"no blob {blob_id} in this store")
+            write_file_atomic(
+                self._tags / name,
+                f"{blob_id}\n".encode(),
+                tmp_dir=self.tmp_dir,
+                replace=True,
+                mode=0o644,
+            )
+
+    def untag(self, name: str) -> None:
+        check_tag_name(name)
+        with os_errors(f"removing tag {name}"), self._store_lock():
+            try:
+                (self._tags / name).unlink()
+            except FileNotFoundError:
+                raise BlobNotFound(f"no tag named {name!r}") from None
+            fsync_dir(self._tags)
+
+    def tags(self) -> dict[str, str]:
+        """All tags: name -> blob ID (damaged tag files are skipped)."""
+        out = {}
+        with os_errors("reading tags"):
+            for entry in os.scandir(self._tags):
+                if TAG_NAME_RE.fullmatch(entry.name) is None or not entry.is_file():
+                    continue
+                try:
+                    out[entry.name] = self._read_tag(Path(entry.path))
+                except (StoreCorrupt, FileNotFoundError):
+                    continue
+        return dict(sorted(out.items()))
+
+    # ------------------------------------------------------------------ listing
+    def _complete_ids(self, shard: str | None = None) -> list[str]:
+        shards = [shard] if shard is not None else sorted(os.listdir(self._blobs))
+        ids: list[str] = []
+        for s in shards:
+            try:
+                names = os.listdir(self._blobs / s)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            ids.extend(n for n in names if _is_id(n) and n.startswith(s))
+        return sorted(ids)
+
+    def blob_ids(self) -> list[str]:
+        """IDs of every complete and partial blob, sorted (even ones with damaged files)."""
+        with os_errors("listing blobs"):
+            return sorted({*self._complete_ids(), *self.partial_ids()})
+
+    def list_blobs(self) -> list[BlobInfo]:
+        """Every complete and partial blob, sorted by ID (unreadable ones skipped)."""
+        by_blob: dict[str, list[str]] = {}
+        for name, blob_id in self.tags().items():
+            by_blob.setdefault(blob_id, []).append(name)
+        rows = []
+        with os_errors("listing blobs"):
+            complete = self._complete_ids()
+            partial = [p for p in self.partial_ids() if p not in set(complete)]
+            for blob_id in sorted({*complete, *partial}):
+                try:
+                    manifest = self.manifest(blob_id)
+                    bits = self.chunk_bitmap(blob_id)
+                except (StoreCorrupt, BlobNotFound):
+                    continue
+                rows.append(
+                    BlobInfo(
+                        blob_id=blob_id,
+                        size=manifest.size,
+                        chunk_size=manifest.chunk_size,
+                        complete=blob_id not in partial,
+                        verified_chunks=bm.count_bits(bits),
+                        tags=tuple(by_blob.get(blob_id, ())),
+                    )
+                )
+        return rows
+
+    def free_bytes(self) -> int:
+        """Bytes available to this user on the store's file system."""
+        with os_errors("checking free space"):
+            st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    # ------------------------------------------------------------------ removing
+    def rm(self, blob_id: str) -> None:
+        """Remove a blob (complete or partial) and every tag pointing at it."""
+        parse_blob_id(blob_id)
+        with os_errors(f"removing blob {blob_id[:12]}"), self._store_lock():
+            found = False
+            data_path = self._data_path(blob_id)
+            if data_path.exists():
+                data_path.unlink()
+                self._manifest_path(blob_id).unlink(missing_ok=True)
+                fsync_dir(data_path.parent)
+                found = True
+            pdir = self._partial_dir(blob_id)
+            if pdir.exists():
+                fd = lock_path(pdir / "lock")
+                if fd is None:
+                    raise PartialBusy(f"blob {blob_id[:12]} is being written by another process")
+                try:
+                    shutil.rmtree(pdir)
+                finally:
+                    os.close(fd)
+                found = True
+            if not found:
+                raise BlobNotFound(f"no blob {blob_id} in this store")
+            for entry in os.scandir(self._tags):
+                with contextlib.suppress(StoreCorrupt, OSError):
+                    if self._read_tag(Path(entry.path)) == blob_id:
+                        os.unlink(entry.path)
+            with self._mutex:
+                self._manifests.pop(blob_id, None)
+
+    def _protected(self) -> set[str]:
+        """Tagged IDs plus, transitively, the children of tagged collections."""
+        keep: set[str] = set()
+        todo = list(self.tags().values())
+        while todo:
+            blob_id = todo.pop()
+            if blob_id in keep:
+                continue
+            keep.add(blob_id)
+            with contextlib.suppress(StoreError):
+                if self.has(blob_id) and self.is_collection(blob_id):
+                    todo.extend(e.blob_id for e in self.read_collection(blob_id))
+        return keep
+
+    def gc(self, grace_seconds: float = DEFAULT_GC_GRACE) -> list[str]:
+        """Delete untagged blobs and idle partials older than ``grace_seconds``.
+
+        Returns the removed IDs. Never touches a tagged blob (or a child of a tagged
+        collection), a partial another writer holds, or anything younger than the grace.
+        """
+        now = time.time()
+        removed: list[str] = []
+        with os_errors("collecting garbage"):
+            sweep_temp_dir(self.tmp_dir)
+            with self._store_lock():
+                keep = self._protected()
+                for blob_id in self._complete_ids():
+                    data_path = self._data_path(blob_id)
+                    if blob_id in keep or now - data_path.stat().st_mtime < grace_seconds:
+                        continue
+                    data_path.unlink()
+                    self._manifest_path(blob_id).unlink(missing_ok=True)
+                    removed.append(blob_id)
+                    with self._mutex:
+                        self._manifests.pop(blob_id, None)
+                self._remove_orphan_manifests()
+                for entry in os.scandir(self._partial):
+                    if entry.name in keep:
+                        continue
+                    fd = lock_path(Path(entry.path) / "lock")
+                    if fd is None:  # a live writer holds it
+                        continue
+                    try:
+                        newest = max(
+                            (e.stat().st_mtime for e in os.scandir(entry.path)),
+                            default=0.0,
+                        )
+                        if now - newest < grace_seconds:
+                            continue
+                        shutil.rmtree(entry.path)
+                        if _is_id(entry.name):
+                            removed.append(entry.name)
+                    finally:
+                        os.close(fd)
+        return sorted(set(removed))
+
+    # ------------------------------------------------------------------ collections
+    def put_dir(
+        self,
+        path: Path | str,
+        *,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        progress: Progress | None = None,
+    ) -> str:
+        """Store every file under directory ``path`` and a collection naming them."""
+        root = Path(path)
+        if not root.is_dir():
+            raise PathNotFound(f"no such directory: {root}")
+        files: list[tuple[str, Path, int]] = []
+        with os_errors(f"reading directory {root}"):
+            for dirpath, dirnames, filenames in os.walk(root, onerror=_raise):
+                dirnames.sort()
+                for d in dirnames:
+                    if os.path.islink(os.path.join(dirpath, d)):
+                        raise StoreError(
+                            f"{os.path.join(dirpath, d)} is a symbolic link to a directory; "
+                            "collections hold files only"
+                        )
+                for name in sorted(filenames):
+                    full = Path(dirpath) / name
+                    if not full.is_file():
+                        raise StoreError(f"{full} is not a regular file")
+                    rel = full.relative_to(root).as_posix()
+                    try:
+                        rel.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise StoreError(f"{full} has a name that is not UTF-8") from None
+                    files.append((rel, full, full.stat().st_size))
+            self._check_space(sum(f[2] for f in files), f"copy {root} into the store")
+        entries = []
+        done = 0
+        for rel, full, _size in files:
+            base = done
+
+            def child_progress(n: int, base: int = base) -> None:
+                if progress is not None:
+                    progress(base + n)
+
+            blob_id = self.put_path(full, chunk_size=chunk_size, progress=child_progress)
+            size = self.manifest(blob_id).size
+            entries.append(CollectionEntry(path=rel, blob_id=blob_id, size=size))
+            done += size
+        return self.put_bytes(encode_collection(entries), chunk_size=chunk_size)
+
+    def is_collection(self, blob_id: str) -> bool:
+        """Whether the complete blob is a well-formed collection."""
+        manifest = self.manifest(blob_id)
+        if not self.has(blob_id) or manifest.size > MAX_COLLECTION_SIZE:
+            return False
+        with os_errors(f"reading blob {blob_id[:12]}"), open(self.path(blob_id), "rb") as f:
+            head = f.read(len(COLLECTION_MAGIC))
+        if not looks_like_collection(head):
+            return False
+        try:
+            self.read_collection(blob_id)
+        except (BadCollection, CorruptChunk):
+            return False
+        return True
+
+    def read_collection(self, blob_id: str) -> list[CollectionEntry]:
+        """The entries of a collection blob (BadCollection if it is not one)."""
+        manifest = self.manifest(blob_id)
+        if manifest.size > MAX_COLLECTION_SIZE:
+            raise BadCollection(f"blob {blob_id[:12]} is too large to be a collection")
+        data = b"".join(bytes(piece) for piece in self.iter_verified(blob_id))
+        return decode_collection(data)
+
+    def export(self, blob_id: str, dest: Path | str, *, progress: Progress | None = None) -> None:
+        """Write the blob to ``dest``: a file, or for a collection a whole directory.
+
+        Every byte is checked against its chunk hash on the way out. A file is written
+        to a temp name beside ``dest`` and renamed over it; a collection is built in a
+        temp directory beside ``dest`` and renamed into place (``dest`` must not exist,
+        or be an empty directory). All children must be complete in this store.
+        """
+        dest = Path(dest)
+        parent = dest.parent.absolute()
+        if not parent.is_dir():
+            raise PathNotFound(f"directory {parent} does not exist")
+        if self.is_collection(blob_id):
+            entries = self.read_collection(blob_id)
+            for e in entries:
+                if not self.has(e.blob_id):
+                    raise BlobNotFound(
+                        f"collection {blob_id[:12]} needs {e.path} (blob {e.blob_id}), "
+                        "which is not complete in this store"
+                    )
+            if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+                raise StoreError(f"{dest} already exists; give a new path or an empty directory")
+            staging = parent / f".{dest.name}.blobnet-{secrets.token_hex(6)}"
+            done = 0
+            try:
+                with os_errors(f"exporting to {dest}"):
+                    staging.mkdir()
+                    for e in entries:
+                        target = staging.joinpath(*e.path.split("/"))
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        base = done
+
+                        def child_progress(n: int, base: int = base) -> None:
+                            if progress is not None:
+                                progress(base + n)
+
+                        self._export_file(e.blob_id, target, child_progress)
+                        done += e.size
+                    os.rename(staging, dest)
+                    fsync_dir(parent)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            return
+        if dest.is_dir():
+            raise StoreError(f"{dest} is a directory; give a file path")
+        staging = parent / f".{dest.name}.blobnet-{secrets.token_hex(6)}"
+        try:
+            with os_errors(f"exporting to {dest}"):
+                self._export_file(blob_id, staging, progress)
+                os.replace(staging, dest)
+                fsync_dir(parent)
+        except BaseException:
+            staging.unlink(missing_ok=True)
+            raise
+
+    def _export_file(self, blob_id: str, target: Path, progress: Progress | None) -> None:
+        self._check_space(self.manifest(blob_id).size, f"export blob {blob_id[:12]}")
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            done = 0
+            for piece in self.iter_verified(blob_id):
+                write_all(fd, piece)
+                done += len(piece)
+                if progress is not None:
+                    progress(done)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _is_id(name: str) -> bool:
+    try:
+        parse_blob_id(name)
+    except BadBlobId:
+        return False
+    return True
+
+
+def _same_file(path: Path, st: os.stat_result) -> bool:
+    try:
+        other = os.stat(path)
+    except OSError:
+        return False
+    return (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino)
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
+
+
+def _read_limited(path: Path, limit: int) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise StoreCorrupt(f"{path} is larger than any valid manifest")
+    return data
+
+
+__all__ = ["DEFAULT_GC_GRACE", "HASH_SIZE", "BlobInfo", "Store"]
