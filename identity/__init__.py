@@ -1,0 +1,111 @@
+"""Machine identities, admission certificates and signed attestations (DESIGN 7).
+
+- :class:`MachineKey`: an Ed25519 key; its libp2p peer ID names the machine, and
+  :meth:`MachineKey.libp2p_keypair` hands the same key to the libp2p host.
+- Key files (:func:`create_key_file`, :func:`load_key_file`): created once with mode 0600,
+  refused when others can read them, optionally sealed under a passphrase.
+- :class:`Signer` / :class:`SoftwareSigner`: how everything signs; hardware signers plug
+  in behind the same protocol, and every signature records its ``kind``.
+- :class:`Authority` issues :class:`AdmissionCertificate` s; :func:`verify_certificate`
+  checks them against a :class:`TrustStore` (authorities + :class:`RevocationList`).
+- :func:`sign_attestation` / :func:`verify_attestation`: domain-separated signed claims.
+"""
+
+from __future__ import annotations
+
+from .attestation import (
+    ATTESTATION_DOMAIN,
+    MAX_ATTESTATION_SIZE,
+    MAX_SUBJECTS,
+    Attestation,
+    sign_attestation,
+    verify_attestation,
+)
+from .certificate import (
+    CERTIFICATE_DOMAIN,
+    MAX_CERTIFICATE_SIZE,
+    AdmissionCertificate,
+    Authority,
+    RevocationList,
+    TrustStore,
+    verify_certificate,
+)
+from .errors import (
+    AttestationRejected,
+    BadAttestation,
+    BadCertificate,
+    BadKeyFile,
+    BadPeerId,
+    BadPublicKey,
+    BadRevocationList,
+    CertificateRejected,
+    IdentityError,
+    KeyExists,
+    KeyFileIOError,
+    KeyNotFound,
+    KeyPermissionsTooOpen,
+    NotFound,
+    PassphraseRequired,
+    Reason,
+    Rejected,
+    WrongPassphrase,
+)
+from .keyfile import (
+    create_key_file,
+    ensure_key,
+    load_key_file,
+    load_or_create_key,
+    save_key_file,
+)
+from .keys import MachineKey, format_public_key, parse_public_key, verify_signature
+from .peerid import parse_peer_id, peer_id_from_public_key, public_key_from_peer_id
+from .signer import SOFTWARE, Signer, SoftwareSigner
+
+__all__ = [
+    "ATTESTATION_DOMAIN",
+    "CERTIFICATE_DOMAIN",
+    "MAX_ATTESTATION_SIZE",
+    "MAX_CERTIFICATE_SIZE",
+    "MAX_SUBJECTS",
+    "SOFTWARE",
+    "AdmissionCertificate",
+    "Attestation",
+    "AttestationRejected",
+    "Authority",
+    "BadAttestation",
+    "BadCertificate",
+    "BadKeyFile",
+    "BadPeerId",
+    "BadPublicKey",
+    "BadRevocationList",
+    "CertificateRejected",
+    "IdentityError",
+    "KeyExists",
+    "KeyFileIOError",
+    "KeyNotFound",
+    "KeyPermissionsTooOpen",
+    "MachineKey",
+    "NotFound",
+    "PassphraseRequired",
+    "Reason",
+    "Rejected",
+    "RevocationList",
+    "Signer",
+    "SoftwareSigner",
+    "TrustStore",
+    "WrongPassphrase",
+    "create_key_file",
+    "ensure_key",
+    "format_public_key",
+    "load_key_file",
+    "load_or_create_key",
+    "parse_peer_id",
+    "parse_public_key",
+    "peer_id_from_public_key",
+    "public_key_from_peer_id",
+    "save_key_file",
+    "sign_attestation",
+    "verify_attestation",
+    "verify_certificate",
+    "verify_signature",
+]

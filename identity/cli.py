@@ -1,9 +1,403 @@
-"""Identity commands of the ``blob`` program (filled in by the identity work)."""
+"""Identity commands of the ``blob`` program.
+
+``blob id``, ``blob authority new``, ``blob admit``, ``blob attest sign`` and
+``blob attest verify``. Errors are the identity package's own, each with its
+``exit_code``; ``blob attest verify`` prints its verdict and exits 0 (valid) or 1
+(rejected, malformed included) so scripts can rely on the status alone.
+
+Passphrases: ``BLOBNET_PASSPHRASE``, when set, encrypts keys these commands create and
+decrypts encrypted keys they load; without it an encrypted key is unlocked by a prompt
+when stdin is a terminal.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
 import click
+
+from ._files import PUBLIC_FILE_MODE, write_file
+from .attestation import DIGEST_SIZE, MAX_ATTESTATION_SIZE, sign_attestation, verify_attestation
+from .certificate import (
+    MAX_CERTIFICATE_SIZE,
+    AdmissionCertificate,
+    Authority,
+    RevocationList,
+    TrustStore,
+    _iso,
+)
+from .errors import (
+    BadPublicKey,
+    BadRevocationList,
+    KeyExists,
+    KeyFileIOError,
+    KeyNotFound,
+    NotFound,
+    PassphraseRequired,
+    Rejected,
+)
+from .keyfile import create_key_file, load_key_file
+from .keys import MachineKey, format_public_key, parse_public_key
+from .peerid import parse_peer_id
+from .signer import SoftwareSigner
+
+PASSPHRASE_ENV = "BLOBNET_PASSPHRASE"
+DEFAULT_VALID_DAYS = 30
+# Certificates start this long before "now" so a verifier whose clock is a little behind
+# the authority's does not reject a fresh certificate as not yet valid.
+CLOCK_SKEW_ALLOWANCE_S = 300
+# Revocation lists are text, one entry a line; 16 MiB is ~300 000 peer IDs.
+MAX_REVOCATION_LIST_SIZE = 16 << 20
+
+
+def _echo_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2))
+
+
+def _env_passphrase() -> str | None:
+    return os.environ.get(PASSPHRASE_ENV) or None
+
+
+def _load_key(path: Path) -> MachineKey:
+    try:
+        return load_key_file(path, _env_passphrase())
+    except PassphraseRequired:
+        if not sys.stdin.isatty():
+            raise
+    passphrase: str = click.prompt(f"Passphrase for {path}", hide_input=True, err=True)
+    return load_key_file(path, passphrase)
+
+
+def _key_path(ctx: click.Context) -> Path:
+    path = ctx.ensure_object(dict).get("key_path")
+    if path is None:
+        raise click.UsageError("no machine key path: give --key FILE")
+    return Path(path)
+
+
+def _machine_key(ctx: click.Context) -> tuple[MachineKey, Path, bool]:
+    """The machine key, created (and said so on stderr) on first use."""
+    path = _key_path(ctx)
+    try:
+        return _load_key(path), path, False
+    except KeyNotFound:
+        pass
+    try:
+        key = create_key_file(path, _env_passphrase())
+    except KeyExists:  # created by another process in between
+        return _load_key(path), path, False
+    click.echo(f"blob: created a new machine key {path} (peer ID {key.peer_id})", err=True)
+    return key, path, True
+
+
+def _read_input(path: Path, what: str, max_size: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_size + 1)
+    except FileNotFoundError:
+        raise NotFound(f"no {what} file at {path}") from None
+    except OSError as exc:
+        raise KeyFileIOError(f"cannot read {what} file {path}: {exc.strerror}") from exc
+    return data
+
+
+def _authority_key(value: str) -> bytes:
+    """A public key given as 64 hex digits or as the path of a ``.pub`` file."""
+    try:
+        return parse_public_key(value)
+    except BadPublicKey:
+        pass
+    data = _read_input(Path(value), "authority public key", 1024)
+    try:
+        return parse_public_key(data.decode("ascii", errors="replace"))
+    except BadPublicKey as exc:
+        raise BadPublicKey(f"{value}: {exc}") from None
+
+
+def _fields_error(exc: ValueError) -> click.UsageError:
+    return click.UsageError(str(exc))
 
 
 def register(group: click.Group) -> None:
     """Add the identity commands to the top-level group."""
+    group.add_command(id_command)
+    group.add_command(authority_group)
+    group.add_command(admit_command)
+    group.add_command(attest_group)
+
+
+@click.command("id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def id_command(ctx: click.Context, as_json: bool) -> None:
+    """Show this machine's peer ID (creating its key on first use)."""
+    key, path, created = _machine_key(ctx)
+    signer = SoftwareSigner(key)
+    if as_json:
+        _echo_json(
+            {
+                "peer_id": key.peer_id,
+                "public_key": format_public_key(key.public_key_bytes),
+                "key_file": str(path),
+                "signer_kind": signer.kind,
+                "created": created,
+            }
+        )
+    else:
+        click.echo(f"peer ID:    {key.peer_id}")
+        click.echo(f"key file:   {path}")
+        click.echo(f"signer:     {signer.kind}")
+
+
+@click.group("authority")
+def authority_group() -> None:
+    """Admission authorities: the keys that admit machines to a run."""
+
+
+@authority_group.command("new")
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    required=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Private key file to create (mode 0600); the public key goes to FILE.pub.",
+)
+@click.option(
+    "--encrypt", is_flag=True, help=f"Seal the key under a passphrase (${PASSPHRASE_ENV} or ask)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def authority_new(output: Path, encrypt: bool, as_json: bool) -> None:
+    """Create an authority key and print its public key."""
+    pub_path = output.with_name(output.name + ".pub")
+    for p in (output, pub_path):
+        if p.exists() or p.is_symlink():
+            raise KeyExists(f"{p} already exists and is never overwritten; choose another path")
+    passphrase = _env_passphrase()
+    if encrypt and passphrase is None:
+        if not sys.stdin.isatty():
+            raise click.UsageError(f"--encrypt needs a terminal or ${PASSPHRASE_ENV}")
+        passphrase = click.prompt(
+            f"New passphrase for {output}", hide_input=True, confirmation_prompt=True, err=True
+        )
+    key = create_key_file(output, passphrase)
+    public = format_public_key(key.public_key_bytes)
+    write_file(pub_path, (public + "\n").encode(), mode=PUBLIC_FILE_MODE, overwrite=False)
+    if as_json:
+        _echo_json(
+            {
+                "public_key": public,
+                "key_file": str(output),
+                "public_key_file": str(pub_path),
+                "encrypted": passphrase is not None,
+            }
+        )
+    else:
+        click.echo(public)
+        click.echo(
+            f"blob: authority key {output} created; give verifiers {pub_path} "
+            "(or the public key above)",
+            err=True,
+        )
+
+
+@click.command("admit")
+@click.argument("peer_id")
+@click.option("--operator", required=True, help="Who runs the machine (a person or org).")
+@click.option("--kernel-class", required=True, help="The machine's kernel class.")
+@click.option(
+    "--authority",
+    "authority_path",
+    required=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Authority private key file (from `blob authority new`).",
+)
+@click.option(
+    "--days",
+    type=click.IntRange(min=1, max=3650),
+    default=DEFAULT_VALID_DAYS,
+    show_default=True,
+    help="Validity in days from now.",
+)
+@click.option(
+    "--serial",
+    type=click.IntRange(min=0, max=(1 << 64) - 1),
+    default=None,
+    help="Serial number (default: random 63-bit).",
+)
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Certificate file to write.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def admit_command(
+    peer_id: str,
+    operator: str,
+    kernel_class: str,
+    authority_path: Path,
+    days: int,
+    serial: int | None,
+    output: Path,
+    as_json: bool,
+) -> None:
+    """Sign an admission certificate for PEER_ID."""
+    parse_peer_id(peer_id)
+    authority = Authority(SoftwareSigner(_load_key(authority_path)))
+    now = int(time.time())
+    try:
+        cert = authority.admit(
+            peer_id,
+            operator=operator,
+            kernel_class=kernel_class,
+            not_before=max(0, now - CLOCK_SKEW_ALLOWANCE_S),
+            not_after=now + days * 86400,
+            serial=secrets.randbits(63) if serial is None else serial,
+        )
+    except ValueError as exc:
+        raise _fields_error(exc) from None
+    write_file(output, cert.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
+    if as_json:
+        _echo_json({**cert.to_json(), "file": str(output)})
+    else:
+        click.echo(
+            f"admitted {peer_id} (operator {operator!r}, kernel class {kernel_class!r}) "
+            f"until {_iso(cert.not_after)}, serial {cert.serial}: {output}"
+        )
+
+
+@click.group("attest")
+def attest_group() -> None:
+    """Signed statements about digests, and their verification."""
+
+
+@attest_group.command("sign")
+@click.option("--kind", required=True, help="Statement kind, e.g. round-result.")
+@click.option("--digest", "digest_hex", required=True, help="The 32-byte digest, 64 hex digits.")
+@click.option("--kernel-class", required=True, help="Kernel class the statement is about.")
+@click.option("--subject", "subjects", multiple=True, help="Blob ID the statement concerns.")
+@click.option(
+    "--cert",
+    "cert_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="This machine's admission certificate, to embed.",
+)
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Attestation file to write.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def attest_sign(
+    ctx: click.Context,
+    kind: str,
+    digest_hex: str,
+    kernel_class: str,
+    subjects: tuple[str, ...],
+    cert_path: Path | None,
+    output: Path,
+    as_json: bool,
+) -> None:
+    """Sign an attestation with this machine's key."""
+    try:
+        digest = bytes.fromhex(digest_hex)
+    except ValueError:
+        digest = b""
+    if len(digest) != DIGEST_SIZE:
+        raise click.BadParameter("must be 64 hex digits (32 bytes)", param_hint="--digest")
+    cert = None
+    if cert_path is not None:
+        cert_data = _read_input(cert_path, "certificate", MAX_CERTIFICATE_SIZE)
+        cert = AdmissionCertificate.decode(cert_data)
+    key, _path, _created = _machine_key(ctx)
+    try:
+        attestation = sign_attestation(
+            SoftwareSigner(key),
+            kind=kind,
+            digest=digest,
+            kernel_class=kernel_class,
+            subjects=subjects,
+            time=int(time.time()),
+            certificate=cert,
+        )
+    except ValueError as exc:
+        raise _fields_error(exc) from None
+    write_file(output, attestation.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
+    if as_json:
+        _echo_json({**attestation.to_json(), "file": str(output)})
+    else:
+        click.echo(f"signed {attestation.describe()}: {output}")
+
+
+@attest_group.command("verify")
+@click.argument("file", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--authority",
+    "authorities",
+    multiple=True,
+    required=True,
+    help="Trusted authority public key: 64 hex digits or a .pub file (repeatable).",
+)
+@click.option(
+    "--revoked",
+    "revoked_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Revocation list: one certificate serial or peer ID a line.",
+)
+@click.option("--kind", default=None, help="Require this statement kind.")
+@click.option("--kernel-class", default=None, help="Require this kernel class.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def attest_verify(
+    ctx: click.Context,
+    file: Path,
+    authorities: tuple[str, ...],
+    revoked_path: Path | None,
+    kind: str | None,
+    kernel_class: str | None,
+    as_json: bool,
+) -> None:
+    """Verify an attestation and its certificate; exit 0 if valid, 1 if rejected."""
+    trusted = frozenset(_authority_key(a) for a in authorities)
+    revoked = RevocationList()
+    if revoked_path is not None:
+        raw = _read_input(revoked_path, "revocation list", MAX_REVOCATION_LIST_SIZE)
+        if len(raw) > MAX_REVOCATION_LIST_SIZE:
+            raise BadRevocationList(f"{revoked_path} is larger than 16 MiB")
+        revoked = RevocationList.parse(
+            raw.decode("utf-8", errors="replace"), name=str(revoked_path)
+        )
+    trust = TrustStore(trusted, revoked)
+    data = _read_input(file, "attestation", MAX_ATTESTATION_SIZE)
+    try:
+        claims = verify_attestation(
+            data, trust=trust, now=time.time(), kind=kind, kernel_class=kernel_class
+        )
+    except Rejected as exc:
+        if as_json:
+            _echo_json({"valid": False, "reason": exc.reason.name.lower(), "message": str(exc)})
+        else:
+            click.echo(f"rejected ({exc.reason.value}): {exc}")
+        ctx.exit(1)
+    if as_json:
+        _echo_json({"valid": True, **claims.to_json()})
+    else:
+        cert = claims.certificate
+        assert cert is not None
+        click.echo(
+            f"valid: {claims.describe()} (operator {cert.operator!r}, kernel class "
+            f"{claims.kernel_class!r}, signer {claims.signer_kind}), digest {claims.digest.hex()}"
+        )

@@ -1,0 +1,301 @@
+"""Attestations: a machine's signed statement about a digest.
+
+An attestation says "I, peer P (key kept by a signer of kind K), state <kind> about
+<digest> for kernel class C, concerning blobs S, at time T", optionally carrying the
+admission certificate that makes P count. Anyone can verify it offline: the signer's
+public key is inside its peer ID.
+
+Wire form: one canonical msgpack map (see :mod:`identity._codec`)::
+
+    {"v": 1, "kind": str, "digest": bin32, "kernel_class": str, "subjects": [blob ID...],
+     "time": int, "signer": "12D3KooW...", "signer_kind": "software",
+     "cert": bin (a canonical certificate) | nil, "sig": bin64}
+
+``sig`` signs ``ATTESTATION_DOMAIN + kind + b"\\n" + <the map without "sig">``. The prefix
+differs from the certificate prefix and from libp2p's (``noise-libp2p-static-key:``,
+``libp2p-peer-record``...), and includes the statement kind, so a signature made for one
+purpose or one kind of statement cannot be replayed as another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from . import _codec
+from .certificate import (
+    MAX_CERTIFICATE_SIZE,
+    MAX_KERNEL_CLASS_LENGTH,
+    MAX_SIGNER_KIND_LENGTH,
+    AdmissionCertificate,
+    TrustStore,
+    verify_certificate,
+)
+from .errors import (
+    AttestationRejected,
+    BadAttestation,
+    BadCertificate,
+    BadPeerId,
+    CertificateRejected,
+    Reason,
+)
+from .keys import ED25519_SIGNATURE_SIZE, verify_signature
+from .peerid import parse_peer_id, public_key_from_peer_id
+from .signer import Signer
+
+ATTESTATION_DOMAIN = b"blobnet-attestation-v1:"
+ATTESTATION_VERSION = 1
+DIGEST_SIZE = 32
+MAX_KIND_LENGTH = 64
+# Enough for a round's inputs and outputs; a larger set goes in a collection blob, whose
+# one ID then stands for all of them.
+MAX_SUBJECTS = 1024
+_BLOB_ID_LENGTH = 64
+# Fields, the subjects at 67 bytes each and an embedded certificate, with room to spare.
+MAX_ATTESTATION_SIZE = 1024 + MAX_SUBJECTS * (_BLOB_ID_LENGTH + 3) + MAX_CERTIFICATE_SIZE
+
+_FIELDS = (
+    "v",
+    "kind",
+    "digest",
+    "kernel_class",
+    "subjects",
+    "time",
+    "signer",
+    "signer_kind",
+    "cert",
+    "sig",
+)
+_HEX = frozenset("0123456789abcdef")
+
+
+def _check_blob_id(value: object, what: str) -> None:
+    if type(value) is not str or len(value) != _BLOB_ID_LENGTH or not set(value) <= _HEX:
+        raise _codec.CodecError(f"{what} must be a blob ID (64 lowercase hex): {value!r:.80}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Attestation:
+    """The claims of an attestation and its signature.
+
+    Constructing one checks field shapes (``ValueError``); only :func:`verify_attestation`
+    says whether the claims can be believed.
+    """
+
+    kind: str
+    digest: bytes
+    kernel_class: str
+    subjects: tuple[str, ...]
+    time: int
+    signer_peer_id: str
+    signer_kind: str
+    certificate: AdmissionCertificate | None
+    signature: bytes
+
+    def __post_init__(self) -> None:
+        what = "attestation"
+        _codec.check_name(self.kind, MAX_KIND_LENGTH, f"{what} kind")
+        if type(self.digest) is not bytes or len(self.digest) != DIGEST_SIZE:
+            raise _codec.CodecError(f"{what} digest must be {DIGEST_SIZE} bytes")
+        _codec.check_name(self.kernel_class, MAX_KERNEL_CLASS_LENGTH, f"{what} kernel class")
+        object.__setattr__(self, "subjects", tuple(self.subjects))
+        if len(self.subjects) > MAX_SUBJECTS:
+            raise _codec.CodecError(f"{what} has more than {MAX_SUBJECTS} subjects")
+        for subject in self.subjects:
+            _check_blob_id(subject, f"{what} subject")
+        _codec.check_uint(self.time, f"{what} time")
+        try:
+            parse_peer_id(self.signer_peer_id)
+        except BadPeerId as exc:
+            raise _codec.CodecError(f"{what} signer: {exc}") from None
+        _codec.check_name(self.signer_kind, MAX_SIGNER_KIND_LENGTH, f"{what} signer kind")
+        if self.certificate is not None and not isinstance(self.certificate, AdmissionCertificate):
+            raise _codec.CodecError(f"{what} certificate must be an AdmissionCertificate")
+        if type(self.signature) is not bytes or len(self.signature) != ED25519_SIGNATURE_SIZE:
+            raise _codec.CodecError(f"{what} signature must be {ED25519_SIGNATURE_SIZE} bytes")
+
+    def _unsigned_fields(self) -> dict[str, Any]:
+        return {
+            "v": ATTESTATION_VERSION,
+            "kind": self.kind,
+            "digest": self.digest,
+            "kernel_class": self.kernel_class,
+            "subjects": list(self.subjects),
+            "time": self.time,
+            "signer": self.signer_peer_id,
+            "signer_kind": self.signer_kind,
+            "cert": None if self.certificate is None else self.certificate.encode(),
+        }
+
+    def signed_message(self) -> bytes:
+        """The exact bytes the signer signs (domain prefix, kind, unsigned encoding)."""
+        return (
+            ATTESTATION_DOMAIN
+            + self.kind.encode("ascii")
+            + b"\n"
+            + _codec.encode(self._unsigned_fields())
+        )
+
+    def encode(self) -> bytes:
+        """Canonical bytes of the attestation, signature included."""
+        return _codec.encode({**self._unsigned_fields(), "sig": self.signature})
+
+    @classmethod
+    def decode(cls, data: bytes) -> Attestation:
+        """Strictly parse canonical attestation bytes; raises :class:`BadAttestation` only.
+
+        Checks no signature: use :func:`verify_attestation` for that.
+        """
+        what = "attestation"
+        try:
+            fields = _codec.decode_map(data, max_size=MAX_ATTESTATION_SIZE, what=what)
+            version = _codec.take(fields, "v", int, what=what)
+            if version != ATTESTATION_VERSION:
+                raise _codec.CodecError(f"{what} has unknown version {version}")
+            _codec.check_keys(fields, _FIELDS, what=what)
+            subjects = _codec.take(fields, "subjects", list, what=what)
+            raw_cert = fields["cert"]
+            if raw_cert is None:
+                certificate = None
+            elif type(raw_cert) is bytes:
+                try:
+                    certificate = AdmissionCertificate.decode(raw_cert)
+                except BadCertificate as exc:
+                    raise _codec.CodecError(f"embedded {exc}") from None
+            else:
+                raise _codec.CodecError(f"{what} field 'cert' must be bytes or nil")
+            attestation = cls(
+                kind=_codec.take(fields, "kind", str, what=what),
+                digest=_codec.take(fields, "digest", bytes, what=what),
+                kernel_class=_codec.take(fields, "kernel_class", str, what=what),
+                subjects=tuple(subjects),
+                time=_codec.take(fields, "time", int, what=what),
+                signer_peer_id=_codec.take(fields, "signer", str, what=what),
+                signer_kind=_codec.take(fields, "signer_kind", str, what=what),
+                certificate=certificate,
+                signature=_codec.take(fields, "sig", bytes, what=what),
+            )
+            _codec.require_canonical(data, attestation.encode(), what=what)
+        except _codec.CodecError as exc:
+            raise BadAttestation(f"bad attestation: {exc}") from None
+        return attestation
+
+    def describe(self) -> str:
+        """One line for messages."""
+        return f"{self.kind!r} attestation by {self.signer_peer_id}"
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready view of the claims (digest hex-encoded)."""
+        return {
+            "kind": self.kind,
+            "digest": self.digest.hex(),
+            "kernel_class": self.kernel_class,
+            "subjects": list(self.subjects),
+            "time": self.time,
+            "signer_peer_id": self.signer_peer_id,
+            "signer_kind": self.signer_kind,
+            "certificate": None if self.certificate is None else self.certificate.to_json(),
+        }
+
+
+def sign_attestation(
+    signer: Signer,
+    *,
+    kind: str,
+    digest: bytes,
+    kernel_class: str,
+    subjects: Iterable[str] = (),
+    time: int,
+    certificate: AdmissionCertificate | None = None,
+) -> Attestation:
+    """Make and sign an attestation (``ValueError`` for malformed claims, or a certificate
+    for another peer or kernel class: that would only ever be rejected)."""
+    if certificate is not None:
+        if certificate.peer_id != signer.peer_id:
+            raise ValueError(
+                f"the certificate admits {certificate.peer_id}, but the signer is {signer.peer_id}"
+            )
+        if certificate.kernel_class != kernel_class:
+            raise ValueError(
+                f"the certificate admits kernel class {certificate.kernel_class!r}, "
+                f"not {kernel_class!r}"
+            )
+    unsigned = Attestation(
+        kind=kind,
+        digest=digest,
+        kernel_class=kernel_class,
+        subjects=tuple(subjects),
+        time=time,
+        signer_peer_id=signer.peer_id,
+        signer_kind=signer.kind,
+        certificate=certificate,
+        signature=bytes(ED25519_SIGNATURE_SIZE),
+    )
+    return dataclasses.replace(unsigned, signature=signer.sign(unsigned.signed_message()))
+
+
+def verify_attestation(
+    data: bytes | Attestation,
+    *,
+    trust: TrustStore | None = None,
+    now: float | None = None,
+    kind: str | None = None,
+    kernel_class: str | None = None,
+    signer_kinds: Collection[str] | None = None,
+) -> Attestation:
+    """Return the attestation's claims if they verify, else raise AttestationRejected.
+
+    Always checked: canonical decoding (MALFORMED) and the signature by the key inside
+    the signer's peer ID (BAD_SIGNATURE). Optional expectations: the statement ``kind``
+    (WRONG_KIND), the ``kernel_class`` (WRONG_KERNEL_CLASS) and the allowed
+    ``signer_kinds`` (SIGNER_KIND_NOT_ALLOWED). With ``trust`` (which needs ``now``), the
+    attestation must carry a certificate (MISSING_CERTIFICATE) that is valid at ``now``
+    and binds the signer's peer ID and the attestation's kernel class; its failure
+    reason becomes the attestation's.
+    """
+    if trust is not None and now is None:
+        raise TypeError("verify_attestation: checking a certificate needs `now`")
+    attestation = data if isinstance(data, Attestation) else Attestation.decode(data)
+    public_key = public_key_from_peer_id(attestation.signer_peer_id)
+    if not verify_signature(public_key, attestation.signed_message(), attestation.signature):
+        raise AttestationRejected(
+            Reason.BAD_SIGNATURE,
+            f"{attestation.describe()} has a bad signature: it was altered, signed by "
+            "another key or signed for another purpose",
+        )
+    if kind is not None and attestation.kind != kind:
+        raise AttestationRejected(
+            Reason.WRONG_KIND, f"{attestation.describe()} is not a {kind!r} attestation"
+        )
+    if kernel_class is not None and attestation.kernel_class != kernel_class:
+        raise AttestationRejected(
+            Reason.WRONG_KERNEL_CLASS,
+            f"{attestation.describe()} is for kernel class {attestation.kernel_class!r}, "
+            f"not {kernel_class!r}",
+        )
+    if signer_kinds is not None and attestation.signer_kind not in signer_kinds:
+        raise AttestationRejected(
+            Reason.SIGNER_KIND_NOT_ALLOWED,
+            f"{attestation.describe()} was signed by a {attestation.signer_kind!r} signer; "
+            f"this verifier accepts {', '.join(sorted(signer_kinds))}",
+        )
+    if trust is not None:
+        assert now is not None
+        if attestation.certificate is None:
+            raise AttestationRejected(
+                Reason.MISSING_CERTIFICATE,
+                f"{attestation.describe()} carries no admission certificate; sign it with "
+                "the machine's certificate",
+            )
+        try:
+            verify_certificate(
+                attestation.certificate,
+                trust=trust,
+                now=now,
+                peer_id=attestation.signer_peer_id,
+                kernel_class=attestation.kernel_class,
+            )
+        except CertificateRejected as exc:
+            raise AttestationRejected(exc.reason, f"{attestation.describe()}: its {exc}") from exc
+    return attestation

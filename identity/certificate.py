@@ -1,0 +1,326 @@
+"""Admission certificates: an authority binds a peer ID to an operator and a kernel class.
+
+Keys are free to mint, so a key proves nothing about who runs it. An authority (a run's
+organiser) signs a certificate for each machine it admits; verifiers count distinct
+admitted operators, not keys (DESIGN 7).
+
+Wire form: one canonical msgpack map (see :mod:`identity._codec`)::
+
+    {"v": 1, "peer": "12D3KooW...", "operator": str, "kernel_class": str,
+     "not_before": int, "not_after": int, "serial": int,
+     "authority": bin32, "authority_kind": "software", "sig": bin64}
+
+``sig`` is the authority's Ed25519 signature over ``CERTIFICATE_DOMAIN`` followed by the
+encoding of the same map without ``sig``. The domain prefix differs from every other
+signed object's (attestations, libp2p's own), so a certificate signature can never be
+replayed as anything else, nor anything else as a certificate.
+
+Verification order (the first failing check is the reason): decoding (MALFORMED),
+authority in the trust store (UNKNOWN_AUTHORITY), signature (BAD_SIGNATURE), revocation
+by serial or peer ID (REVOKED), validity window at ``now`` (NOT_YET_VALID, EXPIRED),
+then the caller's expectations (WRONG_PEER, WRONG_KERNEL_CLASS). Time is an argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+from . import _codec
+from .errors import (
+    BadCertificate,
+    BadPeerId,
+    BadRevocationList,
+    CertificateRejected,
+    Reason,
+)
+from .keys import ED25519_SIGNATURE_SIZE, verify_signature
+from .peerid import ED25519_PUBLIC_KEY_SIZE, parse_peer_id
+from .signer import Signer
+
+CERTIFICATE_DOMAIN = b"blobnet-admission-certificate-v1:"
+CERTIFICATE_VERSION = 1
+# A certificate is about 250 bytes with the longest allowed names; 4 KiB leaves room for
+# a future version while bounding what a peer can make us parse.
+MAX_CERTIFICATE_SIZE = 4096
+MAX_OPERATOR_LENGTH = 128
+MAX_KERNEL_CLASS_LENGTH = 128
+MAX_SIGNER_KIND_LENGTH = 32
+
+_FIELDS = (
+    "v",
+    "peer",
+    "operator",
+    "kernel_class",
+    "not_before",
+    "not_after",
+    "serial",
+    "authority",
+    "authority_kind",
+    "sig",
+)
+
+
+def _iso(t: float) -> str:
+    try:
+        return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (OverflowError, OSError, ValueError):
+        return f"{t} (unix time)"
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmissionCertificate:
+    """A signed admission of ``peer_id``; validity is ``not_before <= now < not_after``.
+
+    Constructing one checks field shapes (``ValueError``) but not the signature: use
+    :func:`verify_certificate` for that.
+    """
+
+    peer_id: str
+    operator: str
+    kernel_class: str
+    not_before: int
+    not_after: int
+    serial: int
+    authority: bytes
+    authority_kind: str
+    signature: bytes
+
+    def __post_init__(self) -> None:
+        what = "certificate"
+        try:
+            parse_peer_id(self.peer_id)
+        except BadPeerId as exc:
+            raise _codec.CodecError(f"{what} peer: {exc}") from None
+        _codec.check_text(self.operator, MAX_OPERATOR_LENGTH, f"{what} operator")
+        _codec.check_name(self.kernel_class, MAX_KERNEL_CLASS_LENGTH, f"{what} kernel class")
+        _codec.check_uint(self.not_before, f"{what} not_before")
+        _codec.check_uint(self.not_after, f"{what} not_after")
+        if self.not_after <= self.not_before:
+            raise _codec.CodecError(f"{what} validity window is empty (not_after <= not_before)")
+        _codec.check_uint(self.serial, f"{what} serial", bits=64)
+        if type(self.authority) is not bytes or len(self.authority) != ED25519_PUBLIC_KEY_SIZE:
+            raise _codec.CodecError(f"{what} authority must be a 32-byte Ed25519 public key")
+        _codec.check_name(self.authority_kind, MAX_SIGNER_KIND_LENGTH, f"{what} authority kind")
+        if type(self.signature) is not bytes or len(self.signature) != ED25519_SIGNATURE_SIZE:
+            raise _codec.CodecError(f"{what} signature must be {ED25519_SIGNATURE_SIZE} bytes")
+
+    def _unsigned_fields(self) -> dict[str, Any]:
+        return {
+            "v": CERTIFICATE_VERSION,
+            "peer": self.peer_id,
+            "operator": self.operator,
+            "kernel_class": self.kernel_class,
+            "not_before": self.not_before,
+            "not_after": self.not_after,
+            "serial": self.serial,
+            "authority": self.authority,
+            "authority_kind": self.authority_kind,
+        }
+
+    def signed_message(self) -> bytes:
+        """The exact bytes the authority signs (domain prefix + unsigned encoding)."""
+        return CERTIFICATE_DOMAIN + _codec.encode(self._unsigned_fields())
+
+    def encode(self) -> bytes:
+        """Canonical bytes of the certificate, signature included."""
+        return _codec.encode({**self._unsigned_fields(), "sig": self.signature})
+
+    @classmethod
+    def decode(cls, data: bytes) -> AdmissionCertificate:
+        """Strictly parse canonical certificate bytes; raises :class:`BadCertificate` only.
+
+        Does not check the signature or anything else about trust.
+        """
+        what = "certificate"
+        try:
+            fields = _codec.decode_map(data, max_size=MAX_CERTIFICATE_SIZE, what=what)
+            version = _codec.take(fields, "v", int, what=what)
+            if version != CERTIFICATE_VERSION:
+                raise _codec.CodecError(f"{what} has unknown version {version}")
+            _codec.check_keys(fields, _FIELDS, what=what)
+            cert = cls(
+                peer_id=_codec.take(fields, "peer", str, what=what),
+                operator=_codec.take(fields, "operator", str, what=what),
+                kernel_class=_codec.take(fields, "kernel_class", str, what=what),
+                not_before=_codec.take(fields, "not_before", int, what=what),
+                not_after=_codec.take(fields, "not_after", int, what=what),
+                serial=_codec.take(fields, "serial", int, what=what),
+                authority=_codec.take(fields, "authority", bytes, what=what),
+                authority_kind=_codec.take(fields, "authority_kind", str, what=what),
+                signature=_codec.take(fields, "sig", bytes, what=what),
+            )
+            _codec.require_canonical(data, cert.encode(), what=what)
+        except _codec.CodecError as exc:
+            raise BadCertificate(f"bad admission certificate: {exc}") from None
+        return cert
+
+    def describe(self) -> str:
+        """One line for messages: peer, operator, kernel class, serial."""
+        return (
+            f"certificate {self.serial} for {self.peer_id} "
+            f"(operator {self.operator!r}, kernel class {self.kernel_class!r})"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready view (keys hex-encoded)."""
+        return {
+            "peer_id": self.peer_id,
+            "operator": self.operator,
+            "kernel_class": self.kernel_class,
+            "not_before": self.not_before,
+            "not_after": self.not_after,
+            "serial": self.serial,
+            "authority": self.authority.hex(),
+            "authority_kind": self.authority_kind,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class RevocationList:
+    """Revoked certificate serials and peer IDs.
+
+    Serials are revoked whichever trusted authority issued them, so authorities that share
+    a trust store should draw serials at random (``blob admit`` does) rather than count.
+    """
+
+    serials: frozenset[int] = frozenset()
+    peer_ids: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "serials", frozenset(self.serials))
+        object.__setattr__(self, "peer_ids", frozenset(self.peer_ids))
+
+    @classmethod
+    def parse(cls, text: str, *, name: str = "revocation list") -> RevocationList:
+        """One entry a line: a decimal serial or a peer ID; ``#`` starts a comment."""
+        serials: set[int] = set()
+        peers: set[str] = set()
+        for lineno, raw in enumerate(text.splitlines(), 1):
+            entry = raw.split("#", 1)[0].strip()
+            if not entry:
+                continue
+            if entry.isdecimal() and entry.isascii():
+                serials.add(int(entry))
+                continue
+            try:
+                peers.add(parse_peer_id(entry))
+            except BadPeerId:
+                raise BadRevocationList(
+                    f"{name} line {lineno}: {entry!r:.80} is neither a certificate serial "
+                    "(decimal) nor a peer ID (12D3KooW...)"
+                ) from None
+        return cls(frozenset(serials), frozenset(peers))
+
+    def revocation_of(self, cert: AdmissionCertificate) -> str | None:
+        """Why ``cert`` is revoked, or None."""
+        if cert.serial in self.serials:
+            return "its serial is on the revocation list"
+        if cert.peer_id in self.peer_ids:
+            return "its peer ID is on the revocation list"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrustStore:
+    """What a verifier trusts: authority public keys (raw 32 bytes) and revocations."""
+
+    authorities: frozenset[bytes]
+    revoked: RevocationList = RevocationList()
+
+    def __post_init__(self) -> None:
+        authorities = frozenset(self.authorities)
+        for key in authorities:
+            if type(key) is not bytes or len(key) != ED25519_PUBLIC_KEY_SIZE:
+                raise ValueError("trusted authorities must be raw 32-byte Ed25519 public keys")
+        object.__setattr__(self, "authorities", authorities)
+
+
+class Authority:
+    """Issues admission certificates with a signer's key."""
+
+    def __init__(self, signer: Signer) -> None:
+        self._signer = signer
+
+    @property
+    def public_key_bytes(self) -> bytes:
+        """The raw public key verifiers put in their :class:`TrustStore`."""
+        return self._signer.public_key_bytes
+
+    def admit(
+        self,
+        peer_id: str,
+        *,
+        operator: str,
+        kernel_class: str,
+        not_before: int,
+        not_after: int,
+        serial: int,
+    ) -> AdmissionCertificate:
+        """Sign a certificate (``ValueError`` for malformed fields, e.g. a bad peer ID)."""
+        unsigned = AdmissionCertificate(
+            peer_id=peer_id,
+            operator=operator,
+            kernel_class=kernel_class,
+            not_before=not_before,
+            not_after=not_after,
+            serial=serial,
+            authority=self._signer.public_key_bytes,
+            authority_kind=self._signer.kind,
+            signature=bytes(ED25519_SIGNATURE_SIZE),
+        )
+        signature = self._signer.sign(unsigned.signed_message())
+        return dataclasses.replace(unsigned, signature=signature)
+
+
+def verify_certificate(
+    cert: AdmissionCertificate | bytes,
+    *,
+    trust: TrustStore,
+    now: float,
+    peer_id: str | None = None,
+    kernel_class: str | None = None,
+) -> AdmissionCertificate:
+    """Return the certificate if it is valid at ``now``; else raise CertificateRejected.
+
+    ``peer_id`` and ``kernel_class``, when given, must match the certificate's.
+    """
+    if not isinstance(cert, AdmissionCertificate):
+        cert = AdmissionCertificate.decode(cert)
+    if cert.authority not in trust.authorities:
+        raise CertificateRejected(
+            Reason.UNKNOWN_AUTHORITY,
+            f"{cert.describe()} was issued by an authority this verifier does not trust "
+            f"({cert.authority.hex()}); add its public key to the trusted authorities",
+        )
+    if not verify_signature(cert.authority, cert.signed_message(), cert.signature):
+        raise CertificateRejected(
+            Reason.BAD_SIGNATURE,
+            f"{cert.describe()} has a bad signature: it was altered or not made by its authority",
+        )
+    revocation = trust.revoked.revocation_of(cert)
+    if revocation is not None:
+        raise CertificateRejected(Reason.REVOKED, f"{cert.describe()} is revoked ({revocation})")
+    if now < cert.not_before:
+        raise CertificateRejected(
+            Reason.NOT_YET_VALID,
+            f"{cert.describe()} is not valid before {_iso(cert.not_before)} "
+            f"(now {_iso(now)}); check the clocks",
+        )
+    if now >= cert.not_after:
+        raise CertificateRejected(
+            Reason.EXPIRED,
+            f"{cert.describe()} expired at {_iso(cert.not_after)} (now {_iso(now)}); "
+            "ask the authority for a new one",
+        )
+    if peer_id is not None and cert.peer_id != peer_id:
+        raise CertificateRejected(
+            Reason.WRONG_PEER, f"{cert.describe()} does not admit peer {peer_id}"
+        )
+    if kernel_class is not None and cert.kernel_class != kernel_class:
+        raise CertificateRejected(
+            Reason.WRONG_KERNEL_CLASS,
+            f"{cert.describe()} admits kernel class {cert.kernel_class!r}, not {kernel_class!r}",
+        )
+    return cert

@@ -1,0 +1,137 @@
+"""Errors of the identity package.
+
+Every class carries an ``exit_code`` (CONTRACTS): the ``blob`` program turns it into the
+exit status and prints the message as one line. Messages say what happened and what to do.
+
+Verification failures share one class, :class:`Rejected`, whose ``reason`` is a
+:class:`Reason`, so policy code can switch on the reason while callers that only care
+whether something is acceptable catch one type. A malformed certificate or attestation is
+also a rejection (``Reason.MALFORMED``) but exits with "bad data" (4) when it is an input
+to some other command.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class IdentityError(Exception):
+    """Base class of every error raised by the identity package."""
+
+    exit_code: int = 4
+
+
+class NotFound(IdentityError):
+    """An input file (key, public key, certificate, attestation) does not exist."""
+
+    exit_code = 3
+
+
+class KeyNotFound(NotFound):
+    """No key file at the given path."""
+
+
+class KeyExists(IdentityError):
+    """A key file (or its public-key file) already exists; keys are never overwritten."""
+
+    exit_code = 2
+
+
+class KeyPermissionsTooOpen(IdentityError):
+    """The key file can be read or written by group or others."""
+
+    exit_code = 5
+
+
+class KeyFileIOError(IdentityError):
+    """The operating system refused a key-file operation (permissions, space, ...)."""
+
+    exit_code = 5
+
+
+class BadKeyFile(IdentityError):
+    """The key file is not a valid blobnet key file."""
+
+    exit_code = 4
+
+
+class WrongPassphrase(IdentityError):
+    """The passphrase does not decrypt the key file (which is left untouched)."""
+
+    exit_code = 4
+
+
+class PassphraseRequired(IdentityError):
+    """The key file is encrypted and no passphrase was given."""
+
+    exit_code = 2
+
+
+class BadPeerId(IdentityError):
+    """A string is not an Ed25519 libp2p peer ID (``12D3KooW...``)."""
+
+    exit_code = 2
+
+
+class BadPublicKey(IdentityError):
+    """A public key (hex text or ``.pub`` file) is malformed."""
+
+    exit_code = 4
+
+
+class BadRevocationList(IdentityError):
+    """A revocation-list file has a line that is neither a serial nor a peer ID."""
+
+    exit_code = 4
+
+
+class Reason(enum.Enum):
+    """Why a certificate or an attestation was rejected."""
+
+    MALFORMED = "malformed"
+    BAD_SIGNATURE = "bad signature"
+    UNKNOWN_AUTHORITY = "unknown authority"
+    REVOKED = "revoked"
+    NOT_YET_VALID = "not yet valid"
+    EXPIRED = "expired"
+    WRONG_PEER = "wrong peer"
+    WRONG_KERNEL_CLASS = "wrong kernel class"
+    WRONG_KIND = "wrong statement kind"
+    SIGNER_KIND_NOT_ALLOWED = "signer kind not allowed"
+    MISSING_CERTIFICATE = "missing certificate"
+
+
+class Rejected(IdentityError):
+    """A certificate or attestation failed verification; ``reason`` says why."""
+
+    exit_code = 1
+
+    def __init__(self, reason: Reason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class CertificateRejected(Rejected):
+    """An admission certificate failed verification."""
+
+
+class AttestationRejected(Rejected):
+    """An attestation failed verification (its own signature or its certificate)."""
+
+
+class BadCertificate(CertificateRejected):
+    """Bytes that do not decode as a canonical admission certificate."""
+
+    exit_code = 4
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Reason.MALFORMED, message)
+
+
+class BadAttestation(AttestationRejected):
+    """Bytes that do not decode as a canonical attestation."""
+
+    exit_code = 4
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Reason.MALFORMED, message)
