@@ -22,6 +22,8 @@ import click
 
 from blobstore import cli as blobstore_cli
 from identity import cli as identity_cli
+from p2p import net_cli
+from p2p.errors import unwrap_single
 
 # Documented exit codes (README "Exit codes"); the packages' error classes use these values.
 EXIT_OK = 0
@@ -56,8 +58,30 @@ class BlobGroup(click.Group):
         plugin = self._plugins().get(cmd_name)
         if plugin is None:
             return None
-        loaded = plugin.load()
+        try:
+            loaded = plugin.load()
+        except ImportError as exc:
+            return _unavailable(cmd_name, exc)
         return loaded if isinstance(loaded, click.Command) else None
+
+
+class CommandUnavailable(Exception):
+    """A command group could not be loaded (an optional extra is not installed)."""
+
+    exit_code = 5
+
+
+def _unavailable(name: str, exc: ImportError) -> click.Command:
+    message = f"`blob {name}` is unavailable: {exc} (install blobnet[train])"
+
+    @click.command(
+        name, context_settings={"ignore_unknown_options": True}, help=message, add_help_option=False
+    )
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def command(args: tuple[str, ...]) -> None:
+        raise CommandUnavailable(message)
+
+    return command
 
 
 @click.group(cls=BlobGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -88,6 +112,7 @@ def cli(ctx: click.Context, store_root: Path | None, key_path: Path | None) -> N
 
 blobstore_cli.register(cli)
 identity_cli.register(cli)
+net_cli.register(cli)  # after blobstore: its networked `get` replaces the local-only one
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("Interrupted.", err=True)
         sys.exit(EXIT_INTERRUPTED)
     except Exception as exc:
+        if isinstance(exc, BaseExceptionGroup):
+            exc = unwrap_single(exc)  # type: ignore[assignment]
         code = getattr(type(exc), "exit_code", None)
         if not isinstance(code, int):
             raise

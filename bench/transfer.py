@@ -1,0 +1,193 @@
+"""Blob transfer benchmark: a verified blob fetch into the store, against limits measured in
+the same run on the same machine.
+
+    .venv/bin/python bench/transfer.py [--size-mib 1024] [--runs 3] [--multi-size-mib 1024]
+                                       [--json-out bench/results/transfer.json]
+
+Rows (medians of --runs, MB/s = MiB/s):
+  raw_tcp          blocking loopback TCP between two processes (bench/stack.py)
+  lean_pipe        ChaCha20-Poly1305 frames + BLAKE3 per MiB, blocking sockets (bench/stack.py)
+  libp2p_default   one py-libp2p 0.8.1 Noise + yamux stream, 1 MiB writes (bench/stack.py)
+  fast_stream      one stream over blobnet's own Noise + yamux (bench/stack.py)
+  blob_fetch       `blob get` from one `blob serve` process: manifest, have, chunk ranges,
+                   every chunk verified and written into a fresh store, published by rename
+  blob_fetch_3     the same blob from three serving processes at once
+
+The fetch rate is the transfer time the fetcher reports (from the first request to the
+published blob), not process start-up; the fetcher's peak RSS comes from wait4().
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import stack  # bench/stack.py, next to this file
+
+MIB = 1 << 20
+READY_TIMEOUT = 60.0
+FETCH_TIMEOUT = 900.0
+
+
+def blob(store: Path, key: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "p2p.cli", "--store", str(store), "--key", str(key), *args]
+
+
+def make_file(path: Path, size: int) -> None:
+    block = os.urandom(8 * MIB)
+    with path.open("wb") as out:
+        left = size
+        while left > 0:
+            n = min(left, len(block))
+            out.write(block[:n])
+            left -= n
+            # Vary blocks so chunks are distinct (dedup must not flatter the figures).
+            block = block[1:] + block[:1]
+
+
+def serve(store: Path, key: Path, log: Path) -> tuple[subprocess.Popen[str], str]:
+    with log.open("wb") as err:
+        proc = subprocess.Popen(
+            blob(store, key, "serve", "--json", "--no-dht"),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit(f"serve did not start; see {log}")
+    return proc, str(json.loads(line)["addrs"][0])
+
+
+def fetch(store: Path, key: Path, blob_id: str, peers: list[str]) -> dict[str, Any]:
+    args = ["get", blob_id, "--json", "--no-progress", "--no-dht"]
+    for peer in peers:
+        args += ["--peer", peer]
+    proc = subprocess.Popen(blob(store, key, *args), stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + FETCH_TIMEOUT
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0 or time.monotonic() > deadline:
+        raise SystemExit(f"fetch failed with exit status {proc.returncode}")
+    result: dict[str, Any] = json.loads(out)
+    result["peak_rss_mib"] = usage.ru_maxrss / 1024
+    return result
+
+
+def fetch_rows(work: Path, size: int, runs: int, providers: int) -> dict[str, Any]:
+    work.mkdir(parents=True, exist_ok=True)
+    source = work / f"blob-{size}.bin"
+    make_file(source, size)
+    stores = [work / f"provider{i}" for i in range(providers)]
+    blob_id = ""
+    for i, store in enumerate(stores):
+        done = subprocess.run(
+            blob(store, work / f"k{i}", "put", str(source), "--json"),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        blob_id = json.loads(done.stdout)[0]["id"]
+    source.unlink()
+    procs = []
+    addrs = []
+    try:
+        for i, store in enumerate(stores):
+            proc, addr = serve(store, work / f"k{i}", work / f"serve{i}.log")
+            procs.append(proc)
+            addrs.append(addr)
+        rates, rss, seconds = [], [], []
+        for run in range(runs):
+            target = work / f"fetcher-{providers}-{run}"
+            result = fetch(target, work / "kf", blob_id, addrs)
+            rates.append(size / MIB / result["seconds"])
+            seconds.append(result["seconds"])
+            rss.append(result["peak_rss_mib"])
+            shutil.rmtree(target)
+        return {
+            "size_mib": size // MIB,
+            "providers": providers,
+            "mb_s": statistics.median(rates),
+            "runs_mb_s": rates,
+            "seconds": statistics.median(seconds),
+            "peak_rss_mib": max(rss),
+        }
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--multi-size-mib", type=int, default=None)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--dir", type=Path, default=None, help="Work directory (default /tmp).")
+    args = parser.parse_args(argv)
+    size = args.size_mib * MIB
+    multi = (args.multi_size_mib or args.size_mib) * MIB
+
+    limits: dict[str, float] = {}
+    for mode in ("raw_tcp", "lean_pipe", "libp2p_default", "fast_stream"):
+        if mode == "fast_stream" and not _fast_available():
+            continue
+        row = stack.run_row(mode, size, args.runs)
+        limits[mode] = row.median_mb_s
+        print(f"{mode:<16}{row.median_mb_s:>10.1f} MB/s", flush=True)
+
+    work = Path(tempfile.mkdtemp(prefix="blobnet-bench-", dir=args.dir))
+    try:
+        one = fetch_rows(work, size, args.runs, providers=1)
+        print(f"{'blob_fetch':<16}{one['mb_s']:>10.1f} MB/s  peak RSS "
+              f"{one['peak_rss_mib']:.0f} MiB", flush=True)  # fmt: skip
+        three = fetch_rows(work / "multi", multi, args.runs, providers=3)
+        print(f"{'blob_fetch_3':<16}{three['mb_s']:>10.1f} MB/s  peak RSS "
+              f"{three['peak_rss_mib']:.0f} MiB", flush=True)  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    ratios = {f"blob_fetch/{k}": one["mb_s"] / v for k, v in limits.items() if v > 0}
+    print()
+    for name, value in ratios.items():
+        print(f"{name:<28}{value:>8.3f}")
+    goal_lean = ratios.get("blob_fetch/lean_pipe", 0) >= 0.75
+    goal_default = ratios.get("blob_fetch/libp2p_default", 0) >= 5
+    goal_rss = one["peak_rss_mib"] < 256
+    print(f"goal fetch >= 0.75x lean pipe: {'met' if goal_lean else 'NOT met'}")
+    print(f"goal fetch >= 5x py-libp2p default stream: {'met' if goal_default else 'NOT met'}")
+    print(f"goal fetcher peak RSS < 256 MiB: {'met' if goal_rss else 'NOT met'}")
+    report = {"limits_mb_s": limits, "blob_fetch": one, "blob_fetch_3": three, "ratios": ratios,
+              "runs": args.runs}  # fmt: skip
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+def _fast_available() -> bool:
+    try:
+        from p2p.host import fast_path_available
+    except ImportError:
+        return False
+    return fast_path_available()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,476 @@
+"""Fetching one blob from many providers at once, every chunk verified before it is kept.
+
+Theory of operation
+1. The manifest is taken from a partial blob already in the store (resume) or asked of
+   providers one by one; it is accepted only if its BLAKE3 equals the blob ID, so a lying
+   peer cannot change what "the blob" is.
+2. Free disk space for the missing bytes is checked before the partial blob is created.
+3. ``p2p.scheduler.Scheduler`` decides which chunk ranges go to which peer; this module
+   only performs its decisions: one task per provider asks ``have`` and then runs a few
+   stream workers, each sending one ``get`` at a time under the request's deadline.
+4. A chunk body is written to the partial blob only through ``PartialBlob.write_chunk``,
+   which hashes it against the manifest first; a mismatch bans the peer for this download,
+   resets its stream and returns its ranges to the pool. Chunks are written by one task
+   at a time (a lock), hashed in a worker thread so the event loop keeps receiving.
+5. Providers may join at any time through a channel (DHT results, connected peers); a
+   provider that stalls past its deadline loses its ranges to the others.
+6. The partial blob is flushed (data fsync, then bitmap) every ``FLUSH_INTERVAL`` and at
+   the end, so a killed fetcher resumes from what was verified; the blob is published by
+   atomic rename once every chunk has verified.
+7. Memory is bounded by (streams in flight) x (one chunk), whatever the blob's size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import blake3
+import trio
+
+from blobstore import CorruptChunk, Manifest, NoSpace, PartialBlob, Store
+from p2p import protocol as proto
+from p2p.errors import FetchFailed, NoProviders
+from p2p.scheduler import PeerStats, RequestTicket, Scheduler, SchedulerConfig
+from p2p.wire import BlobClient, StreamLost, reset_quietly
+
+log = logging.getLogger(__name__)
+
+# Flush verified chunks to disk at least this often: bounds what a crash can lose.
+FLUSH_INTERVAL = 2.0
+# How long one provider may take to open a stream and answer a small request.
+CONTROL_TIMEOUT = 15.0
+# With no usable provider left, wait this long for discovery to find another.
+STALL_GRACE = 10.0
+# Progress callbacks are rate-limited so a fast transfer does not spend time reporting.
+PROGRESS_INTERVAL = 0.25
+
+
+class BadChunk(Exception):
+    """A peer sent a chunk that failed its hash (internal signal)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"chunk {index} failed its hash")
+        self.index = index
+
+
+class ObsoleteRequest(Exception):
+    """Every chunk of an endgame request has verified elsewhere (internal signal)."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    blob_id: str
+    total_bytes: int
+    done_bytes: int
+    rate_bytes_per_s: float
+    elapsed: float
+    peers: dict[str, PeerStats] = field(default_factory=dict)
+    # Bytes of chunks each peer delivered first (what was kept), and bytes that arrived
+    # after the same chunk had verified from another peer (endgame duplicates).
+    new_bytes: dict[str, int] = field(default_factory=dict)
+    duplicate_bytes: int = 0
+    finished: bool = False
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+class Network(Protocol):
+    """What the downloader needs from a node."""
+
+    async def open_blob_stream(self, peer: str) -> Any: ...
+
+
+async def fetch_manifest(network: Network, blob_id: str, peer: str) -> Manifest | None:
+    """Ask one peer for the manifest; None if it has none or it does not match the ID."""
+    stream = None
+    try:
+        with trio.fail_after(CONTROL_TIMEOUT):
+            stream = await network.open_blob_stream(peer)
+            reply = await BlobClient(stream).manifest(blob_id)
+    except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
+        log.info("manifest from %s failed: %r", peer, exc)
+        if stream is not None:
+            await reset_quietly(stream)
+        return None
+    finally:
+        if stream is not None:
+            await reset_quietly(stream)
+    if isinstance(reply, proto.ErrorResponse):
+        return None
+    if blake3.blake3(reply).hexdigest() != blob_id:
+        log.warning("peer %s sent a manifest that does not match %s", peer, blob_id)
+        return None
+    try:
+        return Manifest.decode(reply)
+    except Exception as exc:  # BadManifest: the ID matched, so the manifest is malformed
+        log.warning("peer %s sent a malformed manifest: %s", peer, exc)
+        return None
+
+
+class Download:
+    """One blob's transfer. Use :func:`download_blob`."""
+
+    def __init__(
+        self,
+        network: Network,
+        store: Store,
+        manifest: Manifest,
+        partial: PartialBlob,
+        *,
+        config: SchedulerConfig,
+        progress: ProgressCallback | None,
+    ) -> None:
+        self.network = network
+        self.store = store
+        self.manifest = manifest
+        self.blob_id = manifest.blob_id
+        self.partial = partial
+        self.config = config
+        self.progress = progress
+        verified = set(range(manifest.num_chunks)) - set(partial.missing())
+        self.scheduler = Scheduler(
+            manifest.num_chunks, lambda i: manifest.chunk_span(i)[1], verified, config
+        )
+        self.write_lock = trio.Lock()
+        self.changed = trio.Event()
+        self.peers_seen: set[str] = set()
+        self.peer_tasks = 0
+        self.started = trio.current_time()
+        self.start_bytes = self._done_bytes()
+        self.last_progress = 0.0
+        self.dirty = False
+        self.new_bytes: dict[str, int] = {}
+        self.duplicate_bytes = 0
+
+    # --- helpers -------------------------------------------------------------------
+    def _done_bytes(self) -> int:
+        missing = self.scheduler.missing()
+        return self.manifest.size - sum(self.manifest.chunk_span(i)[1] for i in missing)
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def _wait_change(self, seconds: float = 0.5) -> None:
+        with trio.move_on_after(seconds):
+            await self.changed.wait()
+
+    def _report(self, *, force: bool = False) -> None:
+        if self.progress is None:
+            return
+        now = trio.current_time()
+        if not force and now - self.last_progress < PROGRESS_INTERVAL:
+            return
+        self.last_progress = now
+        elapsed = max(now - self.started, 1e-9)
+        done = (
+            self.manifest.size
+            - sum(self.manifest.chunk_span(i)[1] for i in self.scheduler.missing())
+            if force
+            else self._approx_done()
+        )
+        self.progress(
+            Progress(
+                blob_id=self.blob_id,
+                total_bytes=self.manifest.size,
+                done_bytes=done,
+                rate_bytes_per_s=(done - self.start_bytes) / elapsed,
+                elapsed=elapsed,
+                peers=self.scheduler.peer_stats(),
+                new_bytes=dict(self.new_bytes),
+                duplicate_bytes=self.duplicate_bytes,
+                finished=self.scheduler.done,
+            )
+        )
+
+    def _approx_done(self) -> int:
+        return min(self.manifest.size, self.scheduler.verified_count * self.manifest.chunk_size)
+
+    # --- providers -----------------------------------------------------------------
+    def add_provider(self, nursery: trio.Nursery, peer: str) -> None:
+        if peer in self.peers_seen:
+            return
+        self.peers_seen.add(peer)
+        self.peer_tasks += 1
+        nursery.start_soon(self._peer_task, peer)
+
+    async def _peer_task(self, peer: str) -> None:
+        try:
+            await self._run_peer(peer)
+        finally:
+            self.peer_tasks -= 1
+            self._notify()
+
+    async def _run_peer(self, peer: str) -> None:
+        stream = None
+        try:
+            with trio.fail_after(CONTROL_TIMEOUT):
+                stream = await self.network.open_blob_stream(peer)
+                client = BlobClient(stream)
+                have = await client.have(self.blob_id)
+        except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
+            log.info("provider %s unusable: %r", peer, exc)
+            if stream is not None:
+                await reset_quietly(stream)
+            return
+        if isinstance(have, proto.ErrorResponse):
+            await reset_quietly(stream)
+            return
+        if have.num_chunks != self.manifest.num_chunks:
+            log.warning(
+                "provider %s claims %d chunks, manifest has %d",
+                peer,
+                have.num_chunks,
+                self.manifest.num_chunks,
+            )
+            await reset_quietly(stream)
+            return
+        full = all(have.bitmap[i // 8] >> (i % 8) & 1 for i in range(have.num_chunks))
+        self.scheduler.add_peer(peer, trio.current_time(), None if full else have.bitmap)
+        self._notify()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._stream_worker, peer, client)
+            for _ in range(self.config.max_inflight_requests_per_peer - 1):
+                nursery.start_soon(self._stream_worker, peer, None)
+
+    def _peer_usable(self, peer: str) -> bool:
+        stats = self.scheduler.peer_stats().get(peer)
+        return stats is not None and not stats.banned and not stats.dropped
+
+    async def _stream_worker(self, peer: str, client: BlobClient | None) -> None:
+        try:
+            while not self.scheduler.done and self._peer_usable(peer):
+                ticket = self.scheduler.next_request(peer, trio.current_time())
+                if ticket is None:
+                    await self._wait_change()
+                    continue
+                client = await self._run_ticket(peer, client, ticket)
+        finally:
+            if client is not None:
+                await reset_quietly(client.stream)
+
+    async def _run_ticket(
+        self, peer: str, client: BlobClient | None, ticket: RequestTicket
+    ) -> BlobClient | None:
+        """Perform one request; return the client to reuse, or None if its stream is gone."""
+        now = trio.current_time
+        try:
+            with trio.fail_at(ticket.deadline):
+                if client is None:
+                    client = BlobClient(await self.network.open_blob_stream(peer))
+                reply = await client.get(
+                    self.blob_id,
+                    ticket.ranges,
+                    lambda index, data: self._on_chunk(ticket, index, data),
+                )
+        except BadChunk as bad:
+            log.warning("peer %s sent a corrupt chunk: banned for %s", peer, self.blob_id[:12])
+            self.scheduler.on_bad_chunk(ticket.request_id, bad.index, now())
+            self._notify()
+            await self._drop(client)
+            return None
+        except ObsoleteRequest:
+            self.scheduler.cancel(ticket.request_id, now())
+            self._notify()
+            await self._drop(client)
+            return None
+        except proto.RemoteProtocolError as exc:
+            log.warning("peer %s broke the protocol: %s", peer, exc)
+            self.scheduler.on_protocol_error(ticket.request_id, now(), str(exc))
+            self._notify()
+            await self._drop(client)
+            return None
+        except (StreamLost, trio.TooSlowError, OSError) as exc:
+            log.info("request to %s failed: %r", peer, exc)
+            self.scheduler.on_request_failed(ticket.request_id, now(), repr(exc))
+            self._notify()
+            await self._drop(client)
+            return None
+        if isinstance(reply, proto.ErrorResponse):
+            if reply.code == proto.ErrorCode.BUSY:
+                self.scheduler.on_request_failed(ticket.request_id, now(), "busy")
+                await trio.sleep(0.2)
+            else:
+                self.scheduler.on_request_done(ticket.request_id, now(), ticket.indices)
+            self._notify()
+            await self._drop(client)
+            return None
+        self.scheduler.on_request_done(ticket.request_id, now(), reply)
+        self._notify()
+        return client
+
+    async def _drop(self, client: BlobClient | None) -> None:
+        if client is not None:
+            await reset_quietly(client.stream)
+
+    async def _on_chunk(self, ticket: RequestTicket, index: int, data: memoryview) -> None:
+        if not self.scheduler.expects(ticket.request_id, index):
+            # The request was released meanwhile (its peer banned or dropped on another
+            # stream); the protocol core already checked the index against the request.
+            raise ObsoleteRequest
+        if self.partial.has_chunk(index):
+            self.duplicate_bytes += len(data)
+            self.scheduler.on_chunk(ticket.request_id, index, len(data), trio.current_time())
+            if self.scheduler.is_obsolete(ticket.request_id):
+                raise ObsoleteRequest
+            return
+        async with self.write_lock:
+            try:
+                await trio.to_thread.run_sync(self.partial.write_chunk, index, data)
+            except CorruptChunk:
+                raise BadChunk(index) from None
+            self.dirty = True
+        self.new_bytes[ticket.peer] = self.new_bytes.get(ticket.peer, 0) + len(data)
+        self.scheduler.on_chunk(ticket.request_id, index, len(data), trio.current_time())
+        self._report()
+
+    async def flush(self) -> None:
+        async with self.write_lock:
+            if self.dirty:
+                self.dirty = False
+                await trio.to_thread.run_sync(self.partial.flush)
+
+    async def flusher(self) -> None:
+        while True:
+            await trio.sleep(FLUSH_INTERVAL)
+            await self.flush()
+
+
+async def download_blob(
+    network: Network,
+    store: Store,
+    blob_id: str,
+    *,
+    providers: Iterable[str] = (),
+    more_providers: trio.MemoryReceiveChannel[str] | None = None,
+    progress: ProgressCallback | None = None,
+    config: SchedulerConfig | None = None,
+    discovery_timeout: float = STALL_GRACE,
+) -> None:
+    """Fetch ``blob_id`` into ``store`` (no-op if complete). Raises NoProviders, FetchFailed,
+    NoSpace."""
+    if await trio.to_thread.run_sync(store.has, blob_id):
+        return
+    config = config or SchedulerConfig()
+    candidates = list(dict.fromkeys(providers))
+    manifest = await _local_manifest(store, blob_id)
+    asked: set[str] = set()
+    if manifest is None:
+        manifest = await _manifest_from_network(
+            network, blob_id, candidates, asked, more_providers, discovery_timeout
+        )
+    missing_bytes = await trio.to_thread.run_sync(_missing_bytes, store, manifest)
+    free = await trio.to_thread.run_sync(store.free_bytes)
+    if free < missing_bytes:
+        raise NoSpace(
+            f"need {missing_bytes} bytes for {blob_id[:12]} but only {free} are free "
+            f"in {store.root}"
+        )
+    partial = await trio.to_thread.run_sync(store.begin_partial, manifest)
+    try:
+        download = Download(network, store, manifest, partial, config=config, progress=progress)
+        await _run(download, candidates, more_providers, discovery_timeout)
+        await download.flush()
+        await trio.to_thread.run_sync(partial.publish)
+        download._report(force=True)
+    finally:
+        await trio.to_thread.run_sync(partial.close)
+
+
+def _missing_bytes(store: Store, manifest: Manifest) -> int:
+    """Bytes still to fetch: all of them, less the chunks a partial blob already holds."""
+    if manifest.blob_id not in store.partial_ids():
+        return manifest.size
+    bitmap = store.chunk_bitmap(manifest.blob_id)
+    held = sum(
+        manifest.chunk_span(i)[1]
+        for i in range(manifest.num_chunks)
+        if bitmap[i // 8] >> (i % 8) & 1
+    )
+    return manifest.size - held
+
+
+async def _local_manifest(store: Store, blob_id: str) -> Manifest | None:
+    try:
+        return await trio.to_thread.run_sync(store.manifest, blob_id)
+    except Exception:  # BlobNotFound: nothing local yet
+        return None
+
+
+async def _manifest_from_network(
+    network: Network,
+    blob_id: str,
+    candidates: list[str],
+    asked: set[str],
+    more: trio.MemoryReceiveChannel[str] | None,
+    discovery_timeout: float,
+) -> Manifest:
+    pending = list(candidates)
+    deadline = trio.current_time() + discovery_timeout
+    while True:
+        while pending:
+            peer = pending.pop(0)
+            if peer in asked:
+                continue
+            asked.add(peer)
+            manifest = await fetch_manifest(network, blob_id, peer)
+            if manifest is not None:
+                return manifest
+        if more is None:
+            break
+        with trio.move_on_at(deadline):
+            try:
+                peer = await more.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            candidates.append(peer)
+            pending.append(peer)
+            continue
+        break
+    if not asked:
+        raise NoProviders(f"no provider found for {blob_id}")
+    raise NoProviders(f"none of {len(asked)} peer(s) asked holds {blob_id}")
+
+
+async def _run(
+    download: Download,
+    candidates: list[str],
+    more: trio.MemoryReceiveChannel[str] | None,
+    discovery_timeout: float,
+) -> None:
+    scheduler = download.scheduler
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(download.flusher)
+        for peer in candidates:
+            download.add_provider(nursery, peer)
+        if more is not None:
+            nursery.start_soon(_join_late_providers, download, nursery, more)
+        stalled_since: float | None = None
+        while not scheduler.done:
+            await download._wait_change(0.5)
+            download._report()
+            idle = download.peer_tasks == 0 or scheduler.stalled()
+            if not idle:
+                stalled_since = None
+                continue
+            stalled_since = stalled_since or trio.current_time()
+            if trio.current_time() - stalled_since >= discovery_timeout:
+                banned = sorted(scheduler.banned_peers())
+                raise FetchFailed(
+                    f"{len(scheduler.missing())} of {download.manifest.num_chunks} chunks of "
+                    f"{download.blob_id[:12]} could not be fetched from "
+                    f"{len(download.peers_seen)} peer(s)"
+                    + (f"; banned for bad data: {', '.join(banned)}" if banned else "")
+                )
+        nursery.cancel_scope.cancel()
+
+
+async def _join_late_providers(
+    download: Download, nursery: trio.Nursery, more: trio.MemoryReceiveChannel[str]
+) -> None:
+    async for peer in more:
+        download.add_provider(nursery, peer)

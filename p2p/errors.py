@@ -1,0 +1,47 @@
+"""Errors of the network layer, each with the exit status the ``blob`` program reports."""
+
+from __future__ import annotations
+
+
+class P2PError(Exception):
+    """Base of the network layer's user-facing errors."""
+
+    exit_code = 6
+
+
+class NoProviders(P2PError):
+    """No reachable peer holds (a usable copy of) the blob."""
+
+
+class FetchFailed(P2PError):
+    """A download could not complete; the message says why and what was tried."""
+
+
+class PeerUnreachable(P2PError):
+    """A named peer could not be dialled."""
+
+
+class BadAddress(P2PError):
+    """A multiaddr or ticket given by the user is malformed."""
+
+    exit_code = 4
+
+
+class BadTicket(BadAddress):
+    """A ticket string is malformed."""
+
+
+def unwrap_single(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one meaningful error inside a (nested) exception group from trio nurseries, or
+    the group itself when several tasks failed for different reasons."""
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    return leaves[0] if len(leaves) == 1 else group

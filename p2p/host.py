@@ -1,0 +1,88 @@
+"""Building the libp2p host: Noise and yamux only, a resource manager that is really there.
+
+py-libp2p's defaults also offer TLS with 4 KiB reads, secio, ``/plaintext/2.0.0`` and
+mplex (unbounded varint frames). A blobnet node offers exactly one security transport
+(Noise) and one muxer (yamux), so a peer that asks for anything else fails negotiation.
+When blobnet's fast data path (``p2p.fast``) is importable it replaces py-libp2p's Noise
+data path and yamux under the same protocol IDs; ``fast=False`` keeps py-libp2p's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from libp2p import new_host
+from libp2p.abc import IHost
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.rcmgr import ResourceLimits, new_resource_manager
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+
+# Connection and stream ceilings for the whole host. A blob node talks to tens of peers,
+# each with a handful of streams (DESIGN section 4); these leave room for a DHT as well.
+MAX_CONNECTIONS = 512
+MAX_STREAMS = 4096
+MAX_MEMORY_MB = 1024
+
+
+class HostConfigError(RuntimeError):
+    """The host could not be built as blobnet requires (a local bug, not a user error)."""
+
+
+def fast_path_available() -> bool:
+    try:
+        import p2p.fast as fast
+    except ImportError:
+        return False
+    return bool(getattr(fast, "FAST_PATH_AVAILABLE", False))
+
+
+def security_options(key_pair: KeyPair, *, fast: bool) -> dict[TProtocol, Any]:
+    if fast and fast_path_available():
+        from p2p import fast as fast_path
+
+        return dict(fast_path.security_options(key_pair))
+    noise_key = create_new_x25519_key_pair().private_key
+    return {TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(key_pair, noise_privkey=noise_key)}
+
+
+def muxer_options(*, fast: bool) -> dict[TProtocol, Any]:
+    if fast and fast_path_available():
+        from p2p import fast as fast_path
+
+        return dict(fast_path.muxer_options())
+    return {TProtocol(YAMUX_PROTOCOL_ID): Yamux}
+
+
+def build_host(key_pair: KeyPair, *, fast: bool = True) -> IHost:
+    """A host offering Noise + yamux only, with an explicit resource manager."""
+    resource_manager = new_resource_manager(
+        limits=ResourceLimits(
+            max_connections=MAX_CONNECTIONS,
+            max_memory_mb=MAX_MEMORY_MB,
+            max_streams=MAX_STREAMS,
+        )
+    )
+    sec_opt = security_options(key_pair, fast=fast)
+    muxer_opt = muxer_options(fast=fast)
+    host = new_host(
+        key_pair=key_pair,
+        sec_opt=sec_opt,
+        muxer_opt=muxer_opt,
+        resource_manager=resource_manager,
+    )
+    network: Any = host.get_network()
+    upgrader = network.upgrader
+    offered = set(upgrader.security_multistream.transports)
+    if offered != set(sec_opt):
+        raise HostConfigError(f"host offers security {sorted(offered)}, expected {sorted(sec_opt)}")
+    muxers = set(upgrader.muxer_multistream.transports)
+    if muxers != set(muxer_opt):
+        raise HostConfigError(f"host offers muxers {sorted(muxers)}, expected {sorted(muxer_opt)}")
+    if getattr(network, "_resource_manager", resource_manager) is None:
+        raise HostConfigError("libp2p silently dropped the resource manager")
+    return host

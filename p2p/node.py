@@ -1,0 +1,372 @@
+"""The blobnet node: a libp2p host, the store, the blob protocol server, a downloader and
+the Kademlia DHT, usable embedded in trio programs::
+
+    async with open_node(store_root) as node:
+        blob_id = await node.add(path)
+        await node.fetch(other_id, providers=["/ip4/.../tcp/.../p2p/12D3KooW..."])
+
+Providers of a fetch come from (a) peers named by the caller (multiaddrs or a ticket),
+(b) peers already connected, which are asked ``have``, and (c) the DHT, searched in the
+background while the transfer runs; providers found late join it. No step waits on a
+fixed delay. Every complete blob this node holds is provided on the DHT at start, when it
+arrives, and again every ``reprovide_interval``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+from libp2p.crypto.keys import KeyPair
+from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.tools.anyio_service import background_trio_service
+from multiaddr import Multiaddr
+
+from blobstore import Store
+from identity import MachineKey, load_or_create_key
+from p2p import protocol as proto
+from p2p.downloader import ProgressCallback, download_blob
+from p2p.errors import BadAddress, PeerUnreachable, unwrap_single
+from p2p.host import build_host
+from p2p.scheduler import SchedulerConfig
+from p2p.server import BlobServer
+from p2p.ticket import Ticket, validate_peer_addr
+from p2p.wire import StreamLost
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+# Provider records expire on DHT peers; refresh well inside go-libp2p's 22 h lifetime.
+DEFAULT_REPROVIDE_INTERVAL = 3600.0
+DIAL_TIMEOUT = 15.0
+# Connected peers asked "have" for each fetch; beyond this, rely on the DHT.
+MAX_CONNECTED_CANDIDATES = 32
+# Children of a collection fetched at once.
+COLLECTION_PARALLELISM = 4
+# The multihash code of BLAKE3-256 (0x1e, length 0x20) prefixes blob IDs as DHT keys.
+DHT_KEY_PREFIX = "1e20"
+
+
+def dht_key(blob_id: str) -> str:
+    return DHT_KEY_PREFIX + blob_id
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    listen: tuple[str, ...] = DEFAULT_LISTEN
+    bootstrap: tuple[str, ...] = ()
+    dht: bool = True
+    fast: bool = True
+    reprovide_interval: float = DEFAULT_REPROVIDE_INTERVAL
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    discovery_timeout: float = 10.0
+
+
+class Node:
+    """A running blobnet node. Create it with :func:`open_node`."""
+
+    def __init__(
+        self, store: Store, host: Any, server: BlobServer, dht: KadDHT | None, config: NodeConfig
+    ) -> None:
+        self.store = store
+        self.host = host
+        self.server = server
+        self.dht = dht
+        self.config = config
+
+    # --- identity and addresses ----------------------------------------------------
+    @property
+    def peer_id(self) -> str:
+        return str(self.host.get_id())
+
+    @property
+    def addrs(self) -> list[str]:
+        """Listen addresses ending in ``/p2p/<peer id>``, ready to hand to other nodes."""
+        out = []
+        for addr in self.host.get_addrs():
+            text = str(addr)
+            out.append(text if "/p2p/" in text else f"{text}/p2p/{self.peer_id}")
+        return out
+
+    def ticket(self, blob_id: str) -> str:
+        return Ticket(blob_id, tuple(self.addrs)).encode()
+
+    # --- connections -----------------------------------------------------------------
+    async def connect(self, addr: str) -> str:
+        """Dial a peer by ``/ip4/.../tcp/.../p2p/<id>``; return its peer ID."""
+        maddr = validate_peer_addr(addr, error=BadAddress)
+        info = info_from_p2p_addr(maddr)
+        try:
+            with trio.fail_after(DIAL_TIMEOUT):
+                await self.host.connect(info)
+        except Exception as exc:  # libp2p raises many types for one failed dial
+            raise PeerUnreachable(f"cannot reach {addr}: {exc}") from None
+        if self.dht is not None:
+            try:
+                await self.dht.add_peer(info.peer_id)
+            except Exception as exc:  # a DHT-less peer is still a blob peer
+                log.debug("DHT add_peer %s failed: %r", info.peer_id, exc)
+        return str(info.peer_id)
+
+    def connected_peers(self) -> list[str]:
+        return [str(p) for p in self.host.get_connected_peers()]
+
+    async def open_blob_stream(self, peer: str) -> Any:
+        """A new ``/blobnet/blob/1.0.0`` stream to ``peer`` (StreamLost if impossible)."""
+        try:
+            return await self.host.new_stream(ID.from_base58(peer), [TProtocol(proto.PROTOCOL_ID)])
+        except (BaseLibp2pError, OSError, trio.BrokenResourceError) as exc:
+            raise StreamLost(f"cannot open a stream to {peer}: {exc}") from exc
+
+    # --- DHT -------------------------------------------------------------------------
+    async def provide(self, blob_id: str) -> bool:
+        if self.dht is None:
+            return False
+        try:
+            with trio.move_on_after(30):
+                return bool(await self.dht.provide(dht_key(blob_id)))
+        except Exception as exc:  # provider records are best effort
+            log.info("provide %s failed: %r", blob_id[:12], exc)
+        return False
+
+    async def find_providers(self, blob_id: str, limit: int = 20) -> list[str]:
+        """Peer IDs that advertise ``blob_id`` on the DHT (their addresses go to the
+        peerstore, so they can be dialled)."""
+        if self.dht is None:
+            return []
+        try:
+            infos = await self.dht.find_providers(dht_key(blob_id), limit)
+        except Exception as exc:  # a failed lookup just finds nobody
+            log.info("find_providers %s failed: %r", blob_id[:12], exc)
+            return []
+        found: list[str] = []
+        for info in infos:
+            if info.peer_id == self.host.get_id():
+                continue
+            if info.addrs:
+                self.host.get_peerstore().add_addrs(info.peer_id, info.addrs, 3600)
+            if str(info.peer_id) not in found:
+                found.append(str(info.peer_id))
+        return found
+
+    async def _reprovide_loop(self) -> None:
+        while True:
+            ids = await trio.to_thread.run_sync(self._complete_ids)
+            for blob_id in ids:
+                await self.provide(blob_id)
+            await trio.sleep(self.config.reprovide_interval)
+
+    def _complete_ids(self) -> list[str]:
+        return [info.blob_id for info in self.store.list_blobs() if info.complete]
+
+    # --- blobs -----------------------------------------------------------------------
+    async def add(self, path: str | os.PathLike[str], *, tag: str | None = None) -> str:
+        """Put a file or directory into the store and announce it."""
+        source = Path(path)
+        if await trio.to_thread.run_sync(source.is_dir):
+            blob_id = await trio.to_thread.run_sync(self.store.put_dir, source)
+        else:
+            blob_id = await trio.to_thread.run_sync(self.store.put_path, source)
+        if tag is not None:
+            await trio.to_thread.run_sync(self.store.tag, tag, blob_id)
+        await self._announce(blob_id)
+        return blob_id
+
+    async def add_bytes(self, data: bytes) -> str:
+        blob_id = await trio.to_thread.run_sync(self.store.put_bytes, data)
+        await self._announce(blob_id)
+        return blob_id
+
+    async def _announce(self, blob_id: str) -> None:
+        if self.dht is not None:
+            with trio.move_on_after(30):
+                await self.provide(blob_id)
+
+    async def fetch(
+        self,
+        ref: str,
+        *,
+        providers: Sequence[str] = (),
+        progress: ProgressCallback | None = None,
+        recursive: bool = True,
+        announce: bool = True,
+    ) -> str:
+        """Fetch a blob (by ID or ticket) and, for a collection, its children.
+
+        ``providers`` are multiaddrs ending in ``/p2p/<id>``; connected peers and the DHT
+        are asked as well. With ``announce`` the blob is then provided on the DHT.
+        Returns the blob ID.
+        """
+        try:
+            blob_id = await self._fetch(ref, providers, progress, recursive)
+        except BaseExceptionGroup as group:
+            raise unwrap_single(group) from None
+        if announce:
+            await self._announce(blob_id)
+        return blob_id
+
+    async def _fetch(
+        self,
+        ref: str,
+        providers: Sequence[str],
+        progress: ProgressCallback | None,
+        recursive: bool,
+    ) -> str:
+        addrs = list(providers)
+        if ref.startswith("blob1"):
+            ticket = Ticket.decode(ref)
+            blob_id = ticket.blob_id
+            addrs.extend(ticket.addrs)
+        else:
+            from blobstore import parse_blob_id
+
+            blob_id = parse_blob_id(ref)
+        peers = await self._dial_all(addrs)
+        await self._fetch_one(blob_id, peers, progress)
+        if recursive and await trio.to_thread.run_sync(self.store.is_collection, blob_id):
+            entries = await trio.to_thread.run_sync(self.store.read_collection, blob_id)
+            limiter = trio.CapacityLimiter(COLLECTION_PARALLELISM)
+
+            async def child(child_id: str) -> None:
+                async with limiter:
+                    await self._fetch_one(child_id, peers, progress)
+
+            async with trio.open_nursery() as nursery:
+                for entry in entries:
+                    nursery.start_soon(child, entry.blob_id)
+        return blob_id
+
+    async def _dial_all(self, addrs: Sequence[str]) -> list[str]:
+        peers: list[str] = []
+        errors: list[str] = []
+
+        async def dial(addr: str) -> None:
+            try:
+                peers.append(await self.connect(addr))
+            except PeerUnreachable as exc:
+                errors.append(str(exc))
+
+        async with trio.open_nursery() as nursery:
+            for addr in dict.fromkeys(addrs):
+                nursery.start_soon(dial, addr)
+        for error in errors:
+            log.warning("%s", error)
+        return peers
+
+    async def _fetch_one(
+        self, blob_id: str, peers: list[str], progress: ProgressCallback | None
+    ) -> None:
+        if await trio.to_thread.run_sync(self.store.has, blob_id):
+            return
+        send, receive = trio.open_memory_channel[str](256)
+        explicit = list(dict.fromkeys(peers))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._discover, blob_id, explicit, send)
+            await download_blob(
+                self,
+                self.store,
+                blob_id,
+                providers=explicit,
+                more_providers=receive,
+                progress=progress,
+                config=self.config.scheduler,
+                discovery_timeout=self.config.discovery_timeout,
+            )
+            nursery.cancel_scope.cancel()
+
+    async def _discover(
+        self, blob_id: str, explicit: list[str], send: trio.MemorySendChannel[str]
+    ) -> None:
+        """Feed candidate providers: connected peers at once, then the DHT's answers,
+        asked again with growing pauses (a provider may announce itself late) until the
+        discovery timeout."""
+        seen = set(explicit)
+        async with send:
+            for peer in self.connected_peers()[:MAX_CONNECTED_CANDIDATES]:
+                if peer not in seen:
+                    seen.add(peer)
+                    await send.send(peer)
+            if self.dht is None:
+                return
+            pause = 0.25
+            with trio.move_on_after(self.config.discovery_timeout):
+                while True:
+                    for peer in await self.find_providers(blob_id):
+                        if peer not in seen:
+                            seen.add(peer)
+                            await send.send(peer)
+                    await trio.sleep(pause)
+                    pause = min(pause * 2, 4.0)
+
+    async def export(self, blob_id: str, dest: str | os.PathLike[str]) -> None:
+        await trio.to_thread.run_sync(self.store.export, blob_id, Path(dest))
+
+
+def _key_pair(key: MachineKey | KeyPair | None, key_path: Path | None) -> KeyPair:
+    if isinstance(key, KeyPair):
+        return key
+    if key is None:
+        key = MachineKey.generate() if key_path is None else load_or_create_key(key_path)
+    return key.libp2p_keypair()
+
+
+@asynccontextmanager
+async def open_node(
+    store: Store | str | os.PathLike[str],
+    *,
+    key: MachineKey | KeyPair | None = None,
+    key_path: str | os.PathLike[str] | None = None,
+    listen: Sequence[str] = DEFAULT_LISTEN,
+    bootstrap: Sequence[str] = (),
+    dht: bool = True,
+    fast: bool = True,
+    config: NodeConfig | None = None,
+) -> AsyncIterator[Node]:
+    """Run a node for the duration of the ``async with`` block.
+
+    ``key``/``key_path``: the machine identity (a fresh ephemeral key if neither is given).
+    ``bootstrap``: DHT bootstrap peers, dialled at start (a failed one is logged).
+    """
+    if config is None:
+        config = NodeConfig(listen=tuple(listen), bootstrap=tuple(bootstrap), dht=dht, fast=fast)
+    if not isinstance(store, Store):
+        store = await trio.to_thread.run_sync(Store.open, Path(store))
+    key_pair = _key_pair(key, Path(key_path) if key_path is not None else None)
+    host = build_host(key_pair, fast=config.fast)
+    server = BlobServer(store)
+    listen_addrs = [Multiaddr(a) for a in config.listen]
+    async with host.run(listen_addrs=listen_addrs):
+        host.set_stream_handler(TProtocol(proto.PROTOCOL_ID), server.handle_stream)
+        kad = KadDHT(host, DHTMode.SERVER) if config.dht else None
+        async with _maybe_service(kad), trio.open_nursery() as nursery:
+            node = Node(store, host, server, kad, config)
+            for addr in config.bootstrap:
+                try:
+                    await node.connect(addr)
+                except (PeerUnreachable, BadAddress) as exc:
+                    log.warning("bootstrap peer unusable: %s", exc)
+            if kad is not None:
+                nursery.start_soon(node._reprovide_loop)
+            try:
+                yield node
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def _maybe_service(service: KadDHT | None) -> AsyncIterator[None]:
+    if service is None:
+        yield
+        return
+    async with background_trio_service(service):
+        yield

@@ -1,0 +1,938 @@
+"""Which chunks of one blob to request from which peer: a sans-IO download scheduler.
+
+The trio downloader shell owns the streams, the clock and the disk; this module owns the
+decisions. Every method is synchronous, does no I/O and never reads a clock: time is the
+``now`` argument (seconds, monotonic), and `next_deadline` tells the shell when it next
+needs waking.
+
+Theory of operation
+===================
+
+Each chunk index is in exactly one of three states:
+
+- *pool*: not verified, not requested from anyone; free to hand out;
+- *in flight*: not verified, named by at least one live request that has not delivered it;
+- *verified*: the shell reported it arrived and matched its hash (or it was verified before
+  this download started, on resume).
+
+A request ("ticket") names a set of chunk indices of one peer, sent as sorted, merged
+half-open ranges, with a deadline. It is live from `next_request` until the shell reports
+it done, failed, cancelled, or its peer is banned, dropped or removed; leaving the live set
+is *releasing* it.
+
+Invariants (each is checked by tests/p2p/test_scheduler*.py):
+
+1. A verified chunk is never requested again: tickets are built only from pool chunks
+   (or, in endgame, in-flight chunks), and a chunk leaves the verified state never.
+2. Outside endgame no chunk is named by two live requests: a pool chunk becomes in flight
+   the moment it is handed out. Endgame is the state where no pool chunk is held by any
+   usable peer; only then may an idle peer (no live request) be handed copies of chunks
+   in flight elsewhere, at most ``1 + endgame_duplicates`` live requests per chunk, oldest
+   request first (the one most likely stuck behind a slow peer).
+3. A banned peer never gets a request. A peer is banned for this download when one of its
+   chunks fails its hash or it breaks the protocol; its live requests are released at
+   once. A banned peer stays banned even if it is added again.
+4. Every released chunk that is still unverified and no longer in flight at any other
+   request goes back to the pool, and from there to every usable peer that holds it.
+5. Requests never exceed the configured limits: at most ``max_chunks_per_request`` chunks
+   in at most ``max_ranges_per_request`` ranges, at most
+   ``max_inflight_requests_per_peer`` live requests per peer.
+6. `done` is true iff every chunk is verified.
+
+Policy
+======
+
+- Rarest first. A chunk's rarity is the number of usable *partial* peers that hold it
+  (a peer with everything adds one to every chunk and so cannot change the order). Pool
+  chunks are handed out by (rarity, index): chunks that only few peers can serve go first,
+  while those peers are still here; equal rarity goes by index, which keeps ranges
+  contiguous and writes sequential.
+- Rate-scaled batches. Each peer's rate is an exponentially weighted average of the bytes
+  per second it delivers while it has requests in flight. A peer's batch is the full batch
+  scaled by its rate over the best peer's rate, so a slow peer holds few chunks when the
+  download nears its end. An unmeasured peer gets the full batch while nobody is measured
+  yet, else a probe of a quarter batch. Near the end of the pool, a batch is also capped at
+  this peer's rate-weighted share of the remaining pool next to the idle usable peers, so
+  that the last chunks are spread out rather than queued at whoever asked first.
+- Deadlines. A request must finish by ``now + request_timeout_base + bytes /
+  min_rate_bytes_per_s``, where ``bytes`` counts this request plus what the peer still owes
+  on its earlier live requests (pipelined requests share the peer's link).
+- Late data. A chunk of a released request that still arrives and verifies is kept (it
+  is correct data); a server that ends a request without sending a chunk and without
+  calling it missing gets that chunk released to the pool, its bitmap unchanged.
+- Failures. A request that times out or loses its stream releases its chunks and counts a
+  failure; ``max_failures_before_drop`` failures in a row drop the peer (not a ban: it may
+  be added again). Delivering a chunk or finishing a request resets the streak.
+
+Cost
+====
+
+Pool chunks sit in min-heaps keyed by ``rarity * num_chunks + index``: one shared heap for
+peers that have every chunk and one heap per usable partial peer, with lazy deletion (an
+entry is skipped when its chunk is no longer in the pool or its rarity changed).
+`next_request`, `on_chunk` and the request-end events cost O(batch * log n) amortised,
+plus O(number of peers) for the rate ranking and for re-offering released chunks to their
+holders. A change in the set of usable partial peers (join, leave, ban, a large bitmap
+change) costs O(num_chunks) at once and marks the heaps for one O(num_chunks * partial
+peers) rebuild at the next `next_request`. Small bitmap changes (a few chunks reported
+missing) are applied per chunk.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from p2p.protocol import MAX_CHUNKS_PER_REQUEST, MAX_RANGES_PER_REQUEST
+
+__all__ = [
+    "PROTOCOL_MAX_CHUNKS_PER_REQUEST",
+    "PROTOCOL_MAX_RANGES_PER_REQUEST",
+    "PeerStats",
+    "RequestTicket",
+    "Scheduler",
+    "SchedulerConfig",
+    "bitmap_of",
+]
+
+# The wire protocol's hard limits on one `get` request: a config can never build a request
+# that a server would refuse as `too_large` / `bad_request`.
+PROTOCOL_MAX_CHUNKS_PER_REQUEST = MAX_CHUNKS_PER_REQUEST
+PROTOCOL_MAX_RANGES_PER_REQUEST = MAX_RANGES_PER_REQUEST
+
+_POOL = 0
+_INFLIGHT = 1
+_VERIFIED = 2
+
+# _BITS[b]: the positions of the set bits of byte b, LSB first (chunk i = byte i//8, bit i%8).
+_BITS: tuple[tuple[int, ...], ...] = tuple(
+    tuple(bit for bit in range(8) if b >> bit & 1) for b in range(256)
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Tunables of one download. All limits are checked on construction."""
+
+    # 16 chunks = 16 MiB at the default chunk size: long enough to amortise a request's
+    # round trip at ~50 MB/s per peer connection (research/perf.md), short enough that a
+    # released or endgame-duplicated batch is cheap to redo.
+    max_chunks_per_request: int = 16
+    # Two live requests per peer keep its link busy while the next request's round trip
+    # is in flight (pipelining across streams); more only queues work at one peer that a
+    # faster peer could have taken.
+    max_inflight_requests_per_peer: int = 2
+    # Fixed part of every deadline: connection setup, a stream open and a disk-bound server
+    # reading its first chunk can each take seconds on a loaded host.
+    request_timeout_base: float = 10.0
+    # The slowest send rate worth waiting for: 256 KiB/s moves a 1 MiB chunk in 4 s. A peer
+    # slower than this is treated as stalled; the endgame covers merely slow ones.
+    min_rate_bytes_per_s: float = 256 * 1024
+    # One timeout can be a blip (GC pause, a lost connection that reconnects); three in a
+    # row means the peer is not serving us and keeps chunks hostage until each deadline.
+    max_failures_before_drop: int = 3
+    # One extra copy of each tail chunk is enough to route around one slow peer while
+    # bounding wasted bandwidth to the in-flight tail; 0 turns the endgame off.
+    endgame_duplicates: int = 1
+    # The protocol's cap on ranges per request (see PROTOCOL_MAX_RANGES_PER_REQUEST).
+    max_ranges_per_request: int = PROTOCOL_MAX_RANGES_PER_REQUEST
+    # Time constant of the rate average: ~2 s follows a peer whose link changes within a
+    # few requests without jumping on every burst of TCP delivery.
+    rate_time_constant_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_chunks_per_request <= PROTOCOL_MAX_CHUNKS_PER_REQUEST:
+            raise ValueError(
+                f"max_chunks_per_request must be in 1..{PROTOCOL_MAX_CHUNKS_PER_REQUEST}, "
+                f"not {self.max_chunks_per_request}"
+            )
+        if not 1 <= self.max_ranges_per_request <= PROTOCOL_MAX_RANGES_PER_REQUEST:
+            raise ValueError(
+                f"max_ranges_per_request must be in 1..{PROTOCOL_MAX_RANGES_PER_REQUEST}, "
+                f"not {self.max_ranges_per_request}"
+            )
+        if self.max_inflight_requests_per_peer < 1:
+            raise ValueError("max_inflight_requests_per_peer must be at least 1")
+        if not self.request_timeout_base > 0:
+            raise ValueError("request_timeout_base must be positive")
+        if not self.min_rate_bytes_per_s > 0:
+            raise ValueError("min_rate_bytes_per_s must be positive")
+        if self.max_failures_before_drop < 1:
+            raise ValueError("max_failures_before_drop must be at least 1")
+        if self.endgame_duplicates < 0:
+            raise ValueError("endgame_duplicates must not be negative")
+        if not self.rate_time_constant_s > 0:
+            raise ValueError("rate_time_constant_s must be positive")
+
+
+@dataclass(frozen=True)
+class RequestTicket:
+    """One `get` request to send: `ranges` are sorted, merged, half-open index ranges."""
+
+    request_id: int
+    peer: str
+    ranges: tuple[tuple[int, int], ...]
+    deadline: float
+    indices: frozenset[int]
+    # True when the ticket duplicates chunks in flight elsewhere (invariant 2).
+    endgame: bool = False
+
+
+@dataclass(frozen=True)
+class PeerStats:
+    """What one peer did for this download (for progress reports and logs)."""
+
+    bytes_received: int
+    chunks_received: int
+    rate_bytes_per_s: float  # 0.0 until measured
+    inflight: int  # live requests
+    banned: bool
+    dropped: bool
+    failures: int  # total failed requests
+    connected: bool = True
+    last_error: str | None = None
+
+
+def bitmap_of(indices: Iterable[int], num_chunks: int) -> bytes:
+    """The have-bitmap (LSB-first, byte i//8 bit i%8) of `indices` out of `num_chunks`."""
+    bm = bytearray((num_chunks + 7) // 8)
+    for i in indices:
+        if not 0 <= i < num_chunks:
+            raise ValueError(f"chunk index {i} out of range 0..{num_chunks - 1}")
+        bm[i >> 3] |= 1 << (i & 7)
+    return bytes(bm)
+
+
+def _to_ranges(sorted_indices: list[int]) -> tuple[tuple[int, int], ...]:
+    ranges: list[tuple[int, int]] = []
+    start = prev = sorted_indices[0]
+    for i in sorted_indices[1:]:
+        if i != prev + 1:
+            ranges.append((start, prev + 1))
+            start = i
+        prev = i
+    ranges.append((start, prev + 1))
+    return tuple(ranges)
+
+
+def _set_bits(bm: bytes | bytearray) -> Iterator[int]:
+    for byte_index, b in enumerate(bm):
+        if b:
+            base = byte_index << 3
+            for bit in _BITS[b]:
+                yield base + bit
+
+
+@dataclass(eq=False)
+class _Peer:
+    name: str
+    bitmap: bytearray | None  # None: holds every chunk
+    connected: bool = True
+    banned: bool = False
+    dropped: bool = False
+    heap: list[int] = field(default_factory=list)  # pool keys, partial peers only
+    requests: dict[int, _Request] = field(default_factory=dict)
+    rate: float | None = None
+    mark: float = 0.0  # last time the rate average was advanced
+    unfolded_bytes: int = 0  # bytes that arrived at `mark` itself, not yet averaged
+    outstanding_bytes: int = 0  # bytes still owed on live requests
+    bytes_received: int = 0
+    chunks_received: int = 0
+    failures: int = 0
+    streak: int = 0  # failures in a row
+    last_error: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.connected and not self.banned and not self.dropped
+
+    def holds(self, i: int) -> bool:
+        bm = self.bitmap
+        return bm is None or bool(bm[i >> 3] >> (i & 7) & 1)
+
+
+@dataclass(eq=False)
+class _Request:
+    ticket: RequestTicket
+    peer: _Peer
+    issued_at: float
+    unreceived: set[int]
+
+
+class Scheduler:
+    """Chunk scheduling for one blob of `num_chunks` chunks; see the module docstring."""
+
+    def __init__(
+        self,
+        num_chunks: int,
+        chunk_length: Callable[[int], int],
+        verified: Iterable[int] = (),
+        config: SchedulerConfig = SchedulerConfig(),  # frozen: safe to share
+    ) -> None:
+        if num_chunks < 0:
+            raise ValueError(f"num_chunks must not be negative, not {num_chunks}")
+        self._n = num_chunks
+        self._stride = max(num_chunks, 1)
+        self._chunk_length = chunk_length
+        self._cfg = config
+        self._state = bytearray(num_chunks)  # all _POOL
+        self._rarity = [0] * num_chunks
+        self._verified_count = 0
+        for i in verified:
+            self._check_index(i)
+            if self._state[i] != _VERIFIED:
+                self._state[i] = _VERIFIED
+                self._verified_count += 1
+        self._pool_count = num_chunks - self._verified_count
+        # Pool chunks with no usable partial holder (rarity 0): fetchable only from a peer
+        # that has everything.
+        self._orphans = self._pool_count
+        self._full_usable = 0
+        # Keys are rarity * stride + index; every rarity is 0 here, so the sorted list of
+        # pool indices is already a heap.
+        self._full_heap = [i for i in range(num_chunks) if self._state[i] == _POOL]
+        self._dirty = False
+        self._pushes = 0  # heap entries pushed since the last rebuild
+        self._inflight: dict[int, set[int]] = {}  # chunk -> live request ids still owing it
+        self._requests: dict[int, _Request] = {}
+        self._request_peer: dict[int, str] = {}  # every id ever issued -> its peer
+        self._deadlines: list[tuple[float, int]] = []
+        self._overdue: set[int] = set()
+        self._next_id = 1
+        self._peers: dict[str, _Peer] = {}
+        self._partials: dict[str, _Peer] = {}  # usable peers with a partial bitmap
+
+    # ----------------------------------------------------------------- peers
+
+    def add_peer(self, peer: str, now: float, bitmap: bytes | None = None) -> None:
+        """Add a provider (or update a known one); `bitmap` None means it has every chunk.
+
+        A dropped or removed peer becomes usable again; a banned one stays banned.
+        """
+        parsed = self._parse_bitmap(bitmap)
+        p = self._peers.get(peer)
+        if p is None:
+            p = _Peer(peer, parsed, mark=now)
+            self._peers[peer] = p
+            self._contribute(p, +1)
+            return
+        if not p.usable:
+            p.bitmap = parsed
+            p.connected = True
+            p.dropped = False
+            p.streak = 0
+            if p.usable:
+                self._contribute(p, +1)
+            return
+        self._replace_bitmap(p, parsed)
+
+    def update_peer_bitmap(self, peer: str, bitmap: bytes | None) -> None:
+        """The peer's have-bitmap changed (a partial peer fetched more chunks)."""
+        p = self._peer(peer)
+        self._replace_bitmap(p, self._parse_bitmap(bitmap))
+
+    def remove_peer(self, peer: str, reason: str) -> None:
+        """The peer disconnected or was killed: release its requests (no penalty)."""
+        p = self._peers.get(peer)
+        if p is None:
+            return
+        p.last_error = reason
+        if p.usable:
+            self._contribute(p, -1)
+        p.connected = False
+        self._release_all(p)
+
+    # -------------------------------------------------------------- requests
+
+    def next_request(self, peer: str, now: float) -> RequestTicket | None:
+        """The next request to send to `peer`, or None if it has nothing useful to do now."""
+        p = self._peers.get(peer)
+        if p is None or not p.usable:
+            return None
+        if len(p.requests) >= self._cfg.max_inflight_requests_per_peer:
+            return None
+        if self._dirty:
+            self._rebuild()
+        limit = self._batch_size(p)
+        picked = self._pick_pool(p, limit)
+        endgame = False
+        if not picked and not p.requests and self._fetchable_pool() == 0:
+            picked = self._pick_endgame(p, limit)
+            endgame = True
+        if not picked:
+            return None
+        return self._issue(p, picked, now, endgame)
+
+    def expects(self, request_id: int, index: int) -> bool:
+        """Whether `index` belongs to live request `request_id` (the shell checks a served
+        chunk with this before hashing: a chunk outside its request is a protocol error)."""
+        req = self._requests.get(request_id)
+        return req is not None and index in req.ticket.indices
+
+    def is_obsolete(self, request_id: int) -> bool:
+        """Whether every chunk the live request still owes is already verified (an endgame
+        loser): the shell may reset its stream and report `cancel`."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        state = self._state
+        return all(state[i] == _VERIFIED for i in req.unreceived)
+
+    # ---------------------------------------------------------------- events
+
+    def on_chunk(self, request_id: int, index: int, nbytes: int, now: float) -> bool:
+        """Chunk `index` of the request arrived and verified. True if it is new (write it),
+        False if it was already verified (an endgame duplicate: discard it)."""
+        self._check_index(index)
+        req = self._requests.get(request_id)
+        if req is None:
+            # A late chunk of a released request: the data is verified, so keep it.
+            name = self._known_request(request_id)
+            p = self._peers[name]
+            p.bytes_received += nbytes
+            p.chunks_received += 1
+            return self._mark_verified(index)
+        if index not in req.ticket.indices:
+            raise ValueError(
+                f"chunk {index} is not part of request {request_id} (a server sending it "
+                "is a protocol error; check with expects() before reporting)"
+            )
+        p = req.peer
+        if index in req.unreceived:
+            req.unreceived.discard(index)
+            p.outstanding_bytes -= self._chunk_length(index)
+        p.bytes_received += nbytes
+        p.chunks_received += 1
+        p.streak = 0
+        self._observe(p, nbytes, now)
+        return self._mark_verified(index)
+
+    def on_bad_chunk(self, request_id: int, index: int, now: float) -> None:
+        """The chunk failed its hash: ban the peer for this download."""
+        self._check_index(index)
+        self._ban(self._known_request(request_id), f"chunk {index} failed its hash")
+
+    def on_protocol_error(self, request_id: int, now: float, reason: str) -> None:
+        """The peer broke the protocol on this request: ban it for this download."""
+        self._ban(self._known_request(request_id), reason)
+
+    def on_request_done(self, request_id: int, now: float, missing: Iterable[int] = ()) -> None:
+        """The server finished the request; `missing` are indices it said it lacks.
+
+        Missing chunks leave the peer's bitmap; every chunk not delivered returns to the
+        pool. A request already released (banned, failed, removed) is ignored.
+        """
+        req = self._requests.get(request_id)
+        if req is None:
+            self._known_request(request_id)
+            return
+        lacked = set(missing)
+        stray = lacked - req.ticket.indices
+        if stray:
+            raise ValueError(
+                f"request {request_id} did not ask for chunks {sorted(stray)[:8]} reported "
+                "missing (a server doing so is a protocol error)"
+            )
+        p = req.peer
+        p.streak = 0
+        if lacked:
+            self._forget_chunks(p, lacked)
+        self._release(req)
+
+    def on_request_failed(self, request_id: int, now: float, reason: str) -> None:
+        """Stall, timeout, stream error or lost connection: release the request and count a
+        failure; enough failures in a row drop the peer (it may be added again)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            self._known_request(request_id)
+            return
+        p = req.peer
+        self._observe(p, 0, now)
+        self._release(req)
+        p.failures += 1
+        p.streak += 1
+        p.last_error = reason
+        if p.streak >= self._cfg.max_failures_before_drop:
+            self._contribute(p, -1)
+            p.dropped = True
+            self._release_all(p)
+
+    def cancel(self, request_id: int, now: float) -> None:
+        """The shell abandoned a live request on its own account (e.g. `is_obsolete`):
+        release it without penalising the peer."""
+        req = self._requests.get(request_id)
+        if req is None:
+            self._known_request(request_id)
+            return
+        self._release(req)
+
+    # ---------------------------------------------------------------- timers
+
+    def expired(self, now: float) -> list[RequestTicket]:
+        """Live requests whose deadline is at or before `now`, earliest first. They stay
+        live until the shell reports them (normally `on_request_failed`)."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, rid = heapq.heappop(deadlines)
+            if rid in self._requests:
+                self._overdue.add(rid)
+        tickets = [self._requests[rid].ticket for rid in self._overdue]
+        tickets.sort(key=lambda t: (t.deadline, t.request_id))
+        return tickets
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a live request, or None when nothing is in flight."""
+        if self._overdue:
+            return min(self._requests[rid].ticket.deadline for rid in self._overdue)
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][1] not in self._requests:
+            heapq.heappop(deadlines)
+        return deadlines[0][0] if deadlines else None
+
+    # ------------------------------------------------------------ inspection
+
+    @property
+    def done(self) -> bool:
+        return self._verified_count == self._n
+
+    @property
+    def verified_count(self) -> int:
+        return self._verified_count
+
+    @property
+    def num_chunks(self) -> int:
+        return self._n
+
+    @property
+    def unheld_count(self) -> int:
+        """Unrequested chunks that no usable peer holds (waiting for a new provider)."""
+        return 0 if self._full_usable else self._orphans
+
+    def missing(self) -> list[int]:
+        """Indices not yet verified, ascending (O(num_chunks): for reports, not hot paths)."""
+        state = self._state
+        return [i for i in range(self._n) if state[i] != _VERIFIED]
+
+    def stalled(self) -> bool:
+        """Not done, and no usable peer can make progress: nothing is in flight and no
+        usable peer holds a missing chunk (every holder banned, dropped or gone)."""
+        if self.done or self._requests or self._full_usable:
+            return False
+        return self._pool_count == self._orphans
+
+    def peer_stats(self) -> dict[str, PeerStats]:
+        return {
+            name: PeerStats(
+                bytes_received=p.bytes_received,
+                chunks_received=p.chunks_received,
+                rate_bytes_per_s=p.rate or 0.0,
+                inflight=len(p.requests),
+                banned=p.banned,
+                dropped=p.dropped,
+                failures=p.failures,
+                connected=p.connected,
+                last_error=p.last_error,
+            )
+            for name, p in self._peers.items()
+        }
+
+    def banned_peers(self) -> set[str]:
+        return {name for name, p in self._peers.items() if p.banned}
+
+    # ----------------------------------------------------------- internals
+
+    def _check_index(self, i: int) -> None:
+        if not 0 <= i < self._n:
+            raise ValueError(f"chunk index {i} out of range 0..{self._n - 1}")
+
+    def _peer(self, name: str) -> _Peer:
+        p = self._peers.get(name)
+        if p is None:
+            raise KeyError(f"unknown peer {name!r}: add_peer() it first")
+        return p
+
+    def _known_request(self, request_id: int) -> str:
+        name = self._request_peer.get(request_id)
+        if name is None:
+            raise ValueError(f"request {request_id} was never issued by this scheduler")
+        return name
+
+    def _parse_bitmap(self, bitmap: bytes | None) -> bytearray | None:
+        if bitmap is None:
+            return None
+        n = self._n
+        if len(bitmap) != (n + 7) // 8:
+            raise ValueError(
+                f"have-bitmap is {len(bitmap)} bytes, a blob of {n} chunks needs "
+                f"{(n + 7) // 8} (a peer sending it is a protocol error)"
+            )
+        bm = bytearray(bitmap)
+        if n & 7:
+            bm[-1] &= (1 << (n & 7)) - 1
+        if int.from_bytes(bm, "little").bit_count() == n:
+            return None  # holds everything: share the full heap
+        return bm
+
+    # Rarity and heap bookkeeping.
+
+    def _contribute(self, p: _Peer, sign: int) -> None:
+        """Add (+1) or remove (-1) a usable peer's holdings from the rarity counts."""
+        bm = p.bitmap
+        if bm is None:
+            self._full_usable += sign
+            return
+        if sign > 0:
+            self._partials[p.name] = p
+        else:
+            self._partials.pop(p.name, None)
+            p.heap = []
+        rarity = self._rarity
+        state = self._state
+        orphans = 0
+        for i in _set_bits(bm):
+            r = rarity[i]
+            rarity[i] = r + sign
+            if state[i] == _POOL and (r == 0 or r + sign == 0):
+                orphans -= sign
+        self._orphans += orphans
+        self._dirty = True
+
+    def _replace_bitmap(self, p: _Peer, new: bytearray | None) -> None:
+        old = p.bitmap
+        if not p.usable:
+            p.bitmap = new
+            return
+        if old is None and new is None:
+            return
+        if old is not None and new is not None:
+            diff = int.from_bytes(old, "little") ^ int.from_bytes(new, "little")
+            # Few changed chunks: update them one by one rather than rebuild every heap.
+            if diff.bit_count() <= max(64, self._n >> 6):
+                while diff:
+                    low = diff & -diff
+                    i = low.bit_length() - 1
+                    diff ^= low
+                    self._set_bit(p, i, bool(new[i >> 3] >> (i & 7) & 1))
+                return
+        self._contribute(p, -1)
+        p.bitmap = new
+        self._contribute(p, +1)
+
+    def _set_bit(self, p: _Peer, i: int, has: bool) -> None:
+        """Flip chunk i in usable partial peer p's bitmap, keeping rarity and heaps exact."""
+        bm = p.bitmap
+        assert bm is not None
+        if bool(bm[i >> 3] >> (i & 7) & 1) == has:
+            return
+        bm[i >> 3] ^= 1 << (i & 7)
+        r = self._rarity[i]
+        nr = r + (1 if has else -1)
+        self._rarity[i] = nr
+        if self._state[i] == _POOL:
+            if r == 0:
+                self._orphans -= 1
+            elif nr == 0:
+                self._orphans += 1
+            self._offer(i)
+
+    def _forget_chunks(self, p: _Peer, lacked: set[int]) -> None:
+        """The peer said it lacks these chunks: drop them from its bitmap."""
+        if p.bitmap is None:
+            n = self._n
+            bm = bytearray(b"\xff" * ((n + 7) // 8))
+            if n & 7:
+                bm[-1] = (1 << (n & 7)) - 1
+            for i in lacked:
+                bm[i >> 3] &= ~(1 << (i & 7)) & 0xFF
+            self._contribute(p, -1)
+            p.bitmap = bm
+            self._contribute(p, +1)
+            return
+        for i in lacked:
+            self._set_bit(p, i, False)
+
+    def _offer(self, i: int) -> None:
+        """Push pool chunk i, at its current rarity, to every heap that may serve it."""
+        if self._dirty:
+            return  # the rebuild will place it
+        key = self._rarity[i] * self._stride + i
+        heapq.heappush(self._full_heap, key)
+        pushes = 1
+        byte, bit = i >> 3, 1 << (i & 7)
+        for q in self._partials.values():
+            bm = q.bitmap
+            assert bm is not None
+            if bm[byte] & bit:
+                heapq.heappush(q.heap, key)
+                pushes += 1
+        self._pushes += pushes
+        # Lazy deletion leaves stale entries behind; rebuild once they could dominate.
+        if self._pushes > 2 * self._n + 64:
+            self._dirty = True
+
+    def _rebuild(self) -> None:
+        state = self._state
+        rarity = self._rarity
+        stride = self._stride
+        pool = [i for i in range(self._n) if state[i] == _POOL]
+        full = [rarity[i] * stride + i for i in pool]
+        heapq.heapify(full)
+        self._full_heap = full
+        for p in self._partials.values():
+            bm = p.bitmap
+            assert bm is not None
+            heap = [rarity[i] * stride + i for i in pool if bm[i >> 3] >> (i & 7) & 1]
+            heapq.heapify(heap)
+            p.heap = heap
+        self._dirty = False
+        self._pushes = 0
+
+    def _fetchable_pool(self) -> int:
+        """Pool chunks that some usable peer holds."""
+        return self._pool_count if self._full_usable else self._pool_count - self._orphans
+
+    # Choosing chunks.
+
+    def _batch_size(self, p: _Peer) -> int:
+        m = self._cfg.max_chunks_per_request
+        usable = [q for q in self._peers.values() if q.usable]
+        rates = [q.rate for q in usable if q.rate is not None]
+        best = max(rates, default=0.0)
+        if p.rate is None:
+            size = max(1, m // 4) if rates else m
+        elif best <= 0.0:
+            size = m
+        else:
+            size = max(1, min(m, math.ceil(m * p.rate / best)))
+        fetchable = self._fetchable_pool()
+        if 0 < fetchable < size * 2:
+            # The tail of the pool: take only p's rate-weighted share of it next to the
+            # idle peers that may still want some (a partial peer's heap may hold stale
+            # entries, so this errs towards smaller shares). Unmeasured peers count as
+            # the best one.
+            def weight(q: _Peer) -> float:
+                return q.rate if q.rate is not None else (best if rates else 1.0)
+
+            mine = weight(p)
+            total = mine + sum(
+                weight(q)
+                for q in usable
+                if q is not p and not q.requests and (q.bitmap is None or q.heap)
+            )
+            if total > 0.0:
+                size = min(size, max(1, math.ceil(fetchable * mine / total)))
+        return size
+
+    def _pick_pool(self, p: _Peer, limit: int) -> list[int]:
+        heap = self._full_heap if p.bitmap is None else p.heap
+        bm = p.bitmap
+        state = self._state
+        rarity = self._rarity
+        stride = self._stride
+        max_ranges = self._cfg.max_ranges_per_request
+        picked: list[int] = []
+        chosen: set[int] = set()
+        ranges = 0
+        while heap and len(picked) < limit:
+            key = heap[0]
+            i = key % stride
+            if (
+                state[i] != _POOL
+                or key // stride != rarity[i]
+                or i in chosen
+                or (bm is not None and not bm[i >> 3] >> (i & 7) & 1)
+            ):
+                heapq.heappop(heap)  # stale entry
+                continue
+            after = ranges + 1 - ((i - 1) in chosen) - ((i + 1) in chosen)
+            if after > max_ranges:
+                break  # leave it for the next request
+            heapq.heappop(heap)
+            picked.append(i)
+            chosen.add(i)
+            ranges = after
+        return picked
+
+    def _pick_endgame(self, p: _Peer, limit: int) -> list[int]:
+        if self._cfg.endgame_duplicates <= 0:
+            return []
+        copies = 1 + self._cfg.endgame_duplicates
+        others = [r for r in self._requests.values() if r.peer is not p]
+        # Oldest first: the request most likely stuck; then the slowest peer's.
+        others.sort(key=lambda r: (r.issued_at, r.peer.rate or 0.0, r.ticket.request_id))
+        max_ranges = self._cfg.max_ranges_per_request
+        picked: list[int] = []
+        chosen: set[int] = set()
+        ranges = 0
+        for req in others:
+            for i in sorted(req.unreceived):
+                if len(picked) >= limit:
+                    return picked
+                if (
+                    i in chosen
+                    or self._state[i] != _INFLIGHT
+                    or len(self._inflight[i]) >= copies
+                    or not p.holds(i)
+                ):
+                    continue
+                after = ranges + 1 - ((i - 1) in chosen) - ((i + 1) in chosen)
+                if after > max_ranges:
+                    return picked
+                picked.append(i)
+                chosen.add(i)
+                ranges = after
+        return picked
+
+    def _issue(self, p: _Peer, picked: list[int], now: float, endgame: bool) -> RequestTicket:
+        rid = self._next_id
+        self._next_id += 1
+        picked.sort()
+        nbytes = 0
+        state = self._state
+        for i in picked:
+            nbytes += self._chunk_length(i)
+            if state[i] == _POOL:
+                state[i] = _INFLIGHT
+                self._pool_count -= 1
+                if self._rarity[i] == 0:
+                    self._orphans -= 1
+            self._inflight.setdefault(i, set()).add(rid)
+        if not p.requests:
+            # The peer was idle: its rate clock starts now, not at its last chunk.
+            p.mark = now
+            p.unfolded_bytes = 0
+        deadline = (
+            now
+            + self._cfg.request_timeout_base
+            + (p.outstanding_bytes + nbytes) / self._cfg.min_rate_bytes_per_s
+        )
+        p.outstanding_bytes += nbytes
+        ticket = RequestTicket(
+            request_id=rid,
+            peer=p.name,
+            ranges=_to_ranges(picked),
+            deadline=deadline,
+            indices=frozenset(picked),
+            endgame=endgame,
+        )
+        req = _Request(ticket, p, now, set(picked))
+        self._requests[rid] = req
+        p.requests[rid] = req
+        self._request_peer[rid] = p.name
+        heapq.heappush(self._deadlines, (deadline, rid))
+        return ticket
+
+    # Chunk and request state changes.
+
+    def _mark_verified(self, i: int) -> bool:
+        s = self._state[i]
+        if s == _VERIFIED:
+            return False
+        if s == _POOL:
+            self._pool_count -= 1
+            if self._rarity[i] == 0:
+                self._orphans -= 1
+        else:
+            # Other live requests still owe it (endgame copies); they will deliver a
+            # duplicate that on_chunk reports as not new.
+            del self._inflight[i]
+        self._state[i] = _VERIFIED
+        self._verified_count += 1
+        return True
+
+    def _release(self, req: _Request) -> None:
+        rid = req.ticket.request_id
+        p = req.peer
+        del self._requests[rid]
+        del p.requests[rid]
+        self._overdue.discard(rid)
+        state = self._state
+        for i in sorted(req.unreceived):
+            p.outstanding_bytes -= self._chunk_length(i)
+            if state[i] != _INFLIGHT:
+                continue
+            owers = self._inflight[i]
+            owers.discard(rid)
+            if not owers:
+                del self._inflight[i]
+                state[i] = _POOL
+                self._pool_count += 1
+                if self._rarity[i] == 0:
+                    self._orphans += 1
+                self._offer(i)
+        req.unreceived.clear()
+
+    def _release_all(self, p: _Peer) -> None:
+        for req in list(p.requests.values()):
+            self._release(req)
+
+    def _ban(self, name: str, reason: str) -> None:
+        p = self._peers[name]
+        if p.usable:
+            self._contribute(p, -1)
+        p.banned = True
+        p.rate = 0.0
+        p.last_error = reason
+        self._release_all(p)
+
+    def _observe(self, p: _Peer, nbytes: int, now: float) -> None:
+        """Fold `nbytes` delivered at `now` into the peer's rate: a time-weighted EWMA of
+        bytes/s over the time the peer has had requests in flight."""
+        p.unfolded_bytes += nbytes
+        dt = now - p.mark
+        if dt <= 0.0:
+            return
+        sample = p.unfolded_bytes / dt
+        if p.rate is None:
+            p.rate = sample
+        else:
+            w = 1.0 - math.exp(-dt / self._cfg.rate_time_constant_s)
+            p.rate += w * (sample - p.rate)
+        p.unfolded_bytes = 0
+        p.mark = now
+
+    def _check_invariants(self) -> None:
+        """Recount every derived quantity from scratch (tests only: O(num_chunks))."""
+        state = self._state
+        n = self._n
+        assert self._verified_count == sum(1 for s in state if s == _VERIFIED)
+        assert self._pool_count == sum(1 for s in state if s == _POOL)
+        rarity = [0] * n
+        for p in self._peers.values():
+            if p.usable and p.bitmap is not None:
+                assert self._partials.get(p.name) is p
+                for i in _set_bits(p.bitmap):
+                    rarity[i] += 1
+            else:
+                assert p.name not in self._partials
+            if not p.usable:
+                assert not p.requests
+            owed = sum(self._chunk_length(i) for r in p.requests.values() for i in r.unreceived)
+            assert p.outstanding_bytes == owed, (p.name, p.outstanding_bytes, owed)
+            assert len(p.requests) <= self._cfg.max_inflight_requests_per_peer
+        assert rarity == self._rarity
+        assert self._full_usable == sum(
+            1 for p in self._peers.values() if p.usable and p.bitmap is None
+        )
+        assert self._orphans == sum(1 for i in range(n) if state[i] == _POOL and rarity[i] == 0)
+        owers: dict[int, set[int]] = {}
+        for rid, r in self._requests.items():
+            assert r.peer.requests.get(rid) is r
+            for i in r.unreceived:
+                if state[i] != _VERIFIED:
+                    owers.setdefault(i, set()).add(rid)
+        assert owers == self._inflight
+        assert all(state[i] == _INFLIGHT for i in owers)
+        assert all(s != _INFLIGHT or i in owers for i, s in enumerate(state))
+        if not self._dirty:
+            stride = self._stride
+            full = set(self._full_heap)
+            for i in range(n):
+                if state[i] == _POOL:
+                    key = self._rarity[i] * stride + i
+                    assert key in full, i
+                    for p in self._partials.values():
+                        if p.holds(i):
+                            assert key in p.heap, (p.name, i)

@@ -1,0 +1,173 @@
+"""Real node processes for the integration tests: ``blob serve`` (or a hostile variant)
+in its own OS process, on 127.0.0.1, over its own store on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HOSTILE_NODE = Path(__file__).with_name("hostile_node.py")
+READY_TIMEOUT = 60.0
+LISTEN = "/ip4/127.0.0.1/tcp/0"
+
+
+def blob_cmd(store: Path, key: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "p2p.cli", "--store", str(store), "--key", str(key), *args]
+
+
+def run_blob(
+    store: Path, key: Path, *args: str, timeout: float = 120, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        blob_cmd(store, key, *args), capture_output=True, text=True, timeout=timeout
+    )
+    if check and done.returncode != 0:
+        raise AssertionError(f"blob {' '.join(args)} exited {done.returncode}: {done.stderr}")
+    return done
+
+
+def last_json(text: str) -> Any:
+    """The JSON document a command printed (the whole output, or its last line)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return json.loads(text.strip().splitlines()[-1])
+
+
+class NodeProcess:
+    """One running node process; ``addr`` is its first full multiaddr."""
+
+    def __init__(self, cmd: list[str], name: str, log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        # stderr goes to a file: a pipe nobody reads would block a chatty node.
+        with log_path.open("wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.stop()
+            err = log_path.read_text(errors="replace")
+            raise AssertionError(f"node {name} did not become ready: {err[-2000:]}")
+        info = json.loads(line)
+        self.peer_id: str = info["peer_id"]
+        self.addrs: list[str] = info["addrs"]
+        self.addr = self.addrs[0]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._close_pipes()
+        return self.proc.returncode
+
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.nodes: list[NodeProcess] = []
+
+    def store(self, name: str) -> Path:
+        return self.root / name / "store"
+
+    def key(self, name: str) -> Path:
+        return self.root / name / "machine.key"
+
+    def _log(self, name: str) -> Path:
+        (self.root / name).mkdir(parents=True, exist_ok=True)
+        return self.root / name / f"node-{len(self.nodes)}.log"
+
+    def put(self, name: str, path: Path) -> str:
+        done = run_blob(self.store(name), self.key(name), "put", str(path), "--json")
+        return str(last_json(done.stdout)[0]["id"])
+
+    def serve(self, name: str, *extra: str, dht: bool = False) -> NodeProcess:
+        args = ["serve", "--json", "--listen", LISTEN, *extra]
+        if not dht:
+            args.append("--no-dht")
+        node = NodeProcess(blob_cmd(self.store(name), self.key(name), *args), name, self._log(name))
+        self.nodes.append(node)
+        return node
+
+    def hostile(self, name: str, mode: str, *extra: str) -> NodeProcess:
+        cmd = [
+            sys.executable, str(HOSTILE_NODE), "--store", str(self.store(name)),
+            "--mode", mode, *extra,
+        ]  # fmt: skip
+        node = NodeProcess(cmd, name, self._log(name))
+        self.nodes.append(node)
+        return node
+
+    def get(self, name: str, ref: str, *extra: str, timeout: float = 180) -> Any:
+        done = run_blob(
+            self.store(name), self.key(name), "get", ref, "--json", *extra, timeout=timeout
+        )
+        return last_json(done.stdout)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def random_file(path: Path, size: int, seed: int = 0) -> Path:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    path.write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+    return path
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -1,0 +1,72 @@
+"""A node process that misbehaves on purpose, for the integration tests.
+
+Modes:
+  flip   serves every chunk with its first byte flipped (a lying peer)
+  stall  serves ``--after`` chunks, then stops sending without closing (a stalled peer)
+  slow   sleeps ``--delay`` seconds before each chunk (a slow peer)
+
+It runs a real blobnet node over TCP on 127.0.0.1 and its own store; only the store that
+the protocol server reads through is wrapped. Prints the same JSON ready line as
+``blob serve --json`` and runs until killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from blobstore import Store
+from p2p.node import open_node
+
+
+class HostileStore:
+    def __init__(self, store: Store, mode: str, after: int, delay: float) -> None:
+        self._store = store
+        self._mode = mode
+        self._after = after
+        self._delay = delay
+        self._served = 0
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def read_chunk(self, blob_id: str, index: int) -> bytes:
+        data = self._store.read_chunk(blob_id, index)
+        with self._lock:
+            self._served += 1
+            served = self._served
+        if self._mode == "flip":
+            return bytes([data[0] ^ 0xFF]) + data[1:]
+        if self._mode == "stall" and served > self._after:
+            time.sleep(3600)
+        if self._mode == "slow":
+            time.sleep(self._delay)
+        return data
+
+
+async def main(args: argparse.Namespace) -> None:
+    store = Store.open(Path(args.store))
+    async with open_node(store, listen=["/ip4/127.0.0.1/tcp/0"], dht=False) as node:
+        node.server.store = HostileStore(store, args.mode, args.after, args.delay)  # type: ignore[assignment]
+        print(json.dumps({"peer_id": node.peer_id, "addrs": node.addrs}), flush=True)
+        await trio.sleep_forever()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--mode", choices=["flip", "stall", "slow"], required=True)
+    parser.add_argument("--after", type=int, default=4)
+    parser.add_argument("--delay", type=float, default=0.05)
+    try:
+        trio.run(main, parser.parse_args())
+    except KeyboardInterrupt:
+        sys.exit(0)

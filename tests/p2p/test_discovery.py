@@ -1,0 +1,27 @@
+"""Discovery over the Kademlia DHT between real node processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from blobstore import Store
+
+from .conftest import Cluster, random_file
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def test_node_without_peers_finds_provider_through_dht(cluster: Cluster, tmp_path: Path) -> None:
+    source = random_file(tmp_path / "update.bin", 3 * 1024 * 1024 + 5)
+    blob_id = cluster.put("n3", source)
+    boot = cluster.serve("boot", dht=True)
+    for i in range(6):
+        cluster.serve(f"n{i}", "--bootstrap", boot.addr, dht=True)
+    provider = next(node for node in cluster.nodes if node.name == "n3")
+
+    result = cluster.get("fresh", blob_id, "--bootstrap", boot.addr)
+    assert result["id"] == blob_id
+    assert result["peers"][provider.peer_id]["bytes"] == source.stat().st_size
+    assert Store.open(cluster.store("fresh")).path(blob_id).read_bytes() == source.read_bytes()
