@@ -1,0 +1,222 @@
+"""`blob train` end to end in separate processes: two processes reach the same digest, a
+third replays it and attests, and the evidence check accepts two operators."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blobstore import Store
+from identity import Authority, MachineKey, SoftwareSigner, create_key_file, format_public_key
+from training.recipe import Recipe
+from training.records import decode_records, make_records
+
+TIMEOUT = 110
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.pop("BLOBNET_PASSPHRASE", None)
+    return env
+
+
+def _blob(store: Path, key: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "p2p.cli", "--store", str(store), "--key", str(key), *args]
+
+
+def _run(store: Path, key: Path, *args: str, code: int = 0) -> str:
+    proc = subprocess.run(
+        _blob(store, key, *args), capture_output=True, text=True, env=_env(), timeout=TIMEOUT
+    )
+    assert proc.returncode == code, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_no_cuda_and_no_device_cpu_refuses(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the refusal without CUDA")
+    recipe = tmp_path / "r.msgpack"
+    recipe.write_bytes(Recipe().encode())
+    proc = subprocess.run(
+        _blob(
+            tmp_path / "s",
+            tmp_path / "k",
+            "train",
+            "run",
+            "--base",
+            "0" * 64,
+            "--records",
+            "1" * 64,
+            "--recipe",
+            str(recipe),
+            "--seed",
+            "1",
+        ),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=TIMEOUT,
+    )
+    assert proc.returncode == 2
+    assert "CUDA is not available" in proc.stderr and "--device cpu" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # three processes that each import torch + peft (5-20 s)
+def test_two_processes_same_digest_replay_and_check(tmp_path: Path) -> None:
+    from training import determinism, kernel_class
+    from training.model import make_tiny_llama, save_base_model
+
+    determinism.enter("cpu", threads=1)
+    kc = kernel_class.detect("cpu").id  # what the subprocesses will detect too
+
+    keys = tmp_path / "keys"
+    alice_key, bob_key = keys / "alice.key", keys / "bob.key"
+    alice, bob = create_key_file(alice_key), create_key_file(bob_key)
+    authority = Authority(SoftwareSigner(MachineKey.generate()))
+    for name, key in (("alice", alice), ("bob", bob)):
+        cert = authority.admit(
+            key.peer_id,
+            operator=name,
+            kernel_class=kc,
+            not_before=0,
+            not_after=2**40,
+            serial=len(name),
+        )
+        (tmp_path / f"{name}.cert").write_bytes(cert.encode())
+
+    # Inputs are made in this process (the commands that make them are tested below in
+    # test_input_commands); the rounds themselves run in separate processes.
+    store_a = tmp_path / "a"
+    store = Store.open(store_a)
+    save_base_model(make_tiny_llama("tiny", seed=3), tmp_path / "base")
+    base = store.put_dir(tmp_path / "base")
+    records = store.put_bytes(make_records([b"a small corpus for a round. " * 20], 32))
+    recipe = tmp_path / "recipe.msgpack"
+    recipe.write_bytes(Recipe(steps=3, batch_size=4, seq_len=32).encode())
+    store_b = tmp_path / "b"
+    shutil.copytree(store_a, store_b)
+
+    run_args = [
+        "train",
+        "run",
+        "--base",
+        base,
+        "--records",
+        records,
+        "--recipe",
+        str(recipe),
+        "--seed",
+        "9",
+        "--device",
+        "cpu",
+        "--json",
+        "-q",
+        "--cert",
+        str(tmp_path / "alice.cert"),
+    ]
+    procs = [
+        subprocess.Popen(
+            _blob(store, alice_key, *run_args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        for store in (store_a, store_b)
+    ]
+    outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    results = [json.loads(out) for out, _ in outs]
+    digests = {r["commitment"]["digest"] for r in results}
+    assert len(digests) == 1, "two processes reached different digests"
+    assert results[0]["commitment"]["kernel_class_id"] == kc
+    round_id = results[0]["round"]
+
+    attestation = tmp_path / "bob.att"
+    out = _run(
+        store_a,
+        bob_key,
+        "train",
+        "replay",
+        round_id,
+        "--cert",
+        str(tmp_path / "bob.cert"),
+        "-o",
+        str(attestation),
+        "--json",
+        "-q",
+    )
+    assert json.loads(out)["digest"] in digests
+
+    pub = format_public_key(authority.public_key_bytes)
+    verdict = json.loads(
+        _run(
+            store_a,
+            bob_key,
+            "train",
+            "check",
+            round_id,
+            str(attestation),
+            "--authority",
+            pub,
+            "--json",
+        )
+    )
+    assert verdict["accepted"] is True
+    assert verdict["operators"] == ["alice", "bob"]
+
+    stranger = format_public_key(Authority(SoftwareSigner(MachineKey.generate())).public_key_bytes)
+    out = _run(
+        store_a,
+        bob_key,
+        "train",
+        "check",
+        round_id,
+        str(attestation),
+        "--authority",
+        stranger,
+        code=1,
+    )
+    assert "unknown authority" in out
+
+
+@pytest.mark.slow
+def test_input_commands(tmp_path: Path) -> None:
+    """init-model, records and recipe put canonical inputs in the store."""
+    store, key = tmp_path / "s", tmp_path / "k"
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(b"hello records")
+    out = json.loads(_run(store, key, "train", "records", str(text), "--seq-len", "8", "--json"))
+    data = Store.open(store).path(out["id"]).read_bytes()
+    assert data == make_records([b"hello records"], 8)
+    assert decode_records(data).count == out["records"] == 2
+    recipe = tmp_path / "r.msgpack"
+    _run(store, key, "train", "recipe", "-o", str(recipe), "--steps", "7", "--lr", "0.002")
+    assert Recipe.decode(recipe.read_bytes()) == Recipe(steps=7, lr=0.002)
+    # init-model in this process (click's runner): a subprocess would pay transformers'
+    # import (5-15 s) once more for a command that only builds and stores a model.
+    from click.testing import CliRunner
+
+    from training.cli import train_group
+
+    obj = {"store_root": store, "key_path": key}
+    runs = [
+        CliRunner().invoke(train_group, ["init-model", "--size", "tiny", "--seed", "4"], obj=obj)
+        for _ in range(2)
+    ]
+    assert [r.exit_code for r in runs] == [0, 0], runs[0].output
+    first = runs[0].output.strip()
+    assert runs[1].output.strip() == first  # the same model, the same collection ID
+    entries = {e.path for e in Store.open(store).read_collection(first)}
+    assert entries == {"config.json", "model.safetensors"}

@@ -1,0 +1,165 @@
+"""The evidence check: two valid attestations over the round's digest from distinct
+admitted operators of its kernel class, and every way that can fail."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from identity import (
+    AdmissionCertificate,
+    Authority,
+    MachineKey,
+    RevocationList,
+    SoftwareSigner,
+    TrustStore,
+    sign_attestation,
+)
+from training.commitment import ROUND_KIND, Commitment, RoundRecord
+from training.errors import EvidenceRejected
+from training.kernel_class import KernelClass
+from training.recipe import Recipe, recipe_hash
+from training.round import check_evidence
+
+NOW = 1_800_000_000
+KC = KernelClass.from_fields({"schema": 1, "device": "cpu", "cpu_capability": "AVX2", "threads": 1})
+OTHER_KC = KernelClass.from_fields({**KC.fields, "cpu_capability": "AVX512"})
+RECIPE = Recipe(steps=2)
+
+
+def _commitment(kc: KernelClass = KC, seed: int = 1) -> Commitment:
+    return Commitment(
+        base_id="b" * 64,
+        records_id="c" * 64,
+        recipe_hash=recipe_hash(RECIPE),
+        seed=seed,
+        kernel_class=kc,
+        steps=2,
+        start_root=bytes(32),
+        end_root=bytes(range(32)),
+        step_log=(0x40B00000, 0x40A00000),
+        adapter_id="d" * 64,
+    )
+
+
+@dataclasses.dataclass
+class Machine:
+    signer: SoftwareSigner
+    cert: AdmissionCertificate
+
+
+class Setup:
+    def __init__(self) -> None:
+        self.authority = Authority(SoftwareSigner(MachineKey.generate()))
+        self.trust = TrustStore(frozenset({self.authority.public_key_bytes}))
+        self.serial = 0
+
+    def machine(
+        self, operator: str, kc: KernelClass = KC, *, not_after: int = NOW + 3600
+    ) -> Machine:
+        signer = SoftwareSigner(MachineKey.generate())
+        self.serial += 1
+        cert = self.authority.admit(
+            signer.peer_id,
+            operator=operator,
+            kernel_class=kc.id,
+            not_before=NOW - 3600,
+            not_after=not_after,
+            serial=self.serial,
+        )
+        return Machine(signer, cert)
+
+
+def _attest(m: Machine, c: Commitment, kc: KernelClass = KC) -> bytes:
+    return sign_attestation(
+        m.signer,
+        kind=ROUND_KIND,
+        digest=c.digest,
+        kernel_class=kc.id,
+        subjects=(c.base_id, c.records_id, c.adapter_id),
+        time=NOW,
+        certificate=m.cert,
+    ).encode()
+
+
+@pytest.fixture
+def setup() -> Setup:
+    return Setup()
+
+
+def _record(runner: Machine, c: Commitment | None = None) -> RoundRecord:
+    c = c or _commitment()
+    return RoundRecord(c, RECIPE, _attest(runner, c))
+
+
+def test_two_operators_accept(setup: Setup) -> None:
+    alice, bob = setup.machine("alice"), setup.machine("bob")
+    record = _record(alice)
+    evidence = check_evidence(record, [_attest(bob, record.commitment)], trust=setup.trust, now=NOW)
+    assert evidence.operators == ("alice", "bob")
+    assert evidence.digest == record.commitment.digest
+    # the record round-trips through its canonical encoding
+    assert RoundRecord.decode(record.encode()) == record
+
+
+def test_same_operator_twice_rejects(setup: Setup) -> None:
+    a1, a2 = setup.machine("alice"), setup.machine("alice")
+    record = _record(a1)
+    with pytest.raises(EvidenceRejected, match=r"1 distinct admitted operator"):
+        check_evidence(record, [_attest(a2, record.commitment)], trust=setup.trust, now=NOW)
+    with pytest.raises(EvidenceRejected, match=r"1 distinct"):
+        check_evidence(record, [record.attestation], trust=setup.trust, now=NOW)
+
+
+def test_different_digest_rejects(setup: Setup) -> None:
+    alice, bob = setup.machine("alice"), setup.machine("bob")
+    record = _record(alice)
+    other = _attest(bob, _commitment(seed=2))
+    with pytest.raises(EvidenceRejected, match="not the round's"):
+        check_evidence(record, [other], trust=setup.trust, now=NOW)
+
+
+def test_bad_signature_rejects(setup: Setup) -> None:
+    alice, bob = setup.machine("alice"), setup.machine("bob")
+    record = _record(alice)
+    good = _attest(bob, record.commitment)
+    # flip a byte of the signature (the last bytes of the canonical map)
+    forged = good[:-1] + bytes([good[-1] ^ 1])
+    with pytest.raises(EvidenceRejected, match="bad signature"):
+        check_evidence(record, [forged], trust=setup.trust, now=NOW)
+
+
+def test_wrong_kernel_class_rejects(setup: Setup) -> None:
+    alice = setup.machine("alice")
+    bob_other = setup.machine("bob", OTHER_KC)
+    record = _record(alice)
+    with pytest.raises(EvidenceRejected, match="wrong kernel class"):
+        check_evidence(
+            record, [_attest(bob_other, record.commitment, OTHER_KC)], trust=setup.trust, now=NOW
+        )
+
+
+def test_revoked_certificate_rejects(setup: Setup) -> None:
+    alice, bob = setup.machine("alice"), setup.machine("bob")
+    record = _record(alice)
+    trust = TrustStore(
+        setup.trust.authorities, RevocationList(serials=frozenset({bob.cert.serial}))
+    )
+    with pytest.raises(EvidenceRejected, match="revoked"):
+        check_evidence(record, [_attest(bob, record.commitment)], trust=trust, now=NOW)
+
+
+def test_expired_certificate_rejects(setup: Setup) -> None:
+    alice, bob = setup.machine("alice"), setup.machine("bob", not_after=NOW - 1)
+    record = _record(alice)
+    with pytest.raises(EvidenceRejected, match="expired"):
+        check_evidence(record, [_attest(bob, record.commitment)], trust=setup.trust, now=NOW)
+
+
+def test_unknown_authority_rejects(setup: Setup) -> None:
+    alice = setup.machine("alice")
+    stranger = Setup().machine("bob")
+    record = _record(alice)
+    with pytest.raises(EvidenceRejected, match="unknown authority"):
+        check_evidence(record, [_attest(stranger, record.commitment)], trust=setup.trust, now=NOW)

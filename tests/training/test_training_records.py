@@ -1,0 +1,69 @@
+"""Byte-level tokenizer and the canonical records blob."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from training.errors import BadRecords
+from training.records import (
+    BOS_ID,
+    BYTE_OFFSET,
+    EOS_ID,
+    HEADER_SIZE,
+    PAD_ID,
+    VOCAB_SIZE,
+    decode_records,
+    decode_tokens,
+    encode_bytes,
+    make_records,
+)
+
+
+def test_tokenizer_maps_each_byte_and_round_trips() -> None:
+    data = bytes(range(256))
+    tokens = encode_bytes(data)
+    assert tokens[0] == BOS_ID
+    assert tokens[-1] == EOS_ID
+    assert tokens[1:-1] == [b + BYTE_OFFSET for b in data]
+    assert max(tokens) == VOCAB_SIZE - 1
+    assert decode_tokens(tokens) == data
+
+
+def test_records_layout_and_padding() -> None:
+    blob = make_records([b"abc", b"de"], seq_len=5)
+    # stream: BOS a b c EOS BOS d e EOS -> 9 tokens -> 2 records, 1 pad
+    records = decode_records(blob)
+    assert records.count == 2
+    assert records.seq_len == 5
+    flat = records.tokens.reshape(-1).tolist()
+    assert flat[:6] == [BOS_ID, *(c + BYTE_OFFSET for c in b"abc"), EOS_ID, BOS_ID]
+    assert flat[-2:] == [EOS_ID, PAD_ID]
+    assert len(blob) == HEADER_SIZE + 10 * 2
+    assert make_records([b"abc", b"de"], seq_len=5) == blob
+
+
+def test_records_reject_malformed() -> None:
+    blob = make_records([b"hello"], seq_len=4)
+    with pytest.raises(BadRecords, match="magic"):
+        decode_records(b"X" + blob[1:])
+    with pytest.raises(BadRecords, match="header says"):
+        decode_records(blob + b"\0\0")
+    with pytest.raises(BadRecords, match="shorter"):
+        decode_records(blob[:10])
+    out_of_vocab = blob[:HEADER_SIZE] + struct.pack("<H", VOCAB_SIZE) + blob[HEADER_SIZE + 2 :]
+    with pytest.raises(BadRecords, match="outside the vocabulary"):
+        decode_records(out_of_vocab)
+    with pytest.raises(BadRecords, match="seq_len"):
+        make_records([b"x"], seq_len=1)
+    with pytest.raises(BadRecords, match="no input"):
+        make_records([], seq_len=8)
+
+
+def test_lone_last_token_is_dropped_not_padded() -> None:
+    """A record holding only the final EOS has no target: a batch of it alone gave NaN."""
+    # BOS + 6 bytes + EOS = 8 tokens = one record of 7 and a lone EOS
+    records = decode_records(make_records([b"abcdef"], seq_len=7))
+    assert records.count == 1
+    assert records.tokens[0, -1] == BYTE_OFFSET + ord("f")

@@ -1,0 +1,440 @@
+"""``blob train ...``: make base models, records and recipes; run, replay and check rounds.
+
+Loaded through the ``blobnet.cli`` entry point only when a train command is asked for;
+torch, transformers and peft are imported inside the commands that train.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from blobstore import Store
+from training.errors import TrainingError
+
+PASSPHRASE_ENV = "BLOBNET_PASSPHRASE"
+# Attestations and certificates are a few KiB; these bound what a command reads.
+MAX_ATTESTATION_FILE = 1 << 20
+MAX_CERT_FILE = 1 << 16
+MAX_REVOCATION_FILE = 16 << 20
+MAX_RECORDS_INPUT = 1 << 30
+
+
+def _obj(ctx: click.Context) -> dict[str, Any]:
+    obj = ctx.find_root().ensure_object(dict)
+    return obj
+
+
+def _store(ctx: click.Context) -> Store:
+    root = _obj(ctx).get("store_root")
+    if root is None:
+        raise click.UsageError("no store: give --store DIR")
+    return Store.open(Path(root))
+
+
+def _key_path(ctx: click.Context) -> Path:
+    path = _obj(ctx).get("key_path")
+    if path is None:
+        raise click.UsageError("no machine key: give --key FILE")
+    return Path(path)
+
+
+def _signer(ctx: click.Context) -> Any:
+    from identity import SoftwareSigner, ensure_key
+
+    path = _key_path(ctx)
+    key, created = ensure_key(path, os.environ.get(PASSPHRASE_ENV) or None)
+    if created:
+        click.echo(f"blob: created a new machine key {path} (peer ID {key.peer_id})", err=True)
+    return SoftwareSigner(key)
+
+
+def _read(path: Path, what: str, limit: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        raise click.BadParameter(f"no {what} file at {path}") from None
+    if len(data) > limit:
+        raise click.BadParameter(f"{what} file {path} is larger than {limit} bytes")
+    return data
+
+
+def _certificate(path: Path | None) -> Any:
+    if path is None:
+        return None
+    from identity import AdmissionCertificate
+
+    return AdmissionCertificate.decode(_read(path, "certificate", MAX_CERT_FILE))
+
+
+def _echo_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def _progress(quiet: bool) -> Any:
+    if quiet:
+        return None
+
+    def on_step(step: int, bits: int) -> None:
+        click.echo(f"step {step}: loss bits {bits:08x}", err=True)
+
+    return on_step
+
+
+@click.group("train")
+def train_group() -> None:
+    """Deterministic LoRA training rounds: run, replay, check."""
+
+
+@train_group.command("init-model")
+@click.option("--size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def init_model(ctx: click.Context, size: str, seed: int, as_json: bool) -> None:
+    """Make a base model (config.json + model.safetensors) and put it in the store."""
+    from training.model import make_tiny_llama, save_base_model
+
+    store = _store(ctx)
+    model = make_tiny_llama(size, seed)
+    params = sum(p.numel() for p in model.parameters())
+    with tempfile.TemporaryDirectory(prefix="blobnet-model-") as tmp:
+        save_base_model(model, Path(tmp))
+        blob_id = store.put_dir(Path(tmp))
+    if as_json:
+        _echo_json({"id": blob_id, "size": size, "seed": seed, "parameters": params})
+    else:
+        click.echo(blob_id)
+
+
+@train_group.command("records")
+@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--seq-len", type=int, required=True, help="Tokens per record.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def records_command(
+    ctx: click.Context, files: tuple[Path, ...], seq_len: int, as_json: bool
+) -> None:
+    """Tokenise FILEs (byte-level) into one records blob; prints its ID."""
+    from training.records import decode_records, make_records
+
+    contents = [_read(f, "input", MAX_RECORDS_INPUT) for f in files]
+    data = make_records(contents, seq_len)
+    blob_id = _store(ctx).put_bytes(data)
+    if as_json:
+        count = decode_records(data).count
+        _echo_json({"id": blob_id, "seq_len": seq_len, "records": count})
+    else:
+        click.echo(blob_id)
+
+
+@train_group.command("recipe")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=Path("recipe.msgpack"),
+    show_default=True,
+)
+@click.option("--lr", type=float, default=None)
+@click.option("--rank", type=int, default=None)
+@click.option("--alpha", type=int, default=None)
+@click.option("--dropout", type=float, default=None)
+@click.option("--batch-size", type=int, default=None)
+@click.option("--steps", type=int, default=None)
+@click.option("--seq-len", type=int, default=None)
+@click.option("--target", "targets", multiple=True, help="Target module (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def recipe_command(
+    output: Path,
+    lr: float | None,
+    rank: int | None,
+    alpha: int | None,
+    dropout: float | None,
+    batch_size: int | None,
+    steps: int | None,
+    seq_len: int | None,
+    targets: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Write a recipe file (the defaults, with any option given changed)."""
+    from training.recipe import Recipe
+
+    given: dict[str, Any] = {
+        "lr": lr,
+        "rank": rank,
+        "alpha": alpha,
+        "dropout": dropout,
+        "batch_size": batch_size,
+        "steps": steps,
+        "seq_len": seq_len,
+        "target_modules": targets or None,
+    }
+    recipe = Recipe(**{k: v for k, v in given.items() if v is not None})
+    output.write_bytes(recipe.encode())
+    if as_json:
+        _echo_json({**recipe.to_dict(), "hash": recipe.hash, "file": str(output)})
+    else:
+        click.echo(f"{output}: recipe {recipe.hash}")
+
+
+@train_group.command("kernel-class")
+@click.option(
+    "--device", type=click.Choice(["cuda", "cpu"]), default=None, help="Device (default cuda)."
+)
+@click.option("--threads", type=click.IntRange(1, 256), default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def kernel_class_command(device: str | None, threads: int, as_json: bool) -> None:
+    """Print this machine's kernel class ID (what an admission certificate names)."""
+    from training import determinism, kernel_class
+
+    resolved = determinism.resolve_device(device)
+    determinism.enter(resolved, threads)
+    kc = kernel_class.detect(resolved)
+    if as_json:
+        _echo_json({"id": kc.id, "hash": kc.hash, "fields": kc.fields})
+    else:
+        click.echo(kc.id)
+
+
+_peer_option = click.option(
+    "--peer", "peers", multiple=True, help="Fetch missing inputs from this multiaddr (repeatable)."
+)
+_cert_option = click.option(
+    "--cert",
+    "cert_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="This machine's admission certificate, carried in its attestation.",
+)
+
+
+@train_group.command("run")
+@click.option("--base", "base_ref", required=True, help="Base model collection ID.")
+@click.option("--records", "records_ref", required=True, help="Records blob ID.")
+@click.option(
+    "--recipe", "recipe_path", required=True, type=click.Path(path_type=Path, dir_okay=False)
+)
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), required=True)
+@click.option(
+    "--device",
+    type=click.Choice(["cuda", "cpu"]),
+    default=None,
+    help="Device (default cuda; cpu only when named).",
+)
+@click.option("--threads", type=click.IntRange(1, 256), default=1, show_default=True)
+@_peer_option
+@_cert_option
+@click.option("-q", "--quiet", is_flag=True, help="No per-step progress on stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def run_command(
+    ctx: click.Context,
+    base_ref: str,
+    records_ref: str,
+    recipe_path: Path,
+    seed: int,
+    device: str | None,
+    threads: int,
+    peers: tuple[str, ...],
+    cert_path: Path | None,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """Run a round: fetch inputs, train, publish adapter and round record."""
+    from blobstore import parse_blob_id
+    from training import determinism
+    from training.net import fetch_missing
+    from training.recipe import Recipe
+    from training.round import RoundInputs, run_round
+
+    recipe = Recipe.decode(_read(recipe_path, "recipe", 1 << 16))
+    determinism.resolve_device(device)  # refuse before any fetch or load
+    store = _store(ctx)
+    ids = (
+        [_resolve(store, base_ref), _resolve(store, records_ref)]
+        if not peers
+        else [parse_blob_id(base_ref), parse_blob_id(records_ref)]
+    )
+    fetch_missing(store, ids, peers, key_path=_key_path(ctx))
+    signer = _signer(ctx)
+    result = run_round(
+        store,
+        RoundInputs(ids[0], ids[1], recipe, seed),
+        signer,
+        now=time.time(),
+        device=device,
+        threads=threads,
+        certificate=_certificate(cert_path),
+        on_step=_progress(quiet),
+    )
+    c = result.commitment
+    if as_json:
+        _echo_json({"round": result.round_id, "commitment": c.to_json()})
+    else:
+        click.echo(f"round {result.round_id}")
+        click.echo(f"digest {c.digest.hex()}")
+        click.echo(f"adapter {c.adapter_id}")
+
+
+def _resolve(store: Store, ref: str) -> str:
+    return store.resolve(ref)
+
+
+@train_group.command("replay")
+@click.argument("round_ref")
+@_peer_option
+@_cert_option
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Also write the attestation to this file.",
+)
+@click.option("-q", "--quiet", is_flag=True, help="No per-step progress on stderr.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def replay_command(
+    ctx: click.Context,
+    round_ref: str,
+    peers: tuple[str, ...],
+    cert_path: Path | None,
+    output: Path | None,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """Re-run a round; exit 0 and attest only on the identical digest."""
+    from blobstore import parse_blob_id
+    from training import determinism
+    from training.net import fetch_missing
+    from training.round import load_record, replay_round, required_inputs
+
+    store = _store(ctx)
+    round_id = parse_blob_id(round_ref) if peers else _resolve(store, round_ref)
+    fetch_missing(store, [round_id], peers, key_path=_key_path(ctx))
+    record = load_record(store, round_id)
+    determinism.resolve_device(record.commitment.kernel_class.family)
+    fetch_missing(store, list(required_inputs(record)), peers, key_path=_key_path(ctx))
+    result = replay_round(
+        store,
+        round_id,
+        _signer(ctx),
+        now=time.time(),
+        certificate=_certificate(cert_path),
+        on_step=_progress(quiet),
+    )
+    if output is not None:
+        output.write_bytes(result.attestation.encode())
+    if as_json:
+        _echo_json(
+            {
+                "round": round_id,
+                "digest": result.commitment.digest.hex(),
+                "attestation": result.attestation_id,
+                "identical": True,
+            }
+        )
+    else:
+        click.echo(f"identical digest {result.commitment.digest.hex()}")
+        click.echo(f"attestation {result.attestation_id}")
+
+
+@train_group.command("check")
+@click.argument("round_ref")
+@click.argument("attestations", nargs=-1, required=True)
+@click.option(
+    "--authority",
+    "authorities",
+    multiple=True,
+    required=True,
+    help="Trusted authority public key: 64 hex digits or a .pub file (repeatable).",
+)
+@click.option(
+    "--revoked",
+    "revoked_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Revocation list: one serial or peer ID a line.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def check_command(
+    ctx: click.Context,
+    round_ref: str,
+    attestations: tuple[str, ...],
+    authorities: tuple[str, ...],
+    revoked_path: Path | None,
+    as_json: bool,
+) -> None:
+    """Evidence check: accept ROUND only with two valid attestations over its digest from
+    distinct admitted operators of its kernel class. ATTESTATION: a file or a blob ID."""
+    from identity import RevocationList, TrustStore, parse_public_key
+    from training.errors import EvidenceRejected
+    from training.round import check_evidence, load_record
+
+    store = _store(ctx)
+    record = load_record(store, _resolve(store, round_ref))
+    trusted = set()
+    for value in authorities:
+        path = Path(value)
+        text = (
+            _read(path, "authority key", 1024).decode(errors="replace")
+            if (path.is_file())
+            else value
+        )
+        trusted.add(parse_public_key(text))
+    revoked = RevocationList()
+    if revoked_path is not None:
+        raw = _read(revoked_path, "revocation list", MAX_REVOCATION_FILE)
+        revoked = RevocationList.parse(raw.decode(errors="replace"), name=str(revoked_path))
+    blobs = [_attestation_bytes(store, a) for a in attestations]
+    try:
+        evidence = check_evidence(
+            record, blobs, trust=TrustStore(frozenset(trusted), revoked), now=time.time()
+        )
+    except EvidenceRejected as exc:
+        if as_json:
+            _echo_json({"accepted": False, "message": str(exc)})
+        else:
+            click.echo(str(exc))
+        ctx.exit(1)
+    if as_json:
+        _echo_json(
+            {
+                "accepted": True,
+                "digest": evidence.digest.hex(),
+                "kernel_class": evidence.kernel_class_id,
+                "operators": list(evidence.operators),
+                "signers": list(evidence.signers),
+            }
+        )
+    else:
+        click.echo(
+            f"accepted: digest {evidence.digest.hex()} attested by operators "
+            f"{', '.join(evidence.operators)} ({evidence.kernel_class_id})"
+        )
+
+
+def _attestation_bytes(store: Store, ref: str) -> bytes:
+    path = Path(ref)
+    if path.is_file():
+        return _read(path, "attestation", MAX_ATTESTATION_FILE)
+    blob_id = store.resolve(ref)
+    return _read(store.path(blob_id), "attestation", MAX_ATTESTATION_FILE)
+
+
+def main() -> None:  # pragma: no cover - `python -m training.cli` for debugging
+    try:
+        train_group.main(standalone_mode=True)
+    except TrainingError as exc:
+        click.echo(f"blob: error: {exc}", err=True)
+        sys.exit(exc.exit_code)

@@ -1,0 +1,69 @@
+"""Errors of the training package; each carries the ``exit_code`` the ``blob`` CLI uses."""
+
+from __future__ import annotations
+
+
+class TrainingError(Exception):
+    """Base class of training errors."""
+
+    exit_code = 1
+
+
+class BadRecords(TrainingError):
+    """A records blob or records input is malformed."""
+
+    exit_code = 4
+
+
+class BadRecipe(TrainingError):
+    """A recipe file is malformed or not canonical."""
+
+    exit_code = 4
+
+
+class BadModel(TrainingError):
+    """A base-model or adapter collection is malformed."""
+
+    exit_code = 4
+
+
+class BadRoundRecord(TrainingError):
+    """A round record or commitment blob is malformed."""
+
+    exit_code = 4
+
+
+class DeviceUnavailable(TrainingError):
+    """The requested device (CUDA by default) is absent; the round is refused."""
+
+    exit_code = 2
+
+
+class AuditViolation(TrainingError):
+    """An op outside the audited kernel set, or a tensor on another device: round refused."""
+
+    exit_code = 1
+
+
+class NoKernelSet(TrainingError):
+    """No audited kernel set exists for this kernel class family."""
+
+    exit_code = 3
+
+
+class ReplayMismatch(TrainingError):
+    """A replay reached another digest than the round record's."""
+
+    exit_code = 1
+
+
+class EvidenceRejected(TrainingError):
+    """The evidence check said no."""
+
+    exit_code = 1
+
+
+class MissingInput(TrainingError):
+    """A round input is neither in the store nor fetchable from the given peers."""
+
+    exit_code = 3

@@ -1,0 +1,124 @@
+"""Tokenised training records: the byte-level tokenizer and the canonical records blob.
+
+Tokenizer ("bytes-v1"): every byte ``b`` of a file becomes token ``b + BYTE_OFFSET``; the
+ids below ``BYTE_OFFSET`` are special: ``PAD_ID`` (0) fills the tail of the last record,
+``BOS_ID`` (1) opens each file and ``EOS_ID`` (2) closes it; id 3 is reserved. The
+vocabulary is therefore ``VOCAB_SIZE = 256 + BYTE_OFFSET = 260`` tokens, and no text
+normalisation happens: decoding is exact for every byte string.
+
+Records: the files, each as ``BOS bytes... EOS``, are concatenated in the order given into
+one token stream that is cut into records of exactly ``seq_len`` tokens; the last record is
+padded with ``PAD_ID`` (the loss ignores padding), except that a lone last token (the
+final EOS, which has nothing to predict) is dropped rather than padded. The blob is
+
+    offset size  field
+    0      8     magic b"BNRECv1\\n"
+    8      1     token width in bytes: 2 (uint16) or 4 (uint32), the smallest that fits
+    9      1     tokenizer id: 1 = bytes-v1
+    10     2     reserved, zero
+    12     4     vocab size (uint32 LE)
+    16     4     seq_len (uint32 LE)
+    20     4     record count (uint32 LE)
+    24     ...   count * seq_len tokens, little-endian, record after record
+
+and nothing else. Encoding is a pure function of (files' bytes, seq_len); decoding rejects
+any blob that encoding could not have produced (bad magic, width, sizes, token ids).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from training.errors import BadRecords
+
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+BYTE_OFFSET = 4
+VOCAB_SIZE = 256 + BYTE_OFFSET
+TOKENIZER_BYTES_V1 = 1
+
+MAGIC = b"BNRECv1\n"
+_HEADER = struct.Struct("<8sBBHIII")
+HEADER_SIZE = _HEADER.size
+
+# A record is one training sequence; the models here have max_position_embeddings 512 and
+# nobody trains a LoRA round on sequences longer than this, so a larger value is corrupt.
+MAX_SEQ_LEN = 8192
+# Bounds what a records blob may make us allocate (1 GiB of tokens).
+MAX_TOKENS = 1 << 29
+
+
+def encode_bytes(data: bytes) -> list[int]:
+    """One file's tokens: ``BOS``, each byte plus ``BYTE_OFFSET``, ``EOS``."""
+    return [BOS_ID, *(b + BYTE_OFFSET for b in data), EOS_ID]
+
+
+def decode_tokens(tokens: Sequence[int]) -> bytes:
+    """The bytes that ``tokens`` spell; special tokens are dropped."""
+    return bytes(t - BYTE_OFFSET for t in tokens if BYTE_OFFSET <= t < VOCAB_SIZE)
+
+
+@dataclass(frozen=True)
+class Records:
+    """Decoded records: ``tokens`` has shape (count, seq_len), dtype int64."""
+
+    seq_len: int
+    vocab_size: int
+    tokens: npt.NDArray[np.int64]
+
+    @property
+    def count(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def make_records(files: Sequence[bytes], seq_len: int) -> bytes:
+    """The canonical records blob for ``files`` (each file's bytes), cut at ``seq_len``."""
+    if not 2 <= seq_len <= MAX_SEQ_LEN:
+        raise BadRecords(f"seq_len {seq_len} is outside 2..{MAX_SEQ_LEN}")
+    if not files:
+        raise BadRecords("no input files: give at least one file to tokenise")
+    stream: list[int] = []
+    for data in files:
+        stream.extend(encode_bytes(data))
+    if len(stream) % seq_len == 1:
+        # A lone last token (always the final EOS) predicts nothing: no record for it.
+        stream.pop()
+    count = -(-len(stream) // seq_len)
+    if count * seq_len > MAX_TOKENS:
+        raise BadRecords(f"{len(stream)} tokens exceed the limit of {MAX_TOKENS}")
+    stream.extend([PAD_ID] * (count * seq_len - len(stream)))
+    width = 2 if VOCAB_SIZE <= 1 << 16 else 4
+    array = np.asarray(stream, dtype="<u2" if width == 2 else "<u4")
+    header = _HEADER.pack(MAGIC, width, TOKENIZER_BYTES_V1, 0, VOCAB_SIZE, seq_len, count)
+    return header + array.tobytes()
+
+
+def decode_records(data: bytes) -> Records:
+    """Parse and validate a records blob; raises ``BadRecords`` saying what is wrong."""
+    if len(data) < HEADER_SIZE:
+        raise BadRecords(f"records blob is {len(data)} bytes, shorter than its header")
+    magic, width, tokenizer, reserved, vocab, seq_len, count = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise BadRecords("not a records blob (bad magic); make one with `blob train records`")
+    if tokenizer != TOKENIZER_BYTES_V1 or vocab != VOCAB_SIZE:
+        raise BadRecords(f"unknown tokenizer {tokenizer} with vocab {vocab}")
+    expected_width = 2 if vocab <= 1 << 16 else 4
+    if width != expected_width or reserved != 0:
+        raise BadRecords(f"token width {width} / reserved {reserved} is not canonical")
+    if not 2 <= seq_len <= MAX_SEQ_LEN or count < 1 or count * seq_len > MAX_TOKENS:
+        raise BadRecords(f"records shape {count} x {seq_len} is out of bounds")
+    if len(data) != HEADER_SIZE + count * seq_len * width:
+        raise BadRecords(
+            f"records blob is {len(data)} bytes; header says {count} x {seq_len} tokens"
+        )
+    raw = np.frombuffer(data, dtype="<u2" if width == 2 else "<u4", offset=HEADER_SIZE)
+    if raw.size and int(raw.max()) >= vocab:
+        raise BadRecords(f"token id {int(raw.max())} is outside the vocabulary of {vocab}")
+    tokens = raw.astype(np.int64).reshape(count, seq_len)
+    return Records(seq_len=seq_len, vocab_size=vocab, tokens=tokens)

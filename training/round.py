@@ -1,0 +1,318 @@
+"""Running, replaying and checking a training round against a blob store.
+
+Theory of operation:
+
+1. Inputs are blobs: the base model (a collection: ``config.json`` + ``model.safetensors``),
+   the records, plus a recipe and a seed. The device is resolved first, so without CUDA
+   (and without "cpu" named) nothing is loaded at all.
+2. ``execute`` enters deterministic mode, detects the kernel class, loads that family's
+   audited kernel set, trains every step under the auditor, publishes the adapter as a
+   peft-loadable collection and returns the commitment (training.commitment).
+3. ``run_round`` signs the commitment's digest (statement kind ``round-result``) and
+   publishes the round record; its blob ID is the round ID.
+4. ``replay_round`` reads a round record, refuses unless this machine is of the same
+   kernel class, re-executes with the record's recipe, seed and thread count, and compares
+   as it goes: the start state, then each step's loss bits (stopping at, and naming, the
+   first step that differs), the end state, the adapter ID and finally the digest. Only
+   an identical digest is attested.
+5. ``check_evidence`` accepts a round when all given attestations verify (signature,
+   admission certificate valid now, not revoked, kernel class of the round), are over the
+   round's digest, and come from at least two distinct admitted operators.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from blobstore import BlobNotFound, Store
+from identity import (
+    AdmissionCertificate,
+    Attestation,
+    AttestationRejected,
+    Signer,
+    TrustStore,
+    sign_attestation,
+    verify_attestation,
+)
+from training import determinism
+from training.commitment import MAX_RECORD_SIZE, ROUND_KIND, Commitment, RoundRecord
+from training.errors import BadModel, BadRecords, BadRoundRecord, EvidenceRejected, ReplayMismatch
+from training.kernel_class import KernelClass
+from training.model import CONFIG_NAME, WEIGHTS_NAME
+from training.recipe import Recipe, recipe_hash
+from training.records import HEADER_SIZE, MAX_TOKENS, decode_records
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
+
+# Stdout-free progress hook: (step, loss bits).
+StepHook = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class RoundInputs:
+    base_id: str
+    records_id: str
+    recipe: Recipe
+    seed: int
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    round_id: str
+    record: RoundRecord
+
+    @property
+    def commitment(self) -> Commitment:
+        return self.record.commitment
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    commitment: Commitment
+    attestation: Attestation
+    attestation_id: str
+
+
+def _load_base(store: Store, base_id: str, workdir: Path) -> LlamaForCausalLM:
+    from training.model import load_base_model
+
+    if not store.is_collection(base_id):
+        raise BadModel(f"base {base_id} is not a collection ({CONFIG_NAME} + {WEIGHTS_NAME})")
+    names = {e.path for e in store.read_collection(base_id)}
+    if names != {CONFIG_NAME, WEIGHTS_NAME}:
+        raise BadModel(
+            f"base {base_id} holds {sorted(names)}, not {CONFIG_NAME} and {WEIGHTS_NAME}"
+        )
+    target = workdir / "base"
+    store.export(base_id, target)
+    return load_base_model(target)
+
+
+def execute(
+    store: Store,
+    inputs: RoundInputs,
+    *,
+    device: str | None = None,
+    threads: int = determinism.DEFAULT_THREADS,
+    expect: Commitment | None = None,
+    on_step: StepHook | None = None,
+) -> Commitment:
+    """Train the round deterministically and publish its adapter; returns the commitment.
+
+    With ``expect`` (a replay), stops with ``ReplayMismatch`` at the first difference.
+    """
+    resolved = determinism.resolve_device(device)
+    # Inputs must be present before any heavy import or training starts.
+    for blob_id in (inputs.base_id, inputs.records_id):
+        if not store.has(blob_id):
+            raise BlobNotFound(f"round input {blob_id} is not in the store; fetch it (--peer)")
+    determinism.enter(resolved, threads, inputs.seed)
+    from training import audit, kernel_class, trainer
+
+    kc = kernel_class.detect(resolved)
+    if expect is not None and kc != expect.kernel_class:
+        raise ReplayMismatch(_kernel_class_difference(expect.kernel_class, kc))
+    allowed = audit.load_kernel_set(kc.family)
+    if store.manifest(inputs.records_id).size > HEADER_SIZE + 4 * MAX_TOKENS:
+        raise BadRecords(f"blob {inputs.records_id} is too large to be a records blob")
+    records = decode_records(store.path(inputs.records_id).read_bytes())
+    with tempfile.TemporaryDirectory(prefix="blobnet-round-") as tmp:
+        workdir = Path(tmp)
+        base = _load_base(store, inputs.base_id, workdir)
+        session = trainer.prepare(base, inputs.recipe, inputs.seed, resolved)
+        start_root = trainer.state_root(session)
+        if expect is not None and start_root != expect.start_root:
+            raise ReplayMismatch(
+                "replay differs before step 0: the start state (LoRA initialisation) differs"
+            )
+
+        def step_hook(step: int, bits: int) -> None:
+            if expect is not None and bits != expect.step_log[step]:
+                raise ReplayMismatch(
+                    f"replay differs first at step {step}: loss bits {bits:08x}, "
+                    f"round record has {expect.step_log[step]:08x}"
+                )
+            if on_step is not None:
+                on_step(step, bits)
+
+        auditor = audit.make_auditor(resolved, allowed)
+        log = trainer.run_steps(session, records, auditor=auditor, on_step=step_hook)
+        end_root = trainer.state_root(session)
+        if expect is not None and end_root != expect.end_root:
+            raise ReplayMismatch("replay differs after the last step: the end state differs")
+        adapter_dir = workdir / "adapter"
+        trainer.save_adapter(session, adapter_dir)
+        adapter_id = store.put_dir(adapter_dir)
+    commitment = Commitment(
+        base_id=inputs.base_id,
+        records_id=inputs.records_id,
+        recipe_hash=recipe_hash(inputs.recipe),
+        seed=inputs.seed,
+        kernel_class=kc,
+        steps=inputs.recipe.steps,
+        start_root=start_root,
+        end_root=end_root,
+        step_log=tuple(log),
+        adapter_id=adapter_id,
+    )
+    if expect is not None:
+        if adapter_id != expect.adapter_id:
+            raise ReplayMismatch(
+                f"replay's adapter {adapter_id} differs from the round's {expect.adapter_id}"
+            )
+        if commitment.digest != expect.digest:
+            raise ReplayMismatch(
+                f"replay digest {commitment.digest.hex()} differs from {expect.digest.hex()}"
+            )
+    return commitment
+
+
+def _kernel_class_difference(want: KernelClass, have: KernelClass) -> str:
+    keys = sorted(set(want.fields) | set(have.fields))
+    diff = [
+        f"{k}={have.fields.get(k)!r} (round: {want.fields.get(k)!r})"
+        for k in keys
+        if want.fields.get(k) != have.fields.get(k)
+    ]
+    return (
+        f"this machine is not of the round's kernel class {want.id}, so it cannot replay it: "
+        + "; ".join(diff[:6])
+    )
+
+
+def _attest(
+    signer: Signer,
+    commitment: Commitment,
+    now: float,
+    certificate: AdmissionCertificate | None,
+) -> Attestation:
+    return sign_attestation(
+        signer,
+        kind=ROUND_KIND,
+        digest=commitment.digest,
+        kernel_class=commitment.kernel_class_id,
+        subjects=(commitment.base_id, commitment.records_id, commitment.adapter_id),
+        time=int(now),
+        certificate=certificate,
+    )
+
+
+def run_round(
+    store: Store,
+    inputs: RoundInputs,
+    signer: Signer,
+    *,
+    now: float,
+    device: str | None = None,
+    threads: int = determinism.DEFAULT_THREADS,
+    certificate: AdmissionCertificate | None = None,
+    on_step: StepHook | None = None,
+) -> RoundResult:
+    """Execute, attest and publish a round; the round ID is the record's blob ID."""
+    commitment = execute(store, inputs, device=device, threads=threads, on_step=on_step)
+    attestation = _attest(signer, commitment, now, certificate)
+    record = RoundRecord(commitment, inputs.recipe, attestation.encode())
+    round_id = store.put_bytes(record.encode())
+    return RoundResult(round_id=round_id, record=record)
+
+
+def load_record(store: Store, round_id: str) -> RoundRecord:
+    """The round record ``round_id`` from the store (size-checked before it is read)."""
+    size = store.manifest(round_id).size
+    if size > MAX_RECORD_SIZE:
+        raise BadRoundRecord(f"blob {round_id} is {size} bytes: too large to be a round record")
+    return RoundRecord.decode(store.path(round_id).read_bytes())
+
+
+def replay_round(
+    store: Store,
+    round_id: str,
+    signer: Signer,
+    *,
+    now: float,
+    certificate: AdmissionCertificate | None = None,
+    on_step: StepHook | None = None,
+) -> ReplayResult:
+    """Re-run a round; on the identical digest, attest it and publish the attestation."""
+    record = load_record(store, round_id)
+    c = record.commitment
+    threads = c.kernel_class.fields.get("threads", determinism.DEFAULT_THREADS)
+    inputs = RoundInputs(c.base_id, c.records_id, record.recipe, c.seed)
+    execute(
+        store,
+        inputs,
+        device=c.kernel_class.family,
+        threads=int(threads),
+        expect=c,
+        on_step=on_step,
+    )
+    attestation = _attest(signer, c, now, certificate)
+    attestation_id = store.put_bytes(attestation.encode())
+    return ReplayResult(commitment=c, attestation=attestation, attestation_id=attestation_id)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    digest: bytes
+    kernel_class_id: str
+    operators: tuple[str, ...]
+    signers: tuple[str, ...]
+
+
+def check_evidence(
+    record: RoundRecord,
+    attestations: Iterable[bytes],
+    *,
+    trust: TrustStore,
+    now: float,
+    include_runner: bool = True,
+) -> Evidence:
+    """Accept the round only with two valid attestations over its digest from distinct
+    admitted operators of its kernel class; otherwise ``EvidenceRejected`` saying why.
+
+    Every attestation given (and the runner's, with ``include_runner``) must verify: a
+    bad one is a rejection, not something to skip silently.
+    """
+    c = record.commitment
+    blobs: list[bytes] = [record.attestation] if include_runner else []
+    for data in attestations:
+        if data not in blobs:
+            blobs.append(data)
+    operators: dict[str, str] = {}
+    signers: list[str] = []
+    for data in blobs:
+        try:
+            claims = verify_attestation(
+                data, trust=trust, now=now, kind=ROUND_KIND, kernel_class=c.kernel_class_id
+            )
+        except AttestationRejected as exc:
+            raise EvidenceRejected(f"rejected ({exc.reason.value}): {exc}") from exc
+        if claims.digest != c.digest:
+            raise EvidenceRejected(
+                f"rejected: {claims.describe()} is over digest {claims.digest.hex()}, "
+                f"not the round's {c.digest.hex()}"
+            )
+        assert claims.certificate is not None  # verify_attestation with trust requires it
+        operators.setdefault(claims.certificate.operator, claims.signer_peer_id)
+        signers.append(claims.signer_peer_id)
+    if len(operators) < 2:
+        names = ", ".join(repr(o) for o in operators) or "none"
+        raise EvidenceRejected(
+            f"rejected: the attestations come from {len(operators)} distinct admitted "
+            f"operator(s) ({names}); two are needed, so get a replay from another operator"
+        )
+    return Evidence(
+        digest=c.digest,
+        kernel_class_id=c.kernel_class_id,
+        operators=tuple(sorted(operators)),
+        signers=tuple(signers),
+    )
+
+
+def required_inputs(record: RoundRecord) -> Sequence[str]:
+    return (record.commitment.base_id, record.commitment.records_id)
