@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.blobnet-installed
 
-.PHONY: install demo test lint typecheck pytest bench clean
+.PHONY: install p2pd demo test lint typecheck pytest bench clean
 
 # torch==2.13.0 goes in first: a CPU build lies on disk here, and a looser range alone
 # would pull a multi-GB CUDA build. The project's own ranges accept 2.13.0.
@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# go-libp2p's daemon for the interop tests, from the hivemind wheel on PyPI (idempotent;
+# when it cannot be fetched the interop tests skip and say why).
+p2pd: install
+	$(BIN)/python tests/fast/fetch_p2pd.py --optional
+
 demo: install
 	$(BIN)/blob demo
 
@@ -27,7 +32,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: install
+pytest: install p2pd
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest
 
 test: lint typecheck pytest

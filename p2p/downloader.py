@@ -312,20 +312,24 @@ class Download:
             # The request was released meanwhile (its peer banned or dropped on another
             # stream); the protocol core already checked the index against the request.
             raise ObsoleteRequest
-        if self.partial.has_chunk(index):
+        duplicate = self.partial.has_chunk(index)
+        if not duplicate:
+            async with self.write_lock:
+                # Re-checked under the lock: another stream may have written it meanwhile.
+                duplicate = self.partial.has_chunk(index)
+                if not duplicate:
+                    try:
+                        await trio.to_thread.run_sync(self.partial.write_chunk, index, data)
+                    except CorruptChunk:
+                        raise BadChunk(index) from None
+                    self.dirty = True
+        is_new = self.scheduler.on_chunk(ticket.request_id, index, len(data), trio.current_time())
+        if duplicate or not is_new:
             self.duplicate_bytes += len(data)
-            self.scheduler.on_chunk(ticket.request_id, index, len(data), trio.current_time())
             if self.scheduler.is_obsolete(ticket.request_id):
                 raise ObsoleteRequest
             return
-        async with self.write_lock:
-            try:
-                await trio.to_thread.run_sync(self.partial.write_chunk, index, data)
-            except CorruptChunk:
-                raise BadChunk(index) from None
-            self.dirty = True
         self.new_bytes[ticket.peer] = self.new_bytes.get(ticket.peer, 0) + len(data)
-        self.scheduler.on_chunk(ticket.request_id, index, len(data), trio.current_time())
         self._report()
 
     async def flush(self) -> None:

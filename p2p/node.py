@@ -70,19 +70,42 @@ class NodeConfig:
     reprovide_interval: float = DEFAULT_REPROVIDE_INTERVAL
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     discovery_timeout: float = 10.0
+    # Floodsub for small runs' announcements (tens of workers): every subscriber relays
+    # a topic's messages to its connected subscribers, so a star around one worker works.
+    pubsub: bool = False
 
 
 class Node:
     """A running blobnet node. Create it with :func:`open_node`."""
 
     def __init__(
-        self, store: Store, host: Any, server: BlobServer, dht: KadDHT | None, config: NodeConfig
+        self,
+        store: Store,
+        host: Any,
+        server: BlobServer,
+        dht: KadDHT | None,
+        config: NodeConfig,
+        pubsub: Any = None,
     ) -> None:
         self.store = store
         self.host = host
         self.server = server
         self.dht = dht
         self.config = config
+        self.pubsub = pubsub
+
+    # --- pubsub ----------------------------------------------------------------------
+    async def subscribe(self, topic: str) -> Any:
+        """Subscribe to ``topic``; ``await sub.get()`` yields messages (``.data``,
+        ``.from_id``). The node must have been opened with ``pubsub=True``."""
+        if self.pubsub is None:
+            raise RuntimeError("this node runs without pubsub (open_node(..., pubsub=True))")
+        return await self.pubsub.subscribe(topic)
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        if self.pubsub is None:
+            raise RuntimeError("this node runs without pubsub (open_node(..., pubsub=True))")
+        await self.pubsub.publish(topic, data)
 
     # --- identity and addresses ----------------------------------------------------
     @property
@@ -330,6 +353,7 @@ async def open_node(
     bootstrap: Sequence[str] = (),
     dht: bool = True,
     fast: bool = True,
+    pubsub: bool = False,
     config: NodeConfig | None = None,
 ) -> AsyncIterator[Node]:
     """Run a node for the duration of the ``async with`` block.
@@ -338,7 +362,9 @@ async def open_node(
     ``bootstrap``: DHT bootstrap peers, dialled at start (a failed one is logged).
     """
     if config is None:
-        config = NodeConfig(listen=tuple(listen), bootstrap=tuple(bootstrap), dht=dht, fast=fast)
+        config = NodeConfig(
+            listen=tuple(listen), bootstrap=tuple(bootstrap), dht=dht, fast=fast, pubsub=pubsub
+        )
     if not isinstance(store, Store):
         store = await trio.to_thread.run_sync(Store.open, Path(store))
     key_pair = _key_pair(key, Path(key_path) if key_path is not None else None)
@@ -348,8 +374,11 @@ async def open_node(
     async with host.run(listen_addrs=listen_addrs):
         host.set_stream_handler(TProtocol(proto.PROTOCOL_ID), server.handle_stream)
         kad = KadDHT(host, DHTMode.SERVER) if config.dht else None
-        async with _maybe_service(kad), trio.open_nursery() as nursery:
-            node = Node(store, host, server, kad, config)
+        floodsub: Any = _make_pubsub(host) if config.pubsub else None
+        async with _maybe_service(kad), _maybe_service(floodsub), trio.open_nursery() as nursery:
+            if floodsub is not None:
+                await floodsub.wait_until_ready()
+            node = Node(store, host, server, kad, config, floodsub)
             for addr in config.bootstrap:
                 try:
                     await node.connect(addr)
@@ -363,8 +392,16 @@ async def open_node(
                 nursery.cancel_scope.cancel()
 
 
+def _make_pubsub(host: Any) -> Any:
+    from libp2p.pubsub.floodsub import PROTOCOL_ID as FLOODSUB_ID
+    from libp2p.pubsub.floodsub import FloodSub
+    from libp2p.pubsub.pubsub import Pubsub
+
+    return Pubsub(host, FloodSub([FLOODSUB_ID]))
+
+
 @asynccontextmanager
-async def _maybe_service(service: KadDHT | None) -> AsyncIterator[None]:
+async def _maybe_service(service: Any) -> AsyncIterator[None]:
     if service is None:
         yield
         return

@@ -24,7 +24,14 @@ from p2p.wire import BlobClient
 
 from .conftest import Cluster, NodeProcess, random_file
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.integration,
+    pytest.mark.timeout(240),
+    # py-libp2p 0.8.1's host leaves its TCP sockets to the garbage collector on shutdown.
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+]
 
 PROTOCOL = TProtocol(proto.PROTOCOL_ID)
 

@@ -122,9 +122,10 @@ def test_killed_fetcher_resumes_and_partial_peer_serves(cluster: Cluster, tmp_pa
             return 0
         return sum(bin(byte).count("1") for byte in store_b.chunk_bitmap(blob_id))
 
-    assert wait_until(lambda: verified_on_disk() >= 8, timeout=120)
-    fetch.send_signal(signal.SIGKILL)
-    fetch.wait(timeout=10)
+    with fetch:
+        assert wait_until(lambda: verified_on_disk() >= 8, timeout=120)
+        fetch.send_signal(signal.SIGKILL)
+        fetch.wait(timeout=10)
     held = verified_on_disk()
     assert 8 <= held < 48
     assert not Store.open(cluster.store("b")).has(blob_id)
