@@ -1,0 +1,405 @@
+"""SparseLoCo codec: round trips, canonical bytes, error feedback, strict decoding."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from training.codec import (
+    MAGIC,
+    CodecError,
+    CodecParams,
+    ErrorFeedback,
+    SparseTensor,
+    compress,
+    decode,
+    decode_sparse,
+    decompress,
+    encode,
+    encode_dense,
+    encode_sparse,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def reference_dequantised(values: np.ndarray, chunk: int, k: int) -> np.ndarray:
+    """Straight-line model of the codec: top-k by (-|v|, index), two group-mean scales."""
+    flat = values.reshape(-1)
+    out = np.zeros(flat.size, dtype=np.float32)
+    for start in range(0, flat.size, chunk):
+        idx = list(range(start, min(start + chunk, flat.size)))
+        ranked = sorted(idx, key=lambda i: (-abs(float(flat[i])), i))[:k]
+        n_high = (len(ranked) + 1) // 2
+        high, low = ranked[:n_high], ranked[n_high:]
+        for group in (high, low):
+            if not group:
+                continue
+            # Summed in ascending position order in float64, as the codec does.
+            scale = np.float32(sum(abs(float(flat[i])) for i in sorted(group)) / len(group))
+            for i in group:
+                out[i] = -scale if flat[i] < 0 else scale
+    return out.reshape(values.shape)
+
+
+float_arrays = hnp.arrays(
+    dtype=np.float32,
+    shape=st.one_of(
+        hnp.array_shapes(min_dims=0, max_dims=1, min_side=0, max_side=300),
+        hnp.array_shapes(min_dims=2, max_dims=3, min_side=0, max_side=9),
+    ),
+    # A small set of values makes ties common, where selection order matters most.
+    elements=st.one_of(
+        st.sampled_from([0.0, -0.0, 1.0, -1.0, 0.5, -2.0]),
+        st.floats(-1e3, 1e3, width=32, allow_subnormal=False),
+    ),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    values=float_arrays,
+    log2_chunk=st.integers(4, 6),
+    k_frac=st.floats(0.0, 1.0),
+)
+def test_round_trip_is_the_dequantised_top_k(
+    values: np.ndarray, log2_chunk: int, k_frac: float
+) -> None:
+    chunk = 1 << log2_chunk
+    k = max(1, round(k_frac * chunk))
+    params = CodecParams(chunk=chunk, k=k)
+    data = encode({"w": values}, params)
+    decoded = decode(data)
+    assert decoded.params == params
+    out = decoded.tensors["w"]
+    assert out.shape == values.shape
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, reference_dequantised(values, chunk, k))
+    np.testing.assert_array_equal(out, decompress(compress({"w": values}, params), params)["w"])
+    # At most k nonzeros per chunk, and each within the chunk's largest kept magnitude.
+    flat_in, flat_out = values.reshape(-1), out.reshape(-1)
+    for start in range(0, flat_in.size, chunk):
+        got = flat_out[start : start + chunk]
+        assert np.count_nonzero(got) <= k
+        bound = np.abs(flat_in[start : start + chunk]).max()
+        kept = got != 0
+        assert (np.abs(got) <= bound * (1 + 1e-6)).all()
+        assert (np.abs(got[kept] - flat_in[start : start + chunk][kept]) <= bound * 1.000001).all()
+        original = flat_in[start : start + chunk][kept]
+        # Signs survive; a kept zero (a chunk with fewer than k nonzeros) decodes as +scale.
+        assert (np.sign(got[kept]) == np.where(original == 0, 1, np.sign(original))).all()
+
+
+def test_kept_positions_and_sizes() -> None:
+    rng = np.random.default_rng(1)
+    values = rng.standard_normal(5000).astype(np.float32)
+    params = CodecParams(chunk=1024, k=8)
+    data = encode({"x": values}, params)
+    parsed_params, sparse = decode_sparse(data)
+    assert parsed_params == params
+    entry = sparse["x"]
+    # 4 full chunks of 1024 and one of 904: 5 * 8 kept, the 8 largest of each chunk.
+    assert entry.positions.size == 40
+    for c in range(5):
+        part = np.abs(values[c * 1024 : (c + 1) * 1024])
+        mine = entry.positions[entry.positions // 1024 == c] - c * 1024
+        assert sorted(mine.tolist()) == sorted(np.argsort(-part, kind="stable")[:8].tolist())
+    # 5 chunks: 8 bytes of scales, 40 * 10 index bits, 40 * 2 code bits, plus the header.
+    header = struct.calcsize("<4sBBBBIIII") + 2 + 1 + 1 + 8
+    assert len(data) == header + 5 * 8 + 50 + 10
+    assert params.ratio_vs_fp32() == pytest.approx(32 * 1024 / (8 * 12 + 64))
+
+
+def test_canonical_regardless_of_dict_order_and_input_type() -> None:
+    import torch
+
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((64, 33)).astype(np.float32)
+    b = rng.standard_normal(100).astype(np.float32)
+    params = CodecParams(chunk=256, k=5)
+    first = encode({"a": a, "b": b}, params)
+    assert encode({"b": b, "a": a}, params) == first
+    assert encode({"b": torch.from_numpy(b), "a": torch.from_numpy(a)}, params) == first
+    assert first[:4] == MAGIC
+    assert encode({"a": a, "b": b * 2}, params) != first
+
+
+SUBPROCESS_SCRIPT = textwrap.dedent(
+    """
+    import hashlib, sys
+    import numpy as np, torch
+    torch.set_num_threads(int(sys.argv[1]))
+    from training.codec import CodecParams, ErrorFeedback
+    rng = np.random.default_rng(7)
+    shapes = {"model.embed": (300, 64), "model.norm": (64,), "lm_head": (100, 333)}
+    feedback = ErrorFeedback(CodecParams(chunk=4096, k=32))
+    digest = hashlib.sha256()
+    for _ in range(3):
+        grads = {n: torch.from_numpy(rng.standard_normal(s).astype(np.float32) * 1e-3)
+                 for n, s in shapes.items()}
+        digest.update(feedback.step(grads))
+    print(digest.hexdigest())
+    """
+)
+
+
+def _digest_in_subprocess(threads: int) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", SUBPROCESS_SCRIPT, str(threads)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=100,
+    )
+    return out.stdout.strip()
+
+
+def test_bytes_identical_across_processes_and_thread_counts() -> None:
+    """Guards against a per-process or thread-dependent encoding (dict order, reductions)."""
+    rng = np.random.default_rng(7)
+    shapes = {"model.embed": (300, 64), "model.norm": (64,), "lm_head": (100, 333)}
+    feedback = ErrorFeedback(CodecParams(chunk=4096, k=32))
+    digest = hashlib.sha256()
+    for _ in range(3):
+        grads = {
+            n: rng.standard_normal(s).astype(np.float32) * np.float32(1e-3)
+            for n, s in shapes.items()
+        }
+        digest.update(feedback.step(grads))
+    assert _digest_in_subprocess(4) == digest.hexdigest()
+
+
+def test_error_feedback_sends_what_was_dropped() -> None:
+    rng = np.random.default_rng(3)
+    params = CodecParams(chunk=64, k=4)
+    feedback = ErrorFeedback(params)
+    total_in = np.zeros((10, 64), np.float32)
+    total_sent = np.zeros((10, 64), np.float32)
+    for step in range(300):
+        grad = (
+            rng.standard_normal((10, 64)).astype(np.float32)
+            if step < 30
+            else np.zeros_like(total_in)
+        )
+        total_in += grad
+        sent = decode(feedback.step({"g": grad})).tensors["g"]
+        total_sent += sent
+        # Conservation: everything sent plus the residual is everything put in.
+        np.testing.assert_allclose(total_sent + feedback.residual["g"], total_in, atol=1e-3)
+        if step == 0:
+            first_error = np.linalg.norm(total_sent - total_in) / np.linalg.norm(total_in)
+    final_error = np.linalg.norm(total_sent - total_in) / np.linalg.norm(total_in)
+    assert first_error > 0.5
+    assert final_error < 0.02
+
+
+def test_error_feedback_rejects_changed_tensors() -> None:
+    feedback = ErrorFeedback(CodecParams(chunk=16, k=2))
+    feedback.step({"a": np.ones(4, np.float32)})
+    with pytest.raises(ValueError, match="names changed"):
+        feedback.step({"b": np.ones(4, np.float32)})
+    with pytest.raises(ValueError, match="shape"):
+        feedback.step({"a": np.ones(5, np.float32)})
+
+
+def test_encoder_refuses_bad_input() -> None:
+    params = CodecParams(chunk=16, k=2)
+    with pytest.raises(ValueError, match="NaN"):
+        encode({"a": np.array([1.0, np.nan], np.float32)}, params)
+    with pytest.raises(ValueError, match="float32"):
+        encode({"a": np.ones(3, np.float64)}, params)
+    with pytest.raises(ValueError, match="power of two"):
+        CodecParams(chunk=100, k=2)
+    with pytest.raises(ValueError, match="k 17"):
+        CodecParams(chunk=16, k=17)
+
+
+def test_dense_round_trip() -> None:
+    rng = np.random.default_rng(4)
+    tensors = {"b": rng.standard_normal((3, 5)).astype(np.float32), "a": np.float32(2.5)}
+    data = encode_dense(tensors)
+    decoded = decode(data)
+    assert decoded.params is None
+    np.testing.assert_array_equal(decoded.tensors["b"], tensors["b"])
+    assert decoded.tensors["a"].shape == ()
+    assert float(decoded.tensors["a"]) == 2.5
+
+
+# --- malformed inputs -------------------------------------------------------------------
+
+
+def _sample() -> tuple[bytes, CodecParams]:
+    rng = np.random.default_rng(5)
+    params = CodecParams(chunk=16, k=3)
+    tensors = {
+        "a": rng.standard_normal(20).astype(np.float32),
+        "b": rng.standard_normal((2, 3)).astype(np.float32),
+    }
+    return encode(tensors, params), params
+
+
+def test_every_truncation_and_trailing_byte_rejected() -> None:
+    data, _ = _sample()
+    for cut in range(len(data)):
+        with pytest.raises(CodecError):
+            decode(data[:cut])
+    with pytest.raises(CodecError, match="header says"):
+        decode(data + b"\x00")
+
+
+def _with_fixed(data: bytes, **fields: int) -> bytes:
+    names = ["magic", "version", "scheme", "dtype", "index_bits", "chunk", "k", "bits", "count"]
+    fmt = "<4sBBBBIIII"
+    values = dict(zip(names, struct.unpack_from(fmt, data), strict=True))
+    values.update(fields)
+    return struct.pack(fmt, *(values[n] for n in names)) + data[struct.calcsize(fmt) :]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"magic": b"XXXX"}, "magic"),
+        ({"version": 2}, "version"),
+        ({"scheme": 7}, "scheme"),
+        ({"dtype": 2}, "dtype"),
+        ({"bits": 3}, "value width"),
+        ({"index_bits": 5}, "chunk"),
+        ({"chunk": 17}, "chunk"),
+        ({"index_bits": 3, "chunk": 8}, "chunk"),
+        ({"k": 0}, "bad k"),
+        ({"k": 17}, "bad k"),
+        ({"count": 0xFFFFFFFF}, "count"),
+        ({"count": 3}, "truncated|increasing|length"),
+        ({"k": 4}, "header says"),
+    ],
+)
+def test_bad_header_rejected(fields: dict[str, object], message: str) -> None:
+    data, _ = _sample()
+    with pytest.raises(CodecError, match=message):
+        decode(_with_fixed(data, **fields))  # type: ignore[arg-type]
+
+
+def _raw_update(entries: list[tuple[bytes, tuple[int, ...]]], payload: bytes) -> bytes:
+    fixed = struct.pack("<4sBBBBIIII", MAGIC, 1, 1, 1, 4, 16, 3, 2, len(entries))
+    parts = [fixed]
+    for name, shape in entries:
+        parts.append(struct.pack("<H", len(name)) + name + struct.pack("<B", len(shape)))
+        parts.append(struct.pack(f"<{len(shape)}Q", *shape))
+    return b"".join(parts) + payload
+
+
+def test_huge_shapes_rejected_before_allocation() -> None:
+    """A 40-byte blob claiming 2^80 values must fail on the header, not in numpy."""
+    with pytest.raises(CodecError, match="more than"):
+        decode(_raw_update([(b"w", (1 << 40, 1 << 40))], b""))
+    with pytest.raises(CodecError, match="more than"):
+        decode(_raw_update([(b"w", (1000,))], b""), max_elements=999)
+    with pytest.raises(CodecError, match="dims"):
+        decode(_raw_update([(b"w", (1,) * 9)], b""))
+
+
+def test_names_must_be_sorted_unique_utf8() -> None:
+    with pytest.raises(CodecError, match="increasing"):
+        decode(_raw_update([(b"b", (0,)), (b"a", (0,))], b""))
+    with pytest.raises(CodecError, match="increasing"):
+        decode(_raw_update([(b"a", (0,)), (b"a", (0,))], b""))
+    with pytest.raises(CodecError, match="UTF-8"):
+        decode(_raw_update([(b"\xff", (0,))], b""))
+    with pytest.raises(CodecError, match="name length"):
+        decode(_raw_update([(b"", (0,))], b""))
+    # Empty tensors are fine.
+    assert decode(_raw_update([(b"a", (0,)), (b"b", (2, 0))], b"")).tensors["b"].shape == (2, 0)
+
+
+def _encoded(
+    positions: list[int],
+    codes: list[int],
+    scales: list[float] | None = None,
+    numel: int = 20,
+) -> bytes:
+    params = CodecParams(chunk=16, k=3)
+    n_chunks = -(-numel // 16)
+    scale_array = np.array(scales or [0.5, 1.0] * n_chunks, np.float32).reshape(n_chunks, 2)
+    sparse = SparseTensor(
+        (numel,), scale_array, np.array(positions, np.int64), np.array(codes, np.uint8)
+    )
+    return encode_sparse({"a": sparse}, params)
+
+
+def test_crafted_payloads() -> None:
+    good = _encoded([0, 5, 9, 16, 17, 19], [2, 2, 1, 2, 3, 0])
+    out = decode(good).tensors["a"]
+    assert out[[0, 5, 9, 16, 17, 19]].tolist() == [1.0, 1.0, -0.5, 1.0, -1.0, 0.5]
+    # Index 4 of the short last chunk (4 values) is past its end.
+    with pytest.raises(CodecError, match="past the end"):
+        decode(_encoded([0, 5, 9, 16, 17, 20], [2, 2, 1, 2, 3, 0]))
+    with pytest.raises(CodecError, match="out of order"):
+        decode(_encoded([0, 9, 5, 16, 17, 19], [2, 2, 1, 2, 3, 0]))
+    with pytest.raises(CodecError, match="out of order"):
+        decode(_encoded([0, 5, 5, 16, 17, 19], [2, 2, 1, 2, 3, 0]))
+    with pytest.raises(CodecError, match="high/low"):
+        decode(_encoded([0, 5, 9, 16, 17, 19], [2, 2, 3, 2, 3, 0]))
+    with pytest.raises(CodecError, match="scale"):
+        decode(_encoded([0, 5, 9, 16, 17, 19], [2, 2, 1, 2, 3, 0], [0.5, -1.0, 0.5, 1.0]))
+    with pytest.raises(CodecError, match="scale"):
+        decode(_encoded([0, 5, 9, 16, 17, 19], [2, 2, 1, 2, 3, 0], [0.5, np.nan, 0.5, 1.0]))
+    with pytest.raises(CodecError, match="scale"):
+        decode(_encoded([0, 5, 9, 16, 17, 19], [2, 2, 1, 2, 3, 0], [-0.0, 1.0, 0.5, 1.0]))
+    # The 6 codes take 12 bits: the last 4 bits of their byte must be zero.
+    tampered = good[:-1] + bytes([good[-1] | 0x80])
+    with pytest.raises(CodecError, match="padding"):
+        decode(tampered)
+
+
+def test_expected_shapes_checked() -> None:
+    data, _ = _sample()
+    assert set(decode(data, expected={"a": (20,), "b": (2, 3)}).tensors) == {"a", "b"}
+    with pytest.raises(CodecError, match="do not match"):
+        decode(data, expected={"a": (20,), "b": (3, 2)})
+    with pytest.raises(CodecError, match="do not match"):
+        decode(data, expected={"a": (20,)})
+
+
+def test_dense_rejects_non_finite_and_bad_params() -> None:
+    data = encode_dense({"a": np.ones(2, np.float32)})
+    with pytest.raises(CodecError, match="NaN"):
+        decode(data[:-4] + struct.pack("<f", float("inf")))
+    with pytest.raises(CodecError, match="non-canonical"):
+        decode(_with_fixed(data, k=1))
+    with pytest.raises(CodecError, match="dense update"):
+        decode_sparse(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_raise_only_codec_error(data: bytes) -> None:
+    try:
+        decode(data)
+    except CodecError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(position=st.integers(0, 10_000), value=st.integers(0, 255), cut=st.integers(0, 3))
+def test_mutated_updates_raise_only_codec_error(position: int, value: int, cut: int) -> None:
+    data, _ = _sample()
+    position %= len(data)
+    mutated = data[:position] + bytes([value]) + data[position + 1 :]
+    mutated = mutated[: len(mutated) - cut]
+    try:
+        decoded = decode(mutated)
+    except CodecError:
+        return
+    # Whatever survived validation is a well-formed update: finite float32 tensors.
+    assert all(v.dtype == np.float32 and np.isfinite(v).all() for v in decoded.tensors.values())

@@ -1,0 +1,557 @@
+"""Pseudo-gradient codec: SparseLoCo top-k + 2-bit quantisation, with error feedback.
+
+Theory of operation
+-------------------
+A DiLoCo worker sends, once per round, its pseudo-gradient (global start minus its own end
+state) for every parameter tensor. Sent densely that is 4 bytes per parameter; this codec
+sends a few bits per kept value instead:
+
+1. Each tensor is flattened (C order) and cut into chunks of ``chunk`` values (a power of
+   two); the last chunk may be shorter. A chunk of length ``n`` keeps ``min(k, n)`` values.
+2. Selection is by magnitude with a total order on ties: larger ``|v|`` first, then lower
+   index. It is computed from a per-chunk threshold (the k-th largest magnitude) plus the
+   lowest-index values equal to it, so it is a pure function of the values, with no
+   dependence on sort stability or thread count.
+3. The kept values of a chunk, ranked in that same order, are split into a high group (the
+   first ``ceil(m/2)`` of the ``m`` kept) and a low group. Each value becomes a 2-bit code:
+   bit 0 is its sign (1 = negative), bit 1 its group (1 = high). The chunk carries two
+   float32 scales, the mean magnitude of its low and of its high group (computed in float64,
+   then rounded once), and a code decodes to ``±scale``.
+4. Error feedback (``ErrorFeedback``) keeps, per worker, what was not sent:
+   ``residual = decay * residual + grad; send C(residual); residual -= D(C(residual))``,
+   so dropped and quantised-away mass is sent in later rounds.
+
+Wire format (all integers little-endian; "bits" fields are LSB-first bit streams)::
+
+    magic  b"BNPG"        4
+    version u8 (=1)       scheme u8 (0 dense float32, 1 top-k 2-bit)
+    dtype u8 (1 float32)  index_bits u8 (log2 chunk; 0 for dense)
+    chunk u32  k u32  value_bits u32 (2; 32 for dense)  count u32 (tensors)
+    per tensor, in strictly increasing UTF-8 byte order of names:
+        name_len u16, name, ndim u8, dims u64 * ndim
+    per tensor, same order:
+        dense:  numel float32 values
+        top-k:  scales float32 [n_chunks, 2] (low, high), then the kept entries' in-chunk
+                indices (index_bits each, strictly increasing within a chunk), zero-padded
+                to a byte, then their 2-bit codes, zero-padded to a byte
+
+and nothing after. Every field is a pure function of the input values and parameters, so
+the bytes are canonical: the same update gives the same bytes in any process with any
+thread count (all arithmetic is numpy on one thread; nothing iterates a dict or set).
+``decode`` accepts only what ``encode`` could have produced: it checks magic, version,
+parameters, name order and uniqueness, shapes against bounds (before allocating), the exact
+total length, index ranges and order, padding bits, finite non-negative scales and the
+high/low split of the codes; any failure is a ``CodecError``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from training.errors import TrainingError
+
+F32 = npt.NDArray[np.float32]
+
+MAGIC = b"BNPG"
+VERSION = 1
+SCHEME_DENSE = 0
+SCHEME_TOPK = 1
+DTYPE_FLOAT32 = 1
+SPARSE_VALUE_BITS = 2
+DENSE_VALUE_BITS = 32
+
+# Chunks are powers of two so an in-chunk index takes exactly log2(chunk) bits. 16 values is
+# the smallest chunk where sparsifying is worth a header; 65536 keeps indices in 16 bits.
+MIN_CHUNK_LOG2 = 4
+MAX_CHUNK_LOG2 = 16
+# A model's parameter tensors: a 70B model has well under 10^4 named tensors.
+MAX_TENSORS = 1 << 16
+# Parameter names are dotted module paths; nothing sane comes near 1 KiB.
+MAX_NAME_LEN = 1024
+# Parameter tensors have at most a handful of dimensions (conv kernels have 5).
+MAX_NDIM = 8
+# Decoding allocates 4 bytes per element of every tensor, and a top-k payload can be up to
+# chunk/2 times smaller than that; this bounds what a hostile blob can make us allocate
+# (2^31 float32 = 8 GiB, the pseudo-gradient of a 2B-parameter model). Callers that know the
+# model pass its shapes and a tighter bound.
+MAX_ELEMENTS = 1 << 31
+
+_FIXED = struct.Struct("<4sBBBBIIII")
+
+
+class CodecError(TrainingError):
+    """An encoded pseudo-gradient is malformed (a remote peer's fault: drop the update)."""
+
+    exit_code = 4
+
+
+@dataclass(frozen=True)
+class CodecParams:
+    """Top-k parameters: ``k`` kept values per ``chunk`` values (``chunk`` a power of 2)."""
+
+    chunk: int = 4096
+    k: int = 32
+
+    def __post_init__(self) -> None:
+        if (
+            self.chunk <= 0
+            or self.chunk & (self.chunk - 1)
+            or not MIN_CHUNK_LOG2 <= self.chunk.bit_length() - 1 <= MAX_CHUNK_LOG2
+        ):
+            raise ValueError(
+                f"chunk {self.chunk} must be a power of two in "
+                f"{1 << MIN_CHUNK_LOG2}..{1 << MAX_CHUNK_LOG2}"
+            )
+        if not 1 <= self.k <= self.chunk:
+            raise ValueError(f"k {self.k} must be in 1..{self.chunk}")
+
+    @property
+    def index_bits(self) -> int:
+        return self.chunk.bit_length() - 1
+
+    def ratio_vs_fp32(self) -> float:
+        """Compression against dense float32 on full chunks (scales included)."""
+        bits = self.k * (self.index_bits + SPARSE_VALUE_BITS) + 64
+        return 32 * self.chunk / bits
+
+
+@dataclass(frozen=True)
+class SparseTensor:
+    """One tensor's compressed form: per-chunk scales, kept flat positions and codes."""
+
+    shape: tuple[int, ...]
+    scales: F32  # [n_chunks, 2]: low, high
+    positions: npt.NDArray[np.int64]  # flat indices, ascending
+    codes: npt.NDArray[np.uint8]  # 2-bit code per position
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _kept_total(numel: int, params: CodecParams) -> tuple[int, int]:
+    """(chunks, kept values) of a tensor of ``numel`` values, without allocating."""
+    n_chunks = -(-numel // params.chunk)
+    if n_chunks == 0:
+        return 0, 0
+    rem = numel - (n_chunks - 1) * params.chunk
+    return n_chunks, (n_chunks - 1) * params.k + min(params.k, rem)
+
+
+def _chunk_counts(numel: int, params: CodecParams) -> npt.NDArray[np.int64]:
+    """Kept values per chunk: ``k`` for full chunks, ``min(k, n)`` for a short last one."""
+    n_chunks = -(-numel // params.chunk)
+    counts = np.full(n_chunks, params.k, dtype=np.int64)
+    rem = numel - (n_chunks - 1) * params.chunk if n_chunks else 0
+    if n_chunks and rem < params.chunk:
+        counts[-1] = min(params.k, rem)
+    return counts
+
+
+def _as_float32(value: Any, name: str) -> F32:
+    """A C-contiguous float32 numpy copy of a numpy array or CPU torch tensor."""
+    if hasattr(value, "detach"):  # torch.Tensor, without importing torch
+        value = value.detach().to("cpu").contiguous().numpy()
+    array = np.asarray(value)
+    if array.dtype != np.float32:
+        raise ValueError(f"tensor {name!r} is {array.dtype}, expected float32")
+    if not np.isfinite(array).all():
+        raise ValueError(f"tensor {name!r} holds NaN or infinity; refusing to send it")
+    # np.array keeps 0-d arrays 0-d (ascontiguousarray would make them 1-d).
+    return np.array(array, dtype=np.float32, order="C", copy=True)
+
+
+def _check_names(names: list[str]) -> None:
+    if len(names) > MAX_TENSORS:
+        raise ValueError(f"{len(names)} tensors exceed the limit of {MAX_TENSORS}")
+    for name in names:
+        if not name or len(name.encode()) > MAX_NAME_LEN:
+            raise ValueError(f"tensor name {name!r} is empty or longer than {MAX_NAME_LEN}")
+
+
+def _sorted_names(tensors: Mapping[str, Any]) -> list[str]:
+    names = sorted(tensors, key=lambda n: n.encode())
+    _check_names(names)
+    return names
+
+
+def compress_tensor(values: F32, params: CodecParams) -> SparseTensor:
+    """Top-k + 2-bit quantisation of one float32 tensor (see the module docstring)."""
+    shape = tuple(int(d) for d in values.shape)
+    flat = values.reshape(-1)
+    numel = flat.size
+    counts = _chunk_counts(numel, params)
+    n_chunks = counts.size
+    if n_chunks == 0:
+        return SparseTensor(
+            shape, np.zeros((0, 2), np.float32), np.zeros(0, np.int64), np.zeros(0, np.uint8)
+        )
+    chunk = params.chunk
+    # Padded magnitudes; padding is -1 so it never beats a real value (|v| >= 0).
+    mags = np.full(n_chunks * chunk, -1.0, dtype=np.float32)
+    mags[:numel] = np.abs(flat)
+    mags2 = mags.reshape(n_chunks, chunk)
+    # k-th largest magnitude per chunk (a value, so independent of partition's order). In a
+    # short last chunk with fewer than k values this is padding (-1), so all are kept.
+    kth = chunk - params.k
+    thresh = np.partition(mags2, kth, axis=1)[:, kth : kth + 1]
+    above = mags2 > thresh
+    need = counts - above.sum(axis=1)
+    equal = mags2 == thresh
+    keep = above | (equal & (np.cumsum(equal, axis=1) <= need[:, None]))
+    rows, cols = np.nonzero(keep)  # row-major: ascending positions
+    positions = rows.astype(np.int64) * chunk + cols.astype(np.int64)
+    kept = flat[positions]
+    # Rank within each chunk by (-|v|, position); the first ceil(m/2) form the high group.
+    mags64 = np.abs(kept).astype(np.float64)
+    order = np.lexsort((positions, -mags64, rows))
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    rank = np.empty(positions.size, dtype=np.int64)
+    rank[order] = np.arange(positions.size) - np.repeat(starts, counts)
+    n_high = (counts + 1) // 2
+    n_low = counts - n_high
+    high = rank < np.repeat(n_high, counts)
+    # Group means: float64 sums in ascending position order (bincount adds sequentially),
+    # one rounding to float32 at the end.
+    sum_high = np.bincount(rows[high], weights=mags64[high], minlength=n_chunks)
+    sum_low = np.bincount(rows[~high], weights=mags64[~high], minlength=n_chunks)
+    scales = np.zeros((n_chunks, 2), dtype=np.float64)
+    scales[:, 1] = sum_high / n_high
+    np.divide(sum_low, n_low, out=scales[:, 0], where=n_low > 0)
+    codes = ((kept < 0).astype(np.uint8) | (high.astype(np.uint8) << 1)).astype(np.uint8)
+    return SparseTensor(shape, scales.astype(np.float32), positions, codes)
+
+
+def decompress_tensor(sparse: SparseTensor, params: CodecParams) -> F32:
+    """The dense float32 tensor a ``SparseTensor`` stands for (zeros where nothing kept)."""
+    numel = _numel(sparse.shape)
+    out = np.zeros(numel, dtype=np.float32)
+    if sparse.positions.size:
+        chunk_of = sparse.positions // params.chunk
+        magnitude = sparse.scales[chunk_of, (sparse.codes >> 1).astype(np.int64)]
+        out[sparse.positions] = np.where(sparse.codes & 1, -magnitude, magnitude)
+    return out.reshape(sparse.shape)
+
+
+def compress(tensors: Mapping[str, Any], params: CodecParams) -> dict[str, SparseTensor]:
+    """Compress every tensor (float32 numpy arrays or CPU torch tensors)."""
+    return {n: compress_tensor(_as_float32(tensors[n], n), params) for n in _sorted_names(tensors)}
+
+
+def decompress(sparse: Mapping[str, SparseTensor], params: CodecParams) -> dict[str, F32]:
+    return {n: decompress_tensor(sparse[n], params) for n in _sorted_names(sparse)}
+
+
+# --- bit packing ---------------------------------------------------------------------
+
+
+def _pack_bits(values: npt.NDArray[Any], bits: int) -> bytes:
+    """``values`` (non-negative, < 2**bits) as an LSB-first bit stream, zero-padded."""
+    if values.size == 0:
+        return b""
+    shifts = np.arange(bits, dtype=np.uint32)
+    planes = ((values.astype(np.uint32)[:, None] >> shifts) & 1).astype(np.uint8)
+    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
+
+
+def _unpack_bits(data: bytes, count: int, bits: int, what: str) -> npt.NDArray[np.int64]:
+    """Inverse of ``_pack_bits``; ``data`` must be exactly the padded length, padding zero."""
+    if count == 0:
+        return np.zeros(0, dtype=np.int64)
+    flat = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
+    if flat[count * bits :].any():
+        raise CodecError(f"nonzero padding bits after the {what}")
+    planes = flat[: count * bits].reshape(count, bits).astype(np.int64)
+    values: npt.NDArray[np.int64] = (planes << np.arange(bits, dtype=np.int64)).sum(axis=1)
+    return values
+
+
+def _nbytes(count: int, bits: int) -> int:
+    return (count * bits + 7) // 8
+
+
+# --- encoding ------------------------------------------------------------------------
+
+
+def _header(
+    scheme: int, params: CodecParams | None, shapes: list[tuple[str, tuple[int, ...]]]
+) -> bytes:
+    if params is None:
+        fixed = _FIXED.pack(
+            MAGIC, VERSION, scheme, DTYPE_FLOAT32, 0, 0, 0, DENSE_VALUE_BITS, len(shapes)
+        )
+    else:
+        fixed = _FIXED.pack(
+            MAGIC,
+            VERSION,
+            scheme,
+            DTYPE_FLOAT32,
+            params.index_bits,
+            params.chunk,
+            params.k,
+            SPARSE_VALUE_BITS,
+            len(shapes),
+        )
+    parts = [fixed]
+    for name, shape in shapes:
+        raw = name.encode()
+        if len(shape) > MAX_NDIM:
+            raise ValueError(f"tensor {name!r} has {len(shape)} dims, limit {MAX_NDIM}")
+        parts.append(struct.pack("<H", len(raw)) + raw + struct.pack("<B", len(shape)))
+        parts.append(struct.pack(f"<{len(shape)}Q", *shape))
+    return b"".join(parts)
+
+
+def encode_sparse(sparse: Mapping[str, SparseTensor], params: CodecParams) -> bytes:
+    """Canonical bytes of a compressed update."""
+    names = _sorted_names(sparse)
+    parts = [_header(SCHEME_TOPK, params, [(n, sparse[n].shape) for n in names])]
+    for name in names:
+        entry = sparse[name]
+        chunk_local = entry.positions % params.chunk
+        parts.append(entry.scales.astype("<f4").tobytes())
+        parts.append(_pack_bits(chunk_local, params.index_bits))
+        parts.append(_pack_bits(entry.codes, SPARSE_VALUE_BITS))
+    return b"".join(parts)
+
+
+def encode(tensors: Mapping[str, Any], params: CodecParams) -> bytes:
+    """Compress and encode ``tensors`` (no error feedback; see ``ErrorFeedback``)."""
+    return encode_sparse(compress(tensors, params), params)
+
+
+def encode_dense(tensors: Mapping[str, Any]) -> bytes:
+    """Canonical bytes of an uncompressed float32 update (the dense DiLoCo baseline)."""
+    names = _sorted_names(tensors)
+    arrays = {n: _as_float32(tensors[n], n) for n in names}
+    parts = [_header(SCHEME_DENSE, None, [(n, tuple(arrays[n].shape)) for n in names])]
+    parts.extend(arrays[n].astype("<f4").tobytes() for n in names)
+    return b"".join(parts)
+
+
+# --- decoding ------------------------------------------------------------------------
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or self.pos + n > len(self.data):
+            raise CodecError(f"update truncated in the {what}")
+        out = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def remaining(self) -> int:
+        return len(self.data) - self.pos
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A parsed update: its scheme, parameters (``None`` for dense) and dense tensors."""
+
+    scheme: int
+    params: CodecParams | None
+    tensors: dict[str, F32]
+
+
+def _parse_header(
+    reader: _Reader,
+    max_elements: int,
+    expected: Mapping[str, tuple[int, ...]] | None,
+) -> tuple[int, CodecParams | None, list[tuple[str, tuple[int, ...]]]]:
+    fixed = reader.take(_FIXED.size, "header")
+    magic, version, scheme, dtype, index_bits, chunk, k, value_bits, count = _FIXED.unpack(fixed)
+    if magic != MAGIC:
+        raise CodecError("not a pseudo-gradient update (bad magic)")
+    if version != VERSION:
+        raise CodecError(f"unknown update version {version}")
+    if dtype != DTYPE_FLOAT32:
+        raise CodecError(f"unknown dtype code {dtype}")
+    params: CodecParams | None
+    if scheme == SCHEME_DENSE:
+        if (index_bits, chunk, k, value_bits) != (0, 0, 0, DENSE_VALUE_BITS):
+            raise CodecError("dense update with non-canonical parameters")
+        params = None
+    elif scheme == SCHEME_TOPK:
+        if value_bits != SPARSE_VALUE_BITS:
+            raise CodecError(f"unsupported value width {value_bits} bits")
+        if not MIN_CHUNK_LOG2 <= index_bits <= MAX_CHUNK_LOG2 or chunk != 1 << index_bits:
+            raise CodecError(f"bad chunk {chunk} / index bits {index_bits}")
+        if not 1 <= k <= chunk:
+            raise CodecError(f"bad k {k} for chunk {chunk}")
+        params = CodecParams(chunk=chunk, k=k)
+    else:
+        raise CodecError(f"unknown scheme {scheme}")
+    # Each tensor entry takes at least 3 header bytes: bound the count before looping.
+    if count > MAX_TENSORS or count * 3 > reader.remaining():
+        raise CodecError(f"tensor count {count} is out of bounds")
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    total = 0
+    previous: bytes | None = None
+    for _ in range(count):
+        (name_len,) = struct.unpack("<H", reader.take(2, "tensor name length"))
+        if not 1 <= name_len <= MAX_NAME_LEN:
+            raise CodecError(f"tensor name length {name_len} is out of bounds")
+        raw = reader.take(name_len, "tensor name")
+        if previous is not None and raw <= previous:
+            raise CodecError("tensor names are not in strictly increasing order")
+        previous = raw
+        try:
+            name = raw.decode()
+        except UnicodeDecodeError as exc:
+            raise CodecError("tensor name is not UTF-8") from exc
+        (ndim,) = struct.unpack("<B", reader.take(1, "tensor rank"))
+        if ndim > MAX_NDIM:
+            raise CodecError(f"tensor {name!r} has {ndim} dims, limit {MAX_NDIM}")
+        shape = struct.unpack(f"<{ndim}Q", reader.take(8 * ndim, "tensor shape"))
+        numel = math.prod(shape)
+        total += numel
+        if total > max_elements:
+            raise CodecError(f"update holds more than {max_elements} values")
+        shapes.append((name, tuple(int(d) for d in shape)))
+    if expected is not None:
+        got = dict(shapes)
+        if got != dict(expected):
+            missing = sorted(set(expected) - set(got))
+            extra = sorted(set(got) - set(expected))
+            raise CodecError(
+                f"update tensors do not match the model (missing {missing[:3]}, "
+                f"unexpected {extra[:3]}, or shapes differ)"
+            )
+    return scheme, params, shapes
+
+
+def _payload_size(params: CodecParams | None, numel: int) -> int:
+    if params is None:
+        return 4 * numel
+    n_chunks, kept = _kept_total(numel, params)
+    return 8 * n_chunks + _nbytes(kept, params.index_bits) + _nbytes(kept, SPARSE_VALUE_BITS)
+
+
+def _parse_sparse(
+    reader: _Reader, name: str, shape: tuple[int, ...], params: CodecParams
+) -> SparseTensor:
+    numel = _numel(shape)
+    counts = _chunk_counts(numel, params)
+    n_chunks = counts.size
+    kept = int(counts.sum())
+    scales = (
+        np.frombuffer(reader.take(8 * n_chunks, "scales"), dtype="<f4")
+        .astype(np.float32)
+        .reshape(n_chunks, 2)
+    )
+    if not np.isfinite(scales).all() or np.signbit(scales).any():
+        raise CodecError(f"tensor {name!r} has a negative or non-finite scale")
+    local = _unpack_bits(
+        reader.take(_nbytes(kept, params.index_bits), "indices"), kept, params.index_bits, name
+    )
+    codes = _unpack_bits(
+        reader.take(_nbytes(kept, SPARSE_VALUE_BITS), "codes"), kept, SPARSE_VALUE_BITS, name
+    ).astype(np.uint8)
+    chunk_of = np.repeat(np.arange(n_chunks, dtype=np.int64), counts)
+    lengths = np.minimum(params.chunk, numel - np.arange(n_chunks, dtype=np.int64) * params.chunk)
+    if kept and (local >= lengths[chunk_of]).any():
+        raise CodecError(f"tensor {name!r} has an index past the end of its chunk")
+    if kept > 1:
+        same_chunk = chunk_of[1:] == chunk_of[:-1]
+        if (same_chunk & (local[1:] <= local[:-1])).any():
+            raise CodecError(f"tensor {name!r} has indices out of order within a chunk")
+    n_high = np.bincount(chunk_of, weights=(codes >> 1).astype(np.float64), minlength=n_chunks)
+    if (n_high != (counts + 1) // 2).any():
+        raise CodecError(f"tensor {name!r} has a non-canonical high/low split")
+    positions = chunk_of * params.chunk + local
+    return SparseTensor(shape, scales, positions, codes)
+
+
+def decode(
+    data: bytes,
+    *,
+    max_elements: int = MAX_ELEMENTS,
+    expected: Mapping[str, tuple[int, ...]] | None = None,
+) -> Decoded:
+    """Parse, validate and decompress an update; raises ``CodecError`` if malformed.
+
+    ``expected`` (name -> shape), when given, must match the update's tensors exactly.
+    """
+    reader = _Reader(bytes(data))
+    scheme, params, shapes = _parse_header(reader, max_elements, expected)
+    size = sum(_payload_size(params, _numel(shape)) for _, shape in shapes)
+    if size != reader.remaining():
+        raise CodecError(f"update payload is {reader.remaining()} bytes; its header says {size}")
+    tensors: dict[str, F32] = {}
+    for name, shape in shapes:
+        if params is None:
+            raw = reader.take(4 * _numel(shape), "values")
+            values = np.frombuffer(raw, dtype="<f4").astype(np.float32).reshape(shape)
+            if not np.isfinite(values).all():
+                raise CodecError(f"tensor {name!r} holds NaN or infinity")
+            tensors[name] = values
+        else:
+            tensors[name] = decompress_tensor(_parse_sparse(reader, name, shape, params), params)
+    return Decoded(scheme, params, tensors)
+
+
+def decode_sparse(data: bytes) -> tuple[CodecParams, dict[str, SparseTensor]]:
+    """Parse a top-k update without decompressing it (for inspection and tests)."""
+    reader = _Reader(bytes(data))
+    _scheme, params, shapes = _parse_header(reader, MAX_ELEMENTS, None)
+    if params is None:
+        raise CodecError("dense update where a top-k one was expected")
+    size = sum(_payload_size(params, _numel(shape)) for _, shape in shapes)
+    if size != reader.remaining():
+        raise CodecError(f"update payload is {reader.remaining()} bytes; its header says {size}")
+    return params, {name: _parse_sparse(reader, name, shape, params) for name, shape in shapes}
+
+
+# --- error feedback ------------------------------------------------------------------
+
+
+class ErrorFeedback:
+    """A worker's error-feedback residual: what compression has not yet sent.
+
+    ``step(grads)`` adds ``grads`` to ``decay * residual``, compresses the sum, subtracts what
+    the receivers will decode, and returns the encoded bytes. With ``decay = 1`` (classic
+    error feedback) the sum of everything sent plus the residual equals the sum of all
+    inputs, up to float32 rounding.
+    """
+
+    def __init__(self, params: CodecParams, decay: float = 1.0) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay {decay} must be in (0, 1]")
+        self.params = params
+        self.decay = np.float32(decay)
+        self.residual: dict[str, F32] = {}
+
+    def step(self, grads: Mapping[str, Any]) -> bytes:
+        sparse = self.step_sparse(grads)
+        return encode_sparse(sparse, self.params)
+
+    def step_sparse(self, grads: Mapping[str, Any]) -> dict[str, SparseTensor]:
+        names = _sorted_names(grads)
+        if self.residual and set(self.residual) != set(names):
+            raise ValueError("error feedback: tensor names changed between rounds")
+        sparse: dict[str, SparseTensor] = {}
+        for name in names:
+            grad = _as_float32(grads[name], name)
+            previous = self.residual.get(name)
+            if previous is None:
+                accumulated = grad.copy()
+            else:
+                if previous.shape != grad.shape:
+                    raise ValueError(f"error feedback: shape of {name!r} changed")
+                accumulated = previous * self.decay + grad if self.decay != 1 else previous + grad
+            entry = compress_tensor(accumulated, self.params)
+            accumulated -= decompress_tensor(entry, self.params)
+            self.residual[name] = accumulated
+            sparse[name] = entry
+        return sparse

@@ -1,0 +1,556 @@
+"""DiLoCo outer loop: pseudo-gradients, deterministic averaging, Nesterov outer step.
+
+Theory of operation
+-------------------
+1. A round starts from a global state: the parameters and the outer optimiser's momentum,
+   both float32 numpy arrays by name, plus the round number. Every worker holds the same
+   bits, so ``state_root`` (BLAKE3 over a canonical tensor encoding) is the same everywhere.
+2. Each worker loads the global parameters into its model, runs H inner steps on its shard
+   with its own AdamW (whose state stays local across rounds, as in DiLoCo), and sends
+   ``make_update``: the pseudo-gradient ``start - end``, encoded densely or through a
+   SparseLoCo codec with the worker's own error-feedback residual (``training.codec``).
+3. ``apply_round`` averages the decoded updates that arrived, in ascending peer-ID order
+   (so the float32 sum is the same whatever order they arrived in), and takes one outer
+   step, SGD with Nesterov momentum as in DiLoCo (PyTorch's formulation, dampening 0)::
+
+       m <- mu * m + g;   p <- p - lr * (g + mu * m)
+
+   Every op is an elementwise numpy float32 op (no threads, no fused multiply-add, no
+   reductions across elements), so the same inputs give the same bits on any worker.
+   A round in which no update arrived leaves the state as it was, apart from the round.
+4. ``simulate`` runs K workers in one process (the benchmark and ``blob outer simulate``);
+   the real multi-process run reuses ``run_inner_steps``, ``make_update``, ``decode_update``
+   and ``apply_round`` unchanged.
+
+torch is imported inside functions; importing this module costs numpy and blake3 only.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import blake3
+import numpy as np
+import numpy.typing as npt
+
+from training.codec import (
+    F32,
+    CodecParams,
+    ErrorFeedback,
+    decode,
+    encode_dense,
+)
+from training.errors import TrainingError
+
+if TYPE_CHECKING:
+    import torch
+
+Mode = Literal["sparseloco", "diloco", "ddp"]
+MODES: tuple[str, ...] = ("sparseloco", "diloco", "ddp")
+
+STATE_DOMAIN = b"blobnet/outer-state/v1"
+TENSORSET_DOMAIN = b"TENSORSET/v1"
+
+
+class OuterError(TrainingError):
+    """The outer loop was given inconsistent inputs (a local bug, not a peer's fault)."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The outer optimiser: SGD with (Nesterov) momentum; DiLoCo uses lr 0.7, mu 0.9."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
+@dataclass(frozen=True)
+class OuterState:
+    """The global state every worker agrees on at the start of round ``round``."""
+
+    round: int
+    params: dict[str, F32]
+    momentum: dict[str, F32]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(int(d) for d in value.shape) for name, value in self.params.items()}
+
+
+def _sorted(names: Iterable[str]) -> list[str]:
+    return sorted(names, key=lambda n: n.encode())
+
+
+def initial_state(params: Mapping[str, Any]) -> OuterState:
+    """Round 0: copies of ``params`` (float32 arrays or tensors) and zero momentum."""
+    copied = {name: _to_numpy(params[name]) for name in _sorted(params)}
+    return OuterState(0, copied, {n: np.zeros_like(v) for n, v in copied.items()})
+
+
+def _to_numpy(value: Any) -> F32:
+    if hasattr(value, "detach"):
+        value = value.detach().to("cpu").contiguous().numpy()
+    array = np.asarray(value)
+    if array.dtype != np.float32:
+        raise OuterError(f"expected float32, got {array.dtype}")
+    return np.array(array, dtype=np.float32, order="C", copy=True)
+
+
+# --- state roots ---------------------------------------------------------------------
+
+
+def tensor_set_digest(named: Mapping[str, Any]) -> bytes:
+    """BLAKE3 over a canonical encoding of named tensors (research/train.md section 4).
+
+    Sorted names; for each: name, dtype name, rank, dims and the raw little-endian bytes,
+    every field length-prefixed with a u64 so no two tensor sets share an encoding.
+    """
+    h = blake3.blake3()
+    h.update(TENSORSET_DOMAIN)
+    h.update(struct.pack("<Q", len(named)))
+    for name in _sorted(named):
+        array = np.asarray(named[name])
+        little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+        raw_name = name.encode()
+        dtype = little.dtype.name.encode()
+        h.update(struct.pack("<Q", len(raw_name)) + raw_name)
+        h.update(struct.pack("<Q", len(dtype)) + dtype)
+        h.update(struct.pack(f"<Q{little.ndim}Q", little.ndim, *little.shape))
+        raw = np.ascontiguousarray(little).tobytes()
+        h.update(struct.pack("<Q", len(raw)))
+        h.update(raw)
+    return h.digest()
+
+
+def state_root(state: OuterState) -> str:
+    """64 hex digits naming the global state: round, parameters and momentum."""
+    h = blake3.blake3()
+    h.update(STATE_DOMAIN)
+    h.update(struct.pack("<Q", state.round))
+    h.update(tensor_set_digest(state.params))
+    h.update(tensor_set_digest(state.momentum))
+    return h.hexdigest()
+
+
+# --- the outer step ------------------------------------------------------------------
+
+
+def pseudo_gradient(start: Mapping[str, F32], end: Mapping[str, Any]) -> dict[str, F32]:
+    """``start - end`` per parameter (what a worker's inner steps moved, sign as a grad)."""
+    if set(start) != set(end):
+        raise OuterError("start and end states name different parameters")
+    out: dict[str, F32] = {}
+    for name in _sorted(start):
+        finish = _to_numpy(end[name])
+        if finish.shape != start[name].shape:
+            raise OuterError(f"parameter {name!r} changed shape during the round")
+        out[name] = start[name] - finish
+    return out
+
+
+def average_updates(
+    updates: Mapping[str, Mapping[str, F32]], shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, F32]:
+    """Mean of the updates, summed in ascending peer-ID order (order of arrival is moot)."""
+    if not updates:
+        raise OuterError("no updates to average")
+    peers = sorted(updates)
+    count = np.float32(len(peers))
+    out: dict[str, F32] = {}
+    for name in _sorted(shapes):
+        total = np.zeros(shapes[name], dtype=np.float32)
+        for peer in peers:
+            value = updates[peer].get(name)
+            if value is None or value.shape != total.shape or value.dtype != np.float32:
+                raise OuterError(f"update from {peer} lacks float32 {name!r} {shapes[name]}")
+            total += value
+        out[name] = total / count
+    if any(set(u) != set(shapes) for u in updates.values()):
+        raise OuterError("an update names parameters the model does not have")
+    return out
+
+
+def outer_step(state: OuterState, grad: Mapping[str, F32], config: OuterConfig) -> OuterState:
+    """One SGD step with (Nesterov) momentum on the averaged pseudo-gradient."""
+    lr = np.float32(config.lr)
+    mu = np.float32(config.momentum)
+    params: dict[str, F32] = {}
+    momentum: dict[str, F32] = {}
+    for name in _sorted(state.params):
+        g = grad[name]
+        buf = mu * state.momentum[name] + g
+        step = g + mu * buf if config.nesterov else buf
+        params[name] = state.params[name] - lr * step
+        momentum[name] = buf
+    return OuterState(state.round + 1, params, momentum)
+
+
+def apply_round(
+    state: OuterState,
+    updates: Mapping[str, Mapping[str, F32]],
+    config: OuterConfig | None = None,
+) -> OuterState:
+    """The next global state from the decoded updates (peer ID -> name -> array)."""
+    if not updates:
+        return OuterState(state.round + 1, state.params, state.momentum)
+    averaged = average_updates(updates, state.shapes())
+    return outer_step(state, averaged, config or OuterConfig())
+
+
+# --- a worker's side of a round ------------------------------------------------------
+
+
+def model_params(model: torch.nn.Module) -> dict[str, F32]:
+    """Copies of the model's trainable parameters as float32 numpy arrays."""
+    return {
+        name: p.detach().to("cpu").numpy().copy()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def load_params(model: torch.nn.Module, params: Mapping[str, F32]) -> None:
+    """Overwrite the model's trainable parameters with ``params`` (same names and shapes)."""
+    import torch
+
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(named) != set(params):
+        raise OuterError("global state and model name different parameters")
+    with torch.no_grad():
+        for name, p in named.items():
+            p.copy_(torch.from_numpy(params[name]))
+
+
+def run_inner_steps(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[torch.Tensor],
+    *,
+    clip: float | None = 1.0,
+) -> list[float]:
+    """One AdamW step per batch of token ids (causal LM loss); returns the losses."""
+    import torch
+
+    losses: list[float] = []
+    model.train()
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=False)
+        optimizer.step()
+        losses.append(float(loss.item()))
+    model.eval()
+    return losses
+
+
+def make_update(
+    start: Mapping[str, F32],
+    end: Mapping[str, Any],
+    feedback: ErrorFeedback | None = None,
+) -> bytes:
+    """The update blob for a round: dense float32, or SparseLoCo through ``feedback``."""
+    grad = pseudo_gradient(start, end)
+    return encode_dense(grad) if feedback is None else feedback.step(grad)
+
+
+def decode_update(data: bytes, state: OuterState) -> dict[str, F32]:
+    """Decode a peer's update, checking its tensors against the global state's shapes."""
+    shapes = state.shapes()
+    limit = sum(math.prod(s) for s in shapes.values())
+    return decode(data, max_elements=limit, expected=shapes).tensors
+
+
+# --- synthetic corpus ----------------------------------------------------------------
+
+_NOUNS = ["cat", "dog", "bird", "fox", "child", "robot", "farmer", "horse", "teacher", "fish"]
+_PLURAL = {"child": "children", "fox": "foxes", "fish": "fish"}
+_VERBS = ["see", "like", "chase", "find", "help", "follow", "watch", "call"]
+_ADJS = ["small", "red", "happy", "old", "quick", "quiet", "green", "brave"]
+_PLACES = ["in the park", "near the river", "at home", "on the hill", "by the old barn"]
+
+
+def _noun_phrase(rng: np.random.Generator) -> tuple[str, bool]:
+    noun = _NOUNS[int(rng.integers(len(_NOUNS)))]
+    plural = bool(rng.random() < 0.4)
+    word = _PLURAL.get(noun, noun + "s") if plural else noun
+    dets = ("the", "some", "two") if plural else ("the", "a", "one")
+    det = dets[int(rng.integers(3))]
+    if rng.random() < 0.5:
+        word = f"{_ADJS[int(rng.integers(len(_ADJS)))]} {word}"
+    return f"{det} {word}", plural
+
+
+def _sentence(rng: np.random.Generator) -> str:
+    subject, plural = _noun_phrase(rng)
+    verb = _VERBS[int(rng.integers(len(_VERBS)))]
+    if not plural:
+        verb = verb + ("es" if verb.endswith(("ch", "sh")) else "s")
+    obj, _ = _noun_phrase(rng)
+    text = f"{subject} {verb} {obj}"
+    if rng.random() < 0.3:
+        text += " " + _PLACES[int(rng.integers(len(_PLACES)))]
+    return text[0].upper() + text[1:] + "."
+
+
+def synthetic_tokens(seed: int, sequences: int, seq_len: int) -> npt.NDArray[np.int64]:
+    """``sequences`` x ``seq_len`` byte-level tokens of a small English-like grammar.
+
+    Documents of a few sentences (subject-verb agreement, determiners that agree with
+    number, optional adjectives and places) are tokenised by ``training.records``'s byte
+    tokenizer and cut into rows. Deterministic in ``seed``.
+    """
+    from training.records import encode_bytes
+
+    rng = np.random.default_rng(seed)
+    stream: list[int] = []
+    need = sequences * seq_len
+    while len(stream) < need:
+        doc = " ".join(_sentence(rng) for _ in range(int(rng.integers(2, 7))))
+        stream.extend(encode_bytes(doc.encode()))
+    return np.asarray(stream[:need], dtype=np.int64).reshape(sequences, seq_len)
+
+
+# --- in-process simulation -----------------------------------------------------------
+
+
+# Outer hyper-parameters per mode. Dense DiLoCo uses the paper's Nesterov SGD (lr 0.7,
+# momentum 0.9). SparseLoCo, as in its paper, drops the outer momentum: the workers'
+# error-feedback residuals carry what momentum would, and plain SGD applies the sparse mean.
+# Swept on the tiny Llama, 4 workers, k 48 / chunk 4096 (100 rounds x 5 steps, held-out
+# loss at the end): lr 3 / no momentum / EF decay 1 -> 0.501; lr 5 -> 0.543; Nesterov
+# lr 0.4 / 0.9 -> 0.908; dense DiLoCo 0.654. With decay 0.95 (the paper's) and lr 2 it
+# tracked lr 3 / decay 1 closely over 20 rounds x 10 steps.
+MODE_DEFAULTS: dict[str, dict[str, float]] = {
+    "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "ef_decay": 1.0},
+    "sparseloco": {"outer_lr": 3.0, "outer_momentum": 0.0, "ef_decay": 1.0},
+    "ddp": {"outer_lr": 0.0, "outer_momentum": 0.0, "ef_decay": 1.0},
+}
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything a simulation depends on (the benchmark records it next to its figures)."""
+
+    mode: str = "sparseloco"
+    workers: int = 4
+    rounds: int = 20
+    inner_steps: int = 20
+    batch: int = 8
+    seq_len: int = 64
+    inner_lr: float = 2e-3
+    weight_decay: float = 0.0
+    outer_lr: float | None = None  # None: the mode's default (MODE_DEFAULTS)
+    outer_momentum: float | None = None
+    chunk: int = 4096
+    k: int = 48
+    ef_decay: float | None = None
+    eval_sequences: int = 64
+    shard_sequences: int = 2048
+    model_size: str = "tiny"
+    seed: int = 0
+    threads: int | None = 1
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    eval_loss: list[float] = field(default_factory=list)  # index 0: before round 1
+    train_loss: list[float] = field(default_factory=list)  # mean inner loss per round
+    bytes_per_worker: list[int] = field(default_factory=list)  # per round, one worker
+    dense_fp32_bytes: int = 0  # 4 bytes x parameters: one dense pseudo-gradient
+    round_seconds: list[float] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    state_roots: list[str] = field(default_factory=list)
+    params: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": self.config.__dict__,
+            "eval_loss": self.eval_loss,
+            "train_loss": self.train_loss,
+            "bytes_per_worker": self.bytes_per_worker,
+            "dense_fp32_bytes": self.dense_fp32_bytes,
+            "round_seconds": self.round_seconds,
+            "wall_seconds": self.wall_seconds,
+            "state_roots": self.state_roots,
+            "params": self.params,
+        }
+
+
+def _batches(
+    shard: npt.NDArray[np.int64], rng: np.random.Generator, batch: int, steps: int
+) -> Iterator[torch.Tensor]:
+    import torch
+
+    for _ in range(steps):
+        rows = rng.integers(0, shard.shape[0], size=batch)
+        yield torch.from_numpy(shard[rows])
+
+
+def eval_loss(model: torch.nn.Module, tokens: npt.NDArray[np.int64], batch: int = 32) -> float:
+    """Mean causal-LM loss over ``tokens`` rows (every row has the same length)."""
+    import torch
+
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for i in range(0, tokens.shape[0], batch):
+            rows = torch.from_numpy(tokens[i : i + batch])
+            total += float(model(input_ids=rows, labels=rows).loss.item()) * rows.shape[0]
+    return total / int(tokens.shape[0])
+
+
+def _adamw(model: torch.nn.Module, config: SimConfig) -> torch.optim.Optimizer:
+    import torch
+
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=config.inner_lr,
+        betas=(0.9, 0.95),
+        weight_decay=config.weight_decay,
+        foreach=False,
+        fused=False,
+    )
+
+
+def simulate(
+    config: SimConfig | None = None,
+    *,
+    progress: Callable[[int, SimResult], None] | None = None,
+    **overrides: Any,
+) -> SimResult:
+    """Run ``config.workers`` simulated workers for ``config.rounds`` rounds in-process.
+
+    ``mode`` "sparseloco" sends top-k 2-bit updates with error feedback, "diloco" dense
+    float32 updates, "ddp" is synchronous data parallel (one AdamW step per batch of every
+    worker, gradients averaged), with ``rounds * inner_steps`` steps and the same data.
+    ``progress(round, result)`` is called after each round.
+    """
+    import torch
+
+    from training.model import make_tiny_llama
+
+    cfg = SimConfig(**{**(config or SimConfig()).__dict__, **overrides})
+    if cfg.mode not in MODES:
+        raise OuterError(f"unknown mode {cfg.mode!r}; choose one of {', '.join(MODES)}")
+    cfg = SimConfig(
+        **{
+            **cfg.__dict__,
+            **{k: v for k, v in MODE_DEFAULTS[cfg.mode].items() if cfg.__dict__[k] is None},
+        }
+    )
+    assert cfg.outer_lr is not None
+    assert cfg.outer_momentum is not None
+    assert cfg.ef_decay is not None
+    if cfg.workers < 1 or cfg.rounds < 0 or cfg.inner_steps < 1:
+        raise OuterError("workers and inner steps must be >= 1, rounds >= 0")
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    started = time.perf_counter()
+    result = SimResult(cfg)
+    shards = [
+        synthetic_tokens(cfg.seed * 1000 + 1 + w, cfg.shard_sequences, cfg.seq_len)
+        for w in range(cfg.workers)
+    ]
+    held_out = synthetic_tokens(cfg.seed * 1000, cfg.eval_sequences, cfg.seq_len)
+    rngs = [np.random.default_rng([cfg.seed, w]) for w in range(cfg.workers)]
+    reference = make_tiny_llama(cfg.model_size, seed=cfg.seed)
+    state = initial_state(model_params(reference))
+    result.params = sum(v.size for v in state.params.values())
+    result.dense_fp32_bytes = 4 * result.params
+    result.eval_loss.append(eval_loss(reference, held_out))
+    result.state_roots.append(state_root(state))
+
+    if cfg.mode == "ddp":
+        _simulate_ddp(cfg, result, reference, shards, held_out, rngs, progress)
+        result.wall_seconds = time.perf_counter() - started
+        return result
+
+    outer = OuterConfig(lr=cfg.outer_lr, momentum=cfg.outer_momentum)
+    models = [make_tiny_llama(cfg.model_size, seed=cfg.seed) for _ in range(cfg.workers)]
+    optimizers = [_adamw(m, cfg) for m in models]
+    codec = CodecParams(chunk=cfg.chunk, k=cfg.k)
+    feedbacks = [
+        ErrorFeedback(codec, decay=cfg.ef_decay) if cfg.mode == "sparseloco" else None
+        for _ in range(cfg.workers)
+    ]
+    for r in range(cfg.rounds):
+        t0 = time.perf_counter()
+        updates: dict[str, dict[str, F32]] = {}
+        sizes: list[int] = []
+        losses: list[float] = []
+        for w in range(cfg.workers):
+            load_params(models[w], state.params)
+            batches = _batches(shards[w], rngs[w], cfg.batch, cfg.inner_steps)
+            losses.extend(run_inner_steps(models[w], optimizers[w], batches))
+            blob = make_update(state.params, model_params(models[w]), feedbacks[w])
+            sizes.append(len(blob))
+            updates[f"sim-worker-{w:03d}"] = decode_update(blob, state)
+        state = apply_round(state, updates, outer)
+        load_params(reference, state.params)
+        result.eval_loss.append(eval_loss(reference, held_out))
+        result.train_loss.append(float(np.mean(losses)))
+        result.bytes_per_worker.append(max(sizes))
+        result.state_roots.append(state_root(state))
+        result.round_seconds.append(time.perf_counter() - t0)
+        if progress is not None:
+            progress(r + 1, result)
+    result.wall_seconds = time.perf_counter() - started
+    return result
+
+
+def _simulate_ddp(
+    cfg: SimConfig,
+    result: SimResult,
+    model: torch.nn.Module,
+    shards: list[npt.NDArray[np.int64]],
+    held_out: npt.NDArray[np.int64],
+    rngs: list[np.random.Generator],
+    progress: Callable[[int, SimResult], None] | None,
+) -> None:
+    """Synchronous data parallel: each step averages the workers' gradients (all-reduce)."""
+    import torch
+
+    optimizer = _adamw(model, cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # What one worker puts on the wire per step: its dense float32 gradient.
+    per_step = len(
+        encode_dense({n: np.zeros(p.shape, np.float32) for n, p in model.named_parameters()})
+    )
+    for r in range(cfg.rounds):
+        t0 = time.perf_counter()
+        losses: list[float] = []
+        iters = [
+            _batches(shards[w], rngs[w], cfg.batch, cfg.inner_steps) for w in range(cfg.workers)
+        ]
+        model.train()
+        for _ in range(cfg.inner_steps):
+            optimizer.zero_grad(set_to_none=True)
+            grads = [torch.zeros_like(p) for p in params]
+            for w in range(cfg.workers):
+                batch = next(iters[w])
+                loss = model(input_ids=batch, labels=batch).loss
+                local = torch.autograd.grad(loss, params)
+                for acc, g in zip(grads, local, strict=True):
+                    acc.add_(g)
+                losses.append(float(loss.item()))
+            for p, acc in zip(params, grads, strict=True):
+                p.grad = acc / cfg.workers
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=False)
+            optimizer.step()
+        result.eval_loss.append(eval_loss(model, held_out))
+        result.train_loss.append(float(np.mean(losses)))
+        result.bytes_per_worker.append(per_step * cfg.inner_steps)
+        result.state_roots.append(state_root(initial_state(model_params(model))))
+        result.round_seconds.append(time.perf_counter() - t0)
+        if progress is not None:
+            progress(r + 1, result)
