@@ -9,6 +9,7 @@ data path and yamux under the same protocol IDs; ``fast=False`` keeps py-libp2p'
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from libp2p import new_host
@@ -33,27 +34,30 @@ class HostConfigError(RuntimeError):
     """The host could not be built as blobnet requires (a local bug, not a user error)."""
 
 
-def fast_path_available() -> bool:
+def _fast_path() -> Any | None:
+    """``p2p.fast`` when it is importable and ready, else None (py-libp2p's own stack)."""
     try:
-        import p2p.fast as fast
+        module = importlib.import_module("p2p.fast")
     except ImportError:
-        return False
-    return bool(getattr(fast, "FAST_PATH_AVAILABLE", False))
+        return None
+    return module if getattr(module, "FAST_PATH_AVAILABLE", False) else None
+
+
+def fast_path_available() -> bool:
+    return _fast_path() is not None
 
 
 def security_options(key_pair: KeyPair, *, fast: bool) -> dict[TProtocol, Any]:
-    if fast and fast_path_available():
-        from p2p import fast as fast_path
-
+    fast_path = _fast_path() if fast else None
+    if fast_path is not None:
         return dict(fast_path.security_options(key_pair))
     noise_key = create_new_x25519_key_pair().private_key
     return {TProtocol(NOISE_PROTOCOL_ID): NoiseTransport(key_pair, noise_privkey=noise_key)}
 
 
 def muxer_options(*, fast: bool) -> dict[TProtocol, Any]:
-    if fast and fast_path_available():
-        from p2p import fast as fast_path
-
+    fast_path = _fast_path() if fast else None
+    if fast_path is not None:
         return dict(fast_path.muxer_options())
     return {TProtocol(YAMUX_PROTOCOL_ID): Yamux}
 

@@ -1,0 +1,315 @@
+"""A training round over real nodes: separate ``blob`` processes, real TCP on 127.0.0.1,
+real stores on disk.
+
+Node A holds the base model and the records and serves them; node B runs the round,
+fetching its inputs from A, publishes the adapter and the round record and serves them;
+node C replays the round, fetching the record from B and the inputs from B and A, reaches
+the same digest and attests; the evidence check accepts B's and C's attestations (two
+distinct admitted operators of the CPU kernel class).
+
+The swapped adapter: B, now dishonest, re-publishes the round with its commitment's
+adapter ID pointing at another adapter collection (the genuine adapter with one weight
+byte changed) and signs that forged commitment with its own admitted key. The runner's
+signature is then valid, so only replication can catch it: C's replay of the forged
+record trains to the genuine adapter and exits 1 naming both adapter IDs, attesting
+nothing; and C's attestation of the genuine round does not count for the forged one, so
+the check rejects it. (Tampering with an adapter blob in C's own store would prove
+nothing: a replay never reads the round's adapter, it recomputes it; and the store
+verifies every chunk it receives over the network, so a tampered copy cannot arrive.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from blobstore import Store
+from identity import AdmissionCertificate, SoftwareSigner, load_key_file, sign_attestation
+from training.commitment import ROUND_KIND, RoundRecord
+
+# Each command that trains imports torch + transformers + peft: 5-20 s on a loaded machine.
+TIMEOUT = 180.0
+READY_TIMEOUT = 60.0
+LISTEN = "/ip4/127.0.0.1/tcp/0"
+SEQ_LEN = 16
+CORPUS = b"blobnet trains a round; a second machine replays it bit for bit. " * 8
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("BLOBNET_PASSPHRASE", None)
+    return env
+
+
+class Machine:
+    """One machine's store and key; its ``blob`` commands run as subprocesses."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.name = name
+        self.dir = root / name
+        self.dir.mkdir(parents=True)
+        self.store = self.dir / "store"
+        self.key = self.dir / "machine.key"
+
+    def cmd(self, *args: str) -> list[str]:
+        return [
+            sys.executable, "-m", "p2p.cli", "--store", str(self.store), "--key", str(self.key),
+            *args,
+        ]  # fmt: skip
+
+    def start(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            self.cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+        )
+
+    def run(self, *args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
+        return finish(self.start(*args), args, code)
+
+
+def finish(
+    proc: subprocess.Popen[str], args: tuple[str, ...], code: int = 0
+) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate(timeout=10)
+        raise AssertionError(f"blob {' '.join(args)} timed out: {err[-2000:]}") from None
+    assert proc.returncode == code, (
+        f"blob {' '.join(args)} exited {proc.returncode}, expected {code}:\n"
+        f"stdout: {out[-1000:]}\nstderr: {err[-3000:]}"
+    )
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def as_json(done: subprocess.CompletedProcess[str]) -> Any:
+    return json.loads(done.stdout)
+
+
+class Server:
+    """``blob serve`` in its own process; ``addr`` is its first full multiaddr."""
+
+    def __init__(self, machine: Machine) -> None:
+        self.log = machine.dir / "serve.log"
+        with self.log.open("wb") as log:  # a pipe nobody reads would block a chatty node
+            self.proc = subprocess.Popen(
+                machine.cmd("serve", "--json", "--no-dht", "--listen", LISTEN),
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=_env(),
+            )
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.stop()
+            err = self.log.read_text(errors="replace")
+            raise AssertionError(f"node {machine.name} did not become ready: {err[-2000:]}")
+        info = json.loads(line)
+        self.peer_id: str = info["peer_id"]
+        self.addr: str = info["addrs"][0]
+        assert self.addr.endswith(f"/p2p/{self.peer_id}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+@pytest.fixture
+def servers() -> Iterator[list[Server]]:
+    started: list[Server] = []
+    try:
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+def complete(store: Store, blob_id: str) -> bool:
+    """``blob_id`` and, for a collection, every child is complete in ``store``."""
+    if not store.has(blob_id):
+        return False
+    if store.is_collection(blob_id):
+        return all(store.has(e.blob_id) for e in store.read_collection(blob_id))
+    return True
+
+
+def swapped_adapter(store: Store, adapter_id: str, workdir: Path) -> str:
+    """Another adapter collection: the genuine one with one weight byte changed."""
+    store.export(adapter_id, workdir)
+    weights = next(workdir.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # the last byte is tensor data (the header comes first)
+    weights.chmod(0o644)
+    weights.write_bytes(bytes(data))
+    swapped = store.put_dir(workdir)
+    assert swapped != adapter_id
+    return swapped
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
+    a, b, c = (Machine(tmp_path, n) for n in ("a", "b", "c"))
+    authority_key = tmp_path / "authority.key"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(CORPUS)
+    recipe = tmp_path / "recipe.msgpack"
+
+    recipe_args = (
+        "train", "recipe", "-o", str(recipe), "--steps", "2", "--batch-size", "2",
+        "--seq-len", str(SEQ_LEN), "--rank", "2", "--json",
+    )  # fmt: skip
+
+    # 1-2. Authority, machine keys, kernel class, A's inputs: independent, so at once.
+    started = {
+        "authority": (a, ("authority", "new", "-o", str(authority_key), "--json")),
+        "id_b": (b, ("id", "--json")),
+        "id_c": (c, ("id", "--json")),
+        "kernel_class": (a, ("train", "kernel-class", "--device", "cpu", "--json")),
+        "base": (a, ("train", "init-model", "--size", "tiny", "--seed", "0", "--json")),
+        "recipe": (a, recipe_args),
+        "records": (a, ("train", "records", str(corpus), "--seq-len", str(SEQ_LEN), "--json")),
+    }
+    procs = {name: (m.start(*args), args) for name, (m, args) in started.items()}
+    out = {name: as_json(finish(p, args)) for name, (p, args) in procs.items()}
+    base, records = out["base"]["id"], out["records"]["id"]
+    assert out["records"]["records"] > 2 * 2  # more records than the round's batches use
+    kc = out["kernel_class"]["id"]
+    assert kc.startswith("cpu"), kc
+    pub = out["authority"]["public_key"]
+    certs: dict[str, Path] = {}
+    for name, operator in (("b", "operator-b"), ("c", "operator-c")):
+        certs[name] = tmp_path / f"{name}.cert"
+        cert = as_json(
+            a.run(
+                "admit", out[f"id_{name}"]["peer_id"], "--operator", operator,
+                "--kernel-class", kc, "--authority", str(authority_key),
+                "-o", str(certs[name]), "--json",
+            )
+        )  # fmt: skip
+        assert cert["operator"] == operator
+
+    store_a = Store.open(a.store)
+    assert complete(store_a, base) and complete(store_a, records)
+    node_a = Server(a)
+    servers.append(node_a)
+
+    # 3. B runs the round with nothing local: base and records come from A over TCP.
+    store_b = Store.open(b.store)
+    assert not store_b.has(base) and not store_b.has(records)
+    run = as_json(
+        b.run(
+            "train", "run", "--base", base, "--records", records, "--recipe", str(recipe),
+            "--seed", "7", "--device", "cpu", "--peer", node_a.addr,
+            "--cert", str(certs["b"]), "--json", "-q",
+        )
+    )  # fmt: skip
+    round_id, commitment = run["round"], run["commitment"]
+    digest, adapter = commitment["digest"], commitment["adapter"]
+    assert commitment["kernel_class_id"] == kc
+    assert (commitment["base"], commitment["records"]) == (base, records)
+    assert len(commitment["step_log"]) == 2
+    assert complete(store_b, base) and complete(store_b, records)
+    assert store_b.has(round_id) and complete(store_b, adapter)
+    node_b = Server(b)
+    servers.append(node_b)
+
+    # 4. C replays, fetching the record from B and the inputs from B and A; it attests.
+    store_c = Store.open(c.store)
+    assert not store_c.has(round_id) and not store_c.has(base)
+    attestation_c = tmp_path / "c.att"
+    replay = as_json(
+        c.run(
+            "train", "replay", round_id, "--peer", node_b.addr, "--peer", node_a.addr,
+            "--cert", str(certs["c"]), "-o", str(attestation_c), "--json", "-q",
+        )
+    )  # fmt: skip
+    assert replay["identical"] is True
+    assert replay["digest"] == digest
+    assert complete(store_c, base) and complete(store_c, records)
+    # The replay recomputed the adapter: the very same collection is now in C's store.
+    assert complete(store_c, adapter)
+    assert store_c.path(replay["attestation"]).read_bytes() == attestation_c.read_bytes()
+
+    # 5. The evidence check: B's attestation (the runner's, in the record, and given here
+    # as a file too) and C's (by blob ID) are two operators over the same digest.
+    record = RoundRecord.decode(store_c.path(round_id).read_bytes())
+    attestation_b = tmp_path / "b.att"
+    attestation_b.write_bytes(record.attestation)
+    verdict = as_json(
+        c.run(
+            "train", "check", round_id, str(attestation_b), replay["attestation"],
+            "--authority", pub, "--json",
+        )
+    )  # fmt: skip
+    assert verdict["accepted"] is True
+    assert verdict["digest"] == digest and verdict["kernel_class"] == kc
+    assert verdict["operators"] == ["operator-b", "operator-c"]
+    # The runner alone is one operator: not enough.
+    alone = c.run("train", "check", round_id, str(attestation_b), "--authority", pub, code=1)
+    assert "1 distinct admitted operator" in alone.stdout, alone.stdout
+
+    # 6. The swapped adapter: B re-publishes the round pointing at another adapter and
+    # signs the forged commitment with its own admitted key.
+    swapped = swapped_adapter(store_b, adapter, tmp_path / "swapped")
+    forged = dataclasses.replace(record.commitment, adapter_id=swapped)
+    assert forged.digest.hex() != digest
+    signer = SoftwareSigner(load_key_file(b.key))
+    signed = sign_attestation(
+        signer,
+        kind=ROUND_KIND,
+        digest=forged.digest,
+        kernel_class=forged.kernel_class_id,
+        subjects=(base, records, swapped),
+        time=int(time.time()),
+        certificate=AdmissionCertificate.decode(certs["b"].read_bytes()),
+    )
+    forged_id = store_b.put_bytes(RoundRecord(forged, record.recipe, signed.encode()).encode())
+
+    before = {info.blob_id for info in store_c.list_blobs()}
+    mismatch = c.run(
+        "train", "replay", forged_id, "--peer", node_b.addr, "--peer", node_a.addr,
+        "--cert", str(certs["c"]), "-q", code=1,
+    )  # fmt: skip
+    assert "adapter" in mismatch.stderr, mismatch.stderr
+    assert adapter in mismatch.stderr and swapped in mismatch.stderr, mismatch.stderr
+    assert "Traceback" not in mismatch.stderr
+    assert "attestation" not in mismatch.stdout
+    # C fetched the forged record and attested nothing (its recomputed adapter is the
+    # genuine one it already holds).
+    assert {info.blob_id for info in store_c.list_blobs()} - before == {forged_id}
+    # C's attestation is over the genuine digest, not the forged round's.
+    rejected = c.run(
+        "train", "check", forged_id, str(attestation_c), "--authority", pub, "--json", code=1
+    )
+    verdict = as_json(rejected)
+    assert verdict["accepted"] is False
+    assert digest in verdict["message"] and forged.digest.hex() in verdict["message"]
+    # The forged record's own signature is valid, but it is still one operator.
+    forged_att = tmp_path / "forged.att"
+    forged_att.write_bytes(signed.encode())
+    lone = c.run("train", "check", forged_id, str(forged_att), "--authority", pub, code=1)
+    assert "1 distinct admitted operator" in lone.stdout, lone.stdout
+    # The replay never fetches the adapter a record names: the swapped one is not at C.
+    assert not store_c.has(swapped)
