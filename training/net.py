@@ -43,7 +43,10 @@ def fetch_missing(
         )
     from p2p import BlockingNode
 
-    with BlockingNode(store.root, key_path=key_path, listen=["/ip4/127.0.0.1/tcp/0"]) as node:
+    # The peers are named, so no DHT: a one-shot fetcher has nothing to look up or announce.
+    with BlockingNode(
+        store.root, key_path=key_path, listen=["/ip4/127.0.0.1/tcp/0"], dht=False
+    ) as node:
         for blob_id in missing:
             node.fetch(blob_id, providers=list(peers))
     still = [b for b in missing if incomplete(store, b)]
