@@ -147,6 +147,13 @@ class ProgressBar:
 @bootstrap_option
 @listen_option
 @click.option("--no-dht", is_flag=True, help="Ask only the named and connected peers.")
+@click.option(
+    "--discovery-timeout",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds to keep looking for providers when none can serve.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @verbose_option
@@ -159,6 +166,7 @@ def get(
     bootstrap: Sequence[str],
     listen: Sequence[str],
     no_dht: bool,
+    discovery_timeout: float,
     as_json: bool,
     no_progress: bool,
     verbose: int,
@@ -201,16 +209,17 @@ def get(
             if progress.finished:
                 final.append(progress)
 
-        from p2p.node import open_node
+        from p2p.node import NodeConfig, open_node
+
+        config = NodeConfig(
+            listen=tuple(listen or DEFAULT_LISTEN),
+            bootstrap=tuple(bootstrap),
+            dht=not no_dht,
+            discovery_timeout=discovery_timeout,
+        )
 
         async def main() -> str:
-            async with open_node(
-                store,
-                key_path=key_path,
-                listen=listen or DEFAULT_LISTEN,
-                bootstrap=bootstrap,
-                dht=not no_dht,
-            ) as node:
+            async with open_node(store, key_path=key_path, config=config) as node:
                 # A one-shot fetcher does not announce: it is gone once the blob is here.
                 return await node.fetch(ref, providers=peers, progress=on_progress, announce=False)
 

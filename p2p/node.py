@@ -49,6 +49,8 @@ DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 # Provider records expire on DHT peers; refresh well inside go-libp2p's 22 h lifetime.
 DEFAULT_REPROVIDE_INTERVAL = 3600.0
 DIAL_TIMEOUT = 15.0
+# How soon a blob put into the store by another process gets provided on the DHT.
+NEW_BLOB_POLL = 10.0
 # Connected peers asked "have" for each fetch; beyond this, rely on the DHT.
 MAX_CONNECTED_CANDIDATES = 32
 # Children of a collection fetched at once.
@@ -183,14 +185,22 @@ class Node:
         return found
 
     async def _reprovide_loop(self) -> None:
+        """Provide every complete blob at start and each ``reprovide_interval``; blobs that
+        appear meanwhile (a ``blob put`` beside a running ``blob serve``) are provided
+        within ``NEW_BLOB_POLL`` seconds."""
+        provided: dict[str, float] = {}
         while True:
+            now = trio.current_time()
             ids = await trio.to_thread.run_sync(self._complete_ids)
             for blob_id in ids:
-                await self.provide(blob_id)
-            await trio.sleep(self.config.reprovide_interval)
+                last = provided.get(blob_id)
+                if last is None or now - last >= self.config.reprovide_interval:
+                    provided[blob_id] = now
+                    await self.provide(blob_id)
+            await trio.sleep(NEW_BLOB_POLL)
 
     def _complete_ids(self) -> list[str]:
-        return [info.blob_id for info in self.store.list_blobs() if info.complete]
+        return [blob_id for blob_id in self.store.blob_ids() if self.store.has(blob_id)]
 
     # --- blobs -----------------------------------------------------------------------
     async def add(self, path: str | os.PathLike[str], *, tag: str | None = None) -> str:

@@ -25,3 +25,10 @@ def test_node_without_peers_finds_provider_through_dht(cluster: Cluster, tmp_pat
     assert result["id"] == blob_id
     assert result["peers"][provider.peer_id]["bytes"] == source.stat().st_size
     assert Store.open(cluster.store("fresh")).path(blob_id).read_bytes() == source.read_bytes()
+
+    # A blob put beside a running node is provided without a restart.
+    later = random_file(tmp_path / "later.bin", 1024 * 1024, seed=2)
+    later_id = cluster.put("n5", later)
+    result = cluster.get("fresh2", later_id, "--bootstrap", boot.addr, "--discovery-timeout", "40")
+    n5 = next(node for node in cluster.nodes if node.name == "n5")
+    assert result["peers"][n5.peer_id]["bytes"] == later.stat().st_size
