@@ -42,7 +42,7 @@ class BlockingNode:
         dht: bool = True,
         fast: bool = True,
     ) -> None:
-        self._store_root = Path(store_root)
+        self._store_root = Path(store_root).expanduser()
         self._kwargs: dict[str, Any] = {
             "key_path": key_path,
             "listen": tuple(listen),
