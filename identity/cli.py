@@ -17,6 +17,7 @@ import os
 import secrets
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,39 @@ def _authority_key(value: str) -> bytes:
         return parse_public_key(data.decode("ascii", errors="replace"))
     except BadPublicKey as exc:
         raise BadPublicKey(f"{value}: {exc}") from None
+
+
+def trust_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``--authority`` (repeatable) and ``--revoked`` options of every command that
+    verifies certificates; pair with :func:`load_trust`."""
+    command = click.option(
+        "--revoked",
+        "revoked_path",
+        type=click.Path(path_type=Path, dir_okay=False),
+        default=None,
+        help="Revocation list: one certificate serial or peer ID a line.",
+    )(command)
+    return click.option(
+        "--authority",
+        "authorities",
+        multiple=True,
+        required=True,
+        help="Trusted authority public key: 64 hex digits or a .pub file (repeatable).",
+    )(command)
+
+
+def load_trust(authorities: Iterable[str], revoked_path: Path | None) -> TrustStore:
+    """The trust store named by :func:`trust_options`' values."""
+    trusted = frozenset(_authority_key(a) for a in authorities)
+    revoked = RevocationList()
+    if revoked_path is not None:
+        raw = _read_input(revoked_path, "revocation list", MAX_REVOCATION_LIST_SIZE)
+        if len(raw) > MAX_REVOCATION_LIST_SIZE:
+            raise BadRevocationList(f"{revoked_path} is larger than 16 MiB")
+        revoked = RevocationList.parse(
+            raw.decode("utf-8", errors="replace"), name=str(revoked_path)
+        )
+    return TrustStore(trusted, revoked)
 
 
 def _fields_error(exc: ValueError) -> click.UsageError:
@@ -343,20 +377,7 @@ def attest_sign(
 
 @attest_group.command("verify")
 @click.argument("file", type=click.Path(path_type=Path, dir_okay=False))
-@click.option(
-    "--authority",
-    "authorities",
-    multiple=True,
-    required=True,
-    help="Trusted authority public key: 64 hex digits or a .pub file (repeatable).",
-)
-@click.option(
-    "--revoked",
-    "revoked_path",
-    type=click.Path(path_type=Path, dir_okay=False),
-    default=None,
-    help="Revocation list: one certificate serial or peer ID a line.",
-)
+@trust_options
 @click.option("--kind", default=None, help="Require this statement kind.")
 @click.option("--kernel-class", default=None, help="Require this kernel class.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -371,16 +392,7 @@ def attest_verify(
     as_json: bool,
 ) -> None:
     """Verify an attestation and its certificate; exit 0 if valid, 1 if rejected."""
-    trusted = frozenset(_authority_key(a) for a in authorities)
-    revoked = RevocationList()
-    if revoked_path is not None:
-        raw = _read_input(revoked_path, "revocation list", MAX_REVOCATION_LIST_SIZE)
-        if len(raw) > MAX_REVOCATION_LIST_SIZE:
-            raise BadRevocationList(f"{revoked_path} is larger than 16 MiB")
-        revoked = RevocationList.parse(
-            raw.decode("utf-8", errors="replace"), name=str(revoked_path)
-        )
-    trust = TrustStore(trusted, revoked)
+    trust = load_trust(authorities, revoked_path)
     data = _read_input(file, "attestation", MAX_ATTESTATION_SIZE)
     try:
         claims = verify_attestation(

@@ -17,13 +17,13 @@ from typing import Any
 import click
 
 from blobstore import Store
+from identity.cli import load_trust, trust_options
 from training.errors import TrainingError
 
 PASSPHRASE_ENV = "BLOBNET_PASSPHRASE"
 # Attestations and certificates are a few KiB; these bound what a command reads.
 MAX_ATTESTATION_FILE = 1 << 20
 MAX_CERT_FILE = 1 << 16
-MAX_REVOCATION_FILE = 16 << 20
 MAX_RECORDS_INPUT = 1 << 30
 
 
@@ -351,20 +351,7 @@ def replay_command(
 @train_group.command("check")
 @click.argument("round_ref")
 @click.argument("attestations", nargs=-1, required=True)
-@click.option(
-    "--authority",
-    "authorities",
-    multiple=True,
-    required=True,
-    help="Trusted authority public key: 64 hex digits or a .pub file (repeatable).",
-)
-@click.option(
-    "--revoked",
-    "revoked_path",
-    type=click.Path(path_type=Path, dir_okay=False),
-    default=None,
-    help="Revocation list: one serial or peer ID a line.",
-)
+@trust_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def check_command(
@@ -377,30 +364,15 @@ def check_command(
 ) -> None:
     """Evidence check: accept ROUND only with two valid attestations over its digest from
     distinct admitted operators of its kernel class. ATTESTATION: a file or a blob ID."""
-    from identity import RevocationList, TrustStore, parse_public_key
     from training.errors import EvidenceRejected
     from training.round import check_evidence, load_record
 
     store = _store(ctx)
     record = load_record(store, _resolve(store, round_ref))
-    trusted = set()
-    for value in authorities:
-        path = Path(value)
-        text = (
-            _read(path, "authority key", 1024).decode(errors="replace")
-            if (path.is_file())
-            else value
-        )
-        trusted.add(parse_public_key(text))
-    revoked = RevocationList()
-    if revoked_path is not None:
-        raw = _read(revoked_path, "revocation list", MAX_REVOCATION_FILE)
-        revoked = RevocationList.parse(raw.decode(errors="replace"), name=str(revoked_path))
+    trust = load_trust(authorities, revoked_path)
     blobs = [_attestation_bytes(store, a) for a in attestations]
     try:
-        evidence = check_evidence(
-            record, blobs, trust=TrustStore(frozenset(trusted), revoked), now=time.time()
-        )
+        evidence = check_evidence(record, blobs, trust=trust, now=time.time())
     except EvidenceRejected as exc:
         if as_json:
             _echo_json({"accepted": False, "message": str(exc)})
