@@ -376,7 +376,7 @@ async def open_node(
             listen=tuple(listen), bootstrap=tuple(bootstrap), dht=dht, fast=fast, pubsub=pubsub
         )
     if not isinstance(store, Store):
-        store = await trio.to_thread.run_sync(Store.open, Path(store).expanduser())
+        store = await trio.to_thread.run_sync(Store.open, Path(os.path.expanduser(store)))
     key_pair = _key_pair(key, Path(key_path) if key_path is not None else None)
     host = build_host(key_pair, fast=config.fast)
     server = BlobServer(store)
