@@ -376,7 +376,7 @@ async def open_node(
             listen=tuple(listen), bootstrap=tuple(bootstrap), dht=dht, fast=fast, pubsub=pubsub
         )
     if not isinstance(store, Store):
-        store = await trio.to_thread.run_sync(Store.open, Path(os.path.expanduser(store)))
+        store = await trio.to_thread.run_sync(_open_store, store)
     key_pair = _key_pair(key, Path(key_path) if key_path is not None else None)
     host = build_host(key_pair, fast=config.fast)
     server = BlobServer(store)
@@ -400,6 +400,10 @@ async def open_node(
                 yield node
             finally:
                 nursery.cancel_scope.cancel()
+
+
+def _open_store(root: str | os.PathLike[str]) -> Store:
+    return Store.open(Path(root).expanduser())
 
 
 def _make_pubsub(host: Any) -> Any:
