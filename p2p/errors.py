@@ -44,4 +44,14 @@ def unwrap_single(group: BaseExceptionGroup[BaseException]) -> BaseException:
             leaves.append(exc)
 
     walk(group)
-    return leaves[0] if len(leaves) == 1 else group
+    if len(leaves) == 1:
+        return leaves[0]
+    # Several tasks failed (children of a collection, say): if every failure is a
+    # user-facing one, report the first and count the rest.
+    if all(isinstance(getattr(type(leaf), "exit_code", None), int) for leaf in leaves):
+        first = leaves[0]
+        try:
+            return type(first)(f"{first} (and {len(leaves) - 1} more failure(s))")
+        except TypeError:
+            return first
+    return group

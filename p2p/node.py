@@ -49,6 +49,8 @@ DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 # Provider records expire on DHT peers; refresh well inside go-libp2p's 22 h lifetime.
 DEFAULT_REPROVIDE_INTERVAL = 3600.0
 DIAL_TIMEOUT = 15.0
+# Pauses after failed stream opens before the next try (three tries in all).
+STREAM_OPEN_RETRY_PAUSES = (0.2, 0.5, 0.0)
 # How soon a blob put into the store by another process gets provided on the DHT.
 NEW_BLOB_POLL = 10.0
 # Connected peers asked "have" for each fetch; beyond this, rely on the DHT.
@@ -147,11 +149,21 @@ class Node:
         return [str(p) for p in self.host.get_connected_peers()]
 
     async def open_blob_stream(self, peer: str) -> Any:
-        """A new ``/blobnet/blob/1.0.0`` stream to ``peer`` (StreamLost if impossible)."""
-        try:
-            return await self.host.new_stream(ID.from_base58(peer), [TProtocol(proto.PROTOCOL_ID)])
-        except (BaseLibp2pError, OSError, trio.BrokenResourceError) as exc:
-            raise StreamLost(f"cannot open a stream to {peer}: {exc}") from exc
+        """A new ``/blobnet/blob/1.0.0`` stream to ``peer`` (StreamLost if impossible).
+
+        py-libp2p 0.8.1 sometimes loses a connection when another protocol's negotiation
+        fails on it (a DHT query to a peer without the DHT, say); the swarm then redials
+        from the peerstore, so a failed open is retried a few times before giving up."""
+        last: Exception | None = None
+        for pause in STREAM_OPEN_RETRY_PAUSES:
+            try:
+                return await self.host.new_stream(
+                    ID.from_base58(peer), [TProtocol(proto.PROTOCOL_ID)]
+                )
+            except (BaseLibp2pError, OSError, trio.BrokenResourceError) as exc:
+                last = exc
+                await trio.sleep(pause)
+        raise StreamLost(f"cannot open a stream to {peer}: {last}") from last
 
     # --- DHT -------------------------------------------------------------------------
     async def provide(self, blob_id: str) -> bool:
