@@ -50,7 +50,9 @@ def test_lying_provider_is_banned_and_store_stays_clean(cluster: Cluster, tmp_pa
     source = random_file(tmp_path / "ckpt.bin", 24 * MiB)
     for name in ("a", "b", "liar"):
         blob_id = cluster.put(name, source)
-    a, b = cluster.serve("a"), cluster.serve("b")
+    # The honest peers are slow, so the liar is sure to be asked for chunks.
+    a = cluster.hostile("a", "slow", "--delay", "0.05")
+    b = cluster.hostile("b", "slow", "--delay", "0.05")
     liar = cluster.hostile("liar", "flip")
 
     result = cluster.get(
