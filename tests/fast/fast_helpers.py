@@ -1,0 +1,135 @@
+"""Hosts and an echo protocol shared by the fast path's stack and interop tests."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.custom_types import TProtocol
+from multiaddr import Multiaddr
+
+import p2p.fast as fast
+
+ECHO = TProtocol("/blobnet-test/echo/1.0.0")
+LOOPBACK = Multiaddr("/ip4/127.0.0.1/tcp/0")
+_LEN = struct.Struct(">Q")
+# Echo replies are written in pieces of this size as they are read.
+ECHO_PIECE = 1 << 20
+
+
+def make_host(kind: str) -> IHost:
+    """A host with blobnet's fast path ("fast"), py-libp2p's own Noise+yamux ("default"), or
+    our Noise under py-libp2p's yamux ("noise-only")."""
+    kp = create_new_key_pair()
+    if kind == "fast":
+        host = new_host(
+            key_pair=kp, sec_opt=fast.security_options(kp), muxer_opt=fast.muxer_options()
+        )
+        fast.install(host)
+        return host
+    if kind == "default":
+        return new_host(key_pair=kp)
+    if kind == "noise-only":
+        # Our Noise data path under py-libp2p's own yamux (what a host gets without install()).
+        return new_host(key_pair=kp, sec_opt=fast.security_options(kp))
+    raise ValueError(kind)
+
+
+@contextlib.asynccontextmanager
+async def running(*hosts: IHost) -> AsyncIterator[None]:
+    async with contextlib.AsyncExitStack() as stack:
+        for host in hosts:
+            await stack.enter_async_context(host.run([LOOPBACK]))
+        yield
+        for host in hosts:
+            with trio.move_on_after(5):
+                await host.close()
+
+
+class Pipe:
+    """The two calls the echo protocol needs, over a libp2p stream or a daemon stream."""
+
+    def __init__(
+        self,
+        send: Callable[[bytes | memoryview], Awaitable[None]],
+        recv_into: Callable[[memoryview], Awaitable[int]],
+    ) -> None:
+        self.send = send
+        self.recv_into = recv_into
+
+    @classmethod
+    def of_libp2p(cls, stream: INetStream) -> Pipe:
+        async def recv_into(view: memoryview) -> int:
+            return await fast.read_into(stream, view)
+
+        return cls(stream.write, recv_into)  # type: ignore[arg-type]
+
+    @classmethod
+    def of_daemon(cls, conn: Any) -> Pipe:
+        async def recv_into(view: memoryview) -> int:
+            data = await conn.receive_some(len(view))
+            view[: len(data)] = data
+            return len(data)
+
+        return cls(conn.send_all, recv_into)
+
+    async def recv_exactly(self, n: int) -> bytearray:
+        out = bytearray(n)
+        view = memoryview(out)
+        pos = 0
+        while pos < n:
+            got = await self.recv_into(view[pos:])
+            if got == 0:
+                raise EOFError(f"echo stream ended after {pos} of {n} bytes")
+            pos += got
+        return out
+
+
+async def serve_echo(pipe: Pipe) -> int:
+    """Server side: an 8-byte length, then echo that many bytes back as they come."""
+    length: int = _LEN.unpack(await pipe.recv_exactly(8))[0]
+    buf = memoryview(bytearray(min(length, ECHO_PIECE) or 1))
+    left = length
+    while left:
+        got = await pipe.recv_into(buf[: min(left, len(buf))])
+        if got == 0:
+            raise EOFError(f"echo request ended with {left} bytes missing")
+        await pipe.send(bytes(buf[:got]))
+        left -= got
+    return length
+
+
+async def echo_roundtrip(pipe: Pipe, payload: bytes) -> bytes:
+    """Client side: send the request while reading the echo concurrently."""
+    result = bytearray()
+
+    async def receive() -> None:
+        result.extend(await pipe.recv_exactly(len(payload)))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receive)
+        await pipe.send(_LEN.pack(len(payload)))
+        view = memoryview(payload)
+        for off in range(0, len(payload), ECHO_PIECE):
+            await pipe.send(view[off : off + ECHO_PIECE])
+    return bytes(result)
+
+
+async def libp2p_echo_handler(stream: INetStream) -> None:
+    try:
+        await serve_echo(Pipe.of_libp2p(stream))
+    finally:
+        await stream.close()
+
+
+def muxed_conn_to(host: IHost, peer_id: Any) -> Any:
+    """The muxed connection `host` holds to `peer_id` (the first one)."""
+    conns = host.get_network().get_connections(peer_id)
+    assert conns, f"no connection to {peer_id}"
+    return conns[0].muxed_conn

@@ -1,0 +1,90 @@
+"""The trio shell over a bare socket pair (no hosts): what goes on the wire when a writer is
+cancelled with its frame only part-way into a full socket."""
+
+from __future__ import annotations
+
+import os
+
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.io.trio import TrioTCPStream
+from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.peer.id import ID
+
+from p2p.fast import FastSecureConn, FastYamuxConn
+from p2p.fast.noise_frames import CipherState, FrameReader
+from p2p.fast.yamux_core import HEADER, TYPE_DATA
+
+KEY_OUT = bytes(range(32))
+KEY_IN = bytes(range(1, 33))
+
+
+def make_conn(sock: trio.socket.SocketType) -> FastYamuxConn:
+    kp = create_new_key_pair()
+    peer = ID.from_pubkey(kp.public_key)
+    raw = RawConnection(TrioTCPStream(trio.SocketStream(sock)), initiator=True)
+    secure = FastSecureConn(
+        local_peer=peer,
+        local_private_key=kp.private_key,
+        remote_peer=peer,
+        remote_permanent_pubkey=kp.public_key,
+        is_initiator=True,
+        raw=raw,
+        send_cipher=CipherState(KEY_OUT),
+        recv_cipher=CipherState(KEY_IN),
+    )
+    return FastYamuxConn(secure, peer)
+
+
+def data_payload(wire: bytes) -> bytes:
+    """Decrypt our side's wire bytes and return the DATA payload of stream 1, in order."""
+    reader = FrameReader(1 << 20)
+    cipher = CipherState(KEY_OUT)
+    plain = bytearray()
+    view = memoryview(wire)
+    while view:
+        view = view[reader.feed(view) :]
+        while (frame := reader.next_frame()) is not None:
+            plain += cipher.decrypt(frame)
+    assert reader.buffered == 0, "the wire must end on a whole Noise frame"
+    out = bytearray()
+    pos = 0
+    while pos < len(plain):
+        _, typ, _, sid, length = HEADER.unpack_from(plain, pos)
+        pos += 12
+        if typ == TYPE_DATA:
+            assert sid == 1
+            out += plain[pos : pos + length]
+            pos += length
+    return bytes(out)
+
+
+async def test_cancelled_writer_leaves_whole_frames_on_the_wire() -> None:
+    ours, theirs = trio.socket.socketpair()
+    # A small buffer, so the write blocks in the socket long before the 256 KiB window.
+    ours.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_SNDBUF, 32 * 1024)
+    conn = make_conn(ours)
+    stream_payload = os.urandom(1024 * 1024)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.start)
+            await conn.event_started.wait()
+            stream = await conn.open_stream()
+            # The peer reads nothing yet, so the writer is cancelled mid-frame.
+            with trio.move_on_after(0.3) as scope:
+                await stream.write(stream_payload)
+            assert scope.cancelled_caught
+            # Now drain the peer side until the send loop has flushed the rest.
+            wire = bytearray()
+            with trio.move_on_after(1.0):
+                while True:
+                    data = await theirs.recv(1 << 20)
+                    if not data:
+                        break
+                    wire += data
+            assert conn.dead_reason is None
+            got = data_payload(bytes(wire))
+            assert len(got) > 0
+            assert stream_payload.startswith(got)
+            nursery.cancel_scope.cancel()
+    theirs.close()

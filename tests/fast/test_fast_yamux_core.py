@@ -1,0 +1,247 @@
+"""The yamux session state machine, driven by bytes alone: no sockets, no time."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p.fast.errors import LocalProtocolError, YamuxProtocolError
+from p2p.fast.yamux_core import (
+    DEFAULT_MAX_WINDOW,
+    FLAG_ACK,
+    FLAG_FIN,
+    FLAG_RST,
+    FLAG_SYN,
+    HEADER,
+    INITIAL_WINDOW,
+    MAX_PENDING_CONTROL,
+    TYPE_DATA,
+    TYPE_GO_AWAY,
+    TYPE_PING,
+    TYPE_WINDOW_UPDATE,
+    Stream,
+    YamuxSession,
+)
+
+
+def frame(typ: int, flags: int, sid: int, length: int, payload: bytes = b"") -> bytes:
+    return HEADER.pack(0, typ, flags, sid, length) + payload
+
+
+def frames_of(data: bytes) -> list[tuple[int, int, int, int]]:
+    """(type, flags, stream, length) of each header in control bytes."""
+    return [HEADER.unpack_from(data, i)[1:] for i in range(0, len(data), 12)]
+
+
+class Pair:
+    """Two sessions wired back to back; `pump` moves every queued byte across."""
+
+    def __init__(self) -> None:
+        self.a = YamuxSession(is_initiator=True)
+        self.b = YamuxSession(is_initiator=False)
+        self.a_wire = bytearray()  # data frames a wants to send (the shell's send queue)
+        self.b_wire = bytearray()
+
+    def send_data(self, side: YamuxSession, st: Stream, payload: bytes) -> None:
+        wire = self.a_wire if side is self.a else self.b_wire
+        wire += side.take_outgoing()
+        wire += side.data_header(st, len(payload)) + payload
+
+    def pump(self) -> None:
+        for _ in range(10):
+            a_out = bytes(self.a_wire) + self.a.take_outgoing()
+            b_out = bytes(self.b_wire) + self.b.take_outgoing()
+            self.a_wire.clear()
+            self.b_wire.clear()
+            if not a_out and not b_out:
+                return
+            self.b.receive(a_out)
+            self.a.receive(b_out)
+
+
+def test_open_accept_data_and_fin() -> None:
+    p = Pair()
+    st = p.a.open_stream()
+    assert st.stream_id == 1
+    p.send_data(p.a, st, b"hello")
+    p.pump()
+    assert len(p.b.accepted) == 1
+    peer = p.b.accepted.popleft()
+    assert peer.stream_id == 1
+    assert st.acked
+    assert p.b.pop(peer, -1) == b"hello"
+    fin = p.a.fin_frame(st)
+    assert fin is not None
+    p.a_wire += fin
+    p.pump()
+    assert peer.fin_received
+    assert not peer.queue
+
+
+def test_stream_ids_follow_parity() -> None:
+    a = YamuxSession(is_initiator=True)
+    b = YamuxSession(is_initiator=False)
+    assert [a.open_stream().stream_id for _ in range(3)] == [1, 3, 5]
+    assert [b.open_stream().stream_id for _ in range(2)] == [2, 4]
+
+
+def test_window_grows_once_the_application_reads_and_updates_are_batched() -> None:
+    p = Pair()
+    st = p.a.open_stream()
+    p.pump()
+    assert st.send_credit == INITIAL_WINDOW
+    for _ in range(4):
+        p.send_data(p.a, st, bytes(65536))
+    p.pump()
+    peer = p.b.accepted.popleft()
+    assert st.send_credit == 0, "no update before the application reads"
+    p.b.pop(peer, 65536)
+    p.pump()
+    assert st.send_credit == 65536, "the stalled peer gets what was read back at once"
+    p.b.pop(peer, 3 * 65536)
+    p.pump()
+    # 256 KiB read: the window doubles to 512 KiB, granted in one update.
+    assert st.send_credit == 2 * INITIAL_WINDOW
+    # Reading 8 MiB more grows it to the 16 MiB maximum, in a few batched updates.
+    updates = 0
+    for _ in range(128):
+        p.send_data(p.a, st, bytes(65536))
+        p.pump()
+        p.b.pop(peer, 65536)
+        updates += p.b.has_outgoing
+        p.pump()
+    assert peer.window_target == DEFAULT_MAX_WINDOW
+    assert updates < 20
+
+
+def test_data_beyond_the_window_is_a_protocol_error() -> None:
+    b = YamuxSession(is_initiator=False)
+    b.receive(frame(TYPE_WINDOW_UPDATE, FLAG_SYN, 1, 0))
+    with pytest.raises(YamuxProtocolError, match="exceeds"):
+        b.receive(frame(TYPE_DATA, 0, 1, INITIAL_WINDOW + 1))
+
+
+def test_bad_version_and_unknown_type_are_protocol_errors() -> None:
+    with pytest.raises(YamuxProtocolError, match="version"):
+        YamuxSession(is_initiator=False).receive(HEADER.pack(1, TYPE_PING, FLAG_SYN, 0, 0))
+    with pytest.raises(YamuxProtocolError, match="unknown"):
+        YamuxSession(is_initiator=False).receive(frame(9, 0, 0, 0))
+
+
+def test_syn_with_own_parity_or_duplicate_is_rejected() -> None:
+    with pytest.raises(YamuxProtocolError, match="parity"):
+        YamuxSession(is_initiator=True).receive(frame(TYPE_WINDOW_UPDATE, FLAG_SYN, 3, 0))
+    b = YamuxSession(is_initiator=False)
+    b.receive(frame(TYPE_WINDOW_UPDATE, FLAG_SYN, 1, 0))
+    with pytest.raises(YamuxProtocolError, match="already open"):
+        b.receive(frame(TYPE_WINDOW_UPDATE, FLAG_SYN, 1, 0))
+
+
+def test_streams_beyond_the_limit_are_reset_not_fatal() -> None:
+    b = YamuxSession(is_initiator=False, max_streams=2)
+    for sid in (1, 3, 5):
+        b.receive(frame(TYPE_WINDOW_UPDATE, FLAG_SYN, sid, 0))
+    assert [s.stream_id for s in b.accepted] == [1, 3]
+    sent = frames_of(b.take_outgoing())
+    assert (TYPE_WINDOW_UPDATE, FLAG_RST, 5, 0) in sent
+    # Its payload is dropped without touching any stream.
+    b.receive(frame(TYPE_DATA, 0, 5, 3, b"xyz"))
+    assert all(not s.queue for s in b.accepted)
+
+
+def test_rst_wakes_and_forgets_the_stream() -> None:
+    b = YamuxSession(is_initiator=False)
+    b.receive(frame(TYPE_WINDOW_UPDATE, FLAG_SYN, 1, 0))
+    st = b.accepted.popleft()
+    woken: list[int] = []
+    st.wake = lambda: woken.append(1)
+    b.receive(frame(TYPE_WINDOW_UPDATE, FLAG_RST, 1, 0))
+    assert st.rst
+    assert woken
+    assert 1 not in b.streams
+
+
+def test_ping_is_answered_with_the_same_value() -> None:
+    b = YamuxSession(is_initiator=False)
+    b.receive(frame(TYPE_PING, FLAG_SYN, 0, 0xDEADBEEF))
+    assert frames_of(b.take_outgoing()) == [(TYPE_PING, FLAG_ACK, 0, 0xDEADBEEF)]
+
+
+def test_unread_control_frames_are_bounded() -> None:
+    """A peer that floods pings but never reads our pongs must not grow our memory forever."""
+    b = YamuxSession(is_initiator=False)
+    ping = frame(TYPE_PING, FLAG_SYN, 0, 1)
+    with pytest.raises(YamuxProtocolError, match="control"):
+        b.receive(ping * (MAX_PENDING_CONTROL // 12 + 2))
+
+
+def test_go_away_normal_forbids_new_streams_error_ends_session() -> None:
+    a = YamuxSession(is_initiator=True)
+    a.receive(frame(TYPE_GO_AWAY, 0, 0, 0))
+    with pytest.raises(LocalProtocolError, match="going away"):
+        a.open_stream()
+    with pytest.raises(YamuxProtocolError, match="GO_AWAY code 1") as info:
+        YamuxSession(is_initiator=True).receive(frame(TYPE_GO_AWAY, 0, 0, 1))
+    assert info.value.go_away_code is None
+
+
+def test_after_local_go_away_new_inbound_streams_are_refused() -> None:
+    b = YamuxSession(is_initiator=False)
+    b.go_away()
+    b.take_outgoing()
+    b.receive(frame(TYPE_WINDOW_UPDATE, FLAG_SYN, 1, 0))
+    assert not b.accepted
+    assert frames_of(b.take_outgoing()) == [(TYPE_WINDOW_UPDATE, FLAG_RST, 1, 0)]
+
+
+def test_window_update_overflow_is_a_protocol_error() -> None:
+    a = YamuxSession(is_initiator=True)
+    st = a.open_stream()
+    with pytest.raises(YamuxProtocolError, match="overflows"):
+        a.receive(frame(TYPE_WINDOW_UPDATE, 0, st.stream_id, 2**32 - 1))
+
+
+def test_payload_goes_straight_into_a_waiting_readinto_buffer() -> None:
+    b = YamuxSession(is_initiator=False)
+    b.receive(frame(TYPE_DATA, FLAG_SYN, 1, 10, b"0123456789"))
+    st = b.accepted.popleft()
+    assert b.pop(st, -1) == b"0123456789"
+    target = bytearray(6)
+    st.target = memoryview(target)
+    b.receive(frame(TYPE_DATA, 0, 1, 8, b"abcdefgh"))
+    assert bytes(target) == b"abcdef"
+    assert st.target_filled == 6
+    assert b"".join(st.queue) == b"gh", "what does not fit is queued in order"
+
+
+def test_direct_stream_only_for_whole_frames_of_payload() -> None:
+    b = YamuxSession(is_initiator=False)
+    b.receive(frame(TYPE_WINDOW_UPDATE, FLAG_SYN, 1, 0))
+    st = b.accepted.popleft()
+    target = bytearray(100)
+    st.target = memoryview(target)
+    b.receive(HEADER.pack(0, TYPE_DATA, 0, 1, 50))
+    assert b.direct_stream(60) is None, "the frame is shorter than the noise message"
+    assert b.direct_stream(50) is st
+    target[:50] = b"z" * 50
+    b.received_direct(st, 50)
+    assert st.target_filled == 50
+    assert b.direct_stream(1) is None
+    b.receive(frame(TYPE_DATA, FLAG_FIN, 1, 1, b"!"))
+    assert st.fin_received
+    assert target[50:51] == b"!"
+
+
+def test_session_budget_limits_growth_across_streams() -> None:
+    budget = 512 * 1024
+    b = YamuxSession(is_initiator=False, session_window=budget)
+    streams = []
+    for sid in (1, 3, 5, 7):
+        b.receive(frame(TYPE_DATA, FLAG_SYN, sid, INITIAL_WINDOW, bytes(INITIAL_WINDOW)))
+        streams.append(b.accepted.popleft())
+    for st in streams:
+        b.pop(st, -1)
+    extra = sum(max(st.recv_credit + st.buffered - INITIAL_WINDOW, 0) for st in streams)
+    assert extra <= budget
+    # Nobody starves: every stream can still receive at least its base window.
+    assert all(st.recv_credit >= INITIAL_WINDOW for st in streams)
+    assert any(st.recv_credit > INITIAL_WINDOW for st in streams)
