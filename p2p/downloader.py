@@ -323,8 +323,10 @@ class Download:
                     except CorruptChunk:
                         raise BadChunk(index) from None
                     self.dirty = True
-        is_new = self.scheduler.on_chunk(ticket.request_id, index, len(data), trio.current_time())
-        if duplicate or not is_new:
+        # Whoever wrote the chunk (under the lock) owns it: counting by the scheduler's
+        # answer instead would let two racing streams both call it a duplicate.
+        self.scheduler.on_chunk(ticket.request_id, index, len(data), trio.current_time())
+        if duplicate:
             self.duplicate_bytes += len(data)
             if self.scheduler.is_obsolete(ticket.request_id):
                 raise ObsoleteRequest

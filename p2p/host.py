@@ -79,6 +79,11 @@ def build_host(key_pair: KeyPair, *, fast: bool = True) -> IHost:
         muxer_opt=muxer_opt,
         resource_manager=resource_manager,
     )
+    fast_path = _fast_path() if fast else None
+    if fast_path is not None:
+        # py-libp2p 0.8.1 builds its own Yamux for /yamux/1.0.0 whatever muxer_opt says;
+        # install() makes the upgrader build ours.
+        fast_path.install(host)
     network: Any = host.get_network()
     upgrader = network.upgrader
     offered = set(upgrader.security_multistream.transports)
