@@ -1,14 +1,17 @@
 """``blob outer``: the DiLoCo outer loop's commands.
 
-For now ``blob outer simulate`` runs K workers in one process (``training.outer.simulate``);
-the multi-process ``outer run`` / ``outer worker`` commands reuse the same round functions.
-torch is imported only when a command runs.
+``blob outer simulate`` runs K workers in one process (``training.outer.simulate``);
+``blob outer worker`` runs one worker of a decentralised run (``training.outer_net``), and
+``blob outer run`` runs K of them as processes on 127.0.0.1. torch is imported only when a
+command runs.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path as Path_
+from typing import Any
 
 import click
 
@@ -120,3 +123,238 @@ def simulate_command(
         )
     click.echo(f"final state root: {result.state_roots[-1]}")
     click.echo(f"wall time: {result.wall_seconds:.1f}s")
+
+
+# --- the decentralised run -----------------------------------------------------------
+
+
+def _run_options(f: Any) -> Any:
+    """Options every worker of a run must be given identically (``RunParams``)."""
+    options = [
+        click.option(
+            "--workers",
+            type=click.IntRange(1, 64),
+            required=True,
+            help="K: a round closes early once updates from K workers are in.",
+        ),
+        click.option(
+            "--rounds", type=click.IntRange(0, 100_000), required=True, help="Outer rounds."
+        ),
+        click.option(
+            "--inner-steps",
+            type=click.IntRange(1, 100_000),
+            required=True,
+            help="Inner AdamW steps per round (H).",
+        ),
+        click.option(
+            "--deadline",
+            type=click.FloatRange(0.1, 86_400),
+            default=8.0,
+            show_default=True,
+            help="Seconds a round waits for updates after this worker's own.",
+        ),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--batch", type=click.IntRange(1, 4096), default=8, show_default=True),
+        click.option("--seq-len", type=click.IntRange(2, 512), default=64, show_default=True),
+        click.option("--inner-lr", type=float, default=2e-3, show_default=True),
+        click.option("--chunk", type=int, default=4096, show_default=True),
+        click.option("--k", "k", type=int, default=48, show_default=True),
+        click.option(
+            "--model-size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True
+        ),
+        click.option(
+            "--shard-sequences", type=click.IntRange(1, 1 << 20), default=512, show_default=True
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _params(run_id: str, **kw: Any) -> Any:
+    from training.outer_net import RunParams
+
+    try:
+        return RunParams(run_id=run_id, **kw)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _authority(value: str) -> bytes:
+    """An authority public key: 64 hex digits or the path of a ``.pub`` file."""
+    from pathlib import Path
+
+    from identity import BadPublicKey, parse_public_key
+
+    try:
+        return parse_public_key(value)
+    except BadPublicKey:
+        pass
+    try:
+        text = Path(value).read_text(errors="replace")
+    except OSError:
+        raise click.BadParameter(
+            f"{value!r} is neither a public key (64 hex) nor a readable .pub file",
+            param_hint="--authority",
+        ) from None
+    try:
+        return parse_public_key(text.strip())
+    except BadPublicKey as exc:
+        raise click.BadParameter(f"{value}: {exc}", param_hint="--authority") from None
+
+
+@outer_group.command("worker")
+@click.option("--run", "run_id", required=True, help="Run ID (names the pubsub topic).")
+@click.option("--shard", type=click.IntRange(0, 1 << 20), required=True, help="Data shard.")
+@_run_options
+@click.option(
+    "--authority",
+    "authorities",
+    multiple=True,
+    required=True,
+    help="Trusted authority public key (hex or .pub file; repeatable).",
+)
+@click.option(
+    "--cert",
+    "cert_path",
+    type=click.Path(path_type=Path_, dir_okay=False),
+    required=True,
+    help="This machine's admission certificate.",
+)
+@click.option("--initial", default=None, help="Blob ID of the run's initial global state.")
+@click.option("--join", is_flag=True, help="Join a running run at its next round.")
+@click.option("--bootstrap", multiple=True, help="Peer multiaddr to dial (the hub).")
+@click.option("--listen", default="/ip4/127.0.0.1/tcp/0", show_default=True)
+@click.option(
+    "--result",
+    "result_path",
+    type=click.Path(path_type=Path_, dir_okay=False),
+    required=True,
+    help="Where to write this worker's result JSON.",
+)
+@click.option(
+    "--addr-file",
+    type=click.Path(path_type=Path_, dir_okay=False),
+    default=None,
+    help="Write this node's addresses here once it listens (for launchers).",
+)
+@click.option(
+    "--start-timeout",
+    type=click.FloatRange(1, 86_400),
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for the other workers (or, with --join, for a state).",
+)
+@click.option("--stall-round", type=int, default=None, hidden=True)
+@click.pass_context
+def worker_command(
+    ctx: click.Context,
+    /,
+    run_id: str,
+    shard: int,
+    authorities: tuple[str, ...],
+    cert_path: Path_,
+    initial: str | None,
+    join: bool,
+    bootstrap: tuple[str, ...],
+    listen: str,
+    result_path: Path_,
+    addr_file: Path_ | None,
+    start_timeout: float,
+    stall_round: int | None,
+    **run: Any,
+) -> None:
+    """Run one worker of a decentralised outer-loop run (one per machine)."""
+    import trio
+
+    from blobstore import parse_blob_id
+    from training.outer_net import WorkerConfig, run_worker
+
+    if initial is None and not join:
+        raise click.UsageError("give the initial state (--initial BLOB_ID) or --join")
+    if initial is not None:
+        initial = parse_blob_id(initial)
+    obj = ctx.ensure_object(dict)
+    config = WorkerConfig(
+        params=_params(run_id, **run),
+        shard=shard,
+        store_root=Path_(obj["store_root"]),
+        key_path=Path_(obj["key_path"]),
+        cert_path=cert_path,
+        authorities=tuple(_authority(a) for a in authorities),
+        result_path=result_path,
+        initial=initial,
+        join=join,
+        bootstrap=bootstrap,
+        listen=listen,
+        addr_file=addr_file,
+        start_timeout=start_timeout,
+        stall_round=stall_round,
+    )
+    result = trio.run(run_worker, config)
+    if not result["agreed"]:
+        raise _disagreed()
+
+
+def _disagreed() -> Exception:
+    from training.outer_net import OuterRunFailed
+
+    return OuterRunFailed("workers reached different global states (see the DISAGREE lines)")
+
+
+@outer_group.command("run")
+@_run_options
+@click.option("--run", "run_id", default="local", show_default=True, help="Run ID.")
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path_, file_okay=False),
+    default=None,
+    help="Keep keys, stores and results here (default: a temp dir, removed after).",
+)
+@click.option("--timeout", type=click.FloatRange(1, 86_400), default=None, help="Bound (s).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def run_command(
+    run_id: str, workdir: Path_ | None, timeout: float | None, as_json: bool, **run: Any
+) -> None:
+    """Run K worker processes on 127.0.0.1 (worker 0 is the hub) and compare their roots."""
+    from training.outer_net import (
+        OuterRunFailed,
+        default_workdir,
+        prepare_run,
+        run_local,
+        summarise,
+    )
+
+    params = _params(run_id, **run)
+    bound = timeout or 180 + params.rounds * (params.deadline + 60)
+    with default_workdir() as tmp:
+        root = workdir or Path_(tmp)
+        plan = prepare_run(root, params)
+        click.echo(
+            f"run {run_id}: {params.workers} workers x {params.rounds} rounds x "
+            f"{params.inner_steps} inner steps; initial state {plan.initial[:16]}; "
+            f"workdir {root}",
+            err=True,
+        )
+        summary = summarise(run_local(plan, timeout=bound))
+    if as_json:
+        json.dump(summary, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        click.echo(f"{'round':>5}  {'loss':>8}  {'bytes per worker':<24}  {'included':<10}  roots")
+        for row in summary["rounds"]:
+            sizes = ",".join(str(b) for b in row["update_bytes"])
+            included = ",".join(str(n) for n in row["included"])
+            agree = "agree" if row["roots_agree"] else "DISAGREE"
+            click.echo(
+                f"{row['round']:>5}  {row['mean_loss']:>8.4f}  {sizes:<24}  {included:<10}  "
+                f"{agree} {row['root'][:16]}"
+            )
+        click.echo(f"workers finished: {summary['finished']}/{summary['workers']}")
+        click.echo(f"final root: {summary['final_root'] or 'workers disagree'}")
+    if summary["finished"] != summary["workers"]:
+        raise OuterRunFailed(
+            f"{summary['workers'] - summary['finished']} worker(s) failed; see their stderr"
+        )
+    if not summary["roots_agree"]:
+        raise _disagreed()

@@ -1,0 +1,527 @@
+"""The decentralised outer loop's announcements and what a worker makes of them (sans-IO).
+
+Workers of a run talk on one pubsub topic, ``blobnet/outer/<run ID>``, with three kinds
+of canonical msgpack announcements (``encode_message`` / ``decode_message``):
+
+- ``hello``: "I am in this run"; carries the sender's admission certificate so that only
+  admitted machines count towards the start barrier.
+- ``update``: "my pseudo-gradient for round r is blob B"; carries an attestation of kind
+  ``blobnet/outer-update`` over B with subjects ``[B, state_root(S_r)]``, and the
+  addresses where B can be fetched.
+- ``state``: "after round r-1 the global state S_r has root R and is blob B"; carries an
+  attestation of kind ``blobnet/outer-state`` with subjects ``[B, R]``.
+
+:class:`Ledger` is the protocol core: bytes and the authenticated pubsub sender in,
+events out, with time as an argument. It owns these rules:
+
+1. A message is first decoded strictly; a malformed one or one for another run is
+   dropped and counted (the sender is at fault, the worker keeps going).
+2. An update counts only if its attestation verifies against the run's trusted
+   authorities at ``now`` (signature, certificate binding the signer's peer ID), the
+   signer is the pubsub sender (pubsub messages are signed, so the sender is
+   authenticated), the digest is the blob ID, and the subjects are exactly the blob and
+   the state root the round started from. Anything else is a :class:`Rejection` with a
+   reason, recorded once per (round, sender, blob, reason).
+3. A round's update announcements may arrive before the worker reaches that round; they
+   are buffered (a bounded window of rounds, a bounded count per round) and judged when
+   the round opens, against the root the worker then holds.
+4. Per round, the first valid update of a sender is its update. A different valid blob
+   from the same sender in the same round is recorded as equivocation and ignored (honest
+   workers never send two; workers that heard them in different orders may then
+   disagree, which rule 6 makes loud).
+5. Presence (for the start barrier) is an admitted sender heard: a hello with a valid
+   certificate for that sender, or any valid update or state announcement.
+6. State announcements give every worker the roots the others reached; a root for a
+   state round that differs from the worker's own is a :class:`Disagreement`, reported
+   once per (round, sender).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from identity import (
+    AdmissionCertificate,
+    Attestation,
+    Rejected,
+    TrustStore,
+    verify_attestation,
+    verify_certificate,
+)
+from training.errors import TrainingError
+
+TOPIC_PREFIX = "blobnet/outer/"
+UPDATE_KIND = "blobnet/outer-update"
+STATE_KIND = "blobnet/outer-state"
+MESSAGE_VERSION = 1
+
+# An attestation with two subjects and a certificate is about 700 bytes, a certificate
+# about 250 and the addresses at most MAX_ADDRS * MAX_ADDR_LEN: 16 KiB bounds a message
+# with room to spare, before msgpack allocates anything.
+MAX_MESSAGE_SIZE = 16 * 1024
+# A node listens on a handful of addresses; more is not a worker's announcement.
+MAX_ADDRS = 8
+MAX_ADDR_LEN = 256
+MAX_RUN_ID_LEN = 64
+MAX_ROUND = 1 << 32
+# Announcements for rounds ahead of the one a worker is in are kept for this many rounds
+# (a worker is at most one round behind an honest peer; two gives slack).
+ROUND_WINDOW = 2
+# Buffered announcements per future round: each admitted worker sends one update,
+# re-published every second (deduplicated); this bounds what unadmitted senders can park.
+MAX_PENDING_PER_ROUND = 256
+# Rejections recorded per round (the rest are counted only).
+MAX_REJECTIONS_PER_ROUND = 256
+
+RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_HEX = re.compile(r"[0-9a-f]{64}")
+_TYPES = ("hello", "update", "state")
+
+
+class BadMessage(TrainingError):
+    """Bytes that are not a canonical outer-loop announcement (the sender's fault)."""
+
+    exit_code = 4
+
+
+def topic(run_id: str) -> str:
+    """The pubsub topic of a run."""
+    return TOPIC_PREFIX + check_run_id(run_id)
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID_RE.fullmatch(run_id):
+        raise ValueError(
+            f"run ID {run_id!r} must be 1-{MAX_RUN_ID_LEN} letters, digits, '.', '_' or '-'"
+        )
+    return run_id
+
+
+# --- messages ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    run: str
+    certificate: bytes
+
+
+@dataclass(frozen=True)
+class UpdateAnnouncement:
+    run: str
+    round: int
+    blob: str
+    attestation: bytes
+    addrs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StateAnnouncement:
+    run: str
+    round: int
+    root: str
+    blob: str
+    attestation: bytes
+    addrs: tuple[str, ...]
+
+
+Message = Hello | UpdateAnnouncement | StateAnnouncement
+
+
+def _fields(msg: Message) -> dict[str, Any]:
+    """The message as a map in its one canonical key order."""
+    if isinstance(msg, Hello):
+        return {"v": MESSAGE_VERSION, "type": "hello", "run": msg.run, "cert": msg.certificate}
+    if isinstance(msg, UpdateAnnouncement):
+        return {
+            "v": MESSAGE_VERSION,
+            "type": "update",
+            "run": msg.run,
+            "round": msg.round,
+            "blob": msg.blob,
+            "attestation": msg.attestation,
+            "addrs": list(msg.addrs),
+        }
+    return {
+        "v": MESSAGE_VERSION,
+        "type": "state",
+        "run": msg.run,
+        "round": msg.round,
+        "root": msg.root,
+        "blob": msg.blob,
+        "attestation": msg.attestation,
+        "addrs": list(msg.addrs),
+    }
+
+
+def encode_message(msg: Message) -> bytes:
+    """Canonical bytes of an announcement (``ValueError`` for a malformed one: our bug)."""
+    data: bytes = msgpack.packb(_fields(msg), use_bin_type=True)
+    try:
+        if decode_message(data) != msg:
+            raise ValueError("announcement does not round-trip")
+    except BadMessage as exc:
+        raise ValueError(str(exc)) from None
+    return data
+
+
+def _take(fields: Mapping[str, Any], key: str, kind: type[Any]) -> Any:
+    if key not in fields:
+        raise BadMessage(f"announcement lacks the field {key!r}")
+    value = fields[key]
+    if type(value) is not kind:
+        raise BadMessage(f"announcement field {key!r} must be {kind.__name__}")
+    return value
+
+
+def _round(fields: Mapping[str, Any]) -> int:
+    value: int = _take(fields, "round", int)
+    if not 0 <= value < MAX_ROUND:
+        raise BadMessage(f"round {value} is out of range")
+    return value
+
+
+def _hex64(fields: Mapping[str, Any], key: str) -> str:
+    value: str = _take(fields, key, str)
+    if not _HEX.fullmatch(value):
+        raise BadMessage(f"announcement field {key!r} must be 64 lowercase hex digits")
+    return value
+
+
+def _addrs(fields: Mapping[str, Any]) -> tuple[str, ...]:
+    value: list[Any] = _take(fields, "addrs", list)
+    if len(value) > MAX_ADDRS:
+        raise BadMessage(f"announcement lists more than {MAX_ADDRS} addresses")
+    for addr in value:
+        if type(addr) is not str or not 0 < len(addr) <= MAX_ADDR_LEN or "/p2p/" not in addr:
+            raise BadMessage("announcement address must be a multiaddr ending in /p2p/<id>")
+    return tuple(value)
+
+
+def decode_message(data: bytes) -> Message:
+    """Strictly parse an announcement; raises :class:`BadMessage` only."""
+    if len(data) > MAX_MESSAGE_SIZE:
+        raise BadMessage(f"announcement is {len(data)} bytes (at most {MAX_MESSAGE_SIZE})")
+    try:
+        obj = msgpack.unpackb(
+            bytes(data),
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_ext_len=0,
+        )
+    # msgpack raises many types for hostile input; this is the one place they all become
+    # the sender's fault.
+    except Exception as exc:
+        raise BadMessage(f"announcement is not msgpack: {exc}") from None
+    if type(obj) is not dict:
+        raise BadMessage("announcement is not a map")
+    if _take(obj, "v", int) != MESSAGE_VERSION:
+        raise BadMessage("announcement has an unknown version")
+    kind = _take(obj, "type", str)
+    if kind not in _TYPES:
+        raise BadMessage(f"unknown announcement type {kind!r:.40}")
+    run = _take(obj, "run", str)
+    if not RUN_ID_RE.fullmatch(run):
+        raise BadMessage("announcement has a malformed run ID")
+    msg: Message
+    if kind == "hello":
+        msg = Hello(run, _take(obj, "cert", bytes))
+    elif kind == "update":
+        msg = UpdateAnnouncement(
+            run, _round(obj), _hex64(obj, "blob"), _take(obj, "attestation", bytes), _addrs(obj)
+        )
+    else:
+        msg = StateAnnouncement(
+            run,
+            _round(obj),
+            _hex64(obj, "root"),
+            _hex64(obj, "blob"),
+            _take(obj, "attestation", bytes),
+            _addrs(obj),
+        )
+    canonical: bytes = msgpack.packb(_fields(msg), use_bin_type=True)
+    if canonical != bytes(data):
+        raise BadMessage("announcement is not in canonical form")
+    return msg
+
+
+# --- judging announcements -----------------------------------------------------------
+
+
+class Refused(Exception):
+    """An announcement does not count; ``reason`` says why (short, stable text)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+def _attestation(
+    data: bytes, *, kind: str, blob: str, sender: str, trust: TrustStore, now: float
+) -> Attestation:
+    try:
+        attestation = verify_attestation(data, trust=trust, now=now, kind=kind)
+    except Rejected as exc:
+        raise Refused(exc.reason.value, str(exc)) from None
+    if attestation.signer_peer_id != sender:
+        raise Refused(
+            "signer is not the sender",
+            f"signed by {attestation.signer_peer_id}, announced by {sender}",
+        )
+    if attestation.digest != bytes.fromhex(blob):
+        raise Refused("digest is not the blob ID")
+    return attestation
+
+
+def check_update(
+    msg: UpdateAnnouncement, *, sender: str, trust: TrustStore, now: float, root: str
+) -> Attestation:
+    """The update's attestation if it counts for a round that started from ``root``."""
+    attestation = _attestation(
+        msg.attestation, kind=UPDATE_KIND, blob=msg.blob, sender=sender, trust=trust, now=now
+    )
+    if len(attestation.subjects) != 2 or attestation.subjects[0] != msg.blob:
+        raise Refused("wrong subjects", "expected [update blob, start state root]")
+    if attestation.subjects[1] != root:
+        raise Refused("wrong state root", f"made from {attestation.subjects[1][:16]}")
+    return attestation
+
+
+def check_state(
+    msg: StateAnnouncement, *, sender: str, trust: TrustStore, now: float
+) -> Attestation:
+    """The state announcement's attestation if it counts."""
+    attestation = _attestation(
+        msg.attestation, kind=STATE_KIND, blob=msg.blob, sender=sender, trust=trust, now=now
+    )
+    if attestation.subjects != (msg.blob, msg.root):
+        raise Refused("wrong subjects", "expected [state blob, state root]")
+    return attestation
+
+
+def check_hello(msg: Hello, *, sender: str, trust: TrustStore, now: float) -> None:
+    try:
+        certificate = AdmissionCertificate.decode(msg.certificate)
+        verify_certificate(certificate, trust=trust, now=now, peer_id=sender)
+    except Rejected as exc:
+        raise Refused(exc.reason.value, str(exc)) from None
+
+
+# --- the ledger ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A valid update announcement: fetch ``blob`` from ``addrs`` and include it."""
+
+    round: int
+    peer: str
+    blob: str
+    addrs: tuple[str, ...]
+    operator: str
+
+
+@dataclass(frozen=True)
+class Rejection:
+    round: int
+    peer: str
+    blob: str
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"peer": self.peer, "blob": self.blob, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class StateHeard:
+    """A valid state announcement (a joiner fetches the latest one)."""
+
+    round: int
+    peer: str
+    root: str
+    blob: str
+    addrs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Disagreement:
+    round: int
+    peer: str
+    ours: str
+    theirs: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"round": self.round, "peer": self.peer, "ours": self.ours, "theirs": self.theirs}
+
+
+Event = Candidate | Rejection | StateHeard | Disagreement
+
+
+@dataclass
+class _Round:
+    root: str | None = None  # None until the worker opens the round
+    pending: list[tuple[UpdateAnnouncement, str]] = field(default_factory=list)
+    accepted: dict[str, str] = field(default_factory=dict)  # peer -> blob
+    seen: set[tuple[str, str, str]] = field(default_factory=set)  # (peer, blob, reason)
+    rejections: list[Rejection] = field(default_factory=list)
+    refused: set[tuple[str, str]] = field(default_factory=set)  # (peer, blob) for good
+    dropped: int = 0
+
+
+class Ledger:
+    """What one worker has heard on its run's topic (rules 1-6 of the module docstring)."""
+
+    def __init__(self, run_id: str, own_peer: str, trust: TrustStore) -> None:
+        self.run_id = check_run_id(run_id)
+        self.own_peer = own_peer
+        self.trust = trust
+        self.current = 0  # the lowest round still accepting updates
+        self.rounds: dict[int, _Round] = {}
+        self.present: set[str] = set()
+        self.roots: dict[int, dict[str, str]] = {}  # state round -> peer -> root
+        self.own_roots: dict[int, str] = {}
+        self.reported: set[tuple[int, str]] = set()
+        self.malformed = 0
+        self.other_runs = 0
+        self.latest_state: StateHeard | None = None
+
+    def _round(self, r: int) -> _Round:
+        return self.rounds.setdefault(r, _Round())
+
+    def hear(self, data: bytes, sender: str, now: float) -> list[Event]:
+        """Judge one pubsub message from ``sender`` (the authenticated pubsub source)."""
+        if sender == self.own_peer:
+            return []
+        try:
+            msg = decode_message(data)
+        except BadMessage:
+            self.malformed += 1
+            return []
+        if msg.run != self.run_id:
+            self.other_runs += 1
+            return []
+        if isinstance(msg, Hello):
+            try:
+                check_hello(msg, sender=sender, trust=self.trust, now=now)
+            except Refused:
+                return []
+            self.present.add(sender)
+            return []
+        if isinstance(msg, StateAnnouncement):
+            return self._hear_state(msg, sender, now)
+        if msg.round < self.current or msg.round > self.current + ROUND_WINDOW:
+            return []
+        book = self._round(msg.round)
+        if book.root is None:
+            if len(book.pending) < MAX_PENDING_PER_ROUND:
+                if (msg, sender) not in book.pending:
+                    book.pending.append((msg, sender))
+            else:
+                book.dropped += 1
+            return []
+        event = self._judge(msg.round, book, msg, sender, now)
+        return [] if event is None else [event]
+
+    def _judge(
+        self, r: int, book: _Round, msg: UpdateAnnouncement, sender: str, now: float
+    ) -> Candidate | Rejection | None:
+        assert book.root is not None
+        if book.accepted.get(sender) == msg.blob or (sender, msg.blob) in book.refused:
+            return None  # a re-publication of what we already judged
+        try:
+            attestation = check_update(
+                msg, sender=sender, trust=self.trust, now=now, root=book.root
+            )
+            if sender in book.accepted:
+                raise Refused("equivocation", f"{sender} already announced another update")
+        except Refused as refused:
+            key = (sender, msg.blob, refused.reason)
+            if key in book.seen:
+                return None
+            book.seen.add(key)
+            if len(book.rejections) >= MAX_REJECTIONS_PER_ROUND:
+                book.dropped += 1
+                return None
+            rejection = Rejection(r, sender, msg.blob, refused.reason)
+            book.rejections.append(rejection)
+            return rejection
+        book.accepted[sender] = msg.blob
+        self.present.add(sender)
+        assert attestation.certificate is not None  # the trust store required one
+        return Candidate(r, sender, msg.blob, msg.addrs, attestation.certificate.operator)
+
+    def open_round(self, r: int, root: str, now: float) -> list[Event]:
+        """Start judging round ``r``'s updates against ``root``; earlier rounds close."""
+        self.current = r
+        for old in [k for k in self.rounds if k < r]:
+            del self.rounds[old]
+        book = self._round(r)
+        book.root = root
+        pending, book.pending = book.pending, []
+        events: list[Event] = []
+        for msg, sender in pending:
+            event = self._judge(r, book, msg, sender, now)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def rejections(self, r: int) -> list[Rejection]:
+        book = self.rounds.get(r)
+        return [] if book is None else list(book.rejections)
+
+    def reject(self, r: int, peer: str, blob: str, reason: str) -> Rejection:
+        """Refuse for good an accepted update whose blob turned out bad (undecodable).
+
+        The sender keeps its slot: another blob from it in this round is equivocation.
+        """
+        book = self._round(r)
+        book.refused.add((peer, blob))
+        rejection = Rejection(r, peer, blob, reason)
+        if len(book.rejections) < MAX_REJECTIONS_PER_ROUND:
+            book.rejections.append(rejection)
+        return rejection
+
+    def _hear_state(self, msg: StateAnnouncement, sender: str, now: float) -> list[Event]:
+        try:
+            check_state(msg, sender=sender, trust=self.trust, now=now)
+        except Refused:
+            return []
+        self.present.add(sender)
+        heard = self.roots.setdefault(msg.round, {})
+        if sender in heard:
+            return []
+        heard[sender] = msg.root
+        # Keep only recent state rounds: roots older than the window are settled.
+        for old in [k for k in self.roots if k < msg.round - 4 * ROUND_WINDOW]:
+            del self.roots[old]
+        event = StateHeard(msg.round, sender, msg.root, msg.blob, msg.addrs)
+        if self.latest_state is None or msg.round > self.latest_state.round:
+            self.latest_state = event
+        events: list[Event] = [event]
+        events.extend(self._compare(msg.round))
+        return events
+
+    def own_root(self, r: int, root: str) -> list[Event]:
+        """Record the root of the state this worker reached for state round ``r``."""
+        self.own_roots[r] = root
+        return list(self._compare(r))
+
+    def _compare(self, r: int) -> list[Disagreement]:
+        ours = self.own_roots.get(r)
+        if ours is None:
+            return []
+        out = []
+        for peer, theirs in self.roots.get(r, {}).items():
+            if theirs != ours and (r, peer) not in self.reported:
+                self.reported.add((r, peer))
+                out.append(Disagreement(r, peer, ours, theirs))
+        return out
+
+    def roots_heard(self, r: int) -> dict[str, str]:
+        return dict(self.roots.get(r, {}))

@@ -1,0 +1,155 @@
+"""The outer loop's global state as one canonical blob.
+
+A worker that joins a run mid-way, or a verifier, fetches the global state ``S_r`` as a
+blob and must get exactly the state the other workers hold. The encoding is a pure
+function of the state, so every worker that agrees on ``S_r`` also puts the same blob ID:
+the blob ID is a second witness of agreement besides ``state_root``.
+
+Layout (integers little-endian)::
+
+    magic b"BNOS"  version u8 (=1)  dtype u8 (1 = float32)  reserved u16 (=0)
+    round u64  count u32 (tensors)
+    per tensor, in strictly increasing UTF-8 byte order of names:
+        name_len u16, name, ndim u8, dims u64 * ndim (each >= 1)
+    the parameters' raw float32 bytes, tensor after tensor, same order
+    the outer momentum's raw float32 bytes, same order and shapes
+
+and nothing after. The decoder checks every length against the named limits before it
+allocates, requires the exact total size, rejects NaN and infinity, and optionally the
+shapes a model expects.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping
+
+import numpy as np
+
+from training.codec import F32
+from training.errors import TrainingError
+from training.outer import OuterState
+
+MAGIC = b"BNOS"
+VERSION = 1
+DTYPE_FLOAT32 = 1
+# A model has a few hundred named tensors at most; 65 536 bounds what a peer can make us
+# parse before the size check.
+MAX_TENSORS = 1 << 16
+# Parameter names are dotted module paths, well under 1 KiB.
+MAX_NAME_LEN = 1024
+# Weights are at most 4-D (convolutions); 8 leaves room.
+MAX_NDIM = 8
+# 2^31 float32 values (8 GiB of parameters plus momentum): far above what a worker of this
+# harness holds, and below what numpy would refuse on a 64-bit host.
+MAX_ELEMENTS = 1 << 31
+# Rounds are counted in a u64 on the wire; a run of more than 2^32 rounds is a bug.
+MAX_ROUND = 1 << 32
+
+_HEAD = struct.Struct("<4sBBHQI")
+
+
+class BadStateBlob(TrainingError):
+    """Bytes that are not a canonical global-state blob (a peer's fault)."""
+
+    exit_code = 4
+
+
+def _name_key(name: str) -> bytes:
+    return name.encode()
+
+
+def encode_state(state: OuterState) -> bytes:
+    """Canonical bytes of ``state`` (parameters and momentum must share names and shapes)."""
+    names = sorted(state.params, key=_name_key)
+    if sorted(state.momentum, key=_name_key) != names:
+        raise ValueError("parameters and momentum name different tensors")
+    if not 0 <= state.round < MAX_ROUND:
+        raise ValueError(f"round {state.round} is out of range")
+    parts = [_HEAD.pack(MAGIC, VERSION, DTYPE_FLOAT32, 0, state.round, len(names))]
+    for name in names:
+        value = state.params[name]
+        if value.dtype != np.float32 or state.momentum[name].shape != value.shape:
+            raise ValueError(f"tensor {name!r} is not float32 with matching momentum")
+        raw = name.encode()
+        parts.append(struct.pack(f"<H{len(raw)}sB", len(raw), raw, value.ndim))
+        parts.append(struct.pack(f"<{value.ndim}Q", *value.shape))
+    for table in (state.params, state.momentum):
+        for name in names:
+            parts.append(np.ascontiguousarray(table[name], dtype="<f4").tobytes())
+    return b"".join(parts)
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> bytes:
+        if n > len(self.data) - self.pos:
+            raise BadStateBlob(f"state blob ends inside its {what}")
+        out = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    @property
+    def remaining(self) -> int:
+        return len(self.data) - self.pos
+
+
+def decode_state(
+    data: bytes, *, expected: Mapping[str, tuple[int, ...]] | None = None
+) -> OuterState:
+    """Strictly parse a state blob; ``expected`` (name -> shape) must then match exactly."""
+    reader = _Reader(bytes(data))
+    magic, version, dtype, reserved, round_, count = _HEAD.unpack(reader.take(_HEAD.size, "header"))
+    if magic != MAGIC:
+        raise BadStateBlob("not a global-state blob (bad magic)")
+    if version != VERSION or dtype != DTYPE_FLOAT32 or reserved != 0:
+        raise BadStateBlob(f"unsupported state blob version {version} / dtype {dtype}")
+    if round_ >= MAX_ROUND:
+        raise BadStateBlob(f"state blob round {round_} is out of range")
+    if not 1 <= count <= MAX_TENSORS:
+        raise BadStateBlob(f"state blob holds {count} tensors (1..{MAX_TENSORS} allowed)")
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    total = 0
+    previous: bytes | None = None
+    for _ in range(count):
+        (name_len,) = struct.unpack("<H", reader.take(2, "name length"))
+        if not 1 <= name_len <= MAX_NAME_LEN:
+            raise BadStateBlob(f"tensor name length {name_len} is out of range")
+        raw = reader.take(name_len, "name")
+        if previous is not None and raw <= previous:
+            raise BadStateBlob("tensor names are not in strictly increasing order")
+        previous = raw
+        try:
+            name = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadStateBlob("a tensor name is not UTF-8") from None
+        (ndim,) = struct.unpack("<B", reader.take(1, "rank"))
+        if ndim > MAX_NDIM:
+            raise BadStateBlob(f"tensor {name!r} has rank {ndim} (at most {MAX_NDIM})")
+        dims = struct.unpack(f"<{ndim}Q", reader.take(8 * ndim, "dims"))
+        if any(d < 1 or d > MAX_ELEMENTS for d in dims):
+            raise BadStateBlob(f"tensor {name!r} has a dimension out of range")
+        numel = math.prod(dims)
+        total += numel
+        if total > MAX_ELEMENTS:
+            raise BadStateBlob(f"state blob holds more than {MAX_ELEMENTS} values")
+        shapes.append((name, tuple(int(d) for d in dims)))
+    if reader.remaining != 2 * 4 * total:
+        raise BadStateBlob(
+            f"state blob payload is {reader.remaining} bytes; its header says {8 * total}"
+        )
+    if expected is not None and dict(shapes) != dict(expected):
+        raise BadStateBlob("state blob tensors do not match the model's names and shapes")
+    tables: list[dict[str, F32]] = [{}, {}]
+    for table in tables:
+        for name, shape in shapes:
+            raw_values = reader.take(4 * math.prod(shape), "values")
+            values = np.frombuffer(raw_values, dtype="<f4").astype(np.float32).reshape(shape)
+            if not np.isfinite(values).all():
+                raise BadStateBlob(f"tensor {name!r} holds NaN or infinity")
+            table[name] = values
+    return OuterState(int(round_), tables[0], tables[1])
