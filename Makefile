@@ -39,7 +39,10 @@ test: lint typecheck pytest
 
 bench: install
 	$(BIN)/python bench/store.py
-	$(BIN)/python bench/transfer.py
+	$(BIN)/python bench/stack.py --json-out bench/results/stack.json
+	$(BIN)/python bench/transfer.py --json-out bench/results/transfer.json
+	$(BIN)/python bench/round.py
+	$(BIN)/python bench/outer.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache
