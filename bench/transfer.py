@@ -137,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--multi-size-mib", type=int, default=None)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--big-size-mib",
+        type=int,
+        default=0,
+        help="Also one fetch of this size (e.g. 4096) to show the fetcher's RSS stays bounded.",
+    )
     parser.add_argument("--json-out", type=Path, default=None)
     parser.add_argument("--dir", type=Path, default=None, help="Work directory (default /tmp).")
     args = parser.parse_args(argv)
@@ -159,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         three = fetch_rows(work / "multi", multi, args.runs, providers=3)
         print(f"{'blob_fetch_3':<16}{three['mb_s']:>10.1f} MB/s  peak RSS "
               f"{three['peak_rss_mib']:.0f} MiB", flush=True)  # fmt: skip
+        big = fetch_rows(work / "big", args.big_size_mib * MIB, 1, 1) if args.big_size_mib else None
+        if big is not None:
+            rss = big["peak_rss_mib"]
+            print(f"{'blob_fetch_big':<16}{big['mb_s']:>10.1f} MB/s  peak RSS {rss:.0f} MiB "
+                  f"({args.big_size_mib} MiB blob)", flush=True)  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -172,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"goal fetch >= 0.75x lean pipe: {'met' if goal_lean else 'NOT met'}")
     print(f"goal fetch >= 5x py-libp2p default stream: {'met' if goal_default else 'NOT met'}")
     print(f"goal fetcher peak RSS < 256 MiB: {'met' if goal_rss else 'NOT met'}")
-    report = {"limits_mb_s": limits, "blob_fetch": one, "blob_fetch_3": three, "ratios": ratios,
-              "runs": args.runs}  # fmt: skip
+    report = {"limits_mb_s": limits, "blob_fetch": one, "blob_fetch_3": three,
+              "blob_fetch_big": big, "ratios": ratios, "runs": args.runs}  # fmt: skip
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(report, indent=2))
