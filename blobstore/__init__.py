@@ -33,6 +33,7 @@ from blobstore.manifest import (
     parse_blob_id,
 )
 from blobstore.partial import PartialBlob
+from blobstore.reader import ChunkReader
 from blobstore.store import DEFAULT_GC_GRACE, BlobInfo, Store
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "BlobExists",
     "BlobInfo",
     "BlobNotFound",
+    "ChunkReader",
     "ChunkUnavailable",
     "CollectionEntry",
     "CorruptChunk",

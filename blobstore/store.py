@@ -102,6 +102,7 @@ from blobstore.manifest import (
     parse_blob_id,
 )
 from blobstore.partial import PartialBlob, load_bitmap, read_span
+from blobstore.reader import ChunkReader
 
 Progress = Callable[[int], None]
 
@@ -633,6 +634,25 @@ class Store:
                 f"chunk {index} of blob {blob_id} is corrupt on disk; run `blob verify`"
             )
         return data
+
+    def open_reader(self, blob_id: str) -> ChunkReader:
+        """A :class:`~blobstore.reader.ChunkReader` over the blob's file, opened once."""
+        manifest = self.manifest(blob_id)
+        with self._mutex:
+            live = self._open_partials.get(blob_id)
+        if live is not None:
+            return ChunkReader(blob_id, manifest, fd=None, bits=None, live=live)
+        with os_errors(f"opening {blob_id[:12]} for reading"):
+            if self.has(blob_id):
+                source, bits = self._data_path(blob_id), None
+            else:
+                bits = load_bitmap(self._partial_dir(blob_id) / "bitmap", manifest.num_chunks)
+                source = self._partial_dir(blob_id) / "data"
+            try:
+                fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:  # removed (or published) meanwhile
+                raise BlobNotFound(f"no blob {blob_id} in this store") from None
+        return ChunkReader(blob_id, manifest, fd=fd, bits=bits, live=None)
 
     def chunk_bitmap(self, blob_id: str) -> bytes:
         """Bit i set = chunk i held and verified (see :mod:`blobstore.bitmap`)."""

@@ -67,6 +67,11 @@ verbose_option = click.option("-v", "--verbose", count=True, help="More logging 
 @listen_option
 @bootstrap_option
 @click.option("--no-dht", is_flag=True, help="Do not run the Kademlia DHT.")
+@click.option(
+    "--verify-reads",
+    is_flag=True,
+    help="Hash every chunk again before sending it (guards against this disk's bit rot).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
 @verbose_option
 @click.pass_context
@@ -75,6 +80,7 @@ def serve(
     listen: Sequence[str],
     bootstrap: Sequence[str],
     no_dht: bool,
+    verify_reads: bool,
     as_json: bool,
     verbose: int,
 ) -> None:
@@ -85,17 +91,17 @@ def serve(
     _setup_logging(verbose)
     store = _store(ctx)
     key_path = _key_path(ctx)
-    from p2p.node import open_node
+    from p2p.node import NodeConfig, open_node
 
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with open_node(
-                store,
-                key_path=key_path,
-                listen=listen or DEFAULT_LISTEN,
-                bootstrap=bootstrap,
+            config = NodeConfig(
+                listen=tuple(listen or DEFAULT_LISTEN),
+                bootstrap=tuple(bootstrap),
                 dht=not no_dht,
-            ) as node:
+                verify_reads=verify_reads,
+            )
+            async with open_node(store, key_path=key_path, config=config) as node:
                 if as_json:
                     click.echo(json.dumps({"peer_id": node.peer_id, "addrs": node.addrs}))
                 else:

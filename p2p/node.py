@@ -77,6 +77,8 @@ class NodeConfig:
     # Floodsub for small runs' announcements (tens of workers): every subscriber relays
     # a topic's messages to its connected subscribers, so a star around one worker works.
     pubsub: bool = False
+    # Hash chunks again when serving them (see p2p.server.BlobServer.verify_reads).
+    verify_reads: bool = False
 
 
 class Node:
@@ -391,7 +393,7 @@ async def open_node(
         store = await trio.to_thread.run_sync(_open_store, store)
     key_pair = _key_pair(key, Path(key_path) if key_path is not None else None)
     host = build_host(key_pair, fast=config.fast)
-    server = BlobServer(store)
+    server = BlobServer(store, verify_reads=config.verify_reads)
     listen_addrs = [Multiaddr(a) for a in config.listen]
     async with host.run(listen_addrs=listen_addrs):
         host.set_stream_handler(TProtocol(proto.PROTOCOL_ID), server.handle_stream)

@@ -22,11 +22,13 @@ from typing import Any
 
 import trio
 
-from blobstore import Store
+from blobstore import ChunkReader, Store
 from p2p.node import open_node
 
 
 class HostileStore:
+    """The store as the protocol server sees it, with chunk reads that misbehave."""
+
     def __init__(self, store: Store, mode: str, after: int, delay: float) -> None:
         self._store = store
         self._mode = mode
@@ -38,8 +40,10 @@ class HostileStore:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
-    def read_chunk(self, blob_id: str, index: int) -> bytes:
-        data = self._store.read_chunk(blob_id, index)
+    def open_reader(self, blob_id: str) -> HostileReader:
+        return HostileReader(self, self._store.open_reader(blob_id))
+
+    def misbehave(self, data: bytes) -> bytes:
         with self._lock:
             self._served += 1
             served = self._served
@@ -50,6 +54,18 @@ class HostileStore:
         if self._mode == "slow":
             time.sleep(self._delay)
         return data
+
+
+class HostileReader:
+    def __init__(self, store: HostileStore, reader: ChunkReader) -> None:
+        self._store = store
+        self._reader = reader
+
+    def read(self, index: int, *, verify: bool = True) -> bytes:
+        return self._store.misbehave(self._reader.read(index, verify=verify))
+
+    def close(self) -> None:
+        self._reader.close()
 
 
 async def main(args: argparse.Namespace) -> None:
