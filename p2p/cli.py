@@ -128,13 +128,18 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
         sys.exit(EXIT_INTERRUPTED)
-    except Exception as exc:
+    except BaseException as exc:
+        # trio wraps errors from concurrent tasks (and Ctrl-C inside them) in groups.
+        error: BaseException = exc
         if isinstance(exc, BaseExceptionGroup):
-            exc = unwrap_single(exc)  # type: ignore[assignment]
-        code = getattr(type(exc), "exit_code", None)
-        if not isinstance(code, int):
+            if exc.subgroup(KeyboardInterrupt) is not None:
+                click.echo("Interrupted.", err=True)
+                sys.exit(EXIT_INTERRUPTED)
+            error = unwrap_single(exc)
+        code = getattr(type(error), "exit_code", None)
+        if not isinstance(error, Exception) or not isinstance(code, int):
             raise
-        click.echo(f"blob: error: {exc}", err=True)
+        click.echo(f"blob: error: {error}", err=True)
         sys.exit(code)
     sys.exit(result if isinstance(result, int) else EXIT_OK)
 

@@ -384,7 +384,10 @@ async def download_blob(
         await trio.to_thread.run_sync(partial.publish)
         download._report(force=True)
     finally:
-        await trio.to_thread.run_sync(partial.close)
+        # Shielded: a cancelled or interrupted fetch still flushes what verified (data
+        # fsync, then bitmap), so the next attempt resumes from it.
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(partial.close)
 
 
 def _missing_bytes(store: Store, manifest: Manifest) -> int:

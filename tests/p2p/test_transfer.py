@@ -195,3 +195,33 @@ def test_unknown_blob_is_a_clear_network_error(cluster: Cluster, tmp_path: Path)
     assert done.returncode == 6
     assert "Traceback" not in done.stderr
     assert missing in done.stderr
+
+
+def test_interrupted_fetch_exits_130_and_keeps_what_verified(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Regression guard: Ctrl-C used to cancel the final flush, losing verified chunks."""
+    import signal
+    import subprocess
+    import time
+
+    from .conftest import blob_cmd, wait_until
+
+    source = random_file(tmp_path / "ckpt.bin", 32 * MiB)
+    blob_id = cluster.put("origin", source)
+    origin = cluster.hostile("origin", "slow", "--delay", "0.2")
+    with subprocess.Popen(
+        blob_cmd(cluster.store("b"), cluster.key("b"), "get", blob_id, "--json",
+                 "--no-dht", "--peer", origin.addr),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as fetch:  # fmt: skip
+        partial = cluster.store("b") / "partial" / blob_id
+        assert wait_until(partial.exists, timeout=60)
+        time.sleep(1.0)  # a few chunks verify; the periodic flush (2 s) has not run yet
+        fetch.send_signal(signal.SIGINT)
+        _, err = fetch.communicate(timeout=60)
+    assert fetch.returncode == 130, err
+    assert "Traceback" not in err
+    store = Store.open(cluster.store("b"))
+    held = sum(bin(byte).count("1") for byte in store.chunk_bitmap(blob_id))
+    assert 0 < held < 32
