@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from blake3 import blake3
 
 from blobstore import bitmap as bm
+from blobstore.durable import os_errors
 from blobstore.errors import ChunkUnavailable, CorruptChunk
 from blobstore.manifest import Manifest
 from blobstore.partial import PartialBlob, read_span
@@ -56,7 +57,8 @@ class ChunkReader:
         if self._fd is None:
             raise ChunkUnavailable(f"reader for {self.blob_id[:12]} is closed")
         offset, length = self.manifest.chunk_span(index)
-        data = read_span(self._fd, offset, length)
+        with os_errors(f"reading chunk {index} of {self.blob_id[:12]}"):
+            data = read_span(self._fd, offset, length)
         if len(data) != length or (
             verify and blake3(data).digest() != self.manifest.chunk_hash(index)
         ):

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import blake3
 import trio
 
-from blobstore import CorruptChunk, Manifest, NoSpace, PartialBlob, Store
+from blobstore import BlobExists, CorruptChunk, Manifest, NoSpace, PartialBlob, Store
 from p2p import protocol as proto
 from p2p.errors import FetchFailed, NoProviders
 from p2p.scheduler import PeerStats, RequestTicket, Scheduler, SchedulerConfig
@@ -93,8 +93,6 @@ async def fetch_manifest(network: Network, blob_id: str, peer: str) -> Manifest 
             reply = await BlobClient(stream).manifest(blob_id)
     except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
         log.info("manifest from %s failed: %r", peer, exc)
-        if stream is not None:
-            await reset_quietly(stream)
         return None
     finally:
         if stream is not None:
@@ -132,9 +130,7 @@ class Download:
         self.config = config
         self.progress = progress
         verified = set(range(manifest.num_chunks)) - set(partial.missing())
-        self.scheduler = Scheduler(
-            manifest.num_chunks, lambda i: manifest.chunk_span(i)[1], verified, config
-        )
+        self.scheduler = Scheduler(manifest.num_chunks, self.chunk_length, verified, config)
         self.write_lock = trio.Lock()
         self.changed = trio.Event()
         self.peers_seen: set[str] = set()
@@ -147,6 +143,9 @@ class Download:
         self.duplicate_bytes = 0
 
     # --- helpers -------------------------------------------------------------------
+    def chunk_length(self, index: int) -> int:
+        return self.manifest.chunk_span(index)[1]
+
     def _done_bytes(self) -> int:
         missing = self.scheduler.missing()
         return self.manifest.size - sum(self.manifest.chunk_span(i)[1] for i in missing)
@@ -210,7 +209,7 @@ class Download:
         try:
             with trio.fail_after(CONTROL_TIMEOUT):
                 stream = await self.network.open_blob_stream(peer)
-                client = BlobClient(stream)
+                client = BlobClient(stream, self.chunk_length)
                 have = await client.have(self.blob_id)
         except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
             log.info("provider %s unusable: %r", peer, exc)
@@ -261,7 +260,8 @@ class Download:
         try:
             with trio.fail_at(ticket.deadline):
                 if client is None:
-                    client = BlobClient(await self.network.open_blob_stream(peer))
+                    stream = await self.network.open_blob_stream(peer)
+                    client = BlobClient(stream, self.chunk_length)
                 reply = await client.get(
                     self.blob_id,
                     ticket.ranges,
@@ -376,7 +376,10 @@ async def download_blob(
             f"need {missing_bytes} bytes for {blob_id[:12]} but only {free} are free "
             f"in {store.root}"
         )
-    partial = await trio.to_thread.run_sync(store.begin_partial, manifest)
+    try:
+        partial = await trio.to_thread.run_sync(store.begin_partial, manifest)
+    except BlobExists:
+        return  # completed meanwhile (by another task or process)
     try:
         download = Download(network, store, manifest, partial, config=config, progress=progress)
         await _run(download, candidates, more_providers, discovery_timeout)

@@ -21,6 +21,12 @@ class PeerUnreachable(P2PError):
     """A named peer could not be dialled."""
 
 
+class ListenFailed(P2PError):
+    """The node could not listen on any of the addresses asked for."""
+
+    exit_code = 5
+
+
 class BadAddress(P2PError):
     """A multiaddr or ticket given by the user is malformed."""
 

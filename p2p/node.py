@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from blobstore import Store
 from identity import MachineKey, load_or_create_key
 from p2p import protocol as proto
 from p2p.downloader import ProgressCallback, download_blob
-from p2p.errors import BadAddress, PeerUnreachable, unwrap_single
+from p2p.errors import BadAddress, ListenFailed, PeerUnreachable, unwrap_single
 from p2p.host import build_host
 from p2p.scheduler import SchedulerConfig
 from p2p.server import BlobServer
@@ -142,7 +143,9 @@ class Node:
             raise PeerUnreachable(f"cannot reach {addr}: {exc}") from None
         if self.dht is not None:
             try:
-                await self.dht.add_peer(info.peer_id)
+                # Bounded: a full routing-table bucket makes py-libp2p ping its oldest peer.
+                with trio.move_on_after(DIAL_TIMEOUT):
+                    await self.dht.add_peer(info.peer_id)
             except Exception as exc:  # a DHT-less peer is still a blob peer
                 log.debug("DHT add_peer %s failed: %r", info.peer_id, exc)
         return str(info.peer_id)
@@ -289,8 +292,9 @@ class Node:
                     await self._fetch_one(child_id, peers, progress)
 
             async with trio.open_nursery() as nursery:
-                for entry in entries:
-                    nursery.start_soon(child, entry.blob_id)
+                # Identical files (two empty ones, say) share one blob: fetch it once.
+                for child_id in dict.fromkeys(entry.blob_id for entry in entries):
+                    nursery.start_soon(child, child_id)
         return blob_id
 
     async def _dial_all(self, addrs: Sequence[str]) -> list[str]:
@@ -394,8 +398,14 @@ async def open_node(
     key_pair = _key_pair(key, Path(key_path) if key_path is not None else None)
     host = build_host(key_pair, fast=config.fast)
     server = BlobServer(store, verify_reads=config.verify_reads)
-    listen_addrs = [Multiaddr(a) for a in config.listen]
+    listen_addrs = [_listen_addr(a) for a in config.listen]
+    for addr in listen_addrs:
+        _check_port_free(addr)
     async with host.run(listen_addrs=listen_addrs):
+        if not host.get_addrs():
+            raise ListenFailed(
+                f"could not listen on {', '.join(config.listen)} (address in use or not local?)"
+            )
         host.set_stream_handler(TProtocol(proto.PROTOCOL_ID), server.handle_stream)
         kad = KadDHT(host, DHTMode.SERVER) if config.dht else None
         floodsub: Any = _make_pubsub(host) if config.pubsub else None
@@ -414,6 +424,36 @@ async def open_node(
                 yield node
             finally:
                 nursery.cancel_scope.cancel()
+
+
+def _listen_addr(text: str) -> Multiaddr:
+    try:
+        return Multiaddr(text)
+    except Exception as exc:  # multiaddr raises many unrelated types for bad text
+        raise BadAddress(f"bad listen address {text!r}: {exc}") from None
+
+
+def _check_port_free(addr: Multiaddr) -> None:
+    """Refuse a fixed TCP port that another process already listens on.
+
+    py-libp2p listens with SO_REUSEPORT (for hole punching), so on Linux a second node on
+    the same port would bind without error and silently take half of the first one's
+    connections. A plain bind (SO_REUSEADDR only) still fails against a live listener."""
+    try:
+        port = int(addr.value_for_protocol("tcp") or 0)
+        host = addr.value_for_protocol("ip4")
+    except Exception:  # not an ip4/tcp address: nothing to check
+        return
+    if not port or not host:
+        return
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+    except OSError as exc:
+        raise ListenFailed(f"could not listen on {addr}: {exc.strerror}") from None
+    finally:
+        probe.close()
 
 
 def _open_store(root: str | os.PathLike[str]) -> Store:

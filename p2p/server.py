@@ -100,6 +100,11 @@ class BlobServer:
         self.streams_per_peer[peer] += 1
         try:
             await self._serve(stream)
+        except Exception:
+            # py-libp2p treats an exception escaping a stream handler as fatal to the
+            # whole swarm: one bad request or disk error must cost one stream, not the node.
+            log.exception("unexpected error serving %s; stream reset", peer)
+            await reset_quietly(stream)
         finally:
             self.streams_per_peer[peer] -= 1
             if self.streams_per_peer[peer] <= 0:

@@ -53,8 +53,10 @@ async def write_all(stream: Stream, data: bytes) -> None:
 
 
 async def reset_quietly(stream: Any) -> None:
-    """Reset a stream, ignoring a transport that is already gone."""
-    with trio.move_on_after(2):
+    """Reset a stream, ignoring a transport that is already gone. Shielded: it is called
+    while a download is being cancelled, and an unsent reset leaves the stream holding one
+    of the provider's per-peer slots until its idle timeout."""
+    with trio.CancelScope(shield=True), trio.move_on_after(2):
         try:
             await stream.reset()
         except Exception:  # the stream is being abandoned either way
@@ -62,7 +64,7 @@ async def reset_quietly(stream: Any) -> None:
 
 
 async def close_quietly(stream: Any) -> None:
-    with trio.move_on_after(2):
+    with trio.CancelScope(shield=True), trio.move_on_after(2):
         try:
             await stream.close()
         except Exception:  # the stream is being abandoned either way
@@ -75,9 +77,12 @@ ChunkSink = Callable[[int, memoryview], Awaitable[None]]
 class BlobClient:
     """Requests over one stream, one at a time (the protocol's sequencing rule)."""
 
-    def __init__(self, stream: Stream) -> None:
+    def __init__(self, stream: Stream, chunk_length: Callable[[int], int] | None = None) -> None:
         self.stream = stream
         self.conn = proto.ClientConnection()
+        # With the manifest known, a chunk header announcing another length is refused
+        # before its body is buffered.
+        self.conn.set_expected_chunk_length(chunk_length)
 
     async def _next_response(self) -> proto.Response:
         """The next response event; a stream that ends mid-response is StreamLost (a peer

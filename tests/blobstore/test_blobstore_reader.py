@@ -48,3 +48,17 @@ def test_bit_rot_is_caught_only_when_verifying(tmp_path: Path) -> None:
         with pytest.raises(CorruptChunk, match="chunk 1"):
             reader.read(1, verify=True)
         assert reader.read(1, verify=False) != data[CHUNK:]
+
+
+def test_read_errors_become_store_errors(tmp_path: Path) -> None:
+    """A failing disk must surface as the store's typed error, not a raw OSError."""
+    from blobstore import StoreError
+
+    store = Store.open(tmp_path / "s")
+    blob_id = store.put_bytes(bytes(CHUNK), chunk_size=CHUNK)
+    reader = store.open_reader(blob_id)
+    assert reader._fd is not None
+    os.close(reader._fd)  # the next pread fails with EBADF, as a dying disk fails with EIO
+    with pytest.raises(StoreError):
+        reader.read(0)
+    reader._fd = None

@@ -4,6 +4,7 @@ Modes:
   flip   serves every chunk with its first byte flipped (a lying peer)
   stall  serves ``--after`` chunks, then stops sending without closing (a stalled peer)
   slow   sleeps ``--delay`` seconds before each chunk (a slow peer)
+  eio    every chunk read fails with an I/O error (a failing disk)
 
 It runs a real blobnet node over TCP on 127.0.0.1 and its own store; only the store that
 the protocol server reads through is wrapped. Prints the same JSON ready line as
@@ -13,6 +14,7 @@ the protocol server reads through is wrapped. Prints the same JSON ready line as
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 import threading
@@ -32,6 +34,7 @@ class HostileStore:
     def __init__(self, store: Store, mode: str, after: int, delay: float) -> None:
         self._store = store
         self._mode = mode
+        self.mode = mode
         self._after = after
         self._delay = delay
         self._served = 0
@@ -62,6 +65,8 @@ class HostileReader:
         self._reader = reader
 
     def read(self, index: int, *, verify: bool = True) -> bytes:
+        if self._store.mode == "eio":
+            raise OSError(errno.EIO, "Input/output error")
         return self._store.misbehave(self._reader.read(index, verify=verify))
 
     def close(self) -> None:
@@ -79,7 +84,7 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", required=True)
-    parser.add_argument("--mode", choices=["flip", "stall", "slow"], required=True)
+    parser.add_argument("--mode", choices=["flip", "stall", "slow", "eio"], required=True)
     parser.add_argument("--after", type=int, default=4)
     parser.add_argument("--delay", type=float, default=0.05)
     try:

@@ -225,3 +225,61 @@ def test_interrupted_fetch_exits_130_and_keeps_what_verified(
     store = Store.open(cluster.store("b"))
     held = sum(bin(byte).count("1") for byte in store.chunk_bitmap(blob_id))
     assert 0 < held < 32
+
+
+def test_collection_with_many_and_identical_files(cluster: Cluster, tmp_path: Path) -> None:
+    """Regression guards: streams of finished fetches must not pile up on the provider
+    (its per-peer slots ran out after a few children), and identical children (two empty
+    files) are one blob, fetched once."""
+    tree = tmp_path / "tree"
+    for i in range(24):
+        (tree / f"d{i % 3}").mkdir(parents=True, exist_ok=True)
+        (tree / f"d{i % 3}" / f"f{i}.bin").write_bytes(bytes([i]) * (1000 + i))
+    (tree / "same-a.txt").write_text("identical")
+    (tree / "same-b.txt").write_text("identical")
+    (tree / "empty-1").write_bytes(b"")
+    (tree / "empty-2").write_bytes(b"")
+    collection_id = cluster.put("a", tree)
+    a = cluster.serve("a")
+    cluster.get("b", collection_id, "--peer", a.addr, "--no-dht", "-o", str(tmp_path / "copy"))
+    cmp = filecmp.dircmp(tree, tmp_path / "copy")
+    assert not cmp.left_only and not cmp.right_only and not cmp.diff_files
+    assert (tmp_path / "copy" / "empty-2").read_bytes() == b""
+    assert filecmp.cmp(tree / "d2" / "f23.bin", tmp_path / "copy" / "d2" / "f23.bin")
+
+
+def test_provider_with_failing_disk_stays_up_and_others_finish(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Regression guard: an OSError escaping a stream handler used to stop the whole node."""
+    source = random_file(tmp_path / "ckpt.bin", 8 * MiB)
+    for name in ("sick", "good"):
+        blob_id = cluster.put(name, source)
+    sick = cluster.hostile("sick", "eio")
+    good = cluster.serve("good")
+    result = cluster.get("f", blob_id, "--no-dht", "--peer", sick.addr, "--peer", good.addr)
+    assert result["peers"][good.peer_id]["bytes"] == source.stat().st_size
+    assert sick.proc.poll() is None  # still running
+    again = run_blob(
+        cluster.store("g"), cluster.key("g"), "get", blob_id, "--no-dht", "--peer", sick.addr,
+        "--discovery-timeout", "2", check=False,
+    )  # fmt: skip
+    assert again.returncode == 6  # it answers (and fails each chunk) rather than vanishing
+    assert sick.proc.poll() is None
+
+
+def test_listen_failures_are_one_line_errors(cluster: Cluster, tmp_path: Path) -> None:
+    a = cluster.serve("a")
+    port = a.addr.split("/tcp/")[1].split("/")[0]
+    taken = run_blob(
+        cluster.store("b"), cluster.key("b"), "serve", "--no-dht",
+        "--listen", f"/ip4/127.0.0.1/tcp/{port}", check=False, timeout=60,
+    )  # fmt: skip
+    assert taken.returncode == 5, taken.stderr
+    assert "could not listen" in taken.stderr
+    bad = run_blob(
+        cluster.store("b"), cluster.key("b"), "serve", "--listen", "/ip4/999.1.1.1/tcp/1",
+        check=False, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 4, bad.stderr
+    assert "Traceback" not in taken.stderr + bad.stderr
