@@ -44,6 +44,8 @@ FLUSH_INTERVAL = 2.0
 CONTROL_TIMEOUT = 15.0
 # With no usable provider left, wait this long for discovery to find another.
 STALL_GRACE = 10.0
+# Pauses before a provider that was unreachable, busy or dropped is tried again.
+PEER_RETRY_PAUSES = (1.0, 3.0, 9.0)
 # Progress callbacks are rate-limited so a fast transfer does not spend time reporting.
 PROGRESS_INTERVAL = 0.25
 
@@ -198,13 +200,24 @@ class Download:
         nursery.start_soon(self._peer_task, peer)
 
     async def _peer_task(self, peer: str) -> None:
+        """Run one provider; one that was unreachable, busy or dropped after failures in a
+        row is tried again after a pause (a lost packet on a long link is not a verdict).
+        A banned peer, or one without the blob, is not."""
         try:
-            await self._run_peer(peer)
+            for pause in (0.0, *PEER_RETRY_PAUSES):
+                await trio.sleep(pause)
+                if self.scheduler.done or not await self._run_peer(peer):
+                    return
+                stats = self.scheduler.peer_stats().get(peer)
+                if stats is not None and stats.banned:
+                    return
+                log.info("provider %s failed; trying it again in a moment", peer)
         finally:
             self.peer_tasks -= 1
             self._notify()
 
-    async def _run_peer(self, peer: str) -> None:
+    async def _run_peer(self, peer: str) -> bool:
+        """Use ``peer`` until the blob is done or the peer is lost; True if worth retrying."""
         stream = None
         try:
             with trio.fail_after(CONTROL_TIMEOUT):
@@ -215,10 +228,10 @@ class Download:
             log.info("provider %s unusable: %r", peer, exc)
             if stream is not None:
                 await reset_quietly(stream)
-            return
+            return not isinstance(exc, proto.RemoteProtocolError)
         if isinstance(have, proto.ErrorResponse):
             await reset_quietly(stream)
-            return
+            return have.code in (proto.ErrorCode.BUSY, proto.ErrorCode.INTERNAL)
         if have.num_chunks != self.manifest.num_chunks:
             log.warning(
                 "provider %s claims %d chunks, manifest has %d",
@@ -227,7 +240,7 @@ class Download:
                 self.manifest.num_chunks,
             )
             await reset_quietly(stream)
-            return
+            return False
         full = all(have.bitmap[i // 8] >> (i % 8) & 1 for i in range(have.num_chunks))
         self.scheduler.add_peer(peer, trio.current_time(), None if full else have.bitmap)
         self._notify()
@@ -235,6 +248,7 @@ class Download:
             nursery.start_soon(self._stream_worker, peer, client)
             for _ in range(self.config.max_inflight_requests_per_peer - 1):
                 nursery.start_soon(self._stream_worker, peer, None)
+        return not self.scheduler.done
 
     def _peer_usable(self, peer: str) -> bool:
         stats = self.scheduler.peer_stats().get(peer)

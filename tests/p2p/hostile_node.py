@@ -5,6 +5,7 @@ Modes:
   stall  serves ``--after`` chunks, then stops sending without closing (a stalled peer)
   slow   sleeps ``--delay`` seconds before each chunk (a slow peer)
   eio    every chunk read fails with an I/O error (a failing disk)
+  flaky  the first ``have`` fails (its stream is reset), later ones work
 
 It runs a real blobnet node over TCP on 127.0.0.1 and its own store; only the store that
 the protocol server reads through is wrapped. Prints the same JSON ready line as
@@ -42,6 +43,15 @@ class HostileStore:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
+
+    def chunk_bitmap(self, blob_id: str) -> bytes:
+        if self._mode == "flaky":
+            with self._lock:
+                self._served += 1
+                first = self._served == 1
+            if first:
+                raise OSError(errno.EIO, "Input/output error")
+        return self._store.chunk_bitmap(blob_id)
 
     def open_reader(self, blob_id: str) -> HostileReader:
         return HostileReader(self, self._store.open_reader(blob_id))
@@ -84,7 +94,7 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", required=True)
-    parser.add_argument("--mode", choices=["flip", "stall", "slow", "eio"], required=True)
+    parser.add_argument("--mode", choices=["flip", "stall", "slow", "eio", "flaky"], required=True)
     parser.add_argument("--after", type=int, default=4)
     parser.add_argument("--delay", type=float, default=0.05)
     try:

@@ -283,3 +283,12 @@ def test_listen_failures_are_one_line_errors(cluster: Cluster, tmp_path: Path) -
     )  # fmt: skip
     assert bad.returncode == 4, bad.stderr
     assert "Traceback" not in taken.stderr + bad.stderr
+
+
+def test_provider_that_fails_once_is_tried_again(cluster: Cluster, tmp_path: Path) -> None:
+    """Regression guard: one failed `have` used to drop the only provider for good."""
+    source = random_file(tmp_path / "ckpt.bin", 4 * MiB)
+    blob_id = cluster.put("flaky", source)
+    flaky = cluster.hostile("flaky", "flaky")
+    result = cluster.get("f", blob_id, "--no-dht", "--peer", flaky.addr)
+    assert result["peers"][flaky.peer_id]["bytes"] == source.stat().st_size
