@@ -27,23 +27,15 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from training.codec import F32
+from training.codec import F32, MAX_ELEMENTS, MAX_NAME_LEN, MAX_NDIM, MAX_TENSORS
 from training.errors import TrainingError
 from training.outer import OuterState
 
 MAGIC = b"BNOS"
 VERSION = 1
 DTYPE_FLOAT32 = 1
-# A model has a few hundred named tensors at most; 65 536 bounds what a peer can make us
-# parse before the size check.
-MAX_TENSORS = 1 << 16
-# Parameter names are dotted module paths, well under 1 KiB.
-MAX_NAME_LEN = 1024
-# Weights are at most 4-D (convolutions); 8 leaves room.
-MAX_NDIM = 8
-# 2^31 float32 values (8 GiB of parameters plus momentum): far above what a worker of this
-# harness holds, and below what numpy would refuse on a 64-bit host.
-MAX_ELEMENTS = 1 << 31
+# Names, ranks and sizes are bounded as in the pseudo-gradient codec (MAX_TENSORS and the
+# rest, imported above): a state blob holds the same named tensors, twice.
 # Rounds are counted in a u64 on the wire; a run of more than 2^32 rounds is a bug.
 MAX_ROUND = 1 << 32
 
