@@ -16,11 +16,26 @@ Ordering rules (the crash safety lives here, see also the invariants in
    bit flip can cost a re-download but never yields a wrong blob.
 4. Publication fsyncs ``data``, makes it read-only and hard-links it into ``blobs/``
    (the store's publish path), then removes the partial directory.
+
+Concurrency: chunks may be written from several threads at once (a downloader hashes and
+writes each chunk in a worker thread while its streams keep receiving). Hashing and the
+``pwrite`` run outside any lock; only the bitmap update and a flush's snapshot of it take
+``_bits_lock``. A flush snapshots the bitmap *before* its fsync, so every bit it persists
+belongs to a write that had returned before the fsync began (rule 2).
+
+Writes of whole, block-aligned chunks from a block-aligned buffer go through a second
+descriptor opened with ``O_DIRECT`` where the file system supports it: the bytes go from
+the caller's buffer to the device without being copied into the page cache. On the
+machines we measured, buffered writes of fresh pages cost 1.5-4 ms of kernel time per MiB
+(more than decrypting and hashing it), direct ones under 0.2 ms. Anything else (a short
+last chunk, an unaligned buffer, tmpfs) uses the ordinary descriptor.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import threading
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -34,6 +49,33 @@ from blobstore.manifest import Manifest
 
 if TYPE_CHECKING:
     from blobstore.store import Store
+
+
+# O_DIRECT needs offsets, lengths and buffer addresses aligned to the device's logical
+# block; 4096 covers every common one (chunk sizes are powers of two >= 64 KiB).
+DIRECT_ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def open_direct(path: Path) -> int | None:
+    """A write-only O_DIRECT descriptor for ``path``, or None where unsupported (tmpfs,
+    some network file systems, non-Linux)."""
+    if not _O_DIRECT:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CLOEXEC | _O_DIRECT)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return None
+        raise
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """pwrite every byte of ``view`` at ``offset`` (a regular file may take fewer)."""
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
 
 
 def read_span(fd: int, offset: int, length: int) -> bytes:
@@ -80,7 +122,11 @@ class PartialBlob:
         self._dir = directory
         self._lock_fd = lock_fd
         self._data_fd = data_fd
+        self._direct_fd: int | None = None
+        self._direct_tried = False
         self._bits = bm.empty_bitmap(manifest.num_chunks)
+        self._bits_lock = threading.Lock()
+        self._flush_lock = threading.Lock()
         self._count = 0
         self._dirty = False
         self._closed = False
@@ -144,16 +190,17 @@ class PartialBlob:
         if self._closed:
             raise StoreError(f"partial blob {self.blob_id[:12]} is closed")
 
-    def write_chunk(self, index: int, data: bytes | bytearray | memoryview) -> None:
-        """Verify chunk ``index`` against the manifest, then write it.
+    def write_chunk(self, index: int, data: bytes | bytearray | memoryview) -> bool:
+        """Verify chunk ``index`` against the manifest, then write it; True if this call
+        added it, False if it was already verified (then nothing is written).
 
-        Raises CorruptChunk (and writes nothing) on a wrong length or hash. Writing a
-        chunk that is already verified is a no-op.
+        Raises CorruptChunk (and writes nothing) on a wrong length or hash. Safe to call
+        from several threads at once (see the module docstring).
         """
         self._check_open()
         offset, length = self.manifest.chunk_span(index)
         if bm.get_bit(self._bits, index):
-            return
+            return False
         view = memoryview(data).cast("B")
         if len(view) != length:
             raise CorruptChunk(
@@ -165,13 +212,35 @@ class PartialBlob:
                 f"chunk {index} of blob {self.blob_id[:12]} does not match its hash; discarded"
             )
         with os_errors(f"writing chunk {index} of blob {self.blob_id[:12]}"):
-            while view:
-                n = os.pwrite(self._data_fd, view, offset)
-                view = view[n:]
-                offset += n
-        bm.set_bit(self._bits, index)
-        self._count += 1
-        self._dirty = True
+            self._pwrite(view, offset)
+        with self._bits_lock:
+            if bm.get_bit(self._bits, index):
+                return False
+            bm.set_bit(self._bits, index)
+            self._count += 1
+            self._dirty = True
+        return True
+
+    def _pwrite(self, view: memoryview, offset: int) -> None:
+        if len(view) % DIRECT_ALIGN == 0 and offset % DIRECT_ALIGN == 0:
+            fd = self._direct()
+            if fd is not None:
+                try:
+                    pwrite_all(fd, view, offset)
+                    return
+                except OSError as exc:
+                    # EINVAL: this buffer is not aligned for the device; nothing was written.
+                    if exc.errno != errno.EINVAL:
+                        raise
+        pwrite_all(self._data_fd, view, offset)
+
+    def _direct(self) -> int | None:
+        if not self._direct_tried:
+            with self._bits_lock:
+                if not self._direct_tried:
+                    self._direct_fd = open_direct(self._dir / "data")
+                    self._direct_tried = True
+        return self._direct_fd
 
     def read_chunk(self, index: int) -> bytes:
         """Read back a verified chunk of this partial (verified again on the way out)."""
@@ -186,20 +255,32 @@ class PartialBlob:
         return data
 
     def flush(self) -> None:
-        """Make written chunks durable: fsync data, then atomically replace the bitmap."""
+        """Make written chunks durable: fsync data, then atomically replace the bitmap.
+
+        The bitmap is snapshotted before the fsync, so it never names a chunk whose write
+        had not returned when the fsync started; chunks written meanwhile wait for the
+        next flush."""
         self._check_open()
-        if not self._dirty:
-            return
-        with os_errors(f"saving partial blob {self.blob_id[:12]}"):
-            os.fsync(self._data_fd)
-            write_file_atomic(
-                self._dir / "bitmap",
-                bytes(self._bits),
-                tmp_dir=self._store.tmp_dir,
-                replace=True,
-                mode=0o644,
-            )
-        self._dirty = False
+        with self._flush_lock:
+            with self._bits_lock:
+                if not self._dirty:
+                    return
+                snapshot = bytes(self._bits)
+                self._dirty = False
+            try:
+                with os_errors(f"saving partial blob {self.blob_id[:12]}"):
+                    os.fsync(self._data_fd)
+                    write_file_atomic(
+                        self._dir / "bitmap",
+                        snapshot,
+                        tmp_dir=self._store.tmp_dir,
+                        replace=True,
+                        mode=0o644,
+                    )
+            except BaseException:
+                with self._bits_lock:
+                    self._dirty = True
+                raise
 
     def publish(self) -> str:
         """Turn the complete partial into a complete blob; returns its ID."""
@@ -234,6 +315,9 @@ class PartialBlob:
             return
         self._closed = True
         try:
+            if self._direct_fd is not None:
+                os.close(self._direct_fd)
+                self._direct_fd = None
             os.close(self._data_fd)
         finally:
             os.close(self._lock_fd)  # releases the flock
