@@ -5,10 +5,15 @@ close the blob once per chunk. A reader opens it once, keeps the manifest, and r
 chunk with one ``pread``. Chunks of a partial blob are served only when its bitmap (the
 live one when this process writes it, else the persisted one, which marks only chunks
 that were verified and fsynced) says they are held.
+
+``read_into`` fills a caller's buffer instead (no allocation per chunk) and, with
+``cached_only``, reads only what the page cache already holds (``RWF_NOWAIT``), so an
+event loop can serve hot chunks inline and send only cold ones to a worker thread.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -23,6 +28,9 @@ from blobstore.partial import PartialBlob, read_span
 
 if TYPE_CHECKING:
     from blobstore.store import Store
+
+# preadv flag: fail with EAGAIN rather than wait for the disk (Linux 4.14+).
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
 class ChunkReader:
@@ -42,6 +50,8 @@ class ChunkReader:
         self._fd = fd
         self._bits = bits
         self._live = live
+        # Cleared when the file system refuses RWF_NOWAIT (tmpfs does), to stop asking.
+        self._nowait = bool(_RWF_NOWAIT)
 
     @classmethod
     def open(cls, store: Store, blob_id: str) -> ChunkReader:
@@ -66,6 +76,48 @@ class ChunkReader:
                 f"chunk {index} of blob {self.blob_id} is corrupt on disk; run `blob verify`"
             )
         return data
+
+    def read_into(
+        self, index: int, out: memoryview, *, verify: bool = True, cached_only: bool = False
+    ) -> bool:
+        """Fill ``out`` (exactly the chunk's length) with chunk ``index``. With
+        ``cached_only``, return False instead of waiting for the disk (nothing is
+        guaranteed about ``out`` then); call again without it, from a thread."""
+        offset, length = self.manifest.chunk_span(index)
+        if len(out) != length:
+            raise ValueError(f"buffer of {len(out)} bytes for a {length}-byte chunk")
+        if self._live is not None:
+            if cached_only:
+                return False  # a partial being written here: go through its checks
+            out[:] = self._live.read_chunk(index)
+            return True
+        if self._bits is not None and not bm.get_bit(self._bits, index):
+            raise ChunkUnavailable(f"chunk {index} of {self.blob_id[:12]} is not held yet")
+        if self._fd is None:
+            raise ChunkUnavailable(f"reader for {self.blob_id[:12]} is closed")
+        if cached_only and not self._nowait:
+            return False
+        flags = _RWF_NOWAIT if cached_only else 0
+        pos = 0
+        with os_errors(f"reading chunk {index} of {self.blob_id[:12]}"):
+            while pos < length:
+                try:
+                    n = os.preadv(self._fd, [out[pos:]], offset + pos, flags)
+                except OSError as exc:
+                    if cached_only and exc.errno == errno.EOPNOTSUPP:
+                        self._nowait = False
+                        return False
+                    if cached_only and exc.errno == errno.EAGAIN:
+                        return False
+                    raise
+                if n == 0:
+                    break
+                pos += n
+        if pos != length or (verify and blake3(out).digest() != self.manifest.chunk_hash(index)):
+            raise CorruptChunk(
+                f"chunk {index} of blob {self.blob_id} is corrupt on disk; run `blob verify`"
+            )
+        return True
 
     def close(self) -> None:
         if self._fd is not None:
