@@ -8,16 +8,22 @@ Theory of operation
 3. ``p2p.scheduler.Scheduler`` decides which chunk ranges go to which peer; this module
    only performs its decisions: one task per provider asks ``have`` and then runs a few
    stream workers, each sending one ``get`` at a time under the request's deadline.
-4. A chunk body is written to the partial blob only through ``PartialBlob.write_chunk``,
-   which hashes it against the manifest first; a mismatch bans the peer for this download,
-   resets its stream and returns its ranges to the pool. Chunks are written by one task
-   at a time (a lock), hashed in a worker thread so the event loop keeps receiving.
+4. A chunk body is received straight into a pooled, page-aligned buffer
+   (``p2p.buffers``) and written to the partial blob only through
+   ``PartialBlob.write_chunk``, which hashes it against the manifest first. That runs in a
+   worker thread while the stream goes on receiving the next chunk into another buffer:
+   a request's writes are awaited before its outcome reaches the scheduler. A mismatch
+   bans the peer for this download, resets its stream and returns its ranges to the pool.
+   Two copies of one chunk (endgame) are never written at once: the second waits for the
+   first and is kept only if the first failed.
 5. Providers may join at any time through a channel (DHT results, connected peers); a
    provider that stalls past its deadline loses its ranges to the others.
 6. The partial blob is flushed (data fsync, then bitmap) every ``FLUSH_INTERVAL`` and at
    the end, so a killed fetcher resumes from what was verified; the blob is published by
    atomic rename once every chunk has verified.
-7. Memory is bounded by (streams in flight) x (one chunk), whatever the blob's size.
+7. Memory is bounded by the buffer pool (``BUFFER_POOL_BYTES``, at least
+   ``MIN_BUFFERS`` chunks) plus one chunk per stream whose body outgrew it, whatever the
+   blob's size.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial as bind
 from typing import Any, Protocol
 
 import blake3
@@ -32,6 +39,7 @@ import trio
 
 from blobstore import BlobExists, CorruptChunk, Manifest, NoSpace, PartialBlob, Store
 from p2p import protocol as proto
+from p2p.buffers import ChunkBuffers
 from p2p.errors import FetchFailed, NoProviders
 from p2p.scheduler import PeerStats, RequestTicket, Scheduler, SchedulerConfig
 from p2p.wire import BlobClient, StreamLost, reset_quietly
@@ -48,6 +56,11 @@ STALL_GRACE = 10.0
 PEER_RETRY_PAUSES = (1.0, 3.0, 9.0)
 # Progress callbacks are rate-limited so a fast transfer does not spend time reporting.
 PROGRESS_INTERVAL = 0.25
+# Chunk bodies in flight (received, or queued for hashing and the disk) share this much
+# memory, but never fewer than MIN_BUFFERS chunks, so every stream can keep one body
+# arriving while another is written.
+BUFFER_POOL_BYTES = 32 * 1024 * 1024
+MIN_BUFFERS = 4
 
 
 class BadChunk(Exception):
@@ -56,6 +69,33 @@ class BadChunk(Exception):
     def __init__(self, index: int) -> None:
         super().__init__(f"chunk {index} failed its hash")
         self.index = index
+
+
+class _RequestWrites:
+    """The chunk writes one request has running in worker threads, and how they ended."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        self.bad_index: int | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        if self.running == 0:
+            self._idle = trio.Event()
+        self.running += 1
+
+    def finish(self) -> None:
+        self.running -= 1
+        if self.running == 0:
+            self._idle.set()
+
+    async def wait(self) -> None:
+        """Until every write has ended; shielded, since a write cannot be called back
+        from its thread and its outcome must be accounted for either way."""
+        with trio.CancelScope(shield=True):
+            await self._idle.wait()
 
 
 class ObsoleteRequest(Exception):
@@ -133,14 +173,17 @@ class Download:
         self.progress = progress
         verified = set(range(manifest.num_chunks)) - set(partial.missing())
         self.scheduler = Scheduler(manifest.num_chunks, self.chunk_length, verified, config)
-        self.write_lock = trio.Lock()
+        self.buffers = ChunkBuffers(
+            manifest.chunk_size, max(MIN_BUFFERS, BUFFER_POOL_BYTES // manifest.chunk_size)
+        )
+        # Chunks being hashed and written now, each with an event set when its write ends.
+        self.writing: dict[int, trio.Event] = {}
         self.changed = trio.Event()
         self.peers_seen: set[str] = set()
         self.peer_tasks = 0
         self.started = trio.current_time()
         self.start_bytes = self._done_bytes()
         self.last_progress = 0.0
-        self.dirty = False
         self.new_bytes: dict[str, int] = {}
         self.duplicate_bytes = 0
 
@@ -256,21 +299,30 @@ class Download:
 
     async def _stream_worker(self, peer: str, client: BlobClient | None) -> None:
         try:
-            while not self.scheduler.done and self._peer_usable(peer):
-                ticket = self.scheduler.next_request(peer, trio.current_time())
-                if ticket is None:
-                    await self._wait_change()
-                    continue
-                client = await self._run_ticket(peer, client, ticket)
+            # Chunk writes run in this nursery, alongside the requests that received them.
+            async with trio.open_nursery() as writers:
+                while not self.scheduler.done and self._peer_usable(peer):
+                    ticket = self.scheduler.next_request(peer, trio.current_time())
+                    if ticket is None:
+                        await self._wait_change()
+                        continue
+                    client = await self._run_ticket(peer, client, ticket, writers)
         finally:
             if client is not None:
                 await reset_quietly(client.stream)
 
     async def _run_ticket(
-        self, peer: str, client: BlobClient | None, ticket: RequestTicket
+        self,
+        peer: str,
+        client: BlobClient | None,
+        ticket: RequestTicket,
+        writers: trio.Nursery,
     ) -> BlobClient | None:
         """Perform one request; return the client to reuse, or None if its stream is gone."""
         now = trio.current_time
+        writes = _RequestWrites()
+        reply: tuple[int, ...] | proto.ErrorResponse | None = None
+        failure: Exception | None = None
         try:
             with trio.fail_at(ticket.deadline):
                 if client is None:
@@ -279,31 +331,49 @@ class Download:
                 reply = await client.get(
                     self.blob_id,
                     ticket.ranges,
-                    lambda index, data: self._on_chunk(ticket, index, data),
+                    bind(self._on_chunk, ticket, writes, writers),
+                    buffers=self.buffers,
                 )
-        except BadChunk as bad:
+        except (
+            BadChunk,
+            ObsoleteRequest,
+            proto.RemoteProtocolError,
+            StreamLost,
+            trio.TooSlowError,
+            OSError,
+        ) as exc:
+            failure = exc
+        # The scheduler hears of the request only once each chunk it carried is verified
+        # and written (or failed): it must not re-offer a chunk still being written.
+        await writes.wait()
+        if writes.error is not None:
+            raise writes.error  # the store failed (disk full, I/O error): fatal
+        if writes.bad_index is not None:
+            failure = BadChunk(writes.bad_index)
+        if isinstance(failure, BadChunk):
             log.warning("peer %s sent a corrupt chunk: banned for %s", peer, self.blob_id[:12])
-            self.scheduler.on_bad_chunk(ticket.request_id, bad.index, now())
+            self.scheduler.on_bad_chunk(ticket.request_id, failure.index, now())
             self._notify()
             await self._drop(client)
             return None
-        except ObsoleteRequest:
+        if isinstance(failure, ObsoleteRequest):
             self.scheduler.cancel(ticket.request_id, now())
             self._notify()
             await self._drop(client)
             return None
-        except proto.RemoteProtocolError as exc:
-            log.warning("peer %s broke the protocol: %s", peer, exc)
-            self.scheduler.on_protocol_error(ticket.request_id, now(), str(exc))
+        if isinstance(failure, proto.RemoteProtocolError):
+            log.warning("peer %s broke the protocol: %s", peer, failure)
+            self.scheduler.on_protocol_error(ticket.request_id, now(), str(failure))
             self._notify()
             await self._drop(client)
             return None
-        except (StreamLost, trio.TooSlowError, OSError) as exc:
-            log.info("request to %s failed: %r", peer, exc)
-            self.scheduler.on_request_failed(ticket.request_id, now(), repr(exc))
+        if failure is not None:
+            log.info("request to %s failed: %r", peer, failure)
+            self.scheduler.on_request_failed(ticket.request_id, now(), repr(failure))
             self._notify()
             await self._drop(client)
             return None
+        assert reply is not None
         if isinstance(reply, proto.ErrorResponse):
             if reply.code == proto.ErrorCode.BUSY:
                 self.scheduler.on_request_failed(ticket.request_id, now(), "busy")
@@ -321,38 +391,66 @@ class Download:
         if client is not None:
             await reset_quietly(client.stream)
 
-    async def _on_chunk(self, ticket: RequestTicket, index: int, data: memoryview) -> None:
+    async def _on_chunk(
+        self,
+        ticket: RequestTicket,
+        writes: _RequestWrites,
+        writers: trio.Nursery,
+        index: int,
+        data: memoryview,
+    ) -> None:
+        """A chunk body arrived (in a pooled buffer): start its write and return, so the
+        stream receives the next one meanwhile. Raising leaves the buffer to the caller."""
+        if writes.bad_index is not None:
+            raise BadChunk(writes.bad_index)  # this peer already sent a corrupt chunk
         if not self.scheduler.expects(ticket.request_id, index):
             # The request was released meanwhile (its peer banned or dropped on another
             # stream); the protocol core already checked the index against the request.
             raise ObsoleteRequest
-        duplicate = self.partial.has_chunk(index)
-        if not duplicate:
-            async with self.write_lock:
-                # Re-checked under the lock: another stream may have written it meanwhile.
-                duplicate = self.partial.has_chunk(index)
-                if not duplicate:
-                    try:
-                        await trio.to_thread.run_sync(self.partial.write_chunk, index, data)
-                    except CorruptChunk:
-                        raise BadChunk(index) from None
-                    self.dirty = True
-        # Whoever wrote the chunk (under the lock) owns it: counting by the scheduler's
-        # answer instead would let two racing streams both call it a duplicate.
-        self.scheduler.on_chunk(ticket.request_id, index, len(data), trio.current_time())
-        if duplicate:
-            self.duplicate_bytes += len(data)
+        while (busy := self.writing.get(index)) is not None:
+            await busy.wait()  # another stream's copy is being written (endgame)
+        if self.partial.has_chunk(index):
+            self._count_chunk(ticket, index, len(data), duplicate=True)
             if self.scheduler.is_obsolete(ticket.request_id):
-                raise ObsoleteRequest
+                raise ObsoleteRequest  # an endgame loser: stop this stream
+            self.buffers.release(data)
             return
-        self.new_bytes[ticket.peer] = self.new_bytes.get(ticket.peer, 0) + len(data)
+        self.writing[index] = trio.Event()
+        writes.start()
+        writers.start_soon(self._write, ticket, writes, index, data)
+
+    async def _write(
+        self, ticket: RequestTicket, writes: _RequestWrites, index: int, data: memoryview
+    ) -> None:
+        try:
+            # Not abandoned on cancel: the thread owns the buffer until it returns.
+            await trio.to_thread.run_sync(self.partial.write_chunk, index, data)
+        except CorruptChunk:
+            writes.bad_index = index
+        except Exception as exc:  # the store failed; _run_ticket re-raises it
+            writes.error = exc
+        else:
+            self._count_chunk(ticket, index, len(data), duplicate=False)
+        finally:
+            self.buffers.release(data)
+            self.writing.pop(index).set()
+            writes.finish()
+
+    def _count_chunk(
+        self, ticket: RequestTicket, index: int, length: int, *, duplicate: bool
+    ) -> None:
+        # Whoever wrote the chunk owns it: counting by the scheduler's answer instead
+        # would let two racing streams both call it a duplicate.
+        self.scheduler.on_chunk(ticket.request_id, index, length, trio.current_time())
+        if duplicate:
+            self.duplicate_bytes += length
+            return
+        self.new_bytes[ticket.peer] = self.new_bytes.get(ticket.peer, 0) + length
         self._report()
 
     async def flush(self) -> None:
-        async with self.write_lock:
-            if self.dirty:
-                self.dirty = False
-                await trio.to_thread.run_sync(self.partial.flush)
+        """Make what verified durable (the partial takes care of concurrent writes)."""
+        await trio.to_thread.run_sync(self.partial.flush)
 
     async def flusher(self) -> None:
         while True:

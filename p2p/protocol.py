@@ -611,6 +611,9 @@ def _decode_response(header: bytes, allowed: frozenset[str]) -> tuple[str, Any]:
 # --- Receive buffer -----------------------------------------------------------------------
 
 
+BodyAllocator: TypeAlias = Callable[[int], Any]
+
+
 class _ReceiveBuffer:
     """Bytes received and not yet parsed, read from an offset; plus an optional chunk body
     being filled in place (bytes for it skip the buffer)."""
@@ -620,7 +623,7 @@ class _ReceiveBuffer:
     def __init__(self) -> None:
         self._buf = bytearray()
         self._pos = 0
-        self._body: bytearray | None = None
+        self._body: memoryview | None = None
         self._body_filled = 0
         self.eof = False
 
@@ -680,9 +683,13 @@ class _ReceiveBuffer:
         self._consume(LENGTH_PREFIX_SIZE + length)
         return header
 
-    def start_body(self, length: int) -> None:
-        """Allocate a body of ``length`` bytes and move already-buffered bytes into it."""
-        body = bytearray(length)
+    def start_body(self, length: int, allocate: BodyAllocator | None) -> None:
+        """Take a body of ``length`` bytes (from ``allocate(length)``, a writable buffer of
+        at least that size, else a new bytearray) and move already-buffered bytes into it."""
+        body = memoryview(bytearray(length) if allocate is None else allocate(length))
+        body = body.cast("B")[:length]
+        if body.readonly or len(body) != length:
+            raise LocalProtocolError(f"body allocator gave no writable {length}-byte buffer")
         take = min(length, len(self))
         if take:
             with memoryview(self._buf) as view:
@@ -690,6 +697,19 @@ class _ReceiveBuffer:
             self._consume(take)
         self._body = body
         self._body_filled = take
+
+    def body_space(self) -> memoryview | None:
+        """The unfilled part of the body in progress, to receive into directly."""
+        body = self._body
+        if body is None or self._body_filled == len(body):
+            return None
+        return body[self._body_filled :]
+
+    def body_received(self, n: int) -> None:
+        body = self._body
+        if body is None or not 0 < n <= len(body) - self._body_filled:
+            raise LocalProtocolError(f"body_received({n}) does not fit the body in progress")
+        self._body_filled += n
 
     def body_missing(self) -> int | None:
         """Bytes the body in progress still needs, or None when no body is in progress."""
@@ -703,7 +723,7 @@ class _ReceiveBuffer:
         assert self._body_filled == len(body)
         self._body = None
         self._body_filled = 0
-        return memoryview(body).toreadonly()
+        return body.toreadonly()
 
     def bytes_needed(self, max_header: int) -> int:
         """Bytes still needed to complete the frame in progress (0 if nothing is pending
@@ -848,6 +868,11 @@ class ClientConnection:
     ``next_event`` returns the response's events; the request is complete after a
     ManifestResponse, HaveResponse, End or ErrorResponse, and then ``send_request`` may be
     called again. Chunk bodies arrive whole, as read-only memoryviews.
+
+    Zero-copy bodies: with ``set_body_allocator`` each chunk body lands in a buffer of the
+    caller's choosing, and while a body is in progress ``body_space`` is a writable view of
+    its unfilled part: receive into it and report the count with ``body_received`` instead
+    of passing bytes through ``receive_data``.
     """
 
     def __init__(self) -> None:
@@ -856,6 +881,7 @@ class ClientConnection:
         self._state: _RequestState | None = None
         self._pending_index: int | None = None
         self._expected_length: ExpectedLength | None = None
+        self._allocate: BodyAllocator | None = None
         self._failed: str | None = None
 
     @property
@@ -872,6 +898,21 @@ class ClientConnection:
         """Check each chunk header's length against ``fn(index)`` before buffering its body
         (a mismatch is a RemoteProtocolError). None turns the check off."""
         self._expected_length = fn
+
+    def set_body_allocator(self, allocate: BodyAllocator | None) -> None:
+        """Take each chunk body's buffer from ``allocate(length)`` (a writable buffer of at
+        least ``length`` bytes; the body is its first ``length``). None: new bytearrays."""
+        self._allocate = allocate
+
+    def body_space(self) -> memoryview | None:
+        """While a chunk body is arriving, the writable view its next bytes belong in;
+        None otherwise (then read ``bytes_needed`` bytes and use ``receive_data``)."""
+        return self._recv.body_space()
+
+    def body_received(self, n: int) -> None:
+        """``n`` (> 0) bytes were written at the start of ``body_space()``. The end of the
+        stream is still reported with ``receive_data(b"")``."""
+        self._recv.body_received(n)
 
     def send_request(self, req: Request) -> bytes:
         """The frame of ``req``. LocalProtocolError if a request is outstanding or ``req``
@@ -913,6 +954,9 @@ class ClientConnection:
         except _Invalid as exc:
             self._failed = str(exc)
             raise _remote(exc) from None
+        except LocalProtocolError as exc:  # a refused body buffer: the framing is lost
+            self._failed = str(exc)
+            raise
 
     def _next_event(self) -> Response | None:
         if self._pending_index is not None:
@@ -939,9 +983,9 @@ class ClientConnection:
                 expected = self._expected_length(index)
                 if length != expected:
                     raise _Invalid(f"chunk {index} is {length} bytes; expected {expected}")
+            self._recv.start_body(length, self._allocate)  # may refuse the buffer
             state.sent.add(index)
             self._pending_index = index
-            self._recv.start_body(length)
             return self._finish_chunk()
         event: Response = decoded
         if type(event) is End and event.missing != state.unsent():

@@ -14,6 +14,8 @@ import trio
 from libp2p.exceptions import BaseLibp2pError
 
 from p2p import protocol as proto
+from p2p.buffers import ChunkBuffers
+from p2p.fast import fast_stream_of, read_into
 
 # Reads of at least 1 MiB: small reads cost py-libp2p 35-40% of its throughput
 # (research/perf.md); larger ones fetch a whole chunk body per call.
@@ -29,7 +31,7 @@ class Stream(Protocol):
 
     async def read(self, n: int | None = None) -> bytes: ...
 
-    async def write(self, data: bytes) -> None: ...
+    async def write(self, data: bytes | bytearray | memoryview) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -37,15 +39,30 @@ class Stream(Protocol):
 
 
 async def read_some(stream: Stream, n: int) -> bytes:
+    """Up to ``n`` bytes; b"" at the end of the stream."""
+    # On the fast path, read the muxed stream itself: py-libp2p's NetStream wrapper takes a
+    # lock (a scheduler round trip) per read, which adds up for small protocol headers.
+    fast = fast_stream_of(stream)
     try:
-        return await stream.read(n)
+        return await (stream if fast is None else fast).read(n)
     except (BaseLibp2pError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
         if "EOF" in type(exc).__name__:
             return b""
         raise StreamLost(f"{type(exc).__name__}: {exc}") from exc
 
 
-async def write_all(stream: Stream, data: bytes) -> None:
+async def read_some_into(stream: Stream, buf: memoryview) -> int:
+    """Receive up to len(buf) bytes straight into ``buf`` (decrypted in place on blobnet's
+    fast path, one copy elsewhere); 0 at the end of the stream."""
+    try:
+        return await read_into(stream, buf)
+    except (BaseLibp2pError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        if "EOF" in type(exc).__name__:
+            return 0
+        raise StreamLost(f"{type(exc).__name__}: {exc}") from exc
+
+
+async def write_all(stream: Stream, data: bytes | bytearray | memoryview) -> None:
     try:
         await stream.write(data)
     except (BaseLibp2pError, OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -83,6 +100,25 @@ class BlobClient:
         # With the manifest known, a chunk header announcing another length is refused
         # before its body is buffered.
         self.conn.set_expected_chunk_length(chunk_length)
+        self.conn.set_body_allocator(self._allocate)
+        # A pooled buffer taken before reading a response header, so the body (whose
+        # length only the header tells) can land in it without waiting.
+        self._spare: Any = None
+        # The pooled buffer a body in progress is landing in (not yet given to a sink).
+        self._lent: Any = None
+        self._abandoned = False
+
+    def _allocate(self, length: int) -> Any:
+        spare = self._spare
+        if spare is not None and len(spare) >= length:
+            self._spare = None
+            self._lent = spare
+            return spare
+        return bytearray(length)
+
+    def _check_usable(self) -> None:
+        if self._abandoned:
+            raise StreamLost("stream abandoned in the middle of a chunk body")
 
     async def _next_response(self) -> proto.Response:
         """The next response event; a stream that ends mid-response is StreamLost (a peer
@@ -94,12 +130,23 @@ class BlobClient:
                     return event
                 if self.conn.eof_received:
                     raise StreamLost("peer closed the stream in the middle of a response")
-                want = max(READ_SIZE, self.conn.bytes_needed())
+                space = self.conn.body_space()
+                if space is not None:
+                    n = await read_some_into(self.stream, space)
+                    if n:
+                        self.conn.body_received(n)
+                    else:
+                        self.conn.receive_data(b"")
+                    continue
+                # Headers are read exactly (the core knows each frame's length once its
+                # prefix is here), so no chunk body is pulled through the header buffer.
+                want = self.conn.bytes_needed() or proto.LENGTH_PREFIX_SIZE
                 self.conn.receive_data(await read_some(self.stream, want))
         except proto.TruncatedStreamError as exc:
             raise StreamLost(str(exc)) from exc
 
     async def manifest(self, blob_id: str) -> bytes | proto.ErrorResponse:
+        self._check_usable()
         await write_all(self.stream, self.conn.send_request(proto.ManifestRequest(blob_id)))
         response = await self._next_response()
         if isinstance(response, proto.ManifestResponse):
@@ -109,6 +156,7 @@ class BlobClient:
         raise proto.RemoteProtocolError(f"unexpected {type(response).__name__}")
 
     async def have(self, blob_id: str) -> proto.HaveResponse | proto.ErrorResponse:
+        self._check_usable()
         await write_all(self.stream, self.conn.send_request(proto.HaveRequest(blob_id)))
         response = await self._next_response()
         if isinstance(response, proto.HaveResponse | proto.ErrorResponse):
@@ -120,17 +168,47 @@ class BlobClient:
         blob_id: str,
         ranges: tuple[tuple[int, int], ...],
         on_chunk: ChunkSink,
+        *,
+        buffers: ChunkBuffers | None = None,
     ) -> tuple[int, ...] | proto.ErrorResponse:
         """Stream the chunks of ``ranges`` into ``on_chunk``; return the indices the peer
-        reported missing, or its error reply."""
+        reported missing, or its error reply.
+
+        With ``buffers``, each chunk body is received straight into a buffer of that pool
+        and ``on_chunk`` owns it once it returns: it must hand it back with
+        ``buffers.release(data)`` when done with it. A sink that raises must neither keep
+        nor release it: ``get`` releases it then. After a body was cut short (the stream
+        failed or the call was cancelled mid-body) the client refuses further requests
+        with StreamLost.
+        """
+        self._check_usable()
         await write_all(self.stream, self.conn.send_request(proto.GetRequest(blob_id, ranges)))
-        while True:
-            response = await self._next_response()
-            if isinstance(response, proto.Chunk):
-                await on_chunk(response.index, response.data)
-            elif isinstance(response, proto.End):
-                return response.missing
-            elif isinstance(response, proto.ErrorResponse):
-                return response
-            else:
-                raise proto.RemoteProtocolError(f"unexpected {type(response).__name__}")
+        try:
+            while True:
+                if buffers is not None and self._spare is None:
+                    self._spare = await buffers.acquire()
+                response = await self._next_response()
+                if isinstance(response, proto.Chunk):
+                    self._lent = None
+                    try:
+                        await on_chunk(response.index, response.data)
+                    except BaseException:
+                        if buffers is not None:
+                            buffers.release(response.data)
+                        raise
+                elif isinstance(response, proto.End):
+                    return response.missing
+                elif isinstance(response, proto.ErrorResponse):
+                    return response
+                else:
+                    raise proto.RemoteProtocolError(f"unexpected {type(response).__name__}")
+        finally:
+            if buffers is not None:
+                for buf in (self._spare, self._lent):
+                    if buf is not None:
+                        buffers.release(buf)
+                if self._lent is not None:
+                    # A body was cut short and its buffer is back in the pool: the
+                    # stream must not be read again (the caller resets it anyway).
+                    self._abandoned = True
+                self._spare = self._lent = None
