@@ -12,11 +12,12 @@ Theory of operation
    reading cannot hold a slot forever).
 4. A peer that breaks the protocol gets one error reply (where the framing still allows
    one) and a reset; its other streams are unaffected.
-5. Chunks of partial blobs are served only when verified; bodies are read from disk in a
-   worker thread so the event loop keeps moving other streams, through one open file per
-   request. Chunks are not hashed again on the way out unless ``verify_reads`` is set:
-   they were verified on the way in, and the fetcher verifies each one and bans a peer
-   that sends a bad one.
+5. Chunks of partial blobs are served only when verified. Each body is read into one
+   buffer per request, right behind its header, and written from there (no copy per
+   chunk). A chunk the page cache holds is read inline; one that would wait for the disk
+   is read in a worker thread, so the event loop keeps moving other streams. Chunks are
+   not hashed again on the way out unless ``verify_reads`` is set: they were verified on
+   the way in, and the fetcher verifies each one and bans a peer that sends a bad one.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from blobstore import (
     StoreError,
 )
 from p2p import protocol as proto
+from p2p.fast import fast_stream_of
 from p2p.wire import StreamLost, close_quietly, read_some, reset_quietly, write_all
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ REQUEST_TIMEOUT = 10.0
 MIN_SEND_RATE = 64 * 1024
 SEND_TIMEOUT_BASE = 10.0
 REQUEST_READ_SIZE = 64 * 1024
+# Room for a chunk header in front of its body in the send buffer (they take ~12 bytes).
+HEADER_ROOM = 64
 
 
 @dataclass
@@ -161,7 +165,7 @@ class BlobServer:
                 return request
         return None  # idle: close
 
-    async def _send(self, stream: Any, data: bytes) -> None:
+    async def _send(self, stream: Any, data: bytes | memoryview) -> None:
         with trio.fail_after(SEND_TIMEOUT_BASE + len(data) / MIN_SEND_RATE):
             await write_all(stream, data)
 
@@ -197,6 +201,10 @@ class BlobServer:
         manifest, bitmap = await trio.to_thread.run_sync(self._have, request.blob_id)
         n = manifest.num_chunks
         missing: list[int] = []
+        # Our fast path seals the payload before write() returns, so one buffer serves
+        # every chunk; py-libp2p's own stack gets a copy per chunk, as bytes.
+        copy_out = fast_stream_of(stream) is None
+        buf = memoryview(bytearray(HEADER_ROOM + min(manifest.chunk_size, manifest.size)))
         reader = await trio.to_thread.run_sync(self.store.open_reader, request.blob_id)
         try:
             for start, end in request.ranges:
@@ -209,18 +217,27 @@ class BlobServer:
                     if not bitmap[index // 8] >> (index % 8) & 1:
                         missing.append(index)
                         continue
+                    length = manifest.chunk_span(index)[1]
+                    body = buf[HEADER_ROOM : HEADER_ROOM + length]
                     try:
-                        body = await trio.to_thread.run_sync(self._read, reader, index)
+                        # Hashing again (verify_reads) is too slow for the event loop.
+                        inline = not self.verify_reads and reader.read_into(
+                            index, body, verify=False, cached_only=True
+                        )
+                        if not inline:
+                            await trio.to_thread.run_sync(self._read_into, reader, index, body)
                     except ChunkUnavailable:
                         missing.append(index)
                         continue
-                    header = conn.send_chunk_header(index, len(body))
-                    await self._send(stream, header + body)
+                    header = conn.send_chunk_header(index, length)
+                    frame = buf[HEADER_ROOM - len(header) : HEADER_ROOM + length]
+                    frame[: len(header)] = header
+                    await self._send(stream, bytes(frame) if copy_out else frame)
                     self.stats.chunks_sent += 1
-                    self.stats.bytes_sent += len(body)
+                    self.stats.bytes_sent += length
         finally:
             reader.close()
         await self._send(stream, conn.send_response(proto.End(tuple(missing))))
 
-    def _read(self, reader: ChunkReader, index: int) -> bytes:
-        return reader.read(index, verify=self.verify_reads)
+    def _read_into(self, reader: ChunkReader, index: int, body: memoryview) -> None:
+        reader.read_into(index, body, verify=self.verify_reads)

@@ -79,6 +79,14 @@ class HostileReader:
             raise OSError(errno.EIO, "Input/output error")
         return self._store.misbehave(self._reader.read(index, verify=verify))
 
+    def read_into(
+        self, index: int, out: memoryview, *, verify: bool = True, cached_only: bool = False
+    ) -> bool:
+        if cached_only:
+            return False  # misbehave in the server's worker thread, never on its event loop
+        out[:] = self.read(index, verify=verify)
+        return True
+
     def close(self) -> None:
         self._reader.close()
 
