@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,3 +31,10 @@ def p2pd_binary() -> Path:
             pytest.fail(reason)
         pytest.skip(reason)
     return DEFAULT_DEST
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """Unix socket paths must stay under 108 bytes, so not under pytest's tmp_path."""
+    with tempfile.TemporaryDirectory(prefix="p2pd-", dir="/tmp") as d:
+        yield Path(d)

@@ -1,10 +1,12 @@
-"""Hosts and an echo protocol shared by the fast path's stack and interop tests."""
+"""Hosts, an echo protocol and daemon-stream adapters shared by the fast path's stack and
+interop tests."""
 
 from __future__ import annotations
 
 import contextlib
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -12,9 +14,13 @@ from libp2p import new_host
 from libp2p.abc import IHost, INetStream
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
 from multiaddr import Multiaddr
+from p2pd_client import DaemonConn
 
 import p2p.fast as fast
+from p2p.fast import FastSecureConn, FastYamuxConn
+from p2p.wire import READ_SIZE
 
 ECHO = TProtocol("/blobnet-test/echo/1.0.0")
 LOOPBACK = Multiaddr("/ip4/127.0.0.1/tcp/0")
@@ -133,3 +139,51 @@ def muxed_conn_to(host: IHost, peer_id: Any) -> Any:
     conns = host.get_network().get_connections(peer_id)
     assert conns, f"no connection to {peer_id}"
     return conns[0].muxed_conn
+
+
+def assert_fast(muxed: object) -> None:
+    """`muxed` runs blobnet's Noise and yamux (not py-libp2p's) under the standard IDs."""
+    assert isinstance(muxed, FastYamuxConn), f"connection runs {type(muxed).__name__}"
+    assert isinstance(muxed.secured_conn, FastSecureConn)
+    assert getattr(muxed, "negotiated_security_protocol", None) == "/noise"
+    assert getattr(muxed, "negotiated_muxer_protocol", None) == "/yamux/1.0.0"
+
+
+async def wait_connected(host: IHost, peer_id: ID, timeout_s: float = 5) -> Any:
+    """The muxed connection to `peer_id`, once the swarm has registered it: an inbound
+    connection appears a moment after the dialler's CONNECT returns, with no event for it."""
+    with trio.fail_after(timeout_s):
+        while not host.get_network().get_connections(peer_id):  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    return muxed_conn_to(host, peer_id)
+
+
+@dataclass(frozen=True)
+class DaemonPeerConn:
+    peer_id: ID
+
+
+class DaemonStream:
+    """A p2pd stream as blobnet's blob protocol uses a libp2p stream (`p2p.wire.Stream`,
+    plus `.muxed_conn.peer_id` for BlobServer's per-peer limits).
+
+    `read` returns b"" at EOF (which `p2p.wire.read_some` takes as EOF, like py-libp2p's
+    StreamEOF). `close` half-closes the unix socket, but this p2pd then ends the libp2p
+    stream both ways (a reply still owed is lost), so close only when done reading. The
+    control protocol has no reset; `reset` closes the socket outright, the nearest thing."""
+
+    def __init__(self, conn: DaemonConn, peer: bytes) -> None:
+        self.conn = conn
+        self.muxed_conn = DaemonPeerConn(ID(peer))
+
+    async def read(self, n: int | None = None) -> bytes:
+        return await self.conn.receive_some(n or READ_SIZE)
+
+    async def write(self, data: bytes) -> None:
+        await self.conn.send_all(data)
+
+    async def close(self) -> None:
+        await self.conn.stream.send_eof()
+
+    async def reset(self) -> None:
+        await self.conn.aclose()

@@ -195,7 +195,9 @@ def _stream_info(data: bytes) -> StreamInfo:
     )
 
 
-StreamCallback = Callable[[StreamInfo, _Conn], Awaitable[None]]
+# One daemon connection: after STREAM_OPEN, or per inbound stream of a STREAM_HANDLER.
+DaemonConn = _Conn
+StreamCallback = Callable[[StreamInfo, DaemonConn], Awaitable[None]]
 
 
 class DaemonClient:

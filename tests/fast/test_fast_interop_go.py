@@ -8,8 +8,6 @@ opened from both sides: a 5 KB one and a 16 MiB one, which needs many window upd
 from __future__ import annotations
 
 import os
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,40 +15,28 @@ import trio
 from fast_helpers import (
     ECHO,
     Pipe,
+    assert_fast,
     echo_roundtrip,
     libp2p_echo_handler,
     make_host,
     muxed_conn_to,
     running,
     serve_echo,
+    wait_connected,
 )
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from p2pd_client import DaemonClient, StreamInfo, run_daemon
 
-from p2p.fast import FastSecureConn, FastYamuxConn, FastYamuxStream
+from p2p.fast import FastYamuxStream
 
 pytestmark = pytest.mark.slow
 
 SIZES = (5000, 16 * 1024 * 1024)
 
 
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """Unix socket paths must stay under 108 bytes, so not under pytest's tmp_path."""
-    with tempfile.TemporaryDirectory(prefix="p2pd-", dir="/tmp") as d:
-        yield Path(d)
-
-
 async def _go_echo_handler(info: StreamInfo, conn: object) -> None:
     await serve_echo(Pipe.of_daemon(conn))
-
-
-def _assert_fast(muxed: object) -> None:
-    assert isinstance(muxed, FastYamuxConn), f"connection runs {type(muxed).__name__}"
-    assert isinstance(muxed.secured_conn, FastSecureConn)
-    assert getattr(muxed, "negotiated_security_protocol", None) == "/noise"
-    assert getattr(muxed, "negotiated_muxer_protocol", None) == "/yamux/1.0.0"
 
 
 async def _echo_both_ways(host: object, daemon: DaemonClient, go_id: ID) -> None:
@@ -83,13 +69,8 @@ async def test_go_dials_blobnet_fast_path(p2pd_binary: Path, short_dir: Path) ->
             go_raw_id, _ = await daemon.identify()
             go_id = ID(go_raw_id)
             await daemon.connect(host.get_id().to_bytes(), host.get_addrs())
-            with trio.fail_after(5):
-                # The swarm registers the inbound connection a moment after go's CONNECT
-                # returns, and has no event for it.
-                while not host.get_network().get_connections(go_id):  # noqa: ASYNC110
-                    await trio.sleep(0.01)
-            muxed = muxed_conn_to(host, go_id)
-            _assert_fast(muxed)
+            muxed = await wait_connected(host, go_id)
+            assert_fast(muxed)
             assert not muxed.is_initiator, "go dialled, so blobnet must be the responder"
             await _echo_both_ways(host, daemon, go_id)
 
@@ -108,6 +89,6 @@ async def test_blobnet_dials_go_fast_path(p2pd_binary: Path, short_dir: Path) ->
             tcp_addrs = [a for a in go_addrs if "/tcp/" in str(a)]
             await host.connect(PeerInfo(go_id, tcp_addrs))
             muxed = muxed_conn_to(host, go_id)
-            _assert_fast(muxed)
+            assert_fast(muxed)
             assert muxed.is_initiator
             await _echo_both_ways(host, daemon, go_id)
