@@ -14,7 +14,11 @@ Rows (medians of --runs, MB/s = MiB/s):
   blob_fetch_3     the same blob from three serving processes at once
 
 The fetch rate is the transfer time the fetcher reports (from the first request to the
-published blob), not process start-up; the fetcher's peak RSS comes from wait4().
+published blob), not process start-up; the fetcher's peak RSS comes from wait4(). CPU
+seconds are printed too: the fetcher's whole process (start-up included, about 1.5 s of
+imports) from wait4(), the serving processes' during the fetch from /proc. On a machine
+with about one usable core, a fetch is CPU-bound when fetcher + servers CPU is close to
+the transfer time.
 """
 
 from __future__ import annotations
@@ -85,7 +89,14 @@ def fetch(store: Path, key: Path, blob_id: str, peers: list[str]) -> dict[str, A
         raise SystemExit(f"fetch failed with exit status {proc.returncode}")
     result: dict[str, Any] = json.loads(out)
     result["peak_rss_mib"] = usage.ru_maxrss / 1024
+    result["fetcher_cpu_s"] = usage.ru_utime + usage.ru_stime
     return result
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a running process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def fetch_rows(work: Path, size: int, runs: int, providers: int) -> dict[str, Any]:
@@ -110,13 +121,16 @@ def fetch_rows(work: Path, size: int, runs: int, providers: int) -> dict[str, An
             proc, addr = serve(store, work / f"k{i}", work / f"serve{i}.log")
             procs.append(proc)
             addrs.append(addr)
-        rates, rss, seconds = [], [], []
+        rates, rss, seconds, fetcher_cpu, server_cpu = [], [], [], [], []
         for run in range(runs):
             target = work / f"fetcher-{providers}-{run}"
+            before = sum(process_cpu_s(p.pid) for p in procs)
             result = fetch(target, work / "kf", blob_id, addrs)
+            server_cpu.append(sum(process_cpu_s(p.pid) for p in procs) - before)
             rates.append(size / MIB / result["seconds"])
             seconds.append(result["seconds"])
             rss.append(result["peak_rss_mib"])
+            fetcher_cpu.append(result["fetcher_cpu_s"])
             shutil.rmtree(target)
         return {
             "size_mib": size // MIB,
@@ -125,6 +139,8 @@ def fetch_rows(work: Path, size: int, runs: int, providers: int) -> dict[str, An
             "runs_mb_s": rates,
             "seconds": statistics.median(seconds),
             "peak_rss_mib": max(rss),
+            "fetcher_cpu_s": statistics.median(fetcher_cpu),
+            "servers_cpu_s": statistics.median(server_cpu),
         }
     finally:
         for proc in procs:
@@ -160,16 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="blobnet-bench-", dir=args.dir))
     try:
         one = fetch_rows(work, size, args.runs, providers=1)
-        print(f"{'blob_fetch':<16}{one['mb_s']:>10.1f} MB/s  peak RSS "
-              f"{one['peak_rss_mib']:.0f} MiB", flush=True)  # fmt: skip
+        print_fetch("blob_fetch", one)
         three = fetch_rows(work / "multi", multi, args.runs, providers=3)
-        print(f"{'blob_fetch_3':<16}{three['mb_s']:>10.1f} MB/s  peak RSS "
-              f"{three['peak_rss_mib']:.0f} MiB", flush=True)  # fmt: skip
+        print_fetch("blob_fetch_3", three)
         big = fetch_rows(work / "big", args.big_size_mib * MIB, 1, 1) if args.big_size_mib else None
         if big is not None:
-            rss = big["peak_rss_mib"]
-            print(f"{'blob_fetch_big':<16}{big['mb_s']:>10.1f} MB/s  peak RSS {rss:.0f} MiB "
-                  f"({args.big_size_mib} MiB blob)", flush=True)  # fmt: skip
+            print_fetch("blob_fetch_big", big, f" ({args.big_size_mib} MiB blob)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -190,6 +202,15 @@ def main(argv: list[str] | None = None) -> int:
         args.json_out.write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json_out}")
     return 0
+
+
+def print_fetch(name: str, row: dict[str, Any], note: str = "") -> None:
+    print(
+        f"{name:<16}{row['mb_s']:>10.1f} MB/s  peak RSS {row['peak_rss_mib']:.0f} MiB  "
+        f"transfer {row['seconds']:.2f} s, CPU: servers {row['servers_cpu_s']:.2f} s, "
+        f"fetcher {row['fetcher_cpu_s']:.2f} s (whole process){note}",
+        flush=True,
+    )
 
 
 def _fast_available() -> bool:
