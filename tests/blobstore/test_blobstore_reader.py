@@ -36,7 +36,8 @@ def test_partial_blob_serves_only_persisted_verified_chunks(tmp_path: Path) -> N
             reader.read(0)
 
 
-def test_bit_rot_is_caught_only_when_verifying(tmp_path: Path) -> None:
+def bit_rotted_blob(tmp_path: Path) -> tuple[Store, str, bytes]:
+    """A two-chunk blob of zeros whose chunk 1 has one byte changed on disk."""
     store = Store.open(tmp_path / "s")
     data = bytes(2 * CHUNK)
     blob_id = store.put_bytes(data, chunk_size=CHUNK)
@@ -45,6 +46,11 @@ def test_bit_rot_is_caught_only_when_verifying(tmp_path: Path) -> None:
     with path.open("r+b") as f:
         f.seek(CHUNK + 7)
         f.write(b"\x01")
+    return store, blob_id, data
+
+
+def test_bit_rot_is_caught_only_when_verifying(tmp_path: Path) -> None:
+    store, blob_id, data = bit_rotted_blob(tmp_path)
     with store.open_reader(blob_id) as reader:
         with pytest.raises(CorruptChunk, match="chunk 1"):
             reader.read(1, verify=True)
@@ -127,14 +133,7 @@ def test_read_into_a_truncated_file_is_a_corrupt_chunk(tmp_path: Path, cached_on
 
 
 def test_read_into_checks_the_hash_only_when_verifying(tmp_path: Path) -> None:
-    store = Store.open(tmp_path / "s")
-    data = bytes(2 * CHUNK)
-    blob_id = store.put_bytes(data, chunk_size=CHUNK)
-    path = store.path(blob_id)
-    path.chmod(0o644)
-    with path.open("r+b") as f:
-        f.seek(CHUNK + 7)
-        f.write(b"\x01")
+    store, blob_id, _ = bit_rotted_blob(tmp_path)
     with store.open_reader(blob_id) as reader:
         out = bytearray(CHUNK)
         with pytest.raises(CorruptChunk, match="chunk 1"):
