@@ -2,8 +2,9 @@
 
 Theory of operation
 1. The manifest is taken from a partial blob already in the store (resume) or asked of
-   providers one by one; it is accepted only if its BLAKE3 equals the blob ID, so a lying
-   peer cannot change what "the blob" is.
+   up to ``MANIFEST_FANOUT`` providers at once, the first good answer winning (a stale
+   provider record costs nothing while another peer answers); it is accepted only if its
+   BLAKE3 equals the blob ID, so a lying peer cannot change what "the blob" is.
 2. Free disk space for the missing bytes is checked before the partial blob is created.
 3. ``p2p.scheduler.Scheduler`` decides which chunk ranges go to which peer; this module
    only performs its decisions: one task per provider asks ``have`` and then runs a few
@@ -52,6 +53,8 @@ FLUSH_INTERVAL = 2.0
 CONTROL_TIMEOUT = 15.0
 # With no usable provider left, wait this long for discovery to find another.
 STALL_GRACE = 10.0
+# Providers asked for the manifest at the same time.
+MANIFEST_FANOUT = 4
 # Pauses before a provider that was unreachable, busy or dropped is tried again.
 PEER_RETRY_PAUSES = (1.0, 3.0, 9.0)
 # Progress callbacks are rate-limited so a fast transfer does not spend time reporting.
@@ -533,28 +536,45 @@ async def _manifest_from_network(
     more: trio.MemoryReceiveChannel[str] | None,
     discovery_timeout: float,
 ) -> Manifest:
-    pending = list(candidates)
+    """The first valid manifest from the candidates, and from peers that discovery sends
+    within ``discovery_timeout``; up to MANIFEST_FANOUT are asked at once."""
+    found: list[Manifest] = []
+    fanout = trio.Semaphore(MANIFEST_FANOUT)
     deadline = trio.current_time() + discovery_timeout
-    while True:
-        while pending:
-            peer = pending.pop(0)
-            if peer in asked:
-                continue
-            asked.add(peer)
-            manifest = await fetch_manifest(network, blob_id, peer)
-            if manifest is not None:
-                return manifest
-        if more is None:
-            break
-        with trio.move_on_at(deadline):
+
+    async with trio.open_nursery() as nursery:
+
+        async def ask(peer: str) -> None:
             try:
-                peer = await more.receive()
-            except (trio.EndOfChannel, trio.ClosedResourceError):
-                break
-            candidates.append(peer)
-            pending.append(peer)
-            continue
-        break
+                manifest = await fetch_manifest(network, blob_id, peer)
+            finally:
+                fanout.release()
+            if manifest is not None and not found:
+                found.append(manifest)
+                nursery.cancel_scope.cancel()
+
+        async def start(peer: str) -> None:
+            """Ask ``peer`` once a slot is free (candidates are asked in their order)."""
+            if peer not in asked:
+                await fanout.acquire()
+                asked.add(peer)
+                nursery.start_soon(ask, peer)
+
+        async def listen(more: trio.MemoryReceiveChannel[str]) -> None:
+            with trio.move_on_at(deadline):
+                try:
+                    async for peer in more:
+                        candidates.append(peer)
+                        await start(peer)
+                except trio.ClosedResourceError:
+                    pass
+
+        if more is not None:
+            nursery.start_soon(listen, more)
+        for peer in list(candidates):
+            await start(peer)
+    if found:
+        return found[0]
     if not asked:
         raise NoProviders(f"no provider found for {blob_id}")
     raise NoProviders(f"none of {len(asked)} peer(s) asked holds {blob_id}")

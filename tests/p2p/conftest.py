@@ -18,6 +18,10 @@ from typing import Any
 
 import pytest
 
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # helper modules beside this file import by name
+    sys.path.insert(0, str(HERE))
+
 HOSTILE_NODE = Path(__file__).with_name("hostile_node.py")
 READY_TIMEOUT = 60.0
 LISTEN = "/ip4/127.0.0.1/tcp/0"

@@ -1,0 +1,106 @@
+"""The downloader asks several providers for the manifest at once: a stale provider record
+(a peer that never answers) must not delay the start of a fetch by its whole timeout.
+
+Runs on trio's autojump clock, so timeouts cost virtual time only, and over in-memory
+streams whose far end is a real sans-IO ServerConnection.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import trio
+from fake_stream import FakeStream
+
+from blobstore import Manifest
+from p2p import downloader
+from p2p import protocol as proto
+from p2p.errors import NoProviders
+
+CHUNK = 64 * 1024
+DATA = os.urandom(3 * CHUNK + 5)
+MANIFEST = Manifest.of_bytes(DATA, chunk_size=CHUNK)
+BLOB_ID = MANIFEST.blob_id
+
+
+def answering(manifest: bytes) -> FakeStream:
+    def serve(server: proto.ServerConnection, request: proto.Request) -> tuple[bytes, bool]:
+        assert isinstance(request, proto.ManifestRequest)
+        return server.send_response(proto.ManifestResponse(manifest)), False
+
+    return FakeStream(serve)
+
+
+class Network:
+    """Peers by name: "silent" ones never open a stream, "liar" ones send a manifest that
+    does not match the ID, "good" ones answer."""
+
+    def __init__(self, kinds: dict[str, str]) -> None:
+        self.kinds = kinds
+        self.opened: list[str] = []
+
+    async def open_blob_stream(self, peer: str) -> Any:
+        self.opened.append(peer)
+        kind = self.kinds[peer]
+        if kind == "silent":
+            await trio.sleep_forever()
+        if kind == "liar":
+            other = Manifest.of_bytes(b"something else", chunk_size=CHUNK)
+            return answering(other.encode())
+        return answering(MANIFEST.encode())
+
+
+async def fetch(network: Network, candidates: list[str], more: Any = None) -> Manifest:
+    return await downloader._manifest_from_network(
+        network, BLOB_ID, candidates, set(), more, discovery_timeout=10.0
+    )
+
+
+async def test_silent_peers_do_not_delay_the_manifest(autojump_clock: trio.abc.Clock) -> None:
+    silent = [f"silent{i}" for i in range(downloader.MANIFEST_FANOUT - 1)]
+    network = Network({**dict.fromkeys(silent, "silent"), "liar": "liar", "good": "good"})
+    start = trio.current_time()
+    manifest = await fetch(network, [*silent, "liar", "good"])
+    assert manifest.blob_id == BLOB_ID
+    # One at a time, each silent peer would have cost CONTROL_TIMEOUT first.
+    assert trio.current_time() - start < downloader.CONTROL_TIMEOUT
+    assert "good" in network.opened
+
+
+async def test_at_most_fanout_peers_are_asked_at_once(autojump_clock: trio.abc.Clock) -> None:
+    silent = [f"silent{i}" for i in range(downloader.MANIFEST_FANOUT + 2)]
+    network = Network({**dict.fromkeys(silent, "silent"), "good": "good"})
+    start = trio.current_time()
+    manifest = await fetch(network, [*silent, "good"])
+    assert manifest.blob_id == BLOB_ID
+    # The first FANOUT silent peers held every slot until their timeout; only then were
+    # the others (and the good one) asked.
+    waited = trio.current_time() - start
+    assert downloader.CONTROL_TIMEOUT <= waited < 2 * downloader.CONTROL_TIMEOUT
+    assert network.opened[: downloader.MANIFEST_FANOUT] == silent[: downloader.MANIFEST_FANOUT]
+
+
+async def test_a_peer_found_later_by_discovery_is_asked(autojump_clock: trio.abc.Clock) -> None:
+    network = Network({"silent": "silent", "late": "good"})
+    send, receive = trio.open_memory_channel[str](4)
+    candidates = ["silent"]
+
+    async def discover() -> None:
+        await trio.sleep(1.0)
+        await send.send("late")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(discover)
+        manifest = await fetch(network, candidates, receive)
+    assert manifest.blob_id == BLOB_ID
+    assert candidates == ["silent", "late"]  # kept for the transfer that follows
+
+
+async def test_no_good_answer_is_no_providers(autojump_clock: trio.abc.Clock) -> None:
+    network = Network({"silent": "silent", "liar": "liar"})
+    with pytest.raises(NoProviders, match="none of 2"):
+        await fetch(network, ["silent", "liar"])
+    with pytest.raises(NoProviders, match="no provider"):
+        await fetch(network, [])
