@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from p2p.blocking import BlockingNode
+    from p2p.blocking import BlockingNode, NodeStopped
     from p2p.downloader import Progress
     from p2p.errors import BadTicket, FetchFailed, NoProviders, P2PError, PeerUnreachable
     from p2p.node import Node, NodeConfig, open_node
@@ -23,6 +23,7 @@ __all__ = [
     "NoProviders",
     "Node",
     "NodeConfig",
+    "NodeStopped",
     "P2PError",
     "PeerUnreachable",
     "Progress",
@@ -32,6 +33,7 @@ __all__ = [
 
 _WHERE = {
     "BlockingNode": "p2p.blocking",
+    "NodeStopped": "p2p.blocking",
     "Progress": "p2p.downloader",
     "BadTicket": "p2p.errors",
     "FetchFailed": "p2p.errors",

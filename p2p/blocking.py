@@ -20,6 +20,7 @@ import trio
 
 from blobstore import Store
 from p2p.downloader import ProgressCallback
+from p2p.errors import P2PError
 from p2p.node import DEFAULT_LISTEN, Node, open_node
 
 T = TypeVar("T")
@@ -29,6 +30,11 @@ START_TIMEOUT = 60.0
 
 class NodeNotRunning(RuntimeError):
     """The facade was used before ``start()`` or after ``close()`` (a caller bug)."""
+
+
+class NodeStopped(P2PError):
+    """The node's thread ended on its own (it crashed) while the facade was open; the
+    message says why. Start a new BlockingNode to go on."""
 
 
 class BlockingNode:
@@ -55,6 +61,8 @@ class BlockingNode:
         self._stop: trio.Event | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        # Why the node's loop ended while the facade was open (None while it runs).
+        self._stopped: str | None = None
         self._thread: threading.Thread | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -93,10 +101,16 @@ class BlockingNode:
     def _thread_main(self) -> None:
         try:
             trio.run(self._main)
-        except BaseException as exc:  # reported to the caller through start()
+        except BaseException as exc:  # reported through start(), or by the next call
             if not self._ready.is_set():
                 self._error = exc
                 self._ready.set()
+            else:
+                self._stopped = f"{type(exc).__name__}: {exc}"
+        else:
+            stop = self._stop
+            if stop is not None and not stop.is_set():
+                self._stopped = "its event loop ended"
 
     async def _main(self) -> None:
         async with open_node(self._store_root, **self._kwargs) as node:
@@ -106,19 +120,31 @@ class BlockingNode:
             self._ready.set()
             await self._stop.wait()
 
-    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _check_alive(self) -> None:
+        if self._stopped is not None:
+            raise NodeStopped(f"the blobnet node stopped: {self._stopped}")
         if self._node is None or self._token is None:
             raise NodeNotRunning("BlockingNode is not running: use it in a with block")
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._check_alive()
 
         async def run() -> Any:
             return await fn(*args, **kwargs)
 
-        return trio.from_thread.run(run, trio_token=self._token)
+        try:
+            return trio.from_thread.run(run, trio_token=self._token)
+        except trio.RunFinishedError:
+            # The loop ended between the check and the call, or while the call ran.
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+            self._check_alive()
+            raise NodeStopped("the blobnet node stopped during the call") from None
 
     @property
     def node(self) -> Node:
-        if self._node is None:
-            raise NodeNotRunning("BlockingNode is not running: use it in a with block")
+        self._check_alive()
+        assert self._node is not None
         return self._node
 
     # --- the node's API ------------------------------------------------------------------
