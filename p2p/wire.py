@@ -17,10 +17,6 @@ from p2p import protocol as proto
 from p2p.buffers import ChunkBuffers
 from p2p.fast import fast_stream_of, read_into
 
-# Reads of at least 1 MiB: small reads cost py-libp2p 35-40% of its throughput
-# (research/perf.md); larger ones fetch a whole chunk body per call.
-READ_SIZE = 1024 * 1024
-
 
 class StreamLost(Exception):
     """The stream or its connection failed under us (reset, closed, timed out)."""

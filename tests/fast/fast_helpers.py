@@ -20,9 +20,10 @@ from p2pd_client import DaemonConn
 
 import p2p.fast as fast
 from p2p.fast import FastSecureConn, FastYamuxConn
-from p2p.wire import READ_SIZE
 
 ECHO = TProtocol("/blobnet-test/echo/1.0.0")
+# What a DaemonStream read without a size asks the daemon's unix socket for.
+DAEMON_READ_SIZE = 1024 * 1024
 LOOPBACK = Multiaddr("/ip4/127.0.0.1/tcp/0")
 _LEN = struct.Struct(">Q")
 # Echo replies are written in pieces of this size as they are read.
@@ -177,7 +178,7 @@ class DaemonStream:
         self.muxed_conn = DaemonPeerConn(ID(peer))
 
     async def read(self, n: int | None = None) -> bytes:
-        return await self.conn.receive_some(n or READ_SIZE)
+        return await self.conn.receive_some(n or DAEMON_READ_SIZE)
 
     async def write(self, data: bytes) -> None:
         await self.conn.send_all(data)
