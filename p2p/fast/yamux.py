@@ -540,9 +540,9 @@ class FastYamuxConn(IMuxedConn):
             if st is None and plen >= NUDGE_MIN:
                 idle = session.idle_reader_stream(plen)
                 if idle is not None:
-                    # Its reader has consumed everything and may be a step away from
-                    # blocking in readinto (e.g. it just read a message header): let it run
-                    # once, so this payload can go straight into its buffer.
+                    # Its reader may be a step away from blocking in readinto (e.g. it was
+                    # woken for a message header now queued): let it run once, so this
+                    # payload can go straight into its buffer instead of the queue.
                     idle.nudged = True
                     await trio.lowlevel.checkpoint()
                     st = session.direct_stream(plen)

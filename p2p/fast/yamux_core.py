@@ -366,13 +366,15 @@ class YamuxSession:
             self._pool.append(obj)
 
     def idle_reader_stream(self, nbytes: int) -> Stream | None:
-        """The stream the next `nbytes` of plaintext are payload for, when nothing is queued
-        for it and it has no `readinto` buffer yet (its reader may be about to block in
-        one), else None."""
+        """The stream the next `nbytes` of plaintext are payload for, when they cannot go
+        straight into its reader's buffer yet (it has no `readinto` buffer, or bytes are
+        queued ahead of them) and it has not been nudged since it last consumed: its reader
+        may be one scheduler step away from taking what is queued (a filled buffer, a
+        message header) and blocking in `readinto` again. Else None."""
         if self._payload_left < nbytes or self._hdr:
             return None
         st = self._payload_stream
-        if st is None or st.target is not None or st.queue or st.nudged:
+        if st is None or st.nudged or (st.target is not None and not st.queue):
             return None
         return st
 

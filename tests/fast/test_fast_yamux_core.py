@@ -231,6 +231,27 @@ def test_direct_stream_only_for_whole_frames_of_payload() -> None:
     assert target[50:51] == b"!"
 
 
+def test_a_reader_with_queued_bytes_or_no_buffer_is_nudged_once_per_read() -> None:
+    """Payload that cannot go straight into the reader's buffer (none yet, or bytes queued
+    ahead of it) names the stream to nudge, once until its reader consumes again; a
+    reader blocked in readinto with nothing queued is the direct path's, not a nudge."""
+    b = YamuxSession(is_initiator=False)
+    b.receive(frame(TYPE_DATA, FLAG_SYN, 1, 4, b"head"))  # a message header, queued
+    st = b.accepted.popleft()
+    b.receive(HEADER.pack(0, TYPE_DATA, 0, 1, 64))  # 64 payload bytes announced
+    assert b.idle_reader_stream(64) is st, "no readinto buffer yet"
+    st.target = memoryview(bytearray(100))
+    assert b.idle_reader_stream(64) is st, "a buffer, but the header is queued ahead"
+    assert b.direct_stream(64) is None
+    st.nudged = True
+    assert b.idle_reader_stream(64) is None, "nudged once already"
+    assert b.pop(st, 4) == b"head"  # the reader ran: consumed, blocked again
+    assert not st.nudged
+    assert b.idle_reader_stream(64) is None
+    assert b.direct_stream(64) is st
+    assert b.idle_reader_stream(65) is None, "more than the frame's payload left"
+
+
 def test_session_budget_limits_growth_across_streams() -> None:
     budget = 512 * 1024
     b = YamuxSession(is_initiator=False, session_window=budget)
