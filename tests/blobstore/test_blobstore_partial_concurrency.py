@@ -39,6 +39,15 @@ def misaligned_copy(data: bytes) -> memoryview:
     return memoryview(buf)[1:]
 
 
+needs_o_direct = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
+
+
+def assert_published(store: Store, blob_id: str, data: bytes) -> None:
+    """The blob is complete in the store, byte-identical, and verifies."""
+    assert store.path(blob_id).read_bytes() == data
+    assert store.verify(blob_id) == []
+
+
 def require_o_direct(tmp_path: Path) -> None:
     """Skip unless tmp_path's file system takes an aligned O_DIRECT write."""
     probe = tmp_path / "o_direct_probe"
@@ -87,7 +96,7 @@ def open_fds() -> int:
 # --- (a) O_DIRECT -------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+@needs_o_direct
 def test_aligned_chunks_from_an_mmap_go_through_the_direct_descriptor(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -111,11 +120,10 @@ def test_aligned_chunks_from_an_mmap_go_through_the_direct_descriptor(
     blob_id = partial.publish()
     assert partial._direct_fd is None
     assert open_fds() == fds_before  # both descriptors closed on publish
-    assert store.path(blob_id).read_bytes() == data
-    assert store.verify(blob_id) == []
+    assert_published(store, blob_id, data)
 
 
-@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+@needs_o_direct
 def test_unaligned_buffers_and_a_short_last_chunk_use_the_ordinary_descriptor(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -143,11 +151,10 @@ def test_unaligned_buffers_and_a_short_last_chunk_use_the_ordinary_descriptor(
         assert partial.write_chunk(3, aligned_copy(chunk_of(data, manifest, 3)))
         assert [(c.fd, c.offset, c.length, c.error) for c in calls] == [(plain, 3 * C, 100, None)]
         blob_id = partial.publish()
-    assert store.path(blob_id).read_bytes() == data
-    assert store.verify(blob_id) == []
+    assert_published(store, blob_id, data)
 
 
-@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+@needs_o_direct
 def test_a_block_multiple_last_chunk_is_written_directly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -162,8 +169,7 @@ def test_a_block_multiple_last_chunk_is_written_directly(
         assert {c.fd for c in calls} == {partial._direct_fd}
         assert calls[-1].length == 8192
         blob_id = partial.publish()
-    assert store.path(blob_id).read_bytes() == data
-    assert store.verify(blob_id) == []
+    assert_published(store, blob_id, data)
 
 
 def test_without_o_direct_support_every_write_uses_the_plain_descriptor(
@@ -188,8 +194,7 @@ def test_without_o_direct_support_every_write_uses_the_plain_descriptor(
         assert len(opens) == 1
         assert {c.fd for c in calls} == {partial._data_fd}
         blob_id = partial.publish()
-    assert store.path(blob_id).read_bytes() == data
-    assert store.verify(blob_id) == []
+    assert_published(store, blob_id, data)
 
 
 def test_einval_from_the_direct_descriptor_falls_back_and_other_errors_surface(
@@ -272,8 +277,7 @@ def test_many_threads_write_distinct_and_duplicate_chunks(tmp_path: Path) -> Non
         assert partial.is_complete
         assert partial.bitmap == bm.full_bitmap(n)
         blob_id = partial.publish()
-    assert store.path(blob_id).read_bytes() == data
-    assert store.verify(blob_id) == []
+    assert_published(store, blob_id, data)
 
 
 def test_two_writers_racing_on_one_chunk_count_it_once(
