@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -339,20 +339,28 @@ def encode_dense(tensors: Mapping[str, Any]) -> bytes:
 # --- decoding ------------------------------------------------------------------------
 
 
-class _Reader:
-    def __init__(self, data: bytes) -> None:
+class ByteReader:
+    """Sequential reads of a byte string; running past its end raises ``truncated(what)``,
+    so each format names its own error (the codec's, the state blob's)."""
+
+    def __init__(self, data: bytes, truncated: Callable[[str], Exception]) -> None:
         self.data = data
         self.pos = 0
+        self._truncated = truncated
 
     def take(self, n: int, what: str) -> bytes:
         if n < 0 or self.pos + n > len(self.data):
-            raise CodecError(f"update truncated in the {what}")
+            raise self._truncated(what)
         out = self.data[self.pos : self.pos + n]
         self.pos += n
         return out
 
     def remaining(self) -> int:
         return len(self.data) - self.pos
+
+
+def _truncated_update(what: str) -> CodecError:
+    return CodecError(f"update truncated in the {what}")
 
 
 @dataclass(frozen=True)
@@ -365,7 +373,7 @@ class Decoded:
 
 
 def _parse_header(
-    reader: _Reader,
+    reader: ByteReader,
     max_elements: int,
     expected: Mapping[str, tuple[int, ...]] | None,
 ) -> tuple[int, CodecParams | None, list[tuple[str, tuple[int, ...]]]]:
@@ -439,7 +447,7 @@ def _payload_size(params: CodecParams | None, numel: int) -> int:
 
 
 def _parse_sparse(
-    reader: _Reader, name: str, shape: tuple[int, ...], params: CodecParams
+    reader: ByteReader, name: str, shape: tuple[int, ...], params: CodecParams
 ) -> SparseTensor:
     numel = _numel(shape)
     counts = _chunk_counts(numel, params)
@@ -483,7 +491,7 @@ def decode(
 
     ``expected`` (name -> shape), when given, must match the update's tensors exactly.
     """
-    reader = _Reader(bytes(data))
+    reader = ByteReader(bytes(data), _truncated_update)
     scheme, params, shapes = _parse_header(reader, max_elements, expected)
     size = sum(_payload_size(params, _numel(shape)) for _, shape in shapes)
     if size != reader.remaining():
@@ -503,7 +511,7 @@ def decode(
 
 def decode_sparse(data: bytes) -> tuple[CodecParams, dict[str, SparseTensor]]:
     """Parse a top-k update without decompressing it (for inspection and tests)."""
-    reader = _Reader(bytes(data))
+    reader = ByteReader(bytes(data), _truncated_update)
     _scheme, params, shapes = _parse_header(reader, MAX_ELEMENTS, None)
     if params is None:
         raise CodecError("dense update where a top-k one was expected")

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from training.codec import F32, MAX_ELEMENTS, MAX_NAME_LEN, MAX_NDIM, MAX_TENSORS
+from training.codec import F32, MAX_ELEMENTS, MAX_NAME_LEN, MAX_NDIM, MAX_TENSORS, ByteReader
 from training.errors import TrainingError
 from training.outer import OuterState
 
@@ -73,28 +73,15 @@ def encode_state(state: OuterState) -> bytes:
     return b"".join(parts)
 
 
-class _Reader:
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.pos = 0
-
-    def take(self, n: int, what: str) -> bytes:
-        if n > len(self.data) - self.pos:
-            raise BadStateBlob(f"state blob ends inside its {what}")
-        out = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return out
-
-    @property
-    def remaining(self) -> int:
-        return len(self.data) - self.pos
+def _truncated(what: str) -> BadStateBlob:
+    return BadStateBlob(f"state blob ends inside its {what}")
 
 
 def decode_state(
     data: bytes, *, expected: Mapping[str, tuple[int, ...]] | None = None
 ) -> OuterState:
     """Strictly parse a state blob; ``expected`` (name -> shape) must then match exactly."""
-    reader = _Reader(bytes(data))
+    reader = ByteReader(bytes(data), _truncated)
     magic, version, dtype, reserved, round_, count = _HEAD.unpack(reader.take(_HEAD.size, "header"))
     if magic != MAGIC:
         raise BadStateBlob("not a global-state blob (bad magic)")
@@ -130,9 +117,9 @@ def decode_state(
         if total > MAX_ELEMENTS:
             raise BadStateBlob(f"state blob holds more than {MAX_ELEMENTS} values")
         shapes.append((name, tuple(int(d) for d in dims)))
-    if reader.remaining != 2 * 4 * total:
+    if reader.remaining() != 2 * 4 * total:
         raise BadStateBlob(
-            f"state blob payload is {reader.remaining} bytes; its header says {8 * total}"
+            f"state blob payload is {reader.remaining()} bytes; its header says {8 * total}"
         )
     if expected is not None and dict(shapes) != dict(expected):
         raise BadStateBlob("state blob tensors do not match the model's names and shapes")
