@@ -9,10 +9,13 @@
 - :class:`Authority` issues :class:`AdmissionCertificate` s; :func:`verify_certificate`
   checks them against a :class:`TrustStore` (authorities + :class:`RevocationList`).
 - :func:`sign_attestation` / :func:`verify_attestation`: domain-separated signed claims.
+- :func:`decode_msgpack_map`: the bounded, strict msgpack map parse every signed or
+  canonical format here starts from (training's records and messages use it too).
 """
 
 from __future__ import annotations
 
+from ._codec import decode_map as decode_msgpack_map
 from .attestation import (
     ATTESTATION_DOMAIN,
     MAX_ATTESTATION_SIZE,
@@ -95,6 +98,7 @@ __all__ = [
     "TrustStore",
     "WrongPassphrase",
     "create_key_file",
+    "decode_msgpack_map",
     "ensure_key",
     "format_public_key",
     "load_key_file",

@@ -10,6 +10,7 @@ and every other alternative spelling in one check.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -25,12 +26,19 @@ def encode(fields: dict[str, Any]) -> bytes:
     return data
 
 
-def decode_map(data: bytes, *, max_size: int, what: str) -> dict[str, Any]:
-    """Parse ``data`` as one msgpack map (at most ``max_size`` bytes)."""
+def decode_map(
+    data: bytes,
+    *,
+    max_size: int,
+    what: str,
+    error: Callable[[str], Exception] = CodecError,
+) -> dict[str, Any]:
+    """Parse ``data`` as one msgpack map (at most ``max_size`` bytes); anything else raises
+    ``error(message)`` (formats outside this package pass their own error type)."""
     if not isinstance(data, bytes | bytearray | memoryview):
-        raise CodecError(f"{what} must be bytes, not {type(data).__name__}")
+        raise error(f"{what} must be bytes, not {type(data).__name__}")
     if len(data) > max_size:
-        raise CodecError(f"{what} is {len(data)} bytes, more than the limit of {max_size}")
+        raise error(f"{what} is {len(data)} bytes, more than the limit of {max_size}")
     try:
         obj = msgpack.unpackb(
             bytes(data),
@@ -47,9 +55,9 @@ def decode_map(data: bytes, *, max_size: int, what: str) -> dict[str, Any]:
     # ValueError, UnicodeDecodeError, TypeError for unhashable keys...): this is the one
     # boundary where they all become our error.
     except Exception as exc:
-        raise CodecError(f"{what} is not valid msgpack: {exc}") from None
+        raise error(f"{what} is not valid msgpack: {exc}") from None
     if not isinstance(obj, dict):
-        raise CodecError(f"{what} must be a msgpack map, not {type(obj).__name__}")
+        raise error(f"{what} must be a msgpack map, not {type(obj).__name__}")
     return obj
 
 

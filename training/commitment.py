@@ -39,6 +39,7 @@ from typing import Any
 import blake3
 import msgpack
 
+from identity import decode_msgpack_map
 from training.errors import BadRoundRecord
 from training.kernel_class import KernelClass
 from training.recipe import MAX_STEPS, Recipe, recipe_hash
@@ -87,15 +88,7 @@ def pack(obj: dict[str, Any]) -> bytes:
 
 
 def unpack_map(data: bytes, max_size: int, what: str) -> dict[str, Any]:
-    if len(data) > max_size:
-        raise BadRoundRecord(f"{what} is {len(data)} bytes, more than {max_size}")
-    try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated exception types
-        raise BadRoundRecord(f"{what} is not msgpack: {exc}") from None
-    if not isinstance(obj, dict):
-        raise BadRoundRecord(f"{what} is not a msgpack map")
-    return obj
+    return decode_msgpack_map(data, max_size=max_size, what=what, error=BadRoundRecord)
 
 
 def _blob_id(value: Any, what: str) -> str:

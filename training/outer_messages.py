@@ -50,6 +50,7 @@ from identity import (
     Attestation,
     Rejected,
     TrustStore,
+    decode_msgpack_map,
     verify_attestation,
     verify_certificate,
 )
@@ -205,22 +206,7 @@ def _addrs(fields: Mapping[str, Any]) -> tuple[str, ...]:
 
 def decode_message(data: bytes) -> Message:
     """Strictly parse an announcement; raises :class:`BadMessage` only."""
-    if len(data) > MAX_MESSAGE_SIZE:
-        raise BadMessage(f"announcement is {len(data)} bytes (at most {MAX_MESSAGE_SIZE})")
-    try:
-        obj = msgpack.unpackb(
-            bytes(data),
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-            max_ext_len=0,
-        )
-    # msgpack raises many types for hostile input; this is the one place they all become
-    # the sender's fault.
-    except Exception as exc:
-        raise BadMessage(f"announcement is not msgpack: {exc}") from None
-    if type(obj) is not dict:
-        raise BadMessage("announcement is not a map")
+    obj = decode_msgpack_map(data, max_size=MAX_MESSAGE_SIZE, what="announcement", error=BadMessage)
     if _take(obj, "v", int) != MESSAGE_VERSION:
         raise BadMessage("announcement has an unknown version")
     kind = _take(obj, "type", str)

@@ -22,6 +22,7 @@ from typing import Any
 import blake3
 import msgpack
 
+from identity import decode_msgpack_map
 from training.errors import BadRecipe
 from training.records import MAX_SEQ_LEN
 
@@ -126,14 +127,7 @@ class Recipe:
     @classmethod
     def decode(cls, data: bytes) -> Recipe:
         """Strict decode: exact key set, exact types, and the bytes must be canonical."""
-        if len(data) > MAX_RECIPE_SIZE:
-            raise BadRecipe(f"recipe is {len(data)} bytes, more than {MAX_RECIPE_SIZE}")
-        try:
-            obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-        except Exception as exc:  # msgpack raises several unrelated exception types
-            raise BadRecipe(f"recipe is not msgpack: {exc}") from None
-        if not isinstance(obj, dict):
-            raise BadRecipe("recipe is not a msgpack map")
+        obj = decode_msgpack_map(data, max_size=MAX_RECIPE_SIZE, what="recipe", error=BadRecipe)
         names = {f.name for f in fields(cls)}
         if set(obj) != names | {"v"}:
             raise BadRecipe(f"recipe keys {sorted(obj)} are not {sorted(names | {'v'})}")
