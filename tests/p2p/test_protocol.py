@@ -734,3 +734,11 @@ def test_truncated_error_fits_the_limit_at_a_character_boundary() -> None:
     assert error.message == "é" * (MAX_ERROR_MESSAGE // 2)
     assert encode_response_header(error)
     assert ErrorResponse.truncated(ErrorCode.BUSY, "short").message == "short"
+
+
+def test_the_largest_chunk_header_fits_the_servers_room_for_it() -> None:
+    """The server writes each chunk header into HEADER_ROOM bytes just before the body."""
+    from p2p.server import HEADER_ROOM
+
+    largest = protocol.encode_chunk_header(protocol.MAX_NUM_CHUNKS - 1, MAX_CHUNK_SIZE)
+    assert len(largest) <= HEADER_ROOM
