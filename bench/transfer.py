@@ -14,11 +14,13 @@ Rows (medians of --runs, MB/s = MiB/s):
   blob_fetch_3     the same blob from three serving processes at once
 
 The fetch rate is the transfer time the fetcher reports (from the first request to the
-published blob), not process start-up; the fetcher's peak RSS comes from wait4(). CPU
-seconds are printed too: the fetcher's whole process (start-up included, about 1.5 s of
-imports) from wait4(), the serving processes' during the fetch from /proc. On a machine
-with about one usable core, a fetch is CPU-bound when fetcher + servers CPU is close to
-the transfer time.
+published blob), not process start-up; the fetcher's peak RSS comes from wait4(). Every
+row also prints the CPU it cost per MiB moved, both ends together: for the stack rows the
+sender's and receiver's CPU during the transfer, for a fetch the fetcher's CPU from its
+request for the manifest to publication (`cpu_s` in `blob get --json`; start-up and
+imports excluded) plus the serving processes' during the fetch, from /proc. On a machine
+with about one usable core the rate follows from that cost, so it says where a fetch
+stands against the lean pipe even when the machine's speed swings.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def fetch(store: Path, key: Path, blob_id: str, peers: list[str]) -> dict[str, A
         raise SystemExit(f"fetch failed with exit status {proc.returncode}")
     result: dict[str, Any] = json.loads(out)
     result["peak_rss_mib"] = usage.ru_maxrss / 1024
-    result["fetcher_cpu_s"] = usage.ru_utime + usage.ru_stime
+    result["fetcher_process_cpu_s"] = usage.ru_utime + usage.ru_stime
     return result
 
 
@@ -130,7 +132,7 @@ def fetch_rows(work: Path, size: int, runs: int, providers: int) -> dict[str, An
             rates.append(size / MIB / result["seconds"])
             seconds.append(result["seconds"])
             rss.append(result["peak_rss_mib"])
-            fetcher_cpu.append(result["fetcher_cpu_s"])
+            fetcher_cpu.append(result["cpu_s"])
             shutil.rmtree(target)
         return {
             "size_mib": size // MIB,
@@ -141,6 +143,9 @@ def fetch_rows(work: Path, size: int, runs: int, providers: int) -> dict[str, An
             "peak_rss_mib": max(rss),
             "fetcher_cpu_s": statistics.median(fetcher_cpu),
             "servers_cpu_s": statistics.median(server_cpu),
+            "cpu_ms_per_mib": statistics.median(
+                1000 * (f + c) / (size / MIB) for f, c in zip(fetcher_cpu, server_cpu, strict=True)
+            ),
         }
     finally:
         for proc in procs:
@@ -166,12 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     multi = (args.multi_size_mib or args.size_mib) * MIB
 
     limits: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     for mode in ("raw_tcp", "lean_pipe", "libp2p_default", "fast_stream"):
         if mode == "fast_stream" and not _fast_available():
             continue
         row = stack.run_row(mode, size, args.runs)
         limits[mode] = row.median_mb_s
-        print(f"{mode:<16}{row.median_mb_s:>10.1f} MB/s", flush=True)
+        cpu[mode] = statistics.median(
+            1000 * (r.sender_cpu_s + r.receiver_cpu_s) / row.size_mib for r in row.reps
+        )
+        print(
+            f"{mode:<16}{row.median_mb_s:>10.1f} MB/s  CPU {cpu[mode]:.2f} ms per MiB "
+            "(both processes)",
+            flush=True,
+        )
 
     work = Path(tempfile.mkdtemp(prefix="blobnet-bench-", dir=args.dir))
     try:
@@ -195,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"goal fetch >= 0.75x lean pipe: {'met' if goal_lean else 'NOT met'}")
     print(f"goal fetch >= 5x py-libp2p default stream: {'met' if goal_default else 'NOT met'}")
     print(f"goal fetcher peak RSS < 256 MiB: {'met' if goal_rss else 'NOT met'}")
-    report = {"limits_mb_s": limits, "blob_fetch": one, "blob_fetch_3": three,
-              "blob_fetch_big": big, "ratios": ratios, "runs": args.runs}  # fmt: skip
+    report = {"limits_mb_s": limits, "limits_cpu_ms_per_mib": cpu, "blob_fetch": one,
+              "blob_fetch_3": three, "blob_fetch_big": big, "ratios": ratios,
+              "runs": args.runs}  # fmt: skip
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(report, indent=2))
@@ -207,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
 def print_fetch(name: str, row: dict[str, Any], note: str = "") -> None:
     print(
         f"{name:<16}{row['mb_s']:>10.1f} MB/s  peak RSS {row['peak_rss_mib']:.0f} MiB  "
-        f"transfer {row['seconds']:.2f} s, CPU: servers {row['servers_cpu_s']:.2f} s, "
-        f"fetcher {row['fetcher_cpu_s']:.2f} s (whole process){note}",
+        f"transfer {row['seconds']:.2f} s, CPU {row['cpu_ms_per_mib']:.2f} ms per MiB "
+        f"(servers {row['servers_cpu_s']:.2f} s + fetcher {row['fetcher_cpu_s']:.2f} s){note}",
         flush=True,
     )
 

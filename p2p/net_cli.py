@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import signal
 import sys
 from collections.abc import Sequence
@@ -24,6 +25,12 @@ if TYPE_CHECKING:
 # libp2p takes seconds to import, so p2p.node is imported inside the commands that run a
 # node: `blob put` and friends stay fast.
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+
+
+def process_cpu_s() -> float:
+    """User + system CPU seconds of this process so far, all threads included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _store(ctx: click.Context) -> Store:
@@ -209,10 +216,14 @@ def get(
         bar = ProgressBar(enabled=not no_progress and not as_json and sys.stderr.isatty())
         key_path = _key_path(ctx)
         final: list[Progress] = []
+        # This process's CPU seconds (all threads) from the fetch's start to its end, for
+        # benchmarks: start-up and imports excluded.
+        cpu_marks: list[float] = []
 
         def on_progress(progress: Progress) -> None:
             bar(progress)
             if progress.finished:
+                cpu_marks.append(process_cpu_s())
                 final.append(progress)
 
         from p2p.node import NodeConfig, open_node
@@ -227,6 +238,7 @@ def get(
         async def main() -> str:
             async with open_node(store, key_path=key_path, config=config) as node:
                 # A one-shot fetcher does not announce: it is gone once the blob is here.
+                cpu_marks.append(process_cpu_s())
                 return await node.fetch(ref, providers=peers, progress=on_progress, announce=False)
 
         try:
@@ -238,6 +250,7 @@ def get(
             stats["rate_bytes_per_s"] = final[-1].rate_bytes_per_s
             stats["seconds"] = final[-1].elapsed
             stats["duplicate_bytes"] = final[-1].duplicate_bytes
+            stats["cpu_s"] = round(cpu_marks[-1] - cpu_marks[0], 3)
             stats["peers"] = {
                 peer: {"bytes": final[-1].new_bytes.get(peer, 0), "banned": s.banned}
                 for peer, s in final[-1].peers.items()
