@@ -9,6 +9,10 @@ Rows (medians of --runs, MB/s = MiB/s):
   lean_pipe        ChaCha20-Poly1305 frames + BLAKE3 per MiB, blocking sockets (bench/stack.py)
   libp2p_default   one py-libp2p 0.8.1 Noise + yamux stream, 1 MiB writes (bench/stack.py)
   fast_stream      one stream over blobnet's own Noise + yamux (bench/stack.py)
+  fast_stream_blake3  the same, with BLAKE3 of each MiB on the receiver: the lean pipe's
+                   work over libp2p, so fast_stream_blake3/lean_pipe is what the Noise and
+                   yamux layers cost, and blob_fetch/fast_stream_blake3 what the blob layer
+                   (store reads and writes, requests, per-chunk work) costs on top
   blob_fetch       `blob get` from one `blob serve` process: manifest, have, chunk ranges,
                    every chunk verified and written into a fresh store, published by rename
   blob_fetch_3     the same blob from three serving processes at once
@@ -172,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
 
     limits: dict[str, float] = {}
     cpu: dict[str, float] = {}
-    for mode in ("raw_tcp", "lean_pipe", "libp2p_default", "fast_stream"):
-        if mode == "fast_stream" and not _fast_available():
+    for mode in ("raw_tcp", "lean_pipe", "libp2p_default", "fast_stream", "fast_stream_blake3"):
+        if mode.startswith("fast_stream") and not _fast_available():
             continue
         row = stack.run_row(mode, size, args.runs)
         limits[mode] = row.median_mb_s
@@ -181,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             1000 * (r.sender_cpu_s + r.receiver_cpu_s) / row.size_mib for r in row.reps
         )
         print(
-            f"{mode:<16}{row.median_mb_s:>10.1f} MB/s  CPU {cpu[mode]:.2f} ms per MiB "
+            f"{mode:<19}{row.median_mb_s:>8.1f} MB/s  CPU {cpu[mode]:.2f} ms per MiB "
             "(both processes)",
             flush=True,
         )
@@ -199,9 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     ratios = {f"blob_fetch/{k}": one["mb_s"] / v for k, v in limits.items() if v > 0}
+    if limits.get("fast_stream_blake3") and limits.get("lean_pipe"):
+        # The transport alone (Noise + yamux + BLAKE3, no store, no blob protocol).
+        ratios["fast_stream_blake3/lean_pipe"] = limits["fast_stream_blake3"] / limits["lean_pipe"]
     print()
     for name, value in ratios.items():
-        print(f"{name:<28}{value:>8.3f}")
+        print(f"{name:<32}{value:>8.3f}")
     goal_lean = ratios.get("blob_fetch/lean_pipe", 0) >= 0.75
     goal_default = ratios.get("blob_fetch/libp2p_default", 0) >= 5
     goal_rss = one["peak_rss_mib"] < 256
@@ -220,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_fetch(name: str, row: dict[str, Any], note: str = "") -> None:
     print(
-        f"{name:<16}{row['mb_s']:>10.1f} MB/s  peak RSS {row['peak_rss_mib']:.0f} MiB  "
+        f"{name:<19}{row['mb_s']:>8.1f} MB/s  peak RSS {row['peak_rss_mib']:.0f} MiB  "
         f"transfer {row['seconds']:.2f} s, CPU {row['cpu_ms_per_mib']:.2f} ms per MiB "
         f"(servers {row['servers_cpu_s']:.2f} s + fetcher {row['fetcher_cpu_s']:.2f} s){note}",
         flush=True,
