@@ -95,7 +95,6 @@ def fetch(store: Path, key: Path, blob_id: str, peers: list[str]) -> dict[str, A
         raise SystemExit(f"fetch failed with exit status {proc.returncode}")
     result: dict[str, Any] = json.loads(out)
     result["peak_rss_mib"] = usage.ru_maxrss / 1024
-    result["fetcher_process_cpu_s"] = usage.ru_utime + usage.ru_stime
     return result
 
 

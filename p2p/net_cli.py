@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 
 
-def process_cpu_s() -> float:
+def _own_cpu_s() -> float:
     """User + system CPU seconds of this process so far, all threads included."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -223,7 +223,7 @@ def get(
         def on_progress(progress: Progress) -> None:
             bar(progress)
             if progress.finished:
-                cpu_marks.append(process_cpu_s())
+                cpu_marks.append(_own_cpu_s())
                 final.append(progress)
 
         from p2p.node import NodeConfig, open_node
@@ -238,7 +238,7 @@ def get(
         async def main() -> str:
             async with open_node(store, key_path=key_path, config=config) as node:
                 # A one-shot fetcher does not announce: it is gone once the blob is here.
-                cpu_marks.append(process_cpu_s())
+                cpu_marks.append(_own_cpu_s())
                 return await node.fetch(ref, providers=peers, progress=on_progress, announce=False)
 
         try:
