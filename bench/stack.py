@@ -10,6 +10,10 @@ Rows (sender = this process, receiver = a child process, 127.0.0.1):
   fast_stream        blobnet's p2p.fast Noise + yamux, one stream, 1 MiB writes, receiver
                      uses read_into (straight into its buffer)
   fast_stream_blake3 as fast_stream, plus BLAKE3 of each 1 MiB chunk on the receiver
+  bare_fetch         a blob fetch's essential work in plain blocking Python: chunks read from
+                     a file, blobnet's wire format (Noise, yamux, chunk headers), each chunk
+                     verified and written with O_DIRECT (bench/bare_fetch.py): the pure-Python
+                     floor for a fetch
 
 Each rep times the transfer only (connection set up beforehand), from the first byte sent to
 the receiver's acknowledgement that it has everything; the figure is MiB/s (reported as MB/s),
@@ -201,8 +205,9 @@ def _make_host(kind: str) -> Any:
 
 
 class _Child:
-    def __init__(self, mode: str, reps: int) -> None:
+    def __init__(self, mode: str, reps: int, extra: tuple[str, ...] = ()) -> None:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", mode, "--reps", str(reps)]
+        cmd += extra
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONPATH": path}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
@@ -223,6 +228,9 @@ class _Child:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        finally:
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
 
 
 def _send_blocking(mode: str, size: int, reps: int) -> list[Rep]:
@@ -307,6 +315,14 @@ def _send_libp2p(mode: str, size: int, reps: int) -> list[Rep]:
     return out
 
 
+def _send_bare_fetch(size: int, reps: int, directory: Path | None) -> list[Rep]:
+    import bare_fetch  # bench/bare_fetch.py, next to this file
+
+    extra = ("--dir", str(directory)) if directory else ()
+    runs = bare_fetch.send(size, reps, lambda: _Child("bare_fetch", reps, extra), directory)
+    return [Rep(size / MIB / dt, dt, scpu, rcpu) for dt, scpu, rcpu in runs]
+
+
 MODES: dict[str, Callable[[str, int, int], list[Rep]]] = {
     "raw_tcp": _send_blocking,
     "lean_pipe": _send_blocking,
@@ -314,10 +330,14 @@ MODES: dict[str, Callable[[str, int, int], list[Rep]]] = {
     "fast_stream": _send_libp2p,
     "fast_stream_blake3": _send_libp2p,
 }
+ROWS = [*MODES, "bare_fetch"]
 
 
-def run_row(mode: str, size: int, reps: int = 3) -> Row:
-    """Run `reps` transfers of `size` bytes for one stack (one child process)."""
+def run_row(mode: str, size: int, reps: int = 3, directory: Path | None = None) -> Row:
+    """Run `reps` transfers of `size` bytes for one stack (one child process). Only
+    bare_fetch touches the disk, in `directory` (default: the system's temp directory)."""
+    if mode == "bare_fetch":
+        return Row(mode, size // MIB, _send_bare_fetch(size, reps, directory))
     return Row(mode, size // MIB, MODES[mode](mode, size, reps))
 
 
@@ -343,6 +363,11 @@ def measure_libp2p_default(size: int, reps: int = 1) -> float:
 def measure_fast_stream(size: int, reps: int = 1) -> float:
     """MB/s of one blobnet fast-path stream, 1 MiB writes, receiver reading into its buffer."""
     return _median_mb_s("fast_stream", size, reps)
+
+
+def measure_bare_fetch(size: int, reps: int = 1) -> float:
+    """MB/s of a fetch's essential work in plain blocking Python (bench/bare_fetch.py)."""
+    return _median_mb_s("bare_fetch", size, reps)
 
 
 def measure_fast_stream_blake3(size: int, reps: int = 1) -> float:
@@ -377,21 +402,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Transport stack benchmark (see module doc)")
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--only", nargs="*", choices=sorted(MODES), help="run only these rows")
+    parser.add_argument("--only", nargs="*", choices=sorted(ROWS), help="run only these rows")
     parser.add_argument("--json-out", type=Path, help="also write the results as JSON")
-    parser.add_argument("--child", choices=sorted(MODES), help=argparse.SUPPRESS)
+    parser.add_argument("--dir", type=Path, help="where bare_fetch puts its files (default /tmp)")
+    parser.add_argument("--child", choices=sorted(ROWS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         if args.child in ("raw_tcp", "lean_pipe"):
             _child_blocking(args.child, args.reps)
+        elif args.child == "bare_fetch":
+            import bare_fetch  # bench/bare_fetch.py, next to this file
+
+            bare_fetch.child(args.reps, args.dir)
         else:
             _child_libp2p(args.child, args.reps)
         return 0
     size = args.size_mib * MIB
     rows = []
-    for mode in args.only or list(MODES):
+    for mode in args.only or ROWS:
         print(f"running {mode} ({args.size_mib} MiB x {args.reps})...", file=sys.stderr)
-        rows.append(run_row(mode, size, args.reps))
+        rows.append(run_row(mode, size, args.reps, args.dir))
     print(_table(rows))
     if args.json_out:
         doc = {

@@ -13,6 +13,12 @@ Rows (medians of --runs, MB/s = MiB/s):
                    work over libp2p, so fast_stream_blake3/lean_pipe is what the Noise and
                    yamux layers cost, and blob_fetch/fast_stream_blake3 what the blob layer
                    (store reads and writes, requests, per-chunk work) costs on top
+  bare_fetch       a fetch's essential work in plain blocking Python: chunks read from a
+                   file, blobnet's wire format, each chunk verified and written with
+                   O_DIRECT (bench/bare_fetch.py). The pure-Python floor for a fetch:
+                   bare_fetch/lean_pipe is what the fetch's extra work (disk read and write,
+                   64 KiB Noise frames, headers) costs at best, blob_fetch/bare_fetch what
+                   the real stack costs on top
   blob_fetch       `blob get` from one `blob serve` process: manifest, have, chunk ranges,
                    every chunk verified and written into a fresh store, published by rename
   blob_fetch_3     the same blob from three serving processes at once
@@ -175,22 +181,22 @@ def main(argv: list[str] | None = None) -> int:
 
     limits: dict[str, float] = {}
     cpu: dict[str, float] = {}
-    for mode in ("raw_tcp", "lean_pipe", "libp2p_default", "fast_stream", "fast_stream_blake3"):
-        if mode.startswith("fast_stream") and not _fast_available():
-            continue
-        row = stack.run_row(mode, size, args.runs)
-        limits[mode] = row.median_mb_s
-        cpu[mode] = statistics.median(
-            1000 * (r.sender_cpu_s + r.receiver_cpu_s) / row.size_mib for r in row.reps
-        )
-        print(
-            f"{mode:<19}{row.median_mb_s:>8.1f} MB/s  CPU {cpu[mode]:.2f} ms per MiB "
-            "(both processes)",
-            flush=True,
-        )
-
     work = Path(tempfile.mkdtemp(prefix="blobnet-bench-", dir=args.dir))
     try:
+        for mode in stack.ROWS:
+            if mode.startswith("fast_stream") and not _fast_available():
+                continue
+            row = stack.run_row(mode, size, args.runs, work)
+            limits[mode] = row.median_mb_s
+            cpu[mode] = statistics.median(
+                1000 * (r.sender_cpu_s + r.receiver_cpu_s) / row.size_mib for r in row.reps
+            )
+            print(
+                f"{mode:<19}{row.median_mb_s:>8.1f} MB/s  CPU {cpu[mode]:.2f} ms per MiB "
+                "(both processes)",
+                flush=True,
+            )
+
         one = fetch_rows(work, size, args.runs, providers=1)
         print_fetch("blob_fetch", one)
         three = fetch_rows(work / "multi", multi, args.runs, providers=3)
@@ -205,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     if limits.get("fast_stream_blake3") and limits.get("lean_pipe"):
         # The transport alone (Noise + yamux + BLAKE3, no store, no blob protocol).
         ratios["fast_stream_blake3/lean_pipe"] = limits["fast_stream_blake3"] / limits["lean_pipe"]
+    if limits.get("bare_fetch") and limits.get("lean_pipe"):
+        # The best a pure-Python fetch could do, against the lean pipe.
+        ratios["bare_fetch/lean_pipe"] = limits["bare_fetch"] / limits["lean_pipe"]
     print()
     for name, value in ratios.items():
         print(f"{name:<32}{value:>8.3f}")
