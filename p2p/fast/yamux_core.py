@@ -366,15 +366,16 @@ class YamuxSession:
             self._pool.append(obj)
 
     def idle_reader_stream(self, nbytes: int) -> Stream | None:
-        """The stream the next `nbytes` of plaintext are payload for, when they cannot go
-        straight into its reader's buffer yet (it has no `readinto` buffer, or bytes are
-        queued ahead of them) and it has not been nudged since it last consumed: its reader
-        may be one scheduler step away from taking what is queued (a filled buffer, a
-        message header) and blocking in `readinto` again. Else None."""
+        """The stream the next `nbytes` of plaintext are payload for, when bytes are queued
+        ahead of them (so they cannot go straight into its reader's buffer yet) and it has
+        not been nudged since it last consumed: its reader may be one scheduler step away
+        from taking what is queued (a message header, say) and blocking in `readinto`
+        again. Else None: with nothing queued, the reader waits for these very bytes (a
+        header inside this frame) or is busy elsewhere, and letting it run cannot help."""
         if self._payload_left < nbytes or self._hdr:
             return None
         st = self._payload_stream
-        if st is None or st.nudged or (st.target is not None and not st.queue):
+        if st is None or st.nudged or not st.queue:
             return None
         return st
 

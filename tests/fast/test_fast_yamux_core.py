@@ -231,10 +231,11 @@ def test_direct_stream_only_for_whole_frames_of_payload() -> None:
     assert target[50:51] == b"!"
 
 
-def test_a_reader_with_queued_bytes_or_no_buffer_is_nudged_once_per_read() -> None:
-    """Payload that cannot go straight into the reader's buffer (none yet, or bytes queued
-    ahead of it) names the stream to nudge, once until its reader consumes again; a
-    reader blocked in readinto with nothing queued is the direct path's, not a nudge."""
+def test_a_reader_with_queued_bytes_is_nudged_once_per_read() -> None:
+    """Payload that cannot go straight into the reader's buffer because bytes are queued
+    ahead of it (with or without a buffer posted) names the stream to nudge, once until its
+    reader consumes again; a reader blocked in readinto with nothing queued is the direct
+    path's, not a nudge."""
     b = YamuxSession(is_initiator=False)
     b.receive(frame(TYPE_DATA, FLAG_SYN, 1, 4, b"head"))  # a message header, queued
     st = b.accepted.popleft()
@@ -250,6 +251,20 @@ def test_a_reader_with_queued_bytes_or_no_buffer_is_nudged_once_per_read() -> No
     assert b.idle_reader_stream(64) is None
     assert b.direct_stream(64) is st
     assert b.idle_reader_stream(65) is None, "more than the frame's payload left"
+
+
+def test_a_reader_with_nothing_queued_is_not_nudged() -> None:
+    """A nudge lets a reader take what is queued and post its buffer. With nothing queued
+    its reader waits for these very bytes (a header inside this frame) or is busy
+    elsewhere, and a scheduler round trip cannot help."""
+    b = YamuxSession(is_initiator=False)
+    b.receive(frame(TYPE_DATA, FLAG_SYN, 1, 4, b"head"))
+    st = b.accepted.popleft()
+    assert b.pop(st, 4) == b"head"
+    b.receive(HEADER.pack(0, TYPE_DATA, 0, 1, 64))
+    assert st.target is None
+    assert not st.nudged
+    assert b.idle_reader_stream(64) is None
 
 
 def test_session_budget_limits_growth_across_streams() -> None:
