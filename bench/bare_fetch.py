@@ -57,12 +57,8 @@ def _cpu() -> float:
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    pos = 0
-    while pos < len(view):
-        n = sock.recv_into(view[pos:])
-        if n == 0:
-            raise EOFError("peer went away")
-        pos += n
+    if sock.recv_into(view, len(view), socket.MSG_WAITALL) != len(view):
+        raise EOFError("peer went away")
 
 
 def _open_direct(path: Path) -> int:
