@@ -10,6 +10,11 @@ Rows (sender = this process, receiver = a child process, 127.0.0.1):
   fast_stream        blobnet's p2p.fast Noise + yamux, one stream, 1 MiB writes, receiver
                      uses read_into (straight into its buffer)
   fast_stream_blake3 as fast_stream, plus BLAKE3 of each 1 MiB chunk on the receiver
+  fast_stream_store  as fast_stream, but the receiver does a fetch's store work: each chunk
+                     lands in a pooled buffer and is verified and written into a partial blob
+                     of a real store by a worker thread, exactly as the downloader does, and
+                     the blob is published at the end. Between fast_stream_blake3 and a blob
+                     fetch, it splits what the store costs from what the protocol costs
   bare_fetch         a blob fetch's essential work in plain blocking Python: chunks read from
                      a file, blobnet's wire format (Noise, yamux, chunk headers), each chunk
                      verified and written with O_DIRECT (bench/bare_fetch.py): the pure-Python
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import resource
 import socket
 import statistics
@@ -78,7 +84,8 @@ def _cpu() -> float:
 
 
 def _payload() -> memoryview:
-    return memoryview(os.urandom(CHUNK))
+    # The same bytes in both processes, so a receiver can know each chunk's hash up front.
+    return memoryview(random.Random(CHUNK).randbytes(CHUNK))
 
 
 # ----------------------------------------------------------------------------- children
@@ -131,7 +138,7 @@ def _child_blocking(mode: str, reps: int) -> None:
     conn.close()
 
 
-def _child_libp2p(mode: str, reps: int) -> None:
+def _child_libp2p(mode: str, reps: int, directory: Path | None) -> None:
     import trio
     from libp2p.custom_types import TProtocol
 
@@ -154,7 +161,9 @@ def _child_libp2p(mode: str, reps: int) -> None:
         assert await read_exactly_into(stream, head) == 8
         (size,) = _LEN.unpack(head)
         cpu0 = _cpu()
-        left = size
+        left = 0 if mode == "fast_stream_store" else size
+        if mode == "fast_stream_store":
+            await _receive_into_store(stream, size, directory)
         while left:
             want = min(left, CHUNK)
             if mode == "libp2p_default":
@@ -185,6 +194,52 @@ def _child_libp2p(mode: str, reps: int) -> None:
             await trio.sleep(0.2)
 
     trio.run(main)
+
+
+async def _receive_into_store(stream: Any, size: int, directory: Path | None) -> None:
+    """Receive `size` bytes of `_payload()` chunks as the downloader does (pooled buffers,
+    each chunk verified and written by `PartialBlob.write_chunk` from a ChunkWriter) into a
+    fresh store under `directory`, and publish the blob."""
+    import tempfile
+
+    import trio
+    from blake3 import blake3
+
+    from blobstore import Manifest, Store
+    from p2p.buffers import ChunkBuffers
+    from p2p.chunk_writer import ChunkWriter
+    from p2p.downloader import BUFFER_POOL_BYTES, MIN_BUFFERS
+    from p2p.fast import read_exactly_into
+
+    payload = _payload()
+    hashes = blake3(payload).digest() * (size // CHUNK)
+    if size % CHUNK:
+        hashes += blake3(payload[: size % CHUNK]).digest()
+    manifest = Manifest(size=size, chunk_size=CHUNK, hashes=hashes)
+    with tempfile.TemporaryDirectory(prefix="blobnet-bench-store-", dir=directory) as root:
+        store = Store.open(root)
+        partial = await trio.to_thread.run_sync(store.begin_partial, manifest)
+        buffers = ChunkBuffers(CHUNK, max(MIN_BUFFERS, BUFFER_POOL_BYTES // CHUNK))
+
+        async def write(writer: ChunkWriter, index: int, body: memoryview) -> None:
+            try:
+                if not await writer.write(index, body):
+                    raise RuntimeError(f"chunk {index} was already written")
+            finally:
+                buffers.release(body)
+
+        try:
+            async with ChunkWriter(partial) as writer, trio.open_nursery() as writers:
+                for index in range(manifest.num_chunks):
+                    body = memoryview(await buffers.acquire())[: manifest.chunk_span(index)[1]]
+                    if await read_exactly_into(stream, body) != len(body):
+                        raise EOFError("sender went away")
+                    writers.start_soon(write, writer, index, body)
+            await trio.to_thread.run_sync(partial.publish)
+        finally:
+            await trio.to_thread.run_sync(partial.close)
+        if not store.has(manifest.blob_id):
+            raise RuntimeError("the received blob was not published")
 
 
 def _make_host(kind: str) -> Any:
@@ -272,7 +327,7 @@ def _send_blocking(mode: str, size: int, reps: int) -> list[Rep]:
     return out
 
 
-def _send_libp2p(mode: str, size: int, reps: int) -> list[Rep]:
+def _send_libp2p(mode: str, size: int, reps: int, directory: Path | None = None) -> list[Rep]:
     import trio
     from libp2p.custom_types import TProtocol
     from libp2p.peer.peerinfo import info_from_p2p_addr
@@ -281,7 +336,7 @@ def _send_libp2p(mode: str, size: int, reps: int) -> list[Rep]:
     from p2p.fast import read_exactly_into
 
     proto = TProtocol("/blobnet-bench/sink/1.0.0")
-    child = _Child(mode, reps)
+    child = _Child(mode, reps, ("--dir", str(directory)) if directory else ())
     out: list[Rep] = []
 
     async def main() -> None:
@@ -329,15 +384,19 @@ MODES: dict[str, Callable[[str, int, int], list[Rep]]] = {
     "libp2p_default": _send_libp2p,
     "fast_stream": _send_libp2p,
     "fast_stream_blake3": _send_libp2p,
+    "fast_stream_store": _send_libp2p,
 }
 ROWS = [*MODES, "bare_fetch"]
 
 
 def run_row(mode: str, size: int, reps: int = 3, directory: Path | None = None) -> Row:
     """Run `reps` transfers of `size` bytes for one stack (one child process). Only
-    bare_fetch touches the disk, in `directory` (default: the system's temp directory)."""
+    bare_fetch and fast_stream_store touch the disk, in `directory` (default: the system's
+    temp directory)."""
     if mode == "bare_fetch":
         return Row(mode, size // MIB, _send_bare_fetch(size, reps, directory))
+    if mode == "fast_stream_store":
+        return Row(mode, size // MIB, _send_libp2p(mode, size, reps, directory))
     return Row(mode, size // MIB, MODES[mode](mode, size, reps))
 
 
@@ -404,7 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--only", nargs="*", choices=sorted(ROWS), help="run only these rows")
     parser.add_argument("--json-out", type=Path, help="also write the results as JSON")
-    parser.add_argument("--dir", type=Path, help="where bare_fetch puts its files (default /tmp)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        help="where bare_fetch and fast_stream_store put their files (default /tmp)",
+    )
     parser.add_argument("--child", choices=sorted(ROWS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -415,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
 
             bare_fetch.child(args.reps, args.dir)
         else:
-            _child_libp2p(args.child, args.reps)
+            _child_libp2p(args.child, args.reps, args.dir)
         return 0
     size = args.size_mib * MIB
     rows = []

@@ -13,6 +13,11 @@ Rows (medians of --runs, MB/s = MiB/s):
                    work over libp2p, so fast_stream_blake3/lean_pipe is what the Noise and
                    yamux layers cost, and blob_fetch/fast_stream_blake3 what the blob layer
                    (store reads and writes, requests, per-chunk work) costs on top
+  fast_stream_store  the same stream, its receiver doing a fetch's store work (pooled
+                   buffers, each chunk verified and written into a partial blob by the
+                   downloader's writer threads, published at the end): with
+                   fast_stream_blake3 and blob_fetch it splits the fetch's cost into
+                   transport, store and blob protocol
   bare_fetch       a fetch's essential work in plain blocking Python: chunks read from a
                    file, blobnet's wire format, each chunk verified and written with
                    O_DIRECT (bench/bare_fetch.py). The pure-Python floor for a fetch:
@@ -211,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     if limits.get("fast_stream_blake3") and limits.get("lean_pipe"):
         # The transport alone (Noise + yamux + BLAKE3, no store, no blob protocol).
         ratios["fast_stream_blake3/lean_pipe"] = limits["fast_stream_blake3"] / limits["lean_pipe"]
+    if limits.get("fast_stream_store") and limits.get("fast_stream_blake3"):
+        # What writing into the store (verified, O_DIRECT, from threads) costs the stream.
+        ratios["fast_stream_store/fast_stream_blake3"] = (
+            limits["fast_stream_store"] / limits["fast_stream_blake3"]
+        )
     if limits.get("bare_fetch") and limits.get("lean_pipe"):
         # The best a pure-Python fetch could do, against the lean pipe.
         ratios["bare_fetch/lean_pipe"] = limits["bare_fetch"] / limits["lean_pipe"]

@@ -1,5 +1,6 @@
-"""bench/bare_fetch.py: the pure-Python floor of a fetch must do a fetch's real work (its
-figures are compared with the real fetch), and refuse bytes that are not what was sent."""
+"""bench/bare_fetch.py (the pure-Python floor of a fetch) and bench/stack.py's
+fast_stream_store row must do a fetch's real work (their figures are compared with the
+real fetch), and refuse bytes that are not what was sent."""
 
 from __future__ import annotations
 
@@ -72,3 +73,16 @@ def test_bare_fetch_row_moves_verified_chunks_between_processes(tmp_path: Path) 
     assert [rep.seconds > 0 and rep.mb_s > 0 for rep in row.reps] == [True, True]
     assert all(rep.sender_cpu_s > 0 and rep.receiver_cpu_s > 0 for rep in row.reps)
     assert list(tmp_path.iterdir()) == []  # source and destination files cleaned up
+
+
+@pytest.mark.slow
+def test_fast_stream_store_row_publishes_a_verified_blob_between_processes(
+    tmp_path: Path,
+) -> None:
+    # The receiving child verifies every chunk against the payload's hashes, writes it
+    # into a real store and publishes the blob; a chunk that failed or a blob that did not
+    # publish kills the child before it acknowledges, and run_row raises.
+    row = stack.run_row("fast_stream_store", 3 * MiB + 1000, reps=2, directory=tmp_path)
+    assert [rep.seconds > 0 and rep.mb_s > 0 for rep in row.reps] == [True, True]
+    assert all(rep.receiver_cpu_s > 0 for rep in row.reps)
+    assert list(tmp_path.iterdir()) == []  # each rep's store removed
