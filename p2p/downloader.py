@@ -11,10 +11,9 @@ Theory of operation
    stream workers, each sending one ``get`` at a time under the request's deadline.
 4. A chunk body is received straight into a pooled, page-aligned buffer
    (``p2p.buffers``) and written to the partial blob only through
-   ``PartialBlob.write_chunk``, which hashes it against the manifest first. That runs in
-   one of the download's writer threads (``p2p.chunk_writer``) while the stream goes on
-   receiving the next chunk into another buffer: a request's writes are awaited before
-   its outcome reaches the scheduler. A mismatch
+   ``PartialBlob.write_chunk``, which hashes it against the manifest first. That runs in a
+   worker thread while the stream goes on receiving the next chunk into another buffer:
+   a request's writes are awaited before its outcome reaches the scheduler. A mismatch
    bans the peer for this download, resets its stream and returns its ranges to the pool.
    Two copies of one chunk (endgame) are never written at once: the second waits for the
    first and is kept only if the first failed.
@@ -42,7 +41,6 @@ import trio
 from blobstore import BlobExists, CorruptChunk, Manifest, NoSpace, PartialBlob, Store
 from p2p import protocol as proto
 from p2p.buffers import ChunkBuffers
-from p2p.chunk_writer import ChunkWriter
 from p2p.errors import FetchFailed, NoProviders
 from p2p.scheduler import PeerStats, RequestTicket, Scheduler, SchedulerConfig
 from p2p.wire import BlobClient, StreamLost, reset_quietly
@@ -165,7 +163,6 @@ class Download:
         store: Store,
         manifest: Manifest,
         partial: PartialBlob,
-        writer: ChunkWriter,
         *,
         config: SchedulerConfig,
         progress: ProgressCallback | None,
@@ -175,7 +172,6 @@ class Download:
         self.manifest = manifest
         self.blob_id = manifest.blob_id
         self.partial = partial
-        self.writer = writer
         self.config = config
         self.progress = progress
         verified = set(range(manifest.num_chunks)) - set(partial.missing())
@@ -431,7 +427,7 @@ class Download:
     ) -> None:
         try:
             # Not abandoned on cancel: the thread owns the buffer until it returns.
-            await self.writer.write(index, data)
+            await trio.to_thread.run_sync(self.partial.write_chunk, index, data)
         except CorruptChunk:
             writes.bad_index = index
         except Exception as exc:  # the store failed; _run_ticket re-raises it
@@ -500,11 +496,8 @@ async def download_blob(
     except BlobExists:
         return  # completed meanwhile (by another task or process)
     try:
-        async with ChunkWriter(partial) as writer:
-            download = Download(
-                network, store, manifest, partial, writer, config=config, progress=progress
-            )
-            await _run(download, candidates, more_providers, discovery_timeout)
+        download = Download(network, store, manifest, partial, config=config, progress=progress)
+        await _run(download, candidates, more_providers, discovery_timeout)
         await download.flush()
         await trio.to_thread.run_sync(partial.publish)
         download._report(force=True)
