@@ -197,9 +197,10 @@ def _child_libp2p(mode: str, reps: int, directory: Path | None) -> None:
 
 
 async def _receive_into_store(stream: Any, size: int, directory: Path | None) -> None:
-    """Receive `size` bytes of `_payload()` chunks as the downloader does (pooled buffers,
-    each chunk verified and written by `PartialBlob.write_chunk` in a worker thread) into a
-    fresh store under `directory`, and publish the blob."""
+    """Receive `size` bytes of `_payload()` chunks as the downloader does (pooled buffers;
+    each chunk hashed on arrival where the downloader does so, verified and written by
+    `PartialBlob.write_chunk` from a ChunkWriter) into a fresh store under `directory`, and
+    publish the blob."""
     import tempfile
 
     import trio
@@ -207,7 +208,8 @@ async def _receive_into_store(stream: Any, size: int, directory: Path | None) ->
 
     from blobstore import Manifest, Store
     from p2p.buffers import ChunkBuffers
-    from p2p.downloader import BUFFER_POOL_BYTES, MIN_BUFFERS
+    from p2p.chunk_writer import ChunkWriter
+    from p2p.downloader import BUFFER_POOL_BYTES, HASH_ON_ARRIVAL, MIN_BUFFERS
     from p2p.fast import read_exactly_into
 
     payload = _payload()
@@ -220,20 +222,23 @@ async def _receive_into_store(stream: Any, size: int, directory: Path | None) ->
         partial = await trio.to_thread.run_sync(store.begin_partial, manifest)
         buffers = ChunkBuffers(CHUNK, max(MIN_BUFFERS, BUFFER_POOL_BYTES // CHUNK))
 
-        async def write(index: int, body: memoryview) -> None:
+        async def write(
+            writer: ChunkWriter, index: int, body: memoryview, digest: bytes | None
+        ) -> None:
             try:
-                if not await trio.to_thread.run_sync(partial.write_chunk, index, body):
+                if not await writer.write(index, body, digest):
                     raise RuntimeError(f"chunk {index} was already written")
             finally:
                 buffers.release(body)
 
         try:
-            async with trio.open_nursery() as writers:
+            async with ChunkWriter(partial) as writer, trio.open_nursery() as writers:
                 for index in range(manifest.num_chunks):
                     body = memoryview(await buffers.acquire())[: manifest.chunk_span(index)[1]]
                     if await read_exactly_into(stream, body) != len(body):
                         raise EOFError("sender went away")
-                    writers.start_soon(write, index, body)
+                    digest = blake3(body).digest() if HASH_ON_ARRIVAL else None
+                    writers.start_soon(write, writer, index, body, digest)
             await trio.to_thread.run_sync(partial.publish)
         finally:
             await trio.to_thread.run_sync(partial.close)

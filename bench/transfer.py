@@ -14,8 +14,8 @@ Rows (medians of --runs, MB/s = MiB/s):
                    yamux layers cost, and blob_fetch/fast_stream_blake3 what the blob layer
                    (store reads and writes, requests, per-chunk work) costs on top
   fast_stream_store  the same stream, its receiver doing a fetch's store work (pooled
-                   buffers, each chunk verified and written into a partial blob from a
-                   worker thread, published at the end): with
+                   buffers, each chunk verified and written into a partial blob as the
+                   downloader does, published at the end): with
                    fast_stream_blake3 and blob_fetch it splits the fetch's cost into
                    transport, store and blob protocol
   bare_fetch       a fetch's essential work in plain blocking Python: chunks read from a

@@ -190,12 +190,17 @@ class PartialBlob:
         if self._closed:
             raise StoreError(f"partial blob {self.blob_id[:12]} is closed")
 
-    def write_chunk(self, index: int, data: bytes | bytearray | memoryview) -> bool:
+    def write_chunk(
+        self, index: int, data: bytes | bytearray | memoryview, *, digest: bytes | None = None
+    ) -> bool:
         """Verify chunk ``index`` against the manifest, then write it; True if this call
         added it, False if it was already verified (then nothing is written).
 
-        Raises CorruptChunk (and writes nothing) on a wrong length or hash. Safe to call
-        from several threads at once (see the module docstring).
+        ``digest``, if given, is the caller's BLAKE3 of exactly ``data``: a downloader
+        hashes each chunk as it arrives, while its bytes are still in the CPU's cache, and
+        the comparison with the manifest still happens here. Raises CorruptChunk (and
+        writes nothing) on a wrong length or hash. Safe to call from several threads at
+        once (see the module docstring).
         """
         self._check_open()
         offset, length = self.manifest.chunk_span(index)
@@ -207,7 +212,9 @@ class PartialBlob:
                 f"chunk {index} of blob {self.blob_id[:12]} has {len(view)} bytes, "
                 f"expected {length}; discarded"
             )
-        if blake3(view).digest() != self.manifest.chunk_hash(index):
+        if digest is None:
+            digest = blake3(view).digest()
+        if digest != self.manifest.chunk_hash(index):
             raise CorruptChunk(
                 f"chunk {index} of blob {self.blob_id[:12]} does not match its hash; discarded"
             )

@@ -11,12 +11,15 @@ Theory of operation
    stream workers, each sending one ``get`` at a time under the request's deadline.
 4. A chunk body is received straight into a pooled, page-aligned buffer
    (``p2p.buffers``) and written to the partial blob only through
-   ``PartialBlob.write_chunk``, which hashes it against the manifest first. That runs in a
-   worker thread while the stream goes on receiving the next chunk into another buffer:
-   a request's writes are awaited before its outcome reaches the scheduler. A mismatch
-   bans the peer for this download, resets its stream and returns its ranges to the pool.
-   Two copies of one chunk (endgame) are never written at once: the second waits for the
-   first and is kept only if the first failed.
+   ``PartialBlob.write_chunk``, which checks its BLAKE3 against the manifest first. On a
+   machine with two CPUs or fewer the hash is taken on arrival, on the event loop, while
+   the bytes are still in cache (``HASH_ON_ARRIVAL``); the write (and elsewhere the hash)
+   runs in one of the download's writer threads (``p2p.chunk_writer``) while the stream
+   goes on receiving the next chunk into another buffer. A request's writes are awaited
+   before its outcome reaches the scheduler. A mismatch bans the peer for this download,
+   resets its stream and returns its ranges to the pool. Two copies of one chunk
+   (endgame) are never written at once: the second waits for the first and is kept only
+   if the first failed.
 5. Providers may join at any time through a channel (DHT results, connected peers); a
    provider that stalls past its deadline loses its ranges to the others.
 6. The partial blob is flushed (data fsync, then bitmap) every ``FLUSH_INTERVAL`` and at
@@ -41,6 +44,7 @@ import trio
 from blobstore import BlobExists, CorruptChunk, Manifest, NoSpace, PartialBlob, Store
 from p2p import protocol as proto
 from p2p.buffers import ChunkBuffers
+from p2p.chunk_writer import ChunkWriter, usable_cpus
 from p2p.errors import FetchFailed, NoProviders
 from p2p.scheduler import PeerStats, RequestTicket, Scheduler, SchedulerConfig
 from p2p.wire import BlobClient, StreamLost, reset_quietly
@@ -63,6 +67,12 @@ PROGRESS_INTERVAL = 0.25
 # memory, but never fewer than MIN_BUFFERS chunks, so every stream can keep one body
 # arriving while another is written.
 BUFFER_POOL_BYTES = 32 * 1024 * 1024
+# Hash each chunk on the event loop as it arrives, leaving only the write to a thread. On
+# two vCPUs this made the store's share of a fetch about 25% faster (p2p.chunk_writer has
+# the figures): the bytes are still in the receiving core's cache, and the writer thread
+# takes the GIL once per chunk. With more cores, hashing in the writer threads keeps the
+# event loop free for receiving.
+HASH_ON_ARRIVAL = usable_cpus() <= 2
 MIN_BUFFERS = 4
 
 
@@ -163,6 +173,7 @@ class Download:
         store: Store,
         manifest: Manifest,
         partial: PartialBlob,
+        writer: ChunkWriter,
         *,
         config: SchedulerConfig,
         progress: ProgressCallback | None,
@@ -172,6 +183,7 @@ class Download:
         self.manifest = manifest
         self.blob_id = manifest.blob_id
         self.partial = partial
+        self.writer = writer
         self.config = config
         self.progress = progress
         verified = set(range(manifest.num_chunks)) - set(partial.missing())
@@ -410,6 +422,7 @@ class Download:
             # The request was released meanwhile (its peer banned or dropped on another
             # stream); the protocol core already checked the index against the request.
             raise ObsoleteRequest
+        digest = blake3.blake3(data).digest() if HASH_ON_ARRIVAL else None
         while (busy := self.writing.get(index)) is not None:
             await busy.wait()  # another stream's copy is being written (endgame)
         if self.partial.has_chunk(index):
@@ -420,14 +433,19 @@ class Download:
             return
         self.writing[index] = trio.Event()
         writes.start()
-        writers.start_soon(self._write, ticket, writes, index, data)
+        writers.start_soon(self._write, ticket, writes, index, data, digest)
 
     async def _write(
-        self, ticket: RequestTicket, writes: _RequestWrites, index: int, data: memoryview
+        self,
+        ticket: RequestTicket,
+        writes: _RequestWrites,
+        index: int,
+        data: memoryview,
+        digest: bytes | None,
     ) -> None:
         try:
             # Not abandoned on cancel: the thread owns the buffer until it returns.
-            await trio.to_thread.run_sync(self.partial.write_chunk, index, data)
+            await self.writer.write(index, data, digest)
         except CorruptChunk:
             writes.bad_index = index
         except Exception as exc:  # the store failed; _run_ticket re-raises it
@@ -496,8 +514,11 @@ async def download_blob(
     except BlobExists:
         return  # completed meanwhile (by another task or process)
     try:
-        download = Download(network, store, manifest, partial, config=config, progress=progress)
-        await _run(download, candidates, more_providers, discovery_timeout)
+        async with ChunkWriter(partial) as writer:
+            download = Download(
+                network, store, manifest, partial, writer, config=config, progress=progress
+            )
+            await _run(download, candidates, more_providers, discovery_timeout)
         await download.flush()
         await trio.to_thread.run_sync(partial.publish)
         download._report(force=True)

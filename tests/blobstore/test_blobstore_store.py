@@ -9,6 +9,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from blake3 import blake3
 
 import blobstore.store as store_mod
 from blobstore import (
@@ -244,9 +245,26 @@ def test_partial_rejects_bad_chunks_without_writing(store: Store) -> None:
             p.write_chunk(0, parts[0] + b"x")
         with pytest.raises(CorruptChunk):
             p.write_chunk(1, parts[0])  # right bytes, wrong index
+        # A caller's digest is held to the manifest like a hash taken here.
+        with pytest.raises(CorruptChunk, match="does not match"):
+            p.write_chunk(0, bytes(bad), digest=blake3(bytes(bad)).digest())
+        with pytest.raises(CorruptChunk, match="does not match"):
+            p.write_chunk(1, parts[1], digest=blake3(parts[0]).digest())
         assert p.verified_count == 0
     raw = (store.root / "partial" / m.blob_id / "data").read_bytes()
     assert raw == bytes(3 * C)  # nothing was written
+
+
+def test_partial_takes_a_callers_digest_of_the_chunk(store: Store) -> None:
+    data = os.urandom(2 * C + 5)
+    m = Manifest.of_bytes(data, C)
+    parts = chunks_of(data, m)
+    with store.begin_partial(m) as p:
+        for i, part in enumerate(parts):
+            assert p.write_chunk(i, part, digest=blake3(part).digest()) is True
+        assert p.write_chunk(0, parts[0], digest=blake3(parts[0]).digest()) is False
+        p.publish()
+    assert store.path(m.blob_id).read_bytes() == data
 
 
 def test_zero_size_partial_publishes(store: Store) -> None:

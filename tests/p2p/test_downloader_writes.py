@@ -104,10 +104,10 @@ async def test_a_failing_disk_stops_the_fetch_with_its_error_and_keeps_what_land
     real_write = PartialBlob.write_chunk
     full_at = 20
 
-    def write_chunk(self: PartialBlob, index: int, data: Any) -> bool:
+    def write_chunk(self: PartialBlob, index: int, data: Any, **kwargs: Any) -> bool:
         if index >= full_at:
             raise NoSpace(f"no space left for chunk {index}")
-        return real_write(self, index, data)
+        return real_write(self, index, data, **kwargs)
 
     monkeypatch.setattr(PartialBlob, "write_chunk", write_chunk)
     store = Store.open(tmp_path / "s")
@@ -124,9 +124,13 @@ async def test_a_failing_disk_stops_the_fetch_with_its_error_and_keeps_what_land
     assert store.verify(MANIFEST.blob_id) == []
 
 
+@pytest.mark.parametrize("hash_on_arrival", [True, False])
 async def test_a_corrupt_chunk_bans_its_peer_and_the_other_completes_the_blob(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hash_on_arrival: bool
 ) -> None:
+    # Hashed on the event loop as it arrives (few CPUs) or in the writer thread (many):
+    # either way the store checks the digest against the manifest before writing.
+    monkeypatch.setattr(downloader, "HASH_ON_ARRIVAL", hash_on_arrival)
     pools = track_pools(monkeypatch)
     store = Store.open(tmp_path / "s")
     every_chunk = frozenset(range(MANIFEST.num_chunks))
