@@ -161,9 +161,10 @@ def _child_libp2p(mode: str, reps: int, directory: Path | None) -> None:
         assert await read_exactly_into(stream, head) == 8
         (size,) = _LEN.unpack(head)
         cpu0 = _cpu()
-        left = 0 if mode == "fast_stream_store" else size
+        left = size
         if mode == "fast_stream_store":
             await _receive_into_store(stream, size, directory)
+            left = 0
         while left:
             want = min(left, CHUNK)
             if mode == "libp2p_default":
@@ -292,7 +293,7 @@ class _Child:
                 self.proc.stdout.close()
 
 
-def _send_blocking(mode: str, size: int, reps: int) -> list[Rep]:
+def _send_blocking(mode: str, size: int, reps: int, directory: Path | None = None) -> list[Rep]:
     from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
     child = _Child(mode, reps)
@@ -382,7 +383,8 @@ def _send_bare_fetch(size: int, reps: int, directory: Path | None) -> list[Rep]:
     return [Rep(size / MIB / dt, dt, scpu, rcpu) for dt, scpu, rcpu in runs]
 
 
-MODES: dict[str, Callable[[str, int, int], list[Rep]]] = {
+# Each sender takes (mode, size, reps, directory); only fast_stream_store uses the directory.
+MODES: dict[str, Callable[[str, int, int, Path | None], list[Rep]]] = {
     "raw_tcp": _send_blocking,
     "lean_pipe": _send_blocking,
     "libp2p_default": _send_libp2p,
@@ -399,9 +401,7 @@ def run_row(mode: str, size: int, reps: int = 3, directory: Path | None = None) 
     temp directory)."""
     if mode == "bare_fetch":
         return Row(mode, size // MIB, _send_bare_fetch(size, reps, directory))
-    if mode == "fast_stream_store":
-        return Row(mode, size // MIB, _send_libp2p(mode, size, reps, directory))
-    return Row(mode, size // MIB, MODES[mode](mode, size, reps))
+    return Row(mode, size // MIB, MODES[mode](mode, size, reps, directory))
 
 
 def _median_mb_s(mode: str, size: int, reps: int) -> float:
