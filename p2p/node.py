@@ -461,11 +461,9 @@ def _open_store(root: str | os.PathLike[str]) -> Store:
 
 
 def _make_pubsub(host: Any) -> Any:
-    from libp2p.pubsub.floodsub import PROTOCOL_ID as FLOODSUB_ID
-    from libp2p.pubsub.floodsub import FloodSub
-    from libp2p.pubsub.pubsub import Pubsub
+    from p2p.gossip import make_pubsub
 
-    return Pubsub(host, FloodSub([FLOODSUB_ID]))
+    return make_pubsub(host)
 
 
 @asynccontextmanager

@@ -4,6 +4,7 @@ and the published adapter loads with peft and gives the same logits."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from pathlib import Path
 
@@ -131,10 +132,14 @@ def test_replay_agrees_and_names_the_first_differing_step(world: World) -> None:
 
 
 def test_replay_refuses_another_kernel_class(world: World, baseline: Commitment) -> None:
-    fields = {**baseline.kernel_class.fields, "cpu_capability": "AVX512"}
+    """A round from another CPU capability is refused, whatever this host's capability is."""
+    ours = str(baseline.kernel_class.fields["cpu_capability"])
+    theirs = "AVX2" if ours != "AVX2" else "AVX512"
+    fields = {**baseline.kernel_class.fields, "cpu_capability": theirs}
     other = dataclasses.replace(baseline, kernel_class=KernelClass.from_fields(fields))
     round_id = world.store.put_bytes(RoundRecord(other, RECIPE, b"").encode())
-    with pytest.raises(ReplayMismatch, match="cpu_capability='AVX2' \\(round: 'AVX512'\\)"):
+    expected = re.escape(f"cpu_capability={ours!r} (round: {theirs!r})")
+    with pytest.raises(ReplayMismatch, match=expected):
         replay_round(world.store, round_id, world.signer, now=time.time())
 
 
