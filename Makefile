@@ -2,27 +2,39 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.blobnet-installed
+CORE_STAMP := $(VENV)/.blobnet-core
+FULL_STAMP := $(VENV)/.blobnet-full
+P2PD := .cache/p2pd/p2pd
 
-.PHONY: install p2pd demo test lint typecheck pytest bench clean
+.PHONY: install install-core p2pd demo test lint typecheck pytest bench clean
 
-# torch==2.13.0 goes in first: a CPU build lies on disk here, and a looser range alone
-# would pull a multi-GB CUDA build. The project's own ranges accept 2.13.0.
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+
+# The CLI and the embedded node only (what `make demo` uses): no torch, no dev tools.
+$(CORE_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+# Everything the tests and benchmarks use. torch==2.13.0 goes in first: a CPU build lies on
+# disk here, and a looser range alone would pull a multi-GB CUDA build. The project's own
+# ranges accept 2.13.0.
+$(FULL_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[train,dev]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[train,bench,dev]'
+	touch $@ $(CORE_STAMP)
 
-install: $(STAMP)
+install-core: $(CORE_STAMP)
+install: $(FULL_STAMP) p2pd
 
-# go-libp2p's daemon for the interop tests, from the hivemind wheel on PyPI (idempotent;
-# when it cannot be fetched the interop tests skip and say why).
-p2pd: install
-	test ! -f tests/fast/fetch_p2pd.py || $(BIN)/python tests/fast/fetch_p2pd.py --optional
+# go-libp2p's daemon for the interop tests, from the hivemind wheel on PyPI, fetched here at
+# install time and never during the test run (idempotent; when it cannot be fetched the
+# interop tests skip and say why).
+p2pd: $(FULL_STAMP)
+	$(BIN)/python tests/fast/fetch_p2pd.py --optional
 
-demo: install
+demo: $(CORE_STAMP)
 	$(BIN)/blob demo
 
 lint: install
@@ -32,7 +44,7 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-pytest: install p2pd
+pytest: install
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest
 
 test: lint typecheck pytest
