@@ -21,12 +21,15 @@ from training.errors import (
     BadRecipe,
     BadRecords,
     BadRoundRecord,
+    CertificateMismatch,
+    CorruptInput,
     DeviceUnavailable,
     EvidenceRejected,
     MissingInput,
     NoKernelSet,
     ReplayMismatch,
     TrainingError,
+    UnsafeSetting,
 )
 
 __all__ = [
@@ -35,10 +38,13 @@ __all__ = [
     "BadRecipe",
     "BadRecords",
     "BadRoundRecord",
+    "CertificateMismatch",
+    "CorruptInput",
     "DeviceUnavailable",
     "EvidenceRejected",
     "MissingInput",
     "NoKernelSet",
     "ReplayMismatch",
     "TrainingError",
+    "UnsafeSetting",
 ]

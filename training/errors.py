@@ -67,3 +67,23 @@ class MissingInput(TrainingError):
     """A round input is neither in the store nor fetchable from the given peers."""
 
     exit_code = 3
+
+
+class CertificateMismatch(TrainingError):
+    """The admission certificate given does not admit this machine's key or kernel class:
+    found before any training, since an attestation carrying it would only be rejected."""
+
+    exit_code = 2
+
+
+class CorruptInput(TrainingError):
+    """A round input blob in the local store does not match its ID (the local disk's
+    fault, not the round's): remove it and fetch it again."""
+
+    exit_code = 4
+
+
+class UnsafeSetting(TrainingError):
+    """A setting known to change CPU math is in a state no kernel class can pin."""
+
+    exit_code = 2

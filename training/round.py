@@ -40,7 +40,14 @@ from identity import (
 )
 from training import determinism
 from training.commitment import MAX_RECORD_SIZE, ROUND_KIND, Commitment, RoundRecord
-from training.errors import BadModel, BadRecords, BadRoundRecord, EvidenceRejected, ReplayMismatch
+from training.errors import (
+    BadModel,
+    BadRecords,
+    BadRoundRecord,
+    CertificateMismatch,
+    EvidenceRejected,
+    ReplayMismatch,
+)
 from training.kernel_class import KernelClass
 from training.model import CONFIG_NAME, WEIGHTS_NAME
 from training.recipe import Recipe, recipe_hash
@@ -101,10 +108,13 @@ def execute(
     threads: int = determinism.DEFAULT_THREADS,
     expect: Commitment | None = None,
     on_step: StepHook | None = None,
+    admit: Callable[[KernelClass], None] | None = None,
 ) -> Commitment:
     """Train the round deterministically and publish its adapter; returns the commitment.
 
     With ``expect`` (a replay), stops with ``ReplayMismatch`` at the first difference.
+    ``admit`` sees the detected kernel class before anything is loaded or trained (the
+    runner's certificate check: a mismatch must not cost a whole round first).
     """
     resolved = determinism.resolve_device(device)
     # Inputs must be present before any heavy import or training starts.
@@ -117,6 +127,8 @@ def execute(
     kc = kernel_class.detect(resolved)
     if expect is not None and kc != expect.kernel_class:
         raise ReplayMismatch(_kernel_class_difference(expect.kernel_class, kc))
+    if admit is not None:
+        admit(kc)
     allowed = audit.load_kernel_set(kc.family)
     if store.manifest(inputs.records_id).size > HEADER_SIZE + 4 * MAX_TOKENS:
         raise BadRecords(f"blob {inputs.records_id} is too large to be a records blob")
@@ -185,6 +197,27 @@ def _kernel_class_difference(want: KernelClass, have: KernelClass) -> str:
     )
 
 
+def check_certificate(
+    certificate: AdmissionCertificate | None, signer: Signer, kernel_class_id: str
+) -> None:
+    """``CertificateMismatch`` unless ``certificate`` (if any) admits this signer for this
+    kernel class: an attestation carrying it would only ever be rejected."""
+    if certificate is None:
+        return
+    if certificate.peer_id != signer.peer_id:
+        raise CertificateMismatch(
+            f"the certificate admits peer {certificate.peer_id}, but this machine's key is "
+            f"{signer.peer_id}; give this machine's own certificate (--cert)"
+        )
+    if certificate.kernel_class != kernel_class_id:
+        raise CertificateMismatch(
+            f"the certificate admits kernel class {certificate.kernel_class}, but this run's "
+            f"kernel class is {kernel_class_id} (device, --threads and the settings of "
+            "`blob train kernel-class --json` decide it); get a certificate for it or run "
+            "with the settings it was issued for"
+        )
+
+
 def _attest(
     signer: Signer,
     commitment: Commitment,
@@ -214,7 +247,14 @@ def run_round(
     on_step: StepHook | None = None,
 ) -> RoundResult:
     """Execute, attest and publish a round; the round ID is the record's blob ID."""
-    commitment = execute(store, inputs, device=device, threads=threads, on_step=on_step)
+    commitment = execute(
+        store,
+        inputs,
+        device=device,
+        threads=threads,
+        on_step=on_step,
+        admit=lambda kc: check_certificate(certificate, signer, kc.id),
+    )
     attestation = _attest(signer, commitment, now, certificate)
     record = RoundRecord(commitment, inputs.recipe, attestation.encode())
     round_id = store.put_bytes(record.encode())
@@ -241,6 +281,7 @@ def replay_round(
     """Re-run a round; on the identical digest, attest it and publish the attestation."""
     record = load_record(store, round_id)
     c = record.commitment
+    check_certificate(certificate, signer, c.kernel_class_id)
     threads = c.kernel_class.fields.get("threads", determinism.DEFAULT_THREADS)
     inputs = RoundInputs(c.base_id, c.records_id, record.recipe, c.seed)
     execute(

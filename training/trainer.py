@@ -33,7 +33,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from training.determinism import seed_all
-from training.errors import AuditViolation, BadRecords
+from training.errors import AuditViolation, BadRecipe, BadRecords
 from training.recipe import Recipe
 from training.records import PAD_ID, Records, decode_records
 
@@ -57,9 +57,45 @@ def decode(data: bytes) -> Records:
     return decode_records(data)
 
 
+def check_targets(base: torch.nn.Module, targets: tuple[str, ...]) -> bool:
+    """Refuse target modules the base does not have (peft would fail with a long traceback
+    only after loading); returns whether the targets are GPT-2 ``Conv1D`` layers (weights
+    stored transposed: peft's ``fan_in_fan_out``). Matching is peft's: a module name equal
+    to the target or ending in ``.<target>``."""
+    from transformers.pytorch_utils import Conv1D
+
+    found: dict[str, set[str]] = {t: set() for t in targets}
+    trainable: set[str] = set()
+    for name, module in base.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.Linear | Conv1D):
+            trainable.add(leaf)
+        if leaf in found:
+            found[leaf].add(kind)
+    layers = ", ".join(sorted(trainable)) or "none"
+    for target, kinds in found.items():
+        if not kinds:
+            raise BadRecipe(
+                f"recipe target module {target!r} is not in the base model; "
+                f"its linear layers are: {layers}"
+            )
+        if not kinds <= {"Linear", "Conv1D"}:
+            raise BadRecipe(
+                f"recipe target module {target!r} is a {'/'.join(sorted(kinds))}, not a "
+                f"linear layer; LoRA rounds train linear layers: {layers}"
+            )
+    kinds = set().union(*found.values())
+    if kinds == {"Linear", "Conv1D"}:
+        raise BadRecipe("recipe targets mix Linear and GPT-2 Conv1D layers; pick one kind")
+    return kinds == {"Conv1D"}
+
+
 def prepare(base: torch.nn.Module, recipe: Recipe, seed: int, device: str) -> Session:
     """Wrap ``base`` with a fresh LoRA adapter (from ``seed``) and make the optimizer."""
+    fan_in_fan_out = check_targets(base, recipe.target_modules)
     config = LoraConfig(
+        fan_in_fan_out=fan_in_fan_out,
         r=recipe.rank,
         lora_alpha=recipe.alpha,
         lora_dropout=recipe.dropout,

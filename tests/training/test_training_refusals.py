@@ -1,0 +1,113 @@
+"""Mistakes a user makes are refused before any training, in one line with the README's
+exit code: a certificate for another kernel class, a LoRA target the model lacks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from blobstore import Store  # noqa: E402
+from identity import Authority, MachineKey, SoftwareSigner, create_key_file  # noqa: E402
+from training.model import make_tiny_llama, save_base_model  # noqa: E402
+from training.recipe import Recipe  # noqa: E402
+from training.records import make_records  # noqa: E402
+
+# One command that imports torch + transformers + peft: 5-20 s on a loaded machine.
+TIMEOUT = 110
+RECIPE = Recipe(steps=200, batch_size=4, seq_len=16)
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env.pop("BLOBNET_PASSPHRASE", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    tmp = tmp_path_factory.mktemp("refusals")
+    store = Store.open(tmp / "store")
+    save_base_model(make_tiny_llama("tiny", seed=0), tmp / "base")
+    base = store.put_dir(tmp / "base")
+    records = store.put_bytes(make_records([b"a corpus of a few words. " * 8], RECIPE.seq_len))
+    return tmp, base, records
+
+
+def _run_args(base: str, records: str, recipe: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        "run",
+        "--base",
+        base,
+        "--records",
+        records,
+        "--recipe",
+        str(recipe),
+        "--seed",
+        "1",
+        "--device",
+        "cpu",
+        *extra,
+    ]
+
+
+def test_certificate_for_one_thread_refused_before_training_at_two(
+    inputs: tuple[Path, str, str],
+) -> None:
+    """The recipe asks for 200 steps; the refusal comes before step 0, in one line."""
+    from training import determinism, kernel_class
+
+    tmp, base, records = inputs
+    determinism.enter("cpu", threads=1)
+    one_thread = kernel_class.detect("cpu").id
+    key_path = tmp / "machine.key"
+    key = create_key_file(key_path)
+    cert = Authority(SoftwareSigner(MachineKey.generate())).admit(
+        key.peer_id,
+        operator="alice",
+        kernel_class=one_thread,
+        not_before=0,
+        not_after=2**40,
+        serial=1,
+    )
+    (tmp / "one.cert").write_bytes(cert.encode())
+    recipe = tmp / "recipe.msgpack"
+    recipe.write_bytes(RECIPE.encode())
+    args = _run_args(base, records, recipe, "--threads", "2", "--cert", str(tmp / "one.cert"))
+    cmd = [sys.executable, "-m", "p2p.cli", "--store", str(tmp / "store"), "--key", str(key_path)]
+    proc = subprocess.run(
+        [*cmd, *args], capture_output=True, text=True, env=_env(), timeout=TIMEOUT
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert f"admits kernel class {one_thread}" in lines[0] and "--threads" in lines[0]
+    assert "step" not in proc.stderr  # no progress line: nothing was trained
+
+
+def test_unknown_target_module_is_one_line_before_training(
+    inputs: tuple[Path, str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from p2p.cli import main
+
+    tmp, base, records = inputs
+    recipe = tmp / "bad-target.msgpack"
+    recipe.write_bytes(Recipe(steps=200, batch_size=4, seq_len=16, target_modules=("qq",)).encode())
+    args = ["--store", str(tmp / "store"), "--key", str(tmp / "k2.key")]
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, *_run_args(base, records, recipe)])
+    assert exit_info.value.code == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("blob: error: recipe target module 'qq' is not in the base model")
+    assert "q_proj" in err[-1]  # it names the layers the model has
+    assert not any(line.startswith("step ") for line in err)
+    assert time.monotonic() - started < 60  # 200 steps would take minutes
