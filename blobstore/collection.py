@@ -8,17 +8,28 @@ with entries sorted by path (as Python sorts str) and no duplicates. The fixed l
 bytes (:data:`COLLECTION_MAGIC`) let :func:`looks_like_collection` recognise one from its
 first few bytes. Paths are relative POSIX paths whose parts are never ``""``, ``"."`` or
 ``".."``, so exporting a collection can never write outside its destination, whatever
-the blob came from. Decoding re-encodes and compares bytes, as manifests do.
+the blob came from.
+
+Decoding is incremental (:func:`decode_collection_pieces`): the bytes are fed to a
+bounded ``msgpack.Unpacker`` a little at a time, the entry count is read from the array
+header and refused above :data:`MAX_COLLECTION_ENTRIES` before anything is allocated for
+it, and each entry is checked the moment it is decoded, so a hostile blob fails at its
+first bad entry. Memory stays proportional to the entries actually accepted (about three
+times their encoded size), never to what a header claims. Canonical form is checked by
+hashing the raw bytes and the re-encoding of what was decoded, side by side, and
+comparing at the end: no second copy of the blob is built.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+from blake3 import blake3
 
-from blobstore.errors import BadCollection, BadManifest
+from blobstore.errors import BadCollection
 from blobstore.manifest import MAX_BLOB_SIZE, parse_blob_id
 
 COLLECTION_VERSION = 1
@@ -33,8 +44,15 @@ MAX_COLLECTION_SIZE = 256 * 1024 * 1024
 MAX_PATH_LENGTH = 4096  # PATH_MAX on Linux
 MAX_NAME_LENGTH = 255  # NAME_MAX on Linux (bytes of one component)
 
+DECODE_READ_SIZE = 64 * 1024
+"""Bytes the decoder takes from the blob at a time."""
 
-@dataclass(frozen=True)
+DECODE_BUFFER_LIMIT = 1024 * 1024
+"""Most bytes the decoder buffers for one msgpack object. A valid entry is under 4.2 KiB
+(a 4096-byte path, a 64-character ID, a size); anything that needs more is hostile."""
+
+
+@dataclass(frozen=True, slots=True)
 class CollectionEntry:
     """One file of a collection: its relative POSIX path, blob ID and size."""
 
@@ -60,12 +78,15 @@ def check_relpath(path: str) -> None:
             raise BadCollection(f"collection path {path!r} has a part over {MAX_NAME_LENGTH} bytes")
 
 
-def check_entries(entries: list[CollectionEntry]) -> None:
-    """Paths safe, strictly sorted (so unique), no file standing where a directory must."""
-    if len(entries) > MAX_COLLECTION_ENTRIES:
-        raise BadCollection(f"collection has over {MAX_COLLECTION_ENTRIES} entries")
-    files = set()
-    for prev, entry in zip([None, *entries], entries, strict=False):
+class _EntryChecker:
+    """Checks entries one at a time, in order: safe paths, strictly sorted (so unique),
+    valid IDs and sizes, and no file standing where a directory must."""
+
+    def __init__(self) -> None:
+        self.files: set[str] = set()
+        self.prev: str | None = None
+
+    def add(self, entry: CollectionEntry) -> None:
         check_relpath(entry.path)
         try:
             parse_blob_id(entry.blob_id)
@@ -73,14 +94,24 @@ def check_entries(entries: list[CollectionEntry]) -> None:
             raise BadCollection(f"collection entry {entry.path!r} has a bad blob ID") from None
         if type(entry.size) is not int or not 0 <= entry.size <= MAX_BLOB_SIZE:
             raise BadCollection(f"collection entry {entry.path!r} has a bad size {entry.size!r}")
-        if prev is not None and not prev.path < entry.path:
+        if self.prev is not None and not self.prev < entry.path:
             raise BadCollection(f"collection paths are not sorted and unique at {entry.path!r}")
-        files.add(entry.path)
-    for entry in entries:
+        # Sorted order puts every proper prefix ("a") before the paths under it ("a/b").
         parts = entry.path.split("/")
         for i in range(1, len(parts)):
-            if "/".join(parts[:i]) in files:
+            if "/".join(parts[:i]) in self.files:
                 raise BadCollection(f"collection path {entry.path!r} lies under a file")
+        self.files.add(entry.path)
+        self.prev = entry.path
+
+
+def check_entries(entries: list[CollectionEntry]) -> None:
+    """Paths safe, strictly sorted (so unique), no file standing where a directory must."""
+    if len(entries) > MAX_COLLECTION_ENTRIES:
+        raise BadCollection(f"collection has over {MAX_COLLECTION_ENTRIES} entries")
+    checker = _EntryChecker()
+    for entry in entries:
+        checker.add(entry)
 
 
 def encode_collection(entries: list[CollectionEntry]) -> bytes:
@@ -97,38 +128,108 @@ def encode_collection(entries: list[CollectionEntry]) -> bytes:
     return out
 
 
-def looks_like_collection(head: bytes) -> bool:
+def looks_like_collection(head: bytes | bytearray | memoryview) -> bool:
     """Whether a blob starting with ``head`` is meant to be a collection."""
-    return head.startswith(COLLECTION_MAGIC)
+    return bytes(head[: len(COLLECTION_MAGIC)]) == COLLECTION_MAGIC
 
 
-def decode_collection(data: bytes) -> list[CollectionEntry]:
+class _PieceStream:
+    """A file-like ``read`` over pieces of bytes, hashing everything it hands out.
+
+    Pieces may be views of a reused buffer (:meth:`Store.iter_verified`): each is copied
+    out in small slices before the next is asked for."""
+
+    def __init__(self, pieces: Iterable[bytes | bytearray | memoryview]) -> None:
+        self._pieces: Iterator[bytes | bytearray | memoryview] = iter(pieces)
+        self._current = memoryview(b"")
+        self.hasher = blake3()
+        self.consumed = 0
+
+    def read(self, n: int) -> bytes:
+        while not self._current:
+            piece = next(self._pieces, None)
+            if piece is None:
+                return b""
+            self._current = memoryview(piece).cast("B")
+        out = bytes(self._current[:n])
+        self._current = self._current[len(out) :]
+        self.hasher.update(out)
+        self.consumed += len(out)
+        return out
+
+
+def decode_collection(data: bytes | bytearray | memoryview) -> list[CollectionEntry]:
     """Strictly decode a collection; raise BadCollection on anything else."""
-    if len(data) > MAX_COLLECTION_SIZE:
-        raise BadCollection(f"collection is {len(data)} bytes, over {MAX_COLLECTION_SIZE}")
-    if not looks_like_collection(data):
-        raise BadCollection("blob is not a collection")
+    return decode_collection_pieces([data], len(data))
+
+
+def decode_collection_pieces(
+    pieces: Iterable[bytes | bytearray | memoryview], size: int
+) -> list[CollectionEntry]:
+    """Strictly and incrementally decode the collection whose ``size`` bytes arrive as
+    ``pieces``; raise BadCollection on anything else (see the module docstring)."""
+    if size > MAX_COLLECTION_SIZE:
+        raise BadCollection(f"collection is {size} bytes, over {MAX_COLLECTION_SIZE}")
+    stream = _PieceStream(pieces)
+    unpacker = msgpack.Unpacker(
+        stream,
+        read_size=DECODE_READ_SIZE,
+        max_buffer_size=DECODE_BUFFER_LIMIT,
+        raw=False,
+        use_list=True,
+        strict_map_key=True,
+        max_str_len=MAX_PATH_LENGTH,
+        max_bin_len=0,
+        max_ext_len=0,
+        max_map_len=2,
+        max_array_len=3,  # entries' own header is read with read_array_header
+    )
     try:
-        obj: Any = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
-    except Exception as exc:
-        raise BadCollection(f"collection is not valid msgpack ({type(exc).__name__})") from None
-    if not isinstance(obj, dict) or tuple(obj) != ("collection", "entries"):
-        raise BadCollection("collection must be a map with keys collection, entries")
-    raw_entries = obj["entries"]
-    if not isinstance(raw_entries, list):
-        raise BadCollection("collection entries must be a list")
-    entries = []
-    for item in raw_entries:
-        if not isinstance(item, list) or len(item) != 3:
-            raise BadCollection("collection entry must be [path, blob_id, size]")
-        entries.append(CollectionEntry(path=item[0], blob_id=item[1], size=item[2]))
-    check_entries(entries)
-    try:
-        canonical = encode_collection(entries)
-    except (BadCollection, BadManifest):
+        entries = _decode(unpacker, stream)
+    except BadCollection:
         raise
     except Exception as exc:
-        raise BadCollection(f"collection does not re-encode ({type(exc).__name__})") from None
-    if canonical != data:
+        raise BadCollection(f"collection is not valid msgpack ({type(exc).__name__})") from None
+    if stream.consumed != size:
+        raise BadCollection(f"collection has {stream.consumed} bytes, its manifest says {size}")
+    return entries
+
+
+def _decode(unpacker: msgpack.Unpacker, stream: _PieceStream) -> list[CollectionEntry]:
+    canonical = blake3()
+    if unpacker.read_map_header() != 2:
+        raise BadCollection("collection must be a map with keys collection, entries")
+    key: Any = unpacker.unpack()
+    version: Any = unpacker.unpack()
+    if key != "collection":
+        raise BadCollection("collection must be a map with keys collection, entries")
+    if type(version) is not int or version != COLLECTION_VERSION:
+        raise BadCollection(f"collection version {version!r} is not {COLLECTION_VERSION}")
+    if unpacker.unpack() != "entries":
+        raise BadCollection("collection must be a map with keys collection, entries")
+    count = unpacker.read_array_header()
+    if count > MAX_COLLECTION_ENTRIES:  # before anything is allocated for them
+        raise BadCollection(f"collection claims {count} entries, over {MAX_COLLECTION_ENTRIES}")
+    packer = msgpack.Packer(use_bin_type=True)
+    canonical.update(COLLECTION_MAGIC + packer.pack("entries") + packer.pack_array_header(count))
+    checker = _EntryChecker()
+    entries = []
+    for _ in range(count):
+        if unpacker.read_array_header() != 3:
+            raise BadCollection("collection entry must be [path, blob_id, size]")
+        path: Any = unpacker.unpack()
+        blob_id: Any = unpacker.unpack()
+        size: Any = unpacker.unpack()
+        entry = CollectionEntry(path=path, blob_id=blob_id, size=size)
+        checker.add(entry)
+        canonical.update(packer.pack([path, blob_id, size]))
+        entries.append(entry)
+    try:
+        unpacker.unpack()
+    except msgpack.OutOfData:
+        pass
+    else:
+        raise BadCollection("collection has trailing data after its entries")
+    if stream.hasher.digest() != canonical.digest():
         raise BadCollection("collection is not in canonical form")
     return entries

@@ -63,7 +63,7 @@ from blobstore.collection import (
     COLLECTION_MAGIC,
     MAX_COLLECTION_SIZE,
     CollectionEntry,
-    decode_collection,
+    decode_collection_pieces,
     encode_collection,
     looks_like_collection,
 )
@@ -991,27 +991,37 @@ class Store:
         return self.put_bytes(encode_collection(entries), chunk_size=chunk_size)
 
     def is_collection(self, blob_id: str) -> bool:
-        """Whether the complete blob is a well-formed collection."""
+        """Whether the complete blob is a collection.
+
+        A blob that starts with the collection magic but does not decode (hostile paths,
+        too many entries, not canonical) raises BadCollection rather than pass as a
+        plain file: whoever made it meant a collection, and exporting or fetching it as
+        anything else would surprise the user. Use ``blob cat`` for its raw bytes.
+        """
         manifest = self.manifest(blob_id)
-        if not self.has(blob_id) or manifest.size > MAX_COLLECTION_SIZE:
+        if not self.has(blob_id) or manifest.size < len(COLLECTION_MAGIC):
             return False
         with os_errors(f"reading blob {blob_id[:12]}"), open(self.path(blob_id), "rb") as f:
             head = f.read(len(COLLECTION_MAGIC))
         if not looks_like_collection(head):
             return False
-        try:
-            self.read_collection(blob_id)
-        except (BadCollection, CorruptChunk):
-            return False
+        self.read_collection(blob_id)
         return True
 
     def read_collection(self, blob_id: str) -> list[CollectionEntry]:
-        """The entries of a collection blob (BadCollection if it is not one)."""
+        """The entries of a collection blob (BadCollection if it is not one).
+
+        Decoded incrementally from the verified chunks, never holding the whole blob."""
         manifest = self.manifest(blob_id)
         if manifest.size > MAX_COLLECTION_SIZE:
-            raise BadCollection(f"blob {blob_id[:12]} is too large to be a collection")
-        data = b"".join(bytes(piece) for piece in self.iter_verified(blob_id))
-        return decode_collection(data)
+            raise BadCollection(
+                f"blob {blob_id[:12]} is {manifest.size} bytes, too large to be a collection "
+                f"(limit {MAX_COLLECTION_SIZE})"
+            )
+        try:
+            return decode_collection_pieces(self.iter_verified(blob_id), manifest.size)
+        except BadCollection as exc:
+            raise BadCollection(f"blob {blob_id[:12]} is a malformed collection: {exc}") from None
 
     def export(self, blob_id: str, dest: Path | str, *, progress: Progress | None = None) -> None:
         """Write the blob to ``dest``: a file, or for a collection a whole directory.
@@ -1105,9 +1115,13 @@ def _raise(exc: OSError) -> None:
 
 
 def _read_limited(path: Path, limit: int) -> bytes:
+    """The file's bytes, refusing one over ``limit`` before reading it. (``read(limit)``
+    would allocate ``limit`` bytes up front: 32 MiB for every manifest read.)"""
     with open(path, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
+        if os.fstat(f.fileno()).st_size > limit:
+            raise StoreCorrupt(f"{path} is larger than any valid manifest")
+        data = f.read()
+    if len(data) > limit:  # grew while being read
         raise StoreCorrupt(f"{path} is larger than any valid manifest")
     return data
 

@@ -492,8 +492,17 @@ def test_export_names_a_missing_child(store: Store, tmp_path: Path) -> None:
 
 
 def test_plain_blob_is_not_a_collection(store: Store) -> None:
-    assert not store.is_collection(store.put_bytes(b"\x82\xaacollection\x01 but not really"))
+    assert not store.is_collection(store.put_bytes(b"\x82\xaacollection"))  # short of the magic
     assert not store.is_collection(store.put_bytes(b""))
+    assert not store.is_collection(store.put_bytes(b"plain bytes, any length"))
+
+
+def test_collection_shaped_garbage_is_refused_not_passed_as_a_file(store: Store) -> None:
+    """Someone meant it as a collection: say it is malformed (exit 4), do not guess."""
+    blob_id = store.put_bytes(b"\x82\xaacollection\x01 but not really")
+    with pytest.raises(BadCollection, match="malformed collection") as info:
+        store.is_collection(blob_id)
+    assert info.value.exit_code == 4
 
 
 HOSTILE = [
@@ -523,13 +532,14 @@ def test_hostile_collection_paths_rejected(store: Store, tmp_path: Path, path: s
     with pytest.raises(BadCollection):
         encode_collection([CollectionEntry(path, child, 7)])
     blob_id = store.put_bytes(data, chunk_size=C)
-    assert not store.is_collection(blob_id)
+    with pytest.raises(BadCollection, match="malformed collection"):
+        store.is_collection(blob_id)
     dest = tmp_path / "inner" / "out"
     dest.parent.mkdir()
-    store.export(blob_id, dest)  # exported as the plain file it is, nothing else
-    assert dest.read_bytes() == data
+    with pytest.raises(BadCollection, match="malformed collection"):
+        store.export(blob_id, dest)  # refused: not renamed, not written as a plain file
     outside = [p for p in tmp_path.rglob("*") if store.root not in (p, *p.parents)]
-    assert sorted(p.relative_to(tmp_path).as_posix() for p in outside) == ["inner", "inner/out"]
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in outside) == ["inner"]
 
 
 @pytest.mark.parametrize(
