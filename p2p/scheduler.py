@@ -36,7 +36,8 @@ Invariants (each is checked by tests/p2p/test_scheduler*.py):
    request goes back to the pool, and from there to every usable peer that holds it.
 5. Requests never exceed the configured limits: at most ``max_chunks_per_request`` chunks
    in at most ``max_ranges_per_request`` ranges, at most
-   ``max_inflight_requests_per_peer`` live requests per peer.
+   ``max_inflight_requests_per_peer`` live requests per peer (fewer while the peer's
+   `inflight_limit` is lower).
 6. `done` is true iff every chunk is verified.
 
 Policy
@@ -54,6 +55,14 @@ Policy
   yet, else a probe of a quarter batch. Near the end of the pool, a batch is also capped at
   this peer's rate-weighted share of the remaining pool next to the idle usable peers, so
   that the last chunks are spread out rather than queued at whoever asked first.
+- Requests sized to the path. A peer may hold as many live requests as cover its
+  bandwidth-delay product (measured rate x smallest measured RTT, in full-size
+  requests) plus one, and at least one more than the connections the shell stripes it
+  over, within ``min_inflight_requests_per_peer`` .. ``max_inflight_requests_per_peer``.
+  A far peer so gets more requests in flight than a near one at the same rate, and a slow
+  peer fewer than a fast one at the same distance; until both are measured it gets the
+  minimum. The bytes in flight cost the fetcher no memory (the muxer's windows bound
+  what is buffered); they cost the server one stream and send buffer each.
 - Deadlines. A request must finish by ``now + request_timeout_base + bytes /
   min_rate_bytes_per_s``, where ``bytes`` counts this request plus what the peer still owes
   on its earlier live requests (pipelined requests share the peer's link).
@@ -90,10 +99,14 @@ from p2p.protocol import MAX_CHUNKS_PER_REQUEST, MAX_RANGES_PER_REQUEST
 __all__ = [
     "PROTOCOL_MAX_CHUNKS_PER_REQUEST",
     "PROTOCOL_MAX_RANGES_PER_REQUEST",
+    "PeerScores",
     "PeerStats",
     "RequestTicket",
     "Scheduler",
     "SchedulerConfig",
+    "ScoreConfig",
+    "StripeConfig",
+    "StripeGrowth",
     "bitmap_of",
 ]
 
@@ -120,10 +133,14 @@ class SchedulerConfig:
     # round trip at ~50 MB/s per peer connection (research/perf.md), short enough that a
     # released or endgame-duplicated batch is cheap to redo.
     max_chunks_per_request: int = 16
-    # Two live requests per peer keep its link busy while the next request's round trip
-    # is in flight (pipelining across streams); more only queues work at one peer that a
-    # faster peer could have taken.
-    max_inflight_requests_per_peer: int = 2
+    # Live requests per peer follow its bandwidth-delay product (invariant 5 and "Requests
+    # sized to the path" below), between these bounds. Two at least keep a link busy while
+    # the next request's round trip is in flight (pipelining across streams). At most 12:
+    # each live request holds one server stream and a chunk-sized send buffer there, and
+    # a blobnet server allows 16 streams per peer (p2p.server.MAX_STREAMS_PER_PEER),
+    # which leaves room for the control streams of a few downloads at once.
+    min_inflight_requests_per_peer: int = 2
+    max_inflight_requests_per_peer: int = 12
     # Fixed part of every deadline: connection setup, a stream open and a disk-bound server
     # reading its first chunk can each take seconds on a loaded host.
     request_timeout_base: float = 10.0
@@ -155,6 +172,8 @@ class SchedulerConfig:
             )
         if self.max_inflight_requests_per_peer < 1:
             raise ValueError("max_inflight_requests_per_peer must be at least 1")
+        if self.min_inflight_requests_per_peer < 1:
+            raise ValueError("min_inflight_requests_per_peer must be at least 1")
         if not self.request_timeout_base > 0:
             raise ValueError("request_timeout_base must be positive")
         if not self.min_rate_bytes_per_s > 0:
@@ -193,6 +212,9 @@ class PeerStats:
     failures: int  # total failed requests
     connected: bool = True
     last_error: str | None = None
+    rtt_s: float | None = None  # smallest round trip measured
+    inflight_limit: int = 0  # live requests allowed now (rate x RTT, bounded)
+    connections: int = 1
 
 
 def bitmap_of(indices: Iterable[int], num_chunks: int) -> bytes:
@@ -243,6 +265,8 @@ class _Peer:
     failures: int = 0
     streak: int = 0  # failures in a row
     last_error: str | None = None
+    rtt: float | None = None  # smallest round trip measured, seconds
+    connections: int = 1  # TCP connections the shell stripes this peer's streams over
 
     @property
     def usable(self) -> bool:
@@ -328,6 +352,23 @@ class Scheduler:
             return
         self._replace_bitmap(p, parsed)
 
+    def on_rtt(self, peer: str, rtt: float) -> None:
+        """A round trip to `peer` took `rtt` seconds (a small request answered, timed by the
+        shell). The smallest sample is kept: queues only ever add to a path's delay."""
+        p = self._peer(peer)
+        if rtt >= 0.0 and (p.rtt is None or rtt < p.rtt):
+            p.rtt = rtt
+
+    def set_connections(self, peer: str, count: int) -> None:
+        """The shell now stripes `peer`'s streams over `count` connections; each should
+        carry a live request (see `inflight_limit`)."""
+        self._peer(peer).connections = max(1, count)
+
+    def inflight_limit(self, peer: str) -> int:
+        """Live requests `peer` may hold now: enough to cover its rate x RTT (see the
+        module docstring), at least one per connection, within the configured bounds."""
+        return self._inflight_limit(self._peer(peer))
+
     def update_peer_bitmap(self, peer: str, bitmap: bytes | None) -> None:
         """The peer's have-bitmap changed (a partial peer fetched more chunks)."""
         p = self._peer(peer)
@@ -351,7 +392,7 @@ class Scheduler:
         p = self._peers.get(peer)
         if p is None or not p.usable:
             return None
-        if len(p.requests) >= self._cfg.max_inflight_requests_per_peer:
+        if len(p.requests) >= self._inflight_limit(p):
             return None
         if self._dirty:
             self._rebuild()
@@ -534,6 +575,9 @@ class Scheduler:
                 failures=p.failures,
                 connected=p.connected,
                 last_error=p.last_error,
+                rtt_s=p.rtt,
+                inflight_limit=self._inflight_limit(p) if p.usable else 0,
+                connections=p.connections,
             )
             for name, p in self._peers.items()
         }
@@ -694,6 +738,18 @@ class Scheduler:
         return self._pool_count if self._full_usable else self._pool_count - self._orphans
 
     # Choosing chunks.
+
+    def _inflight_limit(self, p: _Peer) -> int:
+        cfg = self._cfg
+        cap = cfg.max_inflight_requests_per_peer
+        floor = min(cfg.min_inflight_requests_per_peer, cap)
+        want = max(floor, p.connections + 1)
+        if p.rate is not None and p.rtt is not None and self._n:
+            # The bytes the path holds in flight, in full-size requests, plus one to cover
+            # the round trip between two requests on one stream.
+            request_bytes = max(1, cfg.max_chunks_per_request * self._chunk_length(0))
+            want = max(want, math.ceil(p.rate * p.rtt / request_bytes) + 1)
+        return min(cap, want)
 
     def _batch_size(self, p: _Peer) -> int:
         m = self._cfg.max_chunks_per_request
@@ -936,3 +992,157 @@ class Scheduler:
                     for p in self._partials.values():
                         if p.holds(i):
                             assert key in p.heap, (p.name, i)
+
+
+# --------------------------------------------------------------------------------------
+# Striping one provider over several connections
+
+
+@dataclass(frozen=True)
+class StripeConfig:
+    """When a download opens another TCP connection to one provider."""
+
+    # A stock kernel caps one TCP connection's buffers at a few MiB (tcp_wmem 4 MiB), so at
+    # 200 ms one connection carries ~13 MB/s and eight ~75 MB/s (research/update-2026-12):
+    # eight fill a gigabit link across continents; more mostly add handshakes and state.
+    max_connections: int = 8
+    # A step is judged over at least this long, and over `settle_rtts` round trips: a new
+    # TCP connection needs several RTTs of slow start before it carries its share.
+    min_settle_s: float = 0.3
+    settle_rtts: float = 6.0
+    # The rate must grow by this fraction over the previous step's for another step: a
+    # link already full (or a CPU-bound loopback) stops growing after one extra connection.
+    min_gain: float = 0.15
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        if not self.min_settle_s > 0 or self.settle_rtts < 0:
+            raise ValueError("min_settle_s must be positive and settle_rtts not negative")
+        if self.min_gain < 0:
+            raise ValueError("min_gain must not be negative")
+
+
+class StripeGrowth:
+    """Sans-IO: how many connections one download should stripe one provider over.
+
+    The provider starts on one connection. After each step has settled (``min_settle_s``,
+    and ``settle_rtts`` round trips), the rate measured over the second half of the step
+    (the first half is the new connections' slow start) is compared with the previous
+    step's: the first step always doubles, later ones double again only if the rate grew
+    by ``min_gain``, so 1 -> 2 -> 4 -> 8 on a path limited by per-connection buffers and
+    1 -> 2 and stop where the link or the CPU is the limit. A step in which the provider
+    ran out of work (``busy`` False) says nothing about the path and is measured again.
+    A failed dial ends growth for this download.
+    """
+
+    def __init__(self, config: StripeConfig, now: float, connections: int = 1) -> None:
+        self._cfg = config
+        self.connections = max(1, connections)
+        self.pending = 0  # dials asked for and not yet reported
+        self.stopped = self.connections >= config.max_connections
+        self._baseline: float | None = None  # rate of the previous step
+        self._start = now
+        self._marked = False
+        self._mark = now
+        self._bytes = 0
+
+    def _settle(self, rtt: float | None) -> float:
+        return max(self._cfg.min_settle_s, self._cfg.settle_rtts * (rtt or 0.0))
+
+    def on_bytes(self, nbytes: int, now: float, rtt: float | None = None) -> None:
+        """`nbytes` of this provider's chunks arrived at `now`."""
+        if not self._marked and now - self._start >= self._settle(rtt) / 2:
+            self._marked = True
+            self._mark = now
+            self._bytes = 0
+        if self._marked:
+            self._bytes += nbytes
+
+    def decide(self, now: float, rtt: float | None, busy: bool) -> int:
+        """How many connections to dial now (0 for none). `busy`: the provider had work
+        queued the whole time (requests in flight and chunks left in the pool)."""
+        if self.stopped or self.pending:
+            return 0
+        settle = self._settle(rtt)
+        if now - self._start < settle:
+            return 0
+        if not busy or not self._marked or now <= self._mark:
+            self._restart(now)
+            return 0
+        rate = self._bytes / (now - self._mark)
+        baseline = self._baseline
+        if rate <= 0.0 or (baseline is not None and rate < baseline * (1 + self._cfg.min_gain)):
+            self.stopped = True
+            return 0
+        self._baseline = rate
+        want = min(self._cfg.max_connections, self.connections * 2) - self.connections
+        self.pending = want
+        return want
+
+    def on_dialled(self, ok: bool, now: float) -> None:
+        """One dial asked for by `decide` ended (`ok`: the connection is usable)."""
+        self.pending = max(0, self.pending - 1)
+        if ok:
+            self.connections += 1
+        else:
+            self.stopped = True
+        if self.connections >= self._cfg.max_connections:
+            self.stopped = True
+        if not self.pending:
+            self._restart(now)
+
+    def next_check(self, now: float, rtt: float | None) -> float:
+        """When `decide` may next say something new."""
+        return max(now, self._start + self._settle(rtt))
+
+    def _restart(self, now: float) -> None:
+        self._start = now
+        self._marked = False
+        self._bytes = 0
+
+
+# --------------------------------------------------------------------------------------
+# Remembering peers across downloads
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    # A peer that sent one bad chunk is distrusted for about a day (score 1 decays below
+    # the threshold 0.25 after two half-lives): long enough to outlast a training round's
+    # many fetches, short enough that a provider whose disk was repaired is used again.
+    half_life_s: float = 12 * 3600.0
+    distrust_threshold: float = 0.25
+    # Scores kept at most; the least-penalised entries are forgotten first. Identities are
+    # free, so this bounds memory, not the number of liars one can meet.
+    max_peers: int = 4096
+
+
+class PeerScores:
+    """Sans-IO: penalties for peers that sent bad data, decaying with ``half_life_s``.
+
+    A download that bans a peer (bad chunk, protocol breach) reports it here; later
+    downloads of the same node start distrusted peers last (``distrusted``)."""
+
+    def __init__(self, config: ScoreConfig = ScoreConfig()) -> None:
+        self._cfg = config
+        self._scores: dict[str, tuple[float, float]] = {}  # peer -> (score, at time)
+
+    def penalize(self, peer: str, now: float, amount: float = 1.0) -> None:
+        self._scores[peer] = (self.score(peer, now) + amount, now)
+        if len(self._scores) > self._cfg.max_peers:
+            weakest = min(self._scores, key=lambda name: self.score(name, now))
+            del self._scores[weakest]
+
+    def score(self, peer: str, now: float) -> float:
+        entry = self._scores.get(peer)
+        if entry is None:
+            return 0.0
+        value, at = entry
+        return float(value * 0.5 ** (max(0.0, now - at) / self._cfg.half_life_s))
+
+    def distrusted(self, peer: str, now: float) -> bool:
+        return self.score(peer, now) >= self._cfg.distrust_threshold
+
+    def __len__(self) -> int:
+        return len(self._scores)

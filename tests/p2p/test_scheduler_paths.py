@@ -1,0 +1,203 @@
+"""Sizing a download to its path, on a fake clock: requests in flight per provider follow its
+rate x RTT, connections to one provider grow while they raise the rate, and peers that sent
+bad data are remembered across downloads with decay. No sockets, no sleeps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from p2p.scheduler import (
+    PeerScores,
+    Scheduler,
+    SchedulerConfig,
+    ScoreConfig,
+    StripeConfig,
+    StripeGrowth,
+)
+
+CHUNK = 1 << 20
+CONFIG = SchedulerConfig(max_chunks_per_request=4)  # 4 MiB requests
+REQUEST = CONFIG.max_chunks_per_request * CHUNK
+
+
+def length(_index: int) -> int:
+    return CHUNK
+
+
+def measured(rate: float, rtt: float, n: int = 4096) -> Scheduler:
+    """A scheduler whose peer "p" has delivered at `rate` bytes/s and answered in `rtt`."""
+    sched = Scheduler(n, length, config=CONFIG)
+    sched.add_peer("p", 0.0)
+    sched.on_rtt("p", rtt)
+    ticket = sched.next_request("p", 0.0)
+    assert ticket is not None
+    now = 0.0
+    for index in sorted(ticket.indices):
+        now += CHUNK / rate
+        assert sched.on_chunk(ticket.request_id, index, CHUNK, now)
+    sched.on_request_done(ticket.request_id, now)
+    return sched
+
+
+def live_requests_granted(sched: Scheduler, peer: str, now: float) -> int:
+    count = 0
+    while sched.next_request(peer, now) is not None:
+        count += 1
+        assert count <= 64, "next_request never said no"
+    return count
+
+
+def test_an_unmeasured_peer_gets_the_minimum() -> None:
+    sched = Scheduler(64, length, config=CONFIG)
+    sched.add_peer("p", 0.0)
+    assert sched.inflight_limit("p") == CONFIG.min_inflight_requests_per_peer
+    assert live_requests_granted(sched, "p", 0.0) == CONFIG.min_inflight_requests_per_peer
+
+
+@pytest.mark.parametrize(
+    ("rate", "rtt"),
+    [(50e6, 0.2), (50e6, 0.05), (100e6, 0.15), (5e6, 0.2)],
+)
+def test_requests_in_flight_cover_rate_times_rtt(rate: float, rtt: float) -> None:
+    sched = measured(rate, rtt)
+    expected = math.ceil(rate * rtt / REQUEST) + 1
+    expected = min(CONFIG.max_inflight_requests_per_peer, max(2, expected))
+    assert sched.inflight_limit("p") == expected
+    # next_request honours it: exactly that many live requests, then None.
+    assert live_requests_granted(sched, "p", 10.0) == expected
+    sched._check_invariants()
+
+
+def test_a_far_peer_gets_more_and_a_slow_one_less_but_never_none() -> None:
+    far = measured(50e6, 0.2).inflight_limit("p")
+    near = measured(50e6, 0.001).inflight_limit("p")
+    slow_far = measured(2e6, 0.2).inflight_limit("p")
+    assert far > near
+    assert far > slow_far >= CONFIG.min_inflight_requests_per_peer
+
+
+def test_the_limit_is_capped_by_the_server_stream_budget() -> None:
+    sched = measured(1e9, 1.0)  # a BDP of 1 GB
+    assert sched.inflight_limit("p") == CONFIG.max_inflight_requests_per_peer
+    assert live_requests_granted(sched, "p", 10.0) == CONFIG.max_inflight_requests_per_peer
+
+
+def test_each_connection_gets_a_request_at_least() -> None:
+    sched = Scheduler(256, length, config=CONFIG)
+    sched.add_peer("p", 0.0)
+    sched.set_connections("p", 6)
+    assert sched.inflight_limit("p") == 7
+    assert sched.peer_stats()["p"].connections == 6
+
+
+def test_the_smallest_rtt_sample_is_kept() -> None:
+    sched = Scheduler(8, length, config=CONFIG)
+    sched.add_peer("p", 0.0)
+    for rtt in (0.25, 0.2, 0.3):
+        sched.on_rtt("p", rtt)
+    assert sched.peer_stats()["p"].rtt_s == 0.2
+
+
+# --- striping over connections --------------------------------------------------------
+
+
+def run_growth(
+    per_connection: float, link: float, rtt: float, *, seconds: float = 30.0
+) -> list[tuple[float, int]]:
+    """Drive StripeGrowth against a path where each connection carries `per_connection`
+    bytes/s (its socket buffers over the RTT) and all together at most `link`; dials take
+    four round trips. Returns (time, connections) at each change."""
+    cfg = StripeConfig()
+    growth = StripeGrowth(cfg, 0.0)
+    history = [(0.0, 1)]
+    now, step = 0.0, 0.01
+    dials: list[float] = []  # completion times
+    while now < seconds:
+        now += step
+        rate = min(link, growth.connections * per_connection)
+        growth.on_bytes(int(rate * step), now, rtt)
+        for done in [t for t in dials if t <= now]:
+            dials.remove(done)
+            growth.on_dialled(True, now)
+            history.append((now, growth.connections))
+        for _ in range(growth.decide(now, rtt, busy=True)):
+            dials.append(now + 4 * rtt)
+    return history
+
+
+def test_connections_double_while_the_rate_keeps_growing() -> None:
+    # 200 ms, stock buffers: 13 MB/s per connection on a 125 MB/s link.
+    history = run_growth(13e6, 125e6, 0.2)
+    assert [count for _, count in history] == [1, 2, 3, 4, 5, 6, 7, 8]
+    # Three steps of six RTTs plus three dials: eight connections within ~6 s.
+    assert history[-1][0] < 3 * (6 * 0.2 + 4 * 0.2) + 1.0
+
+
+def test_growth_stops_when_the_link_is_full() -> None:
+    # Two connections already fill the link: the step to four brings no gain.
+    history = run_growth(60e6, 100e6, 0.05)
+    assert history[-1][1] == 4
+    counts = [count for _, count in history]
+    assert max(counts) == 4  # tried 4 once, never 8
+    history = run_growth(200e6, 100e6, 0.0001)  # loopback: one connection is the limit
+    assert max(count for _, count in history) == 2
+
+
+def test_an_idle_provider_does_not_grow() -> None:
+    growth = StripeGrowth(StripeConfig(), 0.0)
+    for i in range(1, 200):
+        now = i * 0.05
+        growth.on_bytes(1 << 20, now, 0.2)
+        assert growth.decide(now, 0.2, busy=False) == 0
+    assert growth.connections == 1 and not growth.stopped
+
+
+def test_a_failed_dial_stops_growth() -> None:
+    growth = StripeGrowth(StripeConfig(), 0.0)
+    growth.on_bytes(1 << 20, 0.2)
+    growth.on_bytes(1 << 20, 0.31)
+    assert growth.decide(0.31, None, busy=True) == 1
+    assert growth.decide(0.32, None, busy=True) == 0  # a dial is pending
+    growth.on_dialled(False, 0.5)
+    assert growth.stopped and growth.connections == 1
+    assert growth.decide(10.0, None, busy=True) == 0
+
+
+def test_no_decision_before_the_step_settles() -> None:
+    growth = StripeGrowth(StripeConfig(), 0.0)
+    rtt = 0.2
+    assert growth.next_check(0.0, rtt) == pytest.approx(6 * rtt)
+    for i in range(1, 12):
+        now = i * 0.1
+        growth.on_bytes(1 << 20, now, rtt)
+        assert growth.decide(now, rtt, busy=True) == 0
+    growth.on_bytes(1 << 20, 1.21, rtt)
+    assert growth.decide(1.21, rtt, busy=True) == 1
+
+
+# --- scores across downloads ----------------------------------------------------------
+
+
+def test_a_liar_is_distrusted_then_forgiven() -> None:
+    cfg = ScoreConfig(half_life_s=100.0, distrust_threshold=0.25)
+    scores = PeerScores(cfg)
+    scores.penalize("liar", now=0.0)
+    assert scores.distrusted("liar", 0.0)
+    assert scores.distrusted("liar", 199.0)
+    assert not scores.distrusted("liar", 201.0)
+    assert not scores.distrusted("honest", 0.0)
+    # Penalties add up: a repeat offender stays distrusted longer.
+    scores.penalize("liar", 0.0)
+    scores.penalize("liar", 0.0)
+    assert scores.score("liar", 0.0) == pytest.approx(3.0)
+    assert scores.distrusted("liar", 300.0)
+
+
+def test_scores_are_bounded_in_memory() -> None:
+    scores = PeerScores(ScoreConfig(max_peers=8))
+    for i in range(100):
+        scores.penalize(f"id{i}", now=float(i))
+    assert len(scores) == 8
+    assert scores.distrusted("id99", 99.0)  # the newest penalties are kept
