@@ -19,6 +19,7 @@ from blobstore.errors import (
     NoSpace,
     PartialBusy,
     PathNotFound,
+    StoreBusy,
     StoreCorrupt,
     StoreError,
 )
@@ -34,16 +35,25 @@ from blobstore.manifest import (
 )
 from blobstore.partial import PartialBlob
 from blobstore.reader import ChunkReader
-from blobstore.store import DEFAULT_GC_GRACE, BlobInfo, Store
+from blobstore.store import (
+    DEFAULT_GC_GRACE,
+    LOCK_TIMEOUT_ENV,
+    STORE_LOCK_TIMEOUT,
+    BlobInfo,
+    FileModes,
+    Store,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_GC_GRACE",
+    "LOCK_TIMEOUT_ENV",
     "MAX_BLOB_SIZE",
     "MAX_CHUNKS",
     "MAX_CHUNK_SIZE",
     "MAX_MANIFEST_SIZE",
     "MIN_CHUNK_SIZE",
+    "STORE_LOCK_TIMEOUT",
     "AmbiguousPrefix",
     "BadBlobId",
     "BadCollection",
@@ -56,12 +66,14 @@ __all__ = [
     "ChunkUnavailable",
     "CollectionEntry",
     "CorruptChunk",
+    "FileModes",
     "Manifest",
     "NoSpace",
     "PartialBlob",
     "PartialBusy",
     "PathNotFound",
     "Store",
+    "StoreBusy",
     "StoreCorrupt",
     "StoreError",
     "parse_blob_id",

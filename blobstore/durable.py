@@ -92,7 +92,8 @@ def lock_path(path: Path) -> int | None:
     still point to the locked file, else we retry on the new file.
     """
     for _ in range(_OPEN_RETRIES):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # 0600: a lock that others could open, they could flock (read access suffices).
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         if not try_lock_fd(fd):
             os.close(fd)
             return None
@@ -133,13 +134,13 @@ class TempFile:
     ) -> None:
         self.discard()
 
-    def sync(self, mode: int = 0o444) -> None:
+    def sync(self, mode: int = 0o400) -> None:
         """Give the file its final ``mode`` and fsync it (publish does this if needed)."""
         os.fchmod(self.fd, mode)
         os.fsync(self.fd)
         self._synced = True
 
-    def publish(self, target: Path, *, replace: bool, mode: int = 0o444) -> bool:
+    def publish(self, target: Path, *, replace: bool, mode: int = 0o400) -> bool:
         """fsync, give ``mode``, and atomically put the file at ``target``.
 
         Returns True if this file is now at ``target``; False if ``replace`` is False and
@@ -189,7 +190,7 @@ def link_or_rename(source: Path, target: Path, *, replace: bool) -> bool:
 
 
 def write_file_atomic(
-    target: Path, data: bytes, *, tmp_dir: Path, replace: bool, mode: int = 0o444
+    target: Path, data: bytes, *, tmp_dir: Path, replace: bool, mode: int = 0o400
 ) -> bool:
     """Durably write ``data`` at ``target`` (see :meth:`TempFile.publish`)."""
     with TempFile(tmp_dir) as tmp:

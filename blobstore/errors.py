@@ -81,6 +81,12 @@ class PartialBusy(StoreError):
     exit_code = 5
 
 
+class StoreBusy(StoreError):
+    """Another process has held the store lock for longer than the store waits."""
+
+    exit_code = 5
+
+
 class NoSpace(StoreError):
     """Not enough free disk space for the operation."""
 

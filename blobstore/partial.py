@@ -282,7 +282,7 @@ class PartialBlob:
                         snapshot,
                         tmp_dir=self._store.tmp_dir,
                         replace=True,
-                        mode=0o644,
+                        mode=self._store.modes.file,
                     )
             except BaseException:
                 with self._bits_lock:
@@ -300,7 +300,7 @@ class PartialBlob:
             )
         self.flush()
         with os_errors(f"publishing blob {self.blob_id[:12]}"):
-            os.fchmod(self._data_fd, 0o444)
+            os.fchmod(self._data_fd, self._store.modes.blob)
             os.fsync(self._data_fd)
         try:
             self._store._publish_partial(self, self._dir / "data")

@@ -44,7 +44,6 @@ Invariants
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import re
 import secrets
@@ -74,6 +73,7 @@ from blobstore.durable import (
     lock_path,
     os_errors,
     sweep_temp_dir,
+    try_lock_fd,
     write_all,
     write_file_atomic,
 )
@@ -90,6 +90,7 @@ from blobstore.errors import (
     NoSpace,
     PartialBusy,
     PathNotFound,
+    StoreBusy,
     StoreCorrupt,
     StoreError,
 )
@@ -108,7 +109,39 @@ Progress = Callable[[int], None]
 
 STORE_FORMAT = 1
 MARKER_NAME = "blobnet-store"
-_LAYOUT = ("blobs", "partial", "tags", "tmp")
+_LAYOUT = ("blobs", "partial", "tags", "tmp", "locks")
+_PRIVATE_DIRS = ("tmp", "locks")  # 0700 whatever the store's mode
+SHARED_MARKER = "shared"
+"""File at the root whose presence makes the store shared (see :class:`FileModes`)."""
+
+STORE_LOCK_TIMEOUT = 10.0
+"""Seconds to wait for the store lock before failing with StoreBusy (exit 5). The lock is
+held only around publishes, deletes, tag changes and one gc pass: milliseconds, seconds
+for gc of a very large store. Waiting longer means a stuck or hostile holder; say so
+rather than hang. Override with ``Store.open(lock_timeout=...)`` or the environment
+variable named by :data:`LOCK_TIMEOUT_ENV`."""
+LOCK_TIMEOUT_ENV = "BLOBNET_LOCK_TIMEOUT"
+_LOCK_POLL_MAX = 0.02  # seconds between tries at most: contention is short
+
+
+@dataclass(frozen=True)
+class FileModes:
+    """The permission bits the store gives what it creates (set explicitly, not by umask).
+
+    Private (the default): only the owner can read anything (the root directory is 0700,
+    so even files created by an older version behind it are out of reach). Shared: other
+    users may read blobs, manifests, tags and partial data (a job under another account
+    can mmap a checkpoint) but never write or lock anything: ``tmp/`` and ``locks/`` stay
+    0700 and lock files 0600, so no other user can take the store lock or a partial's.
+    """
+
+    dir: int
+    blob: int  # complete blobs and their manifests: read-only
+    file: int  # tags, bitmaps, partial data and manifests, the format marker
+
+
+PRIVATE_MODES = FileModes(dir=0o700, blob=0o400, file=0o600)
+SHARED_MODES = FileModes(dir=0o755, blob=0o444, file=0o644)
 
 IO_BUFFER_SIZE = 8 * 1024 * 1024
 """Bytes per read/write syscall when copying: large enough that syscall and Python
@@ -222,42 +255,103 @@ class Store:
         self._blobs = root / "blobs"
         self._partial = root / "partial"
         self._tags = root / "tags"
-        self._lock_file = root / "lock"
+        self._locks = root / "locks"
+        self._lock_file = self._locks / "store"
+        self.modes = PRIVATE_MODES
+        self.lock_timeout = STORE_LOCK_TIMEOUT
+        self._lock_mutex = threading.Lock()  # threads of this process queue here first
         self._mutex = threading.Lock()
         self._open_partials: dict[str, PartialBlob] = {}
         self._manifests: dict[str, Manifest] = {}
 
     # ------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, root: Path | str) -> Store:
-        """Open (creating if needed) the store at ``root`` and sweep dead temp files."""
+    def open(
+        cls, root: Path | str, *, shared: bool | None = None, lock_timeout: float | None = None
+    ) -> Store:
+        """Open (creating if needed) the store at ``root`` and sweep dead temp files.
+
+        ``shared``: None keeps the store's mode (a new store is private); True or False
+        sets it, re-moding what is there (see :class:`FileModes`). ``lock_timeout``:
+        seconds to wait for the store lock (default :data:`STORE_LOCK_TIMEOUT`, or the
+        environment's :data:`LOCK_TIMEOUT_ENV`).
+        """
         root = Path(root).expanduser().absolute()
+        timeout = _lock_timeout(lock_timeout)
         with os_errors(f"opening the store at {root}"):
-            root.mkdir(parents=True, exist_ok=True)
+            created = not root.exists()
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)
             marker = root / MARKER_NAME
             if not marker.exists():
-                foreign = {p.name for p in root.iterdir()} - {*_LAYOUT, "lock", MARKER_NAME}
+                allowed = {*_LAYOUT, "lock", MARKER_NAME, SHARED_MARKER}
+                foreign = {p.name for p in root.iterdir()} - allowed
                 if foreign:
                     raise StoreError(
                         f"{root} is not empty and is not a blobnet store; "
                         "choose another --store directory"
                     )
+            was_shared = (root / SHARED_MARKER).exists()
+            is_shared = was_shared if shared is None else shared
+            modes = SHARED_MODES if is_shared else PRIVATE_MODES
+            if created or stat.S_IMODE(root.stat().st_mode) != modes.dir:
+                os.chmod(root, modes.dir)
             for name in _LAYOUT:
-                (root / name).mkdir(exist_ok=True)
+                _mkdir(root / name, 0o700 if name in _PRIVATE_DIRS else modes.dir)
+            store = cls(root)
+            store.modes = modes
+            store.lock_timeout = timeout
             if not marker.exists():
                 write_file_atomic(
                     marker,
                     f"blobnet store format {STORE_FORMAT}\n".encode(),
                     tmp_dir=root / "tmp",
                     replace=False,
-                    mode=0o644,
+                    mode=modes.file,
                 )
             text = marker.read_text(errors="replace").strip()
             if text != f"blobnet store format {STORE_FORMAT}":
                 raise StoreError(f"{root} holds an unsupported store format ({text!r})")
-            store = cls(root)
+            (root / "lock").unlink(missing_ok=True)  # before locks/: anyone could flock it
+            if is_shared != was_shared:
+                store._set_shared(is_shared)
             store._sweep()
         return store
+
+    def _set_shared(self, shared: bool) -> None:
+        """Switch the store's mode: marker first, then every directory and file."""
+        marker = self.root / SHARED_MARKER
+        if shared:
+            write_file_atomic(
+                marker,
+                b"other users may read this store\n",
+                tmp_dir=self.tmp_dir,
+                replace=True,
+                mode=self.modes.file,
+            )
+        else:
+            marker.unlink(missing_ok=True)
+        for name in (MARKER_NAME, SHARED_MARKER):
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(self.root / name, self.modes.file)
+        for top in ("blobs", "partial", "tags"):
+            for dirpath, _dirnames, filenames in os.walk(self.root / top):
+                os.chmod(dirpath, self.modes.dir)
+                for name in filenames:
+                    full = os.path.join(dirpath, name)
+                    if name == "lock":
+                        mode = 0o600
+                    elif top == "blobs":
+                        mode = self.modes.blob
+                    else:
+                        mode = self.modes.file
+                    with contextlib.suppress(FileNotFoundError):
+                        os.chmod(full, mode, follow_symlinks=False)
+        fsync_dir(self.root)
+
+    @property
+    def shared(self) -> bool:
+        """Whether other users may read this store (see :class:`FileModes`)."""
+        return self.modes == SHARED_MODES
 
     def _sweep(self) -> None:
         """Remove temp files and partial leftovers that no live process holds."""
@@ -289,12 +383,46 @@ class Store:
 
     @contextlib.contextmanager
     def _store_lock(self) -> Iterator[None]:
-        fd = os.open(self._lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        """Hold the store lock; StoreBusy (exit 5) after ``lock_timeout`` seconds.
+
+        The lock file lives in ``locks/`` (0700) with mode 0600, so no other user can open
+        it, let alone flock it. The holder writes its PID into it, so a waiter that gives
+        up can say who holds it."""
+        deadline = time.monotonic() + self.lock_timeout
+        if not self._lock_mutex.acquire(timeout=self.lock_timeout):
+            raise StoreBusy(
+                f"the store at {self.root} is busy: another thread of this process has held "
+                f"its lock for over {self.lock_timeout:g} s"
+            )
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            fd = os.open(
+                self._lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
+            )
+            try:
+                delay = 0.001
+                while not try_lock_fd(fd):
+                    now = time.monotonic()
+                    if now >= deadline:
+                        raise StoreBusy(
+                            f"the store at {self.root} is busy: {_lock_holder(fd)} has held its "
+                            f"lock for over {self.lock_timeout:g} s; wait for it or stop it "
+                            f"(or raise {LOCK_TIMEOUT_ENV})"
+                        )
+                    time.sleep(min(delay, deadline - now))
+                    delay = min(delay * 2, _LOCK_POLL_MAX)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                yield
+            finally:
+                os.close(fd)
         finally:
-            os.close(fd)
+            self._lock_mutex.release()
+
+    def _mkdir_shard(self, path: Path) -> None:
+        if not path.is_dir():
+            with contextlib.suppress(FileExistsError):
+                path.mkdir(mode=self.modes.dir)
+                os.chmod(path, self.modes.dir)  # exactly, whatever the umask
 
     # ------------------------------------------------------------------ paths
     def _data_path(self, blob_id: str) -> Path:
@@ -397,12 +525,12 @@ class Store:
             raise StoreError(f"{path} changed while it was being hashed; try again")
         blob_id = manifest.blob_id
         old_mode = stat.S_IMODE(st.st_mode)
-        os.fchmod(src, 0o444)
+        os.fchmod(src, self.modes.blob)
         try:
             os.fsync(src)
             with self._store_lock():
                 data_path = self._data_path(blob_id)
-                data_path.parent.mkdir(exist_ok=True)
+                self._mkdir_shard(data_path.parent)
                 moved = self._publish_locked(
                     manifest, lambda: link_or_rename(path, data_path, replace=False)
                 )
@@ -432,7 +560,9 @@ class Store:
         path = self._manifest_path(manifest.blob_id)
         if path.exists():
             return False
-        return write_file_atomic(path, manifest.encode(), tmp_dir=self.tmp_dir, replace=False)
+        return write_file_atomic(
+            path, manifest.encode(), tmp_dir=self.tmp_dir, replace=False, mode=self.modes.blob
+        )
 
     def _reuse_existing(self, manifest: Manifest) -> bool:
         """If the blob is already complete, refresh its mtime (GC grace); store lock held."""
@@ -450,7 +580,7 @@ class Store:
         call created unless the data made it, so no orphan is left behind."""
         blob_id = manifest.blob_id
         data_path = self._data_path(blob_id)
-        data_path.parent.mkdir(exist_ok=True)
+        self._mkdir_shard(data_path.parent)
         if self._reuse_existing(manifest):
             return False
         manifest_path = self._manifest_path(blob_id)
@@ -468,10 +598,10 @@ class Store:
     def _publish_temp(self, tmp: TempFile, manifest: Manifest) -> str:
         """Publish a fully written temp file as the blob ``manifest`` describes."""
         blob_id = manifest.blob_id
-        tmp.sync(0o444)  # the slow fsync happens before taking the store lock
+        tmp.sync(self.modes.blob)  # the slow fsync happens before taking the store lock
         with self._store_lock():
             data_path = self._data_path(blob_id)
-            data_path.parent.mkdir(exist_ok=True)
+            self._mkdir_shard(data_path.parent)
             self._publish_locked(
                 manifest, lambda: link_or_rename(tmp.path, data_path, replace=False)
             )
@@ -484,7 +614,7 @@ class Store:
         blob_id = manifest.blob_id
         with os_errors(f"publishing blob {blob_id[:12]}"), self._store_lock():
             data_path = self._data_path(blob_id)
-            data_path.parent.mkdir(exist_ok=True)
+            self._mkdir_shard(data_path.parent)
             try:
                 self._publish_locked(
                     manifest, lambda: link_or_rename(data, data_path, replace=False)
@@ -503,7 +633,7 @@ class Store:
             with self._store_lock():
                 if self.has(blob_id):
                     raise BlobExists(f"blob {blob_id} is already complete in this store")
-                pdir.mkdir(exist_ok=True)
+                self._mkdir_shard(pdir)
                 lock_fd = lock_path(pdir / "lock")
             if lock_fd is None:
                 raise PartialBusy(
@@ -520,9 +650,11 @@ class Store:
                     on_disk = None
                 if on_disk != encoded:
                     write_file_atomic(
-                        mpath, encoded, tmp_dir=self.tmp_dir, replace=True, mode=0o444
+                        mpath, encoded, tmp_dir=self.tmp_dir, replace=True, mode=self.modes.file
                     )
-                data_fd = os.open(pdir / "data", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                data_fd = os.open(pdir / "data", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                if stat.S_IMODE(os.fstat(data_fd).st_mode) != self.modes.file:
+                    os.fchmod(data_fd, self.modes.file)
                 data_existed = os.fstat(data_fd).st_size > 0
                 if os.fstat(data_fd).st_size != manifest.size:
                     os.ftruncate(data_fd, manifest.size)  # sparse: blocks come as chunks land
@@ -780,7 +912,7 @@ class Store:
                 f"{blob_id}\n".encode(),
                 tmp_dir=self.tmp_dir,
                 replace=True,
-                mode=0o644,
+                mode=self.modes.file,
             )
 
     def untag(self, name: str) -> None:
@@ -1092,6 +1224,47 @@ class Store:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _lock_timeout(given: float | None) -> float:
+    if given is not None:
+        return max(0.0, float(given))
+    text = os.environ.get(LOCK_TIMEOUT_ENV)
+    if not text:
+        return STORE_LOCK_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        raise StoreError(f"{LOCK_TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise StoreError(f"{LOCK_TIMEOUT_ENV}={text!r} must be zero or more seconds")
+    return value
+
+
+def _lock_holder(fd: int) -> str:
+    """Who holds the lock, as far as its file says: 'process 1234' or 'another process'."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        text = ""
+    if not text.isdigit():
+        return "another process"
+    pid = int(text)
+    if pid == os.getpid():
+        return f"this process ({pid})"
+    return f"process {pid}"
+
+
+def _mkdir(path: Path, mode: int) -> None:
+    """Make a directory with exactly ``mode`` (umask aside), fixing an existing one."""
+    try:
+        path.mkdir(mode=mode)
+    except FileExistsError:
+        if not path.is_dir() or path.is_symlink():
+            raise StoreError(f"{path} should be a directory of the store") from None
+        if stat.S_IMODE(path.stat().st_mode) == mode:
+            return
+    os.chmod(path, mode)
 
 
 def _is_id(name: str) -> bool:

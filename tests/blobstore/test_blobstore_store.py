@@ -70,7 +70,7 @@ def test_put_round_trips(store: Store, tmp_path: Path, size: int, check_consiste
     assert seen[-1:] == ([size] if size else [])
     assert store.has(expected)
     assert store.path(expected).read_bytes() == data
-    assert store.path(expected).stat().st_mode & 0o777 == 0o444
+    assert store.path(expected).stat().st_mode & 0o777 == 0o400  # private by default
     m = store.manifest(expected)
     assert m == Manifest.of_bytes(data, C)
     assert b"".join(store.read_chunk(expected, i) for i in range(m.num_chunks)) == data
