@@ -5,6 +5,12 @@ the packages it stands on (``blobstore.cli``, ``identity.cli``) by import, and t
 packages above it (``training``) through the ``blobnet.cli`` entry-point group, loaded only
 when one of their commands is asked for, so ``blob put`` never imports torch.
 
+Global options: ``--store``, ``--key``, ``--json`` and ``-v`` may come before the
+subcommand or after it (``blob ls --store X``). ``--store`` and ``--key`` are added to every
+command that has no option of that name (at load time, so entry-point groups get them
+too); ``--json`` and ``-v`` before the subcommand become the defaults of the subcommand's
+own ``--json`` and ``-v`` options through click's ``default_map``.
+
 Error boundary: every user-facing error class in blobnet carries an integer ``exit_code``
 class attribute. ``main`` turns such an error into one line on stderr and that exit status,
 with no traceback. Anything else is a bug and keeps its traceback.
@@ -42,8 +48,68 @@ def default_key_path() -> Path:
     return Path(config_home) / "blobnet" / "machine.key"
 
 
+# The options any command accepts after its name, whether or not it declares them: the
+# parameter name in the root context's ``obj`` and the option's help.
+_GLOBAL_PATH_OPTIONS = {
+    "--store": ("store_root", "Store directory (same as before the command)."),
+    "--key": ("key_path", "Machine key file (same as before the command)."),
+}
+# Per-command options that a global flag before the subcommand sets the default of.
+_GLOBAL_FLAG_PARAMS = ("as_json", "verbose")
+
+
+def _set_root(name: str) -> Any:
+    def callback(ctx: click.Context, _param: click.Parameter, value: Path | None) -> None:
+        if value is not None:
+            ctx.find_root().ensure_object(dict)[name] = value
+
+    return callback
+
+
+def add_global_options(command: click.Command) -> click.Command:
+    """Give ``command`` (and, for a group, every command in it) the ``--store`` and
+    ``--key`` options where it lacks them. Idempotent."""
+    if getattr(command, "_blobnet_globals", False):
+        return command
+    taken = {opt for param in command.params for opt in getattr(param, "opts", ())}
+    for flag, (name, help_text) in _GLOBAL_PATH_OPTIONS.items():
+        if flag in taken:
+            continue
+        command.params.append(
+            click.Option(
+                [flag],
+                type=click.Path(path_type=Path, dir_okay=name == "store_root"),
+                expose_value=False,
+                callback=_set_root(name),
+                help=help_text,
+            )
+        )
+    command._blobnet_globals = True  # type: ignore[attr-defined]
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            add_global_options(sub)
+    return command
+
+
+def _flag_defaults(command: click.Command, values: dict[str, Any]) -> dict[str, Any]:
+    """A ``default_map`` for ``command``: ``values`` for the parameters it has, nested
+    for a group's commands."""
+    out: dict[str, Any] = {
+        param.name: values[param.name]
+        for param in command.params
+        if param.name in values and isinstance(param, click.Option)
+    }
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            nested = _flag_defaults(sub, values)
+            if nested:
+                out[name] = nested
+    return out
+
+
 class BlobGroup(click.Group):
-    """A group that also lists and loads the entry-point command groups lazily."""
+    """A group that also lists and loads the entry-point command groups lazily, and gives
+    every command the global options (see the module docstring)."""
 
     def _plugins(self) -> dict[str, Any]:
         return {ep.name: ep for ep in entry_points(group="blobnet.cli")}
@@ -54,7 +120,7 @@ class BlobGroup(click.Group):
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         command = super().get_command(ctx, cmd_name)
         if command is not None:
-            return command
+            return add_global_options(command)
         plugin = self._plugins().get(cmd_name)
         if plugin is None:
             return None
@@ -62,7 +128,7 @@ class BlobGroup(click.Group):
             loaded = plugin.load()
         except ImportError as exc:
             return _unavailable(cmd_name, exc)
-        return loaded if isinstance(loaded, click.Command) else None
+        return add_global_options(loaded) if isinstance(loaded, click.Command) else None
 
 
 class CommandUnavailable(Exception):
@@ -101,13 +167,29 @@ def _unavailable(name: str, exc: ImportError) -> click.Command:
     default=None,
     help="Machine key file (env BLOBNET_KEY; default $XDG_CONFIG_HOME/blobnet/machine.key).",
 )
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (any command).")
+@click.option("-v", "--verbose", count=True, help="More logging on stderr (network commands).")
 @click.version_option(package_name="blobnet")
 @click.pass_context
-def cli(ctx: click.Context, store_root: Path | None, key_path: Path | None) -> None:
+def cli(
+    ctx: click.Context,
+    store_root: Path | None,
+    key_path: Path | None,
+    as_json: bool,
+    verbose: int,
+) -> None:
     """blobnet: verified, content-addressed blobs over libp2p for decentralised training."""
     obj = ctx.ensure_object(dict)
     obj["store_root"] = store_root or default_store_root()
     obj["key_path"] = key_path or default_key_path()
+    obj["as_json"] = as_json
+    given = zip(_GLOBAL_FLAG_PARAMS, (as_json, verbose), strict=True)
+    flags = {name: value for name, value in given if value}
+    sub_name = ctx.invoked_subcommand
+    if flags and sub_name is not None:
+        sub = cli.get_command(ctx, sub_name)
+        if sub is not None:
+            ctx.default_map = {sub_name: _flag_defaults(sub, flags)}
 
 
 blobstore_cli.register(cli)
@@ -122,6 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         sys.exit(EXIT_INTERRUPTED)
+    except click.UsageError as exc:
+        # One line, like every other error; the command's --help has the rest.
+        where = exc.ctx.command_path if exc.ctx is not None else "blob"
+        click.echo(f"{where}: error: {exc.format_message()} (see `{where} --help`)", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)

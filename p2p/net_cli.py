@@ -1,5 +1,13 @@
-"""The network commands of ``blob``: ``serve``, ``get`` (local or over the network),
-``ticket`` and ``demo``."""
+"""The network commands of ``blob``: ``serve``, ``share``, ``get`` (local or over the
+network), ``export``, ``ticket`` and ``demo``.
+
+Everything that can be checked without the network is checked before a node starts:
+addresses, output paths, tag names, a named peer with our own peer ID, and whether the
+command names anywhere to fetch from at all. Named peers are dialled first, so a failure
+says which peer and why. Ctrl-C (or SIGTERM) during a networked command is caught by a
+trio signal receiver and turned into an orderly cancellation, never a KeyboardInterrupt
+raised inside some task, and the command exits 130 with one line.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +16,30 @@ import logging
 import resource
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 import trio
 
-from blobstore import BadBlobId, BlobNotFound, Store
+from blobstore import BadBlobId, BlobNotFound, Store, parse_blob_id
+from blobstore.store import check_tag_name
 from p2p.errors import BadAddress
-from p2p.ticket import Ticket, validate_peer_addr
+from p2p.export import check_output
+from p2p.interfaces import dialable_addrs
+from p2p.ticket import MAX_TICKET_ADDRS, Ticket, validate_peer_addr
 
 if TYPE_CHECKING:
+    from identity import MachineKey
     from p2p.downloader import Progress
+    from p2p.node import Node
 
 # libp2p takes seconds to import, so p2p.node is imported inside the commands that run a
 # node: `blob put` and friends stay fast.
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+
+T = TypeVar("T")
 
 
 def _own_cpu_s() -> float:
@@ -47,7 +62,9 @@ def _setup_logging(verbose: int) -> None:
     its own logger's level, which would undo ours."""
     import libp2p  # noqa: F401
 
-    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    # Warnings (an unreachable bootstrap peer, a banned provider) only with -v: by default
+    # a command's outcome is its one result or error line.
+    level = logging.ERROR if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(
         level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
@@ -67,7 +84,115 @@ listen_option = click.option(
 bootstrap_option = click.option(
     "--bootstrap", multiple=True, metavar="MADDR", help="DHT bootstrap peer (repeatable)."
 )
-verbose_option = click.option("-v", "--verbose", count=True, help="More logging on stderr.")
+verbose_option = click.option(
+    "-v", "--verbose", count=True, help="Warnings and progress notes on stderr (-vv: debug)."
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived while a networked command ran."""
+
+    exit_code = 130
+
+
+def run_interruptible(work: Callable[[], Awaitable[T]]) -> T:
+    """``trio.run(work)``, with SIGINT and SIGTERM cancelling ``work`` in order (its
+    cleanup runs: a fetch flushes what verified) and then raising ``Interrupted``.
+
+    trio's default Ctrl-C handling raises KeyboardInterrupt inside whichever task is
+    running, which can leave a task that a worker thread will later wake; a signal
+    receiver turns the signal into a plain cancellation instead."""
+    caught: list[int] = []
+
+    async def main() -> T:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            result: list[T] = []
+            async with trio.open_nursery() as nursery:
+
+                async def watch() -> None:
+                    async for signum in signals:
+                        caught.append(signum)
+                        nursery.cancel_scope.cancel()
+                        return
+
+                async def run() -> None:
+                    result.append(await work())
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch)
+                nursery.start_soon(run)
+            if caught or not result:
+                raise Interrupted(signal.Signals(caught[0]).name if caught else "cancelled")
+            return result[0]
+
+    try:
+        return trio.run(main)
+    except BaseException as exc:
+        if caught and not isinstance(exc, Interrupted):
+            # Whatever the cancellation surfaced as (a dial or stream error wrapping it),
+            # the user asked to stop.
+            raise Interrupted(signal.Signals(caught[0]).name) from None
+        raise
+
+
+def _load_key(key_path: Path) -> MachineKey:
+    from identity import load_or_create_key
+
+    return load_or_create_key(key_path)
+
+
+def _check_peer_addrs(addrs: Sequence[str], option: str) -> None:
+    """Malformed addresses are usage errors (exit 2), said plainly."""
+    for addr in addrs:
+        try:
+            validate_peer_addr(addr, error=BadAddress)
+        except BadAddress as exc:
+            raise click.BadParameter(str(exc), param_hint=option) from None
+
+
+def _ready_addrs(node: Node) -> list[str]:
+    return dialable_addrs(node.addrs)
+
+
+def _node_config(listen: Sequence[str], bootstrap: Sequence[str], dht: bool, **extra: Any) -> Any:
+    from p2p.node import NodeConfig
+
+    return NodeConfig(
+        listen=tuple(listen or DEFAULT_LISTEN), bootstrap=tuple(bootstrap), dht=dht, **extra
+    )
+
+
+async def _serve_until_signal(
+    store: Store, key: MachineKey, config: Any, on_ready: Callable[[Node], None]
+) -> None:
+    """Run a node until cancelled (``run_interruptible`` cancels it on SIGINT/SIGTERM)."""
+    from p2p.node import open_node
+
+    async with open_node(store, key=key, config=config) as node:
+        on_ready(node)
+        sys.stdout.flush()
+        await trio.sleep_forever()
+
+
+def _serve_checks(ctx: click.Context, bootstrap: Sequence[str]) -> tuple[Store, MachineKey]:
+    from p2p.dial import check_not_self
+
+    _check_peer_addrs(bootstrap, "--bootstrap")
+    store = _store(ctx)
+    key_path = _key_path(ctx)
+    key = _load_key(key_path)
+    check_not_self(bootstrap, key.peer_id, key_path)
+    return store, key
+
+
+def _run_server(
+    store: Store, key: MachineKey, config: Any, on_ready: Callable[[Node], None]
+) -> None:
+    try:
+        run_interruptible(lambda: _serve_until_signal(store, key, config, on_ready))
+    except Interrupted as exc:
+        click.echo(f"stopping on {exc}", err=True)  # a server's normal end: exit 0
 
 
 @click.command()
@@ -93,36 +218,86 @@ def serve(
 ) -> None:
     """Serve this store's blobs until SIGINT or SIGTERM.
 
-    Prints one ready line (peer ID and listen addresses) once the node accepts peers.
+    Prints one ready line (peer ID and dialable addresses) once the node accepts peers; a
+    wildcard listen address (/ip4/0.0.0.0/...) is shown as each interface's address.
     """
     _setup_logging(verbose)
-    store = _store(ctx)
-    key_path = _key_path(ctx)
-    from p2p.node import NodeConfig, open_node
+    store, key = _serve_checks(ctx, bootstrap)
+    config = _node_config(listen, bootstrap, not no_dht, verify_reads=verify_reads)
 
-    async def main() -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            config = NodeConfig(
-                listen=tuple(listen or DEFAULT_LISTEN),
-                bootstrap=tuple(bootstrap),
-                dht=not no_dht,
-                verify_reads=verify_reads,
+    def ready(node: Node) -> None:
+        addrs = _ready_addrs(node)
+        if as_json:
+            click.echo(json.dumps({"peer_id": node.peer_id, "addrs": addrs}))
+        else:
+            click.echo(f"ready {node.peer_id} " + " ".join(addrs))
+
+    _run_server(store, key, config, ready)
+
+
+@click.command()
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@click.option("--tag", "tag_name", metavar="NAME", help="Tag the shared blob.")
+@listen_option
+@bootstrap_option
+@click.option("--no-dht", is_flag=True, help="Do not run the Kademlia DHT.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the ticket line as JSON (id, ticket, addrs)."
+)
+@verbose_option
+@click.pass_context
+def share(
+    ctx: click.Context,
+    path: Path,
+    tag_name: str | None,
+    listen: Sequence[str],
+    bootstrap: Sequence[str],
+    no_dht: bool,
+    as_json: bool,
+    verbose: int,
+) -> None:
+    """Put PATH (a file or directory) into the store and serve it until SIGINT: prints a
+    ticket that `blob get TICKET` fetches from anywhere that can reach this machine.
+
+    The ticket is the first line on stdout; how to fetch it goes to stderr."""
+    from blobstore.cli import progress_bar
+
+    _setup_logging(verbose)
+    if tag_name is not None:
+        check_tag_name(tag_name)
+    store, key = _serve_checks(ctx, bootstrap)
+    is_dir = path.is_dir()
+    size = path.stat().st_size if not is_dir else 0
+    with progress_bar(size, path.name, not as_json) as progress:
+        blob_id = store.put_dir(path) if is_dir else store.put_path(path, progress=progress)
+    if tag_name is not None:
+        store.tag(tag_name, blob_id)
+    config = _node_config(listen, bootstrap, not no_dht)
+
+    def ready(node: Node) -> None:
+        addrs = _ready_addrs(node)
+        ticket = Ticket(blob_id, tuple(addrs[:MAX_TICKET_ADDRS])).encode()
+        if as_json:
+            click.echo(
+                json.dumps(
+                    {"id": blob_id, "ticket": ticket, "peer_id": node.peer_id, "addrs": addrs}
+                )
             )
-            async with open_node(store, key_path=key_path, config=config) as node:
-                if as_json:
-                    click.echo(json.dumps({"peer_id": node.peer_id, "addrs": node.addrs}))
-                else:
-                    click.echo(f"ready {node.peer_id} " + " ".join(node.addrs))
-                sys.stdout.flush()
-                async for signum in signals:
-                    click.echo(f"stopping on {signal.Signals(signum).name}", err=True)
-                    break
+        else:
+            click.echo(ticket)
+        click.echo(
+            f"sharing {path} ({blob_id[:12]}) as {node.peer_id}; fetch it with\n"
+            f"  blob get {ticket} -o {path.name}\n"
+            "Ctrl-C stops sharing.",
+            err=True,
+        )
 
-    trio.run(main)
+    _run_server(store, key, config, ready)
 
 
 class ProgressBar:
-    """A tqdm bar on stderr fed by the downloader's progress callback."""
+    """A tqdm bar on stderr fed by the downloader's progress callback. On a resumed fetch
+    it starts at the bytes already held, and its rate counts only bytes fetched now."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -134,8 +309,14 @@ class ProgressBar:
         if self.bar is None:
             from tqdm import tqdm
 
+            # The bytes held when this fetch began: the downloader's rate counts only the
+            # bytes since, so done - rate * elapsed recovers them exactly.
+            start = max(
+                0, round(progress.done_bytes - progress.rate_bytes_per_s * progress.elapsed)
+            )
             self.bar = tqdm(
                 total=progress.total_bytes,
+                initial=start,
                 unit="B",
                 unit_scale=True,
                 unit_divisor=1024,
@@ -143,6 +324,7 @@ class ProgressBar:
                 file=sys.stderr,
                 leave=True,
             )
+            self.bar.start_t -= progress.elapsed  # the fetch's clock, not the bar's
         self.bar.n = progress.done_bytes
         active = sum(1 for s in progress.peers.values() if not s.banned and not s.dropped)
         self.bar.set_postfix_str(f"peers={active}", refresh=False)
@@ -153,21 +335,76 @@ class ProgressBar:
             self.bar.close()
 
 
+def _locally_complete(store: Store, blob_id: str, include: Sequence[str]) -> bool:
+    """Whether ``blob_id`` (and the collection files wanted) are all in the store."""
+    if not store.has(blob_id):
+        return False
+    if not store.is_collection(blob_id):
+        return True
+    from p2p.export import select_entries
+
+    try:
+        wanted = select_entries(store, blob_id, include)
+    except BlobNotFound:
+        return True  # nothing matches: reported when exporting
+    return all(store.has(child) for _path, child in wanted)
+
+
+def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
+    """``(blob ID or None if unknown here, ticket addresses)``."""
+    if ref.startswith("blob1"):
+        ticket = Ticket.decode(ref)
+        return ticket.blob_id, ticket.addrs
+    try:
+        return store.resolve(ref), ()
+    except BlobNotFound:
+        pass
+    try:
+        return parse_blob_id(ref), ()
+    except BadBlobId:
+        raise BlobNotFound(
+            f"{ref!r} is not in the local store; to fetch it, give its full 64-hex ID or a ticket"
+        ) from None
+
+
 @click.command()
 @click.argument("ref")
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the blob here.")
+@click.option(
+    "-o", "--output", type=click.Path(path_type=Path), help="Write the blob (or directory) here."
+)
 @click.option("--peer", "peers", multiple=True, metavar="MADDR", help="Provider (repeatable).")
 @bootstrap_option
 @listen_option
-@click.option("--no-dht", is_flag=True, help="Ask only the named and connected peers.")
+@click.option("--no-dht", is_flag=True, help="Do not use the DHT even with --bootstrap.")
+@click.option("--tag", "tag_name", metavar="NAME", help="Tag what was fetched (pins it).")
+@click.option(
+    "--include",
+    "include",
+    multiple=True,
+    metavar="GLOB",
+    help="Only a collection's files whose path matches (fnmatch, repeatable).",
+)
+@click.option(
+    "--tensor",
+    "tensors",
+    multiple=True,
+    metavar="NAME",
+    help="Only this tensor of a safetensors blob, fetching just its chunks (repeatable); "
+    "-o FILE.npy (one) or FILE.npz.",
+)
+@click.option(
+    "--link",
+    is_flag=True,
+    help="With -o: symlinks to the store's read-only files instead of copies.",
+)
 @click.option(
     "--discovery-timeout",
     type=float,
     default=10.0,
     show_default=True,
-    help="Seconds to keep looking for providers when none can serve.",
+    help="Seconds to keep looking for providers on the DHT when none can serve.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@json_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @verbose_option
 @click.pass_context
@@ -179,88 +416,293 @@ def get(
     bootstrap: Sequence[str],
     listen: Sequence[str],
     no_dht: bool,
+    tag_name: str | None,
+    include: Sequence[str],
+    tensors: Sequence[str],
+    link: bool,
     discovery_timeout: float,
     as_json: bool,
     no_progress: bool,
     verbose: int,
 ) -> None:
     """Get a blob by ID, 8+ character prefix, tag or ticket: from the local store if it is
-    there, else from the network (named peers, a ticket's peers, the DHT).
+    there, else from the network (named peers, a ticket's peers, the DHT through
+    --bootstrap peers).
 
     With -o the blob (or a collection's directory) is written to PATH.
     """
     _setup_logging(verbose)
+    # Everything checkable without the network, first.
+    if tag_name is not None:
+        check_tag_name(tag_name)
+    if tensors and (include or link):
+        raise click.UsageError("--tensor takes a single safetensors blob: no --include or --link")
+    if link and output is None:
+        raise click.UsageError("--link makes links at -o PATH: give -o")
+    if output is not None:
+        check_output(output)
+    _check_peer_addrs(peers, "--peer")
+    _check_peer_addrs(bootstrap, "--bootstrap")
     store = _store(ctx)
-    blob_id: str | None = None
-    if not ref.startswith("blob1"):
-        try:
-            blob_id = store.resolve(ref)
-        except BlobNotFound:
-            blob_id = None
-        if blob_id is not None and not store.has(blob_id):
-            blob_id = None  # a partial blob: resume it over the network
+    blob_id, ticket_addrs = _resolve_ref(store, ref)
+    assert blob_id is not None
     stats: dict[str, Any] = {"source": "local"}
-    if blob_id is None:
-        for addr in peers:
-            validate_peer_addr(addr, error=BadAddress)
-        if not ref.startswith("blob1"):
-            from blobstore import parse_blob_id
-
-            try:
-                parse_blob_id(ref)
-            except BadBlobId:
-                raise BlobNotFound(
-                    f"{ref!r} is not in the local store; to fetch it, give its full 64-hex ID "
-                    "or a ticket"
-                ) from None
-        bar = ProgressBar(enabled=not no_progress and not as_json and sys.stderr.isatty())
+    if tensors:
+        _get_tensors(ctx, store, blob_id, [*peers, *ticket_addrs], tensors, output, listen, as_json)
+        return
+    if not _locally_complete(store, blob_id, include):
+        named = [*peers, *ticket_addrs]
+        use_dht = bool(bootstrap) and not no_dht
+        if not named and not use_dht:
+            raise click.UsageError(
+                f"{blob_id[:12]} is not complete in this store, and nothing says where to "
+                "fetch it from: give --peer MADDR, --bootstrap MADDR or a ticket"
+            )
         key_path = _key_path(ctx)
-        final: list[Progress] = []
-        # This process's CPU seconds (all threads) from the fetch's start to its end, for
-        # benchmarks: start-up and imports excluded.
-        cpu_marks: list[float] = []
+        key = _load_key(key_path)
+        from p2p.dial import check_not_self
 
-        def on_progress(progress: Progress) -> None:
-            bar(progress)
-            if progress.finished:
-                cpu_marks.append(_own_cpu_s())
-                final.append(progress)
-
-        from p2p.node import NodeConfig, open_node
-
-        config = NodeConfig(
-            listen=tuple(listen or DEFAULT_LISTEN),
-            bootstrap=tuple(bootstrap),
-            dht=not no_dht,
-            discovery_timeout=discovery_timeout,
-        )
-
-        async def main() -> str:
-            async with open_node(store, key_path=key_path, config=config) as node:
-                # A one-shot fetcher does not announce: it is gone once the blob is here.
-                cpu_marks.append(_own_cpu_s())
-                return await node.fetch(ref, providers=peers, progress=on_progress, announce=False)
-
+        check_not_self([*named, *bootstrap], key.peer_id, key_path)
+        config = _node_config(listen, bootstrap, use_dht, discovery_timeout=discovery_timeout)
+        bar = ProgressBar(enabled=not no_progress and not as_json and sys.stderr.isatty())
         try:
-            blob_id = trio.run(main)
+            stats = _fetch(store, key, config, blob_id, named, include, bar, verbose)
         finally:
             bar.close()
-        stats = {"source": "network"}
-        if final:
-            stats["rate_bytes_per_s"] = final[-1].rate_bytes_per_s
-            stats["seconds"] = final[-1].elapsed
-            stats["duplicate_bytes"] = final[-1].duplicate_bytes
-            stats["cpu_s"] = round(cpu_marks[-1] - cpu_marks[0], 3)
-            stats["peers"] = {
-                peer: {"bytes": final[-1].new_bytes.get(peer, 0), "banned": s.banned}
-                for peer, s in final[-1].peers.items()
-            }
+    if tag_name is not None:
+        store.tag(tag_name, blob_id)
     if output is not None:
-        store.export(blob_id, output)
+        _write_output(store, blob_id, output, include, link)
     if as_json:
-        click.echo(json.dumps({"id": blob_id, "path": str(output) if output else None, **stats}))
+        click.echo(
+            json.dumps(
+                {"id": blob_id, "path": str(output) if output else None, "tag": tag_name, **stats}
+            )
+        )
     else:
         click.echo(f"{blob_id}  {output if output else store.path(blob_id)}")
+
+
+def _get_tensors(
+    ctx: click.Context,
+    store: Store,
+    blob_id: str,
+    named: Sequence[str],
+    names: Sequence[str],
+    output: Path | None,
+    listen: Sequence[str],
+    as_json: bool,
+) -> None:
+    """``blob get REF --tensor NAME...``: only those tensors, saved with numpy."""
+    from p2p.tensors import TensorFetch, fetch_tensors, read_local_tensors
+
+    if output is not None and output.suffix not in (".npy", ".npz"):
+        raise click.UsageError("--tensor writes numpy files: give -o NAME.npy or -o NAME.npz")
+    if output is not None and output.suffix == ".npy" and len(set(names)) > 1:
+        raise click.UsageError("several --tensor go to one -o NAME.npz")
+    result: TensorFetch
+    if store.has(blob_id):
+        source = "local"
+        result = run_interruptible(lambda: read_local_tensors(store, blob_id, names))
+    else:
+        source = "network"
+        if not named:
+            raise click.UsageError(
+                f"{blob_id[:12]} is not complete in this store: --tensor fetches from "
+                "--peer MADDR or a ticket's peers"
+            )
+        key_path = _key_path(ctx)
+        key = _load_key(key_path)
+        from p2p.dial import check_not_self, dial_named, peer_id_of, unreachable_error
+        from p2p.node import open_node
+
+        check_not_self(named, key.peer_id, key_path)
+        config = _node_config(listen, (), False)
+
+        async def main() -> TensorFetch:
+            async with open_node(store, key=key, config=config) as node:
+                reached, failures = await dial_named(node, named)
+                if not reached:
+                    raise unreachable_error(failures)
+                peers = [peer_id_of(a) for a in reached]
+                return await fetch_tensors(node, blob_id, names, peers=peers)
+
+        result = run_interruptible(main)
+    if output is not None:
+        _save_arrays(output, result.tensors)
+    info: dict[str, dict[str, Any]] = {
+        name: {"dtype": t.dtype, "shape": list(t.shape), "bytes": t.end - t.begin}
+        for name, t in result.infos.items()
+    }
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "id": blob_id,
+                    "path": str(output) if output else None,
+                    "source": source,
+                    "tensors": info,
+                    "fetched_chunks": result.fetched_chunks,
+                    "chunks": result.num_chunks,
+                }
+            )
+        )
+        return
+    for name, t in info.items():
+        shape = "x".join(map(str, t["shape"])) or "scalar"
+        click.echo(f"{name}  {t['dtype']} {shape}  {output if output else ''}".rstrip())
+    click.echo(
+        f"fetched {result.fetched_chunks} of {result.num_chunks} chunks of {blob_id[:12]}",
+        err=True,
+    )
+
+
+def _save_arrays(output: Path, arrays: dict[str, Any]) -> None:
+    """One array to NAME.npy, or all of them to NAME.npz, renamed into place."""
+    import secrets
+
+    import numpy as np
+
+    staging = output.absolute().parent / f".{output.name}.blobnet-{secrets.token_hex(6)}"
+    try:
+        with staging.open("wb") as handle:
+            if output.suffix == ".npy":
+                np.save(handle, next(iter(arrays.values())))
+            else:
+                np.savez(handle, **arrays)
+        staging.replace(output)
+    except OSError as exc:
+        staging.unlink(missing_ok=True)
+        from blobstore.errors import StoreError
+
+        raise StoreError(f"cannot write {output}: {exc.strerror or exc}") from None
+
+
+def _fetch(
+    store: Store,
+    key: MachineKey,
+    config: Any,
+    blob_id: str,
+    named: Sequence[str],
+    include: Sequence[str],
+    bar: ProgressBar,
+    verbose: int,
+) -> dict[str, Any]:
+    """Dial the named peers, then fetch ``blob_id`` (and the wanted files of a
+    collection); the fetch's figures for ``--json``."""
+    from p2p.dial import dial_named, unreachable_error
+    from p2p.node import open_node
+
+    final: list[Progress] = []
+    # This process's CPU seconds (all threads) from the fetch's start to its end, for
+    # benchmarks: start-up and imports excluded.
+    cpu_marks: list[float] = []
+
+    def on_progress(progress: Progress) -> None:
+        bar(progress)
+        if progress.finished:
+            cpu_marks.append(_own_cpu_s())
+            final.append(progress)
+
+    async def main() -> None:
+        async with open_node(store, key=key, config=config) as node:
+            reached, failures = await dial_named(node, named)
+            if failures and not reached and not config.dht:
+                raise unreachable_error(failures)
+            if failures and verbose:
+                for line in failures:
+                    click.echo(f"blob: note: cannot reach {line}", err=True)
+            cpu_marks.append(_own_cpu_s())
+            # A one-shot fetcher does not announce: it is gone once the blob is here.
+            await _fetch_wanted(node, blob_id, reached, include, on_progress)
+
+    run_interruptible(main)
+    stats: dict[str, Any] = {"source": "network"}
+    if final:
+        stats["rate_bytes_per_s"] = final[-1].rate_bytes_per_s
+        stats["seconds"] = final[-1].elapsed
+        stats["duplicate_bytes"] = final[-1].duplicate_bytes
+        stats["cpu_s"] = round(cpu_marks[-1] - cpu_marks[0], 3)
+        stats["peers"] = {
+            peer: {"bytes": final[-1].new_bytes.get(peer, 0), "banned": s.banned}
+            for peer, s in final[-1].peers.items()
+        }
+    return stats
+
+
+# Files of a collection fetched at once with --include (as the node does for whole ones).
+INCLUDE_PARALLELISM = 4
+
+
+async def _fetch_wanted(
+    node: Node,
+    blob_id: str,
+    providers: Sequence[str],
+    include: Sequence[str],
+    on_progress: Callable[[Progress], None],
+) -> None:
+    if not include:
+        await node.fetch(blob_id, providers=providers, progress=on_progress, announce=False)
+        return
+    await node.fetch(blob_id, providers=providers, recursive=False, announce=False)
+    if not await trio.to_thread.run_sync(node.store.is_collection, blob_id):
+        raise click.UsageError(f"--include picks files of a collection; {blob_id[:12]} is a file")
+    from p2p.export import select_entries
+
+    wanted = await trio.to_thread.run_sync(select_entries, node.store, blob_id, include)
+    limiter = trio.CapacityLimiter(INCLUDE_PARALLELISM)
+
+    async def child(child_id: str) -> None:
+        async with limiter:
+            await node.fetch(
+                child_id, providers=providers, progress=on_progress, recursive=False,
+                announce=False,
+            )  # fmt: skip
+
+    async with trio.open_nursery() as nursery:
+        for child_id in dict.fromkeys(c for _path, c in wanted):
+            nursery.start_soon(child, child_id)
+
+
+def _write_output(
+    store: Store, blob_id: str, output: Path, include: Sequence[str], link: bool
+) -> None:
+    from p2p.export import export_files, link_file, select_entries
+
+    collection = store.is_collection(blob_id)
+    if include and not collection:
+        raise click.UsageError(f"--include picks files of a collection; {blob_id[:12]} is a file")
+    if collection and (include or link):
+        export_files(store, select_entries(store, blob_id, include), output, link=link)
+    elif link:
+        link_file(store, blob_id, output)
+    else:
+        store.export(blob_id, output)
+
+
+@click.command("export")
+@click.argument("ref")
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--copy", is_flag=True, help="Verified copies instead of symlinks into the store.")
+@click.option(
+    "--include", "include", multiple=True, metavar="GLOB", help="Only matching files (fnmatch)."
+)
+@json_option
+@click.pass_context
+def export_cmd(
+    ctx: click.Context, ref: str, dest: Path, copy: bool, include: Sequence[str], as_json: bool
+) -> None:
+    """Write a blob from the store to DEST without copying it: symlinks to the store's
+    read-only files (a collection becomes a directory of them), which
+    transformers' from_pretrained(DEST) and safetensors load as they are."""
+    check_output(dest)
+    store = _store(ctx)
+    blob_id = store.resolve(ref)
+    _write_output(store, blob_id, dest, include, link=not copy)
+    if as_json:
+        click.echo(json.dumps({"id": blob_id, "path": str(dest), "linked": not copy}))
+    else:
+        click.echo(f"{blob_id}  {dest}")
 
 
 @click.command()
@@ -273,19 +715,21 @@ def get(
     metavar="MADDR",
     help="Provider address ending in /p2p/<peer id> (repeatable).",
 )
+@json_option
 @click.pass_context
-def ticket(ctx: click.Context, ref: str, addrs: Sequence[str]) -> None:
+def ticket(ctx: click.Context, ref: str, addrs: Sequence[str], as_json: bool) -> None:
     """Print a ticket: the blob ID and provider addresses in one copyable string."""
+    _check_peer_addrs(addrs, "--addr")
     store = _store(ctx)
     try:
         blob_id = store.resolve(ref)
     except BlobNotFound:
-        from blobstore import parse_blob_id
-
         blob_id = parse_blob_id(ref)
-    for addr in addrs:
-        validate_peer_addr(addr, error=BadAddress)
-    click.echo(Ticket(blob_id, tuple(addrs)).encode())
+    text = Ticket(blob_id, tuple(addrs)).encode()
+    if as_json:
+        click.echo(json.dumps({"id": blob_id, "addrs": list(addrs), "ticket": text}))
+    else:
+        click.echo(text)
 
 
 @click.command()
@@ -302,5 +746,5 @@ def demo(size_mib: int, keep: bool, as_json: bool) -> None:
 
 
 def register(group: click.Group) -> None:
-    for command in (serve, get, ticket, demo):
+    for command in (serve, share, get, export_cmd, ticket, demo):
         group.add_command(command)

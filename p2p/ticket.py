@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 from dataclasses import dataclass
 
 import msgpack
@@ -60,12 +61,26 @@ class Ticket:
 
 
 def validate_peer_addr(addr: str, *, error: type[Exception] = BadTicket) -> Multiaddr:
-    """Parse a multiaddr that must end in ``/p2p/<peer id>``."""
+    """Parse a multiaddr that must end in ``/p2p/<peer id>``; ``error`` carries a plain
+    one-line reason (no multiaddr internals) when it does not."""
     try:
         maddr = Multiaddr(addr)
-        peer = maddr.value_for_protocol("p2p")
     except Exception as exc:  # multiaddr raises many unrelated types for bad text
-        raise error(f"bad peer address {addr!r}: {exc}") from None
-    if not peer:
-        raise error(f"peer address {addr!r} lacks /p2p/<peer id>")
+        raise error(f"bad peer address {addr!r}: {_plain_reason(exc)}") from None
+    if "p2p" not in [protocol.name for protocol in maddr.protocols()]:
+        raise error(
+            f"peer address {addr!r} lacks /p2p/<peer id> "
+            "(the full form is /ip4/HOST/tcp/PORT/p2p/12D3KooW...)"
+        )
     return maddr
+
+
+# py-multiaddr's message around the reason: "Invalid MultiAddr '<text>': <reason>
+# (string: <text>)".
+_MULTIADDR_WRAPPER = re.compile(r"^Invalid MultiAddr '.*?': (?P<reason>.*?)(?: \(string: .*\))?$")
+
+
+def _plain_reason(exc: Exception) -> str:
+    text = str(exc).replace("\n", " ")
+    match = _MULTIADDR_WRAPPER.match(text)
+    return match.group("reason") if match else text
