@@ -81,9 +81,13 @@ _counter = itertools.count()
 class TestbedUnavailable(RuntimeError):
     """This machine cannot run the testbed (not root, no `ip`, no /dev/net/tun)."""
 
+    __test__ = False  # not a pytest test class, whatever its name
+
 
 class TestbedError(RuntimeError):
     """Setting up or driving the testbed failed (a bug or a broken machine)."""
+
+    __test__ = False
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,8 @@ class Testbed:
     ``extra_delay_ms`` adds one-way delay per ordered pair of hosts, for RTTs per-host
     delays cannot give. Processes started with :meth:`popen` are killed at teardown.
     """
+
+    __test__ = False  # not a pytest test class, whatever its name
 
     def __init__(
         self,

@@ -1,0 +1,230 @@
+"""Real ``blob`` processes on testbed hosts: a store and a machine key per node (in a
+temp directory), ``blob serve`` and ``blob get`` run as separate processes inside the
+hosts' namespaces, as a user would run them.
+
+The time to the first verified chunk is read from outside the fetcher: the store writes
+a chunk into ``partial/<id>/data`` (a sparse file) only after its hash matched the
+manifest (blobstore.partial rule 1), so the moment that file first holds a data block
+is the moment the first verified chunk landed. We poll its ``st_blocks`` every
+``FIRST_CHUNK_POLL_S``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.wan.testbed import Testbed, TestbedError
+
+SERVE_READY_TIMEOUT = 60.0  # a node's start-up (imports, key, listen) on a loaded machine
+FIRST_CHUNK_POLL_S = 0.002
+MiB = 1 << 20
+
+
+def blob_env() -> dict[str, str]:
+    """``blob`` runs from whatever ``p2p`` this interpreter imports (the installed
+    project, or a tree named in PYTHONPATH); its processes start in their node's
+    directory so that ``-m`` does not pick up a ``p2p`` from the caller's directory."""
+    return dict(os.environ)
+
+
+def blob_argv(node: BlobNode, *args: str) -> list[str]:
+    return [
+        sys.executable, "-m", "p2p.cli",
+        "--store", str(node.store), "--key", str(node.key), *args,
+    ]  # fmt: skip
+
+
+def write_random_file(path: Path, size: int, seed: int = 0) -> None:
+    """``size`` pseudo-random bytes (incompressible, reproducible from ``seed``)."""
+    rng = random.Random(seed)
+    with path.open("wb") as out:
+        left = size
+        while left:
+            n = min(left, 8 * MiB)
+            out.write(rng.randbytes(n))
+            left -= n
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[str]
+    peer_id: str
+    addr: str  # the multiaddr on the testbed address, ending in /p2p/<peer id>
+
+
+@dataclass
+class GetResult:
+    """One ``blob get``: its own --json report and what we saw from outside."""
+
+    report: dict[str, Any]
+    wall_s: float  # process start to exit
+    first_chunk_s: float | None  # process start to the first verified chunk on disk
+    returncode: int
+    stderr: str = ""
+
+    @property
+    def rate_bytes_per_s(self) -> float:
+        return float(self.report.get("rate_bytes_per_s") or 0.0)
+
+
+@dataclass
+class BlobNode:
+    """One machine: a store and a key under ``root``, on testbed host ``host``."""
+
+    root: Path
+    host: str
+    served: Served | None = field(default=None)
+
+    @property
+    def store(self) -> Path:
+        return self.root / "store"
+
+    @property
+    def key(self) -> Path:
+        return self.root / "machine.key"
+
+    def put(self, path: Path) -> str:
+        self.root.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            blob_argv(self, "put", str(path), "--json"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=blob_env(),
+            cwd=self.root,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise TestbedError(f"blob put failed: {done.stderr.strip()}")
+        blob_id: str = json.loads(done.stdout)[0]["id"]
+        return blob_id
+
+    def serve(self, tb: Testbed, *extra: str) -> Served:
+        self.root.mkdir(parents=True, exist_ok=True)
+        listen = f"/ip4/{tb.addr(self.host)}/tcp/0"
+        proc = tb.popen(
+            self.host,
+            blob_argv(self, "serve", "--json", "--no-dht", "--listen", listen, *extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=blob_env(),
+            cwd=self.root,
+        )
+        line = _readline(proc, SERVE_READY_TIMEOUT)
+        if not line:
+            proc.kill()
+            err = proc.communicate(timeout=10)[1]
+            raise TestbedError(f"blob serve on {self.host} did not start: {err.strip()[-500:]}")
+        ready = json.loads(line)
+        addrs = [a for a in ready["addrs"] if f"/ip4/{tb.addr(self.host)}/" in a]
+        if not addrs:
+            raise TestbedError(f"blob serve listens on {ready['addrs']}, not the testbed")
+        self.served = Served(proc, ready["peer_id"], addrs[0])
+        return self.served
+
+    def stop(self) -> None:
+        if self.served is not None and self.served.proc.poll() is None:
+            self.served.proc.terminate()
+            try:
+                self.served.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.served.proc.kill()
+                self.served.proc.wait(timeout=10)
+
+    def start_get(self, tb: Testbed, blob_id: str, peers: list[str], *extra: str) -> Getting:
+        """Start ``blob get`` (returns at once; :meth:`Getting.wait` for the result)."""
+        argv = ["get", blob_id, "--json", "--no-dht", "--no-progress"]
+        argv += ["--listen", f"/ip4/{tb.addr(self.host)}/tcp/0"]
+        for peer in peers:
+            argv += ["--peer", peer]
+        self.root.mkdir(parents=True, exist_ok=True)
+        data = self.store / "partial" / blob_id / "data"
+        started = time.monotonic()
+        proc = tb.popen(
+            self.host,
+            blob_argv(self, *argv, *extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=blob_env(),
+            cwd=self.root,
+        )
+        return Getting(proc, started, data)
+
+    def get(
+        self, tb: Testbed, blob_id: str, peers: list[str], *, timeout: float = 300.0
+    ) -> GetResult:
+        return self.start_get(tb, blob_id, peers).wait(timeout)
+
+
+class Getting:
+    """A running ``blob get``; a thread watches for its first verified chunk."""
+
+    def __init__(self, proc: subprocess.Popen[str], started: float, data: Path) -> None:
+        self.proc = proc
+        self.started = started
+        self.first_chunk: float | None = None
+        self._data = data
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        while self.proc.poll() is None:
+            try:
+                if os.stat(self._data).st_blocks > 0:
+                    self.first_chunk = time.monotonic()
+                    return
+            except FileNotFoundError:
+                pass
+            time.sleep(FIRST_CHUNK_POLL_S)
+
+    def wait(self, timeout: float) -> GetResult:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, err = self.proc.communicate()
+            raise TestbedError(f"blob get took over {timeout:.0f} s: {err[-500:]}") from None
+        ended = time.monotonic()
+        self._watcher.join(timeout=1.0)
+        report: dict[str, Any] = {}
+        lines = out.strip().splitlines()
+        if self.proc.returncode == 0 and lines:
+            report = json.loads(lines[-1])
+        first = None if self.first_chunk is None else self.first_chunk - self.started
+        return GetResult(report, ended - self.started, first, self.proc.returncode, err)
+
+
+def _readline(proc: subprocess.Popen[str], timeout: float) -> str:
+    """One stdout line, or "" if the process exits or ``timeout`` passes first."""
+    assert proc.stdout is not None
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    reader.join(timeout)
+    return box[0] if box else ""
+
+
+def startup_s(tb: Testbed, host: str) -> float:
+    """Seconds for a Python process in ``host`` to import what ``blob get`` imports
+    before its node runs (the CLI and the node: libp2p, trio, cryptography) and exit."""
+    started = time.monotonic()
+    tb.run(
+        host,
+        [sys.executable, "-c", "import p2p.cli, p2p.node"],
+        timeout=120,
+        check=True,
+        env=blob_env(),
+        cwd="/",
+    )
+    return time.monotonic() - started

@@ -1,0 +1,23 @@
+"""The WAN testbed lives in bench/wan/ (not an installed package): make the repository
+root importable, and give tests that need root and /dev/net/tun a fixture that skips
+them, saying why, where those are missing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture
+def wan_capable() -> None:
+    from bench.wan import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
