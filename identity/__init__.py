@@ -9,6 +9,8 @@
 - :class:`Authority` issues :class:`AdmissionCertificate` s; :func:`verify_certificate`
   checks them against a :class:`TrustStore` (authorities + :class:`RevocationList`).
 - :func:`sign_attestation` / :func:`verify_attestation`: domain-separated signed claims.
+- :func:`is_reserved_kind`: statement kinds only the code that computed them signs
+  (``blob attest sign`` refuses them); :mod:`identity.kinds` says what that proves.
 - :func:`decode_msgpack_map`: the bounded, strict msgpack map parse every signed or
   canonical format here starts from (training's records and messages use it too).
 """
@@ -51,6 +53,7 @@ from .errors import (
     PassphraseRequired,
     Reason,
     Rejected,
+    ReservedKind,
     WrongPassphrase,
 )
 from .keyfile import (
@@ -61,15 +64,25 @@ from .keyfile import (
     save_key_file,
 )
 from .keys import MachineKey, format_public_key, parse_public_key, verify_signature
+from .kinds import (
+    HARDWARE_SIGNER_KINDS,
+    RESERVED_KINDS,
+    RESERVED_PREFIX,
+    is_hardware_signer,
+    is_reserved_kind,
+)
 from .peerid import parse_peer_id, peer_id_from_public_key, public_key_from_peer_id
 from .signer import SOFTWARE, Signer, SoftwareSigner
 
 __all__ = [
     "ATTESTATION_DOMAIN",
     "CERTIFICATE_DOMAIN",
+    "HARDWARE_SIGNER_KINDS",
     "MAX_ATTESTATION_SIZE",
     "MAX_CERTIFICATE_SIZE",
     "MAX_SUBJECTS",
+    "RESERVED_KINDS",
+    "RESERVED_PREFIX",
     "SOFTWARE",
     "AdmissionCertificate",
     "Attestation",
@@ -92,6 +105,7 @@ __all__ = [
     "PassphraseRequired",
     "Reason",
     "Rejected",
+    "ReservedKind",
     "RevocationList",
     "Signer",
     "SoftwareSigner",
@@ -101,6 +115,8 @@ __all__ = [
     "decode_msgpack_map",
     "ensure_key",
     "format_public_key",
+    "is_hardware_signer",
+    "is_reserved_kind",
     "load_key_file",
     "load_or_create_key",
     "parse_peer_id",

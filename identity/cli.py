@@ -42,9 +42,11 @@ from .errors import (
     NotFound,
     PassphraseRequired,
     Rejected,
+    ReservedKind,
 )
 from .keyfile import create_key_file, load_key_file
 from .keys import MachineKey, format_public_key, parse_public_key
+from .kinds import HARDWARE_SIGNER_KINDS, RESERVED_KINDS, RESERVED_PREFIX, is_reserved_kind
 from .peerid import parse_peer_id
 from .signer import SoftwareSigner
 
@@ -344,7 +346,18 @@ def attest_sign(
     output: Path,
     as_json: bool,
 ) -> None:
-    """Sign an attestation with this machine's key."""
+    """Sign an attestation with this machine's key.
+
+    Kinds that assert a computed result (round-result, replay, blobnet/...) are refused:
+    only the command that computed the result signs those (see identity.kinds).
+    """
+    if is_reserved_kind(kind):
+        reserved = ", ".join(sorted(RESERVED_KINDS))
+        raise ReservedKind(
+            f"--kind {kind!r} is a reserved kind: only the command that computed the result "
+            f"signs it (`blob train run`, `blob train replay`, the outer loop); reserved are "
+            f"{reserved} and every kind starting with {RESERVED_PREFIX!r}"
+        )
     try:
         digest = bytes.fromhex(digest_hex)
     except ValueError:
@@ -380,6 +393,11 @@ def attest_sign(
 @trust_options
 @click.option("--kind", default=None, help="Require this statement kind.")
 @click.option("--kernel-class", default=None, help="Require this kernel class.")
+@click.option(
+    "--require-hardware",
+    is_flag=True,
+    help="Accept only hardware-backed signers (" + ", ".join(sorted(HARDWARE_SIGNER_KINDS)) + ").",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def attest_verify(
@@ -389,6 +407,7 @@ def attest_verify(
     revoked_path: Path | None,
     kind: str | None,
     kernel_class: str | None,
+    require_hardware: bool,
     as_json: bool,
 ) -> None:
     """Verify an attestation and its certificate; exit 0 if valid, 1 if rejected."""
@@ -396,7 +415,12 @@ def attest_verify(
     data = _read_input(file, "attestation", MAX_ATTESTATION_SIZE)
     try:
         claims = verify_attestation(
-            data, trust=trust, now=time.time(), kind=kind, kernel_class=kernel_class
+            data,
+            trust=trust,
+            now=time.time(),
+            kind=kind,
+            kernel_class=kernel_class,
+            signer_kinds=HARDWARE_SIGNER_KINDS if require_hardware else None,
         )
     except Rejected as exc:
         if as_json:

@@ -73,6 +73,12 @@ class BadPeerId(IdentityError):
     exit_code = 2
 
 
+class ReservedKind(IdentityError):
+    """``blob attest sign`` was asked for a kind only the code that computed it signs."""
+
+    exit_code = 2
+
+
 class BadPublicKey(IdentityError):
     """A public key (hex text or ``.pub`` file) is malformed."""
 

@@ -352,6 +352,11 @@ def replay_command(
 @click.argument("round_ref")
 @click.argument("attestations", nargs=-1, required=True)
 @trust_options
+@click.option(
+    "--require-hardware",
+    is_flag=True,
+    help="Accept only attestations made by hardware-backed signers (TPM, TEE, HSM).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def check_command(
@@ -360,10 +365,17 @@ def check_command(
     attestations: tuple[str, ...],
     authorities: tuple[str, ...],
     revoked_path: Path | None,
+    require_hardware: bool,
     as_json: bool,
 ) -> None:
-    """Evidence check: accept ROUND only with two valid attestations over its digest from
-    distinct admitted operators of its kernel class. ATTESTATION: a file or a blob ID."""
+    """Evidence check: accept ROUND only with valid attestations over its digest from two
+    distinct admitted operators of its kernel class: the runner's (in the round record)
+    and a replay attestation that only `blob train replay` makes. ATTESTATION: a file or
+    a blob ID.
+
+    With software keys this shows that two admitted operators signed the digest, not that
+    the replay ran (a key in a file can sign anything); --require-hardware accepts only
+    hardware-backed signers."""
     from training.errors import EvidenceRejected
     from training.round import check_evidence, load_record
 
@@ -372,7 +384,9 @@ def check_command(
     trust = load_trust(authorities, revoked_path)
     blobs = [_attestation_bytes(store, a) for a in attestations]
     try:
-        evidence = check_evidence(record, blobs, trust=trust, now=time.time())
+        evidence = check_evidence(
+            record, blobs, trust=trust, now=time.time(), require_hardware=require_hardware
+        )
     except EvidenceRejected as exc:
         if as_json:
             _echo_json({"accepted": False, "message": str(exc)})
@@ -387,12 +401,14 @@ def check_command(
                 "kernel_class": evidence.kernel_class_id,
                 "operators": list(evidence.operators),
                 "signers": list(evidence.signers),
+                "signer_kinds": list(evidence.signer_kinds),
             }
         )
     else:
         click.echo(
             f"accepted: digest {evidence.digest.hex()} attested by operators "
-            f"{', '.join(evidence.operators)} ({evidence.kernel_class_id})"
+            f"{', '.join(evidence.operators)} ({evidence.kernel_class_id}; signers "
+            f"{', '.join(sorted(set(evidence.signer_kinds)))})"
         )
 
 

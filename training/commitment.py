@@ -47,8 +47,10 @@ from training.recipe import MAX_STEPS, Recipe, recipe_hash
 COMMITMENT_VERSION = 1
 RECORD_VERSION = 1
 COMMITMENT_DOMAIN = b"blobnet-round-commitment-v1:"
-# The attestation statement kind a round's runner and its replayers sign.
+# The attestation statement kind a round's runner signs (reserved: identity.kinds).
 ROUND_KIND = "round-result"
+# The kind only ``replay_round`` signs, after it reached the round's digest bit for bit.
+REPLAY_KIND = "blobnet/round-replay"
 ROOT_SIZE = 32
 # A commitment is ~1 KiB plus 4 bytes a step; the record adds a recipe (< 4 KiB) and an
 # attestation (< 72 KiB with identity's limits).

@@ -8,7 +8,8 @@ Invariants (see research/train.md for the measurements behind them):
    deterministic implementation raises instead of varying), the thread count pinned (a
    reduction above ~16-32K elements changes bits with the thread count), seeds fixed,
    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (needed by deterministic cuBLAS), TF32 off, cuDNN
-   benchmarking off.
+   benchmarking off, float32 matmul precision "highest", subnormals not flushed. Settings
+   no kernel class can pin (``training.kernel_class.REFUSED_ENV``) are refused here.
 3. Rounds run eager (no torch.compile): the audit sees aten ops, and an audited round is
    an eager round anyway.
 """
@@ -47,6 +48,9 @@ def enter(device: str, threads: int = DEFAULT_THREADS, seed: int = 0) -> None:
     """Put this process in deterministic mode for ``device``; idempotent."""
     if not 1 <= threads <= MAX_THREADS:
         raise DeviceUnavailable(f"thread count {threads} is outside 1..{MAX_THREADS}")
+    from training.kernel_class import check_environment
+
+    check_environment()  # settings no kernel class can pin are refused first
     # Must be in the environment before the first cuBLAS handle is created.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     import torch
@@ -62,6 +66,8 @@ def enter(device: str, threads: int = DEFAULT_THREADS, seed: int = 0) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
+    # Subnormals computed, not flushed (FTZ/DAZ change results; the class records it).
+    torch.set_flush_denormal(False)
     seed_all(seed)
     if device == "cuda" and os.environ.get("CUBLAS_WORKSPACE_CONFIG") != CUBLAS_WORKSPACE:
         raise DeviceUnavailable(

@@ -14,6 +14,35 @@ The ``family`` ("cpu" or "cuda") picks the audited kernel set in ``training/kern
 
 Detection imports torch; call it after ``training.determinism.enter`` so the thread count
 and flags it records are the ones the round runs with.
+
+Settings that change CPU math (issue 19: ``MKL_ENABLE_INSTRUCTIONS=AVX2`` changed loss bits
+from step 4 under an unchanged class). Each is either folded into the class, so machines
+that differ in it never vouch for each other, or refused:
+
+- Environment variables read by torch's math libraries (:data:`MATH_ENV`, each with why):
+  folded as ``env:<NAME>`` when set, unset ones add nothing. Thread counts
+  (``OMP_NUM_THREADS``, ``MKL_NUM_THREADS``) are not folded: ``torch.set_num_threads`` in
+  ``determinism.enter`` overrides both and the class records the count in effect.
+  ``OMP_DYNAMIC`` set true is refused (:data:`REFUSED_ENV`): the runtime then picks a
+  thread count per parallel region, which no class can pin.
+- In-process switches, read back after ``determinism.enter`` pinned them:
+  ``flush_denormal`` (probed: torch has no getter; FTZ/DAZ turn subnormals into 0),
+  ``matmul_precision`` (``"high"``/``"medium"`` let oneDNN use TF32/bf16 for float32),
+  ``fp32_precision`` (the newer per-backend form of the same), ``mkldnn`` and
+  ``mkldnn_deterministic``, ``deterministic_warn_only``, ``default_dtype``,
+  ``opt_einsum`` (it reorders einsum contractions) and ``autocast`` (CPU autocast casts
+  matmuls to bf16). A round re-detects its class after the last step, so one changed
+  during the round is caught too (``training.round``).
+- The C library (``libc``: libm's scalar exp/log fallbacks) and the OpenMP runtime
+  actually loaded (``openmp``: basename and size, so an ``LD_LIBRARY_PATH``/``LD_PRELOAD``
+  swap shows).
+Considered and not folded, because they change no result: affinity and waiting
+(``OMP_PROC_BIND``, ``OMP_PLACES``, ``GOMP_CPU_AFFINITY``, ``OMP_WAIT_POLICY``,
+``GOMP_SPINCOUNT``), stack sizes, verbosity (``MKL_VERBOSE``, ``ONEDNN_VERBOSE``), caches
+(``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and MKL's memory manager (``MKL_DISABLE_FAST_MM``).
+Limit: an environment variable is read as the process sees it when the class is
+detected; one changed in-process after a library already read it is recorded but had no
+effect (set them before starting Python, as every CLI user does).
 """
 
 from __future__ import annotations
@@ -22,20 +51,57 @@ import json
 import os
 import platform
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import blake3
 
-from training.errors import BadRoundRecord
+from training.errors import BadRoundRecord, UnsafeSetting
 
-KERNEL_CLASS_SCHEMA = 1
+KERNEL_CLASS_SCHEMA = 2
 # The optimizer implementation every round uses (training.recipe); fused AdamW gives
 # other bits, and on CUDA the step counter lives on the device (capturable=True).
 OPTIMIZER_IMPL_CPU = "torch.optim.AdamW(foreach=False,fused=False)"
 OPTIMIZER_IMPL_CUDA = "torch.optim.AdamW(foreach=False,fused=False,capturable=True)"
-# A kernel class is ~20 short fields; bound what we accept from a round record.
+# Environment variables that change which code computes a float, or how: folded into the
+# class as ``env:<NAME>`` when set.
+MATH_ENV: dict[str, str] = {
+    "ATEN_CPU_CAPABILITY": "ATen's vectorised-kernel ISA (also read back as cpu_capability)",
+    "MKL_CBWR": "MKL's conditional numerical reproducibility code branch",
+    "MKL_ENABLE_INSTRUCTIONS": "caps the ISA MKL dispatches to",
+    "MKL_DEBUG_CPU_TYPE": "forces MKL's CPU type (older MKL builds)",
+    "MKL_DYNAMIC": "lets MKL run a call on fewer threads than asked",
+    "MKL_DOMAIN_NUM_THREADS": "per-domain MKL thread counts (take precedence over the global)",
+    "MKL_NUM_STRIPES": "how MKL partitions a GEMM across threads",
+    "MKL_THREADING_LAYER": "which threading runtime MKL uses (sequential, GNU, Intel)",
+    "MKL_INTERFACE_LAYER": "MKL's integer and calling interface",
+    "ONEDNN_MAX_CPU_ISA": "caps the ISA oneDNN JITs kernels for",
+    "DNNL_MAX_CPU_ISA": "the older name of ONEDNN_MAX_CPU_ISA",
+    "ONEDNN_CPU_ISA_HINTS": "oneDNN ISA preferences (e.g. prefer ymm registers)",
+    "DNNL_CPU_ISA_HINTS": "the older name of ONEDNN_CPU_ISA_HINTS",
+    "ONEDNN_DEFAULT_FPMATH_MODE": "lets oneDNN compute float32 in bf16/tf32",
+    "DNNL_DEFAULT_FPMATH_MODE": "the older name of ONEDNN_DEFAULT_FPMATH_MODE",
+    "TORCH_MKLDNN_MATMUL_MIN_DIM": "size threshold for matmuls to go to oneDNN instead of MKL",
+    "TORCH_MKLDNN_MATMUL_MIN_SIZE": "size threshold for matmuls to go to oneDNN instead of MKL",
+    "TORCH_LINEAR_FLATTEN_3D": "whether a 3-D linear input is flattened to one addmm",
+    "OMP_SCHEDULE": "the schedule of OpenMP loops that ask for the runtime one",
+    "OMP_THREAD_LIMIT": "caps OpenMP threads below the count torch asked for",
+    "OMP_NESTED": "nested OpenMP parallelism (threads inside threads)",
+    "OMP_MAX_ACTIVE_LEVELS": "nested OpenMP parallelism (threads inside threads)",
+    "KMP_DETERMINISTIC_REDUCTION": "Intel OpenMP's reduction order",
+    "OPENBLAS_CORETYPE": "forces OpenBLAS's kernel set (torch builds that use OpenBLAS)",
+    "OPENBLAS_NUM_THREADS": "OpenBLAS's thread count (not set by torch.set_num_threads)",
+    "LD_PRELOAD": "may replace math routines (libm, the OpenMP runtime) process-wide",
+}
+# Environment settings no kernel class can pin: refused while set (value test, reason).
+_TRUE = frozenset({"1", "true", "yes", "on"})
+REFUSED_ENV: dict[str, str] = {
+    "OMP_DYNAMIC": "lets OpenMP pick a thread count per parallel region at run time",
+}
+_OPENMP_LIBS = ("libgomp", "libiomp", "libomp")
+# A kernel class is ~40 short fields; bound what we accept from a round record.
 MAX_FIELDS = 64
 MAX_VALUE_LEN = 256
 
@@ -104,11 +170,90 @@ def _nvidia_driver() -> str:
     return match.group(1) if match else "unknown"
 
 
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """``UnsafeSetting`` if a setting of :data:`REFUSED_ENV` is on."""
+    env = os.environ if environ is None else environ
+    for name, why in REFUSED_ENV.items():
+        value = env.get(name, "")
+        if value.strip().lower() in _TRUE:
+            raise UnsafeSetting(
+                f"{name}={value} {why}, so a round's bits would vary from run to run; "
+                f"unset {name} (or set it to false) to train or replay"
+            )
+
+
+def env_fields(environ: Mapping[str, str] | None = None) -> dict[str, str | int]:
+    """``env:<NAME>`` for every :data:`MATH_ENV` variable that is set (and the refused
+    ones set to a safe value), after :func:`check_environment`."""
+    env = os.environ if environ is None else environ
+    check_environment(env)
+    names = sorted(set(MATH_ENV) | set(REFUSED_ENV))
+    return {f"env:{n}": env[n][:MAX_VALUE_LEN] for n in names if n in env}
+
+
+def _loaded_openmp() -> str:
+    """Basename and size of the OpenMP runtime(s) mapped into this process."""
+    found: set[str] = set()
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    for line in maps.splitlines():
+        path = line.rsplit(None, 1)[-1] if "/" in line else ""
+        name = path.rsplit("/", 1)[-1]
+        if name.startswith(_OPENMP_LIBS) and ".so" in name:
+            try:
+                found.add(f"{name}:{os.stat(path).st_size}")
+            except OSError:
+                found.add(f"{name}:?")
+    return ",".join(sorted(found)) or "none"
+
+
+def _flush_denormal() -> int:
+    """1 if this thread flushes subnormal floats to zero (FTZ/DAZ), probed by arithmetic:
+    torch offers a setter (``set_flush_denormal``) and no getter."""
+    import torch
+
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in float32
+    return int(bool((tiny * 1.0).item() == 0.0))
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "none"
+
+
+def settings_fields() -> dict[str, str | int]:
+    """The in-process switches that change math (module doc), as read now."""
+    import torch
+
+    mkldnn = torch.backends.mkldnn
+    einsum = torch.backends.opt_einsum
+    precision = [
+        str(getattr(torch.backends, "fp32_precision", "none")),
+        str(getattr(getattr(mkldnn, "matmul", None), "fp32_precision", "none")),
+        str(getattr(getattr(mkldnn, "conv", None), "fp32_precision", "none")),
+    ]
+    return {
+        "flush_denormal": _flush_denormal(),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "fp32_precision": "/".join(precision),
+        "mkldnn": int(bool(mkldnn.enabled)),
+        "mkldnn_deterministic": int(bool(getattr(mkldnn, "deterministic", False))),
+        "deterministic_warn_only": int(torch.is_deterministic_algorithms_warn_only_enabled()),
+        "default_dtype": str(torch.get_default_dtype()),
+        "opt_einsum": f"{int(bool(einsum.enabled))}:{einsum.strategy}",
+        "autocast": int(torch.is_autocast_enabled("cpu")),
+    }
+
+
 def detect(device: str) -> KernelClass:
     """The kernel class of this process for ``device`` ("cpu" or "cuda")."""
-    import peft
     import torch
-    import transformers
 
     fields: dict[str, str | int] = {
         "schema": KERNEL_CLASS_SCHEMA,
@@ -117,14 +262,18 @@ def detect(device: str) -> KernelClass:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "torch_git": str(getattr(torch.version, "git_version", "unknown")),
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
+        "transformers": _version("transformers"),
+        "peft": _version("peft"),
+        "tokenizers": _version("tokenizers"),
         "blas": _config_line(r"Math Kernel Library Version ([^\n]*?) for"),
         "onednn": _config_line(r"MKL-DNN (v[0-9.]+)"),
-        "mkl_cbwr": os.environ.get("MKL_CBWR", ""),
         "deterministic": int(torch.are_deterministic_algorithms_enabled()),
         "dtype": "float32",
         "attention": "eager",
+        "libc": "-".join(platform.libc_ver()) or "unknown",
+        "openmp": _loaded_openmp(),
+        **settings_fields(),
+        **env_fields(),
     }
     if device == "cpu":
         fields["cpu_capability"] = torch.backends.cpu.get_cpu_capability()

@@ -14,10 +14,16 @@ Theory of operation:
    kernel class, re-executes with the record's recipe, seed and thread count, and compares
    as it goes: the start state, then each step's loss bits (stopping at, and naming, the
    first step that differs), the end state, the adapter ID and finally the digest. Only
-   an identical digest is attested.
+   an identical digest is attested, with the kind ``blobnet/round-replay`` that only this
+   code signs (``blob attest sign`` refuses reserved kinds).
 5. ``check_evidence`` accepts a round when all given attestations verify (signature,
    admission certificate valid now, not revoked, kernel class of the round), are over the
-   round's digest, and come from at least two distinct admitted operators.
+   round's digest, and come from at least two distinct admitted operators: the runner's
+   ``round-result`` and at least one ``blobnet/round-replay`` from another operator.
+   A second ``round-result`` does not count: it says "I ran it", not "I replayed it".
+   With ``require_hardware`` every signer must be hardware-backed. What this proves with
+   software keys: two admitted operators signed the digest, not that a replay ran
+   (identity.kinds says why and what hardware signers would add).
 """
 
 from __future__ import annotations
@@ -30,17 +36,26 @@ from typing import TYPE_CHECKING
 
 from blobstore import BlobNotFound, Store
 from identity import (
+    HARDWARE_SIGNER_KINDS,
     AdmissionCertificate,
     Attestation,
     AttestationRejected,
+    Reason,
     Signer,
     TrustStore,
     sign_attestation,
     verify_attestation,
 )
 from training import determinism
-from training.commitment import MAX_RECORD_SIZE, ROUND_KIND, Commitment, RoundRecord
+from training.commitment import (
+    MAX_RECORD_SIZE,
+    REPLAY_KIND,
+    ROUND_KIND,
+    Commitment,
+    RoundRecord,
+)
 from training.errors import (
+    AuditViolation,
     BadModel,
     BadRecords,
     BadRoundRecord,
@@ -155,6 +170,17 @@ def execute(
         auditor = audit.make_auditor(resolved, allowed)
         log = trainer.run_steps(session, records, auditor=auditor, on_step=step_hook)
         end_root = trainer.state_root(session)
+        after = kernel_class.detect(resolved)
+        if after != kc:
+            changed = sorted(
+                k
+                for k in set(kc.fields) | set(after.fields)
+                if kc.fields.get(k) != after.fields.get(k)
+            )
+            raise AuditViolation(
+                f"round refused: {', '.join(changed)} changed while it trained (kernel class "
+                f"{kc.id} became {after.id}); nothing was published"
+            )
         if expect is not None and end_root != expect.end_root:
             raise ReplayMismatch("replay differs after the last step: the end state differs")
         adapter_dir = workdir / "adapter"
@@ -223,13 +249,17 @@ def _attest(
     commitment: Commitment,
     now: float,
     certificate: AdmissionCertificate | None,
+    *,
+    kind: str = ROUND_KIND,
+    round_id: str | None = None,
 ) -> Attestation:
+    subjects = (commitment.base_id, commitment.records_id, commitment.adapter_id)
     return sign_attestation(
         signer,
-        kind=ROUND_KIND,
+        kind=kind,
         digest=commitment.digest,
         kernel_class=commitment.kernel_class_id,
-        subjects=(commitment.base_id, commitment.records_id, commitment.adapter_id),
+        subjects=subjects if round_id is None else (round_id, *subjects),
         time=int(now),
         certificate=certificate,
     )
@@ -292,7 +322,7 @@ def replay_round(
         expect=c,
         on_step=on_step,
     )
-    attestation = _attest(signer, c, now, certificate)
+    attestation = _attest(signer, c, now, certificate, kind=REPLAY_KIND, round_id=round_id)
     attestation_id = store.put_bytes(attestation.encode())
     return ReplayResult(commitment=c, attestation=attestation, attestation_id=attestation_id)
 
@@ -303,6 +333,7 @@ class Evidence:
     kernel_class_id: str
     operators: tuple[str, ...]
     signers: tuple[str, ...]
+    signer_kinds: tuple[str, ...]
 
 
 def check_evidence(
@@ -312,26 +343,46 @@ def check_evidence(
     trust: TrustStore,
     now: float,
     include_runner: bool = True,
+    require_hardware: bool = False,
 ) -> Evidence:
     """Accept the round only with two valid attestations over its digest from distinct
-    admitted operators of its kernel class; otherwise ``EvidenceRejected`` saying why.
+    admitted operators of its kernel class, at least one of them a replay; otherwise
+    ``EvidenceRejected`` saying why.
 
-    Every attestation given (and the runner's, with ``include_runner``) must verify: a
-    bad one is a rejection, not something to skip silently.
+    The runner's ``round-result`` attestation (in the record; with ``include_runner``)
+    counts for the runner's operator; every other attestation must be a replay
+    (``blobnet/round-replay``, signed only by ``replay_round``). Every attestation given
+    must verify: a bad one is a rejection, not something to skip silently.
+    ``require_hardware`` accepts only hardware-backed signers (identity.kinds).
     """
     c = record.commitment
+    signer_kinds = HARDWARE_SIGNER_KINDS if require_hardware else None
+    runner = record.attestation if include_runner else None
     blobs: list[bytes] = [record.attestation] if include_runner else []
     for data in attestations:
         if data not in blobs:
             blobs.append(data)
     operators: dict[str, str] = {}
+    replayers: set[str] = set()
     signers: list[str] = []
+    kinds: list[str] = []
     for data in blobs:
+        kind = ROUND_KIND if data == runner else REPLAY_KIND
         try:
             claims = verify_attestation(
-                data, trust=trust, now=now, kind=ROUND_KIND, kernel_class=c.kernel_class_id
+                data,
+                trust=trust,
+                now=now,
+                kind=kind,
+                kernel_class=c.kernel_class_id,
+                signer_kinds=signer_kinds,
             )
         except AttestationRejected as exc:
+            if exc.reason is Reason.WRONG_KIND:
+                raise EvidenceRejected(
+                    f"rejected ({exc.reason.value}): {exc}; only `blob train replay` makes "
+                    f"the {REPLAY_KIND!r} attestation that vouches for a round"
+                ) from exc
             raise EvidenceRejected(f"rejected ({exc.reason.value}): {exc}") from exc
         if claims.digest != c.digest:
             raise EvidenceRejected(
@@ -340,18 +391,24 @@ def check_evidence(
             )
         assert claims.certificate is not None  # verify_attestation with trust requires it
         operators.setdefault(claims.certificate.operator, claims.signer_peer_id)
+        if kind == REPLAY_KIND:
+            replayers.add(claims.certificate.operator)
         signers.append(claims.signer_peer_id)
-    if len(operators) < 2:
+        kinds.append(claims.signer_kind)
+    if len(operators) < 2 or not replayers:
         names = ", ".join(repr(o) for o in operators) or "none"
         raise EvidenceRejected(
             f"rejected: the attestations come from {len(operators)} distinct admitted "
-            f"operator(s) ({names}); two are needed, so get a replay from another operator"
+            f"operator(s) ({names}) with {len(replayers)} replay(s); two operators, one of "
+            "them replaying, are needed, so get a replay (`blob train replay`) from another "
+            "operator"
         )
     return Evidence(
         digest=c.digest,
         kernel_class_id=c.kernel_class_id,
         operators=tuple(sorted(operators)),
         signers=tuple(signers),
+        signer_kinds=tuple(kinds),
     )
 
 

@@ -123,7 +123,7 @@ def test_admit_sign_and_verify(tmp_path: Path) -> None:
     att = tmp_path / "round.att"
     ok(
         blob(
-            tmp_path, "attest", "sign", "--kind", "round-result", "--digest", "ab" * 32,
+            tmp_path, "attest", "sign", "--kind", "dataset-reviewed", "--digest", "ab" * 32,
             "--kernel-class", "cpu-abc", "--subject", "cd" * 32, "--cert", str(cert),
             "-o", str(att),
         )
@@ -166,6 +166,52 @@ def test_admit_sign_and_verify(tmp_path: Path) -> None:
     assert text.stdout.startswith("rejected (bad signature)")
     missing = blob(tmp_path, "attest", "verify", str(tmp_path / "nope"), "--authority", public)
     one_line_error(missing, 3)
+
+
+@pytest.mark.parametrize(
+    "kind", ["round-result", "replay", "round-replay", "blobnet/round-replay", "blobnet/x"]
+)
+def test_attest_sign_refuses_kinds_only_computing_code_may_sign(tmp_path: Path, kind: str) -> None:
+    """An operator cannot vouch for a round, a replay or an outer update by hand."""
+    out = tmp_path / "a.att"
+    result = blob(
+        tmp_path, "attest", "sign", "--kind", kind, "--digest", "ab" * 32,
+        "--kernel-class", "cpu-abc", "-o", str(out),
+    )  # fmt: skip
+    assert "reserved kind" in one_line_error(result, 2)
+    assert not out.exists()
+    # a kind outside the reserved ones still signs
+    ok(
+        blob(
+            tmp_path, "attest", "sign", "--kind", "blobnet-x", "--digest", "ab" * 32,
+            "--kernel-class", "cpu-abc", "-o", str(out),
+        )
+    )  # fmt: skip
+
+
+def test_verify_can_require_a_hardware_signer(tmp_path: Path) -> None:
+    auth = tmp_path / "authority.key"
+    public = ok(blob(tmp_path, "authority", "new", "-o", str(auth))).stdout.strip()
+    peer = json.loads(ok(blob(tmp_path, "id", "--json")).stdout)["peer_id"]
+    cert = tmp_path / "machine.cert"
+    ok(
+        blob(
+            tmp_path, "admit", peer, "--operator", "alice", "--kernel-class", "k",
+            "--authority", str(auth), "-o", str(cert),
+        )
+    )  # fmt: skip
+    att = tmp_path / "a.att"
+    ok(
+        blob(
+            tmp_path, "attest", "sign", "--kind", "note", "--digest", "ab" * 32,
+            "--kernel-class", "k", "--cert", str(cert), "-o", str(att),
+        )
+    )  # fmt: skip
+    args = ("attest", "verify", str(att), "--authority", public, "--json")
+    assert json.loads(ok(blob(tmp_path, *args)).stdout)["signer_kind"] == "software"
+    refused = blob(tmp_path, *args, "--require-hardware")
+    assert refused.returncode == 1
+    assert json.loads(refused.stdout)["reason"] == "signer_kind_not_allowed"
 
 
 def test_bad_inputs_are_usage_errors(tmp_path: Path) -> None:

@@ -12,10 +12,12 @@ import pytest
 
 from training.commitment import Commitment, RoundRecord, pack
 from training.errors import BadRoundRecord
-from training.kernel_class import KernelClass
+from training.kernel_class import KERNEL_CLASS_SCHEMA, KernelClass
 from training.recipe import Recipe, recipe_hash
 
-KC = KernelClass.from_fields({"schema": 1, "device": "cpu", "cpu_capability": "AVX2", "threads": 1})
+KC = KernelClass.from_fields(
+    {"schema": KERNEL_CLASS_SCHEMA, "device": "cpu", "cpu_capability": "AVX2", "threads": 1}
+)
 BASE = Commitment(
     base_id="b" * 64,
     records_id="c" * 64,

@@ -1,5 +1,6 @@
 """The evidence check: two valid attestations over the round's digest from distinct
-admitted operators of its kernel class, and every way that can fail."""
+admitted operators of its kernel class, one of them a replay, and every way that can
+fail."""
 
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ from identity import (
     TrustStore,
     sign_attestation,
 )
-from training.commitment import ROUND_KIND, Commitment, RoundRecord
+from training.commitment import REPLAY_KIND, ROUND_KIND, Commitment, RoundRecord
 from training.errors import EvidenceRejected
-from training.kernel_class import KernelClass
+from training.kernel_class import KERNEL_CLASS_SCHEMA, KernelClass
 from training.recipe import Recipe, recipe_hash
 from training.round import check_evidence
 
 NOW = 1_800_000_000
-KC = KernelClass.from_fields({"schema": 1, "device": "cpu", "cpu_capability": "AVX2", "threads": 1})
+KC = KernelClass.from_fields(
+    {"schema": KERNEL_CLASS_SCHEMA, "device": "cpu", "cpu_capability": "AVX2", "threads": 1}
+)
 OTHER_KC = KernelClass.from_fields({**KC.fields, "cpu_capability": "AVX512"})
 RECIPE = Recipe(steps=2)
 
@@ -43,6 +46,14 @@ def _commitment(kc: KernelClass = KC, seed: int = 1) -> Commitment:
     )
 
 
+class TpmSigner(SoftwareSigner):
+    """Stands in for a hardware-backed signer: same interface, another kind."""
+
+    @property
+    def kind(self) -> str:
+        return "tpm"
+
+
 @dataclasses.dataclass
 class Machine:
     signer: SoftwareSigner
@@ -56,9 +67,14 @@ class Setup:
         self.serial = 0
 
     def machine(
-        self, operator: str, kc: KernelClass = KC, *, not_after: int = NOW + 3600
+        self,
+        operator: str,
+        kc: KernelClass = KC,
+        *,
+        not_after: int = NOW + 3600,
+        signer_class: type[SoftwareSigner] = SoftwareSigner,
     ) -> Machine:
-        signer = SoftwareSigner(MachineKey.generate())
+        signer = signer_class(MachineKey.generate())
         self.serial += 1
         cert = self.authority.admit(
             signer.peer_id,
@@ -71,10 +87,10 @@ class Setup:
         return Machine(signer, cert)
 
 
-def _attest(m: Machine, c: Commitment, kc: KernelClass = KC) -> bytes:
+def _attest(m: Machine, c: Commitment, kc: KernelClass = KC, kind: str = REPLAY_KIND) -> bytes:
     return sign_attestation(
         m.signer,
-        kind=ROUND_KIND,
+        kind=kind,
         digest=c.digest,
         kernel_class=kc.id,
         subjects=(c.base_id, c.records_id, c.adapter_id),
@@ -90,7 +106,7 @@ def setup() -> Setup:
 
 def _record(runner: Machine, c: Commitment | None = None) -> RoundRecord:
     c = c or _commitment()
-    return RoundRecord(c, RECIPE, _attest(runner, c))
+    return RoundRecord(c, RECIPE, _attest(runner, c, kind=ROUND_KIND))
 
 
 def test_two_operators_accept(setup: Setup) -> None:
@@ -163,3 +179,41 @@ def test_unknown_authority_rejects(setup: Setup) -> None:
     record = _record(alice)
     with pytest.raises(EvidenceRejected, match="unknown authority"):
         check_evidence(record, [_attest(stranger, record.commitment)], trust=setup.trust, now=NOW)
+
+
+def test_a_second_round_result_is_not_a_replay(setup: Setup) -> None:
+    """What `blob attest sign --kind round-result` used to make vouches for nothing."""
+    alice, bob = setup.machine("alice"), setup.machine("bob")
+    record = _record(alice)
+    by_hand = _attest(bob, record.commitment, kind=ROUND_KIND)
+    with pytest.raises(EvidenceRejected, match=r"wrong statement kind.*blob train replay"):
+        check_evidence(record, [by_hand], trust=setup.trust, now=NOW)
+    # a replay without the runner still needs two operators who both replayed
+    carol = setup.machine("carol")
+    replays = [_attest(bob, record.commitment), _attest(carol, record.commitment)]
+    evidence = check_evidence(record, replays, trust=setup.trust, now=NOW, include_runner=False)
+    assert evidence.operators == ("bob", "carol")
+    with pytest.raises(EvidenceRejected, match="1 replay"):
+        check_evidence(record, replays[:1], trust=setup.trust, now=NOW, include_runner=False)
+
+
+def test_require_hardware_accepts_only_hardware_signers(setup: Setup) -> None:
+    alice, bob = setup.machine("alice"), setup.machine("bob")
+    record = _record(alice)
+    replay = _attest(bob, record.commitment)
+    evidence = check_evidence(record, [replay], trust=setup.trust, now=NOW)
+    assert evidence.signer_kinds == ("software", "software")
+    with pytest.raises(EvidenceRejected, match="signer kind not allowed"):
+        check_evidence(record, [replay], trust=setup.trust, now=NOW, require_hardware=True)
+    hw_alice = setup.machine("alice", signer_class=TpmSigner)
+    hw_bob = setup.machine("bob", signer_class=TpmSigner)
+    hw_record = _record(hw_alice)
+    hw_replay = _attest(hw_bob, hw_record.commitment)
+    accepted = check_evidence(
+        hw_record, [hw_replay], trust=setup.trust, now=NOW, require_hardware=True
+    )
+    assert accepted.signer_kinds == ("tpm", "tpm")
+    # one software signer among them is enough to refuse
+    mixed = _record(alice, hw_record.commitment)
+    with pytest.raises(EvidenceRejected, match="'software' signer"):
+        check_evidence(mixed, [hw_replay], trust=setup.trust, now=NOW, require_hardware=True)

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from blobstore import Store  # noqa: E402
 from identity import MachineKey, SoftwareSigner  # noqa: E402
 from training import determinism  # noqa: E402
-from training.commitment import Commitment, RoundRecord  # noqa: E402
+from training.commitment import REPLAY_KIND, Commitment, RoundRecord  # noqa: E402
 from training.errors import DeviceUnavailable, ReplayMismatch  # noqa: E402
 from training.kernel_class import KernelClass  # noqa: E402
 from training.model import load_base_model, make_tiny_llama, save_base_model  # noqa: E402
@@ -113,6 +113,8 @@ def test_replay_agrees_and_names_the_first_differing_step(world: World) -> None:
     result = run_round(world.store, inputs, world.signer, now=time.time(), device="cpu")
     replay = replay_round(world.store, result.round_id, world.signer, now=time.time())
     assert replay.attestation.digest == result.commitment.digest
+    assert replay.attestation.kind == REPLAY_KIND  # the kind only a replay signs
+    assert replay.attestation.subjects[0] == result.round_id
 
     log = list(result.commitment.step_log)
     log[2] ^= 1  # a record claiming another loss at step 2
@@ -174,3 +176,26 @@ def test_adapter_loads_with_peft_and_gives_the_same_logits(
         got = loaded(input_ids=ids).logits
     assert torch.equal(want, got)
     assert not torch.equal(got, make_tiny_llama("tiny", seed=0)(input_ids=ids).logits)
+
+
+def test_a_math_setting_changed_during_the_round_refuses_it(world: World) -> None:
+    """Flush-to-zero switched on after step 1: the class re-detected after the last step
+    differs from the one at the start, so the round is refused, not published."""
+    from training.errors import AuditViolation
+
+    def flip(step: int, bits: int) -> None:
+        if step == 1:
+            torch.set_flush_denormal(True)
+
+    before = set(world.store.blob_ids())
+    try:
+        with pytest.raises(AuditViolation, match="flush_denormal changed while it trained"):
+            execute(
+                world.store,
+                RoundInputs(world.base_id, world.records_id, RECIPE, SEED),
+                device="cpu",
+                on_step=flip,
+            )
+    finally:
+        torch.set_flush_denormal(False)
+    assert set(world.store.blob_ids()) == before
