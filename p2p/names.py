@@ -58,6 +58,7 @@ from p2p.names_record import (
     NameRejected,
     check_name,
     dht_key,
+    dht_key_of,
     is_name_ref,
     newest,
     order_key,
@@ -182,7 +183,10 @@ class NameValidator(Validator):
             if dht_key(record.publisher, record.name) != key:
                 continue
             candidate = order_key(record)
-            if best_key is None or candidate > best_key:
+            # ">=": of identical values the later wins, so py-libp2p's PUT_VALUE handler
+            # (which keeps the existing value when select answers 0) takes a republished
+            # copy and refreshes its age instead of refusing it.
+            if best_key is None or candidate >= best_key:
                 best, best_key = index, candidate
         return best
 
@@ -273,7 +277,7 @@ class NameService:
         dht = getattr(self.node, "dht", None)
         if dht is None:
             return None
-        stored = dht.value_store.get(f"/{DHT_NAMESPACE}/{key.hex()}".encode())
+        stored = dht.value_store.get(dht_key_of(key).encode())
         if stored is None:
             return None
         try:
@@ -405,10 +409,17 @@ def _remote_peer(stream: Any) -> str:
 
 
 # --- the API --------------------------------------------------------------------------
-async def publish_record(node: Node, record: NameRecord, *, now: float | None = None) -> Spread:
-    """Keep ``record`` in this node's cache and spread it: pushed to connected peers and
-    put into the DHT, within ``PUBLISH_TIMEOUT``. Refuses (NameRejected) a record that
-    does not verify or is older than one this node holds."""
+async def publish_record(
+    node: Node,
+    record: NameRecord,
+    *,
+    now: float | None = None,
+    push: bool = True,
+    use_dht: bool = True,
+) -> Spread:
+    """Keep ``record`` in this node's cache and spread it: pushed to connected peers
+    (``push``) and put into the DHT (``use_dht``), within ``PUBLISH_TIMEOUT``. Refuses
+    (NameRejected) a record that does not verify or is older than one this node holds."""
     service = service_of(node)
     now = service.clock() if now is None else now
     verify(record, now=now)
@@ -423,7 +434,7 @@ async def publish_record(node: Node, record: NameRecord, *, now: float | None = 
         spread.pushed, spread.refused = done.pushed, done.refused
 
     async def dht_put() -> None:
-        if node.dht is None:
+        if node.dht is None or not use_dht:
             return
         try:
             await node.dht.put_value(dht_key(record.publisher, record.name), record.encode())
@@ -433,7 +444,8 @@ async def publish_record(node: Node, record: NameRecord, *, now: float | None = 
 
     with trio.move_on_after(PUBLISH_TIMEOUT):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(pushes)
+            if push:
+                nursery.start_soon(pushes)
             nursery.start_soon(dht_put)
     return spread
 
@@ -477,8 +489,11 @@ async def publish(
     expiry_s: int | None = DEFAULT_EXPIRY_S,
     certificate: AdmissionCertificate | None = None,
     now: float | None = None,
+    push: bool = True,
+    use_dht: bool = True,
 ) -> Spread:
-    """:func:`publish_name`, returning where the record went."""
+    """:func:`publish_name`, returning where the record went (``push`` and ``use_dht``
+    as in :func:`publish_record`)."""
     service = service_of(node)
     now = service.clock() if now is None else now
     signer = signer if signer is not None else HostKeySigner(node.host)
@@ -499,7 +514,7 @@ async def publish(
         expires=None if expiry_s is None else int(now) + expiry_s,
         certificate=certificate,
     )
-    return await publish_record(node, record, now=now)
+    return await publish_record(node, record, now=now, push=push, use_dht=use_dht)
 
 
 async def resolve(

@@ -62,9 +62,14 @@ NAME_RECORD_DOMAIN = b"blobnet-name-record-v1:"
 NAME_RECORD_VERSION = 1
 # The DHT namespace of name records: keys are "/blobnet-name/<64 hex>".
 DHT_NAMESPACE = "blobnet-name"
-# Hashing publisher and name into the key keeps every DHT key 78 bytes, inside the
-# 128-byte key limit py-libp2p and go-libp2p enforce, whatever the name's length.
+# Hashing publisher and name into the key gives every name a fixed-size DHT key. py-libp2p
+# 0.8.1 resets a FIND_NODE whose key is neither a multihash nor at most 50 bytes (and the
+# key must be UTF-8 text for its PUT_VALUE handler), so the key is 46 ASCII bytes: the
+# namespace and 32 hex digits (128 bits of the BLAKE3 hash: finding another name with the
+# same key is a 2**128 second-preimage search, and resolvers check the name anyway).
 _KEY_DOMAIN = b"blobnet-name-key-v1:"
+DHT_KEY_HASH_BYTES = 16
+MAX_DHT_KEY_LENGTH = 50
 # Names are path-like (``run-x/adapter``), like Hugging Face repo ids; 128 characters
 # is twice the longest repo id in common use and keeps a record small.
 MAX_NAME_LENGTH = 128
@@ -188,8 +193,13 @@ def record_key(publisher: str, name: str) -> bytes:
 
 
 def dht_key(publisher: str, name: str) -> str:
-    """The DHT key of a name: ``/blobnet-name/<hex of record_key>``."""
-    return f"/{DHT_NAMESPACE}/{record_key(publisher, name).hex()}"
+    """The DHT key of a name: ``/blobnet-name/<hex of the first 16 bytes of its key>``."""
+    return dht_key_of(record_key(publisher, name))
+
+
+def dht_key_of(key: bytes) -> str:
+    """The DHT key for a 32-byte :func:`record_key`."""
+    return f"/{DHT_NAMESPACE}/{key[:DHT_KEY_HASH_BYTES].hex()}"
 
 
 class _Malformed(ValueError):

@@ -65,7 +65,8 @@ def test_a_signed_record_round_trips_and_verifies_offline(signer: SoftwareSigner
     checked = verify(data, now=NOW, publisher=signer.peer_id, name="run-x/adapter")
     assert checked == record
     assert checked.blob_id == BLOB_A
-    assert len(dht_key(signer.peer_id, "run-x/adapter").encode()) <= 128  # DHT key limit
+    # py-libp2p resets FIND_NODE for keys over 50 bytes that are not multihashes.
+    assert len(dht_key(signer.peer_id, "a" * MAX_NAME_LENGTH).encode()) <= 50
     assert dht_key(signer.peer_id, "a" * MAX_NAME_LENGTH) != dht_key(signer.peer_id, "a")
 
 
