@@ -4,7 +4,10 @@ Theory of operation:
 
 1. Inputs are blobs: the base model (a collection: ``config.json`` + ``model.safetensors``),
    the records, plus a recipe and a seed. The device is resolved first, so without CUDA
-   (and without "cpu" named) nothing is loaded at all.
+   (and without "cpu" named) nothing is loaded at all. Then every input blob (the base
+   collection and each file in it, the records, and for a replay the round record) is
+   verified against its ID: a corrupt local copy is named as such (``CorruptInput``,
+   exit 4) instead of surfacing as a replay that "differs at step N".
 2. ``execute`` enters deterministic mode, detects the kernel class, loads that family's
    audited kernel set, trains every step under the auditor, publishes the adapter as a
    peft-loadable collection and returns the commitment (training.commitment).
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from blobstore import BlobNotFound, Store
+from blobstore import BlobNotFound, CorruptChunk, Store
 from identity import (
     HARDWARE_SIGNER_KINDS,
     AdmissionCertificate,
@@ -60,6 +63,7 @@ from training.errors import (
     BadRecords,
     BadRoundRecord,
     CertificateMismatch,
+    CorruptInput,
     EvidenceRejected,
     ReplayMismatch,
 )
@@ -115,6 +119,35 @@ def _load_base(store: Store, base_id: str, workdir: Path) -> LlamaForCausalLM:
     return load_base_model(target)
 
 
+def verify_local(store: Store, blob_id: str, what: str) -> None:
+    """``CorruptInput`` naming ``blob_id`` unless every chunk of the local copy matches its
+    ID: a flipped byte on this disk must be blamed on this disk, not on the round."""
+    try:
+        bad = store.verify(blob_id)
+    except CorruptChunk:
+        bad = [-1]
+    if bad:
+        where = "its stored bytes" if bad == [-1] else f"chunk(s) {', '.join(map(str, bad[:8]))}"
+        raise CorruptInput(
+            f"local blob {blob_id} ({what}) is corrupt in this store: {where} do not match "
+            "its ID; the local disk is at fault, not the round: fetch it again (--peer)"
+        )
+
+
+def verify_inputs(store: Store, base_id: str, records_id: str) -> None:
+    """Verify the base collection (the listing and every file in it) and the records."""
+    verify_local(store, base_id, "base model collection")
+    if store.is_collection(base_id):
+        for entry in store.read_collection(base_id):
+            if not store.has(entry.blob_id):
+                raise BlobNotFound(
+                    f"base model file {entry.path} ({entry.blob_id}) is not in the store; "
+                    "fetch the base again (--peer)"
+                )
+            verify_local(store, entry.blob_id, f"base model file {entry.path}")
+    verify_local(store, records_id, "records")
+
+
 def execute(
     store: Store,
     inputs: RoundInputs,
@@ -136,6 +169,7 @@ def execute(
     for blob_id in (inputs.base_id, inputs.records_id):
         if not store.has(blob_id):
             raise BlobNotFound(f"round input {blob_id} is not in the store; fetch it (--peer)")
+    verify_inputs(store, inputs.base_id, inputs.records_id)
     determinism.enter(resolved, threads, inputs.seed)
     from training import audit, kernel_class, trainer
 
@@ -296,6 +330,7 @@ def load_record(store: Store, round_id: str) -> RoundRecord:
     size = store.manifest(round_id).size
     if size > MAX_RECORD_SIZE:
         raise BadRoundRecord(f"blob {round_id} is {size} bytes: too large to be a round record")
+    verify_local(store, round_id, "round record")
     return RoundRecord.decode(store.path(round_id).read_bytes())
 
 

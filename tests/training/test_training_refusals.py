@@ -111,3 +111,58 @@ def test_unknown_target_module_is_one_line_before_training(
     assert "q_proj" in err[-1]  # it names the layers the model has
     assert not any(line.startswith("step ") for line in err)
     assert time.monotonic() - started < 60  # 200 steps would take minutes
+
+
+def _flip_byte(store: Store, blob_id: str, offset: int) -> None:
+    path = store.path(blob_id)
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def _copy_store(inputs: tuple[Path, str, str], dest: Path) -> Store:
+    import shutil
+
+    shutil.copytree(inputs[0] / "store", dest)
+    return Store.open(dest)
+
+
+def test_corrupt_local_records_are_named_not_blamed_on_the_round(
+    inputs: tuple[Path, str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 19: one flipped byte in the replayer's records gave "replay differs first at
+    step 22". Now the run stops before training, naming the local blob, exit 4."""
+    from p2p.cli import main
+
+    _, base, records = inputs
+    store = _copy_store(inputs, tmp_path / "store")
+    _flip_byte(store, records, 40)
+    recipe = tmp_path / "recipe.msgpack"
+    recipe.write_bytes(RECIPE.encode())
+    create_key_file(tmp_path / "k.key")
+    args = ["--store", str(tmp_path / "store"), "--key", str(tmp_path / "k.key")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, *_run_args(base, records, recipe)])
+    assert exit_info.value.code == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"local blob {records} (records) is corrupt" in err[0]
+
+
+def test_corrupt_base_file_and_round_record_are_named(
+    inputs: tuple[Path, str, str], tmp_path: Path
+) -> None:
+    from training.errors import CorruptInput
+    from training.round import RoundInputs, execute, load_record
+
+    _, base, records = inputs
+    store = _copy_store(inputs, tmp_path / "store")
+    weights = next(e for e in store.read_collection(base) if e.path == "model.safetensors")
+    _flip_byte(store, weights.blob_id, 1000)
+    with pytest.raises(CorruptInput, match=r"base model file model\.safetensors"):
+        execute(store, RoundInputs(base, records, RECIPE, 1), device="cpu")
+    record_id = store.put_bytes(b"\x84" + b"x" * 100)  # any blob: corrupt before decoding
+    _flip_byte(store, record_id, 5)
+    with pytest.raises(CorruptInput, match=f"local blob {record_id} \\(round record\\)"):
+        load_record(store, record_id)
