@@ -18,11 +18,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.wan.testbed import Testbed, TestbedError
+from bench.wan.testbed import Testbed, TestbedError, stop_process
 
 SERVE_READY_TIMEOUT = 60.0  # a node's start-up (imports, key, listen) on a loaded machine
 FIRST_CHUNK_POLL_S = 0.002
@@ -92,39 +93,36 @@ class BlobNode:
     def key(self) -> Path:
         return self.root / "machine.key"
 
-    def put(self, path: Path) -> str:
-        self.root.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(
-            blob_argv(self, "put", str(path), "--json"),
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=blob_env(),
-            cwd=self.root,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise TestbedError(f"blob put failed: {done.stderr.strip()}")
-        blob_id: str = json.loads(done.stdout)[0]["id"]
-        return blob_id
+    @property
+    def log(self) -> Path:
+        return self.root / "serve.log"
 
-    def serve(self, tb: Testbed, *extra: str) -> Served:
+    def put(self, path: Path) -> str:
+        return put_all([self], path)
+
+    def start_serve(self, tb: Testbed, *extra: str) -> subprocess.Popen[str]:
+        """Start ``blob serve`` on this node's host; :meth:`ready` waits for it."""
         self.root.mkdir(parents=True, exist_ok=True)
         listen = f"/ip4/{tb.addr(self.host)}/tcp/0"
-        proc = tb.popen(
-            self.host,
-            blob_argv(self, "serve", "--json", "--no-dht", "--listen", listen, *extra),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=blob_env(),
-            cwd=self.root,
-        )
+        # Its stderr goes to a file: a pipe nobody reads would stall a chatty server.
+        with self.log.open("ab") as log:
+            return tb.popen(
+                self.host,
+                blob_argv(self, "serve", "--json", "--no-dht", "--listen", listen, *extra),
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=blob_env(),
+                cwd=self.root,
+            )
+
+    def ready(self, tb: Testbed, proc: subprocess.Popen[str]) -> Served:
         line = _readline(proc, SERVE_READY_TIMEOUT)
         if not line:
             proc.kill()
-            err = proc.communicate(timeout=10)[1]
-            raise TestbedError(f"blob serve on {self.host} did not start: {err.strip()[-500:]}")
+            proc.communicate(timeout=10)
+            err = self.log.read_text(errors="replace").strip()[-500:]
+            raise TestbedError(f"blob serve on {self.host} did not start: {err}")
         ready = json.loads(line)
         addrs = [a for a in ready["addrs"] if f"/ip4/{tb.addr(self.host)}/" in a]
         if not addrs:
@@ -132,14 +130,12 @@ class BlobNode:
         self.served = Served(proc, ready["peer_id"], addrs[0])
         return self.served
 
+    def serve(self, tb: Testbed, *extra: str) -> Served:
+        return self.ready(tb, self.start_serve(tb, *extra))
+
     def stop(self) -> None:
-        if self.served is not None and self.served.proc.poll() is None:
-            self.served.proc.terminate()
-            try:
-                self.served.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.served.proc.kill()
-                self.served.proc.wait(timeout=10)
+        if self.served is not None:
+            stop_process(self.served.proc)
 
     def start_get(self, tb: Testbed, blob_id: str, peers: list[str], *extra: str) -> Getting:
         """Start ``blob get`` (returns at once; :meth:`Getting.wait` for the result)."""
@@ -165,6 +161,38 @@ class BlobNode:
         self, tb: Testbed, blob_id: str, peers: list[str], *, timeout: float = 300.0
     ) -> GetResult:
         return self.start_get(tb, blob_id, peers).wait(timeout)
+
+
+def put_all(nodes: Sequence[BlobNode], path: Path) -> str:
+    """``blob put`` the file into every node's store (processes run at once); its ID."""
+    procs = []
+    for node in nodes:
+        node.root.mkdir(parents=True, exist_ok=True)
+        procs.append(
+            subprocess.Popen(
+                blob_argv(node, "put", str(path), "--json"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=blob_env(),
+                cwd=node.root,
+            )
+        )
+    ids: set[str] = set()
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        if proc.returncode != 0:
+            raise TestbedError(f"blob put failed: {err.strip()[-500:]}")
+        ids.add(str(json.loads(out)[0]["id"]))
+    if len(ids) != 1:
+        raise TestbedError(f"one file, several IDs: {ids}")
+    return ids.pop()
+
+
+def serve_all(tb: Testbed, nodes: Sequence[BlobNode], *extra: str) -> list[Served]:
+    """Start ``blob serve`` on every node at once; wait until all are ready."""
+    procs = [node.start_serve(tb, *extra) for node in nodes]
+    return [node.ready(tb, proc) for node, proc in zip(nodes, procs, strict=True)]
 
 
 class Getting:

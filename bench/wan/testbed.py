@@ -424,14 +424,13 @@ class Testbed:
         self._closed = True
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
-        for proc in self._procs:
-            _stop(proc)
+        stop_processes(self._procs)
         for netns in self._created:
             _kill_namespace_processes(netns)
         if self._control is not None:
             self._control.close()
         if self._forwarder is not None:
-            _stop(self._forwarder)
+            stop_process(self._forwarder)
         for netns in self._created:
             _ip("netns", "del", netns, check=False)
         if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
@@ -471,18 +470,31 @@ class Testbed:
         )
 
 
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.terminate()
-    try:
-        proc.wait(timeout=STOP_GRACE)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=STOP_GRACE)
+def stop_process(proc: subprocess.Popen[Any]) -> None:
+    """Terminate (then kill) a process and close the pipes we hold to it."""
+    stop_processes([proc])
+
+
+def stop_processes(procs: Sequence[subprocess.Popen[Any]]) -> None:
+    """SIGTERM to all at once, SIGKILL to those still alive ``STOP_GRACE`` s later;
+    then close the pipes we hold to them."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=STOP_GRACE)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
 
 
 def wait_for(predicate: Callable[[], object], *, timeout: float, interval: float = 0.01) -> bool:
