@@ -438,7 +438,8 @@ async def publish_record(
             return
         try:
             await node.dht.put_value(dht_key(record.publisher, record.name), record.encode())
-            spread.dht_stored = True
+            # put_value reports nothing; with an empty routing table it stored nowhere.
+            spread.dht_stored = node.dht.routing_table.size() > 0
         except Exception as exc:  # the DHT is best effort; the pushes and cache remain
             log.info("DHT put of %s failed: %r", record.describe(), exc)
 
