@@ -133,7 +133,7 @@ def _run_options(f: Any) -> Any:
     options = [
         click.option(
             "--workers",
-            type=click.IntRange(1, 64),
+            type=click.IntRange(1, 64),  # p2p.gossip.MAX_RUN_WORKERS
             required=True,
             help="K: a round closes early once updates from K workers are in.",
         ),
@@ -152,6 +152,13 @@ def _run_options(f: Any) -> Any:
             default=8.0,
             show_default=True,
             help="Seconds a round waits for updates after this worker's own.",
+        ),
+        click.option(
+            "--proposer-timeout",
+            type=click.FloatRange(0.1, 86_400),
+            default=3.0,
+            show_default=True,
+            help="Seconds before the next worker in rank proposes a round's closure.",
         ),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--batch", type=click.IntRange(1, 4096), default=8, show_default=True),
@@ -223,7 +230,7 @@ def _authority(value: str) -> bytes:
 )
 @click.option("--initial", default=None, help="Blob ID of the run's initial global state.")
 @click.option("--join", is_flag=True, help="Join a running run at its next round.")
-@click.option("--bootstrap", multiple=True, help="Peer multiaddr to dial (the hub).")
+@click.option("--bootstrap", multiple=True, help="Peer multiaddr to dial (repeatable).")
 @click.option("--listen", default="/ip4/127.0.0.1/tcp/0", show_default=True)
 @click.option(
     "--result",
@@ -316,7 +323,7 @@ def _disagreed() -> Exception:
 def run_command(
     run_id: str, workdir: Path_ | None, timeout: float | None, as_json: bool, **run: Any
 ) -> None:
-    """Run K worker processes on 127.0.0.1 (worker 0 is the hub) and compare their roots."""
+    """Run K worker processes on 127.0.0.1 (a mesh, no hub) and compare their roots."""
     from training.outer_net import (
         OuterRunFailed,
         default_workdir,

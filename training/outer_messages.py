@@ -9,7 +9,11 @@ of canonical msgpack announcements (``encode_message`` / ``decode_message``):
   ``blobnet/outer-update`` over B with subjects ``[B, state_root(S_r)]``, and the
   addresses where B can be fetched.
 - ``state``: "after round r-1 the global state S_r has root R and is blob B"; carries an
-  attestation of kind ``blobnet/outer-state`` with subjects ``[B, R]``.
+  attestation of kind ``blobnet/outer-state`` with subjects ``[B, R]`` (sent at the end of
+  a run, so workers compare their final roots).
+- ``closure``: a round closure (``training.outer_agreement``): its canonical body and the
+  proposer's attestation, and where its blobs can be fetched. Judged by the agreement
+  core, not the ledger (it is passed through as :class:`ClosureHeard`).
 
 :class:`Ledger` is the protocol core: bytes and the authenticated pubsub sender in,
 events out, with time as an argument. It owns these rules:
@@ -61,10 +65,10 @@ UPDATE_KIND = "blobnet/outer-update"
 STATE_KIND = "blobnet/outer-state"
 MESSAGE_VERSION = 1
 
-# An attestation with two subjects and a certificate is about 700 bytes, a certificate
-# about 250 and the addresses at most MAX_ADDRS * MAX_ADDR_LEN: 16 KiB bounds a message
-# with room to spare, before msgpack allocates anything.
-MAX_MESSAGE_SIZE = 16 * 1024
+# A closure body is at most 64 KiB (training.outer_agreement.MAX_CLOSURE_SIZE), its
+# attestation about 800 bytes and the addresses at most MAX_ADDRS * MAX_ADDR_LEN: 72 KiB
+# bounds every message with room to spare, before msgpack allocates anything.
+MAX_MESSAGE_SIZE = 72 * 1024
 # A node listens on a handful of addresses; more is not a worker's announcement.
 MAX_ADDRS = 8
 MAX_ADDR_LEN = 256
@@ -74,14 +78,14 @@ MAX_ROUND = 1 << 32
 # (a worker is at most one round behind an honest peer; two gives slack).
 ROUND_WINDOW = 2
 # Buffered announcements per future round: each admitted worker sends one update,
-# re-published every second (deduplicated); this bounds what unadmitted senders can park.
+# re-published with back-off (deduplicated); this bounds what unadmitted senders can park.
 MAX_PENDING_PER_ROUND = 256
 # Rejections recorded per round (the rest are counted only).
 MAX_REJECTIONS_PER_ROUND = 256
 
 RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEX = re.compile(r"[0-9a-f]{64}")
-_TYPES = ("hello", "update", "state")
+_TYPES = ("hello", "update", "state", "closure")
 
 
 class BadMessage(TrainingError):
@@ -131,7 +135,15 @@ class StateAnnouncement:
     addrs: tuple[str, ...]
 
 
-Message = Hello | UpdateAnnouncement | StateAnnouncement
+@dataclass(frozen=True)
+class ClosureAnnouncement:
+    run: str
+    body: bytes
+    attestation: bytes
+    addrs: tuple[str, ...]
+
+
+Message = Hello | UpdateAnnouncement | StateAnnouncement | ClosureAnnouncement
 
 
 def _fields(msg: Message) -> dict[str, Any]:
@@ -145,6 +157,15 @@ def _fields(msg: Message) -> dict[str, Any]:
             "run": msg.run,
             "round": msg.round,
             "blob": msg.blob,
+            "attestation": msg.attestation,
+            "addrs": list(msg.addrs),
+        }
+    if isinstance(msg, ClosureAnnouncement):
+        return {
+            "v": MESSAGE_VERSION,
+            "type": "closure",
+            "run": msg.run,
+            "body": msg.body,
             "attestation": msg.attestation,
             "addrs": list(msg.addrs),
         }
@@ -221,6 +242,10 @@ def decode_message(data: bytes) -> Message:
     elif kind == "update":
         msg = UpdateAnnouncement(
             run, _round(obj), _hex64(obj, "blob"), _take(obj, "attestation", bytes), _addrs(obj)
+        )
+    elif kind == "closure":
+        msg = ClosureAnnouncement(
+            run, _take(obj, "body", bytes), _take(obj, "attestation", bytes), _addrs(obj)
         )
     else:
         msg = StateAnnouncement(
@@ -311,6 +336,7 @@ class Candidate:
     blob: str
     addrs: tuple[str, ...]
     operator: str
+    attestation: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -346,7 +372,17 @@ class Disagreement:
         return {"round": self.round, "peer": self.peer, "ours": self.ours, "theirs": self.theirs}
 
 
-Event = Candidate | Rejection | StateHeard | Disagreement
+@dataclass(frozen=True)
+class ClosureHeard:
+    """A closure announcement from an admitted sender, for the agreement core to judge."""
+
+    peer: str
+    body: bytes
+    attestation: bytes
+    addrs: tuple[str, ...]
+
+
+Event = Candidate | Rejection | StateHeard | Disagreement | ClosureHeard
 
 
 @dataclass
@@ -401,6 +437,8 @@ class Ledger:
             return []
         if isinstance(msg, StateAnnouncement):
             return self._hear_state(msg, sender, now)
+        if isinstance(msg, ClosureAnnouncement):
+            return [ClosureHeard(sender, msg.body, msg.attestation, msg.addrs)]
         if msg.round < self.current or msg.round > self.current + ROUND_WINDOW:
             return []
         book = self._round(msg.round)
@@ -440,7 +478,9 @@ class Ledger:
         book.accepted[sender] = msg.blob
         self.present.add(sender)
         assert attestation.certificate is not None  # the trust store required one
-        return Candidate(r, sender, msg.blob, msg.addrs, attestation.certificate.operator)
+        return Candidate(
+            r, sender, msg.blob, msg.addrs, attestation.certificate.operator, msg.attestation
+        )
 
     def open_round(self, r: int, root: str, now: float) -> list[Event]:
         """Start judging round ``r``'s updates against ``root``; earlier rounds close."""
@@ -448,6 +488,10 @@ class Ledger:
         for old in [k for k in self.rounds if k < r]:
             del self.rounds[old]
         book = self._round(r)
+        if book.root is not None and book.root != root:
+            # The worker moved to another state of the same round (it caught up to a
+            # better closure): what was judged against the old root no longer holds.
+            book = self.rounds[r] = _Round()
         book.root = root
         pending, book.pending = book.pending, []
         events: list[Event] = []

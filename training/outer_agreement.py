@@ -1,0 +1,428 @@
+"""Round closures: how every honest worker comes to apply the same set of updates (sans-IO).
+
+Theory of operation
+-------------------
+A worker never applies its own guess of a round's updates. Round r from state S_r (root
+R_r) is closed by a **closure**: a signed statement by one admitted worker, the proposer,
+that names the included updates (each with its author's update attestation over
+``[blob, R_r]``), the root R_{r+1} that applying them gives, and the blob of S_{r+1}.
+A closure is self-contained: anyone holding the run's trust store can check it, fetch the
+named blobs (content-addressed, from anyone) and recompute R_{r+1}.
+
+1. **Validity** (:func:`check_closure`). The attestation (kind :data:`CLOSURE_KIND`,
+   digest = :func:`closure_digest` of the body, subjects ``[R_r, R_{r+1}, state blob]``)
+   verifies with a certificate of the run's authorities and is signed by the named
+   proposer; 1..``MAX_INCLUDED`` updates, in strictly increasing peer order, each with a
+   valid update attestation by that peer over ``[blob, R_r]``; no blob named twice (a copy)
+   and no operator twice (one operator's keys count once).
+2. **Who proposes.** The workers ranked for round r are those whose valid update for r a
+   worker holds, plus itself, ordered by ``BLAKE3(R_r || peer)`` (:func:`rank`): a new,
+   unpredictable order every round, so the duty rotates. The worker at position p
+   proposes at ``ready + p * proposer_timeout`` (:func:`proposal_time`), where ``ready``
+   is when it holds updates from all K workers or its round deadline passed, unless it
+   already holds a valid closure for round r; and only within ``PROPOSE_WINDOW`` of that
+   time (a worker that wakes from a long pause does not propose for a round the others
+   have long closed: it catches up instead).
+3. **Fork choice** (:class:`ClosureBook`). The tip is the valid closure of the highest
+   round; among closures of that round, the one with the lowest
+   ``(rank(R_r, proposer), closure digest)`` (:func:`priority`). Every worker moves to the
+   tip: if the tip starts from the worker's own root it recomputes it from the named
+   updates (and a closure whose recomputed root differs is invalid, the proposer's fault);
+   if the tip is its own last closure there is nothing to do; otherwise (it missed rounds,
+   or the tip is a better sibling of the closure it applied) it **catches up**: it fetches
+   the tip's state blob, checks it has the tip's round and root, and rejoins from there
+   (:func:`next_step`). However long a worker was away, one fetch brings it back.
+4. **Failure cases.** Proposers that *disagree* (two closures for one round, from workers
+   that ranked different peer sets or heard different updates) are resolved by rule 3:
+   all workers that hear both pick the same one, and the other's followers catch up.
+   A *slow* proposer (paused, dead, partitioned) is replaced by the next in rank after
+   ``proposer_timeout``. An *equivocating* proposer (two different closures for one round)
+   is recorded (:attr:`ClosureBook.equivocations`); rule 3 still picks one of them, the
+   same one everywhere (the lower digest). A closure naming a blob nobody serves is
+   dropped as unavailable after the fetch bound and the next best one becomes the tip.
+   A longer chain always beats a better sibling: once round r+1 is closed on top of one
+   closure of round r, a late, better-ranked closure of round r changes nothing (no
+   reorganisation deeper than the tip). What rule 3 cannot survive: honest workers that
+   never hear each other (a partition that outlasts the run) end on different tips; the
+   result files then say so.
+5. **Bounds.** Closures are kept for ``CLOSURE_WINDOW`` rounds below the tip and at most
+   ``MAX_CLOSURES_PER_ROUND`` per round (the best ones by rule 3); older or extra ones
+   cannot be the tip anyway.
+
+Time is an argument (``now``); nothing here reads a clock or does I/O.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+import msgpack
+
+from identity import (
+    AdmissionCertificate,
+    Attestation,
+    Rejected,
+    Signer,
+    TrustStore,
+    decode_msgpack_map,
+    sign_attestation,
+    verify_attestation,
+)
+from training.errors import TrainingError
+from training.outer_messages import RUN_ID_RE, UPDATE_KIND, Refused
+
+CLOSURE_KIND = "blobnet/outer-closure"
+CLOSURE_DOMAIN = b"blobnet/outer-closure/v1"
+RANK_DOMAIN = b"blobnet/outer-rank/v1"
+CLOSURE_VERSION = 1
+# At most this many updates in one closure: p2p.gossip sizes its rate limits for a run of
+# at most MAX_RUN_WORKERS workers, and a closure never names more workers than the run has.
+MAX_INCLUDED = 64
+# An update attestation with its certificate is about 700 bytes: 64 of them, the closure's
+# fields and msgpack headers stay under 64 KiB.
+MAX_CLOSURE_SIZE = 64 * 1024
+# Closures kept below the tip's round: a worker further behind catches up from the tip's
+# state blob (rule 3), so older closures are never needed to decide.
+CLOSURE_WINDOW = 4
+# Siblings kept per round: honest proposers for one round are a handful (rank 0, then a
+# few take-overs); the worst of more are dropped (they cannot be the tip).
+MAX_CLOSURES_PER_ROUND = 16
+# A worker proposes only within this many proposer timeouts after its slot opens (rule 2).
+PROPOSE_WINDOW_SLOTS = 1.0
+
+_HEX = frozenset("0123456789abcdef")
+
+
+class BadClosure(TrainingError):
+    """Bytes that are not a canonical closure body (the proposer's fault)."""
+
+    exit_code = 4
+
+
+@dataclass(frozen=True)
+class Included:
+    """One included update: its author, blob and the author's update attestation."""
+
+    peer: str
+    blob: str
+    attestation: bytes
+
+
+@dataclass(frozen=True)
+class Closure:
+    run: str
+    round: int
+    start_root: str
+    proposer: str
+    included: tuple[Included, ...]
+    result_root: str
+    state_blob: str
+
+    def peers(self) -> list[str]:
+        return [x.peer for x in self.included]
+
+
+def _fields(c: Closure) -> dict[str, Any]:
+    return {
+        "v": CLOSURE_VERSION,
+        "run": c.run,
+        "round": c.round,
+        "start": c.start_root,
+        "proposer": c.proposer,
+        "included": [[x.peer, x.blob, x.attestation] for x in c.included],
+        "result": c.result_root,
+        "state": c.state_blob,
+    }
+
+
+def encode_closure(c: Closure) -> bytes:
+    data: bytes = msgpack.packb(_fields(c), use_bin_type=True)
+    if decode_closure(data) != c:
+        raise ValueError("closure does not round-trip (a malformed field)")
+    return data
+
+
+def _hex64(value: Any, what: str) -> str:
+    if type(value) is not str or len(value) != 64 or not set(value) <= _HEX:
+        raise BadClosure(f"closure field {what} must be 64 lowercase hex digits")
+    return value
+
+
+def decode_closure(data: bytes) -> Closure:
+    """Strictly parse a closure body; raises :class:`BadClosure` only."""
+    obj = decode_msgpack_map(data, max_size=MAX_CLOSURE_SIZE, what="closure", error=BadClosure)
+    try:
+        if obj["v"] != CLOSURE_VERSION:
+            raise BadClosure("closure has an unknown version")
+        run, round_, proposer, items = obj["run"], obj["round"], obj["proposer"], obj["included"]
+        start, result, state = obj["start"], obj["result"], obj["state"]
+    except KeyError as exc:
+        raise BadClosure(f"closure lacks the field {exc}") from None
+    if type(run) is not str or not RUN_ID_RE.fullmatch(run):
+        raise BadClosure("closure has a malformed run ID")
+    if type(round_) is not int or not 0 <= round_ < 1 << 32:
+        raise BadClosure("closure round is out of range")
+    if type(proposer) is not str or not 0 < len(proposer) <= 128:
+        raise BadClosure("closure proposer is not a peer ID")
+    if type(items) is not list or not 1 <= len(items) <= MAX_INCLUDED:
+        raise BadClosure(f"closure must include 1..{MAX_INCLUDED} updates")
+    included = []
+    for item in items:
+        if (
+            type(item) is not list
+            or len(item) != 3
+            or type(item[0]) is not str
+            or not 0 < len(item[0]) <= 128
+            or type(item[2]) is not bytes
+        ):
+            raise BadClosure("closure entry must be [peer, blob, attestation]")
+        included.append(Included(item[0], _hex64(item[1], "blob"), item[2]))
+    closure = Closure(
+        run,
+        round_,
+        _hex64(start, "start"),
+        proposer,
+        tuple(included),
+        _hex64(result, "result"),
+        _hex64(state, "state"),
+    )
+    canonical: bytes = msgpack.packb(_fields(closure), use_bin_type=True)
+    if canonical != bytes(data):
+        raise BadClosure("closure is not in canonical form")
+    return closure
+
+
+def closure_digest(body: bytes) -> bytes:
+    """What the proposer's attestation signs: BLAKE3 over the domain and the body."""
+    return blake3.blake3(CLOSURE_DOMAIN + struct.pack("<Q", len(body)) + body).digest()
+
+
+def sign_closure(
+    signer: Signer,
+    closure: Closure,
+    *,
+    kernel_class: str,
+    certificate: AdmissionCertificate,
+    time: int,
+) -> tuple[bytes, bytes]:
+    """(body, attestation) of a closure this worker proposes."""
+    body = encode_closure(closure)
+    attestation = sign_attestation(
+        signer,
+        kind=CLOSURE_KIND,
+        digest=closure_digest(body),
+        kernel_class=kernel_class,
+        subjects=[closure.start_root, closure.result_root, closure.state_blob],
+        time=time,
+        certificate=certificate,
+    )
+    return body, attestation.encode()
+
+
+def _verify(data: bytes, *, kind: str, trust: TrustStore, now: float) -> Attestation:
+    try:
+        return verify_attestation(data, trust=trust, now=now, kind=kind)
+    except Rejected as exc:
+        raise Refused(exc.reason.value, str(exc)) from None
+
+
+def check_update_attestation(
+    data: bytes, *, peer: str, blob: str, start_root: str, trust: TrustStore, now: float
+) -> Attestation:
+    """The update attestation of ``peer`` over ``[blob, start_root]``, or :class:`Refused`."""
+    attestation = _verify(data, kind=UPDATE_KIND, trust=trust, now=now)
+    if attestation.signer_peer_id != peer:
+        raise Refused("signer is not the author", f"signed by {attestation.signer_peer_id}")
+    if attestation.digest != bytes.fromhex(blob):
+        raise Refused("digest is not the blob ID")
+    if attestation.subjects != (blob, start_root):
+        if len(attestation.subjects) == 2 and attestation.subjects[0] == blob:
+            raise Refused("wrong state root", f"made from {attestation.subjects[1][:16]}")
+        raise Refused("wrong subjects", "expected [update blob, start state root]")
+    return attestation
+
+
+@dataclass(frozen=True)
+class CheckedClosure:
+    """A valid closure with its digest and the operators of its included updates."""
+
+    closure: Closure
+    body: bytes
+    attestation: bytes
+    digest: bytes
+    operators: tuple[str, ...]
+
+
+def check_closure(
+    body: bytes, attestation: bytes, *, run: str, trust: TrustStore, now: float
+) -> CheckedClosure:
+    """Rule 1: the closure if it is valid, else :class:`Refused` with the reason."""
+    try:
+        closure = decode_closure(body)
+    except BadClosure as exc:
+        raise Refused("malformed closure", str(exc)) from None
+    if closure.run != run:
+        raise Refused("another run's closure")
+    signed = _verify(attestation, kind=CLOSURE_KIND, trust=trust, now=now)
+    digest = closure_digest(body)
+    if signed.signer_peer_id != closure.proposer:
+        raise Refused("signer is not the proposer")
+    if signed.digest != digest:
+        raise Refused("digest is not the closure's")
+    if signed.subjects != (closure.start_root, closure.result_root, closure.state_blob):
+        raise Refused("wrong subjects", "expected [start root, result root, state blob]")
+    peers = closure.peers()
+    if any(b <= a for a, b in itertools.pairwise(peers)):
+        raise Refused("included updates are not in strictly increasing peer order")
+    if len({x.blob for x in closure.included}) != len(closure.included):
+        raise Refused("a copy", "one update blob is named for two workers")
+    operators = []
+    for entry in closure.included:
+        update = check_update_attestation(
+            entry.attestation,
+            peer=entry.peer,
+            blob=entry.blob,
+            start_root=closure.start_root,
+            trust=trust,
+            now=now,
+        )
+        assert update.certificate is not None  # the trust store required one
+        operators.append(update.certificate.operator)
+    if len(set(operators)) != len(operators):
+        raise Refused("one operator twice", "an operator's keys count once per round")
+    return CheckedClosure(closure, bytes(body), bytes(attestation), digest, tuple(operators))
+
+
+# --- rule 2: who proposes, when --------------------------------------------------------
+
+
+def rank(start_root: str, peer: str) -> bytes:
+    """A peer's place in round order: BLAKE3 over the round's start root and its ID."""
+    return blake3.blake3(RANK_DOMAIN + bytes.fromhex(start_root) + peer.encode()).digest()
+
+
+def proposer_order(start_root: str, peers: Iterable[str]) -> list[str]:
+    return sorted(set(peers), key=lambda p: rank(start_root, p))
+
+
+def proposal_time(ready: float, position: int, proposer_timeout: float) -> float:
+    """When the worker at ``position`` proposes, counted from when its round is ready."""
+    return ready + position * proposer_timeout
+
+
+def may_propose(now: float, ready: float, position: int, proposer_timeout: float) -> bool:
+    """Rule 2: within the window after the slot opens, and not before."""
+    opens = proposal_time(ready, position, proposer_timeout)
+    return opens <= now <= opens + PROPOSE_WINDOW_SLOTS * proposer_timeout
+
+
+def priority(checked: CheckedClosure) -> tuple[bytes, bytes]:
+    """Rule 3's order among closures of one round (lower is better)."""
+    return rank(checked.closure.start_root, checked.closure.proposer), checked.digest
+
+
+# --- rule 3: fork choice ---------------------------------------------------------------
+
+
+@dataclass
+class ClosureBook:
+    """The valid closures a worker holds, and which one is the tip (rules 3 and 5)."""
+
+    by_round: dict[int, dict[bytes, CheckedClosure]] = field(default_factory=dict)
+    bad: dict[bytes, str] = field(default_factory=dict)  # digest -> why it is no tip
+    equivocations: list[tuple[int, str]] = field(default_factory=list)  # (round, proposer)
+
+    def add(self, checked: CheckedClosure) -> bool:
+        """Keep a valid closure; True if it is new (and may have changed the tip)."""
+        r = checked.closure.round
+        top = self.top_round()
+        if checked.digest in self.bad or (top is not None and r < top - CLOSURE_WINDOW):
+            return False
+        siblings = self.by_round.setdefault(r, {})
+        if checked.digest in siblings:
+            return False
+        for other in siblings.values():
+            same = (other.closure.proposer, other.closure.start_root)
+            if same == (checked.closure.proposer, checked.closure.start_root):
+                self.equivocations.append((r, checked.closure.proposer))
+        siblings[checked.digest] = checked
+        if len(siblings) > MAX_CLOSURES_PER_ROUND:
+            worst = max(siblings.values(), key=priority)
+            del siblings[worst.digest]
+        for old in [k for k in self.by_round if k < r - CLOSURE_WINDOW]:
+            del self.by_round[old]
+        return checked.digest in siblings
+
+    def mark_bad(self, digest: bytes, reason: str) -> None:
+        """A closure that failed recomputation or could not be fetched: never the tip."""
+        self.bad[digest] = reason
+        for siblings in self.by_round.values():
+            siblings.pop(digest, None)
+
+    def top_round(self) -> int | None:
+        live = [r for r, s in self.by_round.items() if s]
+        return max(live) if live else None
+
+    def tip(self) -> CheckedClosure | None:
+        top = self.top_round()
+        if top is None:
+            return None
+        return min(self.by_round[top].values(), key=priority)
+
+    def has_round(self, r: int, start_root: str) -> bool:
+        return any(c.closure.start_root == start_root for c in self.by_round.get(r, {}).values())
+
+
+@dataclass(frozen=True)
+class Apply:
+    """Recompute the tip from the named updates (it starts from our root)."""
+
+    closure: CheckedClosure
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """Fetch the tip's state blob and adopt it (we missed rounds, or a better sibling)."""
+
+    closure: CheckedClosure
+
+
+@dataclass(frozen=True)
+class Stay:
+    """Nothing to do: no tip, or the tip is what we already hold."""
+
+
+Step = Apply | CatchUp | Stay
+
+
+def next_step(book: ClosureBook, round_: int, root: str) -> Step:
+    """Rule 3: what a worker holding state round ``round_`` with ``root`` does next."""
+    tip = book.tip()
+    if tip is None:
+        return Stay()
+    c = tip.closure
+    if c.round == round_ and c.start_root == root:
+        return Apply(tip)
+    if c.round + 1 == round_ and c.result_root == root:
+        return Stay()
+    if c.round + 1 < round_:
+        return Stay()  # we are ahead of every closure we hold (ours are still on the way)
+    return CatchUp(tip)
+
+
+def included_order(included: Sequence[Included]) -> list[Included]:
+    """The fixed order in which updates are decoded and accumulated (ascending peer)."""
+    return sorted(included, key=lambda x: x.peer.encode())
+
+
+def select_for_closure(
+    updates: Mapping[str, tuple[str, bytes]], limit: int = MAX_INCLUDED
+) -> tuple[Included, ...]:
+    """The entries a proposer names: peer -> (blob, attestation), at most ``limit``."""
+    peers = sorted(updates, key=lambda p: p.encode())[:limit]
+    return tuple(Included(p, updates[p][0], updates[p][1]) for p in peers)

@@ -1,0 +1,725 @@
+"""One worker of a decentralised outer-loop run: the trio shell around the sans-IO cores.
+
+Theory of operation
+-------------------
+The decisions are made elsewhere, as pure functions of what the worker has heard:
+which update announcements count (``training.outer_messages.Ledger``), which closure is
+the tip and what to do about it (``training.outer_agreement``), how the named updates
+become the next state (``training.outer_aggregate``) and when to re-send an announcement
+(``training.outer_announce``). This module moves bytes between them and the node:
+
+1. Tasks: one reads the run's gossipsub topic into the ledger and the closure book; one
+   re-publishes announcements with back-off; one dials the peers it hears of (so the
+   TCP connections form a mesh, whoever bootstrapped to whom); fetches run as tasks of
+   the round; the driver (``_drive``) does everything that changes the worker's state,
+   so nothing else ever sees a half-changed state.
+2. The driver, in a loop: (a) if it holds no update for its current state and round,
+   trains one (torch in a thread; messages keep flowing), unless the state changed
+   meanwhile, then puts, attests and announces it; (b) asks ``next_step``: Apply (fetch the
+   tip's named updates it lacks, aggregate, check the result root and state blob ID),
+   CatchUp (fetch the tip's state blob, check round and root, adopt), or Stay; (c) on
+   Stay, proposes a closure when its slot comes (rule 2 of ``outer_agreement``): updates
+   of all K workers fetched, or the deadline after its own announcement passed, plus its
+   position in the round's rank order times the proposer timeout.
+3. After the last round it waits until the tip has not changed for a settle time (a better
+   closure of the last round may still arrive, and rule 3 applies to it like any other),
+   announces its final root, waits (bounded) for the roots of the last round's workers,
+   and writes its result. Its tasks are cancelled before the node closes, so shutdown is
+   clean; a peer's death is a fetch that fails and is retried elsewhere, never an error.
+4. Disk: the state blobs of the last ``KEEP_STATES`` rounds stay tagged
+   ``outer/<run>/state/<round>``; older ones are untagged, so ``blob gc`` collects them.
+   Each applied closure is kept as a blob (tagged) for ``blob outer verify``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from blobstore import StoreError
+from identity import (
+    AdmissionCertificate,
+    MachineKey,
+    SoftwareSigner,
+    TrustStore,
+    sign_attestation,
+)
+from training.outer import OuterState, state_root
+from training.outer_aggregate import Aggregate, aggregate
+from training.outer_agreement import (
+    Apply,
+    CatchUp,
+    CheckedClosure,
+    Closure,
+    ClosureBook,
+    check_closure,
+    proposal_time,
+    proposer_order,
+    select_for_closure,
+    sign_closure,
+)
+from training.outer_announce import Announcer
+from training.outer_messages import (
+    STATE_KIND,
+    UPDATE_KIND,
+    Candidate,
+    ClosureAnnouncement,
+    ClosureHeard,
+    Event,
+    Hello,
+    Ledger,
+    Refused,
+    Rejection,
+    StateAnnouncement,
+    UpdateAnnouncement,
+    encode_message,
+    topic,
+)
+from training.outer_net import OuterNetError, Trainer, WorkerConfig, write_json
+from training.state_blob import BadStateBlob, decode_state, encode_state
+
+if TYPE_CHECKING:
+    from p2p.node import Node
+
+# A fetch attempt with no progress for this long is abandoned and tried again.
+FETCH_STALL = 20.0
+# A failed fetch is tried again after this pause.
+FETCH_RETRY = 0.5
+# State blobs kept tagged: the current one and the two before it (a sibling closure of
+# the last round may still win; older states are reachable through closures).
+KEEP_STATES = 3
+# Before proposing, the worker lets messages already on the wire (buffered while it was
+# busy or paused) reach its book, so it does not propose for a round already closed.
+GATHER = 0.3
+# Most peers a worker dials on its own (every admitted worker of the largest run).
+MAX_DIALS = 64
+
+
+def _say(label: str, text: str) -> None:
+    print(f"outer[{label}] {text}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class RoundRecord:
+    """What a worker did for one round (the result file's ``rounds``)."""
+
+    round: int
+    start_root: str
+    root: str
+    state_blob: str
+    closure: str  # the closure's digest, hex
+    closure_blob: str
+    proposer: str
+    how: str  # "proposed", "applied" or "caught up"
+    included: list[dict[str, str]] = field(default_factory=list)
+    excluded: list[dict[str, str]] = field(default_factory=list)
+    rejected: list[dict[str, str]] = field(default_factory=list)
+    mean_loss: float = float("nan")
+    update_bytes: int = 0
+    state_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Own:
+    """This worker's update for one (round, root)."""
+
+    round: int
+    root: str
+    blob: str
+    attestation: bytes
+    losses: list[float]
+    size: int
+    announced_at: float
+
+
+class Worker:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        node: Node,
+        key: MachineKey,
+        certificate: AdmissionCertificate,
+        trust: TrustStore,
+    ) -> None:
+        self.config = config
+        self.params = config.params
+        self.node = node
+        self.signer = SoftwareSigner(key)
+        self.certificate = certificate
+        self.trust = trust
+        self.peer = node.peer_id
+        self.label = f"{config.shard} {self.peer[-6:]}"
+        self.topic = topic(self.params.run_id)
+        self.ledger = Ledger(self.params.run_id, self.peer, trust)
+        self.book = ClosureBook()
+        self.closure_addrs: dict[bytes, tuple[str, ...]] = {}
+        self.announcer = Announcer()
+        self.changed = trio.Event()
+        self.state: OuterState | None = None
+        self.root = ""
+        self.candidates: dict[str, Candidate] = {}
+        self.fetched: dict[str, str] = {}  # peer -> blob, for the current (round, root)
+        self.fetch_nursery: trio.Nursery | None = None
+        self.round_started = 0.0
+        self.own: _Own | None = None
+        self.proposed: dict[bytes, tuple[Aggregate, str, int]] = {}
+        self.records: dict[int, RoundRecord] = {}
+        self.refused_closures: list[dict[str, Any]] = []
+        self.kept_states: list[tuple[int, str]] = []
+        self.dialled: set[str] = set()
+        self.joined_at: int | None = None
+        self.start_blob = ""
+        self.kernel_class = ""
+        self.addrs_of: dict[str, tuple[str, ...]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    # --- messages in and out ---------------------------------------------------------
+    async def _receive_loop(self, sub: Any) -> None:
+        from libp2p.peer.id import ID
+
+        while True:
+            msg = await sub.get()
+            try:
+                sender = ID(msg.from_id).to_base58()
+            except Exception:  # a malformed source field: not a message we can judge
+                continue
+            self._handle(self.ledger.hear(msg.data, sender, time.time()))
+
+    def _handle(self, events: list[Event]) -> None:
+        for event in events:
+            if isinstance(event, Candidate):
+                self.addrs_of[event.peer] = event.addrs
+                if (
+                    self.state is not None
+                    and event.round == self.state.round
+                    and event.peer not in self.candidates
+                ):
+                    self.candidates[event.peer] = event
+                    if self.fetch_nursery is not None:
+                        self.fetch_nursery.start_soon(self._fetch_update, event, self.root)
+            elif isinstance(event, Rejection):
+                _say(
+                    self.label,
+                    f"round {event.round}: rejected update {event.blob[:12]} from "
+                    f"{event.peer}: {event.reason}",
+                )
+            elif isinstance(event, ClosureHeard):
+                self._hear_closure(event)
+        if events:
+            self.changed.set()
+
+    def _hear_closure(self, event: ClosureHeard) -> None:
+        try:
+            checked = check_closure(
+                event.body,
+                event.attestation,
+                run=self.params.run_id,
+                trust=self.trust,
+                now=time.time(),
+            )
+        except Refused as refused:
+            if len(self.refused_closures) < 64:
+                self.refused_closures.append({"peer": event.peer, "reason": refused.reason})
+                _say(self.label, f"refused a closure from {event.peer}: {refused}")
+            return
+        if checked.closure.proposer != event.peer:
+            return  # relayed under another sender's name: the proposer's own copy counts
+        self.addrs_of.setdefault(event.peer, event.addrs)
+        if self.book.add(checked):
+            self.closure_addrs[checked.digest] = event.addrs
+
+    async def _publish(self, data: bytes) -> None:
+        try:
+            await self.node.publish(self.topic, data)
+        except Exception as exc:  # libp2p raises many types; announcements are re-sent
+            _say(self.label, f"publish failed (will re-send): {exc!r}")
+
+    async def _announce(self, name: str, data: bytes) -> None:
+        if self.announcer.set(name, data, trio.current_time()):
+            await self._publish(data)
+            self.changed.set()
+
+    async def _announce_loop(self) -> None:
+        while True:
+            with trio.move_on_at(self.announcer.next_due()):
+                await trio.sleep_forever()
+            for data in self.announcer.due(trio.current_time()):
+                await self._publish(data)
+
+    async def _dial_loop(self) -> None:
+        """Connect to every admitted peer heard of, so no one node carries the mesh."""
+        from p2p.errors import P2PError
+
+        while True:
+            await trio.sleep(1.0)
+            connected = set(self.node.connected_peers())
+            for peer, addrs in list(self.addrs_of.items()):
+                if peer in connected or peer == self.peer or not addrs:
+                    continue
+                if peer in self.dialled and len(self.dialled) >= MAX_DIALS:
+                    continue
+                self.dialled.add(peer)
+                for addr in addrs[:2]:
+                    try:
+                        await self.node.connect(addr)
+                        break
+                    except P2PError:
+                        continue
+
+    async def _wait_changed(self, deadline: float) -> None:
+        with trio.move_on_at(deadline):
+            await self.changed.wait()
+        self.changed = trio.Event()
+
+    # --- blobs -----------------------------------------------------------------------
+    async def _fetch(self, blob: str, providers: Sequence[str], bound: float) -> bool:
+        """Fetch ``blob`` into the store (verified chunk by chunk); False if not in time."""
+        from p2p.errors import P2PError
+
+        if await trio.to_thread.run_sync(self.node.store.has, blob):
+            return True
+        with trio.move_on_after(bound):
+            while True:
+                with trio.move_on_after(FETCH_STALL) as attempt:
+
+                    def progressed(_: object, attempt: trio.CancelScope = attempt) -> None:
+                        attempt.deadline = trio.current_time() + FETCH_STALL
+
+                    try:
+                        await self.node.fetch(
+                            blob, providers=list(providers), progress=progressed, announce=False
+                        )
+                        return True
+                    except (P2PError, StoreError, OSError, trio.BrokenResourceError) as exc:
+                        _say(self.label, f"fetch {blob[:12]} failed (retrying): {exc}")
+                if attempt.cancelled_caught:
+                    _say(self.label, f"fetch {blob[:12]} stalled (retrying)")
+                await trio.sleep(FETCH_RETRY)
+        return False
+
+    def _load(self, blob: str) -> bytes:
+        return self.node.store.path(blob).read_bytes()
+
+    async def _fetch_update(self, candidate: Candidate, root: str) -> None:
+        if await self._fetch(candidate.blob, candidate.addrs, float("inf")) and root == self.root:
+            self.fetched[candidate.peer] = candidate.blob
+            self.changed.set()
+
+    def _providers(self, checked: CheckedClosure, peers: Sequence[str] = ()) -> list[str]:
+        out = list(self.closure_addrs.get(checked.digest, ()))
+        for peer in peers:
+            out.extend(self.addrs_of.get(peer, ()))
+        return out
+
+    def _fetch_bound(self) -> float:
+        return 3 * self.params.deadline + 10.0
+
+    # --- adopting a state -------------------------------------------------------------
+    async def _adopt(
+        self,
+        state: OuterState,
+        checked: CheckedClosure,
+        how: str,
+        agg: Aggregate | None,
+        state_blob: str,
+        state_bytes: int,
+    ) -> None:
+        c = checked.closure
+        root = state_root(state)
+        closure_blob = await self.node.add_bytes(
+            encode_message(ClosureAnnouncement(c.run, checked.body, checked.attestation, ()))
+        )
+        record = RoundRecord(
+            c.round,
+            c.start_root,
+            root,
+            state_blob,
+            checked.digest.hex(),
+            closure_blob,
+            c.proposer,
+            how,
+            included=[{"peer": p, "blob": b} for p, b, _ in agg.admitted] if agg else [],
+            excluded=[e.to_json() for e in agg.excluded] if agg else [],
+            rejected=[x.to_json() for x in self.ledger.rejections(c.round)],
+            state_bytes=state_bytes,
+            seconds=trio.current_time() - self.round_started,
+        )
+        if agg is None:
+            record.included = [{"peer": x.peer, "blob": x.blob} for x in c.included]
+        own = self.own
+        if own is not None and own.round == c.round and own.root == c.start_root:
+            record.mean_loss = float(np.mean(own.losses))
+            record.update_bytes = own.size
+        previous = self.records.get(c.round - 1)
+        stale = previous is not None and previous.root != c.start_root
+        for old in [r for r in self.records if r >= c.round or stale]:
+            del self.records[old]  # a dead branch (we caught up to another chain)
+        self.records[c.round] = record
+        store = self.node.store
+        name = f"outer-{self.params.run_id}-state-{state.round}"
+        await trio.to_thread.run_sync(store.tag, name, state_blob)
+        await trio.to_thread.run_sync(
+            store.tag, f"outer-{self.params.run_id}-closure-{c.round}", closure_blob
+        )
+        self.kept_states = [(r, n) for r, n in self.kept_states if n != name] + [
+            (state.round, name)
+        ]
+        while len(self.kept_states) > KEEP_STATES:
+            _, old_tag = self.kept_states.pop(0)
+            try:
+                await trio.to_thread.run_sync(store.untag, old_tag)
+            except StoreError:
+                pass
+        self._enter(state, root)
+        if c.proposer != self.peer:
+            self.announcer.drop("closure")
+        _say(
+            self.label,
+            f"round {c.round}: {how} closure {checked.digest.hex()[:12]} by "
+            f"{c.proposer[-6:]}: {len(record.included)} included, "
+            f"{len(record.excluded)} excluded, root {root[:16]}",
+        )
+
+    def _enter(self, state: OuterState, root: str) -> None:
+        """Make ``state`` current: a new round of updates, fetches and announcements."""
+        self.state = state
+        self.root = root
+        self.candidates = {}
+        self.fetched = {}
+        self.round_started = trio.current_time()
+        self.announcer.drop("update")
+        self.fetch_nursery = None  # the driver cancels the old round's fetches
+        self._handle(self.ledger.open_round(state.round, root, time.time()))
+
+    async def _apply(self, checked: CheckedClosure) -> None:
+        c = checked.closure
+        assert self.state is not None
+        if checked.digest in self.proposed:
+            agg, blob, size = self.proposed.pop(checked.digest)
+            await self._adopt(agg.state, checked, "proposed", agg, blob, size)
+            return
+        entries = [(x.peer, x.blob) for x in c.included]
+        for peer, blob in entries:
+            if not await self._fetch(blob, self._providers(checked, [peer]), self._fetch_bound()):
+                _say(
+                    self.label,
+                    f"closure {checked.digest.hex()[:12]}: update {blob[:12]} unavailable",
+                )
+                await self._catch_up(checked)
+                return
+        state, root_before = self.state, self.root
+        agg = await trio.to_thread.run_sync(
+            lambda: aggregate(
+                state, entries, self._load, self.params.outer_config(), start_root=root_before
+            )
+        )
+        root = state_root(agg.state)
+        if root != c.result_root:
+            self._bad(checked, f"result root mismatch (we computed {root[:16]})")
+            return
+        data = await trio.to_thread.run_sync(encode_state, agg.state)
+        blob = await self.node.add_bytes(data)
+        if blob != c.state_blob:
+            self._bad(checked, "state blob mismatch")
+            return
+        await self._adopt(agg.state, checked, "applied", agg, blob, len(data))
+
+    async def _catch_up(self, checked: CheckedClosure) -> None:
+        c = checked.closure
+        providers = self._providers(checked, [c.proposer])
+        if not await self._fetch(c.state_blob, providers, self._fetch_bound()):
+            self._bad(checked, "state blob unavailable")
+            return
+        try:
+            data = await trio.to_thread.run_sync(self._load, c.state_blob)
+            state = await trio.to_thread.run_sync(lambda: decode_state(data, expected=self.shapes))
+        except (BadStateBlob, OSError) as exc:
+            self._bad(checked, f"bad state blob: {exc}")
+            return
+        if state.round != c.round + 1 or state_root(state) != c.result_root:
+            self._bad(checked, "state blob is not the closure's result")
+            return
+        before = self.state.round if self.state is not None else None
+        await self._adopt(state, checked, "caught up", None, c.state_blob, len(data))
+        _say(self.label, f"caught up from state round {before} to {state.round}")
+
+    def _bad(self, checked: CheckedClosure, reason: str) -> None:
+        self.book.mark_bad(checked.digest, reason)
+        self.refused_closures.append(
+            {"peer": checked.closure.proposer, "round": checked.closure.round, "reason": reason}
+        )
+        _say(self.label, f"closure {checked.digest.hex()[:12]} is no tip: {reason}")
+
+    # --- training and proposing -------------------------------------------------------
+    async def _train(self, trainer: Trainer) -> None:
+        state, root = self.state, self.root
+        assert state is not None
+        if self.config.stall_round == state.round:
+            _say(self.label, f"round {state.round}: stalling (test hook)")
+            await trio.sleep_forever()
+        update, losses = await trio.to_thread.run_sync(trainer.train, state, root, self.peer)
+        if (self.state, self.root) != (state, root):
+            return  # the state moved on while we trained: this update is for nobody
+        blob = await self.node.add_bytes(update)
+        attestation = sign_attestation(
+            self.signer,
+            kind=UPDATE_KIND,
+            digest=bytes.fromhex(blob),
+            kernel_class=self.kernel_class,
+            subjects=[blob, root],
+            time=int(time.time()),
+            certificate=self.certificate,
+        ).encode()
+        now = trio.current_time()
+        self.own = _Own(state.round, root, blob, attestation, losses, len(update), now)
+        self.fetched[self.peer] = blob
+        message = UpdateAnnouncement(
+            self.params.run_id, state.round, blob, attestation, tuple(self.node.addrs)
+        )
+        await self._announce("update", encode_message(message))
+
+    def _slot(self) -> float | None:
+        """Rule 2: when this worker proposes for its current round (None: not yet known)."""
+        own = self.own
+        if own is None or (own.round, own.root) != (self.state_round(), self.root):
+            return None
+        ready = own.announced_at + self.params.deadline
+        if len(self.fetched) >= self.params.workers:
+            ready = min(ready, trio.current_time())
+        ranked = proposer_order(self.root, [*self.candidates, self.peer])
+        return proposal_time(ready, ranked.index(self.peer), self.params.proposer_timeout)
+
+    def state_round(self) -> int:
+        return -1 if self.state is None else self.state.round
+
+    async def _propose(self) -> None:
+        state, root, own = self.state, self.root, self.own
+        assert state is not None and own is not None
+        updates = {self.peer: (own.blob, own.attestation)}
+        for peer, blob in self.fetched.items():
+            candidate = self.candidates.get(peer)
+            if candidate is not None and candidate.blob == blob:
+                updates[peer] = (blob, candidate.attestation)
+        included = select_for_closure(updates)
+        entries = [(x.peer, x.blob) for x in included]
+        agg = await trio.to_thread.run_sync(
+            lambda: aggregate(
+                state, entries, self._load, self.params.outer_config(), start_root=root
+            )
+        )
+        if (self.state, self.root) != (state, root):
+            return
+        data = await trio.to_thread.run_sync(encode_state, agg.state)
+        blob = await self.node.add_bytes(data)
+        closure = Closure(
+            self.params.run_id, state.round, root, self.peer, included, state_root(agg.state), blob
+        )
+        body, attestation = sign_closure(
+            self.signer,
+            closure,
+            kernel_class=self.kernel_class,
+            certificate=self.certificate,
+            time=int(time.time()),
+        )
+        checked = check_closure(
+            body, attestation, run=self.params.run_id, trust=self.trust, now=time.time()
+        )
+        self.proposed[checked.digest] = (agg, blob, len(data))
+        self.book.add(checked)
+        self.closure_addrs[checked.digest] = tuple(self.node.addrs)
+        message = ClosureAnnouncement(self.params.run_id, body, attestation, tuple(self.node.addrs))
+        await self._announce("closure", encode_message(message))
+
+    # --- the driver -------------------------------------------------------------------
+    async def _step(self) -> bool:
+        """Act on the tip once; True if the state changed."""
+        from training.outer_agreement import next_step
+
+        assert self.state is not None
+        before = (self.state.round, self.root)
+        step = next_step(self.book, self.state.round, self.root)
+        if isinstance(step, Apply):
+            await self._apply(step.closure)
+        elif isinstance(step, CatchUp):
+            await self._catch_up(step.closure)
+        return (self.state.round, self.root) != before
+
+    async def _drive(self, trainer: Trainer) -> None:
+        rounds = self.params.rounds
+        settled_since = trio.current_time()
+        while True:
+            assert self.state is not None
+            if await self._step():
+                settled_since = trio.current_time()
+                continue
+            r = self.state.round
+            if r >= rounds:
+                settle = 2 * self.params.proposer_timeout + 2.0
+                if trio.current_time() - settled_since >= settle:
+                    return
+                await self._wait_changed(settled_since + settle)
+                continue
+            own = self.own
+            async with trio.open_nursery() as fetches:
+                self.fetch_nursery = fetches
+                for candidate in list(self.candidates.values()):
+                    fetches.start_soon(self._fetch_update, candidate, self.root)
+                if own is None or (own.round, own.root) != (r, self.root):
+                    await self._train(trainer)
+                await self._round_loop()
+                fetches.cancel_scope.cancel()
+            self.fetch_nursery = None
+            settled_since = trio.current_time()
+
+    async def _round_loop(self) -> None:
+        """Until the state changes: follow the tip, or propose when our slot comes."""
+        assert self.state is not None
+        start = (self.state.round, self.root)
+        while (self.state.round, self.root) == start:
+            if await self._step():
+                return
+            slot = self._slot()
+            if slot is not None and not self.book.has_round(*start) and trio.current_time() >= slot:
+                await trio.sleep(GATHER)
+                if await self._step():
+                    return
+                if not self.book.has_round(*start):
+                    await self._propose()
+                continue
+            await self._wait_changed(slot if slot is not None else trio.current_time() + 1.0)
+
+    # --- start, join, finish ---------------------------------------------------------
+    async def _barrier(self) -> None:
+        need = self.params.workers - 1
+        with trio.move_on_after(self.config.start_timeout):
+            while len(self.ledger.present) < need and self.book.tip() is None:
+                await self._wait_changed(trio.current_time() + 1.0)
+            return
+        _say(self.label, f"start timeout: {len(self.ledger.present) + 1} workers present")
+
+    async def _initial(self) -> OuterState:
+        initial = self.config.initial
+        assert initial is not None
+        self.start_blob = initial
+        if not await self._fetch(initial, self.config.bootstrap, self.config.start_timeout):
+            raise OuterNetError(f"could not fetch the initial state {initial} in time")
+        data = await trio.to_thread.run_sync(self._load, initial)
+        try:
+            return await trio.to_thread.run_sync(lambda: decode_state(data, expected=self.shapes))
+        except BadStateBlob as exc:
+            raise OuterNetError(f"initial state {initial}: {exc}") from None
+
+    async def _join(self) -> None:
+        """A late joiner or a restarted worker: catch up from the tip's state blob."""
+        deadline = trio.current_time() + self.config.start_timeout
+        while trio.current_time() < deadline:
+            tip = self.book.tip()
+            if tip is not None:
+                await self._catch_up(tip)
+                if self.state is not None:
+                    self.joined_at = self.state.round
+                    self.start_blob = self.records[max(self.records)].state_blob
+                    _say(self.label, f"joined at round {self.state.round}")
+                    return
+            await self._wait_changed(deadline)
+        raise OuterNetError("joining: heard no usable closure from an admitted worker")
+
+    async def _finish(self) -> None:
+        """Announce the final root; wait (bounded) for those of the last round's workers."""
+        assert self.state is not None
+        state = self.state
+        blob = self.records[max(self.records)].state_blob if self.records else self.start_blob
+        attestation = sign_attestation(
+            self.signer,
+            kind=STATE_KIND,
+            digest=bytes.fromhex(blob),
+            kernel_class=self.kernel_class,
+            subjects=[blob, self.root],
+            time=int(time.time()),
+            certificate=self.certificate,
+        )
+        message = StateAnnouncement(
+            self.params.run_id,
+            state.round,
+            self.root,
+            blob,
+            attestation.encode(),
+            tuple(self.node.addrs),
+        )
+        await self._announce("state", encode_message(message))
+        last = self.records.get(state.round - 1)
+        expected = {x["peer"] for x in last.included} - {self.peer} if last else set()
+        deadline = trio.current_time() + self.params.deadline
+        while trio.current_time() < deadline:
+            if expected <= set(self.ledger.roots_heard(state.round)):
+                break
+            await self._wait_changed(deadline)
+        await trio.sleep(1.0)
+
+    async def run(self) -> dict[str, Any]:
+        sub = await self.node.subscribe(self.topic)
+        if self.config.addr_file is not None:
+            write_json(self.config.addr_file, {"peer_id": self.peer, "addrs": self.node.addrs})
+        hello = Hello(self.params.run_id, self.certificate.encode())
+        for addr in self.config.bootstrap:
+            peer = addr.rsplit("/p2p/", 1)[-1]
+            self.addrs_of.setdefault(peer, ())
+            self.addrs_of[peer] = (*self.addrs_of[peer], addr)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._receive_loop, sub)
+            nursery.start_soon(self._announce_loop)
+            nursery.start_soon(self._dial_loop)
+            trainer = await trio.to_thread.run_sync(Trainer, self.params, self.config.shard)
+            self.kernel_class = trainer.kernel_class
+            if self.certificate.kernel_class != self.kernel_class:
+                raise OuterNetError(
+                    f"this machine's kernel class is {self.kernel_class}, but its certificate "
+                    f"admits {self.certificate.kernel_class}; get a certificate for this one"
+                )
+            self.shapes = trainer.shapes()
+            _say(self.label, f"model ready (kernel class {self.kernel_class})")
+            await self._announce("hello", encode_message(hello))
+            if self.config.join:
+                await self._join()
+            else:
+                state = await self._initial()
+                self._enter(state, state_root(state))
+                await self._barrier()
+            self.announcer.drop("hello")  # presence only matters for the start barrier
+            assert self.state is not None
+            initial_root = self.root
+            _say(self.label, f"starting at round {self.state.round} (root {self.root[:16]})")
+            await self._drive(trainer)
+            await self._finish()
+            nursery.cancel_scope.cancel()
+        assert self.state is not None
+        heard = self.ledger.roots_heard(self.state.round)
+        rounds = [asdict(self.records[r]) for r in sorted(self.records)]
+        result = {
+            "run": self.params.run_id,
+            "params": asdict(self.params),
+            "peer_id": self.peer,
+            "shard": self.config.shard,
+            "operator": self.certificate.operator,
+            "kernel_class": self.kernel_class,
+            "joined_at": self.joined_at,
+            "initial_root": initial_root,
+            "start_state_blob": self.start_blob,
+            "rounds": rounds,
+            "final_round": self.state.round,
+            "final_root": self.root,
+            "final_roots_heard": heard,
+            "refused_closures": self.refused_closures,
+            "equivocations": [list(e) for e in self.book.equivocations],
+            "agreed": all(v == self.root for v in heard.values()),
+            "malformed_messages": self.ledger.malformed,
+        }
+        write_json(self.config.result_path, result)
+        return result
