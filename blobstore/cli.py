@@ -1,5 +1,5 @@
 """Local store commands of the ``blob`` program: put, get, cat, ls, stat, tag, untag, rm,
-gc, verify.
+gc, verify, store-mode.
 
 Errors are raised as the store's typed errors (each has an ``exit_code``); the ``blob``
 main turns them into one line on stderr and that exit status. ``REF`` is a full blob ID,
@@ -65,11 +65,15 @@ def human_size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _open_store(ctx: click.Context) -> Store:
+def _store_root(ctx: click.Context) -> Path:
     root = ctx.ensure_object(dict).get("store_root")
     if root is None:
         raise click.UsageError("no store directory: pass --store DIR or set BLOBNET_STORE")
-    return Store.open(Path(root))
+    return Path(root)
+
+
+def _open_store(ctx: click.Context) -> Store:
+    return Store.open(_store_root(ctx))
 
 
 def _emit_json(obj: Any) -> None:
@@ -360,8 +364,25 @@ def verify_cmd(ctx: click.Context, refs: tuple[str, ...], as_json: bool) -> None
     if corrupt:
         raise StoreCorrupt(
             f"{len(corrupt)} of {len(report)} blob(s) corrupt: {', '.join(corrupt)}; "
-            "remove them with `blob rm` and put or fetch them again"
+            "quarantined (no longer served): put the originals again or fetch them "
+            "again (blob get ID --peer ...) to repair them"
         )
+
+
+@click.command("store-mode")
+@click.argument("mode", required=False, type=click.Choice(["private", "shared"]))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def store_mode_cmd(ctx: click.Context, mode: str | None, as_json: bool) -> None:
+    """Show or set who may read the store: private (only you; the default) or shared
+    (other users may read blobs, never write or lock anything)."""
+    shared = None if mode is None else mode == "shared"
+    store = Store.open(_store_root(ctx), shared=shared)
+    now = "shared" if store.shared else "private"
+    if as_json:
+        _emit_json({"store": str(store.root), "mode": now})
+    else:
+        click.echo(f"{now}  {store.root}")
 
 
 def register(group: click.Group) -> None:
@@ -377,5 +398,6 @@ def register(group: click.Group) -> None:
         rm_cmd,
         gc_cmd,
         verify_cmd,
+        store_mode_cmd,
     ):
         group.add_command(command)

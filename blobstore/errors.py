@@ -63,6 +63,10 @@ class CorruptChunk(StoreError):
     exit_code = 4
 
 
+class BlobQuarantined(CorruptChunk):
+    """The blob was found rotten and taken out of the published set until repaired."""
+
+
 class ChunkUnavailable(StoreError):
     """The chunk is not (yet) held and verified in this store."""
 

@@ -6,6 +6,9 @@ chunk with one ``pread``. Chunks of a partial blob are served only when its bitm
 live one when this process writes it, else the persisted one, which marks only chunks
 that were verified and fsynced) says they are held.
 
+A chunk of a complete blob that fails its hash (``verify``, the default) quarantines
+the blob (:meth:`Store.quarantine`): it stops being advertised and served at once.
+
 ``read_into`` fills a caller's buffer instead (no allocation per chunk) and, with
 ``cached_only``, reads only what the page cache already holds (``RWF_NOWAIT``), so an
 event loop can serve hot chunks inline and send only cold ones to a worker thread.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -44,12 +48,17 @@ class ChunkReader:
         fd: int | None,
         bits: bytes | bytearray | None,
         live: PartialBlob | None,
+        on_corrupt: Callable[[str], str] | None = None,
     ) -> None:
         self.blob_id = blob_id
         self.manifest = manifest
         self._fd = fd
         self._bits = bits
         self._live = live
+        # Called (outside the event loop: never with cached_only) when a chunk of a
+        # complete blob fails its hash; the store quarantines the blob and returns a
+        # tail for the message.
+        self._on_corrupt = on_corrupt
         # Cleared when the file system refuses RWF_NOWAIT (tmpfs does), to stop asking.
         self._nowait = bool(_RWF_NOWAIT)
 
@@ -101,9 +110,10 @@ class ChunkReader:
                     break
                 pos += n
         if pos != length or (verify and blake3(out).digest() != self.manifest.chunk_hash(index)):
-            raise CorruptChunk(
-                f"chunk {index} of blob {self.blob_id} is corrupt on disk; run `blob verify`"
-            )
+            what = f"chunk {index} of blob {self.blob_id} is corrupt on disk"
+            if self._on_corrupt is None or cached_only:
+                raise CorruptChunk(what + "; run `blob verify`")
+            raise CorruptChunk(what + self._on_corrupt(what))
         return True
 
     def close(self) -> None:

@@ -6,12 +6,38 @@ Theory of operation
 Layout under the store root::
 
     blobnet-store            marker with the format version; refuse foreign dirs
-    lock                     flock: held briefly around every publish and delete
-    blobs/<ab>/<id>          complete blob: its exact bytes, mode 0444
-    blobs/<ab>/<id>.manifest its canonical manifest, mode 0444
+    shared                   present only in a shared store (see File modes)
+    locks/store              flock: held briefly around every publish and delete;
+                             holds the holder's PID
+    blobs/<ab>/<id>          complete blob: its exact bytes, read-only
+    blobs/<ab>/<id>.manifest its canonical manifest, read-only
     partial/<id>/            partial blob: manifest, data, bitmap, lock (partial.py)
+    quarantine/<id>/         a blob found rotten: data, manifest, reason
     tags/<name>              "<id>\\n": a name that pins a blob
     tmp/                     temp files of writers in progress, each flock-ed
+
+File modes
+----------
+
+Set explicitly on everything the store creates (the umask plays no part):
+
+=================================  ===========  ==========
+what                               private      shared
+=================================  ===========  ==========
+root, blobs/, partial/, tags/ ...  0700         0755
+complete blobs and manifests       0400         0444
+tags, bitmaps, partial data        0600         0644
+tmp/, locks/                       0700         0700
+lock files (store, partials)       0600         0600
+=================================  ===========  ==========
+
+A store is private unless opened once with ``Store.open(root, shared=True)`` (or
+``blob store-mode shared``), which writes the ``shared`` marker and re-modes what is
+there; ``shared=False`` turns it back. The mode belongs to the store, not to whoever
+opens it. Shared means other users can read blobs (mmap a checkpoint, run their own
+reader) but write or lock nothing: no one but the owner can open a lock file, so no one
+else can make the owner's commands wait. The store lock is waited for at most
+:data:`STORE_LOCK_TIMEOUT` seconds, then StoreBusy (exit 5) names the holder's PID.
 
 Invariants
 ----------
@@ -39,6 +65,11 @@ Invariants
    content refreshes its mtime, as git does for loose objects.
 7. OSError is translated into the typed errors of :mod:`blobstore.errors` at the public
    methods; a failed operation removes what it created.
+8. **Rot is quarantined, never served.** A complete blob whose bytes fail a chunk hash
+   (found by :meth:`Store.verify`, a verifying read, or a caller such as a server) is
+   moved to ``quarantine/`` by :meth:`Store.quarantine`: unpublished at once. Publishing
+   the same ID again (``put`` or a fetched partial, which starts from the rotten copy's
+   good chunks) repairs it and clears the quarantine.
 """
 
 from __future__ import annotations
@@ -73,6 +104,7 @@ from blobstore.durable import (
     lock_path,
     os_errors,
     sweep_temp_dir,
+    translate_os_error,
     try_lock_fd,
     write_all,
     write_file_atomic,
@@ -85,6 +117,7 @@ from blobstore.errors import (
     BadTagName,
     BlobExists,
     BlobNotFound,
+    BlobQuarantined,
     ChunkUnavailable,
     CorruptChunk,
     NoSpace,
@@ -109,7 +142,7 @@ Progress = Callable[[int], None]
 
 STORE_FORMAT = 1
 MARKER_NAME = "blobnet-store"
-_LAYOUT = ("blobs", "partial", "tags", "tmp", "locks")
+_LAYOUT = ("blobs", "partial", "tags", "tmp", "locks", "quarantine")
 _PRIVATE_DIRS = ("tmp", "locks")  # 0700 whatever the store's mode
 SHARED_MARKER = "shared"
 """File at the root whose presence makes the store shared (see :class:`FileModes`)."""
@@ -171,6 +204,7 @@ class BlobInfo:
     complete: bool
     verified_chunks: int
     tags: tuple[str, ...]
+    quarantined: bool = False
 
     @property
     def num_chunks(self) -> int:
@@ -254,12 +288,14 @@ class Store:
         self.tmp_dir = root / "tmp"
         self._blobs = root / "blobs"
         self._partial = root / "partial"
+        self._quarantine = root / "quarantine"
         self._tags = root / "tags"
         self._locks = root / "locks"
         self._lock_file = self._locks / "store"
         self.modes = PRIVATE_MODES
         self.lock_timeout = STORE_LOCK_TIMEOUT
         self._lock_mutex = threading.Lock()  # threads of this process queue here first
+        self._lock_owner: int | None = None  # thread holding the store lock (re-entry)
         self._mutex = threading.Lock()
         self._open_partials: dict[str, PartialBlob] = {}
         self._manifests: dict[str, Manifest] = {}
@@ -388,6 +424,9 @@ class Store:
         The lock file lives in ``locks/`` (0700) with mode 0600, so no other user can open
         it, let alone flock it. The holder writes its PID into it, so a waiter that gives
         up can say who holds it."""
+        if self._lock_owner == threading.get_ident():  # nested: e.g. quarantine during gc
+            yield
+            return
         deadline = time.monotonic() + self.lock_timeout
         if not self._lock_mutex.acquire(timeout=self.lock_timeout):
             raise StoreBusy(
@@ -412,7 +451,11 @@ class Store:
                     delay = min(delay * 2, _LOCK_POLL_MAX)
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-                yield
+                self._lock_owner = threading.get_ident()
+                try:
+                    yield
+                finally:
+                    self._lock_owner = None
             finally:
                 os.close(fd)
         finally:
@@ -593,6 +636,7 @@ class Store:
             if not had_manifest and not data_path.exists():
                 manifest_path.unlink(missing_ok=True)
             raise
+        self._clear_quarantine(blob_id)  # good bytes again: the repair is done
         return True
 
     def _publish_temp(self, tmp: TempFile, manifest: Manifest) -> str:
@@ -624,6 +668,116 @@ class Store:
                     shutil.rmtree(self._partial_dir(blob_id), ignore_errors=True)
             fsync_dir(self._partial)
 
+    # ------------------------------------------------------------------ quarantine
+    def quarantine(self, blob_id: str, reason: str) -> bool:
+        """Take a complete blob found rotten out of the published set.
+
+        Its data and manifest move to ``quarantine/<id>/`` with ``reason``: from then on
+        :meth:`has` is False, it is not listed among complete blobs, readers and servers
+        stop offering it, and reading it raises :class:`BlobQuarantined` (exit 4). Tags
+        stay (the name still means that content). Publishing the ID again, by ``put`` of
+        the same content or a fetched partial, repairs it and clears the quarantine; a
+        fetch starts from the quarantined file, so only the rotten chunks are fetched.
+        Returns False if the blob was not complete here (already quarantined, say).
+        Safe from any thread; callers need not hold anything.
+        """
+        parse_blob_id(blob_id)
+        with os_errors(f"quarantining blob {blob_id[:12]}"), self._store_lock():
+            data_path = self._data_path(blob_id)
+            if not data_path.exists():
+                return False
+            qdir = self._quarantine / blob_id
+            self._mkdir_shard(qdir)
+            one_line = " ".join(reason.split())[:500]
+            write_file_atomic(
+                qdir / "reason",
+                f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {one_line}\n".encode(),
+                tmp_dir=self.tmp_dir,
+                replace=True,
+                mode=self.modes.file,
+            )
+            manifest_path = self._manifest_path(blob_id)
+            with contextlib.suppress(FileExistsError):
+                os.link(manifest_path, qdir / "manifest")  # before the data leaves
+            os.replace(data_path, qdir / "data")  # unpublished from here on
+            manifest_path.unlink(missing_ok=True)
+            fsync_dir(qdir)
+            fsync_dir(data_path.parent)
+            with self._mutex:
+                self._manifests.pop(blob_id, None)
+        return True
+
+    def quarantine_reason(self, blob_id: str) -> str | None:
+        """Why the blob is quarantined ("<UTC time> <reason>"), or None if it is not."""
+        parse_blob_id(blob_id)
+        qdir = self._quarantine / blob_id
+        try:
+            return (qdir / "reason").read_text(errors="replace").strip() or "no reason recorded"
+        except FileNotFoundError:
+            return "no reason recorded" if (qdir / "manifest").exists() else None
+        except OSError as exc:
+            raise translate_os_error(exc, f"reading the quarantine of {blob_id[:12]}") from exc
+
+    def quarantined_ids(self) -> list[str]:
+        """IDs of quarantined blobs, sorted."""
+        with os_errors("listing quarantined blobs"):
+            return sorted(
+                e.name
+                for e in os.scandir(self._quarantine)
+                if _is_id(e.name) and os.path.exists(os.path.join(e.path, "manifest"))
+            )
+
+    def _clear_quarantine(self, blob_id: str) -> None:
+        """Store lock held: the ID is published again with verified bytes."""
+        qdir = self._quarantine / blob_id
+        if qdir.exists():
+            shutil.rmtree(qdir, ignore_errors=True)
+            fsync_dir(self._quarantine)
+
+    def _seed_from_quarantine(self, blob_id: str, pdir: Path) -> None:
+        """Store and partial locks held: a repair download starts from the rotten copy;
+        the partial's reopen re-hashes every chunk and keeps only those that verify."""
+        qdata = self._quarantine / blob_id / "data"
+        if (pdir / "data").exists() or not qdata.exists():
+            return
+        os.chmod(qdata, self.modes.file)
+        os.rename(qdata, pdir / "data")
+        fsync_dir(pdir)
+
+    def _quarantine_on_read(self, blob_id: str, what: str) -> str:
+        """Quarantine a complete blob whose read just failed its hash; the message tail."""
+        try:
+            self.quarantine(blob_id, what)
+        except StoreError as exc:
+            return f"; could not quarantine it ({exc})"
+        return f"; quarantined it: fetch it again (blob get {blob_id} --peer ...) or put it again"
+
+    def _quarantined_may_be_collection(self, blob_id: str) -> bool:
+        """Whether a quarantined blob could be a collection (so gc cannot know what it
+        pins): False only when its first chunk still verifies and lacks the magic."""
+        if self.quarantine_reason(blob_id) is None:
+            return False
+        manifest = self.manifest(blob_id)
+        if manifest.size < len(COLLECTION_MAGIC):
+            return False
+        _, length = manifest.chunk_span(0)
+        try:
+            with open(self._quarantine / blob_id / "data", "rb") as f:
+                first = f.read(length)
+        except FileNotFoundError:
+            return True  # moved into a repair download: unknown until it is published
+        if blake3(first).digest() != manifest.chunk_hash(0):
+            return True
+        return looks_like_collection(first)
+
+    def _refuse_quarantined(self, blob_id: str) -> None:
+        reason = self.quarantine_reason(blob_id)
+        if reason is not None:
+            raise BlobQuarantined(
+                f"blob {blob_id} is quarantined as corrupt ({reason}); fetch it again "
+                f"(blob get {blob_id} --peer ...) or put the original again"
+            )
+
     # ------------------------------------------------------------------ partial blobs
     def begin_partial(self, manifest: Manifest) -> PartialBlob:
         """Create or resume the partial blob for ``manifest`` (exclusive per blob)."""
@@ -635,6 +789,8 @@ class Store:
                     raise BlobExists(f"blob {blob_id} is already complete in this store")
                 self._mkdir_shard(pdir)
                 lock_fd = lock_path(pdir / "lock")
+                if lock_fd is not None:
+                    self._seed_from_quarantine(blob_id, pdir)
             if lock_fd is None:
                 raise PartialBusy(
                     f"blob {blob_id[:12]} is being written by another process; "
@@ -714,10 +870,7 @@ class Store:
                 data = _read_limited(self._manifest_path(blob_id), MAX_MANIFEST_SIZE)
             except FileNotFoundError:
                 complete = False
-                try:
-                    data = _read_limited(self._partial_dir(blob_id) / "manifest", MAX_MANIFEST_SIZE)
-                except FileNotFoundError:
-                    raise BlobNotFound(f"no blob {blob_id} in this store") from None
+                data = self._read_other_manifest(blob_id)
         try:
             manifest = Manifest.decode(data)
         except BadManifest as exc:
@@ -731,9 +884,20 @@ class Store:
                 self._manifests[blob_id] = manifest
         return manifest
 
+    def _read_other_manifest(self, blob_id: str) -> bytes:
+        """The manifest of a partial or quarantined blob (not cached: they change)."""
+        for path in (
+            self._partial_dir(blob_id) / "manifest",
+            self._quarantine / blob_id / "manifest",
+        ):
+            with contextlib.suppress(FileNotFoundError):
+                return _read_limited(path, MAX_MANIFEST_SIZE)
+        raise BlobNotFound(f"no blob {blob_id} in this store")
+
     def path(self, blob_id: str) -> Path:
         """The read-only file holding exactly the complete blob's bytes (mmap it)."""
         if not self.has(blob_id):
+            self._refuse_quarantined(blob_id)
             raise BlobNotFound(f"no complete blob {blob_id} in this store")
         return self._data_path(blob_id)
 
@@ -746,7 +910,8 @@ class Store:
         if live is not None:
             return live.read_chunk(index)
         with os_errors(f"reading chunk {index} of {blob_id[:12]}"):
-            if self.has(blob_id):
+            complete = self.has(blob_id)
+            if complete:
                 source = self._data_path(blob_id)
             else:
                 bits = load_bitmap(self._partial_dir(blob_id) / "bitmap", manifest.num_chunks)
@@ -762,9 +927,9 @@ class Store:
             finally:
                 os.close(fd)
         if len(data) != length or blake3(data).digest() != manifest.chunk_hash(index):
-            raise CorruptChunk(
-                f"chunk {index} of blob {blob_id} is corrupt on disk; run `blob verify`"
-            )
+            what = f"chunk {index} of blob {blob_id} is corrupt on disk"
+            tail = self._quarantine_on_read(blob_id, what) if complete else "; run `blob verify`"
+            raise CorruptChunk(what + tail)
         return data
 
     def open_reader(self, blob_id: str) -> ChunkReader:
@@ -775,7 +940,8 @@ class Store:
         if live is not None:
             return ChunkReader(blob_id, manifest, fd=None, bits=None, live=live)
         with os_errors(f"opening {blob_id[:12]} for reading"):
-            if self.has(blob_id):
+            complete = self.has(blob_id)
+            if complete:
                 source, bits = self._data_path(blob_id), None
             else:
                 bits = load_bitmap(self._partial_dir(blob_id) / "bitmap", manifest.num_chunks)
@@ -783,8 +949,10 @@ class Store:
             try:
                 fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:  # removed (or published) meanwhile
+                self._refuse_quarantined(blob_id)
                 raise BlobNotFound(f"no blob {blob_id} in this store") from None
-        return ChunkReader(blob_id, manifest, fd=fd, bits=bits, live=None)
+        on_corrupt = (lambda what: self._quarantine_on_read(blob_id, what)) if complete else None
+        return ChunkReader(blob_id, manifest, fd=fd, bits=bits, live=None, on_corrupt=on_corrupt)
 
     def chunk_bitmap(self, blob_id: str) -> bytes:
         """Bit i set = chunk i held and verified (see :mod:`blobstore.bitmap`)."""
@@ -802,7 +970,7 @@ class Store:
         """The complete blob's bytes in large pieces, each chunk checked on the way.
 
         Each piece is a view of a reused buffer: consume it before asking for the next.
-        Raises CorruptChunk at the first chunk that fails.
+        Raises CorruptChunk at the first chunk that fails, having quarantined the blob.
         """
         manifest = self.manifest(blob_id)
         path = self.path(blob_id)
@@ -817,32 +985,39 @@ class Store:
                 with os_errors(f"reading blob {blob_id[:12]}"):
                     n = _read_full(fd, buf[: min(len(buf), remaining)])
                 if n < min(len(buf), remaining):
-                    raise CorruptChunk(f"blob {blob_id} is truncated on disk; run `blob verify`")
+                    what = f"blob {blob_id} is truncated on disk"
+                    raise CorruptChunk(what + self._quarantine_on_read(blob_id, what))
                 for off in range(0, n, c):
                     if blake3(buf[off : min(off + c, n)]).digest() != manifest.chunk_hash(index):
-                        raise CorruptChunk(
-                            f"chunk {index} of blob {blob_id} is corrupt on disk; run `blob verify`"
-                        )
+                        what = f"chunk {index} of blob {blob_id} is corrupt on disk"
+                        raise CorruptChunk(what + self._quarantine_on_read(blob_id, what))
                     index += 1
                 remaining -= n
                 yield buf[:n]
         finally:
             os.close(fd)
 
-    def verify(self, blob_id: str) -> list[int]:
+    def verify(self, blob_id: str, *, quarantine: bool = True) -> list[int]:
         """Indices of chunks whose stored bytes fail their hash ([] = intact).
 
-        A complete blob is checked whole; a partial one, the chunks it marks verified.
+        A complete blob is checked whole and, if any chunk fails and ``quarantine`` is
+        set, quarantined (see :meth:`quarantine`); a partial one, the chunks it marks
+        verified; a quarantined one, its quarantined copy (or the partial seeded from it).
         Raises StoreCorrupt if the manifest itself is damaged.
         """
         manifest = self.manifest(blob_id)
         n = manifest.num_chunks
-        if self.has(blob_id):
+        complete = self.has(blob_id)
+        qdata = self._quarantine / blob_id / "data"
+        if complete:
             source = self._data_path(blob_id)
             indices: Iterable[int] = range(n)
+        elif not self._has_partial(blob_id) and qdata.exists():
+            source, indices = qdata, range(n)
         else:
             source = self._partial_dir(blob_id) / "data"
             indices = bm.set_indices(self.chunk_bitmap(blob_id), n)
+        whole = indices == range(n)
         bad = []
         with os_errors(f"verifying blob {blob_id[:12]}"):
             try:
@@ -855,17 +1030,20 @@ class Store:
                     data = read_span(fd, offset, length)
                     if len(data) != length or blake3(data).digest() != manifest.chunk_hash(i):
                         bad.append(i)
-                if self.has(blob_id) and os.fstat(fd).st_size != manifest.size and not bad:
+                if whole and os.fstat(fd).st_size != manifest.size and not bad:
                     bad.append(max(n - 1, 0))  # trailing garbage past the last chunk
             finally:
                 os.close(fd)
+        if bad and complete and quarantine:
+            shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
+            self.quarantine(blob_id, f"verify found {len(bad)} corrupt chunk(s): {shown}")
         return bad
 
     # ------------------------------------------------------------------ names
     def resolve(self, ref: str) -> str:
         """A full ID, a unique prefix of 8+ hex characters, or a tag name -> blob ID."""
         if _is_id(ref):
-            if self.has(ref) or self._has_partial(ref):
+            if self.has(ref) or self._has_partial(ref) or self.quarantine_reason(ref):
                 return ref
             raise BlobNotFound(f"no blob {ref} in this store")
         with os_errors(f"looking up {ref!r}"):
@@ -877,6 +1055,7 @@ class Store:
                 matches = sorted(
                     {i for i in self._complete_ids(lowered[:2]) if i.startswith(lowered)}
                     | {i for i in self.partial_ids() if i.startswith(lowered)}
+                    | {i for i in self.quarantined_ids() if i.startswith(lowered)}
                 )
                 if len(matches) == 1:
                     return matches[0]
@@ -950,20 +1129,22 @@ class Store:
         return sorted(ids)
 
     def blob_ids(self) -> list[str]:
-        """IDs of every complete and partial blob, sorted (even ones with damaged files)."""
+        """IDs of every complete, partial and quarantined blob, sorted (even ones with
+        damaged files)."""
         with os_errors("listing blobs"):
-            return sorted({*self._complete_ids(), *self.partial_ids()})
+            return sorted({*self._complete_ids(), *self.partial_ids(), *self.quarantined_ids()})
 
     def list_blobs(self) -> list[BlobInfo]:
-        """Every complete and partial blob, sorted by ID (unreadable ones skipped)."""
+        """Every complete, partial and quarantined blob, sorted by ID (unreadable ones
+        skipped). Only rows with ``complete`` set are published (served, advertised)."""
         by_blob: dict[str, list[str]] = {}
         for name, blob_id in self.tags().items():
             by_blob.setdefault(blob_id, []).append(name)
         rows = []
         with os_errors("listing blobs"):
-            complete = self._complete_ids()
-            partial = [p for p in self.partial_ids() if p not in set(complete)]
-            for blob_id in sorted({*complete, *partial}):
+            complete = set(self._complete_ids())
+            quarantined = set(self.quarantined_ids()) - complete
+            for blob_id in sorted({*complete, *self.partial_ids(), *quarantined}):
                 try:
                     manifest = self.manifest(blob_id)
                     bits = self.chunk_bitmap(blob_id)
@@ -974,9 +1155,10 @@ class Store:
                         blob_id=blob_id,
                         size=manifest.size,
                         chunk_size=manifest.chunk_size,
-                        complete=blob_id not in partial,
+                        complete=blob_id in complete,
                         verified_chunks=bm.count_bits(bits),
                         tags=tuple(by_blob.get(blob_id, ())),
+                        quarantined=blob_id in quarantined,
                     )
                 )
         return rows
@@ -989,7 +1171,7 @@ class Store:
 
     # ------------------------------------------------------------------ removing
     def rm(self, blob_id: str) -> None:
-        """Remove a blob (complete or partial) and every tag pointing at it."""
+        """Remove a blob (complete, partial or quarantined) and every tag pointing at it."""
         parse_blob_id(blob_id)
         with os_errors(f"removing blob {blob_id[:12]}"), self._store_lock():
             found = False
@@ -1009,6 +1191,10 @@ class Store:
                 finally:
                     os.close(fd)
                 found = True
+            qdir = self._quarantine / blob_id
+            if qdir.exists():
+                shutil.rmtree(qdir)
+                found = True
             if not found:
                 raise BlobNotFound(f"no blob {blob_id} in this store")
             for entry in os.scandir(self._tags):
@@ -1027,9 +1213,20 @@ class Store:
             if blob_id in keep:
                 continue
             keep.add(blob_id)
-            with contextlib.suppress(StoreError):
+            if not self.has(blob_id) and self._quarantined_may_be_collection(blob_id):
+                raise StoreCorrupt(
+                    f"gc stopped: tagged blob {blob_id} is quarantined, so the children it "
+                    "may pin are unknown; fetch it again or untag it, then run gc"
+                )
+            try:
                 if self.has(blob_id) and self.is_collection(blob_id):
                     todo.extend(e.blob_id for e in self.read_collection(blob_id))
+            except CorruptChunk as exc:  # quarantined just now
+                raise StoreCorrupt(
+                    f"gc stopped: tagged blob {blob_id[:12]} is corrupt ({exc})"
+                ) from None
+            except StoreError:
+                continue  # a malformed collection pins nothing but itself
         return keep
 
     def gc(self, grace_seconds: float = DEFAULT_GC_GRACE) -> list[str]:
@@ -1072,6 +1269,14 @@ class Store:
                             removed.append(entry.name)
                     finally:
                         os.close(fd)
+                for entry in os.scandir(self._quarantine):
+                    if entry.name in keep or self._has_partial(entry.name):
+                        continue  # pinned, or a repair download is using it
+                    newest = max((e.stat().st_mtime for e in os.scandir(entry.path)), default=0.0)
+                    if now - newest >= grace_seconds:
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                        if _is_id(entry.name):
+                            removed.append(entry.name)
         return sorted(set(removed))
 
     # ------------------------------------------------------------------ collections

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,8 @@ class Result:
         assert self.code == code, self.stderr
         assert text in self.stderr
         assert "Traceback" not in self.stderr
-        assert self.stderr.strip().splitlines()[-1].startswith(("blob: error:", "Error:"))
+        last = self.stderr.strip().splitlines()[-1]
+        assert re.match(r"(blob( [a-z-]+)?: error: |Error: )", last), last
 
 
 def batch(tmp_path: Path, store: Path, *commands: list[str]) -> list[Result]:

@@ -325,11 +325,12 @@ def test_verify_and_read_find_a_flipped_byte(store: Store) -> None:
     data = os.urandom(3 * C)
     blob_id = store.put_bytes(data, chunk_size=C)
     flip_byte(store.path(blob_id), 2 * C + 5)
-    assert store.verify(blob_id) == [2]
     assert store.read_chunk(blob_id, 0) == data[:C]
-    with pytest.raises(CorruptChunk, match="chunk 2"):
+    with pytest.raises(CorruptChunk, match=r"chunk 2.*quarantined it"):
         store.read_chunk(blob_id, 2)
-    with pytest.raises(CorruptChunk):
+    assert not store.has(blob_id)  # found on read: no longer published
+    assert store.verify(blob_id) == [2]  # the quarantined copy, still checkable
+    with pytest.raises(CorruptChunk, match="quarantined"):
         store.export(blob_id, store.root.parent / "out")
     assert not (store.root.parent / "out").exists()
 
