@@ -36,7 +36,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial as bind
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import blake3
 import trio
@@ -46,7 +46,14 @@ from p2p import protocol as proto
 from p2p.buffers import ChunkBuffers
 from p2p.chunk_writer import ChunkWriter, usable_cpus
 from p2p.errors import FetchFailed, NoProviders
-from p2p.scheduler import PeerStats, RequestTicket, Scheduler, SchedulerConfig
+from p2p.scheduler import (
+    PeerStats,
+    RequestTicket,
+    Scheduler,
+    SchedulerConfig,
+    StripeConfig,
+    StripeGrowth,
+)
 from p2p.wire import BlobClient, StreamLost, reset_quietly
 
 log = logging.getLogger(__name__)
@@ -139,6 +146,17 @@ class Network(Protocol):
     async def open_blob_stream(self, peer: str) -> Any: ...
 
 
+@runtime_checkable
+class StripedNetwork(Protocol):
+    """A network that can open several connections to one peer (``p2p.node.Node``)."""
+
+    async def open_blob_stream_on(self, peer: str, lane: int) -> Any: ...
+
+    async def add_connection(self, peer: str) -> bool: ...
+
+    def connection_count(self, peer: str) -> int: ...
+
+
 async def fetch_manifest(network: Network, blob_id: str, peer: str) -> Manifest | None:
     """Ask one peer for the manifest; None if it has none or it does not match the ID."""
     stream = None
@@ -177,6 +195,7 @@ class Download:
         *,
         config: SchedulerConfig,
         progress: ProgressCallback | None,
+        stripe_config: StripeConfig | None = None,
     ) -> None:
         self.network = network
         self.store = store
@@ -201,6 +220,11 @@ class Download:
         self.last_progress = 0.0
         self.new_bytes: dict[str, int] = {}
         self.duplicate_bytes = 0
+        self.striped = network if isinstance(network, StripedNetwork) else None
+        self.stripe_config = stripe_config
+        self.growth: dict[str, StripeGrowth] = {}
+        # Streams each provider's workers hold open, per connection (lane).
+        self.lane_load: dict[str, list[int]] = {}
 
     # --- helpers -------------------------------------------------------------------
     def chunk_length(self, index: int) -> int:
@@ -281,7 +305,9 @@ class Download:
             with trio.fail_after(CONTROL_TIMEOUT):
                 stream = await self.network.open_blob_stream(peer)
                 client = BlobClient(stream, self.chunk_length)
+                asked = trio.current_time()
                 have = await client.have(self.blob_id)
+                rtt = trio.current_time() - asked
         except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
             log.info("provider %s unusable: %r", peer, exc)
             if stream is not None:
@@ -301,18 +327,69 @@ class Download:
             return False
         full = all(have.bitmap[i // 8] >> (i % 8) & 1 for i in range(have.num_chunks))
         self.scheduler.add_peer(peer, trio.current_time(), None if full else have.bitmap)
+        self.scheduler.on_rtt(peer, rtt)
         self._notify()
+        lanes = self.lane_load[peer] = [1]  # the first worker's stream, on lane 0
+        self._set_connections(peer)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._stream_worker, peer, client)
-            for _ in range(self.config.max_inflight_requests_per_peer - 1):
-                nursery.start_soon(self._stream_worker, peer, None)
+            nursery.start_soon(self._stream_worker, peer, client, 0)
+            if self.striped is not None and self.stripe_config is not None:
+                nursery.start_soon(self._grow, peer)
+            workers = 1
+            # More workers as the peer's limit grows (rate x RTT, connections): each
+            # holds at most one live request, so the scheduler's limit is the brake.
+            while not self.scheduler.done and self._peer_usable(peer):
+                while workers < self.scheduler.inflight_limit(peer):
+                    workers += 1
+                    nursery.start_soon(self._stream_worker, peer, None, self._quiet_lane(lanes))
+                await self._wait_change()
         return not self.scheduler.done
+
+    def _set_connections(self, peer: str) -> None:
+        count = 1 if self.striped is None else self.striped.connection_count(peer)
+        lanes = self.lane_load.setdefault(peer, [0])
+        lanes.extend([0] * (count - len(lanes)))
+        self.scheduler.set_connections(peer, count)
+
+    @staticmethod
+    def _quiet_lane(lanes: list[int]) -> int:
+        """The connection with the fewest workers' streams (the lowest on a tie), taken."""
+        lane = lanes.index(min(lanes))
+        lanes[lane] += 1
+        return lane
+
+    async def _grow(self, peer: str) -> None:
+        """Open more connections to ``peer`` while they raise its rate (StripeGrowth)."""
+        assert self.striped is not None and self.stripe_config is not None
+        striped = self.striped
+        now = trio.current_time()
+        growth = StripeGrowth(self.stripe_config, now, striped.connection_count(peer))
+        self.growth[peer] = growth
+
+        async def dial() -> None:
+            ok = await striped.add_connection(peer)
+            growth.on_dialled(ok, trio.current_time())
+            self._set_connections(peer)
+            self._notify()
+
+        async with trio.open_nursery() as dials:
+            while not growth.stopped and not self.scheduler.done:
+                stats = self.scheduler.peer_stats().get(peer)
+                if stats is None or stats.banned or stats.dropped:
+                    return
+                now = trio.current_time()
+                busy = stats.inflight > 0 and self.scheduler.fetchable_count > 0
+                for _ in range(growth.decide(now, stats.rtt_s, busy)):
+                    dials.start_soon(dial)
+                wake = growth.next_check(now, stats.rtt_s)
+                await trio.sleep(max(wake - now, self.stripe_config.min_settle_s / 4))
 
     def _peer_usable(self, peer: str) -> bool:
         stats = self.scheduler.peer_stats().get(peer)
         return stats is not None and not stats.banned and not stats.dropped
 
-    async def _stream_worker(self, peer: str, client: BlobClient | None) -> None:
+    async def _stream_worker(self, peer: str, client: BlobClient | None, lane: int) -> None:
+        """Send ``peer`` one request at a time, on a stream over connection ``lane``."""
         try:
             # Chunk writes run in this nursery, alongside the requests that received them.
             async with trio.open_nursery() as writers:
@@ -321,7 +398,7 @@ class Download:
                     if ticket is None:
                         await self._wait_change()
                         continue
-                    client = await self._run_ticket(peer, client, ticket, writers)
+                    client = await self._run_ticket(peer, client, ticket, writers, lane)
         finally:
             if client is not None:
                 await reset_quietly(client.stream)
@@ -332,6 +409,7 @@ class Download:
         client: BlobClient | None,
         ticket: RequestTicket,
         writers: trio.Nursery,
+        lane: int = 0,
     ) -> BlobClient | None:
         """Perform one request; return the client to reuse, or None if its stream is gone."""
         now = trio.current_time
@@ -341,7 +419,10 @@ class Download:
         try:
             with trio.fail_at(ticket.deadline):
                 if client is None:
-                    stream = await self.network.open_blob_stream(peer)
+                    if lane and self.striped is not None:
+                        stream = await self.striped.open_blob_stream_on(peer, lane)
+                    else:
+                        stream = await self.network.open_blob_stream(peer)
                     client = BlobClient(stream, self.chunk_length)
                 reply = await client.get(
                     self.blob_id,
@@ -467,6 +548,9 @@ class Download:
             self.duplicate_bytes += length
             return
         self.new_bytes[ticket.peer] = self.new_bytes.get(ticket.peer, 0) + length
+        growth = self.growth.get(ticket.peer)
+        if growth is not None:
+            growth.on_bytes(length, trio.current_time())
         self._report()
 
     async def flush(self) -> None:
@@ -489,6 +573,7 @@ async def download_blob(
     progress: ProgressCallback | None = None,
     config: SchedulerConfig | None = None,
     discovery_timeout: float = STALL_GRACE,
+    stripe_config: StripeConfig | None = None,
 ) -> None:
     """Fetch ``blob_id`` into ``store`` (no-op if complete). Raises NoProviders, FetchFailed,
     NoSpace."""
@@ -516,7 +601,14 @@ async def download_blob(
     try:
         async with ChunkWriter(partial) as writer:
             download = Download(
-                network, store, manifest, partial, writer, config=config, progress=progress
+                network,
+                store,
+                manifest,
+                partial,
+                writer,
+                config=config,
+                progress=progress,
+                stripe_config=stripe_config or StripeConfig(),
             )
             await _run(download, candidates, more_providers, discovery_timeout)
         await download.flush()

@@ -14,6 +14,7 @@ arrives, and again every ``reprovide_interval``.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import socket
@@ -39,7 +40,7 @@ from p2p import protocol as proto
 from p2p.downloader import ProgressCallback, download_blob
 from p2p.errors import BadAddress, ListenFailed, PeerUnreachable, unwrap_single
 from p2p.host import build_host
-from p2p.scheduler import SchedulerConfig
+from p2p.scheduler import PeerScores, SchedulerConfig, StripeConfig
 from p2p.server import BlobServer
 from p2p.ticket import Ticket, validate_peer_addr
 from p2p.wire import StreamLost
@@ -60,6 +61,40 @@ MAX_CONNECTED_CANDIDATES = 32
 COLLECTION_PARALLELISM = 4
 # The multihash code of BLAKE3-256 (0x1e, length 0x20) prefixes blob IDs as DHT keys.
 DHT_KEY_PREFIX = "1e20"
+# Connections a fetch may stripe one provider's streams over (p2p.scheduler.StripeConfig).
+MAX_CONNECTIONS_PER_PROVIDER = StripeConfig().max_connections
+# The swarm's own per-peer cap (py-libp2p trims connections beyond it, default 3) must
+# leave room for those, plus one the peer dialled to us (a DHT query, its own fetch).
+SWARM_CONNECTIONS_PER_PEER = MAX_CONNECTIONS_PER_PROVIDER + 2
+
+# The connection the next stream to a peer should use; read by the swarm's connection
+# choice that `_choose_connections` installs (a context variable: per trio task).
+_PREFERRED_CONNECTION: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "blobnet_preferred_connection", default=None
+)
+
+
+def _choose_connections(swarm: Any) -> bool:
+    """Let `Node.open_blob_stream` pick which of a peer's connections a new stream uses.
+
+    py-libp2p 0.8.1's ``Swarm.new_stream`` picks one with ``_select_connection`` (by
+    default the one with the most streams, which would pile every stream onto one TCP
+    connection). Wrapping it keeps the rest of ``new_stream`` (resource accounting,
+    retries, protocol negotiation) as py-libp2p does it. False if this py-libp2p has no
+    such hook: streams then go where it puts them, and fetches do not stripe."""
+    original = getattr(swarm, "_select_connection", None)
+    if original is None or getattr(original, "_blobnet", False):
+        return original is not None
+
+    def select(connections: list[Any], peer_id: Any) -> Any:
+        wanted = _PREFERRED_CONNECTION.get()
+        if wanted is not None and wanted in connections:
+            return wanted
+        return original(connections, peer_id)
+
+    select._blobnet = True  # type: ignore[attr-defined]
+    swarm._select_connection = select
+    return True
 
 
 def dht_key(blob_id: str) -> str:
@@ -74,6 +109,8 @@ class NodeConfig:
     fast: bool = True
     reprovide_interval: float = DEFAULT_REPROVIDE_INTERVAL
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # When a fetch opens more connections to one provider (max_connections=1: never).
+    stripe: StripeConfig = field(default_factory=StripeConfig)
     discovery_timeout: float = 10.0
     # Floodsub for small runs' announcements (tens of workers): every subscriber relays
     # a topic's messages to its connected subscribers, so a star around one worker works.
@@ -100,6 +137,13 @@ class Node:
         self.dht = dht
         self.config = config
         self.pubsub = pubsub
+        # Peers that sent bad data, remembered across this node's downloads.
+        self.scores = PeerScores()
+        # Extra connections per peer that fetches stripe streams over (lane 1, 2, ...);
+        # lane 0 is whichever connection the swarm had first.
+        self._lanes: dict[str, list[Any]] = {}
+        self._striping = _choose_connections(host.get_network())
+        self._dialled: dict[str, Multiaddr] = {}
 
     # --- pubsub ----------------------------------------------------------------------
     async def subscribe(self, topic: str) -> Any:
@@ -141,6 +185,8 @@ class Node:
                 await self.host.connect(info)
         except Exception as exc:  # libp2p raises many types for one failed dial
             raise PeerUnreachable(f"cannot reach {addr}: {exc}") from None
+        if info.addrs:
+            self._dialled[str(info.peer_id)] = info.addrs[0]
         if self.dht is not None:
             try:
                 # Bounded: a full routing-table bucket makes py-libp2p ping its oldest peer.
@@ -169,6 +215,60 @@ class Node:
                 last = exc
                 await trio.sleep(pause)
         raise StreamLost(f"cannot open a stream to {peer}: {last}") from last
+
+    async def open_blob_stream_on(self, peer: str, lane: int) -> Any:
+        """A blob stream to ``peer`` on its connection number ``lane`` (0: the first one;
+        1, 2, ...: those `add_connection` opened, counted modulo the live ones)."""
+        conn = self._lane_connection(peer, lane)
+        token = _PREFERRED_CONNECTION.set(conn)
+        try:
+            return await self.open_blob_stream(peer)
+        finally:
+            _PREFERRED_CONNECTION.reset(token)
+
+    def connection_count(self, peer: str) -> int:
+        """Connections to ``peer`` that `open_blob_stream_on` spreads streams over."""
+        return 1 + len(self._live_lanes(peer))
+
+    async def add_connection(self, peer: str) -> bool:
+        """Open one more TCP connection (Noise + yamux) to ``peer`` for striping; False
+        if none could be opened or the peer already has its share."""
+        if not self._striping or self.connection_count(peer) >= MAX_CONNECTIONS_PER_PROVIDER:
+            return False
+        peer_id = ID.from_base58(peer)
+        addr = self._dialled.get(peer) or _first_tcp_addr(self.host, peer_id)
+        if addr is None:
+            return False
+        try:
+            with trio.fail_after(DIAL_TIMEOUT):
+                conn = await self.host.get_network().dial_addr(addr, peer_id)
+        except Exception as exc:  # libp2p raises many types for one failed dial
+            log.info("extra connection to %s failed: %r", peer, exc)
+            return False
+        self._lanes.setdefault(peer, []).append(conn)
+        return True
+
+    def _live_lanes(self, peer: str) -> list[Any]:
+        lanes = [c for c in self._lanes.get(peer, []) if not getattr(c, "is_closed", False)]
+        if lanes:
+            self._lanes[peer] = lanes
+        else:
+            self._lanes.pop(peer, None)
+        return lanes
+
+    def _lane_connection(self, peer: str, lane: int) -> Any:
+        lanes = self._live_lanes(peer)
+        if lane > 0 and lanes:
+            return lanes[(lane - 1) % len(lanes)]
+        extra = {id(c) for c in lanes}
+        try:
+            conns = self.host.get_network().get_connections(ID.from_base58(peer))
+        except Exception:  # an unknown peer: let the swarm dial as usual
+            return None
+        for conn in conns:
+            if id(conn) not in extra and not getattr(conn, "is_closed", False):
+                return conn
+        return None
 
     # --- DHT -------------------------------------------------------------------------
     async def provide(self, blob_id: str) -> bool:
@@ -332,6 +432,7 @@ class Node:
                 progress=progress,
                 config=self.config.scheduler,
                 discovery_timeout=self.config.discovery_timeout,
+                stripe_config=self.config.stripe,
             )
             nursery.cancel_scope.cancel()
 
@@ -397,6 +498,12 @@ async def open_node(
         store = await trio.to_thread.run_sync(_open_store, store)
     key_pair = _key_pair(key, Path(key_path) if key_path is not None else None)
     host = build_host(key_pair, fast=config.fast)
+    connection_config = getattr(host.get_network(), "connection_config", None)
+    if connection_config is not None:
+        # Room for the connections a fetcher stripes over (py-libp2p trims the rest).
+        connection_config.max_connections_per_peer = max(
+            connection_config.max_connections_per_peer, SWARM_CONNECTIONS_PER_PEER
+        )
     server = BlobServer(store, verify_reads=config.verify_reads)
     listen_addrs = [_listen_addr(a) for a in config.listen]
     for addr in listen_addrs:
@@ -424,6 +531,17 @@ async def open_node(
                 yield node
             finally:
                 nursery.cancel_scope.cancel()
+
+
+def _first_tcp_addr(host: Any, peer_id: ID) -> Multiaddr | None:
+    try:
+        addrs = host.get_peerstore().addrs(peer_id)
+    except Exception:  # no addresses known
+        return None
+    for addr in addrs:
+        if "/tcp/" in str(addr) and "/ws" not in str(addr):
+            return addr  # type: ignore[no-any-return]
+    return None
 
 
 def _listen_addr(text: str) -> Multiaddr:

@@ -556,6 +556,11 @@ class Scheduler:
         state = self._state
         return [i for i in range(self._n) if state[i] != _VERIFIED]
 
+    @property
+    def fetchable_count(self) -> int:
+        """Unrequested chunks that some usable peer holds (work still to hand out)."""
+        return self._fetchable_pool()
+
     def stalled(self) -> bool:
         """Not done, and no usable peer can make progress: nothing is in flight and no
         usable peer holds a missing chunk (every holder banned, dropped or gone)."""
@@ -1013,6 +1018,11 @@ class StripeConfig:
     # The rate must grow by this fraction over the previous step's for another step: a
     # link already full (or a CPU-bound loopback) stops growing after one extra connection.
     min_gain: float = 0.15
+    # Grow only while each connection holds at least this much in flight (its rate x RTT):
+    # a connection limited by its socket buffers holds a few MiB (stock tcp_wmem max is
+    # 4 MiB), while a LAN or loopback connection at full speed holds far less and gains
+    # nothing from company but CPU cost.
+    min_bytes_in_flight: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
@@ -1029,9 +1039,11 @@ class StripeGrowth:
     The provider starts on one connection. After each step has settled (``min_settle_s``,
     and ``settle_rtts`` round trips), the rate measured over the second half of the step
     (the first half is the new connections' slow start) is compared with the previous
-    step's: the first step always doubles, later ones double again only if the rate grew
-    by ``min_gain``, so 1 -> 2 -> 4 -> 8 on a path limited by per-connection buffers and
-    1 -> 2 and stop where the link or the CPU is the limit. A step in which the provider
+    step's: the first step doubles, later ones double again only if the rate grew by
+    ``min_gain``, so 1 -> 2 -> 4 -> 8 on a path limited by per-connection buffers and
+    2 -> 4 and stop where the link is the limit. No step is taken while a connection
+    holds less than ``min_bytes_in_flight`` (rate x RTT per connection): a LAN or a
+    loopback, where one connection is never buffer-limited, keeps one connection. A step in which the provider
     ran out of work (``busy`` False) says nothing about the path and is measured again.
     A failed dial ends growth for this download.
     """
@@ -1046,22 +1058,27 @@ class StripeGrowth:
         self._marked = False
         self._mark = now
         self._bytes = 0
+        self._rtt: float | None = None  # the last RTT `decide` was told
 
     def _settle(self, rtt: float | None) -> float:
         return max(self._cfg.min_settle_s, self._cfg.settle_rtts * (rtt or 0.0))
 
     def on_bytes(self, nbytes: int, now: float, rtt: float | None = None) -> None:
         """`nbytes` of this provider's chunks arrived at `now`."""
+        if rtt is None:
+            rtt = self._rtt
         if not self._marked and now - self._start >= self._settle(rtt) / 2:
             self._marked = True
             self._mark = now
             self._bytes = 0
+            return  # what arrived by the mark belongs to the ramp
         if self._marked:
             self._bytes += nbytes
 
     def decide(self, now: float, rtt: float | None, busy: bool) -> int:
         """How many connections to dial now (0 for none). `busy`: the provider had work
         queued the whole time (requests in flight and chunks left in the pool)."""
+        self._rtt = rtt
         if self.stopped or self.pending:
             return 0
         settle = self._settle(rtt)
@@ -1074,6 +1091,11 @@ class StripeGrowth:
         baseline = self._baseline
         if rate <= 0.0 or (baseline is not None and rate < baseline * (1 + self._cfg.min_gain)):
             self.stopped = True
+            return 0
+        if rate / self.connections * (rtt or 0.0) < self._cfg.min_bytes_in_flight:
+            # Not buffer-limited (yet): measure again, the rate may still be ramping up.
+            self._baseline = rate if baseline is not None else None
+            self._restart(now)
             return 0
         self._baseline = rate
         want = min(self._cfg.max_connections, self.connections * 2) - self.connections

@@ -294,3 +294,62 @@ def test_provider_that_fails_once_is_tried_again(cluster: Cluster, tmp_path: Pat
     flaky = cluster.hostile("flaky", "flaky")
     result = cluster.get("f", blob_id, "--no-dht", "--peer", flaky.addr)
     assert result["peers"][flaky.peer_id]["bytes"] == source.stat().st_size
+
+
+def _established_at(port: int) -> int:
+    """TCP sockets in state ESTABLISHED whose local port is ``port`` (/proc/net/tcp)."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+            count += 1
+    return count
+
+
+async def test_a_fetch_stripes_one_provider_over_several_tcp_connections(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Issue 15 item 2: one provider's chunk requests spread over several libp2p
+    connections, each its own TCP connection, counted on the server's side. The growth
+    policy is told to grow at once (a loopback never needs it: see StripeConfig)."""
+    import trio
+    from libp2p.peer.id import ID
+
+    from p2p import protocol as proto
+    from p2p.node import NodeConfig, open_node
+    from p2p.scheduler import SchedulerConfig, StripeConfig
+
+    source = random_file(tmp_path / "big.bin", 48 * MiB)
+    blob_id = cluster.put("a", source)
+    # 20 ms per chunk keeps the provider busy long enough for the connections to grow.
+    a = cluster.hostile("a", "slow", "--delay", "0.02")
+    port = int(a.addr.split("/tcp/")[1].split("/")[0])
+    eager = StripeConfig(min_settle_s=0.05, settle_rtts=0.0, min_gain=0.0, min_bytes_in_flight=0)
+    config = NodeConfig(
+        dht=False, stripe=eager, scheduler=SchedulerConfig(max_chunks_per_request=4)
+    )
+    carrying: list[int] = []  # connections with a blob stream open, sampled
+    async with open_node(tmp_path / "fetcher", config=config) as node:
+        peer = ID.from_base58(a.peer_id)
+
+        async def sample() -> None:
+            for _ in range(3000):  # bounded: 60 s at most
+                conns = node.host.get_network().get_connections(peer)
+                carrying.append(
+                    sum(
+                        any(s.get_protocol() == proto.PROTOCOL_ID for s in c.get_streams())
+                        for c in conns
+                    )
+                )
+                await trio.sleep(0.02)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sample)
+            await node.fetch(blob_id, providers=[a.addr], announce=False)
+            nursery.cancel_scope.cancel()
+        striped = node.connection_count(a.peer_id)
+        server_side = _established_at(port)
+        assert node.store.path(blob_id).read_bytes() == source.read_bytes()
+    assert striped > 1
+    assert server_side == striped  # each connection is its own TCP connection
+    assert max(carrying) > 1  # and streams really ran on more than one of them
