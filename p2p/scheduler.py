@@ -1043,9 +1043,9 @@ class StripeGrowth:
     ``min_gain``, so 1 -> 2 -> 4 -> 8 on a path limited by per-connection buffers and
     2 -> 4 and stop where the link is the limit. No step is taken while a connection
     holds less than ``min_bytes_in_flight`` (rate x RTT per connection): a LAN or a
-    loopback, where one connection is never buffer-limited, keeps one connection. A step in which the provider
-    ran out of work (``busy`` False) says nothing about the path and is measured again.
-    A failed dial ends growth for this download.
+    loopback, where one connection is never buffer-limited, keeps one connection. A step
+    in which the provider ran out of work (``busy`` False) says nothing about the path
+    and is measured again. A failed dial ends growth for this download.
     """
 
     def __init__(self, config: StripeConfig, now: float, connections: int = 1) -> None:

@@ -143,7 +143,6 @@ def test_growth_stops_when_the_link_is_full() -> None:
     assert max(counts) == 4  # tried 4 once, never 8
 
 
-
 def test_a_near_provider_keeps_one_connection() -> None:
     """Loopback and LAN: one connection is not buffer-limited (rate x RTT is far below a
     socket buffer), so extra connections would only add CPU cost."""
