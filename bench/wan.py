@@ -1,0 +1,356 @@
+"""WAN bench (issue 15): `blob get` on the emulated three-continent WAN against what raw
+TCP gets through the same links, in one run.
+
+    sudo .venv/bin/python bench/wan.py [--runs 3] [--size-mib 256] [--json-out FILE]
+
+Testbed: bench/wan's THREE_CONTINENTS preset (eu, us, asia; RTT eu-us 80 ms, us-asia
+150 ms, eu-asia 200 ms; 1 Gbit/s access links, 50 ms drop-tail queues, MTU 9000, stock
+TCP buffer limits set in every namespace). Rows, medians of ``--runs``:
+
+- emulator check: raw TCP, 1 connection, at 2 ms RTT on a 1 Gbit/s pair: the forwarder
+  is not the bottleneck if this reaches the link's rate;
+- raw TCP with 1, 4 and 8 connections on eu->asia, us->asia and eu->us (bench.wan.probe:
+  rate from the first byte to the last at the receiver);
+- `blob get` (real `blob serve` / `blob get` processes, stores in temp dirs, a key per
+  process) from eu to asia, from eu to us, and from eu + us to asia: the fetch's own rate
+  and seconds (its --json), the process's wall time, and the time from starting the
+  process to its first verified chunk on disk;
+- start-up: a Python process importing what `blob get` imports, on the same host, timed
+  in the same run (the first-chunk goal allows for it).
+
+Goals checked (issue 15): one provider >= 0.8x raw 8-conn at 200 ms and >= 0.9x at 80 ms;
+two providers >= 0.8x the sum of their raw 8-conn rates capped by asia's downlink; first
+verified chunk at 200 ms <= 1.5 s + start-up.
+
+``--swarm N`` adds issue 21's fan-out row: a seeder with a 100 Mbit/s uplink and N
+workers on 1 Gbit/s links (one-way delays 20-40 ms), every `blob get` started at once and
+given only the seeder; total time against one transfer at the seeder's uplink, and the
+bytes the seeder sent against the blob's size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.wan import THREE_CONTINENTS, Host, Testbed, unavailable_reason
+from bench.wan.blobnodes import (
+    BlobNode,
+    GetResult,
+    put_all,
+    serve_all,
+    startup_s,
+    write_random_file,
+)
+from bench.wan.measure import tcp_rate
+
+MiB = 1 << 20
+MB = 1e6
+CONNS = (1, 4, 8)
+RAW_PATHS = (("eu", "asia"), ("us", "asia"), ("eu", "us"))
+# (row name, providers, fetcher)
+BLOB_PATHS = (
+    ("eu->asia", ("eu",), "asia"),
+    ("eu->us", ("eu",), "us"),
+    ("eu+us->asia", ("eu", "us"), "asia"),
+)
+# Payload per 9000-byte packet at 1 Gbit/s (IPv4 + TCP headers with timestamps: 52 B).
+GBIT_PAYLOAD = 1e9 / 8 * (9000 - 52) / 9000
+SWARM_SEEDER_MBIT = 100.0
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _fetch_timeout(size: int) -> float:
+    return 120.0 + size / (1 * MB)  # slower than 1 MB/s is a broken run, not a figure
+
+
+def _emulator_check(size: int) -> float:
+    hosts = {"a": Host(delay_ms=0.5), "b": Host(delay_ms=0.5)}
+    with Testbed(hosts) as tb:
+        rate: float = tcp_rate(tb, "a", "b", size, conns=1)["rate_bytes_per_s"]
+        return rate
+
+
+def _blob_row(
+    tb: Testbed,
+    work: Path,
+    nodes: dict[str, BlobNode],
+    blob_id: str,
+    providers: tuple[str, ...],
+    fetcher: str,
+    run: int,
+    size: int,
+) -> GetResult:
+    node = BlobNode(work / f"fetch-{'-'.join(providers)}-{fetcher}-{run}", fetcher)
+    try:
+        peers = [nodes[p].served.addr for p in providers if nodes[p].served is not None]
+        return node.get(tb, blob_id, peers, timeout=_fetch_timeout(size))
+    finally:
+        shutil.rmtree(node.root, ignore_errors=True)
+
+
+def run_bench(runs: int, size_mib: int, swarm: int, swarm_size_mib: int) -> dict[str, Any]:
+    size = size_mib * MiB
+    work = Path(tempfile.mkdtemp(prefix="blobnet-wan-bench-"))
+    raw: dict[str, dict[int, list[float]]] = {
+        f"{a}->{b}": {c: [] for c in CONNS} for a, b in RAW_PATHS
+    }
+    blob: dict[str, list[GetResult]] = {name: [] for name, _, _ in BLOB_PATHS}
+    startups: list[float] = []
+    emulator: list[float] = []
+    try:
+        data = work / "blob.bin"
+        write_random_file(data, size)
+        providers = {h: BlobNode(work / f"provider-{h}", h) for h in ("eu", "us")}
+        blob_id = put_all(list(providers.values()), data)
+        for run in range(runs):
+            print(f"[wan] run {run + 1}/{runs}: emulator check", file=sys.stderr)
+            emulator.append(_emulator_check(size))
+            with Testbed(THREE_CONTINENTS) as tb:
+                for a, b in RAW_PATHS:
+                    for conns in CONNS:
+                        got = tcp_rate(tb, a, b, size, conns=conns, timeout=_fetch_timeout(size))
+                        raw[f"{a}->{b}"][conns].append(got["rate_bytes_per_s"])
+                        print(
+                            f"[wan]   raw {a}->{b} x{conns}: "
+                            f"{got['rate_bytes_per_s'] / MB:.1f} MB/s",
+                            file=sys.stderr,
+                        )
+                startups.append(startup_s(tb, "asia"))
+                serve_all(tb, list(providers.values()))
+                for name, provs, fetcher in BLOB_PATHS:
+                    got_blob = _blob_row(tb, work, providers, blob_id, provs, fetcher, run, size)
+                    blob[name].append(got_blob)
+                    print(
+                        f"[wan]   blob get {name}: rc {got_blob.returncode}, "
+                        f"{got_blob.rate_bytes_per_s / MB:.1f} MB/s, "
+                        f"first chunk {got_blob.first_chunk_s}",
+                        file=sys.stderr,
+                    )
+                for node in providers.values():
+                    node.stop()
+        result = _summarise(raw, blob, startups, emulator, runs, size_mib)
+        if swarm:
+            result["swarm"] = _swarm(work, swarm, swarm_size_mib, runs)
+        return result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _summarise(
+    raw: dict[str, dict[int, list[float]]],
+    blob: dict[str, list[GetResult]],
+    startups: list[float],
+    emulator: list[float],
+    runs: int,
+    size_mib: int,
+) -> dict[str, Any]:
+    raw_med = {path: {c: _median(v) for c, v in by.items()} for path, by in raw.items()}
+    blob_rows: dict[str, Any] = {}
+    for name, results in blob.items():
+        ok = [r for r in results if r.returncode == 0]
+        blob_rows[name] = {
+            "rate_bytes_per_s": _median([r.rate_bytes_per_s for r in ok]),
+            "seconds": _median([float(r.report.get("seconds") or 0.0) for r in ok]),
+            "wall_s": _median([r.wall_s for r in ok]),
+            "first_chunk_s": _median([r.first_chunk_s for r in ok if r.first_chunk_s]),
+            "failures": [r.stderr.strip()[-300:] for r in results if r.returncode != 0],
+            "samples": [
+                {
+                    "rate_bytes_per_s": r.rate_bytes_per_s,
+                    "wall_s": r.wall_s,
+                    "first_chunk_s": r.first_chunk_s,
+                    "returncode": r.returncode,
+                    "peers": r.report.get("peers"),
+                }
+                for r in results
+            ],
+        }
+    startup = _median(startups)
+    goals = []
+
+    def ratio(name: str, limit: float | None, target: float, why: str) -> None:
+        rate = blob_rows[name]["rate_bytes_per_s"]
+        value = rate / limit if rate and limit else None
+        goals.append(
+            {
+                "goal": f"{name}: blob get >= {target}x {why}",
+                "value": value,
+                "met": value is not None and value >= target,
+            }
+        )
+
+    ratio("eu->asia", raw_med["eu->asia"][8], 0.8, "raw 8-conn (200 ms)")
+    ratio("eu->us", raw_med["eu->us"][8], 0.9, "raw 8-conn (80 ms)")
+    two = raw_med["eu->asia"][8], raw_med["us->asia"][8]
+    cap = min(two[0] + two[1], GBIT_PAYLOAD) if None not in two else None  # type: ignore[operator]
+    ratio("eu+us->asia", cap, 0.8, "sum of raw 8-conn, capped by the downlink")
+    first = blob_rows["eu->asia"]["first_chunk_s"]
+    goals.append(
+        {
+            "goal": "eu->asia: first verified chunk <= 1.5 s + start-up",
+            "value": first,
+            "limit": None if startup is None else 1.5 + startup,
+            "met": first is not None and startup is not None and first <= 1.5 + startup,
+        }
+    )
+    return {
+        "runs": runs,
+        "size_mib": size_mib,
+        "testbed": "THREE_CONTINENTS: 1 Gbit/s, 50 ms queues, MTU 9000, stock TCP buffers",
+        "emulator_check_bytes_per_s": _median(emulator),
+        "emulator_check_samples": emulator,
+        "startup_s": startup,
+        "startup_samples": startups,
+        "raw_bytes_per_s": {p: {str(c): v for c, v in by.items()} for p, by in raw_med.items()},
+        "raw_samples": {p: {str(c): v for c, v in by.items()} for p, by in raw.items()},
+        "blob": blob_rows,
+        "goals": goals,
+    }
+
+
+def _swarm(work: Path, workers: int, size_mib: int, runs: int) -> dict[str, Any]:
+    """Issue 21's fan-out: one seeder (100 Mbit/s up), ``workers`` fetchers at once."""
+    size = size_mib * MiB
+    hosts = {"seed": Host(delay_ms=20.0, up_mbit=SWARM_SEEDER_MBIT, down_mbit=1000)}
+    for k in range(workers):
+        hosts[f"w{k}"] = Host(delay_ms=20.0 + 20.0 * k / max(1, workers - 1))
+    data = work / "swarm.bin"
+    write_random_file(data, size, seed=21)
+    seeder = BlobNode(work / "seeder", "seed")
+    blob_id = seeder.put(data)
+    totals: list[float] = []
+    uploaded: list[int] = []
+    failures = 0
+    for run in range(runs):
+        with Testbed(hosts) as tb:
+            served = seeder.serve(tb)
+            nodes = [BlobNode(work / f"swarm-w{k}-{run}", f"w{k}") for k in range(workers)]
+            started = time.monotonic()
+            gettings = [n.start_get(tb, blob_id, [served.addr]) for n in nodes]
+            results = [g.wait(_fetch_timeout(size) * workers) for g in gettings]
+            totals.append(time.monotonic() - started)
+            uploaded.append(tb.stats()["hosts"]["seed"]["sent_bytes"])
+            failures += sum(1 for r in results if r.returncode != 0)
+            seeder.stop()
+            for n in nodes:
+                shutil.rmtree(n.root, ignore_errors=True)
+    one_transfer = size / (SWARM_SEEDER_MBIT * 1e6 / 8)
+    total = _median(totals)
+    up = _median([float(u) for u in uploaded])
+    return {
+        "workers": workers,
+        "size_mib": size_mib,
+        "total_s": total,
+        "one_transfer_at_seeder_uplink_s": one_transfer,
+        "time_ratio": None if total is None else total / one_transfer,
+        "seeder_sent_bytes": up,
+        "upload_ratio": None if up is None else up / size,
+        "failures": failures,
+        "samples_s": totals,
+    }
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value / MB:.1f}"
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"WAN bench: {result['size_mib']} MiB, medians of {result['runs']}; {result['testbed']}")
+    print(
+        f"emulator check (raw TCP, 1 conn, 2 ms RTT, 1 Gbit/s): "
+        f"{_mb(result['emulator_check_bytes_per_s'])} MB/s of {GBIT_PAYLOAD / MB:.1f}"
+    )
+    print(f"process start-up (imports of blob get, in asia): {_s(result['startup_s'])} s")
+    print()
+    header = (
+        "| path | RTT | raw 1 conn | raw 4 | raw 8 | blob get MB/s | fetch s "
+        "| wall s | first chunk s |"
+    )
+    print(header)
+    print("|---|---|---|---|---|---|---|---|---|")
+    rtts = {"eu->asia": 200, "us->asia": 150, "eu->us": 80, "eu+us->asia": "200/150"}
+    raw = result["raw_bytes_per_s"]
+    for path in ("eu->asia", "us->asia", "eu->us", "eu+us->asia"):
+        r = raw.get(path, {})
+        b = result["blob"].get(path)
+        blob_cells = (
+            [
+                _mb(b["rate_bytes_per_s"]),
+                _s(b["seconds"]),
+                _s(b["wall_s"]),
+                _s(b["first_chunk_s"]),
+            ]
+            if b
+            else ["-"] * 4
+        )
+        cells = [path, f"{rtts[path]} ms", _mb(r.get("1")), _mb(r.get("4")), _mb(r.get("8"))]
+        print("| " + " | ".join(cells + blob_cells) + " |")
+    print()
+    for goal in result["goals"]:
+        value = goal["value"]
+        shown = "-" if value is None else f"{value:.2f}"
+        if "limit" in goal and goal["limit"] is not None:
+            shown += f" s (limit {goal['limit']:.2f} s)"
+        print(f"{'MET ' if goal['met'] else 'MISS'} {goal['goal']}: {shown}")
+    for name, row in result["blob"].items():
+        for failure in row["failures"]:
+            print(f"FAILED blob get {name}: {failure}")
+    swarm = result.get("swarm")
+    if swarm:
+        print()
+        print(
+            f"swarm: 1 seeder ({SWARM_SEEDER_MBIT:.0f} Mbit/s up) -> {swarm['workers']} workers, "
+            f"{swarm['size_mib']} MiB: all done in {_s(swarm['total_s'])} s = "
+            f"{_s(swarm['time_ratio'])}x one transfer at the seeder's uplink "
+            f"({swarm['one_transfer_at_seeder_uplink_s']:.2f} s); seeder sent "
+            f"{_s(swarm['upload_ratio'])}x the blob; {swarm['failures']} failed gets"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="runs per row (median)")
+    parser.add_argument("--size-mib", type=int, default=256, help="blob and transfer size")
+    parser.add_argument("--json-out", type=Path, help="write the results here as JSON")
+    parser.add_argument(
+        "--swarm", type=int, default=0, metavar="N", help="add the fan-out row with N workers"
+    )
+    parser.add_argument("--swarm-size-mib", type=int, default=64)
+    args = parser.parse_args(argv)
+    if args.runs < 1 or args.size_mib < 1 or args.swarm < 0:
+        parser.error("--runs and --size-mib must be >= 1, --swarm >= 0")
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"bench/wan.py: {reason}", file=sys.stderr)
+        return 2
+    result = run_bench(args.runs, args.size_mib, args.swarm, args.swarm_size_mib)
+    print_table(result)
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("bench/wan.py: interrupted", file=sys.stderr)
+        sys.exit(130)
