@@ -95,7 +95,7 @@ def _blob_row(
 ) -> GetResult:
     node = BlobNode(work / f"fetch-{'-'.join(providers)}-{fetcher}-{run}", fetcher)
     try:
-        peers = [nodes[p].served.addr for p in providers if nodes[p].served is not None]
+        peers = [served.addr for p in providers if (served := nodes[p].served) is not None]
         return node.get(tb, blob_id, peers, timeout=_fetch_timeout(size))
     finally:
         shutil.rmtree(node.root, ignore_errors=True)
