@@ -168,6 +168,7 @@ def test_a_name_spreads_resolves_and_refuses_forgeries(nodes: list[Driver], tmp_
     lie = dataclasses.replace(ghost, publisher=publisher.peer_id)
     reader.ok("hostile_answers", record=lie.encode().hex())
     refused = boot.call("resolve", ref=f"{publisher.peer_id}/ghost", dht=False)
+    assert not refused["ok"], refused
     assert refused["type"] == "NameNotFound", refused
     assert "1 bad signature" in refused["error"], refused
 
