@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> None:
         code = getattr(type(error), "exit_code", None)
         if not isinstance(error, Exception) or not isinstance(code, int):
             raise
+        if code == EXIT_INTERRUPTED:
+            click.echo("Interrupted.", err=True)
+            sys.exit(code)
         click.echo(f"blob: error: {error}", err=True)
         sys.exit(code)
     sys.exit(result if isinstance(result, int) else EXIT_OK)

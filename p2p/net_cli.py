@@ -95,6 +95,10 @@ class Interrupted(Exception):
 
     exit_code = 130
 
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(f"interrupted by {signal_name}")
+        self.signal_name = signal_name
+
 
 def run_interruptible(work: Callable[[], Awaitable[T]]) -> T:
     """``trio.run(work)``, with SIGINT and SIGTERM cancelling ``work`` in order (its
@@ -192,7 +196,7 @@ def _run_server(
     try:
         run_interruptible(lambda: _serve_until_signal(store, key, config, on_ready))
     except Interrupted as exc:
-        click.echo(f"stopping on {exc}", err=True)  # a server's normal end: exit 0
+        click.echo(f"stopping on {exc.signal_name}", err=True)  # a server's normal end: exit 0
 
 
 @click.command()

@@ -1,0 +1,117 @@
+"""Ctrl-C during `blob get` is always exit 130 and one line.
+
+It used to end, now and then, in trio.TrioInternalError: trio's default SIGINT handling
+raises KeyboardInterrupt inside whichever task is running, and when that task was a
+chunk write between queueing its job and waiting for it, the writer thread later woke a
+task that had already exited. The networked commands now take SIGINT through a trio
+signal receiver (p2p.net_cli.run_interruptible), which cancels the work in order."""
+
+from __future__ import annotations
+
+import functools
+import queue
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+import trio
+
+from blobstore import Store
+from p2p.chunk_writer import ChunkWriter
+from p2p.net_cli import Interrupted, run_interruptible
+
+from .conftest import Cluster, blob_cmd, random_file, run_blob, wait_until
+
+MiB = 1024 * 1024
+
+
+class SlowSink:
+    """A partial blob stand-in whose writes take a moment, so the job is still queued
+    or running when the signal lands."""
+
+    def __init__(self) -> None:
+        self.written: list[int] = []
+
+    def write_chunk(self, index: int, data: memoryview, *, digest: bytes | None = None) -> bool:
+        time.sleep(0.05)
+        self.written.append(index)
+        return True
+
+
+class SignalOnPut:
+    """The writer's job queue, raising SIGINT in this thread right after a job is queued:
+    the moment between ChunkWriter.write's queueing and its waiting."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.fired = False
+
+    def put(self, job: Any) -> None:
+        self.jobs.put(job)
+        if job is not None and not self.fired:
+            self.fired = True
+            signal.raise_signal(signal.SIGINT)
+
+    def get(self) -> Any:
+        return self.jobs.get()
+
+
+def test_sigint_between_queueing_and_waiting_is_an_orderly_cancel() -> None:
+    """Deterministic form of the race: the signal arrives exactly between the put and the
+    wait. Under trio's default handling this raised KeyboardInterrupt inside the writing
+    task and the run died with TrioInternalError; through run_interruptible the write
+    finishes, the writer stops cleanly and the caller gets Interrupted."""
+    sink = SlowSink()
+
+    async def work() -> None:
+        writer = ChunkWriter(sink, threads=1)
+        writer._jobs = SignalOnPut()  # type: ignore[assignment]
+        async with writer, trio.open_nursery() as nursery:
+            for index in range(4):
+                nursery.start_soon(writer.write, index, memoryview(b"x"))
+            await trio.sleep(5)  # cancelled by the signal long before this ends
+
+    with pytest.raises(Interrupted, match="SIGINT"):
+        run_interruptible(work)
+    assert 0 in sink.written  # the write that was queued when the signal came completed
+
+
+def _begun(partial: Path, process: subprocess.Popen[str]) -> bool:
+    return partial.exists() or process.poll() is not None
+
+
+def test_ctrl_c_at_many_points_of_a_real_fetch(cluster: Cluster, tmp_path: Path) -> None:
+    """SIGINT at eight points of a fetch from a real `blob serve`: every run exits 130
+    with one line (or 0 if it finished first), and an interrupted fetch resumes to the
+    very blob that was put in."""
+    source = random_file(tmp_path / "ckpt.bin", 96 * MiB)
+    blob_id = cluster.put("a", source)
+    a = cluster.serve("a")
+    key = cluster.key("b")
+    outcomes: list[int] = []
+    for run, delay in enumerate((0.0, 0.01, 0.02, 0.04, 0.06, 0.09, 0.13, 0.2)):
+        store = cluster.store(f"b{run}")
+        get = blob_cmd(store, key, "get", blob_id, "--peer", a.addr, "--no-progress")
+        partial = store / "partial" / blob_id
+        with subprocess.Popen(get, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+            # The fetch has begun once its partial exists (or it already finished).
+            wait_until(functools.partial(_begun, partial, p), timeout=30, interval=0.002)
+            time.sleep(delay)
+            p.send_signal(signal.SIGINT)
+            _, err = p.communicate(timeout=60)
+        assert "Traceback" not in err and "TrioInternalError" not in err, err
+        assert p.returncode in (0, 130), err
+        if p.returncode == 130:
+            assert err.strip().splitlines() == ["Interrupted."], err
+        outcomes.append(p.returncode)
+        if run < 7:
+            shutil.rmtree(store)
+    assert outcomes.count(130) >= 4, outcomes  # most signals landed during the fetch
+    run_blob(store, key, "get", blob_id, "--peer", a.addr, "--no-progress")
+    digest = blake3.blake3(Store.open(store).path(blob_id).read_bytes()).hexdigest()
+    assert digest == blake3.blake3(source.read_bytes()).hexdigest()
