@@ -26,6 +26,7 @@ from training.outer_messages import (
     UPDATE_KIND,
     BadMessage,
     Candidate,
+    ClosureAnnouncement,
     Disagreement,
     Hello,
     Ledger,
@@ -138,6 +139,7 @@ MESSAGES: list[Message] = [
     Hello("run-1", b"cert bytes"),
     UpdateAnnouncement("run-1", 7, BLOB, b"attestation", (ADDR,)),
     StateAnnouncement("run-1", 8, ROOT, BLOB, b"attestation", (ADDR, ADDR)),
+    ClosureAnnouncement("run-1", b"closure body", b"attestation", (ADDR,)),
 ]
 
 
@@ -284,9 +286,11 @@ def test_a_valid_update_is_a_candidate_once() -> None:
     me, peer = machine(), machine()
     ledger = Ledger("run-1", me.peer, TRUST)
     assert ledger.open_round(0, ROOT, NOW) == []
-    events = ledger.hear(update_msg(peer), peer.peer, NOW)
-    assert events == [Candidate(0, peer.peer, BLOB, (ADDR,), "op")]
-    # Re-published every second: heard again, no new event.
+    data = update_msg(peer)
+    events = ledger.hear(data, peer.peer, NOW)
+    attestation = decode_message(data).attestation  # type: ignore[union-attr]
+    assert events == [Candidate(0, peer.peer, BLOB, (ADDR,), "op", attestation)]
+    # Re-published (with back-off): heard again, no new event.
     assert ledger.hear(update_msg(peer), peer.peer, NOW) == []
     assert peer.peer in ledger.present
 
@@ -325,15 +329,17 @@ def test_early_updates_wait_for_their_round_and_equivocation_is_refused() -> Non
     ledger = Ledger("run-1", me.peer, TRUST)
     ledger.open_round(0, ROOT, NOW)
     # Round 1 is heard before this worker has S_1: judged when round 1 opens.
-    assert ledger.hear(update_msg(peer, round_=1, root="11" * 32), peer.peer, NOW) == []
+    first = update_msg(peer, round_=1, root="11" * 32)
+    assert ledger.hear(first, peer.peer, NOW) == []
     other = update_msg(peer, round_=1, root="11" * 32, blob="22" * 32)
     assert ledger.hear(other, peer.peer, NOW) == []
     # Far-future rounds are not buffered at all.
     assert ledger.hear(update_msg(peer, round_=9), peer.peer, NOW) == []
     assert 9 not in ledger.rounds
     events = ledger.open_round(1, "11" * 32, NOW)
+    attestation = decode_message(first).attestation  # type: ignore[union-attr]
     assert events == [
-        Candidate(1, peer.peer, BLOB, (ADDR,), "op"),
+        Candidate(1, peer.peer, BLOB, (ADDR,), "op", attestation),
         Rejection(1, peer.peer, "22" * 32, "equivocation"),
     ]
     # Round 0 is closed: its updates are no longer judged.

@@ -1,0 +1,155 @@
+"""Bounded, robust aggregation (training.outer_aggregate): a byzantine worker's update
+(huge, garbage that decodes, a copy under a second key, a stale one) is excluded with its
+reason and the honest result is bit-identical to the run without it; memory does not grow
+with the number of workers."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from training.codec import CodecParams, encode, encode_dense
+from training.outer import OuterConfig, OuterState, state_root
+from training.outer_aggregate import (
+    CLIP_FACTOR,
+    Aggregate,
+    aggregate,
+    unwrap_update,
+    wrap_update,
+)
+
+CODEC = CodecParams(chunk=256, k=16)
+CONFIG = OuterConfig(lr=0.7, momentum=0.9)
+ROOT = "ab" * 32
+
+
+def state(round_: int = 3, size: int = 4096) -> OuterState:
+    rng = np.random.default_rng(0)
+    params = {
+        "a.weight": rng.standard_normal((size // 64, 64)).astype(np.float32),
+        "b.bias": rng.standard_normal(64).astype(np.float32),
+    }
+    return OuterState(round_, params, {n: np.zeros_like(v) for n, v in params.items()})
+
+
+def honest(s: OuterState, peer: str, seed: int, scale: float = 1e-2) -> bytes:
+    rng = np.random.default_rng(seed)
+    grad = {
+        n: (rng.standard_normal(v.shape) * scale).astype(np.float32) for n, v in s.params.items()
+    }
+    return wrap_update(encode(grad, CODEC), round_=s.round, start_root=ROOT, author=peer)
+
+
+PEERS = [f"12D3KooWhonest{i}" for i in range(3)]
+BYZ = "12D3KooWbyzantine"
+
+
+def run(s: OuterState, blobs: dict[str, bytes]) -> Aggregate:
+    """Aggregate ``blobs`` (peer -> the bytes named for it)."""
+    store = {f"{peer}-blob": data for peer, data in blobs.items()}
+    entries = [(peer, f"{peer}-blob") for peer in blobs]
+    return aggregate(s, entries, store.__getitem__, CONFIG, start_root=ROOT)
+
+
+def byzantine_updates(s: OuterState) -> dict[str, bytes]:
+    rng = np.random.default_rng(9)
+    huge = {n: np.full(v.shape, 1e30, np.float32) for n, v in s.params.items()}
+    garbage = {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in s.params.items()}
+    return {
+        "huge": wrap_update(encode(huge, CODEC), round_=s.round, start_root=ROOT, author=BYZ),
+        "garbage": wrap_update(encode(garbage, CODEC), round_=s.round, start_root=ROOT, author=BYZ),
+        # An honest worker's blob, announced (and signed, upstream) as the byzantine's.
+        "copy": honest(s, PEERS[0], 0),
+        "stale": wrap_update(
+            unwrap_update(honest(s, BYZ, 5)).payload,
+            round_=s.round - 1,
+            start_root=ROOT,
+            author=BYZ,
+        ),
+        "other root": wrap_update(
+            unwrap_update(honest(s, BYZ, 6)).payload,
+            round_=s.round,
+            start_root="cd" * 32,
+            author=BYZ,
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("huge", "norm out of bounds"),
+        ("garbage", "norm far above the round's median"),
+        ("copy", "a copy"),
+        ("stale", "stale"),
+        ("other root", "stale"),
+    ],
+)
+def test_a_byzantine_update_is_excluded_and_changes_nothing(kind: str, reason: str) -> None:
+    s = state()
+    blobs = {p: honest(s, p, i) for i, p in enumerate(PEERS)}
+    clean = run(s, blobs)
+    assert [p for p, _, _ in clean.admitted] == sorted(PEERS)
+    attacked = run(s, {**blobs, BYZ: byzantine_updates(s)[kind]})
+    assert [(e.peer, e.reason.startswith(reason)) for e in attacked.excluded] == [(BYZ, True)], (
+        attacked.excluded
+    )
+    # The honest workers end on the same bits as without the byzantine worker.
+    assert state_root(attacked.state) == state_root(clean.state)
+    assert all(np.isfinite(v).all() for v in attacked.state.params.values())
+
+
+def test_an_outlier_within_bounds_is_clipped_and_the_step_bounded() -> None:
+    s = state()
+    blobs = {p: honest(s, p, i) for i, p in enumerate(PEERS)}
+    blobs[BYZ] = honest(s, BYZ, 7, scale=5e-2)  # 5x the honest norm: admitted, clipped
+    result = run(s, blobs)
+    weights = {p: w for p, _, w in result.admitted}
+    assert weights[BYZ] < 1.0
+    assert all(weights[p] == 1.0 for p in PEERS)
+    # Rule 3's bound: the parameters move by at most lr * (1 + mu) * CLIP * median norm
+    # (momentum starts at zero).
+    moved = np.sqrt(
+        sum(float(np.sum((result.state.params[n] - s.params[n]) ** 2)) for n in s.params)
+    )
+    assert moved <= CONFIG.lr * (1 + CONFIG.momentum) * CLIP_FACTOR * result.median_norm * 1.0001
+
+
+def test_the_result_does_not_depend_on_the_order_entries_are_named() -> None:
+    s = state()
+    blobs = {p: honest(s, p, i) for i, p in enumerate(PEERS)}
+    forward = run(s, blobs)
+    backward = run(s, dict(reversed(list(blobs.items()))))
+    assert state_root(forward.state) == state_root(backward.state)
+
+
+def test_dense_updates_aggregate_too_and_a_lone_update_is_bounded_by_the_model() -> None:
+    s = state()
+    huge = {n: np.full(v.shape, 1e30, np.float32) for n, v in s.params.items()}
+    alone = run(
+        s, {BYZ: wrap_update(encode_dense(huge), round_=s.round, start_root=ROOT, author=BYZ)}
+    )
+    assert alone.admitted == ()
+    assert state_root(alone.state) != state_root(s)  # the round still advances
+    assert alone.state.params is s.params
+
+
+def test_memory_does_not_grow_with_the_number_of_workers() -> None:
+    """Updates are decoded one at a time (issue 17: every peer's update was held decoded)."""
+    s = state(size=1 << 18)  # 1 MiB of parameters
+    model_bytes = 4 * sum(v.size for v in s.params.values())
+
+    def peak(workers: int) -> int:
+        blobs = {f"12D3KooWw{i:03d}": honest(s, f"12D3KooWw{i:03d}", i) for i in range(workers)}
+        tracemalloc.start()
+        try:
+            run(s, blobs)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    few, many = peak(2), peak(16)
+    assert many - few < model_bytes  # 14 more workers cost less than one model's worth
+    assert many < 12 * model_bytes
