@@ -61,9 +61,9 @@ def test_a_slow_provider_beside_a_fast_one_does_not_slow_the_fetch(tmp_path: Pat
         two = both.get(tb, blob_id, [fast_addr, slow_addr], timeout=FETCH_TIMEOUT)
     assert one.returncode == 0 and two.returncode == 0, (one.stderr[-1000:], two.stderr[-1000:])
     alone_s, both_s = one.report["seconds"], two.report["seconds"]
-    # Generous: a loaded 2-vCPU machine jitters; a slow provider left holding the tail
+    # Generous: a loaded 2-vCPU machine jitters. A slow provider left holding the tail
     # (16 MiB at 20 Mbit/s is 6.7 s; a few 1 MiB chunks cost 0.4 s each) does not fit.
-    assert both_s <= 1.5 * alone_s + 1.0, (alone_s, both_s, two.report["peers"])
+    assert both_s <= 1.5 * alone_s + 0.5, (alone_s, both_s, two.report["peers"])
 
 
 def test_a_provider_killed_mid_fetch_leaves_the_fetch_to_the_other(tmp_path: Path) -> None:
