@@ -85,6 +85,12 @@ class PartialBusy(StoreError):
     exit_code = 5
 
 
+class FileChanged(StoreError):
+    """A file given to ``put`` changed while it was being read (local trouble: exit 5)."""
+
+    exit_code = 5
+
+
 class StoreBusy(StoreError):
     """Another process has held the store lock for longer than the store waits."""
 

@@ -75,6 +75,7 @@ Invariants
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import secrets
@@ -120,6 +121,7 @@ from blobstore.errors import (
     BlobQuarantined,
     ChunkUnavailable,
     CorruptChunk,
+    FileChanged,
     NoSpace,
     PartialBusy,
     PathNotFound,
@@ -127,6 +129,7 @@ from blobstore.errors import (
     StoreCorrupt,
     StoreError,
 )
+from blobstore.lease import Lease, create_lease, live_leased_ids
 from blobstore.manifest import (
     DEFAULT_CHUNK_SIZE,
     HASH_SIZE,
@@ -390,10 +393,11 @@ class Store:
         return self.modes == SHARED_MODES
 
     def _sweep(self) -> None:
-        """Remove temp files and partial leftovers that no live process holds."""
+        """Remove temp files, partial leftovers and leases that no live process holds."""
         sweep_temp_dir(self.tmp_dir)
         with self._store_lock():
             self._remove_orphan_manifests()
+            live_leased_ids(self._locks)
             for entry in os.scandir(self._partial):
                 fd = lock_path(Path(entry.path) / "lock")
                 if fd is None:
@@ -479,10 +483,17 @@ class Store:
 
     # ------------------------------------------------------------------ putting
     def put_bytes(
-        self, data: bytes | bytearray | memoryview, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+        self,
+        data: bytes | bytearray | memoryview,
+        *,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        lease: Lease | None = None,
     ) -> str:
-        """Store ``data``; returns its blob ID."""
-        return self.put_blocks([data], chunk_size=chunk_size)
+        """Store ``data``; returns its blob ID.
+
+        Every put takes ``lease``: the ID joins it under the same store lock that
+        publishes the blob, so no gc can remove it before the caller tags or uses it."""
+        return self.put_blocks([data], chunk_size=chunk_size, lease=lease)
 
     def put_blocks(
         self,
@@ -490,6 +501,7 @@ class Store:
         *,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         progress: Progress | None = None,
+        lease: Lease | None = None,
     ) -> str:
         """Store the concatenation of ``blocks`` (any sizes); returns its blob ID."""
         check_chunk_size(chunk_size)
@@ -499,7 +511,7 @@ class Store:
                 writer.feed(block)
                 if progress is not None:
                     progress(writer.size)
-            return self._publish_temp(tmp, writer.finish())
+            return self._publish_temp(tmp, writer.finish(), lease)
 
     def put_path(
         self,
@@ -508,21 +520,32 @@ class Store:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         move: bool = False,
         progress: Progress | None = None,
+        lease: Lease | None = None,
+        follow_symlinks: bool = True,
     ) -> str:
         """Store the file at ``path``, hashing while copying; returns its blob ID.
 
         With ``move=True`` the file is hashed in place and linked into the store, then
         removed from ``path`` (no copy) when it lies on the store's file system and has
         no other hard links; otherwise it is copied and then removed.
+
+        A file that changes while it is read (its size, mtime or inode differ before and
+        after, or fewer or more bytes arrive than it had) is refused with
+        :class:`FileChanged` and nothing is stored: the blob would match no state of it.
         """
         check_chunk_size(chunk_size)
         path = Path(path)
         what = f"adding {path} to the store"
         with os_errors(what):
+            nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
             try:
-                src = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                src = os.open(path, os.O_RDONLY | os.O_CLOEXEC | nofollow)
             except FileNotFoundError:
                 raise PathNotFound(f"no such file: {path}") from None
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                raise StoreError(f"{path} is a symbolic link; not following it") from None
             try:
                 st = os.fstat(src)
                 if stat.S_ISDIR(st.st_mode):
@@ -532,7 +555,7 @@ class Store:
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(src, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 if move and st.st_nlink == 1 and st.st_dev == os.stat(self.tmp_dir).st_dev:
-                    return self._move_in(path, src, st, chunk_size, progress)
+                    return self._move_in(path, src, st, chunk_size, progress, lease)
                 self._check_space(st.st_size, f"copy {path} into the store")
                 with TempFile(self.tmp_dir) as tmp:
                     writer = _ChunkWriter(tmp.fd, chunk_size)
@@ -541,7 +564,8 @@ class Store:
                         writer.feed(buf[:n])
                         if progress is not None:
                             progress(writer.size)
-                    blob_id = self._publish_temp(tmp, writer.finish())
+                    _check_unchanged(path, src, st, writer.size)
+                    blob_id = self._publish_temp(tmp, writer.finish(), lease)
             finally:
                 os.close(src)
             if move:
@@ -549,7 +573,13 @@ class Store:
             return blob_id
 
     def _move_in(
-        self, path: Path, src: int, st: os.stat_result, chunk_size: int, progress: Progress | None
+        self,
+        path: Path,
+        src: int,
+        st: os.stat_result,
+        chunk_size: int,
+        progress: Progress | None,
+        lease: Lease | None,
     ) -> str:
         """Hash ``path`` in place, then link it into the store and unlink ``path``."""
         writer = _ChunkWriter(None, chunk_size)
@@ -559,13 +589,7 @@ class Store:
             if progress is not None:
                 progress(writer.size)
         manifest = writer.finish()
-        after = os.fstat(src)
-        if (after.st_size, after.st_mtime_ns, after.st_ino) != (
-            st.st_size,
-            st.st_mtime_ns,
-            st.st_ino,
-        ) or os.stat(path).st_ino != st.st_ino:
-            raise StoreError(f"{path} changed while it was being hashed; try again")
+        _check_unchanged(path, src, st, writer.size)
         blob_id = manifest.blob_id
         old_mode = stat.S_IMODE(st.st_mode)
         os.fchmod(src, self.modes.blob)
@@ -575,7 +599,7 @@ class Store:
                 data_path = self._data_path(blob_id)
                 self._mkdir_shard(data_path.parent)
                 moved = self._publish_locked(
-                    manifest, lambda: link_or_rename(path, data_path, replace=False)
+                    manifest, lambda: link_or_rename(path, data_path, replace=False), lease
                 )
         except BaseException:
             published = _same_file(self._data_path(blob_id), st)
@@ -617,11 +641,16 @@ class Store:
             os.utime(data_path)
         return True
 
-    def _publish_locked(self, manifest: Manifest, link_data: Callable[[], bool]) -> bool:
+    def _publish_locked(
+        self, manifest: Manifest, link_data: Callable[[], bool], lease: Lease | None = None
+    ) -> bool:
         """Publish manifest then data (store lock held); False if the blob was already
         complete (then nothing of ours was used). On failure, removes a manifest this
-        call created unless the data made it, so no orphan is left behind."""
+        call created unless the data made it, so no orphan is left behind. The ID joins
+        ``lease`` first, so it is protected from the moment it is visible."""
         blob_id = manifest.blob_id
+        if lease is not None:
+            lease.add([blob_id])
         data_path = self._data_path(blob_id)
         self._mkdir_shard(data_path.parent)
         if self._reuse_existing(manifest):
@@ -639,7 +668,7 @@ class Store:
         self._clear_quarantine(blob_id)  # good bytes again: the repair is done
         return True
 
-    def _publish_temp(self, tmp: TempFile, manifest: Manifest) -> str:
+    def _publish_temp(self, tmp: TempFile, manifest: Manifest, lease: Lease | None) -> str:
         """Publish a fully written temp file as the blob ``manifest`` describes."""
         blob_id = manifest.blob_id
         tmp.sync(self.modes.blob)  # the slow fsync happens before taking the store lock
@@ -647,7 +676,7 @@ class Store:
             data_path = self._data_path(blob_id)
             self._mkdir_shard(data_path.parent)
             self._publish_locked(
-                manifest, lambda: link_or_rename(tmp.path, data_path, replace=False)
+                manifest, lambda: link_or_rename(tmp.path, data_path, replace=False), lease
             )
         tmp.discard()  # already gone if it was linked in; deleted if the blob existed
         return blob_id
@@ -1204,10 +1233,17 @@ class Store:
             with self._mutex:
                 self._manifests.pop(blob_id, None)
 
+    def lease(self, blob_ids: Iterable[str] = ()) -> Lease:
+        """Protect ``blob_ids`` from gc until the lease is released, whatever the grace
+        period; a collection's children are protected with it. Use as a context manager;
+        :meth:`Lease.add` protects more. See :mod:`blobstore.lease`."""
+        return create_lease(self, self._locks, blob_ids)
+
     def _protected(self) -> set[str]:
-        """Tagged IDs plus, transitively, the children of tagged collections."""
+        """Tagged and leased IDs plus, transitively, the children of such collections.
+        Store lock held (live leases are read, stale ones deleted)."""
         keep: set[str] = set()
-        todo = list(self.tags().values())
+        todo = [*self.tags().values(), *live_leased_ids(self._locks)]
         while todo:
             blob_id = todo.pop()
             if blob_id in keep:
@@ -1232,8 +1268,9 @@ class Store:
     def gc(self, grace_seconds: float = DEFAULT_GC_GRACE) -> list[str]:
         """Delete untagged blobs and idle partials older than ``grace_seconds``.
 
-        Returns the removed IDs. Never touches a tagged blob (or a child of a tagged
-        collection), a partial another writer holds, or anything younger than the grace.
+        Returns the removed IDs. Never touches a tagged or leased blob (or a child of a
+        tagged or leased collection), a partial another writer holds, or anything younger
+        than the grace.
         """
         now = time.time()
         removed: list[str] = []
@@ -1286,23 +1323,46 @@ class Store:
         *,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         progress: Progress | None = None,
+        follow_symlinks: bool = False,
+        lease: Lease | None = None,
     ) -> str:
-        """Store every file under directory ``path`` and a collection naming them."""
+        """Store every file under directory ``path`` and a collection naming them.
+
+        Symbolic links are refused unless ``follow_symlinks``: a link can point outside
+        the directory (``~/.ssh/id_ed25519``), and a collection would then publish that
+        file to every peer. With it, links to files and directories are followed (a
+        directory reached twice through links is refused, so loops end). Every child is
+        leased from the moment it is published, so a concurrent gc cannot remove it
+        before the collection that names it exists.
+        """
         root = Path(path)
         if not root.is_dir():
             raise PathNotFound(f"no such directory: {root}")
         files: list[tuple[str, Path, int]] = []
+        seen_dirs: set[tuple[int, int]] = set()
         with os_errors(f"reading directory {root}"):
-            for dirpath, dirnames, filenames in os.walk(root, onerror=_raise):
+            for dirpath, dirnames, filenames in os.walk(
+                root, onerror=_raise, followlinks=follow_symlinks
+            ):
+                st = os.stat(dirpath)
+                if (st.st_dev, st.st_ino) in seen_dirs:
+                    raise StoreError(f"{dirpath} is reached twice through symbolic links")
+                seen_dirs.add((st.st_dev, st.st_ino))
                 dirnames.sort()
                 for d in dirnames:
-                    if os.path.islink(os.path.join(dirpath, d)):
+                    if not follow_symlinks and os.path.islink(os.path.join(dirpath, d)):
                         raise StoreError(
-                            f"{os.path.join(dirpath, d)} is a symbolic link to a directory; "
-                            "collections hold files only"
+                            f"{os.path.join(dirpath, d)} is a symbolic link; collections "
+                            "hold files only (pass --follow-symlinks to follow links)"
                         )
                 for name in sorted(filenames):
                     full = Path(dirpath) / name
+                    if not follow_symlinks and full.is_symlink():
+                        raise StoreError(
+                            f"{full} is a symbolic link (to {os.readlink(full)}); refusing "
+                            "to publish what may lie outside the directory (pass "
+                            "--follow-symlinks to follow links)"
+                        )
                     if not full.is_file():
                         raise StoreError(f"{full} is not a regular file")
                     rel = full.relative_to(root).as_posix()
@@ -1312,20 +1372,32 @@ class Store:
                         raise StoreError(f"{full} has a name that is not UTF-8") from None
                     files.append((rel, full, full.stat().st_size))
             self._check_space(sum(f[2] for f in files), f"copy {root} into the store")
-        entries = []
-        done = 0
-        for rel, full, _size in files:
-            base = done
+        own_lease = lease is None
+        held = self.lease() if lease is None else lease
+        try:
+            entries = []
+            done = 0
+            for rel, full, _size in files:
+                base = done
 
-            def child_progress(n: int, base: int = base) -> None:
-                if progress is not None:
-                    progress(base + n)
+                def child_progress(n: int, base: int = base) -> None:
+                    if progress is not None:
+                        progress(base + n)
 
-            blob_id = self.put_path(full, chunk_size=chunk_size, progress=child_progress)
-            size = self.manifest(blob_id).size
-            entries.append(CollectionEntry(path=rel, blob_id=blob_id, size=size))
-            done += size
-        return self.put_bytes(encode_collection(entries), chunk_size=chunk_size)
+                blob_id = self.put_path(
+                    full,
+                    chunk_size=chunk_size,
+                    progress=child_progress,
+                    lease=held,
+                    follow_symlinks=follow_symlinks,
+                )
+                size = self.manifest(blob_id).size
+                entries.append(CollectionEntry(path=rel, blob_id=blob_id, size=size))
+                done += size
+            return self.put_bytes(encode_collection(entries), chunk_size=chunk_size, lease=held)
+        finally:
+            if own_lease:
+                held.release()
 
     def is_collection(self, blob_id: str) -> bool:
         """Whether the complete blob is a collection.
@@ -1361,6 +1433,15 @@ class Store:
             raise BadCollection(f"blob {blob_id[:12]} is a malformed collection: {exc}") from None
 
     def export(self, blob_id: str, dest: Path | str, *, progress: Progress | None = None) -> None:
+        """Write the blob to ``dest``: a file, or for a collection a whole directory.
+
+        The blob and, for a collection, its children are leased for the whole export,
+        so a concurrent gc cannot delete them half way (see :meth:`lease`).
+        """
+        with self.lease([blob_id]):
+            self._export(blob_id, dest, progress=progress)
+
+    def _export(self, blob_id: str, dest: Path | str, *, progress: Progress | None = None) -> None:
         """Write the blob to ``dest``: a file, or for a collection a whole directory.
 
         Every byte is checked against its chunk hash on the way out. A file is written
@@ -1429,6 +1510,25 @@ class Store:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _check_unchanged(path: Path, fd: int, before: os.stat_result, read: int) -> None:
+    """Refuse a file that changed while it was read: the blob would match no state of it."""
+    after = os.fstat(fd)
+    try:
+        now_ino = os.stat(path).st_ino
+    except FileNotFoundError:
+        now_ino = -1
+    fields = ("st_size", "st_mtime_ns", "st_ctime_ns", "st_ino", "st_dev")
+    if (
+        read != before.st_size
+        or now_ino != before.st_ino
+        or any(getattr(after, f) != getattr(before, f) for f in fields)
+    ):
+        raise FileChanged(
+            f"{path} changed while it was being read, so nothing was stored; "
+            "put it again once nothing is writing it"
+        )
 
 
 def _lock_timeout(given: float | None) -> float:
