@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from training.errors import AuditViolation, NoKernelSet
+from training.recipe import DEFAULT_TARGETS
 
 if TYPE_CHECKING:
     import torch
@@ -179,34 +180,76 @@ def _define_auditor() -> type:
     return OpAuditor
 
 
+# The architectures and settings a kernel set is recorded on: (arch, config overrides).
+# GPT-2-style covers Conv1D (addmm), fused-qkv split/permute and its activations;
+# Llama-style covers RMSNorm, RoPE, grouped-query attention and SwiGLU.
+AUDITED_SHAPES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("gpt2", {"activation_function": "gelu_new"}),
+    ("gpt2", {"activation_function": "gelu"}),
+    ("gpt2", {"activation_function": "relu"}),
+    ("llama", {"hidden_act": "silu"}),
+    ("llama", {"hidden_act": "gelu", "attention_bias": True, "mlp_bias": True}),
+    ("llama", {"hidden_act": "relu", "num_key_value_heads": 4}),
+)
+_CORPUS = [
+    "Deterministic rounds replay bit for bit on every machine of one kernel class. ",
+    "A base model, tokenised records, a recipe and a seed decide the adapter. ",
+] * 16
+
+
 def build_kernel_set(family: str, steps: int = 3) -> dict[str, Any]:
     """Record the ops of ``steps`` steps (step 0 and steady state) of every shape we train.
 
-    Shapes: both model sizes (tiny has grouped-query attention, small has not), dropout
-    0 and 0.1 (dropout adds its RNG ops), on the family's device in deterministic mode.
+    Shapes: the built-in tiny and small Llamas (byte records; tiny has grouped-query
+    attention, small has not) and Hugging Face directories of :data:`AUDITED_SHAPES`
+    (tokenizer records), each with dropout 0 and 0.1 (dropout adds its RNG ops), on the
+    family's device in deterministic mode.
     """
+    import tempfile
+
     from training import determinism, kernel_class, trainer
-    from training.model import make_tiny_llama
+    from training.hf_model import ARCH_TARGETS, build_model_dir, model_eos
+    from training.model import load_base_model, make_tiny_llama, read_config
     from training.recipe import Recipe
-    from training.records import make_records
+    from training.records import make_records, make_tokenizer_records
 
     device = determinism.resolve_device(family)
     determinism.enter(device)
     kc = kernel_class.detect(device)
-    records = make_records([bytes(range(256)) * 8], seq_len=32)
     ops: set[str] = set()
-    for size in ("tiny", "small"):
+
+    def record(make_base: Any, records: bytes, targets: tuple[str, ...]) -> None:
         for dropout in (0.0, 0.1):
-            recipe = Recipe(steps=steps, batch_size=4, seq_len=32, dropout=dropout)
+            recipe = Recipe(
+                steps=steps, batch_size=4, seq_len=32, dropout=dropout, target_modules=targets
+            )
             auditor = make_auditor(device, None, record=True)
-            session = trainer.prepare(make_tiny_llama(size, seed=0), recipe, 0, device)
+            session = trainer.prepare(make_base(), recipe, 0, device)
             trainer.run_steps(session, trainer.decode(records), auditor=auditor)
             ops.update(auditor.seen)
+
+    byte_records = make_records([bytes(range(256)) * 8], seq_len=32)
+    for size in ("tiny", "small"):
+        record(lambda size=size: make_tiny_llama(size, seed=0), byte_records, DEFAULT_TARGETS)
+    with tempfile.TemporaryDirectory(prefix="blobnet-kernels-") as tmp:
+        for i, (arch, overrides) in enumerate(AUDITED_SHAPES):
+            directory = Path(tmp) / str(i)
+            build_model_dir(arch, directory, _CORPUS, seed=0, overrides=overrides)
+            records = make_tokenizer_records(
+                [t.encode() for t in _CORPUS],
+                32,
+                tokenizer_json=(directory / "tokenizer.json").read_bytes(),
+                tokenizer_id="0" * 64,
+                eos_id=model_eos(read_config(directory)),
+            )
+            record(lambda d=directory: load_base_model(d), records, ARCH_TARGETS[arch])
     return {
         "format": KERNEL_SET_FORMAT,
         "family": family,
         "built_by": BUILD_COMMAND.format(family=family),
         "built_on": kc.fields,
+        "shapes": ["llama-tiny", "llama-small"]
+        + [f"{a}:{json.dumps(o, sort_keys=True)}" for a, o in AUDITED_SHAPES],
         "ops": sorted(ops),
     }
 

@@ -96,21 +96,56 @@ def train_group() -> None:
 
 @train_group.command("init-model")
 @click.option("--size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
+@click.option(
+    "--arch",
+    type=click.Choice(["tiny-llama", "gpt2", "llama"]),
+    default="tiny-llama",
+    show_default=True,
+    help="tiny-llama: the built-in byte-level model (--size); gpt2 / llama: a Hugging Face "
+    "directory at toy size with a tokenizer trained on --corpus.",
+)
+@click.option(
+    "--corpus",
+    "corpus_paths",
+    multiple=True,
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Text file(s) to train the tokenizer of --arch gpt2/llama on.",
+)
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
-def init_model(ctx: click.Context, size: str, seed: int, as_json: bool) -> None:
-    """Make a base model (config.json + model.safetensors) and put it in the store."""
-    from training.model import make_tiny_llama, save_base_model
-
+def init_model(
+    ctx: click.Context,
+    size: str,
+    arch: str,
+    corpus_paths: tuple[Path, ...],
+    seed: int,
+    as_json: bool,
+) -> None:
+    """Make a base model locally (nothing downloaded) and put it in the store."""
     store = _store(ctx)
-    model = make_tiny_llama(size, seed)
-    params = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory(prefix="blobnet-model-") as tmp:
-        save_base_model(model, Path(tmp))
+        if arch == "tiny-llama":
+            from training.model import make_tiny_llama, save_base_model
+
+            model = make_tiny_llama(size, seed)
+            params = sum(p.numel() for p in model.parameters())
+            save_base_model(model, Path(tmp))
+        else:
+            from training.hf_model import MAX_CORPUS_BYTES, build_model_dir
+            from training.model import load_base_model
+
+            if not corpus_paths:
+                raise click.UsageError(f"--arch {arch} needs --corpus FILE for its tokenizer")
+            texts = [
+                _read(p, "corpus", MAX_CORPUS_BYTES).decode("utf-8", errors="replace")
+                for p in corpus_paths
+            ]
+            build_model_dir(arch, Path(tmp), texts, seed=seed)
+            params = sum(p.numel() for p in load_base_model(Path(tmp)).parameters())
         blob_id = store.put_dir(Path(tmp))
     if as_json:
-        _echo_json({"id": blob_id, "size": size, "seed": seed, "parameters": params})
+        _echo_json({"id": blob_id, "arch": arch, "seed": seed, "parameters": params})
     else:
         click.echo(blob_id)
 
@@ -118,22 +153,58 @@ def init_model(ctx: click.Context, size: str, seed: int, as_json: bool) -> None:
 @train_group.command("records")
 @click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--seq-len", type=int, required=True, help="Tokens per record.")
+@click.option(
+    "--base",
+    "base_ref",
+    default=None,
+    help="Tokenise with this base model collection's tokenizer.json (default: byte-level, "
+    "for the built-in tiny models).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def records_command(
-    ctx: click.Context, files: tuple[Path, ...], seq_len: int, as_json: bool
+    ctx: click.Context, files: tuple[Path, ...], seq_len: int, base_ref: str | None, as_json: bool
 ) -> None:
-    """Tokenise FILEs (byte-level) into one records blob; prints its ID."""
+    """Tokenise FILEs into one records blob; prints its ID."""
     from training.records import decode_records, make_records
 
+    store = _store(ctx)
     contents = [_read(f, "input", MAX_RECORDS_INPUT) for f in files]
-    data = make_records(contents, seq_len)
-    blob_id = _store(ctx).put_bytes(data)
+    if base_ref is None:
+        data = make_records(contents, seq_len)
+    else:
+        data = _tokenizer_records(store, store.resolve(base_ref), contents, seq_len)
+    blob_id = store.put_bytes(data)
     if as_json:
         count = decode_records(data).count
         _echo_json({"id": blob_id, "seq_len": seq_len, "records": count})
     else:
         click.echo(blob_id)
+
+
+def _tokenizer_records(store: Store, base_id: str, contents: list[bytes], seq_len: int) -> bytes:
+    from training.errors import BadModel
+    from training.hf_model import config_bytes_to_dict, model_eos
+    from training.model import CONFIG_NAME, MAX_CONFIG_SIZE, TOKENIZER_NAME
+    from training.records import MAX_TOKENIZER_SIZE, make_tokenizer_records
+    from training.round import verify_local
+
+    if not store.is_collection(base_id):
+        raise BadModel(f"--base {base_id} is not a model collection")
+    entries = {e.path: e for e in store.read_collection(base_id)}
+    for name in (CONFIG_NAME, TOKENIZER_NAME):
+        if name not in entries:
+            raise BadModel(f"--base {base_id} has no {name} to tokenise with")
+        verify_local(store, entries[name].blob_id, f"base model file {name}")
+    tokenizer = entries[TOKENIZER_NAME]
+    config = _read(store.path(entries[CONFIG_NAME].blob_id), CONFIG_NAME, MAX_CONFIG_SIZE)
+    return make_tokenizer_records(
+        contents,
+        seq_len,
+        tokenizer_json=_read(store.path(tokenizer.blob_id), TOKENIZER_NAME, MAX_TOKENIZER_SIZE),
+        tokenizer_id=tokenizer.blob_id,
+        eos_id=model_eos(config_bytes_to_dict(config)),
+    )
 
 
 @train_group.command("recipe")

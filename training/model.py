@@ -1,8 +1,17 @@
-"""Tiny HF Llama base models, built locally from a fixed config and seed (no hub access).
+"""Base models: any Hugging Face causal-LM directory, and the built-in tiny Llamas.
 
-A base model on disk (and in the store, as a collection blob) is the HF layout
-``config.json`` + ``model.safetensors``. Both files are canonical so that the same model
-always gives the same collection ID:
+A base model on disk (and in the store, as a collection blob) is the HF layout:
+``config.json``, the weights as ``model.safetensors`` or as shards listed in
+``model.safetensors.index.json``, and (to tokenise records with) ``tokenizer.json``;
+other files (generation config, tokenizer config, README) may be present and are not
+read. ``load_base_model`` builds any architecture transformers builds a causal LM for,
+from transformers' own code only, and loads every tensor strictly; whether it can
+*train* is the op audit's call (its kernel set lists the ops of the audited
+architectures; anything else is refused at the first unaudited op).
+
+The built-in tiny Llamas (``make_tiny_llama``) are made locally from a fixed config and
+seed (no hub access), as ``config.json`` + ``model.safetensors``. Both files are
+canonical so that the same model always gives the same collection ID:
 
 1. ``config.json`` is ``json.dumps(config.to_dict(), sort_keys=True, indent=2)`` + newline.
 2. ``model.safetensors`` holds every tensor of the state dict, contiguous, float32, with the
@@ -18,6 +27,7 @@ torch and transformers are imported inside the functions, so importing this modu
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,8 +40,13 @@ if TYPE_CHECKING:
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-# A base model's config.json is a few hundred bytes; anything this large is not one.
+INDEX_NAME = "model.safetensors.index.json"
+TOKENIZER_NAME = "tokenizer.json"
+# A base model's config.json is a few KiB; anything this large is not one.
 MAX_CONFIG_SIZE = 1 << 20
+# An index maps every tensor name to a shard: ~100 bytes each, a few thousand tensors.
+MAX_INDEX_SIZE = 16 << 20
+_SHARD_RE = re.compile(r"[A-Za-z0-9_.-]{1,200}\.safetensors")
 
 
 @dataclass(frozen=True)
@@ -111,40 +126,118 @@ def save_base_model(model: LlamaForCausalLM, directory: Path) -> None:
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
 
-def load_base_model(directory: Path) -> LlamaForCausalLM:
-    """Load a base model written by ``save_base_model`` (CPU, float32, eager attention).
+def causal_lm_types() -> frozenset[str]:
+    """The ``model_type`` values transformers builds a causal LM for."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    The model is built from the config and every tensor is loaded strictly, so a missing or
-    extra tensor is an error rather than a silently re-initialised weight.
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """``config.json`` of a base model directory, bounded and checked to be a causal LM
+    that transformers builds from its own code (never a repository's ``auto_map`` code)."""
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        raise BadModel(f"a base model collection needs {CONFIG_NAME}")
+    if path.stat().st_size > MAX_CONFIG_SIZE:
+        raise BadModel(f"{CONFIG_NAME} is larger than {MAX_CONFIG_SIZE} bytes")
+    try:
+        config = json.loads(path.read_bytes())
+    except ValueError as exc:
+        raise BadModel(f"{CONFIG_NAME} is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise BadModel(f"{CONFIG_NAME} is not a JSON object")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in causal_lm_types():
+        raise BadModel(
+            f"{CONFIG_NAME} model_type {model_type!r} is not a causal LM that transformers "
+            "builds (e.g. llama, gpt2, qwen2, mistral)"
+        )
+    if "auto_map" in config:
+        raise BadModel(f"{CONFIG_NAME} asks for repository code (auto_map); it is never run")
+    return config
+
+
+def weight_files(directory: Path) -> dict[str, list[str]]:
+    """Safetensors file -> the tensor names it must hold: ``model.safetensors``, or the
+    shards that ``model.safetensors.index.json`` maps (pickled ``.bin`` weights are never
+    loaded: unpickling runs code)."""
+    index = directory / INDEX_NAME
+    if index.is_file():
+        if index.stat().st_size > MAX_INDEX_SIZE:
+            raise BadModel(f"{INDEX_NAME} is larger than {MAX_INDEX_SIZE} bytes")
+        try:
+            weight_map = json.loads(index.read_bytes())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BadModel(f"{INDEX_NAME} has no weight_map: {exc}") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise BadModel(f"{INDEX_NAME} weight_map is not a non-empty object")
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            if not (isinstance(file, str) and _SHARD_RE.fullmatch(file)):
+                raise BadModel(f"{INDEX_NAME} maps {name!r} to {file!r}, not a shard file")
+            files.setdefault(file, []).append(name)
+        missing = [f for f in files if not (directory / f).is_file()]
+        if missing:
+            raise BadModel(f"{INDEX_NAME} names shard {missing[0]}, which the collection lacks")
+        return files
+    if (directory / WEIGHTS_NAME).is_file():
+        return {WEIGHTS_NAME: []}
+    raise BadModel(
+        f"no safetensors weights: the collection needs {WEIGHTS_NAME} or {INDEX_NAME} "
+        "with its shards (pickled .bin weights are never loaded)"
+    )
+
+
+def load_base_model(directory: Path) -> Any:
+    """Load a Hugging Face causal-LM directory (CPU, float32, eager attention).
+
+    The model is built from ``config.json`` by transformers' own classes and every
+    tensor comes from the safetensors files: an unexpected tensor, or a missing one that
+    is not a tied copy of a loaded one, is an error rather than a silently re-initialised
+    weight.
     """
     import torch
     from safetensors.torch import load_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.utils import logging as hf_logging
 
-    config_path = directory / CONFIG_NAME
-    weights_path = directory / WEIGHTS_NAME
-    if not config_path.is_file() or not weights_path.is_file():
-        raise BadModel(f"base model needs {CONFIG_NAME} and {WEIGHTS_NAME} in one collection")
-    if config_path.stat().st_size > MAX_CONFIG_SIZE:
-        raise BadModel(f"{CONFIG_NAME} is larger than {MAX_CONFIG_SIZE} bytes")
+    config_dict = read_config(directory)
+    files = weight_files(directory)
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # config notes on stderr are not ours to print
     try:
-        config_dict = json.loads(config_path.read_bytes())
-        if not isinstance(config_dict, dict) or config_dict.get("model_type") != "llama":
-            raise BadModel("config.json is not a Llama config")
-        config = LlamaConfig.from_dict(config_dict)
-    except (ValueError, TypeError) as exc:
-        raise BadModel(f"config.json is not a valid Llama config: {exc}") from None
+        config = CONFIG_MAPPING[config_dict["model_type"]].from_dict(config_dict)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise BadModel(f"{CONFIG_NAME} is not a valid config: {exc}") from None
     config._attn_implementation = "eager"
     config.use_cache = False
-    try:
-        state = load_file(str(weights_path))
-    except Exception as exc:  # safetensors raises its own untyped errors
-        raise BadModel(f"model.safetensors is not readable: {exc}") from None
+    state: dict[str, Any] = {}
+    for file, names in sorted(files.items()):
+        try:
+            tensors = load_file(str(directory / file))
+        except Exception as exc:  # safetensors raises its own untyped errors
+            raise BadModel(f"{file} is not readable safetensors: {exc}") from None
+        if names and set(tensors) != set(names):
+            raise BadModel(f"{file} does not hold the tensors {INDEX_NAME} maps to it")
+        clash = set(tensors) & set(state)
+        if clash:
+            raise BadModel(f"tensor {sorted(clash)[0]} is in more than one shard")
+        state.update(tensors)
     with torch.random.fork_rng(devices=[]):
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, attn_implementation="eager", dtype=torch.float32
+        )
+    model.float()
     try:
-        model.load_state_dict(state, strict=True)
+        missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:
-        raise BadModel(f"model.safetensors does not match config.json: {exc}") from None
-    model.eval()  # type: ignore[no-untyped-call]
+        raise BadModel(f"the weights do not match {CONFIG_NAME}: {exc}") from None
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    sources = tied if isinstance(tied, dict) else {}
+    untied = [k for k in missing if not (k in sources and sources[k] in state)]
+    if unexpected or untied:
+        what = f"unexpected tensor {unexpected[0]}" if unexpected else f"no tensor {untied[0]}"
+        raise BadModel(f"the weights do not match {CONFIG_NAME}: {what}")
+    model.eval()
     return model

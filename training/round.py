@@ -2,9 +2,11 @@
 
 Theory of operation:
 
-1. Inputs are blobs: the base model (a collection: ``config.json`` + ``model.safetensors``),
-   the records, plus a recipe and a seed. The device is resolved first, so without CUDA
-   (and without "cpu" named) nothing is loaded at all. Then every input blob (the base
+1. Inputs are blobs: the base model (a Hugging Face causal-LM directory as a collection:
+   ``config.json``, safetensors weights, one file or sharded, ``tokenizer.json``), the
+   records (tokenised by that tokenizer.json, or byte-level for the built-in models),
+   plus a recipe and a seed. The device is resolved first, so without CUDA (and without
+   "cpu" named) nothing is loaded at all. Then every input blob (the base
    collection and each file in it, the records, and for a replay the round record) is
    verified against its ID: a corrupt local copy is named as such (``CorruptInput``,
    exit 4) instead of surfacing as a replay that "differs at step N".
@@ -35,7 +37,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from blobstore import BlobNotFound, CorruptChunk, Store
 from identity import (
@@ -68,12 +70,9 @@ from training.errors import (
     ReplayMismatch,
 )
 from training.kernel_class import KernelClass
-from training.model import CONFIG_NAME, WEIGHTS_NAME
+from training.model import CONFIG_NAME, INDEX_NAME, TOKENIZER_NAME, WEIGHTS_NAME
 from training.recipe import Recipe, recipe_hash
-from training.records import HEADER_SIZE, MAX_TOKENS, decode_records
-
-if TYPE_CHECKING:
-    from transformers import LlamaForCausalLM
+from training.records import HEADER_SIZE_V2, MAX_TOKENS, Records, decode_records
 
 # Stdout-free progress hook: (step, loss bits).
 StepHook = Callable[[int, int], None]
@@ -104,19 +103,48 @@ class ReplayResult:
     attestation_id: str
 
 
-def _load_base(store: Store, base_id: str, workdir: Path) -> LlamaForCausalLM:
+def _load_base(store: Store, base_id: str, workdir: Path) -> Any:
     from training.model import load_base_model
 
     if not store.is_collection(base_id):
-        raise BadModel(f"base {base_id} is not a collection ({CONFIG_NAME} + {WEIGHTS_NAME})")
-    names = {e.path for e in store.read_collection(base_id)}
-    if names != {CONFIG_NAME, WEIGHTS_NAME}:
         raise BadModel(
-            f"base {base_id} holds {sorted(names)}, not {CONFIG_NAME} and {WEIGHTS_NAME}"
+            f"base {base_id} is not a collection (a model directory: {CONFIG_NAME} and "
+            f"{WEIGHTS_NAME} or {INDEX_NAME} with its shards)"
+        )
+    names = {e.path for e in store.read_collection(base_id)}
+    if CONFIG_NAME not in names or not names & {WEIGHTS_NAME, INDEX_NAME}:
+        raise BadModel(
+            f"base {base_id} holds {sorted(names)[:8]}, not {CONFIG_NAME} with "
+            f"{WEIGHTS_NAME} or {INDEX_NAME}"
         )
     target = workdir / "base"
     store.export(base_id, target)
     return load_base_model(target)
+
+
+def base_tokenizer_id(store: Store, base_id: str) -> str | None:
+    """The blob ID of the base collection's ``tokenizer.json`` (None: it has none)."""
+    for entry in store.read_collection(base_id):
+        if entry.path == TOKENIZER_NAME:
+            return entry.blob_id
+    return None
+
+
+def check_records_fit(records: Records, tokenizer_id: str | None, vocab_size: int) -> None:
+    """``BadRecords`` unless ``records`` were made for this base: by its tokenizer.json
+    (or byte-level for a base whose vocabulary holds the 260 byte tokens)."""
+    if records.tokenizer_id is not None and records.tokenizer_id != tokenizer_id:
+        theirs = tokenizer_id or f"none (the base has no {TOKENIZER_NAME})"
+        raise BadRecords(
+            f"the records were tokenised with tokenizer {records.tokenizer_id}, but the "
+            f"base model's {TOKENIZER_NAME} is {theirs}; make records with "
+            "`blob train records --base BASE`"
+        )
+    if records.vocab_size > vocab_size:
+        raise BadRecords(
+            f"the records use a vocabulary of {records.vocab_size} tokens, larger than the "
+            f"base model's {vocab_size}; make records with `blob train records --base BASE`"
+        )
 
 
 def verify_local(store: Store, blob_id: str, what: str) -> None:
@@ -179,12 +207,14 @@ def execute(
     if admit is not None:
         admit(kc)
     allowed = audit.load_kernel_set(kc.family)
-    if store.manifest(inputs.records_id).size > HEADER_SIZE + 4 * MAX_TOKENS:
+    if store.manifest(inputs.records_id).size > HEADER_SIZE_V2 + 4 * MAX_TOKENS:
         raise BadRecords(f"blob {inputs.records_id} is too large to be a records blob")
     records = decode_records(store.path(inputs.records_id).read_bytes())
     with tempfile.TemporaryDirectory(prefix="blobnet-round-") as tmp:
         workdir = Path(tmp)
         base = _load_base(store, inputs.base_id, workdir)
+        vocab = int(base.get_input_embeddings().num_embeddings)
+        check_records_fit(records, base_tokenizer_id(store, inputs.base_id), vocab)
         session = trainer.prepare(base, inputs.recipe, inputs.seed, resolved)
         start_root = trainer.state_root(session)
         if expect is not None and start_root != expect.start_root:

@@ -159,7 +159,12 @@ def batches(session: Session, records: Records) -> Iterator[tuple[torch.Tensor, 
         )
     for indices in batch_order(records.count, recipe.batch_size, recipe.steps, session.seed):
         ids = torch.from_numpy(np.ascontiguousarray(records.tokens[indices]))
-        labels = ids.masked_fill(ids == PAD_ID, IGNORE_INDEX)
+        padding = ids == records.pad_id
+        labels = ids.masked_fill(padding, IGNORE_INDEX)
+        if records.pad_id != PAD_ID:
+            # Tokenizer records pad with an id past the vocabulary: the model reads id 0
+            # there (causal attention never looks ahead to it; the loss ignores it).
+            ids = ids.masked_fill(padding, 0)
         yield ids.to(session.device), labels.to(session.device)
 
 
