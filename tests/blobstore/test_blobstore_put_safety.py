@@ -1,0 +1,97 @@
+"""What ``put`` refuses so that a blob always matches something the user meant to share.
+
+Issue 16: ``blob put DIR`` followed symlinks to files outside DIR and served them, and a
+``put`` of a file being modified published a blob that matched no state of the file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import blobstore.store as store_mod
+from blobstore import FileChanged, Store, StoreError
+
+C = 64 * 1024
+HOUR_AGO = 3600
+
+
+def published(store: Store) -> list[str]:
+    return [r.blob_id for r in store.list_blobs() if r.complete]
+
+
+@pytest.fixture
+def model_with_a_link(tmp_path: Path) -> Path:
+    secret = tmp_path / "home" / ".ssh" / "id_ed25519"
+    secret.parent.mkdir(parents=True)
+    secret.write_bytes(b"-----BEGIN OPENSSH PRIVATE KEY-----")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").symlink_to(secret)
+    return model
+
+
+def test_put_dir_refuses_a_symlink_and_stores_nothing(
+    store: Store, model_with_a_link: Path
+) -> None:
+    with pytest.raises(StoreError, match=r"tokenizer.json is a symbolic link \(to .*id_ed25519"):
+        store.put_dir(model_with_a_link, chunk_size=C)
+    assert published(store) == []
+
+
+def test_put_dir_follows_symlinks_only_when_asked(store: Store, model_with_a_link: Path) -> None:
+    cid = store.put_dir(model_with_a_link, chunk_size=C, follow_symlinks=True)
+    entries = {e.path: e.size for e in store.read_collection(cid)}
+    assert entries == {"config.json": 2, "tokenizer.json": 35}
+
+
+def test_put_dir_refuses_a_symlinked_directory_and_a_loop(store: Store, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    (model / "sub").mkdir(parents=True)
+    (model / "sub" / "w.bin").write_bytes(b"w")
+    (model / "sub" / "again").symlink_to(model)
+    with pytest.raises(StoreError, match="again is a symbolic link"):
+        store.put_dir(model, chunk_size=C)
+    with pytest.raises(StoreError, match="reached twice"):
+        store.put_dir(model, chunk_size=C, follow_symlinks=True)
+    assert published(store) == []
+
+
+@pytest.mark.parametrize("move", [False, True], ids=["copy", "move"])
+@pytest.mark.parametrize("change", ["rewrite", "append"])
+def test_put_refuses_a_file_that_changes_while_it_is_read(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, move: bool, change: str
+) -> None:
+    """The writer touches the file after the first buffer is hashed: refused, exit 5,
+    nothing stored, the user's file left where it was."""
+    monkeypatch.setattr(store_mod, "IO_BUFFER_SIZE", C)  # several reads of a small file
+    src = tmp_path / "checkpoint.bin"
+    src.write_bytes(os.urandom(4 * C))
+    old = src.stat().st_mtime - HOUR_AGO  # so a rewrite within one clock tick still shows
+    os.utime(src, (old, old))
+    calls = 0
+
+    def writer_strikes(done: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            with open(src, "r+b" if change == "rewrite" else "ab") as f:
+                f.write(b"new step")
+
+    with pytest.raises(FileChanged, match="changed while it was being read") as info:
+        store.put_path(src, chunk_size=C, move=move, progress=writer_strikes)
+    assert info.value.exit_code == 5
+    assert published(store) == []
+    assert src.exists()
+    assert os.listdir(store.root / "tmp") == []
+
+
+def test_an_unchanged_file_is_put(store: Store, tmp_path: Path) -> None:
+    """Guards the test above: the same read with no writer succeeds."""
+    src = tmp_path / "checkpoint.bin"
+    src.write_bytes(os.urandom(4 * C))
+    blob_id = store.put_path(src, chunk_size=C)
+    assert published(store) == [blob_id]
