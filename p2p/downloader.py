@@ -379,7 +379,16 @@ class Download:
                     return
                 now = trio.current_time()
                 busy = stats.inflight > 0 and self.scheduler.fetchable_count > 0
-                for _ in range(growth.decide(now, stats.rtt_s, busy)):
+                more = growth.decide(now, stats.rtt_s, busy)
+                if more:
+                    log.info(
+                        "provider %s: %d more connection(s) at %.1f MB/s, RTT %.0f ms",
+                        peer,
+                        more,
+                        stats.rate_bytes_per_s / 1e6,
+                        (stats.rtt_s or 0.0) * 1e3,
+                    )
+                for _ in range(more):
                     dials.start_soon(dial)
                 wake = growth.next_check(now, stats.rtt_s)
                 await trio.sleep(max(wake - now, self.stripe_config.min_settle_s / 4))

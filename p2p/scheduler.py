@@ -57,7 +57,7 @@ Policy
   that the last chunks are spread out rather than queued at whoever asked first.
 - Requests sized to the path. A peer may hold as many live requests as cover its
   bandwidth-delay product (measured rate x smallest measured RTT, in full-size
-  requests) plus one, and at least one more than the connections the shell stripes it
+  requests) plus one, and at least one and a half per connection the shell stripes it
   over, within ``min_inflight_requests_per_peer`` .. ``max_inflight_requests_per_peer``.
   A far peer so gets more requests in flight than a near one at the same rate, and a slow
   peer fewer than a fast one at the same distance; until both are measured it gets the
@@ -748,7 +748,9 @@ class Scheduler:
         cfg = self._cfg
         cap = cfg.max_inflight_requests_per_peer
         floor = min(cfg.min_inflight_requests_per_peer, cap)
-        want = max(floor, p.connections + 1)
+        # Every connection carries a request, and half of them a second one that covers the
+        # round trip between two requests on one stream.
+        want = max(floor, p.connections + (p.connections + 1) // 2)
         if p.rate is not None and p.rtt is not None and self._n:
             # The bytes the path holds in flight, in full-size requests, plus one to cover
             # the round trip between two requests on one stream.
@@ -1014,7 +1016,14 @@ class StripeConfig:
     # A step is judged over at least this long, and over `settle_rtts` round trips: a new
     # TCP connection needs several RTTs of slow start before it carries its share.
     min_settle_s: float = 0.3
-    settle_rtts: float = 6.0
+    # Eight RTTs: a new connection's slow start needs about six (from a 10-segment initial
+    # window to a few MiB at a 9000-byte MTU) before it carries its share.
+    settle_rtts: float = 8.0
+    # Each step multiplies the connections by this much (1 -> 4 -> 8): every step costs a
+    # dial and a settle, ~2.5 s at 200 ms, so few steps matter more than a fine count.
+    growth_factor: int = 4
+    # A step's rate is judged over at least this many bytes, not a handful of chunks.
+    min_window_bytes: int = 8 << 20
     # The rate must grow by this fraction over the previous step's for another step: a
     # link already full (or a CPU-bound loopback) stops growing after one extra connection.
     min_gain: float = 0.15
@@ -1031,6 +1040,8 @@ class StripeConfig:
             raise ValueError("min_settle_s must be positive and settle_rtts not negative")
         if self.min_gain < 0:
             raise ValueError("min_gain must not be negative")
+        if self.growth_factor < 2:
+            raise ValueError("growth_factor must be at least 2")
 
 
 class StripeGrowth:
@@ -1039,13 +1050,14 @@ class StripeGrowth:
     The provider starts on one connection. After each step has settled (``min_settle_s``,
     and ``settle_rtts`` round trips), the rate measured over the second half of the step
     (the first half is the new connections' slow start) is compared with the previous
-    step's: the first step doubles, later ones double again only if the rate grew by
-    ``min_gain``, so 1 -> 2 -> 4 -> 8 on a path limited by per-connection buffers and
-    2 -> 4 and stop where the link is the limit. No step is taken while a connection
-    holds less than ``min_bytes_in_flight`` (rate x RTT per connection): a LAN or a
-    loopback, where one connection is never buffer-limited, keeps one connection. A step
-    in which the provider ran out of work (``busy`` False) says nothing about the path
-    and is measured again. A failed dial ends growth for this download.
+    step's: the first step multiplies the connections by ``growth_factor``, later ones
+    do so again only if the rate grew by ``min_gain``, so 1 -> 4 -> 8 on a path limited
+    by per-connection buffers, and 1 -> 4 and stop where the link is the limit. No step
+    is taken while a connection holds less than ``min_bytes_in_flight`` (rate x RTT per
+    connection): a LAN or a loopback, where one connection is never buffer-limited, keeps
+    one connection. A step in which the provider ran out of work (``busy`` False) says
+    nothing about the path and is measured again. A failed dial ends growth for this
+    download.
     """
 
     def __init__(self, config: StripeConfig, now: float, connections: int = 1) -> None:
@@ -1087,6 +1099,8 @@ class StripeGrowth:
         if not busy or not self._marked or now <= self._mark:
             self._restart(now)
             return 0
+        if self._bytes < self._cfg.min_window_bytes:
+            return 0  # too few bytes yet to tell a rate from a burst
         rate = self._bytes / (now - self._mark)
         baseline = self._baseline
         if rate <= 0.0 or (baseline is not None and rate < baseline * (1 + self._cfg.min_gain)):
@@ -1098,7 +1112,10 @@ class StripeGrowth:
             self._restart(now)
             return 0
         self._baseline = rate
-        want = min(self._cfg.max_connections, self.connections * 2) - self.connections
+        want = (
+            min(self._cfg.max_connections, self.connections * self._cfg.growth_factor)
+            - self.connections
+        )
         self.pending = want
         return want
 

@@ -88,7 +88,7 @@ def test_each_connection_gets_a_request_at_least() -> None:
     sched = Scheduler(256, length, config=CONFIG)
     sched.add_peer("p", 0.0)
     sched.set_connections("p", 6)
-    assert sched.inflight_limit("p") == 7
+    assert sched.inflight_limit("p") == 9  # one per connection, and a second for half
     assert sched.peer_stats()["p"].connections == 6
 
 
@@ -127,18 +127,17 @@ def run_growth(
     return history
 
 
-def test_connections_double_while_the_rate_keeps_growing() -> None:
+def test_connections_grow_while_the_rate_keeps_growing() -> None:
     # 200 ms, stock buffers: 13 MB/s per connection on a 125 MB/s link.
     history = run_growth(13e6, 125e6, 0.2)
     assert [count for _, count in history] == [1, 2, 3, 4, 5, 6, 7, 8]
-    # Three steps of six RTTs plus three dials: eight connections within ~6 s.
-    assert history[-1][0] < 3 * (6 * 0.2 + 4 * 0.2) + 1.0
+    # Two steps of eight RTTs plus two dials of four: eight connections within ~5 s.
+    assert history[-1][0] < 2 * (8 * 0.2 + 4 * 0.2) + 0.5
 
 
 def test_growth_stops_when_the_link_is_full() -> None:
-    # Two connections already fill the link: the step to four brings no gain.
-    history = run_growth(60e6, 100e6, 0.05)
-    assert history[-1][1] == 4
+    # One connection nearly fills the link: the step to four brings too little gain.
+    history = run_growth(60e6, 65e6, 0.05)
     counts = [count for _, count in history]
     assert max(counts) == 4  # tried 4 once, never 8
 
@@ -161,25 +160,28 @@ def test_an_idle_provider_does_not_grow() -> None:
 
 def test_a_failed_dial_stops_growth() -> None:
     growth = StripeGrowth(StripeConfig(), 0.0)
-    growth.on_bytes(1 << 20, 0.7, 0.2)
-    growth.on_bytes(10 << 20, 1.25, 0.2)
-    assert growth.decide(1.25, 0.2, busy=True) == 1
-    assert growth.decide(1.3, 0.2, busy=True) == 0  # a dial is pending
-    growth.on_dialled(False, 1.5)
+    growth.on_bytes(1 << 20, 0.9, 0.2)
+    growth.on_bytes(10 << 20, 1.65, 0.2)
+    assert growth.decide(1.65, 0.2, busy=True) == 3
+    assert growth.decide(1.7, 0.2, busy=True) == 0  # dials are pending
+    growth.on_dialled(False, 1.9)
     assert growth.stopped and growth.connections == 1
     assert growth.decide(10.0, 0.2, busy=True) == 0
 
 
-def test_no_decision_before_the_step_settles() -> None:
+def test_no_decision_before_the_step_settles_and_a_window_has_enough_bytes() -> None:
     growth = StripeGrowth(StripeConfig(), 0.0)
     rtt = 0.2
-    assert growth.next_check(0.0, rtt) == pytest.approx(6 * rtt)
-    for i in range(1, 12):
-        now = i * 0.1
+    assert growth.next_check(0.0, rtt) == pytest.approx(8 * rtt)
+    now = 0.0
+    for _ in range(16):  # 1 MiB each 0.1 s: 8 MiB arrive after the mark by 1.6 s
+        now += 0.1
         growth.on_bytes(1 << 20, now, rtt)
         assert growth.decide(now, rtt, busy=True) == 0
-    growth.on_bytes(1 << 20, 1.21, rtt)
-    assert growth.decide(1.21, rtt, busy=True) == 1
+    for _ in range(3):
+        now += 0.1
+        growth.on_bytes(1 << 20, now, rtt)
+    assert growth.decide(now, rtt, busy=True) == 3  # 1 -> 4
 
 
 # --- scores across downloads ----------------------------------------------------------
