@@ -123,3 +123,40 @@ def udp_delivered(
     _result(source, "UDP source", 60.0)
     distinct: int = _result(sink, "UDP sink", 60.0)["distinct"]
     return distinct
+
+
+def observed_from(
+    tb: Testbed, src: str, dst: str, *, local_port: int, port: int = PROBE_PORT + 3
+) -> str:
+    """The ``ip:port`` that ``dst`` sees a TCP connection from ``src``'s ``local_port``
+    come from (``dst`` must be reachable: a public host)."""
+    server = _spawn(tb, dst, probe_argv("observe-server", "--port", str(port)))
+    _ready(server, "observe server")
+    client = _spawn(
+        tb,
+        src,
+        probe_argv(
+            "observe", "--host", tb.addr(dst), "--port", str(port),
+            "--local-port", str(local_port),
+        ),
+    )  # fmt: skip
+    seen: str = _result(client, "observe", 30.0)["seen"]
+    _result(server, "observe server", 10.0)
+    return seen
+
+
+def punch(
+    tb: Testbed, a: str, b: str, *, port: int = PROBE_PORT + 4, timeout: float = 5.0
+) -> tuple[bool, bool]:
+    """A TCP simultaneous open between ``a`` and ``b``, each from ``port`` to the other's
+    public address at ``port`` (what hole punching tries when mappings keep the port).
+    Whether each side got a connection."""
+    procs = []
+    for me, peer in ((a, b), (b, a)):
+        argv = probe_argv(
+            "punch", "--local-port", str(port), "--peer-host", tb.public_addr(peer),
+            "--peer-port", str(port), "--timeout", str(timeout),
+        )  # fmt: skip
+        procs.append(_spawn(tb, me, argv))
+    ok = [bool(_result(p, "punch", timeout + 30.0)["connected"]) for p in procs]
+    return ok[0], ok[1]

@@ -13,6 +13,12 @@ blobnet code on it. Standard library only; every mode prints one JSON line.
   trips on one connection (after its handshake); prints each RTT in ms.
 - ``udp-sink --port P --idle S`` / ``udp-source --host H --port P --count K``: K
   datagrams, paced; the sink counts what arrives until S seconds pass with nothing.
+- ``observe-server --port P --count K`` / ``observe --host H --port P --local-port L``:
+  the server tells each of K clients the address and port it sees them come from (what
+  a NAT mapped them to).
+- ``punch --local-port L --peer-host H --peer-port P --timeout S``: a TCP simultaneous
+  open from port L to the peer's public address, as hole punching does; prints whether
+  a connection came up within S seconds.
 """
 
 from __future__ import annotations
@@ -200,6 +206,49 @@ def udp_source(host: str, port: int, count: int) -> None:
     _emit({"sent": count})
 
 
+def _bound(local_port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("0.0.0.0", local_port))
+    return sock
+
+
+def observe_server(port: int, count: int) -> None:
+    listener = _listener(port, count)
+    _emit({"ready": True})
+    seen = []
+    for _ in range(count):
+        conn, (ip, peer_port) = listener.accept()
+        with conn:
+            conn.sendall(f"{ip}:{peer_port}\n".encode())
+        seen.append(f"{ip}:{peer_port}")
+    _emit({"seen": seen})
+
+
+def observe(host: str, port: int, local_port: int) -> None:
+    with _bound(local_port) as sock:
+        sock.settimeout(IO_TIMEOUT)
+        sock.connect((host, port))
+        line = sock.makefile("r").readline().strip()
+    _emit({"seen": line})
+
+
+def punch(local_port: int, peer_host: str, peer_port: int, timeout: float) -> None:
+    started = time.monotonic()
+    connected = False
+    error = ""
+    with _bound(local_port) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect((peer_host, peer_port))
+            sock.sendall(b"p")
+            connected = sock.recv(1) == b"p"
+        except OSError as exc:
+            error = repr(exc)
+    _emit({"connected": connected, "seconds": time.monotonic() - started, "error": error})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.wan.probe")
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -224,6 +273,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--count", type=int, default=1000)
+    p = sub.add_parser("observe-server")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--count", type=int, default=1)
+    p = sub.add_parser("observe")
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--local-port", type=int, required=True)
+    p = sub.add_parser("punch")
+    p.add_argument("--local-port", type=int, required=True)
+    p.add_argument("--peer-host", required=True)
+    p.add_argument("--peer-port", type=int, required=True)
+    p.add_argument("--timeout", type=float, default=10.0)
     args = parser.parse_args(argv)
     if getattr(args, "conns", 1) < 1 or not 0 < getattr(args, "bytes", 1) <= MAX_BYTES:
         parser.error("--conns must be >= 1 and --bytes in 1..2**40")
@@ -237,8 +298,14 @@ def main(argv: list[str] | None = None) -> int:
         echo(args.host, args.port, args.count)
     elif args.mode == "udp-sink":
         udp_sink(args.port, args.idle)
-    else:
+    elif args.mode == "udp-source":
         udp_source(args.host, args.port, args.count)
+    elif args.mode == "observe-server":
+        observe_server(args.port, args.count)
+    elif args.mode == "observe":
+        observe(args.host, args.port, args.local_port)
+    else:
+        punch(args.local_port, args.peer_host, args.peer_port, args.timeout)
     return 0
 
 

@@ -61,6 +61,16 @@ DEFAULT_MTU = 9000
 STOCK_TCP_WMEM = (4096, 16384, 4 * 1024 * 1024)
 STOCK_TCP_RMEM = (4096, 131072, 6 * 1024 * 1024)
 DEVICE = "wan0"
+LAN_DEVICE = "lan0"
+# A NATed host's LAN: 10.77.<100 + host index>.0/24, the router .1, the host .2; like the
+# WAN it exists only inside the testbed's namespaces.
+LAN_BASE = 100
+# nftables masquerade on the router's WAN side. "eim": endpoint-independent mapping (the
+# kernel keeps the source port where it can, so one socket maps to one public port
+# whatever it talks to: hole punching works). "symmetric": every connection gets a fresh
+# random port (endpoint-dependent: the port a peer saw is useless to a third party).
+# Both drop unsolicited inbound connections, as home routers do.
+NAT_KINDS = {"eim": "masquerade", "symmetric": "masquerade fully-random"}
 TUN_PATH = "/dev/net/tun"
 
 # Seconds: how long setup steps and teardown may take before we call them stuck.
@@ -73,7 +83,7 @@ _TUNSETIFF = 0x400454CA
 _IFF_TUN = 0x0001
 _IFF_NO_PI = 0x1000
 _HOST_NAME = re.compile(r"[a-z][a-z0-9]{0,11}")
-_NETNS_NAME = re.compile(r"(?P<pid>\d+)-(?P<n>\d+)-(?P<host>[a-z][a-z0-9]*)")
+_NETNS_NAME = re.compile(r"(?P<pid>\d+)-(?P<n>\d+)-(?P<host>[a-z][a-z0-9]*)(-nat)?")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _counter = itertools.count()
 
@@ -102,6 +112,11 @@ class Host:
     down_mbit: float | None = 1000.0
     queue_ms: float = 50.0
     loss: float | None = None
+    nat: str | None = None  # None (a public address), or one of NAT_KINDS
+
+    def __post_init__(self) -> None:
+        if self.nat is not None and self.nat not in NAT_KINDS:
+            raise ValueError(f"nat must be one of {sorted(NAT_KINDS)} or None, not {self.nat!r}")
 
 
 def _solve_three(rtt_ab: float, rtt_bc: float, rtt_ac: float) -> tuple[float, float, float]:
@@ -257,9 +272,16 @@ class Testbed:
         self.prefix = prefix
         tag = f"{os.getpid()}-{next(_counter)}"
         self._netns = {name: f"{prefix}{tag}-{name}" for name in hosts}
-        self._addrs = {
+        # The address each host's TUN device has on the WAN: a NATed host's router's.
+        self._public = {
             name: str(SUBNET.network_address + FIRST_HOST + i) for i, name in enumerate(hosts)
         }
+        self._addrs = dict(self._public)
+        for i, (name, host) in enumerate(hosts.items()):
+            if host.nat is not None:
+                if shutil.which("nft") is None:
+                    raise TestbedUnavailable("NAT hosts need the `nft` command (nftables)")
+                self._addrs[name] = f"10.77.{LAN_BASE + i}.2"
         self._created: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
         self._forwarder: subprocess.Popen[bytes] | None = None
@@ -271,8 +293,18 @@ class Testbed:
 
     # ------------------------------------------------------------------ addresses
     def addr(self, host: str) -> str:
-        """The host's IPv4 address (inside the testbed only)."""
+        """The host's own IPv4 address (inside the testbed only); for a NATed host a
+        private one that no other host can reach."""
         return self._addrs[host]
+
+    def public_addr(self, host: str) -> str:
+        """The address other hosts see this host's packets come from (its router's if
+        it is NATed, else its own)."""
+        return self._public[host]
+
+    def router_netns(self, host: str) -> str | None:
+        """The namespace of a NATed host's router (None for a public host)."""
+        return None if self.hosts[host].nat is None else self._netns[host] + "-nat"
 
     def netns(self, host: str) -> str:
         """The host's network namespace name (for ``ip netns exec``)."""
@@ -321,30 +353,75 @@ class Testbed:
 
     def _setup_host(self, name: str, device: str) -> None:
         netns = self._netns[name]
+        self._add_namespace(netns, tcp=True)
+        _ip("-n", netns, "link", "set", "lo", "up")
+        router = self.router_netns(name)
+        wan_side = netns
+        if router is not None:
+            self._add_namespace(router, tcp=False)
+            _ip("-n", router, "link", "set", "lo", "up")
+            self._setup_lan(name, netns, router)
+            wan_side = router
+        _ip("link", "set", device, "netns", wan_side)
+        _ip("-n", wan_side, "link", "set", device, "name", DEVICE)
+        cidr = f"{self._public[name]}/{SUBNET.prefixlen}"
+        _ip("-n", wan_side, "addr", "add", cidr, "dev", DEVICE)
+        _ip("-n", wan_side, "link", "set", DEVICE, "mtu", str(self.mtu), "txqueuelen", "1000", "up")
+
+    def _add_namespace(self, netns: str, *, tcp: bool) -> None:
         _ip("netns", "add", netns)
         self._created.append(netns)
-        wmem = " ".join(map(str, self.tcp_wmem))
-        rmem = " ".join(map(str, self.tcp_rmem))
-        sysctl = subprocess.run(
-            [
-                "ip", "netns", "exec", netns, "sysctl", "-q", "-w",
-                f"net.ipv4.tcp_wmem={wmem}", f"net.ipv4.tcp_rmem={rmem}",
-                "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1",
-            ],
-            capture_output=True, text=True, timeout=IP_TIMEOUT, check=False,
+        settings = ["net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"]
+        if tcp:
+            wmem = " ".join(map(str, self.tcp_wmem))
+            rmem = " ".join(map(str, self.tcp_rmem))
+            settings += [f"net.ipv4.tcp_wmem={wmem}", f"net.ipv4.tcp_rmem={rmem}"]
+        else:  # a router: forwards, terminates nothing
+            settings += ["net.ipv4.ip_forward=1"]
+        self._netns_run(netns, ["sysctl", "-q", "-w", *settings])
+
+    def _netns_run(self, netns: str, argv: list[str], stdin: str | None = None) -> None:
+        done = subprocess.run(
+            ["ip", "netns", "exec", netns, *argv],
+            input=stdin, capture_output=True, text=True, timeout=IP_TIMEOUT, check=False,
         )  # fmt: skip
-        if sysctl.returncode != 0:
-            raise TestbedError(f"sysctl in {netns}: {sysctl.stderr.strip()}")
-        _ip("link", "set", device, "netns", netns)
-        _ip("-n", netns, "link", "set", device, "name", DEVICE)
-        _ip("-n", netns, "link", "set", "lo", "up")
-        _ip("-n", netns, "addr", "add", f"{self._addrs[name]}/{SUBNET.prefixlen}", "dev", DEVICE)
-        _ip("-n", netns, "link", "set", DEVICE, "mtu", str(self.mtu), "txqueuelen", "1000", "up")
+        if done.returncode != 0:
+            raise TestbedError(f"{argv[0]} in {netns}: {done.stderr.strip()}")
+
+    def _setup_lan(self, name: str, netns: str, router: str) -> None:
+        """A veth pair from the host to its router, a default route through it, and
+        the router's masquerade and inbound filter."""
+        host = self.hosts[name]
+        assert host.nat is not None
+        lan = self._addrs[name].rsplit(".", 1)[0]
+        _ip("-n", router, "link", "add", LAN_DEVICE, "type", "veth", "peer", "name",
+            LAN_DEVICE, "netns", netns)  # fmt: skip
+        for ns, addr in ((router, f"{lan}.1/24"), (netns, f"{lan}.2/24")):
+            _ip("-n", ns, "addr", "add", addr, "dev", LAN_DEVICE)
+            _ip("-n", ns, "link", "set", LAN_DEVICE, "mtu", str(self.mtu), "up")
+        _ip("-n", netns, "route", "add", "default", "via", f"{lan}.1")
+        ruleset = f"""
+            table ip blobwan_nat {{
+                chain postrouting {{
+                    type nat hook postrouting priority srcnat; policy accept;
+                    oifname "{DEVICE}" {NAT_KINDS[host.nat]}
+                }}
+                chain forward {{
+                    type filter hook forward priority filter; policy accept;
+                    iifname "{DEVICE}" ct state new drop
+                }}
+                chain input {{
+                    type filter hook input priority filter; policy accept;
+                    iifname "{DEVICE}" ct state new drop
+                }}
+            }}
+        """
+        self._netns_run(router, ["nft", "-f", "-"], stdin=ruleset)
 
     def _link_config(self, name: str) -> dict[str, Any]:
         host = self.hosts[name]
         return {
-            "addr": list(ipaddress.IPv4Address(self._addrs[name]).packed),
+            "addr": list(ipaddress.IPv4Address(self._public[name]).packed),
             "delay_s": host.delay_ms / 1000,
             "up_bytes_per_s": _mbit(host.up_mbit),
             "down_bytes_per_s": _mbit(host.down_mbit),

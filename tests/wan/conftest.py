@@ -21,3 +21,11 @@ def wan_capable() -> None:
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
+
+
+@pytest.fixture
+def nat_capable(wan_capable: None) -> None:
+    import shutil
+
+    if shutil.which("nft") is None:
+        pytest.skip("NAT hosts need the `nft` command (Debian package nftables)")
