@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 import trio
 
-from blobstore import Store
+from blobstore import BlobNotFound, Store
 from p2p.errors import BadAddress
 from p2p.names_record import NameRecord, check_name, parse_ref
 from p2p.net_cli import bootstrap_option, listen_option, verbose_option
@@ -193,7 +193,10 @@ def publish(
     so a `blob serve` on it answers for the name.
     """
     check_name(name)
-    blob_id = Store.open(_root(ctx)["store_root"]).resolve(ref)
+    store = Store.open(_root(ctx)["store_root"])
+    blob_id = store.resolve(ref)
+    if not store.has(blob_id):
+        raise BlobNotFound(f"blob {blob_id} is not complete in this store; get it first")
     certificate = None if cert_path is None else _read_certificate(cert_path)
     from p2p import names
 
@@ -322,6 +325,37 @@ def catalog(
     for record in records:
         left = "" if record.expires is None else f"  ({int(record.expires - now)} s left)"
         click.echo(f"{record.name}  {record.blob_id}  seq {record.seq}{left}")
+
+
+def resolve_name(
+    ctx: click.Context,
+    ref: str,
+    *,
+    peers: Sequence[str] = (),
+    bootstrap: Sequence[str] = (),
+    listen: Sequence[str] = (),
+    no_dht: bool = False,
+    verbose: int = 0,
+) -> str:
+    """The blob ID that ``PUBLISHER/NAME`` names now, for commands that take an ID
+    (``blob get PUBLISHER/NAME``): a short-lived node asks as ``blob resolve`` does."""
+    target = parse_ref(ref)
+    from p2p import names
+
+    async def job(node: Node) -> NameRecord:
+        return await names.resolve(node, target)
+
+    record = _run_node(
+        ctx,
+        peers=peers,
+        bootstrap=bootstrap,
+        listen=listen,
+        no_dht=no_dht,
+        verbose=verbose,
+        job=job,
+    )
+    click.echo(f"{ref} is {record.blob_id} (seq {record.seq})", err=True)
+    return record.blob_id
 
 
 COMMANDS: list[click.Command] = [publish, resolve, catalog]
