@@ -230,14 +230,18 @@ class BlockingNode:
     def _local_ref(self, ref: str) -> str | None:
         """The blob ID a tag or prefix names in the store; None for a ticket or a full
         ID the store does not know (those go to the network as they are)."""
-        from blobstore import BlobNotFound, parse_blob_id
+        from blobstore import BadBlobId, BlobNotFound, parse_blob_id
 
         if ref.startswith("blob1"):
             return None
         try:
             return self.store.resolve(ref)
-        except BlobNotFound:
-            parse_blob_id(ref)  # neither a known name nor an ID: BadBlobId says so
+        except BlobNotFound as not_here:
+            try:
+                parse_blob_id(ref)
+            except BadBlobId:
+                # Neither a known tag or prefix nor a full ID: the store's own error.
+                raise not_here from None
             return None
 
     def _complete(self, blob_id: str) -> bool:

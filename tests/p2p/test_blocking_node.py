@@ -41,3 +41,36 @@ def test_calls_after_the_node_crashed_raise_node_stopped(tmp_path: Path) -> None
     # close() after the crash is quiet; a facade that was never started is a caller bug.
     with pytest.raises(NodeNotRunning):
         BlockingNode(tmp_path / "other").fetch("0" * 64)
+
+
+def test_a_training_script_shares_fetches_by_tag_and_takes_one_tensor(tmp_path: Path) -> None:
+    """Two nodes in one plain script: bytes added with a tag on one, fetched by ID on the
+    other, then found by its local tag with no provider left to ask; one tensor of a
+    safetensors blob taken without the rest of the file."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    from blobstore import BlobNotFound
+
+    rng = np.random.default_rng(1)
+    tensors = {f"w{i}": rng.standard_normal((256, 1024), dtype=np.float32) for i in range(4)}
+    checkpoint = save(tensors)  # four 1 MiB tensors: five 1 MiB chunks
+    listen = ["/ip4/127.0.0.1/tcp/0"]
+    with BlockingNode(tmp_path / "a", listen=listen, dht=False) as a:
+        note_id = a.add_bytes(b"step 1000 done", tag="note")
+        ckpt_id = a.add_bytes(checkpoint)
+        assert a.store.resolve("note") == note_id
+        with BlockingNode(tmp_path / "b", listen=listen, dht=False) as b:
+            assert b.fetch(note_id, providers=a.addrs) == note_id
+            b.store.tag("latest-note", note_id)
+            w2 = b.fetch_tensor(ckpt_id, "w2", providers=a.addrs)
+            assert np.array_equal(w2, tensors["w2"])
+            assert not b.store.has(ckpt_id)  # only w2's chunks (and the header's) came
+            held = b.store.chunk_bitmap(ckpt_id)
+            assert 0 < sum(bin(byte).count("1") for byte in held) < 5
+    with BlockingNode(tmp_path / "b", listen=listen, dht=False) as b:
+        # Provider gone: a local tag still resolves, to the blob already here.
+        assert b.fetch("latest-note") == note_id
+        assert b.store.path(note_id).read_bytes() == b"step 1000 done"
+        with pytest.raises(BlobNotFound):
+            b.fetch("no-such-tag")

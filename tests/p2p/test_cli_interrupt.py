@@ -86,15 +86,15 @@ def _begun(partial: Path, process: subprocess.Popen[str]) -> bool:
 
 
 def test_ctrl_c_at_many_points_of_a_real_fetch(cluster: Cluster, tmp_path: Path) -> None:
-    """SIGINT at eight points of a fetch from a real `blob serve`: every run exits 130
+    """SIGINT at six points of a fetch from a real `blob serve`: every run exits 130
     with one line (or 0 if it finished first), and an interrupted fetch resumes to the
     very blob that was put in."""
-    source = random_file(tmp_path / "ckpt.bin", 96 * MiB)
+    source = random_file(tmp_path / "ckpt.bin", 64 * MiB)
     blob_id = cluster.put("a", source)
     a = cluster.serve("a")
     key = cluster.key("b")
     outcomes: list[int] = []
-    for run, delay in enumerate((0.0, 0.01, 0.02, 0.04, 0.06, 0.09, 0.13, 0.2)):
+    for run, delay in enumerate((0.0, 0.01, 0.03, 0.06, 0.1, 0.15)):
         store = cluster.store(f"b{run}")
         get = blob_cmd(store, key, "get", blob_id, "--peer", a.addr, "--no-progress")
         partial = store / "partial" / blob_id
@@ -109,9 +109,9 @@ def test_ctrl_c_at_many_points_of_a_real_fetch(cluster: Cluster, tmp_path: Path)
         if p.returncode == 130:
             assert err.strip().splitlines() == ["Interrupted."], err
         outcomes.append(p.returncode)
-        if run < 7:
+        if run < 5:
             shutil.rmtree(store)
-    assert outcomes.count(130) >= 4, outcomes  # most signals landed during the fetch
+    assert outcomes.count(130) >= 3, outcomes  # most signals landed during the fetch
     run_blob(store, key, "get", blob_id, "--peer", a.addr, "--no-progress")
     digest = blake3.blake3(Store.open(store).path(blob_id).read_bytes()).hexdigest()
     assert digest == blake3.blake3(source.read_bytes()).hexdigest()
