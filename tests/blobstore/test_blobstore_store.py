@@ -474,8 +474,11 @@ def test_collection_round_trip(store: Store, tmp_path: Path, check_consistent: C
     got = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert got == files
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
-    with pytest.raises(StoreError, match="already exists"):
+    store.export(cid, out)  # again, identical content already there: nothing to do
+    (out / "config.json").write_bytes(b'{"hidden": 9}')
+    with pytest.raises(StoreError, match="already exists with other content"):
         store.export(cid, out)
+    assert (out / "config.json").read_bytes() == b'{"hidden": 9}'  # never overwritten
     check_consistent(store.root)
 
 
