@@ -232,6 +232,7 @@ def _swarm(work: Path, workers: int, size_mib: int, runs: int) -> dict[str, Any]
     seeder = BlobNode(work / "seeder", "seed")
     blob_id = seeder.put(data)
     totals: list[float] = []
+    fetches: list[float] = []
     uploaded: list[int] = []
     failures = 0
     for run in range(runs):
@@ -242,13 +243,21 @@ def _swarm(work: Path, workers: int, size_mib: int, runs: int) -> dict[str, Any]
             gettings = [n.start_get(tb, blob_id, [served.addr]) for n in nodes]
             results = [g.wait(_fetch_timeout(size) * workers) for g in gettings]
             totals.append(time.monotonic() - started)
-            uploaded.append(tb.stats()["hosts"]["seed"]["sent_bytes"])
+            # From the first verified chunk anywhere to the last exit: the fan-out itself,
+            # without the processes' start-up (they start together but not in step).
+            firsts = [g.first_chunk for g in gettings if g.first_chunk is not None]
+            ends = [g.started + r.wall_s for g, r in zip(gettings, results, strict=True)]
+            if firsts:
+                fetches.append(max(ends) - min(firsts))
+            # What left the seeder's uplink (retransmissions included, drops not).
+            uploaded.append(tb.stats()["hosts"]["seed"]["uplink_bytes"])
             failures += sum(1 for r in results if r.returncode != 0)
             seeder.stop()
             for n in nodes:
                 shutil.rmtree(n.root, ignore_errors=True)
     one_transfer = size / (SWARM_SEEDER_MBIT * 1e6 / 8)
     total = _median(totals)
+    fetch = _median(fetches)
     up = _median([float(u) for u in uploaded])
     return {
         "workers": workers,
@@ -256,6 +265,8 @@ def _swarm(work: Path, workers: int, size_mib: int, runs: int) -> dict[str, Any]
         "total_s": total,
         "one_transfer_at_seeder_uplink_s": one_transfer,
         "time_ratio": None if total is None else total / one_transfer,
+        "transfer_span_s": fetch,
+        "fetch_ratio": None if fetch is None else fetch / one_transfer,
         "seeder_sent_bytes": up,
         "upload_ratio": None if up is None else up / size,
         "failures": failures,
@@ -315,13 +326,18 @@ def print_table(result: dict[str, Any]) -> None:
     swarm = result.get("swarm")
     if swarm:
         print()
-        print(
-            f"swarm: 1 seeder ({SWARM_SEEDER_MBIT:.0f} Mbit/s up) -> {swarm['workers']} workers, "
-            f"{swarm['size_mib']} MiB: all done in {_s(swarm['total_s'])} s = "
-            f"{_s(swarm['time_ratio'])}x one transfer at the seeder's uplink "
-            f"({swarm['one_transfer_at_seeder_uplink_s']:.2f} s); seeder sent "
-            f"{_s(swarm['upload_ratio'])}x the blob; {swarm['failures']} failed gets"
-        )
+        print_swarm(swarm)
+
+
+def print_swarm(swarm: dict[str, Any]) -> None:
+    print(
+        f"swarm: 1 seeder ({SWARM_SEEDER_MBIT:.0f} Mbit/s up) -> {swarm['workers']} workers, "
+        f"{swarm['size_mib']} MiB: all done in {_s(swarm['total_s'])} s = "
+        f"{_s(swarm['time_ratio'])}x one transfer at the seeder's uplink "
+        f"({swarm['one_transfer_at_seeder_uplink_s']:.2f} s; first chunk to last exit "
+        f"{_s(swarm['transfer_span_s'])} s = {_s(swarm['fetch_ratio'])}x); seeder sent "
+        f"{_s(swarm['upload_ratio'])}x the blob; {swarm['failures']} failed gets"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         "--swarm", type=int, default=0, metavar="N", help="add the fan-out row with N workers"
     )
     parser.add_argument("--swarm-size-mib", type=int, default=64)
+    parser.add_argument(
+        "--swarm-only", action="store_true", help="run only the fan-out row (needs --swarm)"
+    )
     args = parser.parse_args(argv)
     if args.runs < 1 or args.size_mib < 1 or args.swarm < 0:
         parser.error("--runs and --size-mib must be >= 1, --swarm >= 0")
@@ -340,8 +359,18 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"bench/wan.py: {reason}", file=sys.stderr)
         return 2
-    result = run_bench(args.runs, args.size_mib, args.swarm, args.swarm_size_mib)
-    print_table(result)
+    if args.swarm_only:
+        if not args.swarm:
+            parser.error("--swarm-only needs --swarm N")
+        work = Path(tempfile.mkdtemp(prefix="blobnet-wan-bench-"))
+        try:
+            result = {"swarm": _swarm(work, args.swarm, args.swarm_size_mib, args.runs)}
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print_swarm(result["swarm"])
+    else:
+        result = run_bench(args.runs, args.size_mib, args.swarm, args.swarm_size_mib)
+        print_table(result)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
         args.json_out.write_text(json.dumps(result, indent=2) + "\n")

@@ -91,8 +91,9 @@ def queue_capacity(rate: float, queue_s: float) -> float:
 class Counters:
     """What happened to the packets, per host index."""
 
-    sent_packets: list[int]
+    sent_packets: list[int]  # what the host handed to its link (counted before any drop)
     sent_bytes: list[int]
+    uplink_bytes: list[int]  # what left the host's uplink: sent, less lost and dropped
     delivered_packets: list[int]
     delivered_bytes: list[int]
     lost: list[int]  # random loss, counted at the sender
@@ -102,7 +103,8 @@ class Counters:
 
     @classmethod
     def zero(cls, n: int) -> Counters:
-        return cls([0] * n, [0] * n, [0] * n, [0] * n, [0] * n, [0] * n, [0] * n)
+        z = [0] * n
+        return cls(z[:], z[:], z[:], z[:], z[:], z[:], z[:], z[:])
 
     def as_dict(self, names: Sequence[str]) -> dict[str, object]:
         per_host = {
@@ -111,6 +113,7 @@ class Counters:
                 for key in (
                     "sent_packets",
                     "sent_bytes",
+                    "uplink_bytes",
                     "delivered_packets",
                     "delivered_bytes",
                     "lost",
@@ -207,6 +210,7 @@ class Emulator:
                 return
             leaves = start + size / rate
             link.up_free = leaves
+        counters.uplink_bytes[src] += size
         heapq.heappush(
             self._arriving, (leaves + self._prop[src][dst], next(self._seq), dst, packet)
         )
