@@ -68,6 +68,8 @@ def test_a_full_uplink_queue_drops_the_tail_and_counts_it() -> None:
     delivered = _drain(emu, 0.2)
     assert len(delivered) == 50
     assert emu.counters.dropped_up[0] == 30
+    assert emu.counters.sent_bytes[0] == 80 * 1000  # what the host tried to send
+    assert emu.counters.uplink_bytes[0] == 50 * 1000  # what its link carried
     # FIFO: the survivors are the first 50, in order
     assert [pkt[4] for _, _, pkt in delivered] == list(range(50))
 

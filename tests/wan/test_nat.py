@@ -14,7 +14,7 @@ import pytest
 from bench.wan import Host, Testbed
 from bench.wan.measure import observed_from, probe_argv, punch, python_env
 
-pytestmark = [pytest.mark.usefixtures("nat_capable"), pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.usefixtures("nat_capable"), pytest.mark.slow, pytest.mark.timeout(60)]
 
 LOCAL_PORT = 40000
 

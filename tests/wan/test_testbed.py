@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.usefixtures("wan_capable"), pytest.mark.timeout(60)]
 MiB = 1 << 20
 
 
+@pytest.mark.slow
 def test_tcp_round_trips_match_the_three_continent_rtts() -> None:
     with Testbed(THREE_CONTINENTS) as tb:
         for a, b, rtt in (("eu", "asia", 200.0), ("eu", "us", 80.0)):
@@ -46,6 +47,7 @@ def test_a_shaped_link_carries_its_rate_and_no_more() -> None:
     assert stats["a"]["sent_bytes"] >= 16 * MiB
 
 
+@pytest.mark.slow
 def test_configured_loss_drops_about_that_share_of_datagrams() -> None:
     count = 2000
     with Testbed({"a": Host(delay_ms=1.0), "b": Host(delay_ms=1.0)}, loss=0.05, seed=3) as tb:
