@@ -6,7 +6,6 @@ owner that died without cleaning up)."""
 from __future__ import annotations
 
 import signal
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -26,9 +25,10 @@ def test_tcp_round_trips_match_the_three_continent_rtts() -> None:
     with Testbed(THREE_CONTINENTS) as tb:
         for a, b, rtt in (("eu", "asia", 200.0), ("eu", "us", 80.0)):
             assert tb.rtt_ms(a, b) == pytest.approx(rtt)
-            measured = statistics.median(tcp_rtts_ms(tb, a, b, count=5))
-            # The forwarder sleeps in whole milliseconds; a loaded machine adds a little.
-            assert rtt - 1.0 <= measured <= rtt + 8.0, (a, b, measured)
+            # The least of a few: scheduling on a busy machine only ever adds delay, and
+            # the forwarder sleeps in whole milliseconds.
+            measured = min(tcp_rtts_ms(tb, a, b, count=5))
+            assert rtt - 1.0 <= measured <= rtt + 10.0, (a, b, measured)
 
 
 @pytest.mark.slow
