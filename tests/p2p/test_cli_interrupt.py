@@ -8,12 +8,11 @@ signal receiver (p2p.net_cli.run_interruptible), which cancels the work in order
 
 from __future__ import annotations
 
-import functools
 import queue
-import shutil
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -81,37 +80,46 @@ def test_sigint_between_queueing_and_waiting_is_an_orderly_cancel() -> None:
     assert 0 in sink.written  # the write that was queued when the signal came completed
 
 
-def _begun(partial: Path, process: subprocess.Popen[str]) -> bool:
-    return partial.exists() or process.poll() is not None
+def _interrupt_one(cmd: list[str], partial: Path, delay: float) -> tuple[int, str]:
+    """Start a fetch, SIGINT it ``delay`` seconds after its partial blob appears (the
+    fetch has begun), and return its exit status and stderr."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+        wait_until(lambda: partial.exists() or p.poll() is not None, timeout=60, interval=0.002)
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    return p.returncode, err
 
 
 def test_ctrl_c_at_many_points_of_a_real_fetch(cluster: Cluster, tmp_path: Path) -> None:
-    """SIGINT at six points of a fetch from a real `blob serve`: every run exits 130
-    with one line (or 0 if it finished first), and an interrupted fetch resumes to the
-    very blob that was put in."""
+    """SIGINT at six points of a fetch from a real `blob serve` (six fetchers at once, to
+    keep the test short): every one exits 130 with one line (or 0 if it finished first),
+    and an interrupted fetch resumes to the very blob that was put in."""
     source = random_file(tmp_path / "ckpt.bin", 64 * MiB)
     blob_id = cluster.put("a", source)
     a = cluster.serve("a")
     key = cluster.key("b")
-    outcomes: list[int] = []
-    for run, delay in enumerate((0.0, 0.01, 0.03, 0.06, 0.1, 0.15)):
-        store = cluster.store(f"b{run}")
-        get = blob_cmd(store, key, "get", blob_id, "--peer", a.addr, "--no-progress")
-        partial = store / "partial" / blob_id
-        with subprocess.Popen(get, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
-            # The fetch has begun once its partial exists (or it already finished).
-            wait_until(functools.partial(_begun, partial, p), timeout=30, interval=0.002)
-            time.sleep(delay)
-            p.send_signal(signal.SIGINT)
-            _, err = p.communicate(timeout=60)
+    delays = (0.0, 0.01, 0.03, 0.06, 0.1, 0.15)
+    stores = [cluster.store(f"b{run}") for run in range(len(delays))]
+    with ThreadPoolExecutor(len(delays)) as pool:
+        runs = [
+            pool.submit(
+                _interrupt_one,
+                blob_cmd(store, key, "get", blob_id, "--peer", a.addr, "--no-progress"),
+                store / "partial" / blob_id,
+                delay,
+            )
+            for store, delay in zip(stores, delays, strict=True)
+        ]
+        outcomes = [run.result(timeout=120) for run in runs]
+    for code, err in outcomes:
         assert "Traceback" not in err and "TrioInternalError" not in err, err
-        assert p.returncode in (0, 130), err
-        if p.returncode == 130:
+        assert code in (0, 130), err
+        if code == 130:
             assert err.strip().splitlines() == ["Interrupted."], err
-        outcomes.append(p.returncode)
-        if run < 5:
-            shutil.rmtree(store)
-    assert outcomes.count(130) >= 3, outcomes  # most signals landed during the fetch
-    run_blob(store, key, "get", blob_id, "--peer", a.addr, "--no-progress")
-    digest = blake3.blake3(Store.open(store).path(blob_id).read_bytes()).hexdigest()
+    codes = [code for code, _ in outcomes]
+    assert codes.count(130) >= 3, codes  # most signals landed during the fetch
+    interrupted = stores[codes.index(130)]
+    run_blob(interrupted, key, "get", blob_id, "--peer", a.addr, "--no-progress")
+    digest = blake3.blake3(Store.open(interrupted).path(blob_id).read_bytes()).hexdigest()
     assert digest == blake3.blake3(source.read_bytes()).hexdigest()
