@@ -70,6 +70,7 @@ from p2p.names_record import (
 from p2p.wire import StreamLost, close_quietly, read_some, reset_quietly, write_all
 
 if TYPE_CHECKING:
+    from blobstore import Store
     from p2p.node import Node
 
 __all__ = [
@@ -91,6 +92,7 @@ __all__ = [
     "install",
     "is_name_ref",
     "parse_ref",
+    "publish_in_store",
     "publish_name",
     "publish_record",
     "resolve",
@@ -501,12 +503,28 @@ async def publish(
     check_name(name)
     key = record_key(signer.peer_id, name)
     await trio.to_thread.run_sync(service._reload_key, key, now)
+    record = _sign_next(
+        signer, name, blob_id, service.cache.get(key), seq, expiry_s, certificate, now
+    )
+    return await publish_record(node, record, now=now, push=push, use_dht=use_dht)
+
+
+def _sign_next(
+    signer: Signer,
+    name: str,
+    blob_id: str,
+    held: NameRecord | None,
+    seq: int | None,
+    expiry_s: int | None,
+    certificate: AdmissionCertificate | None,
+    now: float,
+) -> NameRecord:
+    """The next record for a name: ``seq`` defaults to max(held + 1, Unix time)."""
     if seq is None:
-        held = service.cache.get(key)
         seq = max(int(now), held.seq + 1 if held is not None else 1)
     if expiry_s is not None and expiry_s <= 0:
         raise BadName(f"expiry must be a positive number of seconds, not {expiry_s}")
-    record = sign_record(
+    return sign_record(
         signer,
         name=name,
         blob_id=blob_id,
@@ -515,7 +533,34 @@ async def publish(
         expires=None if expiry_s is None else int(now) + expiry_s,
         certificate=certificate,
     )
-    return await publish_record(node, record, now=now, push=push, use_dht=use_dht)
+
+
+def publish_in_store(
+    store: Store,
+    signer: Signer,
+    name: str,
+    blob_id: str,
+    *,
+    now: float,
+    seq: int | None = None,
+    expiry_s: int | None = DEFAULT_EXPIRY_S,
+    certificate: AdmissionCertificate | None = None,
+) -> NameRecord:
+    """Sign a record and keep it in ``store``'s record cache, without any network: for
+    programs with no node running (``blob train run --publish NAME``). A node serving
+    this store answers for it at once and spreads it within ``NAMES_POLL`` seconds
+    (:func:`run_names`). Blocking (a small durable write)."""
+    check_name(name)
+    cache = NameCache.for_store_root(store.root, store.tmp_dir)
+    key = record_key(signer.peer_id, name)
+    cache.reload_key(key, now=now, own_publisher=signer.peer_id)
+    record = _sign_next(signer, name, blob_id, cache.get(key), seq, expiry_s, certificate, now)
+    verify(record, now=now)
+    offer = cache.offer(record, now=now, own=True)
+    if not offer.accepted:
+        raise NameRejected(NameReason.OLDER, f"{record.describe()} not published: {offer.reason}")
+    cache.persist(key)
+    return record
 
 
 async def resolve(

@@ -1,14 +1,16 @@
 """What a serving node does with names in the background (``run_names``), over TCP on
 127.0.0.1 with two nodes in this process.
 
-The story: ``blob publish`` runs beside a ``blob serve`` on the same store (another
-process: here, a second cache over the same directory); the serving node notices the new
-record on its next poll and pushes it to its peers, which then answer for it offline.
+The story: a program with no node (``blob train run --publish``) names a blob in the store
+of a running ``blob serve``; the serving node notices the record on its next poll and
+pushes it to its peers, which then answer for it offline. Publishing again in the store
+supersedes the first record.
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -16,8 +18,6 @@ import trio
 from blobstore import Store
 from identity import MachineKey, SoftwareSigner
 from p2p import names
-from p2p.names_cache import NameCache
-from p2p.names_record import sign_record
 from p2p.node import open_node
 
 POLL = 0.1
@@ -36,14 +36,18 @@ async def test_a_record_written_beside_a_serving_node_reaches_its_peers(tmp_path
         nursery.start_soon(lambda: names.run_names(serving, poll=POLL))
         blob_id = await serving.add_bytes(b"state " * 1000)
 
-        # "blob publish" in another process: its own cache over the same store.
+        # Another process with no node (a training run) names the blob in the same store.
         store = Store.open(tmp_path / "serving")
-        other_process = NameCache.for_store_root(store.root, store.tmp_dir)
-        record = sign_record(
-            SoftwareSigner(key), name="final", blob_id=blob_id, seq=1, time=int(time.time())
+        record = await trio.to_thread.run_sync(
+            partial(
+                names.publish_in_store,
+                store,
+                SoftwareSigner(key),
+                "final",
+                blob_id,
+                now=time.time(),
+            )
         )
-        other_process.offer(record, now=record.time, own=True)
-        await trio.to_thread.run_sync(other_process.persist, record.key)
 
         ref = f"{serving.peer_id}/final"
         with trio.fail_after(10):
@@ -54,4 +58,8 @@ async def test_a_record_written_beside_a_serving_node_reaches_its_peers(tmp_path
                 except names.NameNotFound:
                     await trio.sleep(POLL)
         assert found == record
+        again = names.publish_in_store(
+            store, SoftwareSigner(key), "final", blob_id, now=time.time()
+        )
+        assert again.seq > record.seq
         nursery.cancel_scope.cancel()
