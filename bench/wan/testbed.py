@@ -25,6 +25,12 @@ Theory of operation
    namespaces, stops the forwarder and deletes the namespaces. Each step is attempted
    even when an earlier one failed. A process killed with SIGKILL cannot clean up: the
    next testbed's start (or :func:`sweep`) deletes namespaces whose owner is dead.
+5. A NATed host (``Host(nat=...)``) has a second namespace, its router
+   (``...-<host>-nat``), which holds the TUN device and the host's public address; the
+   host reaches it over a veth pair on its own /24 (``10.77.<100 + index>.0/24``) with a
+   default route through it. The router forwards, masquerades what leaves on ``wan0``
+   (nftables; ``NAT_KINDS``) and drops unsolicited inbound connections. The forwarder
+   sees only the router, so the host's link settings apply to the router's link.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -572,14 +578,3 @@ def stop_processes(procs: Sequence[subprocess.Popen[Any]]) -> None:
             if pipe is not None:
                 with contextlib.suppress(OSError):
                     pipe.close()
-
-
-def wait_for(predicate: Callable[[], object], *, timeout: float, interval: float = 0.01) -> bool:
-    """Poll ``predicate()`` until true or ``timeout`` seconds pass; its last value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
