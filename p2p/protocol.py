@@ -1,4 +1,4 @@
-"""The sans-IO core of the ``/blobnet/blob/1.0.0`` wire protocol.
+"""The sans-IO core of the ``/blobnet/blob/1.0.0`` and ``/blobnet/blob/1.1.0`` wire protocol.
 
 Bytes in, events out; events in, bytes out. Nothing here touches a socket, a clock or the
 store: the trio shell (server, client, downloader) moves bytes between these objects and
@@ -19,11 +19,13 @@ Theory of operation
    or extra keys, wrong types and out-of-range values are rejected before that, with a
    precise message.
 
-3. One request at a time per stream. The client sends a request, reads the whole response,
-   then may send the next. The server reads a request, answers it completely, then reads the
-   next. Both sides track the outstanding request and check every message against it: a
-   ``get`` response carries only chunk indices that were asked for, each at most once, and
-   ends with ``end`` whose ``missing`` list is exactly the indices not sent.
+3. Requests in order per stream. On 1.0.0 the client sends a request, reads the whole
+   response, then may send the next. On 1.1.0 (``max_pipelined=MAX_PIPELINED_REQUESTS``) it
+   may have up to that many requests outstanding; responses come in request order. The
+   server reads a request, answers it completely, then takes the next. Both sides track the
+   outstanding requests and check every message against the oldest: a ``get`` response
+   carries only chunk indices that were asked for, each at most once, and ends with ``end``
+   whose ``missing`` list is exactly the indices not sent.
 
 4. Whose fault. Anything the peer sent that breaks these rules raises
    ``RemoteProtocolError`` (the shell resets the stream and scores the peer down; a server
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections import deque
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeAlias
 
@@ -62,8 +65,11 @@ __all__ = [
     "MAX_HEADER_SIZE",
     "MAX_MANIFEST_BYTES",
     "MAX_NUM_CHUNKS",
+    "MAX_PIPELINED_REQUESTS",
     "MAX_RANGES_PER_REQUEST",
     "PROTOCOL_ID",
+    "PROTOCOL_ID_1_1",
+    "SERVED_PROTOCOL_IDS",
     "Chunk",
     "ClientConnection",
     "End",
@@ -88,6 +94,10 @@ __all__ = [
 ]
 
 PROTOCOL_ID = "/blobnet/blob/1.0.0"
+# 1.1.0: the same messages, and a client may pipeline requests (PROTOCOL.md section 5).
+PROTOCOL_ID_1_1 = "/blobnet/blob/1.1.0"
+# A server serves both; a client that wants pipelining asks for 1.1.0 first.
+SERVED_PROTOCOL_IDS = (PROTOCOL_ID_1_1, PROTOCOL_ID)
 
 # --- Limits -------------------------------------------------------------------------------
 # Every length, count and index a peer can claim is bounded here and checked before memory
@@ -135,6 +145,12 @@ MAX_RANGES_PER_REQUEST = 64
 # link busy for a second or more between requests, small enough that a per-request deadline
 # derived from a minimum send rate stays meaningful and a slow peer holds few chunks hostage.
 MAX_CHUNKS_PER_REQUEST = 256
+
+# Requests one 1.1.0 stream may have outstanding (sent, response not complete), the one
+# being answered included. Enough to hide a round trip behind the chunks of the previous
+# request (a request is small; its response is up to 256 chunks); small enough that the
+# server's view of one stream stays a short queue of parsed requests.
+MAX_PIPELINED_REQUESTS = 8
 
 # Error text, in UTF-8 bytes: one line for a log or a CLI message; a peer cannot make us
 # store or print more.
@@ -766,12 +782,24 @@ class ServerConnection:
     with ``eof_received`` set means the client closed the stream cleanly), then answer it with
     ``send_response`` / ``send_chunk_header`` and write the bytes they return. The request is
     answered after a ManifestResponse, HaveResponse, End or ErrorResponse.
+
+    ``max_pipelined`` is 1 on ``/blobnet/blob/1.0.0`` streams and MAX_PIPELINED_REQUESTS on
+    1.1.0 ones: requests that arrive while one is being answered are parsed and queued (a
+    violation beyond that many outstanding), and ``next_request`` hands them out in order.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_pipelined: int = 1) -> None:
+        if not 1 <= max_pipelined <= MAX_PIPELINED_REQUESTS:
+            raise LocalProtocolError(f"max_pipelined must be 1..{MAX_PIPELINED_REQUESTS}")
+        self._max_pipelined = max_pipelined
         self._recv = _ReceiveBuffer()
         self._request: Request | None = None
         self._state: _RequestState | None = None
+        self._queued: deque[Request] = deque()
+        # 1.0.0: bytes were already here behind the request being answered, so the client
+        # sent them before reading its response; the next next_request() fails.
+        self._sent_early = False
+        self._deferred: _Invalid | None = None
         self._failed: str | None = None
 
     @property
@@ -793,28 +821,64 @@ class ServerConnection:
         return self._recv.bytes_needed(MAX_HEADER_SIZE)
 
     def next_request(self) -> Request | None:
-        """The next request, or None when more bytes are needed (or, with ``eof_received``,
-        when the stream ended cleanly). Raises RemoteProtocolError on anything malformed or
-        oversized, on a stream cut mid-frame, and on bytes sent while a response is owed."""
+        """The next request, or None when more bytes are needed, while a response is owed
+        (or, with ``eof_received``, when the stream ended cleanly). Raises
+        RemoteProtocolError on anything malformed or oversized, on a stream cut mid-frame,
+        on bytes sent while a response is owed (1.0.0), and on more than ``max_pipelined``
+        requests outstanding (1.1.0)."""
         if self._failed is not None:
             raise RemoteProtocolError(f"connection already failed: {self._failed}")
         try:
-            if self._request is not None:
-                if len(self._recv):
-                    raise _Invalid("client sent a new request before reading the response")
-                return None
-            header = self._recv.take_header(MAX_HEADER_SIZE)
-            if header is None:
-                if self._recv.eof and len(self._recv):
-                    raise _Truncated("stream closed in the middle of a request")
-                return None
-            request = _decode_request(header)
+            if self._max_pipelined == 1:
+                request = self._next_sequential()
+            else:
+                request = self._next_pipelined()
         except _Invalid as exc:
             self._failed = str(exc)
             raise _remote(exc) from None
-        self._request = request
-        self._state = _RequestState(request)
+        if request is not None:
+            self._request = request
+            self._state = _RequestState(request)
         return request
+
+    def _next_sequential(self) -> Request | None:
+        if self._sent_early or (self._request is not None and len(self._recv)):
+            raise _Invalid("client sent a new request before reading the response")
+        if self._request is not None:
+            return None
+        request = self._take_request()
+        self._sent_early = request is not None and len(self._recv) > 0
+        return request
+
+    def _next_pipelined(self) -> Request | None:
+        # A violation behind queued requests waits until they are handed out, so what the
+        # peer sees does not depend on how its bytes were split into reads.
+        if self._deferred is None:
+            try:
+                while (request := self._take_request()) is not None:
+                    if len(self._queued) + (self._request is not None) >= self._max_pipelined:
+                        raise _Invalid(
+                            f"more than {self._max_pipelined} requests outstanding on one stream",
+                            ErrorCode.TOO_LARGE,
+                        )
+                    self._queued.append(request)
+            except _Invalid as exc:
+                self._deferred = exc
+        if self._request is not None:
+            return None
+        if self._queued:
+            return self._queued.popleft()
+        if self._deferred is not None:
+            raise self._deferred
+        return None
+
+    def _take_request(self) -> Request | None:
+        header = self._recv.take_header(MAX_HEADER_SIZE)
+        if header is None:
+            if self._recv.eof and len(self._recv):
+                raise _Truncated("stream closed in the middle of a request")
+            return None
+        return _decode_request(header)
 
     def unsent_indices(self) -> tuple[int, ...]:
         """Indices of the current `get` not sent yet, ascending: the ``missing`` list of an
@@ -873,12 +937,21 @@ class ClientConnection:
     caller's choosing, and while a body is in progress ``body_space`` is a writable view of
     its unfilled part: receive into it and report the count with ``body_received`` instead
     of passing bytes through ``receive_data``.
+
+    Pipelining (``/blobnet/blob/1.1.0`` streams only): with ``max_pipelined`` > 1 up to that
+    many requests may be sent before their responses complete; the server answers in order,
+    so every event belongs to ``outstanding_request`` (the oldest), and ``send_request`` may
+    be called again whenever ``outstanding_count < max_pipelined``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_pipelined: int = 1) -> None:
+        if not 1 <= max_pipelined <= MAX_PIPELINED_REQUESTS:
+            raise LocalProtocolError(f"max_pipelined must be 1..{MAX_PIPELINED_REQUESTS}")
+        self._max_pipelined = max_pipelined
         self._recv = _ReceiveBuffer()
         self._request: Request | None = None
         self._state: _RequestState | None = None
+        self._queued: deque[tuple[Request, _RequestState]] = deque()
         self._pending_index: int | None = None
         self._expected_length: ExpectedLength | None = None
         self._allocate: BodyAllocator | None = None
@@ -891,8 +964,13 @@ class ClientConnection:
 
     @property
     def outstanding_request(self) -> Request | None:
-        """The request whose response is being read, or None."""
+        """The request whose response is being read (the oldest outstanding), or None."""
         return self._request
+
+    @property
+    def outstanding_count(self) -> int:
+        """Requests sent whose responses are not complete (at most ``max_pipelined``)."""
+        return (self._request is not None) + len(self._queued)
 
     def set_expected_chunk_length(self, fn: ExpectedLength | None) -> None:
         """Check each chunk header's length against ``fn(index)`` before buffering its body
@@ -919,16 +997,23 @@ class ClientConnection:
         is invalid (bad blob ID, ranges unsorted/overlapping/empty/over the limits)."""
         if self._failed is not None:
             raise LocalProtocolError(f"connection already failed: {self._failed}")
-        if self._request is not None:
-            raise LocalProtocolError("a request is already outstanding on this stream")
+        if self.outstanding_count >= self._max_pipelined:
+            raise LocalProtocolError(
+                "a request is already outstanding on this stream"
+                if self._max_pipelined == 1
+                else f"{self._max_pipelined} requests already outstanding on this stream"
+            )
         if self._recv.eof:
             raise LocalProtocolError("the server closed the stream")
         data = encode_request(req)
         if type(req) is GetRequest:
             # Normalise lists to tuples so the stored request matches what is on the wire.
             req = GetRequest(req.blob_id, _check_ranges(req.ranges))
-        self._request = req
-        self._state = _RequestState(req)
+        if self._request is None:
+            self._request = req
+            self._state = _RequestState(req)
+        else:
+            self._queued.append((req, _RequestState(req)))
         return data
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
@@ -990,8 +1075,7 @@ class ClientConnection:
         event: Response = decoded
         if type(event) is End and event.missing != state.unsent():
             raise _Invalid("end.missing is not exactly the requested chunks that were not sent")
-        self._request = None
-        self._state = None
+        self._request, self._state = self._queued.popleft() if self._queued else (None, None)
         return event
 
     def _finish_chunk(self) -> Chunk | None:

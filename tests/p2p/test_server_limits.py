@@ -1,0 +1,403 @@
+"""The server's budgets, deadlines and honesty about what it holds (issue 16 items 1 and 5,
+issue 14's `blob rm` while serving, and the mutation list: the send deadline, plaintext).
+
+An in-process ``BlobServer`` on a real host over TCP on 127.0.0.1 and a real store; the
+clients are py-libp2p hosts that speak the protocol by hand, so they can misbehave (open
+`get`s and never read them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from multiaddr import Multiaddr
+
+from blobstore import Store
+from p2p import host as host_mod
+from p2p import protocol as proto
+from p2p import server as server_mod
+from p2p.host import build_host
+from p2p.server import BlobServer, Budget
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(120),
+    # py-libp2p 0.8.1's host leaves its TCP sockets to the garbage collector on shutdown.
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+]
+
+MiB = 1024 * 1024
+CHUNK = 1 * MiB
+
+
+# --- Budget bookkeeping -------------------------------------------------------------------
+
+
+def test_budget_counts_per_peer_per_address_and_in_all() -> None:
+    budget = Budget("bytes", total=10, per_peer=4, per_ip=6)
+    assert budget.acquire("p1", "a", 4) is None
+    assert "your peer" in (budget.acquire("p1", "a", 1) or "")
+    # A second identity on the same address: identities are free, addresses are not.
+    assert budget.acquire("p2", "a", 2) is None
+    assert "your address" in (budget.acquire("p3", "a", 1) or "")
+    assert budget.acquire("p4", "b", 4) is None
+    assert "the server" in (budget.acquire("p5", "c", 1) or "")
+    budget.release("p1", "a", 4)
+    assert budget.acquire("p5", "c", 1) is None
+    for peer, ip, amount in (("p2", "a", 2), ("p4", "b", 4), ("p5", "c", 1)):
+        budget.release(peer, ip, amount)
+    assert budget.used == 0 and not budget.by_peer and not budget.by_ip
+
+
+def test_budget_hold_releases_only_what_it_took() -> None:
+    budget = Budget("bytes", total=4, per_peer=4, per_ip=4)
+    with budget.hold("p", "a", 3) as refused:
+        assert refused is None
+        with budget.hold("p", "a", 3) as refused_again:
+            assert refused_again is not None
+        assert budget.used == 3
+    assert budget.used == 0
+
+
+# --- In-process server --------------------------------------------------------------------
+
+
+@dataclass
+class Served:
+    host: Any
+    server: BlobServer
+    store: Store
+    blob_id: str
+    root: Path
+
+    @property
+    def addr(self) -> Multiaddr:
+        return Multiaddr(f"{self.host.get_addrs()[0]}/p2p/{self.host.get_id()}")
+
+
+@asynccontextmanager
+async def served(
+    tmp_path: Path, size: int = 8 * CHUNK, *, fast: bool = False
+) -> AsyncIterator[Served]:
+    store = Store.open(tmp_path / "server-store")
+    blob_id = store.put_bytes(os.urandom(size), chunk_size=CHUNK)
+    host = build_host(create_new_key_pair(), fast=fast)
+    server = BlobServer(store)
+    for protocol_id in proto.SERVED_PROTOCOL_IDS:
+        host.set_stream_handler(TProtocol(protocol_id), server.handle_stream)
+    async with host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        yield Served(host, server, store, blob_id, tmp_path)
+
+
+@asynccontextmanager
+async def client(target: Served, *, fast: bool = False) -> AsyncIterator[Any]:
+    host = build_host(create_new_key_pair(), fast=fast)
+    async with host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        await host.connect(info_from_p2p_addr(target.addr))
+        yield host
+        await host.get_network().close_peer(target.host.get_id())
+
+
+async def open_stream(host: Any, target: Served, protocol: str = proto.PROTOCOL_ID) -> Any:
+    return await host.new_stream(target.host.get_id(), [TProtocol(protocol)])
+
+
+async def first_event(stream: Any, request: proto.Request) -> proto.Response | None:
+    """Send ``request`` and return the first event of its response (None: reset/closed)."""
+    conn = proto.ClientConnection()
+    await stream.write(conn.send_request(request))
+    with trio.fail_after(20):
+        while True:
+            try:
+                data = await stream.read(256 * 1024)
+            except Exception:
+                return None
+            conn.receive_data(data)
+            try:
+                event = conn.next_event()
+            except proto.RemoteProtocolError:
+                return None
+            if event is not None:
+                return event
+
+
+def all_chunks(blob_id: str) -> proto.GetRequest:
+    return proto.GetRequest(blob_id, ((0, 8),))
+
+
+async def unread_gets(host: Any, target: Served, count: int) -> list[Any]:
+    """``count`` streams that each ask for the whole blob and never read a byte."""
+    streams = []
+    for _ in range(count):
+        stream = await open_stream(host, target)
+        await stream.write(proto.encode_request(all_chunks(target.blob_id)))
+        streams.append(stream)
+    return streams
+
+
+async def wait_for(predicate: Any, seconds: float) -> bool:
+    with trio.move_on_after(seconds):
+        while not predicate():  # noqa: ASYNC110 - polling a plain counter, bounded
+            await trio.sleep(0.05)
+        return True
+    return False
+
+
+# --- Issue 16 item 1: send buffers and streams are budgeted ----------------------------
+
+
+async def test_unread_gets_hold_at_most_the_peer_budget_and_get_busy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One identity opens 8 `get`s it never reads. Each holds a 1 MiB send buffer; with a
+    per-peer budget of 3 buffers the rest are answered `busy` before any disk read."""
+    monkeypatch.setattr(server_mod, "MAX_SEND_BYTES_PER_PEER", 3 * (CHUNK + 64))
+    async with served(tmp_path) as target, client(target) as flooder:
+        await unread_gets(flooder, target, 3)
+        assert await wait_for(lambda: target.server.send_bytes.used == 3 * (CHUNK + 64), 10)
+        stream = await open_stream(flooder, target)
+        reply = await first_event(stream, all_chunks(target.blob_id))
+        assert isinstance(reply, proto.ErrorResponse)
+        assert reply.code == proto.ErrorCode.BUSY
+        assert target.server.send_bytes.used == 3 * (CHUNK + 64)
+        # The refused stream stays usable for what fits.
+        have = await first_event(stream, proto.HaveRequest(target.blob_id))
+        assert isinstance(have, proto.HaveResponse)
+
+
+async def test_identities_on_one_address_share_its_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_mod, "MAX_SEND_BYTES_PER_IP", 2 * (CHUNK + 64))
+    async with (
+        served(tmp_path) as target,
+        client(target) as first,
+        client(target) as second,
+        client(target) as third,
+    ):
+        await unread_gets(first, target, 1)
+        await unread_gets(second, target, 1)
+        assert await wait_for(lambda: target.server.send_bytes.used == 2 * (CHUNK + 64), 10)
+        reply = await first_event(await open_stream(third, target), all_chunks(target.blob_id))
+        assert isinstance(reply, proto.ErrorResponse)
+        assert reply.code == proto.ErrorCode.BUSY
+        assert "address" in reply.message
+
+
+async def test_streams_over_the_address_budget_get_busy_after_their_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_mod, "MAX_STREAMS_PER_IP", 2)
+    async with served(tmp_path) as target, client(target) as first, client(target) as second:
+        held = [await open_stream(first, target), await open_stream(first, target)]
+        for stream in held:
+            await stream.write(b"\0")  # a request begun: the server holds the stream
+        assert await wait_for(lambda: target.server.streams.used == 2, 10)
+        refused = await open_stream(second, target)
+        # Nothing is sent before a request (PROTOCOL.md section 5) ...
+        with trio.move_on_after(0.3):
+            assert await refused.read(100) == b"", "the server spoke before a request"
+        # ... and the request is answered `busy`.
+        reply = await first_event(refused, proto.HaveRequest(target.blob_id))
+        assert isinstance(reply, proto.ErrorResponse)
+        assert reply.code == proto.ErrorCode.BUSY
+
+
+async def test_reader_that_stops_reading_loses_its_stream_at_the_send_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mutation-list item: with the send deadline removed the buffer stays pinned and this
+    fails. Deadline here: 1 s + 512 KiB at 64 MiB/s per slice. The server runs blobnet's
+    own yamux (as `blob serve` does): py-libp2p's gives up on a zero window after 5 s by
+    itself, which would hide a missing deadline."""
+    monkeypatch.setattr(server_mod, "SEND_TIMEOUT_BASE", 1.0)
+    monkeypatch.setattr(server_mod, "MIN_SEND_RATE", 64 * MiB)
+    async with served(tmp_path, fast=True) as target, client(target) as reader:
+        (stream,) = await unread_gets(reader, target, 1)
+        assert await wait_for(lambda: target.server.send_bytes.used > 0, 10)
+        start = trio.current_time()
+        assert await wait_for(lambda: target.server.send_bytes.used == 0, 4.5)
+        assert trio.current_time() - start < 4.5
+        assert await wait_for(lambda: target.server.streams.used == 0, 5)
+        await stream.reset()
+
+
+# --- Issue 16 item 5 and issue 14: the server never claims what it does not have ----------
+
+
+def rot_on_disk(store: Store, blob_id: str, offset: int) -> None:
+    """Flip one byte of the stored blob as a failing disk would: behind the page cache."""
+    path = store.path(blob_id)
+    os.chmod(path, 0o644)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte[0] ^ 0xFF]), offset)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+async def test_rotten_chunk_is_never_sent_and_quarantines_the_blob(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with served(tmp_path) as target, client(target) as fetcher:
+        rot_on_disk(target.store, target.blob_id, 3 * CHUNK + 17)
+        stream = await open_stream(fetcher, target)
+        conn = proto.ClientConnection()
+        await stream.write(conn.send_request(all_chunks(target.blob_id)))
+        events: list[proto.Response] = []
+        with trio.fail_after(20), caplog.at_level(logging.WARNING, logger="p2p.server"):
+            while not events or isinstance(events[-1], proto.Chunk):
+                conn.receive_data(await stream.read(256 * 1024))
+                while (event := conn.next_event()) is not None:
+                    events.append(event)
+                    if not isinstance(event, proto.Chunk):
+                        break
+        sent = [e.index for e in events if isinstance(e, proto.Chunk)]
+        assert 3 not in sent
+        assert sent == [0, 1, 2]
+        last = events[-1]
+        assert isinstance(last, proto.ErrorResponse)
+        assert last.code == proto.ErrorCode.INTERNAL
+        # One clear line, then the blob is not served any more.
+        lines = [r.getMessage() for r in caplog.records if "quarantined" in r.getMessage()]
+        assert len(lines) == 1 and target.blob_id in lines[0]
+        assert target.server.stats.quarantined == 1
+        for request in (proto.ManifestRequest(target.blob_id), all_chunks(target.blob_id)):
+            reply = await first_event(stream, request)
+            assert isinstance(reply, proto.ErrorResponse)
+            assert reply.code == proto.ErrorCode.NOT_FOUND
+
+
+async def test_blob_removed_by_another_process_is_not_found_at_once(tmp_path: Path) -> None:
+    """Issue 14: `blob rm` (another process, another Store object) while `blob serve` runs;
+    the server had the manifest cached and said it still had the blob."""
+    async with served(tmp_path) as target, client(target) as fetcher:
+        stream = await open_stream(fetcher, target)
+        assert isinstance(
+            await first_event(stream, proto.HaveRequest(target.blob_id)), (proto.HaveResponse)
+        )
+        Store.open(tmp_path / "server-store").rm(target.blob_id)
+        for request in (
+            proto.ManifestRequest(target.blob_id),
+            proto.HaveRequest(target.blob_id),
+            all_chunks(target.blob_id),
+        ):
+            start = trio.current_time()
+            reply = await first_event(stream, request)
+            assert isinstance(reply, proto.ErrorResponse), request
+            assert reply.code == proto.ErrorCode.NOT_FOUND
+            assert trio.current_time() - start < 2.0
+
+
+# --- Error frames survive the reset ------------------------------------------------------
+
+
+async def test_error_frame_is_readable_after_the_server_gives_up(tmp_path: Path) -> None:
+    """The server closes its side and waits RESET_GRACE before resetting, so a client that
+    reads a moment later still gets the code. The client runs blobnet's yamux, which like
+    go-yamux drops unread data when a reset arrives, so an immediate reset fails this."""
+    async with served(tmp_path, fast=True) as target, client(target, fast=True) as peer:
+        stream = await open_stream(peer, target)
+        await stream.write((2**31).to_bytes(4, "big"))  # header length over the limit
+        await trio.sleep(server_mod.RESET_GRACE / 3)
+        conn = proto.ClientConnection()
+        conn.send_request(proto.ManifestRequest(target.blob_id))  # lets the parser take it
+        with trio.fail_after(10):
+            conn.receive_data(await stream.read(65536))
+        reply = conn.next_event()
+        assert isinstance(reply, proto.ErrorResponse)
+        assert reply.code == proto.ErrorCode.TOO_LARGE
+
+
+# --- Mutation list: plaintext is never offered ---------------------------------------------
+
+
+def test_only_noise_is_offered() -> None:
+    offered = host_mod.security_options(create_new_key_pair(), fast=False)
+    assert set(offered) == {TProtocol("/noise")}
+    assert PLAINTEXT_PROTOCOL_ID not in offered
+
+
+async def test_a_plaintext_only_peer_cannot_connect(tmp_path: Path) -> None:
+    """Adding /plaintext/2.0.0 to the offered security protocols makes this fail."""
+    async with served(tmp_path) as target:
+        key_pair = create_new_key_pair()
+        plain = new_host(
+            key_pair=key_pair,
+            sec_opt={PLAINTEXT_PROTOCOL_ID: InsecureTransport(key_pair)},
+            muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+        )
+        async with plain.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            with trio.fail_after(30), pytest.raises(Exception):  # noqa: B017, PT011 - any refusal
+                await plain.connect(info_from_p2p_addr(target.addr))
+            assert not target.host.get_network().get_connections(plain.get_id())
+
+
+# --- /blobnet/blob/1.1.0: pipelining ------------------------------------------------------
+
+
+async def test_pipelined_requests_are_answered_in_order_on_1_1(tmp_path: Path) -> None:
+    async with served(tmp_path) as target, client(target) as peer:
+        stream = await open_stream(peer, target, proto.PROTOCOL_ID_1_1)
+        conn = proto.ClientConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS)
+        requests: list[proto.Request] = [
+            proto.GetRequest(target.blob_id, ((i, i + 1),)) for i in range(6)
+        ]
+        requests.insert(2, proto.HaveRequest(target.blob_id))
+        await stream.write(b"".join(conn.send_request(r) for r in requests))
+        kinds: list[str] = []
+        with trio.fail_after(20):
+            while conn.outstanding_count:
+                conn.receive_data(await stream.read(256 * 1024))
+                while (event := conn.next_event()) is not None:
+                    kinds.append(f"chunk{event.index}" if isinstance(event, proto.Chunk) else "ok")
+                    assert not isinstance(event, proto.ErrorResponse)
+        assert kinds == [
+            "chunk0", "ok", "chunk1", "ok", "ok", "chunk2", "ok",
+            "chunk3", "ok", "chunk4", "ok", "chunk5", "ok",
+        ]  # fmt: skip
+
+
+async def test_pipelining_on_1_0_is_still_a_violation(tmp_path: Path) -> None:
+    async with served(tmp_path) as target, client(target) as peer:
+        stream = await open_stream(peer, target, proto.PROTOCOL_ID)
+        two = proto.encode_request(proto.HaveRequest(target.blob_id)) * 2
+        await stream.write(two)
+        conn = proto.ClientConnection()
+        conn.send_request(proto.HaveRequest(target.blob_id))
+        with trio.fail_after(20):
+            while (event := conn.next_event()) is None:
+                conn.receive_data(await stream.read(65536))
+        assert isinstance(event, proto.HaveResponse)
+        # The second request was a violation: an error (or a reset), never an answer.
+        conn.send_request(proto.HaveRequest(target.blob_id))
+        with trio.fail_after(20):
+            try:
+                while (event := conn.next_event()) is None:
+                    conn.receive_data(await stream.read(65536))
+            except Exception:
+                event = None
+        assert event is None or isinstance(event, proto.ErrorResponse)
+
+
+def test_handshake_deadline_is_short() -> None:
+    assert host_mod.HANDSHAKE_TIMEOUT <= 5.0
