@@ -14,14 +14,16 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import click
 
-from blobstore.errors import StoreCorrupt, StoreError
+from blobstore.collection import CollectionEntry
+from blobstore.errors import BadCollection, CorruptChunk, StoreCorrupt, StoreError
 from blobstore.manifest import DEFAULT_CHUNK_SIZE, check_chunk_size
-from blobstore.store import DEFAULT_GC_GRACE, Store
+from blobstore.store import DEFAULT_GC_GRACE, BlobInfo, Store
 
 PROGRESS_MIN_BYTES = 32 * 1024 * 1024
 """Below this a put or get finishes in well under a second: no bar, no flicker."""
@@ -131,6 +133,11 @@ def _tree_size(path: Path) -> int:
     help="Chunk size: a power of two from 64KiB to 16MiB (e.g. 4MiB).",
 )
 @click.option("--move", is_flag=True, help="Move files into the store instead of copying.")
+@click.option(
+    "--follow-symlinks",
+    is_flag=True,
+    help="In a directory, follow symbolic links (refused by default: they may point outside).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def put_cmd(
@@ -139,6 +146,7 @@ def put_cmd(
     tag_name: str | None,
     chunk_size: int,
     move: bool,
+    follow_symlinks: bool,
     as_json: bool,
 ) -> None:
     """Add files (or directories, as collections) to the store; prints ID  PATH."""
@@ -146,24 +154,39 @@ def put_cmd(
         raise click.UsageError("--tag names one blob: give a single PATH with it")
     store = _open_store(ctx)
     results = []
-    for path in paths:
-        is_dir = path.is_dir()
-        if is_dir and move:
-            raise click.UsageError(f"--move takes files, and {path} is a directory")
-        total = _tree_size(path) if is_dir else (path.stat().st_size if path.is_file() else 0)
-        with progress_bar(total, path.name, not as_json) as progress:
-            if is_dir:
-                blob_id = store.put_dir(path, chunk_size=chunk_size, progress=progress)
-            else:
-                blob_id = store.put_path(path, chunk_size=chunk_size, move=move, progress=progress)
-        if tag_name is not None:
-            store.tag(tag_name, blob_id)
-        size = store.manifest(blob_id).size
-        results.append(
-            {"id": blob_id, "path": str(path), "size": size, "collection": is_dir, "tag": tag_name}
-        )
-        if not as_json:
-            click.echo(f"{blob_id}  {path}")
+    with store.lease() as lease:  # no gc between publishing and tagging
+        for path in paths:
+            is_dir = path.is_dir()
+            if is_dir and move:
+                raise click.UsageError(f"--move takes files, and {path} is a directory")
+            total = _tree_size(path) if is_dir else (path.stat().st_size if path.is_file() else 0)
+            with progress_bar(total, path.name, not as_json) as progress:
+                if is_dir:
+                    blob_id = store.put_dir(
+                        path,
+                        chunk_size=chunk_size,
+                        progress=progress,
+                        follow_symlinks=follow_symlinks,
+                        lease=lease,
+                    )
+                else:
+                    blob_id = store.put_path(
+                        path, chunk_size=chunk_size, move=move, progress=progress, lease=lease
+                    )
+            if tag_name is not None:
+                store.tag(tag_name, blob_id)
+            size = store.manifest(blob_id).size
+            results.append(
+                {
+                    "id": blob_id,
+                    "path": str(path),
+                    "size": size,
+                    "collection": is_dir,
+                    "tag": tag_name,
+                }
+            )
+            if not as_json:
+                click.echo(f"{blob_id}  {_safe(str(path))}")
     if as_json:
         _emit_json(results)
 
@@ -207,23 +230,108 @@ def cat_cmd(ctx: click.Context, ref: str) -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\\\u2028\u2029\u202a-\u202e\u2066-\u2069\udc80-\udcff]")
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    char = match.group()
+    if char == "\\":
+        return "\\\\"
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # an undecodable byte of a local file name
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def _safe(text: str) -> str:
+    """Text that may come from a peer (collection paths) as one inert terminal line:
+    control characters, escape sequences, newlines, bidi overrides and backslashes
+    shown as backslash escapes. --json output carries the raw text instead."""
+    return _UNSAFE.sub(_escape_char, text)
+
+
+@dataclass
+class _Listing:
+    """Which blobs are children of which collections in this store."""
+
+    collections: dict[str, list[CollectionEntry]] = field(default_factory=dict)
+    malformed: dict[str, str] = field(default_factory=dict)
+    parents: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+
+
+def _read_collections(store: Store, rows: list[BlobInfo]) -> _Listing:
+    listing = _Listing()
+    for r in rows:
+        if not r.complete:
+            continue
+        try:
+            if not store.is_collection(r.blob_id):
+                continue
+            entries = store.read_collection(r.blob_id)
+        except (BadCollection, CorruptChunk) as exc:
+            listing.malformed[r.blob_id] = str(exc)
+            continue
+        listing.collections[r.blob_id] = entries
+        for e in entries:
+            listing.parents.setdefault(e.blob_id, []).append((r.blob_id, e.path))
+    return listing
+
+
+def _state(r: BlobInfo) -> str:
+    if r.quarantined:
+        return "quarantined"
+    return "complete" if r.complete else f"partial {r.verified_chunks}/{r.num_chunks}"
+
+
 @click.command("ls")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def ls_cmd(ctx: click.Context, as_json: bool) -> None:
-    """List the blobs in the store (complete and partial)."""
+    """List the blobs in the store; a collection's files are listed under it."""
     store = _open_store(ctx)
     rows = store.list_blobs()
+    listing = _read_collections(store, rows)
     if as_json:
-        _emit_json([_info_dict(r) for r in rows])
+        out = []
+        for r in rows:
+            info = _info_dict(r)
+            entries = listing.collections.get(r.blob_id)
+            info["collection"] = (
+                None
+                if entries is None
+                else {"files": len(entries), "size": sum(e.size for e in entries)}
+            )
+            info["parents"] = [
+                {"id": parent, "path": path} for parent, path in listing.parents.get(r.blob_id, [])
+            ]
+            out.append(info)
+        _emit_json(out)
         return
+    by_id = {r.blob_id: r for r in rows}
     for r in rows:
-        state = "complete" if r.complete else f"partial {r.verified_chunks}/{r.num_chunks}"
+        if r.blob_id in listing.parents:
+            continue  # shown under its collection(s)
         tags = ",".join(r.tags)
-        click.echo(f"{r.blob_id}  {human_size(r.size):>10}  {state:<16} {tags}".rstrip())
+        kind = ""
+        entries = listing.collections.get(r.blob_id)
+        if entries is not None:
+            total = sum(e.size for e in entries)
+            kind = f"collection of {len(entries)} files, {human_size(total)}"
+        elif r.blob_id in listing.malformed:
+            kind = "malformed collection"
+        line = f"{r.blob_id}  {human_size(r.size):>10}  {_state(r):<16} {kind}"
+        click.echo(f"{line}  {tags}".rstrip() if tags else line.rstrip())
+        for e in entries or []:
+            child = by_id.get(e.blob_id)
+            state = "missing" if child is None else _state(child)
+            child_tags = ",".join(child.tags) if child is not None else ""
+            click.echo(
+                f"  {e.blob_id}  {human_size(e.size):>10}  {state:<16} {_safe(e.path)}"
+                + (f"  {child_tags}" if child_tags else "")
+            )
 
 
-def _info_dict(r: Any) -> dict[str, Any]:
+def _info_dict(r: BlobInfo) -> dict[str, Any]:
     return {
         "id": r.blob_id,
         "size": r.size,
@@ -232,6 +340,7 @@ def _info_dict(r: Any) -> dict[str, Any]:
         "complete": r.complete,
         "verified_chunks": r.verified_chunks,
         "tags": list(r.tags),
+        "quarantined": r.quarantined,
     }
 
 
@@ -248,6 +357,7 @@ def stat_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
     bits = store.chunk_bitmap(blob_id)
     verified = int.from_bytes(bits, "little").bit_count()
     tags = [name for name, target in store.tags().items() if target == blob_id]
+    quarantine = store.quarantine_reason(blob_id) if not complete else None
     info: dict[str, Any] = {
         "id": blob_id,
         "size": manifest.size,
@@ -257,57 +367,91 @@ def stat_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         "verified_chunks": verified,
         "tags": tags,
         "path": str(store.path(blob_id)) if complete else None,
+        "quarantined": quarantine,
         "collection": None,
+        "collection_size": None,
+        "collection_error": None,
     }
-    if complete and store.is_collection(blob_id):
-        info["collection"] = [
-            {"path": e.path, "id": e.blob_id, "size": e.size}
-            for e in store.read_collection(blob_id)
-        ]
+    try:
+        if complete and store.is_collection(blob_id):
+            entries = store.read_collection(blob_id)
+            info["collection"] = [
+                {"path": e.path, "id": e.blob_id, "size": e.size} for e in entries
+            ]
+            info["collection_size"] = sum(e.size for e in entries)
+    except (BadCollection, CorruptChunk) as exc:
+        info["collection_error"] = str(exc)
     if as_json:
         _emit_json(info)
         return
     click.echo(f"id:       {blob_id}")
-    click.echo(f"size:     {manifest.size} ({human_size(manifest.size)})")
+    if info["collection"] is not None:
+        total = info["collection_size"]
+        click.echo(f"size:     {total} ({human_size(total)}) in {len(info['collection'])} files")
+        click.echo(f"listing:  {manifest.size} ({human_size(manifest.size)})")
+    else:
+        click.echo(f"size:     {manifest.size} ({human_size(manifest.size)})")
     click.echo(f"chunks:   {manifest.num_chunks} x {human_size(manifest.chunk_size)}")
-    state = "complete" if complete else f"partial ({verified}/{manifest.num_chunks} verified)"
+    if quarantine is not None:
+        state = f"quarantined ({_safe(quarantine)})"
+    else:
+        state = "complete" if complete else f"partial ({verified}/{manifest.num_chunks} verified)"
     click.echo(f"state:    {state}")
     click.echo(f"tags:     {', '.join(tags) or '-'}")
     if info["path"]:
         click.echo(f"path:     {info['path']}")
+    if info["collection_error"] is not None:
+        click.echo(f"collection: refused: {_safe(info['collection_error'])}")
     if info["collection"] is not None:
         click.echo(f"collection of {len(info['collection'])} files:")
         for e in info["collection"]:
-            click.echo(f"  {e['id']}  {human_size(e['size']):>10}  {e['path']}")
+            click.echo(f"  {e['id']}  {human_size(e['size']):>10}  {_safe(e['path'])}")
 
 
 @click.command("tag")
 @click.argument("name")
 @click.argument("ref")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def tag_cmd(ctx: click.Context, name: str, ref: str) -> None:
+def tag_cmd(ctx: click.Context, name: str, ref: str, as_json: bool) -> None:
     """Point tag NAME at a blob (tags protect blobs from gc)."""
     store = _open_store(ctx)
-    store.tag(name, store.resolve(ref))
+    blob_id = store.resolve(ref)
+    previous = store.tags().get(name)
+    store.tag(name, blob_id)
+    if as_json:
+        _emit_json({"tag": name, "id": blob_id, "previous": previous})
 
 
 @click.command("untag")
 @click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def untag_cmd(ctx: click.Context, name: str) -> None:
+def untag_cmd(ctx: click.Context, name: str, as_json: bool) -> None:
     """Remove tag NAME (the blob stays until rm or gc)."""
-    _open_store(ctx).untag(name)
+    store = _open_store(ctx)
+    previous = store.tags().get(name)
+    store.untag(name)
+    if as_json:
+        _emit_json({"tag": name, "id": previous})
 
 
 @click.command("rm")
 @click.argument("refs", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def rm_cmd(ctx: click.Context, refs: tuple[str, ...]) -> None:
+def rm_cmd(ctx: click.Context, refs: tuple[str, ...], as_json: bool) -> None:
     """Remove blobs (and the tags that point at them)."""
     store = _open_store(ctx)
+    removed = []
     for blob_id in [store.resolve(ref) for ref in refs]:
+        tags = [name for name, target in store.tags().items() if target == blob_id]
         store.rm(blob_id)
-        click.echo(f"removed {blob_id}")
+        removed.append({"id": blob_id, "tags": tags})
+        if not as_json:
+            click.echo(f"removed {blob_id}")
+    if as_json:
+        _emit_json({"removed": removed})
 
 
 @click.command("gc")

@@ -216,3 +216,109 @@ def test_verify_names_the_corrupt_blob_and_error_paths(tmp_path: Path) -> None:
     r[12].error(3, "matches 2 blobs")
     r[13].error(5, "not a blobnet store")
     assert os.listdir(foreign) == ["thesis.tex"]
+
+
+HOSTILE_NAME = "weights\x1b[2J\x1b[31m\nrm -rf ~\u202e.bin"
+
+
+@pytest.mark.slow
+def test_peer_supplied_names_hostile_collections_and_json_results(tmp_path: Path) -> None:
+    """What a fetched collection can carry: names made to drive the terminal, and paths
+    made to escape. Names are escaped in text output and raw in --json; collections are
+    shown as a unit; a hostile one is refused with exit 4 and nothing written."""
+    from blobstore import CollectionEntry
+    from blobstore.collection import encode_collection
+
+    store_dir = tmp_path / "store"
+    store = Store.open(store_dir)
+    child = store.put_bytes(b"w" * (C + 5), chunk_size=C)
+    other = store.put_bytes(b"{}", chunk_size=C)
+    entries = [
+        CollectionEntry(HOSTILE_NAME, child, C + 5),
+        CollectionEntry("config.json", other, 2),
+    ]
+    cid = store.put_bytes(encode_collection(entries), chunk_size=C)
+    import msgpack
+
+    hostile = store.put_bytes(
+        msgpack.packb({"collection": 1, "entries": [["../../escape", child, C + 5]]}),
+        chunk_size=C,
+    )
+    rotten = store.put_bytes(os.urandom(2 * C), chunk_size=C)
+    path = store.path(rotten)
+    path.chmod(0o600)
+    with open(path, "r+b") as f:
+        f.write(b"rot")
+    out = tmp_path / "out"
+    r = batch(
+        tmp_path,
+        store_dir,
+        ["stat", cid],
+        ["stat", cid, "--json"],
+        ["ls"],
+        ["ls", "--json"],
+        ["stat", hostile],
+        ["get", hostile, "-o", str(out)],
+        ["tag", "m1", cid, "--json"],
+        ["untag", "m1", "--json"],
+        ["rm", hostile, "--json"],
+        ["verify", rotten],
+        ["ls"],
+    )
+    escaped = "weights\\x1b[2J\\x1b[31m\\x0arm -rf ~\\u202e.bin"
+    text = r[0].ok()
+    assert "\x1b" not in text and "\u202e" not in text
+    assert f"  {child}" in text and text.splitlines()[-1].endswith(escaped)
+    assert f"size:     {C + 7} (" in text and "in 2 files" in text  # the files' total
+    assert "listing:  " in text  # and the listing blob's own size, apart
+    info = json.loads(r[1].ok())
+    assert info["collection_size"] == C + 7
+    assert {e["path"] for e in info["collection"]} == {HOSTILE_NAME, "config.json"}
+    listing = r[2].ok()
+    assert "\x1b" not in listing
+    lines = listing.splitlines()
+    parent = next(i for i, line in enumerate(lines) if line.startswith(cid))
+    assert "collection of 2 files" in lines[parent]
+    children = lines[parent + 1 : parent + 3]
+    assert all(line.startswith("  ") for line in children)  # labelled by place
+    assert {line.split()[0] for line in children} == {child, other}
+    assert children[1].endswith(escaped) or children[0].endswith(escaped)
+    assert not any(line.startswith(child) for line in lines)  # no loose entry
+    rows = {row["id"]: row for row in json.loads(r[3].ok())}
+    assert rows[child]["parents"] == [{"id": cid, "path": HOSTILE_NAME}]
+    assert rows[cid]["collection"] == {"files": 2, "size": C + 7}
+    assert "collection: refused" in r[4].ok() and "malformed collection" in r[4].text
+    r[5].error(4, "malformed collection")
+    assert not out.exists()
+    assert json.loads(r[6].ok()) == {"tag": "m1", "id": cid, "previous": None}
+    assert json.loads(r[7].ok()) == {"tag": "m1", "id": cid}
+    assert json.loads(r[8].ok()) == {"removed": [{"id": hostile, "tags": []}]}
+    assert r[9].code == 1 and "quarantined" in r[9].stderr
+    assert any(
+        line.startswith(rotten) and "quarantined" in line for line in r[10].ok().splitlines()
+    )
+
+
+@pytest.mark.slow
+def test_put_refuses_symlinks_and_a_busy_store_exits_5(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store_dir = tmp_path / "store"
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (tmp_path / "secret").write_text("key")
+    (model / "key").symlink_to(tmp_path / "secret")
+    r = batch(
+        tmp_path,
+        store_dir,
+        ["put", str(model)],
+        ["put", str(model), "--follow-symlinks", "--json"],
+    )
+    r[0].error(5, "is a symbolic link")
+    assert json.loads(r[1].ok())[0]["collection"] is True
+    store = Store.open(store_dir)
+    monkeypatch.setenv("BLOBNET_LOCK_TIMEOUT", "0.5")
+    with store._store_lock():
+        r = batch(tmp_path, store_dir, ["ls"])
+    r[0].error(5, f"busy: process {os.getpid()} has held")  # the holder, named
