@@ -1,0 +1,54 @@
+"""PROTOCOL.md is the whole contract (issue 14): the manifest and collection encodings and
+the constants it states must be what blobstore and the protocol core really do."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from blake3 import blake3
+
+from blobstore import CollectionEntry, Manifest
+from blobstore.collection import COLLECTION_MAGIC, encode_collection
+from p2p import protocol
+
+SPEC = (Path(protocol.__file__).parent / "PROTOCOL.md").read_text()
+ID = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+
+
+def test_manifest_examples_match_blobstore() -> None:
+    empty = Manifest.of_bytes(b"", 1 << 20)
+    assert f"`{empty.encode().hex()}`" in SPEC
+    assert f"`{empty.blob_id}`" in SPEC
+    hello = Manifest.of_bytes(b"hello", 65536)
+    digest = blake3(b"hello").hexdigest()
+    assert hello.encode().hex() == hello.encode()[:-32].hex() + digest
+    assert f"`{hello.encode()[:-32].hex()}`" in SPEC
+    assert f"`{digest}`" in SPEC
+    assert f"`{hello.blob_id}`" in SPEC
+
+
+def test_collection_example_matches_blobstore() -> None:
+    encoded = encode_collection([CollectionEntry("config.json", ID, 0)])
+    assert f"{len(encoded)}\nbytes" in SPEC or f"{len(encoded)} bytes" in SPEC
+    magic = " ".join(f"{b:02x}" for b in COLLECTION_MAGIC)
+    assert magic in SPEC
+    # Each hex row of the example is a slice of the real encoding.
+    block = SPEC[SPEC.index('fixmap(2), "collection", 1') - 60 :]
+    rows = [line.split("   ")[0].strip() for line in block.splitlines()[:6]]
+    hexed = encoded.hex()
+    for row in rows:
+        piece = row.replace(" ", "").replace("...", "")
+        if re.fullmatch(r"[0-9a-f]+", piece):
+            assert piece in hexed, row
+    assert hexed.endswith(ID.encode().hex() + "00")
+
+
+def test_spec_states_the_protocol_ids_limits_and_security() -> None:
+    assert protocol.PROTOCOL_ID == "/blobnet/blob/1.0.0"
+    assert protocol.PROTOCOL_ID_1_1 == "/blobnet/blob/1.1.0"
+    for protocol_id in protocol.SERVED_PROTOCOL_IDS:
+        assert f"`{protocol_id}`" in SPEC
+    assert f"| `MAX_PIPELINED_REQUESTS` | {protocol.MAX_PIPELINED_REQUESTS} |" in SPEC
+    assert "DESIGN.md" not in SPEC  # the spec needs no other document
+    assert "TLS" not in SPEC.replace("no TLS", "")
