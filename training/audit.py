@@ -12,15 +12,25 @@ Theory of operation:
    steady-state steps, recorded by ``python -m training.audit --build <family>`` on
    every supported model shape, with and without dropout. Anything else raises
    ``AuditViolation`` naming the op, and the round is refused.
-3. Every tensor argument, every device argument and every tensor result must be on the
-   round's device. The one exception: on CUDA a 0-dim CPU tensor is a scalar that CUDA
-   kernels take by value (AdamW's step counter without ``capturable``, Python scalars
-   wrapped by autograd), so it is allowed there.
+3. Every op's tensor results must be on the round's device; an op that returns no tensor
+   (``_local_scalar_dense``, the profiler's markers) has its tensor and device arguments
+   checked instead. Results are enough: torch picks an op's kernel by the devices of its
+   tensor arguments and puts the result on that device (mixed devices are an error, a
+   factory op's ``device=`` argument is its result's device, an in-place op returns its
+   target), so a result on the round's device means the kernel that ran is the round
+   device's; every tensor an op reads was either made by an audited op (its device
+   checked then) or put on the device by the round's own code (parameters, batches).
+   A copy from another device is exact, so it moves values without computing. The one
+   exception: on CUDA a 0-dim CPU tensor is a scalar that CUDA kernels take by value
+   (AdamW's step counter without ``capturable``, Python scalars wrapped by autograd), so
+   it is allowed there.
 4. The set pins *ops*, not the concrete kernels behind them (one ``aten::mm`` is many
    MKL/cuBLAS paths); the kernel class pins those (ISA, GPU, library builds, threads).
 5. Overhead is per op, so it is kept small: the allow-list decision is cached per op
-   object, devices are checked through the ``is_cpu``/``is_cuda`` flags, and argument lists
-   are walked one level deep (aten schemas nest tensors at most in a list) without pytree.
+   object, devices are checked through the ``is_cpu``/``is_cuda`` flags, results (not
+   arguments) are checked, and lists are walked one level deep (aten schemas nest
+   tensors at most in a list) without pytree. Most of what remains is torch's own cost
+   of entering a Python dispatch mode per op (~10 us), measured by ``bench/round.py``.
 """
 
 from __future__ import annotations
@@ -113,8 +123,8 @@ def _define_auditor() -> type:
             self.record = record
             self.seen: dict[str, int] = {}
             self.calls = 0
-            # op object -> its name, for ops already found in the allowed set
-            self._decided: dict[Any, str] = {}
+            # op object -> its name and callable, for ops already found in the allowed set
+            self._decided: dict[Any, tuple[str, Any]] = {}
             self._on_device = _cpu_ok if device == "cpu" else _cuda_ok
 
         def _refuse_device(self, name: str, value: Any) -> None:
@@ -138,6 +148,20 @@ def _define_auditor() -> type:
                 elif isinstance(v, device_type) and v.type != self.device:
                     self._refuse_device(name, v)
 
+        def _decide(self, func: Any) -> tuple[str, Any]:
+            name = op_name(func)
+            # OpOverload.__call__ is a one-line Python wrapper around ``_op``: calling
+            # ``_op`` saves a frame per op and runs the same kernel.
+            decided = (name, getattr(func, "_op", func))
+            if self.allowed is not None:
+                if name not in self.allowed:
+                    raise AuditViolation(
+                        f"round refused: op {name} is not in the audited kernel set "
+                        f"for {self.device}"
+                    )
+                self._decided[func] = decided
+            return decided
+
         def __torch_dispatch__(
             self,
             func: Any,
@@ -145,27 +169,20 @@ def _define_auditor() -> type:
             args: tuple[Any, ...] = (),
             kwargs: dict[str, Any] | None = None,
         ) -> Any:
-            name = self._decided.get(func)
-            if name is None:
-                name = op_name(func)
-                if self.allowed is not None:
-                    if name not in self.allowed:
-                        raise AuditViolation(
-                            f"round refused: op {name} is not in the audited kernel set "
-                            f"for {self.device}"
-                        )
-                    self._decided[func] = name
-            self._check(name, args)
-            if kwargs:
-                self._check(name, kwargs.values())
-                out = func(*args, **kwargs)
-            else:
-                out = func(*args)
+            name, run = self._decided.get(func) or self._decide(func)
+            out = run(*args, **kwargs) if kwargs else run(*args)
+            # The result's device is the device whose kernel ran (invariant 3): checking
+            # results is enough for ops that return tensors; the rest have their
+            # arguments checked.
             if isinstance(out, tensor_type):
                 if not self._on_device(out):
                     self._refuse_device(name, out)
-            elif isinstance(out, list | tuple):
+            elif isinstance(out, list | tuple) and out:
                 self._check(name, out)
+            else:
+                self._check(name, args)
+                if kwargs:
+                    self._check(name, kwargs.values())
             if self.record:
                 self.seen[name] = self.seen.get(name, 0) + 1
             self.calls += 1
