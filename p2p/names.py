@@ -44,6 +44,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.records.validator import Validator
 
+from blobstore import StoreError
 from identity import AdmissionCertificate, Signer, TrustStore
 from p2p import names_protocol as wire
 from p2p.names_cache import MAX_RECORDS_PER_PUBLISHER, NameCache
@@ -243,6 +244,9 @@ class NameService:
         except (wire.NamesProtocolError, StreamLost) as exc:
             log.info("names request from %s refused: %s", peer, exc)
             await reset_quietly(stream)
+        except Exception:  # our bug or our disk: never let it take the host down
+            log.exception("unexpected error serving a names request from %s", peer)
+            await reset_quietly(stream)
         finally:
             self._active -= 1
         if relay is not None:
@@ -260,7 +264,11 @@ class NameService:
                 record = verify(request.record, now=now)
             except NameRejected as exc:
                 return wire.PutResponse(False, f"{exc.reason.value}: {exc}"), None
-            taken = await self.take(record, now=now)
+            try:
+                taken = await self.take(record, now=now)
+            except StoreError as exc:  # our disk, not the peer's fault: say so, keep serving
+                log.warning("cannot keep %s: %s", record.describe(), exc)
+                return wire.PutResponse(False, "internal: this node cannot save records"), None
             return wire.PutResponse(taken[0], taken[1]), record if taken[2] else None
         await trio.to_thread.run_sync(self._reload_all, now)
         records = [r for r in self.cache.by_publisher(request.publisher) if _live(r, now)][
@@ -640,7 +648,10 @@ async def resolve(
             + f"; asked the local cache, {min(len(node.connected_peers()), MAX_RESOLVE_PEERS)}"
             f" connected peer(s){' and the DHT' if use_dht and node.dht is not None else ''}"
         )
-    await service.take(best, now=now)
+    try:
+        await service.take(best, now=now)
+    except StoreError as exc:  # caching what was resolved is a courtesy to others
+        log.warning("cannot keep %s: %s", best.describe(), exc)
     return best
 
 
