@@ -265,9 +265,9 @@ def _read_collections(store: Store, rows: list[BlobInfo]) -> _Listing:
         if not r.complete:
             continue
         try:
-            if not store.is_collection(r.blob_id):
+            entries = store.collection_entries(r.blob_id)
+            if entries is None:
                 continue
-            entries = store.read_collection(r.blob_id)
         except (BadCollection, CorruptChunk) as exc:
             listing.malformed[r.blob_id] = str(exc)
             continue
@@ -373,8 +373,8 @@ def stat_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
         "collection_error": None,
     }
     try:
-        if complete and store.is_collection(blob_id):
-            entries = store.read_collection(blob_id)
+        entries = store.collection_entries(blob_id) if complete else None
+        if entries is not None:
             info["collection"] = [
                 {"path": e.path, "id": e.blob_id, "size": e.size} for e in entries
             ]

@@ -467,7 +467,7 @@ class Store:
         finally:
             self._lock_mutex.release()
 
-    def _mkdir_shard(self, path: Path) -> None:
+    def _mkdir_in_store(self, path: Path) -> None:
         if not path.is_dir():
             with contextlib.suppress(FileExistsError):
                 path.mkdir(mode=self.modes.dir)
@@ -599,7 +599,7 @@ class Store:
             os.fsync(src)
             with self._store_lock():
                 data_path = self._data_path(blob_id)
-                self._mkdir_shard(data_path.parent)
+                self._mkdir_in_store(data_path.parent)
                 moved = self._publish_locked(
                     manifest, lambda: link_or_rename(path, data_path, replace=False), lease
                 )
@@ -654,7 +654,7 @@ class Store:
         if lease is not None:
             lease.add([blob_id])
         data_path = self._data_path(blob_id)
-        self._mkdir_shard(data_path.parent)
+        self._mkdir_in_store(data_path.parent)
         if self._reuse_existing(manifest):
             return False
         manifest_path = self._manifest_path(blob_id)
@@ -676,7 +676,7 @@ class Store:
         tmp.sync(self.modes.blob)  # the slow fsync happens before taking the store lock
         with self._store_lock():
             data_path = self._data_path(blob_id)
-            self._mkdir_shard(data_path.parent)
+            self._mkdir_in_store(data_path.parent)
             self._publish_locked(
                 manifest, lambda: link_or_rename(tmp.path, data_path, replace=False), lease
             )
@@ -689,7 +689,7 @@ class Store:
         blob_id = manifest.blob_id
         with os_errors(f"publishing blob {blob_id[:12]}"), self._store_lock():
             data_path = self._data_path(blob_id)
-            self._mkdir_shard(data_path.parent)
+            self._mkdir_in_store(data_path.parent)
             try:
                 self._publish_locked(
                     manifest, lambda: link_or_rename(data, data_path, replace=False)
@@ -718,7 +718,7 @@ class Store:
             if not data_path.exists():
                 return False
             qdir = self._quarantine / blob_id
-            self._mkdir_shard(qdir)
+            self._mkdir_in_store(qdir)
             one_line = " ".join(reason.split())[:500]
             write_file_atomic(
                 qdir / "reason",
@@ -771,6 +771,8 @@ class Store:
         qdata = self._quarantine / blob_id / "data"
         if (pdir / "data").exists() or not qdata.exists():
             return
+        if os.stat(qdata).st_nlink > 1:  # shared with a hard-linked export: not ours to
+            return  # rewrite (the user may have edited it); fetch the blob whole instead
         os.chmod(qdata, self.modes.file)
         os.rename(qdata, pdir / "data")
         fsync_dir(pdir)
@@ -818,7 +820,7 @@ class Store:
             with self._store_lock():
                 if self.has(blob_id):
                     raise BlobExists(f"blob {blob_id} is already complete in this store")
-                self._mkdir_shard(pdir)
+                self._mkdir_in_store(pdir)
                 lock_fd = lock_path(pdir / "lock")
                 if lock_fd is not None:
                     self._seed_from_quarantine(blob_id, pdir)
@@ -1257,8 +1259,8 @@ class Store:
                     "may pin are unknown; fetch it again or untag it, then run gc"
                 )
             try:
-                if self.has(blob_id) and self.is_collection(blob_id):
-                    todo.extend(e.blob_id for e in self.read_collection(blob_id))
+                children = self.collection_entries(blob_id) if self.has(blob_id) else None
+                todo.extend(e.blob_id for e in children or ())
             except CorruptChunk as exc:  # quarantined just now
                 raise StoreCorrupt(
                     f"gc stopped: tagged blob {blob_id[:12]} is corrupt ({exc})"
@@ -1402,22 +1404,25 @@ class Store:
                 held.release()
 
     def is_collection(self, blob_id: str) -> bool:
-        """Whether the complete blob is a collection.
+        """Whether the complete blob is a collection (see :meth:`collection_entries`)."""
+        return self.collection_entries(blob_id) is not None
+
+    def collection_entries(self, blob_id: str) -> list[CollectionEntry] | None:
+        """The entries if the complete blob is a collection, else None; one decode.
 
         A blob that starts with the collection magic but does not decode (hostile paths,
-        too many entries, not canonical) raises BadCollection rather than pass as a
-        plain file: whoever made it meant a collection, and exporting or fetching it as
-        anything else would surprise the user. Use ``blob cat`` for its raw bytes.
+        too many entries, not canonical) raises BadCollection (exit 4) rather than pass
+        as a plain file: whoever made it meant a collection, and exporting or fetching
+        it as anything else would surprise the user. ``blob cat`` gives its raw bytes.
         """
         manifest = self.manifest(blob_id)
         if not self.has(blob_id) or manifest.size < len(COLLECTION_MAGIC):
-            return False
+            return None
         with os_errors(f"reading blob {blob_id[:12]}"), open(self.path(blob_id), "rb") as f:
             head = f.read(len(COLLECTION_MAGIC))
         if not looks_like_collection(head):
-            return False
-        self.read_collection(blob_id)
-        return True
+            return None
+        return self.read_collection(blob_id)
 
     def read_collection(self, blob_id: str) -> list[CollectionEntry]:
         """The entries of a collection blob (BadCollection if it is not one).
@@ -1483,8 +1488,8 @@ class Store:
         parent = dest.parent.absolute()
         if not parent.is_dir():
             raise PathNotFound(f"directory {parent} does not exist")
-        if self.is_collection(blob_id):
-            entries = self.read_collection(blob_id)
+        entries = self.collection_entries(blob_id)
+        if entries is not None:
             for e in entries:
                 if not self.has(e.blob_id):
                     raise BlobNotFound(

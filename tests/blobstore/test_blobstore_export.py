@@ -93,7 +93,6 @@ def test_export_without_verify_does_not_hash_again(
     def no_hashing(self: Store, blob_id: str) -> None:
         raise AssertionError(f"re-hashed {blob_id[:12]} although verify=False")
 
-    monkeypatch.setattr(Store, "is_collection", lambda self, b: b == collection)
     monkeypatch.setattr(Store, "read_collection", lambda self, b: entries)
     monkeypatch.setattr(Store, "iter_verified", no_hashing)
     for link in ("copy", "reflink"):

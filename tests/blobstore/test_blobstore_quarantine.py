@@ -156,3 +156,24 @@ def test_rm_removes_a_quarantined_blob(store: Store, rotten: tuple[str, bytes]) 
     store.verify(blob_id)
     store.rm(blob_id)
     assert store.quarantined_ids() == [] and store.tags() == {}
+
+
+def test_a_repair_never_writes_into_a_hard_linked_export(
+    store: Store, rotten: tuple[str, bytes], tmp_path: Path
+) -> None:
+    """A blob exported with link="hardlink" shares its inode with the user's file; if
+    the user edited it, the store sees rot. The repair fetches the blob whole rather
+    than rewrite the user's file in place."""
+    blob_id, data = rotten
+    mine = tmp_path / "mine.bin"
+    os.link(store.path(blob_id), mine)  # what export(link="hardlink") leaves behind
+    edited = mine.read_bytes()
+    store.verify(blob_id)
+    m = Manifest.of_bytes(data, C)
+    with store.begin_partial(m) as partial:
+        assert partial.missing() == list(range(m.num_chunks))
+        for i in partial.missing():
+            partial.write_chunk(i, data[i * C : (i + 1) * C])
+        partial.publish()
+    assert store.verify(blob_id) == []
+    assert mine.read_bytes() == edited
