@@ -166,3 +166,15 @@ def test_corrupt_base_file_and_round_record_are_named(
     _flip_byte(store, record_id, 5)
     with pytest.raises(CorruptInput, match=f"local blob {record_id} \\(round record\\)"):
         load_record(store, record_id)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_gpu_check_refuses_at_once_without_cuda(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from training import gpu_check
+
+    assert gpu_check.main(["--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "CUDA is not available" in err[0]
+    assert not (tmp_path / "out").exists()  # nothing built, nothing written
