@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
+from libp2p.custom_types import TProtocol
 
 import blobstore
 from blobstore import (
@@ -212,6 +213,11 @@ class BlobServer:
         self.verified: dict[str, bytearray] = {}
         self.refusing = 0
         self.stats = ServerStats()
+
+    def install(self, host: Any) -> None:
+        """Serve every protocol version (PROTOCOL.md section 1) on ``host``."""
+        for protocol_id in proto.SERVED_PROTOCOL_IDS:
+            host.set_stream_handler(TProtocol(protocol_id), self.handle_stream)
 
     @property
     def streams_per_peer(self) -> Counter[str]:

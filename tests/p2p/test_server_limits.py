@@ -99,8 +99,7 @@ async def served(
     blob_id = store.put_bytes(os.urandom(size), chunk_size=CHUNK)
     host = build_host(create_new_key_pair(), fast=fast)
     server = BlobServer(store)
-    for protocol_id in proto.SERVED_PROTOCOL_IDS:
-        host.set_stream_handler(TProtocol(protocol_id), server.handle_stream)
+    server.install(host)
     async with host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
         yield Served(host, server, store, blob_id, tmp_path)
 
