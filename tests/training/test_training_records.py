@@ -67,3 +67,48 @@ def test_lone_last_token_is_dropped_not_padded() -> None:
     records = decode_records(make_records([b"abcdef"], seq_len=7))
     assert records.count == 1
     assert records.tokens[0, -1] == BYTE_OFFSET + ord("f")
+
+
+def _toy_tokenizer() -> bytes:
+    pytest.importorskip("tokenizers")
+    from training.hf_model import train_tokenizer
+
+    texts = ["records are tokenised by the base model's own tokenizer. "] * 8
+    return str(train_tokenizer("llama", texts, vocab_size=300).to_str()).encode()
+
+
+def test_tokenizer_records_are_canonical_and_name_their_tokenizer() -> None:
+    from tokenizers import Tokenizer
+
+    from training.records import HEADER_SIZE_V2, make_tokenizer_records
+
+    tok = _toy_tokenizer()
+    tok_id = "ab" * 32
+    text = "the base model's own tokenizer"
+    ids = [*Tokenizer.from_str(tok.decode()).encode(text).ids, 1]
+    seq = 8 if len(ids) % 8 not in (0, 1) else 7  # so the last record has padding
+    data = make_tokenizer_records(
+        [text.encode()], seq, tokenizer_json=tok, tokenizer_id=tok_id, eos_id=1
+    )
+    records = decode_records(data)
+    vocab = Tokenizer.from_str(tok.decode()).get_vocab_size(with_added_tokens=True)
+    assert records.tokenizer_id == tok_id and records.vocab_size == vocab
+    assert records.pad_id == vocab  # one past the last id: never a real token
+    flat = [int(t) for t in records.tokens.reshape(-1)]
+    assert flat[: len(ids)] == ids and set(flat[len(ids) :]) == {vocab}
+    assert ids[0] == 0  # the Llama-style post-processor put its BOS in front
+    # the same inputs give the same bytes; any other header or token is refused
+    again = make_tokenizer_records(
+        [text.encode()], seq, tokenizer_json=tok, tokenizer_id=tok_id, eos_id=1
+    )
+    assert again == data
+    wide = bytearray(data)
+    wide[8] = 4
+    with pytest.raises(BadRecords, match="not canonical"):
+        decode_records(bytes(wide))
+    beyond = bytearray(data)
+    struct.pack_into("<H", beyond, HEADER_SIZE_V2, vocab + 1)
+    with pytest.raises(BadRecords, match="outside the vocabulary"):
+        decode_records(bytes(beyond))
+    with pytest.raises(BadRecords, match="not UTF-8"):
+        make_tokenizer_records([b"\xff"], 8, tokenizer_json=tok, tokenizer_id=tok_id, eos_id=1)
