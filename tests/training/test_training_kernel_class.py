@@ -161,6 +161,19 @@ def _default_dtype() -> Callable[[], None]:
     return lambda: torch.set_default_dtype(torch.float32)
 
 
+def _opt_einsum() -> Callable[[], None]:
+    import torch
+
+    einsum = torch.backends.opt_einsum
+    was = (einsum.enabled, einsum.strategy)
+    einsum.enabled, einsum.strategy = True, "greedy"
+
+    def restore() -> None:
+        einsum.enabled, einsum.strategy = was
+
+    return restore
+
+
 def _autocast() -> Callable[[], None]:
     import torch
 
@@ -180,6 +193,7 @@ def _autocast() -> Callable[[], None]:
         ("deterministic_warn_only", _warn_only),
         ("default_dtype", _default_dtype),
         ("autocast", _autocast),
+        ("opt_einsum", _opt_einsum),
     ],
 )
 def test_in_process_math_switch_changes_the_class(
