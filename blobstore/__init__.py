@@ -25,6 +25,7 @@ from blobstore.errors import (
     StoreCorrupt,
     StoreError,
 )
+from blobstore.lease import Lease
 from blobstore.manifest import (
     DEFAULT_CHUNK_SIZE,
     MAX_BLOB_SIZE,
@@ -42,6 +43,7 @@ from blobstore.store import (
     LOCK_TIMEOUT_ENV,
     STORE_LOCK_TIMEOUT,
     BlobInfo,
+    ExportLink,
     FileModes,
     Store,
 )
@@ -69,8 +71,10 @@ __all__ = [
     "ChunkUnavailable",
     "CollectionEntry",
     "CorruptChunk",
+    "ExportLink",
     "FileChanged",
     "FileModes",
+    "Lease",
     "Manifest",
     "NoSpace",
     "PartialBlob",
