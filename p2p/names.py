@@ -127,6 +127,13 @@ SERVE_TIMEOUT = 10.0
 # 24 h after it was stored; go-libp2p republishes every 22 h, we do it far sooner).
 NAMES_POLL = 10.0
 REPUBLISH_INTERVAL = 3600.0
+# Pushes taken from one peer per minute. Each new record costs a durable write and a
+# relay to every connected peer, so a peer re-signing its own names in a loop must not
+# turn this node into a disk grinder and an amplifier; publishers push a handful.
+MAX_PUSHES_PER_PEER_PER_MINUTE = 60
+PUSH_WINDOW_S = 60.0
+# Peers whose push counts are remembered; more forget the oldest window.
+MAX_TRACKED_PUSHERS = 1024
 # Default validity of a published record, in seconds; None = no expiry.
 DEFAULT_EXPIRY_S: int | None = None
 
@@ -194,6 +201,24 @@ class NameValidator(Validator):
         return best
 
 
+class PushLimiter:
+    """At most ``MAX_PUSHES_PER_PEER_PER_MINUTE`` pushes per peer in each fixed window
+    (time is an argument)."""
+
+    def __init__(self, limit: int = MAX_PUSHES_PER_PEER_PER_MINUTE) -> None:
+        self.limit = limit
+        self._windows: dict[str, tuple[float, int]] = {}
+
+    def allow(self, peer: str, now: float) -> bool:
+        start, count = self._windows.pop(peer, (now, 0))
+        if now - start >= PUSH_WINDOW_S:
+            start, count = now, 0
+        if len(self._windows) >= MAX_TRACKED_PUSHERS:
+            del self._windows[next(iter(self._windows))]  # the least recently seen
+        self._windows[peer] = (start, count + 1)
+        return count < self.limit
+
+
 @dataclass
 class Spread:
     """Where a published record went."""
@@ -223,6 +248,7 @@ class NameService:
         self.clock = clock
         self.own_publisher = node.peer_id
         self._active = 0
+        self.pushes = PushLimiter()
 
     # --- serving -----------------------------------------------------------------------
     async def handle_stream(self, stream: Any) -> None:
@@ -236,7 +262,7 @@ class NameService:
             with trio.move_on_after(SERVE_TIMEOUT) as scope:
                 body = await _read_frame(stream, wire.MAX_REQUEST_SIZE)
                 request = wire.decode_request(body)
-                response, relay = await self._answer(request)
+                response, relay = await self._answer(request, peer)
                 await write_all(stream, wire.encode(response))
                 await close_quietly(stream)
             if scope.cancelled_caught:
@@ -254,12 +280,17 @@ class NameService:
             with trio.move_on_after(PUBLISH_TIMEOUT):
                 await _push_all(self.node, relay, exclude={peer})
 
-    async def _answer(self, request: wire.Request) -> tuple[wire.Response, NameRecord | None]:
+    async def _answer(
+        self, request: wire.Request, peer: str
+    ) -> tuple[wire.Response, NameRecord | None]:
         now = self.clock()
         if isinstance(request, wire.GetRequest):
             record = await self._lookup(request.key, now)
             return wire.RecordResponse(None if record is None else record.encode()), None
         if isinstance(request, wire.PutRequest):
+            if not self.pushes.allow(peer, now):
+                reason = f"busy: over {self.pushes.limit} pushes a minute from {peer}"
+                return wire.PutResponse(False, reason), None
             try:
                 record = verify(request.record, now=now)
             except NameRejected as exc:

@@ -18,7 +18,7 @@ import pytest
 
 from identity import Authority, MachineKey, SoftwareSigner, TrustStore
 from p2p import names_protocol as wire
-from p2p.names import NameValidator
+from p2p.names import PUSH_WINDOW_S, NameValidator, PushLimiter
 from p2p.names_cache import MAX_RECORDS_PER_PUBLISHER, NameCache
 from p2p.names_record import (
     MAX_NAME_LENGTH,
@@ -180,6 +180,15 @@ def test_the_dht_validator_refuses_forgeries_and_keeps_the_newest(
     assert validator.select(key, [v1.encode(), v2.encode()]) == 1
     assert validator.select(key, [v2.encode(), v1.encode()]) == 0
     assert validator.select(key, [v1.encode(), forged]) == 0  # a forgery never wins
+
+
+def test_one_peer_s_pushes_are_rate_limited() -> None:
+    """Guards against a peer re-signing its names in a loop to make this node write and
+    relay without end."""
+    limiter = PushLimiter(limit=3)
+    assert [limiter.allow("p", NOW + i * 0.1) for i in range(4)] == [True, True, True, False]
+    assert limiter.allow("q", NOW)  # another peer has its own budget
+    assert limiter.allow("p", NOW + PUSH_WINDOW_S)  # a new window
 
 
 # --- the cache -------------------------------------------------------------------------
