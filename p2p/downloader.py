@@ -47,6 +47,7 @@ from p2p.buffers import ChunkBuffers
 from p2p.chunk_writer import ChunkWriter, usable_cpus
 from p2p.errors import FetchFailed, NoProviders
 from p2p.scheduler import (
+    PeerScores,
     PeerStats,
     RequestTicket,
     Scheduler,
@@ -68,6 +69,10 @@ STALL_GRACE = 10.0
 MANIFEST_FANOUT = 4
 # Pauses before a provider that was unreachable, busy or dropped is tried again.
 PEER_RETRY_PAUSES = (1.0, 3.0, 9.0)
+# A provider that sent bad data in an earlier download (PeerScores) starts this much later
+# than the others: if they can serve the blob, it never gets a request; if they cannot,
+# it still may (its bad chunks are refused one by one, as ever).
+DISTRUSTED_START_DELAY = 5.0
 # Progress callbacks are rate-limited so a fast transfer does not spend time reporting.
 PROGRESS_INTERVAL = 0.25
 # Chunk bodies in flight (received, or queued for hashing and the disk) share this much
@@ -182,6 +187,66 @@ async def fetch_manifest(network: Network, blob_id: str, peer: str) -> Manifest 
         return None
 
 
+@dataclass
+class _Probe:
+    done: trio.Event = field(default_factory=trio.Event)
+    client: BlobClient | None = None
+    have: proto.HaveResponse | proto.ErrorResponse | None = None
+    rtt: float = 0.0
+
+
+class HaveProbes:
+    """``have`` asked of each provider while its manifest request is still out.
+
+    A provider's first stream used to wait for the manifest before asking ``have``: one
+    stream open and one round trip more before the first ``get``. A probe opens its own
+    stream beside the manifest's and asks at once; the provider's task takes the answer,
+    and the stream, for its first worker."""
+
+    def __init__(self, network: Network, blob_id: str, nursery: trio.Nursery) -> None:
+        self._network = network
+        self._blob_id = blob_id
+        self._nursery = nursery
+        self._probes: dict[str, _Probe] = {}
+
+    def start(self, peer: str) -> None:
+        if peer not in self._probes:
+            probe = self._probes[peer] = _Probe()
+            self._nursery.start_soon(self._ask, peer, probe)
+
+    async def _ask(self, peer: str, probe: _Probe) -> None:
+        stream = None
+        try:
+            with trio.fail_after(CONTROL_TIMEOUT):
+                stream = await self._network.open_blob_stream(peer)
+                client = BlobClient(stream)
+                asked = trio.current_time()
+                probe.have = await client.have(self._blob_id)
+                probe.rtt = trio.current_time() - asked
+                probe.client = client
+                stream = None
+        except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
+            log.info("have from %s failed: %r", peer, exc)
+        finally:
+            if stream is not None:
+                await reset_quietly(stream)
+            probe.done.set()
+
+    async def take(self, peer: str) -> _Probe | None:
+        """The probe of ``peer``, once it has ended (None if none was started)."""
+        probe = self._probes.pop(peer, None)
+        if probe is not None:
+            await probe.done.wait()
+        return probe
+
+    async def close(self) -> None:
+        """Reset the streams of probes nobody took."""
+        for probe in self._probes.values():
+            if probe.client is not None:
+                await reset_quietly(probe.client.stream)
+        self._probes.clear()
+
+
 class Download:
     """One blob's transfer. Use :func:`download_blob`."""
 
@@ -196,8 +261,12 @@ class Download:
         config: SchedulerConfig,
         progress: ProgressCallback | None,
         stripe_config: StripeConfig | None = None,
+        probes: HaveProbes | None = None,
+        scores: PeerScores | None = None,
     ) -> None:
         self.network = network
+        self.probes = probes
+        self.scores = scores
         self.store = store
         self.manifest = manifest
         self.blob_id = manifest.blob_id
@@ -220,6 +289,7 @@ class Download:
         self.last_progress = 0.0
         self.new_bytes: dict[str, int] = {}
         self.duplicate_bytes = 0
+        self.penalized: set[str] = set()
         self.striped = network if isinstance(network, StripedNetwork) else None
         self.stripe_config = stripe_config
         self.growth: dict[str, StripeGrowth] = {}
@@ -279,14 +349,17 @@ class Download:
             return
         self.peers_seen.add(peer)
         self.peer_tasks += 1
-        nursery.start_soon(self._peer_task, peer)
+        distrusted = self.scores is not None and self.scores.distrusted(peer, trio.current_time())
+        if distrusted:
+            log.info("provider %s sent bad data before: it starts last", peer)
+        nursery.start_soon(self._peer_task, peer, DISTRUSTED_START_DELAY if distrusted else 0.0)
 
-    async def _peer_task(self, peer: str) -> None:
+    async def _peer_task(self, peer: str, delay: float = 0.0) -> None:
         """Run one provider; one that was unreachable, busy or dropped after failures in a
         row is tried again after a pause (a lost packet on a long link is not a verdict).
         A banned peer, or one without the blob, is not."""
         try:
-            for pause in (0.0, *PEER_RETRY_PAUSES):
+            for pause in (delay, *PEER_RETRY_PAUSES):
                 await trio.sleep(pause)
                 if self.scheduler.done or not await self._run_peer(peer):
                     return
@@ -303,11 +376,17 @@ class Download:
         stream = None
         try:
             with trio.fail_after(CONTROL_TIMEOUT):
-                stream = await self.network.open_blob_stream(peer)
-                client = BlobClient(stream, self.chunk_length)
-                asked = trio.current_time()
-                have = await client.have(self.blob_id)
-                rtt = trio.current_time() - asked
+                probe = None if self.probes is None else await self.probes.take(peer)
+                if probe is not None and probe.client is not None and probe.have is not None:
+                    client, have, rtt = probe.client, probe.have, probe.rtt
+                    stream = client.stream
+                    client.conn.set_expected_chunk_length(self.chunk_length)
+                else:
+                    stream = await self.network.open_blob_stream(peer)
+                    client = BlobClient(stream, self.chunk_length)
+                    asked = trio.current_time()
+                    have = await client.have(self.blob_id)
+                    rtt = trio.current_time() - asked
         except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
             log.info("provider %s unusable: %r", peer, exc)
             if stream is not None:
@@ -458,6 +537,7 @@ class Download:
         if isinstance(failure, BadChunk):
             log.warning("peer %s sent a corrupt chunk: banned for %s", peer, self.blob_id[:12])
             self.scheduler.on_bad_chunk(ticket.request_id, failure.index, now())
+            self._penalize(peer)
             self._notify()
             await self._drop(client)
             return None
@@ -469,6 +549,7 @@ class Download:
         if isinstance(failure, proto.RemoteProtocolError):
             log.warning("peer %s broke the protocol: %s", peer, failure)
             self.scheduler.on_protocol_error(ticket.request_id, now(), str(failure))
+            self._penalize(peer)
             self._notify()
             await self._drop(client)
             return None
@@ -491,6 +572,13 @@ class Download:
         self.scheduler.on_request_done(ticket.request_id, now(), reply)
         self._notify()
         return client
+
+    def _penalize(self, peer: str) -> None:
+        """Remember beyond this download that ``peer`` sent bad data (once per download:
+        one liar's many bad chunks are one offence)."""
+        if self.scores is not None and peer not in self.penalized:
+            self.penalized.add(peer)
+            self.scores.penalize(peer, trio.current_time())
 
     async def _drop(self, client: BlobClient | None) -> None:
         if client is not None:
@@ -583,18 +671,52 @@ async def download_blob(
     config: SchedulerConfig | None = None,
     discovery_timeout: float = STALL_GRACE,
     stripe_config: StripeConfig | None = None,
+    scores: PeerScores | None = None,
 ) -> None:
     """Fetch ``blob_id`` into ``store`` (no-op if complete). Raises NoProviders, FetchFailed,
-    NoSpace."""
+    NoSpace. ``scores``: peers' records of bad data, read and added to (PeerScores)."""
     if await trio.to_thread.run_sync(store.has, blob_id):
         return
-    config = config or SchedulerConfig()
+    async with trio.open_nursery() as nursery:
+        probes = HaveProbes(network, blob_id, nursery)
+        try:
+            await _download(
+                network,
+                store,
+                blob_id,
+                providers,
+                more_providers,
+                progress,
+                config or SchedulerConfig(),
+                discovery_timeout,
+                stripe_config or StripeConfig(),
+                probes,
+                scores,
+            )
+        finally:
+            nursery.cancel_scope.cancel()
+            await probes.close()
+
+
+async def _download(
+    network: Network,
+    store: Store,
+    blob_id: str,
+    providers: Iterable[str],
+    more_providers: trio.MemoryReceiveChannel[str] | None,
+    progress: ProgressCallback | None,
+    config: SchedulerConfig,
+    discovery_timeout: float,
+    stripe_config: StripeConfig,
+    probes: HaveProbes,
+    scores: PeerScores | None,
+) -> None:
     candidates = list(dict.fromkeys(providers))
     manifest = await _local_manifest(store, blob_id)
     asked: set[str] = set()
     if manifest is None:
         manifest = await _manifest_from_network(
-            network, blob_id, candidates, asked, more_providers, discovery_timeout
+            network, blob_id, candidates, asked, more_providers, discovery_timeout, probes
         )
     missing_bytes = await trio.to_thread.run_sync(_missing_bytes, store, manifest)
     free = await trio.to_thread.run_sync(store.free_bytes)
@@ -617,7 +739,9 @@ async def download_blob(
                 writer,
                 config=config,
                 progress=progress,
-                stripe_config=stripe_config or StripeConfig(),
+                stripe_config=stripe_config,
+                probes=probes,
+                scores=scores,
             )
             await _run(download, candidates, more_providers, discovery_timeout)
         await download.flush()
@@ -657,9 +781,11 @@ async def _manifest_from_network(
     asked: set[str],
     more: trio.MemoryReceiveChannel[str] | None,
     discovery_timeout: float,
+    probes: HaveProbes | None = None,
 ) -> Manifest:
     """The first valid manifest from the candidates, and from peers that discovery sends
-    within ``discovery_timeout``; up to MANIFEST_FANOUT are asked at once."""
+    within ``discovery_timeout``; up to MANIFEST_FANOUT are asked at once, and each is
+    asked ``have`` at the same time (``probes``)."""
     found: list[Manifest] = []
     fanout = trio.Semaphore(MANIFEST_FANOUT)
     deadline = trio.current_time() + discovery_timeout
@@ -680,6 +806,8 @@ async def _manifest_from_network(
             if peer not in asked:
                 await fanout.acquire()
                 asked.add(peer)
+                if probes is not None:
+                    probes.start(peer)
                 nursery.start_soon(ask, peer)
 
         async def listen(more: trio.MemoryReceiveChannel[str]) -> None:

@@ -10,6 +10,26 @@ Providers of a fetch come from (a) peers named by the caller (multiaddrs or a ti
 background while the transfer runs; providers found late join it. No step waits on a
 fixed delay. Every complete blob this node holds is provided on the DHT at start, when it
 arrives, and again every ``reprovide_interval``.
+
+Round trips from ``blob get`` to the first verified chunk, from a named provider
+(counted on the wire; each is one path RTT, 200 ms between continents):
+
+1. TCP connect: 1.
+2. multistream-select of Noise: 2 (py-libp2p's dialler waits for the header's answer
+   before proposing; its SecurityMultistream is not ours to change).
+3. Noise XX: 1 (the dialler's third message leaves with what follows).
+4. multistream-select of yamux: 1 (``p2p.fast.upgrade.select_pipelined`` sends the header
+   and the proposal together; py-libp2p alone takes 2). Identify runs in the background.
+5. A blob stream needs no round trip of its own: the protocol proposal and the first
+   request leave together (``p2p.wire.OptimisticStream``; py-libp2p's ``new_stream``
+   takes 2). ``manifest`` and ``have`` go out at the same time on two streams
+   (``p2p.downloader.HaveProbes``; ``have`` used to wait for the manifest): 1.
+6. ``get`` on the ``have`` stream: 1, plus the first chunk's own transfer time.
+
+So 7 round trips where there were 13 (2 + 2 + 2 stream opens, have after manifest, and
+the muxer's second round trip cut). Named providers are dialled at once and each joins
+the fetch as soon as it is connected, so one that accepts TCP and never completes the
+handshake costs nothing (``HANDSHAKE_TIMEOUT`` ends its dial).
 """
 
 from __future__ import annotations
@@ -43,7 +63,7 @@ from p2p.host import build_host
 from p2p.scheduler import PeerScores, SchedulerConfig, StripeConfig
 from p2p.server import BlobServer
 from p2p.ticket import Ticket, validate_peer_addr
-from p2p.wire import StreamLost
+from p2p.wire import MULTISTREAM, OptimisticStream, StreamLost, multistream_message
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +86,14 @@ MAX_CONNECTIONS_PER_PROVIDER = StripeConfig().max_connections
 # The swarm's own per-peer cap (py-libp2p trims connections beyond it, default 3) must
 # leave room for those, plus one the peer dialled to us (a DHT query, its own fetch).
 SWARM_CONNECTIONS_PER_PEER = MAX_CONNECTIONS_PER_PROVIDER + 2
+
+# What a blob stream's first write proposes, and what a blobnet server answers: the
+# multistream header and the protocol, echoed (p2p.wire.OptimisticStream).
+BLOB_PROPOSAL = multistream_message(MULTISTREAM) + multistream_message(proto.PROTOCOL_ID.encode())
+# How long a dialled peer may take to finish the Noise and yamux handshakes once TCP is
+# up: they take about five round trips, 1 s at 200 ms, so 5 s is generous; a peer that
+# accepts TCP and never answers (issue 16) then costs 5 s per try, not py-libp2p's 10.
+HANDSHAKE_TIMEOUT = 5.0
 
 # The connection the next stream to a peer should use; read by the swarm's connection
 # choice that `_choose_connections` installs (a context variable: per trio task).
@@ -117,6 +145,9 @@ class NodeConfig:
     pubsub: bool = False
     # Hash chunks again when serving them (see p2p.server.BlobServer.verify_reads).
     verify_reads: bool = False
+    # Hash a blob already in the store before a fetch takes it as done (issue 16: a fetch
+    # must not trust a rotten local copy). Costs a read of the blob, ~1 s per GiB.
+    verify_local: bool = True
 
 
 class Node:
@@ -208,13 +239,27 @@ class Node:
         last: Exception | None = None
         for pause in STREAM_OPEN_RETRY_PAUSES:
             try:
-                return await self.host.new_stream(
-                    ID.from_base58(peer), [TProtocol(proto.PROTOCOL_ID)]
-                )
+                return await self._open_optimistic(ID.from_base58(peer))
             except (BaseLibp2pError, OSError, trio.BrokenResourceError) as exc:
                 last = exc
                 await trio.sleep(pause)
         raise StreamLost(f"cannot open a stream to {peer}: {last}") from last
+
+    async def _open_optimistic(self, peer_id: ID) -> OptimisticStream:
+        """A muxed stream with the blob protocol proposed but not yet confirmed: the first
+        request goes out in the same round trip (the client checks the answer)."""
+        stream = await self.host.get_network().new_stream(peer_id)
+        try:
+            await stream.write(BLOB_PROPOSAL)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                try:
+                    await stream.reset()
+                except Exception:  # the stream is being abandoned either way
+                    pass
+            raise
+        stream.set_protocol(TProtocol(proto.PROTOCOL_ID))
+        return OptimisticStream(stream, BLOB_PROPOSAL)
 
     async def open_blob_stream_on(self, peer: str, lane: int) -> Any:
         """A blob stream to ``peer`` on its connection number ``lane`` (0: the first one;
@@ -381,68 +426,97 @@ class Node:
             from blobstore import parse_blob_id
 
             blob_id = parse_blob_id(ref)
-        peers = await self._dial_all(addrs)
-        await self._fetch_one(blob_id, peers, progress)
-        if recursive and await trio.to_thread.run_sync(self.store.is_collection, blob_id):
-            entries = await trio.to_thread.run_sync(self.store.read_collection, blob_id)
-            limiter = trio.CapacityLimiter(COLLECTION_PARALLELISM)
+        dials = _Dials()
+        async with trio.open_nursery() as nursery:
+            # Named providers are dialled at once and each joins the fetch as soon as it
+            # is connected: one that accepts TCP and never handshakes delays nobody.
+            for addr in dict.fromkeys(addrs):
+                dials.pending += 1
+                nursery.start_soon(self._dial_into, addr, dials)
+            await self._fetch_one(blob_id, dials, progress)
+            if recursive and await trio.to_thread.run_sync(self.store.is_collection, blob_id):
+                entries = await trio.to_thread.run_sync(self.store.read_collection, blob_id)
+                limiter = trio.CapacityLimiter(COLLECTION_PARALLELISM)
 
-            async def child(child_id: str) -> None:
-                async with limiter:
-                    await self._fetch_one(child_id, peers, progress)
+                async def child(child_id: str) -> None:
+                    async with limiter:
+                        await self._fetch_one(child_id, dials, progress)
 
-            async with trio.open_nursery() as nursery:
-                # Identical files (two empty ones, say) share one blob: fetch it once.
-                for child_id in dict.fromkeys(entry.blob_id for entry in entries):
-                    nursery.start_soon(child, child_id)
+                async with trio.open_nursery() as children:
+                    # Identical files (two empty ones, say) share one blob: fetch it once.
+                    for child_id in dict.fromkeys(entry.blob_id for entry in entries):
+                        children.start_soon(child, child_id)
+            nursery.cancel_scope.cancel()
         return blob_id
 
-    async def _dial_all(self, addrs: Sequence[str]) -> list[str]:
-        peers: list[str] = []
-        errors: list[str] = []
-
-        async def dial(addr: str) -> None:
-            try:
-                peers.append(await self.connect(addr))
-            except PeerUnreachable as exc:
-                errors.append(str(exc))
-
-        async with trio.open_nursery() as nursery:
-            for addr in dict.fromkeys(addrs):
-                nursery.start_soon(dial, addr)
-        for error in errors:
-            log.warning("%s", error)
-        return peers
+    async def _dial_into(self, addr: str, dials: _Dials) -> None:
+        try:
+            dials.add(await self.connect(addr))
+        except PeerUnreachable as exc:
+            log.info("%s", exc)
+            dials.errors.append(str(exc))
+        finally:
+            dials.pending -= 1
+            dials.wake()
 
     async def _fetch_one(
-        self, blob_id: str, peers: list[str], progress: ProgressCallback | None
+        self, blob_id: str, dials: _Dials, progress: ProgressCallback | None
     ) -> None:
-        if await trio.to_thread.run_sync(self.store.has, blob_id):
+        if await trio.to_thread.run_sync(self._intact, blob_id):
             return
         send, receive = trio.open_memory_channel[str](256)
-        explicit = list(dict.fromkeys(peers))
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._discover, blob_id, explicit, send)
+            nursery.start_soon(self._feed_dialled, dials, send.clone())
+            nursery.start_soon(self._discover, blob_id, set(dials.peers), send)
             await download_blob(
                 self,
                 self.store,
                 blob_id,
-                providers=explicit,
+                providers=list(dials.peers),
                 more_providers=receive,
                 progress=progress,
                 config=self.config.scheduler,
                 discovery_timeout=self.config.discovery_timeout,
                 stripe_config=self.config.stripe,
+                scores=self.scores,
             )
             nursery.cancel_scope.cancel()
 
+    def _intact(self, blob_id: str) -> bool:
+        """Whether the store holds ``blob_id`` whole and sound. With ``verify_local`` a
+        local copy is hashed first: a rotten one is quarantined (``Store.verify``) and the
+        fetch goes on, from its good chunks, rather than trusting it."""
+        if not self.store.has(blob_id):
+            return False
+        if not self.config.verify_local:
+            return True
+        bad = self.store.verify(blob_id)
+        if bad:
+            log.warning(
+                "local copy of %s is damaged (%d chunk(s)): quarantined, fetching it again",
+                blob_id[:12],
+                len(bad),
+            )
+        return not bad
+
+    async def _feed_dialled(self, dials: _Dials, send: trio.MemorySendChannel[str]) -> None:
+        """Hand the download each named provider as its dial succeeds, until all ended."""
+        async with send:
+            sent = len(dials.peers)  # those already connected went in as providers
+            while True:
+                for peer in dials.peers[sent:]:
+                    await send.send(peer)
+                sent = len(dials.peers)
+                if dials.pending == 0:
+                    return
+                await dials.changed.wait()
+
     async def _discover(
-        self, blob_id: str, explicit: list[str], send: trio.MemorySendChannel[str]
+        self, blob_id: str, seen: set[str], send: trio.MemorySendChannel[str]
     ) -> None:
         """Feed candidate providers: connected peers at once, then the DHT's answers,
         asked again with growing pauses (a provider may announce itself late) until the
         discovery timeout."""
-        seen = set(explicit)
         async with send:
             for peer in self.connected_peers()[:MAX_CONNECTED_CANDIDATES]:
                 if peer not in seen:
@@ -462,6 +536,24 @@ class Node:
 
     async def export(self, blob_id: str, dest: str | os.PathLike[str]) -> None:
         await trio.to_thread.run_sync(self.store.export, blob_id, Path(dest))
+
+
+class _Dials:
+    """The named providers of one fetch, dialled at once (``Node._dial_into``)."""
+
+    def __init__(self) -> None:
+        self.peers: list[str] = []  # connected, in the order they answered
+        self.errors: list[str] = []
+        self.pending = 0
+        self.changed = trio.Event()
+
+    def add(self, peer: str) -> None:
+        if peer not in self.peers:
+            self.peers.append(peer)
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
 
 
 def _key_pair(key: MachineKey | KeyPair | None, key_path: Path | None) -> KeyPair:
@@ -504,6 +596,7 @@ async def open_node(
         connection_config.max_connections_per_peer = max(
             connection_config.max_connections_per_peer, SWARM_CONNECTIONS_PER_PEER
         )
+        connection_config.outbound_upgrade_timeout = HANDSHAKE_TIMEOUT
     server = BlobServer(store, verify_reads=config.verify_reads)
     listen_addrs = [_listen_addr(a) for a in config.listen]
     for addr in listen_addrs:

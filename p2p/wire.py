@@ -86,6 +86,47 @@ async def close_quietly(stream: Any) -> None:
 
 ChunkSink = Callable[[int, memoryview], Awaitable[None]]
 
+# multistream-select 1.0.0 (libp2p's protocol negotiation): a message is its length plus one
+# as an unsigned varint, the text, and a newline. Every message here is under 128 bytes, so
+# the varint is one byte.
+MULTISTREAM = b"/multistream/1.0.0"
+
+
+def multistream_message(text: bytes) -> bytes:
+    if len(text) + 1 >= 0x80:
+        raise ValueError(f"multistream message too long for a one-byte length: {text!r}")
+    return bytes([len(text) + 1]) + text + b"\n"
+
+
+class OptimisticStream:
+    """A libp2p stream whose protocol was proposed without waiting for the answer.
+
+    ``p2p.node`` writes the multistream header and ``/blobnet/blob/1.0.0`` together and hands
+    the stream over at once, so the first request follows in the same round trip (as
+    go-libp2p's lazy negotiation does); `BlobClient` reads and checks the two echoed
+    messages (``expect``) before the first response. This saves the two round trips that
+    py-libp2p's ``new_stream`` spends on every stream."""
+
+    def __init__(self, stream: Any, expect: bytes) -> None:
+        self.stream = stream
+        self.expect = expect
+
+    @property
+    def muxed_stream(self) -> Any:
+        return getattr(self.stream, "muxed_stream", self.stream)
+
+    async def read(self, n: int | None = None) -> bytes:
+        return bytes(await self.stream.read(n))
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        await self.stream.write(data)
+
+    async def close(self) -> None:
+        await self.stream.close()
+
+    async def reset(self) -> None:
+        await self.stream.reset()
+
 
 class BlobClient:
     """Requests over one stream, one at a time (the protocol's sequencing rule)."""
@@ -103,6 +144,8 @@ class BlobClient:
         # The pooled buffer a body in progress is landing in (not yet given to a sink).
         self._lent: Any = None
         self._abandoned = False
+        # The negotiation answer still to come on an optimistically opened stream.
+        self._expect = stream.expect if isinstance(stream, OptimisticStream) else b""
 
     def _allocate(self, length: int) -> Any:
         spare = self._spare
@@ -116,9 +159,25 @@ class BlobClient:
         if self._abandoned:
             raise StreamLost("stream abandoned in the middle of a chunk body")
 
+    async def _negotiated(self) -> None:
+        """Read the peer's echo of an optimistic protocol proposal, byte for byte; a peer
+        that answers anything else does not serve blobs here (StreamLost: not a breach)."""
+        expect = self._expect
+        got = b""
+        while len(got) < len(expect):
+            more = await read_some(self.stream, len(expect) - len(got))
+            if not more:
+                raise StreamLost("peer closed the stream during protocol negotiation")
+            got += more
+            if not expect.startswith(got):
+                raise StreamLost(f"peer refused {proto.PROTOCOL_ID}: answered {got[:64]!r}")
+        self._expect = b""
+
     async def _next_response(self) -> proto.Response:
         """The next response event; a stream that ends mid-response is StreamLost (a peer
         that went away), not a protocol breach."""
+        if self._expect:
+            await self._negotiated()
         try:
             while True:
                 event = self.conn.next_event()

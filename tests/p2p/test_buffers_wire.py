@@ -405,3 +405,64 @@ async def test_get_without_a_pool_still_gives_private_buffers() -> None:
     # Each body kept its own buffer: none was overwritten by a later chunk.
     assert [bytes(v) for v in views] == [body(i, chunk) for i in range(3)]
     assert all(isinstance(v.obj, bytearray) for v in views)
+
+
+# --- optimistic protocol negotiation -------------------------------------------------------
+
+
+class Canned:
+    """A stream whose far end has already answered with ``inbound``; writes are kept."""
+
+    def __init__(self, inbound: bytes) -> None:
+        self.inbound = bytearray(inbound)
+        self.written = bytearray()
+
+    async def read(self, n: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        take = len(self.inbound) if n is None else min(n, len(self.inbound))
+        out = bytes(self.inbound[:take])
+        del self.inbound[:take]
+        return out
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        await trio.lowlevel.checkpoint()
+        self.written += data
+
+    async def close(self) -> None:
+        pass
+
+    async def reset(self) -> None:
+        pass
+
+
+def manifest_answer(body: bytes) -> bytes:
+    server = proto.ServerConnection()
+    server.receive_data(proto.ClientConnection().send_request(proto.ManifestRequest(BLOB)))
+    assert server.next_request() is not None
+    return server.send_response(proto.ManifestResponse(body))
+
+
+async def test_an_optimistic_stream_checks_the_echo_before_the_first_response() -> None:
+    """Issue 15 item 4: the protocol is proposed and the first request sent without
+    waiting; the client reads the peer's echo of the proposal, then the response."""
+    from p2p.node import BLOB_PROPOSAL
+    from p2p.wire import OptimisticStream
+
+    raw = Canned(BLOB_PROPOSAL + manifest_answer(b"the manifest"))
+    client = BlobClient(OptimisticStream(raw, BLOB_PROPOSAL))
+    assert await client.manifest(BLOB) == b"the manifest"
+    request = proto.ClientConnection().send_request(proto.ManifestRequest(BLOB))
+    assert raw.written.startswith(request)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"\x03na\n", b"\x13/multistream/1.0.0\n\x03na\n", b"\x13/multistream/1.0.0\n"],
+)
+async def test_a_peer_refusing_the_protocol_is_a_lost_stream_not_garbage(answer: bytes) -> None:
+    from p2p.node import BLOB_PROPOSAL
+    from p2p.wire import OptimisticStream
+
+    client = BlobClient(OptimisticStream(Canned(answer), BLOB_PROPOSAL))
+    with pytest.raises(StreamLost, match=r"refused|negotiation"):
+        await client.manifest(BLOB)

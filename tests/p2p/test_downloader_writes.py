@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from fake_stream import FakeStream
 
 from blobstore import Manifest, NoSpace, PartialBlob, Store
@@ -143,3 +144,123 @@ async def test_a_corrupt_chunk_bans_its_peer_and_the_other_completes_the_blob(
     assert final.peers["liar"].banned
     assert final.new_bytes.get("liar", 0) == 0
     assert final.new_bytes["honest"] == len(DATA)
+
+
+# --- deadlines, memory of liars, round trips (virtual time) -----------------------------
+
+
+@pytest.fixture
+def virtual_clock() -> trio.testing.MockClock:
+    """Virtual time that jumps only after 50 ms of real idleness: the chunk writes run in
+    real threads, and a jump while one runs would fire deadlines that real time never
+    reaches."""
+    return trio.testing.MockClock(autojump_threshold=0.05)
+
+
+class Delayed(FakeStream):
+    """A FakeStream whose answers arrive ``rtt`` (virtual) seconds after each request."""
+
+    def __init__(self, serve: Any, rtt: float) -> None:
+        super().__init__(serve)
+        self.rtt = rtt
+        self.ready_at = 0.0
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.ready_at = trio.current_time() + self.rtt
+        await super().write(data)
+
+    async def read(self, n: int | None = None) -> bytes:
+        await trio.sleep_until(self.ready_at)
+        return await super().read(n)
+
+
+class Recording:
+    """Providers by name; records each request (peer, kind, virtual time) it serves.
+    ``stall_first_get``: the first `get` stream of that peer never answers."""
+
+    def __init__(
+        self,
+        flips: dict[str, frozenset[int]],
+        *,
+        rtt: float = 0.0,
+        stall_first_get: str | None = None,
+    ) -> None:
+        self.flips = flips
+        self.rtt = rtt
+        self.stall_first_get = stall_first_get
+        self.requests: list[tuple[str, str, float]] = []
+
+    async def open_blob_stream(self, peer: str) -> Any:
+        await trio.lowlevel.checkpoint()
+        inner = serving(self.flips[peer])
+
+        def serve(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
+            kind = type(req).__name__
+            self.requests.append((peer, kind, trio.current_time()))
+            if isinstance(req, proto.GetRequest) and peer == self.stall_first_get:
+                self.stall_first_get = None
+                return b"", False  # never answers: only the request deadline ends it
+            return inner.serve(server, req)
+
+        return Delayed(serve, self.rtt) if self.rtt else FakeStream(serve)
+
+
+async def test_a_get_that_never_answers_is_ended_by_its_deadline(
+    tmp_path: Path, virtual_clock: trio.abc.Clock
+) -> None:
+    """Regression guard (issue 16's mutation list): without the request deadline a
+    provider's stalled `get` holds its chunks forever and the fetch never ends."""
+    store = Store.open(tmp_path / "s")
+    network = Recording({"only": frozenset()}, stall_first_get="only")
+    start = trio.current_time()
+    with trio.fail_after(600):  # virtual seconds: far beyond any deadline
+        await downloader.download_blob(network, store, MANIFEST.blob_id, providers=["only"])
+    assert store.verify(MANIFEST.blob_id) == []
+    gets = [t for _, kind, t in network.requests if kind == "GetRequest"]
+    assert len(gets) >= 3  # the stalled one, and the retry of its chunks after it
+    # It ended at its deadline (base + bytes / minimum rate), not much later.
+    limit = downloader.SchedulerConfig().request_timeout_base + len(DATA) / (256 * 1024)
+    assert trio.current_time() - start < limit + 5
+
+
+async def test_a_peer_that_lied_is_remembered_by_the_next_download(
+    tmp_path: Path, virtual_clock: trio.abc.Clock
+) -> None:
+    """Issue 16: a liar banned in one download gets no `get` in the next one while an
+    honest provider can serve it; the memory decays (PeerScores)."""
+    scores = downloader.PeerScores()
+    every_chunk = frozenset(range(MANIFEST.num_chunks))
+    first = Recording({"liar": every_chunk, "honest": frozenset()})
+    store = Store.open(tmp_path / "one")
+    await downloader.download_blob(
+        first, store, MANIFEST.blob_id, providers=["liar", "honest"], scores=scores
+    )
+    assert scores.distrusted("liar", trio.current_time())
+    assert not scores.distrusted("honest", trio.current_time())
+    again = Recording({"liar": every_chunk, "honest": frozenset()})
+    await downloader.download_blob(
+        again,
+        Store.open(tmp_path / "two"),
+        MANIFEST.blob_id,
+        providers=["liar", "honest"],
+        scores=scores,
+    )
+    assert ("liar", "GetRequest") not in {(p, k) for p, k, _ in again.requests}
+    assert ("honest", "GetRequest") in {(p, k) for p, k, _ in again.requests}
+
+
+async def test_the_first_chunk_comes_two_round_trips_after_the_start(
+    tmp_path: Path, virtual_clock: trio.abc.Clock
+) -> None:
+    """Issue 15 item 4: `have` goes out beside `manifest`, so the first `get` leaves
+    after one round trip and its first chunk lands after the second (it was three)."""
+    rtt = 1.0
+    network = Recording({"far": frozenset()}, rtt=rtt)
+    store = Store.open(tmp_path / "s")
+    start = trio.current_time()
+    await downloader.download_blob(network, store, MANIFEST.blob_id, providers=["far"])
+    first_get = min(t for _, kind, t in network.requests if kind == "GetRequest")
+    assert first_get - start == pytest.approx(rtt, abs=0.05)
+    kinds = [k for _, k, t in network.requests if t - start < rtt / 2]
+    assert sorted(kinds) == ["HaveRequest", "ManifestRequest"]
+    assert store.verify(MANIFEST.blob_id) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import filecmp
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -353,3 +354,65 @@ async def test_a_fetch_stripes_one_provider_over_several_tcp_connections(
     assert striped > 1
     assert server_side == striped  # each connection is its own TCP connection
     assert max(carrying) > 1  # and streams really ran on more than one of them
+
+
+async def test_a_rotten_local_copy_is_repaired_from_a_peer_not_trusted(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Issue 16 hole 6: a fetch named a good peer while the local copy had rotted; it
+    must not take the local copy as done. It is quarantined and only its bad chunk is
+    fetched again."""
+    import os
+
+    from p2p.node import open_node
+
+    source = random_file(tmp_path / "w.bin", 6 * MiB + 3)
+    blob_id = cluster.put("good", source)
+    good = cluster.serve("good")
+    store = Store.open(tmp_path / "mine")
+    assert store.put_path(source) == blob_id
+    path = store.path(blob_id)
+    os.chmod(path, 0o600)
+    with path.open("r+b") as f:  # one flipped byte in the second chunk
+        f.seek(MiB + 7)
+        byte = f.read(1)
+        f.seek(MiB + 7)
+        f.write(bytes([byte[0] ^ 0x55]))
+    reports: list[Any] = []
+    async with open_node(store, dht=False) as node:
+        await node.fetch(blob_id, providers=[good.addr], progress=reports.append, announce=False)
+    assert store.verify(blob_id) == []
+    assert store.path(blob_id).read_bytes() == source.read_bytes()
+    assert reports and reports[-1].new_bytes == {good.peer_id: MiB}  # the rotten chunk only
+
+
+async def test_a_provider_that_never_handshakes_does_not_hold_up_the_fetch(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Issue 16: a named provider that accepts TCP and never answers the handshake used to
+    hold the whole fetch for the 15 s dial timeout; the others now start at once."""
+    import socket
+    import time
+
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.id import ID
+
+    from p2p.node import DIAL_TIMEOUT, open_node
+
+    source = random_file(tmp_path / "w.bin", 4 * MiB)
+    blob_id = cluster.put("good", source)
+    good = cluster.serve("good")
+    silent = socket.socket()
+    try:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes TCP handshakes; nobody ever reads
+        nobody = ID.from_pubkey(create_new_key_pair().public_key)
+        mute = f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/{nobody}"
+        async with open_node(tmp_path / "fetcher", dht=False) as node:
+            started = time.monotonic()
+            await node.fetch(blob_id, providers=[mute, good.addr], announce=False)
+            took = time.monotonic() - started
+            assert node.store.path(blob_id).read_bytes() == source.read_bytes()
+    finally:
+        silent.close()
+    assert took < DIAL_TIMEOUT / 2, took
