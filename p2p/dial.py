@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import re
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -94,28 +95,52 @@ def describe_dial_failure(exc: BaseException, addr: str, timeout: float | None =
     return reason or str(exc) or type(exc).__name__
 
 
-async def dial_named(node: Any, addrs: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Dial every address at once through ``node.connect``: the addresses that answered,
-    and one line per address that did not (``"ADDR: why"``)."""
-    reached: list[str] = []
-    failures: dict[str, str] = {}
+@dataclass
+class Dialled:
+    """What :func:`dial_named` found: addresses that answered, those still being dialled
+    when it returned, and one line per address that failed (``"ADDR: why"``)."""
+
+    reached: list[str] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def usable(self) -> list[str]:
+        """Addresses worth handing to a fetch: reached, then still pending."""
+        return [*self.reached, *self.pending]
+
+
+async def dial_named(node: Any, addrs: Sequence[str]) -> Dialled:
+    """Dial every address at once through ``node.connect`` and return as soon as one
+    answers (the others are left to the fetch, which dials its providers itself: a peer
+    that accepts TCP and never handshakes delays nobody) or all have failed."""
     import p2p.node
 
     timeout = getattr(p2p.node, "DIAL_TIMEOUT", None)  # for the message only
-
-    async def dial(addr: str) -> None:
-        try:
-            await node.connect(addr)
-        except PeerUnreachable as exc:
-            failures[addr] = f"{addr}: {describe_dial_failure(exc, addr, timeout)}"
-        else:
-            reached.append(addr)
-
     unique = list(dict.fromkeys(addrs))
+    reached: set[str] = set()
+    failures: dict[str, str] = {}
+
     async with trio.open_nursery() as nursery:
+
+        async def dial(addr: str) -> None:
+            try:
+                await node.connect(addr)
+            except PeerUnreachable as exc:
+                if nursery.cancel_scope.cancel_called:
+                    return  # our own cancel, dressed as a dial error by libp2p: pending
+                failures[addr] = f"{addr}: {describe_dial_failure(exc, addr, timeout)}"
+            else:
+                reached.add(addr)
+                nursery.cancel_scope.cancel()
+
         for addr in unique:
             nursery.start_soon(dial, addr)
-    return [a for a in unique if a in reached], [failures[a] for a in unique if a in failures]
+    return Dialled(
+        reached=[a for a in unique if a in reached],
+        pending=[a for a in unique if a not in reached and a not in failures],
+        failures=[failures[a] for a in unique if a in failures],
+    )
 
 
 def unreachable_error(failures: Sequence[str]) -> PeerUnreachable:

@@ -525,10 +525,10 @@ def _get_tensors(
 
         async def main() -> TensorFetch:
             async with open_node(store, key=key, config=config) as node:
-                reached, failures = await dial_named(node, named)
-                if not reached:
-                    raise unreachable_error(failures)
-                peers = [peer_id_of(a) for a in reached]
+                dialled = await dial_named(node, named)
+                if not dialled.reached:
+                    raise unreachable_error(dialled.failures)
+                peers = [peer_id_of(a) for a in dialled.usable]
                 return await fetch_tensors(node, blob_id, names, peers=peers)
 
         result = run_interruptible(main)
@@ -610,15 +610,16 @@ def _fetch(
 
     async def main() -> None:
         async with open_node(store, key=key, config=config) as node:
-            reached, failures = await dial_named(node, named)
-            if failures and not reached and not config.dht:
-                raise unreachable_error(failures)
-            if failures and verbose:
-                for line in failures:
+            # The first named peer to answer starts the fetch; if none can, say why.
+            dialled = await dial_named(node, named)
+            if dialled.failures and not dialled.reached and not config.dht:
+                raise unreachable_error(dialled.failures)
+            if dialled.failures and verbose:
+                for line in dialled.failures:
                     click.echo(f"blob: note: cannot reach {line}", err=True)
             cpu_marks.append(_own_cpu_s())
             # A one-shot fetcher does not announce: it is gone once the blob is here.
-            await _fetch_wanted(node, blob_id, reached, include, on_progress)
+            await _fetch_wanted(node, blob_id, dialled.usable, include, on_progress)
 
     run_interruptible(main)
     stats: dict[str, Any] = {"source": "network"}
