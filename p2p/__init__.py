@@ -1,7 +1,9 @@
 """blobnet's network layer: a libp2p node that serves and fetches verified blobs.
 
 Public surface: :func:`open_node` and :class:`Node` for trio programs,
-:class:`BlockingNode` for plain ones, :class:`Ticket`, :class:`Progress`, and the errors.
+:class:`BlockingNode` for plain ones, :class:`Ticket`, :class:`Progress`,
+:func:`fetch_tensors` (named tensors of a safetensors blob, fetching only their chunks),
+and the errors.
 Imported lazily so that ``import p2p.protocol`` stays light.
 """
 
@@ -14,6 +16,7 @@ if TYPE_CHECKING:
     from p2p.downloader import Progress
     from p2p.errors import BadTicket, FetchFailed, NoProviders, P2PError, PeerUnreachable
     from p2p.node import Node, NodeConfig, open_node
+    from p2p.tensors import TensorFetch, fetch_tensors
     from p2p.ticket import Ticket
 
 __all__ = [
@@ -27,7 +30,9 @@ __all__ = [
     "P2PError",
     "PeerUnreachable",
     "Progress",
+    "TensorFetch",
     "Ticket",
+    "fetch_tensors",
     "open_node",
 ]
 
@@ -43,6 +48,8 @@ _WHERE = {
     "Node": "p2p.node",
     "NodeConfig": "p2p.node",
     "open_node": "p2p.node",
+    "TensorFetch": "p2p.tensors",
+    "fetch_tensors": "p2p.tensors",
     "Ticket": "p2p.ticket",
 }
 

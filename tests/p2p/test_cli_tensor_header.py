@@ -1,0 +1,53 @@
+"""`blob get --tensor` trusts nothing in a safetensors header it has not checked: offsets
+must match shapes and lie inside the blob, and its chunk requests stay inside the
+protocol's limits however scattered the chunks are."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from safetensors.numpy import save
+
+from p2p import protocol as proto
+from p2p.tensors import BadSafetensors, TensorInfo, _requests, decode_tensor, parse_header
+
+
+def header_of(blob: bytes) -> tuple[bytes, int]:
+    (length,) = struct.unpack("<Q", blob[:8])
+    return blob[8 : 8 + length], 8 + length
+
+
+def test_header_offsets_are_checked_against_shape_and_file() -> None:
+    blob = save({"w": np.arange(12, dtype=np.float32).reshape(3, 4)})
+    raw, start = header_of(blob)
+    infos = parse_header(raw, start, len(blob))
+    assert infos["w"] == TensorInfo("w", "F32", (3, 4), start, start + 48)
+    lying = json.loads(raw)
+    lying["w"]["shape"] = [3, 5]  # 60 bytes claimed, 48 present
+    with pytest.raises(BadSafetensors, match="do not match"):
+        parse_header(json.dumps(lying).encode(), start, len(blob))
+    with pytest.raises(BadSafetensors, match="do not match"):
+        parse_header(raw, start, len(blob) - 1)  # the tensor would run past the blob's end
+    with pytest.raises(BadSafetensors, match="not JSON"):
+        parse_header(b"\xff{", start, len(blob))
+
+
+def test_bf16_is_widened_exactly() -> None:
+    values = np.array([1.0, -2.5, 3.140625], dtype=np.float32)
+    bf16 = (values.view("<u4") >> 16).astype("<u2").tobytes()
+    info = TensorInfo("b", "BF16", (3,), 0, 6)
+    assert np.array_equal(decode_tensor(info, bf16), values)
+
+
+def test_scattered_chunks_become_requests_within_the_protocols_limits() -> None:
+    scattered = list(range(0, 1000, 2))  # 500 runs of one chunk
+    contiguous = list(range(2000, 2600))  # one run longer than a request may carry
+    requests = list(_requests(scattered + contiguous))
+    covered = [i for ranges, _ in requests for start, end in ranges for i in range(start, end)]
+    assert covered == scattered + contiguous
+    for ranges, count in requests:
+        assert len(ranges) <= proto.MAX_RANGES_PER_REQUEST
+        assert count == sum(end - start for start, end in ranges) <= proto.MAX_CHUNKS_PER_REQUEST
