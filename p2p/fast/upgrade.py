@@ -3,30 +3,64 @@
 py-libp2p 0.8.1's `MuxerMultistream.new_conn` constructs its own `Yamux` whenever the
 negotiated protocol is `/yamux/1.0.0`, whatever class `muxer_opt` registered for it. `install`
 swaps the host's muxer negotiator for `FastMuxerMultistream`, which builds the registered class,
-but only over our `FastSecureConn`: any other secure channel gets py-libp2p's own Yamux.
+but only over our `FastSecureConn`: any other secure channel gets py-libp2p's own Yamux. As the
+dialler it also saves a round trip of the muxer's negotiation (`select_pipelined`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import trio
 from libp2p.abc import IMuxedConn, ISecureConn
+from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
+from libp2p.protocol_muxer.exceptions import MultiselectClientError
+from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
 from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
 from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.utils import encode_delim
 
 from .errors import LocalProtocolError
 from .noise import FastSecureConn
 from .yamux import PROTOCOL_ID, FastYamuxConn
 
+MULTISTREAM = "/multistream/1.0.0"
+
+
+async def select_pipelined(conn: Any, protocol: TProtocol) -> TProtocol:
+    """multistream-select as the dialler with a single proposal: the header and the
+    proposal go out in one write, and the two answers are read after it (one round trip;
+    py-libp2p's client waits for the header's answer first, two). A listener reads them
+    one at a time either way, so this is the same conversation on the wire."""
+    communicator = MultiselectCommunicator(conn)
+    await conn.write(encode_delim(MULTISTREAM.encode()) + encode_delim(protocol.encode()))
+    header = await communicator.read()
+    if header != MULTISTREAM:
+        raise MultiselectClientError(f"peer answered {header[:64]!r} to the header")
+    answer = await communicator.read()
+    if answer != protocol:
+        raise MultiselectClientError(f"peer refused {protocol}: {answer[:64]!r}")
+    return protocol
+
 
 class FastMuxerMultistream(MuxerMultistream):
-    """A `MuxerMultistream` that honours `FastYamuxConn` for `/yamux/1.0.0`."""
+    """A `MuxerMultistream` that honours `FastYamuxConn` for `/yamux/1.0.0`, and proposes
+    it in one round trip as the dialler (`select_pipelined`)."""
 
     async def new_conn(self, conn: ISecureConn, peer_id: ID) -> IMuxedConn:
-        protocol, transport_class = await self._selector.select(
-            conn, conn.is_initiator, self.negotiate_timeout
-        )
+        offered = list(self.transports)
+        if conn.is_initiator and len(offered) == 1:
+            try:
+                with trio.fail_after(self.negotiate_timeout):
+                    protocol = await select_pipelined(conn, offered[0])
+            except trio.TooSlowError:
+                raise MultiselectClientError("muxer negotiation timed out") from None
+            transport_class = self.transports[protocol]
+        else:
+            protocol, transport_class = await self._selector.select(
+                conn, conn.is_initiator, self.negotiate_timeout
+            )
         muxed: IMuxedConn
         fast = transport_class is FastYamuxConn and isinstance(conn, FastSecureConn)
         if protocol == PROTOCOL_ID and not fast:

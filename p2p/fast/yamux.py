@@ -52,7 +52,7 @@ from libp2p.stream_muxer.exceptions import (
 from .errors import FastPathError, LocalProtocolError, RemoteProtocolError, YamuxProtocolError
 from .noise import FastSecureConn
 from .noise_frames import MAX_PLAINTEXT, TAG_LEN, FrameWriter
-from .yamux_core import GO_AWAY_NORMAL, Stream, YamuxSession
+from .yamux_core import GO_AWAY_NORMAL, Stream, WindowPool, YamuxSession
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,10 @@ logger = logging.getLogger(__name__)
 _CONNECTION_LOST = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, IOException)
 
 PROTOCOL_ID = "/yamux/1.0.0"
+# Every session of this process draws its receive credit beyond the base windows from one
+# pool (yamux_core.DEFAULT_SHARED_WINDOW): striping a fetch over more connections does not
+# multiply what the fetcher may buffer.
+SHARED_WINDOWS = WindowPool()
 # Payload per DATA frame we send: the receiver takes any length within its window (go-yamux and
 # py-libp2p both do), and large frames mean one header per MiB instead of one per 64 KiB.
 MAX_DATA_FRAME = 1024 * 1024
@@ -245,7 +249,7 @@ class FastYamuxConn(IMuxedConn):
         self.secured_conn = secured_conn
         self.peer_id = peer_id
         self._is_initiator = secured_conn.is_initiator if is_initiator is None else is_initiator
-        self.session = YamuxSession(self._is_initiator)
+        self.session = YamuxSession(self._is_initiator, pool=SHARED_WINDOWS)
         self.on_close = on_close
         self.event_started = trio.Event()
         self.event_closed = trio.Event()

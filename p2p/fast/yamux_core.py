@@ -18,7 +18,9 @@ Invariants:
 3. A stream's window grows past 256 KiB only as the application reads: to twice the bytes
    read so far, up to 16 MiB. A stream nobody reads (beyond a protocol header) so holds at
    most 256 KiB, and all credit beyond the 256 KiB base comes out of one session budget, so a
-   peer can make us buffer at most `max_streams * 256 KiB + session_window` bytes.
+   peer can make us buffer at most `max_streams * 256 KiB + session_window` bytes. Sessions
+   that share a `WindowPool` (several connections to one peer) also keep their credit beyond
+   the base within the pool's one limit.
 4. Window updates are batched: one is sent when it can grant at least half the window, or when
    the peer is about to stall (under 128 KiB of credit left). Never one per frame.
 5. Frames for streams that we no longer know (closed and forgotten, or refused) are dropped,
@@ -39,6 +41,7 @@ Invariants:
 from __future__ import annotations
 
 import struct
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -70,6 +73,12 @@ DEFAULT_MAX_WINDOW = 16 * 1024 * 1024
 # Credit granted beyond each stream's 256 KiB base, summed over the session (invariant 3): four
 # streams at full window. Bounds what one peer can make us buffer.
 DEFAULT_SESSION_WINDOW = 64 * 1024 * 1024
+# Credit beyond the base windows summed over all sessions that share one `WindowPool` (the
+# shell's default: every session of the process). A fetch striped over eight connections to
+# one provider so buffers no more than one connection's session budget did: about 2 MiB per
+# stream at twelve streams covers a 25 MB bandwidth-delay product (1 Gbit/s x 200 ms), and
+# the fetcher's memory stays what it was with one connection.
+DEFAULT_SHARED_WINDOW = 64 * 1024 * 1024
 # Open streams per session (both directions). py-libp2p's backlog is 256 as well; 256 * 256 KiB
 # of unread base windows is the worst a peer can make us hold on top of the session budget.
 DEFAULT_MAX_STREAMS = 256
@@ -150,6 +159,24 @@ class Stream:
         return self.rst or (self.fin_received and self.fin_sent)
 
 
+class WindowPool:
+    """A receive-credit budget shared by several sessions (invariant 3, across sessions):
+    the credit granted beyond every stream's 256 KiB base, summed over the member
+    sessions, stays within ``limit``."""
+
+    def __init__(self, limit: int = DEFAULT_SHARED_WINDOW) -> None:
+        if limit < 0:
+            raise LocalProtocolError("a window pool's limit must not be negative")
+        self.limit = limit
+        self._sessions: weakref.WeakSet[YamuxSession] = weakref.WeakSet()
+
+    def join(self, session: YamuxSession) -> None:
+        self._sessions.add(session)
+
+    def extra_credit(self) -> int:
+        return sum(session.extra_credit() for session in list(self._sessions))
+
+
 class YamuxSession:
     """One yamux session's state (see the module docstring for the rules it enforces)."""
 
@@ -160,10 +187,14 @@ class YamuxSession:
         max_window: int = DEFAULT_MAX_WINDOW,
         session_window: int = DEFAULT_SESSION_WINDOW,
         max_streams: int = DEFAULT_MAX_STREAMS,
+        pool: WindowPool | None = None,
     ) -> None:
         if not INITIAL_WINDOW <= max_window <= MAX_U32:
             raise LocalProtocolError("max_window must be between 256 KiB and 2**32-1")
         self.is_initiator = is_initiator
+        self.pool = pool
+        if pool is not None:
+            pool.join(self)
         self.max_window = max_window
         self.session_window = session_window
         self.max_streams = max_streams
@@ -404,14 +435,21 @@ class YamuxSession:
         half = st.window_target // 2
         if want <= 0 or (want < half and st.recv_credit >= INITIAL_WINDOW // 2):
             return
-        extra = 0
-        for other in self.streams.values():
-            extra += max(other.recv_credit + other.buffered - INITIAL_WINDOW, 0)
-        grant = min(want, max(self.session_window - extra, INITIAL_WINDOW - have))
+        room = self.session_window - self.extra_credit()
+        if self.pool is not None:
+            room = min(room, self.pool.limit - self.pool.extra_credit())
+        grant = min(want, max(room, INITIAL_WINDOW - have))
         if grant <= 0 or (grant < half and st.recv_credit >= INITIAL_WINDOW // 2):
             return
         self._control(TYPE_WINDOW_UPDATE, 0, st.stream_id, grant)
         st.recv_credit += grant
+
+    def extra_credit(self) -> int:
+        """Credit granted (or filled and unread) beyond the base window, over all streams."""
+        extra = 0
+        for other in self.streams.values():
+            extra += max(other.recv_credit + other.buffered - INITIAL_WINDOW, 0)
+        return extra
 
     def pop(self, st: Stream, n: int) -> bytes:
         """Take up to `n` buffered bytes (all if n < 0) as one bytes object."""

@@ -19,6 +19,7 @@ from p2p.fast.yamux_core import (
     TYPE_PING,
     TYPE_WINDOW_UPDATE,
     Stream,
+    WindowPool,
     YamuxSession,
 )
 
@@ -281,3 +282,31 @@ def test_session_budget_limits_growth_across_streams() -> None:
     # Nobody starves: every stream can still receive at least its base window.
     assert all(st.recv_credit >= INITIAL_WINDOW for st in streams)
     assert any(st.recv_credit > INITIAL_WINDOW for st in streams)
+
+
+def test_sessions_sharing_a_pool_stay_within_its_one_budget() -> None:
+    """Issue 15 item 3: a fetch striped over several connections (one session each) may
+    not buffer a session budget per connection; the pool bounds them together."""
+    pool = WindowPool(limit=1024 * 1024)
+    sessions = [
+        YamuxSession(is_initiator=False, session_window=64 * 1024 * 1024, pool=pool)
+        for _ in range(4)
+    ]
+    streams = []
+    for session in sessions:
+        for sid in (1, 3):
+            session.receive(frame(TYPE_DATA, FLAG_SYN, sid, INITIAL_WINDOW, bytes(INITIAL_WINDOW)))
+            streams.append(session.accepted.popleft())
+    for _ in range(3):  # read everything, so every stream asks to grow, several times
+        for session, st in zip([s for s in sessions for _ in (1, 3)], streams, strict=True):
+            session.pop(st, -1)
+    assert pool.extra_credit() <= pool.limit
+    assert pool.extra_credit() == sum(session.extra_credit() for session in sessions)
+    assert all(st.recv_credit >= INITIAL_WINDOW for st in streams)  # nobody starves
+    assert any(st.recv_credit > INITIAL_WINDOW for st in streams)  # someone grew
+    # Without the pool, the same reads grow far past its limit.
+    alone = YamuxSession(is_initiator=False, session_window=64 * 1024 * 1024)
+    for sid in (1, 3, 5, 7, 9, 11, 13, 15):
+        alone.receive(frame(TYPE_DATA, FLAG_SYN, sid, INITIAL_WINDOW, bytes(INITIAL_WINDOW)))
+        alone.pop(alone.accepted.popleft(), -1)
+    assert alone.extra_credit() > pool.limit
