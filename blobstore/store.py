@@ -299,6 +299,7 @@ class Store:
         self._lock_file = self._locks / "store"
         self.modes = PRIVATE_MODES
         self.lock_timeout = STORE_LOCK_TIMEOUT
+        self.read_only = False  # another user's shared store: reads only
         self._lock_mutex = threading.Lock()  # threads of this process queue here first
         self._lock_owner: int | None = None  # thread holding the store lock (re-entry)
         self._mutex = threading.Lock()
@@ -316,10 +317,15 @@ class Store:
         sets it, re-moding what is there (see :class:`FileModes`). ``lock_timeout``:
         seconds to wait for the store lock (default :data:`STORE_LOCK_TIMEOUT`, or the
         environment's :data:`LOCK_TIMEOUT_ENV`).
+
+        Another user's shared store opens read-only (:attr:`read_only`): nothing is
+        created, re-moded or swept, and whatever would write fails with exit 5.
         """
         root = Path(root).expanduser().absolute()
         timeout = _lock_timeout(lock_timeout)
         with os_errors(f"opening the store at {root}"):
+            if root.is_dir() and root.stat().st_uid != os.geteuid():
+                return cls._open_foreign(root, shared, timeout)
             created = not root.exists()
             root.mkdir(parents=True, exist_ok=True, mode=0o700)
             marker = root / MARKER_NAME
@@ -356,6 +362,19 @@ class Store:
             if is_shared != was_shared:
                 store._set_shared(is_shared)
             store._sweep()
+        return store
+
+    @classmethod
+    def _open_foreign(cls, root: Path, shared: bool | None, timeout: float) -> Store:
+        if shared is not None:
+            raise StoreError(f"only the owner of {root} can change who may read it")
+        text = (root / MARKER_NAME).read_text(errors="replace").strip()
+        if text != f"blobnet store format {STORE_FORMAT}":
+            raise StoreError(f"{root} is not a blobnet store this version can read ({text!r})")
+        store = cls(root)
+        store.modes = SHARED_MODES if (root / SHARED_MARKER).exists() else PRIVATE_MODES
+        store.lock_timeout = timeout
+        store.read_only = True
         return store
 
     def _set_shared(self, shared: bool) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from blobstore import LOCK_TIMEOUT_ENV, Manifest, Store, StoreBusy
+from blobstore import LOCK_TIMEOUT_ENV, Manifest, Store, StoreBusy, StoreError
 
 C = 64 * 1024
 REPO = Path(__file__).resolve().parents[2]
@@ -252,3 +252,24 @@ def test_lock_timeout_comes_from_the_environment(
     monkeypatch.setenv(LOCK_TIMEOUT_ENV, "soon")
     with pytest.raises(Exception, match="not a number of seconds"):
         Store.open(tmp_path / "s")
+
+
+def test_another_users_shared_store_opens_read_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen from another account (its uid faked here): blobs can be read, nothing is
+    re-moded, created or swept, and the mode cannot be changed."""
+    root = tmp_path / "s"
+    owner = Store.open(root, shared=True)
+    blob_id = owner.put_bytes(b"weights", chunk_size=C)
+    (root / "tmp" / "tmp-left-by-a-live-writer").write_bytes(b"")
+    before = modes_of({"root": root, "tmp": root / "tmp", "locks": root / "locks"})
+    monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 4242)
+    reader = Store.open(root)
+    assert reader.read_only and reader.shared
+    assert reader.path(blob_id).read_bytes() == b"weights"
+    assert reader.verify(blob_id) == []
+    assert (root / "tmp" / "tmp-left-by-a-live-writer").exists()  # not swept
+    assert modes_of({"root": root, "tmp": root / "tmp", "locks": root / "locks"}) == before
+    with pytest.raises(StoreError, match="only the owner"):
+        Store.open(root, shared=False)
