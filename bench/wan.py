@@ -36,7 +36,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,8 @@ from bench.wan.blobnodes import (
     write_random_file,
 )
 from bench.wan.measure import tcp_rate
+from bench.wan.scenarios import SEEDER_MBIT as SWARM_SEEDER_MBIT
+from bench.wan.scenarios import fan_out
 
 MiB = 1 << 20
 MB = 1e6
@@ -65,7 +66,6 @@ BLOB_PATHS = (
 )
 # Payload per 9000-byte packet at 1 Gbit/s (IPv4 + TCP headers with timestamps: 52 B).
 GBIT_PAYLOAD = 1e9 / 8 * (9000 - 52) / 9000
-SWARM_SEEDER_MBIT = 100.0
 
 
 def _median(values: list[float]) -> float | None:
@@ -224,53 +224,27 @@ def _summarise(
 def _swarm(work: Path, workers: int, size_mib: int, runs: int) -> dict[str, Any]:
     """Issue 21's fan-out: one seeder (100 Mbit/s up), ``workers`` fetchers at once."""
     size = size_mib * MiB
-    hosts = {"seed": Host(delay_ms=20.0, up_mbit=SWARM_SEEDER_MBIT, down_mbit=1000)}
-    for k in range(workers):
-        hosts[f"w{k}"] = Host(delay_ms=20.0 + 20.0 * k / max(1, workers - 1))
-    data = work / "swarm.bin"
-    write_random_file(data, size, seed=21)
-    seeder = BlobNode(work / "seeder", "seed")
-    blob_id = seeder.put(data)
-    totals: list[float] = []
-    fetches: list[float] = []
-    uploaded: list[int] = []
-    failures = 0
+    done = []
     for run in range(runs):
-        with Testbed(hosts) as tb:
-            served = seeder.serve(tb)
-            nodes = [BlobNode(work / f"swarm-w{k}-{run}", f"w{k}") for k in range(workers)]
-            started = time.monotonic()
-            gettings = [n.start_get(tb, blob_id, [served.addr]) for n in nodes]
-            results = [g.wait(_fetch_timeout(size) * workers) for g in gettings]
-            totals.append(time.monotonic() - started)
-            # From the first verified chunk anywhere to the last exit: the fan-out itself,
-            # without the processes' start-up (they start together but not in step).
-            firsts = [g.first_chunk for g in gettings if g.first_chunk is not None]
-            ends = [g.started + r.wall_s for g, r in zip(gettings, results, strict=True)]
-            if firsts:
-                fetches.append(max(ends) - min(firsts))
-            # What left the seeder's uplink (retransmissions included, drops not).
-            uploaded.append(tb.stats()["hosts"]["seed"]["uplink_bytes"])
-            failures += sum(1 for r in results if r.returncode != 0)
-            seeder.stop()
-            for n in nodes:
-                shutil.rmtree(n.root, ignore_errors=True)
-    one_transfer = size / (SWARM_SEEDER_MBIT * 1e6 / 8)
-    total = _median(totals)
-    fetch = _median(fetches)
-    up = _median([float(u) for u in uploaded])
+        run_dir = work / f"swarm-{run}"
+        run_dir.mkdir()
+        done.append(fan_out(run_dir, workers, size, timeout=_fetch_timeout(size) * workers))
+    one_transfer = done[0].one_transfer_s
+    total = _median([d.total_s for d in done])
+    span = _median([d.span_s for d in done if d.span_s is not None])
+    up = _median([float(d.seeder_uplink_bytes) for d in done])
     return {
         "workers": workers,
         "size_mib": size_mib,
         "total_s": total,
         "one_transfer_at_seeder_uplink_s": one_transfer,
         "time_ratio": None if total is None else total / one_transfer,
-        "transfer_span_s": fetch,
-        "fetch_ratio": None if fetch is None else fetch / one_transfer,
+        "transfer_span_s": span,
+        "fetch_ratio": None if span is None else span / one_transfer,
         "seeder_sent_bytes": up,
         "upload_ratio": None if up is None else up / size,
-        "failures": failures,
-        "samples_s": totals,
+        "failures": sum(d.failures for d in done),
+        "samples_s": [d.total_s for d in done],
     }
 
 

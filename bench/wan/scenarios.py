@@ -1,0 +1,80 @@
+"""Whole scenarios on the testbed that a bench row and a test both need.
+
+:func:`fan_out` is issue 21's: one seeder on a slow uplink, N workers on fast links,
+every ``blob get`` started at once and given only the seeder's address (as a ticket
+gives it). It reports how long the fan-out took and how many bytes left the seeder's
+uplink, so a test can fail when the seeder served every copy itself.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.wan.blobnodes import BlobNode, GetResult, write_random_file
+from bench.wan.testbed import Host, Testbed
+
+SEEDER_MBIT = 100.0
+
+
+def fan_out_hosts(workers: int, *, seeder_mbit: float = SEEDER_MBIT) -> dict[str, Host]:
+    """A seeder (``seed``: ``seeder_mbit`` up, 1 Gbit/s down) and workers ``w0``..: 1 Gbit/s,
+    one-way delays spread over 20-40 ms."""
+    hosts = {"seed": Host(delay_ms=20.0, up_mbit=seeder_mbit, down_mbit=1000.0)}
+    for k in range(workers):
+        hosts[f"w{k}"] = Host(delay_ms=20.0 + 20.0 * k / max(1, workers - 1))
+    return hosts
+
+
+@dataclass
+class FanOut:
+    size: int
+    seeder_mbit: float
+    total_s: float  # all gets started at once -> the last one exited
+    span_s: float | None  # first verified chunk anywhere -> the last exit (no start-up)
+    seeder_uplink_bytes: int  # what left the seeder's uplink, retransmissions included
+    results: list[GetResult]
+
+    @property
+    def one_transfer_s(self) -> float:
+        """One copy at the seeder's uplink rate: the fan-out's yardstick."""
+        return self.size / (self.seeder_mbit * 1e6 / 8)
+
+    @property
+    def failures(self) -> int:
+        return sum(1 for r in self.results if r.returncode != 0)
+
+
+def fan_out(
+    work: Path,
+    workers: int,
+    size: int,
+    *,
+    seeder_mbit: float = SEEDER_MBIT,
+    timeout: float = 600.0,
+    extra_get_args: tuple[str, ...] = (),
+) -> FanOut:
+    """Run one fan-out in ``work`` (a fresh testbed; the blob is made and put here)."""
+    data = work / "fanout.bin"
+    write_random_file(data, size, seed=21)
+    seeder = BlobNode(work / "seeder", "seed")
+    blob_id = seeder.put(data)
+    nodes = [BlobNode(work / f"w{k}", f"w{k}") for k in range(workers)]
+    try:
+        with Testbed(fan_out_hosts(workers, seeder_mbit=seeder_mbit)) as tb:
+            served = seeder.serve(tb)
+            started = time.monotonic()
+            gettings = [n.start_get(tb, blob_id, [served.addr], *extra_get_args) for n in nodes]
+            results = [g.wait(timeout) for g in gettings]
+            total = time.monotonic() - started
+            firsts = [g.first_chunk for g in gettings if g.first_chunk is not None]
+            ends = [g.started + r.wall_s for g, r in zip(gettings, results, strict=True)]
+            uplink = int(tb.stats()["hosts"]["seed"]["uplink_bytes"])
+            seeder.stop()
+    finally:
+        for node in [seeder, *nodes]:
+            shutil.rmtree(node.root, ignore_errors=True)
+    span = max(ends) - min(firsts) if firsts else None
+    return FanOut(size, seeder_mbit, total, span, uplink, results)
