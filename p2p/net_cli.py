@@ -393,8 +393,8 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
     "tensors",
     multiple=True,
     metavar="NAME",
-    help="Only this tensor of a safetensors blob, fetching just its chunks (repeatable); "
-    "-o FILE.npy (one) or FILE.npz.",
+    help="Only this tensor of a safetensors blob (or of a sharded model's collection), "
+    "fetching just its chunks (repeatable); -o FILE.npy (one) or FILE.npz.",
 )
 @click.option(
     "--link",
@@ -505,16 +505,16 @@ def _get_tensors(
     if output is not None and output.suffix == ".npy" and len(set(names)) > 1:
         raise click.UsageError("several --tensor go to one -o NAME.npz")
     result: TensorFetch
-    if store.has(blob_id):
+    if not named:
         source = "local"
-        result = run_interruptible(lambda: read_local_tensors(store, blob_id, names))
-    else:
-        source = "network"
-        if not named:
+        if not store.has(blob_id):
             raise click.UsageError(
                 f"{blob_id[:12]} is not complete in this store: --tensor fetches from "
                 "--peer MADDR or a ticket's peers"
             )
+        result = run_interruptible(lambda: read_local_tensors(store, blob_id, names))
+    else:
+        source = "network"
         key_path = _key_path(ctx)
         key = _load_key(key_path)
         from p2p.dial import check_not_self, dial_named, peer_id_of, unreachable_error
@@ -535,7 +535,12 @@ def _get_tensors(
     if output is not None:
         _save_arrays(output, result.tensors)
     info: dict[str, dict[str, Any]] = {
-        name: {"dtype": t.dtype, "shape": list(t.shape), "bytes": t.end - t.begin}
+        name: {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "bytes": t.end - t.begin,
+            "file": result.files[name],
+        }
         for name, t in result.infos.items()
     }
     if as_json:
@@ -554,9 +559,10 @@ def _get_tensors(
         return
     for name, t in info.items():
         shape = "x".join(map(str, t["shape"])) or "scalar"
-        click.echo(f"{name}  {t['dtype']} {shape}  {output if output else ''}".rstrip())
+        click.echo(f"{name}  {t['dtype']} {shape}  {t['file']}")
+    where = f" into {output}" if output is not None else ""
     click.echo(
-        f"fetched {result.fetched_chunks} of {result.num_chunks} chunks of {blob_id[:12]}",
+        f"fetched {result.fetched_chunks} of {result.num_chunks} chunks of {blob_id[:12]}" + where,
         err=True,
     )
 

@@ -27,13 +27,15 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from blobstore import BlobExists, BlobNotFound, CorruptChunk, Manifest, Store
+from blobstore.collection import COLLECTION_MAGIC, MAX_COLLECTION_SIZE, looks_like_collection
 from p2p import protocol as proto
 from p2p.errors import FetchFailed, NoProviders
 from p2p.wire import BlobClient, StreamLost, reset_quietly
@@ -266,19 +268,29 @@ async def read_header(source: ChunkSource) -> dict[str, TensorInfo]:
 
 @dataclass
 class TensorFetch:
-    """What :func:`fetch_tensors` returns: the arrays, and how much it fetched."""
+    """What :func:`fetch_tensors` returns: the arrays, where each came from (the blob ID,
+    or the file's path in a collection), and how many chunks it fetched of how many in
+    the files it read."""
 
     tensors: dict[str, np.ndarray]
     infos: dict[str, TensorInfo]
+    files: dict[str, str]
     fetched_chunks: int
     num_chunks: int
-    chunk_size: int
+
+    def merge(self, other: TensorFetch) -> None:
+        self.tensors.update(other.tensors)
+        self.infos.update(other.infos)
+        self.files.update(other.files)
+        self.fetched_chunks += other.fetched_chunks
+        self.num_chunks += other.num_chunks
 
 
 async def fetch_tensors(
     node: Any, blob_id: str, names: Sequence[str], *, peers: Sequence[str] = ()
 ) -> TensorFetch:
-    """Tensors ``names`` of safetensors blob ``blob_id``: read from the store if the blob
+    """Tensors ``names`` of safetensors blob ``blob_id`` (or of the ``*.safetensors``
+    files of a collection, a sharded model): read from the store if the blob
     is complete there, else fetching only the chunks they need from ``peers`` (peer IDs,
     already connected) and the node's connected peers. ``node`` is a
     ``p2p.node.Node`` (or anything with its ``store``, ``connected_peers`` and
@@ -294,22 +306,64 @@ async def read_local_tensors(store: Store, blob_id: str, names: Sequence[str]) -
 async def _fetch_tensors(
     store: Store, network: Any, blob_id: str, names: Sequence[str], peers: Sequence[str]
 ) -> TensorFetch:
+    candidates: list[str] = []
+    if network is not None:
+        candidates = list(dict.fromkeys([*peers, *network.connected_peers()]))
+    async with _open_source(store, network, blob_id, candidates) as source:
+        size = source.manifest.size
+        head = await source.read(0, min(size, len(COLLECTION_MAGIC)))
+        if not looks_like_collection(head) or size > MAX_COLLECTION_SIZE:
+            return await _extract(source, names, names)
+        await source.ensure(range(source.manifest.num_chunks))  # a listing: small
+    return await _from_collection(store, network, blob_id, names, candidates)
+
+
+async def _from_collection(
+    store: Store, network: Any, blob_id: str, names: Sequence[str], peers: Sequence[str]
+) -> TensorFetch:
+    """The tensors from whichever ``*.safetensors`` files of collection ``blob_id`` hold
+    them: each file's header is read (its first chunks only) until every name is found."""
+    entries = await trio.to_thread.run_sync(store.read_collection, blob_id)
+    result = TensorFetch({}, {}, {}, 0, 0)
+    for entry in entries:
+        missing = [n for n in names if n not in result.tensors]
+        if not missing:
+            break
+        if not entry.path.endswith(".safetensors"):
+            continue
+        async with _open_source(store, network, entry.blob_id, peers) as source:
+            part = await _extract(source, missing, (), where=entry.path)
+        result.merge(part)
+    missing = [n for n in names if n not in result.tensors]
+    if missing:
+        raise TensorNotFound(
+            f"no safetensors file of collection {blob_id[:12]} has tensor {missing[0]!r}"
+        )
+    return result
+
+
+@asynccontextmanager
+async def _open_source(
+    store: Store, network: Any, blob_id: str, peers: Sequence[str]
+) -> AsyncIterator[ChunkSource]:
+    """Chunks of ``blob_id``: the complete blob in the store, else its partial blob, fed
+    from ``peers`` and published if it happens to become complete."""
     if await trio.to_thread.run_sync(store.has, blob_id):
         manifest = await trio.to_thread.run_sync(store.manifest, blob_id)
-        return await _extract(ChunkSource(store, manifest, None), names)
+        yield ChunkSource(store, manifest, None)
+        return
     if network is None:
         raise BlobNotFound(f"no complete blob {blob_id} in this store")
-    candidates = list(dict.fromkeys([*peers, *network.connected_peers()]))
-    manifest = await _manifest(store, network, blob_id, candidates)
+    manifest = await _manifest(store, network, blob_id, peers)
     try:
         partial = await trio.to_thread.run_sync(store.begin_partial, manifest)
     except BlobExists:  # completed meanwhile
-        return await _extract(ChunkSource(store, manifest, None), names)
+        yield ChunkSource(store, manifest, None)
+        return
     try:
-        result = await _extract(ChunkSource(store, manifest, partial, network, candidates), names)
+        yield ChunkSource(store, manifest, partial, network, peers)
         if partial.is_complete:
             await trio.to_thread.run_sync(partial.publish)
-        return result
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(partial.close)
@@ -331,9 +385,13 @@ async def _manifest(store: Store, network: Any, blob_id: str, peers: Sequence[st
     raise NoProviders(f"none of {len(peers)} peer(s) asked holds {blob_id}")
 
 
-async def _extract(source: ChunkSource, names: Sequence[str]) -> TensorFetch:
+async def _extract(
+    source: ChunkSource, names: Sequence[str], required: Sequence[str], where: str = ""
+) -> TensorFetch:
+    """The tensors among ``names`` that this file holds; a name in ``required`` that it
+    does not hold is TensorNotFound."""
     infos = await read_header(source)
-    unknown = [n for n in names if n not in infos]
+    unknown = [n for n in required if n not in infos]
     if unknown:
         known = sorted(infos)
         shown = ", ".join(known[:6]) + (f" ... ({len(known)} in all)" if len(known) > 6 else "")
@@ -341,7 +399,7 @@ async def _extract(source: ChunkSource, names: Sequence[str]) -> TensorFetch:
             f"blob {source.manifest.blob_id[:12]} has no tensor {unknown[0]!r}; "
             f"it has: {shown or 'none'}"
         )
-    wanted = [infos[n] for n in dict.fromkeys(names)]
+    wanted = [infos[n] for n in dict.fromkeys(names) if n in infos]
     # One pass over the union of chunks first, so every provider gets one job.
     await source.ensure(
         i for t in wanted for i in _chunks_covering(source.manifest, t.begin, t.end)
@@ -350,7 +408,7 @@ async def _extract(source: ChunkSource, names: Sequence[str]) -> TensorFetch:
     return TensorFetch(
         tensors=tensors,
         infos={t.name: t for t in wanted},
+        files={t.name: where or source.manifest.blob_id for t in wanted},
         fetched_chunks=source.fetched_chunks,
         num_chunks=source.manifest.num_chunks,
-        chunk_size=source.manifest.chunk_size,
     )

@@ -107,16 +107,20 @@ def _fetch_parts(cluster: Cluster, tmp_path: Path, model: Path, info: dict[str, 
     assert not fetched.has(child_id(store, collection, "config.json"))
     assert fetched.resolve("m12") == collection
 
-    # One tensor of the third shard: only its chunks (and the header's) travel.
+    # One tensor of the sharded model, named through the collection's ticket: the shard
+    # holding it is found from the headers alone, and only its chunks travel.
     shard3 = child_id(store, collection, "model-00003")
     result = last_json(
         run_blob(
-            store, key, "get", shard3, "--peer", info["addrs"][0], "--tensor", "layer3.c",
+            store, key, "get", info["ticket"], "--tensor", "layer3.c",
             "-o", str(tmp_path / "c.npy"), "--json",
         ).stdout
     )  # fmt: skip
-    assert result["tensors"]["layer3.c"] == {"dtype": "F32", "shape": [512, 512], "bytes": 1 << 20}
-    assert 0 < result["fetched_chunks"] <= 3 < result["chunks"]
+    assert result["tensors"]["layer3.c"] == {
+        "dtype": "F32", "shape": [512, 512], "bytes": 1 << 20,
+        "file": "model-00003-of-00003.safetensors",
+    }  # fmt: skip
+    assert 0 < result["fetched_chunks"] <= 3  # header and the tensor's two chunks at most
     expected = load_file(str(model / "model-00003-of-00003.safetensors"))["layer3.c"]
     assert np.array_equal(np.load(tmp_path / "c.npy"), expected)
     assert not fetched.has(shard3)  # the rest of the shard never came
