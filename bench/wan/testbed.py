@@ -38,6 +38,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import functools
 import ipaddress
 import itertools
 import json
@@ -150,8 +151,11 @@ def three_continents(
 THREE_CONTINENTS: Mapping[str, Host] = three_continents()
 
 
+@functools.cache
 def unavailable_reason() -> str | None:
-    """Why this machine cannot run a testbed, or None if it can."""
+    """Why this machine cannot run a testbed, or None if it can (checked once: root,
+    `ip`, /dev/net/tun, and that a network namespace can really be made, which a
+    container without CAP_SYS_ADMIN refuses even to root)."""
     if not sys.platform.startswith("linux"):
         return "the WAN testbed needs Linux network namespaces"
     if os.geteuid() != 0:
@@ -165,6 +169,16 @@ def unavailable_reason() -> str | None:
     except OSError as exc:
         return f"cannot open {TUN_PATH}: {exc.strerror}"
     os.close(fd)
+    probe = f"{PREFIX}{os.getpid()}-{next(_counter)}-probe"
+    try:
+        made = subprocess.run(
+            ["ip", "netns", "add", probe], capture_output=True, text=True, timeout=IP_TIMEOUT
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run `ip netns add`: {exc}"
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=IP_TIMEOUT)
     return None
 
 
