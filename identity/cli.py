@@ -316,7 +316,12 @@ def attest_group() -> None:
 
 
 @attest_group.command("sign")
-@click.option("--kind", required=True, help="Statement kind, e.g. round-result.")
+@click.option(
+    "--kind",
+    required=True,
+    help="Statement kind, e.g. dataset-reviewed (kinds of computed results, such as "
+    "round-result and blobnet/..., are reserved for the commands that compute them).",
+)
 @click.option("--digest", "digest_hex", required=True, help="The 32-byte digest, 64 hex digits.")
 @click.option("--kernel-class", required=True, help="Kernel class the statement is about.")
 @click.option("--subject", "subjects", multiple=True, help="Blob ID the statement concerns.")

@@ -133,6 +133,11 @@ def base_tokenizer_id(store: Store, base_id: str) -> str | None:
 def check_records_fit(records: Records, tokenizer_id: str | None, vocab_size: int) -> None:
     """``BadRecords`` unless ``records`` were made for this base: by its tokenizer.json
     (or byte-level for a base whose vocabulary holds the 260 byte tokens)."""
+    if records.tokenizer_id is None and tokenizer_id is not None:
+        raise BadRecords(
+            f"the records are byte-level, but the base model has its own {TOKENIZER_NAME} "
+            f"({tokenizer_id}); make records with `blob train records --base BASE`"
+        )
     if records.tokenizer_id is not None and records.tokenizer_id != tokenizer_id:
         theirs = tokenizer_id or f"none (the base has no {TOKENIZER_NAME})"
         raise BadRecords(
