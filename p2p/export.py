@@ -63,9 +63,11 @@ def export_files(store: Store, files: Sequence[tuple[str, str]], dest: Path, *, 
     ``dest`` must not exist, or be an empty directory."""
     dest = dest.expanduser()
     check_output(dest)
+    sources = {path: store.path(blob_id) for path, blob_id in files}  # BlobNotFound first
+    if link and _same_links(dest, sources):
+        return  # the same export again: nothing to do
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise StoreError(f"{dest} already exists; give a new path or an empty directory")
-    sources = {path: store.path(blob_id) for path, blob_id in files}  # BlobNotFound first
     staging = dest.absolute().parent / f".{dest.name}.blobnet-{secrets.token_hex(6)}"
     try:
         staging.mkdir()
@@ -85,6 +87,23 @@ def export_files(store: Store, files: Sequence[tuple[str, str]], dest: Path, *, 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _same_links(dest: Path, sources: dict[str, Path]) -> bool:
+    """Whether ``dest`` is already exactly this linked export (and nothing more)."""
+    if not dest.is_dir() or dest.is_symlink():
+        return False
+    found = {
+        str(path.relative_to(dest)).replace(os.sep, "/"): path
+        for path in dest.rglob("*")
+        if not path.is_dir() or path.is_symlink()
+    }
+    if set(found) != set(sources):
+        return False
+    return all(
+        found[name].is_symlink() and found[name].resolve() == sources[name].resolve()
+        for name in sources
+    )
 
 
 def link_file(store: Store, blob_id: str, dest: Path) -> None:

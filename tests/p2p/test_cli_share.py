@@ -143,6 +143,7 @@ def test_linked_export_loads_with_from_pretrained(cluster: Cluster, tmp_path: Pa
     run_blob(store, key, "put", str(tmp_path / "tiny"), "--tag", "tiny")
     # (`blob get -o DIR --link` makes the same directory after a fetch: tested above.)
     run_blob(store, key, "export", "tiny", str(tmp_path / "linked"))
+    run_blob(store, key, "export", "tiny", str(tmp_path / "linked"))  # again: a no-op
     for path in (tmp_path / "linked").iterdir():
         assert path.is_symlink(), path  # nothing copied
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "linked")
