@@ -606,7 +606,7 @@ async def open_node(
             raise ListenFailed(
                 f"could not listen on {', '.join(config.listen)} (address in use or not local?)"
             )
-        host.set_stream_handler(TProtocol(proto.PROTOCOL_ID), server.handle_stream)
+        server.install(host)  # every protocol version the server speaks
         kad = KadDHT(host, DHTMode.SERVER) if config.dht else None
         floodsub: Any = _make_pubsub(host) if config.pubsub else None
         async with _maybe_service(kad), _maybe_service(floodsub), trio.open_nursery() as nursery:
