@@ -328,15 +328,23 @@ def run_command(
     from training.round import RoundInputs, run_round
 
     recipe = Recipe.decode(_read(recipe_path, "recipe", 1 << 16))
-    determinism.resolve_device(device)  # refuse before any fetch or load
+    resolved = determinism.resolve_device(device)  # refuse before any fetch or load
     store = _store(ctx)
     ids = (
         [_resolve(store, base_ref), _resolve(store, records_ref)]
         if not peers
         else [parse_blob_id(base_ref), parse_blob_id(records_ref)]
     )
-    fetch_missing(store, ids, peers, key_path=_key_path(ctx))
     signer = _signer(ctx)
+    certificate = _certificate(cert_path)
+    if certificate is not None:
+        # A certificate for another key or kernel class is refused before any fetch.
+        from training.kernel_class import detect
+        from training.round import check_certificate
+
+        determinism.enter(resolved, threads, seed)
+        check_certificate(certificate, signer, detect(resolved).id)
+    fetch_missing(store, ids, peers, key_path=_key_path(ctx))
     result = run_round(
         store,
         RoundInputs(ids[0], ids[1], recipe, seed),
@@ -344,7 +352,7 @@ def run_command(
         now=time.time(),
         device=device,
         threads=threads,
-        certificate=_certificate(cert_path),
+        certificate=certificate,
         on_step=_progress(quiet),
     )
     c = result.commitment
@@ -387,20 +395,24 @@ def replay_command(
     from blobstore import parse_blob_id
     from training import determinism
     from training.net import fetch_missing
-    from training.round import load_record, replay_round, required_inputs
+    from training.round import check_certificate, load_record, replay_round, required_inputs
 
     store = _store(ctx)
     round_id = parse_blob_id(round_ref) if peers else _resolve(store, round_ref)
+    signer = _signer(ctx)
+    certificate = _certificate(cert_path)
     fetch_missing(store, [round_id], peers, key_path=_key_path(ctx))
     record = load_record(store, round_id)
     determinism.resolve_device(record.commitment.kernel_class.family)
+    # A certificate for another key or kernel class is refused before the inputs' fetch.
+    check_certificate(certificate, signer, record.commitment.kernel_class_id)
     fetch_missing(store, list(required_inputs(record)), peers, key_path=_key_path(ctx))
     result = replay_round(
         store,
         round_id,
-        _signer(ctx),
+        signer,
         now=time.time(),
-        certificate=_certificate(cert_path),
+        certificate=certificate,
         on_step=_progress(quiet),
     )
     if output is not None:
