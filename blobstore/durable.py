@@ -102,9 +102,23 @@ def lock_path(path: Path) -> int | None:
         except FileNotFoundError:
             same = False
         if same:
+            with contextlib.suppress(OSError):  # who holds it, for a waiter's message
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             return fd
         os.close(fd)
     raise StoreError(f"could not lock {path}: it keeps being replaced")
+
+
+def lock_holder(path: Path) -> str:
+    """'process 1234' as the lock file at ``path`` names its holder, else 'another
+    process' (an older writer, or one that has not written its PID yet)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(32).decode("ascii", "replace").strip()
+    except OSError:
+        text = ""
+    return f"process {text}" if text.isdigit() else "another process"
 
 
 class TempFile:

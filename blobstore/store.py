@@ -104,6 +104,7 @@ from blobstore.durable import (
     TempFile,
     fsync_dir,
     link_or_rename,
+    lock_holder,
     lock_path,
     os_errors,
     sweep_temp_dir,
@@ -845,7 +846,7 @@ class Store:
                     self._seed_from_quarantine(blob_id, pdir)
             if lock_fd is None:
                 raise PartialBusy(
-                    f"blob {blob_id[:12]} is being written by another process; "
+                    f"blob {blob_id[:12]} is being written by {lock_holder(pdir / 'lock')}; "
                     "wait for it or stop that process"
                 )
             data_fd = -1
@@ -1237,7 +1238,9 @@ class Store:
             if pdir.exists():
                 fd = lock_path(pdir / "lock")
                 if fd is None:
-                    raise PartialBusy(f"blob {blob_id[:12]} is being written by another process")
+                    raise PartialBusy(
+                        f"blob {blob_id[:12]} is being written by {lock_holder(pdir / 'lock')}"
+                    )
                 try:
                     shutil.rmtree(pdir)
                 finally:

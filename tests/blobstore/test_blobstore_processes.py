@@ -228,9 +228,9 @@ def test_gc_and_rm_spare_a_partial_held_by_another_process(
         assert store.gc(0) == []
         assert store.partial_ids() == [m.blob_id]
         assert sum(bin(b).count("1") for b in store.chunk_bitmap(m.blob_id)) == 2
-        with pytest.raises(PartialBusy):
-            store.begin_partial(m)
-        with pytest.raises(PartialBusy):
+        with pytest.raises(PartialBusy, match=f"written by process {proc.pid};"):
+            store.begin_partial(m)  # the holder is named, so the user knows what to stop
+        with pytest.raises(PartialBusy, match=f"written by process {proc.pid}"):
             store.rm(m.blob_id)
         Store.open(root)  # another process opening the store sweeps nothing of it
         assert store.partial_ids() == [m.blob_id]
