@@ -19,7 +19,8 @@ sequence number, time, optional expiry. Records spread two ways, both bounded:
    connected peers (a flood that stops where nothing changes).
 
 Resolving asks, in parallel and under one deadline: the local cache, up to
-``MAX_RESOLVE_PEERS`` connected peers, and the DHT. Every answer is verified
+``MAX_RESOLVE_PEERS`` connected peers, and the DHT; it ends when all have answered, or
+``RESOLVE_GRACE`` after the first valid record. Every answer is verified
 (signature, publisher, name, expiry, and the publisher's certificate when a trust store
 is given); the newest valid record wins (seq, then time, then bytes), is kept in the
 cache so this node answers for it too, and refused answers are reported with their
@@ -109,6 +110,12 @@ PROTOCOL_ID = wire.PROTOCOL_ID
 # py-libp2p's DHT queries each peer for up to 10 s, so one dead peer must not hold a
 # resolve for that long.
 RESOLVE_TIMEOUT = 5.0
+# Once one valid record is in, the others get this long to answer with a newer one:
+# peers answer within a round trip (milliseconds on a LAN, a few hundred on the open
+# internet), while a dead peer or a DHT query to a node without the DHT can take the
+# whole RESOLVE_TIMEOUT. Newer records reach peers by pushes, so the first answers are
+# rarely stale.
+RESOLVE_GRACE = 0.5
 # One peer's answer to one request (open the stream, ask, read the answer).
 PEER_TIMEOUT = 3.0
 # A publish waits this long for pushes and the DHT put, then reports what took.
@@ -625,11 +632,14 @@ async def resolve(
     refused: Counter[str] = Counter()
     unreachable: list[str] = []
 
+    first_valid = trio.Event()
+
     def consider(raw: bytes | NameRecord, source: str) -> None:
         try:
             found.append(
                 verify(raw, now=now, publisher=target.publisher, name=target.name, trust=trust)
             )
+            first_valid.set()
         except NameRejected as exc:
             log.info("refused a record for %s from %s: %s", target, source, exc)
             refused[exc.reason.value] += 1
@@ -663,13 +673,24 @@ async def resolve(
         if value is not None:
             consider(value, "the DHT")
 
-    with trio.move_on_after(wait_s):
+    async def ask_all(done: trio.CancelScope) -> None:
         async with trio.open_nursery() as nursery:
             if use_peers:
                 for peer in node.connected_peers()[:MAX_RESOLVE_PEERS]:
                     nursery.start_soon(ask, peer)
-            if use_dht and node.dht is not None:
+            if use_dht and dht is not None:
                 nursery.start_soon(ask_dht)
+        done.cancel()  # everyone answered
+
+    async def settle(done: trio.CancelScope) -> None:
+        await first_valid.wait()
+        await trio.sleep(RESOLVE_GRACE)
+        done.cancel()
+
+    with trio.move_on_after(wait_s):
+        async with trio.open_nursery() as outer:
+            outer.start_soon(ask_all, outer.cancel_scope)
+            outer.start_soon(settle, outer.cancel_scope)
     best = newest(found)
     if best is None:
         detail = ", ".join(f"{n} {why}" for why, n in sorted(refused.items()))

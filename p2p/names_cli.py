@@ -338,7 +338,8 @@ def resolve_name(
     verbose: int = 0,
 ) -> str:
     """The blob ID that ``PUBLISHER/NAME`` names now, for commands that take an ID
-    (``blob get PUBLISHER/NAME``): a short-lived node asks as ``blob resolve`` does."""
+    (``blob get PUBLISHER/NAME``): a short-lived node asks as ``blob resolve`` does, and,
+    like ``blob get``, uses the DHT only with ``--bootstrap``."""
     target = parse_ref(ref)
     from p2p import names
 
@@ -350,7 +351,7 @@ def resolve_name(
         peers=peers,
         bootstrap=bootstrap,
         listen=listen,
-        no_dht=no_dht,
+        no_dht=no_dht or not bootstrap,
         verbose=verbose,
         job=job,
     )
