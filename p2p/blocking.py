@@ -25,7 +25,9 @@ import trio
 from blobstore import Store
 from p2p.downloader import ProgressCallback
 from p2p.errors import P2PError
+from p2p.interfaces import dialable_addrs
 from p2p.node import DEFAULT_LISTEN, Node, open_node
+from p2p.ticket import MAX_TICKET_ADDRS, Ticket
 
 T = TypeVar("T")
 
@@ -179,12 +181,13 @@ class BlockingNode:
 
     @property
     def addrs(self) -> list[str]:
-        """Addresses other nodes can dial, each ending in ``/p2p/<peer id>``."""
-        return self.node.addrs
+        """Addresses other nodes can dial, each ending in ``/p2p/<peer id>`` (a wildcard
+        listen address appears as each interface's address)."""
+        return dialable_addrs(self.node.addrs)
 
     def ticket(self, blob_id: str) -> str:
         """A ticket for ``blob_id`` naming this node's addresses (for ``blob get``)."""
-        return self.node.ticket(blob_id)
+        return Ticket(blob_id, tuple(self.addrs[:MAX_TICKET_ADDRS])).encode()
 
     def connect(self, addr: str) -> str:
         """Dial ``/ip4/.../tcp/.../p2p/<id>``; returns the peer ID (PeerUnreachable if
