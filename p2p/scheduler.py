@@ -56,8 +56,8 @@ Policy
   this peer's rate-weighted share of the remaining pool next to the idle usable peers, so
   that the last chunks are spread out rather than queued at whoever asked first.
 - Requests sized to the path. A peer may hold as many live requests as cover its
-  bandwidth-delay product (measured rate x smallest measured RTT, in full-size
-  requests) plus one, and at least one and a half per connection the shell stripes it
+  bandwidth-delay product (measured rate x smallest measured RTT, in requests of its
+  rate-scaled batch) plus one, and at least one and a half per connection the shell stripes it
   over, within ``min_inflight_requests_per_peer`` .. ``max_inflight_requests_per_peer``.
   A far peer so gets more requests in flight than a near one at the same rate, and a slow
   peer fewer than a fast one at the same distance; until both are measured it gets the
@@ -752,13 +752,16 @@ class Scheduler:
         # round trip between two requests on one stream.
         want = max(floor, p.connections + (p.connections + 1) // 2)
         if p.rate is not None and p.rtt is not None and self._n:
-            # The bytes the path holds in flight, in full-size requests, plus one to cover
-            # the round trip between two requests on one stream.
-            request_bytes = max(1, cfg.max_chunks_per_request * self._chunk_length(0))
+            # The bytes the path holds in flight, in requests of this peer's rate-scaled
+            # batch, plus one: the measured rate is what the requests in flight achieved,
+            # so the spare request is also how the limit finds a longer pipe.
+            request_bytes = max(1, self._rate_batch(p)[0] * self._chunk_length(0))
             want = max(want, math.ceil(p.rate * p.rtt / request_bytes) + 1)
         return min(cap, want)
 
-    def _batch_size(self, p: _Peer) -> int:
+    def _rate_batch(self, p: _Peer) -> tuple[int, list[_Peer], list[float], float]:
+        """The peer's batch scaled by its rate (and the usable peers, their rates, the
+        best rate, which the tail rule below needs too)."""
         m = self._cfg.max_chunks_per_request
         usable = [q for q in self._peers.values() if q.usable]
         rates = [q.rate for q in usable if q.rate is not None]
@@ -769,6 +772,10 @@ class Scheduler:
             size = m
         else:
             size = max(1, min(m, math.ceil(m * p.rate / best)))
+        return size, usable, rates, best
+
+    def _batch_size(self, p: _Peer) -> int:
+        size, usable, rates, best = self._rate_batch(p)
         fetchable = self._fetchable_pool()
         if 0 < fetchable < size * 2:
             # The tail of the pool: take only p's rate-weighted share of it next to the

@@ -4,7 +4,9 @@ bad data are remembered across downloads with decay. No sockets, no sleeps."""
 
 from __future__ import annotations
 
+import heapq
 import math
+from typing import Any
 
 import pytest
 
@@ -208,3 +210,72 @@ def test_scores_are_bounded_in_memory() -> None:
         scores.penalize(f"id{i}", now=float(i))
     assert len(scores) == 8
     assert scores.distrusted("id99", 99.0)  # the newest penalties are kept
+
+
+# --- two far providers stay busy --------------------------------------------------------
+
+
+def simulate(
+    peers: dict[str, tuple[float, float]], config: SchedulerConfig, n: int
+) -> dict[str, Any]:
+    """Fetch `n` chunks from peers given as name -> (rate bytes/s, RTT s): a request
+    reaches its server RTT/2 after it is sent, the server sends its requests' chunks one
+    after another at its rate, and each chunk lands RTT/2 after it was sent. Returns each
+    peer's busy fraction (time spent sending over the whole fetch) and the fetch time."""
+    sched = Scheduler(n, length, config=config)
+    free_at = dict.fromkeys(peers, 0.0)  # when each server finishes what it was given
+    sent = dict.fromkeys(peers, 0)
+    events: list[tuple[float, int, str, int, int, bool]] = []
+    seq = 0
+    for name, (_rate, rtt) in peers.items():
+        sched.add_peer(name, 0.0)
+        sched.on_rtt(name, rtt)
+
+    def issue(now: float) -> None:
+        nonlocal seq
+        for name, (rate, rtt) in peers.items():
+            while (ticket := sched.next_request(name, now)) is not None:
+                t = max(now + rtt / 2, free_at[name])
+                indices = sorted(ticket.indices)
+                for k, index in enumerate(indices):
+                    t += CHUNK / rate
+                    seq += 1
+                    last = k == len(indices) - 1
+                    heapq.heappush(events, (t + rtt / 2, seq, name, ticket.request_id, index, last))
+                free_at[name] = t
+                sent[name] += len(indices)
+
+    issue(0.0)
+    now = 0.0
+    while not sched.done:
+        assert events, "stalled"
+        now, _, name, rid, index, last = heapq.heappop(events)
+        sched.on_chunk(rid, index, CHUNK, now)
+        if last:
+            sched.on_request_done(rid, now)
+        issue(now)
+    busy = {name: sent[name] * CHUNK / peers[name][0] / now for name in peers}
+    return {"seconds": now, "busy": busy}
+
+
+def test_two_far_providers_both_stay_busy() -> None:
+    """Issue 15 item 3: at 150 and 200 ms, requests sized to rate x RTT keep both
+    providers sending most of the time; two fixed requests in flight leave them idle
+    for a third to a half of it."""
+    peers = {"us": (100e6, 0.15), "eu": (100e6, 0.2)}
+    sized = simulate(peers, SchedulerConfig(max_chunks_per_request=8), 2048)
+    fixed = simulate(
+        peers, SchedulerConfig(max_chunks_per_request=8, max_inflight_requests_per_peer=2), 2048
+    )
+    ideal = 2048 * CHUNK / 200e6
+    assert min(sized["busy"].values()) > 0.8, sized
+    assert max(fixed["busy"].values()) < 0.75, fixed
+    assert sized["seconds"] < 1.2 * ideal, (sized, ideal)
+
+
+def test_a_slow_far_provider_gets_less_not_a_stall() -> None:
+    peers = {"fast": (100e6, 0.15), "slow": (2.5e6, 0.2)}
+    result = simulate(peers, SchedulerConfig(max_chunks_per_request=4), 512)
+    alone = simulate({"fast": (100e6, 0.15)}, SchedulerConfig(max_chunks_per_request=4), 512)
+    # The slow one may slow the fetch a little at the end, never hold it up.
+    assert result["seconds"] <= 1.1 * alone["seconds"], (result, alone)
