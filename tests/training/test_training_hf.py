@@ -194,3 +194,21 @@ def test_gpt2_needs_its_audited_ops_and_unaudited_ones_stay_refused(world: World
     without = audit.make_auditor("cpu", allowed - {"aten::addmm.default"})
     with pytest.raises(AuditViolation, match=r"aten::addmm\.default is not in the audited"):
         trainer.run_steps(session, records, auditor=without)
+
+
+def test_init_model_builds_a_sharded_directory_with_its_tokenizer(world: World) -> None:
+    """`blob train init-model --arch llama --corpus FILE`: the same inputs, the same ID."""
+    from training.cli import train_group
+
+    corpus = world.tmp / "corpus.txt"
+    obj = {"store_root": world.tmp / "store", "key_path": world.bob_key}
+    args = ["init-model", "--arch", "llama", "--corpus", str(corpus), "--seed", "5"]
+    runs = [CliRunner().invoke(train_group, args, obj=obj) for _ in range(2)]
+    assert [r.exit_code for r in runs] == [0, 0], runs[0].output
+    first = runs[0].output.strip()
+    assert runs[1].output.strip() == first
+    names = {e.path for e in world.store.read_collection(first)}
+    assert {"config.json", "model.safetensors.index.json", "tokenizer.json"} <= names
+    assert sum(n.endswith(".safetensors") for n in names) >= 2
+    missing = CliRunner().invoke(train_group, ["init-model", "--arch", "gpt2"], obj=obj)
+    assert missing.exit_code == 2 and "--corpus" in missing.output
