@@ -122,7 +122,8 @@ def test_set_before_torch_starts_mkl_instructions_and_aten_capability() -> None:
 def _flush_denormal() -> Callable[[], None]:
     import torch
 
-    assert torch.set_flush_denormal(True), "x86-64 supports FTZ/DAZ"
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-to-zero mode torch can set")
     return lambda: torch.set_flush_denormal(False)
 
 
