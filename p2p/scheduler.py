@@ -1026,6 +1026,9 @@ class StripeConfig:
     # Eight RTTs: a new connection's slow start needs about six (from a 10-segment initial
     # window to a few MiB at a 9000-byte MTU) before it carries its share.
     settle_rtts: float = 8.0
+    # The first step needs no new connection to ramp up: as soon as the one connection
+    # holds `min_bytes_in_flight` (judged over this many RTTs), the path is long and fat.
+    first_settle_rtts: float = 3.0
     # Each step multiplies the connections by this much (1 -> 4 -> 8): every step costs a
     # dial and a settle, ~2.5 s at 200 ms, so few steps matter more than a fine count.
     growth_factor: int = 4
@@ -1043,8 +1046,8 @@ class StripeConfig:
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ValueError("max_connections must be at least 1")
-        if not self.min_settle_s > 0 or self.settle_rtts < 0:
-            raise ValueError("min_settle_s must be positive and settle_rtts not negative")
+        if not self.min_settle_s > 0 or self.settle_rtts < 0 or self.first_settle_rtts < 0:
+            raise ValueError("min_settle_s must be positive and the settle RTTs not negative")
         if self.min_gain < 0:
             raise ValueError("min_gain must not be negative")
         if self.growth_factor < 2:
@@ -1055,7 +1058,8 @@ class StripeGrowth:
     """Sans-IO: how many connections one download should stripe one provider over.
 
     The provider starts on one connection. After each step has settled (``min_settle_s``,
-    and ``settle_rtts`` round trips), the rate measured over the second half of the step
+    and ``settle_rtts`` round trips; ``first_settle_rtts`` before the first step, when no
+    new connection is ramping up), the rate measured over the second half of the step
     (the first half is the new connections' slow start) is compared with the previous
     step's: the first step multiplies the connections by ``growth_factor``, later ones
     do so again only if the rate grew by ``min_gain``, so 1 -> 4 -> 8 on a path limited
@@ -1080,7 +1084,8 @@ class StripeGrowth:
         self._rtt: float | None = None  # the last RTT `decide` was told
 
     def _settle(self, rtt: float | None) -> float:
-        return max(self._cfg.min_settle_s, self._cfg.settle_rtts * (rtt or 0.0))
+        rtts = self._cfg.first_settle_rtts if self._baseline is None else self._cfg.settle_rtts
+        return max(self._cfg.min_settle_s, rtts * (rtt or 0.0))
 
     def on_bytes(self, nbytes: int, now: float, rtt: float | None = None) -> None:
         """`nbytes` of this provider's chunks arrived at `now`."""

@@ -133,8 +133,8 @@ def test_connections_grow_while_the_rate_keeps_growing() -> None:
     # 200 ms, stock buffers: 13 MB/s per connection on a 125 MB/s link.
     history = run_growth(13e6, 125e6, 0.2)
     assert [count for _, count in history] == [1, 2, 3, 4, 5, 6, 7, 8]
-    # Two steps of eight RTTs plus two dials of four: eight connections within ~5 s.
-    assert history[-1][0] < 2 * (8 * 0.2 + 4 * 0.2) + 0.5
+    # Steps of three and eight RTTs plus two dials of four: eight connections within ~4 s.
+    assert history[-1][0] < (3 + 8) * 0.2 + 2 * 4 * 0.2 + 0.5
 
 
 def test_growth_stops_when_the_link_is_full() -> None:
@@ -174,16 +174,20 @@ def test_a_failed_dial_stops_growth() -> None:
 def test_no_decision_before_the_step_settles_and_a_window_has_enough_bytes() -> None:
     growth = StripeGrowth(StripeConfig(), 0.0)
     rtt = 0.2
-    assert growth.next_check(0.0, rtt) == pytest.approx(8 * rtt)
+    assert growth.next_check(0.0, rtt) == pytest.approx(3 * rtt)  # the first step
     now = 0.0
-    for _ in range(16):  # 1 MiB each 0.1 s: 8 MiB arrive after the mark by 1.6 s
+    for _ in range(10):  # 1 MiB each 0.1 s: 7 MiB after the mark (0.3 s) by 1.0 s
         now += 0.1
         growth.on_bytes(1 << 20, now, rtt)
         assert growth.decide(now, rtt, busy=True) == 0
-    for _ in range(3):
+    for _ in range(2):
         now += 0.1
         growth.on_bytes(1 << 20, now, rtt)
     assert growth.decide(now, rtt, busy=True) == 3  # 1 -> 4
+    for _ in range(3):
+        growth.on_dialled(True, now)
+    # Later steps wait out the new connections' slow start.
+    assert growth.next_check(now, rtt) == pytest.approx(now + 8 * rtt)
 
 
 # --- scores across downloads ----------------------------------------------------------
