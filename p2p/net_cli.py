@@ -476,7 +476,7 @@ def get(
     if tag_name is not None:
         store.tag(tag_name, blob_id)
     if output is not None:
-        _write_output(store, blob_id, output, include, link)
+        _write_output(store, blob_id, output, include, link, show_progress=not as_json)
     if as_json:
         click.echo(
             json.dumps(
@@ -676,8 +676,16 @@ async def _fetch_wanted(
 
 
 def _write_output(
-    store: Store, blob_id: str, output: Path, include: Sequence[str], link: bool
+    store: Store,
+    blob_id: str,
+    output: Path,
+    include: Sequence[str],
+    link: bool,
+    show_progress: bool = False,
 ) -> None:
+    """``-o``: links, a subset of a collection, or the store's own verified export (with
+    a progress bar on a terminal, since it reads every byte again)."""
+    from blobstore.cli import progress_bar
     from p2p.export import export_files, link_file, select_entries
 
     collection = store.is_collection(blob_id)
@@ -688,7 +696,13 @@ def _write_output(
     elif link:
         link_file(store, blob_id, output)
     else:
-        store.export(blob_id, output)
+        size = (
+            sum(e.size for e in store.read_collection(blob_id))
+            if collection
+            else store.manifest(blob_id).size
+        )
+        with progress_bar(size, output.name, show_progress) as progress:
+            store.export(blob_id, output, progress=progress)
 
 
 @click.command("export")
