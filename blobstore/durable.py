@@ -102,12 +102,17 @@ def lock_path(path: Path) -> int | None:
         except FileNotFoundError:
             same = False
         if same:
-            with contextlib.suppress(OSError):  # who holds it, for a waiter's message
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             return fd
         os.close(fd)
     raise StoreError(f"could not lock {path}: it keeps being replaced")
+
+
+def claim_lock(fd: int) -> None:
+    """Write our PID into a lock file we hold, for a waiter's message (:func:`lock_holder`).
+    Only for a holder that will work under the lock: probes (gc, sweeps) skip it, so an
+    idle partial's files keep their age."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
 
 
 def lock_holder(path: Path) -> str:

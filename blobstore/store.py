@@ -102,6 +102,7 @@ from blobstore.collection import (
 )
 from blobstore.durable import (
     TempFile,
+    claim_lock,
     fsync_dir,
     link_or_rename,
     lock_holder,
@@ -843,7 +844,12 @@ class Store:
                 self._mkdir_in_store(pdir)
                 lock_fd = lock_path(pdir / "lock")
                 if lock_fd is not None:
-                    self._seed_from_quarantine(blob_id, pdir)
+                    try:
+                        claim_lock(lock_fd)
+                        self._seed_from_quarantine(blob_id, pdir)
+                    except BaseException:
+                        os.close(lock_fd)
+                        raise
             if lock_fd is None:
                 raise PartialBusy(
                     f"blob {blob_id[:12]} is being written by {lock_holder(pdir / 'lock')}; "
