@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import resource
 import signal
 import sys
@@ -90,10 +91,13 @@ verbose_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 
 
+EXIT_INTERRUPTED = 130
+
+
 class Interrupted(Exception):
     """SIGINT or SIGTERM arrived while a networked command ran."""
 
-    exit_code = 130
+    exit_code = EXIT_INTERRUPTED
 
     def __init__(self, signal_name: str) -> None:
         super().__init__(f"interrupted by {signal_name}")
@@ -102,7 +106,9 @@ class Interrupted(Exception):
 
 def run_interruptible(work: Callable[[], Awaitable[T]]) -> T:
     """``trio.run(work)``, with SIGINT and SIGTERM cancelling ``work`` in order (its
-    cleanup runs: a fetch flushes what verified) and then raising ``Interrupted``.
+    cleanup runs: a fetch flushes what verified) and then raising ``Interrupted``. A
+    second signal during that cleanup ends the process at once (exit 130): the store is
+    crash-safe, so only what verified since the last flush is lost.
 
     trio's default Ctrl-C handling raises KeyboardInterrupt inside whichever task is
     running, which can leave a task that a worker thread will later wake; a signal
@@ -110,25 +116,26 @@ def run_interruptible(work: Callable[[], Awaitable[T]]) -> T:
     caught: list[int] = []
 
     async def main() -> T:
+        result: list[T] = []
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            result: list[T] = []
             async with trio.open_nursery() as nursery:
+                work_scope = trio.CancelScope()
 
                 async def watch() -> None:
                     async for signum in signals:
+                        if caught:
+                            click.echo("Interrupted again: stopping now.", err=True)
+                            os._exit(EXIT_INTERRUPTED)
                         caught.append(signum)
-                        nursery.cancel_scope.cancel()
-                        return
-
-                async def run() -> None:
-                    result.append(await work())
-                    nursery.cancel_scope.cancel()
+                        work_scope.cancel()
 
                 nursery.start_soon(watch)
-                nursery.start_soon(run)
-            if caught or not result:
-                raise Interrupted(signal.Signals(caught[0]).name if caught else "cancelled")
-            return result[0]
+                with work_scope:
+                    result.append(await work())
+                nursery.cancel_scope.cancel()
+        if caught or not result:
+            raise Interrupted(signal.Signals(caught[0]).name if caught else "cancelled")
+        return result[0]
 
     try:
         return trio.run(main)
