@@ -185,7 +185,8 @@ class Trainer:
             params.shard_seed(shard), params.shard_sequences, params.seq_len
         )
         self.rng = np.random.default_rng([params.seed, shard])
-        self.feedback = ErrorFeedback(params.codec(), decay=params.ef_decay)
+        # Names and shapes travel once per run, in the state blob; updates carry a digest.
+        self.feedback = ErrorFeedback(params.codec(), decay=params.ef_decay, schema_ref=True)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(v.shape) for name, v in model_params(self.model).items()}

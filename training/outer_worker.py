@@ -50,8 +50,9 @@ from identity import (
     TrustStore,
     sign_attestation,
 )
+from training.codec import CodecError
 from training.outer import OuterState, state_root
-from training.outer_aggregate import Aggregate, aggregate
+from training.outer_aggregate import Aggregate, aggregate, unwrap_update
 from training.outer_agreement import (
     Apply,
     CatchUp,
@@ -82,6 +83,7 @@ from training.outer_messages import (
     topic,
 )
 from training.outer_net import OuterNetError, Trainer, WorkerConfig, write_json
+from training.outer_wire import SAMPLE_INTERVAL, WireMeter
 from training.state_blob import BadStateBlob, decode_state, encode_state
 
 if TYPE_CHECKING:
@@ -124,6 +126,10 @@ class RoundRecord:
     update_bytes: int = 0
     state_bytes: int = 0
     seconds: float = 0.0
+    # Payload bytes this worker's TCP sockets sent / received since the previous record
+    # (training.outer_wire): announcements, closures, attestations and blobs alike.
+    wire_sent: int = 0
+    wire_received: int = 0
 
 
 @dataclass
@@ -179,6 +185,10 @@ class Worker:
         self.kernel_class = ""
         self.addrs_of: dict[str, tuple[str, ...]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.proposed_for: set[tuple[int, str]] = set()
+        self.refused_updates: list[dict[str, Any]] = []
+        self.meter = WireMeter()
+        self.wire_mark = (0, 0)
 
     # --- messages in and out ---------------------------------------------------------
     async def _receive_loop(self, sub: Any) -> None:
@@ -253,6 +263,11 @@ class Worker:
             for data in self.announcer.due(trio.current_time()):
                 await self._publish(data)
 
+    async def _meter_loop(self) -> None:
+        while True:
+            self.meter.sample()
+            await trio.sleep(SAMPLE_INTERVAL)
+
     async def _dial_loop(self) -> None:
         """Connect to every admitted peer heard of, so no one node carries the mesh."""
         from p2p.errors import P2PError
@@ -307,6 +322,13 @@ class Worker:
     def _load(self, blob: str) -> bytes:
         return self.node.store.path(blob).read_bytes()
 
+    def _author(self, blob: str) -> str | None:
+        """The author an update blob's envelope names (None: not an update blob)."""
+        try:
+            return unwrap_update(self._load(blob)).author
+        except (CodecError, OSError):
+            return None
+
     async def _fetch_update(self, candidate: Candidate, root: str) -> None:
         if await self._fetch(candidate.blob, candidate.addrs, float("inf")) and root == self.root:
             self.fetched[candidate.peer] = candidate.blob
@@ -351,6 +373,10 @@ class Worker:
             state_bytes=state_bytes,
             seconds=trio.current_time() - self.round_started,
         )
+        sent, received = self.meter.sample()
+        record.wire_sent = sent - self.wire_mark[0]
+        record.wire_received = received - self.wire_mark[1]
+        self.wire_mark = (sent, received)
         if agg is None:
             record.included = [{"peer": x.peer, "blob": x.blob} for x in c.included]
         own = self.own
@@ -382,7 +408,7 @@ class Worker:
             self.announcer.drop("closure")
         _say(
             self.label,
-            f"round {c.round}: {how} closure {checked.digest.hex()[:12]} by "
+            f"round {c.round} closed ({how}): closure {checked.digest.hex()[:12]} by "
             f"{c.proposer[-6:]}: {len(record.included)} included, "
             f"{len(record.excluded)} excluded, root {root[:16]}",
         )
@@ -503,10 +529,30 @@ class Worker:
         state, root, own = self.state, self.root, self.own
         assert state is not None and own is not None
         updates = {self.peer: (own.blob, own.attestation)}
-        for peer, blob in self.fetched.items():
+        operators = {self.certificate.operator}
+        blobs = {own.blob}
+        for peer in sorted(self.fetched, key=lambda p: p.encode()):
             candidate = self.candidates.get(peer)
-            if candidate is not None and candidate.blob == blob:
-                updates[peer] = (blob, candidate.attestation)
+            if candidate is None or candidate.blob != self.fetched[peer]:
+                continue
+            # Rule 1 of outer_agreement: one blob and one operator once per closure. The
+            # author of a blob named twice is in its envelope; an operator's first key
+            # (in peer order) counts.
+            reason = ""
+            if candidate.operator in operators:
+                reason = "one operator twice"
+            elif candidate.blob in blobs:
+                reason = "a copy (blob already named)"
+            elif await trio.to_thread.run_sync(self._author, candidate.blob) != peer:
+                reason = "a copy (the blob's envelope names another author)"
+            if reason:
+                self.refused_updates.append(
+                    {"round": state.round, "peer": peer, "blob": candidate.blob, "reason": reason}
+                )
+                continue
+            updates[peer] = (candidate.blob, candidate.attestation)
+            operators.add(candidate.operator)
+            blobs.add(candidate.blob)
         included = select_for_closure(updates)
         entries = [(x.peer, x.blob) for x in included]
         agg = await trio.to_thread.run_sync(
@@ -528,9 +574,13 @@ class Worker:
             certificate=self.certificate,
             time=int(time.time()),
         )
-        checked = check_closure(
-            body, attestation, run=self.params.run_id, trust=self.trust, now=time.time()
-        )
+        try:
+            checked = check_closure(
+                body, attestation, run=self.params.run_id, trust=self.trust, now=time.time()
+            )
+        except Refused as exc:  # our own closure: a bug, but one the run survives
+            _say(self.label, f"BUG: our own closure is invalid ({exc}); not proposing")
+            return
         self.proposed[checked.digest] = (agg, blob, len(data))
         self.book.add(checked)
         self.closure_addrs[checked.digest] = tuple(self.node.addrs)
@@ -586,14 +636,21 @@ class Worker:
             if await self._step():
                 return
             slot = self._slot()
-            if slot is not None and not self.book.has_round(*start) and trio.current_time() >= slot:
+            if (
+                slot is not None
+                and start not in self.proposed_for
+                and not self.book.has_round(*start)
+                and trio.current_time() >= slot
+            ):
                 await trio.sleep(GATHER)
                 if await self._step():
                     return
                 if not self.book.has_round(*start):
+                    self.proposed_for.add(start)  # at most one closure per (round, root)
                     await self._propose()
                 continue
-            await self._wait_changed(slot if slot is not None else trio.current_time() + 1.0)
+            now = trio.current_time()
+            await self._wait_changed(slot if slot is not None and slot > now else now + 1.0)
 
     # --- start, join, finish ---------------------------------------------------------
     async def _barrier(self) -> None:
@@ -676,6 +733,7 @@ class Worker:
             nursery.start_soon(self._receive_loop, sub)
             nursery.start_soon(self._announce_loop)
             nursery.start_soon(self._dial_loop)
+            nursery.start_soon(self._meter_loop)
             trainer = await trio.to_thread.run_sync(Trainer, self.params, self.config.shard)
             self.kernel_class = trainer.kernel_class
             if self.certificate.kernel_class != self.kernel_class:
@@ -692,6 +750,9 @@ class Worker:
                 state = await self._initial()
                 self._enter(state, state_root(state))
                 await self._barrier()
+            # Rounds are counted from here: fetching the initial state is not a round's.
+            self.wire_mark = self.meter.sample()
+            wire_start = self.wire_mark
             self.announcer.drop("hello")  # presence only matters for the start barrier
             assert self.state is not None
             initial_root = self.root
@@ -717,9 +778,12 @@ class Worker:
             "final_root": self.root,
             "final_roots_heard": heard,
             "refused_closures": self.refused_closures,
+            "refused_updates": self.refused_updates[:256],
             "equivocations": [list(e) for e in self.book.equivocations],
             "agreed": all(v == self.root for v in heard.values()),
             "malformed_messages": self.ledger.malformed,
+            "wire_sent": self.meter.sample()[0] - wire_start[0],
+            "wire_received": self.meter.totals()[1] - wire_start[1],
         }
         write_json(self.config.result_path, result)
         return result

@@ -403,3 +403,33 @@ def test_mutated_updates_raise_only_codec_error(position: int, value: int, cut: 
         return
     # Whatever survived validation is a well-formed update: finite float32 tensors.
     assert all(v.dtype == np.float32 and np.isfinite(v).all() for v in decoded.tensors.values())
+
+
+# --- names and shapes once per run (scheme 2) ----------------------------------------
+
+
+def test_schema_reference_drops_names_and_shapes_and_checks_them() -> None:
+    """Issue 17: tensor names and shapes were 23% of each update, re-sent every round."""
+    rng = np.random.default_rng(3)
+    tensors = {
+        f"model.layers.{i}.self_attn.q_proj.weight": rng.standard_normal((64, 64)).astype(
+            np.float32
+        )
+        for i in range(8)
+    }
+    shapes = {n: tuple(v.shape) for n, v in tensors.items()}
+    params = CodecParams(chunk=1024, k=16)
+    full = ErrorFeedback(params).step(tensors)
+    ref = ErrorFeedback(params, schema_ref=True).step(tensors)
+    names_bytes = sum(2 + len(n) + 1 + 8 * 2 for n in tensors)
+    assert len(full) - len(ref) == names_bytes - 32
+    a = decode(full, expected=shapes).tensors
+    b = decode(ref, expected=shapes).tensors
+    assert all(np.array_equal(a[n], b[n]) for n in tensors)
+    with pytest.raises(CodecError, match="model's are needed"):
+        decode(ref)
+    other = {**shapes, next(iter(shapes)): (32, 128)}
+    with pytest.raises(CodecError, match="another model"):
+        decode(ref, expected=other)
+    with pytest.raises(CodecError, match="another model"):
+        decode(ref, expected=dict(list(shapes.items())[:-1]))
