@@ -197,13 +197,20 @@ def _summarise(
     two = raw_med["eu->asia"][8], raw_med["us->asia"][8]
     cap = min(two[0] + two[1], GBIT_PAYLOAD) if None not in two else None  # type: ignore[operator]
     ratio("eu+us->asia", cap, 0.8, "sum of raw 8-conn, capped by the downlink")
-    first = blob_rows["eu->asia"]["first_chunk_s"]
+    # Each run's first chunk less the same run's start-up (both swing with the load).
+    after = _median(
+        [
+            r.first_chunk_s - up
+            for r, up in zip(blob["eu->asia"], startups, strict=False)
+            if r.returncode == 0 and r.first_chunk_s is not None
+        ]
+    )
     goals.append(
         {
-            "goal": "eu->asia: first verified chunk <= 1.5 s + start-up",
-            "value": first,
-            "limit": None if startup is None else 1.5 + startup,
-            "met": first is not None and startup is not None and first <= 1.5 + startup,
+            "goal": "eu->asia: first verified chunk <= 1.5 s + start-up (same run)",
+            "value": after,
+            "limit": 1.5,
+            "met": after is not None and after <= 1.5,
         }
     )
     return {
@@ -292,7 +299,7 @@ def print_table(result: dict[str, Any]) -> None:
         value = goal["value"]
         shown = "-" if value is None else f"{value:.2f}"
         if "limit" in goal and goal["limit"] is not None:
-            shown += f" s (limit {goal['limit']:.2f} s)"
+            shown += f" s after start-up (limit {goal['limit']:.2f} s)"
         print(f"{'MET ' if goal['met'] else 'MISS'} {goal['goal']}: {shown}")
     for name, row in result["blob"].items():
         for failure in row["failures"]:
