@@ -250,7 +250,7 @@ class BlobServer:
 
     async def _refuse(self, stream: Any, reason: str) -> None:
         """Answer a stream over the stream budget: its first request gets `busy`, then the
-        stream ends (PROTOCOL.md section 5: nothing is sent before a request)."""
+        stream ends (PROTOCOL.md 7.1 item 6 and 7.3: nothing is sent before a request)."""
         if self.refusing >= MAX_REFUSING:
             await reset_quietly(stream)
             return
@@ -305,7 +305,7 @@ class BlobServer:
             log.info("peer %s broke the protocol: %s", peer, exc)
             await self._fail(stream, error_frame(exc.code, str(exc)))
         except (StreamLost, trio.TooSlowError) as exc:
-            # Idle, slow-reader and stalled-request cases send no frame (PROTOCOL.md 7).
+            # Idle, slow-reader and stalled-request cases send no frame (PROTOCOL.md 7.4).
             log.debug("stream from %s ended: %r", peer, exc)
             await reset_quietly(stream)
 

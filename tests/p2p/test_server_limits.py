@@ -209,7 +209,7 @@ async def test_streams_over_the_address_budget_get_busy_after_their_request(
             await stream.write(b"\0")  # a request begun: the server holds the stream
         assert await wait_for(lambda: target.server.streams.used == 2, 10)
         refused = await open_stream(second, target)
-        # Nothing is sent before a request (PROTOCOL.md section 5) ...
+        # Nothing is sent before a request (PROTOCOL.md 7.1 item 6) ...
         with trio.move_on_after(0.3):
             assert await refused.read(100) == b"", "the server spoke before a request"
         # ... and the request is answered `busy`.
