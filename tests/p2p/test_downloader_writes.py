@@ -151,10 +151,10 @@ async def test_a_corrupt_chunk_bans_its_peer_and_the_other_completes_the_blob(
 
 @pytest.fixture
 def virtual_clock() -> trio.testing.MockClock:
-    """Virtual time that jumps only after 50 ms of real idleness: the chunk writes run in
+    """Virtual time that jumps only after 100 ms of real idleness: the chunk writes run in
     real threads, and a jump while one runs would fire deadlines that real time never
     reaches."""
-    return trio.testing.MockClock(autojump_threshold=0.05)
+    return trio.testing.MockClock(autojump_threshold=0.1)
 
 
 class Delayed(FakeStream):
