@@ -44,12 +44,16 @@ MAX_COLLECTION_SIZE = 256 * 1024 * 1024
 MAX_PATH_LENGTH = 4096  # PATH_MAX on Linux
 MAX_NAME_LENGTH = 255  # NAME_MAX on Linux (bytes of one component)
 
-DECODE_READ_SIZE = 64 * 1024
+DECODE_READ_SIZE = 16 * 1024
 """Bytes the decoder takes from the blob at a time."""
 
-DECODE_BUFFER_LIMIT = 1024 * 1024
+DECODE_BUFFER_LIMIT = 64 * 1024
 """Most bytes the decoder buffers for one msgpack object. A valid entry is under 4.2 KiB
-(a 4096-byte path, a 64-character ID, a size); anything that needs more is hostile."""
+(a 4096-byte path, a 64-character ID, a size); anything that needs more is hostile. It
+also bounds what one hostile entry can allocate: at most one object per byte (about
+64 Ki small objects, a few MiB), however its arrays nest."""
+
+_CANONICAL_BATCH = 64 * 1024  # re-encoded bytes hashed per blake3 call
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +69,10 @@ def check_relpath(path: str) -> None:
     """Raise BadCollection unless ``path`` is a safe relative POSIX path."""
     if not isinstance(path, str) or not path:
         raise BadCollection(f"collection path {path!r} is empty or not text")
-    if len(path.encode("utf-8", "surrogateescape")) > MAX_PATH_LENGTH:
+    # UTF-8 takes at most 4 bytes a character: encode only a path that might be too long.
+    if len(path) * 4 > MAX_PATH_LENGTH and len(path.encode("utf-8", "surrogateescape")) > (
+        MAX_PATH_LENGTH
+    ):
         raise BadCollection(f"collection path is longer than {MAX_PATH_LENGTH} bytes")
     if "\x00" in path or "\\" in path:
         raise BadCollection(f"collection path {path!r} contains NUL or a backslash")
@@ -74,7 +81,9 @@ def check_relpath(path: str) -> None:
     for part in path.split("/"):
         if part in ("", ".", ".."):
             raise BadCollection(f"collection path {path!r} has an empty, '.' or '..' part")
-        if len(part.encode("utf-8", "surrogateescape")) > MAX_NAME_LENGTH:
+        if len(part) * 4 > MAX_NAME_LENGTH and (
+            len(part.encode("utf-8", "surrogateescape")) > MAX_NAME_LENGTH
+        ):
             raise BadCollection(f"collection path {path!r} has a part over {MAX_NAME_LENGTH} bytes")
 
 
@@ -97,10 +106,11 @@ class _EntryChecker:
         if self.prev is not None and not self.prev < entry.path:
             raise BadCollection(f"collection paths are not sorted and unique at {entry.path!r}")
         # Sorted order puts every proper prefix ("a") before the paths under it ("a/b").
-        parts = entry.path.split("/")
-        for i in range(1, len(parts)):
-            if "/".join(parts[:i]) in self.files:
+        slash = entry.path.find("/")
+        while slash != -1:
+            if entry.path[:slash] in self.files:
                 raise BadCollection(f"collection path {entry.path!r} lies under a file")
+            slash = entry.path.find("/", slash + 1)
         self.files.add(entry.path)
         self.prev = entry.path
 
@@ -214,16 +224,19 @@ def _decode(unpacker: msgpack.Unpacker, stream: _PieceStream) -> list[Collection
     canonical.update(COLLECTION_MAGIC + packer.pack("entries") + packer.pack_array_header(count))
     checker = _EntryChecker()
     entries = []
+    pending = bytearray()
     for _ in range(count):
-        if unpacker.read_array_header() != 3:
+        item: Any = unpacker.unpack()  # at most DECODE_BUFFER_LIMIT bytes, arrays of 3
+        if type(item) is not list or len(item) != 3:
             raise BadCollection("collection entry must be [path, blob_id, size]")
-        path: Any = unpacker.unpack()
-        blob_id: Any = unpacker.unpack()
-        size: Any = unpacker.unpack()
-        entry = CollectionEntry(path=path, blob_id=blob_id, size=size)
+        entry = CollectionEntry(path=item[0], blob_id=item[1], size=item[2])
         checker.add(entry)
-        canonical.update(packer.pack([path, blob_id, size]))
+        pending += packer.pack(item)
+        if len(pending) >= _CANONICAL_BATCH:
+            canonical.update(pending)
+            pending.clear()
         entries.append(entry)
+    canonical.update(pending)
     try:
         unpacker.unpack()
     except msgpack.OutOfData:
