@@ -395,7 +395,7 @@ class Store:
         for name in (MARKER_NAME, SHARED_MARKER):
             with contextlib.suppress(FileNotFoundError):
                 os.chmod(self.root / name, self.modes.file)
-        for top in ("blobs", "partial", "tags"):
+        for top in ("blobs", "partial", "tags", "quarantine"):
             for dirpath, _dirnames, filenames in os.walk(self.root / top):
                 os.chmod(dirpath, self.modes.dir)
                 for name in filenames:
