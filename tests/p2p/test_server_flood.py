@@ -1,12 +1,13 @@
 """Issue 16's goal: under a flood of 1,000 silent sockets plus 64 identities with unread
-`get`s, a legitimate 64 MiB fetch from the same `blob serve` process still completes, and
-the server's peak RSS stays under 1 GiB.
+`get`s (and, item 2, 270 idle real connections), a legitimate 64 MiB fetch from the same
+`blob serve` process still completes, and the server's peak RSS stays under 1 GiB.
 
 The server is a real `blob serve` process over its own store; the fetch is a real
 `blob get` process. The flooders run in this test process: the silent sockets come from
-127.0.0.2, the 64 identities (py-libp2p hosts) from 127.0.0.3, so the server sees them as
-two other machines. The blob has 16 MiB chunks, the size that took `blob serve` to 4.2 GiB
-with 16 identities before the budgets: 64 x 16 unread gets would pin 16 GiB of buffers.
+127.0.0.2, the 64 identities (py-libp2p hosts) from 127.0.0.3 and the idle connections
+from 127.0.0.4, so the server sees them as three other machines. The blob has 16 MiB
+chunks, the size that took `blob serve` to 4.2 GiB with 16 identities before the budgets:
+64 x 16 unread gets would pin 16 GiB of buffers.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ RSS_LIMIT_KIB = 1024 * 1024
 # A closed silent socket is opened again after this pause (a flooder keeps its flood up).
 REOPEN_PAUSE = 5.0
 CONNECT_ATTEMPTS = 5
+# Idle connections: py-libp2p alone admitted 250 inbound connections in a node's life.
+IDLE_IDENTITIES = 34
+IDLE_CONNECTIONS_PER_IDENTITY = 8
 
 
 def peak_rss_kib(node: NodeProcess) -> int:
@@ -82,17 +86,41 @@ async def silent_flood(port: int, stats: dict[str, int], task_status: Any) -> No
         task_status.started()
 
 
+def flooder_host(source_ip: str) -> Any:
+    """A py-libp2p host whose TCP dials leave from ``source_ip`` (another 'machine')."""
+    host = build_host(create_new_key_pair())
+    for transport in host.get_network().transport_manager.get_transports():
+        if isinstance(transport, TCP):
+            transport.dial = functools.partial(  # type: ignore[method-assign]
+                transport.dial_with_source, source=(source_ip, 0)
+            )
+    return host
+
+
+async def idle_connections(server: NodeProcess, stats: dict[str, int], task_status: Any) -> None:
+    """One identity from 127.0.0.4 holding IDLE_CONNECTIONS_PER_IDENTITY real connections
+    (handshake done, no stream) until cancelled."""
+    host = flooder_host("127.0.0.4")
+    info = info_from_p2p_addr(Multiaddr(server.addr))
+    async with host.run(listen_addrs=[]):
+        task_status.started()
+        for _ in range(IDLE_CONNECTIONS_PER_IDENTITY):
+            try:
+                with trio.fail_after(30):
+                    await host.get_network().dial_addr(info.addrs[0], info.peer_id)
+                stats["idle"] += 1
+            except Exception:
+                stats["idle_refused"] += 1
+        stats["idle_settled"] += 1
+        await trio.sleep_forever()
+
+
 async def unread_gets(
     server: NodeProcess, blob_id: str, stats: dict[str, int], task_status: Any
 ) -> None:
     """One identity from 127.0.0.3: connect, open GETS_PER_IDENTITY streams, ask each for
     the whole blob, never read. Runs until cancelled."""
-    host = build_host(create_new_key_pair())
-    for transport in host.get_network().transport_manager.get_transports():
-        if isinstance(transport, TCP):
-            transport.dial = functools.partial(  # type: ignore[method-assign]
-                transport.dial_with_source, source=("127.0.0.3", 0)
-            )
+    host = flooder_host("127.0.0.3")
     request = proto.encode_request(proto.GetRequest(blob_id, ((0, BLOB_SIZE // CHUNK),)))
     async with host.run(listen_addrs=[]):
         task_status.started()
@@ -127,16 +155,19 @@ async def test_flood_does_not_stop_a_real_fetch_and_memory_stays_bounded(
     blob_id = str(last_json(put.stdout)[0]["id"])
     server = cluster.serve("a")
     port = int(server.addr.split("/")[4])
-    stats = {"gets": 0, "refused": 0, "settled": 0, "silent_opened": 0, "silent_refused": 0}
+    counters = ("gets", "refused", "settled", "silent_opened", "silent_refused")
+    stats = dict.fromkeys((*counters, "idle", "idle_refused", "idle_settled"), 0)
     out = tmp_path / "fetched.bin"
     t0 = trio.current_time()
     async with trio.open_nursery() as nursery:
         await nursery.start(silent_flood, port, stats)
+        for _ in range(IDLE_IDENTITIES):
+            await nursery.start(idle_connections, server, stats)
         for _ in range(IDENTITIES):
             await nursery.start(unread_gets, server, blob_id, stats)
         with trio.fail_after(90):
             # Counters of our own tasks, polled within the deadline.
-            while stats["settled"] < IDENTITIES:  # noqa: ASYNC110
+            while stats["settled"] < IDENTITIES or stats["idle_settled"] < IDLE_IDENTITIES:  # noqa: ASYNC110
                 await trio.sleep(0.2)
         start = trio.current_time()
         got = await trio.to_thread.run_sync(
@@ -151,7 +182,8 @@ async def test_flood_does_not_stop_a_real_fetch_and_memory_stays_bounded(
     assert got is not None
     print(  # the figures the issue asks for, in the test log
         f"flood: {stats['silent_opened']} silent sockets opened "
-        f"({stats['silent_refused']} refused), {stats['gets']} unread gets sent, "
+        f"({stats['silent_refused']} refused), {stats['idle']} idle connections "
+        f"({stats['idle_refused']} refused), {stats['gets']} unread gets sent, "
         f"{stats['refused']} identities refused; set up {start - t0:.1f} s, "
         f"fetch {fetch_seconds:.1f} s; "
         f"server peak RSS {peak / 1024:.0f} MiB"
