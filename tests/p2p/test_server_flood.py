@@ -104,13 +104,18 @@ async def idle_connections(server: NodeProcess, stats: dict[str, int], task_stat
     info = info_from_p2p_addr(Multiaddr(server.addr))
     async with host.run(listen_addrs=[]):
         task_status.started()
-        for _ in range(IDLE_CONNECTIONS_PER_IDENTITY):
+
+        async def dial() -> None:
             try:
                 with trio.fail_after(30):
                     await host.get_network().dial_addr(info.addrs[0], info.peer_id)
                 stats["idle"] += 1
             except Exception:
                 stats["idle_refused"] += 1
+
+        async with trio.open_nursery() as dials:
+            for _ in range(IDLE_CONNECTIONS_PER_IDENTITY):
+                dials.start_soon(dial)
         stats["idle_settled"] += 1
         await trio.sleep_forever()
 
@@ -135,10 +140,15 @@ async def unread_gets(
                         if attempt == CONNECT_ATTEMPTS - 1:
                             raise
                         await trio.sleep(0.5)
-                for _ in range(GETS_PER_IDENTITY):
+
+                async def unread_get() -> None:
                     stream = await host.new_stream(info.peer_id, [TProtocol(proto.PROTOCOL_ID)])
                     await stream.write(request)
                     stats["gets"] += 1
+
+                async with trio.open_nursery() as gets:
+                    for _ in range(GETS_PER_IDENTITY):
+                        gets.start_soon(unread_get)
         except Exception:
             stats["refused"] += 1
         stats["settled"] += 1
