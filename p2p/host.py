@@ -30,12 +30,14 @@ made and closed over a node's life. blobnet replaces that handler with ``Inbound
 3. Past the gate, py-libp2p's own limits still hold: ``MAX_CONNECTIONS`` in all (checked
    when a connection registers), ``max_connections_per_peer`` per identity, and its pruner
    trims idle connections past ``CONN_GRACE_PERIOD`` above ``CONN_HIGH_WATERMARK``.
-Identities are free, so the gate counts by source address, never by peer ID.
+Identities are free, so the gate counts by source address (an IPv6 source by its /64,
+since one host gets a whole /64), never by peer ID.
 """
 
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -214,12 +216,31 @@ class InboundGate:
         return min(candidates)[1] if candidates else None
 
 
-def _remote_ip(read_write_closer: Any) -> str:
+# IPv6 sources are counted by their /64: one host or LAN gets a whole /64, so counting
+# single addresses would give a flooder 2**64 separate budgets.
+IPV6_PREFIX = 64
+
+
+def address_key(ip: str) -> str:
+    """The source a per-address limit counts: an IPv4 address, or an IPv6 /64."""
     try:
-        address = read_write_closer.get_remote_address()
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network(f"{address}/{IPV6_PREFIX}", strict=False))
+    return str(address)
+
+
+def remote_address_key(conn: Any) -> str:
+    """``address_key`` of a socket's, connection's or stream's remote end ("?" if none)."""
+    try:
+        address = conn.get_remote_address()
     except Exception:
         address = None
-    return str(address[0]) if address else "?"
+    return address_key(str(address[0])) if address else "?"
 
 
 def install_inbound_gate(host: IHost, gate: InboundGate | None = None) -> InboundGate:
@@ -245,7 +266,7 @@ def install_inbound_gate(host: IHost, gate: InboundGate | None = None) -> Inboun
         if isinstance(read_write_closer, IMuxedConn):  # QUIC and the like: not ours to gate
             await original(read_write_closer, maddr)
             return
-        ip = _remote_ip(read_write_closer)
+        ip = remote_address_key(read_write_closer)
         now = trio.current_time()
         crowded = gate.room_needed(ip)
         if crowded is not None:

@@ -60,6 +60,7 @@ from blobstore import (
 )
 from p2p import protocol as proto
 from p2p.fast import fast_stream_of
+from p2p.host import remote_address_key
 from p2p.wire import StreamLost, close_quietly, read_some, reset_quietly, write_all
 
 log = logging.getLogger(__name__)
@@ -183,14 +184,6 @@ def error_frame(code: proto.ErrorCode, message: str) -> bytes:
     )
 
 
-def _source_ip(stream: Any) -> str:
-    try:
-        address = stream.get_remote_address()
-    except Exception:
-        address = None
-    return str(address[0]) if address else "?"
-
-
 class BlobServer:
     def __init__(
         self,
@@ -226,7 +219,7 @@ class BlobServer:
 
     async def handle_stream(self, stream: Any) -> None:
         peer = str(stream.muxed_conn.peer_id)
-        ip = _source_ip(stream)
+        ip = remote_address_key(stream)
         max_pipelined = 1
         try:
             if str(stream.get_protocol()) == proto.PROTOCOL_ID_1_1:
@@ -291,7 +284,7 @@ class BlobServer:
 
     async def _serve(self, stream: Any, conn: proto.ServerConnection) -> None:
         peer = str(stream.muxed_conn.peer_id)
-        ip = _source_ip(stream)
+        ip = remote_address_key(stream)
         try:
             while True:
                 request = await self._read_request(stream, conn)

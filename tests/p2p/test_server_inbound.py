@@ -24,7 +24,7 @@ from multiaddr import Multiaddr
 from blobstore import Store
 from p2p import host as host_mod
 from p2p import protocol as proto
-from p2p.host import InboundGate, build_host, install_inbound_gate
+from p2p.host import InboundGate, address_key, build_host, install_inbound_gate
 from p2p.server import BlobServer
 from p2p.wire import BlobClient
 
@@ -94,6 +94,19 @@ def test_global_watermark_evicts_from_the_address_with_most_connections() -> Non
     gate.connected(2, "b", 0.0)
     gate.connected(3, "b", 0.0)
     assert gate.room_needed("c") == "b"
+
+
+@pytest.mark.parametrize(
+    ("ip", "key"),
+    [
+        ("10.1.2.3", "10.1.2.3"),
+        ("2001:db8:0:7::1", "2001:db8:0:7::/64"),
+        ("2001:db8:0:7:ffff:ffff:ffff:ffff", "2001:db8:0:7::/64"),  # same /64: one source
+        ("::ffff:10.1.2.3", "10.1.2.3"),  # IPv4-mapped: the IPv4 address
+    ],
+)
+def test_per_address_limits_count_an_ipv6_source_by_its_64(ip: str, key: str) -> None:
+    assert address_key(ip) == key
 
 
 def test_build_host_configures_libp2p_limits_on_purpose() -> None:
