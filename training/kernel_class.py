@@ -94,6 +94,11 @@ MATH_ENV: dict[str, str] = {
     "OPENBLAS_CORETYPE": "forces OpenBLAS's kernel set (torch builds that use OpenBLAS)",
     "OPENBLAS_NUM_THREADS": "OpenBLAS's thread count (not set by torch.set_num_threads)",
     "LD_PRELOAD": "may replace math routines (libm, the OpenMP runtime) process-wide",
+    # CUDA (untested until a GPU is lent; training/gpu_check.py):
+    "NVIDIA_TF32_OVERRIDE": "forces cuBLAS/cuDNN TF32 on or off whatever torch asks",
+    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "lets cuBLAS use TF32 for float32 matmuls",
+    "TORCH_BLAS_PREFER_CUBLASLT": "picks cuBLASLt over cuBLAS for matmuls",
+    "TORCH_CUDNN_V8_API_DISABLED": "picks cuDNN's older API and its other kernels",
 }
 # Environment settings no kernel class can pin: refused while set (value test, reason).
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -289,6 +294,12 @@ def detect(device: str) -> KernelClass:
         fields["cudnn"] = str(torch.backends.cudnn.version())  # type: ignore[no-untyped-call]
         fields["cublas_workspace"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
         fields["tf32"] = int(torch.backends.cuda.matmul.allow_tf32)
+        fields["cudnn_tf32"] = int(torch.backends.cudnn.allow_tf32)
+        fields["cudnn_flags"] = (
+            f"det={int(torch.backends.cudnn.deterministic)},"
+            f"bench={int(torch.backends.cudnn.benchmark)}"
+        )
+        fields["autocast_cuda"] = int(torch.is_autocast_enabled("cuda"))
         fields["optimizer"] = OPTIMIZER_IMPL_CUDA
     else:
         raise ValueError(f"unknown device {device!r}")
