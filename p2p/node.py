@@ -15,8 +15,9 @@ Round trips from ``blob get`` to the first verified chunk, from a named provider
 (counted on the wire; each is one path RTT, 200 ms between continents):
 
 1. TCP connect: 1.
-2. multistream-select of Noise: 2 (py-libp2p's dialler waits for the header's answer
-   before proposing; its SecurityMultistream is not ours to change).
+2. multistream-select of Noise: 1 (``p2p.fast.upgrade.FastSecurityMultistream`` sends the
+   header and the proposal together; py-libp2p's dialler waits for the header's answer
+   first, 2).
 3. Noise XX: 1 (the dialler's third message leaves with what follows).
 4. multistream-select of yamux: 1 (``p2p.fast.upgrade.select_pipelined`` sends the header
    and the proposal together; py-libp2p alone takes 2). Identify runs in the background.
@@ -26,10 +27,11 @@ Round trips from ``blob get`` to the first verified chunk, from a named provider
    (``p2p.downloader.HaveProbes``; ``have`` used to wait for the manifest): 1.
 6. ``get`` on the ``have`` stream: 1, plus the first chunk's own transfer time.
 
-So 7 round trips where there were 13 (2 + 2 + 2 stream opens, have after manifest, and
-the muxer's second round trip cut). Named providers are dialled at once and each joins
-the fetch as soon as it is connected, so one that accepts TCP and never completes the
-handshake costs nothing (``HANDSHAKE_TIMEOUT`` ends its dial).
+So 6 round trips where there were 13 (two stream opens of 2 each, ``have`` after the
+manifest, and one round trip each of the Noise and yamux negotiations cut); without the
+fast path (``fast=False``) the two negotiations take their 2 each. Named providers are
+dialled at once and each joins the fetch as soon as it is connected, so one that accepts
+TCP and never completes the handshake costs nothing (``HANDSHAKE_TIMEOUT`` ends its dial).
 """
 
 from __future__ import annotations

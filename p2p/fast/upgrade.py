@@ -4,7 +4,8 @@ py-libp2p 0.8.1's `MuxerMultistream.new_conn` constructs its own `Yamux` wheneve
 negotiated protocol is `/yamux/1.0.0`, whatever class `muxer_opt` registered for it. `install`
 swaps the host's muxer negotiator for `FastMuxerMultistream`, which builds the registered class,
 but only over our `FastSecureConn`: any other secure channel gets py-libp2p's own Yamux. As the
-dialler it also saves a round trip of the muxer's negotiation (`select_pipelined`).
+dialler it also saves a round trip of the muxer's negotiation (`select_pipelined`), and
+`FastSecurityMultistream` one of the security negotiation's.
 """
 
 from __future__ import annotations
@@ -15,8 +16,14 @@ import trio
 from libp2p.abc import IMuxedConn, ISecureConn
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
-from libp2p.protocol_muxer.exceptions import MultiselectClientError
+from libp2p.protocol_muxer.exceptions import (
+    MultiselectClientError,
+    MultiselectCommunicatorError,
+    MultiselectError,
+)
+from libp2p.protocol_muxer.multiselect_client import DEFAULT_NEGOTIATE_TIMEOUT
 from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
+from libp2p.security.security_multistream import SecurityMultistream
 from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.utils import encode_delim
@@ -42,6 +49,26 @@ async def select_pipelined(conn: Any, protocol: TProtocol) -> TProtocol:
     if answer != protocol:
         raise MultiselectClientError(f"peer refused {protocol}: {answer[:64]!r}")
     return protocol
+
+
+class FastSecurityMultistream(SecurityMultistream):
+    """py-libp2p's security negotiator, proposing the one transport offered (Noise) in one
+    round trip as the dialler (`select_pipelined`); listening is unchanged."""
+
+    async def select_transport_and_protocol(
+        self, conn: Any, is_initiator: bool
+    ) -> tuple[TProtocol, Any]:
+        offered = list(self.transports)
+        if not is_initiator or len(offered) != 1:
+            return await super().select_transport_and_protocol(conn, is_initiator)
+        try:
+            with trio.fail_after(DEFAULT_NEGOTIATE_TIMEOUT):
+                protocol = await select_pipelined(conn, offered[0])
+        except (trio.TooSlowError, MultiselectClientError, MultiselectCommunicatorError) as exc:
+            raise MultiselectError(
+                "Failed to negotiate a security protocol: no protocol selected"
+            ) from exc
+        return protocol, self.transports[protocol]
 
 
 class FastMuxerMultistream(MuxerMultistream):
@@ -76,8 +103,14 @@ def install(host: Any) -> None:
     current = getattr(upgrader, "muxer_multistream", None)
     if not isinstance(current, MuxerMultistream):
         raise LocalProtocolError("this host has no py-libp2p MuxerMultistream to replace")
-    if isinstance(current, FastMuxerMultistream):
-        return
-    upgrader.muxer_multistream = FastMuxerMultistream(  # type: ignore[union-attr]
-        dict(current.transports), current.negotiate_timeout
-    )
+    if not isinstance(current, FastMuxerMultistream):
+        upgrader.muxer_multistream = FastMuxerMultistream(  # type: ignore[union-attr]
+            dict(current.transports), current.negotiate_timeout
+        )
+    security = getattr(upgrader, "security_multistream", None)
+    if isinstance(security, SecurityMultistream) and not isinstance(
+        security, FastSecurityMultistream
+    ):
+        upgrader.security_multistream = FastSecurityMultistream(  # type: ignore[union-attr]
+            dict(security.transports)
+        )
