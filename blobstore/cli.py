@@ -488,11 +488,12 @@ def verify_cmd(ctx: click.Context, refs: tuple[str, ...], as_json: bool) -> None
     for blob_id in ids:
         entry: dict[str, Any] = {"id": blob_id, "ok": True, "bad_chunks": [], "error": None}
         try:
-            bad = store.verify(blob_id)
+            bad = store.verify(blob_id)  # a rotten complete blob is quarantined here
         except StoreCorrupt as exc:
             entry.update(ok=False, error=str(exc))
         else:
             entry.update(ok=not bad, bad_chunks=bad)
+        entry["quarantined"] = store.quarantine_reason(blob_id) is not None
         report.append(entry)
         if not as_json:
             if entry["ok"]:
@@ -501,7 +502,8 @@ def verify_cmd(ctx: click.Context, refs: tuple[str, ...], as_json: bool) -> None
                 click.echo(f"CORRUPT  {blob_id}  {entry['error']}")
             else:
                 chunks = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
-                click.echo(f"CORRUPT  {blob_id}  chunks {chunks}")
+                held = "  (quarantined)" if entry["quarantined"] else ""
+                click.echo(f"CORRUPT  {blob_id}  chunks {chunks}{held}")
     if as_json:
         _emit_json(report)
     corrupt = [e["id"] for e in report if not e["ok"]]

@@ -197,12 +197,15 @@ def test_verify_names_the_corrupt_blob_and_error_paths(tmp_path: Path) -> None:
         ["--store", str(foreign), "ls"],
     )
     assert r[0].code == 1
-    assert f"CORRUPT  {bad}  chunks 1" in r[0].text
+    assert f"CORRUPT  {bad}  chunks 1  (quarantined)" in r[0].text
     assert f"ok       {good}" in r[0].text
     assert bad in r[0].stderr
     assert good not in r[0].stderr
     assert r[1].code == 1
-    assert {(x["id"], x["ok"]) for x in json.loads(r[1].text)} == {(good, True), (bad, False)}
+    assert {(x["id"], x["ok"], x["quarantined"]) for x in json.loads(r[1].text)} == {
+        (good, True, False),
+        (bad, False, True),
+    }
     assert r[2].ok().startswith("ok")
     r[3].error(4, "corrupt")
     r[4].error(3, "no blob")
