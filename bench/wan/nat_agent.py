@@ -1,0 +1,141 @@
+"""One blobnet node with relay v2 / DCUtR roles, run inside a testbed host (a process per
+role, driven over stdin/stdout JSON lines by :mod:`bench.wan.natnodes`)::
+
+    python -m bench.wan.nat_agent relay    --listen ADDR [--trust HEX] [--open]
+    python -m bench.wan.nat_agent provider --listen ADDR --relay RELAY --size N [--cert F]
+    python -m bench.wan.nat_agent fetcher  --listen ADDR --target CIRCUIT --blob ID [--relay R]
+
+Every role prints ``{"ready": true, ...}`` when up. The relay then answers ``stats`` on
+stdin with its relayed byte count; the provider serves until killed; the fetcher dials
+the target through its relay, hole-punches, fetches the blob over the direct connection
+and prints one result line, then exits (exit 0 also when the punch failed: the result
+says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+async def _lines() -> Any:
+    stdin = trio.lowlevel.FdStream(os.dup(0))
+    buf = b""
+    while True:
+        data = await stdin.receive_some(4096)
+        if not data:
+            return
+        buf += data
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield line.decode().strip()
+
+
+async def run_relay(args: argparse.Namespace, store: str) -> None:
+    from identity import TrustStore
+    from p2p.node import open_node
+    from p2p.relay import control_limits, relay_service
+
+    trust = TrustStore(frozenset(bytes.fromhex(h) for h in args.trust)) if args.trust else None
+    limits = control_limits(max_bytes=args.max_bytes) if args.max_bytes else control_limits()
+    async with open_node(store, listen=[args.listen], dht=False, fast=not args.slow) as node:
+        admitted = None if trust is not None else (lambda peer: True)
+        async with relay_service(
+            node.host, trust=trust, admitted=admitted, limits=limits, open_connect=args.open
+        ) as relay:
+            _emit({"ready": True, "peer_id": node.peer_id, "addrs": node.addrs})
+            async for line in _lines():
+                if line == "stats":
+                    _emit({"relayed_bytes": relay.relayed_bytes, "refused": relay.refused})
+
+
+async def run_provider(args: argparse.Namespace, store: str) -> None:
+    from p2p.node import open_node
+    from p2p.relay import RelayError, nat_services, reserve
+
+    async with open_node(store, listen=[args.listen], dht=False, fast=not args.slow) as node:
+        blob_id = await node.add_bytes(os.urandom(args.size)) if args.size else ""
+        async with nat_services(node.host):
+            try:
+                res = await reserve(node.host, args.relay, certificate=args.cert_bytes)
+            except RelayError as exc:
+                _emit({"ready": True, "error": str(exc)})
+                return
+            _emit(
+                {
+                    "ready": True,
+                    "peer_id": node.peer_id,
+                    "blob": blob_id,
+                    "circuit_addrs": list(res.circuit_addrs),
+                    "limit_bytes": res.max_bytes,
+                }
+            )
+            await trio.sleep_forever()
+
+
+async def run_fetcher(args: argparse.Namespace, store: str) -> None:
+    from p2p.nat import fetch_through_relay
+    from p2p.node import open_node
+
+    t0 = time.monotonic()
+    async with open_node(store, listen=[args.listen], dht=False, fast=not args.slow) as node:
+        _emit({"ready": True, "peer_id": node.peer_id})
+        outcome = await fetch_through_relay(
+            node,
+            args.blob,
+            args.target,
+            certificate=args.cert_bytes,
+            allow_relayed=args.allow_relayed,
+            punch_timeout=args.timeout,
+        )
+        result = outcome.to_json()
+        result["total_s"] = time.monotonic() - t0
+        _emit(result)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=["relay", "provider", "fetcher"])
+    parser.add_argument("--listen", required=True)
+    parser.add_argument("--relay", default="")
+    parser.add_argument("--trust", action="append", default=[])
+    parser.add_argument("--open", action="store_true")
+    parser.add_argument("--max-bytes", type=int, default=0)
+    parser.add_argument("--size", type=int, default=0)
+    parser.add_argument("--cert", default="")
+    parser.add_argument("--target", default="")
+    parser.add_argument("--blob", default="")
+    parser.add_argument("--allow-relayed", action="store_true")
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--slow", action="store_true", help="py-libp2p's own Noise/yamux")
+    parser.add_argument("--debug", action="store_true")
+    args = parser.parse_args()
+    args.cert_bytes = Path(args.cert).read_bytes() if args.cert else None
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.WARNING,
+        format="%(relativeCreated)d %(name)s %(levelname)s %(message)s",
+    )
+    with tempfile.TemporaryDirectory(prefix="blobnat-") as store:
+        runner = {"relay": run_relay, "provider": run_provider, "fetcher": run_fetcher}
+        try:
+            trio.run(runner[args.role], args, store)
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()
