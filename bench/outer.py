@@ -15,6 +15,21 @@ round) and a JSON of the figures under bench/results/ and prints both paths.
 
     .venv/bin/python bench/outer.py            # the full comparison (a few minutes)
     .venv/bin/python bench/outer.py --quick    # a smoke run
+
+Issue 18's honest comparison: ``--grid`` tunes dense DiLoCo and SparseLoCo on the same grid
+of outer learning rates and momenta (plain averaging, lr 1 / momentum 0, included) and the
+same budget, at the setting given and at ``--settings`` others, and prints the grid and the
+best of each:
+
+    .venv/bin/python bench/outer.py --grid --rounds 30 --settings "workers=8;inner_steps=20"
+
+Issue 17's network figures: ``--net`` runs ``blob outer run`` (K processes on 127.0.0.1,
+gossipsub) and prints the bytes each worker's TCP sockets moved per round, next to the
+update blob's size; ``--churn N`` runs N local runs of 3 workers with one paused past the
+deadline and counts forks and non-zero exits:
+
+    .venv/bin/python bench/outer.py --net --workers 3 --rounds 5 --inner-steps 2
+    .venv/bin/python bench/outer.py --churn 20
 """
 
 from __future__ import annotations
@@ -88,6 +103,123 @@ def _plot(results: dict[str, SimResult], path: Path) -> None:
     plt.close(fig)
 
 
+# Issue 18's grid: plain averaging (1.0, 0.0) is in it; so are DiLoCo's (0.7, 0.9) and
+# SparseLoCo's tuned default (3.0, 0.0).
+GRID_LR = (0.7, 1.0, 2.0, 3.0)
+GRID_MOMENTUM = (0.0, 0.9)
+
+
+def _grid(args: argparse.Namespace) -> dict[str, Any]:
+    """Both methods on the same grid and budget, at each setting; the best of each."""
+    settings: list[dict[str, Any]] = [{}]
+    for spec in filter(None, (args.settings or "").split(";")):
+        settings.append({k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))})
+    out: dict[str, Any] = {"grid": {"outer_lr": GRID_LR, "outer_momentum": GRID_MOMENTUM}}
+    rows = []
+    for extra in settings:
+        base = {
+            "workers": args.workers,
+            "rounds": args.rounds,
+            "inner_steps": args.inner_steps,
+            "chunk": args.chunk,
+            "k": args.k,
+            "seed": args.seed,
+            "threads": 1,
+            **extra,
+        }
+        best: dict[str, tuple[float, float, float]] = {}
+        for mode in ("diloco", "sparseloco"):
+            for lr in GRID_LR:
+                for mu in GRID_MOMENTUM:
+                    result = simulate(SimConfig(mode=mode, outer_lr=lr, outer_momentum=mu, **base))
+                    loss = result.eval_loss[-1]
+                    ratio = result.dense_fp32_bytes / max(result.bytes_per_worker)
+                    rows.append(
+                        {**base, "mode": mode, "lr": lr, "mu": mu, "loss": loss, "x": ratio}
+                    )
+                    print(
+                        f"  {extra or 'default'} {mode:>10} lr {lr:<4} mu {mu:<4}: "
+                        f"held-out {loss:.4f}, {ratio:.0f}x fewer bytes",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    if mode not in best or loss < best[mode][0]:
+                        best[mode] = (loss, lr, mu)
+        gap = best["sparseloco"][0] / best["diloco"][0] - 1
+        print(
+            f"setting {extra or 'default'}: best dense DiLoCo {best['diloco'][0]:.4f} "
+            f"(lr {best['diloco'][1]}, mu {best['diloco'][2]}), best SparseLoCo "
+            f"{best['sparseloco'][0]:.4f} (lr {best['sparseloco'][1]}, mu "
+            f"{best['sparseloco'][2]}): gap {gap * 100:+.2f}% (goal <= +3%)"
+        )
+        out.setdefault("best", []).append({"setting": base, "best": best, "gap": gap})
+    out["runs"] = rows
+    return out
+
+
+def _net(args: argparse.Namespace) -> dict[str, Any]:
+    """``blob outer run``: wire bytes per worker per round, from the workers' sockets."""
+    from training.outer_net import RunParams, default_workdir, prepare_run, run_local, summarise
+
+    params = RunParams(
+        run_id="bench",
+        workers=args.workers,
+        rounds=args.rounds,
+        inner_steps=args.inner_steps,
+        deadline=args.deadline,
+        proposer_timeout=1.0,
+    )
+    with default_workdir() as tmp:
+        summary = summarise(run_local(prepare_run(Path(tmp), params), timeout=1200))
+    rows = []
+    for result in summary["results"]:
+        if result is None:
+            continue
+        recs = result["rounds"]
+        update = max(r["update_bytes"] for r in recs)
+        sent = sum(r["wire_sent"] for r in recs) / len(recs)
+        received = sum(r["wire_received"] for r in recs) / len(recs)
+        rows.append(
+            {"peer": result["peer_id"], "update": update, "sent": sent, "received": received}
+        )
+        print(
+            f"worker {result['shard']}: update blob {update} B; per round on the wire "
+            f"{sent:.0f} B sent, {received:.0f} B received ({sent / update:.2f}x / "
+            f"{received / update:.2f}x the update)"
+        )
+    print(
+        f"finished {summary['finished']}/{summary['workers']}, "
+        f"roots agree: {summary['roots_agree']}"
+    )
+    return {"params": params.__dict__, "workers": rows, "roots_agree": summary["roots_agree"]}
+
+
+def _churn(args: argparse.Namespace) -> dict[str, Any]:
+    """N local runs of 3 workers with one paused past the deadline: forks and bad exits."""
+    import tempfile
+
+    from training.outer_churn import ChurnPlan, churn_run
+    from training.outer_net import RunParams, prepare_run
+
+    params = RunParams(
+        run_id="churn", workers=3, rounds=4, inner_steps=2, deadline=4.0, proposer_timeout=2.0
+    )
+    churn = ChurnPlan(pause=1, pause_after=0, pause_s=3 * params.deadline)
+    forks = bad_exits = 0
+    for i in range(args.churn):
+        with tempfile.TemporaryDirectory(prefix="blob-churn-") as tmp:
+            res = churn_run(prepare_run(Path(tmp), params), churn, timeout=600)
+        forks += res.forked(churn)
+        bad_exits += not res.all_exit_zero(churn)
+        print(
+            f"run {i + 1}/{args.churn}: exits {res.returncodes}, "
+            f"{'FORK' if res.forked(churn) else 'one root'}",
+            flush=True,
+        )
+    print(f"{args.churn} runs: {forks} forks, {bad_exits} runs with a non-zero honest exit")
+    return {"runs": args.churn, "forks": forks, "bad_exits": bad_exits}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=4)
@@ -99,7 +231,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="sparseloco,diloco,ddp")
     parser.add_argument("--quick", action="store_true", help="3 rounds x 3 steps (smoke test)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--grid", action="store_true", help="tune both methods (issue 18)")
+    parser.add_argument(
+        "--settings", default="", help='more settings, e.g. "workers=8;inner_steps=20"'
+    )
+    parser.add_argument("--net", action="store_true", help="wire bytes of blob outer run")
+    parser.add_argument("--deadline", type=float, default=6.0)
+    parser.add_argument("--churn", type=int, default=0, help="N paused-worker runs")
     args = parser.parse_args(argv)
+    special = {"grid": _grid, "net": _net, "churn": _churn}
+    for name, run in special.items():
+        if getattr(args, name):
+            figures = run(args)
+            args.out.mkdir(parents=True, exist_ok=True)
+            path = args.out / f"outer-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+            path.write_text(json.dumps(figures, indent=2, sort_keys=True, default=str) + "\n")
+            print(f"json: {path}")
+            return 0
     if args.quick:
         args.rounds, args.inner_steps = 3, 3
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

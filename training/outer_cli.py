@@ -365,3 +365,91 @@ def run_command(
         )
     if not summary["roots_agree"]:
         raise _disagreed()
+
+
+# --- milestones and verification ------------------------------------------------------
+
+
+def _store(ctx: click.Context) -> Any:
+    from blobstore import Store, StoreError
+
+    try:
+        return Store.open(Path_(ctx.ensure_object(dict)["store_root"]))
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@outer_group.command("milestones")
+@click.argument("run_id", metavar="RUN")
+@click.option(
+    "--authority",
+    "authorities",
+    multiple=True,
+    help="Check each milestone's signature against these authorities (hex or .pub).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the milestones as JSON.")
+@click.pass_context
+def milestones_command(
+    ctx: click.Context, /, run_id: str, authorities: tuple[str, ...], as_json: bool
+) -> None:
+    """List the signed per-round milestones of RUN kept in this store."""
+    from identity import TrustStore
+    from training.outer_milestones import list_milestones
+
+    trust = TrustStore(frozenset(_authority(a) for a in authorities)) if authorities else None
+    entries = list_milestones(_store(ctx), run_id, trust)
+    if as_json:
+        json.dump(entries, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+        return
+    if not entries:
+        click.echo(f"no milestones of run {run_id} in this store")
+    for e in entries:
+        if "error" in e:
+            click.echo(f"round {e['round']:>4}  INVALID: {e['error']}")
+            continue
+        included = ", ".join(p[-8:] for p, _ in e["included"])
+        click.echo(
+            f"round {e['round']:>4}  signed by {e['signer'][-8:]}  root {e['result'][:16]}  "
+            f"included {len(e['included'])} ({included}), excluded {len(e['excluded'])}"
+        )
+
+
+@outer_group.command("verify")
+@click.argument("run_id", metavar="RUN")
+@click.option(
+    "--authority",
+    "authorities",
+    multiple=True,
+    required=True,
+    help="The run's authority public key (hex or .pub file; repeatable).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+def verify_command(
+    ctx: click.Context, /, run_id: str, authorities: tuple[str, ...], as_json: bool
+) -> None:
+    """Re-check RUN's closures, results and milestones from the blobs in this store; exit 1
+    if any fails."""
+    from identity import TrustStore
+    from training.outer_milestones import verify_run
+    from training.outer_net import OuterRunFailed, RunParams
+
+    trust = TrustStore(frozenset(_authority(a) for a in authorities))
+    config = RunParams(run_id=run_id, workers=1, rounds=0, inner_steps=1).outer_config()
+    report = verify_run(_store(ctx), run_id, trust, config)
+    if as_json:
+        json.dump(report.to_json(), sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        for line in report.anchors:
+            click.echo(line)
+        click.echo(f"rounds checked: {len(report.checked_rounds)}")
+        for failure in report.failures:
+            click.echo(f"FAILED {failure}")
+    if not report.ok:
+        raise OuterRunFailed(
+            f"run {run_id}: {len(report.failures)} check(s) failed"
+            if report.failures
+            else f"run {run_id}: nothing to verify in this store"
+        )

@@ -82,6 +82,7 @@ from training.outer_messages import (
     encode_message,
     topic,
 )
+from training.outer_milestones import milestone_for, sign_milestone, tag
 from training.outer_net import OuterNetError, Trainer, WorkerConfig, write_json
 from training.outer_wire import SAMPLE_INTERVAL, WireMeter
 from training.state_blob import BadStateBlob, decode_state, encode_state
@@ -130,6 +131,8 @@ class RoundRecord:
     # (training.outer_wire): announcements, closures, attestations and blobs alike.
     wire_sent: int = 0
     wire_received: int = 0
+    milestone_blob: str = ""
+    named: list[dict[str, str]] = field(default_factory=list)  # caught-up rounds only
 
 
 @dataclass
@@ -377,8 +380,8 @@ class Worker:
         record.wire_sent = sent - self.wire_mark[0]
         record.wire_received = received - self.wire_mark[1]
         self.wire_mark = (sent, received)
-        if agg is None:
-            record.included = [{"peer": x.peer, "blob": x.blob} for x in c.included]
+        if agg is None:  # caught up: what the closure names, not recomputed here
+            record.named = [{"peer": x.peer, "blob": x.blob} for x in c.included]
         own = self.own
         if own is not None and own.round == c.round and own.root == c.start_root:
             record.mean_loss = float(np.mean(own.losses))
@@ -389,10 +392,28 @@ class Worker:
             del self.records[old]  # a dead branch (we caught up to another chain)
         self.records[c.round] = record
         store = self.node.store
-        name = f"outer-{self.params.run_id}-state-{state.round}"
+        if agg is not None:
+            milestone = sign_milestone(
+                self.signer,
+                milestone_for(checked, agg),
+                kernel_class=self.kernel_class,
+                certificate=self.certificate,
+                time=int(time.time()),
+            )
+            record.milestone_blob = await self.node.add_bytes(milestone)
+            await trio.to_thread.run_sync(
+                store.tag, tag(self.params.run_id, "milestone", c.round), record.milestone_blob
+            )
+        elif not (self.config.join and self.joined_at is None):
+            await trio.to_thread.run_sync(
+                store.tag, tag(self.params.run_id, "anchor", state.round), state_blob
+            )
+        else:  # a joiner's first state: where its own account of the run starts
+            await trio.to_thread.run_sync(store.tag, tag(self.params.run_id, "start"), state_blob)
+        name = tag(self.params.run_id, "state", state.round)
         await trio.to_thread.run_sync(store.tag, name, state_blob)
         await trio.to_thread.run_sync(
-            store.tag, f"outer-{self.params.run_id}-closure-{c.round}", closure_blob
+            store.tag, tag(self.params.run_id, "closure", c.round), closure_blob
         )
         self.kept_states = [(r, n) for r, n in self.kept_states if n != name] + [
             (state.round, name)
@@ -668,6 +689,9 @@ class Worker:
         if not await self._fetch(initial, self.config.bootstrap, self.config.start_timeout):
             raise OuterNetError(f"could not fetch the initial state {initial} in time")
         data = await trio.to_thread.run_sync(self._load, initial)
+        await trio.to_thread.run_sync(
+            self.node.store.tag, tag(self.params.run_id, "start"), initial
+        )
         try:
             return await trio.to_thread.run_sync(lambda: decode_state(data, expected=self.shapes))
         except BadStateBlob as exc:

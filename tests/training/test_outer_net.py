@@ -24,6 +24,7 @@ from identity import (
     Authority,
     MachineKey,
     SoftwareSigner,
+    format_public_key,
     load_key_file,
     sign_attestation,
 )
@@ -41,6 +42,7 @@ from training.outer_messages import (
     encode_message,
     topic,
 )
+from training.outer_milestones import decode_milestone_record, sign_milestone
 from training.outer_net import RunParams, RunPlan, prepare_run, worker_env
 from training.state_blob import decode_state
 
@@ -117,6 +119,43 @@ def test_three_workers_two_rounds_reach_the_same_state(tmp_path: Path) -> None:
     # The compressed update is far smaller than a dense float32 pseudo-gradient.
     dense = 4 * sum(v.size for v in final.params.values())
     assert max(summary["rounds"][0]["update_bytes"]) * 50 < dense
+    # Bytes on the wire were counted at the sockets, every round, on every worker.
+    assert all(
+        rec["wire_sent"] > 0 and rec["wire_received"] > 0
+        for res in results
+        for rec in res["rounds"]
+    )
+
+    # The run re-checks from worker 0's store alone; a forged milestone makes it fail.
+    authority = format_public_key(
+        Authority(SoftwareSigner(load_key_file(work / "authority.key"))).public_key_bytes
+    )
+
+    def blob_cli(*args: str) -> subprocess.CompletedProcess[bytes]:
+        argv = [sys.executable, "-m", "p2p.cli", "--store", str(work / "worker-0" / "store")]
+        return subprocess.run([*argv, *args], capture_output=True, timeout=120, check=False)
+
+    ok = blob_cli("outer", "verify", "local", "--authority", authority, "--json")
+    assert ok.returncode == 0, ok.stdout.decode() + ok.stderr.decode()
+    assert json.loads(ok.stdout)["checked_rounds"] == [0, 1]
+    listed = json.loads(blob_cli("outer", "milestones", "local", "--json").stdout)
+    assert [m["round"] for m in listed] == [0, 1]
+    assert all({p for p, _ in m["included"]} == peers for m in listed)
+
+    milestone, _ = decode_milestone_record(store.path(listed[1]["blob"]).read_bytes())
+    forged = dataclasses.replace(milestone, included=milestone.included[:2])  # drop a worker
+    cert = AdmissionCertificate.decode((work / "worker-0" / "machine.cert").read_bytes())
+    record = sign_milestone(
+        SoftwareSigner(load_key_file(work / "worker-0" / "machine.key")),
+        forged,
+        kernel_class=cert.kernel_class,
+        certificate=cert,
+        time=int(time.time()),
+    )
+    store.tag("outer-local-milestone-1", store.put_bytes(record))
+    bad = blob_cli("outer", "verify", "local", "--authority", authority)
+    assert bad.returncode == 1, bad.stdout.decode() + bad.stderr.decode()
+    assert b"round 1: milestone" in bad.stdout
 
 
 # --- churn: the first worker killed, one paused past the deadline, a late joiner, and a
