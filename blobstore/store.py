@@ -1502,7 +1502,8 @@ class Store:
         """
         if link not in _EXPORT_LINKS:
             raise ValueError(f"link must be one of {', '.join(_EXPORT_LINKS)}, not {link!r}")
-        with self.lease([blob_id]):
+        # Another user's shared store cannot be leased (locks/ is the owner's alone).
+        with contextlib.nullcontext() if self.read_only else self.lease([blob_id]):
             self._export(blob_id, Path(dest), progress, verify, link)
 
     def _export(

@@ -269,6 +269,13 @@ def test_another_users_shared_store_opens_read_only(
     assert reader.read_only and reader.shared
     assert reader.path(blob_id).read_bytes() == b"weights"
     assert reader.verify(blob_id) == []
+
+    def no_lease(self: Store, ids: object = ()) -> None:
+        raise PermissionError("locks/ is the owner's alone")  # as for a real other user
+
+    monkeypatch.setattr(Store, "lease", no_lease)
+    reader.export(blob_id, tmp_path / "copy.bin")
+    assert (tmp_path / "copy.bin").read_bytes() == b"weights"
     assert (root / "tmp" / "tmp-left-by-a-live-writer").exists()  # not swept
     assert modes_of({"root": root, "tmp": root / "tmp", "locks": root / "locks"}) == before
     with pytest.raises(StoreError, match="only the owner"):
