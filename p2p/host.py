@@ -268,10 +268,17 @@ def install_inbound_gate(host: IHost, gate: InboundGate | None = None) -> Inboun
             return
         ip = remote_address_key(read_write_closer)
         now = trio.current_time()
+        scope = trio.CancelScope(deadline=now + HANDSHAKE_TIMEOUT)
+        admission = gate.admit(ip, now, scope.cancel)
+        if admission.token is None:
+            log.debug("inbound from %s refused: %s", ip, admission.reason)
+            await _close_quietly(read_write_closer)
+            return
         crowded = gate.room_needed(ip)
         if crowded is not None:
             victim = gate.idle_victim(crowded, now, streams_of)
             if victim is None:
+                gate.handshake_over(admission.token)
                 gate.refused += 1
                 log.debug("inbound from %s refused: %s has no idle connection", ip, crowded)
                 await _close_quietly(read_write_closer)
@@ -279,12 +286,6 @@ def install_inbound_gate(host: IHost, gate: InboundGate | None = None) -> Inboun
             gate.evicted += 1
             gate.disconnected(victim)
             await close_connection(victim)
-        scope = trio.CancelScope(deadline=now + HANDSHAKE_TIMEOUT)
-        admission = gate.admit(ip, now, scope.cancel)
-        if admission.token is None:
-            log.debug("inbound from %s refused: %s", ip, admission.reason)
-            await _close_quietly(read_write_closer)
-            return
         muxed: Any = None
         try:
             with scope:
