@@ -305,6 +305,13 @@ _cert_option = click.option(
 @_peer_option
 @_cert_option
 @click.option("-q", "--quiet", is_flag=True, help="No per-step progress on stderr.")
+@click.option(
+    "--publish",
+    "publish_as",
+    metavar="NAME",
+    default=None,
+    help="Name the adapter <this peer ID>/NAME (a `blob serve` on this store spreads it).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def run_command(
@@ -318,6 +325,7 @@ def run_command(
     peers: tuple[str, ...],
     cert_path: Path | None,
     quiet: bool,
+    publish_as: str | None,
     as_json: bool,
 ) -> None:
     """Run a round: fetch inputs, train, publish adapter and round record."""
@@ -327,6 +335,10 @@ def run_command(
     from training.recipe import Recipe
     from training.round import RoundInputs, run_round
 
+    if publish_as is not None:
+        from p2p.names import check_name
+
+        check_name(publish_as)  # refuse a bad name before any training
     recipe = Recipe.decode(_read(recipe_path, "recipe", 1 << 16))
     resolved = determinism.resolve_device(device)  # refuse before any fetch or load
     store = _store(ctx)
@@ -356,12 +368,20 @@ def run_command(
         on_step=_progress(quiet),
     )
     c = result.commitment
+    published = None
+    if publish_as is not None:
+        from p2p.names import publish_in_store
+
+        published = publish_in_store(store, signer, publish_as, c.adapter_id, now=time.time())
     if as_json:
-        _echo_json({"round": result.round_id, "commitment": c.to_json()})
+        named = None if published is None else published.to_json()
+        _echo_json({"round": result.round_id, "commitment": c.to_json(), "name": named})
     else:
         click.echo(f"round {result.round_id}")
         click.echo(f"digest {c.digest.hex()}")
         click.echo(f"adapter {c.adapter_id}")
+        if published is not None:
+            click.echo(f"name {published.ref} seq {published.seq}")
 
 
 def _resolve(store: Store, ref: str) -> str:

@@ -124,6 +124,8 @@ def test_two_processes_same_digest_replay_and_check(tmp_path: Path) -> None:
         "-q",
         "--cert",
         str(tmp_path / "alice.cert"),
+        "--publish",
+        "run-x/adapter",
     ]
     procs = [
         subprocess.Popen(
@@ -142,6 +144,11 @@ def test_two_processes_same_digest_replay_and_check(tmp_path: Path) -> None:
     assert len(digests) == 1, "two processes reached different digests"
     assert results[0]["commitment"]["kernel_class_id"] == kc
     round_id = results[0]["round"]
+    # --publish named the adapter in the runner's store: a name resolves to it there.
+    adapter = results[0]["commitment"]["adapter"]
+    assert results[0]["name"]["id"] == adapter
+    ref = f"{alice.peer_id}/run-x/adapter"
+    assert json.loads(_run(store_a, alice_key, "resolve", ref, "--json"))["id"] == adapter
 
     attestation = tmp_path / "bob.att"
     out = _run(
