@@ -1,7 +1,8 @@
 """Fetching from a provider behind NAT: through its relay, upgraded to a direct
 connection by hole punching (DCUtR), the blob itself over the direct connection.
 
-Steps of :func:`fetch_through_relay` (each bounded; the outcome says which step ended it):
+Steps of :func:`punch_through` (and :func:`fetch_with_nat`, which runs it for every NATed
+provider of a fetch at once ; each step bounded, the result says which ended it):
 
 1. Dial the provider's circuit address (``p2p.relay.dial_via_relay``): TCP + Noise to the
    relay, ``CONNECT``, then Noise + yamux end to end through it.
@@ -24,16 +25,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import trio
 from libp2p.peer.id import ID
 
 from p2p.relay import (
-    RelayError,
     dial_via_relay,
     direct_connection,
     nat_services,
@@ -48,22 +48,40 @@ log = logging.getLogger(__name__)
 DEFAULT_PUNCH_TIMEOUT = 30.0
 
 
-@dataclass
-class NatOutcome:
-    """What one fetch through a relay came to. ``path``: "direct" (hole punched),
-    "relayed" (the user allowed it), or "failed" (``reason`` says why, one line)."""
+class NatUnreachable(Exception):
+    """No provider of a fetch could be reached: each NATed one failed to hole-punch
+    (and relayed transfer was not allowed) and no other was given. ``str``: one line."""
 
-    path: str
+
+@dataclass
+class Punch:
+    """One NATed provider's way in: ``path`` "direct" (hole punched), "relayed" (the
+    punch failed; the caller allowed the relay) or "failed" (``reason``, one line)."""
+
+    addr: str
+    peer: str = ""
+    path: str = "failed"
     reason: str = ""
-    blob_id: str = ""
-    relayed_s: float | None = None  # connected through the relay
-    direct_s: float | None = None  # direct connection up
-    first_byte_s: float | None = None  # first verified chunk
+    relayed_s: float | None = None  # connected through the relay, from the start
+    direct_s: float | None = None  # direct connection up, from the start
+
+
+@dataclass
+class NatFetch:
+    """What a fetch with NATed providers came to; times in seconds from its start."""
+
+    blob_id: str
+    punches: list[Punch] = field(default_factory=list)
+    first_byte_s: float | None = None
     done_s: float | None = None
     bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def failures(self) -> list[str]:
+        """One line per NATed provider that could not be reached directly."""
+        return [p.reason for p in self.punches if p.path != "direct" and p.reason]
 
 
 @asynccontextmanager
@@ -104,56 +122,118 @@ async def upgrade_to_direct(host: Any, peer: ID, *, punch_timeout: float) -> str
     )
 
 
-async def fetch_through_relay(
+async def punch_through(
     node: Any,
-    blob_id: str,
     circuit_addr: str,
     *,
     certificate: bytes | None = None,
     allow_relayed: bool = False,
     punch_timeout: float = DEFAULT_PUNCH_TIMEOUT,
-) -> NatOutcome:
-    """Fetch ``blob_id`` from the NATed provider at ``circuit_addr`` (see the module
-    docstring). Never raises for a network failure: the outcome carries the reason."""
+    started: float | None = None,
+) -> Punch:
+    """Reach the peer at ``circuit_addr`` through its relay and hole-punch to it. A
+    failed punch closes the relayed connection unless ``allow_relayed`` (so no fetch can
+    drift onto the relay). Never raises for a network failure: the result says why."""
     host = node.host
-    t0 = time.monotonic()
-    out = NatOutcome(path="failed", blob_id=blob_id)
-    relay_addr, target = parse_circuit_addr(circuit_addr)
-    peer = ID.from_base58(target)
-    async with _dcutr(host):
-        try:
-            if certificate is not None:
-                await node.connect(relay_addr)
-                await present_certificate(
-                    host, ID.from_base58(relay_addr.rsplit("/", 1)[1]), certificate
-                )
-            await dial_via_relay(host, circuit_addr)
-        except (RelayError, Exception) as exc:  # one line, whoever failed
-            out.reason = str(exc)
-            return out
-        out.relayed_s = time.monotonic() - t0
-        reason = await upgrade_to_direct(host, peer, punch_timeout=punch_timeout)
-        if reason is None:
-            out.direct_s = time.monotonic() - t0
-            await close_relayed(host, peer)
-            out.path = "direct"
-        elif allow_relayed:
+    t0 = time.monotonic() if started is None else started
+    out = Punch(addr=circuit_addr)
+    try:
+        relay_addr, target = parse_circuit_addr(circuit_addr)
+        peer = ID.from_base58(target)
+    except ValueError as exc:
+        out.reason = str(exc)
+        return out
+    out.peer = target
+    try:
+        if certificate is not None:
+            relay_id = ID.from_base58(relay_addr.rsplit("/p2p/", 1)[1])
+            await node.connect(relay_addr)
+            await present_certificate(host, relay_id, certificate)
+        await dial_via_relay(host, circuit_addr)
+    except Exception as exc:  # RelayError, PeerUnreachable, ...: one line either way
+        out.reason = str(exc)
+        return out
+    out.relayed_s = time.monotonic() - t0
+    reason = await upgrade_to_direct(host, peer, punch_timeout=punch_timeout)
+    if reason is None:
+        out.direct_s = time.monotonic() - t0
+        out.path = "direct"
+        await close_relayed(host, peer)
+    else:
+        out.reason = reason
+        if allow_relayed:
             out.path = "relayed"
-            out.reason = reason
         else:
-            out.reason = reason
-            return out
+            await close_relayed(host, peer)
+    return out
 
-        def progress(p: Any) -> None:
-            if out.first_byte_s is None and p.done_bytes > 0:
-                out.first_byte_s = time.monotonic() - t0
-            out.bytes = p.done_bytes
 
+async def _punch_all(
+    node: Any,
+    circuits: list[str],
+    out: NatFetch,
+    t0: float,
+    certificate: bytes | None,
+    allow_relayed: bool,
+    punch_timeout: float,
+) -> None:
+    punches: list[Punch] = []
+
+    async def one(addr: str) -> None:
+        punch = await punch_through(
+            node,
+            addr,
+            certificate=certificate,
+            allow_relayed=allow_relayed,
+            punch_timeout=punch_timeout,
+            started=t0,
+        )
+        punches.append(punch)
+
+    async with trio.open_nursery() as nursery:
+        for addr in circuits:
+            nursery.start_soon(one, addr)
+    out.punches = sorted(punches, key=lambda p: circuits.index(p.addr))
+    for line in out.failures():
+        log.warning("%s", line)
+
+
+async def fetch_with_nat(
+    node: Any,
+    blob_id: str,
+    providers: Sequence[str],
+    *,
+    certificate: bytes | None = None,
+    allow_relayed: bool = False,
+    punch_timeout: float = DEFAULT_PUNCH_TIMEOUT,
+) -> NatFetch:
+    """Fetch ``blob_id`` from ``providers``: circuit addresses are reached through their
+    relays and hole-punched (in parallel, each bounded by ``punch_timeout``), the others
+    dialled as usual. NATed providers that could not be punched are left out (each with
+    a one-line reason in the result) unless ``allow_relayed``; NatUnreachable when no
+    provider is left. Errors of the fetch itself propagate (``Node.fetch``'s)."""
+    t0 = time.monotonic()
+    out = NatFetch(blob_id=blob_id)
+    circuits = [a for a in dict.fromkeys(providers) if "/p2p-circuit" in a]
+    direct = [a for a in dict.fromkeys(providers) if "/p2p-circuit" not in a]
+    failed: Exception | None = None
+    # Errors leave the services' block as themselves, not wrapped in an exception group.
+    async with _dcutr(node.host):
         try:
-            await node.fetch(blob_id, progress=progress, announce=False)
-        except Exception as exc:  # the fetch's own one-line error
-            out.reason = f"{out.reason + '; ' if out.reason else ''}fetch failed: {exc}"
-            out.path = "failed"
-            return out
-        out.done_s = time.monotonic() - t0
+            await _punch_all(node, circuits, out, t0, certificate, allow_relayed, punch_timeout)
+            reached = [p for p in out.punches if p.path in ("direct", "relayed")]
+            if not reached and not direct:
+                raise NatUnreachable("; ".join(out.failures()) or "no providers given")
+
+            def progress(p: Any) -> None:
+                if out.first_byte_s is None and p.done_bytes > 0:
+                    out.first_byte_s = time.monotonic() - t0
+                out.bytes = p.done_bytes
+
+            await node.fetch(blob_id, providers=direct, progress=progress, announce=False)
+            out.done_s = time.monotonic() - t0
+        except Exception as exc:  # re-raised below, outside the services
+            failed = exc
+    if failed is not None:
+        raise failed
     return out

@@ -2,14 +2,13 @@
 role, driven over stdin/stdout JSON lines by :mod:`bench.wan.natnodes`)::
 
     python -m bench.wan.nat_agent relay    --listen ADDR [--trust HEX] [--open]
-    python -m bench.wan.nat_agent provider --listen ADDR --relay RELAY --size N [--cert F]
-    python -m bench.wan.nat_agent fetcher  --listen ADDR --target CIRCUIT --blob ID [--relay R]
+    python -m bench.wan.nat_agent provider --listen ADDR [--relay RELAY] --size N [--seed S]
+    python -m bench.wan.nat_agent fetcher  --listen ADDR --blob ID --provider ADDR ...
 
 Every role prints ``{"ready": true, ...}`` when up. The relay then answers ``stats`` on
 stdin with its relayed byte count; the provider serves until killed; the fetcher dials
-the target through its relay, hole-punches, fetches the blob over the direct connection
-and prints one result line, then exits (exit 0 also when the punch failed: the result
-says so).
+its providers (circuit addresses through their relays, hole-punched), fetches the blob and
+prints one result line (``p2p.nat.NatFetch``, or ``{"error": ...}``), then exits.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import sys
 import tempfile
 import time
@@ -68,40 +68,45 @@ async def run_provider(args: argparse.Namespace, store: str) -> None:
     from p2p.relay import RelayError, nat_services, reserve
 
     async with open_node(store, listen=[args.listen], dht=False, fast=not args.slow) as node:
-        blob_id = await node.add_bytes(os.urandom(args.size)) if args.size else ""
+        data = random.Random(args.seed).randbytes(args.size)
+        blob_id = await node.add_bytes(data) if args.size else ""
         async with nat_services(node.host):
-            try:
-                res = await reserve(node.host, args.relay, certificate=args.cert_bytes)
-            except RelayError as exc:
-                _emit({"ready": True, "error": str(exc)})
-                return
-            _emit(
-                {
-                    "ready": True,
-                    "peer_id": node.peer_id,
-                    "blob": blob_id,
-                    "circuit_addrs": list(res.circuit_addrs),
-                    "limit_bytes": res.max_bytes,
-                }
-            )
+            ready: dict[str, Any] = {"ready": True, "peer_id": node.peer_id, "blob": blob_id}
+            ready["addrs"] = node.addrs
+            if args.relay:
+                try:
+                    res = await reserve(node.host, args.relay, certificate=args.cert_bytes)
+                except RelayError as exc:
+                    _emit({"ready": True, "error": str(exc)})
+                    return
+                ready["circuit_addrs"] = list(res.circuit_addrs)
+                ready["limit_bytes"] = res.max_bytes
+            _emit(ready)
             await trio.sleep_forever()
 
 
 async def run_fetcher(args: argparse.Namespace, store: str) -> None:
-    from p2p.nat import fetch_through_relay
+    from p2p.nat import NatUnreachable, fetch_with_nat
     from p2p.node import open_node
 
     t0 = time.monotonic()
     async with open_node(store, listen=[args.listen], dht=False, fast=not args.slow) as node:
         _emit({"ready": True, "peer_id": node.peer_id})
-        outcome = await fetch_through_relay(
-            node,
-            args.blob,
-            args.target,
-            certificate=args.cert_bytes,
-            allow_relayed=args.allow_relayed,
-            punch_timeout=args.timeout,
-        )
+        try:
+            outcome = await fetch_with_nat(
+                node,
+                args.blob,
+                args.provider,
+                certificate=args.cert_bytes,
+                allow_relayed=args.allow_relayed,
+                punch_timeout=args.timeout,
+            )
+        except NatUnreachable as exc:
+            _emit({"error": str(exc), "total_s": time.monotonic() - t0})
+            return
+        except Exception as exc:  # the fetch's own error, reported as a result
+            _emit({"error": f"fetch failed: {exc}", "total_s": time.monotonic() - t0})
+            return
         result = outcome.to_json()
         result["total_s"] = time.monotonic() - t0
         _emit(result)
@@ -117,7 +122,8 @@ def main() -> None:
     parser.add_argument("--max-bytes", type=int, default=0)
     parser.add_argument("--size", type=int, default=0)
     parser.add_argument("--cert", default="")
-    parser.add_argument("--target", default="")
+    parser.add_argument("--provider", action="append", default=[])
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--blob", default="")
     parser.add_argument("--allow-relayed", action="store_true")
     parser.add_argument("--timeout", type=float, default=30.0)

@@ -1,0 +1,135 @@
+"""Peers behind NAT on the testbed (issue 20): a public relay, providers and fetchers
+behind endpoint-independent (EIM) and symmetric NATs, 80 ms RTT between any two hosts.
+
+The story: a NATed provider reserves a slot on the relay and is reachable only at its
+circuit address. A fetcher reaches it through the relay, the two hole-punch (DCUtR), the
+relayed connection is closed and the blob crosses the direct connection: the relay's own
+byte counter and the testbed's per-host counters both show the blob never touched the
+relay. Behind symmetric NATs the punch fails; the fetch says so in one line and takes the
+blob from another provider, or, with none, fails with that line."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import pytest
+
+from bench.wan import Host, Testbed
+from bench.wan.natnodes import Agent, MiB, NatNodes
+
+pytestmark = [pytest.mark.usefixtures("nat_capable"), pytest.mark.slow, pytest.mark.timeout(120)]
+
+SIZE = 16 * MiB
+SEED = 7
+# What a relayed connection carries besides the blob: Noise + yamux set-up, identify
+# both ways, DCUtR's messages. Measured ~2.6 KB; a single blob chunk is 1 MiB.
+SIGNALLING_BYTES = 64 * 1024
+# Short enough to keep the symmetric-NAT tests quick, long enough for an EIM punch at
+# 80 ms RTT (about one second).
+PUNCH_TIMEOUT = "6"
+
+
+class Net(NamedTuple):
+    tb: Testbed
+    nat: NatNodes
+    agents: dict[str, Agent]  # the relay; providers home (EIM), office (symmetric), pub
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
+    from bench.wan import unavailable_reason
+
+    if unavailable_reason() is not None:
+        pytest.skip(str(unavailable_reason()))
+    hosts = {
+        "relay": Host(delay_ms=20.0),
+        "pub": Host(delay_ms=20.0),
+        "uni": Host(delay_ms=20.0),
+        "home": Host(delay_ms=20.0, nat="eim"),
+        "cafe": Host(delay_ms=20.0, nat="eim"),
+        "office": Host(delay_ms=20.0, nat="symmetric"),
+        "shop": Host(delay_ms=20.0, nat="symmetric"),
+    }
+    with Testbed(hosts) as tb:
+        nat = NatNodes(tb, logs=tmp_path_factory.mktemp("natlogs"))
+        relay = nat.relay("relay")
+        agents = {
+            "relay": relay,
+            "home": nat.provider("home", relay=relay, size=SIZE, seed=SEED),
+            "office": nat.provider("office", relay=relay, size=SIZE, seed=SEED),
+            "pub": nat.provider("pub", relay=None, size=SIZE, seed=SEED),
+        }
+        assert agents["home"].blob == agents["office"].blob == agents["pub"].blob
+        try:
+            yield Net(tb, nat, agents)
+        finally:
+            nat.stop()
+
+
+def _sent(tb: Testbed) -> dict[str, int]:
+    return {name: int(h["sent_bytes"]) for name, h in tb.stats()["hosts"].items()}
+
+
+def _fetch(net: Net, host: str, providers: list[str]) -> tuple[dict[str, Any], int, dict[str, int]]:
+    """Run one fetch; its result, the bytes the relay carried meanwhile, and the bytes
+    each host sent meanwhile."""
+    tb, nat, agents = net
+    relay = agents["relay"]
+    relayed = nat.relay_stats(relay)["relayed_bytes"]
+    sent = _sent(tb)
+    result = nat.fetch(host, agents["home"].blob, providers, "--timeout", PUNCH_TIMEOUT)
+    after = _sent(tb)
+    return (
+        result,
+        nat.relay_stats(relay)["relayed_bytes"] - relayed,
+        {name: after[name] - sent[name] for name in after},
+    )
+
+
+def test_two_eim_natted_peers_fetch_directly_after_hole_punching(net: Net) -> None:
+    home = net.agents["home"]
+    assert len(home.circuit_addrs) == 1 and "/p2p-circuit/p2p/" in home.circuit_addrs[0]
+    result, relayed, sent = _fetch(net, "cafe", home.circuit_addrs)
+    assert "error" not in result, result
+    [punch] = result["punches"]
+    assert punch["path"] == "direct", punch
+    assert result["bytes"] == SIZE
+    # The blob crossed the direct connection: the relay carried signalling only, and sent
+    # next to nothing while home's uplink carried the whole blob.
+    assert relayed < SIGNALLING_BYTES
+    assert sent["relay"] < SIGNALLING_BYTES
+    assert sent["home"] >= SIZE
+
+
+def test_a_public_peer_fetches_from_a_natted_provider(net: Net) -> None:
+    result, relayed, sent = _fetch(net, "uni", net.agents["home"].circuit_addrs)
+    assert "error" not in result, result
+    assert result["punches"][0]["path"] == "direct"
+    assert result["bytes"] == SIZE
+    assert relayed < SIGNALLING_BYTES
+    assert sent["home"] >= SIZE
+
+
+def test_symmetric_nat_pair_fails_over_to_another_provider_with_a_one_line_reason(
+    net: Net,
+) -> None:
+    office = net.agents["office"]
+    result, relayed, sent = _fetch(
+        net, "shop", [*office.circuit_addrs, net.nat.direct_addr(net.agents["pub"])]
+    )
+    assert "error" not in result, result
+    [punch] = result["punches"]
+    assert punch["path"] == "failed"
+    assert "hole punching" in punch["reason"] and "\n" not in punch["reason"]
+    assert result["bytes"] == SIZE
+    # The blob came from pub, not through the relay and not from office.
+    assert sent["pub"] >= SIZE
+    assert sent["office"] < SIGNALLING_BYTES
+    assert relayed < SIGNALLING_BYTES
+
+
+def test_symmetric_nat_pair_with_no_other_provider_fails_in_one_line(net: Net) -> None:
+    result, relayed, _ = _fetch(net, "shop", net.agents["office"].circuit_addrs)
+    assert "hole punching" in result["error"] and "\n" not in result["error"]
+    assert relayed < SIGNALLING_BYTES  # no fallback through the relay unasked
