@@ -100,6 +100,9 @@ KEEP_STATES = 3
 # Before proposing, the worker lets messages already on the wire (buffered while it was
 # busy or paused) reach its book, so it does not propose for a round already closed.
 GATHER = 0.3
+# Fetch bounds a closure's blobs may fail before the closure is dropped (rule 4 of
+# outer_agreement): long enough to outlast a worker's own pause or a peer's restart.
+UNAVAILABLE_TRIES = 4
 # Most peers a worker dials on its own (every admitted worker of the largest run).
 MAX_DIALS = 64
 
@@ -191,6 +194,8 @@ class Worker:
         self.proposed_for: set[tuple[int, str]] = set()
         self.refused_updates: list[dict[str, Any]] = []
         self.meter = WireMeter()
+        self.inflight: dict[str, trio.Event] = {}
+        self.unavailable: dict[bytes, int] = {}  # closure digest -> failed fetch rounds
         self.wire_mark = (0, 0)
 
     # --- messages in and out ---------------------------------------------------------
@@ -299,10 +304,28 @@ class Worker:
     # --- blobs -----------------------------------------------------------------------
     async def _fetch(self, blob: str, providers: Sequence[str], bound: float) -> bool:
         """Fetch ``blob`` into the store (verified chunk by chunk); False if not in time."""
-        from p2p.errors import P2PError
 
         if await trio.to_thread.run_sync(self.node.store.has, blob):
             return True
+        # One fetch per blob at a time in this process: a second would find the first's
+        # partial blob locked. The later caller waits for the one in flight, then retries.
+        with trio.move_on_after(bound):
+            while blob in self.inflight:
+                await self.inflight[blob].wait()
+                if await trio.to_thread.run_sync(self.node.store.has, blob):
+                    return True
+        if blob in self.inflight:
+            return False
+        done = self.inflight[blob] = trio.Event()
+        try:
+            return await self._fetch_once(blob, providers, bound)
+        finally:
+            del self.inflight[blob]
+            done.set()
+
+    async def _fetch_once(self, blob: str, providers: Sequence[str], bound: float) -> bool:
+        from p2p.errors import P2PError
+
         with trio.move_on_after(bound):
             while True:
                 with trio.move_on_after(FETCH_STALL) as attempt:
@@ -338,10 +361,14 @@ class Worker:
             self.changed.set()
 
     def _providers(self, checked: CheckedClosure, peers: Sequence[str] = ()) -> list[str]:
+        """Who may hold a closure's blobs: its proposer and the named peers first, then every
+        worker heard of (each that applied the closure holds them)."""
         out = list(self.closure_addrs.get(checked.digest, ()))
         for peer in peers:
             out.extend(self.addrs_of.get(peer, ()))
-        return out
+        for addrs in list(self.addrs_of.values())[:MAX_DIALS]:
+            out.extend(addrs[:1])
+        return list(dict.fromkeys(out))
 
     def _fetch_bound(self) -> float:
         return 3 * self.params.deadline + 10.0
@@ -482,7 +509,7 @@ class Worker:
         c = checked.closure
         providers = self._providers(checked, [c.proposer])
         if not await self._fetch(c.state_blob, providers, self._fetch_bound()):
-            self._bad(checked, "state blob unavailable")
+            self._unavailable(checked)
             return
         try:
             data = await trio.to_thread.run_sync(self._load, c.state_blob)
@@ -496,6 +523,17 @@ class Worker:
         before = self.state.round if self.state is not None else None
         await self._adopt(state, checked, "caught up", None, c.state_blob, len(data))
         _say(self.label, f"caught up from state round {before} to {state.round}")
+
+    def _unavailable(self, checked: CheckedClosure) -> None:
+        """A closure whose blobs could not be fetched in time: the network's fault, or its
+        proposer's. It stays the tip (so this worker does not propose a rival closure and
+        fork) for ``UNAVAILABLE_TRIES`` fetch bounds; only then is it dropped."""
+        tries = self.unavailable.get(checked.digest, 0) + 1
+        self.unavailable[checked.digest] = tries
+        if tries >= UNAVAILABLE_TRIES:
+            self._bad(checked, f"blobs unavailable after {tries} tries")
+        else:
+            _say(self.label, f"closure {checked.digest.hex()[:12]}: blobs unavailable, retrying")
 
     def _bad(self, checked: CheckedClosure, reason: str) -> None:
         self.book.mark_bad(checked.digest, reason)
