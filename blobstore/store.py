@@ -721,7 +721,9 @@ class Store:
             fsync_dir(self._partial)
 
     # ------------------------------------------------------------------ quarantine
-    def quarantine(self, blob_id: str, reason: str) -> bool:
+    def quarantine(
+        self, blob_id: str, reason: str, *, read_from: os.stat_result | None = None
+    ) -> bool:
         """Take a complete blob found rotten out of the published set.
 
         Its data and manifest move to ``quarantine/<id>/`` with ``reason``: from then on
@@ -732,12 +734,19 @@ class Store:
         fetch starts from the quarantined file, so only the rotten chunks are fetched.
         Returns False if the blob was not complete here (already quarantined, say).
         Safe from any thread; callers need not hold anything.
+
+        ``read_from``: the ``fstat`` of the file whose bytes failed. A reader can find
+        rot in a file that has since been quarantined and repaired (a new file with good
+        bytes under the same name); then the published file is not the rotten one, and
+        nothing is done (False).
         """
         parse_blob_id(blob_id)
         with os_errors(f"quarantining blob {blob_id[:12]}"), self._store_lock():
             data_path = self._data_path(blob_id)
             if not data_path.exists():
                 return False
+            if read_from is not None and not _same_file(data_path, read_from):
+                return False  # the rotten file was replaced meanwhile (a repair)
             qdir = self._quarantine / blob_id
             self._mkdir_in_store(qdir)
             one_line = " ".join(reason.split())[:500]
@@ -798,10 +807,12 @@ class Store:
         os.rename(qdata, pdir / "data")
         fsync_dir(pdir)
 
-    def _quarantine_on_read(self, blob_id: str, what: str) -> str:
-        """Quarantine a complete blob whose read just failed its hash; the message tail."""
+    def _quarantine_on_read(self, blob_id: str, what: str, read_from: os.stat_result) -> str:
+        """Quarantine a complete blob whose read of the file ``read_from`` (its fstat)
+        just failed its hash; the message tail."""
         try:
-            self.quarantine(blob_id, what)
+            if not self.quarantine(blob_id, what, read_from=read_from) and self.has(blob_id):
+                return "; the store's copy was replaced meanwhile: read it again"
         except StoreError as exc:
             return f"; could not quarantine it ({exc})"
         return f"; quarantined it: fetch it again (blob get {blob_id} --peer ...) or put it again"
@@ -983,11 +994,16 @@ class Store:
                 raise ChunkUnavailable(f"chunk {index} of {blob_id[:12]} is gone") from None
             try:
                 data = read_span(fd, offset, length)
+                read_from = os.fstat(fd)
             finally:
                 os.close(fd)
         if len(data) != length or blake3(data).digest() != manifest.chunk_hash(index):
             what = f"chunk {index} of blob {blob_id} is corrupt on disk"
-            tail = self._quarantine_on_read(blob_id, what) if complete else "; run `blob verify`"
+            tail = (
+                self._quarantine_on_read(blob_id, what, read_from)
+                if complete
+                else "; run `blob verify`"
+            )
             raise CorruptChunk(what + tail)
         return data
 
@@ -1010,7 +1026,10 @@ class Store:
             except FileNotFoundError:  # removed (or published) meanwhile
                 self._refuse_quarantined(blob_id)
                 raise BlobNotFound(f"no blob {blob_id} in this store") from None
-        on_corrupt = (lambda what: self._quarantine_on_read(blob_id, what)) if complete else None
+        opened = os.fstat(fd)
+        on_corrupt = (
+            (lambda what: self._quarantine_on_read(blob_id, what, opened)) if complete else None
+        )
         return ChunkReader(blob_id, manifest, fd=fd, bits=bits, live=None, on_corrupt=on_corrupt)
 
     def chunk_bitmap(self, blob_id: str) -> bytes:
@@ -1038,6 +1057,7 @@ class Store:
         with os_errors(f"reading blob {blob_id[:12]}"):
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
+            read_from = os.fstat(fd)
             index = 0
             remaining = manifest.size
             while remaining > 0:
@@ -1045,11 +1065,12 @@ class Store:
                     n = _read_full(fd, buf[: min(len(buf), remaining)])
                 if n < min(len(buf), remaining):
                     what = f"blob {blob_id} is truncated on disk"
-                    raise CorruptChunk(what + self._quarantine_on_read(blob_id, what))
+                    raise CorruptChunk(what + self._quarantine_on_read(blob_id, what, read_from))
                 for off in range(0, n, c):
                     if blake3(buf[off : min(off + c, n)]).digest() != manifest.chunk_hash(index):
                         what = f"chunk {index} of blob {blob_id} is corrupt on disk"
-                        raise CorruptChunk(what + self._quarantine_on_read(blob_id, what))
+                        tail = self._quarantine_on_read(blob_id, what, read_from)
+                        raise CorruptChunk(what + tail)
                     index += 1
                 remaining -= n
                 yield buf[:n]
@@ -1084,6 +1105,7 @@ class Store:
             except FileNotFoundError:
                 raise BlobNotFound(f"blob {blob_id} disappeared while being verified") from None
             try:
+                read_from = os.fstat(fd)
                 for i in indices:
                     offset, length = manifest.chunk_span(i)
                     data = read_span(fd, offset, length)
@@ -1095,7 +1117,8 @@ class Store:
                 os.close(fd)
         if bad and complete and quarantine:
             shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
-            self.quarantine(blob_id, f"verify found {len(bad)} corrupt chunk(s): {shown}")
+            reason = f"verify found {len(bad)} corrupt chunk(s): {shown}"
+            self.quarantine(blob_id, reason, read_from=read_from)
         return bad
 
     # ------------------------------------------------------------------ names

@@ -79,6 +79,23 @@ def test_a_verifying_reader_quarantines_on_the_bad_chunk(
         store.open_reader(blob_id)
 
 
+def test_a_reader_of_the_rotten_file_never_quarantines_its_repaired_successor(
+    store: Store, rotten: tuple[str, bytes]
+) -> None:
+    """A server's reader opened the rotten file; meanwhile ``verify`` quarantined it and
+    a ``put`` repaired it. When the old reader then hits the bad chunk, it must not take
+    the good, repaired copy out of the published set."""
+    blob_id, data = rotten
+    with store.open_reader(blob_id) as reader:
+        assert store.verify(blob_id) == [2]
+        assert store.put_bytes(data, chunk_size=C) == blob_id  # the repair
+        with pytest.raises(CorruptChunk, match="replaced meanwhile"):
+            reader.read(2)
+    assert store.has(blob_id)
+    assert store.quarantine_reason(blob_id) is None
+    assert store.verify(blob_id) == []
+
+
 def test_export_and_cat_quarantine_on_the_bad_chunk(
     store: Store, rotten: tuple[str, bytes], tmp_path: Path
 ) -> None:
