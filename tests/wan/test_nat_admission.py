@@ -1,0 +1,153 @@
+"""A blobnet relay serves admitted peers only, and only for signalling (issue 20, item 2).
+
+Three real libp2p hosts in one process over TCP on 127.0.0.1: a relay trusting one
+authority, and two peers. A reservation needs a valid admission certificate for the very
+peer ID that Noise authenticated; a stolen certificate, one from an unknown authority, an
+expired one, or none, is refused with the reason. A circuit between admitted peers works
+and is cut at the relay's byte limit, so bulk data cannot ride on a relay."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
+from multiaddr import Multiaddr
+
+from identity import AdmissionCertificate, Authority, MachineKey, TrustStore
+from identity.signer import SoftwareSigner
+from p2p.host import build_host
+from p2p.relay import (
+    AdmissionBook,
+    AdmittedRelay,
+    RelayRefused,
+    control_limits,
+    dial_via_relay,
+    nat_services,
+    present_certificate,
+    relay_service,
+    reserve,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+BULK = TProtocol("/blobnet-test/bulk/1.0.0")
+LIMIT = 256 * 1024  # a small circuit byte limit, so the cut comes quickly
+# The relay reads up to one Noise frame (64 KiB) at a time and counts a read before it
+# finds the read over the limit.
+FRAME = 65536
+
+
+def _certificate(authority: Authority, peer_id: str, *, valid_for: int = 3600) -> bytes:
+    now = int(time.time())
+    cert: AdmissionCertificate = authority.admit(
+        peer_id,
+        operator="op",
+        kernel_class="cpu",
+        not_before=now - 60,
+        not_after=now + valid_for,
+        serial=now,
+    )
+    return cert.encode()
+
+
+@asynccontextmanager
+async def _host() -> AsyncIterator[IHost]:
+    host = build_host(MachineKey.generate().libp2p_keypair())
+    async with host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        yield host
+
+
+def _addr(host: IHost) -> str:
+    return str(host.get_addrs()[0])
+
+
+@asynccontextmanager
+async def _world() -> AsyncIterator[tuple[Authority, AdmittedRelay, IHost, IHost, str]]:
+    authority = Authority(SoftwareSigner(MachineKey.generate()))
+    trust = TrustStore(frozenset({authority.public_key_bytes}))
+    async with (
+        _host() as relay_host,
+        _host() as a,
+        _host() as b,
+        relay_service(relay_host, trust=trust, limits=control_limits(max_bytes=LIMIT)) as relay,
+    ):
+        yield authority, relay, a, b, _addr(relay_host)
+
+
+async def test_a_reservation_needs_a_valid_certificate_for_the_peer_that_asks() -> None:
+    async with _world() as (authority, relay, a, b, relay_addr):
+        with pytest.raises(RelayRefused, match="RESERVATION_REFUSED"):
+            await reserve(a, relay_addr)  # no certificate shown
+        stolen = _certificate(authority, str(a.get_id()))
+        with pytest.raises(RelayRefused, match="does not admit peer"):
+            await reserve(b, relay_addr, certificate=stolen)  # a's certificate, b's key
+        rogue = Authority(SoftwareSigner(MachineKey.generate()))
+        with pytest.raises(RelayRefused, match="does not trust"):
+            await reserve(b, relay_addr, certificate=_certificate(rogue, str(b.get_id())))
+        expired = _certificate(authority, str(b.get_id()), valid_for=-30)
+        with pytest.raises(RelayRefused, match="expired"):
+            await reserve(b, relay_addr, certificate=expired)
+        assert relay.refused == [str(a.get_id())]
+
+        reservation = await reserve(a, relay_addr, certificate=stolen)  # a's own: accepted
+        assert reservation.relay == str(relay.host.get_id())
+        assert reservation.max_bytes == LIMIT
+        assert reservation.circuit_addrs == (f"{relay_addr}/p2p-circuit/p2p/{a.get_id()}",)
+
+
+async def test_only_admitted_peers_open_circuits_and_a_circuit_is_cut_at_its_byte_limit() -> None:
+    async with _world() as (authority, relay, a, b, relay_addr):
+        sent = trio.Event()
+        received: list[int] = []
+
+        async def bulk(stream: INetStream) -> None:
+            try:
+                for _ in range(64):  # 4 MiB, far over the limit
+                    await stream.write(b"x" * 65536)
+            except Exception:  # the relay resets the circuit: expected
+                pass
+            finally:
+                sent.set()
+
+        a.set_stream_handler(BULK, bulk)
+        async with nat_services(a):
+            reservation = await reserve(
+                a, relay_addr, certificate=_certificate(authority, str(a.get_id()))
+            )
+            circuit = reservation.circuit_addrs[0]
+            with pytest.raises(RelayRefused, match="PERMISSION_DENIED"):
+                await dial_via_relay(b, circuit)  # b has shown no certificate
+            await present_certificate(
+                b, relay.host.get_id(), _certificate(authority, str(b.get_id()))
+            )
+            conn = await dial_via_relay(b, circuit)
+            assert conn is not None
+            stream = await b.new_stream(a.get_id(), [BULK])
+            with trio.fail_after(30):
+                try:
+                    while data := await stream.read(65536):
+                        received.append(len(data))
+                except Exception:  # the reset arrives as an error: expected
+                    pass
+                await sent.wait()
+        assert 0 < sum(received) < LIMIT
+        assert LIMIT - FRAME <= relay.relayed_bytes < LIMIT + FRAME
+
+
+def test_the_admission_book_forgets_nobody_early_and_holds_a_bounded_number() -> None:
+    authority = Authority(SoftwareSigner(MachineKey.generate()))
+    book = AdmissionBook(TrustStore(frozenset({authority.public_key_bytes})), capacity=1)
+    first, second = MachineKey.generate().peer_id, MachineKey.generate().peer_id
+    now = time.time()
+    assert book.present(first, _certificate(authority, first, valid_for=100), now) is None
+    assert book.admitted(first, now + 99) and not book.admitted(first, now + 101)
+    full = book.present(second, _certificate(authority, second), now)
+    assert full is not None and "full" in full
+    # Once the first certificate has expired its slot is free again.
+    assert book.present(second, _certificate(authority, second), now + 200) is None
+    assert book.admitted(second, now + 200) and len(book) == 1
