@@ -562,7 +562,7 @@ class Download:
         assert reply is not None
         if isinstance(reply, proto.ErrorResponse):
             if reply.code == proto.ErrorCode.BUSY:
-                self.scheduler.on_request_failed(ticket.request_id, now(), "busy")
+                self.scheduler.on_request_busy(ticket.request_id, now())
                 await trio.sleep(0.2)
             else:
                 self.scheduler.on_request_done(ticket.request_id, now(), ticket.indices)

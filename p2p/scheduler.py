@@ -63,6 +63,9 @@ Policy
   peer fewer than a fast one at the same distance; until both are measured it gets the
   minimum. The bytes in flight cost the fetcher no memory (the muxer's windows bound
   what is buffered); they cost the server one stream and send buffer each.
+- A ``busy`` reply while other requests are live at the peer (its server's per-peer
+  stream budget, shared with our other downloads, is spent) caps the peer at the requests
+  it took, raised by one per request completed; with nothing else live it is a failure.
 - Deadlines. A request must finish by ``now + request_timeout_base + bytes /
   min_rate_bytes_per_s``, where ``bytes`` counts this request plus what the peer still owes
   on its earlier live requests (pipelined requests share the peer's link).
@@ -267,6 +270,7 @@ class _Peer:
     last_error: str | None = None
     rtt: float | None = None  # smallest round trip measured, seconds
     connections: int = 1  # TCP connections the shell stripes this peer's streams over
+    busy_limit: int | None = None  # live requests the server last took before saying busy
 
     @property
     def usable(self) -> bool:
@@ -478,6 +482,11 @@ class Scheduler:
             )
         p = req.peer
         p.streak = 0
+        if p.busy_limit is not None:
+            # Additive increase after a busy reply: one more live request per success.
+            p.busy_limit += 1
+            if p.busy_limit >= self._cfg.max_inflight_requests_per_peer:
+                p.busy_limit = None
         if lacked:
             self._forget_chunks(p, lacked)
         self._release(req)
@@ -499,6 +508,23 @@ class Scheduler:
             self._contribute(p, -1)
             p.dropped = True
             self._release_all(p)
+
+    def on_request_busy(self, request_id: int, now: float) -> None:
+        """The server answered `busy` (its per-peer stream budget is spent, maybe by our
+        other downloads). With other requests still live at this peer it is a limit, not a
+        failure: release the request and hold the peer to the requests it did take, growing
+        again by one per success. With nothing else live it counts as a failure."""
+        req = self._requests.get(request_id)
+        if req is None:
+            self._known_request(request_id)
+            return
+        p = req.peer
+        if len(p.requests) <= 1:
+            self.on_request_failed(request_id, now, "busy")
+            return
+        self._release(req)
+        p.busy_limit = max(1, len(p.requests))
+        p.last_error = "busy"
 
     def cancel(self, request_id: int, now: float) -> None:
         """The shell abandoned a live request on its own account (e.g. `is_obsolete`):
@@ -757,6 +783,8 @@ class Scheduler:
             # so the spare request is also how the limit finds a longer pipe.
             request_bytes = max(1, self._rate_batch(p)[0] * self._chunk_length(0))
             want = max(want, math.ceil(p.rate * p.rtt / request_bytes) + 1)
+        if p.busy_limit is not None:
+            want = min(want, p.busy_limit)
         return min(cap, want)
 
     def _rate_batch(self, p: _Peer) -> tuple[int, list[_Peer], list[float], float]:

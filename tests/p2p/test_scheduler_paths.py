@@ -283,3 +283,39 @@ def test_a_slow_far_provider_gets_less_not_a_stall() -> None:
     alone = simulate({"fast": (100e6, 0.15)}, SchedulerConfig(max_chunks_per_request=4), 512)
     # The slow one may slow the fetch a little at the end, never hold it up.
     assert result["seconds"] <= 1.1 * alone["seconds"], (result, alone)
+
+
+def test_busy_replies_cap_the_peer_instead_of_dropping_it() -> None:
+    """A server whose per-peer stream budget is spent (by this fetch's many requests, or
+    other downloads from the same node) answers busy: the peer keeps the requests it
+    took and grows back one per success; it is not dropped as after failures."""
+    sched = Scheduler(256, length, config=CONFIG)
+    sched.add_peer("p", 0.0)
+    sched.set_connections("p", 6)
+    tickets = [sched.next_request("p", 0.0) for _ in range(9)]
+    assert all(t is not None for t in tickets) and sched.next_request("p", 0.0) is None
+    for ticket in tickets[5:]:  # the server took five
+        assert ticket is not None
+        sched.on_request_busy(ticket.request_id, 0.1)
+    stats = sched.peer_stats()["p"]
+    assert not stats.dropped and stats.failures == 0
+    assert stats.inflight == 5 and sched.inflight_limit("p") == 5
+    assert sched.next_request("p", 0.2) is None
+    first = tickets[0]
+    assert first is not None
+    for index in sorted(first.indices):
+        sched.on_chunk(first.request_id, index, CHUNK, 0.3)
+    sched.on_request_done(first.request_id, 0.3)
+    assert sched.inflight_limit("p") == 6  # one more after a success
+    sched._check_invariants()
+
+
+def test_busy_with_nothing_else_in_flight_is_a_failure() -> None:
+    sched = Scheduler(64, length, config=SchedulerConfig(max_failures_before_drop=2))
+    sched.add_peer("p", 0.0)
+    for now in (0.0, 1.0):
+        ticket = sched.next_request("p", now)
+        assert ticket is not None
+        sched.on_request_busy(ticket.request_id, now)  # alone in flight: a failure
+    stats = sched.peer_stats()["p"]
+    assert stats.failures == 2 and stats.dropped
