@@ -24,6 +24,7 @@ A complete local blob is read from the store directly, with no node needed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -66,6 +67,12 @@ NUMPY_DTYPES = {
     "U8": "u1",
     "BOOL": "?",
 }
+# A header's shapes are decoded by numpy: more dimensions than numpy 1.x's NPY_MAXDIMS, or
+# extents whose non-zero product is past what any array could hold (even for a tensor
+# with a zero extent, which holds no bytes), would raise inside numpy instead of being
+# refused as bad data. Real model tensors have at most ~5 dimensions.
+MAX_NDIM = 32
+MAX_EXTENT_PRODUCT = 1 << 48
 # One request may not run longer than this plus its bytes at MIN_RATE: a provider slower
 # than that loses the rest of the job to the next one.
 REQUEST_GRACE = 15.0
@@ -99,13 +106,16 @@ def _chunks_covering(manifest: Manifest, begin: int, end: int) -> range:
 
 
 def parse_header(raw: bytes, data_start: int, file_size: int) -> dict[str, TensorInfo]:
-    """The tensors a safetensors header describes, each checked to lie inside the file
-    and to hold exactly ``prod(shape)`` elements of its dtype."""
+    """The tensors a safetensors header describes, each checked to lie inside the file,
+    to hold exactly ``prod(shape)`` elements of its dtype, to have a shape numpy can hold,
+    and not to overlap another (as ``safetensors`` itself refuses)."""
     import numpy as np
 
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise BadSafetensors("safetensors header is nested too deeply to be one") from None
+    except ValueError as exc:  # also UnicodeDecodeError, and integers of 4,300+ digits
         raise BadSafetensors(f"safetensors header is not JSON: {exc}") from None
     if not isinstance(header, dict):
         raise BadSafetensors("safetensors header is not a JSON object")
@@ -117,10 +127,13 @@ def parse_header(raw: bytes, data_start: int, file_size: int) -> dict[str, Tenso
             dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise BadSafetensors(f"tensor {name!r}: malformed header entry") from None
-        ok_shape = isinstance(shape, list) and all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ok_shape = (
+            isinstance(shape, list)
+            and len(shape) <= MAX_NDIM
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+            and math.prod(d for d in shape if d) <= MAX_EXTENT_PRODUCT
         )
-        if dtype not in NUMPY_DTYPES or not ok_shape:
+        if not isinstance(dtype, str) or dtype not in NUMPY_DTYPES or not ok_shape:
             raise BadSafetensors(f"tensor {name!r}: unsupported dtype {dtype!r} or bad shape")
         itemsize = np.dtype(NUMPY_DTYPES[dtype]).itemsize
         if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
@@ -128,6 +141,10 @@ def parse_header(raw: bytes, data_start: int, file_size: int) -> dict[str, Tenso
         if end - begin != math.prod(shape) * itemsize or data_start + end > file_size:
             raise BadSafetensors(f"tensor {name!r}: its offsets do not match its shape or file")
         out[name] = TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
+    spans = sorted((t.begin, t.end, t.name) for t in out.values() if t.end > t.begin)
+    for (_, end_a, name_a), (begin_b, _, name_b) in itertools.pairwise(spans):
+        if begin_b < end_a:
+            raise BadSafetensors(f"tensors {name_a!r} and {name_b!r} overlap in the file")
     return out
 
 

@@ -51,3 +51,42 @@ def test_scattered_chunks_become_requests_within_the_protocols_limits() -> None:
     for ranges, count in requests:
         assert len(ranges) <= proto.MAX_RANGES_PER_REQUEST
         assert count == sum(end - start for start, end in ranges) <= proto.MAX_CHUNKS_PER_REQUEST
+
+
+def _entry(
+    dtype: object = "F32", shape: object = (1,), offsets: object = (0, 4)
+) -> dict[str, object]:
+    return {
+        "dtype": dtype,
+        "shape": list(shape) if isinstance(shape, tuple) else shape,
+        "data_offsets": list(offsets) if isinstance(offsets, tuple) else offsets,
+    }
+
+
+HOSTILE_HEADERS = {
+    "a dtype that is not a string": json.dumps({"w": _entry(dtype=[])}).encode(),
+    "JSON nested past the parser's recursion": b"[" * 100_000 + b"]" * 100_000,
+    "an integer of 5,000 digits": b'{"w": {"dtype": "F32", "shape": [' + b"1" * 5000 + b"]}}",
+    "more dimensions than numpy holds": json.dumps({"w": _entry(shape=[1] * 100)}).encode(),
+    "an empty tensor of absurd extent": json.dumps(
+        {"w": _entry(shape=(0, 2**70), offsets=(0, 0))}
+    ).encode(),
+    "two tensors over the same bytes": json.dumps(
+        {"a": _entry(), "b": _entry(offsets=(2, 6))}
+    ).encode(),
+}
+
+
+@pytest.mark.parametrize("raw", HOSTILE_HEADERS.values(), ids=HOSTILE_HEADERS.keys())
+def test_a_hostile_header_is_bad_data_not_a_crash(raw: bytes) -> None:
+    """Each of these once escaped as TypeError, RecursionError or ValueError (from json or
+    later from numpy: a traceback, exit 1), or was accepted, instead of being bad data."""
+    with pytest.raises(BadSafetensors):
+        parse_header(raw, 8, 100)
+
+
+def test_adjacent_and_empty_tensors_are_not_overlaps() -> None:
+    raw = json.dumps(
+        {"a": _entry(), "e": _entry(shape=(0, 7), offsets=(4, 4)), "b": _entry(offsets=(4, 8))}
+    ).encode()
+    assert sorted(parse_header(raw, 8, 16)) == ["a", "b", "e"]
