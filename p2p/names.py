@@ -38,6 +38,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -262,8 +263,22 @@ class NameService:
         if self._active >= MAX_CONCURRENT_REQUESTS:
             await reset_quietly(stream)
             return
+        # A relay counts as active too: pushes cost nothing to send, and each new record
+        # fans out to MAX_PUSH_PEERS streams for up to PUBLISH_TIMEOUT, so uncounted
+        # relays would let a flood of pushes pile up tasks without bound.
         self._active += 1
-        peer = _remote_peer(stream)
+        try:
+            peer = _remote_peer(stream)
+            relay = await self._serve(stream, peer)
+            if relay is not None:
+                # A newer record: hand it on, so it reaches peers its publisher never met.
+                with trio.move_on_after(PUBLISH_TIMEOUT):
+                    await _push_all(self.node, relay, exclude={peer})
+        finally:
+            self._active -= 1
+
+    async def _serve(self, stream: Any, peer: str) -> NameRecord | None:
+        """Answer one request; returns a newly taken record to relay, if any."""
         relay: NameRecord | None = None
         try:
             with trio.move_on_after(SERVE_TIMEOUT) as scope:
@@ -280,12 +295,7 @@ class NameService:
         except Exception:  # our bug or our disk: never let it take the host down
             log.exception("unexpected error serving a names request from %s", peer)
             await reset_quietly(stream)
-        finally:
-            self._active -= 1
-        if relay is not None:
-            # A newer record: hand it on, so it reaches peers its publisher never met.
-            with trio.move_on_after(PUBLISH_TIMEOUT):
-                await _push_all(self.node, relay, exclude={peer})
+        return relay
 
     async def _answer(
         self, request: wire.Request, peer: str
@@ -342,7 +352,7 @@ class NameService:
         DHT value store when it is newer. Returns (accepted, reason, changed)."""
         offer = self.cache.offer(record, now=now, own=record.publisher == self.own_publisher)
         if offer.changed:
-            await trio.to_thread.run_sync(self.cache.persist, record.key)
+            await trio.to_thread.run_sync(partial(self.cache.persist, record.key, now=now))
             dht = getattr(self.node, "dht", None)
             if dht is not None:
                 # DHT GET_VALUE answers from this store: keep it as fresh as the cache.
@@ -605,7 +615,7 @@ def publish_in_store(
     offer = cache.offer(record, now=now, own=True)
     if not offer.accepted:
         raise NameRejected(NameReason.OLDER, f"{record.describe()} not published: {offer.reason}")
-    cache.persist(key)
+    cache.persist(key, now=now)
     return record
 
 

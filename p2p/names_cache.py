@@ -18,7 +18,11 @@ Rules:
    bytes, written through blobstore's one durable write helper (temp in the store's
    ``tmp/``, fsync, rename, fsync dir), so a crash leaves the old record or the new one.
    Writes are serialised and always write the *current* best, so two racing writes can
-   never leave an older record on disk.
+   never leave an older record on disk. Across processes (``blob publish`` or
+   ``blob train run --publish`` beside ``blob serve``) each write holds
+   ``<store>/locks/names`` (the store's private lock directory: no other user can take
+   it) and first reads the saved file: a record there that is as new or newer than this
+   process's is adopted, not overwritten.
 """
 
 from __future__ import annotations
@@ -27,10 +31,13 @@ import contextlib
 import logging
 import os
 import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from blobstore.durable import os_errors, write_file_atomic
+from blobstore import StoreBusy
+from blobstore.durable import os_errors, try_lock_fd, write_file_atomic
 from p2p.names_record import (
     MAX_NAME_RECORD_SIZE,
     NameRecord,
@@ -49,6 +56,11 @@ MAX_CACHED_RECORDS = 4096
 MAX_RECORDS_PER_PUBLISHER = 256
 NAMES_DIR = "names"
 _FILE_MODE = 0o644
+NAMES_LOCK = "names"  # in the store's locks/ directory
+# Another process holds the names lock only for one small durable write (milliseconds);
+# waiting longer means it is stuck, and the caller should hear so rather than hang.
+NAMES_LOCK_TIMEOUT = 10.0
+_LOCK_POLL = 0.005
 
 
 @dataclass(frozen=True)
@@ -63,9 +75,15 @@ class Offer:
 class NameCache:
     """The newest record per name key; persisted under ``directory`` when given."""
 
-    def __init__(self, directory: Path | None = None, tmp_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path | None = None,
+        tmp_dir: Path | None = None,
+        lock_file: Path | None = None,
+    ) -> None:
         self.directory = directory
         self.tmp_dir = tmp_dir
+        self.lock_file = lock_file
         self._records: dict[bytes, NameRecord] = {}
         self._own: set[bytes] = set()
         self._mutex = threading.Lock()
@@ -74,7 +92,7 @@ class NameCache:
 
     @classmethod
     def for_store_root(cls, root: Path, tmp_dir: Path) -> NameCache:
-        return cls(root / NAMES_DIR, tmp_dir)
+        return cls(root / NAMES_DIR, tmp_dir, root / "locks" / NAMES_LOCK)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -136,17 +154,24 @@ class NameCache:
         assert self.directory is not None
         return self.directory / key.hex()
 
-    def persist(self, key: bytes) -> None:
-        """Write the current record for ``key`` durably (rule 4). Blocking: run it in a
-        thread. Raises blobstore's typed errors for local I/O failures."""
+    def persist(self, key: bytes, *, now: float) -> None:
+        """Write the current record for ``key`` durably (rule 4), unless the saved file
+        already holds it or a newer one (another process wrote it; it is adopted).
+        Blocking: run it in a thread. Raises blobstore's typed errors for local I/O
+        failures."""
         if self.directory is None or self.tmp_dir is None:
             return
         with self._write_lock:
             record = self._records.get(key)
             if record is None:
                 return
-            with os_errors(f"saving the name record {record.ref}"):
+            with os_errors(f"saving the name record {record.ref}"), self._process_lock():
                 self.directory.mkdir(exist_ok=True)
+                path = self._path(key)
+                saved = self._load_one(path, now) if path.exists() else None
+                if saved is not None and saved.key == key and not supersedes(record, saved):
+                    self.offer(saved, now=now, own=key in self._own)
+                    return
                 write_file_atomic(
                     self._path(key),
                     record.encode(),
@@ -154,6 +179,27 @@ class NameCache:
                     replace=True,
                     mode=_FILE_MODE,
                 )
+
+    @contextlib.contextmanager
+    def _process_lock(self) -> Iterator[None]:
+        """Hold ``lock_file`` (when set) against other processes' writes; StoreBusy
+        after ``NAMES_LOCK_TIMEOUT`` seconds."""
+        if self.lock_file is None:
+            yield
+            return
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            deadline = time.monotonic() + NAMES_LOCK_TIMEOUT
+            while not try_lock_fd(fd):
+                if time.monotonic() >= deadline:
+                    raise StoreBusy(
+                        f"{self.lock_file} has been held by another process for over "
+                        f"{NAMES_LOCK_TIMEOUT:g} s; is a blob command stuck?"
+                    )
+                time.sleep(_LOCK_POLL)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
 
     def _unlink(self, key: bytes) -> None:
         if self.directory is None:

@@ -194,6 +194,7 @@ def test_one_peer_s_pushes_are_rate_limited() -> None:
 # --- the cache -------------------------------------------------------------------------
 def _cache(tmp_path: Path) -> NameCache:
     (tmp_path / "tmp").mkdir(exist_ok=True)
+    (tmp_path / "locks").mkdir(exist_ok=True)
     return NameCache.for_store_root(tmp_path, tmp_path / "tmp")
 
 
@@ -220,7 +221,7 @@ def test_saved_records_survive_a_restart_and_damaged_ones_are_dropped(
     doomed = _record(signer, name="doomed", expires=NOW + 5)
     for record in (good, doomed):
         cache.offer(record, now=NOW)
-        cache.persist(record.key)
+        cache.persist(record.key, now=NOW)
     damaged = _record(signer, name="damaged")
     (tmp_path / "names" / damaged.key.hex()).write_bytes(damaged.encode()[:-1] + b"\x00")
     misfiled = _record(signer, name="misfiled")  # a valid record under another name's file
@@ -238,11 +239,29 @@ def test_another_process_s_newer_record_is_seen(signer: SoftwareSigner, tmp_path
     serving, publishing = _cache(tmp_path), _cache(tmp_path)
     v1, v2 = _record(signer, seq=1), _record(signer, seq=2, blob_id=BLOB_B)
     serving.offer(v1, now=NOW)
-    serving.persist(v1.key)
+    serving.persist(v1.key, now=NOW)
     publishing.offer(v2, now=NOW)
-    publishing.persist(v2.key)
+    publishing.persist(v2.key, now=NOW)
     serving.reload_key(v1.key, now=NOW)
     assert serving.get(v1.key) == v2
+
+
+def test_a_process_never_overwrites_a_newer_record_another_saved(
+    signer: SoftwareSigner, tmp_path: Path
+) -> None:
+    """``blob publish`` saved v2 beside a serving node that has not seen it; the node
+    then takes v1 from a peer. Its save must keep v2 on disk (and adopt it), not put
+    the replayed v1 back."""
+    serving, publishing = _cache(tmp_path), _cache(tmp_path)
+    v1, v2 = _record(signer, seq=1), _record(signer, seq=2, blob_id=BLOB_B)
+    publishing.offer(v2, now=NOW)
+    publishing.persist(v2.key, now=NOW)
+    assert serving.offer(v1, now=NOW).changed
+    serving.persist(v1.key, now=NOW)
+    assert serving.get(v1.key) == v2
+    reopened = _cache(tmp_path)
+    reopened.load(now=NOW)
+    assert reopened.get(v1.key) == v2
 
 
 def test_one_publisher_cannot_fill_the_cache(signer: SoftwareSigner) -> None:
