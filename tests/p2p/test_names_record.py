@@ -11,14 +11,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import struct
+import types
 from pathlib import Path
 
 import msgpack
 import pytest
+import trio
+import trio.testing
 
 from identity import Authority, MachineKey, SoftwareSigner, TrustStore
 from p2p import names_protocol as wire
-from p2p.names import PUSH_WINDOW_S, NameValidator, PushLimiter
+from p2p.names import PUSH_WINDOW_S, NameService, NameValidator, PushLimiter
 from p2p.names_cache import MAX_RECORDS_PER_PUBLISHER, NameCache
 from p2p.names_record import (
     MAX_NAME_LENGTH,
@@ -315,3 +318,55 @@ def test_hostile_protocol_bytes_are_refused_before_use(signer: SoftwareSigner) -
     wrong_kind = wire.encode(wire.RecordResponse(None))[4:]  # a get answer to a list
     with pytest.raises(wire.NamesProtocolError):
         wire.decode_response(wrong_kind, listing)
+
+
+# --- the names service, in memory --------------------------------------------------------
+class _PushStream:
+    """A names stream whose far end sends one framed request and then reads the answer."""
+
+    def __init__(self, request: bytes, peer: str) -> None:
+        self._inbound = bytearray(request)
+        self.answered = trio.Event()
+        self.muxed_conn = types.SimpleNamespace(peer_id=peer)
+
+    async def read(self, n: int) -> bytes:
+        await trio.lowlevel.checkpoint()
+        out = bytes(self._inbound[:n])
+        del self._inbound[:n]
+        return out
+
+    async def write(self, data: bytes) -> None:
+        self.answered.set()
+
+    async def close(self) -> None:
+        pass
+
+    async def reset(self) -> None:
+        pass
+
+
+class _SilentHost:
+    """Every peer it dials accepts the connection and never answers."""
+
+    async def new_stream(self, peer: object, protocols: object) -> None:
+        await trio.sleep_forever()
+
+
+async def test_a_relay_in_flight_counts_against_the_request_cap(
+    signer: SoftwareSigner, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Guards against a flood of pushes: each new record is relayed to up to 32 peers
+    for up to PUBLISH_TIMEOUT after its request ended; uncounted, relays would pile up
+    without bound while the request cap saw nothing."""
+    slow_peer = SoftwareSigner(MachineKey.generate()).peer_id
+    node = types.SimpleNamespace(
+        peer_id="me", dht=None, host=_SilentHost(), connected_peers=lambda: [slow_peer]
+    )
+    service = NameService(node, NameCache(), clock=lambda: NOW)  # type: ignore[arg-type]
+    stream = _PushStream(wire.encode(wire.PutRequest(_record(signer).encode())), "pusher")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(service.handle_stream, stream)
+        await stream.answered.wait()
+        await trio.sleep(1.0)  # answered and relaying to the peer that never answers
+        assert service._active == 1
+    assert service._active == 0
