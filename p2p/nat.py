@@ -34,14 +34,27 @@ import trio
 from libp2p.peer.id import ID
 
 from p2p.relay import (
+    EXCHANGE_TIMEOUT,
+    MAX_ADMIT_REPLY,
+    MAX_REACH_PORTS,
+    REACH_DIAL_TIMEOUT,
+    REACH_PROTOCOL,
+    RelayError,
+    Reservation,
     dial_via_relay,
     direct_connection,
     nat_services,
     parse_circuit_addr,
     present_certificate,
+    reserve,
 )
 
 log = logging.getLogger(__name__)
+
+# Reservations are renewed when this much of their life is left (py-libp2p's client
+# renews at 80% of the TTL too), and retried this soon after a failed renewal.
+RENEW_AT_FRACTION_LEFT = 0.2
+RENEW_RETRY = 30.0
 
 # py-libp2p's DCUtR tries a direct dial (10 s cap), then three rounds of at most 5 s with
 # 2 s pauses: 25 s is its worst case; a caller's timeout bounds the whole of it.
@@ -92,6 +105,162 @@ async def _dcutr(host: Any) -> AsyncIterator[Any]:
         return
     async with nat_services(host) as dcutr:
         yield dcutr
+
+
+# ------------------------------------------------------------------------ reachability
+@dataclass(frozen=True)
+class Reachability:
+    """Whether peers can dial us: ``public`` True / False, or None when no relay could
+    tell; ``detail`` is the relay's one-line answer or why there was none."""
+
+    public: bool | None
+    detail: str
+
+
+def _listen_ports(host: Any) -> list[int]:
+    ports = []
+    for addr in host.get_transport_addrs():
+        try:
+            port = addr.value_for_protocol("tcp")
+        except Exception:  # not a TCP address
+            continue
+        if port and int(port) not in ports:
+            ports.append(int(port))
+    return ports[:MAX_REACH_PORTS]
+
+
+async def check_reachability(host: Any, relay: ID) -> Reachability:
+    """Ask a (connected) blobnet relay to dial us back on a fresh connection at the IP it
+    sees us at and our listen ports. A NAT or firewall drops that SYN: "private".
+
+    Why not py-libp2p's AutoNAT: in 0.8.1 its server dials back with ``host.connect``
+    (host/autonat/autonat.py, ``_try_dial``), which returns at once when a connection to
+    the peer exists (host/basic_host.py, ``connect``), and the request itself arrived on
+    one: every node is told it is public."""
+    from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
+
+    ports = _listen_ports(host)
+    if not ports:
+        return Reachability(None, "no TCP listen address to be dialled back on")
+    try:
+        with trio.fail_after(EXCHANGE_TIMEOUT + REACH_DIAL_TIMEOUT * len(ports)):
+            stream = await host.new_stream(relay, [REACH_PROTOCOL])
+            await stream.write(encode_varint_prefixed(" ".join(map(str, ports)).encode()))
+            reply = await read_varint_prefixed_bytes_limited(stream, MAX_ADMIT_REPLY)
+            await stream.close()
+    except Exception as exc:  # libp2p raises many types for one failed exchange
+        return Reachability(None, f"relay {relay} gave no dial-back answer: {exc!r}")
+    text = reply.decode(errors="replace")
+    if text.startswith("public"):
+        return Reachability(True, text)
+    if text.startswith("private"):
+        return Reachability(False, text)
+    return Reachability(None, f"relay {relay}: {text}")
+
+
+def advertise(host: Any, extra: list[str]) -> None:
+    """Make ``host.get_addrs()`` (identify, DHT provider records, ``Node.addrs`` and so
+    tickets) name ``extra`` addresses too, after its own.
+
+    Not through py-libp2p's ``addrs_factory``: ``BasicHost.get_addrs`` (0.8.1,
+    host/basic_host.py) strips an address's first ``/p2p/`` component and appends ours,
+    which turns ``.../p2p/<relay>/p2p-circuit/p2p/<us>`` into the relay's bare address."""
+    import multiaddr
+
+    own = type(host).get_addrs.__get__(host)
+    added = [multiaddr.Multiaddr(a) for a in extra]
+
+    def get_addrs() -> list[Any]:
+        return [*own(), *added]
+
+    host.get_addrs = get_addrs
+
+
+@dataclass
+class Reachable:
+    """How a node can be reached: ``addrs`` to hand out (tickets: circuit addresses only
+    when the node is private, so they stay short), its reservations and the one-line
+    reasons of relays that failed."""
+
+    reachability: Reachability
+    addrs: list[str] = field(default_factory=list)
+    reservations: list[Reservation] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+async def _reserve_all(
+    host: Any, relays: Sequence[str], certificate: bytes | None, out: Reachable
+) -> None:
+    out.reservations, out.problems = [], []
+    for relay_addr in relays:
+        try:
+            out.reservations.append(await reserve(host, relay_addr, certificate=certificate))
+        except RelayError as exc:
+            out.problems.append(str(exc))
+            log.warning("%s", exc)
+
+
+async def _renew(
+    host: Any, relays: Sequence[str], certificate: bytes | None, out: Reachable
+) -> None:
+    while True:
+        if out.reservations:
+            soonest = min(r.expires for r in out.reservations)
+            life = soonest - time.time()
+            await trio.sleep(max(RENEW_RETRY, life * (1 - RENEW_AT_FRACTION_LEFT)))
+        else:
+            await trio.sleep(RENEW_RETRY)
+        await _reserve_all(host, relays, certificate, out)
+
+
+@asynccontextmanager
+async def reachable(
+    host: Any,
+    relays: Sequence[str],
+    *,
+    certificate: bytes | None = None,
+    assume_private: bool = False,
+) -> AsyncIterator[Reachable]:
+    """Run what a node needs behind NAT for the ``async with`` block: relay v2's stop
+    side and DCUtR; a dial-back check through the first relay that answers; if the node
+    is private (or ``assume_private``), reservations on every relay, renewed before they
+    expire, with their circuit addresses advertised (``advertise``)."""
+    async with nat_services(host), trio.open_nursery() as nursery:
+        reach = Reachability(None, "no relays configured")
+        for relay_addr in relays:
+            relay_id = ID.from_base58(relay_addr.rsplit("/p2p/", 1)[1])
+            try:
+                with trio.fail_after(EXCHANGE_TIMEOUT):
+                    await host.connect(_peer_info(relay_addr))
+                if certificate is not None:
+                    await present_certificate(host, relay_id, certificate)
+            except Exception as exc:  # RelayError or a failed dial: try the next relay
+                reach = Reachability(None, f"relay {relay_addr}: {exc}")
+                continue
+            reach = await check_reachability(host, relay_id)
+            if reach.public is not None:
+                break
+        out = Reachable(reach)
+        own = [str(a) for a in host.get_addrs()]
+        if reach.public is True and not assume_private:
+            out.addrs = own
+        elif relays:
+            await _reserve_all(host, relays, certificate, out)
+            circuits = [a for r in out.reservations for a in r.circuit_addrs]
+            advertise(host, circuits)
+            out.addrs = circuits or own
+            nursery.start_soon(_renew, host, relays, certificate, out)
+        else:
+            out.addrs = own
+        yield out
+        nursery.cancel_scope.cancel()
+
+
+def _peer_info(addr: str) -> Any:
+    import multiaddr
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    return info_from_p2p_addr(multiaddr.Multiaddr(addr))
 
 
 async def close_relayed(host: Any, peer: ID) -> int:

@@ -70,6 +70,9 @@ from identity.errors import IdentityError
 log = logging.getLogger(__name__)
 
 ADMIT_PROTOCOL = TProtocol("/blobnet/relay-admit/1.0.0")
+# Dial-back: "can you reach me?" The relay dials the asker's observed IP at the ports it
+# names, on a fresh connection, and answers what happened (see ``check_reachability``).
+REACH_PROTOCOL = TProtocol("/blobnet/reach/1.0.0")
 
 # --- Relay limits (control traffic, not bulk) ---
 # go-libp2p's defaults are 2 minutes and 128 KiB per circuit. A blobnet circuit carries
@@ -92,6 +95,13 @@ MAX_ADMITTED_PEERS = 4096
 EXCHANGE_TIMEOUT = 10.0
 # The relay's answer to a certificate: "ok" or a one-line reason (bounded).
 MAX_ADMIT_REPLY = 512
+# A dial-back request names at most this many ports (a node listens on one or two), and
+# the relay dials only the asker's observed IP: it cannot be aimed at a third party.
+MAX_REACH_PORTS = 4
+MAX_REACH_REQUEST = 64
+# A dial-back is TCP + Noise + yamux, about five RTTs: 1 s at 200 ms. A NAT drops the SYN
+# silently, so "private" is the dial timing out.
+REACH_DIAL_TIMEOUT = 5.0
 
 
 def control_limits(
@@ -248,6 +258,63 @@ async def _serve_admission(book: AdmissionBook, stream: INetStream) -> None:
             pass
 
 
+async def _serve_reach(host: IHost, admitted: Callable[[ID], bool], stream: INetStream) -> None:
+    """Dial the asker back at its observed IP on the ports it names; answer
+    ``public <addr>`` or ``private <reason>``."""
+    peer = stream.muxed_conn.peer_id
+    try:
+        with trio.fail_after(EXCHANGE_TIMEOUT):
+            request = await read_varint_prefixed_bytes_limited(stream, MAX_REACH_REQUEST)
+        ports = [int(p) for p in request.decode().split()[:MAX_REACH_PORTS] if p.isdecimal()]
+        ip = _observed_ip(stream)
+        if not admitted(peer):
+            reply = "refused: not admitted"
+        elif ip is None or not ports:
+            reply = "refused: no observed address or no ports named"
+        else:
+            reply = await _dial_back(host, peer, ip, ports)
+        with trio.fail_after(EXCHANGE_TIMEOUT):
+            await stream.write(encode_varint_prefixed(reply.encode()[:MAX_ADMIT_REPLY]))
+        await stream.close()
+    except Exception as exc:  # a peer's broken stream ends only its own exchange
+        log.info("relay: dial-back for %s failed: %r", peer, exc)
+        try:
+            await stream.reset()
+        except Exception:  # already gone
+            pass
+
+
+def _observed_ip(stream: INetStream) -> str | None:
+    try:
+        remote = stream.get_remote_address()
+    except Exception:  # a relayed or odd connection: no address
+        return None
+    if not remote:
+        return None
+    return str(remote[0])
+
+
+async def _dial_back(host: IHost, peer: ID, ip: str, ports: list[int]) -> str:
+    network: Any = host.get_network()
+    tried = []
+    for port in ports:
+        addr = multiaddr.Multiaddr(f"/ip4/{ip}/tcp/{port}")
+        tried.append(str(addr))
+        conn = None
+        with trio.move_on_after(REACH_DIAL_TIMEOUT):
+            try:
+                conn = await network.dial_addr(addr, peer)
+            except Exception as exc:  # refused, reset, wrong peer: not reachable there
+                log.debug("dial-back to %s at %s: %r", peer, addr, exc)
+        if conn is not None:
+            try:
+                await conn.close()
+            except Exception:  # closing our probe connection is best effort
+                pass
+            return f"public {addr}"
+    return f"private: no answer from {', '.join(tried)} within {REACH_DIAL_TIMEOUT:.0f} s"
+
+
 @asynccontextmanager
 async def relay_service(
     host: IHost,
@@ -283,6 +350,11 @@ async def relay_service(
             await _serve_admission(admission_book, stream)
 
         host.set_stream_handler(ADMIT_PROTOCOL, handler)
+
+    async def reach_handler(stream: INetStream) -> None:
+        await _serve_reach(host, is_admitted, stream)
+
+    host.set_stream_handler(REACH_PROTOCOL, reach_handler)
     async with background_trio_service(relay):
         await relay.event_started.wait()
         yield relay
@@ -428,7 +500,13 @@ async def nat_services(
     stop handler (accepts circuits the relay opens to us) and DCUtR."""
     stop = CircuitV2Protocol(host, limits=limits or control_limits(), allow_hop=False)
     dcutr = DCUtRProtocol(host)
-    async with background_trio_service(stop), background_trio_service(dcutr):
-        await stop.event_started.wait()
-        await dcutr.event_started.wait()
-        yield dcutr
+    try:
+        async with background_trio_service(stop), background_trio_service(dcutr):
+            await stop.event_started.wait()
+            await dcutr.event_started.wait()
+            yield dcutr
+    finally:
+        # DCUtRProtocol registers itself on the host and never leaves; a stopped one must
+        # not be found there by the next user (p2p.nat looks for a running one).
+        if getattr(host, "_dcutr_protocol", None) is dcutr:
+            del host._dcutr_protocol  # type: ignore[attr-defined]

@@ -64,24 +64,27 @@ async def run_relay(args: argparse.Namespace, store: str) -> None:
 
 
 async def run_provider(args: argparse.Namespace, store: str) -> None:
+    from p2p.nat import reachable
     from p2p.node import open_node
-    from p2p.relay import RelayError, nat_services, reserve
 
     async with open_node(store, listen=[args.listen], dht=False, fast=not args.slow) as node:
         data = random.Random(args.seed).randbytes(args.size)
         blob_id = await node.add_bytes(data) if args.size else ""
-        async with nat_services(node.host):
-            ready: dict[str, Any] = {"ready": True, "peer_id": node.peer_id, "blob": blob_id}
-            ready["addrs"] = node.addrs
-            if args.relay:
-                try:
-                    res = await reserve(node.host, args.relay, certificate=args.cert_bytes)
-                except RelayError as exc:
-                    _emit({"ready": True, "error": str(exc)})
-                    return
-                ready["circuit_addrs"] = list(res.circuit_addrs)
-                ready["limit_bytes"] = res.max_bytes
-            _emit(ready)
+        relays = [args.relay] if args.relay else []
+        async with reachable(node.host, relays, certificate=args.cert_bytes) as reach:
+            _emit(
+                {
+                    "ready": True,
+                    "peer_id": node.peer_id,
+                    "blob": blob_id,
+                    "public": reach.reachability.public,
+                    "detail": reach.reachability.detail,
+                    "addrs": reach.addrs,
+                    "node_addrs": node.addrs,
+                    "circuit_addrs": [a for r in reach.reservations for a in r.circuit_addrs],
+                    "problems": reach.problems,
+                }
+            )
             await trio.sleep_forever()
 
 

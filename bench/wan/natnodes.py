@@ -70,7 +70,7 @@ class NatNodes:
         listen = f"/ip4/{self.tb.addr(host)}/tcp/{PORT}"
         return [sys.executable, "-m", "bench.wan.nat_agent", role, "--listen", listen, *args]
 
-    def _start(self, role: str, host: str, *args: str) -> Agent:
+    def _spawn(self, role: str, host: str, *args: str) -> tuple[subprocess.Popen[str], Path | None]:
         log = None if self.logs is None else self.logs / f"{host}-{role}.log"
         err: Any = subprocess.DEVNULL if log is None else log.open("ab")
         try:
@@ -87,6 +87,9 @@ class NatNodes:
         finally:
             if log is not None:
                 err.close()
+        return proc, log
+
+    def _ready(self, role: str, host: str, proc: subprocess.Popen[str], log: Path | None) -> Agent:
         line = _readline(proc, READY_TIMEOUT)
         if not line:
             stop_process(proc)
@@ -96,6 +99,9 @@ class NatNodes:
         self.agents.append(agent)
         return agent
 
+    def _start(self, role: str, host: str, *args: str) -> Agent:
+        return self._ready(role, host, *self._spawn(role, host, *args))
+
     def relay(self, host: str, *extra: str) -> Agent:
         """A relay on a public host; admits everyone unless ``--trust HEX`` is given."""
         return self._start("relay", host, *extra)
@@ -103,15 +109,31 @@ class NatNodes:
     def relay_addr(self, relay: Agent) -> str:
         return f"/ip4/{self.tb.addr(relay.host)}/tcp/{PORT}/p2p/{relay.peer_id}"
 
-    def provider(
-        self, host: str, *, relay: Agent | None, size: int, seed: int = 0, extra: Sequence[str] = ()
-    ) -> Agent:
-        """A node holding ``size`` seeded random bytes; reserved on ``relay`` if given
-        (its ``ready`` then carries ``circuit_addrs``, or ``error`` if refused)."""
+    def _provider_args(
+        self, relay: Agent | None, size: int, seed: int, extra: Sequence[str]
+    ) -> list[str]:
         args = ["--size", str(size), "--seed", str(seed), *extra]
         if relay is not None:
             args += ["--relay", self.relay_addr(relay)]
-        return self._start("provider", host, *args)
+        return args
+
+    def provider(
+        self, host: str, *, relay: Agent | None, size: int, seed: int = 0, extra: Sequence[str] = ()
+    ) -> Agent:
+        """A node holding ``size`` seeded random bytes. With a ``relay`` it asks it for a
+        dial-back and, if private, reserves (its ``ready`` then carries ``public``,
+        ``detail``, ``addrs`` to hand out, ``circuit_addrs`` and ``problems``)."""
+        return self._start("provider", host, *self._provider_args(relay, size, seed, extra))
+
+    def providers(
+        self, hosts: Sequence[str], *, relay: Agent | None, size: int, seed: int = 0
+    ) -> list[Agent]:
+        """Several providers started at once (each one's dial-back check takes seconds)."""
+        spawned = [
+            (host, *self._spawn("provider", host, *self._provider_args(relay, size, seed, ())))
+            for host in hosts
+        ]
+        return [self._ready("provider", host, proc, log) for host, proc, log in spawned]
 
     def direct_addr(self, agent: Agent) -> str:
         return f"/ip4/{self.tb.addr(agent.host)}/tcp/{PORT}/p2p/{agent.peer_id}"

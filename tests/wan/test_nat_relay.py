@@ -54,12 +54,8 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     with Testbed(hosts) as tb:
         nat = NatNodes(tb, logs=tmp_path_factory.mktemp("natlogs"))
         relay = nat.relay("relay")
-        agents = {
-            "relay": relay,
-            "home": nat.provider("home", relay=relay, size=SIZE, seed=SEED),
-            "office": nat.provider("office", relay=relay, size=SIZE, seed=SEED),
-            "pub": nat.provider("pub", relay=None, size=SIZE, seed=SEED),
-        }
+        started = nat.providers(["home", "office", "pub"], relay=relay, size=SIZE, seed=SEED)
+        agents = {"relay": relay, **{agent.host: agent for agent in started}}
         assert agents["home"].blob == agents["office"].blob == agents["pub"].blob
         try:
             yield Net(tb, nat, agents)
@@ -87,9 +83,26 @@ def _fetch(net: Net, host: str, providers: list[str]) -> tuple[dict[str, Any], i
     )
 
 
+def test_a_node_learns_whether_it_is_reachable_and_natted_ones_advertise_circuits(
+    net: Net,
+) -> None:
+    """The relay dials each node back on a fresh connection: the NATs drop that SYN, so
+    home and office learn they are private, reserve, and hand out only their circuit
+    address (short tickets); pub is public and hands out its own address."""
+    home, office, pub = (net.agents[name] for name in ("home", "office", "pub"))
+    for natted in (home, office):
+        assert natted.ready["public"] is False, natted.ready["detail"]
+        [circuit] = natted.circuit_addrs
+        assert circuit.endswith(f"/p2p-circuit/p2p/{natted.peer_id}")
+        assert natted.ready["addrs"] == [circuit]
+        assert circuit in natted.ready["node_addrs"]  # identify and DHT records name it
+    assert pub.ready["public"] is True, pub.ready["detail"]
+    assert pub.circuit_addrs == []
+    assert pub.ready["addrs"] == [net.nat.direct_addr(pub)]
+
+
 def test_two_eim_natted_peers_fetch_directly_after_hole_punching(net: Net) -> None:
     home = net.agents["home"]
-    assert len(home.circuit_addrs) == 1 and "/p2p-circuit/p2p/" in home.circuit_addrs[0]
     result, relayed, sent = _fetch(net, "cafe", home.circuit_addrs)
     assert "error" not in result, result
     [punch] = result["punches"]
