@@ -57,19 +57,33 @@ Invariants
    link/replace, fsync dir). A crash anywhere leaves either the old state or the new
    one, plus at most unlocked temp files that the next :meth:`Store.open` sweeps.
 5. **Processes share the store.** Writers hold flocks on their temp files and partial
-   locks; sweeps and GC remove only what they can lock. The store lock (``lock``)
-   serialises publish, delete and tag changes (never the long hashing), so GC cannot
-   delete a blob at the moment a concurrent ``put`` decides to reuse it.
-6. **GC never deletes** a tagged blob (or a child of a tagged collection), a partial
-   someone holds, or anything modified within the grace period. Re-putting existing
-   content refreshes its mtime, as git does for loose objects.
+   locks; sweeps and GC remove only what they can lock. The store lock
+   (``locks/store``) serialises publish, delete, quarantine, lease and tag changes
+   (never the long hashing), so GC cannot delete a blob at the moment a concurrent
+   ``put`` decides to reuse it. Every lock file is 0600 in the 0700 ``locks/`` (and
+   partial locks 0600), so only the owner can take one; waits for the store lock end
+   in StoreBusy after ``lock_timeout``, and partial locks are never waited for
+   (PartialBusy names the holder's PID at once).
+6. **GC never deletes** a tagged or leased blob (or, transitively, a child of a tagged
+   or leased collection), a partial someone holds, or anything modified within the
+   grace period. Re-putting existing content refreshes its mtime, as git does for
+   loose objects. A lease (:mod:`blobstore.lease`, ``locks/lease-*``) is alive exactly
+   while its holder's flock on it is; an ID joins a lease under the store lock before
+   (or as) it is published, so there is no instant at which gc may take it.
 7. OSError is translated into the typed errors of :mod:`blobstore.errors` at the public
    methods; a failed operation removes what it created.
 8. **Rot is quarantined, never served.** A complete blob whose bytes fail a chunk hash
    (found by :meth:`Store.verify`, a verifying read, or a caller such as a server) is
    moved to ``quarantine/`` by :meth:`Store.quarantine`: unpublished at once. Publishing
    the same ID again (``put`` or a fetched partial, which starts from the rotten copy's
-   good chunks) repairs it and clears the quarantine.
+   good chunks) repairs it and clears the quarantine. Only the file whose bytes failed
+   is quarantined (a reader that opened it before a repair leaves the repaired file
+   alone), and a repair never takes over a quarantined file shared with a hard-linked
+   export. A tagged quarantined blob that may be a collection stops gc rather than let
+   it guess which children the collection pins.
+9. **Modes are the store's, not the umask's** (see File modes): private by default; a
+   shared store is readable by others but lockable and writable by the owner only.
+   Another user opens it read-only (:attr:`Store.read_only`).
 """
 
 from __future__ import annotations
