@@ -2,7 +2,7 @@
 connection by hole punching (DCUtR), the blob itself over the direct connection.
 
 Steps of :func:`punch_through` (and :func:`fetch_with_nat`, which runs it for every NATed
-provider of a fetch at once ; each step bounded, the result says which ended it):
+provider of a fetch at once; each step is bounded, and the result says which ended it):
 
 1. Dial the provider's circuit address (``p2p.relay.dial_via_relay``): TCP + Noise to the
    relay, ``CONNECT``, then Noise + yamux end to end through it.
@@ -13,12 +13,12 @@ provider of a fetch at once ; each step bounded, the result says which ended it)
    through the relay only when the caller allows it (and the relay's limits will cut a
    bulk transfer short unless it was configured with raised ones).
 
-Reachability (:func:`reachability`): a node learns whether it is publicly reachable from
-what its peers observed in identify. An observed address that is not one of its own
-listen addresses means a NAT rewrote it: the node is private and should reserve on a
-relay and advertise circuit addresses. py-libp2p's AutoNAT in 0.8.1 would answer the
-same question by dial-back but needs several AutoNAT servers; a relay's observation is
-enough to decide to reserve.
+Reachability (:func:`reachable`, for a serving node): the node asks a relay to dial it
+back at the IP the relay sees it at and its listen port, on a fresh connection
+(:func:`check_reachability`; py-libp2p 0.8.1's AutoNAT cannot tell, see there). A NAT
+drops that SYN: the node is private, reserves on every configured relay (renewing before
+expiry) and advertises the circuit addresses (:func:`advertise`); its tickets name only
+those, so they stay short.
 """
 
 from __future__ import annotations
@@ -133,10 +133,12 @@ async def check_reachability(host: Any, relay: ID) -> Reachability:
     """Ask a (connected) blobnet relay to dial us back on a fresh connection at the IP it
     sees us at and our listen ports. A NAT or firewall drops that SYN: "private".
 
-    Why not py-libp2p's AutoNAT: in 0.8.1 its server dials back with ``host.connect``
+    Why not py-libp2p's AutoNAT (v1, 0.8.1): its server dials back with ``host.connect``
     (host/autonat/autonat.py, ``_try_dial``), which returns at once when a connection to
     the peer exists (host/basic_host.py, ``connect``), and the request itself arrived on
-    one: every node is told it is public."""
+    one. Measured on the testbed: a host behind NAT asking to be dialled at its public
+    IP, port 9 (nothing listens; the NAT drops it anyway) is answered OK; asking with its
+    own (private) listen address it is answered E_DIAL_REFUSED. It never says private."""
     from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
 
     ports = _listen_ports(host)
