@@ -132,3 +132,23 @@ def test_a_dead_holders_lease_is_swept(store: Store) -> None:
     assert len(leases) == 1  # left behind by the crash
     assert store.gc(0) == [blob_id]
     assert not leases[0].exists()
+
+
+def test_an_export_survives_gc_between_its_files(tmp_path: Path) -> None:
+    """``blob get COLL -o out`` ends by exporting; a gc run (another process, grace 0)
+    while the first file is written must not delete the untagged collection's other
+    children before they are written."""
+    files = make_model(tmp_path)
+    store = Store.open(tmp_path / "store")
+    collection = store.put_dir(tmp_path / "model", chunk_size=C)  # untagged, unleased
+    other = Store.open(tmp_path / "store")
+    collected: list[str] = []
+
+    def gc_meanwhile(done: int) -> None:
+        if not collected:
+            collected.extend(other.gc(0) or ["nothing"])
+
+    store.export(collection, tmp_path / "out", progress=gc_meanwhile)
+    assert collected == ["nothing"]
+    for name, content in files.items():
+        assert (tmp_path / "out" / name).read_bytes() == content
