@@ -569,6 +569,10 @@ class Store:
         A file that changes while it is read (its size, mtime or inode differ before and
         after, or fewer or more bytes arrive than it had) is refused with
         :class:`FileChanged` and nothing is stored: the blob would match no state of it.
+        A moved file is checked once more after it is linked in (a writer may still hold
+        it open): if it was written meanwhile, it is unpublished and put back. A write
+        after that check would edit the store's file itself, so move only files that no
+        process still writes; ``verify`` finds (and quarantines) what such a write did.
         """
         check_chunk_size(chunk_size)
         path = Path(path)
@@ -646,8 +650,30 @@ class Store:
             raise
         if not moved:  # identical content was already stored: the file is redundant
             os.unlink(path)
+        elif _written_since(src, st):
+            self._give_back(path, blob_id, old_mode, src)
         fsync_dir(path.parent.absolute())
         return blob_id
+
+    def _give_back(self, path: Path, blob_id: str, old_mode: int, src: int) -> None:
+        """A moved-in file was written between its last check and its link (a writer
+        still had it open): the store's name for it would lie. Unpublish it, put the
+        file back at ``path`` with its mode, and refuse (FileChanged)."""
+        data_path = self._data_path(blob_id)
+        with self._store_lock():
+            with contextlib.suppress(FileExistsError):
+                os.link(data_path, path)
+            data_path.unlink()
+            self._manifest_path(blob_id).unlink(missing_ok=True)
+            fsync_dir(data_path.parent)
+            with self._mutex:
+                self._manifests.pop(blob_id, None)
+        os.fchmod(src, old_mode)
+        fsync_dir(path.parent.absolute())
+        raise FileChanged(
+            f"{path} was written while it was being moved into the store, so nothing was "
+            "stored; put it again once nothing is writing it"
+        )
 
     def _check_space(self, needed: int, what: str) -> None:
         available = self.free_bytes()
@@ -1769,6 +1795,12 @@ def _check_unchanged(path: Path, fd: int, before: os.stat_result, read: int) -> 
             f"{path} changed while it was being read, so nothing was stored; "
             "put it again once nothing is writing it"
         )
+
+
+def _written_since(fd: int, before: os.stat_result) -> bool:
+    """Whether the open file's size or modification time moved since ``before``."""
+    after = os.fstat(fd)
+    return (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns)
 
 
 def _lock_timeout(given: float | None) -> float:

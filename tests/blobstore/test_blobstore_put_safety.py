@@ -95,3 +95,33 @@ def test_an_unchanged_file_is_put(store: Store, tmp_path: Path) -> None:
     src.write_bytes(os.urandom(4 * C))
     blob_id = store.put_path(src, chunk_size=C)
     assert published(store) == [blob_id]
+
+
+def test_a_move_written_after_its_last_check_is_given_back(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``put --move`` of a file another process still has open for writing: a write that
+    lands after the hash and its check but before the link would leave the store naming
+    bytes that are not the blob. It is caught once linked: unpublished, the file put back
+    where it was with its mode, FileChanged."""
+    src = tmp_path / "checkpoint.bin"
+    src.write_bytes(os.urandom(4 * C))
+    old = src.stat().st_mtime - HOUR_AGO
+    os.utime(src, (old, old))
+    os.chmod(src, 0o640)
+    real_link = store_mod.link_or_rename
+
+    def late_writer(source: Path, target: Path, *, replace: bool) -> bool:
+        os.pwrite(writer, b"late step", 0)
+        return real_link(source, target, replace=replace)
+
+    monkeypatch.setattr(store_mod, "link_or_rename", late_writer)
+    writer = os.open(src, os.O_WRONLY)  # the training job's descriptor, still open
+    try:
+        with pytest.raises(FileChanged, match="written while it was being moved"):
+            store.put_path(src, chunk_size=C, move=True)
+    finally:
+        os.close(writer)
+    assert published(store) == []
+    assert src.read_bytes().startswith(b"late step")
+    assert oct(src.stat().st_mode & 0o777) == oct(0o640)
