@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from blobstore import BlobNotFound, Store
+from blobstore.collection import check_relpath
 from blobstore.errors import PathNotFound, StoreError
 
 
@@ -60,9 +61,14 @@ def select_entries(
 def export_files(store: Store, files: Sequence[tuple[str, str]], dest: Path, *, link: bool) -> None:
     """Make directory ``dest`` holding ``files`` (``(relative path, blob_id)``, each blob
     complete in ``store``): symlinks into the store with ``link``, else verified copies.
-    ``dest`` must not exist, or be an empty directory."""
+    ``dest`` must not exist, or be an empty directory. Each path must be a collection's
+    kind of path (relative, no ``..``): nothing is ever written outside ``dest``."""
     dest = dest.expanduser()
     check_output(dest)
+    for path, _ in files:
+        # A decoded collection's paths are checked already; a caller's list may not be, and
+        # an absolute or ".." path would be written outside ``dest`` (BadCollection).
+        check_relpath(path)
     sources = {path: store.path(blob_id) for path, blob_id in files}  # BlobNotFound first
     if link and _same_links(dest, sources):
         return  # the same export again: nothing to do
