@@ -33,6 +33,7 @@ from typing import Any
 import trio
 from libp2p.peer.id import ID
 
+from p2p.downloader import Progress, ProgressCallback
 from p2p.relay import (
     EXCHANGE_TIMEOUT,
     MAX_ADMIT_REPLY,
@@ -48,6 +49,7 @@ from p2p.relay import (
     present_certificate,
     reserve,
 )
+from p2p.ticket import TICKET_PREFIX, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ DEFAULT_PUNCH_TIMEOUT = 30.0
 class NatUnreachable(Exception):
     """No provider of a fetch could be reached: each NATed one failed to hole-punch
     (and relayed transfer was not allowed) and no other was given. ``str``: one line."""
+
+    exit_code = 6  # the README's "network" exit code
 
 
 @dataclass
@@ -371,19 +375,27 @@ async def _punch_all(
 
 async def fetch_with_nat(
     node: Any,
-    blob_id: str,
-    providers: Sequence[str],
+    ref: str,
+    providers: Sequence[str] = (),
     *,
     certificate: bytes | None = None,
     allow_relayed: bool = False,
     punch_timeout: float = DEFAULT_PUNCH_TIMEOUT,
+    progress: ProgressCallback | None = None,
 ) -> NatFetch:
-    """Fetch ``blob_id`` from ``providers``: circuit addresses are reached through their
-    relays and hole-punched (in parallel, each bounded by ``punch_timeout``), the others
-    dialled as usual. NATed providers that could not be punched are left out (each with
-    a one-line reason in the result) unless ``allow_relayed``; NatUnreachable when no
-    provider is left. Errors of the fetch itself propagate (``Node.fetch``'s)."""
+    """Fetch ``ref`` (a blob ID or a ticket, whose addresses join ``providers``):
+    circuit addresses are reached through their relays and hole-punched (in parallel,
+    each bounded by ``punch_timeout``), the others dialled as usual. NATed providers
+    that could not be punched are left out (each with a one-line reason in the result)
+    unless ``allow_relayed``; NatUnreachable when no provider is left. Errors of the
+    fetch itself propagate (``Node.fetch``'s)."""
     t0 = time.monotonic()
+    providers = list(providers)
+    blob_id = ref
+    if ref.startswith(TICKET_PREFIX):
+        ticket = Ticket.decode(ref)
+        blob_id = ticket.blob_id
+        providers.extend(ticket.addrs)
     out = NatFetch(blob_id=blob_id)
     circuits = [a for a in dict.fromkeys(providers) if "/p2p-circuit" in a]
     direct = [a for a in dict.fromkeys(providers) if "/p2p-circuit" not in a]
@@ -396,12 +408,14 @@ async def fetch_with_nat(
             if not reached and not direct:
                 raise NatUnreachable("; ".join(out.failures()) or "no providers given")
 
-            def progress(p: Any) -> None:
+            def on_progress(p: Progress) -> None:
                 if out.first_byte_s is None and p.done_bytes > 0:
                     out.first_byte_s = time.monotonic() - t0
                 out.bytes = p.done_bytes
+                if progress is not None:
+                    progress(p)
 
-            await node.fetch(blob_id, providers=direct, progress=progress, announce=False)
+            await node.fetch(blob_id, providers=direct, progress=on_progress)
             out.done_s = time.monotonic() - t0
         except Exception as exc:  # re-raised below, outside the services
             failed = exc

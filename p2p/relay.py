@@ -128,6 +128,8 @@ def control_limits(
 class RelayError(Exception):
     """A relay exchange failed; ``str`` is a one-line reason naming whose fault it is."""
 
+    exit_code = 6  # the README's "network" exit code
+
 
 class RelayRefused(RelayError):
     """The relay answered, and said no (not admitted, no reservation, limits)."""

@@ -1,0 +1,212 @@
+"""``blob relay``: run a circuit relay v2 for admitted peers (issue 20), and the options
+that ``blob serve`` and ``blob get`` take to work behind NAT (:func:`serve_nat_options`,
+:func:`get_nat_options`, :func:`load_certificate`; the CLI's owner wires them in).
+
+A relay is a blobnet node with a public address. It reserves slots only for peers that
+show an admission certificate from a trusted authority (``--authority``), answers their
+dial-back checks, and cuts every circuit at limits meant for signalling (defaults:
+``p2p.relay.CIRCUIT_MAX_BYTES`` and ``CIRCUIT_MAX_SECONDS``); raise them only for a relay
+that users may fetch whole blobs through (``blob get --via-relay``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+import trio
+
+from identity import MAX_CERTIFICATE_SIZE
+from identity.cli import load_trust, trust_options
+from identity.errors import NotFound
+from p2p.net_cli import (
+    DEFAULT_LISTEN,
+    Interrupted,
+    _key_path,
+    _load_key,
+    _setup_logging,
+    _store,
+    json_option,
+    listen_option,
+    run_interruptible,
+    verbose_option,
+)
+from p2p.relay import (
+    CIRCUIT_MAX_BYTES,
+    CIRCUIT_MAX_SECONDS,
+    MAX_CIRCUITS_PER_PEER,
+    MAX_RESERVATIONS,
+)
+
+
+def _positive(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    if value <= 0:
+        raise click.BadParameter("must be positive (relay v2 reads 0 as unlimited)")
+    return value
+
+
+@click.command("relay")
+@listen_option
+@trust_options
+@click.option(
+    "--max-circuit-bytes",
+    type=int,
+    default=CIRCUIT_MAX_BYTES,
+    show_default=True,
+    callback=_positive,
+    help="Bytes one circuit may carry, both ways together, before the relay cuts it.",
+)
+@click.option(
+    "--max-circuit-seconds",
+    type=int,
+    default=CIRCUIT_MAX_SECONDS,
+    show_default=True,
+    callback=_positive,
+    help="Seconds one circuit may stay open.",
+)
+@click.option(
+    "--max-reservations",
+    type=int,
+    default=MAX_RESERVATIONS,
+    show_default=True,
+    callback=_positive,
+    help="Peers that may hold a reservation at once.",
+)
+@click.option(
+    "--max-circuits-per-peer",
+    type=int,
+    default=MAX_CIRCUITS_PER_PEER,
+    show_default=True,
+    callback=_positive,
+    help="Circuits open at once to one reserved peer.",
+)
+@click.option(
+    "--open-circuits",
+    is_flag=True,
+    help="Let peers without a certificate open circuits to admitted ones (reservations "
+    "stay admitted-only).",
+)
+@click.option("--no-dht", is_flag=True, help="Do not run the Kademlia DHT.")
+@json_option
+@verbose_option
+@click.pass_context
+def relay(
+    ctx: click.Context,
+    listen: Sequence[str],
+    authorities: Sequence[str],
+    revoked_path: Path | None,
+    max_circuit_bytes: int,
+    max_circuit_seconds: int,
+    max_reservations: int,
+    max_circuits_per_peer: int,
+    open_circuits: bool,
+    no_dht: bool,
+    as_json: bool,
+    verbose: int,
+) -> None:
+    """Relay circuits for admitted peers behind NAT until SIGINT or SIGTERM.
+
+    Listen on a public address (e.g. --listen /ip4/0.0.0.0/tcp/4001). Prints one ready
+    line: the relay's peer ID and the addresses to give nodes as their --relay.
+    """
+    from p2p.relay import control_limits
+
+    _setup_logging(verbose)
+    trust = load_trust(authorities, revoked_path)
+    store = _store(ctx)
+    key = _load_key(_key_path(ctx))
+    limits = control_limits(
+        max_bytes=max_circuit_bytes,
+        max_seconds=max_circuit_seconds,
+        max_reservations=max_reservations,
+        max_circuits_per_peer=max_circuits_per_peer,
+    )
+
+    async def run() -> None:
+        from p2p.interfaces import dialable_addrs
+        from p2p.node import open_node
+        from p2p.relay import relay_service
+
+        async with (
+            open_node(
+                store, key=key, listen=tuple(listen or DEFAULT_LISTEN), dht=not no_dht
+            ) as node,
+            relay_service(node.host, trust=trust, limits=limits, open_connect=open_circuits),
+        ):
+            addrs = dialable_addrs(node.addrs)
+            if as_json:
+                limits_json = {
+                    "max_circuit_bytes": limits.data,
+                    "max_circuit_seconds": limits.duration,
+                }
+                click.echo(json.dumps({"peer_id": node.peer_id, "addrs": addrs, **limits_json}))
+            else:
+                click.echo(f"relay {node.peer_id} " + " ".join(addrs))
+            await trio.sleep_forever()
+
+    try:
+        run_interruptible(run)
+    except Interrupted as exc:
+        click.echo(f"stopping on {exc.signal_name}", err=True)  # a server's normal end
+
+
+def load_certificate(path: Path | None) -> bytes | None:
+    """The admission certificate file a node shows relays (None: none given)."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CERTIFICATE_SIZE + 1)
+    except FileNotFoundError:
+        raise NotFound(f"no certificate file at {path}") from None
+    except OSError as exc:
+        raise click.FileError(str(path), hint=exc.strerror or str(exc)) from None
+    if len(data) > MAX_CERTIFICATE_SIZE:
+        raise click.BadParameter(
+            f"{path} is larger than a certificate ({MAX_CERTIFICATE_SIZE} bytes)",
+            param_hint="--certificate",
+        )
+    return data
+
+
+def _certificate_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--certificate",
+        "certificate_path",
+        type=click.Path(path_type=Path, dir_okay=False),
+        default=None,
+        help="This machine's admission certificate (blob admit), shown to relays.",
+    )(command)
+
+
+def serve_nat_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--relay`` (repeatable), ``--certificate``, ``--assume-private`` for
+    ``blob serve``; run the node inside ``p2p.nat.reachable(node.host, relays, ...)``."""
+    command = click.option(
+        "--assume-private",
+        is_flag=True,
+        help="Reserve on the relays even if a relay can dial this node back.",
+    )(command)
+    command = _certificate_option(command)
+    return click.option(
+        "--relay",
+        "relays",
+        multiple=True,
+        metavar="MADDR",
+        help="Relay to reserve on when this node is not publicly reachable (repeatable).",
+    )(command)
+
+
+def get_nat_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--via-relay`` and ``--certificate`` for ``blob get``; fetch with
+    ``p2p.nat.fetch_with_nat`` when a provider address is a circuit one."""
+    command = _certificate_option(command)
+    return click.option(
+        "--via-relay",
+        is_flag=True,
+        help="When hole punching to a NATed provider fails, fetch through its relay "
+        "(only a relay run with raised --max-circuit-bytes lets a blob through).",
+    )(command)
