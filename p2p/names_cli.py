@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-import trio
 
 from blobstore import BlobNotFound, Store
 from p2p.errors import BadAddress
 from p2p.names_record import NameRecord, check_name, parse_ref
-from p2p.net_cli import bootstrap_option, listen_option, verbose_option
+from p2p.net_cli import bootstrap_option, listen_option, run_interruptible, verbose_option
 from p2p.ticket import validate_peer_addr
 
 if TYPE_CHECKING:
@@ -120,7 +119,9 @@ def _run_node(
                 await node.connect(addr)
             return await job(node)
 
-    return trio.run(main)
+    # SIGINT or SIGTERM cancels the job (its cleanup runs) and exits 130, as every node
+    # command does.
+    return run_interruptible(main)
 
 
 def _describe(record: NameRecord) -> str:
