@@ -31,8 +31,11 @@ that differ in it never vouch for each other, or refused:
   ``fp32_precision`` (the newer per-backend form of the same), ``mkldnn`` and
   ``mkldnn_deterministic``, ``deterministic_warn_only``, ``default_dtype``,
   ``opt_einsum`` (it reorders einsum contractions) and ``autocast`` (CPU autocast casts
-  matmuls to bf16). A round re-detects its class after the last step, so one changed
-  during the round is caught too (``training.round``).
+  matmuls to bf16); on CUDA also the preferred BLAS library. A round re-detects its
+  class after the last step, so one changed during the round is caught too
+  (``training.round``).
+- The host CPU (``cpu_capability``, ``cpu_vendor``) in both families: a CUDA round
+  builds its model and LoRA initialisation on the CPU before moving them to the GPU.
 - The C library (``libc``: libm's scalar exp/log fallbacks) and the OpenMP runtime
   actually loaded (``openmp``: basename and size, so an ``LD_LIBRARY_PATH``/``LD_PRELOAD``
   swap shows).
@@ -280,9 +283,12 @@ def detect(device: str) -> KernelClass:
         **settings_fields(),
         **env_fields(),
     }
+    # Both families: a round builds its model and initialises LoRA on the CPU before moving
+    # them to the device (RoPE's inv_freq is a CPU pow, LoRA A a CPU uniform_ and scale),
+    # so a CUDA round's bits follow the host CPU's kernels too.
+    fields["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    fields["cpu_vendor"] = _cpu_vendor()
     if device == "cpu":
-        fields["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-        fields["cpu_vendor"] = _cpu_vendor()
         fields["optimizer"] = OPTIMIZER_IMPL_CPU
     elif device == "cuda":
         index = torch.cuda.current_device()
@@ -300,6 +306,8 @@ def detect(device: str) -> KernelClass:
             f"bench={int(torch.backends.cudnn.benchmark)}"
         )
         fields["autocast_cuda"] = int(torch.is_autocast_enabled("cuda"))
+        # The in-process form of TORCH_BLAS_PREFER_CUBLASLT: cuBLAS, cuBLASLt (or CK).
+        fields["blas_backend"] = str(torch.backends.cuda.preferred_blas_library())
         fields["optimizer"] = OPTIMIZER_IMPL_CUDA
     else:
         raise ValueError(f"unknown device {device!r}")

@@ -219,3 +219,25 @@ def test_in_process_math_switch_changes_the_class(
     assert after.fields[field] != before.fields[field]
     assert after.id != before.id
     assert kernel_class.detect("cpu") == before  # restored for the tests after this one
+
+
+@torch_needed
+def test_cuda_class_pins_the_host_cpu_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA round builds its model and initialises LoRA on the CPU before moving them
+    (RoPE's inv_freq is a CPU pow, LoRA A a CPU uniform_): those bits follow the CPU's
+    kernels, so two GPU hosts with other CPU ISAs must not share a class. No GPU here:
+    torch.cuda's three device queries are stubbed; the rest of detection is real."""
+    import torch
+
+    from training import kernel_class
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "stub GPU")
+    kc = kernel_class.detect("cuda")
+    assert kc.family == "cuda" and kc.fields["gpu"] == "stub GPU"
+    assert kc.fields["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert kc.fields["cpu_vendor"] == kernel_class.detect("cpu").fields["cpu_vendor"]
+    assert kc.fields["blas_backend"] == str(torch.backends.cuda.preferred_blas_library())
+    other_cpu = KernelClass.from_fields({**kc.fields, "cpu_capability": "AVX2"})
+    assert other_cpu.id != kc.id
