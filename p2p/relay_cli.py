@@ -34,16 +34,14 @@ from p2p.net_cli import (
     run_interruptible,
     verbose_option,
 )
-from p2p.relay import (
-    CIRCUIT_MAX_BYTES,
-    CIRCUIT_MAX_SECONDS,
-    MAX_CIRCUITS_PER_PEER,
-    MAX_RESERVATIONS,
-)
+
+# p2p.relay imports libp2p (seconds): it is imported inside the command, so `blob put`
+# stays fast. The option defaults are its constants, resolved there; their help states
+# them (a test checks the two agree).
 
 
-def _positive(ctx: click.Context, param: click.Parameter, value: int) -> int:
-    if value <= 0:
+def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+    if value is not None and value <= 0:
         raise click.BadParameter("must be positive (relay v2 reads 0 as unlimited)")
     return value
 
@@ -54,34 +52,31 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int) -> int:
 @click.option(
     "--max-circuit-bytes",
     type=int,
-    default=CIRCUIT_MAX_BYTES,
-    show_default=True,
+    default=None,
     callback=_positive,
-    help="Bytes one circuit may carry, both ways together, before the relay cuts it.",
+    help="Bytes one circuit may carry, both ways together, before the relay cuts it "
+    "[default: 524288, signalling only].",
 )
 @click.option(
     "--max-circuit-seconds",
     type=int,
-    default=CIRCUIT_MAX_SECONDS,
-    show_default=True,
+    default=None,
     callback=_positive,
-    help="Seconds one circuit may stay open.",
+    help="Seconds one circuit may stay open [default: 120].",
 )
 @click.option(
     "--max-reservations",
     type=int,
-    default=MAX_RESERVATIONS,
-    show_default=True,
+    default=None,
     callback=_positive,
-    help="Peers that may hold a reservation at once.",
+    help="Peers that may hold a reservation at once [default: 256].",
 )
 @click.option(
     "--max-circuits-per-peer",
     type=int,
-    default=MAX_CIRCUITS_PER_PEER,
-    show_default=True,
+    default=None,
     callback=_positive,
-    help="Circuits open at once to one reserved peer.",
+    help="Circuits open at once to one reserved peer [default: 8].",
 )
 @click.option(
     "--open-circuits",
@@ -98,10 +93,10 @@ def relay(
     listen: Sequence[str],
     authorities: Sequence[str],
     revoked_path: Path | None,
-    max_circuit_bytes: int,
-    max_circuit_seconds: int,
-    max_reservations: int,
-    max_circuits_per_peer: int,
+    max_circuit_bytes: int | None,
+    max_circuit_seconds: int | None,
+    max_reservations: int | None,
+    max_circuits_per_peer: int | None,
     open_circuits: bool,
     no_dht: bool,
     as_json: bool,
@@ -112,29 +107,28 @@ def relay(
     Listen on a public address (e.g. --listen /ip4/0.0.0.0/tcp/4001). Prints one ready
     line: the relay's peer ID and the addresses to give nodes as their --relay.
     """
-    from p2p.relay import control_limits
+    from p2p import relay as r
 
     _setup_logging(verbose)
     trust = load_trust(authorities, revoked_path)
     store = _store(ctx)
     key = _load_key(_key_path(ctx))
-    limits = control_limits(
-        max_bytes=max_circuit_bytes,
-        max_seconds=max_circuit_seconds,
-        max_reservations=max_reservations,
-        max_circuits_per_peer=max_circuits_per_peer,
+    limits = r.control_limits(
+        max_bytes=max_circuit_bytes or r.CIRCUIT_MAX_BYTES,
+        max_seconds=max_circuit_seconds or r.CIRCUIT_MAX_SECONDS,
+        max_reservations=max_reservations or r.MAX_RESERVATIONS,
+        max_circuits_per_peer=max_circuits_per_peer or r.MAX_CIRCUITS_PER_PEER,
     )
 
     async def run() -> None:
         from p2p.interfaces import dialable_addrs
         from p2p.node import open_node
-        from p2p.relay import relay_service
 
         async with (
             open_node(
                 store, key=key, listen=tuple(listen or DEFAULT_LISTEN), dht=not no_dht
             ) as node,
-            relay_service(node.host, trust=trust, limits=limits, open_connect=open_circuits),
+            r.relay_service(node.host, trust=trust, limits=limits, open_connect=open_circuits),
         ):
             addrs = dialable_addrs(node.addrs)
             if as_json:

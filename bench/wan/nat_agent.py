@@ -95,6 +95,7 @@ async def run_fetcher(args: argparse.Namespace, store: str) -> None:
     t0 = time.monotonic()
     async with open_node(store, listen=[args.listen], dht=False, fast=not args.slow) as node:
         _emit({"ready": True, "peer_id": node.peer_id})
+        fetch_started_at = time.time()
         try:
             outcome = await fetch_with_nat(
                 node,
@@ -112,6 +113,7 @@ async def run_fetcher(args: argparse.Namespace, store: str) -> None:
             return
         result = outcome.to_json()
         result["total_s"] = time.monotonic() - t0
+        result["fetch_started_at"] = fetch_started_at  # wall clock, for outside timing
         _emit(result)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,10 +147,13 @@ class NatNodes:
         *extra: str,
         timeout: float = 120.0,
     ) -> dict[str, Any]:
-        """Run a fetcher on ``host`` to completion; its result line."""
+        """Run a fetcher on ``host`` to completion; its result line, plus ``spawned_at``
+        (wall clock when its process was started: ``fetch_started_at`` and the result's
+        times measure from inside, so start-up is ``fetch_started_at - spawned_at``)."""
         args = ["--blob", blob, *extra]
         for addr in providers:
             args += ["--provider", addr]
+        spawned_at = time.time()
         agent = self._start("fetcher", host, *args)
         line = _readline(agent.proc, timeout)
         stop_process(agent.proc)
@@ -157,6 +161,7 @@ class NatNodes:
             tail = agent.log.read_text(errors="replace")[-800:] if agent.log else ""
             raise TestbedError(f"fetcher on {host} gave no result in {timeout:.0f} s: {tail}")
         result: dict[str, Any] = json.loads(line)
+        result["spawned_at"] = spawned_at
         return result
 
     def relay_stats(self, relay: Agent) -> dict[str, Any]:

@@ -44,6 +44,23 @@ def test_a_relay_without_an_authority_or_with_a_zero_limit_is_a_usage_error(
         assert len(err.strip().splitlines()) <= 3 and "Traceback" not in err
 
 
+def test_the_help_states_the_relays_real_default_limits(tmp_path: Path) -> None:
+    from p2p import relay
+
+    proc = _blob(tmp_path, "--help")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    text = " ".join(out.split())
+    for option, value in (
+        ("--max-circuit-bytes", relay.CIRCUIT_MAX_BYTES),
+        ("--max-circuit-seconds", relay.CIRCUIT_MAX_SECONDS),
+        ("--max-reservations", relay.MAX_RESERVATIONS),
+        ("--max-circuits-per-peer", relay.MAX_CIRCUITS_PER_PEER),
+    ):
+        stated = text.split(option, 1)[1].split("[default: ", 1)[1].split("]")[0]
+        assert stated.split(",")[0] == str(value), option
+
+
 def test_a_relay_prints_its_address_and_limits_and_stops_on_sigterm(tmp_path: Path) -> None:
     authority = MachineKey.generate().public_key_bytes.hex()
     proc = _blob(

@@ -1,0 +1,129 @@
+"""Issue 20's figures: NATed peers fetching through a relay, upgraded by DCUtR.
+
+    python bench/wan_nat.py [--tries 20] [--rtt-ms 80] [--size-mib 4] [--symmetric-tries 3]
+
+On the WAN testbed: a public relay, a provider behind an endpoint-independent NAT, and a
+fetcher behind another, every pair at ``--rtt-ms``. Each try is a fresh fetcher process
+(a new key, so a new relayed connection and a new hole punch) fetching the provider's blob
+from its circuit address only. Reported per try and summed up: whether the blob came over
+a direct connection, the time from the fetcher's process start (what ``blob get`` would
+be) to the first verified chunk, the same from its node being up, the punch's own time,
+and the bytes the relay carried. ``--symmetric-tries`` repeats with both peers behind
+symmetric NATs, where the punch should fail every time and the fetch say so.
+
+The machine is shared and small: timings include Python start-up on a loaded CPU; compare
+the in-node figures across runs, not with other machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.wan import Host, Testbed, unavailable_reason
+from bench.wan.natnodes import MiB, NatNodes
+
+
+def _tries(
+    nat: NatNodes, relay: Any, kind: str, tries: int, size: int, tb: Testbed
+) -> list[dict[str, Any]]:
+    [provider] = nat.providers([f"{kind}p"], relay=relay, size=size, seed=tries)
+    out = []
+    for i in range(tries):
+        before = nat.relay_stats(relay)["relayed_bytes"]
+        result = nat.fetch(f"{kind}f", provider.blob, provider.circuit_addrs, "--timeout", "15")
+        relayed = nat.relay_stats(relay)["relayed_bytes"] - before
+        punches = result.get("punches") or [{}]
+        row = {
+            "kind": kind,
+            "try": i,
+            "direct": punches[0].get("path") == "direct" and "error" not in result,
+            "reason": result.get("error") or punches[0].get("reason", ""),
+            "relayed_bytes": relayed,
+            "punch_s": None,
+            "first_byte_from_node_s": result.get("first_byte_s"),
+            "first_byte_from_start_s": None,
+            "startup_s": None,
+        }
+        if punches[0].get("direct_s") is not None and punches[0].get("relayed_s") is not None:
+            row["punch_s"] = punches[0]["direct_s"] - punches[0]["relayed_s"]
+        if result.get("first_byte_s") is not None:
+            started = result["fetch_started_at"]
+            row["first_byte_from_start_s"] = started + result["first_byte_s"] - result["spawned_at"]
+            row["startup_s"] = started - result["spawned_at"]
+        print(json.dumps(row), file=sys.stderr)
+        out.append(row)
+    return out
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def stats(key: str) -> dict[str, float] | None:
+        values = [r[key] for r in rows if r[key] is not None]
+        if not values:
+            return None
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    return {
+        "tries": len(rows),
+        "direct": sum(r["direct"] for r in rows),
+        "success_rate": sum(r["direct"] for r in rows) / max(1, len(rows)),
+        "first_byte_from_start_s": stats("first_byte_from_start_s"),
+        "first_byte_from_node_s": stats("first_byte_from_node_s"),
+        "punch_s": stats("punch_s"),
+        "startup_s": stats("startup_s"),
+        "max_relayed_bytes": max((r["relayed_bytes"] for r in rows), default=0),
+        "reasons": sorted({r["reason"].split(" (")[0] for r in rows if r["reason"]}),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tries", type=int, default=20)
+    parser.add_argument("--symmetric-tries", type=int, default=3)
+    parser.add_argument("--rtt-ms", type=float, default=80.0)
+    parser.add_argument("--size-mib", type=int, default=4)
+    parser.add_argument("--json-out", type=Path)
+    args = parser.parse_args()
+    reason = unavailable_reason()
+    if reason is not None:
+        sys.exit(f"cannot run: {reason}")
+    delay = args.rtt_ms / 4  # RTT(i, j) = 2 (delay_i + delay_j)
+    hosts = {
+        "relay": Host(delay_ms=delay),
+        "eimp": Host(delay_ms=delay, nat="eim"),
+        "eimf": Host(delay_ms=delay, nat="eim"),
+        "symp": Host(delay_ms=delay, nat="symmetric"),
+        "symf": Host(delay_ms=delay, nat="symmetric"),
+    }
+    started = time.monotonic()
+    with Testbed(hosts) as tb, tempfile.TemporaryDirectory(prefix="wan-nat-") as logs:
+        nat = NatNodes(tb, logs=Path(logs))
+        try:
+            relay = nat.relay("relay")
+            rows = _tries(nat, relay, "eim", args.tries, args.size_mib * MiB, tb)
+            sym = _tries(nat, relay, "sym", args.symmetric_tries, args.size_mib * MiB, tb)
+        finally:
+            nat.stop()
+    report = {
+        "rtt_ms": args.rtt_ms,
+        "size_mib": args.size_mib,
+        "eim": _summary(rows),
+        "symmetric": _summary(sym),
+        "wall_s": time.monotonic() - started,
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json_out is not None:
+        args.json_out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
