@@ -11,6 +11,8 @@
 - :func:`sign_attestation` / :func:`verify_attestation`: domain-separated signed claims.
 - :func:`is_reserved_kind`: statement kinds only the code that computed them signs
   (``blob attest sign`` refuses them); :mod:`identity.kinds` says what that proves.
+- :func:`write_file`: the durable write (temp file, fsync, rename) of every file the
+  identity and training commands write (keys never overwritten).
 - :func:`decode_msgpack_map`: the bounded, strict msgpack map parse every signed or
   canonical format here starts from (training's records and messages use it too).
 """
@@ -18,6 +20,7 @@
 from __future__ import annotations
 
 from ._codec import decode_map as decode_msgpack_map
+from ._files import PUBLIC_FILE_MODE, write_file
 from .attestation import (
     ATTESTATION_DOMAIN,
     MAX_ATTESTATION_SIZE,
@@ -81,6 +84,7 @@ __all__ = [
     "MAX_ATTESTATION_SIZE",
     "MAX_CERTIFICATE_SIZE",
     "MAX_SUBJECTS",
+    "PUBLIC_FILE_MODE",
     "RESERVED_KINDS",
     "RESERVED_PREFIX",
     "SOFTWARE",
@@ -128,4 +132,5 @@ __all__ = [
     "verify_attestation",
     "verify_certificate",
     "verify_signature",
+    "write_file",
 ]

@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from blobstore import Store
+from identity import PUBLIC_FILE_MODE, write_file
 from identity.cli import load_trust, trust_options
 from training.errors import TrainingError
 
@@ -250,7 +251,7 @@ def recipe_command(
         "target_modules": targets or None,
     }
     recipe = Recipe(**{k: v for k, v in given.items() if v is not None})
-    output.write_bytes(recipe.encode())
+    write_file(output, recipe.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
     if as_json:
         _echo_json({**recipe.to_dict(), "hash": recipe.hash, "file": str(output)})
     else:
@@ -417,6 +418,10 @@ def replay_command(
     from training.net import fetch_missing
     from training.round import check_certificate, load_record, replay_round, required_inputs
 
+    if output is not None:
+        from p2p.export import check_output
+
+        check_output(output)  # a missing directory, before the fetch and the whole replay
     store = _store(ctx)
     round_id = parse_blob_id(round_ref) if peers else _resolve(store, round_ref)
     signer = _signer(ctx)
@@ -436,7 +441,7 @@ def replay_command(
         on_step=_progress(quiet),
     )
     if output is not None:
-        output.write_bytes(result.attestation.encode())
+        write_file(output, result.attestation.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
     if as_json:
         _echo_json(
             {

@@ -227,3 +227,26 @@ def test_input_commands(tmp_path: Path) -> None:
     assert runs[1].output.strip() == first  # the same model, the same collection ID
     entries = {e.path for e in Store.open(store).read_collection(first)}
     assert entries == {"config.json", "model.safetensors"}
+
+
+def test_an_output_in_a_missing_directory_is_one_line_before_any_work(tmp_path: Path) -> None:
+    """`recipe -o` and `replay -o` into a directory that does not exist: the error that
+    blob prints in one line (exit 5 / 3), not an OSError traceback, and `replay` says so
+    before it fetches or trains anything."""
+    from click.testing import CliRunner
+
+    from blobstore.errors import PathNotFound
+    from identity import KeyFileIOError
+    from training.cli import train_group
+
+    obj = {"store_root": tmp_path / "s", "key_path": tmp_path / "k"}
+    missing = tmp_path / "no" / "such"
+    recipe = CliRunner().invoke(train_group, ["recipe", "-o", str(missing)], obj=obj)
+    assert isinstance(recipe.exception, KeyFileIOError), recipe.exception
+    assert "directory" in str(recipe.exception) and recipe.exception.exit_code == 5
+    replay = CliRunner().invoke(
+        train_group, ["replay", "0" * 64, "--peer", "/ip4/127.0.0.1/tcp/9", "-o", str(missing)],
+        obj=obj,
+    )  # fmt: skip
+    assert isinstance(replay.exception, PathNotFound), replay.exception
+    assert not (tmp_path / "s").exists()  # refused before the store was even opened
