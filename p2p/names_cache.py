@@ -89,6 +89,11 @@ class NameCache:
         self._mutex = threading.Lock()
         self._write_lock = threading.Lock()
         self._dir_stamp: int | None = None
+        # name -> (inode, mtime, size) of each saved file as last loaded: a reload reads
+        # and verifies only files that are new or replaced (each save is a new file), so
+        # a peer that alternates pushes and listings cannot make every listing re-verify
+        # the whole cache.
+        self._loaded: dict[str, tuple[int, int, int]] = {}
 
     @classmethod
     def for_store_root(cls, root: Path, tmp_dir: Path) -> NameCache:
@@ -222,10 +227,31 @@ class NameCache:
             except FileNotFoundError:
                 return 0
             self._dir_stamp = stamp
+            loaded: dict[str, tuple[int, int, int]] = {}
             for entry in entries[: MAX_CACHED_RECORDS * 2]:
-                if self._offer_file(Path(entry.path), now, own_publisher).changed:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+                if self._loaded.get(entry.name) == seen and self._holds(entry.name, now):
+                    loaded[entry.name] = seen
+                    continue
+                offer = self._offer_file(Path(entry.path), now, own_publisher)
+                if offer.accepted:
+                    loaded[entry.name] = seen
+                if offer.changed:
                     changed += 1
+            self._loaded = loaded
         return changed
+
+    def _holds(self, file_name: str, now: float) -> bool:
+        """Whether the live record of the file named ``file_name`` is held."""
+        try:
+            record = self._records.get(bytes.fromhex(file_name))
+        except ValueError:
+            return False
+        return record is not None and (record.expires is None or now < record.expires)
 
     def load_if_changed(self, *, now: float, own_publisher: str | None = None) -> int:
         """:meth:`load` if a file was added or replaced since the last one (a rename

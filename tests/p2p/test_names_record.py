@@ -20,6 +20,7 @@ import trio
 import trio.testing
 
 from identity import Authority, MachineKey, SoftwareSigner, TrustStore
+from p2p import names_cache
 from p2p import names_protocol as wire
 from p2p.names import PUSH_WINDOW_S, NameService, NameValidator, PushLimiter
 from p2p.names_cache import MAX_RECORDS_PER_PUBLISHER, NameCache
@@ -370,3 +371,31 @@ async def test_a_relay_in_flight_counts_against_the_request_cap(
         await trio.sleep(1.0)  # answered and relaying to the peer that never answers
         assert service._active == 1
     assert service._active == 0
+
+
+def test_a_reload_verifies_only_new_or_replaced_files(
+    signer: SoftwareSigner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer alternating pushes (each changes the directory) and listings (each reloads
+    it) must not make every listing re-verify the whole cache."""
+    saving = _cache(tmp_path)
+    for i in range(5):
+        record = _record(signer, name=f"n{i}")
+        saving.offer(record, now=NOW)
+        saving.persist(record.key, now=NOW)
+    serving = _cache(tmp_path)
+    assert serving.load(now=NOW) == 5
+    verified: list[bytes] = []
+    real_verify = names_cache.verify
+
+    def counting_verify(data: bytes, *, now: float) -> NameRecord:
+        verified.append(data)
+        return real_verify(data, now=now)
+
+    newer = _record(signer, seq=2, name="n3", blob_id=BLOB_B)
+    saving.offer(newer, now=NOW)
+    saving.persist(newer.key, now=NOW)
+    monkeypatch.setattr(names_cache, "verify", counting_verify)
+    assert serving.load(now=NOW) == 1
+    assert verified == [newer.encode()]
+    assert serving.get(newer.key) == newer
