@@ -109,40 +109,17 @@ def run_check(out: Path, steps: int, keep_kernel_set: bool, device: str = "cuda"
         for arch in ("tiny-llama", "gpt2"):
             t0 = time.monotonic()
             key = keys["runner"]
+            records_cmd = _blob(
+                store_path, key, "train", "records", str(tmp / "corpus.txt"), "--seq-len", "32"
+            )
             if arch == "tiny-llama":
                 base = _child(_blob(store_path, key, "train", "init-model"), env, "init-model")
-                records = _child(
-                    _blob(
-                        store_path,
-                        key,
-                        "train",
-                        "records",
-                        str(tmp / "corpus.txt"),
-                        "--seq-len",
-                        "32",
-                    ),
-                    env,
-                    "records",
-                )
+                records = _child(records_cmd, env, "records")
                 targets: tuple[str, ...] = ARCH_TARGETS["llama"]
             else:
                 build_model_dir("gpt2", tmp / "gpt2", [CORPUS], seed=0)
                 base = store.put_dir(tmp / "gpt2")
-                records = _child(
-                    _blob(
-                        store_path,
-                        key,
-                        "train",
-                        "records",
-                        str(tmp / "corpus.txt"),
-                        "--seq-len",
-                        "32",
-                        "--base",
-                        base.strip(),
-                    ),
-                    env,
-                    "records --base",
-                )
+                records = _child([*records_cmd, "--base", base], env, "records --base")
                 targets = ARCH_TARGETS["gpt2"]
             recipe = tmp / f"{arch}.recipe"
             recipe.write_bytes(

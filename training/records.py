@@ -190,17 +190,25 @@ def _decode_v2(data: bytes) -> Records:
         raise BadRecords(f"unknown tokenizer {tokenizer} with vocab {vocab}")
     if width != _width(vocab) or reserved != 0:
         raise BadRecords(f"token width {width} / reserved {reserved} is not canonical")
+    # The padding id is ``vocab`` itself: one past the vocabulary's last token.
+    tokens = _token_matrix(data, HEADER_SIZE_V2, width, seq_len, count, vocab, max_id=vocab)
+    return Records(seq_len, vocab, tokens, pad_id=vocab, tokenizer_id=raw_id.hex())
+
+
+def _token_matrix(
+    data: bytes, offset: int, width: int, seq_len: int, count: int, vocab: int, *, max_id: int
+) -> np.ndarray:
+    """The ``count x seq_len`` tokens after the header, each checked to be <= ``max_id``."""
     if not 2 <= seq_len <= MAX_SEQ_LEN or count < 1 or count * seq_len > MAX_TOKENS:
         raise BadRecords(f"records shape {count} x {seq_len} is out of bounds")
-    if len(data) != HEADER_SIZE_V2 + count * seq_len * width:
+    if len(data) != offset + count * seq_len * width:
         raise BadRecords(
             f"records blob is {len(data)} bytes; header says {count} x {seq_len} tokens"
         )
-    raw = np.frombuffer(data, dtype="<u2" if width == 2 else "<u4", offset=HEADER_SIZE_V2)
-    if raw.size and int(raw.max()) > vocab:
+    raw = np.frombuffer(data, dtype="<u2" if width == 2 else "<u4", offset=offset)
+    if raw.size and int(raw.max()) > max_id:
         raise BadRecords(f"token id {int(raw.max())} is outside the vocabulary of {vocab}")
-    tokens = raw.astype(np.int64).reshape(count, seq_len)
-    return Records(seq_len, vocab, tokens, pad_id=vocab, tokenizer_id=raw_id.hex())
+    return raw.astype(np.int64).reshape(count, seq_len)
 
 
 def decode_records(data: bytes) -> Records:
@@ -217,14 +225,6 @@ def decode_records(data: bytes) -> Records:
     expected_width = 2 if vocab <= 1 << 16 else 4
     if width != expected_width or reserved != 0:
         raise BadRecords(f"token width {width} / reserved {reserved} is not canonical")
-    if not 2 <= seq_len <= MAX_SEQ_LEN or count < 1 or count * seq_len > MAX_TOKENS:
-        raise BadRecords(f"records shape {count} x {seq_len} is out of bounds")
-    if len(data) != HEADER_SIZE + count * seq_len * width:
-        raise BadRecords(
-            f"records blob is {len(data)} bytes; header says {count} x {seq_len} tokens"
-        )
-    raw = np.frombuffer(data, dtype="<u2" if width == 2 else "<u4", offset=HEADER_SIZE)
-    if raw.size and int(raw.max()) >= vocab:
-        raise BadRecords(f"token id {int(raw.max())} is outside the vocabulary of {vocab}")
-    tokens = raw.astype(np.int64).reshape(count, seq_len)
+    # Bytes-v1's padding id is inside its vocabulary (PAD_ID).
+    tokens = _token_matrix(data, HEADER_SIZE, width, seq_len, count, vocab, max_id=vocab - 1)
     return Records(seq_len=seq_len, vocab_size=vocab, tokens=tokens)
