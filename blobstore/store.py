@@ -781,6 +781,11 @@ class Store:
         nothing is done (False).
         """
         parse_blob_id(blob_id)
+        if self.read_only:
+            raise StoreError(
+                f"blob {blob_id[:12]} is corrupt in {self.root}, which belongs to another "
+                "user: ask its owner to run `blob verify` there"
+            )
         with os_errors(f"quarantining blob {blob_id[:12]}"), self._store_lock():
             data_path = self._data_path(blob_id)
             if not data_path.exists():
@@ -1121,7 +1126,8 @@ class Store:
         """Indices of chunks whose stored bytes fail their hash ([] = intact).
 
         A complete blob is checked whole and, if any chunk fails and ``quarantine`` is
-        set, quarantined (see :meth:`quarantine`); a partial one, the chunks it marks
+        set, quarantined (see :meth:`quarantine`; not in another user's store, which is
+        read-only here); a partial one, the chunks it marks
         verified; a quarantined one, its quarantined copy (or the partial seeded from it).
         Raises StoreCorrupt if the manifest itself is damaged.
         """
@@ -1155,7 +1161,7 @@ class Store:
                     bad.append(max(n - 1, 0))  # trailing garbage past the last chunk
             finally:
                 os.close(fd)
-        if bad and complete and quarantine:
+        if bad and complete and quarantine and not self.read_only:
             shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
             reason = f"verify found {len(bad)} corrupt chunk(s): {shown}"
             self.quarantine(blob_id, reason, read_from=read_from)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from blobstore import LOCK_TIMEOUT_ENV, Manifest, Store, StoreBusy, StoreError
+from blobstore import LOCK_TIMEOUT_ENV, CorruptChunk, Manifest, Store, StoreBusy, StoreError
 
 C = 64 * 1024
 REPO = Path(__file__).resolve().parents[2]
@@ -280,3 +280,23 @@ def test_another_users_shared_store_opens_read_only(
     assert modes_of({"root": root, "tmp": root / "tmp", "locks": root / "locks"}) == before
     with pytest.raises(StoreError, match="only the owner"):
         Store.open(root, shared=False)
+
+
+def test_another_user_finds_rot_but_leaves_the_quarantine_to_the_owner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader of a shared store may not move the owner's files: ``verify`` reports the
+    bad chunk (rather than fail on the owner's lock) and a read says whom to ask."""
+    root = tmp_path / "s"
+    owner = Store.open(root, shared=True)
+    blob_id = owner.put_bytes(bytes(2 * C), chunk_size=C)
+    path = owner.path(blob_id)
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.write(b"rot")
+    monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 4242)
+    reader = Store.open(root)
+    assert reader.verify(blob_id) == [0]
+    with pytest.raises(CorruptChunk, match="ask its owner"):
+        reader.read_chunk(blob_id, 0)
+    assert owner.has(blob_id)  # still the owner's to quarantine
