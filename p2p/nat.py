@@ -343,6 +343,22 @@ async def punch_through(
     return out
 
 
+async def natted_providers(node: Any, blob_id: str) -> list[str]:
+    """Circuit addresses of the DHT's providers of ``blob_id`` that we are not connected
+    to and know no other way to (a NATed provider advertises only those that work)."""
+    out: list[str] = []
+    connected = set(node.connected_peers())
+    for peer in await node.find_providers(blob_id):
+        if peer in connected:
+            continue
+        try:
+            addrs = [str(a) for a in node.host.get_peerstore().addrs(ID.from_base58(peer))]
+        except Exception:  # no addresses known after all
+            continue
+        out.extend(a for a in addrs if "/p2p-circuit" in a and a.endswith(f"/p2p/{peer}"))
+    return out
+
+
 async def _punch_all(
     node: Any,
     circuits: list[str],
@@ -382,13 +398,16 @@ async def fetch_with_nat(
     allow_relayed: bool = False,
     punch_timeout: float = DEFAULT_PUNCH_TIMEOUT,
     progress: ProgressCallback | None = None,
+    discover: bool = False,
 ) -> NatFetch:
     """Fetch ``ref`` (a blob ID or a ticket, whose addresses join ``providers``):
     circuit addresses are reached through their relays and hole-punched (in parallel,
     each bounded by ``punch_timeout``), the others dialled as usual. NATed providers
     that could not be punched are left out (each with a one-line reason in the result)
-    unless ``allow_relayed``; NatUnreachable when no provider is left. Errors of the
-    fetch itself propagate (``Node.fetch``'s)."""
+    unless ``allow_relayed``; NatUnreachable when no provider is left. With
+    ``discover`` the DHT is asked first, and providers it names that are known only by
+    circuit addresses join the punches (the fetch asks the DHT again as usual). Errors of
+    the fetch itself propagate (``Node.fetch``'s)."""
     t0 = time.monotonic()
     providers = list(providers)
     blob_id = ref
@@ -397,6 +416,8 @@ async def fetch_with_nat(
         blob_id = ticket.blob_id
         providers.extend(ticket.addrs)
     out = NatFetch(blob_id=blob_id)
+    if discover:
+        providers.extend(await natted_providers(node, blob_id))
     circuits = [a for a in dict.fromkeys(providers) if "/p2p-circuit" in a]
     direct = [a for a in dict.fromkeys(providers) if "/p2p-circuit" not in a]
     failed: Exception | None = None

@@ -237,8 +237,26 @@ class AdmittedRelay(CircuitV2Protocol):
     async def _relay_data(  # type: ignore[override]
         self, src_stream: INetStream, dst_stream: INetStream, *args: Any
     ) -> None:
+        """One direction of a circuit; when it ends, the whole circuit ends.
+
+        py-libp2p's own clean-up (protocol.py, ``_relay_data``'s ``finally``) closes the
+        streams it filed under the direction's peer ID, and the source's entry holds no
+        destination stream (``_active_relays[source_addr] = (stream, None)``): a fetcher
+        closing its side leaves the other direction waiting on the provider, whose
+        relayed connection lives on until its DCUtR grace period (60 s) ends. The circuit
+        slot stays taken meanwhile, and after ``max_circuit_conns`` such circuits the
+        relay answers NO_RESERVATION (its one code for that limit and for no
+        reservation). Resetting both streams frees the slot at once."""
         counted: Any = _CountingReader(src_stream, self)
-        await super()._relay_data(counted, dst_stream, *args)
+        try:
+            await super()._relay_data(counted, dst_stream, *args)
+        finally:
+            with trio.CancelScope(shield=True):
+                for stream in (src_stream, dst_stream):
+                    try:
+                        await stream.reset()
+                    except Exception:  # already closed or reset
+                        pass
 
 
 async def _serve_admission(book: AdmissionBook, stream: INetStream) -> None:

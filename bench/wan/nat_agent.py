@@ -52,7 +52,9 @@ async def run_relay(args: argparse.Namespace, store: str) -> None:
 
     trust = TrustStore(frozenset(bytes.fromhex(h) for h in args.trust)) if args.trust else None
     limits = control_limits(max_bytes=args.max_bytes) if args.max_bytes else control_limits()
-    async with open_node(store, listen=[args.listen], dht=False, fast=not args.slow) as node:
+    async with open_node(
+        store, listen=[args.listen], dht=args.dht, bootstrap=args.bootstrap, fast=not args.slow
+    ) as node:
         admitted = None if trust is not None else (lambda peer: True)
         async with relay_service(
             node.host, trust=trust, admitted=admitted, limits=limits, open_connect=args.open
@@ -67,11 +69,15 @@ async def run_provider(args: argparse.Namespace, store: str) -> None:
     from p2p.nat import reachable
     from p2p.node import open_node
 
-    async with open_node(store, listen=[args.listen], dht=False, fast=not args.slow) as node:
+    async with open_node(
+        store, listen=[args.listen], dht=args.dht, bootstrap=args.bootstrap, fast=not args.slow
+    ) as node:
         data = random.Random(args.seed).randbytes(args.size)
         blob_id = await node.add_bytes(data) if args.size else ""
         relays = [args.relay] if args.relay else []
         async with reachable(node.host, relays, certificate=args.cert_bytes) as reach:
+            if args.dht and blob_id:
+                await node.provide(blob_id)  # again: the record now names the circuit
             _emit(
                 {
                     "ready": True,
@@ -93,7 +99,9 @@ async def run_fetcher(args: argparse.Namespace, store: str) -> None:
     from p2p.node import open_node
 
     t0 = time.monotonic()
-    async with open_node(store, listen=[args.listen], dht=False, fast=not args.slow) as node:
+    async with open_node(
+        store, listen=[args.listen], dht=args.dht, bootstrap=args.bootstrap, fast=not args.slow
+    ) as node:
         _emit({"ready": True, "peer_id": node.peer_id})
         fetch_started_at = time.time()
         try:
@@ -104,6 +112,7 @@ async def run_fetcher(args: argparse.Namespace, store: str) -> None:
                 certificate=args.cert_bytes,
                 allow_relayed=args.allow_relayed,
                 punch_timeout=args.timeout,
+                discover=args.discover,
             )
         except NatUnreachable as exc:
             _emit({"error": str(exc), "total_s": time.monotonic() - t0})
@@ -134,6 +143,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--slow", action="store_true", help="py-libp2p's own Noise/yamux")
     parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--dht", action="store_true", help="run the Kademlia DHT")
+    parser.add_argument("--bootstrap", action="append", default=[])
+    parser.add_argument("--discover", action="store_true", help="fetcher: ask the DHT too")
     args = parser.parse_args()
     args.cert_bytes = Path(args.cert).read_bytes() if args.cert else None
     logging.basicConfig(

@@ -20,7 +20,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,11 +127,24 @@ class NatNodes:
         return self._start("provider", host, *self._provider_args(relay, size, seed, extra))
 
     def providers(
-        self, hosts: Sequence[str], *, relay: Agent | None, size: int, seed: int = 0
+        self,
+        hosts: Sequence[str],
+        *,
+        relay: Agent | None,
+        size: int,
+        seed: int = 0,
+        extra: Mapping[str, Sequence[str]] | None = None,
     ) -> list[Agent]:
-        """Several providers started at once (each one's dial-back check takes seconds)."""
+        """Several providers started at once (each one's dial-back check takes seconds);
+        ``extra``: more agent arguments per host."""
+        extra = extra or {}
         spawned = [
-            (host, *self._spawn("provider", host, *self._provider_args(relay, size, seed, ())))
+            (
+                host,
+                *self._spawn(
+                    "provider", host, *self._provider_args(relay, size, seed, extra.get(host, ()))
+                ),
+            )
             for host in hosts
         ]
         return [self._ready("provider", host, proc, log) for host, proc, log in spawned]

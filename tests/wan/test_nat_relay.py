@@ -50,11 +50,16 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
         "cafe": Host(delay_ms=20.0, nat="eim"),
         "office": Host(delay_ms=20.0, nat="symmetric"),
         "shop": Host(delay_ms=20.0, nat="symmetric"),
+        "lab": Host(delay_ms=20.0, nat="eim"),  # a provider that announces on the DHT
+        "dorm": Host(delay_ms=20.0),  # a public fetcher that asks the DHT
     }
     with Testbed(hosts) as tb:
         nat = NatNodes(tb, logs=tmp_path_factory.mktemp("natlogs"))
-        relay = nat.relay("relay")
-        started = nat.providers(["home", "office", "pub"], relay=relay, size=SIZE, seed=SEED)
+        relay = nat.relay("relay", "--dht")
+        dht = ["--dht", "--bootstrap", nat.relay_addr(relay)]
+        started = nat.providers(
+            ["home", "office", "pub", "lab"], relay=relay, size=SIZE, seed=SEED, extra={"lab": dht}
+        )
         agents = {"relay": relay, **{agent.host: agent for agent in started}}
         assert agents["home"].blob == agents["office"].blob == agents["pub"].blob
         try:
@@ -67,14 +72,16 @@ def _sent(tb: Testbed) -> dict[str, int]:
     return {name: int(h["sent_bytes"]) for name, h in tb.stats()["hosts"].items()}
 
 
-def _fetch(net: Net, host: str, providers: list[str]) -> tuple[dict[str, Any], int, dict[str, int]]:
+def _fetch(
+    net: Net, host: str, providers: list[str], *extra: str
+) -> tuple[dict[str, Any], int, dict[str, int]]:
     """Run one fetch; its result, the bytes the relay carried meanwhile, and the bytes
     each host sent meanwhile."""
     tb, nat, agents = net
     relay = agents["relay"]
     relayed = nat.relay_stats(relay)["relayed_bytes"]
     sent = _sent(tb)
-    result = nat.fetch(host, agents["home"].blob, providers, "--timeout", PUNCH_TIMEOUT)
+    result = nat.fetch(host, agents["home"].blob, providers, "--timeout", PUNCH_TIMEOUT, *extra)
     after = _sent(tb)
     return (
         result,
@@ -122,6 +129,23 @@ def test_a_public_peer_fetches_from_a_natted_provider(net: Net) -> None:
     assert result["bytes"] == SIZE
     assert relayed < SIGNALLING_BYTES
     assert sent["home"] >= SIZE
+
+
+def test_a_natted_provider_found_through_the_dht_is_fetched_from_directly(net: Net) -> None:
+    """lab announces the blob on the DHT (bootstrapped from the relay) with its circuit
+    address; dorm, given no provider at all, finds it there and hole-punches to it."""
+    lab = net.agents["lab"]
+    assert lab.ready["public"] is False
+    relay = net.agents["relay"]
+    result, relayed, sent = _fetch(
+        net, "dorm", [], "--dht", "--bootstrap", net.nat.relay_addr(relay), "--discover"
+    )
+    assert "error" not in result, result
+    [punch] = result["punches"]
+    assert punch["peer"] == lab.peer_id and punch["path"] == "direct", punch
+    assert result["bytes"] == SIZE
+    assert sent["lab"] >= SIZE
+    assert relayed < SIGNALLING_BYTES
 
 
 def test_symmetric_nat_pair_fails_over_to_another_provider_with_a_one_line_reason(
