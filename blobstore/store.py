@@ -1017,40 +1017,15 @@ class Store:
         return self._data_path(blob_id)
 
     def read_chunk(self, blob_id: str, index: int) -> bytes:
-        """Chunk ``index``, hashed again before it is returned."""
-        manifest = self.manifest(blob_id)
-        offset, length = manifest.chunk_span(index)
-        with self._mutex:
-            live = self._open_partials.get(blob_id)
-        if live is not None:
-            return live.read_chunk(index)
-        with os_errors(f"reading chunk {index} of {blob_id[:12]}"):
-            complete = self.has(blob_id)
-            if complete:
-                source = self._data_path(blob_id)
-            else:
-                bits = load_bitmap(self._partial_dir(blob_id) / "bitmap", manifest.num_chunks)
-                if not bm.get_bit(bits, index):
-                    raise ChunkUnavailable(f"chunk {index} of {blob_id[:12]} is not held yet")
-                source = self._partial_dir(blob_id) / "data"
-            try:
-                fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:  # removed (or published) meanwhile
-                raise ChunkUnavailable(f"chunk {index} of {blob_id[:12]} is gone") from None
-            try:
-                data = read_span(fd, offset, length)
-                read_from = os.fstat(fd)
-            finally:
-                os.close(fd)
-        if len(data) != length or blake3(data).digest() != manifest.chunk_hash(index):
-            what = f"chunk {index} of blob {blob_id} is corrupt on disk"
-            tail = (
-                self._quarantine_on_read(blob_id, what, read_from)
-                if complete
-                else "; run `blob verify`"
-            )
-            raise CorruptChunk(what + tail)
-        return data
+        """Chunk ``index``, hashed again before it is returned (one read through
+        :meth:`open_reader`; a rotten chunk of a complete blob quarantines it)."""
+        self.manifest(blob_id)  # BlobNotFound for a blob this store never had
+        try:
+            reader = self.open_reader(blob_id)
+        except (BlobNotFound, BlobQuarantined):  # removed, published or quarantined
+            raise ChunkUnavailable(f"chunk {index} of {blob_id[:12]} is gone") from None
+        with reader:
+            return reader.read(index)
 
     def open_reader(self, blob_id: str) -> ChunkReader:
         """A :class:`~blobstore.reader.ChunkReader` over the blob's file, opened once."""
