@@ -44,6 +44,19 @@ no_dht_option = click.option("--no-dht", is_flag=True, help="Do not use the Kade
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
 
+def _node_options(*, dht: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options of every catalog command that runs a node (``--no-dht`` with
+    ``dht``), in the order ``--help`` lists them, and the click context."""
+
+    def apply(command: Callable[..., Any]) -> Callable[..., Any]:
+        command = json_option(verbose_option(click.pass_context(command)))
+        if dht:
+            command = no_dht_option(command)
+        return peer_option(bootstrap_option(listen_option(command)))
+
+    return apply
+
+
 def _trust_options(command: Callable[..., Any]) -> Callable[..., Any]:
     command = click.option(
         "--revoked",
@@ -166,13 +179,7 @@ def _read_certificate(path: Path) -> AdmissionCertificate:
     default=None,
     help="This machine's admission certificate, to embed.",
 )
-@peer_option
-@bootstrap_option
-@listen_option
-@no_dht_option
-@json_option
-@verbose_option
-@click.pass_context
+@_node_options(dht=True)
 def publish(
     ctx: click.Context,
     name: str,
@@ -240,13 +247,7 @@ def publish(
     help="Seconds to wait for peers and the DHT.",
 )
 @_trust_options
-@peer_option
-@bootstrap_option
-@listen_option
-@no_dht_option
-@json_option
-@verbose_option
-@click.pass_context
+@_node_options(dht=True)
 def resolve(
     ctx: click.Context,
     ref: str,
@@ -284,12 +285,7 @@ def resolve(
 @click.command()
 @click.argument("publisher")
 @_trust_options
-@peer_option
-@bootstrap_option
-@listen_option
-@json_option
-@verbose_option
-@click.pass_context
+@_node_options(dht=False)
 def catalog(
     ctx: click.Context,
     publisher: str,
