@@ -1062,6 +1062,12 @@ class StripeConfig:
     growth_factor: int = 4
     # A step's rate is judged over at least this many bytes, not a handful of chunks.
     min_window_bytes: int = 8 << 20
+    # On a path this long (intercontinental: stock buffers cap one connection at ~4 MiB /
+    # RTT, 84 MB/s at 50 ms) the first step is taken at once, before any rate is known:
+    # dials cost ~5 RTTs each, so waiting to measure one connection first costs seconds.
+    # What follows is judged as usual (an idle link's extra connections cost a handshake).
+    predial_rtt_s: float = 0.05
+    predial_connections: int = 4
     # The rate must grow by this fraction over the previous step's for another step: a
     # link already full (or a CPU-bound loopback) stops growing after one extra connection.
     min_gain: float = 0.15
@@ -1096,7 +1102,8 @@ class StripeGrowth:
     connection): a LAN or a loopback, where one connection is never buffer-limited, keeps
     one connection. A step in which the provider ran out of work (``busy`` False) says
     nothing about the path and is measured again. A failed dial ends growth for this
-    download.
+    download. On a path of ``predial_rtt_s`` or more the first step, to
+    ``predial_connections``, is taken at once, before anything is measured.
     """
 
     def __init__(self, config: StripeConfig, now: float, connections: int = 1) -> None:
@@ -1110,6 +1117,7 @@ class StripeGrowth:
         self._mark = now
         self._bytes = 0
         self._rtt: float | None = None  # the last RTT `decide` was told
+        self._predialled = False
 
     def _settle(self, rtt: float | None) -> float:
         rtts = self._cfg.first_settle_rtts if self._baseline is None else self._cfg.settle_rtts
@@ -1133,6 +1141,17 @@ class StripeGrowth:
         self._rtt = rtt
         if self.stopped or self.pending:
             return 0
+        if (
+            not self._predialled
+            and busy
+            and rtt is not None
+            and rtt >= self._cfg.predial_rtt_s
+            and self.connections < self._cfg.predial_connections
+        ):
+            self._predialled = True
+            want = min(self._cfg.max_connections, self._cfg.predial_connections)
+            self.pending = want - self.connections
+            return self.pending
         settle = self._settle(rtt)
         if now - self._start < settle:
             return 0

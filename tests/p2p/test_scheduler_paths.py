@@ -151,6 +151,9 @@ def test_a_near_provider_keeps_one_connection() -> None:
     assert run_growth(125e6, 125e6, 0.002) == [(0.0, 1)]
 
 
+MEASURED = StripeConfig(predial_rtt_s=math.inf)  # every step judged by measurement
+
+
 def test_an_idle_provider_does_not_grow() -> None:
     growth = StripeGrowth(StripeConfig(), 0.0)
     for i in range(1, 200):
@@ -160,8 +163,18 @@ def test_an_idle_provider_does_not_grow() -> None:
     assert growth.connections == 1 and not growth.stopped
 
 
+def test_a_far_provider_gets_its_first_connections_at_once() -> None:
+    """200 ms: four connections are dialled before anything is measured (a dial costs
+    ~5 RTTs; measuring one connection first would cost seconds); near, none."""
+    far = StripeGrowth(StripeConfig(), 0.0)
+    assert far.decide(0.0, 0.2, busy=False) == 0  # nothing to fetch yet: no dials
+    assert far.decide(0.01, 0.2, busy=True) == 3
+    near = StripeGrowth(StripeConfig(), 0.0)
+    assert near.decide(0.01, 0.001, busy=True) == 0
+
+
 def test_a_failed_dial_stops_growth() -> None:
-    growth = StripeGrowth(StripeConfig(), 0.0)
+    growth = StripeGrowth(MEASURED, 0.0)
     growth.on_bytes(1 << 20, 0.9, 0.2)
     growth.on_bytes(10 << 20, 1.65, 0.2)
     assert growth.decide(1.65, 0.2, busy=True) == 3
@@ -172,7 +185,7 @@ def test_a_failed_dial_stops_growth() -> None:
 
 
 def test_no_decision_before_the_step_settles_and_a_window_has_enough_bytes() -> None:
-    growth = StripeGrowth(StripeConfig(), 0.0)
+    growth = StripeGrowth(MEASURED, 0.0)
     rtt = 0.2
     assert growth.next_check(0.0, rtt) == pytest.approx(3 * rtt)  # the first step
     now = 0.0
