@@ -8,8 +8,10 @@ fetcher behind another, every pair at ``--rtt-ms``. Each try is a fresh fetcher 
 from its circuit address only. Reported per try and summed up: whether the blob came over
 a direct connection, the time from the fetcher's process start (what ``blob get`` would
 be) to the first verified chunk, the same from its node being up, the punch's own time,
-and the bytes the relay carried. ``--symmetric-tries`` repeats with both peers behind
-symmetric NATs, where the punch should fail every time and the fetch say so.
+the bytes the relay carried, and where the time goes: connected through the relay
+(``relayed_s``), the punch (``punch_s``), direct connection to first chunk.
+``--symmetric-tries`` repeats with both peers behind symmetric NATs, where the punch
+should fail every time and the fetch say so.
 
 The machine is shared and small: timings include Python start-up on a loaded CPU; compare
 the in-node figures across runs, not with other machines.
@@ -49,12 +51,16 @@ def _tries(
             "reason": result.get("error") or punches[0].get("reason", ""),
             "relayed_bytes": relayed,
             "punch_s": None,
+            "relayed_s": punches[0].get("relayed_s"),
+            "direct_to_first_byte_s": None,
             "first_byte_from_node_s": result.get("first_byte_s"),
             "first_byte_from_start_s": None,
             "startup_s": None,
         }
         if punches[0].get("direct_s") is not None and punches[0].get("relayed_s") is not None:
             row["punch_s"] = punches[0]["direct_s"] - punches[0]["relayed_s"]
+            if result.get("first_byte_s") is not None:
+                row["direct_to_first_byte_s"] = result["first_byte_s"] - punches[0]["direct_s"]
         if result.get("first_byte_s") is not None:
             started = result["fetch_started_at"]
             row["first_byte_from_start_s"] = started + result["first_byte_s"] - result["spawned_at"]
@@ -77,7 +83,9 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "success_rate": sum(r["direct"] for r in rows) / max(1, len(rows)),
         "first_byte_from_start_s": stats("first_byte_from_start_s"),
         "first_byte_from_node_s": stats("first_byte_from_node_s"),
+        "relayed_s": stats("relayed_s"),
         "punch_s": stats("punch_s"),
+        "direct_to_first_byte_s": stats("direct_to_first_byte_s"),
         "startup_s": stats("startup_s"),
         "max_relayed_bytes": max((r["relayed_bytes"] for r in rows), default=0),
         "reasons": sorted({r["reason"].split(" (")[0] for r in rows if r["reason"]}),
