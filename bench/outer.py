@@ -205,19 +205,36 @@ def _churn(args: argparse.Namespace) -> dict[str, Any]:
         run_id="churn", workers=3, rounds=4, inner_steps=2, deadline=4.0, proposer_timeout=2.0
     )
     churn = ChurnPlan(pause=1, pause_after=0, pause_s=3 * params.deadline)
-    forks = bad_exits = 0
+    forks = bad_exits = caught = 0
     for i in range(args.churn):
         with tempfile.TemporaryDirectory(prefix="blob-churn-") as tmp:
             res = churn_run(prepare_run(Path(tmp), params), churn, timeout=600)
         forks += res.forked(churn)
         bad_exits += not res.all_exit_zero(churn)
+        # The pause must have mattered: rounds the others closed without the paused worker.
+        paused = res.results.get(1)
+        others = res.results.get(0)
+        without = (
+            sum(
+                all(x["peer"] != paused["peer_id"] for x in rec["included"])
+                for rec in others["rounds"]
+            )
+            if paused is not None and others is not None
+            else 0
+        )
+        hows = [rec["how"] for rec in paused["rounds"]] if paused is not None else []
+        caught += "caught up" in hows
         print(
             f"run {i + 1}/{args.churn}: exits {res.returncodes}, "
-            f"{'FORK' if res.forked(churn) else 'one root'}",
+            f"{'FORK' if res.forked(churn) else 'one root'}; paused worker: {hows}; "
+            f"rounds closed without it: {without}",
             flush=True,
         )
-    print(f"{args.churn} runs: {forks} forks, {bad_exits} runs with a non-zero honest exit")
-    return {"runs": args.churn, "forks": forks, "bad_exits": bad_exits}
+    print(
+        f"{args.churn} runs: {forks} forks, {bad_exits} runs with a non-zero honest exit, "
+        f"{caught} in which the paused worker caught up from a state blob"
+    )
+    return {"runs": args.churn, "forks": forks, "bad_exits": bad_exits, "caught_up": caught}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The first re-send comes after the mesh has had a heartbeat (p2p.gossip.HEARTBEAT_S) to
-# graft a late subscriber; later ones back off to a few per round at the default deadline.
-FIRST_RETRY = 1.0
+# Within its first GOSSIP_WINDOW heartbeats (3 s, p2p.gossip) a message that a mesh peer
+# missed is recovered by gossipsub itself (IHAVE / IWANT), so the first re-send waits that
+# long; later ones back off to about one per round at the default deadline. (Re-sending
+# after 1 s made announcements half of a worker's bytes per round on 3 workers.)
+FIRST_RETRY = 4.0
 MAX_RETRY = 8.0
 
 
