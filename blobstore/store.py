@@ -213,6 +213,7 @@ TAG_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,127}")
 _HEX_RE = re.compile(r"[0-9a-fA-F]+")
 _MANIFEST_SUFFIX = ".manifest"
 _MANIFEST_CACHE_SIZE = 256  # manifests are immutable; cache a few for chunk serving
+_MAX_REASON = 500  # characters of a quarantine reason kept: one line of an error message
 
 
 @dataclass(frozen=True)
@@ -794,7 +795,10 @@ class Store:
                 return False  # the rotten file was replaced meanwhile (a repair)
             qdir = self._quarantine / blob_id
             self._mkdir_in_store(qdir)
-            one_line = " ".join(reason.split())[:500]
+            # The reason may quote a peer (its report of a bad chunk) and is printed in
+            # error lines: one line of printable text, so no escape sequence rides along.
+            words = " ".join(reason[:_MAX_REASON].split())
+            one_line = "".join(c if c.isprintable() else "?" for c in words)
             write_file_atomic(
                 qdir / "reason",
                 f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {one_line}\n".encode(),

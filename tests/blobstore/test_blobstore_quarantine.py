@@ -114,6 +114,16 @@ def test_explicit_quarantine_is_idempotent(store: Store, rotten: tuple[str, byte
     assert_unpublished(store, blob_id)
 
 
+def test_a_peer_quoted_in_the_reason_cannot_reach_the_terminal(
+    store: Store, rotten: tuple[str, bytes]
+) -> None:
+    blob_id, _ = rotten
+    store.quarantine(blob_id, "peer says \x1b]0;pwned\x07 chunk 2\nis bad" + "x" * 900)
+    reason = store.quarantine_reason(blob_id) or ""
+    assert "\x1b" not in reason and "\x07" not in reason and "\n" not in reason
+    assert "chunk 2 is bad" in reason and len(reason) < 600
+
+
 def test_put_of_the_original_repairs_it(store: Store, rotten: tuple[str, bytes]) -> None:
     blob_id, data = rotten
     store.verify(blob_id)
