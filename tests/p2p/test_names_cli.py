@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from blobstore import Store
+from blobstore import Manifest, Store
 from identity import load_or_create_key
 from p2p import cli as blob_cli
 from p2p import names_cli
@@ -97,3 +97,19 @@ def test_a_name_nobody_published_is_not_found(
     code, _out, err = _blob(capsys, store, key, "resolve", ref, "--no-dht", "--wait", "0.5")
     assert code == 3, err
     assert err.startswith("blob: error: no valid record for"), err
+
+
+def test_a_blob_held_only_in_part_cannot_be_named(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A name promises a blob this store can serve whole: a partial download is refused."""
+    store, key = tmp_path / "store", tmp_path / "machine.key"
+    data = b"half a checkpoint" * 10_000
+    opened = Store.open(store)
+    with opened.begin_partial(Manifest.of_bytes(data, 64 * 1024)) as partial:
+        partial.write_chunk(0, data[: 64 * 1024])
+    code, _out, err = _blob(
+        capsys, store, key, "publish", "run-x/ckpt", partial.blob_id, "--no-dht"
+    )
+    assert code == 3, err
+    assert "is not complete in this store" in err
