@@ -10,9 +10,10 @@ distinct admitted operators of the CPU kernel class).
 The swapped adapter: B, now dishonest, re-publishes the round with its commitment's
 adapter ID pointing at another adapter collection (the genuine adapter with one weight
 byte changed) and signs that forged commitment with its own admitted key. The runner's
-signature is then valid, so only replication can catch it: C's replay of the forged
-record trains to the genuine adapter and exits 1 naming both adapter IDs, attesting
-nothing; and C's attestation of the genuine round does not count for the forged one, so
+signature is then valid, so only replication can catch it: node D, replaying the forged
+record while C replays the genuine one (two replays at once: the test's longest steps),
+trains to the genuine adapter and exits 1 naming both adapter IDs, attesting nothing; and
+C's attestation of the genuine round does not count for the forged one, so
 the check rejects it. (Tampering with an adapter blob in C's own store would prove
 nothing: a replay never reads the round's adapter, it recomputes it; and the store
 verifies every chunk it receives over the network, so a tampered copy cannot arrive.)
@@ -170,7 +171,7 @@ def swapped_adapter(store: Store, adapter_id: str, workdir: Path) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
-    a, b, c = (Machine(tmp_path, n) for n in ("a", "b", "c"))
+    a, b, c, d = (Machine(tmp_path, n) for n in ("a", "b", "c", "d"))
     authority_key = tmp_path / "authority.key"
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(CORPUS)
@@ -186,6 +187,7 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
         "authority": (a, ("authority", "new", "-o", str(authority_key), "--json")),
         "id_b": (b, ("id", "--json")),
         "id_c": (c, ("id", "--json")),
+        "id_d": (d, ("id", "--json")),
         "kernel_class": (a, ("train", "kernel-class", "--device", "cpu", "--json")),
         "base": (a, ("train", "init-model", "--size", "tiny", "--seed", "0", "--json")),
         "recipe": (a, recipe_args),
@@ -199,7 +201,7 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
     assert kc.startswith("cpu"), kc
     pub = out["authority"]["public_key"]
     certs: dict[str, Path] = {}
-    for name, operator in (("b", "operator-b"), ("c", "operator-c")):
+    for name, operator in (("b", "operator-b"), ("c", "operator-c"), ("d", "operator-d")):
         certs[name] = tmp_path / f"{name}.cert"
         cert = as_json(
             a.run(
@@ -235,16 +237,45 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
     node_b = Server(b)
     servers.append(node_b)
 
-    # 4. C replays, fetching the record from B and the inputs from B and A; it attests.
-    store_c = Store.open(c.store)
-    assert not store_c.has(round_id) and not store_c.has(base)
+    # 4. B, now dishonest, re-publishes the round pointing at another adapter and signs
+    # the forged commitment with its own admitted key (step 6 checks what comes of it).
+    record = RoundRecord.decode(store_b.path(round_id).read_bytes())
+    swapped = swapped_adapter(store_b, adapter, tmp_path / "swapped")
+    forged = dataclasses.replace(record.commitment, adapter_id=swapped)
+    assert forged.digest.hex() != digest
+    signed = sign_attestation(
+        SoftwareSigner(load_key_file(b.key)),
+        kind=ROUND_KIND,
+        digest=forged.digest,
+        kernel_class=forged.kernel_class_id,
+        subjects=(base, records, swapped),
+        time=int(time.time()),
+        certificate=AdmissionCertificate.decode(certs["b"].read_bytes()),
+    )
+    forged_id = store_b.put_bytes(RoundRecord(forged, record.recipe, signed.encode()).encode())
+
+    # C replays the genuine round while D replays the forged one, each fetching the
+    # record from B and the inputs from B and A.
+    store_c, store_d = Store.open(c.store), Store.open(d.store)
+    assert not store_c.has(round_id) and not store_c.has(base) and not store_d.has(base)
     attestation_c = tmp_path / "c.att"
-    replay = as_json(
-        c.run(
-            "train", "replay", round_id, "--peer", node_b.addr, "--peer", node_a.addr,
-            "--cert", str(certs["c"]), "-o", str(attestation_c), "--json", "-q",
-        )
+    replay_args = (
+        "train", "replay", round_id, "--peer", node_b.addr, "--peer", node_a.addr,
+        "--cert", str(certs["c"]), "-o", str(attestation_c), "--json", "-q",
     )  # fmt: skip
+    forged_args = (
+        "train", "replay", forged_id, "--peer", node_b.addr, "--peer", node_a.addr,
+        "--cert", str(certs["d"]), "-q",
+    )  # fmt: skip
+    replaying = c.start(*replay_args), d.start(*forged_args)
+    try:
+        replay = as_json(finish(replaying[0], replay_args))
+        mismatch = finish(replaying[1], forged_args, code=1)
+    finally:
+        for proc in replaying:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
     assert replay["identical"] is True
     assert replay["digest"] == digest
     assert complete(store_c, base) and complete(store_c, records)
@@ -254,7 +285,6 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
 
     # 5. The evidence check: B's attestation (the runner's, in the record, and given here
     # as a file too) and C's (by blob ID) are two operators over the same digest.
-    record = RoundRecord.decode(store_c.path(round_id).read_bytes())
     attestation_b = tmp_path / "b.att"
     attestation_b.write_bytes(record.attestation)
     verdict = as_json(
@@ -270,37 +300,18 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
     alone = c.run("train", "check", round_id, str(attestation_b), "--authority", pub, code=1)
     assert "1 distinct admitted operator" in alone.stdout, alone.stdout
 
-    # 6. The swapped adapter: B re-publishes the round pointing at another adapter and
-    # signs the forged commitment with its own admitted key.
-    swapped = swapped_adapter(store_b, adapter, tmp_path / "swapped")
-    forged = dataclasses.replace(record.commitment, adapter_id=swapped)
-    assert forged.digest.hex() != digest
-    signer = SoftwareSigner(load_key_file(b.key))
-    signed = sign_attestation(
-        signer,
-        kind=ROUND_KIND,
-        digest=forged.digest,
-        kernel_class=forged.kernel_class_id,
-        subjects=(base, records, swapped),
-        time=int(time.time()),
-        certificate=AdmissionCertificate.decode(certs["b"].read_bytes()),
-    )
-    forged_id = store_b.put_bytes(RoundRecord(forged, record.recipe, signed.encode()).encode())
-
-    before = {info.blob_id for info in store_c.list_blobs()}
-    mismatch = c.run(
-        "train", "replay", forged_id, "--peer", node_b.addr, "--peer", node_a.addr,
-        "--cert", str(certs["c"]), "-q", code=1,
-    )  # fmt: skip
+    # 6. D's replay of the forged record trained to the genuine adapter, named both and
+    # attested nothing: D holds what C does (the inputs and the genuine adapter, which it
+    # recomputed), with the forged record instead of the genuine one and no attestation.
     assert "adapter" in mismatch.stderr, mismatch.stderr
     assert adapter in mismatch.stderr and swapped in mismatch.stderr, mismatch.stderr
     assert "Traceback" not in mismatch.stderr
     assert "attestation" not in mismatch.stdout
-    # C fetched the forged record and attested nothing (its recomputed adapter is the
-    # genuine one it already holds).
-    assert {info.blob_id for info in store_c.list_blobs()} - before == {forged_id}
+    held_c = {info.blob_id for info in store_c.list_blobs()}
+    held_d = {info.blob_id for info in store_d.list_blobs()}
+    assert held_d == (held_c - {round_id, replay["attestation"]}) | {forged_id}
     # C's attestation is over the genuine digest, not the forged round's.
-    rejected = c.run(
+    rejected = d.run(
         "train", "check", forged_id, str(attestation_c), "--authority", pub, "--json", code=1
     )
     verdict = as_json(rejected)
@@ -309,7 +320,7 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
     # The forged record's own signature is valid, but it is still one operator.
     forged_att = tmp_path / "forged.att"
     forged_att.write_bytes(signed.encode())
-    lone = c.run("train", "check", forged_id, str(forged_att), "--authority", pub, code=1)
+    lone = d.run("train", "check", forged_id, str(forged_att), "--authority", pub, code=1)
     assert "1 distinct admitted operator" in lone.stdout, lone.stdout
-    # The replay never fetches the adapter a record names: the swapped one is not at C.
-    assert not store_c.has(swapped)
+    # A replay never fetches the adapter a record names: the swapped one is not at D.
+    assert not store_d.has(swapped)
