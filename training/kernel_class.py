@@ -148,6 +148,9 @@ class KernelClass:
                 raise BadRoundRecord(f"kernel class field {k} is too long")
         if obj.get("device") not in ("cpu", "cuda") or obj.get("schema") != KERNEL_CLASS_SCHEMA:
             raise BadRoundRecord("kernel class has an unknown device or schema")
+        if not isinstance(obj.get("threads", 1), int):
+            # A replay runs with this count: it must be a number (detect records an int).
+            raise BadRoundRecord("kernel class field threads is not an integer")
         return cls(fields=dict(sorted(obj.items())))
 
 

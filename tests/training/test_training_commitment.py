@@ -71,6 +71,12 @@ def test_decode_rejects_non_canonical_and_malformed() -> None:
         Commitment.decode(pack({**m, "kernel_class_id": "cpu-0"}))
     with pytest.raises(BadRoundRecord, match="msgpack"):
         Commitment.decode(b"\xc1")
+    # A replay runs with the record's thread count: a string there was a ValueError
+    # traceback from `blob train replay`, not a bad record.
+    hostile = KernelClass(fields={**KC.fields, "threads": "two"})  # its own ID matches
+    hostile_map = {**m, "kernel_class": hostile.fields, "kernel_class_id": hostile.id}
+    with pytest.raises(BadRoundRecord, match="threads"):
+        Commitment.decode(pack(hostile_map))
     wrong_recipe = RoundRecord(BASE, Recipe(steps=4), b"")
     with pytest.raises(BadRoundRecord, match="recipe does not match"):
         RoundRecord.decode(wrong_recipe.encode())
