@@ -58,6 +58,10 @@ log = logging.getLogger(__name__)
 RENEW_AT_FRACTION_LEFT = 0.2
 RENEW_RETRY = 30.0
 
+# A relay whose circuits carry less than this is for signalling: a fetch through it (when
+# the user allows relayed fetches) would be cut mid-blob and retried for tens of seconds,
+# so it is refused at once, saying why. 16 MiB: sixteen default chunks.
+MIN_RELAYED_FETCH_BYTES = 16 * 1024 * 1024
 # py-libp2p's DCUtR tries a direct dial (10 s cap), then three rounds of at most 5 s with
 # 2 s pauses: 25 s is its worst case; a caller's timeout bounds the whole of it.
 DEFAULT_PUNCH_TIMEOUT = 30.0
@@ -81,6 +85,7 @@ class Punch:
     reason: str = ""
     relayed_s: float | None = None  # connected through the relay, from the start
     direct_s: float | None = None  # direct connection up, from the start
+    relay_max_bytes: int = 0  # what the relay said one circuit may carry (0: unstated)
 
 
 @dataclass
@@ -324,10 +329,11 @@ async def punch_through(
             relay_id = ID.from_base58(relay_addr.rsplit("/p2p/", 1)[1])
             await node.connect(relay_addr)
             await present_certificate(host, relay_id, certificate)
-        await dial_via_relay(host, circuit_addr)
+        circuit = await dial_via_relay(host, circuit_addr)
     except Exception as exc:  # RelayError, PeerUnreachable, ...: one line either way
         out.reason = str(exc)
         return out
+    out.relay_max_bytes = circuit.max_bytes
     out.relayed_s = time.monotonic() - t0
     reason = await upgrade_to_direct(host, peer, punch_timeout=punch_timeout)
     if reason is None:
@@ -336,9 +342,15 @@ async def punch_through(
         await close_relayed(host, peer)
     else:
         out.reason = reason
-        if allow_relayed:
+        if allow_relayed and 0 < circuit.max_bytes < MIN_RELAYED_FETCH_BYTES:
+            out.reason += (
+                f"; its relay cuts circuits at {circuit.max_bytes} bytes (signalling only), "
+                "so it cannot carry the blob: the relay must run with a raised "
+                "--max-circuit-bytes"
+            )
+        elif allow_relayed:
             out.path = "relayed"
-        else:
+        if out.path != "relayed":
             await close_relayed(host, peer)
     return out
 

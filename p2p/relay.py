@@ -462,7 +462,17 @@ def parse_circuit_addr(addr: str) -> tuple[str, str]:
     return head, tail
 
 
-async def dial_via_relay(host: IHost, addr: str) -> Any:
+@dataclass(frozen=True)
+class Circuit:
+    """A connection through a relay and the limits the relay stated for it (0: none
+    stated; relay v2 sends them with its CONNECT answer)."""
+
+    conn: Any
+    max_bytes: int
+    max_seconds: int
+
+
+async def dial_via_relay(host: IHost, addr: str) -> Circuit:
     """A Noise + yamux connection to the peer named by circuit address ``addr``, through
     its relay (RelayRefused when the relay says no: the peer holds no reservation, or we
     are not admitted)."""
@@ -490,9 +500,15 @@ async def dial_via_relay(host: IHost, addr: str) -> Any:
     raw = RawConnection(
         stream=stream, initiator=True, connection_type=ConnectionType.RELAYED, addresses=[circuit]
     )
+    has_limit = resp.HasField("limit")
     try:
         with trio.fail_after(EXCHANGE_TIMEOUT):
-            return await host.upgrade_outbound_connection(raw, target_id)
+            conn = await host.upgrade_outbound_connection(raw, target_id)
+        return Circuit(
+            conn,
+            max_bytes=int(resp.limit.data) if has_limit else 0,
+            max_seconds=int(resp.limit.duration) if has_limit else 0,
+        )
     except Exception as exc:  # libp2p raises many types for one failed upgrade
         raise RelayError(f"handshake with {target} through the relay failed: {exc!r}") from None
 

@@ -125,8 +125,8 @@ async def test_only_admitted_peers_open_circuits_and_a_circuit_is_cut_at_its_byt
             await present_certificate(
                 b, relay.host.get_id(), _certificate(authority, str(b.get_id()))
             )
-            conn = await dial_via_relay(b, circuit)
-            assert conn is not None
+            relayed = await dial_via_relay(b, circuit)
+            assert relayed.max_bytes == LIMIT  # the relay states its limit to the dialler
             stream = await b.new_stream(a.get_id(), [BULK])
             with trio.fail_after(30):
                 try:

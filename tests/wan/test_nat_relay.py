@@ -6,7 +6,8 @@ circuit address. A fetcher reaches it through the relay, the two hole-punch (DCU
 relayed connection is closed and the blob crosses the direct connection: the relay's own
 byte counter and the testbed's per-host counters both show the blob never touched the
 relay. Behind symmetric NATs the punch fails; the fetch says so in one line and takes the
-blob from another provider, or, with none, fails with that line."""
+blob from another provider, or, with none, fails with that line (a relay with signalling
+limits is not used for the blob even when the user allows relayed fetches)."""
 
 from __future__ import annotations
 
@@ -166,7 +167,14 @@ def test_symmetric_nat_pair_fails_over_to_another_provider_with_a_one_line_reaso
     assert relayed < SIGNALLING_BYTES
 
 
-def test_symmetric_nat_pair_with_no_other_provider_fails_in_one_line(net: Net) -> None:
-    result, relayed, _ = _fetch(net, "shop", net.agents["office"].circuit_addrs)
-    assert "hole punching" in result["error"] and "\n" not in result["error"]
-    assert relayed < SIGNALLING_BYTES  # no fallback through the relay unasked
+def test_symmetric_nat_pair_with_no_other_provider_fails_in_one_line_even_if_relaying_is_allowed(
+    net: Net,
+) -> None:
+    """The user allows fetching through a relay, but this relay keeps the default
+    signalling limits: the fetch fails at once, in one line saying both why the punch
+    failed and why the relay cannot carry the blob, instead of being cut mid-blob."""
+    result, relayed, _ = _fetch(net, "shop", net.agents["office"].circuit_addrs, "--allow-relayed")
+    error = result["error"]
+    assert "hole punching" in error and "cuts circuits at 524288 bytes" in error
+    assert "\n" not in error
+    assert relayed < SIGNALLING_BYTES
