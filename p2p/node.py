@@ -591,13 +591,12 @@ async def open_node(
     if not isinstance(store, Store):
         store = await trio.to_thread.run_sync(_open_store, store)
     key_pair = _key_pair(key, Path(key_path) if key_path is not None else None)
-    host = build_host(key_pair, fast=config.fast)
+    # Room for the connections a fetcher stripes over (py-libp2p trims the rest).
+    host = build_host(
+        key_pair, fast=config.fast, max_connections_per_peer=SWARM_CONNECTIONS_PER_PEER
+    )
     connection_config = getattr(host.get_network(), "connection_config", None)
     if connection_config is not None:
-        # Room for the connections a fetcher stripes over (py-libp2p trims the rest).
-        connection_config.max_connections_per_peer = max(
-            connection_config.max_connections_per_peer, SWARM_CONNECTIONS_PER_PEER
-        )
         connection_config.outbound_upgrade_timeout = HANDSHAKE_TIMEOUT
     server = BlobServer(store, verify_reads=config.verify_reads)
     listen_addrs = [_listen_addr(a) for a in config.listen]
