@@ -11,7 +11,8 @@ be) to the first verified chunk, the same from its node being up, the punch's ow
 the bytes the relay carried, and where the time goes: connected through the relay
 (``relayed_s``), the punch (``punch_s``), direct connection to first chunk.
 ``--symmetric-tries`` repeats with both peers behind symmetric NATs, where the punch
-should fail every time and the fetch say so.
+should fail every time and the fetch say so; ``--relayed-tries`` lets such a pair fetch
+through a second relay run with raised limits (``--allow-relayed``).
 
 The machine is shared and small: timings include Python start-up on a loaded CPU; compare
 the in-node figures across runs, not with other machines.
@@ -35,19 +36,23 @@ from bench.wan.natnodes import MiB, NatNodes
 
 
 def _tries(
-    nat: NatNodes, relay: Any, kind: str, tries: int, size: int, tb: Testbed
+    nat: NatNodes, relay: Any, kind: str, tries: int, size: int, *extra: str
 ) -> list[dict[str, Any]]:
+    """``tries`` fetches from ``<kind>p`` by fresh fetchers on ``<kind>f``."""
     [provider] = nat.providers([f"{kind}p"], relay=relay, size=size, seed=tries)
     out = []
     for i in range(tries):
         before = nat.relay_stats(relay)["relayed_bytes"]
-        result = nat.fetch(f"{kind}f", provider.blob, provider.circuit_addrs, "--timeout", "15")
+        result = nat.fetch(
+            f"{kind}f", provider.blob, provider.circuit_addrs, "--timeout", "15", *extra
+        )
         relayed = nat.relay_stats(relay)["relayed_bytes"] - before
         punches = result.get("punches") or [{}]
         row = {
             "kind": kind,
             "try": i,
             "direct": punches[0].get("path") == "direct" and "error" not in result,
+            "fetched": "error" not in result and result.get("bytes") == size,
             "reason": result.get("error") or punches[0].get("reason", ""),
             "relayed_bytes": relayed,
             "punch_s": None,
@@ -81,6 +86,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "tries": len(rows),
         "direct": sum(r["direct"] for r in rows),
         "success_rate": sum(r["direct"] for r in rows) / max(1, len(rows)),
+        "fetched": sum(r["fetched"] for r in rows),
         "first_byte_from_start_s": stats("first_byte_from_start_s"),
         "first_byte_from_node_s": stats("first_byte_from_node_s"),
         "relayed_s": stats("relayed_s"),
@@ -96,6 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tries", type=int, default=20)
     parser.add_argument("--symmetric-tries", type=int, default=3)
+    parser.add_argument("--relayed-tries", type=int, default=2)
     parser.add_argument("--rtt-ms", type=float, default=80.0)
     parser.add_argument("--size-mib", type=int, default=4)
     parser.add_argument("--json-out", type=Path)
@@ -110,14 +117,24 @@ def main() -> None:
         "eimf": Host(delay_ms=delay, nat="eim"),
         "symp": Host(delay_ms=delay, nat="symmetric"),
         "symf": Host(delay_ms=delay, nat="symmetric"),
+        "bulkrelay": Host(delay_ms=delay),
+        "relp": Host(delay_ms=delay, nat="symmetric"),
+        "relf": Host(delay_ms=delay, nat="symmetric"),
     }
     started = time.monotonic()
     with Testbed(hosts) as tb, tempfile.TemporaryDirectory(prefix="wan-nat-") as logs:
         nat = NatNodes(tb, logs=Path(logs))
         try:
             relay = nat.relay("relay")
-            rows = _tries(nat, relay, "eim", args.tries, args.size_mib * MiB, tb)
-            sym = _tries(nat, relay, "sym", args.symmetric_tries, args.size_mib * MiB, tb)
+            size = args.size_mib * MiB
+            rows = _tries(nat, relay, "eim", args.tries, size)
+            sym = _tries(nat, relay, "sym", args.symmetric_tries, size)
+            relayed: list[dict[str, Any]] = []
+            if args.relayed_tries:
+                # A second relay, run with limits raised for blobs, and fetchers that
+                # allow relaying: a symmetric pair's only way.
+                bulk = nat.relay("bulkrelay", "--max-bytes", str(4 * size))
+                relayed = _tries(nat, bulk, "rel", args.relayed_tries, size, "--allow-relayed")
         finally:
             nat.stop()
     report = {
@@ -125,6 +142,7 @@ def main() -> None:
         "size_mib": args.size_mib,
         "eim": _summary(rows),
         "symmetric": _summary(sym),
+        "relayed_allowed": _summary(relayed),
         "wall_s": time.monotonic() - started,
     }
     text = json.dumps(report, indent=2)

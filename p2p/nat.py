@@ -401,6 +401,26 @@ async def _punch_all(
         log.warning("%s", line)
 
 
+async def punch_circuits(
+    node: Any,
+    addrs: Sequence[str],
+    *,
+    certificate: bytes | None = None,
+    allow_relayed: bool = False,
+    punch_timeout: float = DEFAULT_PUNCH_TIMEOUT,
+) -> list[Punch]:
+    """Reach every circuit address in ``addrs`` at once (:func:`punch_through`), for a
+    caller that then fetches as usual: the punched providers are connected peers, which
+    a fetch asks first. Each failure is logged and carried in its ``Punch.reason``."""
+    out = NatFetch(blob_id="")
+    circuits = list(dict.fromkeys(a for a in addrs if "/p2p-circuit" in a))
+    async with _dcutr(node.host):
+        await _punch_all(
+            node, circuits, out, time.monotonic(), certificate, allow_relayed, punch_timeout
+        )
+    return out.punches
+
+
 async def fetch_with_nat(
     node: Any,
     ref: str,

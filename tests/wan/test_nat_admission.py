@@ -16,11 +16,13 @@ import pytest
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
+from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from identity import AdmissionCertificate, Authority, MachineKey, TrustStore
 from identity.signer import SoftwareSigner
 from p2p.host import build_host
+from p2p.nat import punch_circuits
 from p2p.relay import (
     AdmissionBook,
     AdmittedRelay,
@@ -151,3 +153,33 @@ def test_the_admission_book_forgets_nobody_early_and_holds_a_bounded_number() ->
     # Once the first certificate has expired its slot is free again.
     assert book.present(second, _certificate(authority, second), now + 200) is None
     assert book.admitted(second, now + 200) and len(book) == 1
+
+
+class _Peer:
+    """What p2p.nat needs of a node: its host, and a way to dial an address."""
+
+    def __init__(self, host: IHost) -> None:
+        self.host = host
+
+    async def connect(self, addr: str) -> str:
+        info = info_from_p2p_addr(Multiaddr(addr))
+        await self.host.connect(info)
+        return str(info.peer_id)
+
+
+async def test_a_reachable_peer_behind_a_circuit_address_is_upgraded_by_a_direct_dial() -> None:
+    """DCUtR's first step: a peer that is reachable after all (here on loopback) is
+    dialled directly, no hole punch needed; the relayed connection is then closed, so
+    nothing more can flow through the relay."""
+    async with _world() as (authority, _relay, a, b, relay_addr):
+        async with nat_services(a):
+            cert_a = _certificate(authority, str(a.get_id()))
+            circuit = (await reserve(a, relay_addr, certificate=cert_a)).circuit_addrs[0]
+            cert_b = _certificate(authority, str(b.get_id()))
+            [punch] = await punch_circuits(_Peer(b), [circuit], certificate=cert_b)
+        assert punch.path == "direct", punch.reason
+        assert punch.peer == str(a.get_id())
+        conns = b.get_network().get_connections(a.get_id())
+        assert conns and all(
+            "/p2p-circuit" not in str(addr) for c in conns for addr in c.get_transport_addresses()
+        )
