@@ -480,7 +480,10 @@ def simulate(
     optimizers = [_adamw(m, cfg) for m in models]
     codec = CodecParams(chunk=cfg.chunk, k=cfg.k)
     feedbacks = [
-        ErrorFeedback(codec, decay=cfg.ef_decay) if cfg.mode == "sparseloco" else None
+        # Names and shapes by schema digest, as on the wire (training.outer_net.Trainer).
+        ErrorFeedback(codec, decay=cfg.ef_decay, schema_ref=True)
+        if cfg.mode == "sparseloco"
+        else None
         for _ in range(cfg.workers)
     ]
     for r in range(cfg.rounds):
