@@ -34,8 +34,10 @@ that differ in it never vouch for each other, or refused:
   matmuls to bf16); on CUDA also the preferred BLAS library. A round re-detects its
   class after the last step, so one changed during the round is caught too
   (``training.round``).
-- The host CPU (``cpu_capability``, ``cpu_vendor``) in both families: a CUDA round
-  builds its model and LoRA initialisation on the CPU before moving them to the GPU.
+- The host CPU in both families (a CUDA round builds its model and LoRA initialisation
+  on the CPU before moving them to the GPU): ATen's ``cpu_capability``, and
+  ``cpu_vendor``, ``cpu_model`` (family/model) and ``cpu_flags`` (the math ISA
+  extensions), by which MKL and oneDNN choose kernels and blocking (:func:`cpu_identity`).
 - The C library (``libc``: libm's scalar exp/log fallbacks) and the OpenMP runtime
   actually loaded (``openmp``: basename and size, so an ``LD_LIBRARY_PATH``/``LD_PRELOAD``
   swap shows).
@@ -109,6 +111,19 @@ REFUSED_ENV: dict[str, str] = {
     "OMP_DYNAMIC": "lets OpenMP pick a thread count per parallel region at run time",
 }
 _OPENMP_LIBS = ("libgomp", "libiomp", "libomp")
+# CPU extensions that decide which float kernels MKL, oneDNN and ATen dispatch to (x86
+# ``flags``, aarch64 ``Features``); the rest of /proc/cpuinfo's flags change no result.
+MATH_CPU_FLAGS = frozenset(
+    {
+        "sse4_1", "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512cd",
+        "avx512bw", "avx512vl", "avx512ifma", "avx512vbmi", "avx512_vbmi2", "avx512_vnni",
+        "avx512_bf16", "avx512_fp16", "avx_vnni", "avx_vnni_int8", "amx_tile", "amx_bf16",
+        "amx_int8", "amx_fp16", "asimd", "asimddp", "fphp", "asimdhp", "sve", "sve2", "bf16",
+        "i8mm", "sme",
+    }
+)  # fmt: skip
+# /proc/cpuinfo lines read: the first processor's block is ~30 lines.
+MAX_CPUINFO_LINES = 256
 # A kernel class is ~40 short fields; bound what we accept from a round record.
 MAX_FIELDS = 64
 MAX_VALUE_LEN = 256
@@ -161,15 +176,37 @@ def _config_line(pattern: str) -> str:
     return match.group(1).strip() if match else "none"
 
 
-def _cpu_vendor() -> str:
-    # MKL picks code paths by CPU vendor as well as ISA.
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+def cpu_identity(cpuinfo: str | None = None) -> dict[str, str]:
+    """``cpu_vendor``, ``cpu_model`` and ``cpu_flags`` from ``/proc/cpuinfo`` (first CPU).
+
+    MKL and oneDNN pick code paths and blocking by vendor, by the exact ISA extensions
+    (:data:`MATH_CPU_FLAGS`, finer than ATen's capability tier: AVX512-BF16, VNNI, AMX...)
+    and by microarchitecture (family and model: MKL without CBWR documents results that
+    differ across processor types of one ISA). A VM's generic model name ("AMD EPYC")
+    hides the microarchitecture, so family and model are recorded with it."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    seen: dict[str, str] = {}
+    for line in cpuinfo.splitlines()[:MAX_CPUINFO_LINES]:
+        if not line.strip():
+            if seen:
+                break  # the first processor's block is enough: all cores are one model
+            continue
+        key, _, value = line.partition(":")
+        seen.setdefault(key.strip(), value.strip())
+    flags = set(seen.get("flags", seen.get("Features", "")).split())
+    model = "/".join(seen[k] for k in ("cpu family", "model", "CPU part") if k in seen)
+    name = seen.get("model name", "")
+    return {
+        "cpu_vendor": seen.get("vendor_id", seen.get("CPU implementer", ""))
+        or platform.processor()
+        or "unknown",
+        "cpu_model": f"{model} {name}".strip()[:MAX_VALUE_LEN],
+        "cpu_flags": ",".join(sorted(flags & MATH_CPU_FLAGS)) or "none",
+    }
 
 
 def _nvidia_driver() -> str:
@@ -290,7 +327,7 @@ def detect(device: str) -> KernelClass:
     # them to the device (RoPE's inv_freq is a CPU pow, LoRA A a CPU uniform_ and scale),
     # so a CUDA round's bits follow the host CPU's kernels too.
     fields["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    fields["cpu_vendor"] = _cpu_vendor()
+    fields.update(cpu_identity())
     if device == "cpu":
         fields["optimizer"] = OPTIMIZER_IMPL_CPU
     elif device == "cuda":

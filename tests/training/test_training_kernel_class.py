@@ -241,3 +241,52 @@ def test_cuda_class_pins_the_host_cpu_too(monkeypatch: pytest.MonkeyPatch) -> No
     assert kc.fields["blas_backend"] == str(torch.backends.cuda.preferred_blas_library())
     other_cpu = KernelClass.from_fields({**kc.fields, "cpu_capability": "AVX2"})
     assert other_cpu.id != kc.id
+
+
+GENOA = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 17
+model name\t: AMD EPYC
+flags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512_bf16 avx512_vnni hypervisor
+
+processor\t: 1
+vendor_id\t: SomethingElse
+"""
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        GENOA.replace("model\t\t: 17", "model\t\t: 1"),  # another microarchitecture
+        GENOA.replace(" avx512_bf16", ""),  # one ISA extension fewer, same ATen tier
+        GENOA.replace("AuthenticAMD", "GenuineIntel"),
+    ],
+    ids=["model", "flag", "vendor"],
+)
+def test_cpu_model_and_math_extensions_change_the_class(other: str) -> None:
+    """MKL and oneDNN choose kernels and blocking by the exact ISA extensions and the
+    microarchitecture, finer than ATen's capability tier (which both CPUs here share)."""
+    from training.kernel_class import cpu_identity
+
+    genoa = cpu_identity(GENOA)
+    assert genoa == {
+        "cpu_vendor": "AuthenticAMD",
+        "cpu_model": "25/17 AMD EPYC",
+        "cpu_flags": "avx,avx2,avx512_bf16,avx512_vnni,avx512f,fma,sse4_2",  # no fpu, hypervisor
+    }
+    assert cpu_identity(GENOA.replace(" hypervisor", "")) == genoa  # not a math flag
+    a = KernelClass.from_fields({**BASE, **genoa})
+    b = KernelClass.from_fields({**BASE, **cpu_identity(other)})
+    assert a.id != b.id
+
+
+@torch_needed
+def test_detect_records_this_cpus_identity() -> None:
+    from training import determinism, kernel_class
+
+    determinism.enter("cpu", threads=1)
+    fields = kernel_class.detect("cpu").fields
+    assert {k: fields[k] for k in ("cpu_vendor", "cpu_model", "cpu_flags")} == (
+        kernel_class.cpu_identity()
+    )
