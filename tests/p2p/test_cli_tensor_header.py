@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import save
 
+from blobstore import Store
 from p2p import protocol as proto
-from p2p.tensors import BadSafetensors, TensorInfo, _requests, decode_tensor, parse_header
+from p2p.tensors import (
+    BadSafetensors,
+    TensorInfo,
+    _requests,
+    decode_tensor,
+    parse_header,
+    read_local_tensors,
+)
 
 
 def header_of(blob: bytes) -> tuple[bytes, int]:
@@ -90,3 +99,19 @@ def test_adjacent_and_empty_tensors_are_not_overlaps() -> None:
         {"a": _entry(), "e": _entry(shape=(0, 7), offsets=(4, 4)), "b": _entry(offsets=(4, 8))}
     ).encode()
     assert sorted(parse_header(raw, 8, 16)) == ["a", "b", "e"]
+
+
+@pytest.mark.parametrize(
+    "length", [1 << 20, 100_000_001, 2**64 - 1], ids=["past-the-blob", "over-100MB", "2**64-1"]
+)
+async def test_a_header_length_past_the_blob_is_refused_before_reading_it(
+    tmp_path: Path, length: int
+) -> None:
+    """The 8-byte length is checked against the blob's size and safetensors' own header
+    limit before a byte of the header is read (or, for a remote blob, fetched)."""
+    store = Store.open(tmp_path / "store")
+    blob = save({"w": np.zeros(4, dtype=np.float32)})
+    lying = store.put_bytes(struct.pack("<Q", length) + blob[8:])
+    with pytest.raises(BadSafetensors, match=f"header would be {length} bytes"):
+        await read_local_tensors(store, lying, ["w"])
+    assert (await read_local_tensors(store, store.put_bytes(blob), ["w"])).tensors["w"].size == 4
