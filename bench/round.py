@@ -135,13 +135,13 @@ def _null_mode() -> Any:
     """A dispatch mode that only runs each op: the floor of any per-op Python auditor."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Null(TorchDispatchMode):  # type: ignore[misc]
+    class Null(TorchDispatchMode):  # type: ignore[misc,no-untyped-call]
         def __torch_dispatch__(
             self, func: Any, types: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
             return func(*args, **(kwargs or {}))
 
-    return Null()
+    return Null()  # type: ignore[no-untyped-call]
 
 
 if __name__ == "__main__":
