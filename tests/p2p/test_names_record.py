@@ -19,10 +19,19 @@ import pytest
 import trio
 import trio.testing
 
+from blobstore import Store
 from identity import Authority, MachineKey, SoftwareSigner, TrustStore
 from p2p import names_cache
 from p2p import names_protocol as wire
-from p2p.names import PUSH_WINDOW_S, NameService, NameValidator, PushLimiter
+from p2p.names import (
+    MAX_CONCURRENT_REQUESTS,
+    PUSH_WINDOW_S,
+    NameService,
+    NameValidator,
+    PushLimiter,
+    install,
+    resolve,
+)
 from p2p.names_cache import MAX_RECORDS_PER_PUBLISHER, NameCache
 from p2p.names_record import (
     MAX_NAME_LENGTH,
@@ -227,7 +236,8 @@ def test_saved_records_survive_a_restart_and_damaged_ones_are_dropped(
         cache.offer(record, now=NOW)
         cache.persist(record.key, now=NOW)
     damaged = _record(signer, name="damaged")
-    (tmp_path / "names" / damaged.key.hex()).write_bytes(damaged.encode()[:-1] + b"\x00")
+    encoded = damaged.encode()  # its signature's last byte flipped (never left as it was)
+    (tmp_path / "names" / damaged.key.hex()).write_bytes(encoded[:-1] + bytes([encoded[-1] ^ 1]))
     misfiled = _record(signer, name="misfiled")  # a valid record under another name's file
     (tmp_path / "names" / ("0" * 64)).write_bytes(misfiled.encode())
 
@@ -328,6 +338,7 @@ class _PushStream:
     def __init__(self, request: bytes, peer: str) -> None:
         self._inbound = bytearray(request)
         self.answered = trio.Event()
+        self.was_reset = False
         self.muxed_conn = types.SimpleNamespace(peer_id=peer)
 
     async def read(self, n: int) -> bytes:
@@ -343,7 +354,7 @@ class _PushStream:
         pass
 
     async def reset(self) -> None:
-        pass
+        self.was_reset = True
 
 
 class _SilentHost:
@@ -354,7 +365,7 @@ class _SilentHost:
 
 
 async def test_a_relay_in_flight_counts_against_the_request_cap(
-    signer: SoftwareSigner, autojump_clock: trio.testing.MockClock
+    signer: SoftwareSigner, mock_clock: trio.testing.MockClock
 ) -> None:
     """Guards against a flood of pushes: each new record is relayed to up to 32 peers
     for up to PUBLISH_TIMEOUT after its request ended; uncounted, relays would pile up
@@ -368,8 +379,10 @@ async def test_a_relay_in_flight_counts_against_the_request_cap(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(service.handle_stream, stream)
         await stream.answered.wait()
-        await trio.sleep(1.0)  # answered and relaying to the peer that never answers
-        assert service._active == 1
+        await trio.testing.wait_all_tasks_blocked()  # relaying to the peer that never answers
+        active_while_relaying = service._active
+        nursery.cancel_scope.cancel()
+    assert active_while_relaying == 1
     assert service._active == 0
 
 
@@ -399,3 +412,92 @@ def test_a_reload_verifies_only_new_or_replaced_files(
     assert serving.load(now=NOW) == 1
     assert verified == [newer.encode()]
     assert serving.get(newer.key) == newer
+
+
+async def test_requests_over_the_cap_are_reset_unanswered(
+    signer: SoftwareSigner, mock_clock: trio.testing.MockClock
+) -> None:
+    """A flood of pushes: the first MAX_CONCURRENT_REQUESTS are answered (and relayed to a
+    peer that never answers); the next is reset at once, before anything is read. (The
+    mock clock stands still: no relay times out while the flood builds up.)"""
+    slow_peer = SoftwareSigner(MachineKey.generate()).peer_id
+    node = types.SimpleNamespace(
+        peer_id="me", dht=None, host=_SilentHost(), connected_peers=lambda: [slow_peer]
+    )
+    service = NameService(node, NameCache(), clock=lambda: NOW)  # type: ignore[arg-type]
+    streams = [
+        _PushStream(wire.encode(wire.PutRequest(_record(signer, name=f"n{i}").encode())), f"p{i}")
+        for i in range(MAX_CONCURRENT_REQUESTS + 1)
+    ]
+    async with trio.open_nursery() as nursery:
+        for stream in streams[:-1]:
+            nursery.start_soon(service.handle_stream, stream)
+            await stream.answered.wait()
+        nursery.start_soon(service.handle_stream, streams[-1])
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert streams[-1].was_reset
+    assert not streams[-1].answered.is_set()
+
+
+class _AnsweringStream:
+    """A stream to a peer that answers any request with ``answer`` after ``delay`` s."""
+
+    def __init__(self, answer: bytes, delay: float) -> None:
+        self._answer = bytearray(answer)
+        self._delay = delay
+
+    async def write(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def read(self, n: int) -> bytes:
+        await trio.sleep(self._delay)
+        self._delay = 0
+        out = bytes(self._answer[:n])
+        del self._answer[:n]
+        return out
+
+    async def close(self) -> None:
+        pass
+
+    async def reset(self) -> None:
+        pass
+
+
+class _PeersHost:
+    """Connected peers, each answering a names ``get`` with its record, in its time."""
+
+    def __init__(self, answers: dict[str, tuple[bytes, float]]) -> None:
+        self.answers = answers
+
+    def set_stream_handler(self, protocol: object, handler: object) -> None:
+        pass
+
+    async def new_stream(self, peer: object, protocols: object) -> _AnsweringStream:
+        record, delay = self.answers[str(peer)]
+        return _AnsweringStream(wire.encode(wire.RecordResponse(record)), delay)
+
+
+class _Node:
+    def __init__(self, store: Store, host: _PeersHost) -> None:
+        self.store, self.host, self.dht, self.peer_id = store, host, None, "me"
+
+    def connected_peers(self) -> list[str]:
+        return list(self.host.answers)
+
+
+async def test_resolving_keeps_the_newest_valid_answer_whoever_answers_first(
+    signer: SoftwareSigner, tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Three peers answer: an old version at once, a forgery (the newest seq, a bad
+    signature), and the current version a little later, within the resolve's grace."""
+    old, current = _record(signer, seq=1), _record(signer, seq=3, blob_id=BLOB_B)
+    forged = dataclasses.replace(_record(signer, seq=9), blob_id="f" * 64).encode()
+    peers = [SoftwareSigner(MachineKey.generate()).peer_id for _ in range(3)]
+    host = _PeersHost(
+        {peers[0]: (old.encode(), 0.0), peers[1]: (forged, 0.0), peers[2]: (current.encode(), 0.2)}
+    )
+    node = _Node(Store.open(tmp_path / "store"), host)
+    install(node, clock=lambda: NOW)  # type: ignore[arg-type]
+    found = await resolve(node, f"{signer.peer_id}/run-x/adapter", now=NOW, use_dht=False)  # type: ignore[arg-type]
+    assert found == current
