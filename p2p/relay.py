@@ -29,11 +29,16 @@ from a peer it does not remember is refused (``RESERVATION_REFUSED``), and so, b
 default, is ``CONNECT`` from one. py-libp2p's relay takes the reservation's peer ID from
 the message when present; ours always uses the connection's authenticated one.
 
+Reachability: an admitted peer may ask the relay to dial it back (``REACH_PROTOCOL``):
+the relay dials the IP it sees the peer at, at the ports the peer names, on a fresh
+connection, and answers ``public <addr>`` or ``private: ...`` (``p2p.nat`` acts on it).
+
 What py-libp2p 0.8.1 gives and what is ours: its ``CircuitV2Protocol`` (hop and stop
-handlers, circuit limits, relaying), ``DCUtRProtocol`` (the punch) are used as they are;
-the admission gate, the byte counter, ``reserve`` and ``dial_via_relay`` (its
-``CircuitV2Transport`` reserves on every dial and swallows the relay's status codes) are
-here.
+handlers, circuit limits, relaying) and ``DCUtRProtocol`` (the punch) are used as they
+are, but for one fix: a circuit is torn down whole when either direction ends
+(``AdmittedRelay._relay_data`` says why). The admission gate, the byte counter, the
+dial-back, ``reserve`` and ``dial_via_relay`` are ours (py-libp2p's
+``CircuitV2Transport`` reserves on every dial and swallows the relay's status codes).
 """
 
 from __future__ import annotations
