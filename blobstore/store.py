@@ -662,8 +662,15 @@ class Store:
         file back at ``path`` with its mode, and refuse (FileChanged)."""
         data_path = self._data_path(blob_id)
         with self._store_lock():
-            with contextlib.suppress(FileExistsError):
+            try:
                 os.link(data_path, path)
+            except FileExistsError:  # a new file stands at ``path``: never drop the bytes
+                self.quarantine(blob_id, f"{path} was written while moved in")
+                raise FileChanged(
+                    f"{path} was written while it was being moved into the store, and a new "
+                    f"file now stands there; the moved bytes are kept in "
+                    f"{self._quarantine / blob_id / 'data'}"
+                ) from None
             data_path.unlink()
             self._manifest_path(blob_id).unlink(missing_ok=True)
             fsync_dir(data_path.parent)

@@ -125,3 +125,33 @@ def test_a_move_written_after_its_last_check_is_given_back(
     assert published(store) == []
     assert src.read_bytes().startswith(b"late step")
     assert oct(src.stat().st_mode & 0o777) == oct(0o640)
+
+
+def test_a_move_written_late_with_a_new_file_in_its_place_keeps_both(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the user already wrote a new file at the old name: the moved bytes
+    cannot go back there, and are kept in quarantine rather than dropped."""
+    src = tmp_path / "checkpoint.bin"
+    src.write_bytes(os.urandom(4 * C))
+    old = src.stat().st_mtime - HOUR_AGO
+    os.utime(src, (old, old))
+    real_link = store_mod.link_or_rename
+
+    def late_writer_and_new_file(source: Path, target: Path, *, replace: bool) -> bool:
+        os.pwrite(writer, b"late step", 0)
+        linked = real_link(source, target, replace=replace)
+        source.write_bytes(b"the next checkpoint")
+        return linked
+
+    monkeypatch.setattr(store_mod, "link_or_rename", late_writer_and_new_file)
+    writer = os.open(src, os.O_WRONLY)
+    try:
+        with pytest.raises(FileChanged, match="moved bytes are kept in"):
+            store.put_path(src, chunk_size=C, move=True)
+    finally:
+        os.close(writer)
+    assert published(store) == []
+    assert src.read_bytes() == b"the next checkpoint"
+    (kept,) = store.quarantined_ids()
+    assert (store.root / "quarantine" / kept / "data").read_bytes().startswith(b"late step")
