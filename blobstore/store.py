@@ -331,7 +331,9 @@ class Store:
         """Open (creating if needed) the store at ``root`` and sweep dead temp files.
 
         ``shared``: None keeps the store's mode (a new store is private); True or False
-        sets it, re-moding what is there (see :class:`FileModes`). ``lock_timeout``:
+        sets it, re-moding what is there (see :class:`FileModes`). Switch while no other
+        process writes the store: one already running keeps creating files with the
+        modes it opened with. ``lock_timeout``:
         seconds to wait for the store lock (default :data:`STORE_LOCK_TIMEOUT`, or the
         environment's :data:`LOCK_TIMEOUT_ENV`).
 
