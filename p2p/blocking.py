@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import trio
 
@@ -28,6 +28,9 @@ from p2p.errors import P2PError
 from p2p.interfaces import dialable_addrs
 from p2p.node import DEFAULT_LISTEN, Node, open_node
 from p2p.ticket import MAX_TICKET_ADDRS, Ticket
+
+if TYPE_CHECKING:
+    from p2p.names_record import NameRecord
 
 T = TypeVar("T")
 
@@ -206,6 +209,14 @@ class BlockingNode:
         if tag is not None:
             self.store.tag(tag, blob_id)
         return blob_id
+
+    def publish_name(self, name: str, blob_id: str, **options: Any) -> NameRecord:
+        """Sign ``<this peer ID>/name -> blob_id`` and spread it (Node.publish_name)."""
+        return cast("NameRecord", self._call(self.node.publish_name, name, blob_id, **options))
+
+    def resolve(self, ref: str, **options: Any) -> NameRecord:
+        """The newest valid record for ``PUBLISHER/NAME`` (Node.resolve)."""
+        return cast("NameRecord", self._call(self.node.resolve, ref, **options))
 
     def fetch(
         self,

@@ -87,6 +87,7 @@ class ChunkWriter:
         self._open = True
         return self
 
+    @trio.lowlevel.enable_ki_protection
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
@@ -100,6 +101,9 @@ class ChunkWriter:
             for thread in self._threads:
                 await trio.to_thread.run_sync(thread.join)
 
+    # KeyboardInterrupt must not land between queueing the job and waiting for it: the
+    # thread would later reschedule a task that had exited (TrioInternalError, issue 14).
+    @trio.lowlevel.enable_ki_protection
     async def write(self, index: int, data: memoryview, digest: bytes | None = None) -> bool:
         """``partial.write_chunk(index, data, digest=digest)`` in a writer thread."""
         if not self._open:

@@ -28,7 +28,7 @@ import click
 
 from blobstore import cli as blobstore_cli
 from identity import cli as identity_cli
-from p2p import net_cli
+from p2p import names_cli, net_cli
 from p2p.errors import unwrap_single
 
 # Documented exit codes (README "Exit codes"); the packages' error classes use these values.
@@ -195,6 +195,7 @@ def cli(
 blobstore_cli.register(cli)
 identity_cli.register(cli)
 net_cli.register(cli)  # after blobstore: its networked `get` replaces the local-only one
+names_cli.register(cli)
 
 
 def main(argv: list[str] | None = None) -> None:

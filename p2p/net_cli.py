@@ -455,35 +455,73 @@ def get(
     _check_peer_addrs(peers, "--peer")
     _check_peer_addrs(bootstrap, "--bootstrap")
     store = _store(ctx)
-    blob_id, ticket_addrs = _resolve_ref(store, ref)
+    from p2p.names_record import is_name_ref
+
+    ticket_addrs: tuple[str, ...] = ()
+    if is_name_ref(ref):
+        from p2p.names_cli import resolve_name
+
+        blob_id: str | None = resolve_name(
+            ctx,
+            ref,
+            peers=peers,
+            bootstrap=bootstrap,
+            listen=listen,
+            no_dht=no_dht,
+            verbose=verbose,
+        )
+    else:
+        blob_id, ticket_addrs = _resolve_ref(store, ref)
     assert blob_id is not None
     stats: dict[str, Any] = {"source": "local"}
     if tensors:
         _get_tensors(ctx, store, blob_id, [*peers, *ticket_addrs], tensors, output, listen, as_json)
         return
-    if not _locally_complete(store, blob_id, include):
-        named = [*peers, *ticket_addrs]
-        use_dht = bool(bootstrap) and not no_dht
-        if not named and not use_dht:
-            raise click.UsageError(
-                f"{blob_id[:12]} is not complete in this store, and nothing says where to "
-                "fetch it from: give --peer MADDR, --bootstrap MADDR or a ticket"
+    # A lease keeps gc off what this get still needs (a collection's children included),
+    # however long the fetch and the export take.
+    with store.lease([blob_id]):
+        fetched = False
+        if (peers or ticket_addrs) and store.has(blob_id) and store.verify(blob_id):
+            # Sources were named, so a rotten local copy is repaired from them instead of
+            # being exported (verify has quarantined it; only its bad chunks travel).
+            click.echo(
+                f"blob: note: the local copy of {blob_id[:12]} is corrupt (quarantined); "
+                "repairing it from the named peers",
+                err=True,
             )
-        key_path = _key_path(ctx)
-        key = _load_key(key_path)
-        from p2p.dial import check_not_self
+        if not _locally_complete(store, blob_id, include):
+            named = [*peers, *ticket_addrs]
+            use_dht = bool(bootstrap) and not no_dht
+            if not named and not use_dht:
+                raise click.UsageError(
+                    f"{blob_id[:12]} is not complete in this store, and nothing says where to "
+                    "fetch it from: give --peer MADDR, --bootstrap MADDR or a ticket"
+                )
+            key_path = _key_path(ctx)
+            key = _load_key(key_path)
+            from p2p.dial import check_not_self
 
-        check_not_self([*named, *bootstrap], key.peer_id, key_path)
-        config = _node_config(listen, bootstrap, use_dht, discovery_timeout=discovery_timeout)
-        bar = ProgressBar(enabled=not no_progress and not as_json and sys.stderr.isatty())
-        try:
-            stats = _fetch(store, key, config, blob_id, named, include, bar, verbose)
-        finally:
-            bar.close()
-    if tag_name is not None:
-        store.tag(tag_name, blob_id)
-    if output is not None:
-        _write_output(store, blob_id, output, include, link, show_progress=not as_json)
+            check_not_self([*named, *bootstrap], key.peer_id, key_path)
+            config = _node_config(listen, bootstrap, use_dht, discovery_timeout=discovery_timeout)
+            bar = ProgressBar(enabled=not no_progress and not as_json and sys.stderr.isatty())
+            try:
+                stats = _fetch(store, key, config, blob_id, named, include, bar, verbose)
+                fetched = True
+            finally:
+                bar.close()
+        if tag_name is not None:
+            store.tag(tag_name, blob_id)
+        if output is not None:
+            # What was just fetched was verified chunk by chunk on arrival: no second hash.
+            _write_output(
+                store,
+                blob_id,
+                output,
+                include,
+                link,
+                show_progress=not as_json,
+                verify=not fetched,
+            )
     if as_json:
         click.echo(
             json.dumps(
@@ -689,6 +727,7 @@ def _write_output(
     include: Sequence[str],
     link: bool,
     show_progress: bool = False,
+    verify: bool = True,
 ) -> None:
     """``-o``: links, a subset of a collection, or the store's own verified export (with
     a progress bar on a terminal, since it reads every byte again)."""
@@ -709,7 +748,7 @@ def _write_output(
             else store.manifest(blob_id).size
         )
         with progress_bar(size, output.name, show_progress) as progress:
-            store.export(blob_id, output, progress=progress)
+            store.export(blob_id, output, progress=progress, verify=verify)
 
 
 @click.command("export")

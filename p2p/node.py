@@ -44,7 +44,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from libp2p.crypto.keys import KeyPair
@@ -64,8 +64,11 @@ from p2p.errors import BadAddress, ListenFailed, PeerUnreachable, unwrap_single
 from p2p.host import build_host
 from p2p.scheduler import PeerScores, SchedulerConfig, StripeConfig
 from p2p.server import BlobServer
-from p2p.ticket import Ticket, validate_peer_addr
+from p2p.ticket import MAX_TICKET_ADDRS, Ticket, validate_peer_addr
 from p2p.wire import MULTISTREAM, OptimisticStream, StreamLost, multistream_message
+
+if TYPE_CHECKING:
+    from p2p.names_record import NameRecord
 
 log = logging.getLogger(__name__)
 
@@ -198,15 +201,18 @@ class Node:
 
     @property
     def addrs(self) -> list[str]:
-        """Listen addresses ending in ``/p2p/<peer id>``, ready to hand to other nodes."""
+        """Addresses other nodes can dial, each ending in ``/p2p/<peer id>`` (a wildcard
+        listen address appears as each interface's address)."""
+        from p2p.interfaces import dialable_addrs
+
         out = []
         for addr in self.host.get_addrs():
             text = str(addr)
             out.append(text if "/p2p/" in text else f"{text}/p2p/{self.peer_id}")
-        return out
+        return dialable_addrs(out)
 
     def ticket(self, blob_id: str) -> str:
-        return Ticket(blob_id, tuple(self.addrs)).encode()
+        return Ticket(blob_id, tuple(self.addrs[:MAX_TICKET_ADDRS])).encode()
 
     # --- connections -----------------------------------------------------------------
     async def connect(self, addr: str) -> str:
@@ -420,6 +426,10 @@ class Node:
         recursive: bool,
     ) -> str:
         addrs = list(providers)
+        from p2p import names
+
+        if names.is_name_ref(ref):
+            ref = (await names.resolve(self, ref)).blob_id
         if ref.startswith("blob1"):
             ticket = Ticket.decode(ref)
             blob_id = ticket.blob_id
@@ -429,6 +439,23 @@ class Node:
 
             blob_id = parse_blob_id(ref)
         dials = _Dials()
+        # The lease keeps gc off the parent and, once it is here, its children, however long
+        # the fetch runs (gc's grace period alone would not).
+        lease = await trio.to_thread.run_sync(self.store.lease, [blob_id])
+        try:
+            await self._fetch_leased(blob_id, addrs, dials, progress, recursive)
+        finally:
+            await trio.to_thread.run_sync(lease.release)
+        return blob_id
+
+    async def _fetch_leased(
+        self,
+        blob_id: str,
+        addrs: list[str],
+        dials: _Dials,
+        progress: ProgressCallback | None,
+        recursive: bool,
+    ) -> None:
         async with trio.open_nursery() as nursery:
             # Named providers are dialled at once and each joins the fetch as soon as it
             # is connected: one that accepts TCP and never handshakes delays nobody.
@@ -436,8 +463,12 @@ class Node:
                 dials.pending += 1
                 nursery.start_soon(self._dial_into, addr, dials)
             await self._fetch_one(blob_id, dials, progress)
-            if recursive and await trio.to_thread.run_sync(self.store.is_collection, blob_id):
-                entries = await trio.to_thread.run_sync(self.store.read_collection, blob_id)
+            entries = (
+                await trio.to_thread.run_sync(self.store.collection_entries, blob_id)
+                if recursive
+                else None
+            )
+            if entries is not None:
                 limiter = trio.CapacityLimiter(COLLECTION_PARALLELISM)
 
                 async def child(child_id: str) -> None:
@@ -449,7 +480,6 @@ class Node:
                     for child_id in dict.fromkeys(entry.blob_id for entry in entries):
                         children.start_soon(child, child_id)
             nursery.cancel_scope.cancel()
-        return blob_id
 
     async def _dial_into(self, addr: str, dials: _Dials) -> None:
         try:
@@ -536,6 +566,20 @@ class Node:
                     await trio.sleep(pause)
                     pause = min(pause * 2, 4.0)
 
+    # --- names (p2p/names.py, p2p/NAMES.md) ----------------------------------------------
+    async def publish_name(self, name: str, blob_id: str, **options: Any) -> NameRecord:
+        """Sign ``<this peer ID>/name -> blob_id`` and spread it (see
+        :func:`p2p.names.publish_name` for ``signer``, ``seq``, ``expiry_s``...)."""
+        from p2p import names
+
+        return await names.publish_name(self, name, blob_id, **options)
+
+    async def resolve(self, ref: str, **options: Any) -> NameRecord:
+        """The newest valid record for ``PUBLISHER/NAME`` (:func:`p2p.names.resolve`)."""
+        from p2p import names
+
+        return await names.resolve(self, ref, **options)
+
     async def export(self, blob_id: str, dest: str | os.PathLike[str]) -> None:
         await trio.to_thread.run_sync(self.store.export, blob_id, Path(dest))
 
@@ -614,6 +658,10 @@ async def open_node(
             if floodsub is not None:
                 await floodsub.wait_until_ready()
             node = Node(store, host, server, kad, config, floodsub)
+            from p2p import names
+
+            names.install(node)
+            nursery.start_soon(names.run_names, node)
             for addr in config.bootstrap:
                 try:
                     await node.connect(addr)

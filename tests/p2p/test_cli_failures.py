@@ -138,3 +138,30 @@ def test_serve_on_the_wildcard_address_prints_dialable_ones(
     assert loopback, a.addrs
     got = cluster.get("b", blob_id, "--peer", loopback[0])
     assert got["id"] == blob_id and got["source"] == "network"
+
+
+def test_get_with_a_named_peer_repairs_a_rotten_local_copy(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A damaged local copy used to be exported as it was (exit 4) although a good peer was
+    named: `get --peer GOOD` now finds the rot, quarantines the copy and fetches it again."""
+    from blobstore import Store
+
+    original = random_file(tmp_path / "w.bin", 300_000)
+    blob_id = cluster.put("a", original)
+    assert cluster.put("b", original) == blob_id
+    path = Store.open(cluster.store("b")).path(blob_id)
+    path.chmod(0o600)
+    with path.open("r+b") as f:  # bit rot in b's copy
+        f.seek(1234)
+        byte = f.read(1)
+        f.seek(1234)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    a = cluster.serve("a")
+    out = tmp_path / "out.bin"
+    done, _ = blob(cluster, "b", "get", blob_id, "--peer", a.addr, "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "corrupt" in done.stderr and "Traceback" not in done.stderr
+    assert out.read_bytes() == original.read_bytes()
+    verify, _ = blob(cluster, "b", "verify", blob_id)
+    assert verify.returncode == 0, verify.stderr

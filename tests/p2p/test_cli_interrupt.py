@@ -80,6 +80,31 @@ def test_sigint_between_queueing_and_waiting_is_an_orderly_cancel() -> None:
     assert 0 in sink.written  # the write that was queued when the signal came completed
 
 
+def test_sigint_between_queueing_and_waiting_under_plain_trio_run() -> None:
+    """The same race in any trio program (BlockingNode, a training script), with trio's own
+    SIGINT handling: ChunkWriter.write is protected from KeyboardInterrupt between the put
+    and the wait, so the run ends in KeyboardInterrupt, never TrioInternalError."""
+    sink = SlowSink()
+
+    async def work() -> None:
+        writer = ChunkWriter(sink, threads=1)
+        writer._jobs = SignalOnPut()  # type: ignore[assignment]
+        async with writer, trio.open_nursery() as nursery:
+            for index in range(4):
+                nursery.start_soon(writer.write, index, memoryview(b"x"))
+            await trio.sleep(5)  # interrupted long before this ends
+
+    try:
+        trio.run(work)
+    except BaseException as exc:  # KeyboardInterrupt, maybe in a group; never TrioInternalError
+        caught = exc
+    else:
+        pytest.fail("the SIGINT did not interrupt the run")
+    assert not isinstance(caught, trio.TrioInternalError), repr(caught)
+    leaves = list(caught.exceptions) if isinstance(caught, BaseExceptionGroup) else [caught]
+    assert any(isinstance(exc, KeyboardInterrupt) for exc in leaves), repr(caught)
+
+
 def _interrupt_one(cmd: list[str], partial: Path, delay: float) -> tuple[int, str]:
     """Start a fetch, SIGINT it ``delay`` seconds after its partial blob appears (the
     fetch has begun), and return its exit status and stderr."""
