@@ -28,7 +28,7 @@ import click
 
 from blobstore import cli as blobstore_cli
 from identity import cli as identity_cli
-from p2p import names_cli, net_cli
+from p2p import names_cli, net_cli, relay_cli
 from p2p.errors import unwrap_single
 
 # Documented exit codes (README "Exit codes"); the packages' error classes use these values.
@@ -196,6 +196,7 @@ blobstore_cli.register(cli)
 identity_cli.register(cli)
 net_cli.register(cli)  # after blobstore: its networked `get` replaces the local-only one
 names_cli.register(cli)
+cli.add_command(relay_cli.relay)
 
 
 def main(argv: list[str] | None = None) -> None:
