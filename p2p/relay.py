@@ -35,9 +35,11 @@ connection, and answers ``public <addr>`` or ``private: ...`` (``p2p.nat`` acts 
 
 What py-libp2p 0.8.1 gives and what is ours: its ``CircuitV2Protocol`` (hop and stop
 handlers, circuit limits, relaying) and ``DCUtRProtocol`` (the punch) are used as they
-are, but for one fix: a circuit is torn down whole when either direction ends
-(``AdmittedRelay._relay_data`` says why). The admission gate, the byte counter, the
-dial-back, ``reserve`` and ``dial_via_relay`` are ours (py-libp2p's
+are, but for two fixes: a circuit is torn down whole when either direction ends
+(``AdmittedRelay._relay_data`` says why), and circuits are counted per destination and
+per source from the moment a CONNECT is accepted (py-libp2p counts them only once set
+up, so CONNECTs sent together all passed its per-peer cap). The admission gate, the
+byte counter, the dial-back, ``reserve`` and ``dial_via_relay`` are ours (py-libp2p's
 ``CircuitV2Transport`` reserves on every dial and swallows the relay's status codes).
 """
 
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -209,6 +212,13 @@ class AdmittedRelay(CircuitV2Protocol):
         self.open_connect = open_connect
         self.relayed_bytes = 0
         self.refused: list[str] = []  # peer IDs refused, newest last (bounded)
+        # Circuits being set up or open, per destination and per source. py-libp2p
+        # counts a destination's circuits only once the STOP exchange has finished, so
+        # CONNECTs that arrive together all pass its check; and it caps a source only
+        # when the source holds a reservation itself. Counting from the moment a
+        # CONNECT is accepted bounds both at ``max_circuit_conns``.
+        self._circuits_to: Counter[bytes] = Counter()
+        self._circuits_from: Counter[bytes] = Counter()
 
     def _refuse(self, peer: ID) -> None:
         self.refused.append(str(peer))
@@ -237,7 +247,27 @@ class AdmittedRelay(CircuitV2Protocol):
             self._refuse(peer)
             await self._send_status(stream, StatusCode.PERMISSION_DENIED, "not admitted")
             return
-        await super()._handle_connect(stream, msg)
+        source, target = peer.to_bytes(), bytes(msg.peer.id)
+        cap = self.limits.max_circuit_conns
+        if self._circuits_to[target] >= cap or self._circuits_from[source] >= cap:
+            log.info("relay: circuit refused for %s (circuit limit %d)", peer, cap)
+            await self._send_status(
+                stream, StatusCode.RESOURCE_LIMIT_EXCEEDED, f"at most {cap} circuits per peer"
+            )
+            return  # as for "not admitted": the hop stream's loop reads on, or it ends
+        self._circuits_to[target] += 1
+        self._circuits_from[source] += 1
+        try:
+            await super()._handle_connect(stream, msg)
+        finally:
+            for counter, key in ((self._circuits_to, target), (self._circuits_from, source)):
+                counter[key] -= 1
+                if counter[key] <= 0:
+                    del counter[key]  # the counters hold only peers with circuits
+
+    def open_circuits(self) -> int:
+        """Circuits being set up or relaying now."""
+        return sum(self._circuits_to.values())
 
     async def _relay_data(  # type: ignore[override]
         self, src_stream: INetStream, dst_stream: INetStream, *args: Any

@@ -17,6 +17,11 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from multiaddr import Multiaddr
 
 from identity import AdmissionCertificate, Authority, MachineKey, TrustStore
@@ -183,3 +188,61 @@ async def test_a_reachable_peer_behind_a_circuit_address_is_upgraded_by_a_direct
         assert conns and all(
             "/p2p-circuit" not in str(addr) for c in conns for addr in c.get_transport_addresses()
         )
+
+
+async def _connect_status(host: IHost, relay: IHost, target: IHost) -> tuple[str, INetStream]:
+    """Ask the relay for a circuit to ``target``; its answer, and the hop stream (a
+    circuit lives as long as that stream)."""
+    stream = await host.new_stream(relay.get_id(), [HOP_PROTOCOL])
+    connect = HopMessage(type=HopMessage.CONNECT, peer=CircuitPeerId(id=target.get_id().to_bytes()))
+    await write_delimited_msg(stream, connect)
+    reply = await read_delimited_msg(stream, HopMessage)
+    return StatusCode(reply.status).name, stream
+
+
+async def test_circuits_are_capped_per_peer_even_when_connects_arrive_together() -> None:
+    """With one circuit per peer allowed, two CONNECTs to one peer sent at once get one
+    circuit (py-libp2p counts a circuit only once it is set up, so both passed its
+    check); a source with a circuit open gets none to a second peer; closing the
+    circuit frees both slots at once."""
+    authority = Authority(SoftwareSigner(MachineKey.generate()))
+    trust = TrustStore(frozenset({authority.public_key_bytes}))
+    limits = control_limits(max_circuits_per_peer=1)
+    async with (
+        _host() as relay_host,
+        _host() as a,
+        _host() as b,
+        _host() as c,
+        relay_service(relay_host, trust=trust, limits=limits) as relay,
+        nat_services(a),
+        nat_services(c),
+    ):
+        relay_addr = _addr(relay_host)
+        for peer in (a, b, c):
+            await peer.connect(info_from_p2p_addr(Multiaddr(relay_addr)))
+            cert = _certificate(authority, str(peer.get_id()))
+            await present_certificate(peer, relay_host.get_id(), cert)
+        await reserve(a, relay_addr)
+        await reserve(c, relay_addr)
+        answers: list[tuple[str, INetStream]] = []
+
+        async def ask(target: IHost) -> None:
+            answers.append(await _connect_status(b, relay_host, target))
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask, a)
+                nursery.start_soon(ask, a)
+            assert sorted(name for name, _ in answers) == ["OK", "RESOURCE_LIMIT_EXCEEDED"]
+            [held] = [stream for name, stream in answers if name == "OK"]
+            assert relay.open_circuits() == 1
+            refused, _ = await _connect_status(b, relay_host, c)  # b holds a circuit already
+            assert refused == "RESOURCE_LIMIT_EXCEEDED"
+            await held.reset()
+            for _ in range(500):  # torn down within a few event-loop turns
+                if not relay.open_circuits():
+                    break
+                await trio.sleep(0.01)
+            ok, stream = await _connect_status(b, relay_host, c)
+            assert ok == "OK"
+            await stream.reset()
