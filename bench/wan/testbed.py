@@ -52,7 +52,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -519,20 +519,35 @@ class Testbed:
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(Exception):
-            atexit.unregister(self.close)
-        stop_processes(self._procs)
-        for netns in self._created:
-            _kill_namespace_processes(netns)
-        if self._control is not None:
-            self._control.close()
-        if self._forwarder is not None:
-            stop_process(self._forwarder)
-        for netns in self._created:
-            _ip("netns", "del", netns, check=False)
-        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
+        # A second Ctrl-C, SIGTERM or pytest-timeout's SIGALRM arriving mid-teardown
+        # would otherwise raise out of it and leave namespaces behind; they are held
+        # until every step has run (each bounded by STOP_GRACE or IP_TIMEOUT), then
+        # delivered.
+        main = threading.current_thread() is threading.main_thread()
+        held = {signal.SIGINT, signal.SIGTERM, signal.SIGALRM}
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, held) if main else None
+        try:
+            steps: list[Callable[[], object]] = [
+                functools.partial(atexit.unregister, self.close),
+                functools.partial(stop_processes, self._procs),
+            ]
+            steps += [functools.partial(_kill_namespace_processes, ns) for ns in self._created]
+            if self._control is not None:
+                steps.append(self._control.close)
+            if self._forwarder is not None:
+                steps.append(functools.partial(stop_process, self._forwarder))
+            steps += [functools.partial(_ip, "netns", "del", n, check=False) for n in self._created]
+            for step in steps:
+                try:
+                    step()
+                except Exception as exc:  # each step is attempted whatever the last did
+                    print(f"wan testbed: teardown step failed: {exc}", file=sys.stderr)
+            if self._old_sigterm is not None and main:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
+                self._old_sigterm = None
+        finally:
+            if old_mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
     # ------------------------------------------------------------------ processes
     def argv(self, host: str, argv: Sequence[str]) -> list[str]:
