@@ -110,6 +110,9 @@ MAX_REACH_REQUEST = 64
 # A dial-back is TCP + Noise + yamux, about five RTTs: 1 s at 200 ms. A NAT drops the SYN
 # silently, so "private" is the dial timing out.
 REACH_DIAL_TIMEOUT = 5.0
+# Dial-backs running at once: one per peer (each may take 5 s a port, so many streams
+# asking at once would have the relay dial without bound), and this many in all.
+MAX_DIAL_BACKS = 32
 
 
 def control_limits(
@@ -212,6 +215,7 @@ class AdmittedRelay(CircuitV2Protocol):
         self.open_connect = open_connect
         self.relayed_bytes = 0
         self.refused: list[str] = []  # peer IDs refused, newest last (bounded)
+        self.dialling: set[str] = set()  # peers whose dial-back runs now
         # Circuits being set up or open, per destination and per source. py-libp2p
         # counts a destination's circuits only once the STOP exchange has finished, so
         # CONNECTs that arrive together all pass its check; and it caps a source only
@@ -313,9 +317,12 @@ async def _serve_admission(book: AdmissionBook, stream: INetStream) -> None:
             pass
 
 
-async def _serve_reach(host: IHost, admitted: Callable[[ID], bool], stream: INetStream) -> None:
+async def _serve_reach(
+    host: IHost, admitted: Callable[[ID], bool], stream: INetStream, dialling: set[str]
+) -> None:
     """Dial the asker back at its observed IP on the ports it names; answer
-    ``public <addr>`` or ``private <reason>``."""
+    ``public <addr>`` or ``private <reason>``. ``dialling``: the peers whose dial-back
+    runs now (one each, ``MAX_DIAL_BACKS`` in all)."""
     peer = stream.muxed_conn.peer_id
     try:
         with trio.fail_after(EXCHANGE_TIMEOUT):
@@ -326,8 +333,16 @@ async def _serve_reach(host: IHost, admitted: Callable[[ID], bool], stream: INet
             reply = "refused: not admitted"
         elif ip is None or not ports:
             reply = "refused: no observed address or no ports named"
+        elif str(peer) in dialling:
+            reply = "refused: a dial-back for this peer is already running"
+        elif len(dialling) >= MAX_DIAL_BACKS:
+            reply = "refused: the relay is busy with other dial-backs; try again shortly"
         else:
-            reply = await _dial_back(host, peer, ip, ports)
+            dialling.add(str(peer))
+            try:
+                reply = await _dial_back(host, peer, ip, ports)
+            finally:
+                dialling.discard(str(peer))
         with trio.fail_after(EXCHANGE_TIMEOUT):
             await stream.write(encode_varint_prefixed(reply.encode()[:MAX_ADMIT_REPLY]))
         await stream.close()
@@ -407,7 +422,7 @@ async def relay_service(
         host.set_stream_handler(ADMIT_PROTOCOL, handler)
 
     async def reach_handler(stream: INetStream) -> None:
-        await _serve_reach(host, is_admitted, stream)
+        await _serve_reach(host, is_admitted, stream, relay.dialling)
 
     host.set_stream_handler(REACH_PROTOCOL, reach_handler)
     async with background_trio_service(relay):

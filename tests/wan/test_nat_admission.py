@@ -22,6 +22,7 @@ from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
+from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
 from multiaddr import Multiaddr
 
 from identity import AdmissionCertificate, Authority, MachineKey, TrustStore
@@ -29,6 +30,7 @@ from identity.signer import SoftwareSigner
 from p2p.host import build_host
 from p2p.nat import punch_circuits
 from p2p.relay import (
+    REACH_PROTOCOL,
     AdmissionBook,
     AdmittedRelay,
     RelayRefused,
@@ -246,3 +248,35 @@ async def test_circuits_are_capped_per_peer_even_when_connects_arrive_together()
             ok, stream = await _connect_status(b, relay_host, c)
             assert ok == "OK"
             await stream.reset()
+
+
+async def _ask_dial_back(host: IHost, relay: IHost, port: int) -> str:
+    stream = await host.new_stream(relay.get_id(), [REACH_PROTOCOL])
+    await stream.write(encode_varint_prefixed(str(port).encode()))
+    reply = await read_varint_prefixed_bytes_limited(stream, 512)
+    return reply.decode()
+
+
+async def test_a_peer_gets_one_dial_back_at_a_time() -> None:
+    """Each dial-back may take seconds a port (a NAT answers nothing): a peer asking
+    on many streams at once must not have the relay dial for each. Here the first
+    dial-back hangs on a port that accepts TCP but never speaks Noise; a second
+    request meanwhile is refused at once."""
+    async with _world() as (authority, relay, a, _b, relay_addr):
+        await a.connect(info_from_p2p_addr(Multiaddr(relay_addr)))
+        await present_certificate(a, relay.host.get_id(), _certificate(authority, str(a.get_id())))
+        silent = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = silent[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_ask_dial_back, a, relay.host, port)
+            with trio.fail_after(10):
+                for _ in range(1000):  # the relay takes the first request
+                    if relay.dialling:
+                        break
+                    await trio.sleep(0.01)
+                assert relay.dialling == {str(a.get_id())}
+                second = await _ask_dial_back(a, relay.host, port)
+            assert second == "refused: a dial-back for this peer is already running"
+            nursery.cancel_scope.cancel()
+        for listener in silent:
+            await listener.aclose()
