@@ -280,3 +280,20 @@ async def test_a_peer_gets_one_dial_back_at_a_time() -> None:
             nursery.cancel_scope.cancel()
         for listener in silent:
             await listener.aclose()
+
+
+async def test_a_reservation_is_always_for_the_peer_that_asks_never_one_it_names() -> None:
+    """py-libp2p reserves for the peer ID a RESERVE names, when it names one: an
+    admitted peer could then make a peer that was never admitted reachable, or fill
+    the relay's reservations with made-up IDs."""
+    async with _world() as (authority, relay, a, b, relay_addr):
+        await b.connect(info_from_p2p_addr(Multiaddr(relay_addr)))
+        await present_certificate(b, relay.host.get_id(), _certificate(authority, str(b.get_id())))
+        stream = await b.new_stream(relay.host.get_id(), [HOP_PROTOCOL])
+        named = HopMessage(type=HopMessage.RESERVE, peer=CircuitPeerId(id=a.get_id().to_bytes()))
+        await write_delimited_msg(stream, named)
+        reply = await read_delimited_msg(stream, HopMessage)
+        await stream.reset()
+        assert StatusCode(reply.status) == StatusCode.OK
+        assert relay.resource_manager.has_reservation(b.get_id())
+        assert not relay.resource_manager.has_reservation(a.get_id())  # a never admitted
