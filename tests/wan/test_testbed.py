@@ -5,6 +5,7 @@ owner that died without cleaning up)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -98,6 +99,28 @@ def test_sigterm_tears_the_testbed_down() -> None:
         assert len(names) == 2 and set(names) <= set(list_namespaces())
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 128 + signal.SIGTERM
+    assert not set(names) & set(list_namespaces())
+
+
+def test_a_second_interrupt_or_a_failing_step_mid_teardown_still_removes_everything() -> None:
+    """Ctrl-C pressed again (or pytest-timeout's alarm) while the testbed closes, and a
+    teardown step that fails: the interrupt waits for the teardown's end, the other
+    steps still run, and no namespace is left."""
+    tb = Testbed({"a": Host(), "b": Host()})
+    tb.start()
+    names = [tb.netns("a"), tb.netns("b")]
+    control = tb._control
+    assert control is not None
+
+    class InterruptedClose:
+        def close(self) -> None:
+            control.close()
+            os.kill(os.getpid(), signal.SIGINT)
+            raise OSError("closing the control socket failed")
+
+    tb._control = InterruptedClose()  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        tb.close()
     assert not set(names) & set(list_namespaces())
 
 
