@@ -109,12 +109,12 @@ def test_a_second_interrupt_or_a_failing_step_mid_teardown_still_removes_everyth
     tb = Testbed({"a": Host(), "b": Host()})
     tb.start()
     names = [tb.netns("a"), tb.netns("b")]
-    control = tb._control
-    assert control is not None
+    assert tb._control is not None
+    close_control = tb._control.close
 
     class InterruptedClose:
         def close(self) -> None:
-            control.close()
+            close_control()
             os.kill(os.getpid(), signal.SIGINT)
             raise OSError("closing the control socket failed")
 
