@@ -179,13 +179,23 @@ def _net(args: argparse.Namespace) -> dict[str, Any]:
         update = max(r["update_bytes"] for r in recs)
         sent = sum(r["wire_sent"] for r in recs) / len(recs)
         received = sum(r["wire_received"] for r in recs) / len(recs)
+        ann_sent = sum(r["pubsub_sent"] for r in recs) / len(recs)
+        ann_received = sum(r["pubsub_received"] for r in recs) / len(recs)
         rows.append(
-            {"peer": result["peer_id"], "update": update, "sent": sent, "received": received}
+            {
+                "peer": result["peer_id"],
+                "update": update,
+                "sent": sent,
+                "received": received,
+                "announcements_published": ann_sent,
+                "announcements_delivered": ann_received,
+            }
         )
         print(
             f"worker {result['shard']}: update blob {update} B; per round on the wire "
             f"{sent:.0f} B sent, {received:.0f} B received ({sent / update:.2f}x / "
-            f"{received / update:.2f}x the update)"
+            f"{received / update:.2f}x the update); announcement payloads {ann_sent:.0f} B "
+            f"published, {ann_received:.0f} B delivered"
         )
     print(
         f"finished {summary['finished']}/{summary['workers']}, "

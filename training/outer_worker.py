@@ -135,6 +135,8 @@ class RoundRecord:
     wire_sent: int = 0
     wire_received: int = 0
     milestone_blob: str = ""
+    pubsub_sent: int = 0  # announcement payloads published (own messages, once each)
+    pubsub_received: int = 0  # announcement payloads delivered to this worker
     named: list[dict[str, str]] = field(default_factory=list)  # caught-up rounds only
 
 
@@ -195,6 +197,10 @@ class Worker:
         self.refused_updates: list[dict[str, Any]] = []
         self.meter = WireMeter()
         self.inflight: dict[str, trio.Event] = {}
+        # Announcement payloads this worker published / was delivered (each once; gossipsub
+        # relays and control messages are not in these, only in the wire counts).
+        self.pubsub_bytes = [0, 0]
+        self.pubsub_mark = (0, 0)
         self.unavailable: dict[bytes, int] = {}  # closure digest -> failed fetch rounds
         self.wire_mark = (0, 0)
 
@@ -208,6 +214,7 @@ class Worker:
                 sender = ID(msg.from_id).to_base58()
             except Exception:  # a malformed source field: not a message we can judge
                 continue
+            self.pubsub_bytes[1] += len(msg.data)
             self._handle(self.ledger.hear(msg.data, sender, time.time()))
 
     def _handle(self, events: list[Event]) -> None:
@@ -254,6 +261,7 @@ class Worker:
             self.closure_addrs[checked.digest] = event.addrs
 
     async def _publish(self, data: bytes) -> None:
+        self.pubsub_bytes[0] += len(data)
         try:
             await self.node.publish(self.topic, data)
         except Exception as exc:  # libp2p raises many types; announcements are re-sent
@@ -407,6 +415,9 @@ class Worker:
         record.wire_sent = sent - self.wire_mark[0]
         record.wire_received = received - self.wire_mark[1]
         self.wire_mark = (sent, received)
+        record.pubsub_sent = self.pubsub_bytes[0] - self.pubsub_mark[0]
+        record.pubsub_received = self.pubsub_bytes[1] - self.pubsub_mark[1]
+        self.pubsub_mark = (self.pubsub_bytes[0], self.pubsub_bytes[1])
         if agg is None:  # caught up: what the closure names, not recomputed here
             record.named = [{"peer": x.peer, "blob": x.blob} for x in c.included]
         own = self.own
@@ -510,6 +521,7 @@ class Worker:
         providers = self._providers(checked, [c.proposer])
         if not await self._fetch(c.state_blob, providers, self._fetch_bound()):
             self._unavailable(checked)
+            await self._redial()
             return
         try:
             data = await trio.to_thread.run_sync(self._load, c.state_blob)
@@ -523,6 +535,21 @@ class Worker:
         before = self.state.round if self.state is not None else None
         await self._adopt(state, checked, "caught up", None, c.state_blob, len(data))
         _say(self.label, f"caught up from state round {before} to {state.round}")
+
+    async def _redial(self) -> None:
+        """Drop every connection; the dial loop makes new ones within a second. After this
+        worker was paused (SIGSTOP, a laptop lid), connections its peers have long closed
+        can linger here looking alive, so nobody answers its fetches and new dials to the
+        same peers are refused; fresh connections fix that."""
+        from libp2p.peer.id import ID
+
+        for peer in self.node.connected_peers():
+            with trio.move_on_after(5):
+                try:
+                    await self.node.host.disconnect(ID.from_base58(peer))
+                except Exception as exc:  # libp2p raises many types; the dial loop retries
+                    _say(self.label, f"disconnect {peer[-6:]} failed: {exc!r}")
+        _say(self.label, "dropped all connections to dial again")
 
     def _unavailable(self, checked: CheckedClosure) -> None:
         """A closure whose blobs could not be fetched in time: the network's fault, or its
@@ -805,16 +832,20 @@ class Worker:
                 )
             self.shapes = trainer.shapes()
             _say(self.label, f"model ready (kernel class {self.kernel_class})")
-            await self._announce("hello", encode_message(hello))
             if self.config.join:
                 await self._join()
             else:
                 state = await self._initial()
                 self._enter(state, state_root(state))
+                # "Ready to train": torch loaded and S_0 held, so the start barrier only
+                # has to cover the spread of round times, and the others have served S_0
+                # before their rounds (and byte counts) start.
+                await self._announce("hello", encode_message(hello))
                 await self._barrier()
             # Rounds are counted from here: fetching the initial state is not a round's.
             self.wire_mark = self.meter.sample()
             wire_start = self.wire_mark
+            self.pubsub_mark = (self.pubsub_bytes[0], self.pubsub_bytes[1])
             self.announcer.drop("hello")  # presence only matters for the start barrier
             assert self.state is not None
             initial_root = self.root
