@@ -292,10 +292,15 @@ class AdmittedRelay(CircuitV2Protocol):
         finally:
             with trio.CancelScope(shield=True):
                 for stream in (src_stream, dst_stream):
-                    try:
-                        await stream.reset()
-                    except Exception:  # already closed or reset
-                        pass
+                    await _reset_quietly(stream)
+
+
+async def _reset_quietly(stream: INetStream) -> None:
+    """Reset a stream that may already be closed or reset."""
+    try:
+        await stream.reset()
+    except Exception:  # already gone: nothing left to end
+        pass
 
 
 async def _serve_admission(book: AdmissionBook, stream: INetStream) -> None:
@@ -311,10 +316,7 @@ async def _serve_admission(book: AdmissionBook, stream: INetStream) -> None:
         await stream.close()
     except Exception as exc:  # a peer's broken stream ends only its own exchange
         log.info("relay: admission exchange with %s failed: %r", peer, exc)
-        try:
-            await stream.reset()
-        except Exception:  # already gone
-            pass
+        await _reset_quietly(stream)
 
 
 async def _serve_reach(
@@ -348,10 +350,7 @@ async def _serve_reach(
         await stream.close()
     except Exception as exc:  # a peer's broken stream ends only its own exchange
         log.info("relay: dial-back for %s failed: %r", peer, exc)
-        try:
-            await stream.reset()
-        except Exception:  # already gone
-            pass
+        await _reset_quietly(stream)
 
 
 def _observed_ip(stream: INetStream) -> str | None:
