@@ -65,6 +65,11 @@ MIN_RELAYED_FETCH_BYTES = 16 * 1024 * 1024
 # py-libp2p's DCUtR tries a direct dial (10 s cap), then three rounds of at most 5 s with
 # 2 s pauses: 25 s is its worst case; a caller's timeout bounds the whole of it.
 DEFAULT_PUNCH_TIMEOUT = 30.0
+# Circuit addresses punched at once for one fetch: each punch is a relay dial, a Noise
+# handshake and DCUtR's rounds, and a DHT answer or a ticket can name any number. A
+# fetch needs a few providers, not every one; those given first (ticket, command line)
+# come before the DHT's.
+MAX_PUNCHES = 16
 
 
 class NatUnreachable(Exception):
@@ -381,6 +386,9 @@ async def _punch_all(
     punch_timeout: float,
 ) -> None:
     punches: list[Punch] = []
+    if len(circuits) > MAX_PUNCHES:
+        log.info("punching %d of %d circuit addresses", MAX_PUNCHES, len(circuits))
+        circuits = circuits[:MAX_PUNCHES]
 
     async def one(addr: str) -> None:
         punch = await punch_through(

@@ -28,7 +28,7 @@ from multiaddr import Multiaddr
 from identity import AdmissionCertificate, Authority, MachineKey, TrustStore
 from identity.signer import SoftwareSigner
 from p2p.host import build_host
-from p2p.nat import punch_circuits
+from p2p.nat import MAX_PUNCHES, punch_circuits
 from p2p.relay import (
     REACH_PROTOCOL,
     AdmissionBook,
@@ -297,3 +297,18 @@ async def test_a_reservation_is_always_for_the_peer_that_asks_never_one_it_names
         assert StatusCode(reply.status) == StatusCode.OK
         assert relay.resource_manager.has_reservation(b.get_id())
         assert not relay.resource_manager.has_reservation(a.get_id())  # a never admitted
+
+
+async def test_a_fetch_punches_a_bounded_number_of_circuits_the_first_given_first() -> None:
+    """A DHT answer or a ticket can name any number of circuit addresses; a fetch
+    punches at most MAX_PUNCHES of them at once, in the order given."""
+    async with _host() as relay_host, _host() as b:
+        relay_addr = _addr(relay_host)  # a host, but no relay service: every punch fails
+        circuits = [
+            f"{relay_addr}/p2p-circuit/p2p/{MachineKey.generate().peer_id}"
+            for _ in range(MAX_PUNCHES + 4)
+        ]
+        with trio.fail_after(30):
+            punches = await punch_circuits(_Peer(b), circuits, punch_timeout=1)
+        assert [p.addr for p in punches] == circuits[:MAX_PUNCHES]
+        assert all(p.path != "direct" and p.reason for p in punches)
