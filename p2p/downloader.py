@@ -73,6 +73,10 @@ PEER_RETRY_PAUSES = (1.0, 3.0, 9.0)
 # than the others: if they can serve the blob, it never gets a request; if they cannot,
 # it still may (its bad chunks are refused one by one, as ever).
 DISTRUSTED_START_DELAY = 5.0
+# A partial provider (a fellow fetcher, p2p.swarm) is asked `have` again this often while
+# it lacks chunks we lack: its chunks arrive as it fetches them; one small request a
+# second per partial peer is cheap next to the chunks.
+HAVE_REFRESH_INTERVAL = 1.0
 # Progress callbacks are rate-limited so a fast transfer does not spend time reporting.
 PROGRESS_INTERVAL = 0.25
 # Chunk bodies in flight (received, or queued for hashing and the disk) share this much
@@ -263,6 +267,7 @@ class Download:
         stripe_config: StripeConfig | None = None,
         probes: HaveProbes | None = None,
         scores: PeerScores | None = None,
+        own_peer: str = "",
     ) -> None:
         self.network = network
         self.probes = probes
@@ -275,7 +280,12 @@ class Download:
         self.config = config
         self.progress = progress
         verified = set(range(manifest.num_chunks)) - set(partial.missing())
-        self.scheduler = Scheduler(manifest.num_chunks, self.chunk_length, verified, config)
+        # Fetchers of one blob start at different chunks (by peer ID), so a sole seeder
+        # hands different chunks to each first and they can trade the rest.
+        start = int.from_bytes(blake3.blake3(f"{own_peer}/{self.blob_id}".encode()).digest()[:8])
+        self.scheduler = Scheduler(
+            manifest.num_chunks, self.chunk_length, verified, config, start=start if own_peer else 0
+        )
         self.buffers = ChunkBuffers(
             manifest.chunk_size, max(MIN_BUFFERS, BUFFER_POOL_BYTES // manifest.chunk_size)
         )
@@ -412,6 +422,8 @@ class Download:
         self._set_connections(peer)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stream_worker, peer, client, 0)
+            if not full:
+                nursery.start_soon(self._refresh_have, peer)
             if self.striped is not None and self.stripe_config is not None:
                 nursery.start_soon(self._grow, peer)
             workers = 1
@@ -423,6 +435,35 @@ class Download:
                     nursery.start_soon(self._stream_worker, peer, None, self._quiet_lane(lanes))
                 await self._wait_change()
         return not self.scheduler.done
+
+    async def _refresh_have(self, peer: str) -> None:
+        """Ask a partial provider ``have`` every HAVE_REFRESH_INTERVAL while it may gain
+        chunks we lack, on a stream of its own; stops at the first failure (the peer's
+        workers notice a lost peer by themselves)."""
+        stream = None
+        try:
+            stream = await self.network.open_blob_stream(peer)
+            client = BlobClient(stream, self.chunk_length)
+            while not self.scheduler.done and self._peer_usable(peer):
+                await trio.sleep(HAVE_REFRESH_INTERVAL)
+                with trio.fail_after(CONTROL_TIMEOUT):
+                    have = await client.have(self.blob_id)
+                if isinstance(have, proto.ErrorResponse):
+                    return
+                if have.num_chunks != self.manifest.num_chunks:
+                    return
+                if not self._peer_usable(peer):
+                    return
+                full = all(have.bitmap[i // 8] >> (i % 8) & 1 for i in range(have.num_chunks))
+                self.scheduler.update_peer_bitmap(peer, None if full else have.bitmap)
+                self._notify()
+                if full:
+                    return
+        except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
+            log.info("provider %s: have refresh ended: %r", peer, exc)
+        finally:
+            if stream is not None:
+                await reset_quietly(stream)
 
     def _set_connections(self, peer: str) -> None:
         count = 1 if self.striped is None else self.striped.connection_count(peer)
@@ -672,9 +713,11 @@ async def download_blob(
     discovery_timeout: float = STALL_GRACE,
     stripe_config: StripeConfig | None = None,
     scores: PeerScores | None = None,
+    own_peer: str = "",
 ) -> None:
     """Fetch ``blob_id`` into ``store`` (no-op if complete). Raises NoProviders, FetchFailed,
-    NoSpace. ``scores``: peers' records of bad data, read and added to (PeerScores)."""
+    NoSpace. ``scores``: peers' records of bad data, read and added to (PeerScores).
+    ``own_peer``: this fetcher's peer ID, which picks where in the blob it starts."""
     if await trio.to_thread.run_sync(store.has, blob_id):
         return
     async with trio.open_nursery() as nursery:
@@ -692,6 +735,7 @@ async def download_blob(
                 stripe_config or StripeConfig(),
                 probes,
                 scores,
+                own_peer,
             )
         finally:
             nursery.cancel_scope.cancel()
@@ -710,6 +754,7 @@ async def _download(
     stripe_config: StripeConfig,
     probes: HaveProbes,
     scores: PeerScores | None,
+    own_peer: str = "",
 ) -> None:
     candidates = list(dict.fromkeys(providers))
     manifest = await _local_manifest(store, blob_id)
@@ -742,6 +787,7 @@ async def _download(
                 stripe_config=stripe_config,
                 probes=probes,
                 scores=scores,
+                own_peer=own_peer,
             )
             await _run(download, candidates, more_providers, discovery_timeout)
         await download.flush()

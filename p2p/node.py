@@ -32,6 +32,11 @@ manifest, and one round trip each of the Noise and yamux negotiations cut); with
 fast path (``fast=False``) the two negotiations take their 2 each. Named providers are
 dialled at once and each joins the fetch as soon as it is connected, so one that accepts
 TCP and never completes the handshake costs nothing (``HANDSHAKE_TIMEOUT`` ends its dial).
+
+Swarming (issue 21, ``p2p.swarm``): while a fetch runs, its providers are asked ``peers``
+(``/blobnet/blob/1.2.0``, on a stream of its own) about once a second; fellow fetchers they
+name are dialled (bounded) and join the fetch as partial providers. The node serves the
+blob protocol while it fetches (``NodeConfig.upload``), so fellows fetch from it in turn.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import os
 import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,8 +69,17 @@ from p2p.errors import BadAddress, ListenFailed, PeerUnreachable, unwrap_single
 from p2p.host import build_host
 from p2p.scheduler import PeerScores, SchedulerConfig, StripeConfig
 from p2p.server import BlobServer
+from p2p.swarm import PEX_DIAL_PARALLELISM, Listed, PexBook
 from p2p.ticket import MAX_TICKET_ADDRS, Ticket, validate_peer_addr
-from p2p.wire import MULTISTREAM, OptimisticStream, StreamLost, multistream_message
+from p2p.wire import (
+    MULTISTREAM,
+    BlobClient,
+    OptimisticStream,
+    StreamLost,
+    close_quietly,
+    multistream_message,
+    reset_quietly,
+)
 
 if TYPE_CHECKING:
     from p2p.names_record import NameRecord
@@ -95,6 +109,20 @@ SWARM_CONNECTIONS_PER_PEER = MAX_CONNECTIONS_PER_PROVIDER + 2
 # What a blob stream's first write proposes, and what a blobnet server answers: the
 # multistream header and the protocol, echoed (p2p.wire.OptimisticStream).
 BLOB_PROPOSAL = multistream_message(MULTISTREAM) + multistream_message(proto.PROTOCOL_ID.encode())
+# The same for a peer-exchange stream (1.2.0: `peers`, p2p.swarm).
+PEX_PROPOSAL = multistream_message(MULTISTREAM) + multistream_message(
+    proto.PROTOCOL_ID_1_2.encode()
+)
+# A `peers` question (open, ask, answer) takes two round trips: 5 s covers a slow path.
+PEX_TIMEOUT = 5.0
+# A listed fellow is dialled for at most this long per address: it is a bonus, not a need.
+SWARM_DIAL_TIMEOUT = 5.0
+# With peer exchange on, requests to a peer hold at most ~1 s of its rate and 4 MiB before
+# it is measured (SchedulerConfig.max_request_seconds): a 100 Mbit/s seeder shared by four
+# fetchers is then asked for ~3 MiB at a time by each, not 16 MiB twice over, and the rest
+# comes from whichever fellow has it by then.
+SWARM_REQUEST_SECONDS = 1.0
+SWARM_UNMEASURED_BATCH_BYTES = 4 * 1024 * 1024
 # How long a dialled peer may take to finish the Noise and yamux handshakes once TCP is
 # up: they take about five round trips, 1 s at 200 ms, so 5 s is generous; a peer that
 # accepts TCP and never answers (issue 16) then costs 5 s per try, not py-libp2p's 10.
@@ -153,6 +181,12 @@ class NodeConfig:
     # Hash a blob already in the store before a fetch takes it as done (issue 16: a fetch
     # must not trust a rotten local copy). Costs a read of the blob, ~1 s per GiB.
     verify_local: bool = True
+    # Serve the blob protocol (complete blobs and partial downloads alike) to other peers.
+    # False: this node only fetches (fellows that are told of it fail one stream to it).
+    upload: bool = True
+    # Ask a fetch's providers which other peers fetch the same blob and fetch from them
+    # too (p2p.swarm; issue 21).
+    peer_exchange: bool = True
 
 
 class Node:
@@ -253,12 +287,14 @@ class Node:
                 await trio.sleep(pause)
         raise StreamLost(f"cannot open a stream to {peer}: {last}") from last
 
-    async def _open_optimistic(self, peer_id: ID) -> OptimisticStream:
+    async def _open_optimistic(
+        self, peer_id: ID, proposal: bytes = BLOB_PROPOSAL, protocol: str = proto.PROTOCOL_ID
+    ) -> OptimisticStream:
         """A muxed stream with the blob protocol proposed but not yet confirmed: the first
         request goes out in the same round trip (the client checks the answer)."""
         stream = await self.host.get_network().new_stream(peer_id)
         try:
-            await stream.write(BLOB_PROPOSAL)
+            await stream.write(proposal)
         except BaseException:
             with trio.CancelScope(shield=True):
                 try:
@@ -266,8 +302,42 @@ class Node:
                 except Exception:  # the stream is being abandoned either way
                     pass
             raise
-        stream.set_protocol(TProtocol(proto.PROTOCOL_ID))
-        return OptimisticStream(stream, BLOB_PROPOSAL)
+        stream.set_protocol(TProtocol(protocol))
+        return OptimisticStream(stream, proposal)
+
+    async def ask_peers(self, peer: str, blob_id: str) -> tuple[Listed, ...]:
+        """Who else fetches or holds ``blob_id``, according to ``peer`` (1.2.0 ``peers``);
+        empty if ``peer`` does not say (an older server, not_found, a failure)."""
+        stream: Any = None
+        try:
+            with trio.fail_after(PEX_TIMEOUT):
+                stream = await self._open_optimistic(
+                    ID.from_base58(peer), PEX_PROPOSAL, proto.PROTOCOL_ID_1_2
+                )
+                answer = await BlobClient(stream, peer_exchange=True).peers(blob_id)
+            await close_quietly(stream)
+        except (BaseLibp2pError, OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
+            log.debug("peers of %s from %s: %r", blob_id[:12], peer, exc)
+        except (StreamLost, proto.ProtocolError, ValueError) as exc:
+            log.debug("peers of %s from %s: %r", blob_id[:12], peer, exc)
+        else:
+            if isinstance(answer, proto.PeersResponse):
+                return answer.peers
+            return ()
+        if stream is not None:
+            await reset_quietly(stream)
+        return ()
+
+    async def dial_listed(self, peer: str, addrs: Sequence[str]) -> bool:
+        """Connect to a peer that a `peers` answer listed, trying its addresses in turn."""
+        for addr in addrs:
+            try:
+                with trio.fail_after(SWARM_DIAL_TIMEOUT):
+                    await self.connect(f"{addr}/p2p/{peer}")
+                return True
+            except (PeerUnreachable, BadAddress, trio.TooSlowError) as exc:
+                log.debug("listed peer %s at %s: %s", peer, addr, exc)
+        return False
 
     async def open_blob_stream_on(self, peer: str, lane: int) -> Any:
         """A blob stream to ``peer`` on its connection number ``lane`` (0: the first one;
@@ -499,6 +569,8 @@ class Node:
         send, receive = trio.open_memory_channel[str](256)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._feed_dialled, dials, send.clone())
+            if self.config.peer_exchange:
+                nursery.start_soon(self._exchange, blob_id, dials, send.clone())
             nursery.start_soon(self._discover, blob_id, set(dials.peers), send)
             await download_blob(
                 self,
@@ -507,12 +579,57 @@ class Node:
                 providers=list(dials.peers),
                 more_providers=receive,
                 progress=progress,
-                config=self.config.scheduler,
+                config=self._scheduler_config(),
                 discovery_timeout=self.config.discovery_timeout,
                 stripe_config=self.config.stripe,
                 scores=self.scores,
+                own_peer=self.peer_id,
             )
             nursery.cancel_scope.cancel()
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        config = self.config.scheduler
+        if not self.config.peer_exchange:
+            return config
+        return replace(
+            config,
+            max_request_seconds=config.max_request_seconds or SWARM_REQUEST_SECONDS,
+            unmeasured_batch_bytes=config.unmeasured_batch_bytes or SWARM_UNMEASURED_BATCH_BYTES,
+        )
+
+    async def _exchange(
+        self, blob_id: str, dials: _Dials, send: trio.MemorySendChannel[str]
+    ) -> None:
+        """Peer exchange for one fetch (p2p.swarm): ask its providers ``peers`` (each at
+        most once per PEX_INTERVAL), dial the new fellows they name (bounded), and hand
+        each one reached to the download."""
+        book = PexBook(self.peer_id)
+        dialling = trio.Semaphore(PEX_DIAL_PARALLELISM)
+
+        async def dial(peer: str, addrs: tuple[str, ...]) -> None:
+            async with dialling:
+                if not await self.dial_listed(peer, addrs):
+                    return
+            book.add_source(peer)
+            try:
+                await send.send(peer)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the download is over
+
+        async def ask(source: str) -> None:
+            for peer, addrs in book.to_dial(await self.ask_peers(source, blob_id)):
+                nursery.start_soon(dial, peer, addrs)
+
+        async with send, trio.open_nursery() as nursery:
+            while True:
+                for peer in dials.peers:
+                    book.add_source(peer)
+                now = trio.current_time()
+                for source in book.due(now):
+                    nursery.start_soon(ask, source)
+                # A named provider that connects is asked at once.
+                with trio.move_on_after(max(book.next_wake(now) - now, 0.05)):
+                    await dials.changed.wait()
 
     def _intact(self, blob_id: str) -> bool:
         """Whether the store holds ``blob_id`` whole and sound. With ``verify_local`` a
@@ -651,7 +768,8 @@ async def open_node(
             raise ListenFailed(
                 f"could not listen on {', '.join(config.listen)} (address in use or not local?)"
             )
-        server.install(host)  # every protocol version the server speaks
+        if config.upload:
+            server.install(host)  # every protocol version the server speaks
         kad = KadDHT(host, DHTMode.SERVER) if config.dht else None
         floodsub: Any = _make_pubsub(host) if config.pubsub else None
         async with _maybe_service(kad), _maybe_service(floodsub), trio.open_nursery() as nursery:

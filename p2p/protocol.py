@@ -58,6 +58,8 @@ __all__ = [
     "BLOB_ID_BYTES",
     "HASH_SIZE",
     "LENGTH_PREFIX_SIZE",
+    "MAX_ADDRS_PER_PEER",
+    "MAX_ADDR_LEN",
     "MAX_BITMAP_BYTES",
     "MAX_CHUNKS_PER_REQUEST",
     "MAX_CHUNK_SIZE",
@@ -65,10 +67,13 @@ __all__ = [
     "MAX_HEADER_SIZE",
     "MAX_MANIFEST_BYTES",
     "MAX_NUM_CHUNKS",
+    "MAX_PEERS_LISTED",
+    "MAX_PEER_ID_LEN",
     "MAX_PIPELINED_REQUESTS",
     "MAX_RANGES_PER_REQUEST",
     "PROTOCOL_ID",
     "PROTOCOL_ID_1_1",
+    "PROTOCOL_ID_1_2",
     "SERVED_PROTOCOL_IDS",
     "Chunk",
     "ClientConnection",
@@ -81,6 +86,8 @@ __all__ = [
     "LocalProtocolError",
     "ManifestRequest",
     "ManifestResponse",
+    "PeersRequest",
+    "PeersResponse",
     "ProtocolError",
     "RemoteProtocolError",
     "Request",
@@ -96,8 +103,11 @@ __all__ = [
 PROTOCOL_ID = "/blobnet/blob/1.0.0"
 # 1.1.0: the same messages, and a client may pipeline requests (PROTOCOL.md section 5).
 PROTOCOL_ID_1_1 = "/blobnet/blob/1.1.0"
-# A server serves both; a client that wants pipelining asks for 1.1.0 first.
-SERVED_PROTOCOL_IDS = (PROTOCOL_ID_1_1, PROTOCOL_ID)
+# 1.2.0: 1.1.0 plus the `peers` request (peer exchange: who else fetches this blob).
+PROTOCOL_ID_1_2 = "/blobnet/blob/1.2.0"
+# A server serves all three; a client that wants pipelining asks for 1.1.0 first, one that
+# wants peer exchange for 1.2.0.
+SERVED_PROTOCOL_IDS = (PROTOCOL_ID_1_2, PROTOCOL_ID_1_1, PROTOCOL_ID)
 
 # --- Limits -------------------------------------------------------------------------------
 # Every length, count and index a peer can claim is bounded here and checked before memory
@@ -151,6 +161,15 @@ MAX_CHUNKS_PER_REQUEST = 256
 # request (a request is small; its response is up to 256 chunks); small enough that the
 # server's view of one stream stays a short queue of parsed requests.
 MAX_PIPELINED_REQUESTS = 8
+
+# A `peers` response (1.2.0) lists at most this many peers, each with at most
+# MAX_ADDRS_PER_PEER addresses of at most MAX_ADDR_LEN UTF-8 bytes and a peer ID of at most
+# MAX_PEER_ID_LEN: 16 * (128 + 4 * 256) bytes plus msgpack framing stay well inside
+# MAX_HEADER_SIZE, and a fetcher dials only a few of them anyway (p2p.swarm).
+MAX_PEERS_LISTED = 16
+MAX_ADDRS_PER_PEER = 4
+MAX_ADDR_LEN = 256
+MAX_PEER_ID_LEN = 128
 
 # Error text, in UTF-8 bytes: one line for a log or a CLI message; a peer cannot make us
 # store or print more.
@@ -250,6 +269,13 @@ class GetRequest:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PeersRequest:
+    """(1.2.0) Ask which other peers recently fetched or hold ``blob_id``."""
+
+    blob_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ManifestResponse:
     """The manifest bytes (the receiver checks they hash to the blob ID)."""
 
@@ -268,6 +294,15 @@ class HaveResponse:
         if not 0 <= index < self.num_chunks:
             return False
         return bool(self.bitmap[index >> 3] >> (index & 7) & 1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeersResponse:
+    """(1.2.0) Peers of the same blob: ``(peer ID, (multiaddr, ...))`` pairs, at most
+    MAX_PEERS_LISTED, each with 1 to MAX_ADDRS_PER_PEER addresses (a hint: the receiver
+    dials them and verifies everything they send, as from any peer)."""
+
+    peers: tuple[tuple[str, tuple[str, ...]], ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -301,8 +336,8 @@ class ErrorResponse:
         return cls(code, raw.decode("utf-8", errors="ignore"))
 
 
-Request: TypeAlias = ManifestRequest | HaveRequest | GetRequest
-Response: TypeAlias = ManifestResponse | HaveResponse | Chunk | End | ErrorResponse
+Request: TypeAlias = ManifestRequest | HaveRequest | GetRequest | PeersRequest
+Response: TypeAlias = ManifestResponse | HaveResponse | Chunk | End | ErrorResponse | PeersResponse
 
 # Wire type strings.
 _T_MANIFEST = "manifest"
@@ -311,6 +346,7 @@ _T_GET = "get"
 _T_CHUNK = "chunk"
 _T_END = "end"
 _T_ERROR = "error"
+_T_PEERS = "peers"
 
 # Keys of each message on the wire, in their canonical order.
 _REQUEST_KEYS: dict[str, tuple[str, ...]] = {
@@ -318,12 +354,15 @@ _REQUEST_KEYS: dict[str, tuple[str, ...]] = {
     _T_HAVE: ("t", "id"),
     _T_GET: ("t", "id", "r"),
 }
+# 1.2.0 adds `peers`; on 1.0.0 and 1.1.0 it stays an unknown message type.
+_REQUEST_KEYS_1_2: dict[str, tuple[str, ...]] = {**_REQUEST_KEYS, _T_PEERS: ("t", "id")}
 _RESPONSE_KEYS: dict[str, tuple[str, ...]] = {
     _T_MANIFEST: ("t", "m"),
     _T_HAVE: ("t", "n", "bits"),
     _T_CHUNK: ("t", "i", "n"),
     _T_END: ("t", "missing"),
     _T_ERROR: ("t", "code", "msg"),
+    _T_PEERS: ("t", "p"),
 }
 
 # Which response types may answer each request type (a response carrying anything else is
@@ -332,6 +371,7 @@ _ALLOWED_RESPONSES: dict[type, frozenset[str]] = {
     ManifestRequest: frozenset({_T_MANIFEST, _T_ERROR}),
     HaveRequest: frozenset({_T_HAVE, _T_ERROR}),
     GetRequest: frozenset({_T_CHUNK, _T_END, _T_ERROR}),
+    PeersRequest: frozenset({_T_PEERS, _T_ERROR}),
 }
 
 
@@ -475,6 +515,33 @@ def _check_error(code: object, message: object) -> tuple[ErrorCode, str]:
     return error_code, message
 
 
+def _check_text(value: object, limit: int, what: str) -> str:
+    if type(value) is not str or not value or len(value.encode("utf-8")) > limit:
+        raise _Invalid(f"{what} must be a non-empty string of at most {limit} UTF-8 bytes")
+    if not value.isprintable():
+        raise _Invalid(f"{what} holds unprintable characters")
+    return value
+
+
+def _check_peers(peers: object) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    if not isinstance(peers, (list, tuple)) or len(peers) > MAX_PEERS_LISTED:
+        raise _Invalid(f"peers must be an array of at most {MAX_PEERS_LISTED} entries")
+    out: list[tuple[str, tuple[str, ...]]] = []
+    seen: set[str] = set()
+    for entry in peers:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+            raise _Invalid("each peer must be a [peer_id, addrs] pair")
+        peer_id = _check_text(entry[0], MAX_PEER_ID_LEN, "a peer ID")
+        if peer_id in seen:
+            raise _Invalid("a peer is listed twice")
+        seen.add(peer_id)
+        addrs = entry[1]
+        if not isinstance(addrs, (list, tuple)) or not 1 <= len(addrs) <= MAX_ADDRS_PER_PEER:
+            raise _Invalid(f"each peer has 1 to {MAX_ADDRS_PER_PEER} addresses")
+        out.append((peer_id, tuple(_check_text(a, MAX_ADDR_LEN, "an address") for a in addrs)))
+    return tuple(out)
+
+
 def _check_missing(missing: object) -> tuple[int, ...]:
     if not isinstance(missing, (list, tuple)):
         raise _Invalid('"missing" must be a list of chunk indices')
@@ -503,6 +570,8 @@ def _request_map(req: object) -> dict[str, Any]:
         return {"t": _T_MANIFEST, "id": _blob_id_to_wire(req.blob_id)}
     if type(req) is HaveRequest:
         return {"t": _T_HAVE, "id": _blob_id_to_wire(req.blob_id)}
+    if type(req) is PeersRequest:
+        return {"t": _T_PEERS, "id": _blob_id_to_wire(req.blob_id)}
     if type(req) is GetRequest:
         ranges = _check_ranges(req.ranges)
         return {
@@ -519,6 +588,8 @@ def _response_map(resp: object) -> dict[str, Any]:
     if type(resp) is HaveResponse:
         num_chunks, bitmap = _check_have(resp.num_chunks, resp.bitmap)
         return {"t": _T_HAVE, "n": num_chunks, "bits": bitmap}
+    if type(resp) is PeersResponse:
+        return {"t": _T_PEERS, "p": [[p, list(a)] for p, a in _check_peers(resp.peers)]}
     if type(resp) is End:
         return {"t": _T_END, "missing": list(_check_missing(resp.missing))}
     if type(resp) is ErrorResponse:
@@ -584,8 +655,8 @@ def _require_canonical(header: bytes, canonical: dict[str, Any]) -> None:
         raise _Invalid("header is not canonical msgpack")
 
 
-def _decode_request(header: bytes) -> Request:
-    obj = _unpack_map(header, _REQUEST_KEYS)
+def _decode_request(header: bytes, peer_exchange: bool = False) -> Request:
+    obj = _unpack_map(header, _REQUEST_KEYS_1_2 if peer_exchange else _REQUEST_KEYS)
     kind = obj["t"]
     blob_id = _blob_id_from_wire(obj["id"])
     req: Request
@@ -593,6 +664,8 @@ def _decode_request(header: bytes) -> Request:
         req = ManifestRequest(blob_id)
     elif kind == _T_HAVE:
         req = HaveRequest(blob_id)
+    elif kind == _T_PEERS:
+        req = PeersRequest(blob_id)
     else:
         req = GetRequest(blob_id, _check_ranges(obj["r"]))
     _require_canonical(header, _request_map(req))
@@ -618,6 +691,8 @@ def _decode_response(header: bytes, allowed: frozenset[str]) -> tuple[str, Any]:
         event = HaveResponse(*_check_have(obj["n"], obj["bits"]))
     elif kind == _T_END:
         event = End(_check_missing(obj["missing"]))
+    elif kind == _T_PEERS:
+        event = PeersResponse(_check_peers(obj["p"]))
     else:
         event = ErrorResponse(*_check_error(obj["code"], obj["msg"]))
     _require_canonical(header, _response_map(event))
@@ -788,10 +863,12 @@ class ServerConnection:
     violation beyond that many outstanding), and ``next_request`` hands them out in order.
     """
 
-    def __init__(self, *, max_pipelined: int = 1) -> None:
+    def __init__(self, *, max_pipelined: int = 1, peer_exchange: bool = False) -> None:
         if not 1 <= max_pipelined <= MAX_PIPELINED_REQUESTS:
             raise LocalProtocolError(f"max_pipelined must be 1..{MAX_PIPELINED_REQUESTS}")
         self._max_pipelined = max_pipelined
+        # 1.2.0: `peers` is a request (on older versions an unknown message type).
+        self._peer_exchange = peer_exchange
         self._recv = _ReceiveBuffer()
         self._request: Request | None = None
         self._state: _RequestState | None = None
@@ -878,7 +955,7 @@ class ServerConnection:
             if self._recv.eof and len(self._recv):
                 raise _Truncated("stream closed in the middle of a request")
             return None
-        return _decode_request(header)
+        return _decode_request(header, self._peer_exchange)
 
     def unsent_indices(self) -> tuple[int, ...]:
         """Indices of the current `get` not sent yet, ascending: the ``missing`` list of an
@@ -897,6 +974,8 @@ class ServerConnection:
             raise LocalProtocolError("a manifest response answers only a manifest request")
         if type(resp) is HaveResponse and type(request) is not HaveRequest:
             raise LocalProtocolError("a have response answers only a have request")
+        if type(resp) is PeersResponse and type(request) is not PeersRequest:
+            raise LocalProtocolError("a peers response answers only a peers request")
         if type(resp) is End:
             if type(request) is not GetRequest:
                 raise LocalProtocolError("end answers only a get request")
@@ -944,10 +1023,12 @@ class ClientConnection:
     be called again whenever ``outstanding_count < max_pipelined``.
     """
 
-    def __init__(self, *, max_pipelined: int = 1) -> None:
+    def __init__(self, *, max_pipelined: int = 1, peer_exchange: bool = False) -> None:
         if not 1 <= max_pipelined <= MAX_PIPELINED_REQUESTS:
             raise LocalProtocolError(f"max_pipelined must be 1..{MAX_PIPELINED_REQUESTS}")
         self._max_pipelined = max_pipelined
+        # 1.2.0 streams only: a `peers` request is allowed.
+        self._peer_exchange = peer_exchange
         self._recv = _ReceiveBuffer()
         self._request: Request | None = None
         self._state: _RequestState | None = None
@@ -1005,6 +1086,8 @@ class ClientConnection:
             )
         if self._recv.eof:
             raise LocalProtocolError("the server closed the stream")
+        if type(req) is PeersRequest and not self._peer_exchange:
+            raise LocalProtocolError("peers is a /blobnet/blob/1.2.0 request")
         data = encode_request(req)
         if type(req) is GetRequest:
             # Normalise lists to tuples so the stored request matches what is on the wire.

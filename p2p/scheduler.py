@@ -161,6 +161,12 @@ class SchedulerConfig:
     # Time constant of the rate average: ~2 s follows a peer whose link changes within a
     # few requests without jumping on every burst of TCP delivery.
     rate_time_constant_s: float = 2.0
+    # Swarming (issue 21): a measured peer's request holds at most this many seconds of
+    # its rate, and an unmeasured peer's first requests at most this many bytes, so a slow
+    # sole seeder is never handed a large part of the blob at once: what it has not been
+    # asked for yet can still come from fellow fetchers. None: no such cap.
+    max_request_seconds: float | None = None
+    unmeasured_batch_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_chunks_per_request <= PROTOCOL_MAX_CHUNKS_PER_REQUEST:
@@ -187,6 +193,10 @@ class SchedulerConfig:
             raise ValueError("endgame_duplicates must not be negative")
         if not self.rate_time_constant_s > 0:
             raise ValueError("rate_time_constant_s must be positive")
+        if self.max_request_seconds is not None and not self.max_request_seconds > 0:
+            raise ValueError("max_request_seconds must be positive")
+        if self.unmeasured_batch_bytes is not None and self.unmeasured_batch_bytes < 1:
+            raise ValueError("unmeasured_batch_bytes must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -298,11 +308,15 @@ class Scheduler:
         chunk_length: Callable[[int], int],
         verified: Iterable[int] = (),
         config: SchedulerConfig = SchedulerConfig(),  # frozen: safe to share
+        start: int = 0,
     ) -> None:
         if num_chunks < 0:
             raise ValueError(f"num_chunks must not be negative, not {num_chunks}")
         self._n = num_chunks
         self._stride = max(num_chunks, 1)
+        # Equal rarity goes by index counted from `start` (wrapping): fetchers of one blob
+        # that start at different chunks take different chunks from a sole seeder first.
+        self._start = start % self._stride
         self._chunk_length = chunk_length
         self._cfg = config
         self._state = bytearray(num_chunks)  # all _POOL
@@ -318,9 +332,9 @@ class Scheduler:
         # that has everything.
         self._orphans = self._pool_count
         self._full_usable = 0
-        # Keys are rarity * stride + index; every rarity is 0 here, so the sorted list of
-        # pool indices is already a heap.
-        self._full_heap = [i for i in range(num_chunks) if self._state[i] == _POOL]
+        # Keys are rarity * stride + position (index counted from `start`); every rarity
+        # is 0 here, so the sorted positions of pool chunks are already a heap.
+        self._full_heap = sorted(self._pos(i) for i in range(num_chunks) if self._state[i] == _POOL)
         self._dirty = False
         self._pushes = 0  # heap entries pushed since the last rebuild
         self._inflight: dict[int, set[int]] = {}  # chunk -> live request ids still owing it
@@ -728,11 +742,18 @@ class Scheduler:
         for i in lacked:
             self._set_bit(p, i, False)
 
+    def _pos(self, i: int) -> int:
+        """Chunk i's place in the hand-out order among chunks of equal rarity."""
+        return (i - self._start) % self._stride
+
+    def _key(self, i: int) -> int:
+        return self._rarity[i] * self._stride + (i - self._start) % self._stride
+
     def _offer(self, i: int) -> None:
         """Push pool chunk i, at its current rarity, to every heap that may serve it."""
         if self._dirty:
             return  # the rebuild will place it
-        key = self._rarity[i] * self._stride + i
+        key = self._key(i)
         heapq.heappush(self._full_heap, key)
         pushes = 1
         byte, bit = i >> 3, 1 << (i & 7)
@@ -752,13 +773,16 @@ class Scheduler:
         rarity = self._rarity
         stride = self._stride
         pool = [i for i in range(self._n) if state[i] == _POOL]
-        full = [rarity[i] * stride + i for i in pool]
+        start = self._start
+        full = [rarity[i] * stride + (i - start) % stride for i in pool]
         heapq.heapify(full)
         self._full_heap = full
         for p in self._partials.values():
             bm = p.bitmap
             assert bm is not None
-            heap = [rarity[i] * stride + i for i in pool if bm[i >> 3] >> (i & 7) & 1]
+            heap = [
+                rarity[i] * stride + (i - start) % stride for i in pool if bm[i >> 3] >> (i & 7) & 1
+            ]
             heapq.heapify(heap)
             p.heap = heap
         self._dirty = False
@@ -800,6 +824,12 @@ class Scheduler:
             size = m
         else:
             size = max(1, min(m, math.ceil(m * p.rate / best)))
+        cfg = self._cfg
+        chunk = max(1, self._chunk_length(0)) if self._n else 1
+        if p.rate is None and cfg.unmeasured_batch_bytes is not None:
+            size = min(size, max(1, cfg.unmeasured_batch_bytes // chunk))
+        elif p.rate is not None and cfg.max_request_seconds is not None:
+            size = min(size, max(1, math.ceil(p.rate * cfg.max_request_seconds / chunk)))
         return size, usable, rates, best
 
     def _batch_size(self, p: _Peer) -> int:
@@ -833,9 +863,10 @@ class Scheduler:
         picked: list[int] = []
         chosen: set[int] = set()
         ranges = 0
+        start = self._start
         while heap and len(picked) < limit:
             key = heap[0]
-            i = key % stride
+            i = (key % stride + start) % stride
             if (
                 state[i] != _POOL
                 or key // stride != rarity[i]
@@ -1025,11 +1056,10 @@ class Scheduler:
         assert all(state[i] == _INFLIGHT for i in owers)
         assert all(s != _INFLIGHT or i in owers for i, s in enumerate(state))
         if not self._dirty:
-            stride = self._stride
             full = set(self._full_heap)
             for i in range(n):
                 if state[i] == _POOL:
-                    key = self._rarity[i] * stride + i
+                    key = self._key(i)
                     assert key in full, i
                     for p in self._partials.values():
                         if p.holds(i):

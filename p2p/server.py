@@ -61,6 +61,7 @@ from blobstore import (
 from p2p import protocol as proto
 from p2p.fast import fast_stream_of
 from p2p.host import remote_address_key
+from p2p.swarm import SwarmBook, listing
 from p2p.wire import StreamLost, close_quietly, read_some, reset_quietly, write_all
 
 log = logging.getLogger(__name__)
@@ -206,9 +207,13 @@ class BlobServer:
         self.verified: dict[str, bytearray] = {}
         self.refusing = 0
         self.stats = ServerStats()
+        # Who asked for which blob lately (p2p.swarm): answers 1.2.0's `peers`.
+        self.swarm = SwarmBook()
+        self.host: Any = None
 
     def install(self, host: Any) -> None:
         """Serve every protocol version (PROTOCOL.md section 1) on ``host``."""
+        self.host = host
         for protocol_id in proto.SERVED_PROTOCOL_IDS:
             host.set_stream_handler(TProtocol(protocol_id), self.handle_stream)
 
@@ -221,9 +226,12 @@ class BlobServer:
         peer = str(stream.muxed_conn.peer_id)
         ip = remote_address_key(stream)
         max_pipelined = 1
+        peer_exchange = False
         try:
-            if str(stream.get_protocol()) == proto.PROTOCOL_ID_1_1:
+            protocol_id = str(stream.get_protocol())
+            if protocol_id in (proto.PROTOCOL_ID_1_1, proto.PROTOCOL_ID_1_2):
                 max_pipelined = proto.MAX_PIPELINED_REQUESTS
+            peer_exchange = protocol_id == proto.PROTOCOL_ID_1_2
         except Exception:
             pass
         reason = self.streams.acquire(peer, ip, 1)
@@ -232,7 +240,8 @@ class BlobServer:
             await self._refuse(stream, reason)
             return
         try:
-            await self._serve(stream, proto.ServerConnection(max_pipelined=max_pipelined))
+            conn = proto.ServerConnection(max_pipelined=max_pipelined, peer_exchange=peer_exchange)
+            await self._serve(stream, conn)
         except Exception:
             # py-libp2p treats an exception escaping a stream handler as fatal to the
             # whole swarm: one bad request or disk error must cost one stream, not the node.
@@ -292,6 +301,7 @@ class BlobServer:
                     await close_quietly(stream)
                     return
                 self.stats.requests[type(request).__name__] += 1
+                self.swarm.seen(request.blob_id, peer, trio.current_time())
                 await self._answer(stream, conn, request, peer, ip)
         except proto.RemoteProtocolError as exc:
             self.stats.protocol_errors += 1
@@ -386,6 +396,12 @@ class BlobServer:
                 manifest, bitmap = await trio.to_thread.run_sync(self._have, request.blob_id)
                 response = proto.HaveResponse(num_chunks=manifest.num_chunks, bitmap=bitmap)
                 await self._send_held(stream, conn, response, len(bitmap), peer, ip)
+            elif isinstance(request, proto.PeersRequest):
+                await trio.to_thread.run_sync(self._check_present, request.blob_id)
+                listed = listing(
+                    self.swarm, request.blob_id, peer, trio.current_time(), self._addrs_of
+                )
+                await self._send(stream, conn.send_response(proto.PeersResponse(listed)))
             else:
                 await self._send_chunks(stream, conn, request, peer, ip)
         except _Busy as exc:
@@ -429,6 +445,17 @@ class BlobServer:
                 self.quarantined.add(blob_id)
                 where = f"refused by this server (the store could not quarantine it: {exc})"
         log.warning("blob %s is damaged on disk and no longer served (%s); %s", blob_id, why, where)
+
+    def _addrs_of(self, peer: str) -> list[str]:
+        """``peer``'s addresses in the host's peerstore (identify's listen addresses)."""
+        if self.host is None:
+            return []
+        try:
+            from libp2p.peer.id import ID
+
+            return [str(a) for a in self.host.get_peerstore().addrs(ID.from_base58(peer))]
+        except Exception:  # unknown peer, or one the peerstore dropped
+            return []
 
     def _have(self, blob_id: str) -> tuple[Manifest, bytes]:
         manifest = self._manifest(blob_id)

@@ -131,9 +131,16 @@ class OptimisticStream:
 class BlobClient:
     """Requests over one stream, one at a time (the protocol's sequencing rule)."""
 
-    def __init__(self, stream: Stream, chunk_length: Callable[[int], int] | None = None) -> None:
+    def __init__(
+        self,
+        stream: Stream,
+        chunk_length: Callable[[int], int] | None = None,
+        *,
+        peer_exchange: bool = False,
+    ) -> None:
         self.stream = stream
-        self.conn = proto.ClientConnection()
+        # peer_exchange: a /blobnet/blob/1.2.0 stream, where `peers` may be asked.
+        self.conn = proto.ClientConnection(peer_exchange=peer_exchange)
         # With the manifest known, a chunk header announcing another length is refused
         # before its body is buffered.
         self.conn.set_expected_chunk_length(chunk_length)
@@ -215,6 +222,15 @@ class BlobClient:
         await write_all(self.stream, self.conn.send_request(proto.HaveRequest(blob_id)))
         response = await self._next_response()
         if isinstance(response, proto.HaveResponse | proto.ErrorResponse):
+            return response
+        raise proto.RemoteProtocolError(f"unexpected {type(response).__name__}")
+
+    async def peers(self, blob_id: str) -> proto.PeersResponse | proto.ErrorResponse:
+        """(1.2.0) Who else fetches or holds ``blob_id``, as the server saw them."""
+        self._check_usable()
+        await write_all(self.stream, self.conn.send_request(proto.PeersRequest(blob_id)))
+        response = await self._next_response()
+        if isinstance(response, proto.PeersResponse | proto.ErrorResponse):
             return response
         raise proto.RemoteProtocolError(f"unexpected {type(response).__name__}")
 

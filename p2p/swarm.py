@@ -1,0 +1,197 @@
+"""Peer exchange: fetchers of one blob find each other through its providers (issue 21).
+
+Theory of operation
+1. A server (``p2p.server.BlobServer``) remembers, per blob, the peers that asked it
+   ``manifest``, ``have``, ``get`` or ``peers`` for that blob recently: a `SwarmBook`.
+   It is bounded in blobs (``MAX_SWARM_BLOBS``, least recently asked dropped first) and in
+   peers per blob (``MAX_SWARM_PEERS``, least recently seen dropped first), and an entry
+   expires ``SWARM_EXPIRY`` seconds after the peer last asked.
+2. A ``peers`` request (``/blobnet/blob/1.2.0``, PROTOCOL.md section 5.3) is answered
+   with the most recently seen of them, the asker left out, each with its dialable
+   listen addresses from the server's peerstore (what identify told it), peers with
+   none left out, at most ``MAX_PEERS_LISTED``.
+3. A fetcher (``p2p.node.Node``) asks each provider of a download ``peers`` at most once
+   per ``PEX_INTERVAL``, dials at most ``MAX_SWARM_DIALS`` of the peers it learns per
+   download (``PEX_DIAL_PARALLELISM`` at a time) and hands each one it reaches to the
+   download as a provider: a fellow fetcher is a partial provider, whose ``have`` the
+   download asks again as its chunks arrive (``p2p.downloader.HAVE_REFRESH_INTERVAL``).
+   Everything a fellow sends is verified like any other provider's data; a liar is banned.
+   `PexBook` is that bookkeeping, sans-IO.
+
+All time is the ``now`` argument (seconds, monotonic); nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from p2p.protocol import MAX_ADDR_LEN, MAX_ADDRS_PER_PEER, MAX_PEER_ID_LEN, MAX_PEERS_LISTED
+
+# One entry of a `peers` answer: a peer ID and its addresses.
+Listed = tuple[str, tuple[str, ...]]
+
+# Blobs a server keeps a swarm list for: a node serves a handful of blobs at once; 256
+# lists of MAX_SWARM_PEERS short entries are a few MiB at most.
+MAX_SWARM_BLOBS = 256
+# Peers remembered per blob: four times what one answer lists, so that the answer can
+# leave the asker out and still prefer the most recently seen.
+MAX_SWARM_PEERS = 4 * MAX_PEERS_LISTED
+# A peer that has not asked about a blob for this long has finished or gone: a fetch of
+# a large blob asks `get` every few seconds, so 5 minutes spans any pause in one.
+SWARM_EXPIRY = 300.0
+
+# A fetcher asks one provider `peers` at most this often: fellows join a swarm over the
+# first seconds, and one small request per second per provider costs nothing.
+PEX_INTERVAL = 1.0
+# Providers asked `peers` per round: the swarm's lists overlap, a few sources suffice.
+MAX_PEX_SOURCES = 8
+# Fellow fetchers dialled per download: BitTorrent keeps ~30-50 connections; a blob
+# fetch from a handful of fellows already spreads the seeder's upload.
+MAX_SWARM_DIALS = 16
+# Dials in progress at once per download.
+PEX_DIAL_PARALLELISM = 4
+
+
+def usable_addrs(addrs: Iterable[str]) -> tuple[str, ...]:
+    """The addresses worth listing for a peer: TCP ones, not wildcard, within the
+    protocol's bounds, at most MAX_ADDRS_PER_PEER, in order, without repeats."""
+    out: list[str] = []
+    for addr in addrs:
+        if "/tcp/" not in addr or "/ip4/0.0.0.0/" in addr or "/ip6/::/" in addr:
+            continue
+        addr = addr.split("/p2p/")[0]
+        if len(addr.encode()) > MAX_ADDR_LEN or not addr.isprintable() or addr in out:
+            continue
+        out.append(addr)
+        if len(out) == MAX_ADDRS_PER_PEER:
+            break
+    return tuple(out)
+
+
+class SwarmBook:
+    """Per blob, the peers that asked for it recently (server side, bounded)."""
+
+    def __init__(
+        self,
+        *,
+        max_blobs: int = MAX_SWARM_BLOBS,
+        max_peers: int = MAX_SWARM_PEERS,
+        expiry: float = SWARM_EXPIRY,
+    ) -> None:
+        self.max_blobs = max_blobs
+        self.max_peers = max_peers
+        self.expiry = expiry
+        # blob ID -> (peer ID -> last seen), least recently used first.
+        self._blobs: OrderedDict[str, OrderedDict[str, float]] = OrderedDict()
+
+    def seen(self, blob_id: str, peer: str, now: float) -> None:
+        """``peer`` asked about ``blob_id`` at ``now``."""
+        if len(peer) > MAX_PEER_ID_LEN:
+            return
+        peers = self._blobs.pop(blob_id, None)
+        if peers is None:
+            peers = OrderedDict()
+        self._blobs[blob_id] = peers
+        peers.pop(peer, None)
+        peers[peer] = now
+        while len(peers) > self.max_peers:
+            peers.popitem(last=False)
+        while len(self._blobs) > self.max_blobs:
+            self._blobs.popitem(last=False)
+
+    def peers(self, blob_id: str, now: float, exclude: str = "") -> list[str]:
+        """Peers of ``blob_id`` seen within the expiry, most recent first, ``exclude``
+        left out. Expired entries are dropped."""
+        peers = self._blobs.get(blob_id)
+        if peers is None:
+            return []
+        while peers and next(iter(peers.values())) < now - self.expiry:
+            peers.popitem(last=False)
+        if not peers:
+            del self._blobs[blob_id]
+            return []
+        return [p for p in reversed(peers) if p != exclude]
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+
+class PexBook:
+    """One download's peer exchange (fetcher side): whom to ask, whom to dial."""
+
+    def __init__(
+        self,
+        own_peer: str,
+        *,
+        interval: float = PEX_INTERVAL,
+        max_dials: int = MAX_SWARM_DIALS,
+        max_sources: int = MAX_PEX_SOURCES,
+    ) -> None:
+        self.own_peer = own_peer
+        self.interval = interval
+        self.max_dials = max_dials
+        self.max_sources = max_sources
+        self.known: set[str] = {own_peer}
+        self.dialled = 0
+        self._asked: dict[str, float] = {}
+        self._sources: list[str] = []
+
+    def add_source(self, peer: str) -> None:
+        """``peer`` is a provider of the download (ask it ``peers``)."""
+        self.known.add(peer)
+        if peer not in self._sources:
+            self._sources.append(peer)
+
+    def due(self, now: float) -> list[str]:
+        """Sources to ask ``peers`` now (each at most once per interval; none once the
+        dial budget is spent); marks them asked."""
+        if self.dialled >= self.max_dials:
+            return []
+        out = []
+        for peer in self._sources:
+            if now - self._asked.get(peer, -self.interval) >= self.interval:
+                self._asked[peer] = now
+                out.append(peer)
+                if len(out) == self.max_sources:
+                    break
+        return out
+
+    def next_wake(self, now: float) -> float:
+        """When a source is next due (``now + interval`` when none is known yet)."""
+        if not self._sources:
+            return now + self.interval
+        return min(self._asked.get(p, now - self.interval) for p in self._sources) + self.interval
+
+    def to_dial(self, listed: Iterable[Listed]) -> list[Listed]:
+        """Of the peers a source listed, those to dial: new ones, within the dial budget;
+        they count as known (never dialled twice) and against the budget."""
+        out = []
+        for peer, addrs in listed:
+            if peer in self.known or not addrs:
+                continue
+            if self.dialled >= self.max_dials:
+                break
+            self.known.add(peer)
+            self.dialled += 1
+            out.append((peer, addrs))
+        return out
+
+
+def listing(
+    book: SwarmBook,
+    blob_id: str,
+    asker: str,
+    now: float,
+    addrs_of: Callable[[str], Iterable[str]],
+) -> tuple[Listed, ...]:
+    """The ``peers`` answer for ``asker``: up to MAX_PEERS_LISTED peers of ``blob_id``
+    with usable addresses (``addrs_of`` reads them from the peerstore)."""
+    out: list[Listed] = []
+    for peer in book.peers(blob_id, now, exclude=asker):
+        addrs = usable_addrs(addrs_of(peer))
+        if addrs:
+            out.append((peer, addrs))
+            if len(out) == MAX_PEERS_LISTED:
+                break
+    return tuple(out)

@@ -1,0 +1,191 @@
+"""Peer exchange, sans-IO (issue 21): the `peers` message of /blobnet/blob/1.2.0, the
+server's bounded, expiring book of who asked for a blob, the fetcher's bounded dialling,
+and the scheduler's spreading of a sole seeder's chunks over fetchers."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p import protocol as proto
+from p2p.scheduler import Scheduler, SchedulerConfig
+from p2p.swarm import PexBook, SwarmBook, listing, usable_addrs
+
+BLOB = "ab" * 32
+ADDR = "/ip4/10.0.0.2/tcp/4001"
+
+
+def _server(peer_exchange: bool) -> proto.ServerConnection:
+    return proto.ServerConnection(
+        max_pipelined=proto.MAX_PIPELINED_REQUESTS, peer_exchange=peer_exchange
+    )
+
+
+def test_peers_round_trip_on_a_1_2_stream() -> None:
+    client = proto.ClientConnection(peer_exchange=True)
+    server = _server(True)
+    server.receive_data(client.send_request(proto.PeersRequest(BLOB)))
+    assert server.next_request() == proto.PeersRequest(BLOB)
+    listed = (("12D3KooWfellow", (ADDR,)),)
+    client.receive_data(server.send_response(proto.PeersResponse(listed)))
+    assert client.next_event() == proto.PeersResponse(listed)
+
+
+def test_peers_is_an_unknown_request_on_older_versions() -> None:
+    with pytest.raises(proto.LocalProtocolError, match=r"1\.2\.0"):
+        proto.ClientConnection().send_request(proto.PeersRequest(BLOB))
+    frame = proto.ClientConnection(peer_exchange=True).send_request(proto.PeersRequest(BLOB))
+    server = _server(False)
+    server.receive_data(frame)
+    with pytest.raises(proto.RemoteProtocolError, match="unknown message type"):
+        server.next_request()
+
+
+def test_a_peers_answer_over_its_bounds_is_refused() -> None:
+    too_many = tuple((f"peer{k}", (ADDR,)) for k in range(proto.MAX_PEERS_LISTED + 1))
+    with pytest.raises(proto.LocalProtocolError):
+        proto.encode_response_header(proto.PeersResponse(too_many))
+    too_many_addrs = (("peer", tuple(f"{ADDR}{k}" for k in range(proto.MAX_ADDRS_PER_PEER + 1))),)
+    with pytest.raises(proto.LocalProtocolError):
+        proto.encode_response_header(proto.PeersResponse(too_many_addrs))
+    with pytest.raises(proto.LocalProtocolError):
+        proto.encode_response_header(proto.PeersResponse((("p", (ADDR,)), ("p", (ADDR,)))))
+    # A hostile server's oversized list is a remote fault on the client's side.
+    client = proto.ClientConnection(peer_exchange=True)
+    client.send_request(proto.PeersRequest(BLOB))
+    import msgpack
+
+    body = msgpack.packb({"t": "peers", "p": [[f"p{k}", [ADDR]] for k in range(17)]})
+    client.receive_data(len(body).to_bytes(4, "big") + body)
+    with pytest.raises(proto.RemoteProtocolError, match="at most 16"):
+        client.next_event()
+
+
+def test_the_book_lists_recent_askers_newest_first_without_the_asker() -> None:
+    book = SwarmBook()
+    book.seen(BLOB, "a", now=0.0)
+    book.seen(BLOB, "b", now=1.0)
+    book.seen(BLOB, "a", now=2.0)  # asked again: now the newest
+    assert book.peers(BLOB, now=3.0) == ["a", "b"]
+    assert book.peers(BLOB, now=3.0, exclude="a") == ["b"]
+    assert book.peers("cd" * 32, now=3.0) == []
+
+
+def test_the_book_forgets_peers_after_the_expiry() -> None:
+    book = SwarmBook(expiry=10.0)
+    book.seen(BLOB, "old", now=0.0)
+    book.seen(BLOB, "new", now=8.0)
+    assert book.peers(BLOB, now=10.0) == ["new", "old"]
+    assert book.peers(BLOB, now=10.5) == ["new"]
+    assert book.peers(BLOB, now=18.5) == []
+    assert len(book) == 0  # an emptied blob takes no room
+
+
+def test_the_book_is_bounded_in_peers_and_blobs() -> None:
+    book = SwarmBook(max_blobs=2, max_peers=3)
+    for k in range(5):
+        book.seen(BLOB, f"p{k}", now=float(k))
+    assert book.peers(BLOB, now=5.0) == ["p4", "p3", "p2"]
+    book.seen("01" * 32, "x", now=5.0)
+    book.seen("02" * 32, "y", now=6.0)  # a third blob pushes out the least recent
+    assert len(book) == 2
+    assert book.peers(BLOB, now=7.0) == []
+
+
+def test_the_answer_holds_only_peers_with_usable_addresses_and_is_bounded() -> None:
+    book = SwarmBook()
+    for k in range(proto.MAX_PEERS_LISTED + 5):
+        book.seen(BLOB, f"p{k}", now=float(k))
+    book.seen(BLOB, "no-addr", now=100.0)
+    addrs = {f"p{k}": [f"/ip4/10.0.0.{k}/tcp/1", "/ip4/0.0.0.0/tcp/1"] for k in range(21)}
+    answer = listing(book, BLOB, "p20", 101.0, lambda peer: addrs.get(peer, []))
+    assert len(answer) == proto.MAX_PEERS_LISTED
+    assert answer[0] == ("p19", ("/ip4/10.0.0.19/tcp/1",))  # newest first, asker left out
+    proto.encode_response_header(proto.PeersResponse(answer))  # within the protocol's bounds
+
+
+def test_usable_addrs_drops_wildcards_repeats_and_the_peer_suffix() -> None:
+    got = usable_addrs(
+        [
+            "/ip4/0.0.0.0/tcp/1",
+            "/ip4/10.0.0.1/udp/1/quic",
+            "/ip4/10.0.0.1/tcp/1/p2p/12D3",
+            "/ip4/10.0.0.1/tcp/1",
+            *(f"/ip4/10.0.1.{k}/tcp/2" for k in range(9)),
+        ]
+    )
+    assert got[0] == "/ip4/10.0.0.1/tcp/1"
+    assert len(got) == proto.MAX_ADDRS_PER_PEER
+
+
+def test_the_fetcher_asks_each_source_once_per_interval() -> None:
+    pex = PexBook("me", interval=1.0)
+    pex.add_source("seed")
+    assert pex.due(0.0) == ["seed"]
+    assert pex.due(0.5) == []
+    assert pex.next_wake(0.5) == 1.0
+    pex.add_source("fellow")
+    assert pex.due(0.6) == ["fellow"]
+    assert pex.due(1.0) == ["seed"]
+
+
+def test_the_fetcher_dials_each_new_peer_once_within_its_budget() -> None:
+    pex = PexBook("me", max_dials=2)
+    pex.add_source("seed")
+    listed = [("me", (ADDR,)), ("seed", (ADDR,)), ("a", (ADDR,)), ("b", ()), ("c", (ADDR,))]
+    assert [p for p, _ in pex.to_dial(listed)] == ["a", "c"]
+    assert pex.to_dial([("a", (ADDR,)), ("d", (ADDR,))]) == []  # known, and budget spent
+    assert pex.due(5.0) == []  # nothing more to learn: stop asking
+
+
+def test_fetchers_starting_at_different_chunks_take_different_chunks_from_a_seeder() -> None:
+    config = SchedulerConfig(max_chunks_per_request=4)
+    firsts = []
+    for start in (0, 16, 32, 48):
+        s = Scheduler(64, lambda i: 1 << 20, config=config, start=start)
+        s.add_peer("seed", 0.0)
+        ticket = s.next_request("seed", 0.0)
+        assert ticket is not None
+        firsts.append(ticket.ranges)
+    assert firsts == [((0, 4),), ((16, 20),), ((32, 36),), ((48, 52),)]
+    # The order wraps: a fetcher starting near the end still gets every chunk.
+    s = Scheduler(10, lambda i: 1, config=SchedulerConfig(max_chunks_per_request=4), start=8)
+    s.add_peer("seed", 0.0)
+    got = []
+    while (t := s.next_request("seed", 0.0)) is not None:
+        for a, b in t.ranges:
+            for i in range(a, b):
+                got.append(i)
+                s.on_chunk(t.request_id, i, 1, 0.0)
+        s.on_request_done(t.request_id, 0.0)
+    assert set(got[:4]) == {8, 9, 0, 1}  # one request: sorted ranges [0, 2) and [8, 10)
+    assert sorted(got) == list(range(10))
+
+
+def test_rarest_first_leaves_a_fellows_chunks_to_the_fellow() -> None:
+    s = Scheduler(8, lambda i: 1, config=SchedulerConfig(max_chunks_per_request=4))
+    s.add_peer("seed", 0.0)
+    s.add_peer("fellow", 0.0, bitmap=bytes([0b00001111]))  # holds chunks 0..3
+    ticket = s.next_request("seed", 0.0)
+    assert ticket is not None and ticket.ranges == ((4, 8),)
+    ticket = s.next_request("fellow", 0.0)
+    assert ticket is not None and ticket.ranges == ((0, 4),)
+
+
+def test_a_slow_peer_is_asked_for_about_a_second_of_its_rate() -> None:
+    mib = 1 << 20
+    config = SchedulerConfig(max_request_seconds=1.0, unmeasured_batch_bytes=4 * mib)
+    s = Scheduler(64, lambda i: mib, config=config)
+    s.add_peer("seed", 0.0)
+    first = s.next_request("seed", 0.0)
+    assert first is not None and first.ranges == ((0, 4),)  # unmeasured: 4 MiB
+    for i in range(4):
+        s.on_chunk(first.request_id, i, mib, now=0.5 * (i + 1))  # ~2 MiB/s
+    s.on_request_done(first.request_id, 2.0)
+    ticket = s.next_request("seed", 2.0)
+    assert ticket is not None
+    assert sum(b - a for a, b in ticket.ranges) <= 3
+    # Without the caps the same peer gets the full batch of 16.
+    plain = Scheduler(64, lambda i: mib)
+    plain.add_peer("seed", 0.0)
+    ticket = plain.next_request("seed", 0.0)
+    assert ticket is not None and ticket.ranges == ((0, 16),)
