@@ -253,6 +253,13 @@ def _authority(value: str) -> bytes:
     help="Seconds to wait for the other workers (or, with --join, for a state).",
 )
 @click.option("--stall-round", type=int, default=None, hidden=True)
+@click.option(
+    "--publish",
+    "publish_as",
+    metavar="NAME",
+    default=None,
+    help="At the end, name the final state <this peer ID>/NAME (signed; see blob resolve).",
+)
 @click.pass_context
 def worker_command(
     ctx: click.Context,
@@ -269,6 +276,7 @@ def worker_command(
     addr_file: Path_ | None,
     start_timeout: float,
     stall_round: int | None,
+    publish_as: str | None,
     **run: Any,
 ) -> None:
     """Run one worker of a decentralised outer-loop run (one per machine)."""
@@ -297,6 +305,7 @@ def worker_command(
         addr_file=addr_file,
         start_timeout=start_timeout,
         stall_round=stall_round,
+        publish=publish_as,
     )
     result = trio.run(run_worker, config)
     if not result["agreed"]:
@@ -313,6 +322,13 @@ def _disagreed() -> Exception:
 @_run_options
 @click.option("--run", "run_id", default="local", show_default=True, help="Run ID.")
 @click.option(
+    "--publish",
+    "publish_as",
+    metavar="NAME",
+    default=None,
+    help="Each worker names its final state <its peer ID>/NAME at the end.",
+)
+@click.option(
     "--workdir",
     type=click.Path(path_type=Path_, file_okay=False),
     default=None,
@@ -321,7 +337,12 @@ def _disagreed() -> Exception:
 @click.option("--timeout", type=click.FloatRange(1, 86_400), default=None, help="Bound (s).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def run_command(
-    run_id: str, workdir: Path_ | None, timeout: float | None, as_json: bool, **run: Any
+    run_id: str,
+    publish_as: str | None,
+    workdir: Path_ | None,
+    timeout: float | None,
+    as_json: bool,
+    **run: Any,
 ) -> None:
     """Run K worker processes on 127.0.0.1 (a mesh, no hub) and compare their roots."""
     from training.outer_net import (
@@ -332,6 +353,10 @@ def run_command(
         summarise,
     )
 
+    if publish_as is not None:
+        from p2p.names import check_name
+
+        check_name(publish_as)  # refused before any worker starts
     params = _params(run_id, **run)
     bound = timeout or 180 + params.rounds * (params.deadline + 60)
     with default_workdir() as tmp:
@@ -343,7 +368,8 @@ def run_command(
             f"workdir {root}",
             err=True,
         )
-        summary = summarise(run_local(plan, timeout=bound))
+        extra = ("--publish", publish_as) if publish_as is not None else ()
+        summary = summarise(run_local(plan, timeout=bound, extra=extra))
     if as_json:
         json.dump(summary, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")

@@ -147,6 +147,8 @@ class WorkerConfig:
     # Test hook: sleep before training in this round (so a test can kill the worker in a
     # known place mid-round).
     stall_round: int | None = None
+    # Name the final state blob <this peer ID>/NAME at the end (p2p/NAMES.md).
+    publish: str | None = None
 
 
 # --- the torch side ------------------------------------------------------------------
@@ -248,6 +250,10 @@ async def run_worker(config: WorkerConfig) -> dict[str, Any]:
 
     if config.initial is None and not config.join:
         raise OuterNetError("a worker needs the initial state blob ID (--initial) or --join")
+    if config.publish is not None:
+        from p2p.names import check_name
+
+        check_name(config.publish)  # a bad name is refused before any training
     key, certificate, trust = _load_identity(config)
     async with open_node(
         config.store_root,
@@ -259,7 +265,12 @@ async def run_worker(config: WorkerConfig) -> dict[str, Any]:
     ) as node:
         from training.outer_worker import Worker
 
-        return await Worker(config, node, key, certificate, trust).run()
+        result = await Worker(config, node, key, certificate, trust).run()
+        if config.publish is not None and result["rounds"]:
+            record = await node.publish_name(config.publish, result["rounds"][-1]["state_blob"])
+            result["name"] = record.to_json()
+            write_json(config.result_path, result)
+        return result
 
 
 # --- the local launcher --------------------------------------------------------------
@@ -427,15 +438,18 @@ def wait_for_addrs(path: Path, proc: subprocess.Popen[bytes], timeout: float) ->
     raise OuterRunFailed(f"worker did not listen within {timeout:.0f}s")
 
 
-def run_local(plan: RunPlan, *, timeout: float) -> list[dict[str, Any] | None]:
-    """Start the K workers, each bootstrapping to every one started before it, and wait
-    for them (bounded); their results (None for a worker that failed)."""
+def run_local(
+    plan: RunPlan, *, timeout: float, extra: Sequence[str] = ()
+) -> list[dict[str, Any] | None]:
+    """Start the K workers, each bootstrapping to every one started before it (``extra``:
+    more ``blob outer worker`` options for each), and wait for them (bounded); their
+    results (None for a worker that failed)."""
     env = worker_env()
     procs: list[subprocess.Popen[bytes]] = []
     try:
         addrs: list[str] = []
         for i in range(plan.params.workers):
-            argv = worker_argv(plan, i, bootstrap=addrs)
+            argv = worker_argv(plan, i, bootstrap=addrs, extra=extra)
             proc = subprocess.Popen(argv, env=env, stdout=sys.stderr)
             procs.append(proc)
             addrs = addrs + wait_for_addrs(plan.workers[i].addr_file, proc, timeout=120)[:1]

@@ -77,6 +77,8 @@ def test_three_workers_two_rounds_reach_the_same_state(tmp_path: Path) -> None:
             str(work),
             "--timeout",
             "200",
+            "--publish",
+            "run-3w/state",
             "--json",
         ],
         capture_output=True,
@@ -102,6 +104,9 @@ def test_three_workers_two_rounds_reach_the_same_state(tmp_path: Path) -> None:
             assert rec["rejected"] == rec["excluded"] == []
         # Every worker heard the others' final roots, and they were ours.
         assert set(result["final_roots_heard"]) == peers - {result["peer_id"]}
+        # --publish: each worker signed a name for the final state, under its own peer ID.
+        assert result["name"]["id"] == result["rounds"][-1]["state_blob"]
+        assert result["name"]["ref"] == f"{result['peer_id']}/run-3w/state"
     # Each round was closed by one closure, the same on every worker, and the same state
     # has the same canonical blob on every worker.
     for r in range(2):
