@@ -60,23 +60,23 @@ class SignalOnPut:
         return self.jobs.get()
 
 
+async def _writes_interrupted_between_put_and_wait(sink: SlowSink) -> None:
+    writer = ChunkWriter(sink, threads=1)
+    writer._jobs = SignalOnPut()  # type: ignore[assignment]
+    async with writer, trio.open_nursery() as nursery:
+        for index in range(4):
+            nursery.start_soon(writer.write, index, memoryview(b"x"))
+        await trio.sleep(5)  # interrupted by the signal long before this ends
+
+
 def test_sigint_between_queueing_and_waiting_is_an_orderly_cancel() -> None:
     """Deterministic form of the race: the signal arrives exactly between the put and the
     wait. Under trio's default handling this raised KeyboardInterrupt inside the writing
     task and the run died with TrioInternalError; through run_interruptible the write
     finishes, the writer stops cleanly and the caller gets Interrupted."""
     sink = SlowSink()
-
-    async def work() -> None:
-        writer = ChunkWriter(sink, threads=1)
-        writer._jobs = SignalOnPut()  # type: ignore[assignment]
-        async with writer, trio.open_nursery() as nursery:
-            for index in range(4):
-                nursery.start_soon(writer.write, index, memoryview(b"x"))
-            await trio.sleep(5)  # cancelled by the signal long before this ends
-
     with pytest.raises(Interrupted, match="SIGINT"):
-        run_interruptible(work)
+        run_interruptible(lambda: _writes_interrupted_between_put_and_wait(sink))
     assert 0 in sink.written  # the write that was queued when the signal came completed
 
 
@@ -84,18 +84,8 @@ def test_sigint_between_queueing_and_waiting_under_plain_trio_run() -> None:
     """The same race in any trio program (BlockingNode, a training script), with trio's own
     SIGINT handling: ChunkWriter.write is protected from KeyboardInterrupt between the put
     and the wait, so the run ends in KeyboardInterrupt, never TrioInternalError."""
-    sink = SlowSink()
-
-    async def work() -> None:
-        writer = ChunkWriter(sink, threads=1)
-        writer._jobs = SignalOnPut()  # type: ignore[assignment]
-        async with writer, trio.open_nursery() as nursery:
-            for index in range(4):
-                nursery.start_soon(writer.write, index, memoryview(b"x"))
-            await trio.sleep(5)  # interrupted long before this ends
-
     try:
-        trio.run(work)
+        trio.run(_writes_interrupted_between_put_and_wait, SlowSink())
     except BaseException as exc:  # KeyboardInterrupt, maybe in a group; never TrioInternalError
         caught = exc
     else:
