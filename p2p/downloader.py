@@ -76,7 +76,7 @@ DISTRUSTED_START_DELAY = 5.0
 # A partial provider (a fellow fetcher, p2p.swarm) is asked `have` again this often while
 # it lacks chunks we lack: its chunks arrive as it fetches them; one small request a
 # second per partial peer is cheap next to the chunks.
-HAVE_REFRESH_INTERVAL = 1.0
+HAVE_REFRESH_INTERVAL = 0.5
 # Progress callbacks are rate-limited so a fast transfer does not spend time reporting.
 PROGRESS_INTERVAL = 0.25
 # Chunk bodies in flight (received, or queued for hashing and the disk) share this much

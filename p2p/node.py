@@ -121,8 +121,8 @@ SWARM_DIAL_TIMEOUT = 5.0
 # it is measured (SchedulerConfig.max_request_seconds): a 100 Mbit/s seeder shared by four
 # fetchers is then asked for ~3 MiB at a time by each, not 16 MiB twice over, and the rest
 # comes from whichever fellow has it by then.
-SWARM_REQUEST_SECONDS = 1.0
-SWARM_UNMEASURED_BATCH_BYTES = 4 * 1024 * 1024
+SWARM_REQUEST_SECONDS = 0.25
+SWARM_UNMEASURED_BATCH_BYTES = 2 * 1024 * 1024
 # How long a dialled peer may take to finish the Noise and yamux handshakes once TCP is
 # up: they take about five round trips, 1 s at 200 ms, so 5 s is generous; a peer that
 # accepts TCP and never answers (issue 16) then costs 5 s per try, not py-libp2p's 10.
@@ -595,6 +595,7 @@ class Node:
             config,
             max_request_seconds=config.max_request_seconds or SWARM_REQUEST_SECONDS,
             unmeasured_batch_bytes=config.unmeasured_batch_bytes or SWARM_UNMEASURED_BATCH_BYTES,
+            defer_to_partial_holders=True,
         )
 
     async def _exchange(

@@ -47,7 +47,14 @@ Policy
   (a peer with everything adds one to every chunk and so cannot change the order). Pool
   chunks are handed out by (rarity, index): chunks that only few peers can serve go first,
   while those peers are still here; equal rarity goes by index, which keeps ranges
-  contiguous and writes sequential.
+  contiguous and writes sequential. The index is counted from the scheduler's ``start``
+  (wrapping), which a fetcher derives from its peer ID: fetchers of one blob that all ask
+  one seeder take different chunks from it first (issue 21).
+- Swarming (config, off by default; ``p2p.node`` turns it on with peer exchange): a peer
+  with every chunk is handed only chunks no usable partial peer holds while a partial
+  peer at least as fast holds any (``defer_to_partial_holders``), and requests hold at most
+  ``max_request_seconds`` of a peer's rate (``unmeasured_batch_bytes`` before it is
+  measured), so a slow seeder is never asked for much more than it is sending now.
 - Rate-scaled batches. Each peer's rate is an exponentially weighted average of the bytes
   per second it delivers while it has requests in flight. A peer's batch is the full batch
   scaled by its rate over the best peer's rate, so a slow peer holds few chunks when the
@@ -167,6 +174,11 @@ class SchedulerConfig:
     # asked for yet can still come from fellow fetchers. None: no such cap.
     max_request_seconds: float | None = None
     unmeasured_batch_bytes: int | None = None
+    # Swarming: a peer with every chunk is handed only chunks no usable partial peer holds
+    # while a partial peer at least as fast as it (or not measured yet) holds some pool
+    # chunk: a slow seeder then sends each chunk about once, and the fellow fetchers that
+    # hold a chunk hand it on. The endgame still duplicates tail chunks onto it.
+    defer_to_partial_holders: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_chunks_per_request <= PROTOCOL_MAX_CHUNKS_PER_REQUEST:
@@ -853,8 +865,20 @@ class Scheduler:
                 size = min(size, max(1, math.ceil(fetchable * mine / total)))
         return size
 
+    def _defers(self, p: _Peer) -> bool:
+        """Whether full peer ``p`` leaves chunks held by partial peers to them (config
+        ``defer_to_partial_holders``): some usable partial peer holding a pool chunk is at
+        least as fast as ``p``, or either is not measured yet."""
+        if not self._cfg.defer_to_partial_holders or p.bitmap is not None:
+            return False
+        return any(
+            q.heap and (q.rate is None or p.rate is None or q.rate >= p.rate)
+            for q in self._partials.values()
+        )
+
     def _pick_pool(self, p: _Peer, limit: int) -> list[int]:
         heap = self._full_heap if p.bitmap is None else p.heap
+        orphans_only = self._defers(p)
         bm = p.bitmap
         state = self._state
         rarity = self._rarity
@@ -875,6 +899,8 @@ class Scheduler:
             ):
                 heapq.heappop(heap)  # stale entry
                 continue
+            if orphans_only and key >= stride:
+                break  # held by a partial peer: left to it (keys go by rarity)
             after = ranges + 1 - ((i - 1) in chosen) - ((i + 1) in chosen)
             if after > max_ranges:
                 break  # leave it for the next request

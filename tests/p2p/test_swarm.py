@@ -189,3 +189,30 @@ def test_a_slow_peer_is_asked_for_about_a_second_of_its_rate() -> None:
     plain.add_peer("seed", 0.0)
     ticket = plain.next_request("seed", 0.0)
     assert ticket is not None and ticket.ranges == ((0, 16),)
+
+
+def test_a_seeder_leaves_chunks_a_fellow_holds_to_the_fellow_while_it_is_there() -> None:
+    config = SchedulerConfig(max_chunks_per_request=8, defer_to_partial_holders=True)
+    s = Scheduler(8, lambda i: 1, config=config)
+    s.add_peer("seed", 0.0)
+    s.add_peer("fellow", 0.0, bitmap=bytes([0b00001111]))  # holds chunks 0..3
+    ticket = s.next_request("seed", 0.0)
+    assert ticket is not None and ticket.ranges == ((4, 8),)  # only what nobody else has
+    assert s.next_request("seed", 0.0) is None  # 0..3 wait for the fellow
+    fellow = s.next_request("fellow", 0.0)
+    assert fellow is not None and fellow.ranges == ((0, 4),)
+    # A fellow that goes away gives its chunks back to the seeder.
+    s.remove_peer("fellow", "gone")
+    for i in range(4, 8):
+        s.on_chunk(ticket.request_id, i, 1, 1.0)
+    s.on_request_done(ticket.request_id, 1.0)
+    again = s.next_request("seed", 1.0)
+    assert again is not None and again.ranges == ((0, 4),)
+    # Without the option the seeder takes the fellow's chunks too.
+    plain = Scheduler(8, lambda i: 1, config=SchedulerConfig(max_chunks_per_request=8))
+    plain.add_peer("seed", 0.0)
+    plain.add_peer("fellow", 0.0, bitmap=bytes([0b00001111]))
+    first = plain.next_request("seed", 0.0)
+    assert first is not None and first.ranges == ((4, 8),)
+    second = plain.next_request("seed", 0.0)
+    assert second is not None and second.ranges[0][0] == 0  # a chunk the fellow holds
