@@ -415,6 +415,12 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
     show_default=True,
     help="Seconds to keep looking for providers on the DHT when none can serve.",
 )
+@click.option(
+    "--no-upload",
+    is_flag=True,
+    help="Serve nothing while fetching (by default fellow fetchers of the blob may fetch "
+    "what has arrived, so a checkpoint crosses its seeder's uplink about once).",
+)
 @json_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @verbose_option
@@ -432,6 +438,7 @@ def get(
     tensors: Sequence[str],
     link: bool,
     discovery_timeout: float,
+    no_upload: bool,
     as_json: bool,
     no_progress: bool,
     verbose: int,
@@ -502,7 +509,13 @@ def get(
             from p2p.dial import check_not_self
 
             check_not_self([*named, *bootstrap], key.peer_id, key_path)
-            config = _node_config(listen, bootstrap, use_dht, discovery_timeout=discovery_timeout)
+            config = _node_config(
+                listen,
+                bootstrap,
+                use_dht,
+                discovery_timeout=discovery_timeout,
+                upload=not no_upload,
+            )
             bar = ProgressBar(enabled=not no_progress and not as_json and sys.stderr.isatty())
             try:
                 stats = _fetch(store, key, config, blob_id, named, include, bar, verbose)
