@@ -777,8 +777,10 @@ async def open_node(
             if floodsub is not None:
                 await floodsub.wait_until_ready()
             node = Node(store, host, server, kad, config, floodsub)
-            from p2p import names
+            from p2p import names, peer_memory
 
+            # Liars banned by earlier processes on this store start distrusted here too.
+            await trio.to_thread.run_sync(peer_memory.load, store, node.scores, trio.current_time())
             names.install(node)
             nursery.start_soon(names.run_names, node)
             for addr in config.bootstrap:
@@ -792,6 +794,10 @@ async def open_node(
                 yield node
             finally:
                 nursery.cancel_scope.cancel()
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(
+                        peer_memory.save, store, node.scores, trio.current_time()
+                    )
 
 
 def _first_tcp_addr(host: Any, peer_id: ID) -> Multiaddr | None:

@@ -1298,5 +1298,20 @@ class PeerScores:
     def distrusted(self, peer: str, now: float) -> bool:
         return self.score(peer, now) >= self._cfg.distrust_threshold
 
+    def snapshot(self, now: float) -> dict[str, float]:
+        """Every score as of ``now`` that still matters (above a tenth of the threshold),
+        for keeping across processes (p2p.peer_memory)."""
+        floor = self._cfg.distrust_threshold / 10
+        return {p: v for p in self._scores if (v := self.score(p, now)) >= floor}
+
+    def restore(self, scores: dict[str, float], now: float, elapsed_s: float) -> None:
+        """Merge scores saved ``elapsed_s`` seconds ago (decayed by that much) into this
+        table as of ``now``, keeping the larger of two scores for one peer."""
+        decay = 0.5 ** (max(0.0, elapsed_s) / self._cfg.half_life_s)
+        for peer, value in list(scores.items())[: self._cfg.max_peers]:
+            carried = value * decay
+            if carried > self.score(peer, now):
+                self._scores[peer] = (carried, now)
+
     def __len__(self) -> int:
         return len(self._scores)
