@@ -526,6 +526,14 @@ class Testbed:
         main = threading.current_thread() is threading.main_thread()
         held = {signal.SIGINT, signal.SIGTERM, signal.SIGALRM}
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, held) if main else None
+        # The mask holds signals only for this thread: one sent to the process may land on
+        # another thread (pytest's, trio's workers), and Python then runs its handler here.
+        # So the handlers also just record what came, and it is delivered after teardown.
+        arrived: list[int] = []
+        handlers: dict[int, Any] = {}
+        if main:
+            for signum in held:
+                handlers[signum] = signal.signal(signum, lambda n, _f: arrived.append(n))
         try:
             steps: list[Callable[[], object]] = [
                 functools.partial(atexit.unregister, self.close),
@@ -543,11 +551,15 @@ class Testbed:
                 except Exception as exc:  # each step is attempted whatever the last did
                     print(f"wan testbed: teardown step failed: {exc}", file=sys.stderr)
             if self._old_sigterm is not None and main:
-                signal.signal(signal.SIGTERM, self._old_sigterm)
+                handlers[signal.SIGTERM] = self._old_sigterm
                 self._old_sigterm = None
         finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
             if old_mask is not None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            for signum in dict.fromkeys(arrived):
+                signal.raise_signal(signum)
 
     # ------------------------------------------------------------------ processes
     def argv(self, host: str, argv: Sequence[str]) -> list[str]:
