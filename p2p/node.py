@@ -61,7 +61,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
 
-from blobstore import Store
+from blobstore import BlobNotFound, Store
 from identity import MachineKey, load_or_create_key
 from p2p import protocol as proto
 from p2p.downloader import ProgressCallback, download_blob
@@ -123,6 +123,10 @@ SWARM_DIAL_TIMEOUT = 5.0
 # comes from whichever fellow has it by then.
 SWARM_REQUEST_SECONDS = 0.25
 SWARM_UNMEASURED_BATCH_BYTES = 2 * 1024 * 1024
+# Peer exchange stops looking once, this long into a fetch, no manifest has been found, no
+# dial or question is in flight and nobody named a fellow: otherwise its open channel keeps
+# the provider search waiting out --discovery-timeout when every named peer said not_found.
+PEX_QUIET_GRACE = 3.0
 # How long a dialled peer may take to finish the Noise and yamux handshakes once TCP is
 # up: they take about five round trips, 1 s at 200 ms, so 5 s is generous; a peer that
 # accepts TCP and never answers (issue 16) then costs 5 s per try, not py-libp2p's 10.
@@ -621,16 +625,31 @@ class Node:
             for peer, addrs in book.to_dial(await self.ask_peers(source, blob_id)):
                 nursery.start_soon(dial, peer, addrs)
 
+        started = trio.current_time()
         async with send, trio.open_nursery() as nursery:
             while True:
                 for peer in dials.peers:
                     book.add_source(peer)
                 now = trio.current_time()
+                if (
+                    now - started >= PEX_QUIET_GRACE
+                    and dials.pending == 0
+                    and not nursery.child_tasks
+                    and not await trio.to_thread.run_sync(self._manifest_known, blob_id)
+                ):
+                    return  # nothing anywhere: let the search end now
                 for source in book.due(now):
                     nursery.start_soon(ask, source)
                 # A named provider that connects is asked at once.
                 with trio.move_on_after(max(book.next_wake(now) - now, 0.05)):
                     await dials.changed.wait()
+
+    def _manifest_known(self, blob_id: str) -> bool:
+        try:
+            self.store.manifest(blob_id)
+        except BlobNotFound:
+            return False
+        return True
 
     def _intact(self, blob_id: str) -> bool:
         """Whether the store holds ``blob_id`` whole and sound. With ``verify_local`` a
