@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 import subprocess
 import sys
@@ -33,13 +34,17 @@ from training.codec import (
 REPO = Path(__file__).resolve().parents[2]
 
 
-def reference_dequantised(values: np.ndarray, chunk: int, k: int) -> np.ndarray:
-    """Straight-line model of the codec: top-k by (-|v|, index), two group-mean scales."""
+def reference_dequantised(
+    values: np.ndarray, chunk: int, k: int, *, rice: bool = True
+) -> np.ndarray:
+    """Straight-line model of the codec: top-k by (-|v|, index), two group-mean scales; a
+    short chunk of n keeps ceil(k n / chunk) (Rice layout) or min(k, n) (fixed layout)."""
     flat = values.reshape(-1)
     out = np.zeros(flat.size, dtype=np.float32)
     for start in range(0, flat.size, chunk):
         idx = list(range(start, min(start + chunk, flat.size)))
-        ranked = sorted(idx, key=lambda i: (-abs(float(flat[i])), i))[:k]
+        m = min(len(idx), math.ceil(k * len(idx) / chunk)) if rice else min(k, len(idx))
+        ranked = sorted(idx, key=lambda i: (-abs(float(flat[i])), i))[:m]
         n_high = (len(ranked) + 1) // 2
         high, low = ranked[:n_high], ranked[n_high:]
         for group in (high, low):
@@ -71,20 +76,21 @@ float_arrays = hnp.arrays(
     values=float_arrays,
     log2_chunk=st.integers(4, 6),
     k_frac=st.floats(0.0, 1.0),
+    rice=st.booleans(),
 )
 def test_round_trip_is_the_dequantised_top_k(
-    values: np.ndarray, log2_chunk: int, k_frac: float
+    values: np.ndarray, log2_chunk: int, k_frac: float, rice: bool
 ) -> None:
     chunk = 1 << log2_chunk
     k = max(1, round(k_frac * chunk))
-    params = CodecParams(chunk=chunk, k=k)
+    params = CodecParams(chunk=chunk, k=k, rice=rice)
     data = encode({"w": values}, params)
     decoded = decode(data)
     assert decoded.params == params
     out = decoded.tensors["w"]
     assert out.shape == values.shape
     assert out.dtype == np.float32
-    np.testing.assert_array_equal(out, reference_dequantised(values, chunk, k))
+    np.testing.assert_array_equal(out, reference_dequantised(values, chunk, k, rice=rice))
     np.testing.assert_array_equal(out, decompress(compress({"w": values}, params), params)["w"])
     # At most k nonzeros per chunk, and each within the chunk's largest kept magnitude.
     flat_in, flat_out = values.reshape(-1), out.reshape(-1)
@@ -103,7 +109,7 @@ def test_round_trip_is_the_dequantised_top_k(
 def test_kept_positions_and_sizes() -> None:
     rng = np.random.default_rng(1)
     values = rng.standard_normal(5000).astype(np.float32)
-    params = CodecParams(chunk=1024, k=8)
+    params = CodecParams(chunk=1024, k=8, rice=False)
     data = encode({"x": values}, params)
     parsed_params, sparse = decode_sparse(data)
     assert parsed_params == params
@@ -239,9 +245,9 @@ def test_dense_round_trip() -> None:
 # --- malformed inputs -------------------------------------------------------------------
 
 
-def _sample() -> tuple[bytes, CodecParams]:
+def _sample(*, rice: bool = True) -> tuple[bytes, CodecParams]:
     rng = np.random.default_rng(5)
-    params = CodecParams(chunk=16, k=3)
+    params = CodecParams(chunk=16, k=3, rice=rice)
     tensors = {
         "a": rng.standard_normal(20).astype(np.float32),
         "b": rng.standard_normal((2, 3)).astype(np.float32),
@@ -249,13 +255,15 @@ def _sample() -> tuple[bytes, CodecParams]:
     return encode(tensors, params), params
 
 
-def test_every_truncation_and_trailing_byte_rejected() -> None:
-    data, _ = _sample()
+@pytest.mark.parametrize("rice", [True, False])
+def test_every_truncation_and_trailing_byte_rejected(rice: bool) -> None:
+    data, _ = _sample(rice=rice)
     for cut in range(len(data)):
         with pytest.raises(CodecError):
             decode(data[:cut])
-    with pytest.raises(CodecError, match="header says"):
-        decode(data + b"\x00")
+    for tail in (b"\x00", b"\x01", b"\x00" * 64):
+        with pytest.raises(CodecError, match=r"header says|header allows|position stream"):
+            decode(data + tail)
 
 
 def _with_fixed(data: bytes, **fields: int) -> bytes:
@@ -281,7 +289,7 @@ def _with_fixed(data: bytes, **fields: int) -> bytes:
         ({"k": 17}, "bad k"),
         ({"count": 0xFFFFFFFF}, "count"),
         ({"count": 3}, "truncated|increasing|length"),
-        ({"k": 4}, "header says"),
+        ({"k": 4}, "header (says|allows)|padding|high/low|position stream"),
     ],
 )
 def test_bad_header_rejected(fields: dict[str, object], message: str) -> None:
@@ -327,8 +335,10 @@ def _encoded(
     codes: list[int],
     scales: list[float] | None = None,
     numel: int = 20,
+    *,
+    rice: bool = False,
 ) -> bytes:
-    params = CodecParams(chunk=16, k=3)
+    params = CodecParams(chunk=16, k=3, rice=rice)
     n_chunks = -(-numel // 16)
     scale_array = np.array(scales or [0.5, 1.0] * n_chunks, np.float32).reshape(n_chunks, 2)
     sparse = SparseTensor(
@@ -391,9 +401,16 @@ def test_random_bytes_raise_only_codec_error(data: bytes) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(position=st.integers(0, 10_000), value=st.integers(0, 255), cut=st.integers(0, 3))
-def test_mutated_updates_raise_only_codec_error(position: int, value: int, cut: int) -> None:
-    data, _ = _sample()
+@given(
+    position=st.integers(0, 10_000),
+    value=st.integers(0, 255),
+    cut=st.integers(0, 3),
+    rice=st.booleans(),
+)
+def test_mutated_updates_raise_only_codec_error(
+    position: int, value: int, cut: int, rice: bool
+) -> None:
+    data, _ = _sample(rice=rice)
     position %= len(data)
     mutated = data[:position] + bytes([value]) + data[position + 1 :]
     mutated = mutated[: len(mutated) - cut]
@@ -433,3 +450,113 @@ def test_schema_reference_drops_names_and_shapes_and_checks_them() -> None:
         decode(ref, expected=other)
     with pytest.raises(CodecError, match="another model"):
         decode(ref, expected=dict(list(shapes.items())[:-1]))
+
+
+# --- Rice-coded positions (schemes 3 and 4) --------------------------------------------
+
+
+def _bits_per_kept(data: bytes, params: CodecParams, numel: int) -> float:
+    """Bits per kept value of a one-tensor update, header and scales left out."""
+    header = struct.calcsize("<4sBBBBIIII") + 2 + 1 + 1 + 8
+    chunks = -(-numel // params.chunk)
+    kept = numel // params.chunk * params.k
+    return (len(data) - header - 8 * chunks) * 8 / kept
+
+
+def test_rice_positions_cost_a_third_less_and_decode_the_same() -> None:
+    """Issue 18: 12-bit indices were about 15.3 bits per kept value with codes and scales;
+    the Rice layout is within a bit of the entropy of the kept set and decodes the same."""
+    rng = np.random.default_rng(11)
+    values = rng.standard_normal(16 * 4096).astype(np.float32)
+    rice, fixed = CodecParams(4096, 64), CodecParams(4096, 64, rice=False)
+    a, b = encode({"w": values}, rice), encode({"w": values}, fixed)
+    assert _bits_per_kept(b, fixed, values.size) == 12 + 2
+    entropy = math.log2(math.comb(4096, 64)) / 64  # 7.36 bits per position
+    assert _bits_per_kept(a, rice, values.size) < entropy + 0.5 + 2
+    assert len(a) < 0.75 * len(b)  # scales (64 bits a chunk) are the same in both
+    np.testing.assert_array_equal(decode(a).tensors["w"], decode(b).tensors["w"])
+    assert rice.ratio_vs_fp32() > 1.3 * fixed.ratio_vs_fp32()  # a worst-case bound
+
+
+def test_short_chunks_keep_the_density_of_a_full_one() -> None:
+    """A 64-value norm weight kept 48 of its 64 values at k 48 / chunk 4096 (75% dense);
+    the Rice layout keeps ceil(48 * 64 / 4096) = 1, and 33 of a 2816-value chunk."""
+    rng = np.random.default_rng(12)
+    params = CodecParams(4096, 48)
+    norm = rng.standard_normal(64).astype(np.float32)
+    mlp = rng.standard_normal(4096 + 2816).astype(np.float32)
+    _, sparse = decode_sparse(encode({"norm": norm, "mlp": mlp}, params))
+    assert sparse["norm"].positions.tolist() == [int(np.argmax(np.abs(norm)))]
+    assert sparse["mlp"].positions.size == 48 + 33
+    _, fixed = decode_sparse(encode({"norm": norm}, CodecParams(4096, 48, rice=False)))
+    assert fixed["norm"].positions.size == 48
+
+
+def test_tiny_llama_update_is_146x_smaller_than_dense() -> None:
+    """The issue 18 goal's byte half, on the tiny Llama's shapes at the simulation's
+    default codec (k 80 of 4096), with the names sent by digest as on the wire."""
+    from training.outer import SimConfig
+
+    shapes = {"embed": (260, 64), "lm_head": (260, 64), "norm": (64,)}
+    for layer in range(2):
+        for name, shape in {
+            "q": (64, 64), "k": (32, 64), "v": (32, 64), "o": (64, 64),
+            "gate": (172, 64), "up": (172, 64), "down": (64, 172),
+            "in_norm": (64,), "post_norm": (64,),
+        }.items():  # fmt: skip
+            shapes[f"layers.{layer}.{name}"] = shape
+    assert sum(math.prod(s) for s in shapes.values()) == 124224
+    rng = np.random.default_rng(13)
+    feedback = ErrorFeedback(CodecParams(SimConfig.chunk, SimConfig.k), decay=1.0, schema_ref=True)
+    for _ in range(3):
+        grads = {n: (rng.standard_normal(s) * 1e-3).astype(np.float32) for n, s in shapes.items()}
+        data = feedback.step(grads)
+        assert len(data) * 146 <= 4 * 124224
+        assert decode(data, expected=shapes).params == CodecParams(SimConfig.chunk, SimConfig.k)
+
+
+def _rice_update() -> tuple[bytes, int]:
+    """A crafted Rice update (chunk 16, k 3, 20 values: 3 kept, then 1 of the last 4) and
+    the offset of its unary stream (one byte: gaps 0, 4, 3 and 3 have quotients 0, 1, 0, 0
+    with b = 2, so the stream is 1 01 1 1 = 5 bits)."""
+    sparse = SparseTensor(
+        (20,),
+        np.array([[0.5, 1.0], [0.0, 1.0]], np.float32),
+        np.array([0, 5, 9, 19], np.int64),
+        np.array([2, 2, 1, 2], np.uint8),
+    )
+    data = encode_sparse({"a": sparse}, CodecParams(chunk=16, k=3))
+    return data, len(data) - 1
+
+
+def test_crafted_rice_streams() -> None:
+    data, tail = _rice_update()
+    out = decode(data).tensors["a"]
+    assert out[[0, 5, 9, 19]].tolist() == [1.0, 1.0, -0.5, 1.0]
+    assert data[tail] == 0b11101
+
+    def with_stream(stream: bytes) -> bytes:
+        return data[:tail] + stream
+
+    with pytest.raises(CodecError, match="holds 5 gaps"):
+        decode(with_stream(bytes([0b111101])))  # a one bit in the padding
+    with pytest.raises(CodecError, match="holds 3 gaps"):
+        decode(with_stream(bytes([0b01101])))  # the last gap's terminator dropped
+    # Two full chunks keeping 0, 1, 2 each: 6 one bits; 12 bits would be the most.
+    sparse = SparseTensor(
+        (32,),
+        np.array([[0.5, 1.0], [0.5, 1.0]], np.float32),
+        np.array([0, 1, 2, 16, 17, 18], np.int64),
+        np.array([2, 2, 0, 2, 2, 0], np.uint8),
+    )
+    packed = encode_sparse({"a": sparse}, CodecParams(chunk=16, k=3))
+    assert packed[-1] == 0b111111
+    assert decode(packed).tensors["a"][[0, 18]].tolist() == [1.0, 0.5]
+    with pytest.raises(CodecError, match="padding past its last byte"):
+        decode(packed + b"\x00")
+    # The last chunk has 4 values: a gap of 4 (quotient 1, low bits 0) is past its end.
+    with pytest.raises(CodecError, match="past the end"):
+        decode(with_stream(bytes([0b101101])))
+    # A stream longer than any valid one is refused before it is unpacked.
+    with pytest.raises(CodecError, match="header allows"):
+        decode(with_stream(b"\x00" * 10_000 + bytes([0b11101])))
