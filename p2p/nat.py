@@ -70,6 +70,15 @@ DEFAULT_PUNCH_TIMEOUT = 30.0
 # fetch needs a few providers, not every one; those given first (ticket, command line)
 # come before the DHT's.
 MAX_PUNCHES = 16
+# A node's punches under way or remembered at once (PunchJobs): sixteen per fetch, a few
+# fetches of a collection at once.
+MAX_PUNCH_JOBS = 64
+# A failed punch is not tried again for this long: a NAT that mapped symmetrically a
+# minute ago still does (PunchJobs).
+PUNCH_FAILURE_MEMORY = 60.0
+# Closing a relayed connection sends a yamux GO_AWAY and a Noise frame through the relay:
+# a few RTTs at most; a dead relay must not hold a cancelled punch up.
+CLOSE_TIMEOUT = 5.0
 
 
 class NatUnreachable(Exception):
@@ -329,35 +338,130 @@ async def punch_through(
         out.reason = str(exc)
         return out
     out.peer = target
-    try:
-        if certificate is not None:
-            relay_id = ID.from_base58(relay_addr.rsplit("/p2p/", 1)[1])
-            await node.connect(relay_addr)
-            await present_certificate(host, relay_id, certificate)
-        circuit = await dial_via_relay(host, circuit_addr)
-    except Exception as exc:  # RelayError, PeerUnreachable, ...: one line either way
-        out.reason = str(exc)
+    if direct_connection(host, peer) is not None:
+        out.path, out.direct_s = "direct", 0.0  # already connected directly: nothing to do
         return out
-    out.relay_max_bytes = circuit.max_bytes
-    out.relayed_s = time.monotonic() - t0
-    reason = await upgrade_to_direct(host, peer, punch_timeout=punch_timeout)
-    if reason is None:
-        out.direct_s = time.monotonic() - t0
-        out.path = "direct"
-        await close_relayed(host, peer)
-    else:
-        out.reason = reason
-        if allow_relayed and 0 < circuit.max_bytes < MIN_RELAYED_FETCH_BYTES:
-            out.reason += (
-                f"; its relay cuts circuits at {circuit.max_bytes} bytes (signalling only), "
-                "so it cannot carry the blob: the relay must run with a raised "
-                "--max-circuit-bytes"
-            )
-        elif allow_relayed:
-            out.path = "relayed"
+    try:
+        try:
+            if certificate is not None:
+                relay_id = ID.from_base58(relay_addr.rsplit("/p2p/", 1)[1])
+                await node.connect(relay_addr)
+                await present_certificate(host, relay_id, certificate)
+            circuit = await dial_via_relay(host, circuit_addr)
+        except Exception as exc:  # RelayError, PeerUnreachable, ...: one line either way
+            out.reason = str(exc)
+            return out
+        out.relay_max_bytes = circuit.max_bytes
+        out.relayed_s = time.monotonic() - t0
+        reason = await upgrade_to_direct(host, peer, punch_timeout=punch_timeout)
+        if reason is None:
+            out.direct_s = time.monotonic() - t0
+            out.path = "direct"
+        else:
+            out.reason = reason
+            if allow_relayed and 0 < circuit.max_bytes < MIN_RELAYED_FETCH_BYTES:
+                out.reason += (
+                    f"; its relay cuts circuits at {circuit.max_bytes} bytes (signalling "
+                    "only), so it cannot carry the blob: the relay must run with a raised "
+                    "--max-circuit-bytes"
+                )
+            elif allow_relayed:
+                out.path = "relayed"
+    finally:
+        # Also when cancelled half-way: a relayed connection left open would carry the
+        # next stream to the peer, and with it the blob.
         if out.path != "relayed":
-            await close_relayed(host, peer)
+            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
+                await close_relayed(host, peer)
     return out
+
+
+@dataclass
+class _Job:
+    done: trio.Event = field(default_factory=trio.Event)
+    punch: Punch | None = None
+    ended_at: float = 0.0
+
+
+class PunchJobs:
+    """The punches one node runs, at most one per circuit address at a time.
+
+    Callers of the same address share one try (the CLI dials its named peers, and the
+    fetch dials those that did not answer first again), and each try runs in the node's
+    own nursery, so a caller that gives up (``p2p.dial.dial_named`` returns at the first
+    peer that answers) neither abandons it half-way nor starts it over. A failed try is
+    remembered for ``PUNCH_FAILURE_MEMORY`` seconds: the DHT names the same NATed
+    provider on each lookup of a fetch, and every try costs DCUtR's rounds. Times are
+    ``now`` arguments (trio's clock in the node)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, _Job] = {}
+        self.failures: list[str] = []  # one line per failed punch, oldest first
+
+    def _forget_old(self, now: float) -> None:
+        for addr, job in list(self._jobs.items()):
+            if job.done.is_set() and now - job.ended_at >= PUNCH_FAILURE_MEMORY:
+                del self._jobs[addr]
+        while len(self._jobs) > MAX_PUNCH_JOBS:
+            oldest = min(
+                (a for a, j in self._jobs.items() if j.done.is_set()),
+                key=lambda a: self._jobs[a].ended_at,
+                default=None,
+            )
+            if oldest is None:
+                break
+            del self._jobs[oldest]
+
+    async def punch(
+        self,
+        node: Any,
+        addr: str,
+        nursery: trio.Nursery | None,
+        *,
+        now: float,
+        certificate: bytes | None = None,
+        allow_relayed: bool = False,
+        punch_timeout: float = DEFAULT_PUNCH_TIMEOUT,
+    ) -> Punch:
+        """The outcome of punching to ``addr``: a running or remembered failed try, or a
+        new one (in ``nursery``; in the caller's task when None)."""
+        self._forget_old(now)
+        job = self._jobs.get(addr)
+        if job is not None and job.done.is_set() and job.punch is not None:
+            if job.punch.path == "failed":
+                return job.punch  # remembered
+            del self._jobs[addr]  # it worked: a new call means the connection went
+            job = None
+        if job is None:
+            if len(self._jobs) >= MAX_PUNCH_JOBS:
+                return Punch(addr=addr, reason=f"{MAX_PUNCH_JOBS} hole punches already running")
+            job = self._jobs[addr] = _Job()
+
+            async def run(job: _Job = job) -> None:
+                try:
+                    job.punch = await punch_through(
+                        node,
+                        addr,
+                        certificate=certificate,
+                        allow_relayed=allow_relayed,
+                        punch_timeout=punch_timeout,
+                    )
+                finally:
+                    if job.punch is None:  # cancelled: the node is closing
+                        job.punch = Punch(addr=addr, reason="hole punch cancelled")
+                    elif job.punch.path == "failed" and job.punch.reason not in self.failures:
+                        self.failures.append(job.punch.reason)
+                        del self.failures[:-MAX_PUNCH_JOBS]
+                    job.ended_at = trio.current_time()
+                    job.done.set()
+
+            if nursery is None:
+                await run()
+            else:
+                nursery.start_soon(run)
+        await job.done.wait()
+        assert job.punch is not None
+        return job.punch
 
 
 async def natted_providers(node: Any, blob_id: str) -> list[str]:

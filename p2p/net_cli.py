@@ -11,12 +11,14 @@ raised inside some task, and the command exits 130 with one line.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
 import resource
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -29,16 +31,29 @@ from blobstore.store import check_tag_name
 from p2p.errors import BadAddress
 from p2p.export import check_output
 from p2p.interfaces import dialable_addrs
+from p2p.nat_cli import (
+    NAT_DEFAULT_LISTEN,
+    behind_nat,
+    check_relays,
+    get_nat_options,
+    load_certificate,
+    nat_warning,
+    ready_fields,
+    serve_nat_options,
+)
 from p2p.ticket import MAX_TICKET_ADDRS, Ticket, validate_peer_addr
 
 if TYPE_CHECKING:
     from identity import MachineKey
     from p2p.downloader import Progress
+    from p2p.nat import Reachable
     from p2p.node import Node
 
 # libp2p takes seconds to import, so p2p.node is imported inside the commands that run a
 # node: `blob put` and friends stay fast.
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+# --seed-for's ceiling: a day; a longer-lived seeder is `blob serve`.
+MAX_SEED_SECONDS = 86400.0
 
 T = TypeVar("T")
 
@@ -163,7 +178,35 @@ def _check_peer_addrs(addrs: Sequence[str], option: str) -> None:
 
 
 def _ready_addrs(node: Node) -> list[str]:
-    return dialable_addrs(node.addrs)
+    """What a ready line and a ticket name: the circuit addresses of a node behind NAT
+    (nothing else can be dialled from outside), else its own dialable addresses."""
+    return list(node.advertised) if node.advertised else dialable_addrs(node.addrs)
+
+
+def _fetch_listen(listen: Sequence[str], addrs: Sequence[str]) -> tuple[str, ...]:
+    """``blob get``'s listen address: as given; else loopback when every peer the
+    command names is on this machine, else every interface on a random port (fellow
+    fetchers on other machines fetch from it, and hole punching dials from it)."""
+    if listen:
+        return tuple(listen)
+    for addr in addrs:
+        try:
+            ip = _first_ip(addr)
+        except ValueError:
+            return NAT_DEFAULT_LISTEN
+        if ip is None or not ipaddress.ip_address(ip).is_loopback:
+            return NAT_DEFAULT_LISTEN
+    return DEFAULT_LISTEN
+
+
+def _first_ip(addr: str) -> str | None:
+    """The first /ip4/ or /ip6/ component of ``addr`` (None: a DNS name or none)."""
+    parts = addr.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("ip4", "ip6"):
+            ipaddress.ip_address(parts[i + 1])  # ValueError if malformed
+            return parts[i + 1]
+    return None
 
 
 def _node_config(listen: Sequence[str], bootstrap: Sequence[str], dht: bool, **extra: Any) -> Any:
@@ -174,14 +217,42 @@ def _node_config(listen: Sequence[str], bootstrap: Sequence[str], dht: bool, **e
     )
 
 
+class NatSetup:
+    """A serving command's NAT options, checked (``--relay``, ``--certificate``,
+    ``--assume-private``)."""
+
+    def __init__(
+        self, relays: Sequence[str], certificate_path: Path | None, assume_private: bool
+    ) -> None:
+        check_relays(relays)
+        self.relays = tuple(relays)
+        self.certificate = load_certificate(certificate_path)
+        self.assume_private = assume_private
+
+    def listen(self, listen: Sequence[str]) -> tuple[str, ...]:
+        """Behind NAT a node listens where its NAT maps it, unless told otherwise."""
+        return tuple(listen) or (NAT_DEFAULT_LISTEN if self.relays else DEFAULT_LISTEN)
+
+
 async def _serve_until_signal(
-    store: Store, key: MachineKey, config: Any, on_ready: Callable[[Node], None]
+    store: Store,
+    key: MachineKey,
+    config: Any,
+    on_ready: Callable[[Node, Reachable | None], None],
+    nat: NatSetup,
 ) -> None:
-    """Run a node until cancelled (``run_interruptible`` cancels it on SIGINT/SIGTERM)."""
+    """Run a node until cancelled (``run_interruptible`` cancels it on SIGINT/SIGTERM),
+    reachable through ``nat``'s relays when it is behind NAT."""
     from p2p.node import open_node
 
-    async with open_node(store, key=key, config=config) as node:
-        on_ready(node)
+    async with (
+        open_node(store, key=key, config=config) as node,
+        behind_nat(node, nat.relays, nat.certificate, nat.assume_private) as reach,
+    ):
+        warning = nat_warning(reach)
+        if warning is not None:
+            click.echo(warning, err=True)
+        on_ready(node, reach)
         sys.stdout.flush()
         await trio.sleep_forever()
 
@@ -198,10 +269,14 @@ def _serve_checks(ctx: click.Context, bootstrap: Sequence[str]) -> tuple[Store, 
 
 
 def _run_server(
-    store: Store, key: MachineKey, config: Any, on_ready: Callable[[Node], None]
+    store: Store,
+    key: MachineKey,
+    config: Any,
+    on_ready: Callable[[Node, Reachable | None], None],
+    nat: NatSetup,
 ) -> None:
     try:
-        run_interruptible(lambda: _serve_until_signal(store, key, config, on_ready))
+        run_interruptible(lambda: _serve_until_signal(store, key, config, on_ready, nat))
     except Interrupted as exc:
         click.echo(f"stopping on {exc.signal_name}", err=True)  # a server's normal end: exit 0
 
@@ -215,6 +290,7 @@ def _run_server(
     is_flag=True,
     help="Hash every chunk again before sending it (guards against this disk's bit rot).",
 )
+@serve_nat_options
 @click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
 @verbose_option
 @click.pass_context
@@ -224,6 +300,9 @@ def serve(
     bootstrap: Sequence[str],
     no_dht: bool,
     verify_reads: bool,
+    relays: Sequence[str],
+    certificate_path: Path | None,
+    assume_private: bool,
     as_json: bool,
     verbose: int,
 ) -> None:
@@ -231,19 +310,22 @@ def serve(
 
     Prints one ready line (peer ID and dialable addresses) once the node accepts peers; a
     wildcard listen address (/ip4/0.0.0.0/...) is shown as each interface's address.
+    With --relay, a node that the relay cannot dial back (behind NAT) reserves a slot
+    there and its ready line names its circuit address instead.
     """
     _setup_logging(verbose)
+    nat = NatSetup(relays, certificate_path, assume_private)
     store, key = _serve_checks(ctx, bootstrap)
-    config = _node_config(listen, bootstrap, not no_dht, verify_reads=verify_reads)
+    config = _node_config(nat.listen(listen), bootstrap, not no_dht, verify_reads=verify_reads)
 
-    def ready(node: Node) -> None:
+    def ready(node: Node, reach: Reachable | None) -> None:
         addrs = _ready_addrs(node)
         if as_json:
-            click.echo(json.dumps({"peer_id": node.peer_id, "addrs": addrs}))
+            click.echo(json.dumps({"peer_id": node.peer_id, "addrs": addrs, **ready_fields(reach)}))
         else:
             click.echo(f"ready {node.peer_id} " + " ".join(addrs))
 
-    _run_server(store, key, config, ready)
+    _run_server(store, key, config, ready, nat)
 
 
 @click.command()
@@ -252,6 +334,7 @@ def serve(
 @listen_option
 @bootstrap_option
 @click.option("--no-dht", is_flag=True, help="Do not run the Kademlia DHT.")
+@serve_nat_options
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the ticket line as JSON (id, ticket, addrs)."
 )
@@ -264,6 +347,9 @@ def share(
     listen: Sequence[str],
     bootstrap: Sequence[str],
     no_dht: bool,
+    relays: Sequence[str],
+    certificate_path: Path | None,
+    assume_private: bool,
     as_json: bool,
     verbose: int,
 ) -> None:
@@ -276,6 +362,7 @@ def share(
     _setup_logging(verbose)
     if tag_name is not None:
         check_tag_name(tag_name)
+    nat = NatSetup(relays, certificate_path, assume_private)
     store, key = _serve_checks(ctx, bootstrap)
     is_dir = path.is_dir()
     size = path.stat().st_size if not is_dir else 0
@@ -283,9 +370,9 @@ def share(
         blob_id = store.put_dir(path) if is_dir else store.put_path(path, progress=progress)
     if tag_name is not None:
         store.tag(tag_name, blob_id)
-    config = _node_config(listen, bootstrap, not no_dht)
+    config = _node_config(nat.listen(listen), bootstrap, not no_dht)
 
-    def ready(node: Node) -> None:
+    def ready(node: Node, reach: Reachable | None) -> None:
         addrs = _ready_addrs(node)
         ticket = Ticket(blob_id, tuple(addrs[:MAX_TICKET_ADDRS])).encode()
         if as_json:
@@ -303,7 +390,7 @@ def share(
             err=True,
         )
 
-    _run_server(store, key, config, ready)
+    _run_server(store, key, config, ready, nat)
 
 
 class ProgressBar:
@@ -421,6 +508,15 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
     help="Serve nothing while fetching (by default fellow fetchers of the blob may fetch "
     "what has arrived, so a checkpoint crosses its seeder's uplink about once).",
 )
+@click.option(
+    "--seed-for",
+    type=click.FloatRange(min=0, max=MAX_SEED_SECONDS),
+    default=None,
+    metavar="SECONDS",
+    help="Once fetched (and written to -o), keep serving it to fellow fetchers this long; "
+    "Ctrl-C ends that early (exit 0).",
+)
+@get_nat_options
 @json_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @verbose_option
@@ -439,6 +535,9 @@ def get(
     link: bool,
     discovery_timeout: float,
     no_upload: bool,
+    seed_for: float | None,
+    via_relay: bool,
+    certificate_path: Path | None,
     as_json: bool,
     no_progress: bool,
     verbose: int,
@@ -447,12 +546,20 @@ def get(
     there, else from the network (named peers, a ticket's peers, the DHT through
     --bootstrap peers).
 
-    With -o the blob (or a collection's directory) is written to PATH.
+    With -o the blob (or a collection's directory) is written to PATH. Providers behind
+    NAT (circuit addresses) are reached through their relay and hole-punched; the blob
+    crosses the direct connection, or, with --via-relay, the relay when the punch fails.
     """
     _setup_logging(verbose)
+    started_at = time.time()
     # Everything checkable without the network, first.
     if tag_name is not None:
         check_tag_name(tag_name)
+    if seed_for is not None and (no_upload or tensors):
+        raise click.UsageError(
+            "--seed-for serves what was fetched: not with --no-upload or --tensor"
+        )
+    certificate = load_certificate(certificate_path)
     if tensors and (include or link):
         raise click.UsageError("--tensor takes a single safetensors blob: no --include or --link")
     if link and output is None:
@@ -488,6 +595,30 @@ def get(
     # however long the fetch and the export take.
     with store.lease([blob_id]):
         fetched = False
+
+        def finish(stats: dict[str, Any], fetched: bool) -> None:
+            """Tag, write -o and print the result line."""
+            if tag_name is not None:
+                store.tag(tag_name, blob_id)
+            if output is not None:
+                # What was just fetched was verified chunk by chunk on arrival: no second
+                # hash.
+                _write_output(
+                    store,
+                    blob_id,
+                    output,
+                    include,
+                    link,
+                    show_progress=not as_json,
+                    verify=not fetched,
+                )
+            if as_json:
+                where = str(output) if output else None
+                click.echo(json.dumps({"id": blob_id, "path": where, "tag": tag_name, **stats}))
+            else:
+                click.echo(f"{blob_id}  {output if output else store.path(blob_id)}")
+            sys.stdout.flush()
+
         if (peers or ticket_addrs) and store.has(blob_id) and store.verify(blob_id):
             # Sources were named, so a rotten local copy is repaired from them instead of
             # being exported (verify has quarantined it; only its bad chunks travel).
@@ -510,39 +641,39 @@ def get(
 
             check_not_self([*named, *bootstrap], key.peer_id, key_path)
             config = _node_config(
-                listen,
+                _fetch_listen(listen, [*named, *bootstrap]),
                 bootstrap,
                 use_dht,
                 discovery_timeout=discovery_timeout,
                 upload=not no_upload,
+                relayed_fetch=via_relay,
+                certificate=certificate,
             )
             bar = ProgressBar(enabled=not no_progress and not as_json and sys.stderr.isatty())
+            seed = None if seed_for is None else Seeding(seed_for, bar, finish)
             try:
-                stats = _fetch(store, key, config, blob_id, named, include, bar, verbose)
+                stats = _fetch(
+                    store, key, config, blob_id, named, include, bar, verbose, started_at, seed
+                )
                 fetched = True
+            except Interrupted as exc:
+                if seed is None or not seed.started:
+                    raise
+                # The get itself succeeded (its result line is out): ending the seeding is
+                # a server's normal end.
+                click.echo(f"stopping on {exc.signal_name}", err=True)
+                return
             finally:
                 bar.close()
-        if tag_name is not None:
-            store.tag(tag_name, blob_id)
-        if output is not None:
-            # What was just fetched was verified chunk by chunk on arrival: no second hash.
-            _write_output(
-                store,
-                blob_id,
-                output,
-                include,
-                link,
-                show_progress=not as_json,
-                verify=not fetched,
+            if seed is not None:
+                return  # finished inside, before seeding
+        elif seed_for is not None:
+            click.echo(
+                f"blob: note: {blob_id[:12]} was already here; nothing fetched, so nothing "
+                "to seed (blob serve serves it)",
+                err=True,
             )
-    if as_json:
-        click.echo(
-            json.dumps(
-                {"id": blob_id, "path": str(output) if output else None, "tag": tag_name, **stats}
-            )
-        )
-    else:
-        click.echo(f"{blob_id}  {output if output else store.path(blob_id)}")
+        finish(stats, fetched)
 
 
 def _get_tensors(
@@ -646,6 +777,32 @@ def _save_arrays(output: Path, arrays: dict[str, Any]) -> None:
         raise StoreError(f"cannot write {output}: {exc.strerror or exc}") from None
 
 
+class Seeding:
+    """``get --seed-for``: once fetched, ``finish`` (tag, -o, result line) runs inside
+    the node, which then serves fellow fetchers for ``seconds``."""
+
+    def __init__(
+        self,
+        seconds: float,
+        bar: ProgressBar,
+        finish: Callable[[dict[str, Any], bool], None],
+    ) -> None:
+        self.seconds = seconds
+        self.bar = bar
+        self.finish = finish
+        self.started = False
+
+    async def run(self, node: Node, blob_id: str, stats: dict[str, Any]) -> None:
+        self.bar.close()
+        await trio.to_thread.run_sync(self.finish, stats, True)
+        self.started = True
+        click.echo(
+            f"seeding {blob_id[:12]} for {self.seconds:g} s as {node.peer_id} (Ctrl-C stops)",
+            err=True,
+        )
+        await trio.sleep(self.seconds)
+
+
 def _fetch(
     store: Store,
     key: MachineKey,
@@ -655,37 +812,74 @@ def _fetch(
     include: Sequence[str],
     bar: ProgressBar,
     verbose: int,
+    started_at: float | None = None,
+    seed: Seeding | None = None,
 ) -> dict[str, Any]:
     """Dial the named peers, then fetch ``blob_id`` (and the wanted files of a
-    collection); the fetch's figures for ``--json``."""
+    collection); the fetch's figures for ``--json``. A failed hole punch is one note on
+    stderr (the fetch goes on with other providers) and part of the error when no
+    provider is left. With ``seed``, it finishes and seeds inside the node."""
     from p2p.dial import dial_named, unreachable_error
+    from p2p.errors import P2PError
     from p2p.node import open_node
 
     final: list[Progress] = []
     # This process's CPU seconds (all threads) from the fetch's start to its end, for
     # benchmarks: start-up and imports excluded.
     cpu_marks: list[float] = []
+    first_byte_at: list[float] = []
+    said: set[str] = set()
 
     def on_progress(progress: Progress) -> None:
         bar(progress)
+        if not first_byte_at and sum(progress.new_bytes.values()) > 0:
+            first_byte_at.append(time.time())
         if progress.finished:
             cpu_marks.append(_own_cpu_s())
             final.append(progress)
 
+    def note_punches(node: Node) -> None:
+        for reason in node.punches.failures:
+            if reason not in said:
+                said.add(reason)
+                click.echo(f"blob: note: {reason}; fetching from other providers", err=True)
+
     async def main() -> None:
         async with open_node(store, key=key, config=config) as node:
-            # The first named peer to answer starts the fetch; if none can, say why.
-            dialled = await dial_named(node, named)
-            if dialled.failures and not dialled.reached and not config.dht:
-                raise unreachable_error(dialled.failures)
-            if dialled.failures and verbose:
-                for line in dialled.failures:
-                    click.echo(f"blob: note: cannot reach {line}", err=True)
-            cpu_marks.append(_own_cpu_s())
-            # A one-shot fetcher does not announce: it is gone once the blob is here.
-            await _fetch_wanted(node, blob_id, dialled.usable, include, on_progress)
+            try:
+                # The first named peer to answer starts the fetch; if none can, say why.
+                dialled = await dial_named(node, named)
+                if dialled.failures and not dialled.reached and not config.dht:
+                    raise unreachable_error(dialled.failures)
+                if dialled.failures and verbose:
+                    for line in dialled.failures:
+                        click.echo(f"blob: note: cannot reach {line}", err=True)
+                note_punches(node)
+                cpu_marks.append(_own_cpu_s())
+                # A one-shot fetcher does not announce: it is gone once the blob is here.
+                await _fetch_wanted(node, blob_id, dialled.usable, include, on_progress)
+            except P2PError as exc:
+                punches = [r for r in node.punches.failures if r not in str(exc)]
+                if not punches:
+                    raise
+                # Why the NATed providers were no use is the part the user needs.
+                raise type(exc)(f"{exc}; " + "; ".join(punches)) from None
+            note_punches(node)
+            if seed is not None:
+                await seed.run(
+                    node, blob_id, _fetch_stats(final, cpu_marks, first_byte_at, started_at)
+                )
 
     run_interruptible(main)
+    return _fetch_stats(final, cpu_marks, first_byte_at, started_at)
+
+
+def _fetch_stats(
+    final: list[Progress],
+    cpu_marks: list[float],
+    first_byte_at: list[float],
+    started_at: float | None,
+) -> dict[str, Any]:
     stats: dict[str, Any] = {"source": "network"}
     if final:
         stats["rate_bytes_per_s"] = final[-1].rate_bytes_per_s
@@ -696,6 +890,11 @@ def _fetch(
             peer: {"bytes": final[-1].new_bytes.get(peer, 0), "banned": s.banned}
             for peer, s in final[-1].peers.items()
         }
+    if first_byte_at:
+        # Wall clock, so a caller can count from its own start of this process too.
+        stats["first_byte_at"] = first_byte_at[0]
+        if started_at is not None:
+            stats["first_byte_s"] = round(first_byte_at[0] - started_at, 3)
     return stats
 
 

@@ -127,6 +127,11 @@ SWARM_UNMEASURED_BATCH_BYTES = 2 * 1024 * 1024
 # dial or question is in flight and nobody named a fellow: otherwise its open channel keeps
 # the provider search waiting out --discovery-timeout when every named peer said not_found.
 PEX_QUIET_GRACE = 3.0
+# NATed providers found on the DHT that one fetch punches to (each costs a relay dial and
+# DCUtR's rounds; p2p.nat.MAX_PUNCHES is the same cap for named ones), and relays tried
+# per provider (its circuit addresses name one per relay).
+MAX_DHT_PUNCHES = 16
+MAX_RELAYS_PER_PROVIDER = 4
 # How long a dialled peer may take to finish the Noise and yamux handshakes once TCP is
 # up: they take about five round trips, 1 s at 200 ms, so 5 s is generous; a peer that
 # accepts TCP and never answers (issue 16) then costs 5 s per try, not py-libp2p's 10.
@@ -191,6 +196,14 @@ class NodeConfig:
     # Ask a fetch's providers which other peers fetch the same blob and fetch from them
     # too (p2p.swarm; issue 21).
     peer_exchange: bool = True
+    # Behind NAT (p2p.nat, issue 20): when hole punching to a provider reached through a
+    # relay fails, fetch through the relay (only a relay with raised circuit limits lets
+    # a blob through); by default such a provider is left out, with its one-line reason.
+    relayed_fetch: bool = False
+    # The admission certificate shown to relays before a CONNECT (relays serve admitted
+    # peers only unless run with --open-circuits).
+    certificate: bytes | None = None
+    punch_timeout: float = 30.0  # p2p.nat.DEFAULT_PUNCH_TIMEOUT
 
 
 class Node:
@@ -218,6 +231,20 @@ class Node:
         self._lanes: dict[str, list[Any]] = {}
         self._striping = _choose_connections(host.get_network())
         self._dialled: dict[str, Multiaddr] = {}
+        # Behind NAT: the circuit addresses this node hands out once it holds
+        # reservations (``set_advertised``; None: its own listen addresses).
+        self.advertised: list[str] | None = None
+        from p2p.nat import PunchJobs
+
+        self.punches = PunchJobs()
+        # Peers reached by hole punching or through a relay: no second connection can be
+        # dialled to them (their NAT drops unasked SYNs), so fetches do not stripe them.
+        self._unstripeable: set[str] = set()
+        # The node's own nursery (open_node), for punches and NAT services that outlive
+        # the call that started them; None for a Node built by hand.
+        self._background: trio.Nursery | None = None
+        self._nat_up: trio.Event | None = None
+        self._reprovide_now = trio.Event()
 
     # --- pubsub ----------------------------------------------------------------------
     async def subscribe(self, topic: str) -> Any:
@@ -250,12 +277,27 @@ class Node:
         return dialable_addrs(out)
 
     def ticket(self, blob_id: str) -> str:
-        return Ticket(blob_id, tuple(self.addrs[:MAX_TICKET_ADDRS])).encode()
+        """A ticket naming this node: its circuit addresses when it is behind NAT (the
+        others cannot be dialled from outside, and the ticket stays short)."""
+        addrs = self.advertised or self.addrs
+        return Ticket(blob_id, tuple(addrs[:MAX_TICKET_ADDRS])).encode()
+
+    def set_advertised(self, addrs: Sequence[str] | None) -> None:
+        """Hand out ``addrs`` (circuit addresses learned from reservations) in tickets,
+        and provide every blob on the DHT again now, so provider records name them
+        (``p2p.nat.advertise`` already put them in ``host.get_addrs()``)."""
+        self.advertised = list(addrs) if addrs else None
+        self._reprovide_now.set()
 
     # --- connections -----------------------------------------------------------------
     async def connect(self, addr: str) -> str:
-        """Dial a peer by ``/ip4/.../tcp/.../p2p/<id>``; return its peer ID."""
+        """Dial a peer by ``/ip4/.../tcp/.../p2p/<id>``; return its peer ID. A circuit
+        address (``.../p2p/<relay>/p2p-circuit/p2p/<id>``) is reached through its relay
+        and hole-punched (``p2p.nat.punch_through``); PeerUnreachable with the one-line
+        reason when no direct connection came of it (unless ``relayed_fetch``)."""
         maddr = validate_peer_addr(addr, error=BadAddress)
+        if "/p2p-circuit" in addr:
+            return await self._connect_circuit(addr)
         info = info_from_p2p_addr(maddr)
         try:
             with trio.fail_after(DIAL_TIMEOUT):
@@ -272,6 +314,48 @@ class Node:
             except Exception as exc:  # a DHT-less peer is still a blob peer
                 log.debug("DHT add_peer %s failed: %r", info.peer_id, exc)
         return str(info.peer_id)
+
+    async def _connect_circuit(self, addr: str) -> str:
+        from p2p.relay import parse_circuit_addr
+
+        try:
+            parse_circuit_addr(addr)
+        except ValueError as exc:
+            raise BadAddress(str(exc)) from None
+        await self._nat_services_up()
+        punch = await self.punches.punch(
+            self,
+            addr,
+            self._background,
+            now=trio.current_time(),
+            certificate=self.config.certificate,
+            allow_relayed=self.config.relayed_fetch,
+            punch_timeout=self.config.punch_timeout,
+        )
+        if punch.path == "failed":
+            raise PeerUnreachable(punch.reason)
+        self._unstripeable.add(punch.peer)
+        return punch.peer
+
+    async def _nat_services_up(self) -> None:
+        """DCUtR (and relay v2's stop side) running on the host for as long as the node
+        runs, started on first need; ``p2p.nat.reachable`` may have started them."""
+        if getattr(self.host, "_dcutr_protocol", None) is not None or self._background is None:
+            return  # running, or no nursery to hold them: punch_through brings its own
+        if self._nat_up is None:
+            self._nat_up = trio.Event()
+            self._background.start_soon(self._hold_nat_services, self._nat_up)
+        await self._nat_up.wait()
+
+    async def _hold_nat_services(self, up: trio.Event) -> None:
+        from p2p.relay import nat_services
+
+        try:
+            async with nat_services(self.host):
+                up.set()
+                await trio.sleep_forever()
+        finally:
+            up.set()
 
     def connected_peers(self) -> list[str]:
         return [str(p) for p in self.host.get_connected_peers()]
@@ -362,6 +446,8 @@ class Node:
         if none could be opened or the peer already has its share."""
         if not self._striping or self.connection_count(peer) >= MAX_CONNECTIONS_PER_PROVIDER:
             return False
+        if peer in self._unstripeable:
+            return False
         peer_id = ID.from_base58(peer)
         addr = self._dialled.get(peer) or _first_tcp_addr(self.host, peer_id)
         if addr is None:
@@ -434,6 +520,9 @@ class Node:
         within ``NEW_BLOB_POLL`` seconds."""
         provided: dict[str, float] = {}
         while True:
+            if self._reprovide_now.is_set():  # our addresses changed (set_advertised)
+                self._reprovide_now = trio.Event()
+                provided.clear()
             now = trio.current_time()
             ids = await trio.to_thread.run_sync(self._complete_ids)
             for blob_id in ids:
@@ -441,7 +530,8 @@ class Node:
                 if last is None or now - last >= self.config.reprovide_interval:
                     provided[blob_id] = now
                     await self.provide(blob_id)
-            await trio.sleep(NEW_BLOB_POLL)
+            with trio.move_on_after(NEW_BLOB_POLL):
+                await self._reprovide_now.wait()
 
     def _complete_ids(self) -> list[str]:
         return [blob_id for blob_id in self.store.blob_ids() if self.store.has(blob_id)]
@@ -694,14 +784,49 @@ class Node:
             if self.dht is None:
                 return
             pause = 0.25
-            with trio.move_on_after(self.config.discovery_timeout):
-                while True:
-                    for peer in await self.find_providers(blob_id):
-                        if peer not in seen:
+            punched = 0
+            async with trio.open_nursery() as punching:
+                with trio.move_on_after(self.config.discovery_timeout):
+                    while True:
+                        for peer in await self.find_providers(blob_id):
+                            if peer in seen:
+                                continue
                             seen.add(peer)
-                            await send.send(peer)
-                    await trio.sleep(pause)
-                    pause = min(pause * 2, 4.0)
+                            circuits = self._circuit_addrs(peer)
+                            if not circuits:
+                                await send.send(peer)
+                            elif punched < MAX_DHT_PUNCHES:
+                                punched += 1
+                                punching.start_soon(self._punch_into, circuits, send.clone())
+                        await trio.sleep(pause)
+                        pause = min(pause * 2, 4.0)
+
+    def _circuit_addrs(self, peer: str) -> list[str]:
+        """Circuit addresses a provider (found on the DHT) is known by, if we are not
+        connected to it: a NATed provider is reachable only through them."""
+        if peer in self.connected_peers():
+            return []
+        try:
+            addrs = [str(a) for a in self.host.get_peerstore().addrs(ID.from_base58(peer))]
+        except Exception:  # no addresses known
+            return []
+        return [a for a in addrs if "/p2p-circuit" in a and a.endswith(f"/p2p/{peer}")]
+
+    async def _punch_into(self, circuits: list[str], send: trio.MemorySendChannel[str]) -> None:
+        """Reach a NATed provider through the first of its relays that works and hand it
+        to the download; a failure is in ``self.punches.failures``."""
+        async with send:
+            for addr in circuits[:MAX_RELAYS_PER_PROVIDER]:
+                try:
+                    peer = await self.connect(addr)
+                except (PeerUnreachable, BadAddress) as exc:
+                    log.info("%s", exc)
+                    continue
+                try:
+                    await send.send(peer)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # the download is over
+                return
 
     # --- names (p2p/names.py, p2p/NAMES.md) ----------------------------------------------
     async def publish_name(self, name: str, blob_id: str, **options: Any) -> NameRecord:
@@ -796,6 +921,7 @@ async def open_node(
             if floodsub is not None:
                 await floodsub.wait_until_ready()
             node = Node(store, host, server, kad, config, floodsub)
+            node._background = nursery
             from p2p import names, peer_memory
 
             # Liars banned by earlier processes on this store start distrusted here too.

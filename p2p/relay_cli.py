@@ -1,6 +1,7 @@
-"""``blob relay``: run a circuit relay v2 for admitted peers (issue 20), and the options
-that ``blob serve`` and ``blob get`` take to work behind NAT (:func:`serve_nat_options`,
-:func:`get_nat_options`, :func:`load_certificate`; the CLI's owner wires them in).
+"""``blob relay``: run a circuit relay v2 for admitted peers (issue 20). The options that
+``blob serve`` and ``blob get`` take to work behind NAT live in :mod:`p2p.nat_cli`
+(re-exported here: :func:`serve_nat_options`, :func:`get_nat_options`,
+:func:`load_certificate`).
 
 A relay is a blobnet node with a public address. It reserves slots only for peers that
 show an admission certificate from a trusted authority (``--authority``), answers their
@@ -12,16 +13,14 @@ that users may fetch whole blobs through (``blob get --via-relay``).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import click
 import trio
 
-from identity import MAX_CERTIFICATE_SIZE
 from identity.cli import load_trust, trust_options
-from identity.errors import NotFound
+from p2p.nat_cli import get_nat_options, load_certificate, serve_nat_options
 from p2p.net_cli import (
     DEFAULT_LISTEN,
     Interrupted,
@@ -34,6 +33,8 @@ from p2p.net_cli import (
     run_interruptible,
     verbose_option,
 )
+
+__all__ = ["get_nat_options", "load_certificate", "relay", "serve_nat_options"]
 
 # p2p.relay imports libp2p (seconds): it is imported inside the command, so `blob put`
 # stays fast. The option defaults are its constants, resolved there; their help states
@@ -145,62 +146,3 @@ def relay(
         run_interruptible(run)
     except Interrupted as exc:
         click.echo(f"stopping on {exc.signal_name}", err=True)  # a server's normal end
-
-
-def load_certificate(path: Path | None) -> bytes | None:
-    """The admission certificate file a node shows relays (None: none given)."""
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CERTIFICATE_SIZE + 1)
-    except FileNotFoundError:
-        raise NotFound(f"no certificate file at {path}") from None
-    except OSError as exc:
-        raise click.FileError(str(path), hint=exc.strerror or str(exc)) from None
-    if len(data) > MAX_CERTIFICATE_SIZE:
-        raise click.BadParameter(
-            f"{path} is larger than a certificate ({MAX_CERTIFICATE_SIZE} bytes)",
-            param_hint="--certificate",
-        )
-    return data
-
-
-def _certificate_option(command: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option(
-        "--certificate",
-        "certificate_path",
-        type=click.Path(path_type=Path, dir_okay=False),
-        default=None,
-        help="This machine's admission certificate (blob admit), shown to relays.",
-    )(command)
-
-
-def serve_nat_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--relay`` (repeatable), ``--certificate``, ``--assume-private`` for
-    ``blob serve``; run the node inside ``p2p.nat.reachable(node.host, relays, ...)``."""
-    command = click.option(
-        "--assume-private",
-        is_flag=True,
-        help="Reserve on the relays even if a relay can dial this node back.",
-    )(command)
-    command = _certificate_option(command)
-    return click.option(
-        "--relay",
-        "relays",
-        multiple=True,
-        metavar="MADDR",
-        help="Relay to reserve on when this node is not publicly reachable (repeatable).",
-    )(command)
-
-
-def get_nat_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--via-relay`` and ``--certificate`` for ``blob get``; fetch with
-    ``p2p.nat.fetch_with_nat`` when a provider address is a circuit one."""
-    command = _certificate_option(command)
-    return click.option(
-        "--via-relay",
-        is_flag=True,
-        help="When hole punching to a NATed provider fails, fetch through its relay "
-        "(only a relay run with raised --max-circuit-bytes lets a blob through).",
-    )(command)

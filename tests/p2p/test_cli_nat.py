@@ -1,0 +1,116 @@
+"""``blob serve --relay`` and ``blob get`` of a ticket that names only a circuit address,
+as real processes over 127.0.0.1 (issue 20's CLI; the NAT testbed has the real NATs, see
+tests/wan/test_nat_cli_fetch.py).
+
+A provider told to act as if private (``--assume-private``) reserves on an admitting
+relay and hands out only its circuit address: its ready line, its ticket. A fetcher given
+that ticket reaches it through the relay and upgrades (on loopback DCUtR's first direct
+dial wins); the relay cuts circuits at 64 KiB, so a 3 MiB blob that arrives whole did not
+cross it. The mistakes a user can make with the new options are one-line usage errors."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from identity import Authority, MachineKey
+from identity.keyfile import create_key_file
+from identity.signer import SoftwareSigner
+from p2p.ticket import Ticket
+
+from .conftest import LISTEN, Cluster, NodeProcess, blob_cmd, random_file, run_blob
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+SIZE = 3 * 1024 * 1024
+RELAY_CIRCUIT_BYTES = 64 * 1024  # far less than the blob
+PEER = "12D3KooWGxP5jFCb1ZfeytT77zTWxzNbaBDCWUzozFeUwnRSbsES"
+
+
+def _certificate(authority: Authority, key: MachineKey, path: Path) -> Path:
+    now = int(time.time())
+    cert = authority.admit(
+        key.peer_id,
+        operator="op",
+        kernel_class="cpu",
+        not_before=now - 60,
+        not_after=now + 3600,
+        serial=now,
+    )
+    path.write_bytes(cert.encode())
+    return path
+
+
+def _relay(cluster: Cluster, authority: Authority) -> NodeProcess:
+    (cluster.root / "relay").mkdir(parents=True, exist_ok=True)
+    cmd = blob_cmd(
+        cluster.store("relay"), cluster.key("relay"), "relay", "--json", "--no-dht",
+        "--listen", LISTEN, "--authority", authority.public_key_bytes.hex(),
+        "--max-circuit-bytes", str(RELAY_CIRCUIT_BYTES),
+    )  # fmt: skip
+    node = NodeProcess(cmd, "relay", cluster.root / "relay" / "relay.log")
+    cluster.nodes.append(node)
+    return node
+
+
+def test_a_private_provider_hands_out_its_circuit_and_a_ticket_to_it_fetches_directly(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    authority = Authority(SoftwareSigner(MachineKey.generate()))
+    relay = _relay(cluster, authority)
+    keys = {}
+    for name in ("prov", "fetch"):
+        (tmp_path / name).mkdir()
+        keys[name] = create_key_file(cluster.key(name))
+    blob_id = cluster.put("prov", random_file(tmp_path / "blob.bin", SIZE))
+    prov_cert = _certificate(authority, keys["prov"], tmp_path / "prov.cert")
+    prov = cluster.serve(
+        "prov", "--relay", relay.addr, "--certificate", str(prov_cert), "--assume-private"
+    )
+    circuit = f"{relay.addr}/p2p-circuit/p2p/{prov.peer_id}"
+    assert prov.addrs == [circuit]  # the ready line names only the circuit
+
+    ticket = run_blob(
+        cluster.store("prov"), cluster.key("prov"), "ticket", blob_id, "--addr", circuit
+    ).stdout.strip()
+    assert Ticket.decode(ticket).addrs == (circuit,)
+    fetch_cert = _certificate(authority, keys["fetch"], tmp_path / "fetch.cert")
+    out = tmp_path / "out.bin"
+    result = cluster.get("fetch", ticket, "--certificate", str(fetch_cert), "-o", str(out))
+    assert result["id"] == blob_id
+    assert out.read_bytes() == (tmp_path / "blob.bin").read_bytes()
+    assert result["peers"][prov.peer_id]["bytes"] == SIZE  # all of it from prov
+    assert 0 < result["first_byte_s"] < result["first_byte_s"] + result["seconds"]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["serve", "--relay", "/ip4/127.0.0.1/tcp/1"], "--relay"),
+        (
+            ["serve", "--relay", f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}/p2p-circuit/p2p/{PEER}"],
+            "circuit",
+        ),
+        (["get", "ab" * 32, "--peer", "/ip4/127.0.0.1/tcp/1", "--seed-for", "-1"], "--seed-for"),
+        (["get", "ab" * 32, "--seed-for", "5", "--no-upload"], "--seed-for"),
+    ],
+)
+def test_nat_and_seeding_mistakes_are_one_line_usage_errors(
+    tmp_path: Path, args: list[str], words: str
+) -> None:
+    done = run_blob(tmp_path / "store", tmp_path / "key", *args, check=False, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert words in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_missing_certificate_file_is_not_found(tmp_path: Path) -> None:
+    peer = f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}"
+    done = run_blob(
+        tmp_path / "store", tmp_path / "key", "get", "ab" * 32, "--peer", peer,
+        "--certificate", str(tmp_path / "none.cert"), check=False, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert "certificate" in done.stderr and len(done.stderr.strip().splitlines()) == 1
