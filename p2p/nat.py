@@ -347,12 +347,14 @@ async def punch_through(
                 relay_id = ID.from_base58(relay_addr.rsplit("/p2p/", 1)[1])
                 await node.connect(relay_addr)
                 await present_certificate(host, relay_id, certificate)
+            _unblock(host, peer)
             circuit = await dial_via_relay(host, circuit_addr)
         except Exception as exc:  # RelayError, PeerUnreachable, ...: one line either way
             out.reason = str(exc)
             return out
         out.relay_max_bytes = circuit.max_bytes
         out.relayed_s = time.monotonic() - t0
+        _unblock(host, peer)
         reason = await upgrade_to_direct(host, peer, punch_timeout=punch_timeout)
         if reason is None:
             out.direct_s = time.monotonic() - t0
@@ -374,6 +376,18 @@ async def punch_through(
             with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
                 await close_relayed(host, peer)
     return out
+
+
+def _unblock(host: Any, peer: ID) -> None:
+    """Lift py-libp2p's negative dial cache for ``peer`` (0.8.1, ``Swarm.unblock_peer``).
+
+    A NATed peer's own addresses always fail, and anything that dials it (a DHT query
+    that walks to it, a stream to a provider not yet reached) puts it in that cache; while
+    there, DCUtR's stream and its direct dials to the peer are refused at once (seen on
+    the testbed: a public fetcher that found the provider on the DHT never punched)."""
+    unblock = getattr(host.get_network(), "unblock_peer", None)
+    if unblock is not None:
+        unblock(peer)
 
 
 @dataclass

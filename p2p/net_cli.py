@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 # --seed-for's ceiling: a day; a longer-lived seeder is `blob serve`.
 MAX_SEED_SECONDS = 86400.0
+# A punch longer than this is not going to work (py-libp2p's DCUtR gives up after 25 s).
+MAX_PUNCH_TIMEOUT = 300.0
 
 T = TypeVar("T")
 
@@ -376,11 +378,8 @@ def share(
         addrs = _ready_addrs(node)
         ticket = Ticket(blob_id, tuple(addrs[:MAX_TICKET_ADDRS])).encode()
         if as_json:
-            click.echo(
-                json.dumps(
-                    {"id": blob_id, "ticket": ticket, "peer_id": node.peer_id, "addrs": addrs}
-                )
-            )
+            info = {"id": blob_id, "ticket": ticket, "peer_id": node.peer_id, "addrs": addrs}
+            click.echo(json.dumps({**info, **ready_fields(reach)}))
         else:
             click.echo(ticket)
         click.echo(
@@ -472,7 +471,15 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
 )
 @click.option("--peer", "peers", multiple=True, metavar="MADDR", help="Provider (repeatable).")
 @bootstrap_option
-@listen_option
+@click.option(
+    "--listen",
+    "listen",
+    multiple=True,
+    metavar="MADDR",
+    help="Address to serve fellow fetchers and hole-punch from (repeatable; default "
+    "/ip4/127.0.0.1/tcp/0 when every peer named is on this machine, else "
+    "/ip4/0.0.0.0/tcp/0).",
+)
 @click.option("--no-dht", is_flag=True, help="Do not use the DHT even with --bootstrap.")
 @click.option("--tag", "tag_name", metavar="NAME", help="Tag what was fetched (pins it).")
 @click.option(
@@ -517,6 +524,15 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
     "Ctrl-C ends that early (exit 0).",
 )
 @get_nat_options
+@click.option(
+    "--punch-timeout",
+    type=click.FloatRange(min=1, max=MAX_PUNCH_TIMEOUT),
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long hole punching to one NATed provider may take (a failing punch waits "
+    "it out; one that works takes a few round trips).",
+)
 @json_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @verbose_option
@@ -538,6 +554,7 @@ def get(
     seed_for: float | None,
     via_relay: bool,
     certificate_path: Path | None,
+    punch_timeout: float,
     as_json: bool,
     no_progress: bool,
     verbose: int,
@@ -648,6 +665,7 @@ def get(
                 upload=not no_upload,
                 relayed_fetch=via_relay,
                 certificate=certificate,
+                punch_timeout=punch_timeout,
             )
             bar = ProgressBar(enabled=not no_progress and not as_json and sys.stderr.isatty())
             seed = None if seed_for is None else Seeding(seed_for, bar, finish)

@@ -784,20 +784,21 @@ class Node:
             if self.dht is None:
                 return
             pause = 0.25
-            punched = 0
+            # A NATed provider may first be found by a record from before its reservation
+            # (its own addresses only), then by one naming its circuit: punch it then.
+            punched: set[str] = set()
             async with trio.open_nursery() as punching:
                 with trio.move_on_after(self.config.discovery_timeout):
                     while True:
                         for peer in await self.find_providers(blob_id):
-                            if peer in seen:
-                                continue
-                            seen.add(peer)
-                            circuits = self._circuit_addrs(peer)
-                            if not circuits:
-                                await send.send(peer)
-                            elif punched < MAX_DHT_PUNCHES:
-                                punched += 1
+                            circuits = [] if peer in punched else self._circuit_addrs(peer)
+                            if circuits and len(punched) < MAX_DHT_PUNCHES:
+                                punched.add(peer)
+                                seen.add(peer)
                                 punching.start_soon(self._punch_into, circuits, send.clone())
+                            elif peer not in seen:
+                                seen.add(peer)
+                                await send.send(peer)
                         await trio.sleep(pause)
                         pause = min(pause * 2, 4.0)
 

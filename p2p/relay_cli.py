@@ -13,8 +13,10 @@ that users may fetch whole blobs through (``blob get --via-relay``).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import click
 import trio
@@ -129,7 +131,9 @@ def relay(
             open_node(
                 store, key=key, listen=tuple(listen or DEFAULT_LISTEN), dht=not no_dht
             ) as node,
-            r.relay_service(node.host, trust=trust, limits=limits, open_connect=open_circuits),
+            r.relay_service(
+                node.host, trust=trust, limits=limits, open_connect=open_circuits
+            ) as service,
         ):
             addrs = dialable_addrs(node.addrs)
             if as_json:
@@ -140,9 +144,23 @@ def relay(
                 click.echo(json.dumps({"peer_id": node.peer_id, "addrs": addrs, **limits_json}))
             else:
                 click.echo(f"relay {node.peer_id} " + " ".join(addrs))
-            await trio.sleep_forever()
+            sys.stdout.flush()
+            try:
+                await trio.sleep_forever()
+            finally:
+                counters.update(relayed_bytes=service.relayed_bytes, refused=service.refused)
 
+    counters: dict[str, Any] = {}
     try:
         run_interruptible(run)
     except Interrupted as exc:
-        click.echo(f"stopping on {exc.signal_name}", err=True)  # a server's normal end
+        # A server's normal end (exit 0), with what it carried: an operator (and the NAT
+        # tests) can tell signalling from bulk.
+        refused = counters.get("refused", [])
+        click.echo(
+            f"stopping on {exc.signal_name}: relayed {counters.get('relayed_bytes', 0)} bytes, "
+            f"refused {len(refused)} peer(s)",
+            err=True,
+        )
+        if as_json and counters:
+            click.echo(json.dumps({"stopped": exc.signal_name, **counters}))
