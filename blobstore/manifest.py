@@ -44,16 +44,20 @@ MAX_CHUNK_SIZE = 16 * 1024 * 1024
 """A chunk is the unit held in memory while it is verified; 16 MiB bounds that per
 in-flight request and what a lying peer can make us buffer."""
 
-MAX_CHUNKS = 1 << 20
-"""At most 2^20 chunks: 1 TiB at the default chunk size, 16 TiB at the largest, with a
-hash list of 32 MiB, which is also the most a peer's manifest can make us allocate."""
+MAX_CHUNKS = 1 << 19
+"""At most 2^19 chunks: 512 GiB at the default chunk size, 8 TiB at the largest, with a
+hash list of 16 MiB, which is also the most a peer's manifest can make us allocate. It is
+what one manifest frame of the wire protocol carries (``p2p.protocol.MAX_MANIFEST_BYTES``),
+so every blob this store accepts can also be served; a larger one is refused at ``put``
+with the advice to use larger chunks (or a collection of shards, as checkpoints usually
+are)."""
 
 MAX_MANIFEST_SIZE = HASH_SIZE * MAX_CHUNKS + 64
 """The hash list plus room for the map header, keys and integers (41 bytes at most).
 Checked before any decoding, so an oversized claim costs nothing."""
 
 MAX_BLOB_SIZE = MAX_CHUNKS * MAX_CHUNK_SIZE
-"""Derived: the largest blob a manifest can describe (16 TiB)."""
+"""Derived: the largest blob a manifest can describe (8 TiB)."""
 
 _KEYS = ("v", "size", "chunk", "hashes")
 _BLOB_ID_RE = re.compile(r"[0-9a-f]{64}")

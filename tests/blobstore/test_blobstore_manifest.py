@@ -147,6 +147,17 @@ def test_largest_manifest_fits_the_limit() -> None:
         Manifest(size=MAX_CHUNKS * C + 1, chunk_size=C, hashes=bytes(32 * (MAX_CHUNKS + 1)))
 
 
+def test_every_manifest_the_store_accepts_fits_one_protocol_frame() -> None:
+    """A blob the store holds can also be served: its largest manifest is within what one
+    manifest response of the wire protocol carries (else a peer could hold it and never
+    hand it on)."""
+    from p2p import protocol
+
+    m = Manifest(size=MAX_CHUNKS * C, chunk_size=C, hashes=bytes(32 * MAX_CHUNKS))
+    assert len(m.encode()) <= protocol.MAX_MANIFEST_BYTES
+    assert MAX_MANIFEST_SIZE <= protocol.MAX_MANIFEST_BYTES
+
+
 @given(st.binary(max_size=512))
 @settings(max_examples=400, deadline=None)
 def test_arbitrary_bytes_raise_only_bad_manifest(data: bytes) -> None:
