@@ -109,13 +109,44 @@ GRID_LR = (0.7, 1.0, 2.0, 3.0)
 GRID_MOMENTUM = (0.0, 0.9)
 
 
+class _Diverged(Exception):
+    """A grid run whose held-out loss went above where it started (or NaN)."""
+
+
+def _grid_run(config: SimConfig) -> dict[str, Any]:
+    """One grid point; a run that diverges is stopped (the same rule for both methods: it
+    cannot be the best, and the grid's largest steps diverge within a few rounds)."""
+    import math
+
+    def watch(done: int, result: SimResult) -> None:
+        loss = result.eval_loss[-1]
+        if math.isnan(loss) or (done >= 3 and loss > result.eval_loss[0]):
+            raise _Diverged(done)
+
+    started = time.perf_counter()
+    try:
+        result = simulate(config, progress=watch)
+    except _Diverged as stop:
+        return {"loss": float("inf"), "diverged_at": stop.args[0], "x": None, "curve": []}
+    return {
+        "loss": result.eval_loss[-1],
+        "x": result.dense_fp32_bytes / max(result.bytes_per_worker),
+        "bytes": max(result.bytes_per_worker),
+        "curve": result.eval_loss,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
 def _grid(args: argparse.Namespace) -> dict[str, Any]:
     """Both methods on the same grid and budget, at each setting; the best of each."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
     settings: list[dict[str, Any]] = [{}]
     for spec in filter(None, (args.settings or "").split(";")):
         settings.append({k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))})
     out: dict[str, Any] = {"grid": {"outer_lr": GRID_LR, "outer_momentum": GRID_MOMENTUM}}
-    rows = []
+    points = []
     for extra in settings:
         base = {
             "workers": args.workers,
@@ -127,33 +158,191 @@ def _grid(args: argparse.Namespace) -> dict[str, Any]:
             "threads": 1,
             **extra,
         }
-        best: dict[str, tuple[float, float, float]] = {}
         for mode in ("diloco", "sparseloco"):
             for lr in GRID_LR:
                 for mu in GRID_MOMENTUM:
-                    result = simulate(SimConfig(mode=mode, outer_lr=lr, outer_momentum=mu, **base))
-                    loss = result.eval_loss[-1]
-                    ratio = result.dense_fp32_bytes / max(result.bytes_per_worker)
-                    rows.append(
-                        {**base, "mode": mode, "lr": lr, "mu": mu, "loss": loss, "x": ratio}
-                    )
-                    print(
-                        f"  {extra or 'default'} {mode:>10} lr {lr:<4} mu {mu:<4}: "
-                        f"held-out {loss:.4f}, {ratio:.0f}x fewer bytes",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    if mode not in best or loss < best[mode][0]:
-                        best[mode] = (loss, lr, mu)
+                    points.append((extra, base, mode, lr, mu))
+    configs = [
+        SimConfig(mode=mode, outer_lr=lr, outer_momentum=mu, **base)
+        for _, base, mode, lr, mu in points
+    ]
+    # Spawned workers: each is one single-threaded torch process (no fork after torch).
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        results = []
+        for point, result in zip(points, pool.map(_grid_run, configs), strict=True):
+            extra, base, mode, lr, mu = point
+            results.append(result)
+            shown = (
+                f"diverged at round {result['diverged_at']}"
+                if "diverged_at" in result
+                else f"held-out {result['loss']:.4f}, {result['x']:.0f}x fewer bytes, "
+                f"{result['seconds']}s"
+            )
+            print(
+                f"  {extra or 'default'} {mode:>10} lr {lr:<4} mu {mu:<4}: {shown}",
+                file=sys.stderr,
+                flush=True,
+            )
+    rows = [
+        {**base, "mode": mode, "lr": lr, "mu": mu, **result}
+        for (_, base, mode, lr, mu), result in zip(points, results, strict=True)
+    ]
+    table = [
+        "| setting | method | "
+        + " | ".join(f"lr {lr} mu {mu}" for lr in GRID_LR for mu in GRID_MOMENTUM)
+        + " | best | bytes vs fp32 |"
+    ]
+    table.append("|---" * (4 + len(GRID_LR) * len(GRID_MOMENTUM)) + "|")
+    for extra in settings:
+        best: dict[str, tuple[float, float, float]] = {}
+        label = ", ".join(f"{k}={v}" for k, v in extra.items()) or "default"
+        for mode in ("diloco", "sparseloco"):
+            mine = [
+                r
+                for r, (e, *_rest) in zip(rows, points, strict=True)
+                if e == extra and r["mode"] == mode
+            ]
+            cells = ["diverged" if r["loss"] == float("inf") else f"{r['loss']:.4f}" for r in mine]
+            top = min(mine, key=lambda r: r["loss"])
+            best[mode] = (top["loss"], top["lr"], top["mu"])
+            ratios = [r["x"] for r in mine if r["x"] is not None]
+            table.append(
+                f"| {label} | {mode} | "
+                + " | ".join(cells)
+                + f" | **{top['loss']:.4f}** (lr {top['lr']}, mu {top['mu']}) | "
+                + (f"{min(ratios):.0f}x |" if ratios else "- |")
+            )
         gap = best["sparseloco"][0] / best["diloco"][0] - 1
         print(
-            f"setting {extra or 'default'}: best dense DiLoCo {best['diloco'][0]:.4f} "
+            f"setting {label}: best dense DiLoCo {best['diloco'][0]:.4f} "
             f"(lr {best['diloco'][1]}, mu {best['diloco'][2]}), best SparseLoCo "
             f"{best['sparseloco'][0]:.4f} (lr {best['sparseloco'][1]}, mu "
             f"{best['sparseloco'][2]}): gap {gap * 100:+.2f}% (goal <= +3%)"
         )
-        out.setdefault("best", []).append({"setting": base, "best": best, "gap": gap})
+        out.setdefault("best", []).append({"setting": {**extra}, "best": best, "gap": gap})
+    print("\n".join(table))
+    out["table"] = table
     out["runs"] = rows
+    return out
+
+
+def _attacks(config: SimConfig) -> dict[str, Any]:
+    """Issue 18's byzantine worker, one kind per run: each makes its payload from the
+    round's honest updates (the strongest thing a worker that sees them can send)."""
+    import numpy as np
+
+    from training.codec import CodecParams, decode, encode, encode_dense
+    from training.outer_aggregate import CLIP_FACTOR
+
+    codec = CodecParams(chunk=config.chunk, k=config.k)
+    rng = np.random.default_rng([config.seed, 18])
+
+    def pack(tensors: dict[str, Any]) -> bytes:
+        if config.mode == "diloco":
+            return encode_dense(tensors)
+        return encode(tensors, codec)
+
+    def norm(tensors: Any) -> float:
+        return float(
+            np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in tensors.values()))
+        )
+
+    def at_clip(tensors: dict[str, Any], updates: Any) -> bytes:
+        """``tensors`` scaled so its decoded norm is CLIP_FACTOR x the honest median: the
+        most an update can bring before rule 3 down-weights it."""
+        norms = sorted(norm(u) for u in updates.values())
+        target = CLIP_FACTOR * norms[(len(norms) - 1) // 2]
+        got = norm(decode(pack(tensors)).tensors)
+        factor = np.float32(target / got) if got > 0 else np.float32(0)
+        return pack({n: v * factor for n, v in tensors.items()})
+
+    def first(payloads: Any) -> str:
+        return sorted(payloads)[0]
+
+    def huge(state: Any, payloads: Any, updates: Any) -> bytes:
+        u = updates[first(payloads)]
+        return pack({n: v * np.float32(1e30) for n, v in u.items()})
+
+    def garbage(state: Any, payloads: Any, updates: Any) -> bytes:
+        noise = {
+            n: rng.standard_normal(v.shape).astype(np.float32) for n, v in state.params.items()
+        }
+        return at_clip(noise, updates)
+
+    def negated(state: Any, payloads: Any, updates: Any) -> bytes:
+        mean = {n: -sum(u[n] for u in updates.values()) for n in state.params}
+        return at_clip(mean, updates)
+
+    def copy(state: Any, payloads: Any, updates: Any) -> bytes:
+        return bytes(payloads[first(payloads)])
+
+    def empty(state: Any, payloads: Any, updates: Any) -> bytes:
+        return pack({n: np.zeros_like(v) for n, v in state.params.items()})
+
+    return {"huge": huge, "garbage": garbage, "negated": negated, "copy": copy, "empty": empty}
+
+
+def _byzantine(args: argparse.Namespace) -> dict[str, Any]:
+    """Held-out loss with one byzantine worker of each kind, against the same run without
+    it (same aggregation rule), and against the plain mean for reference (issue 18 goal)."""
+    base = SimConfig(
+        mode=args.modes.split(",")[0],
+        workers=args.workers,
+        rounds=args.rounds,
+        inner_steps=args.inner_steps,
+        chunk=args.chunk,
+        k=args.k,
+        seed=args.seed,
+        threads=1,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+    )
+    clean = simulate(base, robust=True)
+    plain = simulate(base)
+    cosines = [c for rnd in clean.agreement for c in rnd] or [float("nan")]
+    out: dict[str, Any] = {
+        "config": clean.config.__dict__,
+        "without": clean.eval_loss[-1],
+        "plain_mean": plain.eval_loss[-1],
+        "agreement": clean.agreement,
+        "kinds": {},
+    }
+    print(
+        f"{base.mode}, {base.workers} honest workers x {base.rounds} rounds x "
+        f"{base.inner_steps} steps: held-out {clean.eval_loss[-1]:.4f} without a byzantine "
+        f"worker ({plain.eval_loss[-1]:.4f} with the plain mean); honest cosines "
+        f"{min(cosines):.2f}..{max(cosines):.2f}",
+        flush=True,
+    )
+    kinds = [k for k in args.kinds.split(",") if k]
+    attacks = _attacks(clean.config)
+    for kind in kinds:
+        attacked = simulate(base, adversary=attacks[kind])
+        loss = attacked.eval_loss[-1]
+        reasons = sorted(
+            {
+                r.split(": ", 1)[1]
+                for rnd in attacked.excluded
+                for r in rnd
+                if r.startswith("sim-byz")
+            }
+        )
+        caught = sum(any(r.startswith("sim-byz") for r in rnd) for rnd in attacked.excluded)
+        worse = loss / clean.eval_loss[-1] - 1
+        same = attacked.state_roots == clean.state_roots
+        out["kinds"][kind] = {
+            "loss": loss,
+            "worse": worse,
+            "rounds_excluded": caught,
+            "reasons": reasons,
+            "same_bits": same,
+        }
+        print(
+            f"  {kind:>8}: held-out {loss:.4f} ({worse * 100:+.2f}% vs without; goal <= +1%), "
+            f"excluded in {caught}/{base.rounds} rounds {reasons}; "
+            f"{'bit-identical run' if same else 'different run'}",
+            flush=True,
+        )
     return out
 
 
@@ -265,8 +454,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--net", action="store_true", help="wire bytes of blob outer run")
     parser.add_argument("--deadline", type=float, default=6.0)
     parser.add_argument("--churn", type=int, default=0, help="N paused-worker runs")
+    parser.add_argument(
+        "--byzantine", action="store_true", help="loss with and without a byzantine worker"
+    )
+    parser.add_argument("--kinds", default="huge,garbage,negated,copy,empty")
+    parser.add_argument("--jobs", type=int, default=1, help="grid runs in parallel")
+    parser.add_argument("--outer-lr", type=float, default=None)
+    parser.add_argument("--outer-momentum", type=float, default=None)
     args = parser.parse_args(argv)
-    special = {"grid": _grid, "net": _net, "churn": _churn}
+    special = {"grid": _grid, "net": _net, "churn": _churn, "byzantine": _byzantine}
     for name, run in special.items():
         if getattr(args, name):
             figures = run(args)

@@ -328,7 +328,10 @@ def synthetic_tokens(seed: int, sequences: int, seq_len: int) -> npt.NDArray[np.
 # Swept on the tiny Llama, 4 workers, k 48 / chunk 4096 (100 rounds x 5 steps, held-out
 # loss at the end): lr 3 / no momentum / EF decay 1 -> 0.501; lr 5 -> 0.543; Nesterov
 # lr 0.4 / 0.9 -> 0.908; dense DiLoCo 0.654. With decay 0.95 (the paper's) and lr 2 it
-# tracked lr 3 / decay 1 closely over 20 rounds x 10 steps.
+# tracked lr 3 / decay 1 closely over 20 rounds x 10 steps. With Rice-coded positions and
+# k 80 (30 rounds, 4 workers): 5 inner steps, lr 3 / decay 1 -> 0.814 (lr 2: 0.984, lr 5:
+# 0.972, lr 8: 2.04, decay 0.95 / lr 2 at k 48: 0.994); 20 inner steps, lr 2 -> 0.520,
+# lr 3 -> 0.528, lr 1 -> 0.545. bench/outer.py --grid tunes lr and momentum per setting.
 MODE_DEFAULTS: dict[str, dict[str, float]] = {
     "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "ef_decay": 1.0},
     "sparseloco": {"outer_lr": 3.0, "outer_momentum": 0.0, "ef_decay": 1.0},
@@ -351,13 +354,18 @@ class SimConfig:
     outer_lr: float | None = None  # None: the mode's default (MODE_DEFAULTS)
     outer_momentum: float | None = None
     chunk: int = 4096
-    k: int = 48
+    # 80 of 4096 (1.95%): with Rice-coded positions (training.codec) the tiny Llama's update
+    # is 3.16 KB, 157x fewer bytes than dense fp32 (k 48 with 12-bit indices was 130x).
+    k: int = 80
     ef_decay: float | None = None
     eval_sequences: int = 64
     shard_sequences: int = 2048
     model_size: str = "tiny"
     seed: int = 0
     threads: int | None = 1
+    # Aggregate as the network does (training.outer_aggregate: envelopes, bounds, copies,
+    # direction) instead of the plain mean; implied by a byzantine worker.
+    robust: bool = False
 
 
 @dataclass
@@ -371,10 +379,16 @@ class SimResult:
     wall_seconds: float = 0.0
     state_roots: list[str] = field(default_factory=list)
     params: int = 0
+    # Robust aggregation only, per round: "peer: reason" of each excluded update, and each
+    # admitted update's cosine with the others' sum (training.outer_aggregate rule 4).
+    excluded: list[list[str]] = field(default_factory=list)
+    agreement: list[list[float]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "config": self.config.__dict__,
+            "excluded": self.excluded,
+            "agreement": self.agreement,
             "eval_loss": self.eval_loss,
             "train_loss": self.train_loss,
             "bytes_per_worker": self.bytes_per_worker,
@@ -422,10 +436,17 @@ def _adamw(model: torch.nn.Module, config: SimConfig) -> torch.optim.Optimizer:
     )
 
 
+# A byzantine worker in the simulation: given the round's start state, the honest
+# workers' codec payloads and their decoded updates (by peer), the payload it sends.
+Adversary = Callable[[OuterState, Mapping[str, bytes], Mapping[str, Mapping[str, F32]]], bytes]
+BYZANTINE_PEER = "sim-byzantine"
+
+
 def simulate(
     config: SimConfig | None = None,
     *,
     progress: Callable[[int, SimResult], None] | None = None,
+    adversary: Adversary | None = None,
     **overrides: Any,
 ) -> SimResult:
     """Run ``config.workers`` simulated workers for ``config.rounds`` rounds in-process.
@@ -433,7 +454,9 @@ def simulate(
     ``mode`` "sparseloco" sends top-k 2-bit updates with error feedback, "diloco" dense
     float32 updates, "ddp" is synchronous data parallel (one AdamW step per batch of every
     worker, gradients averaged), with ``rounds * inner_steps`` steps and the same data.
-    ``progress(round, result)`` is called after each round.
+    ``progress(round, result)`` is called after each round. ``adversary``, if given, is one
+    more worker (``BYZANTINE_PEER``) whose payload each round it makes; the round is then
+    aggregated by ``training.outer_aggregate`` (as with ``robust``).
     """
     import torch
 
@@ -489,6 +512,7 @@ def simulate(
     for r in range(cfg.rounds):
         t0 = time.perf_counter()
         updates: dict[str, dict[str, F32]] = {}
+        payloads: dict[str, bytes] = {}
         sizes: list[int] = []
         losses: list[float] = []
         for w in range(cfg.workers):
@@ -497,8 +521,12 @@ def simulate(
             losses.extend(run_inner_steps(models[w], optimizers[w], batches))
             blob = make_update(state.params, model_params(models[w]), feedbacks[w])
             sizes.append(len(blob))
+            payloads[f"sim-worker-{w:03d}"] = blob
             updates[f"sim-worker-{w:03d}"] = decode_update(blob, state)
-        state = apply_round(state, updates, outer)
+        if cfg.robust or adversary is not None:
+            state = _robust_round(state, payloads, updates, outer, adversary, result)
+        else:
+            state = apply_round(state, updates, outer)
         load_params(reference, state.params)
         result.eval_loss.append(eval_loss(reference, held_out))
         result.train_loss.append(float(np.mean(losses)))
@@ -509,6 +537,32 @@ def simulate(
             progress(r + 1, result)
     result.wall_seconds = time.perf_counter() - started
     return result
+
+
+def _robust_round(
+    state: OuterState,
+    payloads: Mapping[str, bytes],
+    updates: Mapping[str, Mapping[str, F32]],
+    outer: OuterConfig,
+    adversary: Adversary | None,
+    result: SimResult,
+) -> OuterState:
+    """One round aggregated as the network does: each payload in its envelope, plus the
+    adversary's, through ``training.outer_aggregate.aggregate``."""
+    from training.outer_aggregate import aggregate, wrap_update
+
+    root = state_root(state)
+    blobs = dict(payloads)
+    if adversary is not None:
+        blobs[BYZANTINE_PEER] = adversary(state, payloads, updates)
+    wrapped = {
+        peer: wrap_update(data, round_=state.round, start_root=root, author=peer)
+        for peer, data in blobs.items()
+    }
+    agg = aggregate(state, [(p, p) for p in wrapped], wrapped.__getitem__, outer, start_root=root)
+    result.excluded.append([f"{e.peer}: {e.reason}" for e in agg.excluded])
+    result.agreement.append([c for _, c in agg.agreement])
+    return agg.state
 
 
 def _simulate_ddp(

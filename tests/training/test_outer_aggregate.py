@@ -10,10 +10,12 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from training.codec import CodecParams, encode, encode_dense
+from training.codec import CodecParams, decode, encode, encode_dense
 from training.outer import OuterConfig, OuterState, state_root
 from training.outer_aggregate import (
+    AGREEMENT_MARGIN,
     CLIP_FACTOR,
+    MIN_AGREEMENT,
     Aggregate,
     aggregate,
     unwrap_update,
@@ -34,16 +36,44 @@ def state(round_: int = 3, size: int = 4096) -> OuterState:
     return OuterState(round_, params, {n: np.zeros_like(v) for n, v in params.items()})
 
 
-def honest(s: OuterState, peer: str, seed: int, scale: float = 1e-2) -> bytes:
-    rng = np.random.default_rng(seed)
-    grad = {
-        n: (rng.standard_normal(v.shape) * scale).astype(np.float32) for n, v in s.params.items()
+def honest_grad(s: OuterState, seed: int, scale: float = 1e-2) -> dict[str, np.ndarray]:
+    """A worker's pseudo-gradient: a direction every worker shares (one model, one corpus)
+    plus its own noise of the same size, as honest workers' updates are (cosines of
+    0.3-0.5 with the others' sum)."""
+    shared, own = np.random.default_rng(1000), np.random.default_rng(seed)
+    return {
+        n: ((shared.standard_normal(v.shape) + own.standard_normal(v.shape)) * scale).astype(
+            np.float32
+        )
+        for n, v in s.params.items()
     }
+
+
+def honest(s: OuterState, peer: str, seed: int, scale: float = 1e-2) -> bytes:
+    grad = honest_grad(s, seed, scale)
     return wrap_update(encode(grad, CODEC), round_=s.round, start_root=ROOT, author=peer)
+
+
+def at_norm(tensors: dict[str, np.ndarray], target: float) -> dict[str, np.ndarray]:
+    """``tensors`` scaled so that their top-k encoding decodes to norm ``target``."""
+    decoded = decode(encode(tensors, CODEC)).tensors
+    got = np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in decoded.values()))
+    return {n: v * np.float32(target / got) for n, v in tensors.items()}
+
+
+def own(s: OuterState, payload_of: dict[str, np.ndarray]) -> bytes:
+    return wrap_update(encode(payload_of, CODEC), round_=s.round, start_root=ROOT, author=BYZ)
 
 
 PEERS = [f"12D3KooWhonest{i}" for i in range(3)]
 BYZ = "12D3KooWbyzantine"
+
+
+def decoded_norm(blob: bytes) -> float:
+    tensors = decode(unwrap_update(blob).payload).tensors
+    return float(
+        np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in tensors.values()))
+    )
 
 
 def run(s: OuterState, blobs: dict[str, bytes]) -> Aggregate:
@@ -57,7 +87,20 @@ def byzantine_updates(s: OuterState) -> dict[str, bytes]:
     rng = np.random.default_rng(9)
     huge = {n: np.full(v.shape, 1e30, np.float32) for n, v in s.params.items()}
     garbage = {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in s.params.items()}
+    # The median honest norm; CLIP_FACTOR times it is the most an update brings unclipped.
+    median = float(np.median([decoded_norm(honest(s, p, i)) for i, p in enumerate(PEERS)]))
+    mean = {n: sum(honest_grad(s, i)[n] for i in range(3)) for n in s.params}
     return {
+        "garbage at the clip": own(s, at_norm(garbage, CLIP_FACTOR * median)),
+        "negated mean": own(s, at_norm({n: -v for n, v in mean.items()}, CLIP_FACTOR * median)),
+        "empty": own(s, {n: np.zeros_like(v) for n, v in s.params.items()}),
+        # An honest worker's payload in the byzantine's own envelope: undetectable there.
+        "re-wrapped copy": wrap_update(
+            unwrap_update(honest(s, PEERS[0], 0)).payload,
+            round_=s.round,
+            start_root=ROOT,
+            author=BYZ,
+        ),
         "huge": wrap_update(encode(huge, CODEC), round_=s.round, start_root=ROOT, author=BYZ),
         "garbage": wrap_update(encode(garbage, CODEC), round_=s.round, start_root=ROOT, author=BYZ),
         # An honest worker's blob, announced (and signed, upstream) as the byzantine's.
@@ -82,7 +125,11 @@ def byzantine_updates(s: OuterState) -> dict[str, bytes]:
     [
         ("huge", "norm out of bounds"),
         ("garbage", "norm far above the round's median"),
+        ("garbage at the clip", "disagrees with the round's updates"),
+        ("negated mean", "disagrees with the round's updates"),
+        ("empty", "norm far below the round's median"),
         ("copy", "a copy"),
+        ("re-wrapped copy", "a copy of another update's payload"),
         ("stale", "stale"),
         ("other root", "stale"),
     ],
@@ -93,12 +140,46 @@ def test_a_byzantine_update_is_excluded_and_changes_nothing(kind: str, reason: s
     clean = run(s, blobs)
     assert [p for p, _, _ in clean.admitted] == sorted(PEERS)
     attacked = run(s, {**blobs, BYZ: byzantine_updates(s)[kind]})
-    assert [(e.peer, e.reason.startswith(reason)) for e in attacked.excluded] == [(BYZ, True)], (
-        attacked.excluded
-    )
+    # A re-wrapped copy is told from its original by peer order alone: the later one goes.
+    expected = PEERS[0] if kind == "re-wrapped copy" and PEERS[0] > BYZ else BYZ
+    assert [(e.peer, e.reason.startswith(reason)) for e in attacked.excluded] == [
+        (expected, True)
+    ], attacked.excluded
     # The honest workers end on the same bits as without the byzantine worker.
     assert state_root(attacked.state) == state_root(clean.state)
     assert all(np.isfinite(v).all() for v in attacked.state.params.values())
+
+
+def test_honest_workers_agree_and_uncorrelated_ones_are_not_judged_by_direction() -> None:
+    """Rule 4 excludes only what is far below the round's median agreement: honest updates
+    with a shared direction agree clearly, and independent noise (no agreement) excludes
+    nobody, rather than whoever happened to fall under a quarter of a near-zero median."""
+    s = state()
+    four = [*PEERS, "12D3KooWhonest3"]
+    agreed = run(s, {p: honest(s, p, i) for i, p in enumerate(four)})
+    assert agreed.excluded == ()
+    cosines = [c for _, c in agreed.agreement]
+    assert len(cosines) == 4
+    assert min(cosines) > 2 * AGREEMENT_MARGIN
+    assert min(cosines) > MIN_AGREEMENT * float(np.median(cosines))
+
+    rng = np.random.default_rng(21)
+    noise = {
+        p: wrap_update(
+            encode(
+                {n: (rng.standard_normal(v.shape) * 1e-2).astype(np.float32)
+                 for n, v in s.params.items()},
+                CODEC,
+            ),
+            round_=s.round,
+            start_root=ROOT,
+            author=p,
+        )
+        for p in four
+    }  # fmt: skip
+    independent = run(s, noise)
+    assert independent.excluded == ()
+    assert max(abs(c) for _, c in independent.agreement) < AGREEMENT_MARGIN / 4
 
 
 def test_an_outlier_within_bounds_is_clipped_and_the_step_bounded() -> None:
@@ -150,6 +231,6 @@ def test_memory_does_not_grow_with_the_number_of_workers() -> None:
         finally:
             tracemalloc.stop()
 
-    few, many = peak(2), peak(16)
+    few, many = peak(3), peak(16)  # three or more: rule 4's sign votes are counted too
     assert many - few < model_bytes  # 14 more workers cost less than one model's worth
     assert many < 12 * model_bytes
