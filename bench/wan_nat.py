@@ -1,6 +1,7 @@
 """Issue 20's figures: NATed peers fetching through a relay, upgraded by DCUtR.
 
     python bench/wan_nat.py [--tries 20] [--rtt-ms 80] [--size-mib 4] [--symmetric-tries 3]
+                            [--cli-tries 20 [--cli-only]]
 
 On the WAN testbed: a public relay, a provider behind an endpoint-independent NAT, and a
 fetcher behind another, every pair at ``--rtt-ms``. Each try is a fresh fetcher process
@@ -12,7 +13,9 @@ the bytes the relay carried, and where the time goes: connected through the rela
 (``relayed_s``), the punch (``punch_s``), direct connection to first chunk.
 ``--symmetric-tries`` repeats with both peers behind symmetric NATs, where the punch
 should fail every time and the fetch say so; ``--relayed-tries`` lets such a pair fetch
-through a second relay run with raised limits (``--allow-relayed``).
+through a second relay run with raised limits (``--allow-relayed``). ``--cli-tries``
+runs the same as a user does, with real ``blob relay``, ``blob serve --relay`` and
+``blob get TICKET`` processes (time from each get's spawn to its first verified byte).
 
 The machine is shared and small: timings include Python start-up on a loaded CPU; compare
 the in-node figures across runs, not with other machines.
@@ -75,6 +78,103 @@ def _tries(
     return out
 
 
+def _cli_tries(tb: Testbed, tries: int, size: int, logs: Path) -> list[dict[str, Any]]:
+    """``tries`` real ``blob get TICKET`` processes on ``eimf`` (fresh keys) from a real
+    ``blob serve --relay`` on ``eimp`` through a real ``blob relay --open-circuits``:
+    the time from each get's spawn to its first verified byte, as a user meets it."""
+    import random
+    import subprocess
+
+    from bench.wan.blobnodes import _readline
+    from bench.wan.measure import REPO_ROOT, python_env
+    from blobstore import Store
+    from identity import Authority, MachineKey
+    from identity.keyfile import create_key_file
+    from identity.signer import SoftwareSigner
+    from p2p.ticket import Ticket
+
+    def blob(host: str, name: str, *args: str) -> subprocess.Popen[str]:
+        d = logs / name
+        d.mkdir(parents=True, exist_ok=True)
+        if not (d / "machine.key").exists():
+            create_key_file(d / "machine.key")
+        argv = [sys.executable, "-m", "p2p.cli", "--store", str(d / "store")]
+        argv += ["--key", str(d / "machine.key"), *args]
+        return tb.popen(
+            host, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=python_env(), cwd=REPO_ROOT,
+        )  # fmt: skip
+
+    authority = Authority(SoftwareSigner(MachineKey.generate()))
+    relay = blob(
+        "relay", "cli-relay", "relay", "--json", "--open-circuits", "--no-dht",
+        "--authority", authority.public_key_bytes.hex(),
+        "--listen", f"/ip4/{tb.addr('relay')}/tcp/4002",
+    )  # fmt: skip
+    relay_addr = json.loads(_readline(relay, 90))["addrs"][0]
+    (logs / "cli-prov").mkdir(parents=True, exist_ok=True)
+    prov_key = create_key_file(logs / "cli-prov" / "machine.key")
+    now = int(time.time())
+    cert = authority.admit(
+        prov_key.peer_id, operator="bench", kernel_class="cpu",
+        not_before=now - 60, not_after=now + 3600, serial=now,
+    )  # fmt: skip
+    (logs / "cli-prov" / "cert").write_bytes(cert.encode())
+    blob_id = Store.open(logs / "cli-prov" / "store").put_bytes(random.Random(3).randbytes(size))
+    prov = blob(
+        "eimp", "cli-prov", "serve", "--json", "--no-dht", "--relay", relay_addr,
+        "--certificate", str(logs / "cli-prov" / "cert"),
+        "--listen", f"/ip4/{tb.addr('eimp')}/tcp/4003",
+    )  # fmt: skip
+    ready = json.loads(_readline(prov, 90))
+    if ready.get("public") is not False or not ready.get("circuit_addrs"):
+        raise SystemExit(f"the provider is not reachable through the relay: {ready}")
+    ticket = Ticket(blob_id, tuple(ready["addrs"])).encode()
+    out = []
+    try:
+        for i in range(tries):
+            spawned = time.time()
+            get = blob("eimf", f"cli-get{i}", "get", ticket, "--json", "--no-upload")
+            stdout, stderr = get.communicate(timeout=120)
+            lines = stdout.strip().splitlines()
+            result = json.loads(lines[-1]) if get.returncode == 0 and lines else {}
+            row = {
+                "kind": "cli",
+                "try": i,
+                "fetched": result.get("id") == blob_id,
+                "exit": get.returncode,
+                "reason": stderr.strip().splitlines()[-1] if get.returncode else "",
+                "first_byte_from_start_s": (
+                    result["first_byte_at"] - spawned if "first_byte_at" in result else None
+                ),
+                "first_byte_from_command_s": result.get("first_byte_s"),
+            }
+            print(json.dumps(row), file=sys.stderr)
+            out.append(row)
+    finally:
+        for proc in (prov, relay):
+            proc.terminate()
+            proc.communicate(timeout=30)
+    return out
+
+
+def _cli_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def stats(key: str) -> dict[str, float] | None:
+        values = [r[key] for r in rows if r[key] is not None]
+        if not values:
+            return None
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    return {
+        "tries": len(rows),
+        "fetched": sum(r["fetched"] for r in rows),
+        "success_rate": sum(r["fetched"] for r in rows) / max(1, len(rows)),
+        "first_byte_from_start_s": stats("first_byte_from_start_s"),
+        "first_byte_from_command_s": stats("first_byte_from_command_s"),
+        "reasons": sorted({r["reason"] for r in rows if r["reason"]}),
+    }
+
+
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def stats(key: str) -> dict[str, float] | None:
         values = [r[key] for r in rows if r[key] is not None]
@@ -106,6 +206,13 @@ def main() -> None:
     parser.add_argument("--rtt-ms", type=float, default=80.0)
     parser.add_argument("--size-mib", type=int, default=4)
     parser.add_argument("--json-out", type=Path)
+    parser.add_argument(
+        "--cli-tries",
+        type=int,
+        default=0,
+        help="then this many real `blob get TICKET` processes from a `blob serve --relay`",
+    )
+    parser.add_argument("--cli-only", action="store_true", help="only the --cli-tries")
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason is not None:
@@ -124,13 +231,19 @@ def main() -> None:
     started = time.monotonic()
     with Testbed(hosts) as tb, tempfile.TemporaryDirectory(prefix="wan-nat-") as logs:
         nat = NatNodes(tb, logs=Path(logs))
+        rows: list[dict[str, Any]] = []
+        sym: list[dict[str, Any]] = []
+        relayed: list[dict[str, Any]] = []
+        cli: list[dict[str, Any]] = []
+        size = args.size_mib * MiB
         try:
-            relay = nat.relay("relay")
-            size = args.size_mib * MiB
-            rows = _tries(nat, relay, "eim", args.tries, size)
-            sym = _tries(nat, relay, "sym", args.symmetric_tries, size)
-            relayed: list[dict[str, Any]] = []
-            if args.relayed_tries:
+            if args.cli_tries:
+                cli = _cli_tries(tb, args.cli_tries, size, Path(logs))
+            relay = None if args.cli_only else nat.relay("relay")
+            if relay is not None:
+                rows = _tries(nat, relay, "eim", args.tries, size)
+                sym = _tries(nat, relay, "sym", args.symmetric_tries, size)
+            if args.relayed_tries and not args.cli_only:
                 # A second relay, run with limits raised for blobs, and fetchers that
                 # allow relaying: a symmetric pair's only way.
                 bulk = nat.relay("bulkrelay", "--max-bytes", str(4 * size))
@@ -143,6 +256,7 @@ def main() -> None:
         "eim": _summary(rows),
         "symmetric": _summary(sym),
         "relayed_allowed": _summary(relayed),
+        "cli": _cli_summary(cli),
         "wall_s": time.monotonic() - started,
     }
     text = json.dumps(report, indent=2)

@@ -114,3 +114,52 @@ def test_a_missing_certificate_file_is_not_found(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 3, done.stderr
     assert "certificate" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_get_seed_for_serves_what_it_fetched_until_ctrl_c_ends_it_with_exit_0(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Issue 21: a fetcher that stays (``--seed-for``) serves the swarm's tail: with the
+    original provider gone, a third node fetches from it; Ctrl-C during seeding is a
+    server's normal end (exit 0), its result line already out."""
+    import json
+    import signal
+    import socket
+    import subprocess
+
+    blob_id = cluster.put("seed", random_file(tmp_path / "blob.bin", SIZE))
+    seed = cluster.serve("seed")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (tmp_path / "mid").mkdir()
+    mid = subprocess.Popen(
+        blob_cmd(
+            cluster.store("mid"), cluster.key("mid"), "get", blob_id, "--json",
+            "--peer", seed.addr, "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--seed-for", "120",
+        ),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert mid.stdout is not None
+        result = json.loads(mid.stdout.readline())  # printed before seeding starts
+        assert result["id"] == blob_id
+        seed.stop()  # only the seeding fetcher holds the blob now
+        mid_peer = create_peer_id(cluster.key("mid"))
+        late = cluster.get("late", blob_id, "--peer", f"/ip4/127.0.0.1/tcp/{port}/p2p/{mid_peer}")
+        assert late["peers"][mid_peer]["bytes"] == SIZE
+        assert mid.poll() is None  # still seeding
+        mid.send_signal(signal.SIGINT)
+        _, err = mid.communicate(timeout=30)
+        assert mid.returncode == 0, err
+        assert "seeding" in err and "stopping on SIGINT" in err
+    finally:
+        if mid.poll() is None:
+            mid.kill()
+            mid.communicate()
+
+
+def create_peer_id(key_path: Path) -> str:
+    from identity.keyfile import load_key_file
+
+    return load_key_file(key_path).peer_id
