@@ -27,6 +27,7 @@ import errno
 import fcntl
 import os
 import secrets
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -217,10 +218,28 @@ def write_file_atomic(
         return tmp.publish(target, replace=replace, mode=mode)
 
 
+TRASH_PREFIX = "trash-"
+"""Names in a temp directory that gc renamed there to delete outside the store lock."""
+
+
+def delete_trash(path: str) -> None:
+    """Delete what gc moved to the trash (a file or a directory); already gone is fine."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def sweep_temp_dir(tmp_dir: Path) -> list[str]:
-    """Delete temp files in ``tmp_dir`` that no live writer holds. Returns their names."""
+    """Delete temp files in ``tmp_dir`` that no live writer holds, and trash a gc left
+    behind (killed between its rename and its delete). Returns their names."""
     removed: list[str] = []
     for entry in os.scandir(tmp_dir):
+        if entry.name.startswith(TRASH_PREFIX) and entry.is_dir(follow_symlinks=False):
+            delete_trash(entry.path)
+            removed.append(entry.name)
+            continue
         try:
             fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:

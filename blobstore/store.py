@@ -117,8 +117,10 @@ from blobstore.collection import (
     looks_like_collection,
 )
 from blobstore.durable import (
+    TRASH_PREFIX,
     TempFile,
     claim_lock,
+    delete_trash,
     fsync_dir,
     link_or_rename,
     lock_holder,
@@ -1362,9 +1364,16 @@ class Store:
         Returns the removed IDs. Never touches a tagged or leased blob (or a child of a
         tagged or leased collection), a partial another writer holds, or anything younger
         than the grace.
+
+        The store lock is held only while deciding and renaming: what goes is renamed into
+        ``tmp/`` (one rename each, however large the file) and deleted after the lock is
+        released, so a ``put`` or a fetch waiting on the lock is not held up by the
+        filesystem freeing gigabytes. A crash in between leaves only names in ``tmp/``,
+        which the next open sweeps.
         """
         now = time.time()
         removed: list[str] = []
+        doomed: list[str] = []  # paths in tmp/, deleted once the lock is released
         with os_errors("collecting garbage"):
             sweep_temp_dir(self.tmp_dir)
             with self._store_lock():
@@ -1373,7 +1382,7 @@ class Store:
                     data_path = self._data_path(blob_id)
                     if blob_id in keep or now - data_path.stat().st_mtime < grace_seconds:
                         continue
-                    data_path.unlink()
+                    doomed.append(self._to_trash(data_path))
                     self._manifest_path(blob_id).unlink(missing_ok=True)
                     removed.append(blob_id)
                     with self._mutex:
@@ -1392,7 +1401,7 @@ class Store:
                         )
                         if now - newest < grace_seconds:
                             continue
-                        shutil.rmtree(entry.path)
+                        doomed.append(self._to_trash(Path(entry.path)))
                         if _is_id(entry.name):
                             removed.append(entry.name)
                     finally:
@@ -1402,10 +1411,19 @@ class Store:
                         continue  # pinned, or a repair download is using it
                     newest = max((e.stat().st_mtime for e in os.scandir(entry.path)), default=0.0)
                     if now - newest >= grace_seconds:
-                        shutil.rmtree(entry.path, ignore_errors=True)
+                        doomed.append(self._to_trash(Path(entry.path)))
                         if _is_id(entry.name):
                             removed.append(entry.name)
+            for path in doomed:
+                delete_trash(path)
         return sorted(set(removed))
+
+    def _to_trash(self, path: Path) -> str:
+        """Rename ``path`` (a file or a directory) into ``tmp/`` under a trash name; the
+        caller deletes it. Store lock held."""
+        trash = os.path.join(self.tmp_dir, f"{TRASH_PREFIX}{secrets.token_hex(8)}")
+        os.rename(path, trash)
+        return trash
 
     # ------------------------------------------------------------------ collections
     def put_dir(

@@ -439,6 +439,36 @@ def test_gc_partials(store: Store) -> None:
     assert store.gc(5) == [held.blob_id]
 
 
+def test_gc_deletes_outside_the_store_lock_and_a_killed_gcs_trash_is_swept(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Freeing a large blob's space can take the filesystem seconds; a put waiting on the
+    store lock meanwhile must not time out. So gc only renames under the lock, and a gc
+    killed before its deletes leaves trash that the next open removes."""
+    old = store.put_bytes(os.urandom(3 * C), chunk_size=C)
+    age(store.path(old), 7200)
+    other = Store.open(store.root, lock_timeout=0.5)
+    put_while_deleting: list[str] = []
+    real_delete = store_mod.delete_trash
+
+    def delete(path: str) -> None:
+        put_while_deleting.append(other.put_bytes(b"arrives during the delete", chunk_size=C))
+        real_delete(path)
+
+    monkeypatch.setattr(store_mod, "delete_trash", delete)
+    assert store.gc(3600) == [old]
+    assert len(put_while_deleting) == 1 and store.has(put_while_deleting[0])
+    assert not store.has(old) and os.listdir(store.tmp_dir) == []
+
+    # Killed between rename and delete: the trash (a partial's directory) stays in tmp/.
+    monkeypatch.setattr(store_mod, "delete_trash", lambda path: None)
+    store.begin_partial(Manifest.of_bytes(os.urandom(C), C)).close()
+    assert len(store.gc(0)) == 2
+    assert len(os.listdir(store.tmp_dir)) == 2
+    Store.open(store.root)
+    assert os.listdir(store.tmp_dir) == []
+
+
 def test_gc_keeps_children_of_tagged_collection(store: Store, tmp_path: Path) -> None:
     d = tmp_path / "model"
     d.mkdir()
