@@ -4,14 +4,16 @@ kernel set of the kernel class family.
 Theory of operation:
 
 1. A round's forward, backward (run by the autograd engine) and optimizer step execute
-   inside an ``OpAuditor``, a ``TorchDispatchMode``: every op reaches
-   ``__torch_dispatch__`` with its arguments before it runs (research/train.md section 3).
+   inside an ``OpAuditor``, a ``TorchDispatchMode``: while it is entered, every op the
+   dispatcher runs passes the ``Python`` dispatch key, whose kernel hands the op to
+   ``__torch_dispatch__`` before it runs (research/train.md section 3), unless the op has
+   its own kernel for that key (point 5).
 2. An op is allowed only if its name (``aten::mm.default``) is in the audited kernel set,
-   the JSON file ``training/kernels/<family>.json``. The set is the union of the ops of
-   step 0 (which has extra ones: AdamW's ``zeros_like`` state init, ``lift_fresh``) and of
-   steady-state steps, recorded by ``python -m training.audit --build <family>`` on
-   every supported model shape, with and without dropout. Anything else raises
-   ``AuditViolation`` naming the op, and the round is refused.
+   the JSON file ``training/kernels/<family>.json``. The set is recorded by ``python -m
+   training.audit --build <family>`` on every supported model shape, with and without
+   dropout, over step 0 (AdamW's ``zeros_like`` state init, ``lift_fresh``) and steady
+   steps, and holds the ops of every depth the auditor can see (point 5a). Anything else
+   raises ``AuditViolation`` naming the op, and the round is refused.
 3. Every op's tensor results must be on the round's device; an op that returns no tensor
    (``_local_scalar_dense``, the profiler's markers) has its tensor and device arguments
    checked instead. Results are enough: torch picks an op's kernel by the devices of its
@@ -23,14 +25,66 @@ Theory of operation:
    A copy from another device is exact, so it moves values without computing. The one
    exception: on CUDA a 0-dim CPU tensor is a scalar that CUDA kernels take by value
    (AdamW's step counter without ``capturable``, Python scalars wrapped by autograd), so
-   it is allowed there.
+   it is allowed there. Known hole: torch lets a CPU kernel read a *meta* tensor next to
+   CPU ones (``mm``, indexing: the result is CPU and its values are whatever memory
+   held). In the python regime (point 5) a meta tensor made before the round (a module
+   attribute) or by ``torch.tensor(..., device="meta")`` (no op the mode sees) gets
+   there; in the dispatcher regime only one made before the round does (making one
+   while it is installed runs a refused meta kernel). Checking every op's arguments,
+   not just its results, would close it, at a cost per op.
 4. The set pins *ops*, not the concrete kernels behind them (one ``aten::mm`` is many
    MKL/cuBLAS paths); the kernel class pins those (ISA, GPU, library builds, threads).
-5. Overhead is per op, so it is kept small: the allow-list decision is cached per op
-   object, devices are checked through the ``is_cpu``/``is_cuda`` flags, results (not
-   arguments) are checked, and lists are walked one level deep (aten schemas nest
-   tensors at most in a list) without pytree. Most of what remains is torch's own cost
-   of entering a Python dispatch mode per op (~10 us), measured by ``bench/round.py``.
+5. Two regimes, with the same allow-list and the same refusals. A Python dispatch mode
+   costs ~10 us per op however little its ``__torch_dispatch__`` does (boxing the
+   arguments, the C++/Python crossing): an empty one alone makes a tiny-model step
+   ~1.4-1.9x slower, so a check in Python of every op cannot meet issue 19's <= 1.5x.
+
+   * ``python`` (``make_auditor``; CUDA rounds, CPU rounds on a machine that has an
+     accelerator, building a set): every op reaches ``__torch_dispatch__``.
+   * ``dispatcher`` (``make_round_auditor`` for CPU rounds on a machine with no
+     accelerator): while the round runs (``installed()``), every op of the set has a
+     fallthrough kernel for the ``Python`` key, so the dispatcher runs it straight to its
+     CPU kernel without Python (being in that table is how an op is allowed), and a
+     refusal as its meta kernel (except an op with a CompositeImplicitAutograd kernel:
+     it never runs a kernel of its own, only the ops it decomposes into). Only ops
+     outside the set reach ``__torch_dispatch__``, which refuses them.
+
+   Why the dispatcher regime guarantees what the python one does, on every step (no
+   sampling, no assumption that later steps take the first step's path):
+   (a) *Ops*: an op without a ``Python``-key kernel of ours goes to
+   ``__torch_dispatch__`` whenever it is dispatched with the mode entered, so a
+   non-audited op is refused on whatever step it first appears. This sees *more* than
+   the python regime: ops that a fallen-through kernel calls inside itself (``mm`` calls
+   ``resolve_conj``, ``_to_copy`` calls ``empty_strided``) are dispatched with the mode
+   still entered, so they are checked too, where the python regime runs each kernel
+   with the mode popped and sees only its outer op. Hence point 2's "every depth": the
+   builder repeats its recording with the ops found so far falling through until no
+   new op appears (``MAX_BUILD_PASSES``).
+   (b) *Devices*: on a machine with no accelerator torch has two devices, CPU and meta.
+   A kernel runs for meta only when the dispatcher picks the ``Meta`` key: every tensor
+   of the op is on meta, or it is a factory or copy naming meta (``torch.zeros(...,
+   device="meta")``, ``.to("meta")``, even ``torch.tensor(..., device="meta")``, whose
+   allocation the python regime never sees). Each audited op's meta kernel is a refusal
+   while installed and every other op is refused in Python, so every kernel that runs
+   is a CPU kernel and its results are CPU tensors: what the python regime's result
+   checks establish (point 3's hole is narrower here: see there). With an accelerator
+   present, a tensor left on it (a module attribute that ``.to()`` does not move) would
+   run that device's kernels unseen, so the python regime runs there: the choice is
+   made from the machine, is reported as ``regime``, and both regimes enforce the same
+   set.
+   (c) *Scope*: these kernels are process-wide, so they exist only inside
+   ``installed()`` (one set at a time, removed on any exit), and the fallthroughs act
+   only where the ``Python`` key is dispatched: while a dispatch mode is entered or for
+   a tensor subclass with its own ``__torch_dispatch__``. Code outside the audit never
+   meets them; while installed, another dispatch mode or such a subclass in the process
+   would not see the set's ops (a round uses neither), and meta tensors cannot be
+   computed on (the python regime refuses them too).
+6. Overhead in the python regime is per op, so it is kept small: the allow-list decision
+   is cached per op object, devices are checked through the ``is_cpu``/``is_cuda``
+   flags, results (not arguments) are checked, lists are walked one level deep (aten
+   schemas nest tensors at most in a list) without pytree, and ``__torch_dispatch__`` is
+   not wrapped in dynamo's disable guard (``_should_skip_dynamo``: rounds never compile).
+   ``bench/round.py`` measures both regimes against a plain step.
 """
 
 from __future__ import annotations
@@ -38,7 +92,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,10 +105,16 @@ if TYPE_CHECKING:
     import torch
 
 KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
-KERNEL_SET_FORMAT = 1
+# 2: the ops of every depth the dispatcher regime sees (format 1 held only outer ops, on
+# which that regime would refuse rounds for ops nested in audited kernels).
+KERNEL_SET_FORMAT = 2
 BUILD_COMMAND = "python -m training.audit --build {family}"
-# A kernel set lists ~60 ops; a file much larger than this is not one.
+# A kernel set lists ~100 ops; a file much larger than this is not one.
 MAX_KERNEL_SET_SIZE = 1 << 20
+# Recording passes of the builder (point 5a): each pass lets the ops found so far fall
+# through, exposing the ops their kernels call one level further in; torch kernels nest
+# two or three levels deep, so more passes than this mean the recording does not converge.
+MAX_BUILD_PASSES = 6
 
 
 def kernel_set_path(family: str) -> Path:
@@ -87,9 +149,128 @@ def op_name(func: Any) -> str:
     return f"{func._schema.name}.{func._overloadname}"
 
 
-def make_auditor(device: str, allowed: frozenset[str] | None, *, record: bool = False) -> Any:
-    """An ``OpAuditor`` for ``device``; ``allowed=None`` only records (building a set)."""
-    return _auditor_class()(device, allowed, record=record)
+def make_auditor(
+    device: str,
+    allowed: frozenset[str] | None,
+    *,
+    record: bool = False,
+    fallthrough: frozenset[str] = frozenset(),
+) -> Any:
+    """A python-regime ``OpAuditor`` for ``device`` (every op reaches Python);
+    ``allowed=None`` only records (building a set). ``fallthrough``: ops that skip Python
+    while ``installed()`` (the builder's deeper passes; rounds use ``make_round_auditor``)."""
+    return _auditor_class()(device, allowed, record=record, fallthrough=fallthrough)
+
+
+def make_round_auditor(device: str, allowed: frozenset[str]) -> Any:
+    """The auditor a round runs under: the dispatcher regime for a CPU round on a machine
+    without an accelerator, else the python regime (module doc, point 5)."""
+    if device == "cpu" and not accelerator_present():
+        return make_auditor(device, allowed, fallthrough=fallthrough_ops(allowed))
+    return make_auditor(device, allowed)
+
+
+def accelerator_present() -> bool:
+    """Whether torch can make tensors on a device other than CPU and meta here."""
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        return True
+    return bool(torch.cuda.is_available())
+
+
+def op_overload(name: str) -> Any:
+    """The ``OpOverload`` of ``aten::mm.default``; ``LookupError`` if torch has none."""
+    import torch
+
+    namespace, _, rest = name.partition("::")
+    op, _, overload = rest.partition(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+    except (AttributeError, RuntimeError) as exc:
+        raise LookupError(f"torch has no op {name}") from exc
+
+
+def fallthrough_ops(ops: Iterable[str]) -> frozenset[str]:
+    """The ops of ``ops`` that this torch has: each gets its dispatcher-regime kernels
+    (one it lacks cannot run, so it needs no table entry)."""
+    found = set()
+    for name in ops:
+        try:
+            op_overload(name)
+        except LookupError:
+            continue
+        found.add(name)
+    return frozenset(found)
+
+
+# The one installed set of fallthrough kernels (point 5c): the ops and the count of
+# auditors using them; the registrations are process-wide.
+_INSTALL_LOCK = threading.Lock()
+_installed: dict[str, Any] = {}
+
+
+@contextmanager
+def install_fallthrough(ops: frozenset[str], device: str) -> Iterator[None]:
+    """Register, until exit, a ``Python``-key fallthrough for each op of ``ops`` and, for
+    a CPU round, a refusal as its meta kernel (point 5b). Nested installs of the same
+    ops share one registration; a different set while one is installed is a bug."""
+    if not ops:
+        yield
+        return
+    with _INSTALL_LOCK:
+        if _installed:
+            if _installed["ops"] != ops or _installed["device"] != device:
+                raise RuntimeError("another fallthrough set is installed in this process")
+            _installed["users"] += 1
+        else:
+            _installed.update(ops=ops, device=device, users=1, libraries=_register(ops, device))
+    try:
+        yield
+    finally:
+        with _INSTALL_LOCK:
+            _installed["users"] -= 1
+            if not _installed["users"]:
+                for library in _installed["libraries"]:
+                    library._destroy()
+                _installed.clear()
+
+
+def _register(ops: frozenset[str], device: str) -> list[Any]:
+    import torch
+
+    libraries: dict[str, Any] = {}
+    try:
+        for name in sorted(ops):
+            namespace, _, rest = name.partition("::")
+            library = libraries.get(namespace)
+            if library is None:
+                library = torch.library.Library(namespace, "IMPL")  # type: ignore[no-untyped-call]
+                libraries[namespace] = library
+            op = rest.removesuffix(".default")
+            library.impl(op, torch.library.fallthrough_kernel, "Python")
+            # Point 5b. An op with a CompositeImplicitAutograd kernel never runs a meta
+            # kernel itself: the ops it decomposes into do (in ``ops``, or refused).
+            if device == "cpu" and not torch._C._dispatch_has_kernel_for_dispatch_key(
+                f"{namespace}::{op}", "CompositeImplicitAutograd"
+            ):
+                library.impl(op, _meta_refusal(name), "Meta")
+    except BaseException:
+        for library in libraries.values():
+            library._destroy()
+        raise
+    return list(libraries.values())
+
+
+def _meta_refusal(name: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AuditViolation(
+            f"round refused: op {name} has a tensor or device on meta, "
+            "not on the round's device cpu"
+        )
+
+    return refuse
 
 
 _AUDITOR_CLASS: type | None = None
@@ -113,20 +294,41 @@ def _define_auditor() -> type:
         """Refuses ops outside ``allowed`` and tensors off ``device``; see module doc."""
 
         def __init__(
-            self, device: str, allowed: frozenset[str] | None, *, record: bool = False
+            self,
+            device: str,
+            allowed: frozenset[str] | None,
+            *,
+            record: bool = False,
+            fallthrough: frozenset[str] = frozenset(),
         ) -> None:
             super().__init__()  # type: ignore[no-untyped-call]
             if device not in ("cpu", "cuda"):
                 raise ValueError(f"unknown device {device!r}")
+            if allowed is not None and not fallthrough <= allowed:
+                raise ValueError("fallthrough ops must be allowed ops")
             self.device = device
             self.allowed = allowed
             self.record = record
+            self.fallthrough = fallthrough
+            self.regime = "dispatcher" if fallthrough else "python"
             self.seen: dict[str, int] = {}
+            # Ops that reached __torch_dispatch__ (in the dispatcher regime, not all ops).
             self.calls = 0
             # op object -> its name and callable, for ops already found in the allowed set
             self._decided: dict[Any, tuple[str, Any]] = {}
             self._on_device = _cpu_ok if device == "cpu" else _cuda_ok
             self._cpu = device == "cpu"
+
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            # Not wrapping __torch_dispatch__ in dynamo's disable guard saves ~1 us per op;
+            # rounds never compile (module doc, point 6).
+            return False
+
+        def installed(self) -> Any:
+            """Context for a whole round: the dispatcher regime's fallthrough kernels
+            (module doc, point 5); nothing to install in the python regime."""
+            return install_fallthrough(self.fallthrough, self.device)
 
         def _refuse_device(self, name: str, value: Any) -> None:
             where = value.type if isinstance(value, device_type) else value.device
@@ -223,7 +425,8 @@ def build_kernel_set(family: str, steps: int = 3) -> dict[str, Any]:
     Shapes: the built-in tiny and small Llamas (byte records; tiny has grouped-query
     attention, small has not) and Hugging Face directories of :data:`AUDITED_SHAPES`
     (tokenizer records), each with dropout 0 and 0.1 (dropout adds its RNG ops), on the
-    family's device in deterministic mode.
+    family's device in deterministic mode. Passes repeat with the ops found so far
+    falling through until one finds no new op (module doc, point 5a).
     """
     import tempfile
 
@@ -238,20 +441,24 @@ def build_kernel_set(family: str, steps: int = 3) -> dict[str, Any]:
     kc = kernel_class.detect(device)
     ops: set[str] = set()
 
-    def record(make_base: Any, records: bytes, targets: tuple[str, ...]) -> None:
+    def record(
+        make_base: Any, records: bytes, targets: tuple[str, ...], fallthrough: frozenset[str]
+    ) -> None:
         for dropout in (0.0, 0.1):
             recipe = Recipe(
                 steps=steps, batch_size=4, seq_len=32, dropout=dropout, target_modules=targets
             )
-            auditor = make_auditor(device, None, record=True)
+            auditor = make_auditor(device, None, record=True, fallthrough=fallthrough)
             session = trainer.prepare(make_base(), recipe, 0, device)
             trainer.run_steps(session, trainer.decode(records), auditor=auditor)
             ops.update(auditor.seen)
 
     byte_records = make_records([bytes(range(256)) * 8], seq_len=32)
-    for size in ("tiny", "small"):
-        record(lambda size=size: make_tiny_llama(size, seed=0), byte_records, DEFAULT_TARGETS)
     with tempfile.TemporaryDirectory(prefix="blobnet-kernels-") as tmp:
+        shapes: list[tuple[Any, bytes, tuple[str, ...]]] = [
+            (lambda size=size: make_tiny_llama(size, seed=0), byte_records, DEFAULT_TARGETS)
+            for size in ("tiny", "small")
+        ]
         for i, (arch, overrides) in enumerate(AUDITED_SHAPES):
             directory = Path(tmp) / str(i)
             build_model_dir(arch, directory, _CORPUS, seed=0, overrides=overrides)
@@ -262,12 +469,24 @@ def build_kernel_set(family: str, steps: int = 3) -> dict[str, Any]:
                 tokenizer_id="0" * 64,
                 eos_id=model_eos(read_config(directory)),
             )
-            record(lambda d=directory: load_base_model(d), records, ARCH_TARGETS[arch])
+            shapes.append((lambda d=directory: load_base_model(d), records, ARCH_TARGETS[arch]))
+        for passes in range(1, MAX_BUILD_PASSES + 1):
+            before = len(ops)
+            fallthrough = fallthrough_ops(ops)
+            for make_base, records, targets in shapes:
+                record(make_base, records, targets, fallthrough)
+            if passes > 1 and len(ops) == before:
+                break
+        else:
+            raise RuntimeError(
+                f"recording found new nested ops in each of {MAX_BUILD_PASSES} passes"
+            )
     return {
         "format": KERNEL_SET_FORMAT,
         "family": family,
         "built_by": BUILD_COMMAND.format(family=family),
         "built_on": kc.fields,
+        "passes": passes,
         "shapes": ["llama-tiny", "llama-small"]
         + [f"{a}:{json.dumps(o, sort_keys=True)}" for a, o in AUDITED_SHAPES],
         "ops": sorted(ops),

@@ -11,7 +11,8 @@ Theory of operation:
    verified against its ID: a corrupt local copy is named as such (``CorruptInput``,
    exit 4) instead of surfacing as a replay that "differs at step N".
 2. ``execute`` enters deterministic mode, detects the kernel class, loads that family's
-   audited kernel set, trains every step under the auditor, publishes the adapter as a
+   audited kernel set, trains every step under the auditor (``make_round_auditor``: its
+   dispatcher regime on a CPU machine without an accelerator), publishes the adapter as a
    peft-loadable collection and returns the commitment (training.commitment).
 3. ``run_round`` signs the commitment's digest (statement kind ``round-result``) and
    publishes the round record; its blob ID is the round ID.
@@ -236,7 +237,7 @@ def execute(
             if on_step is not None:
                 on_step(step, bits)
 
-        auditor = audit.make_auditor(resolved, allowed)
+        auditor = audit.make_round_auditor(resolved, allowed)
         log = trainer.run_steps(session, records, auditor=auditor, on_step=step_hook)
         end_root = trainer.state_root(session)
         after = kernel_class.detect(resolved)

@@ -12,7 +12,8 @@ Order of a round, each part a pure function of its inputs within one kernel clas
    the order never depends on a torch RNG kernel.
 3. ``run_steps``: per step, the batch is built outside the audit; forward (HF causal-LM
    loss; padding is ignored), backward, ``optimizer.step``, ``zero_grad`` and the loss
-   read-back run inside the auditor. Each loss is logged as its float32 bits.
+   read-back run inside the auditor, whose dispatcher-regime kernels stay installed for
+   the whole run (training.audit, point 5). Each loss is logged as its float32 bits.
 4. ``state_root``: BLAKE3 over canonical tensor bytes of the adapter parameters and the
    optimizer state (never over a file).
 """
@@ -176,7 +177,20 @@ def run_steps(
     on_step: Callable[[int, int], None] | None = None,
 ) -> list[int]:
     """Train ``recipe.steps`` steps; returns each step's loss bits. ``auditor`` (an
-    ``OpAuditor``) wraps forward, backward, the optimizer step and the loss read-back."""
+    ``OpAuditor``) wraps forward, backward, the optimizer step and the loss read-back of
+    every step, and is installed (its dispatcher-regime kernels) for the whole run."""
+    if auditor is None:
+        return _run_steps(session, records, None, on_step)
+    with auditor.installed():
+        return _run_steps(session, records, auditor, on_step)
+
+
+def _run_steps(
+    session: Session,
+    records: Records,
+    auditor: Any,
+    on_step: Callable[[int, int], None] | None,
+) -> list[int]:
     log: list[int] = []
     model, optimizer = session.model, session.optimizer
     for step, (ids, labels) in enumerate(batches(session, records)):
