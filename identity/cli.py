@@ -123,23 +123,39 @@ def _authority_key(value: str) -> bytes:
         raise BadPublicKey(f"{value}: {exc}") from None
 
 
-def trust_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """The ``--authority`` (repeatable) and ``--revoked`` options of every command that
-    verifies certificates; pair with :func:`load_trust`."""
-    command = click.option(
-        "--revoked",
-        "revoked_path",
-        type=click.Path(path_type=Path, dir_okay=False),
-        default=None,
-        help="Revocation list: one certificate serial or peer ID a line.",
-    )(command)
-    return click.option(
-        "--authority",
-        "authorities",
-        multiple=True,
-        required=True,
-        help="Trusted authority public key: 64 hex digits or a .pub file (repeatable).",
-    )(command)
+def make_trust_options(
+    *,
+    required: bool = True,
+    authority_help: str = "Trusted authority public key: 64 hex digits or a .pub file "
+    "(repeatable).",
+    revoked_help: str = "Revocation list: one certificate serial or peer ID a line.",
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The ``--authority`` (repeatable) and ``--revoked`` options of a command that
+    verifies certificates (values ``authorities`` and ``revoked_path``); pair with
+    :func:`load_trust`."""
+
+    def apply(command: Callable[..., Any]) -> Callable[..., Any]:
+        command = click.option(
+            "--revoked",
+            "revoked_path",
+            type=click.Path(path_type=Path, dir_okay=False),
+            default=None,
+            help=revoked_help,
+        )(command)
+        return click.option(
+            "--authority",
+            "authorities",
+            multiple=True,
+            required=required,
+            metavar="KEY",
+            help=authority_help,
+        )(command)
+
+    return apply
+
+
+trust_options = make_trust_options()
+"""The trust options of a command that needs at least one authority."""
 
 
 def load_trust(authorities: Iterable[str], revoked_path: Path | None) -> TrustStore:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from blobstore import BlobNotFound, Store
+from identity.cli import load_trust, make_trust_options
 from p2p.errors import BadAddress
 from p2p.names_record import NameRecord, check_name, parse_ref
 from p2p.net_cli import bootstrap_option, listen_option, run_interruptible, verbose_option
@@ -57,22 +58,12 @@ def _node_options(*, dht: bool) -> Callable[[Callable[..., Any]], Callable[..., 
     return apply
 
 
-def _trust_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    command = click.option(
-        "--revoked",
-        "revoked_path",
-        type=click.Path(path_type=Path, dir_okay=False),
-        default=None,
-        help="Revocation list for --authority: one certificate serial or peer ID a line.",
-    )(command)
-    return click.option(
-        "--authority",
-        "authorities",
-        multiple=True,
-        metavar="KEY",
-        help="Accept only publishers admitted by this authority (64 hex digits or a .pub "
-        "file; repeatable).",
-    )(command)
+_trust_options = make_trust_options(
+    required=False,
+    authority_help="Accept only publishers admitted by this authority (64 hex digits or a "
+    ".pub file; repeatable).",
+    revoked_help="Revocation list for --authority: one certificate serial or peer ID a line.",
+)
 
 
 def _load_trust(authorities: Sequence[str], revoked_path: Path | None) -> TrustStore | None:
@@ -80,8 +71,6 @@ def _load_trust(authorities: Sequence[str], revoked_path: Path | None) -> TrustS
         if revoked_path is not None:
             raise click.UsageError("--revoked needs --authority")
         return None
-    from identity.cli import load_trust
-
     return load_trust(authorities, revoked_path)
 
 
