@@ -40,6 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import blake3
 import trio
+from libp2p.peer.id import ID
 
 from blobstore import BlobExists, CorruptChunk, Manifest, NoSpace, PartialBlob, Store
 from p2p import protocol as proto
@@ -55,7 +56,8 @@ from p2p.scheduler import (
     StripeConfig,
     StripeGrowth,
 )
-from p2p.wire import BlobClient, StreamLost, reset_quietly
+from p2p.swarm import fetching_board
+from p2p.wire import BlobClient, StreamLost, open_optimistic, reset_quietly
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +286,12 @@ class Download:
         # hands different chunks to each first and they can trade the rest.
         start = int.from_bytes(blake3.blake3(f"{own_peer}/{self.blob_id}".encode()).digest()[:8])
         self.scheduler = Scheduler(
-            manifest.num_chunks, self.chunk_length, verified, config, start=start if own_peer else 0
+            manifest.num_chunks,
+            self.chunk_length,
+            verified,
+            config,
+            start=start if own_peer else 0,
+            own=own_peer,
         )
         self.buffers = ChunkBuffers(
             manifest.chunk_size, max(MIN_BUFFERS, BUFFER_POOL_BYTES // manifest.chunk_size)
@@ -437,17 +444,42 @@ class Download:
         return not self.scheduler.done
 
     async def _refresh_have(self, peer: str) -> None:
-        """Ask a partial provider ``have`` every HAVE_REFRESH_INTERVAL while it may gain
-        chunks we lack, on a stream of its own; stops at the first failure (the peer's
-        workers notice a lost peer by themselves)."""
-        stream = None
+        """Ask a partial provider what it holds every HAVE_REFRESH_INTERVAL while it may
+        gain chunks we lack, on a stream of its own: 1.3.0's ``status`` (what it holds and
+        what it is fetching now, p2p.swarm rule 4) where the peer speaks it, else ``have``.
+        Stops at the first failure (the peer's workers notice a lost peer by themselves)."""
+        client = await self._open_status_stream(peer)
+        status = client is not None
         try:
-            stream = await self.network.open_blob_stream(peer)
-            client = BlobClient(stream, self.chunk_length)
+            if client is None:
+                client = BlobClient(await self.network.open_blob_stream(peer), self.chunk_length)
+            answered = False
             while not self.scheduler.done and self._peer_usable(peer):
-                await trio.sleep(HAVE_REFRESH_INTERVAL)
+                if answered or not status:
+                    await trio.sleep(HAVE_REFRESH_INTERVAL)
+                soon = None
+                have: proto.HaveResponse | proto.ErrorResponse
                 with trio.fail_after(CONTROL_TIMEOUT):
-                    have = await client.have(self.blob_id)
+                    if status:
+                        try:
+                            reply = await client.status(self.blob_id)
+                        except StreamLost:
+                            if answered:
+                                raise
+                            # A server before 1.3.0 refuses the proposal: ask `have`.
+                            await reset_quietly(client.stream)
+                            stream = await self.network.open_blob_stream(peer)
+                            client = BlobClient(stream, self.chunk_length)
+                            status = False
+                            continue
+                        if isinstance(reply, proto.StatusResponse):
+                            soon = reply.soon
+                            have = proto.HaveResponse(reply.num_chunks, reply.bitmap)
+                        else:
+                            have = reply
+                    else:
+                        have = await client.have(self.blob_id)
+                answered = True
                 if isinstance(have, proto.ErrorResponse):
                     return
                 if have.num_chunks != self.manifest.num_chunks:
@@ -455,15 +487,29 @@ class Download:
                 if not self._peer_usable(peer):
                     return
                 full = all(have.bitmap[i // 8] >> (i % 8) & 1 for i in range(have.num_chunks))
-                self.scheduler.update_peer_bitmap(peer, None if full else have.bitmap)
+                self.scheduler.update_peer_bitmap(peer, None if full else have.bitmap, soon)
                 self._notify()
                 if full:
                     return
         except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
             log.info("provider %s: have refresh ended: %r", peer, exc)
         finally:
-            if stream is not None:
-                await reset_quietly(stream)
+            if client is not None:
+                await reset_quietly(client.stream)
+
+    async def _open_status_stream(self, peer: str) -> BlobClient | None:
+        """A ``/blobnet/blob/1.3.0`` stream to ``peer`` for ``status`` (proposed, not yet
+        confirmed: the first answer tells), or None where the network has no libp2p host
+        to open one on or the open fails."""
+        host = getattr(self.network, "host", None)
+        if host is None or not hasattr(host, "get_network"):
+            return None
+        try:
+            stream = await open_optimistic(host, ID.from_base58(peer), proto.PROTOCOL_ID_1_3)
+        except Exception as exc:  # libp2p raises many types for one failed open
+            log.info("provider %s: no status stream: %r", peer, exc)
+            return None
+        return BlobClient(stream, self.chunk_length, status=True)
 
     def _set_connections(self, peer: str) -> None:
         count = 1 if self.striped is None else self.striped.connection_count(peer)
@@ -789,7 +835,9 @@ async def _download(
                 scores=scores,
                 own_peer=own_peer,
             )
-            await _run(download, candidates, more_providers, discovery_timeout)
+            # What this download has in flight is what the node's server calls `soon`.
+            with fetching_board(store).posting(blob_id, download.scheduler.in_flight):
+                await _run(download, candidates, more_providers, discovery_timeout)
         await download.flush()
         await trio.to_thread.run_sync(partial.publish)
         download._report(force=True)

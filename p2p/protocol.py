@@ -1,4 +1,4 @@
-"""The sans-IO core of the ``/blobnet/blob/1.0.0`` and ``/blobnet/blob/1.1.0`` wire protocol.
+"""The sans-IO core of the ``/blobnet/blob/1.0.0`` to ``/blobnet/blob/1.3.0`` wire protocol.
 
 Bytes in, events out; events in, bytes out. Nothing here touches a socket, a clock or the
 store: the trio shell (server, client, downloader) moves bytes between these objects and
@@ -74,6 +74,7 @@ __all__ = [
     "PROTOCOL_ID",
     "PROTOCOL_ID_1_1",
     "PROTOCOL_ID_1_2",
+    "PROTOCOL_ID_1_3",
     "SERVED_PROTOCOL_IDS",
     "Chunk",
     "ClientConnection",
@@ -93,6 +94,8 @@ __all__ = [
     "Request",
     "Response",
     "ServerConnection",
+    "StatusRequest",
+    "StatusResponse",
     "TruncatedStreamError",
     "encode_chunk_header",
     "encode_request",
@@ -105,9 +108,12 @@ PROTOCOL_ID = "/blobnet/blob/1.0.0"
 PROTOCOL_ID_1_1 = "/blobnet/blob/1.1.0"
 # 1.2.0: 1.1.0 plus the `peers` request (peer exchange: who else fetches this blob).
 PROTOCOL_ID_1_2 = "/blobnet/blob/1.2.0"
-# A server serves all three; a client that wants pipelining asks for 1.1.0 first, one that
-# wants peer exchange for 1.2.0.
-SERVED_PROTOCOL_IDS = (PROTOCOL_ID_1_2, PROTOCOL_ID_1_1, PROTOCOL_ID)
+# 1.3.0: 1.2.0 plus the `status` request: the chunks a peer holds and those it is fetching
+# now, so fellow fetchers leave a chunk in flight to it instead of asking the seeder too.
+PROTOCOL_ID_1_3 = "/blobnet/blob/1.3.0"
+# A server serves all four; a client that wants pipelining asks for 1.1.0 first, one that
+# wants peer exchange for 1.2.0, one that wants `status` for 1.3.0.
+SERVED_PROTOCOL_IDS = (PROTOCOL_ID_1_3, PROTOCOL_ID_1_2, PROTOCOL_ID_1_1, PROTOCOL_ID)
 
 # --- Limits -------------------------------------------------------------------------------
 # Every length, count and index a peer can claim is bounded here and checked before memory
@@ -276,6 +282,13 @@ class PeersRequest:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class StatusRequest:
+    """(1.3.0) Ask which chunks of ``blob_id`` the peer holds and which it is fetching."""
+
+    blob_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ManifestResponse:
     """The manifest bytes (the receiver checks they hash to the blob ID)."""
 
@@ -294,6 +307,16 @@ class HaveResponse:
         if not 0 <= index < self.num_chunks:
             return False
         return bool(self.bitmap[index >> 3] >> (index & 7) & 1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StatusResponse:
+    """(1.3.0) ``bitmap`` as in HaveResponse; ``soon`` (same length, disjoint from
+    ``bitmap``) has the chunks the peer is fetching now and will hold shortly (a hint)."""
+
+    num_chunks: int
+    bitmap: bytes
+    soon: bytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -336,8 +359,10 @@ class ErrorResponse:
         return cls(code, raw.decode("utf-8", errors="ignore"))
 
 
-Request: TypeAlias = ManifestRequest | HaveRequest | GetRequest | PeersRequest
-Response: TypeAlias = ManifestResponse | HaveResponse | Chunk | End | ErrorResponse | PeersResponse
+Request: TypeAlias = ManifestRequest | HaveRequest | GetRequest | PeersRequest | StatusRequest
+Response: TypeAlias = (
+    ManifestResponse | HaveResponse | Chunk | End | ErrorResponse | PeersResponse | StatusResponse
+)
 
 # Wire type strings.
 _T_MANIFEST = "manifest"
@@ -347,6 +372,7 @@ _T_CHUNK = "chunk"
 _T_END = "end"
 _T_ERROR = "error"
 _T_PEERS = "peers"
+_T_STATUS = "status"
 
 # Keys of each message on the wire, in their canonical order.
 _REQUEST_KEYS: dict[str, tuple[str, ...]] = {
@@ -356,6 +382,8 @@ _REQUEST_KEYS: dict[str, tuple[str, ...]] = {
 }
 # 1.2.0 adds `peers`; on 1.0.0 and 1.1.0 it stays an unknown message type.
 _REQUEST_KEYS_1_2: dict[str, tuple[str, ...]] = {**_REQUEST_KEYS, _T_PEERS: ("t", "id")}
+# 1.3.0 adds `status`; on older versions it is an unknown message type.
+_REQUEST_KEYS_1_3: dict[str, tuple[str, ...]] = {**_REQUEST_KEYS_1_2, _T_STATUS: ("t", "id")}
 _RESPONSE_KEYS: dict[str, tuple[str, ...]] = {
     _T_MANIFEST: ("t", "m"),
     _T_HAVE: ("t", "n", "bits"),
@@ -363,6 +391,7 @@ _RESPONSE_KEYS: dict[str, tuple[str, ...]] = {
     _T_END: ("t", "missing"),
     _T_ERROR: ("t", "code", "msg"),
     _T_PEERS: ("t", "p"),
+    _T_STATUS: ("t", "n", "bits", "soon"),
 }
 
 # Which response types may answer each request type (a response carrying anything else is
@@ -372,6 +401,7 @@ _ALLOWED_RESPONSES: dict[type, frozenset[str]] = {
     HaveRequest: frozenset({_T_HAVE, _T_ERROR}),
     GetRequest: frozenset({_T_CHUNK, _T_END, _T_ERROR}),
     PeersRequest: frozenset({_T_PEERS, _T_ERROR}),
+    StatusRequest: frozenset({_T_STATUS, _T_ERROR}),
 }
 
 
@@ -386,6 +416,8 @@ def max_response_header_size(request: Request) -> int:
         return MAX_MANIFEST_BYTES + _PAYLOAD_HEADER_OVERHEAD
     if type(request) is HaveRequest:
         return max(MAX_HEADER_SIZE, MAX_BITMAP_BYTES + _PAYLOAD_HEADER_OVERHEAD)
+    if type(request) is StatusRequest:
+        return max(MAX_HEADER_SIZE, 2 * (MAX_BITMAP_BYTES + _PAYLOAD_HEADER_OVERHEAD))
     return MAX_HEADER_SIZE
 
 
@@ -486,6 +518,17 @@ def _check_have(num_chunks: object, bitmap: object) -> tuple[int, bytes]:
     return num_chunks, bitmap
 
 
+def _check_status(num_chunks: object, bitmap: object, soon: object) -> tuple[int, bytes, bytes]:
+    num_chunks, bitmap = _check_have(num_chunks, bitmap)
+    try:
+        _, soon = _check_have(num_chunks, soon)
+    except _Invalid as exc:
+        raise _Invalid(f"status soon: {exc}") from None
+    if int.from_bytes(bitmap, "little") & int.from_bytes(soon, "little"):
+        raise _Invalid("status names a chunk both held and soon")
+    return num_chunks, bitmap, soon
+
+
 def _check_manifest(manifest: object) -> bytes:
     if type(manifest) is not bytes:
         raise _Invalid("manifest must be bytes")
@@ -572,6 +615,8 @@ def _request_map(req: object) -> dict[str, Any]:
         return {"t": _T_HAVE, "id": _blob_id_to_wire(req.blob_id)}
     if type(req) is PeersRequest:
         return {"t": _T_PEERS, "id": _blob_id_to_wire(req.blob_id)}
+    if type(req) is StatusRequest:
+        return {"t": _T_STATUS, "id": _blob_id_to_wire(req.blob_id)}
     if type(req) is GetRequest:
         ranges = _check_ranges(req.ranges)
         return {
@@ -590,6 +635,9 @@ def _response_map(resp: object) -> dict[str, Any]:
         return {"t": _T_HAVE, "n": num_chunks, "bits": bitmap}
     if type(resp) is PeersResponse:
         return {"t": _T_PEERS, "p": [[p, list(a)] for p, a in _check_peers(resp.peers)]}
+    if type(resp) is StatusResponse:
+        num_chunks, bitmap, soon = _check_status(resp.num_chunks, resp.bitmap, resp.soon)
+        return {"t": _T_STATUS, "n": num_chunks, "bits": bitmap, "soon": soon}
     if type(resp) is End:
         return {"t": _T_END, "missing": list(_check_missing(resp.missing))}
     if type(resp) is ErrorResponse:
@@ -655,8 +703,9 @@ def _require_canonical(header: bytes, canonical: dict[str, Any]) -> None:
         raise _Invalid("header is not canonical msgpack")
 
 
-def _decode_request(header: bytes, peer_exchange: bool = False) -> Request:
-    obj = _unpack_map(header, _REQUEST_KEYS_1_2 if peer_exchange else _REQUEST_KEYS)
+def _decode_request(header: bytes, peer_exchange: bool = False, status: bool = False) -> Request:
+    keys = _REQUEST_KEYS_1_3 if status else _REQUEST_KEYS_1_2 if peer_exchange else _REQUEST_KEYS
+    obj = _unpack_map(header, keys)
     kind = obj["t"]
     blob_id = _blob_id_from_wire(obj["id"])
     req: Request
@@ -666,6 +715,8 @@ def _decode_request(header: bytes, peer_exchange: bool = False) -> Request:
         req = HaveRequest(blob_id)
     elif kind == _T_PEERS:
         req = PeersRequest(blob_id)
+    elif kind == _T_STATUS:
+        req = StatusRequest(blob_id)
     else:
         req = GetRequest(blob_id, _check_ranges(obj["r"]))
     _require_canonical(header, _request_map(req))
@@ -693,6 +744,8 @@ def _decode_response(header: bytes, allowed: frozenset[str]) -> tuple[str, Any]:
         event = End(_check_missing(obj["missing"]))
     elif kind == _T_PEERS:
         event = PeersResponse(_check_peers(obj["p"]))
+    elif kind == _T_STATUS:
+        event = StatusResponse(*_check_status(obj["n"], obj["bits"], obj["soon"]))
     else:
         event = ErrorResponse(*_check_error(obj["code"], obj["msg"]))
     _require_canonical(header, _response_map(event))
@@ -863,12 +916,16 @@ class ServerConnection:
     violation beyond that many outstanding), and ``next_request`` hands them out in order.
     """
 
-    def __init__(self, *, max_pipelined: int = 1, peer_exchange: bool = False) -> None:
+    def __init__(
+        self, *, max_pipelined: int = 1, peer_exchange: bool = False, status: bool = False
+    ) -> None:
         if not 1 <= max_pipelined <= MAX_PIPELINED_REQUESTS:
             raise LocalProtocolError(f"max_pipelined must be 1..{MAX_PIPELINED_REQUESTS}")
         self._max_pipelined = max_pipelined
-        # 1.2.0: `peers` is a request (on older versions an unknown message type).
-        self._peer_exchange = peer_exchange
+        # 1.2.0: `peers` is a request (on older versions an unknown message type); 1.3.0
+        # (``status``) adds `status` to it.
+        self._peer_exchange = peer_exchange or status
+        self._status = status
         self._recv = _ReceiveBuffer()
         self._request: Request | None = None
         self._state: _RequestState | None = None
@@ -955,7 +1012,7 @@ class ServerConnection:
             if self._recv.eof and len(self._recv):
                 raise _Truncated("stream closed in the middle of a request")
             return None
-        return _decode_request(header, self._peer_exchange)
+        return _decode_request(header, self._peer_exchange, self._status)
 
     def unsent_indices(self) -> tuple[int, ...]:
         """Indices of the current `get` not sent yet, ascending: the ``missing`` list of an
@@ -976,6 +1033,8 @@ class ServerConnection:
             raise LocalProtocolError("a have response answers only a have request")
         if type(resp) is PeersResponse and type(request) is not PeersRequest:
             raise LocalProtocolError("a peers response answers only a peers request")
+        if type(resp) is StatusResponse and type(request) is not StatusRequest:
+            raise LocalProtocolError("a status response answers only a status request")
         if type(resp) is End:
             if type(request) is not GetRequest:
                 raise LocalProtocolError("end answers only a get request")
@@ -1023,12 +1082,16 @@ class ClientConnection:
     be called again whenever ``outstanding_count < max_pipelined``.
     """
 
-    def __init__(self, *, max_pipelined: int = 1, peer_exchange: bool = False) -> None:
+    def __init__(
+        self, *, max_pipelined: int = 1, peer_exchange: bool = False, status: bool = False
+    ) -> None:
         if not 1 <= max_pipelined <= MAX_PIPELINED_REQUESTS:
             raise LocalProtocolError(f"max_pipelined must be 1..{MAX_PIPELINED_REQUESTS}")
         self._max_pipelined = max_pipelined
-        # 1.2.0 streams only: a `peers` request is allowed.
-        self._peer_exchange = peer_exchange
+        # 1.2.0 and 1.3.0 streams only: a `peers` request is allowed; 1.3.0 (``status``)
+        # only: a `status` request.
+        self._peer_exchange = peer_exchange or status
+        self._status = status
         self._recv = _ReceiveBuffer()
         self._request: Request | None = None
         self._state: _RequestState | None = None
@@ -1088,6 +1151,8 @@ class ClientConnection:
             raise LocalProtocolError("the server closed the stream")
         if type(req) is PeersRequest and not self._peer_exchange:
             raise LocalProtocolError("peers is a /blobnet/blob/1.2.0 request")
+        if type(req) is StatusRequest and not self._status:
+            raise LocalProtocolError("status is a /blobnet/blob/1.3.0 request")
         data = encode_request(req)
         if type(req) is GetRequest:
             # Normalise lists to tuples so the stored request matches what is on the wire.

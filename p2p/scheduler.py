@@ -51,10 +51,24 @@ Policy
   (wrapping), which a fetcher derives from its peer ID: fetchers of one blob that all ask
   one seeder take different chunks from it first (issue 21).
 - Swarming (config, off by default; ``p2p.node`` turns it on with peer exchange): a peer
-  with every chunk is handed only chunks no usable partial peer holds while a partial
-  peer at least as fast holds any (``defer_to_partial_holders``), and requests hold at most
-  ``max_request_seconds`` of a peer's rate (``unmeasured_batch_bytes`` before it is
-  measured), so a slow seeder is never asked for much more than it is sending now.
+  with every chunk is handed only chunks no usable partial peer holds or *claims* while a
+  partial peer at least as fast holds or claims any (``defer_to_partial_holders``), and
+  requests hold at most ``max_request_seconds`` of a peer's rate (``unmeasured_batch_bytes``
+  before it is measured), so a slow seeder is never asked for much more than it is sending
+  now. A partial peer claims the chunks it said it is fetching now (``soon``, from a 1.3.0
+  ``status``): they are not requested from it until its bitmap holds them, but they are
+  left to it rather than asked of the seeder a second time. Among pool chunks of equal
+  rarity an unclaimed one goes first (the hand-out key's rank is 2 x rarity + claimed).
+- Swarm partition (with ``defer_to_partial_holders`` and the fetcher's own peer name): the
+  chunks nobody holds are split among the fetchers without a word exchanged, by
+  rendezvous hashing: chunk i belongs to whichever of this fetcher and its fetching
+  fellows (usable partial peers that said they are fetching something) has the largest
+  ``_mix(hash(name), i)``, and a chunk that belongs to a fellow counts as claimed by it.
+  Fetchers that know one another compute the same split, so each asks the seeder for its
+  own share first and takes the rest from the fellows; the largest of any set of fetchers
+  always owns its chunk in its own view, so no chunk is left to nobody. A fellow that stops
+  fetching or leaves drops out of the split at once. Blobs over ``MAX_PARTITION_CHUNKS``
+  chunks are not split (the hashes cost O(chunks) per fellow).
 - Rate-scaled batches. Each peer's rate is an exponentially weighted average of the bytes
   per second it delivers while it has requests in flight. A peer's batch is the full batch
   scaled by its rate over the best peer's rate, so a slow peer holds few chunks when the
@@ -86,7 +100,7 @@ Policy
 Cost
 ====
 
-Pool chunks sit in min-heaps keyed by ``rarity * num_chunks + index``: one shared heap for
+Pool chunks sit in min-heaps keyed by ``rank * num_chunks + index``: one shared heap for
 peers that have every chunk and one heap per usable partial peer, with lazy deletion (an
 entry is skipped when its chunk is no longer in the pool or its rarity changed).
 `next_request`, `on_chunk` and the request-end events cost O(batch * log n) amortised,
@@ -99,6 +113,7 @@ missing) are applied per chunk.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -128,6 +143,31 @@ PROTOCOL_MAX_RANGES_PER_REQUEST = MAX_RANGES_PER_REQUEST
 _POOL = 0
 _INFLIGHT = 1
 _VERIFIED = 2
+
+# The swarm partition (see "Swarm partition") hashes every chunk once per fellow: ~2 us a
+# chunk here, so 65536 chunks (64 GiB at 1 MiB) cost ~0.15 s per fellow, once.
+MAX_PARTITION_CHUNKS = 1 << 16
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix(z: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit hash of a 64-bit integer."""
+    z = (z + _GOLDEN) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _name_hash(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def _chunk_hashes(name: str, n: int) -> list[int]:
+    """The rendezvous weight of each of ``n`` chunks for peer ``name``."""
+    h = _name_hash(name)
+    return [_mix(h ^ (i * _GOLDEN & _M64)) for i in range(n)]
+
 
 # _BITS[b]: the positions of the set bits of byte b, LSB first (chunk i = byte i//8, bit i%8).
 _BITS: tuple[tuple[int, ...], ...] = tuple(
@@ -179,6 +219,13 @@ class SchedulerConfig:
     # chunk: a slow seeder then sends each chunk about once, and the fellow fetchers that
     # hold a chunk hand it on. The endgame still duplicates tail chunks onto it.
     defer_to_partial_holders: bool = False
+    # Swarming (with defer_to_partial_holders): live requests a peer with every chunk may
+    # hold before its rate is measured. Fetchers that all start on one seeder know nothing
+    # of each other for their first second (peer exchange takes a dial and two round
+    # trips), and each used to queue a dozen chunks there at once (six requests over four
+    # striped connections), most of them the same chunks as its fellows'. Two requests
+    # of `unmeasured_batch_bytes` keep a 100 Mbit/s seeder's link busy meanwhile.
+    swarm_unmeasured_inflight_requests: int = 2
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_chunks_per_request <= PROTOCOL_MAX_CHUNKS_PER_REQUEST:
@@ -209,6 +256,8 @@ class SchedulerConfig:
             raise ValueError("max_request_seconds must be positive")
         if self.unmeasured_batch_bytes is not None and self.unmeasured_batch_bytes < 1:
             raise ValueError("unmeasured_batch_bytes must be at least 1")
+        if self.swarm_unmeasured_inflight_requests < 1:
+            raise ValueError("swarm_unmeasured_inflight_requests must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -280,6 +329,9 @@ class _Peer:
     banned: bool = False
     dropped: bool = False
     heap: list[int] = field(default_factory=list)  # pool keys, partial peers only
+    soon: bytearray | None = None  # chunks it is fetching now (claims; partial peers only)
+    soon_count: int = 0
+    beats: int | None = None  # chunks whose partition weight beats ours (bit i), cached
     requests: dict[int, _Request] = field(default_factory=dict)
     rate: float | None = None
     mark: float = 0.0  # last time the rate average was advanced
@@ -321,6 +373,7 @@ class Scheduler:
         verified: Iterable[int] = (),
         config: SchedulerConfig = SchedulerConfig(),  # frozen: safe to share
         start: int = 0,
+        own: str = "",
     ) -> None:
         if num_chunks < 0:
             raise ValueError(f"num_chunks must not be negative, not {num_chunks}")
@@ -333,6 +386,16 @@ class Scheduler:
         self._cfg = config
         self._state = bytearray(num_chunks)  # all _POOL
         self._rarity = [0] * num_chunks
+        # Usable partial peers that claim each chunk (they said it is soon theirs).
+        self._claims = [0] * num_chunks
+        # The swarm partition: this fetcher's weights, and the chunks (bitmap) that
+        # belong to a fetching fellow, recomputed at each rebuild.
+        self._own_weights: list[int] | None = (
+            _chunk_hashes(own, num_chunks)
+            if own and config.defer_to_partial_holders and num_chunks <= MAX_PARTITION_CHUNKS
+            else None
+        )
+        self._elsewhere = bytes((num_chunks + 7) // 8)
         self._verified_count = 0
         for i in verified:
             self._check_index(i)
@@ -360,20 +423,26 @@ class Scheduler:
 
     # ----------------------------------------------------------------- peers
 
-    def add_peer(self, peer: str, now: float, bitmap: bytes | None = None) -> None:
-        """Add a provider (or update a known one); `bitmap` None means it has every chunk.
+    def add_peer(
+        self, peer: str, now: float, bitmap: bytes | None = None, soon: bytes | None = None
+    ) -> None:
+        """Add a provider (or update a known one); `bitmap` None means it has every chunk;
+        `soon`: the chunks it is fetching now (a partial peer's claims, see the policy).
 
         A dropped or removed peer becomes usable again; a banned one stays banned.
         """
         parsed = self._parse_bitmap(bitmap)
+        claims = self._parse_soon(soon, parsed)
         p = self._peers.get(peer)
         if p is None:
             p = _Peer(peer, parsed, mark=now)
+            self._set_soon_unused(p, claims)
             self._peers[peer] = p
             self._contribute(p, +1)
             return
         if not p.usable:
             p.bitmap = parsed
+            self._set_soon_unused(p, claims)
             p.connected = True
             p.dropped = False
             p.streak = 0
@@ -381,6 +450,7 @@ class Scheduler:
                 self._contribute(p, +1)
             return
         self._replace_bitmap(p, parsed)
+        self._replace_soon(p, claims)
 
     def on_rtt(self, peer: str, rtt: float) -> None:
         """A round trip to `peer` took `rtt` seconds (a small request answered, timed by the
@@ -399,10 +469,19 @@ class Scheduler:
         module docstring), at least one per connection, within the configured bounds."""
         return self._inflight_limit(self._peer(peer))
 
-    def update_peer_bitmap(self, peer: str, bitmap: bytes | None) -> None:
-        """The peer's have-bitmap changed (a partial peer fetched more chunks)."""
+    def update_peer_bitmap(
+        self, peer: str, bitmap: bytes | None, soon: bytes | None = None
+    ) -> None:
+        """The peer's have-bitmap changed (a partial peer fetched more chunks); `soon`:
+        what it is fetching now (None: nothing, or it does not say)."""
         p = self._peer(peer)
-        self._replace_bitmap(p, self._parse_bitmap(bitmap))
+        parsed = self._parse_bitmap(bitmap)
+        self._replace_bitmap(p, parsed)
+        self._replace_soon(p, self._parse_soon(soon, parsed))
+
+    def in_flight(self) -> list[int]:
+        """Chunks requested and not verified yet (what a ``status`` answer calls soon)."""
+        return list(self._inflight)
 
     def remove_peer(self, peer: str, reason: str) -> None:
         """The peer disconnected or was killed: release its requests (no penalty)."""
@@ -676,14 +755,61 @@ class Scheduler:
             return None  # holds everything: share the full heap
         return bm
 
+    def _parse_soon(self, soon: bytes | None, bitmap: bytearray | None) -> bytearray | None:
+        """A peer's soon-bitmap, less what it holds; None when it claims nothing."""
+        if soon is None or bitmap is None:
+            return None  # a peer with every chunk claims none
+        claims = self._parse_bitmap(soon)
+        if claims is None:
+            claims = bytearray(b"\xff" * len(bitmap))
+            if self._n & 7:
+                claims[-1] = (1 << (self._n & 7)) - 1
+        held = int.from_bytes(bitmap, "little")
+        bits = int.from_bytes(claims, "little") & ~held
+        if not bits:
+            return None
+        return bytearray(bits.to_bytes(len(bitmap), "little"))
+
+    def _set_soon_unused(self, p: _Peer, claims: bytearray | None) -> None:
+        """Set the claims of a peer whose holdings count nowhere (not usable yet)."""
+        p.soon = claims
+        p.soon_count = 0 if claims is None else int.from_bytes(claims, "little").bit_count()
+
+    def _replace_soon(self, p: _Peer, new: bytearray | None) -> None:
+        if not p.usable or p.bitmap is None:
+            self._set_soon_unused(p, new if p.bitmap is not None else None)
+            return
+        old = int.from_bytes(p.soon, "little") if p.soon is not None else 0
+        now = int.from_bytes(new, "little") if new is not None else 0
+        diff = old ^ now
+        fetching = p.soon_count > 0
+        self._set_soon_unused(p, new)
+        if self._own_weights is not None and fetching != (p.soon_count > 0):
+            self._dirty = True  # it joins or leaves the partition
+        claims = self._claims
+        state = self._state
+        while diff:
+            low = diff & -diff
+            i = low.bit_length() - 1
+            diff ^= low
+            before = claims[i]
+            claims[i] = before + (1 if now & low else -1)
+            if state[i] == _POOL and (before == 0) != (claims[i] == 0):
+                self._offer(i)
+
     # Rarity and heap bookkeeping.
 
     def _contribute(self, p: _Peer, sign: int) -> None:
-        """Add (+1) or remove (-1) a usable peer's holdings from the rarity counts."""
+        """Add (+1) or remove (-1) a usable peer's holdings from the rarity counts (and a
+        partial peer's claims from the claim counts)."""
         bm = p.bitmap
         if bm is None:
             self._full_usable += sign
             return
+        if p.soon is not None:
+            claims = self._claims
+            for i in _set_bits(p.soon):
+                claims[i] += sign
         if sign > 0:
             self._partials[p.name] = p
         else:
@@ -758,8 +884,32 @@ class Scheduler:
         """Chunk i's place in the hand-out order among chunks of equal rarity."""
         return (i - self._start) % self._stride
 
+    def _rank(self, i: int) -> int:
+        """Hand-out rank of pool chunk i: by rarity, an unclaimed chunk before a claimed
+        one (its claimer will have it soon, and can pass it on; a chunk of a fellow's
+        share of the partition counts as claimed)."""
+        return 2 * self._rarity[i] + (self._claims[i] > 0 or self._elsewhere[i >> 3] >> (i & 7) & 1)
+
+    def _partition(self) -> None:
+        """Recompute which chunks belong to a fetching fellow (see "Swarm partition")."""
+        own = self._own_weights
+        if own is None:
+            return
+        mask = 0
+        for q in self._partials.values():
+            if not q.soon_count:
+                continue
+            if q.beats is None:
+                theirs = _chunk_hashes(q.name, self._n)
+                q.beats = int.from_bytes(
+                    bitmap_of((i for i in range(self._n) if theirs[i] > own[i]), self._n),
+                    "little",
+                )
+            mask |= q.beats
+        self._elsewhere = mask.to_bytes((self._n + 7) // 8, "little")
+
     def _key(self, i: int) -> int:
-        return self._rarity[i] * self._stride + (i - self._start) % self._stride
+        return self._rank(i) * self._stride + (i - self._start) % self._stride
 
     def _offer(self, i: int) -> None:
         """Push pool chunk i, at its current rarity, to every heap that may serve it."""
@@ -781,19 +931,20 @@ class Scheduler:
             self._dirty = True
 
     def _rebuild(self) -> None:
+        self._partition()
         state = self._state
-        rarity = self._rarity
         stride = self._stride
         pool = [i for i in range(self._n) if state[i] == _POOL]
         start = self._start
-        full = [rarity[i] * stride + (i - start) % stride for i in pool]
+        rank = {i: self._rank(i) for i in pool}
+        full = [rank[i] * stride + (i - start) % stride for i in pool]
         heapq.heapify(full)
         self._full_heap = full
         for p in self._partials.values():
             bm = p.bitmap
             assert bm is not None
             heap = [
-                rarity[i] * stride + (i - start) % stride for i in pool if bm[i >> 3] >> (i & 7) & 1
+                rank[i] * stride + (i - start) % stride for i in pool if bm[i >> 3] >> (i & 7) & 1
             ]
             heapq.heapify(heap)
             p.heap = heap
@@ -821,6 +972,8 @@ class Scheduler:
             want = max(want, math.ceil(p.rate * p.rtt / request_bytes) + 1)
         if p.busy_limit is not None:
             want = min(want, p.busy_limit)
+        if cfg.defer_to_partial_holders and p.bitmap is None and p.rate is None:
+            want = min(want, cfg.swarm_unmeasured_inflight_requests)
         return min(cap, want)
 
     def _rate_batch(self, p: _Peer) -> tuple[int, list[_Peer], list[float], float]:
@@ -866,13 +1019,14 @@ class Scheduler:
         return size
 
     def _defers(self, p: _Peer) -> bool:
-        """Whether full peer ``p`` leaves chunks held by partial peers to them (config
-        ``defer_to_partial_holders``): some usable partial peer holding a pool chunk is at
-        least as fast as ``p``, or either is not measured yet."""
+        """Whether full peer ``p`` leaves chunks held or claimed by partial peers to them
+        (config ``defer_to_partial_holders``): some usable partial peer holding a pool
+        chunk, or claiming chunks, is at least as fast as ``p``, or either is not measured
+        yet."""
         if not self._cfg.defer_to_partial_holders or p.bitmap is not None:
             return False
         return any(
-            q.heap and (q.rate is None or p.rate is None or q.rate >= p.rate)
+            (q.heap or q.soon_count) and (q.rate is None or p.rate is None or q.rate >= p.rate)
             for q in self._partials.values()
         )
 
@@ -881,7 +1035,6 @@ class Scheduler:
         orphans_only = self._defers(p)
         bm = p.bitmap
         state = self._state
-        rarity = self._rarity
         stride = self._stride
         max_ranges = self._cfg.max_ranges_per_request
         picked: list[int] = []
@@ -893,14 +1046,14 @@ class Scheduler:
             i = (key % stride + start) % stride
             if (
                 state[i] != _POOL
-                or key // stride != rarity[i]
+                or key // stride != self._rank(i)
                 or i in chosen
                 or (bm is not None and not bm[i >> 3] >> (i & 7) & 1)
             ):
                 heapq.heappop(heap)  # stale entry
                 continue
             if orphans_only and key >= stride:
-                break  # held by a partial peer: left to it (keys go by rarity)
+                break  # held or claimed by a partial peer: left to it (keys go by rank)
             after = ranges + 1 - ((i - 1) in chosen) - ((i + 1) in chosen)
             if after > max_ranges:
                 break  # leave it for the next request
@@ -1055,11 +1208,16 @@ class Scheduler:
         assert self._verified_count == sum(1 for s in state if s == _VERIFIED)
         assert self._pool_count == sum(1 for s in state if s == _POOL)
         rarity = [0] * n
+        claims = [0] * n
         for p in self._peers.values():
             if p.usable and p.bitmap is not None:
                 assert self._partials.get(p.name) is p
                 for i in _set_bits(p.bitmap):
                     rarity[i] += 1
+                if p.soon is not None:
+                    assert not int.from_bytes(p.soon, "little") & int.from_bytes(p.bitmap, "little")
+                    for i in _set_bits(p.soon):
+                        claims[i] += 1
             else:
                 assert p.name not in self._partials
             if not p.usable:
@@ -1068,6 +1226,7 @@ class Scheduler:
             assert p.outstanding_bytes == owed, (p.name, p.outstanding_bytes, owed)
             assert len(p.requests) <= self._cfg.max_inflight_requests_per_peer
         assert rarity == self._rarity
+        assert claims == self._claims
         assert self._full_usable == sum(
             1 for p in self._peers.values() if p.usable and p.bitmap is None
         )

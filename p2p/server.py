@@ -1,5 +1,6 @@
-"""Serving ``/blobnet/blob/1.0.0`` and ``/blobnet/blob/1.1.0``: manifests, bitmaps and
-chunks of complete and partial blobs, with every size, count, byte and wait bounded.
+"""Serving ``/blobnet/blob/1.0.0`` to ``/blobnet/blob/1.3.0``: manifests, bitmaps (with the
+chunks being fetched, on 1.3.0) and chunks of complete and partial blobs, with every size,
+count, byte and wait bounded.
 
 Theory of operation
 1. One stream carries requests in sequence; the server answers each fully, in order,
@@ -61,7 +62,7 @@ from blobstore import (
 from p2p import protocol as proto
 from p2p.fast import fast_stream_of
 from p2p.host import remote_address_key
-from p2p.swarm import SwarmBook, listing
+from p2p.swarm import SwarmBook, fetching_board, listing
 from p2p.wire import StreamLost, close_quietly, read_some, reset_quietly, write_all
 
 log = logging.getLogger(__name__)
@@ -226,12 +227,13 @@ class BlobServer:
         peer = str(stream.muxed_conn.peer_id)
         ip = remote_address_key(stream)
         max_pipelined = 1
-        peer_exchange = False
+        peer_exchange = status = False
         try:
             protocol_id = str(stream.get_protocol())
-            if protocol_id in (proto.PROTOCOL_ID_1_1, proto.PROTOCOL_ID_1_2):
+            if protocol_id in (proto.PROTOCOL_ID_1_1, proto.PROTOCOL_ID_1_2, proto.PROTOCOL_ID_1_3):
                 max_pipelined = proto.MAX_PIPELINED_REQUESTS
             peer_exchange = protocol_id == proto.PROTOCOL_ID_1_2
+            status = protocol_id == proto.PROTOCOL_ID_1_3
         except Exception:
             pass
         reason = self.streams.acquire(peer, ip, 1)
@@ -240,7 +242,9 @@ class BlobServer:
             await self._refuse(stream, reason)
             return
         try:
-            conn = proto.ServerConnection(max_pipelined=max_pipelined, peer_exchange=peer_exchange)
+            conn = proto.ServerConnection(
+                max_pipelined=max_pipelined, peer_exchange=peer_exchange, status=status
+            )
             await self._serve(stream, conn)
         except Exception:
             # py-libp2p treats an exception escaping a stream handler as fatal to the
@@ -347,7 +351,7 @@ class BlobServer:
         self,
         stream: Any,
         conn: proto.ServerConnection,
-        response: proto.ManifestResponse | proto.HaveResponse,
+        response: proto.ManifestResponse | proto.HaveResponse | proto.StatusResponse,
         payload: int,
         peer: str,
         ip: str,
@@ -396,6 +400,12 @@ class BlobServer:
                 manifest, bitmap = await trio.to_thread.run_sync(self._have, request.blob_id)
                 response = proto.HaveResponse(num_chunks=manifest.num_chunks, bitmap=bitmap)
                 await self._send_held(stream, conn, response, len(bitmap), peer, ip)
+            elif isinstance(request, proto.StatusRequest):
+                manifest, bitmap = await trio.to_thread.run_sync(self._have, request.blob_id)
+                n = manifest.num_chunks
+                soon = fetching_board(self.store).soon(request.blob_id, n, bitmap)
+                status = proto.StatusResponse(num_chunks=n, bitmap=bitmap, soon=soon)
+                await self._send_held(stream, conn, status, 2 * len(bitmap), peer, ip)
             elif isinstance(request, proto.PeersRequest):
                 await trio.to_thread.run_sync(self._check_present, request.blob_id)
                 listed = listing(

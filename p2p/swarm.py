@@ -17,6 +17,12 @@ Theory of operation
    download asks again as its chunks arrive (``p2p.downloader.HAVE_REFRESH_INTERVAL``).
    Everything a fellow sends is verified like any other provider's data; a liar is banned.
    `PexBook` is that bookkeeping, sans-IO.
+4. Chunks in flight are visible (``/blobnet/blob/1.3.0``'s ``status``): a download posts
+   the chunks it has requested and not yet verified on its store's `FetchingBoard`; the
+   server answers ``status`` with them as ``soon`` beside the held ones. A fellow that
+   learns a chunk is soon at a peer leaves it to that peer (``p2p.scheduler``'s claims)
+   instead of asking the seeder for it too: each chunk then crosses the seeder's uplink
+   about once, not once per fetcher that wanted it in the same half second.
 
 All time is the ``now`` argument (seconds, monotonic); nothing here does I/O.
 """
@@ -24,7 +30,9 @@ All time is the ``now`` argument (seconds, monotonic); nothing here does I/O.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from weakref import WeakKeyDictionary
 
 from p2p.protocol import MAX_ADDR_LEN, MAX_ADDRS_PER_PEER, MAX_PEER_ID_LEN, MAX_PEERS_LISTED
 
@@ -195,3 +203,52 @@ def listing(
             if len(out) == MAX_PEERS_LISTED:
                 break
     return tuple(out)
+
+
+# What a download has in flight now: the indices it requested and has not verified.
+InFlight = Callable[[], Iterable[int]]
+
+
+class FetchingBoard:
+    """The chunks this process's downloads into one store are fetching now, by blob ID
+    (what a ``status`` answer calls ``soon``). One download posts per blob at a time; a
+    second one of the same blob (another task) shares the board entry, newest first."""
+
+    def __init__(self) -> None:
+        self._posts: dict[str, list[InFlight]] = {}
+
+    @contextmanager
+    def posting(self, blob_id: str, in_flight: InFlight) -> Iterator[None]:
+        """Post ``in_flight`` (called on each ``status``) for the ``with`` block."""
+        self._posts.setdefault(blob_id, []).insert(0, in_flight)
+        try:
+            yield
+        finally:
+            posts = self._posts.get(blob_id, [])
+            if in_flight in posts:
+                posts.remove(in_flight)
+            if not posts:
+                self._posts.pop(blob_id, None)
+
+    def soon(self, blob_id: str, num_chunks: int, held: bytes) -> bytes:
+        """The ``soon`` bitmap of ``blob_id``: chunks in flight, less those ``held``."""
+        bits = 0
+        for in_flight in self._posts.get(blob_id, ()):
+            for i in in_flight():
+                if 0 <= i < num_chunks:
+                    bits |= 1 << i
+        bits &= ~int.from_bytes(held, "little")
+        return bits.to_bytes((num_chunks + 7) // 8, "little")
+
+
+# One board per store object: the server and the downloads of one node share its store
+# (and nothing else that both are handed), so the store is the key; a board goes with it.
+_BOARDS: WeakKeyDictionary[object, FetchingBoard] = WeakKeyDictionary()
+
+
+def fetching_board(store: object) -> FetchingBoard:
+    """The board of ``store`` (made on first use)."""
+    board = _BOARDS.get(store)
+    if board is None:
+        board = _BOARDS[store] = FetchingBoard()
+    return board

@@ -98,6 +98,28 @@ def multistream_message(text: bytes) -> bytes:
     return bytes([len(text) + 1]) + text + b"\n"
 
 
+def proposal(protocol_id: str) -> bytes:
+    """What an optimistic stream's first write says: the multistream header and
+    ``protocol_id``, which a server that speaks it echoes."""
+    return multistream_message(MULTISTREAM) + multistream_message(protocol_id.encode())
+
+
+async def open_optimistic(host: Any, peer_id: Any, protocol_id: str) -> OptimisticStream:
+    """A new stream to ``peer_id`` on ``host`` (a libp2p host) with ``protocol_id`` proposed
+    but not confirmed (see `OptimisticStream`); libp2p's errors pass through."""
+    from libp2p.custom_types import TProtocol
+
+    stream = await host.get_network().new_stream(peer_id)
+    ask = proposal(protocol_id)
+    try:
+        await stream.write(ask)
+    except BaseException:
+        await reset_quietly(stream)
+        raise
+    stream.set_protocol(TProtocol(protocol_id))
+    return OptimisticStream(stream, ask)
+
+
 class OptimisticStream:
     """A libp2p stream whose protocol was proposed without waiting for the answer.
 
@@ -137,10 +159,12 @@ class BlobClient:
         chunk_length: Callable[[int], int] | None = None,
         *,
         peer_exchange: bool = False,
+        status: bool = False,
     ) -> None:
         self.stream = stream
-        # peer_exchange: a /blobnet/blob/1.2.0 stream, where `peers` may be asked.
-        self.conn = proto.ClientConnection(peer_exchange=peer_exchange)
+        # peer_exchange: a /blobnet/blob/1.2.0 stream, where `peers` may be asked; status:
+        # a 1.3.0 one, where `status` may be asked too.
+        self.conn = proto.ClientConnection(peer_exchange=peer_exchange, status=status)
         # With the manifest known, a chunk header announcing another length is refused
         # before its body is buffered.
         self.conn.set_expected_chunk_length(chunk_length)
@@ -177,7 +201,7 @@ class BlobClient:
                 raise StreamLost("peer closed the stream during protocol negotiation")
             got += more
             if not expect.startswith(got):
-                raise StreamLost(f"peer refused {proto.PROTOCOL_ID}: answered {got[:64]!r}")
+                raise StreamLost(f"peer refused the protocol proposed: answered {got[:64]!r}")
         self._expect = b""
 
     async def _next_response(self) -> proto.Response:
@@ -231,6 +255,15 @@ class BlobClient:
         await write_all(self.stream, self.conn.send_request(proto.PeersRequest(blob_id)))
         response = await self._next_response()
         if isinstance(response, proto.PeersResponse | proto.ErrorResponse):
+            return response
+        raise proto.RemoteProtocolError(f"unexpected {type(response).__name__}")
+
+    async def status(self, blob_id: str) -> proto.StatusResponse | proto.ErrorResponse:
+        """(1.3.0) The chunks the peer holds and those it is fetching now."""
+        self._check_usable()
+        await write_all(self.stream, self.conn.send_request(proto.StatusRequest(blob_id)))
+        response = await self._next_response()
+        if isinstance(response, proto.StatusResponse | proto.ErrorResponse):
             return response
         raise proto.RemoteProtocolError(f"unexpected {type(response).__name__}")
 

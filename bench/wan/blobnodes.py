@@ -206,6 +206,11 @@ class Getting:
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
 
+    @property
+    def partial_dir(self) -> Path:
+        """Where the partial blob lives once the manifest is in (it exists from then)."""
+        return self._data.parent
+
     def _watch(self) -> None:
         while self.proc.poll() is None:
             try:

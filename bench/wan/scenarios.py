@@ -4,6 +4,13 @@
 every ``blob get`` started at once and given only the seeder's address (as a ticket
 gives it). It reports how long the fan-out took and how many bytes left the seeder's
 uplink, so a test can fail when the seeder served every copy itself.
+
+Start-up skew. On a loaded machine the N processes' start-up (imports, keys, dials) ends
+seconds apart, and a fetcher that is up early has the seeder to itself: what it took
+before the others arrived says nothing about swarming. So the seeder's uplink starts
+throttled (``GATE_MBIT``, enough for handshakes and manifests) and opens to its rate once
+every fetcher holds the manifest (its partial blob exists) or ``GATE_TIMEOUT`` passed; the
+fan-out's time runs from that moment. The bytes the seeder sent count from the start.
 """
 
 from __future__ import annotations
@@ -13,10 +20,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.wan.blobnodes import BlobNode, GetResult, write_random_file
+from bench.wan.blobnodes import BlobNode, GetResult, Getting, write_random_file
 from bench.wan.testbed import Host, Testbed
 
 SEEDER_MBIT = 100.0
+# The seeder's uplink until every fetcher is up: handshakes, manifests and `have`s are a
+# few KiB each, and a chunk takes ~4 s at this rate, so little blob data moves meanwhile.
+GATE_MBIT = 2.0
+# Longest wait for every fetcher to be up: a loaded CI machine starts a Python process in
+# several seconds; past this the gate opens anyway (a fetcher that failed early shows up
+# as a failure, not as a hang).
+GATE_TIMEOUT = 60.0
+GATE_POLL_S = 0.02
 
 
 def fan_out_hosts(workers: int, *, seeder_mbit: float = SEEDER_MBIT) -> dict[str, Host]:
@@ -32,7 +47,7 @@ def fan_out_hosts(workers: int, *, seeder_mbit: float = SEEDER_MBIT) -> dict[str
 class FanOut:
     size: int
     seeder_mbit: float
-    total_s: float  # all gets started at once -> the last one exited
+    total_s: float  # the seeder's uplink opened (all gets up) -> the last one exited
     span_s: float | None  # first verified chunk anywhere -> the last exit (no start-up)
     seeder_uplink_bytes: int  # what left the seeder's uplink, retransmissions included
     results: list[GetResult]
@@ -55,18 +70,25 @@ def fan_out(
     seeder_mbit: float = SEEDER_MBIT,
     timeout: float = 600.0,
     extra_get_args: tuple[str, ...] = (),
+    gate: bool = True,
 ) -> FanOut:
-    """Run one fan-out in ``work`` (a fresh testbed; the blob is made and put here)."""
+    """Run one fan-out in ``work`` (a fresh testbed; the blob is made and put here).
+    ``gate``: hold the seeder's uplink at GATE_MBIT until every fetcher is up (above)."""
     data = work / "fanout.bin"
     write_random_file(data, size, seed=21)
     seeder = BlobNode(work / "seeder", "seed")
     blob_id = seeder.put(data)
     nodes = [BlobNode(work / f"w{k}", f"w{k}") for k in range(workers)]
     try:
-        with Testbed(fan_out_hosts(workers, seeder_mbit=seeder_mbit)) as tb:
+        first_mbit = min(GATE_MBIT, seeder_mbit) if gate else seeder_mbit
+        with Testbed(fan_out_hosts(workers, seeder_mbit=first_mbit)) as tb:
             served = seeder.serve(tb)
             started = time.monotonic()
             gettings = [n.start_get(tb, blob_id, [served.addr], *extra_get_args) for n in nodes]
+            if gate:
+                _wait_all_up(gettings)
+                tb.set_host("seed", up_mbit=seeder_mbit)
+                started = time.monotonic()
             results = [g.wait(timeout) for g in gettings]
             total = time.monotonic() - started
             firsts = [g.first_chunk for g in gettings if g.first_chunk is not None]
@@ -78,3 +100,13 @@ def fan_out(
             shutil.rmtree(node.root, ignore_errors=True)
     span = max(ends) - min(firsts) if firsts else None
     return FanOut(size, seeder_mbit, total, span, uplink, results)
+
+
+def _wait_all_up(gettings: list[Getting]) -> None:
+    """Until every ``blob get`` holds the manifest (its partial blob exists) or has
+    ended, or GATE_TIMEOUT passed."""
+    deadline = time.monotonic() + GATE_TIMEOUT
+    while time.monotonic() < deadline:
+        if all(g.proc.poll() is not None or g.partial_dir.exists() for g in gettings):
+            return
+        time.sleep(GATE_POLL_S)

@@ -1,0 +1,223 @@
+"""Chunks in flight are visible to fellows (issue 21): /blobnet/blob/1.3.0's `status` says
+which chunks a peer holds and which it is fetching now; a fetcher leaves a fellow's chunks
+in flight to the fellow instead of asking the seeder for them too, and fetchers that know
+each other split the chunks nobody holds among themselves (the swarm partition), so each
+chunk crosses a slow seeder's uplink about once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+from libp2p.peer.id import ID
+
+from blobstore import Manifest, Store
+from p2p import protocol as proto
+from p2p.node import open_node
+from p2p.scheduler import Scheduler, SchedulerConfig, bitmap_of
+from p2p.swarm import FetchingBoard, fetching_board
+from p2p.wire import BlobClient, StreamLost, open_optimistic
+
+BLOB = "cd" * 32
+SWARM = SchedulerConfig(max_chunks_per_request=4, defer_to_partial_holders=True)
+
+
+def _chunks(ticket: object) -> set[int]:
+    ranges = getattr(ticket, "ranges", ())
+    return {i for a, b in ranges for i in range(a, b)}
+
+
+# --- the wire ---------------------------------------------------------------------------
+
+
+def test_status_round_trip_on_a_1_3_stream() -> None:
+    client = proto.ClientConnection(status=True)
+    server = proto.ServerConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS, status=True)
+    server.receive_data(client.send_request(proto.StatusRequest(BLOB)))
+    assert server.next_request() == proto.StatusRequest(BLOB)
+    answer = proto.StatusResponse(num_chunks=10, bitmap=b"\x05\x02", soon=b"\x02\x00")
+    client.receive_data(server.send_response(answer))
+    assert client.next_event() == answer
+    # A 1.3.0 stream still carries `peers`.
+    assert proto.ClientConnection(status=True).send_request(proto.PeersRequest(BLOB))
+
+
+def test_status_is_an_unknown_request_before_1_3() -> None:
+    with pytest.raises(proto.LocalProtocolError, match=r"1\.3\.0"):
+        proto.ClientConnection(peer_exchange=True).send_request(proto.StatusRequest(BLOB))
+    frame = proto.ClientConnection(status=True).send_request(proto.StatusRequest(BLOB))
+    server = proto.ServerConnection(peer_exchange=True)
+    server.receive_data(frame)
+    with pytest.raises(proto.RemoteProtocolError, match="unknown message type"):
+        server.next_request()
+
+
+@pytest.mark.parametrize(
+    ("bits", "soon", "why"),
+    [
+        (b"\x01\x00", b"\x01\x00", "both held and soon"),
+        (b"\x01\x00", b"\x00\x04", "past the last chunk"),
+        (b"\x01\x00", b"\x00", "bytes for"),
+    ],
+)
+def test_a_status_answer_that_breaks_its_rules_is_a_remote_fault(
+    bits: bytes, soon: bytes, why: str
+) -> None:
+    import msgpack
+
+    client = proto.ClientConnection(status=True)
+    client.send_request(proto.StatusRequest(BLOB))
+    body = msgpack.packb({"t": "status", "n": 10, "bits": bits, "soon": soon}, use_bin_type=True)
+    client.receive_data(len(body).to_bytes(4, "big") + body)
+    with pytest.raises(proto.RemoteProtocolError, match=why):
+        client.next_event()
+    with pytest.raises(proto.LocalProtocolError):
+        proto.encode_response_header(proto.StatusResponse(10, bits, soon))
+
+
+# --- what a server says -----------------------------------------------------------------
+
+
+def test_the_board_lists_what_is_in_flight_less_what_is_held_while_posted() -> None:
+    board = FetchingBoard()
+    in_flight = [1, 2, 9]
+    with board.posting(BLOB, lambda: in_flight):
+        assert board.soon(BLOB, 10, bitmap_of([2], 10)) == bitmap_of([1, 9], 10)
+        in_flight.append(3)
+        assert board.soon(BLOB, 10, bytes(2)) == bitmap_of([1, 2, 3, 9], 10)
+    assert board.soon(BLOB, 10, bytes(2)) == bytes(2)
+    assert fetching_board(board) is fetching_board(board)
+
+
+async def test_a_node_answers_status_with_its_chunks_in_flight_and_refuses_it_on_1_2(
+    tmp_path: Path,
+) -> None:
+    """The node's server reads `soon` from the board its downloads post on (same store)."""
+    chunk = 64 * 1024
+    data = bytes(range(256)) * (4 * chunk // 256)  # 4 chunks
+    manifest = Manifest.of_bytes(data, chunk)
+    store = Store.open(tmp_path / "fellow")
+    partial = store.begin_partial(manifest)
+    partial.write_chunk(0, data[:chunk])
+    blob_id = manifest.blob_id
+    async with (
+        open_node(store, dht=False) as fellow,
+        open_node(tmp_path / "asker", dht=False) as asker,
+    ):
+        peer = await asker.connect(fellow.addrs[0])
+        with (
+            trio.fail_after(30),
+            fetching_board(store).posting(blob_id, lambda: [0, 2]),  # 0 is already held
+        ):
+            stream = await open_optimistic(asker.host, ID.from_base58(peer), proto.PROTOCOL_ID_1_3)
+            answer = await BlobClient(stream, status=True).status(blob_id)
+            assert answer == proto.StatusResponse(4, bitmap_of([0], 4), bitmap_of([2], 4))
+            await stream.reset()
+            # On 1.2.0 the same request is a protocol violation.
+            stream = await open_optimistic(asker.host, ID.from_base58(peer), proto.PROTOCOL_ID_1_2)
+            client = BlobClient(stream, peer_exchange=True)
+            client.conn = proto.ClientConnection(status=True)  # say it anyway
+            try:
+                reply = await client.status(blob_id)
+            except StreamLost:
+                reply = None  # the reset may beat the error frame (PROTOCOL.md 7.4)
+            assert reply is None or (
+                isinstance(reply, proto.ErrorResponse) and reply.code == proto.ErrorCode.BAD_REQUEST
+            )
+            await stream.reset()
+    partial.close()
+
+
+# --- what a fetcher does with it --------------------------------------------------------
+
+
+def test_a_seeder_leaves_a_fellows_chunks_in_flight_to_the_fellow() -> None:
+    s = Scheduler(8, lambda i: 1, config=SWARM)
+    s.add_peer("seed", 0.0)
+    s.add_peer("fellow", 0.0, bitmap=bytes(1), soon=bitmap_of([0, 1, 2, 3], 8))
+    first = s.next_request("seed", 0.0)
+    assert _chunks(first) == {4, 5, 6, 7}
+    assert s.next_request("seed", 0.0) is None  # 0..3 are on their way to the fellow
+    assert s.next_request("fellow", 0.0) is None  # ...and not there yet
+    # Chunk 0 arrived at the fellow: it serves it; chunk 3's request there failed.
+    s.update_peer_bitmap("fellow", bitmap_of([0], 8), soon=bitmap_of([1, 2], 8))
+    assert _chunks(s.next_request("fellow", 0.0)) == {0}
+    assert _chunks(s.next_request("seed", 0.0)) == {3}
+    s._check_invariants()
+    # Without the option (or the claim) the seeder is asked for them all.
+    plain = Scheduler(8, lambda i: 1, config=SchedulerConfig(max_chunks_per_request=8))
+    plain.add_peer("seed", 0.0)
+    plain.add_peer("fellow", 0.0, bitmap=bytes(1), soon=bitmap_of([0, 1, 2, 3], 8))
+    assert _chunks(plain.next_request("seed", 0.0)) == set(range(8))
+
+
+def test_a_fellows_claims_go_when_it_goes() -> None:
+    s = Scheduler(4, lambda i: 1, config=SWARM)
+    s.add_peer("seed", 0.0)
+    s.add_peer("fellow", 0.0, bitmap=bytes(1), soon=bitmap_of([0, 1, 2, 3], 4))
+    assert s.next_request("seed", 0.0) is None
+    s.remove_peer("fellow", "gone")
+    s._check_invariants()
+    assert _chunks(s.next_request("seed", 0.0)) == {0, 1, 2, 3}
+
+
+def _swarm_of(names: list[str], n: int) -> dict[str, Scheduler]:
+    """One scheduler per fetcher, each seeing the seeder and its fetching fellows."""
+    out = {}
+    for me in names:
+        s = Scheduler(n, lambda i: 1, config=SWARM, own=me)
+        s.add_peer("seed", 0.0)
+        for other in names:
+            if other != me:
+                # Fetching something (a claim outside this blob's range would do too).
+                s.add_peer(other, 0.0, bitmap=bytes((n + 7) // 8), soon=bitmap_of([0], n))
+        out[me] = s
+    return out
+
+
+def _seeded(s: Scheduler) -> set[int]:
+    got: set[int] = set()
+    while (ticket := s.next_request("seed", 0.0)) is not None:
+        got |= _chunks(ticket)
+        for i in _chunks(ticket):
+            s.on_chunk(ticket.request_id, i, 1, 0.0)
+        s.on_request_done(ticket.request_id, 0.0)
+    return got
+
+
+def test_fetchers_that_know_each_other_split_the_seeders_chunks_between_them() -> None:
+    names = ["12D3KooWalpha", "12D3KooWbravo", "12D3KooWcharlie"]
+    n = 96
+    shares = {name: _seeded(s) for name, s in _swarm_of(names, n).items()}
+    everyone = set().union(*shares.values())
+    assert everyone == set(range(1, n))  # chunk 0 is claimed by all: nobody's share
+    assert sum(len(x) for x in shares.values()) == n - 1  # no chunk twice
+    assert all(len(x) > n // 6 for x in shares.values())  # each a fair part
+    # A partial peer that is not fetching (it claims nothing: a stale partial copy, say)
+    # takes no share: it would never get one.
+    s = Scheduler(n, lambda i: 1, config=SWARM, own=names[0])
+    s.add_peer("seed", 0.0)
+    s.add_peer(names[1], 0.0, bitmap=bitmap_of([0], n))
+    assert _seeded(s) == set(range(1, n))  # chunk 0 is left to the peer that holds it
+
+
+def test_a_fellow_that_leaves_gives_its_share_back() -> None:
+    names = ["12D3KooWalpha", "12D3KooWbravo"]
+    s = _swarm_of(names, 64)[names[0]]
+    mine = _seeded(s)
+    assert 0 < len(mine) < 63
+    s.remove_peer(names[1], "gone")
+    assert mine | _seeded(s) == set(range(64))
+    s._check_invariants()
+
+
+def test_an_unmeasured_seeder_holds_two_requests_while_swarming() -> None:
+    s = Scheduler(64, lambda i: 1, config=SWARM)
+    s.add_peer("seed", 0.0)
+    s.set_connections("seed", 4)  # predialled: six requests without the cap
+    assert [s.next_request("seed", 0.0) is not None for _ in range(3)] == [True, True, False]
+    plain = Scheduler(64, lambda i: 1, config=SchedulerConfig(max_chunks_per_request=4))
+    plain.add_peer("seed", 0.0)
+    plain.set_connections("seed", 4)
+    assert plain.inflight_limit("seed") == 6
