@@ -90,3 +90,27 @@ def test_cli_rejects_bad_chunk() -> None:
     result = CliRunner().invoke(outer_group, ["simulate", "--chunk", "1000"])
     assert result.exit_code == 2
     assert "power of two" in result.output
+
+
+def test_robust_aggregation_matches_the_mean_and_shrugs_off_a_byzantine_worker() -> None:
+    """The simulation aggregates as the network does (training.outer_aggregate) when asked:
+    with honest workers only it reaches the plain mean's bits (same order, weight 1), and a
+    byzantine worker sending the negated sum of the honest updates is excluded every round
+    by the direction rule, leaving the run bit-identical to the one without it (issue 18's
+    goal: no worse than 1%)."""
+    from training.codec import CodecParams, encode
+
+    config = SimConfig(**{**SMALL.__dict__, "workers": 3})
+    plain = simulate(config)
+    clean = simulate(config, robust=True)
+    assert clean.state_roots == plain.state_roots
+    assert clean.excluded == [[], []]
+
+    codec = CodecParams(chunk=config.chunk, k=config.k)
+
+    def negated(state, payloads, updates):  # type: ignore[no-untyped-def]
+        return encode({n: -2 * sum(u[n] for u in updates.values()) for n in state.params}, codec)
+
+    attacked = simulate(config, adversary=negated)
+    assert attacked.state_roots == clean.state_roots
+    assert attacked.excluded == [["sim-byzantine: disagrees with the round's updates"]] * 2
