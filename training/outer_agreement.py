@@ -13,8 +13,8 @@ named blobs (content-addressed, from anyone) and recompute R_{r+1}.
    digest = :func:`closure_digest` of the body, subjects ``[R_r, R_{r+1}, state blob]``)
    verifies with a certificate of the run's authorities and is signed by the named
    proposer; 1..``MAX_INCLUDED`` updates, in strictly increasing peer order, each with a
-   valid update attestation by that peer over ``[blob, R_r]``; no blob named twice (a copy)
-   and no operator twice (one operator's keys count once).
+   valid update attestation by that peer over ``[blob, R_r, commitment blob]``; no blob
+   named twice (a copy) and no operator twice (one operator's keys count once).
 2. **Who proposes.** The workers ranked for round r are those whose valid update for r a
    worker holds, plus itself, ordered by ``BLAKE3(R_r || peer)`` (:func:`rank`): a new,
    unpredictable order every round, so the duty rotates. The worker at position p
@@ -74,7 +74,7 @@ from identity import (
     verify_attestation,
 )
 from training.errors import TrainingError
-from training.outer_messages import RUN_ID_RE, UPDATE_KIND, Refused
+from training.outer_messages import RUN_ID_RE, UPDATE_KIND, Refused, update_subjects_ok
 
 CLOSURE_KIND = "blobnet/outer-closure"
 CLOSURE_DOMAIN = b"blobnet/outer-closure/v1"
@@ -234,16 +234,17 @@ def _verify(data: bytes, *, kind: str, trust: TrustStore, now: float) -> Attesta
 def check_update_attestation(
     data: bytes, *, peer: str, blob: str, start_root: str, trust: TrustStore, now: float
 ) -> Attestation:
-    """The update attestation of ``peer`` over ``[blob, start_root]``, or :class:`Refused`."""
+    """The update attestation of ``peer`` over ``[blob, start_root, commitment blob]``, or
+    :class:`Refused`."""
     attestation = _verify(data, kind=UPDATE_KIND, trust=trust, now=now)
     if attestation.signer_peer_id != peer:
         raise Refused("signer is not the author", f"signed by {attestation.signer_peer_id}")
     if attestation.digest != bytes.fromhex(blob):
         raise Refused("digest is not the blob ID")
-    if attestation.subjects != (blob, start_root):
-        if len(attestation.subjects) == 2 and attestation.subjects[0] == blob:
-            raise Refused("wrong state root", f"made from {attestation.subjects[1][:16]}")
-        raise Refused("wrong subjects", "expected [update blob, start state root]")
+    if not update_subjects_ok(attestation.subjects, blob):
+        raise Refused("wrong subjects", "expected [update blob, start root, commitment blob]")
+    if attestation.subjects[1] != start_root:
+        raise Refused("wrong state root", f"made from {attestation.subjects[1][:16]}")
     return attestation
 
 

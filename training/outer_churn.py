@@ -3,8 +3,10 @@
 ``churn_run`` starts K worker processes as ``blob outer run`` does (each bootstrapping to
 those before it), then, driven by the workers' own log lines (never by sleeps guessed to
 fit a machine's speed): kills worker ``kill`` once it has closed round ``kill_after``;
-stops worker ``pause`` (SIGSTOP) for ``pause_s`` seconds once it has closed round
-``pause_after``; starts the joiner slot (``--join``) right after the K workers, so it
+stops worker ``pause`` (SIGSTOP) once it has closed round ``pause_after``, and resumes it
+after ``pause_s`` seconds or, with ``resume_when = (worker, round)``, once that worker has
+closed that round without it (so a test knows rounds were closed while it was away,
+however slow the machine); starts the joiner slot (``--join``) right after the K workers, so it
 joins at whatever round they have reached when it is ready. It returns every worker's
 exit status and result, and whether the honest survivors agree (no fork). The churn test
 (tests/training/test_outer_net.py) and ``bench/outer.py --churn`` use it.
@@ -33,6 +35,7 @@ class ChurnPlan:
     pause: int | None = None
     pause_after: int = 0  # round whose closure the paused worker has applied first
     pause_s: float = 0.0
+    resume_when: tuple[int, int] | None = None  # (worker, round): resume once it closed
     kill: int | None = None
     kill_after: int = 0
     join: bool = False
@@ -112,10 +115,15 @@ def churn_run(plan: RunPlan, churn: ChurnPlan, *, timeout: float) -> ChurnResult
                 events.append(f"killed worker {who} after round {after}")
             else:
                 os.kill(procs[who].pid, signal.SIGSTOP)
-                events.append(f"paused worker {who} after round {after} for {churn.pause_s}s")
+                stopped = time.monotonic()
+                events.append(f"paused worker {who} after round {after}")
                 time.sleep(churn.pause_s)
+                if churn.resume_when is not None:
+                    other, closed = churn.resume_when
+                    bound = min(give_up, time.monotonic() + STEP_TIMEOUT)
+                    _wait_line(logs[other], f"round {closed} closed", procs[other], bound)
                 os.kill(procs[who].pid, signal.SIGCONT)
-                events.append(f"resumed worker {who}")
+                events.append(f"resumed worker {who} after {time.monotonic() - stopped:.1f}s")
         for proc in procs.values():
             try:
                 proc.wait(timeout=max(1.0, give_up - time.monotonic()))

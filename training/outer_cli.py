@@ -172,6 +172,13 @@ def _run_options(f: Any) -> Any:
         click.option(
             "--shard-sequences", type=click.IntRange(1, 1 << 20), default=512, show_default=True
         ),
+        click.option(
+            "--replay-rate",
+            type=click.FloatRange(0.0, 1.0),
+            default=0.25,
+            show_default=True,
+            help="Share of each round's updates another worker replays to verify them.",
+        ),
     ]
     for option in reversed(options):
         f = option(f)
@@ -253,6 +260,7 @@ def _authority(value: str) -> bytes:
     help="Seconds to wait for the other workers (or, with --join, for a state).",
 )
 @click.option("--stall-round", type=int, default=None, hidden=True)
+@click.option("--test-cheat-from-round", "cheat_from_round", type=int, default=None, hidden=True)
 @click.option(
     "--publish",
     "publish_as",
@@ -276,6 +284,7 @@ def worker_command(
     addr_file: Path_ | None,
     start_timeout: float,
     stall_round: int | None,
+    cheat_from_round: int | None,
     publish_as: str | None,
     **run: Any,
 ) -> None:
@@ -305,6 +314,7 @@ def worker_command(
         addr_file=addr_file,
         start_timeout=start_timeout,
         stall_round=stall_round,
+        cheat_from_round=cheat_from_round,
         publish=publish_as,
     )
     result = trio.run(run_worker, config)
@@ -418,7 +428,8 @@ def _store(ctx: click.Context) -> Any:
 def milestones_command(
     ctx: click.Context, /, run_id: str, authorities: tuple[str, ...], as_json: bool
 ) -> None:
-    """List the signed per-round milestones of RUN kept in this store."""
+    """List the signed per-round milestones of RUN kept in this store, with the replay
+    verdicts on each round's sampled updates (included vs verified)."""
     from identity import TrustStore
     from training.outer_milestones import list_milestones
 
@@ -435,9 +446,13 @@ def milestones_command(
             click.echo(f"round {e['round']:>4}  INVALID: {e['error']}")
             continue
         included = ", ".join(p[-8:] for p, _ in e["included"])
+        verified = ", ".join(
+            f"{v['author'][-8:]} {v.get('outcome', 'INVALID')}" for v in e["verified"]
+        )
         click.echo(
             f"round {e['round']:>4}  signed by {e['signer'][-8:]}  root {e['result'][:16]}  "
-            f"included {len(e['included'])} ({included}), excluded {len(e['excluded'])}"
+            f"included {len(e['included'])} ({included}), excluded {len(e['excluded'])}, "
+            f"replayed {len(e['verified'])}" + (f" ({verified})" if verified else "")
         )
 
 

@@ -6,7 +6,8 @@ of canonical msgpack announcements (``encode_message`` / ``decode_message``):
 - ``hello``: "I am in this run"; carries the sender's admission certificate so that only
   admitted machines count towards the start barrier.
 - ``update``: "my pseudo-gradient for round r is blob B"; carries an attestation of kind
-  ``blobnet/outer-update`` over B with subjects ``[B, state_root(S_r)]``, and the
+  ``blobnet/outer-update`` over B with subjects ``[B, state_root(S_r), C]`` where C is the
+  blob of B's commitment (how it was computed, ``training.outer_replay``), and the
   addresses where B can be fetched.
 - ``state``: "after round r-1 the global state S_r has root R and is blob B"; carries an
   attestation of kind ``blobnet/outer-state`` with subjects ``[B, R]`` (sent at the end of
@@ -14,6 +15,9 @@ of canonical msgpack announcements (``encode_message`` / ``decode_message``):
 - ``closure``: a round closure (``training.outer_agreement``): its canonical body and the
   proposer's attestation, and where its blobs can be fetched. Judged by the agreement
   core, not the ledger (it is passed through as :class:`ClosureHeard`).
+- ``verdict``: a replay verdict on one round's update (``training.outer_replay``): the
+  round, author, update and commitment blobs, the outcome and the replayer's attestation.
+  Judged by the worker against what it applied (passed through as :class:`VerdictHeard`).
 
 :class:`Ledger` is the protocol core: bytes and the authenticated pubsub sender in,
 events out, with time as an argument. It owns these rules:
@@ -23,9 +27,9 @@ events out, with time as an argument. It owns these rules:
 2. An update counts only if its attestation verifies against the run's trusted
    authorities at ``now`` (signature, certificate binding the signer's peer ID), the
    signer is the pubsub sender (pubsub messages are signed, so the sender is
-   authenticated), the digest is the blob ID, and the subjects are exactly the blob and
-   the state root the round started from. Anything else is a :class:`Rejection` with a
-   reason, recorded once per (round, sender, blob, reason).
+   authenticated), the digest is the blob ID, and the subjects are exactly the blob, the
+   state root the round started from and a commitment blob ID. Anything else is a
+   :class:`Rejection` with a reason, recorded once per (round, sender, blob, reason).
 3. A round's update announcements may arrive before the worker reaches that round; they
    are buffered (a bounded window of rounds, a bounded count per round) and judged when
    the round opens, against the root the worker then holds.
@@ -85,7 +89,9 @@ MAX_REJECTIONS_PER_ROUND = 256
 
 RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEX = re.compile(r"[0-9a-f]{64}")
-_TYPES = ("hello", "update", "state", "closure")
+_TYPES = ("hello", "update", "state", "closure", "verdict")
+# A verdict's outcome is a short text ("match", "mismatch: loss of step 0 differs").
+MAX_OUTCOME_LEN = 128
 
 
 class BadMessage(TrainingError):
@@ -143,7 +149,18 @@ class ClosureAnnouncement:
     addrs: tuple[str, ...]
 
 
-Message = Hello | UpdateAnnouncement | StateAnnouncement | ClosureAnnouncement
+@dataclass(frozen=True)
+class VerdictAnnouncement:
+    run: str
+    round: int
+    author: str
+    update: str
+    commitment: str
+    outcome: str
+    attestation: bytes
+
+
+Message = Hello | UpdateAnnouncement | StateAnnouncement | ClosureAnnouncement | VerdictAnnouncement
 
 
 def _fields(msg: Message) -> dict[str, Any]:
@@ -159,6 +176,18 @@ def _fields(msg: Message) -> dict[str, Any]:
             "blob": msg.blob,
             "attestation": msg.attestation,
             "addrs": list(msg.addrs),
+        }
+    if isinstance(msg, VerdictAnnouncement):
+        return {
+            "v": MESSAGE_VERSION,
+            "type": "verdict",
+            "run": msg.run,
+            "round": msg.round,
+            "author": msg.author,
+            "update": msg.update,
+            "commitment": msg.commitment,
+            "outcome": msg.outcome,
+            "attestation": msg.attestation,
         }
     if isinstance(msg, ClosureAnnouncement):
         return {
@@ -243,6 +272,19 @@ def decode_message(data: bytes) -> Message:
         msg = UpdateAnnouncement(
             run, _round(obj), _hex64(obj, "blob"), _take(obj, "attestation", bytes), _addrs(obj)
         )
+    elif kind == "verdict":
+        author, outcome = _take(obj, "author", str), _take(obj, "outcome", str)
+        if not 0 < len(author) <= 128 or not 0 < len(outcome) <= MAX_OUTCOME_LEN:
+            raise BadMessage("verdict author or outcome is empty or too long")
+        msg = VerdictAnnouncement(
+            run,
+            _round(obj),
+            author,
+            _hex64(obj, "update"),
+            _hex64(obj, "commitment"),
+            outcome,
+            _take(obj, "attestation", bytes),
+        )
     elif kind == "closure":
         msg = ClosureAnnouncement(
             run, _take(obj, "body", bytes), _take(obj, "attestation", bytes), _addrs(obj)
@@ -297,11 +339,18 @@ def check_update(
     attestation = _attestation(
         msg.attestation, kind=UPDATE_KIND, blob=msg.blob, sender=sender, trust=trust, now=now
     )
-    if len(attestation.subjects) != 2 or attestation.subjects[0] != msg.blob:
-        raise Refused("wrong subjects", "expected [update blob, start state root]")
+    if not update_subjects_ok(attestation.subjects, msg.blob):
+        raise Refused("wrong subjects", "expected [update blob, start root, commitment blob]")
     if attestation.subjects[1] != root:
         raise Refused("wrong state root", f"made from {attestation.subjects[1][:16]}")
     return attestation
+
+
+def update_subjects_ok(subjects: tuple[str, ...], blob: str) -> bool:
+    """An update attestation's subjects have its form: [blob, a root, a commitment blob]."""
+    return (
+        len(subjects) == 3 and subjects[0] == blob and all(_HEX.fullmatch(x) for x in subjects[1:])
+    )
 
 
 def check_state(
@@ -382,7 +431,15 @@ class ClosureHeard:
     addrs: tuple[str, ...]
 
 
-Event = Candidate | Rejection | StateHeard | Disagreement | ClosureHeard
+@dataclass(frozen=True)
+class VerdictHeard:
+    """A replay verdict from some sender, for the worker to judge."""
+
+    peer: str
+    verdict: VerdictAnnouncement
+
+
+Event = Candidate | Rejection | StateHeard | Disagreement | ClosureHeard | VerdictHeard
 
 
 @dataclass
@@ -439,6 +496,8 @@ class Ledger:
             return self._hear_state(msg, sender, now)
         if isinstance(msg, ClosureAnnouncement):
             return [ClosureHeard(sender, msg.body, msg.attestation, msg.addrs)]
+        if isinstance(msg, VerdictAnnouncement):
+            return [VerdictHeard(sender, msg)]
         if msg.round < self.current or msg.round > self.current + ROUND_WINDOW:
             return []
         book = self._round(msg.round)

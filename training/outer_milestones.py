@@ -19,6 +19,12 @@ Theory of operation
    previous result), each result recomputed from the start state and the named update
    blobs (``training.outer_aggregate``), and each milestone's signature and body against
    that recomputation. Any failure is reported; none may be skipped silently.
+3. **Verified.** A sampled update's replay verdict (``training.outer_replay``) arrives a
+   round after its milestone, so it is its own signed record: every verdict a worker
+   made or accepted is kept as a blob, tagged ``outer-<run>-verdict-<r>-<author>``.
+   :func:`list_milestones` lists them per round beside the included updates (included vs
+   verified); :func:`verify_run` checks each one's signature and that it judges an update
+   the round's closure named.
 """
 
 from __future__ import annotations
@@ -44,7 +50,14 @@ from identity import (
 from training.outer import OuterConfig, state_root
 from training.outer_aggregate import Aggregate, aggregate
 from training.outer_agreement import CheckedClosure, check_closure
-from training.outer_messages import BadMessage, ClosureAnnouncement, Refused, decode_message
+from training.outer_messages import (
+    BadMessage,
+    ClosureAnnouncement,
+    Refused,
+    VerdictAnnouncement,
+    decode_message,
+)
+from training.outer_replay import REPLAY_KIND, BadVerdict, Verdict, check_verdict
 from training.state_blob import BadStateBlob, decode_state
 
 MILESTONE_KIND = "blobnet/outer-milestone"
@@ -196,11 +209,45 @@ def _rounds(store: Store, run: str, what: str) -> dict[int, str]:
     return out
 
 
+def _verdicts(store: Store, run: str) -> dict[int, list[tuple[str, str]]]:
+    """Round -> [(author, verdict record blob)] of the verdicts kept (rule 3)."""
+    prefix = tag(run, "verdict") + "-"
+    out: dict[int, list[tuple[str, str]]] = {}
+    for name, blob in store.tags().items():
+        round_, _, author = name[len(prefix) :].partition("-")
+        if name.startswith(prefix) and round_.isdigit() and author:
+            out.setdefault(int(round_), []).append((author, blob))
+    return out
+
+
+def check_verdict_record(
+    data: bytes, *, run: str, trust: TrustStore | None
+) -> tuple[VerdictAnnouncement, str]:
+    """A kept verdict and its replayer's peer ID (signature checked against ``trust`` as
+    of signing time, if given); ``BadMilestone`` otherwise."""
+    try:
+        msg = decode_message(data)
+    except BadMessage as exc:
+        raise BadMilestone(f"verdict record: {exc}") from None
+    if not isinstance(msg, VerdictAnnouncement) or msg.run != run:
+        raise BadMilestone("verdict record is not a verdict of this run")
+    verdict = Verdict(msg.run, msg.round, msg.author, msg.update, msg.commitment, msg.outcome)
+    try:
+        when = verify_attestation(msg.attestation, kind=REPLAY_KIND).time
+        if trust is None:
+            return msg, verify_attestation(msg.attestation, kind=REPLAY_KIND).signer_peer_id
+        return msg, check_verdict(verdict, msg.attestation, trust=trust, now=when).signer_peer_id
+    except (Rejected, BadVerdict) as exc:
+        raise BadMilestone(f"verdict attestation: {exc}") from None
+
+
 def list_milestones(
     store: Store, run: str, trust: TrustStore | None = None
 ) -> list[dict[str, Any]]:
-    """Every milestone of ``run`` in ``store``, by round (signature checked with ``trust``)."""
+    """Every milestone of ``run`` in ``store``, by round (signature checked with ``trust``),
+    with the verdicts on that round's sampled updates (``verified``)."""
     out = []
+    verdicts = _verdicts(store, run)
     for r, blob in sorted(_rounds(store, run, "milestone").items()):
         data = store.path(blob).read_bytes()
         entry: dict[str, Any] = {"round": r, "blob": blob}
@@ -215,6 +262,18 @@ def list_milestones(
             entry.update(milestone.to_json())
         except (BadMilestone, Rejected) as exc:
             entry["error"] = str(exc)
+        entry["verified"] = []
+        for author, vblob in sorted(verdicts.get(r, [])):
+            try:
+                msg, replayer = check_verdict_record(
+                    store.path(vblob).read_bytes(), run=run, trust=trust
+                )
+                entry["verified"].append(
+                    {"author": author, "update": msg.update, "outcome": msg.outcome,
+                     "replayer": replayer}
+                )  # fmt: skip
+            except BadMilestone as exc:
+                entry["verified"].append({"author": author, "error": str(exc)})
         out.append(entry)
     return out
 
@@ -268,6 +327,7 @@ def verify_run(
     report.anchors.append(f"started at round {state.round}, root {root}")
     closures = _rounds(store, run, "closure")
     milestones = _rounds(store, run, "milestone")
+    verdicts = _verdicts(store, run)
     anchors = _rounds(store, run, "anchor")  # states this worker caught up to
     for r in sorted(closures):
         if r < state.round:
@@ -328,6 +388,14 @@ def verify_run(
                     raise BadMilestone("milestone does not match the recomputed round")
             except (BadMilestone, StoreError, OSError) as exc:
                 report.failures.append(f"round {r}: milestone: {exc}")
+        named = {(x.peer, x.blob) for x in c.included}
+        for author, vblob in verdicts.get(r, []):
+            try:
+                msg, _replayer = check_verdict_record(load(vblob), run=run, trust=trust)
+                if msg.round != r or msg.author != author or (author, msg.update) not in named:
+                    raise BadMilestone("verdict judges an update the closure did not name")
+            except (BadMilestone, StoreError, OSError) as exc:
+                report.failures.append(f"round {r}: verdict on {author[-8:]}: {exc}")
         if progress is not None:
             progress(f"round {r}: ok, root {new_root[:16]}")
         report.checked_rounds.append(r)

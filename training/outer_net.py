@@ -103,6 +103,10 @@ class RunParams:
     k: int = 48
     model_size: str = "tiny"
     shard_sequences: int = 512
+    # Share of each round's updates that another worker replays (training.outer_replay):
+    # at 0.25 each worker replays about a quarter of an update per round (a quarter of
+    # its training compute) and a cheat in 8 rounds is caught with probability 0.9.
+    replay_rate: float = 0.25
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -112,6 +116,8 @@ class RunParams:
             raise ValueError(f"a run has at most {MAX_RUN_WORKERS} workers (p2p.gossip's limits)")
         if self.proposer_timeout <= 0:
             raise ValueError("the proposer timeout must be > 0")
+        if not 0.0 <= self.replay_rate <= 1.0:
+            raise ValueError("the replay rate must be in [0, 1]")
         self.codec()
 
     def codec(self) -> CodecParams:
@@ -147,6 +153,9 @@ class WorkerConfig:
     # Test hook: sleep before training in this round (so a test can kill the worker in a
     # known place mid-round).
     stall_round: int | None = None
+    # Test hook: from this round on, train on other batch rows than the commitment names
+    # (an update that does not match its commitment; replay must catch it).
+    cheat_from_round: int | None = None
     # Name the final state blob <this peer ID>/NAME at the end (p2p/NAMES.md).
     publish: str | None = None
 
@@ -193,23 +202,99 @@ class Trainer:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(v.shape) for name, v in model_params(self.model).items()}
 
-    def train(self, state: OuterState, root: str, author: str) -> tuple[bytes, list[float]]:
-        """H inner steps from ``state`` (whose root is ``root``); the update blob (in its
-        envelope, ``training.outer_aggregate.wrap_update``) and the losses."""
+    def next_rows(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The batch rows of the next round (inner steps x batch), from the sampler."""
+        rows = self.tokens.shape[0]
+        return np.stack(
+            [
+                self.rng.integers(0, rows, size=self.params.batch)
+                for _ in range(self.params.inner_steps)
+            ]
+        )
+
+    def train(self, state: OuterState, root: str, author: str, *, cheat: bool = False) -> Trained:
+        """H inner steps from ``state`` (whose root is ``root``) on the sampler's next rows:
+        the update blob (in its envelope, ``training.outer_aggregate.wrap_update``), the
+        losses and what the update's commitment needs (``training.outer_replay``).
+        ``cheat`` (a test hook) trains on other rows than it reports."""
+        before = self.inner_state()
+        rows = self.next_rows()
+        used = self.next_rows() if cheat else rows
+        update, losses, after = self.train_rows(state, root, author, used)
+        return Trained(update, losses, rows, before, after)
+
+    def train_rows(
+        self,
+        state: OuterState,
+        root: str,
+        author: str,
+        rows: np.ndarray[Any, np.dtype[np.int64]],
+    ) -> tuple[bytes, list[float], bytes]:
+        """H inner steps on these batch rows: (update blob, losses, inner state after)."""
         import torch
 
         from training.outer_aggregate import wrap_update
 
         torch.set_num_threads(1)  # per OS thread under OpenMP: set in the thread that runs
         load_params(self.model, state.params)
-        rows = self.tokens.shape[0]
-        batches = [
-            torch.from_numpy(self.tokens[self.rng.integers(0, rows, size=self.params.batch)])
-            for _ in range(self.params.inner_steps)
-        ]
+        batches = [torch.from_numpy(self.tokens[r]) for r in rows]
         losses = run_inner_steps(self.model, self.optimizer, batches)
         payload = make_update(state.params, model_params(self.model), self.feedback)
-        return wrap_update(payload, round_=state.round, start_root=root, author=author), losses
+        update = wrap_update(payload, round_=state.round, start_root=root, author=author)
+        return update, losses, self.inner_state()
+
+    def inner_state(self) -> bytes:
+        """The inner AdamW moments and the error-feedback residual, canonically encoded."""
+        from training.outer_replay import encode_inner
+
+        state = self.optimizer.state_dict()["state"]
+        opt: list[tuple[bytes, bytes, bytes] | None] = []
+        for i, _ in enumerate(self.model.parameters()):
+            entry = state.get(i)
+            if not entry:
+                opt.append(None)
+                continue
+            opt.append(
+                tuple(  # type: ignore[arg-type]
+                    entry[key].detach().numpy().astype("<f4").tobytes()
+                    for key in ("step", "exp_avg", "exp_avg_sq")
+                )
+            )
+        return encode_inner(opt, self.feedback.residual)
+
+    def load_inner(self, data: bytes) -> None:
+        """Adopt an inner state (``inner_state``'s bytes); BadInnerState if it does not fit."""
+        import torch
+
+        from training.outer_replay import decode_inner
+
+        params = list(self.model.parameters())
+        optimizer, residual = decode_inner(data, [p.numel() for p in params], self.shapes())
+        saved = self.optimizer.state_dict()
+        state: dict[int, dict[str, Any]] = {}
+        for i, (entry, p) in enumerate(zip(optimizer, params, strict=True)):
+            if entry is None:
+                continue
+            step, m, v = (np.frombuffer(x, dtype="<f4").astype(np.float32) for x in entry)
+            state[i] = {
+                "step": torch.from_numpy(step).reshape(()),
+                "exp_avg": torch.from_numpy(m).reshape(p.shape),
+                "exp_avg_sq": torch.from_numpy(v).reshape(p.shape),
+            }
+        saved["state"] = state
+        self.optimizer.load_state_dict(saved)
+        self.feedback.residual = residual
+
+
+@dataclass(frozen=True)
+class Trained:
+    """One round's training: what the update commitment records (training.outer_replay)."""
+
+    update: bytes
+    losses: list[float]
+    rows: np.ndarray[Any, np.dtype[np.int64]]
+    inner_before: bytes
+    inner_after: bytes
 
 
 # --- the worker ----------------------------------------------------------------------
@@ -400,6 +485,8 @@ def worker_argv(
         p.model_size,
         "--shard-sequences",
         str(p.shard_sequences),
+        "--replay-rate",
+        repr(p.replay_rate),
         "--authority",
         plan.authority,
         "--cert",

@@ -9,10 +9,15 @@ become the next state (``training.outer_aggregate``) and when to re-send an anno
 (``training.outer_announce``). This module moves bytes between them and the node:
 
 1. Tasks: one reads the run's gossipsub topic into the ledger and the closure book; one
-   re-publishes announcements with back-off; one dials the peers it hears of (so the
-   TCP connections form a mesh, whoever bootstrapped to whom); fetches run as tasks of
-   the round; the driver (``_drive``) does everything that changes the worker's state,
-   so nothing else ever sees a half-changed state.
+   re-publishes announcements with back-off; one dials every admitted peer it has heard
+   of and is not connected to, for the whole run, with back-off
+   (``training.outer_announce.PeerDialer``), so the TCP connections form a mesh whoever
+   bootstrapped to whom, and a worker back from a pause finds the living peers even if
+   its bootstrap peers are dead; one samples the sockets' byte counts and notices a pause
+   (the monotonic clock jumped): connections may then be dead on the far side, so it
+   drops them and dials everyone again at once; fetches run as tasks of the round; the
+   driver (``_drive``) does everything that changes the worker's state, so nothing else
+   ever sees a half-changed state.
 2. The driver, in a loop: (a) if it holds no update for its current state and round,
    trains one (torch in a thread; messages keep flowing), unless the state changed
    meanwhile, then puts, attests and announces it; (b) asks ``next_step``: Apply (fetch the
@@ -23,10 +28,21 @@ become the next state (``training.outer_aggregate``) and when to re-send an anno
    position in the round's rank order times the proposer timeout.
 3. After the last round it waits until the tip has not changed for a settle time (a better
    closure of the last round may still arrive, and rule 3 applies to it like any other),
-   announces its final root, waits (bounded) for the roots of the last round's workers,
-   and writes its result. Its tasks are cancelled before the node closes, so shutdown is
+   announces its final root, waits (bounded by ``_linger_bound``) for the final roots of
+   every worker whose update it ever applied and is still connected to, serving blobs meanwhile (a
+   worker back from a pause that outlasted the others' last rounds needs someone to
+   catch up from; a dead one has no connection and is not waited for), and writes its
+   result. Its tasks are cancelled before the node closes, so shutdown is
    clean; a peer's death is a fetch that fails and is retried elsewhere, never an error.
-4. Disk: the state blobs of the last ``KEEP_STATES`` rounds stay tagged
+4. Replay (``training.outer_replay``): with each update the worker stores its inner state
+   and a commitment, named in its update attestation. After applying round r it draws
+   round r's sample from the new root; for each sampled update it is the replayer of, it
+   replays it (a task of the run, torch in a thread) and announces a signed verdict. A
+   mismatch it heard counts once its own replay agrees; then that operator's updates stay
+   out of every closure it proposes. A proposer waits (bounded by ``_verdict_wait``) for
+   the verdicts on the previous round's sample before proposing, so a confirmed cheat is
+   left out of the next closure it makes.
+5. Disk: the state blobs of the last ``KEEP_STATES`` rounds stay tagged
    ``outer/<run>/state/<round>``; older ones are untagged, so ``blob gc`` collects them.
    Each applied closure is kept as a blob (tagged) for ``blob outer verify``.
 """
@@ -45,6 +61,7 @@ import trio
 from blobstore import StoreError
 from identity import (
     AdmissionCertificate,
+    Attestation,
     MachineKey,
     SoftwareSigner,
     TrustStore,
@@ -65,7 +82,7 @@ from training.outer_agreement import (
     select_for_closure,
     sign_closure,
 )
-from training.outer_announce import Announcer
+from training.outer_announce import Announcer, PeerDialer
 from training.outer_messages import (
     STATE_KIND,
     UPDATE_KIND,
@@ -78,12 +95,31 @@ from training.outer_messages import (
     Refused,
     Rejection,
     StateAnnouncement,
+    StateHeard,
     UpdateAnnouncement,
+    VerdictAnnouncement,
+    VerdictHeard,
     encode_message,
     topic,
 )
 from training.outer_milestones import milestone_for, sign_milestone, tag
 from training.outer_net import OuterNetError, Trainer, WorkerConfig, write_json
+from training.outer_replay import (
+    UNAVAILABLE,
+    BadCommitment,
+    BadVerdict,
+    UpdateCommitment,
+    Verdict,
+    check_claims,
+    check_verdict,
+    decode_commitment,
+    inner_digest,
+    loss_bits,
+    replay,
+    replayer_for,
+    sampled,
+    sign_verdict,
+)
 from training.outer_wire import SAMPLE_INTERVAL, WireMeter
 from training.state_blob import BadStateBlob, decode_state, encode_state
 
@@ -103,12 +139,25 @@ GATHER = 0.3
 # Fetch bounds a closure's blobs may fail before the closure is dropped (rule 4 of
 # outer_agreement): long enough to outlast a worker's own pause or a peer's restart.
 UNAVAILABLE_TRIES = 4
-# Most peers a worker dials on its own (every admitted worker of the largest run).
-MAX_DIALS = 64
+# Most peers asked for a closure's blobs besides its proposer and authors (every admitted
+# worker of the largest run).
+MAX_PROVIDERS = 64
+# Verdicts kept for the result file: a sampled share of each round's updates, for rounds
+# of at most MAX_RUN_WORKERS (64) workers; beyond this they are acted on, not listed.
+MAX_VERDICTS = 4096
+# The dial loop looks for peers to dial this often (PeerDialer decides whom).
+DIAL_TICK = 0.5
+# Dials of one tick run at once, at most this many (a dead host's dial waits its timeout).
+MAX_CONCURRENT_DIALS = 8
+# An event loop that did not run for this long was stopped (SIGSTOP, a suspended laptop):
+# far longer than any stall a busy machine gives a trio loop whose torch work runs in a
+# thread, far shorter than the proposer timeouts a peer waits before it gives up on us.
+PAUSE_GAP = 5.0
 
 
 def _say(label: str, text: str) -> None:
-    print(f"outer[{label}] {text}", file=sys.stderr, flush=True)
+    stamp = time.strftime("%H:%M:%S") + f".{int(time.time() * 10) % 10}"
+    print(f"outer[{label}] {stamp} {text}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -153,6 +202,19 @@ class _Own:
     announced_at: float
 
 
+@dataclass(frozen=True)
+class _Sampled:
+    """One sampled update of a round this worker applied (point 4)."""
+
+    round: int
+    start_root: str
+    author: str
+    operator: str
+    blob: str
+    commitment: str
+    replayer: str
+
+
 class Worker:
     def __init__(
         self,
@@ -187,11 +249,10 @@ class Worker:
         self.records: dict[int, RoundRecord] = {}
         self.refused_closures: list[dict[str, Any]] = []
         self.kept_states: list[tuple[int, str]] = []
-        self.dialled: set[str] = set()
+        self.dialer = PeerDialer()
         self.joined_at: int | None = None
         self.start_blob = ""
         self.kernel_class = ""
-        self.addrs_of: dict[str, tuple[str, ...]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.proposed_for: set[tuple[int, str]] = set()
         self.refused_updates: list[dict[str, Any]] = []
@@ -202,6 +263,17 @@ class Worker:
         self.pubsub_bytes = [0, 0]
         self.pubsub_mark = (0, 0)
         self.unavailable: dict[bytes, int] = {}  # closure digest -> failed fetch rounds
+        self.ever_admitted: set[str] = set()  # peers whose updates we applied (point 3)
+        self.run_nursery: trio.Nursery | None = None
+        # Replay (point 4): the states the last rounds started from (round -> (root,
+        # state)), the verdicts awaited per (round, author), those held, confirmations
+        # running, and operators whose cheat this worker confirmed.
+        self.starts: dict[int, tuple[str, OuterState]] = {}
+        self.awaited: dict[tuple[int, str], _Sampled] = {}
+        self.verdicts: list[dict[str, Any]] = []
+        self.confirming: set[tuple[int, str]] = set()
+        self.banned: dict[str, str] = {}  # operator -> reason
+        self.false_accusations: list[dict[str, Any]] = []
         self.wire_mark = (0, 0)
 
     # --- messages in and out ---------------------------------------------------------
@@ -220,7 +292,7 @@ class Worker:
     def _handle(self, events: list[Event]) -> None:
         for event in events:
             if isinstance(event, Candidate):
-                self.addrs_of[event.peer] = event.addrs
+                self.dialer.learn(event.peer, event.addrs, trio.current_time())
                 if (
                     self.state is not None
                     and event.round == self.state.round
@@ -237,6 +309,10 @@ class Worker:
                 )
             elif isinstance(event, ClosureHeard):
                 self._hear_closure(event)
+            elif isinstance(event, StateHeard):
+                self.dialer.learn(event.peer, event.addrs, trio.current_time())
+            elif isinstance(event, VerdictHeard):
+                self._hear_verdict(event)
         if events:
             self.changed.set()
 
@@ -256,7 +332,7 @@ class Worker:
             return
         if checked.closure.proposer != event.peer:
             return  # relayed under another sender's name: the proposer's own copy counts
-        self.addrs_of.setdefault(event.peer, event.addrs)
+        self.dialer.learn(event.peer, event.addrs, trio.current_time())
         if self.book.add(checked):
             self.closure_addrs[checked.digest] = event.addrs
 
@@ -280,29 +356,53 @@ class Worker:
                 await self._publish(data)
 
     async def _meter_loop(self) -> None:
+        """Sample the sockets' byte counts; after a pause, dial everyone again."""
+        last = trio.current_time()
         while True:
             self.meter.sample()
             await trio.sleep(SAMPLE_INTERVAL)
+            now = trio.current_time()
+            if now - last > PAUSE_GAP:
+                _say(self.label, f"woke after {now - last:.0f}s without running")
+                await self._redial()
+            last = now
 
     async def _dial_loop(self) -> None:
-        """Connect to every admitted peer heard of, so no one node carries the mesh."""
-        from p2p.errors import P2PError
+        """Dial every admitted peer heard of and not connected (PeerDialer's back-off)."""
+        limit = trio.Semaphore(MAX_CONCURRENT_DIALS)
+
+        async def dial(peer: str, addrs: tuple[str, ...]) -> None:
+            async with limit:
+                ok = await self._dial(peer, addrs)
+            if ok:
+                self.dialer.succeeded(peer, trio.current_time())
+            else:
+                self.dialer.failed(peer, trio.current_time())
 
         while True:
-            await trio.sleep(1.0)
-            connected = set(self.node.connected_peers())
-            for peer, addrs in list(self.addrs_of.items()):
-                if peer in connected or peer == self.peer or not addrs:
-                    continue
-                if peer in self.dialled and len(self.dialled) >= MAX_DIALS:
-                    continue
-                self.dialled.add(peer)
-                for addr in addrs[:2]:
-                    try:
-                        await self.node.connect(addr)
-                        break
-                    except P2PError:
-                        continue
+            due = self.dialer.due(trio.current_time(), self.node.connected_peers())
+            async with trio.open_nursery() as nursery:
+                for peer, addrs in due:
+                    if peer != self.peer:
+                        nursery.start_soon(dial, peer, addrs)
+            await trio.sleep(DIAL_TICK)
+
+    async def _dial(self, peer: str, addrs: Sequence[str]) -> bool:
+        from p2p.errors import P2PError
+
+        # py-libp2p refuses every dial to a peer for 60 s once one dial failed on all its
+        # addresses (its "negative cache"); a peer back from a pause or a restart would
+        # stay unreachable that long. PeerDialer's back-off governs our dials instead.
+        cache = getattr(self.node.host.get_network(), "_negative_peer_cache", None)
+        if cache is not None:
+            cache.evict(peer)
+        for addr in addrs:
+            try:
+                await self.node.connect(addr)
+                return True
+            except P2PError:
+                continue
+        return False
 
     async def _wait_changed(self, deadline: float) -> None:
         with trio.move_on_at(deadline):
@@ -373,9 +473,9 @@ class Worker:
         worker heard of (each that applied the closure holds them)."""
         out = list(self.closure_addrs.get(checked.digest, ()))
         for peer in peers:
-            out.extend(self.addrs_of.get(peer, ()))
-        for addrs in list(self.addrs_of.values())[:MAX_DIALS]:
-            out.extend(addrs[:1])
+            out.extend(self.dialer.addrs(peer))
+        for peer in list(self.dialer.peers)[:MAX_PROVIDERS]:
+            out.extend(self.dialer.addrs(peer)[:1])
         return list(dict.fromkeys(out))
 
     def _fetch_bound(self) -> float:
@@ -418,6 +518,8 @@ class Worker:
         record.pubsub_sent = self.pubsub_bytes[0] - self.pubsub_mark[0]
         record.pubsub_received = self.pubsub_bytes[1] - self.pubsub_mark[1]
         self.pubsub_mark = (self.pubsub_bytes[0], self.pubsub_bytes[1])
+        if agg is not None:
+            self.ever_admitted.update(p for p, _, _ in agg.admitted)
         if agg is None:  # caught up: what the closure names, not recomputed here
             record.named = [{"peer": x.peer, "blob": x.blob} for x in c.included]
         own = self.own
@@ -462,9 +564,12 @@ class Worker:
                 await trio.to_thread.run_sync(store.untag, old_tag)
             except StoreError:
                 pass
+        prior = self.state if self.root == c.start_root else None
         self._enter(state, root)
         if c.proposer != self.peer:
             self.announcer.drop("closure")
+        if agg is not None and prior is not None:
+            self._draw_sample(checked, agg, prior)
         _say(
             self.label,
             f"round {c.round} closed ({how}): closure {checked.digest.hex()[:12]} by "
@@ -480,6 +585,9 @@ class Worker:
         self.fetched = {}
         self.round_started = trio.current_time()
         self.announcer.drop("update")
+        for name in [n for n in self.announcer.entries if n.startswith("verdict-")]:
+            if int(name.split("-")[1]) < state.round - 2:
+                self.announcer.drop(name)  # the rounds whose sample it was are settled
         self.fetch_nursery = None  # the driver cancels the old round's fetches
         self._handle(self.ledger.open_round(state.round, root, time.time()))
 
@@ -549,6 +657,7 @@ class Worker:
                     await self.node.host.disconnect(ID.from_base58(peer))
                 except Exception as exc:  # libp2p raises many types; the dial loop retries
                     _say(self.label, f"disconnect {peer[-6:]} failed: {exc!r}")
+        self.dialer.all_due(trio.current_time())
         _say(self.label, "dropped all connections to dial again")
 
     def _unavailable(self, checked: CheckedClosure) -> None:
@@ -569,6 +678,168 @@ class Worker:
         )
         _say(self.label, f"closure {checked.digest.hex()[:12]} is no tip: {reason}")
 
+    # --- replay (point 4) -------------------------------------------------------------
+    def _draw_sample(self, checked: CheckedClosure, agg: Aggregate, start: OuterState) -> None:
+        """Round r's sample, drawn from the root its closure produced; replay our share."""
+        c = checked.closure
+        rate = self.params.replay_rate
+        by_peer = {x.peer: (x, op) for x, op in zip(c.included, checked.operators, strict=True)}
+        operators = {p: by_peer[p][1] for p, _, _ in agg.admitted}
+        self.starts[c.round] = (c.start_root, start)
+        for old in [r for r in self.starts if r < c.round - 1]:
+            del self.starts[old]
+        for key in [k for k in self.awaited if k[0] < c.round - 1]:
+            del self.awaited[key]
+        for peer, blob, _ in agg.admitted:
+            replayer = replayer_for(c.result_root, peer, operators)
+            if replayer is None or not sampled(c.result_root, peer, rate):
+                continue
+            included, operator = by_peer[peer]
+            subjects = Attestation.decode(included.attestation).subjects
+            sample = _Sampled(c.round, c.start_root, peer, operator, blob, subjects[2], replayer)
+            self.awaited[(c.round, peer)] = sample
+            if replayer == self.peer and self.run_nursery is not None:
+                self.run_nursery.start_soon(self._replay, sample, False)
+
+    def _verdict_wait(self) -> float:
+        """How long a proposer waits for the previous round's verdicts (point 4)."""
+        return 2 * self.params.deadline
+
+    def _verdicts_pending(self, round_: int) -> bool:
+        """Verdicts on round ``round_``'s sample not yet held, or confirmations running."""
+        held = {(v["round"], v["author"]) for v in self.verdicts}
+        return any(
+            key[0] == round_ and (key not in held or key in self.confirming) for key in self.awaited
+        ) or any(key[0] == round_ for key in self.confirming)
+
+    async def _replay(self, sample: _Sampled, confirm: bool) -> None:
+        """Replay one sampled update; announce the verdict (or, confirming another's
+        mismatch, only act on it)."""
+        key = (sample.round, sample.author)
+        try:
+            outcome = await self._replay_outcome(sample)
+        finally:
+            self.confirming.discard(key)
+            self.changed.set()
+        verdict = Verdict(
+            self.params.run_id,
+            sample.round,
+            sample.author,
+            sample.blob,
+            sample.commitment,
+            outcome,
+        )
+        _say(
+            self.label,
+            f"round {sample.round}: replayed {sample.author[-6:]}'s update "
+            f"{'(confirming) ' if confirm else ''}-> {outcome}",
+        )
+        if confirm:
+            if verdict.mismatched:
+                self._ban(sample, outcome)
+            elif len(self.false_accusations) < MAX_VERDICTS:
+                # The assigned replayer said mismatch; our replay matched: its word is
+                # not evidence (rule 4 of outer_replay), and it is recorded.
+                self.false_accusations.append({**verdict.to_json(), "by": sample.replayer})
+            return
+        self._record_verdict(verdict, self.peer)
+        if verdict.mismatched:
+            self._ban(sample, outcome)
+        attestation = sign_verdict(
+            self.signer,
+            verdict,
+            kernel_class=self.kernel_class,
+            certificate=self.certificate,
+            time=int(time.time()),
+        )
+        message = VerdictAnnouncement(
+            verdict.run,
+            verdict.round,
+            verdict.author,
+            verdict.update,
+            verdict.commitment,
+            verdict.outcome,
+            attestation,
+        )
+        data = encode_message(message)
+        await self._announce(f"verdict-{sample.round}-{sample.author}", data)
+        blob = await self.node.add_bytes(data)
+        name = tag(self.params.run_id, "verdict", sample.round) + f"-{sample.author}"
+        await trio.to_thread.run_sync(self.node.store.tag, name, blob)
+
+    async def _replay_outcome(self, sample: _Sampled) -> str:
+        held = self.starts.get(sample.round)
+        if held is None or held[0] != sample.start_root:
+            return UNAVAILABLE  # not expected: we drew the sample from a state we held
+        start = held[1]
+        providers = [*self.dialer.addrs(sample.author), *self._everyone()]
+        bound = self._fetch_bound()
+        if not await self._fetch(sample.commitment, providers, bound):
+            return UNAVAILABLE
+        try:
+            data = await trio.to_thread.run_sync(self._load, sample.commitment)
+            c = decode_commitment(data)
+        except BadCommitment as exc:
+            return f"mismatch: {exc}"
+        claim = check_claims(
+            c,
+            run=self.params.run_id,
+            round_=sample.round,
+            start_root=sample.start_root,
+            author=sample.author,
+            update=sample.blob,
+        )
+        if claim:
+            return f"mismatch: {claim}"
+        if not await self._fetch(c.inner, providers, bound):
+            return UNAVAILABLE
+        inner = await trio.to_thread.run_sync(self._load, c.inner)
+        update = await trio.to_thread.run_sync(self._load, sample.blob)
+        return await trio.to_thread.run_sync(lambda: replay(self.params, c, inner, start, update))
+
+    def _everyone(self) -> list[str]:
+        return [
+            a for p in list(self.dialer.peers)[:MAX_PROVIDERS] for a in self.dialer.addrs(p)[:1]
+        ]
+
+    def _hear_verdict(self, event: VerdictHeard) -> None:
+        """A verdict from another worker: it counts if it is the assigned replayer's, on
+        an update we applied; a mismatch is acted on once our own replay agrees."""
+        msg = event.verdict
+        sample = self.awaited.get((msg.round, msg.author))
+        if msg.run != self.params.run_id or sample is None or sample.replayer != event.peer:
+            return
+        if (msg.update, msg.commitment) != (sample.blob, sample.commitment):
+            return
+        verdict = Verdict(msg.run, msg.round, msg.author, msg.update, msg.commitment, msg.outcome)
+        try:
+            signed = check_verdict(verdict, msg.attestation, trust=self.trust, now=time.time())
+        except BadVerdict as exc:
+            _say(self.label, f"refused a verdict from {event.peer[-6:]}: {exc}")
+            return
+        if signed.signer_peer_id != event.peer:
+            return
+        if not self._record_verdict(verdict, event.peer):
+            return
+        key = (msg.round, msg.author)
+        if verdict.mismatched and key not in self.confirming and self.run_nursery is not None:
+            self.confirming.add(key)
+            self.run_nursery.start_soon(self._replay, sample, True)
+
+    def _record_verdict(self, verdict: Verdict, replayer: str) -> bool:
+        """Keep a verdict (the first per round and author); True if it is new."""
+        if any((v["round"], v["author"]) == (verdict.round, verdict.author) for v in self.verdicts):
+            return False
+        if len(self.verdicts) < MAX_VERDICTS:
+            self.verdicts.append({**verdict.to_json(), "replayer": replayer})
+        self.changed.set()
+        return True
+
+    def _ban(self, sample: _Sampled, outcome: str) -> None:
+        if sample.operator not in self.banned:
+            self.banned[sample.operator] = f"failed replay of round {sample.round} ({outcome})"
+            _say(self.label, f"operator {sample.operator} excluded: {self.banned[sample.operator]}")
+
     # --- training and proposing -------------------------------------------------------
     async def _train(self, trainer: Trainer) -> None:
         state, root = self.state, self.root
@@ -576,21 +847,46 @@ class Worker:
         if self.config.stall_round == state.round:
             _say(self.label, f"round {state.round}: stalling (test hook)")
             await trio.sleep_forever()
-        update, losses = await trio.to_thread.run_sync(trainer.train, state, root, self.peer)
+        cheat = self.config.cheat_from_round is not None
+        cheat = cheat and state.round >= (self.config.cheat_from_round or 0)
+        trained = await trio.to_thread.run_sync(
+            lambda: trainer.train(state, root, self.peer, cheat=cheat)
+        )
         if (self.state, self.root) != (state, root):
             return  # the state moved on while we trained: this update is for nobody
-        blob = await self.node.add_bytes(update)
+        blob = await self.node.add_bytes(trained.update)
+        # What a replayer needs (training.outer_replay, rule 1): the inner state before
+        # the round, and the commitment naming it, the rows, the losses and the update.
+        inner = await self.node.add_bytes(trained.inner_before)
+        commitment = UpdateCommitment(
+            self.params.run_id,
+            state.round,
+            root,
+            self.peer,
+            self.config.shard,
+            self.params.inner_steps,
+            self.params.batch,
+            trained.rows.astype("<u4").tobytes(),
+            loss_bits(trained.losses),
+            self.params.chunk,
+            self.params.k,
+            inner,
+            inner_digest(trained.inner_after),
+            blob,
+        )
+        commitment_blob = await self.node.add_bytes(commitment.encode())
         attestation = sign_attestation(
             self.signer,
             kind=UPDATE_KIND,
             digest=bytes.fromhex(blob),
             kernel_class=self.kernel_class,
-            subjects=[blob, root],
+            subjects=[blob, root, commitment_blob],
             time=int(time.time()),
             certificate=self.certificate,
         ).encode()
         now = trio.current_time()
-        self.own = _Own(state.round, root, blob, attestation, losses, len(update), now)
+        size = len(trained.update)
+        self.own = _Own(state.round, root, blob, attestation, trained.losses, size, now)
         self.fetched[self.peer] = blob
         message = UpdateAnnouncement(
             self.params.run_id, state.round, blob, attestation, tuple(self.node.addrs)
@@ -605,6 +901,8 @@ class Worker:
         ready = own.announced_at + self.params.deadline
         if len(self.fetched) >= self.params.workers:
             ready = min(ready, trio.current_time())
+        if self._verdicts_pending(own.round - 1):
+            ready = max(ready, self.round_started + self._verdict_wait())
         ranked = proposer_order(self.root, [*self.candidates, self.peer])
         return proposal_time(ready, ranked.index(self.peer), self.params.proposer_timeout)
 
@@ -625,7 +923,9 @@ class Worker:
             # author of a blob named twice is in its envelope; an operator's first key
             # (in peer order) counts.
             reason = ""
-            if candidate.operator in operators:
+            if candidate.operator in self.banned:
+                reason = self.banned[candidate.operator]
+            elif candidate.operator in operators:
                 reason = "one operator twice"
             elif candidate.blob in blobs:
                 reason = "a copy (blob already named)"
@@ -724,6 +1024,7 @@ class Worker:
             slot = self._slot()
             if (
                 slot is not None
+                and self.config.cheat_from_round is None  # the test cheater never proposes
                 and start not in self.proposed_for
                 and not self.book.has_round(*start)
                 and trio.current_time() >= slot
@@ -800,14 +1101,24 @@ class Worker:
             tuple(self.node.addrs),
         )
         await self._announce("state", encode_message(message))
-        last = self.records.get(state.round - 1)
-        expected = {x["peer"] for x in last.included} - {self.peer} if last else set()
-        deadline = trio.current_time() + self.params.deadline
+        # Admitted by the aggregation in a round this worker applied: a byzantine worker
+        # whose updates were all excluded is not waited for.
+        ever = self.ever_admitted - {self.peer}
+        deadline = trio.current_time() + self._linger_bound()
         while trio.current_time() < deadline:
-            if expected <= set(self.ledger.roots_heard(state.round)):
+            waiting = (ever & set(self.node.connected_peers())) - set(
+                self.ledger.roots_heard(state.round)
+            )
+            if not waiting:
                 break
-            await self._wait_changed(deadline)
+            await self._wait_changed(min(deadline, trio.current_time() + 1.0))
+        else:
+            _say(self.label, f"left without the final roots of {sorted(p[-6:] for p in waiting)}")
         await trio.sleep(1.0)
+
+    def _linger_bound(self) -> float:
+        """How long a finished worker waits for the others' final roots (point 3)."""
+        return self._fetch_bound()
 
     async def run(self) -> dict[str, Any]:
         sub = await self.node.subscribe(self.topic)
@@ -815,14 +1126,13 @@ class Worker:
             write_json(self.config.addr_file, {"peer_id": self.peer, "addrs": self.node.addrs})
         hello = Hello(self.params.run_id, self.certificate.encode())
         for addr in self.config.bootstrap:
-            peer = addr.rsplit("/p2p/", 1)[-1]
-            self.addrs_of.setdefault(peer, ())
-            self.addrs_of[peer] = (*self.addrs_of[peer], addr)
+            self.dialer.learn(addr.rsplit("/p2p/", 1)[-1], [addr], trio.current_time())
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._receive_loop, sub)
             nursery.start_soon(self._announce_loop)
             nursery.start_soon(self._dial_loop)
             nursery.start_soon(self._meter_loop)
+            self.run_nursery = nursery
             trainer = await trio.to_thread.run_sync(Trainer, self.params, self.config.shard)
             self.kernel_class = trainer.kernel_class
             if self.certificate.kernel_class != self.kernel_class:
@@ -872,6 +1182,9 @@ class Worker:
             "final_roots_heard": heard,
             "refused_closures": self.refused_closures,
             "refused_updates": self.refused_updates[:256],
+            "verdicts": self.verdicts,
+            "banned": self.banned,
+            "false_accusations": self.false_accusations,
             "equivocations": [list(e) for e in self.book.equivocations],
             "agreed": all(v == self.root for v in heard.values()),
             "malformed_messages": self.ledger.malformed,

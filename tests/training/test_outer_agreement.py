@@ -84,7 +84,7 @@ def update(m: Machine, round_: int, root: str, blob: str | None = None) -> Inclu
         kind=UPDATE_KIND,
         digest=bytes.fromhex(blob),
         kernel_class=KC,
-        subjects=[blob, root],
+        subjects=[blob, root, "c0" * 32],  # a commitment blob (never fetched here)
         time=NOW,
         certificate=m.cert,
     )

@@ -187,7 +187,7 @@ def _attest(
         kind=UPDATE_KIND,
         digest=bytes.fromhex(blob),
         kernel_class=plan.kernel_class,
-        subjects=[blob, root],
+        subjects=[blob, root, "c0" * 32],  # a commitment nobody can fetch
         time=int(time.time()),
         certificate=cert,
     )
@@ -264,17 +264,32 @@ async def _adversaries(plan: RunPlan, byz_slot: int, stop: trio.Event) -> None:
 @pytest.mark.timeout(360)
 async def test_churn_and_byzantine_workers_leave_one_root(tmp_path: Path) -> None:
     """K=3. Worker 0, the first started (what everyone bootstrapped to), is SIGKILLed after
-    round 1; a joiner (not in the start barrier) catches up from the tip's state blob and
-    takes part from there; worker 1 is
-    stopped (SIGSTOP) for three deadlines after round 2 and catches up in one step. An
-    unadmitted forger's updates are rejected with their reasons; an admitted byzantine
-    worker's copy and huge update are excluded with theirs. Every honest survivor exits 0
-    on one final root, and every root it applied is what this process recomputes."""
+    round 0; a joiner (not in the start barrier) catches up from the tip's state blob and
+    takes part from there; worker 1 is stopped (SIGSTOP) after round 1 until worker 2 has
+    closed round 3 without it (at least two deadlines), and must rejoin although its only
+    bootstrap peer is dead (CI once saw a resumed worker never rejoin). An unadmitted
+    forger's updates are rejected with their reasons; an admitted byzantine worker's copy
+    and huge update are excluded with theirs. Every honest survivor exits 0 on one final
+    root, and every root it applied is what this process recomputes."""
     params = RunParams(
-        run_id="churn", workers=3, rounds=6, inner_steps=2, deadline=4.0, proposer_timeout=2.0
+        run_id="churn",
+        workers=3,
+        rounds=5,
+        inner_steps=2,
+        deadline=4.0,
+        proposer_timeout=2.0,
+        replay_rate=0.0,  # replay has its own test (test_outer_replay_net.py)
     )
     plan = prepare_run(tmp_path / "run", params, slots=5)  # slot 3: joiner, 4: byzantine
-    churn = ChurnPlan(pause=1, pause_after=2, pause_s=12.0, kill=0, kill_after=1, join=True)
+    churn = ChurnPlan(
+        pause=1,
+        pause_after=1,
+        pause_s=2 * params.deadline,
+        resume_when=(2, 3),
+        kill=0,
+        kill_after=0,
+        join=True,
+    )
     stop = trio.Event()
     outcome: list[ChurnResult] = []
 
@@ -307,7 +322,18 @@ async def test_churn_and_byzantine_workers_leave_one_root(tmp_path: Path) -> Non
         assert recomputed == [rec["root"] for rec in records if rec["how"] != "caught up"]
     w1, w2, joiner = honest[1], honest[2], honest[3]
     assert w1 is not None and w2 is not None and joiner is not None
-    assert [rec["how"] for rec in w1["rounds"]].count("caught up") == 1
+    # Round 3 was closed while worker 1 was stopped (it was resumed only after worker 2
+    # had closed it; its start state came from round 2, closed after worker 1 stopped), so
+    # it lacks worker 1's update. Worker 1 then applied or caught up to what the others
+    # closed: whichever, it ended on their root (not forked, above) with a record of the
+    # last round (which path it took depends on the machine's speed).
+    by_round = {rec["round"]: rec for rec in w2["rounds"]}
+    assert all(x["peer"] != p[1] for x in by_round[3]["included"])
+    assert {rec["how"] for rec in w1["rounds"] if rec["round"] >= 2} <= {
+        "applied",
+        "caught up",
+        "proposed",
+    }
     assert joiner["joined_at"] is not None and joiner["joined_at"] >= 1
     assert joiner["rounds"][0]["how"] == "caught up"
     reasons = {x["reason"] for rec in w2["rounds"] for x in rec["rejected"]}

@@ -256,7 +256,7 @@ def update_msg(
         kind=UPDATE_KIND,
         digest=bytes.fromhex(digest or blob),
         kernel_class=KC,
-        subjects=[blob, root],
+        subjects=[blob, root, "c0" * 32],  # a commitment blob (never fetched here)
         time=NOW,
         certificate=cert,
     )

@@ -1,0 +1,441 @@
+"""Sampled replay of outer-loop updates: each update commits to how it was computed, and a
+sample of every round's included updates is recomputed by another admitted worker.
+
+Theory of operation
+-------------------
+1. **Commitment.** With its update for round r a worker stores an *update commitment*
+   blob (:class:`UpdateCommitment`, canonical msgpack): the run, the round, the start root
+   R_r, the author, its data shard, the inner steps and batch size, the batch rows it drew
+   (uint32), each step's loss (float32 bits), the codec settings, the blob of its *inner
+   state* before the round (the inner AdamW moments and the error-feedback residual,
+   :func:`encode_inner`), the BLAKE3 of its inner state after the round, and the update
+   blob. Its update attestation's subjects are ``[update blob, R_r, commitment blob]``, so
+   the closure that names the update names the commitment too, under the author's key.
+2. **Sample.** Round r's admitted updates are sampled with R_{r+1}, the root that round
+   r's closure produced (:func:`sampled`): peer p's update is replayed iff
+   ``BLAKE3(SAMPLE_DOMAIN || R_{r+1} || p) < rate``. R_{r+1} depends on every included
+   update, so while computing its update nobody can know whether it will be checked.
+   (R_r would not do: it is known before training, and a cheater would cheat only in the
+   rounds where it is not sampled.)
+3. **Replayer.** Among the closure's other admitted workers of another operator, the one
+   with the lowest ``BLAKE3(REPLAYER_DOMAIN || R_{r+1} || p || q)`` replays p's update
+   (:func:`replayer_for`): it fetches the commitment and the inner-state blob, loads S_r
+   and the inner state into a fresh model, trains on the committed rows, and compares the
+   loss bits, the end inner state and the update's bytes (:func:`replay`). Every worker of
+   a run holds a certificate for the run's one kernel class, and deterministic mode makes
+   equal inputs give equal bits there, so an honest update replays exactly.
+4. **Verdict.** The replayer signs a verdict (kind :data:`REPLAY_KIND`, digest
+   :func:`verdict_digest` over the run, round, author, both blobs and the outcome, subjects
+   ``[update blob, commitment blob]``; outcome ``match``, ``mismatch: <what differs>`` or
+   ``unavailable``) and announces it. Every
+   worker records the verdicts it hears (the run's milestones list them beside the
+   included updates: included vs verified). A ``mismatch`` counts for a worker only once
+   its own replay agrees (a false accusation costs its maker nothing else, and the
+   accused nothing). A worker that holds a confirmed mismatch for an operator leaves that
+   operator's updates out of every closure it proposes from then on, with the reason
+   ``failed replay of round r``. The round the cheat was in is already applied: it was
+   bounded like any update (``training.outer_aggregate``); replay makes cheating a
+   one-round, detected, unpaid act rather than preventing it.
+5. **Cost and catch.** At rate q each worker replays about q updates per round: q times
+   its own training compute (H inner steps), plus fetching the inner state (3x the model
+   in float32: AdamW's two moments and the residual) per replay; storing its own
+   commitment and inner state costs each worker one inner-state blob per round, kept
+   until the sample is known. A worker that cheats in n rounds escapes with probability
+   (1 - q)^n; at q = 0.25 a cheat in 8 rounds is caught with probability 0.90.
+6. **What is not checked.** The inner state a worker starts from is committed, not
+   derived: a worker could start from a fabricated residual or optimizer state (what it
+   sends is still bounded by the aggregation rules); chaining each commitment's start to
+   the previous one's end would close that. The shard is the author's claim. A withheld
+   commitment or inner state gives the verdict ``unavailable``: not verified, not banned.
+
+Nothing here reads a clock or does I/O; :func:`replay` runs torch (in a worker thread).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import blake3
+import msgpack
+import numpy as np
+
+from identity import (
+    AdmissionCertificate,
+    Attestation,
+    Rejected,
+    Signer,
+    TrustStore,
+    decode_msgpack_map,
+    sign_attestation,
+    verify_attestation,
+)
+from training.errors import TrainingError
+
+if TYPE_CHECKING:
+    from training.outer import OuterState
+    from training.outer_net import RunParams
+
+REPLAY_KIND = "blobnet/outer-replay"
+COMMITMENT_DOMAIN = b"blobnet/outer-update-commitment/v1"
+VERDICT_DOMAIN = b"blobnet/outer-replay-verdict/v1"
+SAMPLE_DOMAIN = b"blobnet/outer-sample/v1"
+REPLAYER_DOMAIN = b"blobnet/outer-replayer/v1"
+COMMITMENT_VERSION = 1
+INNER_VERSION = 1
+MATCH = "match"
+UNAVAILABLE = "unavailable"
+MISMATCH = "mismatch"
+# Bounds on a commitment before it is parsed: batch rows per round (inner steps x batch
+# size) and inner steps. A round of 1000 steps at batch 64 is far beyond what one outer
+# round trains; the commitment then stays under 300 KiB.
+MAX_ROWS = 1 << 16
+MAX_STEPS = 4096
+MAX_COMMITMENT_SIZE = 4 * MAX_ROWS + 4 * MAX_STEPS + 4096
+# Outcome texts are short ("mismatch: update bytes differ"); 128 bounds them.
+MAX_OUTCOME_LEN = 128
+
+_HEX = frozenset("0123456789abcdef")
+
+
+class BadCommitment(TrainingError):
+    """Bytes that are not a canonical update commitment (the author's fault)."""
+
+    exit_code = 4
+
+
+class BadInnerState(TrainingError):
+    """An inner-state blob that does not fit the model (the author's fault)."""
+
+    exit_code = 4
+
+
+def _hex64(value: Any, what: str) -> str:
+    if type(value) is not str or len(value) != 64 or not set(value) <= _HEX:
+        raise BadCommitment(f"commitment field {what} must be 64 lowercase hex digits")
+    return value
+
+
+@dataclass(frozen=True)
+class UpdateCommitment:
+    """How one update was computed (rule 1)."""
+
+    run: str
+    round: int
+    start_root: str
+    author: str
+    shard: int
+    steps: int
+    batch: int
+    rows: bytes  # steps * batch uint32, little-endian
+    losses: bytes  # steps float32, little-endian
+    chunk: int
+    k: int
+    inner: str  # blob ID of the inner state before the round
+    inner_end: str  # BLAKE3 (hex) of the inner state after the round
+    update: str  # the update blob
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "v": COMMITMENT_VERSION,
+            "run": self.run,
+            "round": self.round,
+            "start": self.start_root,
+            "author": self.author,
+            "shard": self.shard,
+            "steps": self.steps,
+            "batch": self.batch,
+            "rows": self.rows,
+            "losses": self.losses,
+            "codec": [self.chunk, self.k],
+            "inner": self.inner,
+            "inner_end": self.inner_end,
+            "update": self.update,
+        }
+
+    def encode(self) -> bytes:
+        data: bytes = msgpack.packb(self.fields(), use_bin_type=True)
+        try:
+            ok = decode_commitment(data) == self
+        except BadCommitment as exc:
+            raise ValueError(f"commitment does not round-trip: {exc}") from None
+        if not ok:
+            raise ValueError("commitment does not round-trip (a malformed field)")
+        return data
+
+    def row_array(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        rows = np.frombuffer(self.rows, dtype="<u4").astype(np.int64)
+        return rows.reshape(self.steps, self.batch)
+
+
+def decode_commitment(data: bytes) -> UpdateCommitment:
+    """Strictly parse a commitment; raises :class:`BadCommitment` only."""
+    obj = decode_msgpack_map(
+        data, max_size=MAX_COMMITMENT_SIZE, what="update commitment", error=BadCommitment
+    )
+    try:
+        if obj["v"] != COMMITMENT_VERSION:
+            raise BadCommitment("commitment has an unknown version")
+        codec = obj["codec"]
+        if type(codec) is not list or len(codec) != 2:
+            raise BadCommitment("commitment codec must be [chunk, k]")
+        ints = [obj["round"], obj["shard"], obj["steps"], obj["batch"], *codec]
+        strs = [obj["run"], obj["author"]]
+        rows, losses = obj["rows"], obj["losses"]
+    except KeyError as exc:
+        raise BadCommitment(f"commitment lacks the field {exc}") from None
+    if any(type(x) is not int or not 0 <= x < 1 << 32 for x in ints):
+        raise BadCommitment("commitment integers must be in 0..2^32")
+    if any(type(x) is not str or not 0 < len(x) <= 128 for x in strs):
+        raise BadCommitment("commitment run and author must be short strings")
+    round_, shard, steps, batch, chunk, k = ints
+    if not 0 < steps <= MAX_STEPS or batch <= 0 or steps * batch > MAX_ROWS:
+        raise BadCommitment("commitment steps or batch out of range")
+    if type(rows) is not bytes or len(rows) != 4 * steps * batch:
+        raise BadCommitment("commitment rows must be steps x batch uint32")
+    if type(losses) is not bytes or len(losses) != 4 * steps:
+        raise BadCommitment("commitment losses must be one float32 per step")
+    c = UpdateCommitment(
+        obj["run"],
+        round_,
+        _hex64(obj["start"], "start"),
+        obj["author"],
+        shard,
+        steps,
+        batch,
+        rows,
+        losses,
+        chunk,
+        k,
+        _hex64(obj["inner"], "inner"),
+        _hex64(obj["inner_end"], "inner_end"),
+        _hex64(obj["update"], "update"),
+    )
+    if msgpack.packb(c.fields(), use_bin_type=True) != bytes(data):
+        raise BadCommitment("commitment is not in canonical form")
+    return c
+
+
+def loss_bits(losses: Sequence[float]) -> bytes:
+    return struct.pack(f"<{len(losses)}f", *losses)
+
+
+# --- the inner state -----------------------------------------------------------------
+
+
+def encode_inner(
+    optimizer: Sequence[tuple[bytes, bytes, bytes] | None], residual: Mapping[str, Any]
+) -> bytes:
+    """Canonical bytes of a worker's inner state: per model parameter (in the model's
+    order) AdamW's ``(step, exp_avg, exp_avg_sq)`` as float32 bytes or nothing before the
+    first step; the error-feedback residual by tensor name (sorted)."""
+    opt = [[] if x is None else list(x) for x in optimizer]
+    ef = [
+        [name, np.ascontiguousarray(residual[name], dtype="<f4").tobytes()]
+        for name in sorted(residual, key=lambda n: n.encode())
+    ]
+    data: bytes = msgpack.packb({"v": INNER_VERSION, "opt": opt, "ef": ef}, use_bin_type=True)
+    return data
+
+
+def decode_inner(
+    data: bytes,
+    param_sizes: Sequence[int],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> tuple[list[tuple[bytes, bytes, bytes] | None], dict[str, np.ndarray[Any, Any]]]:
+    """The inner state if it fits a model with these parameter sizes (in order) and
+    tensor shapes; :class:`BadInnerState` otherwise."""
+    total = sum(param_sizes)
+    limit = 3 * 4 * total + 4 * sum(int(np.prod(s)) for s in shapes.values()) + 65536
+    obj = decode_msgpack_map(data, max_size=limit, what="inner state", error=BadInnerState)
+    opt, ef = obj.get("opt"), obj.get("ef")
+    if obj.get("v") != INNER_VERSION or type(opt) is not list or type(ef) is not list:
+        raise BadInnerState("inner state must be {v, opt, ef}")
+    if len(opt) != len(param_sizes):
+        raise BadInnerState("inner state has another number of parameters than the model")
+    optimizer: list[tuple[bytes, bytes, bytes] | None] = []
+    for entry, size in zip(opt, param_sizes, strict=True):
+        if entry == []:
+            optimizer.append(None)
+            continue
+        if (
+            type(entry) is not list
+            or len(entry) != 3
+            or any(type(x) is not bytes for x in entry)
+            or [len(x) for x in entry] != [4, 4 * size, 4 * size]
+        ):
+            raise BadInnerState("inner state optimizer entry does not fit its parameter")
+        optimizer.append((entry[0], entry[1], entry[2]))
+    residual: dict[str, np.ndarray[Any, Any]] = {}
+    for entry in ef:
+        if type(entry) is not list or len(entry) != 2 or entry[0] not in shapes:
+            raise BadInnerState("inner state residual names an unknown tensor")
+        name, raw = entry
+        shape = shapes[name]
+        if type(raw) is not bytes or len(raw) != 4 * int(np.prod(shape)):
+            raise BadInnerState(f"inner state residual {name!r} does not fit its tensor")
+        residual[name] = np.frombuffer(raw, dtype="<f4").reshape(shape).astype(np.float32)
+    if residual and set(residual) != set(shapes):
+        raise BadInnerState("inner state residual lacks some tensors")
+    return optimizer, residual
+
+
+def inner_digest(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+# --- rules 2 and 3: who is sampled, who replays ---------------------------------------
+
+
+def sampled(next_root: str, peer: str, rate: float) -> bool:
+    """Rule 2: is ``peer``'s update of the round that produced ``next_root`` replayed?"""
+    if rate <= 0.0:
+        return False
+    h = blake3.blake3(SAMPLE_DOMAIN + bytes.fromhex(next_root) + peer.encode()).digest()
+    return int.from_bytes(h[:8], "big") < rate * 2.0**64
+
+
+def replayer_for(next_root: str, author: str, operators: Mapping[str, str]) -> str | None:
+    """Rule 3: who replays ``author``'s update, among the round's admitted workers
+    (peer -> operator); None if no worker of another operator was admitted."""
+    own = operators.get(author)
+    eligible = [p for p, op in operators.items() if p != author and op != own]
+    if not eligible:
+        return None
+    root = bytes.fromhex(next_root)
+    return min(
+        eligible,
+        key=lambda q: blake3.blake3(
+            REPLAYER_DOMAIN + root + author.encode() + b"\0" + q.encode()
+        ).digest(),
+    )
+
+
+# --- rule 4: verdicts ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    run: str
+    round: int
+    author: str
+    update: str
+    commitment: str
+    outcome: str
+
+    @property
+    def matched(self) -> bool:
+        return self.outcome == MATCH
+
+    @property
+    def mismatched(self) -> bool:
+        return self.outcome.startswith(MISMATCH)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "author": self.author,
+            "update": self.update,
+            "commitment": self.commitment,
+            "outcome": self.outcome,
+        }
+
+
+def verdict_digest(v: Verdict) -> bytes:
+    body: bytes = msgpack.packb(
+        [v.run, v.round, v.author, v.update, v.commitment, v.outcome], use_bin_type=True
+    )
+    return blake3.blake3(VERDICT_DOMAIN + struct.pack("<Q", len(body)) + body).digest()
+
+
+def sign_verdict(
+    signer: Signer,
+    verdict: Verdict,
+    *,
+    kernel_class: str,
+    certificate: AdmissionCertificate,
+    time: int,
+) -> bytes:
+    return sign_attestation(
+        signer,
+        kind=REPLAY_KIND,
+        digest=verdict_digest(verdict),
+        kernel_class=kernel_class,
+        subjects=[verdict.update, verdict.commitment],
+        time=time,
+        certificate=certificate,
+    ).encode()
+
+
+class BadVerdict(Exception):
+    """A verdict whose attestation does not verify or does not match it."""
+
+
+def check_verdict(
+    verdict: Verdict, attestation: bytes, *, trust: TrustStore, now: float
+) -> Attestation:
+    """The verdict's attestation if it is a valid replay verdict by an admitted worker."""
+    if not 0 < len(verdict.outcome) <= MAX_OUTCOME_LEN:
+        raise BadVerdict("verdict outcome is empty or too long")
+    try:
+        signed = verify_attestation(attestation, trust=trust, now=now, kind=REPLAY_KIND)
+    except Rejected as exc:
+        raise BadVerdict(str(exc)) from None
+    if signed.digest != verdict_digest(verdict):
+        raise BadVerdict("verdict attestation is over another verdict")
+    if signed.subjects != (verdict.update, verdict.commitment):
+        raise BadVerdict("verdict attestation names other subjects")
+    return signed
+
+
+# --- the replay itself ------------------------------------------------------------------
+
+
+def check_claims(
+    c: UpdateCommitment, *, run: str, round_: int, start_root: str, author: str, update: str
+) -> str:
+    """What, if anything, the commitment claims differently from the closure ('' if
+    nothing): a mismatch found without training."""
+    if (c.run, c.round, c.start_root) != (run, round_, start_root):
+        return "commitment names another run, round or start root"
+    if c.author != author:
+        return "commitment names another author"
+    if c.update != update:
+        return "commitment names another update blob"
+    return ""
+
+
+def replay(
+    params: RunParams, c: UpdateCommitment, inner: bytes, start: OuterState, update: bytes
+) -> str:
+    """Rule 3: recompute ``c``'s update from S_r (``start``) and the inner state, and
+    compare with ``update`` (the included blob's bytes): :data:`MATCH` or
+    ``mismatch: <the first thing that differs>``."""
+    from training.outer_net import Trainer
+
+    if (c.chunk, c.k) != (params.chunk, params.k):
+        return f"{MISMATCH}: codec settings are not the run's"
+    if c.steps != params.inner_steps or c.batch != params.batch:
+        return f"{MISMATCH}: inner steps or batch size are not the run's"
+    trainer = Trainer(params, c.shard)
+    rows = c.row_array()
+    if int(rows.max()) >= trainer.tokens.shape[0]:
+        return f"{MISMATCH}: a batch row is outside the shard"
+    try:
+        trainer.load_inner(inner)
+    except BadInnerState as exc:
+        return f"{MISMATCH}: {exc}"
+    ours, losses, end = trainer.train_rows(start, c.start_root, c.author, rows)
+    bits = loss_bits(losses)
+    if bits != c.losses:
+        first = next(
+            i for i in range(c.steps) if bits[4 * i : 4 * i + 4] != c.losses[4 * i : 4 * i + 4]
+        )
+        return f"{MISMATCH}: loss of step {first} differs"
+    if inner_digest(end) != c.inner_end:
+        return f"{MISMATCH}: inner state after the round differs"
+    if ours != update:
+        return f"{MISMATCH}: update bytes differ"
+    return MATCH
