@@ -223,6 +223,7 @@ class AdmittedRelay(CircuitV2Protocol):
         # CONNECT is accepted bounds both at ``max_circuit_conns``.
         self._circuits_to: Counter[bytes] = Counter()
         self._circuits_from: Counter[bytes] = Counter()
+        self._circuit_serial = 0  # names each circuit's own key (``_relay_data``)
 
     def _refuse(self, peer: ID) -> None:
         self.refused.append(str(peer))
@@ -285,14 +286,28 @@ class AdmittedRelay(CircuitV2Protocol):
         relayed connection lives on until its DCUtR grace period (60 s) ends. The circuit
         slot stays taken meanwhile, and after ``max_circuit_conns`` such circuits the
         relay answers NO_RESERVATION (its one code for that limit and for no
-        reservation). Resetting both streams frees the slot at once."""
+        reservation). Resetting both streams frees the slot at once.
+
+        That clean-up also files a circuit under one peer ID per side
+        (``_active_relays[peer]``), so with two circuits to one provider (two fetchers
+        punching to it at once) the first to end closed the other's streams: its
+        relayed connection died before DCUtR could run (seen on the NAT testbed). So
+        py-libp2p's loop gets a key of this circuit's own (nothing is filed under it),
+        and only entries holding this circuit's streams are removed here."""
         counted: Any = _CountingReader(src_stream, self)
+        peer, rest = (args[0], args[1:]) if args else (None, ())
+        self._circuit_serial += 1
+        own_key = ID(b"\x00blobnet-circuit-%d" % self._circuit_serial)
         try:
-            await super()._relay_data(counted, dst_stream, *args)
+            await super()._relay_data(counted, dst_stream, own_key, *rest)
         finally:
             with trio.CancelScope(shield=True):
                 for stream in (src_stream, dst_stream):
                     await _reset_quietly(stream)
+            if isinstance(peer, ID):
+                entry = self._active_relays.get(peer)
+                if entry is not None and (src_stream in entry or dst_stream in entry):
+                    del self._active_relays[peer]
 
 
 async def _reset_quietly(stream: INetStream) -> None:

@@ -20,8 +20,10 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
+from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
 from multiaddr import Multiaddr
 
@@ -312,3 +314,49 @@ async def test_a_fetch_punches_a_bounded_number_of_circuits_the_first_given_firs
             punches = await punch_circuits(_Peer(b), circuits, punch_timeout=1)
         assert [p.addr for p in punches] == circuits[:MAX_PUNCHES]
         assert all(p.path != "direct" and p.reason for p in punches)
+
+
+async def test_a_circuit_that_ends_leaves_another_circuit_to_the_same_peer_alone() -> None:
+    """Two fetchers reach one provider through the relay at once (a swarm punching to
+    a NATed seeder). py-libp2p files circuits under the provider's peer ID, so the
+    first circuit to end closed the second one's streams, and that fetcher's relayed
+    connection died before it could hole-punch (seen on the NAT testbed)."""
+    echo = TProtocol("/blobnet-test/echo/1.0.0")
+    authority = Authority(SoftwareSigner(MachineKey.generate()))
+    trust = TrustStore(frozenset({authority.public_key_bytes}))
+
+    async def handle(stream: INetStream) -> None:
+        try:
+            await stream.write(await stream.read(64))
+            await stream.close()
+        except Exception:  # the other side went away: nothing to echo to
+            pass
+
+    async with (
+        _host() as relay_host, _host() as a, _host() as b, _host() as c,
+        relay_service(relay_host, trust=trust, limits=control_limits()),
+        background_trio_service(CircuitV2Protocol(a, allow_hop=False)),  # stop side only
+    ):  # fmt: skip
+        relay_addr = _addr(relay_host)
+        a.set_stream_handler(echo, handle)
+        for peer in (a, b, c):
+            await peer.connect(info_from_p2p_addr(Multiaddr(relay_addr)))
+            cert = _certificate(authority, str(peer.get_id()))
+            await present_certificate(peer, relay_host.get_id(), cert)
+        circuit = (await reserve(a, relay_addr)).circuit_addrs[0]
+        with trio.fail_after(30):
+            first = await dial_via_relay(b, circuit)
+            second = await dial_via_relay(c, circuit)
+            # The provider ends b's circuit (say b punched through and DCUtR closes the
+            # relayed leg).
+            for conn in a.get_network().get_connections(b.get_id()):
+                await conn.close()
+            assert first.conn is not None
+            await trio.sleep(0.5)  # the relay's clean-up of b's circuit runs
+            # Only the circuit leads to a (no DCUtR here, and c forgets a's own
+            # addresses), so the echo below crosses c's circuit or nothing.
+            c.get_peerstore().clear_addrs(a.get_id())
+            stream = await c.new_stream(a.get_id(), [echo])
+            await stream.write(b"still here")
+            assert await stream.read(64) == b"still here"
+            assert stream.muxed_conn is second.conn.muxed_conn
