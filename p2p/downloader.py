@@ -494,6 +494,11 @@ class Download:
         except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
             log.info("provider %s: have refresh ended: %r", peer, exc)
         finally:
+            # Claims nobody refreshes are void: a fellow that went away (or stopped
+            # answering) must not keep chunks from the seeder; what it held stays, and
+            # its workers find out by asking for it.
+            self.scheduler.drop_claims(peer)
+            self._notify()
             if client is not None:
                 await reset_quietly(client.stream)
 

@@ -479,6 +479,12 @@ class Scheduler:
         self._replace_bitmap(p, parsed)
         self._replace_soon(p, self._parse_soon(soon, parsed))
 
+    def drop_claims(self, peer: str) -> None:
+        """Forget what `peer` said it is fetching (its status is no longer refreshed)."""
+        p = self._peers.get(peer)
+        if p is not None:
+            self._replace_soon(p, None)
+
     def in_flight(self) -> list[int]:
         """Chunks requested and not verified yet (what a ``status`` answer calls soon)."""
         return list(self._inflight)

@@ -162,6 +162,18 @@ def test_a_fellows_claims_go_when_it_goes() -> None:
     assert _chunks(s.next_request("seed", 0.0)) == {0, 1, 2, 3}
 
 
+def test_claims_nobody_refreshes_are_void() -> None:
+    """A fellow that exits while the seeder defers to its claims and its share (its
+    status stream fails) must not hold the download up: before drop_claims it hung."""
+    names = ["12D3KooWalpha", "12D3KooWbravo"]
+    s = _swarm_of(names, 16)[names[0]]
+    mine = _seeded(s)
+    assert len(mine) < 15 and s.next_request("seed", 0.0) is None
+    s.drop_claims(names[1])
+    assert mine | _seeded(s) == set(range(16))
+    s._check_invariants()
+
+
 def _swarm_of(names: list[str], n: int) -> dict[str, Scheduler]:
     """One scheduler per fetcher, each seeing the seeder and its fetching fellows."""
     out = {}
