@@ -1,14 +1,16 @@
 """Churn on a local run: pause a worker past the deadline, kill one, start a late joiner.
 
-``churn_run`` starts K worker processes as ``blob outer run`` does (each bootstrapping to
-those before it), then, driven by the workers' own log lines (never by sleeps guessed to
-fit a machine's speed): kills worker ``kill`` once it has closed round ``kill_after``;
-stops worker ``pause`` (SIGSTOP) once it has closed round ``pause_after``, and resumes it
-after ``pause_s`` seconds or, with ``resume_when = (worker, round)``, once that worker has
-closed that round without it (so a test knows rounds were closed while it was away,
-however slow the machine); starts the joiner slot (``--join``) right after the K workers, so it
-joins at whatever round they have reached when it is ready. It returns every worker's
-exit status and result, and whether the honest survivors agree (no fork). The churn test
+``churn_run`` starts K worker processes: worker 0 first, then the others at once, each
+bootstrapping to worker 0 only (they find each other through the run's announcements;
+starting them one after another cost seconds of torch import each). Then, driven by the
+workers' own log lines (never by sleeps guessed to fit a machine's speed), it kills
+worker ``kill`` once it has closed round ``kill_after``; stops worker ``pause`` (SIGSTOP)
+once it has closed round ``pause_after`` and resumes it after ``pause_s`` seconds or,
+with ``resume_when = (worker, round)``, once that worker has also closed that round (so
+a test knows rounds were closed while it was away, however slow the machine); and starts
+the joiner slot (``--join``) right after the K workers, so it joins at whatever round they
+have reached when it is ready. It returns every worker's exit status and result, and
+whether the honest survivors agree (no fork). The churn test
 (tests/training/test_outer_net.py) and ``bench/outer.py --churn`` use it.
 """
 
@@ -92,9 +94,11 @@ def churn_run(plan: RunPlan, churn: ChurnPlan, *, timeout: float) -> ChurnResult
             return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
 
     try:
-        addrs: list[str] = []
-        for i in range(k):
+        procs[0] = spawn(0, [])
+        addrs = wait_for_addrs(plan.workers[0].addr_file, procs[0], 120)[:1]
+        for i in range(1, k):
             procs[i] = spawn(i, addrs)
+        for i in range(1, k):
             addrs = addrs + wait_for_addrs(plan.workers[i].addr_file, procs[i], 120)[:1]
         if churn.join:
             # Started now, it takes torch's import time to be ready and joins at whatever

@@ -761,10 +761,13 @@ class Worker:
             verdict.outcome,
             attestation,
         )
-        data = encode_message(message)
-        await self._announce(f"verdict-{sample.round}-{sample.author}", data)
-        blob = await self.node.add_bytes(data)
-        name = tag(self.params.run_id, "verdict", sample.round) + f"-{sample.author}"
+        await self._announce(f"verdict-{sample.round}-{sample.author}", encode_message(message))
+        await self._keep_verdict(message)
+
+    async def _keep_verdict(self, message: VerdictAnnouncement) -> None:
+        """Keep a verdict as a tagged blob beside the milestones (outer_milestones rule 3)."""
+        blob = await self.node.add_bytes(encode_message(message))
+        name = tag(self.params.run_id, "verdict", message.round) + f"-{message.author}"
         await trio.to_thread.run_sync(self.node.store.tag, name, blob)
 
     async def _replay_outcome(self, sample: _Sampled) -> str:
@@ -821,6 +824,8 @@ class Worker:
             return
         if not self._record_verdict(verdict, event.peer):
             return
+        if self.run_nursery is not None:
+            self.run_nursery.start_soon(self._keep_verdict, msg)
         key = (msg.round, msg.author)
         if verdict.mismatched and key not in self.confirming and self.run_nursery is not None:
             self.confirming.add(key)
