@@ -11,7 +11,8 @@ steps are interleaved so machine load hits all alike:
   ``--device cuda``). Its fallthrough kernels are installed once per round; here they are
   installed around each of its steps, outside the timed part (the install time is
   reported), so the other sessions run without them;
-* python: every op through the python-regime ``OpAuditor`` (what rounds paid before);
+* python: every op through the python-regime ``OpAuditor`` (what every round paid
+  before, less dynamo's guard around each op; CUDA rounds still do);
 * floor: an empty dispatch mode, the least any per-op Python auditor costs.
 
 All must produce the same loss bits (the audit observes, it does not change the math).
