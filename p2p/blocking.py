@@ -185,8 +185,9 @@ class BlockingNode:
     @property
     def addrs(self) -> list[str]:
         """Addresses other nodes can dial, each ending in ``/p2p/<peer id>`` (a wildcard
-        listen address appears as each interface's address)."""
-        return dialable_addrs(self.node.addrs)
+        listen address appears as each interface's address); behind NAT, once it holds
+        reservations, only its circuit addresses (``Node.reachable_addrs``)."""
+        return dialable_addrs(self.node.reachable_addrs)
 
     def ticket(self, blob_id: str) -> str:
         """A ticket for ``blob_id`` naming this node's addresses (for ``blob get``)."""

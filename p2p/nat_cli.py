@@ -66,14 +66,14 @@ def _certificate_option(command: Callable[..., Any]) -> Callable[..., Any]:
     )(command)
 
 
-def serve_nat_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--relay`` (repeatable), ``--certificate``, ``--assume-private``."""
+def relay_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--relay`` (repeatable) and ``--assume-private``, for a command that has its
+    certificate already (``blob outer worker``)."""
     command = click.option(
         "--assume-private",
         is_flag=True,
         help="Reserve on the relays even if a relay can dial this node back.",
     )(command)
-    command = _certificate_option(command)
     return click.option(
         "--relay",
         "relays",
@@ -82,6 +82,11 @@ def serve_nat_options(command: Callable[..., Any]) -> Callable[..., Any]:
         help="Relay to reserve on when this node is not publicly reachable (repeatable; "
         "the listen address then defaults to /ip4/0.0.0.0/tcp/0).",
     )(command)
+
+
+def serve_nat_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--relay`` (repeatable), ``--certificate``, ``--assume-private``."""
+    return relay_options(_certificate_option(command))
 
 
 def get_nat_options(command: Callable[..., Any]) -> Callable[..., Any]:

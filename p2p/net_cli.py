@@ -182,7 +182,7 @@ def _check_peer_addrs(addrs: Sequence[str], option: str) -> None:
 def _ready_addrs(node: Node) -> list[str]:
     """What a ready line and a ticket name: the circuit addresses of a node behind NAT
     (nothing else can be dialled from outside), else its own dialable addresses."""
-    return list(node.advertised) if node.advertised else dialable_addrs(node.addrs)
+    return dialable_addrs(node.reachable_addrs)
 
 
 def _fetch_listen(listen: Sequence[str], addrs: Sequence[str]) -> tuple[str, ...]:

@@ -276,11 +276,16 @@ class Node:
             out.append(text if "/p2p/" in text else f"{text}/p2p/{self.peer_id}")
         return dialable_addrs(out)
 
+    @property
+    def reachable_addrs(self) -> list[str]:
+        """The addresses to hand out (tickets, ready lines, announcements): the circuit
+        addresses of a node behind NAT (``set_advertised``; nothing else can be dialled
+        from outside, and a list of them stays short), else ``addrs``."""
+        return list(self.advertised) if self.advertised else self.addrs
+
     def ticket(self, blob_id: str) -> str:
-        """A ticket naming this node: its circuit addresses when it is behind NAT (the
-        others cannot be dialled from outside, and the ticket stays short)."""
-        addrs = self.advertised or self.addrs
-        return Ticket(blob_id, tuple(addrs[:MAX_TICKET_ADDRS])).encode()
+        """A ticket naming this node (``reachable_addrs``)."""
+        return Ticket(blob_id, tuple(self.reachable_addrs[:MAX_TICKET_ADDRS])).encode()
 
     def set_advertised(self, addrs: Sequence[str] | None) -> None:
         """Hand out ``addrs`` (circuit addresses learned from reservations) in tickets,
