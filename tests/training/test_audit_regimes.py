@@ -158,3 +158,27 @@ def test_one_fallthrough_set_at_a_time(allowed: frozenset[str]) -> None:
     ):
         pass
     assert not audit._installed
+
+
+@pytest.mark.parametrize("regime", ["python", "dispatcher"])
+@pytest.mark.parametrize("how", ["attribute", "buffer"])
+def test_a_model_holding_a_meta_tensor_is_refused_before_step_0(
+    allowed: frozenset[str], records: Records, regime: str, how: str
+) -> None:
+    """A CPU kernel reads a meta tensor next to CPU ones and returns CPU garbage (``mm``
+    does), which no result check sees: a model holding one is refused up front."""
+    s = session()
+    mlp = s.model.get_submodule("base_model.model.model.layers.0.mlp")
+    if how == "attribute":
+        mlp.scale = torch.ones(1, device="meta")
+    else:
+        mlp.register_buffer("scale", torch.ones(1, device="meta"))
+    auditor = (
+        audit.make_auditor("cpu", allowed)
+        if regime == "python"
+        else audit.make_round_auditor("cpu", allowed)
+    )
+    done: list[int] = []
+    with pytest.raises(AuditViolation, match=r"model tensor .*layers\.0\.mlp\.scale is on meta"):
+        trainer.run_steps(s, records, auditor=auditor, on_step=lambda step, _: done.append(step))
+    assert done == []
