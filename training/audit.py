@@ -42,7 +42,7 @@ Theory of operation:
    ~1.4-1.9x slower, so a check in Python of every op cannot meet issue 19's <= 1.5x.
 
    * ``python`` (``make_auditor``; CUDA rounds, CPU rounds on a machine that has an
-     accelerator, building a set): every op reaches ``__torch_dispatch__``.
+     accelerator, the builder's first pass): every op reaches ``__torch_dispatch__``.
    * ``dispatcher`` (``make_round_auditor`` for CPU rounds on a machine with no
      accelerator): while the round runs (``installed()``), every op of the set has a
      fallthrough kernel for the ``Python`` key, so the dispatcher runs it straight to its
@@ -54,14 +54,15 @@ Theory of operation:
    Why the dispatcher regime guarantees what the python one does, on every step (no
    sampling, no assumption that later steps take the first step's path):
    (a) *Ops*: an op without a ``Python``-key kernel of ours goes to
-   ``__torch_dispatch__`` whenever it is dispatched with the mode entered, so a
-   non-audited op is refused on whatever step it first appears. This sees *more* than
-   the python regime: ops that a fallen-through kernel calls inside itself (``mm`` calls
-   ``resolve_conj``, ``_to_copy`` calls ``empty_strided``) are dispatched with the mode
-   still entered, so they are checked too, where the python regime runs each kernel
-   with the mode popped and sees only its outer op. Hence point 2's "every depth": the
-   builder repeats its recording with the ops found so far falling through until no
-   new op appears (``MAX_BUILD_PASSES``).
+   ``__torch_dispatch__`` whenever it is dispatched with the mode entered (save under
+   torch's own guards that exclude that key, such as building a ``torch.tensor`` from
+   data, in both regimes alike), so a non-audited op is refused on whatever step it
+   first appears. This sees *more* than the python regime: ops that a fallen-through
+   kernel calls inside itself (``mm`` calls ``resolve_conj``, ``ones_like`` calls
+   ``empty_strided``) are dispatched with the mode still entered, so they are checked
+   too, where the python regime runs each kernel with the mode popped and sees only its
+   outer op. Hence point 2's "every depth": the builder repeats its recording with the
+   ops found so far falling through until no new op appears (``MAX_BUILD_PASSES``).
    (b) *Devices*: on a machine with no accelerator torch has two devices, CPU and meta.
    A kernel runs for meta only when the dispatcher picks the ``Meta`` key: every tensor
    of the op is on meta, or it is a factory or copy naming meta (``torch.zeros(...,
@@ -75,12 +76,12 @@ Theory of operation:
    made from the machine, is reported as ``regime``, and both regimes enforce the same
    set.
    (c) *Scope*: these kernels are process-wide, so they exist only inside
-   ``installed()`` (one set at a time, removed on any exit), and the fallthroughs act
-   only where the ``Python`` key is dispatched: while a dispatch mode is entered or for
-   a tensor subclass with its own ``__torch_dispatch__``. Code outside the audit never
-   meets them; while installed, another dispatch mode or such a subclass in the process
-   would not see the set's ops (a round uses neither), and meta tensors cannot be
-   computed on (the python regime refuses them too).
+   ``installed()`` (one set at a time, removed on any exit). The fallthroughs act only
+   where the ``Python`` key is dispatched: while a dispatch mode is entered or for a
+   tensor subclass with its own ``__torch_dispatch__``, so code outside the audit never
+   meets them, but another dispatch mode or such a subclass in the process would not
+   see the set's ops meanwhile (a round uses neither). The meta refusals act on every
+   meta computation in the process meanwhile, audited or not (a round makes none).
 6. Overhead in the python regime is per op, so it is kept small: the allow-list decision
    is cached per op object, devices are checked through the ``is_cpu``/``is_cuda``
    flags, results (not arguments) are checked, lists are walked one level deep (aten
