@@ -56,7 +56,7 @@ from p2p.scheduler import (
     StripeConfig,
     StripeGrowth,
 )
-from p2p.swarm import fetching_board
+from p2p.swarm import LINGER_MAX, LINGER_QUIET, FetchingBoard, fetching_board
 from p2p.wire import BlobClient, StreamLost, open_optimistic, reset_quietly
 
 log = logging.getLogger(__name__)
@@ -431,7 +431,10 @@ class Download:
             nursery.start_soon(self._stream_worker, peer, client, 0)
             if not full:
                 nursery.start_soon(self._refresh_have, peer)
-            if self.striped is not None and self.stripe_config is not None:
+            # Only a provider with every chunk is striped: a partial one (a fellow in a
+            # swarm) is one source among several, and eight fellows each dialled four
+            # times cost a loaded machine ~200 handshakes for nothing.
+            if full and self.striped is not None and self.stripe_config is not None:
                 nursery.start_soon(self._grow, peer)
             workers = 1
             # More workers as the peer's limit grows (rate x RTT, connections): each
@@ -851,6 +854,19 @@ async def _download(
         # fsync, then bitmap), so the next attempt resumes from it.
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(partial.close)
+    if config.defer_to_partial_holders:
+        await _linger(fetching_board(store), blob_id)
+
+
+async def _linger(board: FetchingBoard, blob_id: str) -> None:
+    """Serve fellows a while after completion (p2p.swarm rule 5)."""
+    deadline = trio.current_time() + LINGER_MAX
+    while True:
+        now = trio.current_time()
+        last = board.last_asked(blob_id)
+        if now >= deadline or last is None or now - last >= LINGER_QUIET:
+            return
+        await trio.sleep(min(deadline, last + LINGER_QUIET) - now)
 
 
 def _missing_bytes(store: Store, manifest: Manifest) -> int:

@@ -144,6 +144,10 @@ _POOL = 0
 _INFLIGHT = 1
 _VERIFIED = 2
 
+# A seeder defers to fellows at least this fraction of its rate: a fellow's rate is
+# measured on a few one-chunk requests (a round trip each), so a fellow on a link ten times
+# the seeder's can measure below it; one under a quarter of it would make us wait.
+DEFER_RATE_FRACTION = 0.25
 # The swarm partition (see "Swarm partition") hashes every chunk once per fellow: ~2 us a
 # chunk here, so 65536 chunks (64 GiB at 1 MiB) cost ~0.15 s per fellow, once.
 MAX_PARTITION_CHUNKS = 1 << 16
@@ -1027,12 +1031,13 @@ class Scheduler:
     def _defers(self, p: _Peer) -> bool:
         """Whether full peer ``p`` leaves chunks held or claimed by partial peers to them
         (config ``defer_to_partial_holders``): some usable partial peer holding a pool
-        chunk, or claiming chunks, is at least as fast as ``p``, or either is not measured
-        yet."""
+        chunk, or claiming chunks, is at least ``DEFER_RATE_FRACTION`` as fast as ``p``,
+        or either is not measured yet."""
         if not self._cfg.defer_to_partial_holders or p.bitmap is not None:
             return False
         return any(
-            (q.heap or q.soon_count) and (q.rate is None or p.rate is None or q.rate >= p.rate)
+            (q.heap or q.soon_count)
+            and (q.rate is None or p.rate is None or q.rate >= p.rate * DEFER_RATE_FRACTION)
             for q in self._partials.values()
         )
 

@@ -306,6 +306,10 @@ class BlobServer:
                     return
                 self.stats.requests[type(request).__name__] += 1
                 self.swarm.seen(request.blob_id, peer, trio.current_time())
+                if not isinstance(request, proto.PeersRequest | proto.ManifestRequest):
+                    # Chunks wanted (p2p.swarm rule 5); peer exchange asks every second
+                    # for as long as a fetch runs, lingering included.
+                    fetching_board(self.store).asked(request.blob_id, trio.current_time())
                 await self._answer(stream, conn, request, peer, ip)
         except proto.RemoteProtocolError as exc:
             self.stats.protocol_errors += 1

@@ -23,6 +23,11 @@ Theory of operation
    learns a chunk is soon at a peer leaves it to that peer (``p2p.scheduler``'s claims)
    instead of asking the seeder for it too: each chunk then crosses the seeder's uplink
    about once, not once per fetcher that wanted it in the same half second.
+5. A swarming fetch that is complete stays until its fellows are done with it: it returns
+   once the node's server has had no request about the blob for ``LINGER_QUIET`` seconds
+   (``FetchingBoard.last_asked``), at most ``LINGER_MAX`` after completion. A one-shot
+   ``blob get`` that left at once took the chunks it got last with it, and its fellows
+   had to ask the seeder for them again.
 
 All time is the ``now`` argument (seconds, monotonic); nothing here does I/O.
 """
@@ -59,6 +64,12 @@ MAX_PEX_SOURCES = 8
 MAX_SWARM_DIALS = 16
 # Dials in progress at once per download.
 PEX_DIAL_PARALLELISM = 4
+# A fellow asks a partial peer `status` every 0.5 s and a complete one for chunks as it
+# needs them: a second without any request means nobody is fetching from us any more.
+LINGER_QUIET = 1.0
+# However busy the fellows are, a fetch returns this long after its blob is complete: they
+# have the seeder and each other.
+LINGER_MAX = 10.0
 
 
 def usable_addrs(addrs: Iterable[str]) -> tuple[str, ...]:
@@ -216,6 +227,18 @@ class FetchingBoard:
 
     def __init__(self) -> None:
         self._posts: dict[str, list[InFlight]] = {}
+        # When the server last answered anyone about each blob (bounded like SwarmBook).
+        self._asked: OrderedDict[str, float] = OrderedDict()
+
+    def asked(self, blob_id: str, now: float) -> None:
+        """The node's server got a request about ``blob_id`` at ``now``."""
+        self._asked.pop(blob_id, None)
+        self._asked[blob_id] = now
+        while len(self._asked) > MAX_SWARM_BLOBS:
+            self._asked.popitem(last=False)
+
+    def last_asked(self, blob_id: str) -> float | None:
+        return self._asked.get(blob_id)
 
     @contextmanager
     def posting(self, blob_id: str, in_flight: InFlight) -> Iterator[None]:

@@ -14,9 +14,10 @@ from libp2p.peer.id import ID
 
 from blobstore import Manifest, Store
 from p2p import protocol as proto
+from p2p.downloader import _linger
 from p2p.node import open_node
 from p2p.scheduler import Scheduler, SchedulerConfig, bitmap_of
-from p2p.swarm import FetchingBoard, fetching_board
+from p2p.swarm import LINGER_MAX, LINGER_QUIET, FetchingBoard, fetching_board
 from p2p.wire import BlobClient, StreamLost, open_optimistic
 
 BLOB = "cd" * 32
@@ -233,3 +234,35 @@ def test_an_unmeasured_seeder_holds_two_requests_while_swarming() -> None:
     plain.add_peer("seed", 0.0)
     plain.set_connections("seed", 4)
     assert plain.inflight_limit("seed") == 6
+
+
+# --- staying for the fellows ------------------------------------------------------------
+
+
+async def test_a_complete_swarming_fetch_stays_while_its_fellows_ask(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A one-shot fetcher that left the moment it was complete took its last chunks with
+    it: its fellows had to ask the seeder for them again."""
+    board = FetchingBoard()
+    await _linger(board, BLOB)  # nobody ever asked: no wait
+    assert trio.current_time() == 0.0
+    board.asked(BLOB, trio.current_time())
+
+    async def fellow(times: int) -> None:
+        for _ in range(times):
+            await trio.sleep(0.5)
+            board.asked(BLOB, trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fellow, 4)
+        await _linger(board, BLOB)
+    assert trio.current_time() == pytest.approx(2.0 + LINGER_QUIET)
+    # Fellows that never stop asking hold it at most LINGER_MAX.
+    began = trio.current_time()
+    board.asked(BLOB, began)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fellow, 1000)
+        await _linger(board, BLOB)
+        nursery.cancel_scope.cancel()
+    assert trio.current_time() - began == pytest.approx(LINGER_MAX)

@@ -1,8 +1,13 @@
 """Swarming on the emulated WAN (issue 21): one seeder with a 100 Mbit/s uplink, three
 `blob get` processes started at once, each told only the seeder's address (as a ticket
-tells it). Peer exchange lets them fetch from each other, so the seeder's uplink carries
-much less than the three copies it carried before (3.0x the blob and more, retransmissions
-included)."""
+tells it). Peer exchange, chunks in flight shown to fellows (1.3.0 `status`) and the swarm
+partition let them fetch from each other, so the seeder's uplink carries much less than
+the three copies it carried before (3.0x the blob and more, retransmissions included).
+
+The seeder's uplink opens only once all three are up (bench.wan.scenarios: start-up
+skew). Without that gate this test failed about 2 runs in 7 on a loaded machine: a
+fetcher that started seconds before the others took most of the blob from the seeder
+alone, and the seeder sent 2.5x the blob and more."""
 
 from __future__ import annotations
 
@@ -17,9 +22,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(110)]
 MiB = 1 << 20
 SIZE = 32 * MiB  # 2.7 s at the seeder's uplink: long enough for fellows to find each other
 WORKERS = 3
-# Without peer exchange the seeder sends every copy, WORKERS times the blob; with it well
-# under that (about 2x here: the first requests of each fetcher still go to the seeder).
-MAX_SEEDER_SHARE = 2.5
+# Without peer exchange the seeder sends every copy, WORKERS times the blob; with it about
+# 1.1-1.5x here (a few chunks go twice while fellows learn of each other, and the endgame
+# duplicates the last ones); 2.2 leaves room for a loaded machine.
+MAX_SEEDER_SHARE = 2.2
 
 
 def test_three_fetchers_given_only_the_seeder_spare_its_uplink(
