@@ -13,6 +13,13 @@ provider of a fetch at once; each step is bounded, and the result says which end
    through the relay only when the caller allows it (and the relay's limits will cut a
    bulk transfer short unless it was configured with raised ones).
 
+A node dials circuit addresses through ``Node.connect``, which runs :func:`punch_through`
+as a :class:`PunchJobs` job: one try per address at a time, shared by every caller, in
+the node's own nursery (a caller's cancel does not abandon it), failures remembered for
+``PUNCH_FAILURE_MEMORY``. Each try first lifts py-libp2p's negative dial cache for the
+peer (:func:`_unblock`): a NATed peer's own addresses always fail, and a DHT walk that
+dialled them would otherwise have DCUtR refused.
+
 Reachability (:func:`reachable`, for a serving node): the node asks a relay to dial it
 back at the IP the relay sees it at and its listen port, on a fresh connection
 (:func:`check_reachability`; py-libp2p 0.8.1's AutoNAT cannot tell, see there). A NAT

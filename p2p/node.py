@@ -33,6 +33,14 @@ fast path (``fast=False``) the two negotiations take their 2 each. Named provide
 dialled at once and each joins the fetch as soon as it is connected, so one that accepts
 TCP and never completes the handshake costs nothing (``HANDSHAKE_TIMEOUT`` ends its dial).
 
+Behind NAT (issue 20, ``p2p.nat``): ``connect`` reaches a circuit address
+(``.../p2p/<relay>/p2p-circuit/p2p/<peer>``) through its relay and hole-punches; the fetch
+then uses the direct connection (``NodeConfig.relayed_fetch`` lets it use the relayed one
+when the punch fails). DHT providers known only by circuit addresses are punched to before
+they join a fetch. A node that holds reservations hands out its circuit addresses
+(``set_advertised``, ``reachable_addrs``) and provides its blobs again so DHT records name
+them.
+
 Swarming (issue 21, ``p2p.swarm``): while a fetch runs, its providers are asked ``peers``
 (``/blobnet/blob/1.2.0``, on a stream of its own) about once a second; fellow fetchers they
 name are dialled (bounded) and join the fetch as partial providers. The node serves the
