@@ -19,9 +19,20 @@ round) and a JSON of the figures under bench/results/ and prints both paths.
 Issue 18's honest comparison: ``--grid`` tunes dense DiLoCo and SparseLoCo on the same grid
 of outer learning rates and momenta (plain averaging, lr 1 / momentum 0, included) and the
 same budget, at the setting given and at ``--settings`` others, and prints the grid and the
-best of each:
+best of each, with the whole grid as a markdown table (``--jobs N`` runs N grid points at
+once, each a single-threaded process; a run whose held-out loss goes above its start is
+stopped and shown as diverged, the same rule for both methods). Its goal: SparseLoCo within
+3% of the best dense DiLoCo at >= 146x fewer bytes than dense fp32, at two settings:
 
-    .venv/bin/python bench/outer.py --grid --rounds 30 --settings "workers=8;inner_steps=20"
+    .venv/bin/python bench/outer.py --grid --rounds 40 --jobs 2
+    .venv/bin/python bench/outer.py --grid --rounds 30 --inner-steps 20 --jobs 2
+
+``--byzantine`` runs the setting given with one more worker that sends, in turn, a huge
+update, garbage at the clip norm, the negated honest sum at the clip norm, a copy of an
+honest payload in its own envelope, and an empty update, each against the same run without
+it under the same aggregation (training.outer_aggregate); goal: never more than 1% worse:
+
+    .venv/bin/python bench/outer.py --byzantine --rounds 40
 
 Issue 17's network figures: ``--net`` runs ``blob outer run`` (K processes on 127.0.0.1,
 gossipsub) and prints the bytes each worker's TCP sockets moved per round, next to the

@@ -36,8 +36,10 @@ float64 reduction over one array in a fixed layout, on one thread).
    with SparseLoCo): random garbage is near-orthogonal to them (c_i ~ 0, under a quarter
    of c) and a negated or adversarial update points against them (c_i < 0). Such an
    update also drags the honest c_i down (it overlaps their supports with the opposite
-   sign), which is why the bound is relative to the median and not a fixed floor; the
-   margin keeps workers whose updates are independent noise (c_i within ~1e-2 of 0) from
+   sign), which is why the bound is relative to the median and not a fixed floor, and
+   why the rule removes one update at a time: the lowest, if under the bar, then the
+   cosines again without its votes (at most a third of the round's updates); the margin
+   keeps workers whose updates are independent noise (c_i within ~1e-2 of 0) from
    excluding one another.
 5. **What one worker can do.** With at least three admitted updates the lower median is
    an honest worker's norm or lies between two honest norms, whatever one byzantine worker
@@ -51,9 +53,9 @@ float64 reduction over one array in a fixed layout, on one thread).
    sample of updates is the remedy). Measured (``bench/outer.py --byzantine``): the held-out
    loss with and without one byzantine worker, in the bench's figures.
 6. **Memory.** Passes over the named blobs, each decoding one update at a time: norms and
-   payload digests, then ``V += s_i``, then the dot products with V, then
-   ``S += w_i u_i`` over the admitted; peak memory is the state, one decoded update and
-   two accumulators, O(model) whatever the number of workers.
+   payload digests, then ``V += s_i``, then the dot products with V (again for each update
+   rule 4 removes), then ``S += w_i u_i`` over the admitted; peak memory is the state, one
+   decoded update and two accumulators, O(model) whatever the number of workers.
 7. **Determinism.** The norms are numpy's float64 sum over squares of float32 values
    (which float64 holds exactly), in a fixed layout on one thread; rule 4 is integer
    arithmetic; the float32 sum adds in ascending peer order.
@@ -89,9 +91,14 @@ CLIP_FACTOR = 2.0
 # quarter of the round's median separates them from garbage (~0) and opposition (< 0)
 # with room for an honest worker on an unusual batch.
 MIN_AGREEMENT = 0.25
-# Rule 4's least distance below the median: cosines of independent noise in this many
-# dimensions are ~1e-2 apart, so 0.1 never splits workers that merely do not agree.
-AGREEMENT_MARGIN = 0.1
+# Rule 4's least distance below the median: cosines of independent noise shrink as
+# 1/sqrt(kept values), ~5e-3 at the tiny Llama's 2400 (0.02 at 256), so 0.03 does not
+# split workers that merely do not agree, and still sits under honest agreement late in a
+# run (median cosines fall to ~0.1 by round 40 on the tiny Llama).
+AGREEMENT_MARGIN = 0.03
+# Rule 4 removes at most a third of the round's updates: more disagreement than that is a
+# split of the round, not outliers in it (replay is the remedy there).
+MAX_OUTVOTED = 3
 # Rule 4 needs a median of at least three to measure agreement against.
 MIN_FOR_DIRECTION = 3
 
@@ -195,17 +202,14 @@ def _signs(tensors: dict[str, F32]) -> dict[str, npt.NDArray[np.int8]]:
     return {n: np.sign(v).astype(np.int8) for n, v in tensors.items()}
 
 
-def _agreement(
+def _cosines(
     state: OuterState,
     candidates: Sequence[tuple[str, str, float]],
+    votes: dict[str, npt.NDArray[np.int32]],
     load: Callable[[str], bytes],
 ) -> list[tuple[str, float]]:
-    """Rule 4's cosine of each candidate's signs with the others' sign votes (integers)."""
-    # int32: a vote count is at most the number of workers.
-    votes = {name: np.zeros(v.shape, dtype=np.int32) for name, v in state.params.items()}
-    for peer, blob, _ in candidates:
-        for name, sign in _signs(_decode(load(blob), state, peer)).items():
-            votes[name] += sign
+    """Rule 4's cosine of each candidate's signs with the others' votes (``votes`` minus
+    its own), in integers up to one final division."""
     votes_sq = sum(int(np.sum(v * v, dtype=np.int64)) for v in votes.values())
     out = []
     for peer, blob, _ in candidates:
@@ -215,6 +219,38 @@ def _agreement(
         others_sq = votes_sq - 2 * dot + own  # |V - s_i|^2
         out.append((peer, (dot - own) / math.sqrt(own * others_sq) if own and others_sq else 0.0))
     return out
+
+
+def _disagreeing(
+    state: OuterState,
+    candidates: list[tuple[str, str, float]],
+    load: Callable[[str], bytes],
+) -> tuple[list[str], list[tuple[str, float]]]:
+    """Rule 4: the candidates excluded for disagreeing, worst first, and the first
+    measurement of every candidate's cosine."""
+    # int32: a vote count is at most the number of workers.
+    votes = {name: np.zeros(v.shape, dtype=np.int32) for name, v in state.params.items()}
+    for peer, blob, _ in candidates:
+        for name, sign in _signs(_decode(load(blob), state, peer)).items():
+            votes[name] += sign
+    first: list[tuple[str, float]] = []
+    out: list[str] = []
+    left = list(candidates)
+    while len(left) >= MIN_FOR_DIRECTION and len(out) < len(candidates) // MAX_OUTVOTED:
+        cosines = _cosines(state, left, votes, load)
+        first = first or cosines
+        ranked = sorted(c for _, c in cosines)
+        median = ranked[(len(ranked) - 1) // 2]
+        bar = median - max(AGREEMENT_MARGIN, (1 - MIN_AGREEMENT) * abs(median))
+        worst, lowest = min(cosines, key=lambda pc: (pc[1], pc[0].encode()))
+        if lowest >= bar:
+            break
+        out.append(worst)
+        entry = next(e for e in left if e[0] == worst)
+        for name, sign in _signs(_decode(load(entry[1]), state, worst)).items():
+            votes[name] -= sign
+        left.remove(entry)
+    return out, first
 
 
 def aggregate(
@@ -271,17 +307,11 @@ def aggregate(
         return Aggregate(
             OuterState(state.round + 1, state.params, state.momentum), (), tuple(excluded), median
         )
-    agreement: list[tuple[str, float]] = []
-    if len(admitted) >= MIN_FOR_DIRECTION:
-        agreement = _agreement(state, admitted, load)
-        ranked_c = sorted(c for _, c in agreement)
-        median_c = ranked_c[(len(ranked_c) - 1) // 2]
-        bar = median_c - max(AGREEMENT_MARGIN, (1 - MIN_AGREEMENT) * abs(median_c))
-        against = {p for p, c in agreement if c < bar}
-        for peer, blob, _ in admitted:
-            if peer in against:
-                excluded.append(Exclusion(peer, blob, "disagrees with the round's updates"))
-        admitted = [a for a in admitted if a[0] not in against]
+    against, agreement = _disagreeing(state, admitted, load)
+    for peer, blob, _ in admitted:
+        if peer in against:
+            excluded.append(Exclusion(peer, blob, "disagrees with the round's updates"))
+    admitted = [a for a in admitted if a[0] not in against]
     totals = _weighted_sum(state, admitted, load)
     excluded.sort(key=lambda e: e.peer.encode())
     count = np.float32(len(admitted))
