@@ -418,6 +418,7 @@ class PunchJobs:
     def __init__(self) -> None:
         self._jobs: dict[str, _Job] = {}
         self.failures: list[str] = []  # one line per failed punch, oldest first
+        self.relayed: list[str] = []  # the same for punches that fell back to the relay
 
     def _forget_old(self, now: float) -> None:
         for addr, job in list(self._jobs.items()):
@@ -470,9 +471,12 @@ class PunchJobs:
                 finally:
                     if job.punch is None:  # cancelled: the node is closing
                         job.punch = Punch(addr=addr, reason="hole punch cancelled")
-                    elif job.punch.path == "failed" and job.punch.reason not in self.failures:
-                        self.failures.append(job.punch.reason)
-                        del self.failures[:-MAX_PUNCH_JOBS]
+                    else:
+                        seen = {"failed": self.failures, "relayed": self.relayed}
+                        lines = seen.get(job.punch.path)
+                        if lines is not None and job.punch.reason not in lines:
+                            lines.append(job.punch.reason)
+                            del lines[:-MAX_PUNCH_JOBS]
                     job.ended_at = trio.current_time()
                     job.done.set()
 

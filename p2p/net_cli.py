@@ -185,7 +185,7 @@ def _ready_addrs(node: Node) -> list[str]:
     return dialable_addrs(node.reachable_addrs)
 
 
-def _fetch_listen(listen: Sequence[str], addrs: Sequence[str]) -> tuple[str, ...]:
+def fetch_listen(listen: Sequence[str], addrs: Sequence[str]) -> tuple[str, ...]:
     """``blob get``'s listen address: as given; else loopback when every peer the
     command names is on this machine, else every interface on a random port (fellow
     fetchers on other machines fetch from it, and hole punching dials from it)."""
@@ -658,7 +658,7 @@ def get(
 
             check_not_self([*named, *bootstrap], key.peer_id, key_path)
             config = _node_config(
-                _fetch_listen(listen, [*named, *bootstrap]),
+                fetch_listen(listen, [*named, *bootstrap]),
                 bootstrap,
                 use_dht,
                 discovery_timeout=discovery_timeout,
@@ -857,10 +857,14 @@ def _fetch(
             final.append(progress)
 
     def note_punches(node: Node) -> None:
-        for reason in node.punches.failures:
-            if reason not in said:
-                said.add(reason)
-                click.echo(f"blob: note: {reason}; fetching from other providers", err=True)
+        for reasons, then in (
+            (node.punches.failures, "fetching from other providers"),
+            (node.punches.relayed, "fetching through its relay (--via-relay)"),
+        ):
+            for reason in reasons:
+                if reason not in said:
+                    said.add(reason)
+                    click.echo(f"blob: note: {reason}; {then}", err=True)
 
     async def main() -> None:
         async with open_node(store, key=key, config=config) as node:

@@ -167,3 +167,18 @@ def create_peer_id(key_path: Path) -> str:
     from identity.keyfile import load_key_file
 
     return load_key_file(key_path).peer_id
+
+
+def test_get_listens_on_loopback_only_when_everyone_it_names_is_on_this_machine() -> None:
+    """Fellow fetchers on other machines fetch from a ``blob get`` and hole punching
+    dials from its listen port, so it listens on every interface unless every peer it
+    names (directly, in a ticket, as a relay or bootstrap peer) is local."""
+    from p2p.nat_cli import NAT_DEFAULT_LISTEN
+    from p2p.net_cli import DEFAULT_LISTEN, fetch_listen
+
+    remote = f"/ip4/10.1.2.3/tcp/4001/p2p/{PEER}"
+    assert fetch_listen([], [ADDR, f"{ADDR}/p2p-circuit/p2p/{PEER}"]) == DEFAULT_LISTEN
+    assert fetch_listen([], [ADDR, remote]) == NAT_DEFAULT_LISTEN
+    assert fetch_listen([], [f"/dns4/example.org/tcp/1/p2p/{PEER}"]) == NAT_DEFAULT_LISTEN
+    assert fetch_listen(["/ip4/127.0.0.1/tcp/9"], [remote]) == ("/ip4/127.0.0.1/tcp/9",)
+    assert fetch_listen([], []) == DEFAULT_LISTEN  # nothing named: a local get
