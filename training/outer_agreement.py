@@ -45,7 +45,14 @@ named blobs (content-addressed, from anyone) and recompute R_{r+1}.
    reorganisation deeper than the tip). What rule 3 cannot survive: honest workers that
    never hear each other (a partition that outlasts the run) end on different tips; the
    result files then say so.
-5. **Bounds.** Closures are kept for ``CLOSURE_WINDOW`` rounds below the tip and at most
+5. **On the wire** a closure travels compact (:func:`compact_body`): each included
+   update's attestation replaced by its BLAKE3 digest, since every worker already heard
+   the attestations in the update announcements (they were two thirds of a closure's
+   bytes at K = 3). A receiver restores the signed body from the attestations it holds
+   (:func:`expand_body`; the digests pin them) or, missing one, fetches the full closure
+   blob the announcement names. The proposer signs, and everyone checks and keeps, the
+   full body; the compact form is only a transfer encoding.
+6. **Bounds.** Closures are kept for ``CLOSURE_WINDOW`` rounds below the tip and at most
    ``MAX_CLOSURES_PER_ROUND`` per round (the best ones by rule 3); older or extra ones
    cannot be the tip anyway.
 
@@ -56,7 +63,7 @@ from __future__ import annotations
 
 import itertools
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +86,7 @@ from training.outer_messages import RUN_ID_RE, UPDATE_KIND, Refused, update_subj
 CLOSURE_KIND = "blobnet/outer-closure"
 CLOSURE_DOMAIN = b"blobnet/outer-closure/v1"
 RANK_DOMAIN = b"blobnet/outer-rank/v1"
+ATTESTATION_REF_DOMAIN = b"blobnet/outer-attestation-ref/v1"
 CLOSURE_VERSION = 1
 # At most this many updates in one closure: p2p.gossip sizes its rate limits for a run of
 # at most MAX_RUN_WORKERS workers, and a closure never names more workers than the run has.
@@ -195,6 +203,38 @@ def decode_closure(data: bytes) -> Closure:
     if canonical != bytes(data):
         raise BadClosure("closure is not in canonical form")
     return closure
+
+
+def compact_body(body: bytes) -> bytes:
+    """A closure body with each included attestation replaced by its BLAKE3 digest (rule
+    5); ``BadClosure`` if ``body`` is not a closure body."""
+    c = decode_closure(body)
+    slim = tuple(Included(x.peer, x.blob, attestation_digest(x.attestation)) for x in c.included)
+    data: bytes = msgpack.packb(_fields(_replace_included(c, slim)), use_bin_type=True)
+    return data
+
+
+def expand_body(compact: bytes, lookup: Callable[[str, str], bytes | None]) -> bytes | None:
+    """The full body of a compact one (rule 5), taking each attestation from
+    ``lookup(peer, blob)`` where its digest is the one named; None if one is missing.
+    ``BadClosure`` if ``compact`` is malformed."""
+    c = decode_closure(compact)
+    full = []
+    for x in c.included:
+        attestation = lookup(x.peer, x.blob)
+        if attestation is None or attestation_digest(attestation) != x.attestation:
+            return None
+        full.append(Included(x.peer, x.blob, attestation))
+    data: bytes = msgpack.packb(_fields(_replace_included(c, tuple(full))), use_bin_type=True)
+    return data
+
+
+def attestation_digest(attestation: bytes) -> bytes:
+    return blake3.blake3(ATTESTATION_REF_DOMAIN + attestation).digest()
+
+
+def _replace_included(c: Closure, included: tuple[Included, ...]) -> Closure:
+    return Closure(c.run, c.round, c.start_root, c.proposer, included, c.result_root, c.state_blob)
 
 
 def closure_digest(body: bytes) -> bytes:

@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,8 +80,16 @@ def _wait_line(log: Path, text: str, proc: subprocess.Popen[bytes], give_up: flo
         time.sleep(0.1)
 
 
-def churn_run(plan: RunPlan, churn: ChurnPlan, *, timeout: float) -> ChurnResult:
-    """Run the plan's K workers (and a joiner in slot K, if asked) through ``churn``."""
+def churn_run(
+    plan: RunPlan,
+    churn: ChurnPlan,
+    *,
+    timeout: float,
+    place: Callable[[int, list[str]], list[str]] | None = None,
+) -> ChurnResult:
+    """Run the plan's K workers (and a joiner in slot K, if asked) through ``churn``.
+    ``place(i, argv)`` may rewrite worker i's command line (to run it on a WAN testbed
+    host: ``ip netns exec ...`` in front, a ``--listen`` on the host's address)."""
     env = worker_env()
     k = plan.params.workers
     logs = {i: plan.workdir / f"worker-{i}.log" for i in range(k + 1)}
@@ -90,6 +99,8 @@ def churn_run(plan: RunPlan, churn: ChurnPlan, *, timeout: float) -> ChurnResult
 
     def spawn(i: int, bootstrap: list[str], join: bool = False) -> subprocess.Popen[bytes]:
         argv = worker_argv(plan, i, bootstrap=bootstrap, join=join, extra=churn.extra.get(i, []))
+        if place is not None:
+            argv = place(i, argv)
         with logs[i].open("wb") as f:
             return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
 

@@ -15,6 +15,10 @@ of canonical msgpack announcements (``encode_message`` / ``decode_message``):
 - ``closure``: a round closure (``training.outer_agreement``): its canonical body and the
   proposer's attestation, and where its blobs can be fetched. Judged by the agreement
   core, not the ledger (it is passed through as :class:`ClosureHeard`).
+- ``closure-ref``: the same closure, compact (``training.outer_agreement`` rule 5): the
+  body with attestation digests, the proposer's attestation, and the blob of the full
+  ``closure`` announcement for a receiver that lacks an attestation (passed through as
+  :class:`ClosureRefHeard`).
 - ``verdict``: a replay verdict on one round's update (``training.outer_replay``): the
   round, author, update and commitment blobs, the outcome and the replayer's attestation.
   Judged by the worker against what it applied (passed through as :class:`VerdictHeard`).
@@ -89,7 +93,7 @@ MAX_REJECTIONS_PER_ROUND = 256
 
 RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEX = re.compile(r"[0-9a-f]{64}")
-_TYPES = ("hello", "update", "state", "closure", "verdict")
+_TYPES = ("hello", "update", "state", "closure", "closure-ref", "verdict")
 # A verdict's outcome is a short text ("match", "mismatch: loss of step 0 differs").
 MAX_OUTCOME_LEN = 128
 
@@ -150,6 +154,15 @@ class ClosureAnnouncement:
 
 
 @dataclass(frozen=True)
+class ClosureRefAnnouncement:
+    run: str
+    compact: bytes
+    attestation: bytes
+    full: str  # blob ID of the full ClosureAnnouncement (addresses left empty)
+    addrs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class VerdictAnnouncement:
     run: str
     round: int
@@ -160,7 +173,14 @@ class VerdictAnnouncement:
     attestation: bytes
 
 
-Message = Hello | UpdateAnnouncement | StateAnnouncement | ClosureAnnouncement | VerdictAnnouncement
+Message = (
+    Hello
+    | UpdateAnnouncement
+    | StateAnnouncement
+    | ClosureAnnouncement
+    | ClosureRefAnnouncement
+    | VerdictAnnouncement
+)
 
 
 def _fields(msg: Message) -> dict[str, Any]:
@@ -175,6 +195,16 @@ def _fields(msg: Message) -> dict[str, Any]:
             "round": msg.round,
             "blob": msg.blob,
             "attestation": msg.attestation,
+            "addrs": list(msg.addrs),
+        }
+    if isinstance(msg, ClosureRefAnnouncement):
+        return {
+            "v": MESSAGE_VERSION,
+            "type": "closure-ref",
+            "run": msg.run,
+            "compact": msg.compact,
+            "attestation": msg.attestation,
+            "full": msg.full,
             "addrs": list(msg.addrs),
         }
     if isinstance(msg, VerdictAnnouncement):
@@ -271,6 +301,14 @@ def decode_message(data: bytes) -> Message:
     elif kind == "update":
         msg = UpdateAnnouncement(
             run, _round(obj), _hex64(obj, "blob"), _take(obj, "attestation", bytes), _addrs(obj)
+        )
+    elif kind == "closure-ref":
+        msg = ClosureRefAnnouncement(
+            run,
+            _take(obj, "compact", bytes),
+            _take(obj, "attestation", bytes),
+            _hex64(obj, "full"),
+            _addrs(obj),
         )
     elif kind == "verdict":
         author, outcome = _take(obj, "author", str), _take(obj, "outcome", str)
@@ -432,6 +470,14 @@ class ClosureHeard:
 
 
 @dataclass(frozen=True)
+class ClosureRefHeard:
+    """A compact closure announcement, for the worker to expand and judge."""
+
+    peer: str
+    message: ClosureRefAnnouncement
+
+
+@dataclass(frozen=True)
 class VerdictHeard:
     """A replay verdict from some sender, for the worker to judge."""
 
@@ -439,7 +485,15 @@ class VerdictHeard:
     verdict: VerdictAnnouncement
 
 
-Event = Candidate | Rejection | StateHeard | Disagreement | ClosureHeard | VerdictHeard
+Event = (
+    Candidate
+    | Rejection
+    | StateHeard
+    | Disagreement
+    | ClosureHeard
+    | ClosureRefHeard
+    | VerdictHeard
+)
 
 
 @dataclass
@@ -498,6 +552,8 @@ class Ledger:
             return [ClosureHeard(sender, msg.body, msg.attestation, msg.addrs)]
         if isinstance(msg, VerdictAnnouncement):
             return [VerdictHeard(sender, msg)]
+        if isinstance(msg, ClosureRefAnnouncement):
+            return [ClosureRefHeard(sender, msg)]
         if msg.round < self.current or msg.round > self.current + ROUND_WINDOW:
             return []
         book = self._round(msg.round)

@@ -72,11 +72,14 @@ from training.outer import OuterState, state_root
 from training.outer_aggregate import Aggregate, aggregate, unwrap_update
 from training.outer_agreement import (
     Apply,
+    BadClosure,
     CatchUp,
     CheckedClosure,
     Closure,
     ClosureBook,
     check_closure,
+    compact_body,
+    expand_body,
     proposal_time,
     proposer_order,
     select_for_closure,
@@ -86,9 +89,12 @@ from training.outer_announce import Announcer, PeerDialer
 from training.outer_messages import (
     STATE_KIND,
     UPDATE_KIND,
+    BadMessage,
     Candidate,
     ClosureAnnouncement,
     ClosureHeard,
+    ClosureRefAnnouncement,
+    ClosureRefHeard,
     Event,
     Hello,
     Ledger,
@@ -99,6 +105,7 @@ from training.outer_messages import (
     UpdateAnnouncement,
     VerdictAnnouncement,
     VerdictHeard,
+    decode_message,
     encode_message,
     topic,
 )
@@ -145,6 +152,12 @@ MAX_PROVIDERS = 64
 # Verdicts kept for the result file: a sampled share of each round's updates, for rounds
 # of at most MAX_RUN_WORKERS (64) workers; beyond this they are acted on, not listed.
 MAX_VERDICTS = 4096
+# Update attestations kept for expanding compact closures: two rounds of the largest run's
+# workers, with room for the re-announcements of a round that changed root.
+MAX_ATTESTATIONS = 1024
+# Full closures fetched at once (for compact ones we could not expand): a handful of
+# siblings per round (outer_agreement.MAX_CLOSURES_PER_ROUND) is all a run has.
+MAX_CLOSURE_FETCHES = 16
 # The dial loop looks for peers to dial this often (PeerDialer decides whom).
 DIAL_TICK = 0.5
 # Dials of one tick run at once, at most this many (a dead host's dial waits its timeout).
@@ -265,6 +278,8 @@ class Worker:
         self.unavailable: dict[bytes, int] = {}  # closure digest -> failed fetch rounds
         self.ever_admitted: set[str] = set()  # peers whose updates we applied (point 3)
         self.run_nursery: trio.Nursery | None = None
+        self.attestations: dict[tuple[str, str], tuple[int, bytes]] = {}
+        self.closure_fetches: set[str] = set()
         # Replay (point 4): the states the last rounds started from (round -> (root,
         # state)), the verdicts awaited per (round, author), those held, confirmations
         # running, and operators whose cheat this worker confirmed.
@@ -293,6 +308,7 @@ class Worker:
         for event in events:
             if isinstance(event, Candidate):
                 self.dialer.learn(event.peer, event.addrs, trio.current_time())
+                self._keep_attestation(event.round, event.peer, event.blob, event.attestation)
                 if (
                     self.state is not None
                     and event.round == self.state.round
@@ -309,6 +325,8 @@ class Worker:
                 )
             elif isinstance(event, ClosureHeard):
                 self._hear_closure(event)
+            elif isinstance(event, ClosureRefHeard):
+                self._hear_closure_ref(event)
             elif isinstance(event, StateHeard):
                 self.dialer.learn(event.peer, event.addrs, trio.current_time())
             elif isinstance(event, VerdictHeard):
@@ -335,6 +353,62 @@ class Worker:
         self.dialer.learn(event.peer, event.addrs, trio.current_time())
         if self.book.add(checked):
             self.closure_addrs[checked.digest] = event.addrs
+
+    def _keep_attestation(self, round_: int, peer: str, blob: str, attestation: bytes) -> None:
+        """Update attestations heard, by (peer, blob): compact closures name them by
+        digest (outer_agreement rule 5). Kept for the rounds a closure may still name."""
+        if len(self.attestations) >= MAX_ATTESTATIONS:
+            for key in [k for k, (r, _) in self.attestations.items() if r < round_ - 1]:
+                del self.attestations[key]
+        if len(self.attestations) < MAX_ATTESTATIONS:
+            self.attestations[(peer, blob)] = (round_, attestation)
+
+    def _attestation_of(self, peer: str, blob: str) -> bytes | None:
+        held = self.attestations.get((peer, blob))
+        return None if held is None else held[1]
+
+    def _hear_closure_ref(self, event: ClosureRefHeard) -> None:
+        """A compact closure: expand it from the attestations we hold, or fetch it whole."""
+        msg = event.message
+        if msg.run != self.params.run_id:
+            return
+        try:
+            full = expand_body(msg.compact, self._attestation_of)
+        except BadClosure as exc:
+            if len(self.refused_closures) < 64:
+                self.refused_closures.append({"peer": event.peer, "reason": str(exc)})
+            return
+        if full is not None:
+            self._hear_closure(ClosureHeard(event.peer, full, msg.attestation, msg.addrs))
+        elif (
+            msg.full not in self.closure_fetches
+            and len(self.closure_fetches) < MAX_CLOSURE_FETCHES
+            and self.run_nursery is not None
+        ):
+            self.closure_fetches.add(msg.full)
+            self.run_nursery.start_soon(self._fetch_closure, event)
+
+    async def _fetch_closure(self, event: ClosureRefHeard) -> None:
+        msg = event.message
+        try:
+            providers = [*msg.addrs, *self._everyone()]
+            if not await self._fetch(msg.full, providers, self._fetch_bound()):
+                return
+            data = await trio.to_thread.run_sync(self._load, msg.full)
+            try:
+                full = decode_message(data)
+                same = isinstance(full, ClosureAnnouncement) and (
+                    full.attestation == msg.attestation and compact_body(full.body) == msg.compact
+                )
+            except (BadMessage, BadClosure):
+                same = False
+            if not same or not isinstance(full, ClosureAnnouncement):
+                _say(self.label, f"closure blob {msg.full[:12]} is not the announced closure")
+                return
+            self._hear_closure(ClosureHeard(event.peer, full.body, full.attestation, msg.addrs))
+            self.changed.set()
+        finally:
+            self.closure_fetches.discard(msg.full)
 
     async def _publish(self, data: bytes) -> None:
         self.pubsub_bytes[0] += len(data)
@@ -892,6 +966,7 @@ class Worker:
         now = trio.current_time()
         size = len(trained.update)
         self.own = _Own(state.round, root, blob, attestation, trained.losses, size, now)
+        self._keep_attestation(state.round, self.peer, blob, attestation)
         self.fetched[self.peer] = blob
         message = UpdateAnnouncement(
             self.params.run_id, state.round, blob, attestation, tuple(self.node.addrs)
@@ -975,7 +1050,13 @@ class Worker:
         self.proposed[checked.digest] = (agg, blob, len(data))
         self.book.add(checked)
         self.closure_addrs[checked.digest] = tuple(self.node.addrs)
-        message = ClosureAnnouncement(self.params.run_id, body, attestation, tuple(self.node.addrs))
+        # The full closure is a blob others may fetch; what travels is its compact form.
+        full = await self.node.add_bytes(
+            encode_message(ClosureAnnouncement(self.params.run_id, body, attestation, ()))
+        )
+        message = ClosureRefAnnouncement(
+            self.params.run_id, compact_body(body), attestation, full, tuple(self.node.addrs)
+        )
         await self._announce("closure", encode_message(message))
 
     # --- the driver -------------------------------------------------------------------

@@ -28,8 +28,10 @@ from training.outer_agreement import (
     Included,
     Stay,
     check_closure,
+    compact_body,
     decode_closure,
     encode_closure,
+    expand_body,
     next_step,
     priority,
     proposal_time,
@@ -127,6 +129,25 @@ def _resign(proposer: Machine, closure: Closure) -> tuple[bytes, bytes]:
     return sign_closure(
         proposer.signer, closure, kernel_class=KC, certificate=proposer.cert, time=NOW
     )
+
+
+def test_a_compact_closure_expands_to_the_signed_body_from_held_attestations() -> None:
+    """On the wire a closure names its updates' attestations by digest (they were two
+    thirds of its bytes); a receiver holding them restores the exact signed body, and one
+    missing or holding another attestation gets None (it then fetches the full blob)."""
+    updates = [update(m, 0, GENESIS) for m in WORKERS]
+    checked = close(A, 0, GENESIS, updates)
+    compact = compact_body(checked.body)
+    assert len(compact) < len(checked.body) - 2 * sum(len(u.attestation) for u in updates) // 3
+    held = {(u.peer, u.blob): u.attestation for u in updates}
+    full = expand_body(compact, lambda p, b: held.get((p, b)))
+    assert full == checked.body
+    assert check_closure(full, checked.attestation, run=RUN, trust=TRUST, now=NOW) == checked
+    missing = dict(list(held.items())[1:])
+    assert expand_body(compact, lambda p, b: missing.get((p, b))) is None
+    other = update(B, 0, GENESIS, blob=blob_of(C, 0, GENESIS))  # another attestation
+    swapped = {**held, (updates[0].peer, updates[0].blob): other.attestation}
+    assert expand_body(compact, lambda p, b: swapped.get((p, b))) is None
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from training.outer_messages import (
     BadMessage,
     Candidate,
     ClosureAnnouncement,
+    ClosureRefAnnouncement,
     Disagreement,
     Hello,
     Ledger,
@@ -35,6 +36,7 @@ from training.outer_messages import (
     StateAnnouncement,
     StateHeard,
     UpdateAnnouncement,
+    VerdictAnnouncement,
     decode_message,
     encode_message,
     topic,
@@ -140,6 +142,8 @@ MESSAGES: list[Message] = [
     UpdateAnnouncement("run-1", 7, BLOB, b"attestation", (ADDR,)),
     StateAnnouncement("run-1", 8, ROOT, BLOB, b"attestation", (ADDR, ADDR)),
     ClosureAnnouncement("run-1", b"closure body", b"attestation", (ADDR,)),
+    ClosureRefAnnouncement("run-1", b"compact body", b"attestation", BLOB, (ADDR,)),
+    VerdictAnnouncement("run-1", 3, "12D3KooWAuthor", BLOB, ROOT, "match", b"attestation"),
 ]
 
 
