@@ -62,7 +62,10 @@ Theory of operation:
    ``empty_strided``) are dispatched with the mode still entered, so they are checked
    too, where the python regime runs each kernel with the mode popped and sees only its
    outer op. Hence point 2's "every depth": the builder repeats its recording with the
-   ops found so far falling through until no new op appears (``MAX_BUILD_PASSES``).
+   ops found so far falling through until no new op appears (``MAX_BUILD_PASSES``). On
+   the recorded shapes both regimes accept the same rounds; on another architecture the
+   dispatcher regime may refuse an op nested in an audited kernel that the python regime
+   never sees, never the reverse (every op the python regime sees, it sees too).
    (b) *Devices*: on a machine with no accelerator torch has two devices, CPU and meta.
    A kernel runs for meta only when the dispatcher picks the ``Meta`` key: every tensor
    of the op is on meta, or it is a factory or copy naming meta (``torch.zeros(...,
