@@ -90,6 +90,21 @@ def test_a_non_audited_op_first_run_at_a_later_step_is_refused(
     assert done == [0, 1]
 
 
+@pytest.mark.parametrize(
+    "op",
+    ["aten::silu.default", "aten::silu_backward.default", "aten::addcdiv_.default"],
+    ids=["forward", "backward", "optimizer"],
+)
+def test_every_part_of_a_step_is_checked(
+    allowed: frozenset[str], records: Records, op: str
+) -> None:
+    """Forward, the autograd engine's backward and AdamW's update: an op of each, taken
+    out of the set, refuses the round at step 0."""
+    auditor = audit.make_round_auditor("cpu", allowed - {op})
+    with pytest.raises(AuditViolation, match=rf"op {op} is not in the audited"):
+        trainer.run_steps(session(), records, auditor=auditor)
+
+
 def test_an_op_nested_in_an_audited_kernel_is_checked_too(allowed: frozenset[str]) -> None:
     """``mm``'s kernel calls ``resolve_conj``: the python regime sees only ``mm``; the
     dispatcher regime runs ``mm`` without Python and sees what it calls."""
