@@ -162,10 +162,11 @@ MAX_CLOSURE_FETCHES = 16
 DIAL_TICK = 0.5
 # Dials of one tick run at once, at most this many (a dead host's dial waits its timeout).
 MAX_CONCURRENT_DIALS = 8
-# An event loop that did not run for this long was stopped (SIGSTOP, a suspended laptop):
-# far longer than any stall a busy machine gives a trio loop whose torch work runs in a
-# thread, far shorter than the proposer timeouts a peer waits before it gives up on us.
-PAUSE_GAP = 5.0
+# An event loop that did not run for this long was stopped (SIGSTOP, a suspended laptop).
+# A loaded 2-vCPU machine stalled a worker's loop for 5-6 s while torch was imported in a
+# thread (the GIL); a false alarm only costs a redial. Stops shorter than this are caught
+# by a fetch that fails (_catch_up redials then).
+PAUSE_GAP = 7.0
 
 
 def _say(label: str, text: str) -> None:

@@ -261,7 +261,9 @@ async def _adversaries(plan: RunPlan, byz_slot: int, stop: trio.Event) -> None:
                         await node.publish(topic(params.run_id), encode_message(announcement))
 
 
-@pytest.mark.timeout(360)
+# Under two busy loops on a loaded 2-vCPU machine the test took 170-195 s, most of it torch
+# imports in five processes; the bounds only stop a hang (CI once hung at 300 s).
+@pytest.mark.timeout(540)
 async def test_churn_and_byzantine_workers_leave_one_root(tmp_path: Path) -> None:
     """K=3. Worker 0, the first started (what everyone bootstrapped to), is SIGKILLed after
     round 0; a joiner (not in the start barrier) catches up from the tip's state blob and
@@ -296,7 +298,7 @@ async def test_churn_and_byzantine_workers_leave_one_root(tmp_path: Path) -> Non
     async def workers() -> None:
         try:
             outcome.append(
-                await trio.to_thread.run_sync(lambda: churn_run(plan, churn, timeout=300))
+                await trio.to_thread.run_sync(lambda: churn_run(plan, churn, timeout=480))
             )
         finally:
             stop.set()
@@ -327,8 +329,14 @@ async def test_churn_and_byzantine_workers_leave_one_root(tmp_path: Path) -> Non
     # it lacks worker 1's update. Worker 1 then applied or caught up to what the others
     # closed: whichever, it ended on their root (not forked, above) with a record of the
     # last round (which path it took depends on the machine's speed).
-    by_round = {rec["round"]: rec for rec in w2["rounds"]}
-    assert all(x["peer"] != p[1] for x in by_round[3]["included"])
+    round3 = [
+        rec
+        for r in (w2, joiner)
+        for rec in r["rounds"]
+        if rec["round"] == 3 and rec["how"] != "caught up"
+    ]
+    assert round3, (w2["rounds"], joiner["rounds"])
+    assert all(x["peer"] != p[1] for rec in round3 for x in rec["included"])
     assert {rec["how"] for rec in w1["rounds"] if rec["round"] >= 2} <= {
         "applied",
         "caught up",
