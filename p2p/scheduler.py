@@ -144,6 +144,8 @@ _POOL = 0
 _INFLIGHT = 1
 _VERIFIED = 2
 
+# A request to a striped provider holds this many round trips of one connection's share.
+STRIPED_REQUEST_RTTS = 3.0
 # A seeder defers to fellows at least this fraction of its rate: a fellow's rate is
 # measured on a few one-chunk requests (a round trip each), so a fellow on a link ten times
 # the seeder's can measure below it; one under a quarter of it would make us wait.
@@ -1005,6 +1007,13 @@ class Scheduler:
             size = min(size, max(1, cfg.unmeasured_batch_bytes // chunk))
         elif p.rate is not None and cfg.max_request_seconds is not None:
             size = min(size, max(1, math.ceil(p.rate * cfg.max_request_seconds / chunk)))
+        if p.rate is not None and p.rtt is not None and p.connections > 1:
+            # Striped: a request need cover only a few round trips of its connection's
+            # share of the rate. Full batches on every connection put most of a blob in
+            # flight at once (12 x 16 MiB), so the pool emptied early and a second
+            # provider's tail waited on the first one's queue.
+            per_conn = p.rate / p.connections * p.rtt * STRIPED_REQUEST_RTTS
+            size = min(size, max(2, math.ceil(per_conn / chunk)))
         return size, usable, rates, best
 
     def _batch_size(self, p: _Peer) -> int:
@@ -1294,6 +1303,12 @@ class StripeConfig:
     # What follows is judged as usual (an idle link's extra connections cost a handshake).
     predial_rtt_s: float = 0.05
     predial_connections: int = 4
+    # On a path this long (200 ms eu-asia, 150 ms us-asia) the first step goes straight to
+    # ``max_connections``: one connection carries ~4 MiB / RTT, 27 MB/s at 150 ms, and the
+    # step 4 -> 8 cost a settle of 8 RTTs plus a dial, ~2.5 s at 200 ms, in which most of
+    # a 256 MiB fetch was gone (WAN bench: 0.65x raw 8-conn). A long thin path pays a few
+    # idle handshakes.
+    predial_all_rtt_s: float = 0.15
     # The rate must grow by this fraction over the previous step's for another step: a
     # link already full (or a CPU-bound loopback) stops growing after one extra connection.
     min_gain: float = 0.15
@@ -1329,7 +1344,8 @@ class StripeGrowth:
     one connection. A step in which the provider ran out of work (``busy`` False) says
     nothing about the path and is measured again. A failed dial ends growth for this
     download. On a path of ``predial_rtt_s`` or more the first step, to
-    ``predial_connections``, is taken at once, before anything is measured.
+    ``predial_connections`` (``max_connections`` from ``predial_all_rtt_s``), is taken at
+    once, before anything is measured.
     """
 
     def __init__(self, config: StripeConfig, now: float, connections: int = 1) -> None:
@@ -1376,6 +1392,8 @@ class StripeGrowth:
         ):
             self._predialled = True
             want = min(self._cfg.max_connections, self._cfg.predial_connections)
+            if rtt >= self._cfg.predial_all_rtt_s:
+                want = self._cfg.max_connections
             self.pending = want - self.connections
             return self.pending
         settle = self._settle(rtt)

@@ -164,11 +164,17 @@ def test_an_idle_provider_does_not_grow() -> None:
 
 
 def test_a_far_provider_gets_its_first_connections_at_once() -> None:
-    """200 ms: four connections are dialled before anything is measured (a dial costs
-    ~5 RTTs; measuring one connection first would cost seconds); near, none."""
+    """80 ms: four connections are dialled before anything is measured (a dial costs
+    ~5 RTTs; measuring one connection first would cost seconds); 200 ms: all eight (the
+    step 4 -> 8 took ~2.5 s there, most of a 256 MiB fetch); near, none."""
     far = StripeGrowth(StripeConfig(), 0.0)
-    assert far.decide(0.0, 0.2, busy=False) == 0  # nothing to fetch yet: no dials
-    assert far.decide(0.01, 0.2, busy=True) == 3
+    assert far.decide(0.0, 0.08, busy=False) == 0  # nothing to fetch yet: no dials
+    assert far.decide(0.01, 0.08, busy=True) == 3
+    farthest = StripeGrowth(StripeConfig(), 0.0)
+    assert farthest.decide(0.01, 0.2, busy=True) == 7
+    for _ in range(7):
+        farthest.on_dialled(True, 0.5)
+    assert farthest.stopped and farthest.connections == 8
     near = StripeGrowth(StripeConfig(), 0.0)
     assert near.decide(0.01, 0.001, busy=True) == 0
 
