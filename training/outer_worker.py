@@ -28,12 +28,13 @@ become the next state (``training.outer_aggregate``) and when to re-send an anno
    position in the round's rank order times the proposer timeout.
 3. After the last round it waits until the tip has not changed for a settle time (a better
    closure of the last round may still arrive, and rule 3 applies to it like any other),
-   announces its final root, waits (bounded by ``_linger_bound``) for the final roots of
-   every worker whose update it ever applied and is still connected to, serving blobs meanwhile (a
-   worker back from a pause that outlasted the others' last rounds needs someone to
-   catch up from; a dead one has no connection and is not waited for), and writes its
-   result. Its tasks are cancelled before the node closes, so shutdown is
-   clean; a peer's death is a fetch that fails and is retried elsewhere, never an error.
+   announces its final root, and waits (bounded by ``_linger_bound``), serving blobs, for
+   the final roots of every worker whose update it ever applied and is still connected to
+   (a worker back from a pause that outlasted the others' last rounds needs someone to
+   catch up from; a dead one has no connection and is not waited for) and for the
+   verdicts on the last round's sample; then it writes its result. Its tasks are
+   cancelled before the node closes, so shutdown is clean; a peer's death is a fetch that
+   fails and is retried elsewhere, never an error.
 4. Replay (``training.outer_replay``): with each update the worker stores its inner state
    and a commitment, named in its update attestation. After applying round r it draws
    round r's sample from the new root; for each sampled update it is the replayer of, it
@@ -1196,11 +1197,13 @@ class Worker:
             waiting = (ever & set(self.node.connected_peers())) - set(
                 self.ledger.roots_heard(state.round)
             )
-            if not waiting:
+            # The last round's sample is replayed too (its verdicts complete the milestones).
+            if not waiting and not self._verdicts_pending(state.round - 1):
                 break
             await self._wait_changed(min(deadline, trio.current_time() + 1.0))
         else:
-            _say(self.label, f"left without the final roots of {sorted(p[-6:] for p in waiting)}")
+            missing = sorted(p[-6:] for p in waiting)
+            _say(self.label, f"left without the final roots of {missing} or some verdicts")
         await trio.sleep(1.0)
 
     def _linger_bound(self) -> float:
