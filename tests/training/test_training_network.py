@@ -17,6 +17,12 @@ C's attestation of the genuine round does not count for the forged one, so
 the check rejects it. (Tampering with an adapter blob in C's own store would prove
 nothing: a replay never reads the round's adapter, it recomputes it; and the store
 verifies every chunk it receives over the network, so a tampered copy cannot arrive.)
+
+The nodes (``serve``) and the commands that fetch and train (``train run``, ``train
+replay``) are processes of their own; the local commands that make keys, certificates and
+inputs and that check evidence read and write only files and stores, so they run in this
+process (each subprocess would pay another interpreter start, and ``init-model`` and
+``kernel-class`` another torch import, for the same files).
 """
 
 from __future__ import annotations
@@ -78,6 +84,27 @@ class Machine:
     def run(self, *args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
         return finish(self.start(*args), args, code)
 
+    def here(self, *args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
+        """``blob ARGS`` in this process (for commands that only touch files and stores)."""
+        return blob_here(self.cmd(*args)[3:], code)
+
+
+def blob_here(argv: list[str], code: int = 0) -> subprocess.CompletedProcess[str]:
+    """``blob`` through its ``main`` in this process, exit status and streams captured."""
+    from click.testing import CliRunner
+
+    from p2p.cli import main
+
+    with CliRunner().isolation(env={"BLOBNET_PASSPHRASE": None}) as (out, err, _):
+        try:
+            main(argv)
+            got: int = 0
+        except SystemExit as exc:
+            got = exc.code if isinstance(exc.code, int) else 1
+        streams = [out.getvalue().decode(), err.getvalue().decode()]
+    assert got == code, f"blob {' '.join(argv)} exited {got}, expected {code}:\n{streams}"
+    return subprocess.CompletedProcess(argv, got, *streams)
+
 
 def finish(
     proc: subprocess.Popen[str], args: tuple[str, ...], code: int = 0
@@ -100,9 +127,12 @@ def as_json(done: subprocess.CompletedProcess[str]) -> Any:
 
 
 class Server:
-    """``blob serve`` in its own process; ``addr`` is its first full multiaddr."""
+    """``blob serve`` in its own process; ``addr`` is its first full multiaddr, known once
+    ``ready`` has read the node's ready line (at once unless ``wait`` is false, so that
+    several nodes can start together)."""
 
-    def __init__(self, machine: Machine) -> None:
+    def __init__(self, machine: Machine, *, wait: bool = True) -> None:
+        self.name = machine.name
         self.log = machine.dir / "serve.log"
         with self.log.open("wb") as log:  # a pipe nobody reads would block a chatty node
             self.proc = subprocess.Popen(
@@ -112,17 +142,22 @@ class Server:
                 text=True,
                 env=_env(),
             )
+        if wait:
+            self.ready()
+
+    def ready(self) -> Server:
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
             self.stop()
             err = self.log.read_text(errors="replace")
-            raise AssertionError(f"node {machine.name} did not become ready: {err[-2000:]}")
+            raise AssertionError(f"node {self.name} did not become ready: {err[-2000:]}")
         info = json.loads(line)
         self.peer_id: str = info["peer_id"]
         self.addr: str = info["addrs"][0]
         assert self.addr.endswith(f"/p2p/{self.peer_id}")
+        return self
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -182,19 +217,17 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
         "--seq-len", str(SEQ_LEN), "--rank", "2", "--json",
     )  # fmt: skip
 
-    # 1-2. Authority, machine keys, kernel class, A's inputs: independent, so at once.
-    started = {
-        "authority": (a, ("authority", "new", "-o", str(authority_key), "--json")),
-        "id_b": (b, ("id", "--json")),
-        "id_c": (c, ("id", "--json")),
-        "id_d": (d, ("id", "--json")),
-        "kernel_class": (a, ("train", "kernel-class", "--device", "cpu", "--json")),
-        "base": (a, ("train", "init-model", "--size", "tiny", "--seed", "0", "--json")),
-        "recipe": (a, recipe_args),
-        "records": (a, ("train", "records", str(corpus), "--seq-len", str(SEQ_LEN), "--json")),
+    # 1-2. Authority, machine keys, kernel class, A's inputs and the certificates: local
+    # commands, in this process.
+    made = {
+        "authority": a.here("authority", "new", "-o", str(authority_key), "--json"),
+        **{f"id_{m.name}": m.here("id", "--json") for m in (b, c, d)},
+        "kernel_class": a.here("train", "kernel-class", "--device", "cpu", "--json"),
+        "base": a.here("train", "init-model", "--size", "tiny", "--seed", "0", "--json"),
+        "recipe": a.here(*recipe_args),
+        "records": a.here("train", "records", str(corpus), "--seq-len", str(SEQ_LEN), "--json"),
     }
-    procs = {name: (m.start(*args), args) for name, (m, args) in started.items()}
-    out = {name: as_json(finish(p, args)) for name, (p, args) in procs.items()}
+    out = {name: as_json(done) for name, done in made.items()}
     base, records = out["base"]["id"], out["records"]["id"]
     assert out["records"]["records"] > 2 * 2  # more records than the round's batches use
     kc = out["kernel_class"]["id"]
@@ -204,7 +237,7 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
     for name, operator in (("b", "operator-b"), ("c", "operator-c"), ("d", "operator-d")):
         certs[name] = tmp_path / f"{name}.cert"
         cert = as_json(
-            a.run(
+            a.here(
                 "admit", out[f"id_{name}"]["peer_id"], "--operator", operator,
                 "--kernel-class", kc, "--authority", str(authority_key),
                 "-o", str(certs[name]), "--json",
@@ -214,8 +247,11 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
 
     store_a = Store.open(a.store)
     assert complete(store_a, base) and complete(store_a, records)
-    node_a = Server(a)
-    servers.append(node_a)
+    # A serves its inputs; B's node serves from B's still empty store what B's round will
+    # publish there (a node answers from its store as it is at each request).
+    starting = [Server(a, wait=False), Server(b, wait=False)]
+    servers.extend(starting)
+    node_a, node_b = (server.ready() for server in starting)
 
     # 3. B runs the round with nothing local: base and records come from A over TCP.
     store_b = Store.open(b.store)
@@ -234,8 +270,6 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
     assert len(commitment["step_log"]) == 2
     assert complete(store_b, base) and complete(store_b, records)
     assert store_b.has(round_id) and complete(store_b, adapter)
-    node_b = Server(b)
-    servers.append(node_b)
 
     # 4. B, now dishonest, re-publishes the round pointing at another adapter and signs
     # the forged commitment with its own admitted key (step 6 checks what comes of it).
@@ -288,7 +322,7 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
     attestation_b = tmp_path / "b.att"
     attestation_b.write_bytes(record.attestation)
     verdict = as_json(
-        c.run(
+        c.here(
             "train", "check", round_id, str(attestation_b), replay["attestation"],
             "--authority", pub, "--json",
         )
@@ -297,7 +331,7 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
     assert verdict["digest"] == digest and verdict["kernel_class"] == kc
     assert verdict["operators"] == ["operator-b", "operator-c"]
     # The runner alone is one operator: not enough.
-    alone = c.run("train", "check", round_id, str(attestation_b), "--authority", pub, code=1)
+    alone = c.here("train", "check", round_id, str(attestation_b), "--authority", pub, code=1)
     assert "1 distinct admitted operator" in alone.stdout, alone.stdout
 
     # 6. D's replay of the forged record trained to the genuine adapter, named both and
@@ -311,7 +345,7 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
     held_d = {info.blob_id for info in store_d.list_blobs()}
     assert held_d == (held_c - {round_id, replay["attestation"]}) | {forged_id}
     # C's attestation is over the genuine digest, not the forged round's.
-    rejected = d.run(
+    rejected = d.here(
         "train", "check", forged_id, str(attestation_c), "--authority", pub, "--json", code=1
     )
     verdict = as_json(rejected)
@@ -320,7 +354,7 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
     # The forged record's own signature is valid, but it is still one operator.
     forged_att = tmp_path / "forged.att"
     forged_att.write_bytes(signed.encode())
-    lone = d.run("train", "check", forged_id, str(forged_att), "--authority", pub, code=1)
+    lone = d.here("train", "check", forged_id, str(forged_att), "--authority", pub, code=1)
     assert "1 distinct admitted operator" in lone.stdout, lone.stdout
     # A replay never fetches the adapter a record names: the swapped one is not at D.
     assert not store_d.has(swapped)
