@@ -29,8 +29,9 @@ stopped and shown as diverged, the same rule for both methods). Its goal: Sparse
 
 ``--byzantine`` runs the setting given with one more worker that sends, in turn, a huge
 update, garbage at the clip norm, the negated honest sum at the clip norm, a copy of an
-honest payload in its own envelope, and an empty update, each against the same run without
-it under the same aggregation (training.outer_aggregate); goal: never more than 1% worse:
+honest payload in its own envelope, an empty update, and an honest update amplified to the
+clip norm (which no rule can tell from honest), each against the same run without it under
+the same aggregation (training.outer_aggregate); goal: never more than 1% worse:
 
     .venv/bin/python bench/outer.py --byzantine --rounds 40
 
@@ -297,7 +298,19 @@ def _attacks(config: SimConfig) -> dict[str, Any]:
     def empty(state: Any, payloads: Any, updates: Any) -> bytes:
         return pack({n: np.zeros_like(v) for n, v in state.params.items()})
 
-    return {"huge": huge, "garbage": garbage, "negated": negated, "copy": copy, "empty": empty}
+    def amplified(state: Any, payloads: Any, updates: Any) -> bytes:
+        """An honest update re-sent at the clip norm: agrees, so no rule excludes it; it
+        only weighs one worker's view of the round about three times."""
+        return at_clip(dict(updates[first(payloads)]), updates)
+
+    return {
+        "huge": huge,
+        "garbage": garbage,
+        "negated": negated,
+        "copy": copy,
+        "empty": empty,
+        "amplified": amplified,
+    }
 
 
 def _byzantine(args: argparse.Namespace) -> dict[str, Any]:
@@ -471,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--byzantine", action="store_true", help="loss with and without a byzantine worker"
     )
-    parser.add_argument("--kinds", default="huge,garbage,negated,copy,empty")
+    parser.add_argument("--kinds", default="huge,garbage,negated,copy,empty,amplified")
     parser.add_argument("--jobs", type=int, default=1, help="grid runs in parallel")
     parser.add_argument("--outer-lr", type=float, default=None)
     parser.add_argument("--outer-momentum", type=float, default=None)

@@ -14,7 +14,12 @@ float64 reduction over one array in a fixed layout, on one thread).
 2. **Copies.** A payload byte-identical to that of an update earlier in ascending peer
    order (someone re-wrapped another worker's payload in their own envelope) is excluded;
    the payload counts once, so a copier changes nothing. (Which of the two authors did the
-   work is for replay to tell, ``training.outer_replay``; the numbers are the same.)
+   work is for replay to tell, ``training.outer_replay``; the numbers are the same.) Near
+   copies too: of two in-bound updates whose signs (at up to SKETCH_COORDS strided
+   coordinates) agree with cosine >= NEAR_COPY_COSINE, the one with the larger norm is
+   excluded. An honest update re-sent rescaled to the clip norm agrees with every honest
+   worker, so no other rule sees it, and admitted it applied that worker's coordinates
+   about three times each round (measured: +14% held-out loss at 40 rounds).
 3. **Bounds relative to the round.** For each update u_i, in ascending peer order, the L2
    norm n_i (float64). Excluded: ``n_i > MAX_PARAM_RATIO * ||params of S_r||`` (a step
    larger than the model itself is no pseudo-gradient), and, among the rest, with m the
@@ -55,10 +60,12 @@ float64 reduction over one array in a fixed layout, on one thread).
 6. **Memory.** Passes over the named blobs, each decoding one update at a time: norms and
    payload digests, then ``V += s_i``, then the dot products with V (again for each update
    rule 4 removes), then ``S += w_i u_i`` over the admitted; peak memory is the state, one
-   decoded update and two accumulators, O(model) whatever the number of workers.
+   decoded update and two accumulators, O(model) whatever the number of workers, plus rule
+   2's signature of 32 KiB a worker.
 7. **Determinism.** The norms are numpy's float64 sum over squares of float32 values
-   (which float64 holds exactly), in a fixed layout on one thread; rule 4 is integer
-   arithmetic; the float32 sum adds in ascending peer order.
+   (which float64 holds exactly), in a fixed layout on one thread; rules 2 and 4 are
+   integer arithmetic up to one final division; the float32 sum adds in ascending peer
+   order.
 """
 
 from __future__ import annotations
@@ -87,6 +94,13 @@ MAX_PARAM_RATIO = 1.0
 # start, shards of one corpus); 8x the median is far outside that, 2x leaves them intact.
 REFUSE_FACTOR = 8.0
 CLIP_FACTOR = 2.0
+# Rule 2's near-copy test: honest workers' signs agree with cosine 0.1-0.4 pairwise on the
+# tiny Llama; 0.9 is a copy with a little noise, or another worker's update rescaled.
+NEAR_COPY_COSINE = 0.9
+# Rule 2's signature size: signs at this many coordinates (32 KiB a worker, next to the
+# O(model) accumulators); an even sample, exact for models of up to 2^15 parameters. At
+# 2% density it holds ~650 nonzeros: a cosine to within ~0.05, far from 0.9 either way.
+SKETCH_COORDS = 1 << 15
 # Rule 4: honest cosines with the others' votes are of one order (0.3-0.5 measured); a
 # quarter of the round's median separates them from garbage (~0) and opposition (< 0)
 # with room for an honest worker on an unusual batch.
@@ -202,6 +216,32 @@ def _signs(tensors: dict[str, F32]) -> dict[str, npt.NDArray[np.int8]]:
     return {n: np.sign(v).astype(np.int8) for n, v in tensors.items()}
 
 
+def _sketch(tensors: dict[str, F32]) -> npt.NDArray[np.int8]:
+    """Rule 2's signature of an update: its signs at SKETCH_COORDS evenly strided
+    coordinates of the parameters in name order (all of them in a smaller model)."""
+    flat = np.concatenate(
+        [np.sign(tensors[n]).astype(np.int8).reshape(-1) for n in sorted(tensors, key=str.encode)]
+    )
+    stride = max(1, -(-flat.size // SKETCH_COORDS))
+    return flat[::stride].copy()
+
+
+def _near_copies(sketches: dict[str, npt.NDArray[np.int8]], norms: dict[str, float]) -> list[str]:
+    """Rule 2's near-copies: of two updates whose signs agree with cosine at least
+    NEAR_COPY_COSINE, the larger (then the later in peer order) goes."""
+    peers = sorted(sketches, key=str.encode)
+    out: set[str] = set()
+    own = {p: int(np.count_nonzero(sketches[p])) for p in peers}
+    for i, a in enumerate(peers):
+        for b in peers[i + 1 :]:
+            if a in out or b in out or not own[a] or not own[b]:
+                continue
+            dot = int(np.dot(sketches[a].astype(np.int32), sketches[b].astype(np.int32)))
+            if dot >= NEAR_COPY_COSINE * math.sqrt(own[a] * own[b]):
+                out.add(b if (norms[b], 1) >= (norms[a], 0) else a)
+    return sorted(out, key=str.encode)
+
+
 def _cosines(
     state: OuterState,
     candidates: Sequence[tuple[str, str, float]],
@@ -267,6 +307,7 @@ def aggregate(
     excluded: list[Exclusion] = []
     norms: dict[str, float] = {}
     payloads: dict[bytes, str] = {}
+    sketches: dict[str, npt.NDArray[np.int8]] = {}
     param_norm = _norm(state.params)
     for peer, blob in order:
         try:
@@ -274,7 +315,10 @@ def aggregate(
             envelope = unwrap_update(data)
             if start_root is not None and envelope.start_root != start_root:
                 raise BadUpdate("stale: made from another state root")
-            n = _norm(_decode(data, state, peer))
+            tensors = _decode(data, state, peer)
+            n = _norm(tensors)
+            sketch = _sketch(tensors)
+            del tensors
         except CodecError as exc:
             excluded.append(Exclusion(peer, blob, str(exc).split(":")[0] or "undecodable"))
             continue
@@ -287,6 +331,11 @@ def aggregate(
             excluded.append(Exclusion(peer, blob, "norm out of bounds (larger than the model)"))
             continue
         norms[peer] = n
+        sketches[peer] = sketch
+    blobs = dict(order)
+    for peer in _near_copies(sketches, norms):
+        excluded.append(Exclusion(peer, blobs[peer], "a near-copy of another update"))
+        del norms[peer]
     ranked = sorted(norms.values())
     median = ranked[(len(ranked) - 1) // 2] if ranked else 0.0
     weights: dict[str, float] = {}

@@ -94,6 +94,19 @@ def byzantine_updates(s: OuterState) -> dict[str, bytes]:
         "garbage at the clip": own(s, at_norm(garbage, CLIP_FACTOR * median)),
         "negated mean": own(s, at_norm({n: -v for n, v in mean.items()}, CLIP_FACTOR * median)),
         "empty": own(s, {n: np.zeros_like(v) for n, v in s.params.items()}),
+        # An honest worker's update rescaled to the clip: agrees with everyone, so only
+        # rule 2's near-copy test sees it (measured: +14% loss at 40 rounds admitted).
+        "amplified": own(s, at_norm(honest_grad(s, 0), CLIP_FACTOR * median)),
+        "noisy copy": own(
+            s,
+            {
+                n: v
+                + np.float32(0.02)
+                * rng.standard_normal(v.shape).astype(np.float32)
+                * np.abs(v).mean()
+                for n, v in honest_grad(s, 0).items()
+            },
+        ),
         # An honest worker's payload in the byzantine's own envelope: undetectable there.
         "re-wrapped copy": wrap_update(
             unwrap_update(honest(s, PEERS[0], 0)).payload,
@@ -128,6 +141,7 @@ def byzantine_updates(s: OuterState) -> dict[str, bytes]:
         ("garbage at the clip", "disagrees with the round's updates"),
         ("negated mean", "disagrees with the round's updates"),
         ("empty", "norm far below the round's median"),
+        ("amplified", "a near-copy of another update"),
         ("copy", "a copy"),
         ("re-wrapped copy", "a copy of another update's payload"),
         ("stale", "stale"),
@@ -148,6 +162,18 @@ def test_a_byzantine_update_is_excluded_and_changes_nothing(kind: str, reason: s
     # The honest workers end on the same bits as without the byzantine worker.
     assert state_root(attacked.state) == state_root(clean.state)
     assert all(np.isfinite(v).all() for v in attacked.state.params.values())
+
+
+def test_a_noisy_copy_counts_once() -> None:
+    """Rule 2: a copy with a little noise of its own is one contribution, not two; the one
+    of the pair with the smaller norm stays (here whichever compression left smaller)."""
+    s = state()
+    blobs = {p: honest(s, p, i) for i, p in enumerate(PEERS)}
+    result = run(s, {**blobs, BYZ: byzantine_updates(s)["noisy copy"]})
+    assert [(e.peer in (BYZ, PEERS[0]), e.reason) for e in result.excluded] == [
+        (True, "a near-copy of another update")
+    ]
+    assert len(result.admitted) == 3
 
 
 def test_honest_workers_agree_and_uncorrelated_ones_are_not_judged_by_direction() -> None:
