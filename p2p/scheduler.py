@@ -144,6 +144,10 @@ _POOL = 0
 _INFLIGHT = 1
 _VERIFIED = 2
 
+# In a swarm a seeder duplicates a fellow's request in the endgame only once it is this
+# old: a fellow sends a chunk in well under a second, and the seeder's uplink is the
+# scarce link (each copy there costs every other fetcher).
+SWARM_ENDGAME_PATIENCE_S = 2.0
 # A request to a striped provider holds this many round trips of one connection's share.
 STRIPED_REQUEST_RTTS = 3.0
 # A seeder defers to fellows at least this fraction of its rate: a fellow's rate is
@@ -521,7 +525,7 @@ class Scheduler:
         picked = self._pick_pool(p, limit)
         endgame = False
         if not picked and not p.requests and self._fetchable_pool() == 0:
-            picked = self._pick_endgame(p, limit)
+            picked = self._pick_endgame(p, limit, now)
             endgame = True
         if not picked:
             return None
@@ -1083,11 +1087,19 @@ class Scheduler:
             ranges = after
         return picked
 
-    def _pick_endgame(self, p: _Peer, limit: int) -> list[int]:
+    def _pick_endgame(self, p: _Peer, limit: int, now: float) -> list[int]:
         if self._cfg.endgame_duplicates <= 0:
             return []
         copies = 1 + self._cfg.endgame_duplicates
         others = [r for r in self._requests.values() if r.peer is not p]
+        if self._cfg.defer_to_partial_holders and p.bitmap is None:
+            # A swarm's seeder copies a fellow's request only once it is overdue: the
+            # fellow's link is the fast one, and each copy costs the seeder's uplink.
+            others = [
+                r
+                for r in others
+                if r.peer.bitmap is None or now - r.issued_at >= SWARM_ENDGAME_PATIENCE_S
+            ]
         # Oldest first: the request most likely stuck; then the slowest peer's.
         others.sort(key=lambda r: (r.issued_at, r.peer.rate or 0.0, r.ticket.request_id))
         max_ranges = self._cfg.max_ranges_per_request

@@ -65,8 +65,9 @@ MAX_SWARM_DIALS = 16
 # Dials in progress at once per download.
 PEX_DIAL_PARALLELISM = 4
 # A fellow asks a partial peer `status` every 0.5 s and a complete one for chunks as it
-# needs them: a second without any request means nobody is fetching from us any more.
-LINGER_QUIET = 1.0
+# needs them: 0.75 s without any request means nobody is fetching from us any more (the
+# last fetcher of a swarm waits this long for nothing, so no longer).
+LINGER_QUIET = 0.75
 # However busy the fellows are, a fetch returns this long after its blob is complete: they
 # have the seeder and each other.
 LINGER_MAX = 10.0

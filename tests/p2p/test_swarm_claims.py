@@ -266,3 +266,25 @@ async def test_a_complete_swarming_fetch_stays_while_its_fellows_ask(
         await _linger(board, BLOB)
         nursery.cancel_scope.cancel()
     assert trio.current_time() - began == pytest.approx(LINGER_MAX)
+
+
+def test_a_swarms_seeder_copies_a_fellows_request_only_once_it_is_overdue() -> None:
+    def tail(config: SchedulerConfig) -> Scheduler:
+        s = Scheduler(2, lambda i: 1, config=config)
+        s.add_peer("seed", 0.0)
+        s.add_peer("fellow", 0.0, bitmap=bitmap_of([1], 2))
+        first = s.next_request("seed", 0.0)
+        assert _chunks(first) == {0}
+        assert _chunks(s.next_request("fellow", 0.0)) == {1}
+        assert first is not None
+        s.on_chunk(first.request_id, 0, 1, 0.5)
+        s.on_request_done(first.request_id, 0.5)
+        return s
+
+    swarm = tail(SWARM)
+    assert swarm.next_request("seed", 1.0) is None  # the fellow's copy is on its way
+    late = swarm.next_request("seed", 2.5)
+    assert late is not None and late.endgame and _chunks(late) == {1}
+    plain = tail(SchedulerConfig(max_chunks_per_request=4))
+    copy = plain.next_request("seed", 1.0)
+    assert copy is not None and copy.endgame
