@@ -28,6 +28,12 @@ Theory of operation
 7. Memory is bounded by the buffer pool (``BUFFER_POOL_BYTES``, at least
    ``MIN_BUFFERS`` chunks) plus one chunk per stream whose body outgrew it, whatever the
    blob's size.
+8. Swarming (p2p.swarm rules 4 and 5): the chunks in flight are posted on the store's
+   fetching board for the node's server to call `soon`; a partial provider is asked
+   ``status`` (1.3.0; ``have`` where it speaks only older versions) every
+   ``HAVE_REFRESH_INTERVAL`` and its claims go to the scheduler, and dropped when that
+   stops; only providers with every chunk are striped; a swarming fetch that completed
+   stays while fellows still ask it for chunks.
 """
 
 from __future__ import annotations
