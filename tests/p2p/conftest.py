@@ -51,25 +51,33 @@ def last_json(text: str) -> Any:
 
 
 class NodeProcess:
-    """One running node process; ``addr`` is its first full multiaddr."""
+    """One running node process; ``addr`` is its first full multiaddr, known once
+    ``ready`` has read the node's ready line (at once unless ``wait`` is false, so that
+    several nodes can start together)."""
 
-    def __init__(self, cmd: list[str], name: str, log_path: Path) -> None:
+    def __init__(self, cmd: list[str], name: str, log_path: Path, *, wait: bool = True) -> None:
         self.name = name
         self.log_path = log_path
+        self._terminated = False
         # stderr goes to a file: a pipe nobody reads would block a chatty node.
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        if wait:
+            self.ready()
+
+    def ready(self) -> NodeProcess:
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
             self.stop()
-            err = log_path.read_text(errors="replace")
-            raise AssertionError(f"node {name} did not become ready: {err[-2000:]}")
+            err = self.log_path.read_text(errors="replace")
+            raise AssertionError(f"node {self.name} did not become ready: {err[-2000:]}")
         info = json.loads(line)
         self.peer_id: str = info["peer_id"]
         self.addrs: list[str] = info["addrs"]
         self.addr = self.addrs[0]
+        return self
 
     @property
     def pid(self) -> int:
@@ -91,9 +99,15 @@ class NodeProcess:
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 
+    def terminate(self) -> None:
+        """Ask the node to stop (one SIGTERM) without waiting; ``stop`` waits."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self) -> int | None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
@@ -122,11 +136,19 @@ class Cluster:
         done = run_blob(self.store(name), self.key(name), "put", str(path), "--json")
         return str(last_json(done.stdout)[0]["id"])
 
-    def serve(self, name: str, *extra: str, dht: bool = False) -> NodeProcess:
+    def put_here(self, name: str, path: Path) -> str:
+        """What ``put`` does, in this process (no interpreter start for a local write)."""
+        from blobstore import Store
+
+        return Store.open(self.store(name)).put_path(path)
+
+    def serve(self, name: str, *extra: str, dht: bool = False, wait: bool = True) -> NodeProcess:
+        """``blob serve`` for ``name``; with ``wait`` false the caller calls ``ready``."""
         args = ["serve", "--json", "--listen", LISTEN, *extra]
         if not dht:
             args.append("--no-dht")
-        node = NodeProcess(blob_cmd(self.store(name), self.key(name), *args), name, self._log(name))
+        cmd = blob_cmd(self.store(name), self.key(name), *args)
+        node = NodeProcess(cmd, name, self._log(name), wait=wait)
         self.nodes.append(node)
         return node
 
@@ -146,6 +168,8 @@ class Cluster:
         return last_json(done.stdout)
 
     def close(self) -> None:
+        for node in self.nodes:  # all asked at once: each takes a moment to wind down
+            node.terminate()
         for node in self.nodes:
             node.stop()
 
