@@ -33,7 +33,7 @@ Theory of operation
    ``status`` (1.3.0; ``have`` where it speaks only older versions) every
    ``HAVE_REFRESH_INTERVAL`` and its claims go to the scheduler, and dropped when that
    stops; only providers with every chunk are striped; a swarming fetch that completed
-   stays while fellows still ask it for chunks.
+   stays while fellows still ask it for chunks (``linger_while_asked``: `blob get`).
 """
 
 from __future__ import annotations
@@ -860,7 +860,7 @@ async def _download(
         # fsync, then bitmap), so the next attempt resumes from it.
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(partial.close)
-    if config.defer_to_partial_holders:
+    if config.defer_to_partial_holders and config.linger_while_asked:
         await _linger(fetching_board(store), blob_id)
 
 

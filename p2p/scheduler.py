@@ -236,6 +236,11 @@ class SchedulerConfig:
     # striped connections), most of them the same chunks as its fellows'. Two requests
     # of `unmeasured_batch_bytes` keep a 100 Mbit/s seeder's link busy meanwhile.
     swarm_unmeasured_inflight_requests: int = 2
+    # Swarming: once the blob is complete the fetch stays while fellows still ask this
+    # node for chunks (p2p.swarm rule 5). For a one-shot `blob get`, whose node ends with
+    # the fetch; a long-lived node serves on after its fetch returns anyway, and would
+    # only wait longer for it.
+    linger_while_asked: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_chunks_per_request <= PROTOCOL_MAX_CHUNKS_PER_REQUEST:

@@ -23,7 +23,8 @@ Theory of operation
    learns a chunk is soon at a peer leaves it to that peer (``p2p.scheduler``'s claims)
    instead of asking the seeder for it too: each chunk then crosses the seeder's uplink
    about once, not once per fetcher that wanted it in the same half second.
-5. A swarming fetch that is complete stays until its fellows are done with it: it returns
+5. A swarming one-shot fetch (``SchedulerConfig.linger_while_asked``, for `blob get`)
+   that is complete stays until its fellows are done with it: it returns
    once the node's server has had no request about the blob for ``LINGER_QUIET`` seconds
    (``FetchingBoard.last_asked``), at most ``LINGER_MAX`` after completion. A one-shot
    ``blob get`` that left at once took the chunks it got last with it, and its fellows
