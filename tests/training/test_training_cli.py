@@ -1,5 +1,10 @@
 """`blob train` end to end in separate processes: two processes reach the same digest, a
-third replays it and attests, and the evidence check accepts two operators."""
+third replays it and attests, and the evidence check accepts two operators.
+
+The commands that train run in processes of their own; the local ones that only read and
+write files and stores (``resolve``, ``check``, ``records``, ``recipe``, and a refusal
+found before anything is loaded) run in this process through ``blob``'s ``main``: a
+subprocess would pay another interpreter start for the same answer."""
 
 from __future__ import annotations
 
@@ -39,6 +44,24 @@ def _run(store: Path, key: Path, *args: str, code: int = 0) -> str:
     return proc.stdout
 
 
+def _here(store: Path, key: Path, *args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
+    """``blob ARGS`` through its ``main`` in this process, exit status and streams captured."""
+    from click.testing import CliRunner
+
+    from p2p.cli import main
+
+    argv = _blob(store, key, *args)[3:]
+    with CliRunner().isolation(env={"BLOBNET_PASSPHRASE": None}) as (out, err, _):
+        try:
+            main(argv)
+            got: int = 0
+        except SystemExit as exc:
+            got = exc.code if isinstance(exc.code, int) else 1
+        streams = [out.getvalue().decode(), err.getvalue().decode()]
+    assert got == code, f"blob {' '.join(args)} exited {got}, expected {code}:\n{streams}"
+    return subprocess.CompletedProcess(argv, got, *streams)
+
+
 def test_no_cuda_and_no_device_cpu_refuses(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     import torch
@@ -47,28 +70,11 @@ def test_no_cuda_and_no_device_cpu_refuses(tmp_path: Path) -> None:
         pytest.skip("checks the refusal without CUDA")
     recipe = tmp_path / "r.msgpack"
     recipe.write_bytes(Recipe().encode())
-    proc = subprocess.run(
-        _blob(
-            tmp_path / "s",
-            tmp_path / "k",
-            "train",
-            "run",
-            "--base",
-            "0" * 64,
-            "--records",
-            "1" * 64,
-            "--recipe",
-            str(recipe),
-            "--seed",
-            "1",
-        ),
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=TIMEOUT,
-    )
-    assert proc.returncode == 2
+    args = ["--base", "0" * 64, "--records", "1" * 64, "--recipe", str(recipe), "--seed", "1"]
+    proc = _here(tmp_path / "s", tmp_path / "k", "train", "run", *args, code=2)
     assert "CUDA is not available" in proc.stderr and "--device cpu" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "s").exists()  # refused before the store was opened
 
 
 @pytest.mark.slow
@@ -148,7 +154,7 @@ def test_two_processes_same_digest_replay_and_check(tmp_path: Path) -> None:
     adapter = results[0]["commitment"]["adapter"]
     assert results[0]["name"]["id"] == adapter
     ref = f"{alice.peer_id}/run-x/adapter"
-    assert json.loads(_run(store_a, alice_key, "resolve", ref, "--json"))["id"] == adapter
+    assert json.loads(_here(store_a, alice_key, "resolve", ref, "--json").stdout)["id"] == adapter
 
     attestation = tmp_path / "bob.att"
     out = _run(
@@ -167,34 +173,13 @@ def test_two_processes_same_digest_replay_and_check(tmp_path: Path) -> None:
     assert json.loads(out)["digest"] in digests
 
     pub = format_public_key(authority.public_key_bytes)
-    verdict = json.loads(
-        _run(
-            store_a,
-            bob_key,
-            "train",
-            "check",
-            round_id,
-            str(attestation),
-            "--authority",
-            pub,
-            "--json",
-        )
-    )
+    check = ("train", "check", round_id, str(attestation), "--authority")
+    verdict = json.loads(_here(store_a, bob_key, *check, pub, "--json").stdout)
     assert verdict["accepted"] is True
     assert verdict["operators"] == ["alice", "bob"]
 
     stranger = format_public_key(Authority(SoftwareSigner(MachineKey.generate())).public_key_bytes)
-    out = _run(
-        store_a,
-        bob_key,
-        "train",
-        "check",
-        round_id,
-        str(attestation),
-        "--authority",
-        stranger,
-        code=1,
-    )
+    out = _here(store_a, bob_key, *check, stranger, code=1).stdout
     assert "unknown authority" in out
 
 
@@ -204,15 +189,17 @@ def test_input_commands(tmp_path: Path) -> None:
     store, key = tmp_path / "s", tmp_path / "k"
     text = tmp_path / "corpus.txt"
     text.write_bytes(b"hello records")
-    out = json.loads(_run(store, key, "train", "records", str(text), "--seq-len", "8", "--json"))
+    out = json.loads(
+        _here(store, key, "train", "records", str(text), "--seq-len", "8", "--json").stdout
+    )
     data = Store.open(store).path(out["id"]).read_bytes()
     assert data == make_records([b"hello records"], 8)
     assert decode_records(data).count == out["records"] == 2
     recipe = tmp_path / "r.msgpack"
-    _run(store, key, "train", "recipe", "-o", str(recipe), "--steps", "7", "--lr", "0.002")
+    _here(store, key, "train", "recipe", "-o", str(recipe), "--steps", "7", "--lr", "0.002")
     assert Recipe.decode(recipe.read_bytes()) == Recipe(steps=7, lr=0.002)
-    # init-model in this process (click's runner): a subprocess would pay transformers'
-    # import (5-15 s) once more for a command that only builds and stores a model.
+    # init-model in this process too (click's runner): a subprocess would pay
+    # transformers' import (5-15 s) once more for a command that only builds a model.
     from click.testing import CliRunner
 
     from training.cli import train_group
