@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 
+from p2p.nat_cli import NAT_DEFAULT_LISTEN, check_relays, relay_options
 from training.outer import MODES, SimConfig, SimResult
 
 _DEFAULTS = SimConfig()
@@ -238,7 +239,17 @@ def _authority(value: str) -> bytes:
 @click.option("--initial", default=None, help="Blob ID of the run's initial global state.")
 @click.option("--join", is_flag=True, help="Join a running run at its next round.")
 @click.option("--bootstrap", multiple=True, help="Peer multiaddr to dial (repeatable).")
-@click.option("--listen", default="/ip4/127.0.0.1/tcp/0", show_default=True)
+@click.option(
+    "--listen",
+    default=None,
+    help="Listen address [default: /ip4/127.0.0.1/tcp/0; with --relay /ip4/0.0.0.0/tcp/0].",
+)
+@relay_options
+@click.option(
+    "--via-relay",
+    is_flag=True,
+    help="When hole punching to a worker behind NAT fails, fetch through the relay.",
+)
 @click.option(
     "--result",
     "result_path",
@@ -279,7 +290,10 @@ def worker_command(
     initial: str | None,
     join: bool,
     bootstrap: tuple[str, ...],
-    listen: str,
+    listen: str | None,
+    relays: tuple[str, ...],
+    assume_private: bool,
+    via_relay: bool,
     result_path: Path_,
     addr_file: Path_ | None,
     start_timeout: float,
@@ -298,6 +312,9 @@ def worker_command(
         raise click.UsageError("give the initial state (--initial BLOB_ID) or --join")
     if initial is not None:
         initial = parse_blob_id(initial)
+    check_relays(relays)
+    if listen is None:
+        listen = NAT_DEFAULT_LISTEN[0] if relays else "/ip4/127.0.0.1/tcp/0"
     obj = ctx.ensure_object(dict)
     config = WorkerConfig(
         params=_params(run_id, **run),
@@ -316,6 +333,9 @@ def worker_command(
         stall_round=stall_round,
         cheat_from_round=cheat_from_round,
         publish=publish_as,
+        relays=relays,
+        assume_private=assume_private,
+        relayed_fetch=via_relay,
     )
     result = trio.run(run_worker, config)
     if not result["agreed"]:

@@ -158,6 +158,12 @@ class WorkerConfig:
     cheat_from_round: int | None = None
     # Name the final state blob <this peer ID>/NAME at the end (p2p/NAMES.md).
     publish: str | None = None
+    # Behind NAT (issue 20): relays to reserve on when no relay can dial this worker back
+    # (its own admission certificate is what the relays check), and whether a fetch may
+    # cross a relay when hole punching to a NATed worker fails.
+    relays: tuple[str, ...] = ()
+    assume_private: bool = False
+    relayed_fetch: bool = False
 
 
 # --- the torch side ------------------------------------------------------------------
@@ -340,14 +346,21 @@ async def run_worker(config: WorkerConfig) -> dict[str, Any]:
 
         check_name(config.publish)  # a bad name is refused before any training
     key, certificate, trust = _load_identity(config)
-    async with open_node(
-        config.store_root,
-        key=key,
-        listen=[config.listen],
-        bootstrap=list(config.bootstrap),
+    from p2p.nat_cli import behind_nat
+    from p2p.node import NodeConfig
+
+    node_config = NodeConfig(
+        listen=(config.listen,),
+        bootstrap=tuple(config.bootstrap),
         dht=False,
         pubsub=True,
-    ) as node:
+        certificate=certificate.encode(),
+        relayed_fetch=config.relayed_fetch,
+    )
+    async with (
+        open_node(config.store_root, key=key, config=node_config) as node,
+        behind_nat(node, config.relays, certificate.encode(), config.assume_private),
+    ):
         from training.outer_worker import Worker
 
         result = await Worker(config, node, key, certificate, trust).run()

@@ -971,7 +971,7 @@ class Worker:
         self._keep_attestation(state.round, self.peer, blob, attestation)
         self.fetched[self.peer] = blob
         message = UpdateAnnouncement(
-            self.params.run_id, state.round, blob, attestation, tuple(self.node.addrs)
+            self.params.run_id, state.round, blob, attestation, tuple(self.node.reachable_addrs)
         )
         await self._announce("update", encode_message(message))
 
@@ -1051,13 +1051,17 @@ class Worker:
             return
         self.proposed[checked.digest] = (agg, blob, len(data))
         self.book.add(checked)
-        self.closure_addrs[checked.digest] = tuple(self.node.addrs)
+        self.closure_addrs[checked.digest] = tuple(self.node.reachable_addrs)
         # The full closure is a blob others may fetch; what travels is its compact form.
         full = await self.node.add_bytes(
             encode_message(ClosureAnnouncement(self.params.run_id, body, attestation, ()))
         )
         message = ClosureRefAnnouncement(
-            self.params.run_id, compact_body(body), attestation, full, tuple(self.node.addrs)
+            self.params.run_id,
+            compact_body(body),
+            attestation,
+            full,
+            tuple(self.node.reachable_addrs),
         )
         await self._announce("closure", encode_message(message))
 
@@ -1186,7 +1190,7 @@ class Worker:
             self.root,
             blob,
             attestation.encode(),
-            tuple(self.node.addrs),
+            tuple(self.node.reachable_addrs),
         )
         await self._announce("state", encode_message(message))
         # Admitted by the aggregation in a round this worker applied: a byzantine worker
@@ -1213,7 +1217,9 @@ class Worker:
     async def run(self) -> dict[str, Any]:
         sub = await self.node.subscribe(self.topic)
         if self.config.addr_file is not None:
-            write_json(self.config.addr_file, {"peer_id": self.peer, "addrs": self.node.addrs})
+            write_json(
+                self.config.addr_file, {"peer_id": self.peer, "addrs": self.node.reachable_addrs}
+            )
         hello = Hello(self.params.run_id, self.certificate.encode())
         for addr in self.config.bootstrap:
             self.dialer.learn(addr.rsplit("/p2p/", 1)[-1], [addr], trio.current_time())
