@@ -312,6 +312,12 @@ class Node:
         if "/p2p-circuit" in addr:
             return await self._connect_circuit(addr)
         info = info_from_p2p_addr(maddr)
+        # An explicit dial is a deliberate retry: py-libp2p would refuse every dial to a
+        # peer for 60 s after one failed (its negative cache), so a peer back from a pause
+        # or a restart stayed unreachable that long. Callers bound their own retries.
+        unblock = getattr(self.host.get_network(), "unblock_peer", None)
+        if unblock is not None:
+            unblock(info.peer_id)
         try:
             with trio.fail_after(DIAL_TIMEOUT):
                 await self.host.connect(info)

@@ -466,12 +466,8 @@ class Worker:
     async def _dial(self, peer: str, addrs: Sequence[str]) -> bool:
         from p2p.errors import P2PError
 
-        # py-libp2p refuses every dial to a peer for 60 s once one dial failed on all its
-        # addresses (its "negative cache"); a peer back from a pause or a restart would
-        # stay unreachable that long. PeerDialer's back-off governs our dials instead.
-        cache = getattr(self.node.host.get_network(), "_negative_peer_cache", None)
-        if cache is not None:
-            cache.evict(peer)
+        # Node.connect lifts py-libp2p's 60 s negative dial cache; PeerDialer's back-off
+        # governs these dials instead.
         for addr in addrs:
             try:
                 await self.node.connect(addr)
