@@ -42,6 +42,25 @@ def run_blob(
     return done
 
 
+def blob_here(store: Path, key: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``blob ARGS`` through its ``main`` in this process, exit status and streams captured:
+    for commands that answer before any node starts (usage errors, local reads), where a
+    subprocess would only add an interpreter start."""
+    from click.testing import CliRunner
+
+    from p2p.cli import main
+
+    argv = blob_cmd(store, key, *args)[3:]
+    with CliRunner().isolation(env={"BLOBNET_PASSPHRASE": None}) as (out, err, _):
+        try:
+            main(argv)
+            code: int = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        streams = [out.getvalue().decode(), err.getvalue().decode()]
+    return subprocess.CompletedProcess(argv, code, *streams)
+
+
 def last_json(text: str) -> Any:
     """The JSON document a command printed (the whole output, or its last line)."""
     try:

@@ -1,5 +1,8 @@
 """A new user's mistakes with `blob get` and `blob serve`, each answered at once with one
-line that says what is wrong, and the README's exit code; no warnings, no tracebacks."""
+line that says what is wrong, and the README's exit code; no warnings, no tracebacks.
+
+Nodes, and commands whose answer needs the network, are processes of their own; mistakes
+found before any node starts, and local commands, run in this process (``blob_here``)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from .conftest import Cluster, NodeProcess, blob_cmd, random_file, run_blob
+import pytest
+
+from .conftest import Cluster, NodeProcess, blob_cmd, blob_here, random_file, run_blob
 
 # Half the 30 s of --discovery-timeout that these failures used to wait out; generous
 # for a loaded 2-vCPU machine, where starting a `blob` process alone can take 4 s.
@@ -21,6 +26,13 @@ OTHER_PEER_ID = "12D3KooWD1UBHk5aaWC5rVxrVVWBPVKPHfgxR8RdtDHeSN1zFESg"
 def blob(cluster: Cluster, name: str, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
     start = time.monotonic()
     done = run_blob(cluster.store(name), cluster.key(name), *args, check=False, timeout=60)
+    return done, time.monotonic() - start
+
+
+def here(cluster: Cluster, name: str, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``blob`` as ``blob`` does, in this process: for answers found before any dial."""
+    start = time.monotonic()
+    done = blob_here(cluster.store(name), cluster.key(name), *args)
     return done, time.monotonic() - start
 
 
@@ -39,12 +51,12 @@ def closed_port() -> int:
 
 def test_get_mistakes_fail_fast_in_one_line(cluster: Cluster, tmp_path: Path) -> None:
     random_file(tmp_path / "w.bin", 10_000)
-    cluster.put("a", tmp_path / "w.bin")
+    cluster.put_here("a", tmp_path / "w.bin")
     a = cluster.serve("a")
     host_port = a.addr.split("/p2p/")[0]
 
     # Nowhere to fetch from: a usage error (2), since no network work could succeed.
-    done, took = blob(cluster, "b", "get", UNKNOWN, "--discovery-timeout", "30")
+    done, took = here(cluster, "b", "get", UNKNOWN, "--discovery-timeout", "30")
     assert done.returncode == 2 and took < FAST
     assert "--peer" in one_line(done) and "ticket" in done.stderr
 
@@ -54,16 +66,16 @@ def test_get_mistakes_fail_fast_in_one_line(cluster: Cluster, tmp_path: Path) ->
     assert UNKNOWN in one_line(done)
 
     # A malformed address is a usage error, in plain words.
-    done, _ = blob(cluster, "b", "get", UNKNOWN, "--peer", "/ip4/1.2.3/tcp/4/p2p/xyz")
+    done, _ = here(cluster, "b", "get", UNKNOWN, "--peer", "/ip4/1.2.3/tcp/4/p2p/xyz")
     line = one_line(done)
     assert done.returncode == 2 and "not IPv4" in line and "Protocol(" not in line
-    done, _ = blob(cluster, "b", "get", UNKNOWN, "--peer", host_port)
+    done, _ = here(cluster, "b", "get", UNKNOWN, "--peer", host_port)
     assert done.returncode == 2 and "lacks /p2p/" in one_line(done)
 
     # The output directory is checked before any dial: the unreachable peer is not
     # what gets reported.
     dead = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{OTHER_PEER_ID}"
-    done, _ = blob(cluster, "b", "get", UNKNOWN, "--peer", dead, "-o", "/nonexistent/dir/x")
+    done, _ = here(cluster, "b", "get", UNKNOWN, "--peer", dead, "-o", "/nonexistent/dir/x")
     assert done.returncode == 3 and "/nonexistent/dir does not exist" in one_line(done)
 
     # A live address with another peer's ID says who answered there.
@@ -83,11 +95,9 @@ def test_a_peer_with_our_own_id_is_named_with_the_fix(cluster: Cluster, tmp_path
     """Local processes share the default machine key, hence one peer ID: dialling
     "another" node with our own ID is refused before any network work, suggesting --key."""
     random_file(tmp_path / "w.bin", 10_000)
-    cluster.put("a", tmp_path / "w.bin")
+    cluster.put_here("a", tmp_path / "w.bin")
     a = cluster.serve("a")
-    same_key = run_blob(
-        cluster.store("b"), cluster.key("a"), "get", UNKNOWN, "--peer", a.addr, check=False
-    )
+    same_key = blob_here(cluster.store("b"), cluster.key("a"), "get", UNKNOWN, "--peer", a.addr)
     line = one_line(same_key)
     assert same_key.returncode == 2
     assert "own peer ID" in line and a.peer_id in line and "--key" in line
@@ -98,27 +108,26 @@ def test_a_peer_with_our_own_id_is_named_with_the_fix(cluster: Cluster, tmp_path
 
 
 def test_global_options_after_the_command_and_json_everywhere(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Argument parsing only: ``blob``'s ``main`` in this process."""
     store, key = cluster.store("a"), cluster.key("a")
-    blob_id = cluster.put("a", random_file(tmp_path / "w.bin", 10_000))
-    import sys
-
+    blob_id = cluster.put_here("a", random_file(tmp_path / "w.bin", 10_000))
     # `blob ls --store X --key Y --json`: the global options after the subcommand.
-    done = subprocess.run(
-        [sys.executable, "-m", "p2p.cli", "ls", "--store", str(store), "--key", str(key), "--json"],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
-    assert [row["id"] for row in json.loads(done.stdout)] == [blob_id]
+    from p2p.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["ls", "--store", str(store), "--key", str(key), "--json"])
+    assert exit_info.value.code == 0
+    assert [row["id"] for row in json.loads(capsys.readouterr().out)] == [blob_id]
     addr = f"/ip4/127.0.0.1/tcp/4001/p2p/{OTHER_PEER_ID}"
     # `--json` before the subcommand is the subcommand's --json; `ticket` has one too.
-    before = subprocess.run(
-        [sys.executable, "-m", "p2p.cli", "--json", "ticket", blob_id, "--addr", addr,
-         "--store", str(store)],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
-    after = run_blob(store, key, "ticket", blob_id, "--addr", addr, "--json")
-    assert json.loads(before.stdout) == json.loads(after.stdout)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--json", "ticket", blob_id, "--addr", addr, "--store", str(store)])
+    assert exit_info.value.code == 0
+    before = capsys.readouterr().out
+    after = blob_here(store, key, "ticket", blob_id, "--addr", addr, "--json")
+    assert json.loads(before) == json.loads(after.stdout)
     info = json.loads(after.stdout)
     assert info["id"] == blob_id and info["addrs"] == [addr] and info["ticket"].startswith("blob1")
 
@@ -126,7 +135,7 @@ def test_global_options_after_the_command_and_json_everywhere(
 def test_serve_on_the_wildcard_address_prints_dialable_ones(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    blob_id = cluster.put("a", random_file(tmp_path / "w.bin", 10_000))
+    blob_id = cluster.put_here("a", random_file(tmp_path / "w.bin", 10_000))
     serve = ["serve", "--json", "--no-dht", "--listen", "/ip4/0.0.0.0/tcp/0"]
     (tmp_path / "logs").mkdir()
     a = NodeProcess(
@@ -148,8 +157,8 @@ def test_get_with_a_named_peer_repairs_a_rotten_local_copy(
     from blobstore import Store
 
     original = random_file(tmp_path / "w.bin", 300_000)
-    blob_id = cluster.put("a", original)
-    assert cluster.put("b", original) == blob_id
+    blob_id = cluster.put_here("a", original)
+    assert cluster.put_here("b", original) == blob_id
     path = Store.open(cluster.store("b")).path(blob_id)
     path.chmod(0o600)
     with path.open("r+b") as f:  # bit rot in b's copy
@@ -163,5 +172,5 @@ def test_get_with_a_named_peer_repairs_a_rotten_local_copy(
     assert done.returncode == 0, done.stderr
     assert "corrupt" in done.stderr and "Traceback" not in done.stderr
     assert out.read_bytes() == original.read_bytes()
-    verify, _ = blob(cluster, "b", "verify", blob_id)
+    verify, _ = here(cluster, "b", "verify", blob_id)
     assert verify.returncode == 0, verify.stderr
