@@ -7,6 +7,7 @@ installed at node start); skipped, saying so, until it is in.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from identity import load_or_create_key
 from p2p import cli as blob_cli
 
-from .conftest import Cluster, last_json, random_file, run_blob
+from .conftest import Cluster, blob_cmd, last_json, random_file, run_blob
 
 pytestmark = [
     pytest.mark.slow,
@@ -31,7 +32,7 @@ def test_get_by_name_fetches_the_named_blob_and_verifies_it(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     source = random_file(tmp_path / "adapter.safetensors", 2 * 1024 * 1024 + 3)
-    blob_id = cluster.put("pub", source)
+    blob_id = cluster.put_here("pub", source)  # a local write, in this process
     server = cluster.serve("pub")
     publisher = load_or_create_key(cluster.key("pub")).peer_id
     assert server.peer_id == publisher
@@ -45,14 +46,28 @@ def test_get_by_name_fetches_the_named_blob_and_verifies_it(
     assert last_json(done.stdout)["id"] == blob_id
     ref = f"{publisher}/run-x/adapter"
 
+    # Two readers at once (independent fetches): the named blob, and a name never published.
     out = tmp_path / "fetched.safetensors"
-    result = cluster.get("reader", ref, "--peer", server.addr, "-o", str(out))
-    assert result["id"] == blob_id
+    reading = [
+        subprocess.Popen(
+            blob_cmd(cluster.store(reader), cluster.key(reader), "get", ref, "--peer", server.addr,
+                     *extra),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for reader, ref, extra in (
+            ("reader", ref, ("-o", str(out), "--json")),
+            ("reader2", f"{publisher}/nothing", ()),
+        )
+    ]  # fmt: skip
+    try:
+        (got, err), (_, missing) = (proc.communicate(timeout=180) for proc in reading)
+    finally:
+        for proc in reading:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+    assert reading[0].returncode == 0, err
+    assert last_json(got)["id"] == blob_id
     assert out.read_bytes() == source.read_bytes()
-
-    missing = run_blob(
-        cluster.store("reader"), cluster.key("reader"), "get", f"{publisher}/nothing",
-        "--peer", server.addr, check=False,
-    )  # fmt: skip
-    assert missing.returncode == 3, missing.stderr
-    assert "no valid record" in missing.stderr
+    assert reading[1].returncode == 3, missing
+    assert "no valid record" in missing
