@@ -111,7 +111,7 @@ def test_ctrl_c_at_many_points_of_a_real_fetch(cluster: Cluster, tmp_path: Path)
     keep the test short): every one exits 130 with one line (or 0 if it finished first),
     and an interrupted fetch resumes to the very blob that was put in."""
     source = random_file(tmp_path / "ckpt.bin", 64 * MiB)
-    blob_id = cluster.put("a", source)
+    blob_id = cluster.put_here("a", source)  # a local write, in this process
     a = cluster.serve("a")
     key = cluster.key("b")
     delays = (0.0, 0.01, 0.03, 0.06, 0.1, 0.15)

@@ -37,23 +37,29 @@ RESOLVE_GOAL_S = 2.0
 class Driver:
     """One node process (tests/p2p/names_driver.py) answering JSON commands."""
 
-    def __init__(self, root: Path, name: str, *bootstrap: str) -> None:
+    def __init__(self, root: Path, name: str, *bootstrap: str, wait: bool = True) -> None:
         self.name = name
         self.store = root / f"{name}-store"
         self.key = root / f"{name}.key"
         self.log = root / f"{name}.log"
         self.bootstrap = bootstrap
-        self._start()
+        self._start(wait)
 
-    def _start(self) -> None:
+    def _start(self, wait: bool = True) -> None:
         cmd = [sys.executable, str(DRIVER), str(self.store), str(self.key), *self.bootstrap]
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
             )
+        if wait:
+            self.ready()
+
+    def ready(self) -> Driver:
+        """Read the ready line (``wait=False`` lets several nodes start together)."""
         info = self._read(READY_TIMEOUT)
         self.peer_id: str = info["peer_id"]
         self.addr: str = info["addrs"][0]
+        return self
 
     def _read(self, timeout: float) -> Any:
         assert self.proc.stdout is not None
@@ -113,10 +119,13 @@ def test_a_name_spreads_resolves_refuses_forgeries_and_outlives_a_restart(
 ) -> None:
     boot = Driver(tmp_path, "boot")
     nodes.append(boot)
-    publisher = Driver(tmp_path, "publisher", boot.addr)
+    # Publisher and reader both bootstrap to the boot node; they start together.
+    publisher = Driver(tmp_path, "publisher", boot.addr, wait=False)
     nodes.append(publisher)
-    reader = Driver(tmp_path, "reader", boot.addr)
+    reader = Driver(tmp_path, "reader", boot.addr, wait=False)
     nodes.append(reader)
+    for node in (publisher, reader):
+        node.ready()
     name = f"{publisher.peer_id}/run-x/adapter"
 
     data_v1, data_v2 = b"adapter v1 " * 50_000, b"adapter v2 " * 60_000
