@@ -655,6 +655,7 @@ def get(
             key_path = _key_path(ctx)
             key = _load_key(key_path)
             from p2p.dial import check_not_self
+            from p2p.scheduler import SchedulerConfig
 
             check_not_self([*named, *bootstrap], key.peer_id, key_path)
             config = _node_config(
@@ -666,6 +667,10 @@ def get(
                 relayed_fetch=via_relay,
                 certificate=certificate,
                 punch_timeout=punch_timeout,
+                # A one-shot get's node ends with its fetch: while fellows still ask it
+                # for chunks it stays a little (p2p.swarm rule 5), so the tail of the
+                # swarm is not left to the seeder alone.
+                scheduler=SchedulerConfig(linger_while_asked=not no_upload),
             )
             bar = ProgressBar(enabled=not no_progress and not as_json and sys.stderr.isatty())
             seed = None if seed_for is None else Seeding(seed_for, bar, finish)
