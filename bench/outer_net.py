@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/outer_net.py --workers 3 --rounds 5 [--replay-rate 0.25]
     .venv/bin/python bench/outer_net.py --wan-runs 1 --rounds 6 --deadline 8   (root)
+    .venv/bin/python bench/outer_net.py --nat-runs 3 [--nat symmetric] [--via-relay]  (root)
 
 Runs ``blob outer run``'s K worker processes on 127.0.0.1 and reads what each worker's TCP
 sockets moved per round (``training.outer_wire``: announcements, closures, attestations,
@@ -14,7 +15,10 @@ measures the loop itself. Byte counts do not depend on the machine's speed; whic
 a slow worker misses (and so what it fetches) can.
 
 ``--wan-runs N`` runs issue 17's churn on the WAN testbed instead (``bench/wan``'s
-three-continent preset, two workers per host; see :func:`wan_churn`).
+three-continent preset, two workers per host; see :func:`wan_churn`). ``--nat-runs N``
+runs ``bench.wan.outer_nat``'s three workers (two behind NATs of kind ``--nat``, with a
+relay) N times and prints whether all agreed, whether home and cafe punched, and what
+crossed the relay (issue 20 item 5).
 """
 
 from __future__ import annotations
@@ -143,6 +147,52 @@ def wan_churn(args: argparse.Namespace) -> dict[str, Any]:
     return {"params": params.__dict__, "runs": runs, "roots_agree": forks == 0 and bad == 0}
 
 
+def nat_runs(args: argparse.Namespace) -> dict[str, Any]:
+    """``--nat-runs``: see the module docstring; a run counts as good when all three
+    workers exit 0 on one final root with every update included."""
+    import tempfile
+
+    from bench.wan.outer_nat import run_outer_nat
+    from bench.wan.testbed import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"WAN testbed unavailable: {reason}")
+        return {"skipped": reason}
+    runs = []
+    extra = ("--via-relay",) if args.via_relay else ()
+    for n in range(args.nat_runs):
+        with tempfile.TemporaryDirectory(prefix="blob-outer-nat-") as tmp:
+            run = run_outer_nat(Path(tmp), nat=args.nat, worker_extra=extra)
+        results = list(run.results.values())
+        included = {x["peer"] for r in results for rec in r["rounds"] for x in rec["included"]}
+        good = (
+            len(results) == 3
+            and len({r["final_root"] for r in results}) == 1
+            and set(run.peers.values()) <= included
+        )
+        row: dict[str, Any] = {
+            "good": good,
+            "exits": run.exits,
+            "seconds": round(run.seconds, 1),
+            "relayed_bytes": run.relayed_bytes,
+            "relay_host_sent": run.sent.get("relay"),
+            "direct_flows": run.direct_flows,
+            "update_bytes": min(
+                (rec["update_bytes"] for r in results for rec in r["rounds"]), default=0
+            ),
+        }
+        runs.append(row)
+        print(f"NAT run {n + 1}/{args.nat_runs} ({args.nat}): {row}", flush=True)
+    goods = sum(bool(r["good"]) for r in runs)
+    punched = sum(int(r["direct_flows"]) > 0 for r in runs)
+    print(
+        f"{len(runs)} runs behind {args.nat} NATs: {goods} good, {punched} punched, relay "
+        f"carried {[r['relayed_bytes'] for r in runs]} B"
+    )
+    return {"nat": args.nat, "runs": runs, "roots_agree": goods == len(runs)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=3)
@@ -157,8 +207,19 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="Instead: this many churn runs of 6 workers on the three-continent testbed.",
     )
+    parser.add_argument(
+        "--nat-runs",
+        type=int,
+        default=0,
+        help="Instead: this many 3-worker runs, two workers behind NATs with a relay.",
+    )
+    parser.add_argument("--nat", choices=("eim", "symmetric"), default="eim")
+    parser.add_argument(
+        "--via-relay", action="store_true", help="--nat-runs: NATed workers get --via-relay."
+    )
     args = parser.parse_args(argv)
-    out = wan_churn(args) if args.wan_runs else measure(args)
+    run = nat_runs if args.nat_runs else wan_churn if args.wan_runs else measure
+    out = run(args)
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     return 0 if out["roots_agree"] else 1
