@@ -22,7 +22,9 @@ The nodes (``serve``) and the commands that fetch and train (``train run``, ``tr
 replay``) are processes of their own; the local commands that make keys, certificates and
 inputs and that check evidence read and write only files and stores, so they run in this
 process (each subprocess would pay another interpreter start, and ``init-model`` and
-``kernel-class`` another torch import, for the same files).
+``kernel-class`` another torch import, for the same files). The three training processes
+start first and import torch, transformers and peft while the inputs are made; each then
+reads its command line from stdin and runs it through ``blob``'s ``main`` (``Warm``).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def _env() -> dict[str, str]:
 
 
 class Machine:
-    """One machine's store and key; its ``blob`` commands run as subprocesses."""
+    """One machine's store and key; its ``blob`` command lines."""
 
     def __init__(self, root: Path, name: str) -> None:
         self.name = name
@@ -75,14 +77,6 @@ class Machine:
             sys.executable, "-m", "p2p.cli", "--store", str(self.store), "--key", str(self.key),
             *args,
         ]  # fmt: skip
-
-    def start(self, *args: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            self.cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
-        )
-
-    def run(self, *args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
-        return finish(self.start(*args), args, code)
 
     def here(self, *args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
         """``blob ARGS`` in this process (for commands that only touch files and stores)."""
@@ -104,6 +98,44 @@ def blob_here(argv: list[str], code: int = 0) -> subprocess.CompletedProcess[str
         streams = [out.getvalue().decode(), err.getvalue().decode()]
     assert got == code, f"blob {' '.join(argv)} exited {got}, expected {code}:\n{streams}"
     return subprocess.CompletedProcess(argv, got, *streams)
+
+
+# A training command's process, started before its command line is known: it pays the
+# imports every training command pays (seconds each on a loaded machine) while the test
+# prepares, then runs the one `blob` command line it reads from stdin, as `blob` would.
+_WARM = (
+    "import json, sys\n"
+    "import training.cli, training.round, training.trainer  # torch, transformers, peft\n"
+    "from transformers import AutoModelForCausalLM  # noqa: F401 (loaded lazily otherwise)\n"
+    "from p2p.cli import main\n"
+    "main(json.loads(sys.stdin.readline()))\n"
+)
+
+
+class Warm:
+    """One machine's training process, importing; ``go`` gives it its command line."""
+
+    def __init__(self, machine: Machine) -> None:
+        self.machine = machine
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _WARM],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+
+    def go(self, *args: str) -> subprocess.Popen[str]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(self.machine.cmd(*args)[3:]) + "\n")
+        self.proc.stdin.flush()
+        return self.proc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate(timeout=10)
 
 
 def finish(
@@ -181,6 +213,16 @@ def servers() -> Iterator[list[Server]]:
             server.stop()
 
 
+@pytest.fixture
+def warm() -> Iterator[list[Warm]]:
+    started: list[Warm] = []
+    try:
+        yield started
+    finally:
+        for process in started:
+            process.kill()
+
+
 def complete(store: Store, blob_id: str) -> bool:
     """``blob_id`` and, for a collection, every child is complete in ``store``."""
     if not store.has(blob_id):
@@ -205,8 +247,9 @@ def swapped_adapter(store: Store, adapter_id: str, workdir: Path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
+def test_round_over_real_nodes(tmp_path: Path, servers: list[Server], warm: list[Warm]) -> None:
     a, b, c, d = (Machine(tmp_path, n) for n in ("a", "b", "c", "d"))
+    warm.extend(Warm(m) for m in (b, c, d))  # B's round, C's and D's replays
     authority_key = tmp_path / "authority.key"
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(CORPUS)
@@ -247,22 +290,18 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
 
     store_a = Store.open(a.store)
     assert complete(store_a, base) and complete(store_a, records)
-    # A serves its inputs; B's node serves from B's still empty store what B's round will
-    # publish there (a node answers from its store as it is at each request).
-    starting = [Server(a, wait=False), Server(b, wait=False)]
-    servers.extend(starting)
-    node_a, node_b = (server.ready() for server in starting)
+    node_a = Server(a)
+    servers.append(node_a)
 
     # 3. B runs the round with nothing local: base and records come from A over TCP.
     store_b = Store.open(b.store)
     assert not store_b.has(base) and not store_b.has(records)
-    run = as_json(
-        b.run(
-            "train", "run", "--base", base, "--records", records, "--recipe", str(recipe),
-            "--seed", "7", "--device", "cpu", "--peer", node_a.addr,
-            "--cert", str(certs["b"]), "--json", "-q",
-        )
+    run_args = (
+        "train", "run", "--base", base, "--records", records, "--recipe", str(recipe),
+        "--seed", "7", "--device", "cpu", "--peer", node_a.addr,
+        "--cert", str(certs["b"]), "--json", "-q",
     )  # fmt: skip
+    run = as_json(finish(warm[0].go(*run_args), run_args))
     round_id, commitment = run["round"], run["commitment"]
     digest, adapter = commitment["digest"], commitment["adapter"]
     assert commitment["kernel_class_id"] == kc
@@ -270,6 +309,8 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
     assert len(commitment["step_log"]) == 2
     assert complete(store_b, base) and complete(store_b, records)
     assert store_b.has(round_id) and complete(store_b, adapter)
+    node_b = Server(b)
+    servers.append(node_b)
 
     # 4. B, now dishonest, re-publishes the round pointing at another adapter and signs
     # the forged commitment with its own admitted key (step 6 checks what comes of it).
@@ -301,7 +342,7 @@ def test_round_over_real_nodes(tmp_path: Path, servers: list[Server]) -> None:
         "train", "replay", forged_id, "--peer", node_b.addr, "--peer", node_a.addr,
         "--cert", str(certs["d"]), "-q",
     )  # fmt: skip
-    replaying = c.start(*replay_args), d.start(*forged_args)
+    replaying = warm[1].go(*replay_args), warm[2].go(*forged_args)
     try:
         replay = as_json(finish(replaying[0], replay_args))
         mismatch = finish(replaying[1], forged_args, code=1)
