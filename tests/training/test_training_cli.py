@@ -4,7 +4,9 @@ third replays it and attests, and the evidence check accepts two operators.
 The commands that train run in processes of their own; the local ones that only read and
 write files and stores (``resolve``, ``check``, ``records``, ``recipe``, and a refusal
 found before anything is loaded) run in this process through ``blob``'s ``main``: a
-subprocess would pay another interpreter start for the same answer."""
+subprocess would pay another interpreter start for the same answer. The training
+processes start before their command lines are known, importing torch, transformers and
+peft while the inputs are made, then run the command line they read (``_WARM``)."""
 
 from __future__ import annotations
 
@@ -36,12 +38,33 @@ def _blob(store: Path, key: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "p2p.cli", "--store", str(store), "--key", str(key), *args]
 
 
-def _run(store: Path, key: Path, *args: str, code: int = 0) -> str:
-    proc = subprocess.run(
-        _blob(store, key, *args), capture_output=True, text=True, env=_env(), timeout=TIMEOUT
+# A training command's process, started before its command line is known: it pays the
+# imports every training command pays (seconds each on a loaded machine) while the test
+# prepares, then runs the one `blob` command line it reads from stdin, as `blob` would.
+_WARM = (
+    "import json, sys\n"
+    "import training.cli, training.round, training.trainer  # torch, transformers, peft\n"
+    "from transformers import AutoModelForCausalLM  # noqa: F401 (loaded lazily otherwise)\n"
+    "from p2p.cli import main\n"
+    "main(json.loads(sys.stdin.readline()))\n"
+)
+
+
+def _warm() -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _WARM],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
     )
-    assert proc.returncode == code, proc.stderr[-2000:]
-    return proc.stdout
+
+
+def _go(proc: subprocess.Popen[str], store: Path, key: Path, *args: str) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(_blob(store, key, *args)[3:]) + "\n")
+    proc.stdin.flush()
 
 
 def _here(store: Path, key: Path, *args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
@@ -80,6 +103,20 @@ def test_no_cuda_and_no_device_cpu_refuses(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # three processes that each import torch + peft (5-20 s)
 def test_two_processes_same_digest_replay_and_check(tmp_path: Path) -> None:
+    # The two runs and the replay start first: their imports overlap the inputs' making.
+    procs = [_warm() for _ in range(3)]
+    try:
+        _two_processes_same_digest_replay_and_check(tmp_path, procs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+
+
+def _two_processes_same_digest_replay_and_check(
+    tmp_path: Path, warm: list[subprocess.Popen[str]]
+) -> None:
     from training import determinism, kernel_class
     from training.model import make_tiny_llama, save_base_model
 
@@ -133,16 +170,9 @@ def test_two_processes_same_digest_replay_and_check(tmp_path: Path) -> None:
         "--publish",
         "run-x/adapter",
     ]
-    procs = [
-        subprocess.Popen(
-            _blob(store, alice_key, *run_args),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(),
-        )
-        for store in (store_a, store_b)
-    ]
+    procs = warm[:2]
+    for proc, store in zip(procs, (store_a, store_b), strict=True):
+        _go(proc, store, alice_key, *run_args)
     outs = [p.communicate(timeout=TIMEOUT) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     results = [json.loads(out) for out, _ in outs]
@@ -157,19 +187,10 @@ def test_two_processes_same_digest_replay_and_check(tmp_path: Path) -> None:
     assert json.loads(_here(store_a, alice_key, "resolve", ref, "--json").stdout)["id"] == adapter
 
     attestation = tmp_path / "bob.att"
-    out = _run(
-        store_a,
-        bob_key,
-        "train",
-        "replay",
-        round_id,
-        "--cert",
-        str(tmp_path / "bob.cert"),
-        "-o",
-        str(attestation),
-        "--json",
-        "-q",
-    )
+    replay = ("train", "replay", round_id, "--cert", str(tmp_path / "bob.cert"))
+    _go(warm[2], store_a, bob_key, *replay, "-o", str(attestation), "--json", "-q")
+    out, err = warm[2].communicate(timeout=TIMEOUT)
+    assert warm[2].returncode == 0, err[-2000:]
     assert json.loads(out)["digest"] in digests
 
     pub = format_public_key(authority.public_key_bytes)
