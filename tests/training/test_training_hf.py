@@ -1,8 +1,9 @@
 """Real architectures: a LoRA round on a GPT-2-style and on a Llama-style Hugging Face
 model directory (sharded safetensors, a tokenizer.json trained here, records tokenised by
 it), each built locally from a config and a fixed seed. The round runs here, another
-process replays it to the same digest through the ``blob`` CLI, and the evidence check
-accepts it only with that replay's attestation."""
+process (started with the module, importing while the rounds are made) replays it to the
+same digest through the ``blob`` CLI, and the evidence check accepts it only with that
+replay's attestation."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -63,13 +65,34 @@ class World:
     bob_key: Path
     bob_cert: AdmissionCertificate
     archs: dict[str, Arch]
+    replayer: subprocess.Popen[str]  # another process, to replay both rounds
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    tmp = tmp_path_factory.mktemp("hf")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env.pop("BLOBNET_PASSPHRASE", None)
+    paths = [tmp / "store", tmp / "bob.key", tmp / "bob.cert", tmp / "bob.att"]
+    replayer = subprocess.Popen(
+        [sys.executable, "-c", _REPLAY, *map(str, paths)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        yield _world(tmp, replayer)
+    finally:
+        if replayer.poll() is None:
+            replayer.kill()
+            replayer.communicate(timeout=10)
+
+
+def _world(tmp: Path, replayer: subprocess.Popen[str]) -> World:
     from training.cli import train_group
 
-    tmp = tmp_path_factory.mktemp("hf")
     store = Store.open(tmp / "store")
     determinism.enter("cpu", threads=1)
     kc = kernel_class.detect("cpu").id
@@ -110,14 +133,18 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
         )
         archs[arch] = Arch(base, records, recipe, result)
     trust = TrustStore(frozenset({authority.public_key_bytes}))
-    return World(tmp, store, authority, trust, keys["bob"], certs["bob"], archs)
+    return World(tmp, store, authority, trust, keys["bob"], certs["bob"], archs, replayer)
 
 
+# Started with the module's fixture, so that its imports overlap the rounds being made
+# here; the round IDs come on stdin, one line.
 _REPLAY = """
 import sys
+import training.cli, training.round, training.trainer  # torch, transformers, peft
+from transformers import AutoModelForCausalLM  # loaded lazily otherwise
 from p2p.cli import main
 store, key, cert, out = sys.argv[1:5]
-for i, round_id in enumerate(sys.argv[5:]):
+for i, round_id in enumerate(sys.stdin.readline().split()):
     try:
         main(["--store", store, "--key", key, "train", "replay", round_id, "--cert", cert,
               "-o", f"{out}.{i}", "--json", "-q"])
@@ -132,21 +159,15 @@ def test_gpt2_and_llama_rounds_replay_elsewhere_and_pass_only_with_the_replay(
     world: World,
 ) -> None:
     cert = world.tmp / "bob.cert"
-    cert.write_bytes(world.bob_cert.encode())
-    out = world.tmp / "bob.att"
+    cert.write_bytes(world.bob_cert.encode())  # where the replayer was told to read it
     rounds = [world.archs[a].result.round_id for a in ("gpt2", "llama")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    env.pop("BLOBNET_PASSPHRASE", None)
-    args = [str(world.tmp / "store"), str(world.bob_key), str(cert), str(out), *rounds]
-    proc = subprocess.run(
-        [sys.executable, "-c", _REPLAY, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=TIMEOUT,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    replies = [json.loads(part) for part in proc.stdout.replace("}\n{", "}\x00{").split("\x00")]
+    proc = world.replayer
+    assert proc.stdin is not None
+    proc.stdin.write(" ".join(rounds) + "\n")
+    proc.stdin.flush()
+    stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, stderr[-3000:]
+    replies = [json.loads(part) for part in stdout.replace("}\n{", "}\x00{").split("\x00")]
     for i, arch in enumerate(("gpt2", "llama")):
         result = world.archs[arch].result
         assert replies[i]["identical"] is True
