@@ -797,7 +797,7 @@ class Node:
         discovery timeout."""
         async with send:
             for peer in self.connected_peers()[:MAX_CONNECTED_CANDIDATES]:
-                if peer not in seen:
+                if peer not in seen and self._may_fetch_from(peer):
                     seen.add(peer)
                     await send.send(peer)
             if self.dht is None:
@@ -815,11 +815,22 @@ class Node:
                                 punched.add(peer)
                                 seen.add(peer)
                                 punching.start_soon(self._punch_into, circuits, send.clone())
-                            elif peer not in seen:
+                            elif peer not in seen and self._may_fetch_from(peer):
                                 seen.add(peer)
                                 await send.send(peer)
                         await trio.sleep(pause)
                         pause = min(pause * 2, 4.0)
+
+    def _may_fetch_from(self, peer: str) -> bool:
+        """Whether a provider candidate may be asked for blobs now: not while the only
+        connection to it runs through a relay (a punch still in flight keeps it open),
+        unless ``relayed_fetch``; else the blob would cross the relay. Once the punch
+        lands, a later discovery pass (or a retry) offers the peer again."""
+        if self.config.relayed_fetch or peer not in self.connected_peers():
+            return True
+        from p2p.relay import direct_connection
+
+        return direct_connection(self.host, ID.from_base58(peer)) is not None
 
     def _circuit_addrs(self, peer: str) -> list[str]:
         """Circuit addresses a provider (found on the DHT) is known by, if we are not
