@@ -384,6 +384,9 @@ def _net(args: argparse.Namespace) -> dict[str, Any]:
         inner_steps=args.inner_steps,
         deadline=args.deadline,
         proposer_timeout=1.0,
+        # Replays fetch a worker's inner state (1.5 MB on the tiny model): counted here
+        # they would hide what the round itself costs on the wire.
+        replay_rate=0.0,
     )
     with default_workdir() as tmp:
         summary = summarise(run_local(prepare_run(Path(tmp), params), timeout=1200))

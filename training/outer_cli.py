@@ -166,7 +166,9 @@ def _run_options(f: Any) -> Any:
         click.option("--seq-len", type=click.IntRange(2, 512), default=64, show_default=True),
         click.option("--inner-lr", type=float, default=2e-3, show_default=True),
         click.option("--chunk", type=int, default=4096, show_default=True),
-        click.option("--k", "k", type=int, default=48, show_default=True),
+        click.option(  # RunParams.k (not imported here: that module loads the node)
+            "--k", "k", type=int, default=80, show_default=True, help="Values kept per chunk."
+        ),
         click.option(
             "--model-size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True
         ),

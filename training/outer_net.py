@@ -100,7 +100,9 @@ class RunParams:
     seq_len: int = 64
     inner_lr: float = 2e-3
     chunk: int = 4096
-    k: int = 48
+    # 80 of 4096 values kept per chunk: what bench/outer.py tuned (157x fewer bytes than a
+    # dense float32 update; bench/figures/outer-issue-18-grid.md).
+    k: int = 80
     model_size: str = "tiny"
     shard_sequences: int = 512
     # Share of each round's updates that another worker replays (training.outer_replay):
