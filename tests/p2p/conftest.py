@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from tests.blob_cli import blob_here as run_here
+
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # helper modules beside this file import by name
     sys.path.insert(0, str(HERE))
@@ -46,19 +48,7 @@ def blob_here(store: Path, key: Path, *args: str) -> subprocess.CompletedProcess
     """``blob ARGS`` through its ``main`` in this process, exit status and streams captured:
     for commands that answer before any node starts (usage errors, local reads), where a
     subprocess would only add an interpreter start."""
-    from click.testing import CliRunner
-
-    from p2p.cli import main
-
-    argv = blob_cmd(store, key, *args)[3:]
-    with CliRunner().isolation(env={"BLOBNET_PASSPHRASE": None}) as (out, err, _):
-        try:
-            main(argv)
-            code: int = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        streams = [out.getvalue().decode(), err.getvalue().decode()]
-    return subprocess.CompletedProcess(argv, code, *streams)
+    return run_here(blob_cmd(store, key, *args)[3:])
 
 
 def last_json(text: str) -> Any:

@@ -21,6 +21,7 @@ import pytest
 
 from blobstore import Store
 from identity import Authority, MachineKey, SoftwareSigner, create_key_file, format_public_key
+from tests.blob_cli import blob_here, go, start_warm
 from training.recipe import Recipe
 from training.records import decode_records, make_records
 
@@ -38,51 +39,17 @@ def _blob(store: Path, key: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "p2p.cli", "--store", str(store), "--key", str(key), *args]
 
 
-# A training command's process, started before its command line is known: it pays the
-# imports every training command pays (seconds each on a loaded machine) while the test
-# prepares, then runs the one `blob` command line it reads from stdin, as `blob` would.
-_WARM = (
-    "import json, sys\n"
-    "import training.cli, training.round, training.trainer  # torch, transformers, peft\n"
-    "from transformers import AutoModelForCausalLM  # noqa: F401 (loaded lazily otherwise)\n"
-    "from p2p.cli import main\n"
-    "main(json.loads(sys.stdin.readline()))\n"
-)
-
-
 def _warm() -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", _WARM],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
+    return start_warm(_env())
 
 
 def _go(proc: subprocess.Popen[str], store: Path, key: Path, *args: str) -> None:
-    assert proc.stdin is not None
-    proc.stdin.write(json.dumps(_blob(store, key, *args)[3:]) + "\n")
-    proc.stdin.flush()
+    go(proc, _blob(store, key, *args)[3:])
 
 
 def _here(store: Path, key: Path, *args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
-    """``blob ARGS`` through its ``main`` in this process, exit status and streams captured."""
-    from click.testing import CliRunner
-
-    from p2p.cli import main
-
-    argv = _blob(store, key, *args)[3:]
-    with CliRunner().isolation(env={"BLOBNET_PASSPHRASE": None}) as (out, err, _):
-        try:
-            main(argv)
-            got: int = 0
-        except SystemExit as exc:
-            got = exc.code if isinstance(exc.code, int) else 1
-        streams = [out.getvalue().decode(), err.getvalue().decode()]
-    assert got == code, f"blob {' '.join(args)} exited {got}, expected {code}:\n{streams}"
-    return subprocess.CompletedProcess(argv, got, *streams)
+    """``blob ARGS`` through its ``main`` in this process, exit status asserted."""
+    return blob_here(_blob(store, key, *args)[3:], code)
 
 
 def test_no_cuda_and_no_device_cpu_refuses(tmp_path: Path) -> None:

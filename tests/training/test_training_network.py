@@ -45,6 +45,7 @@ import pytest
 
 from blobstore import Store
 from identity import AdmissionCertificate, SoftwareSigner, load_key_file, sign_attestation
+from tests.blob_cli import blob_here, go, start_warm
 from training.commitment import ROUND_KIND, RoundRecord
 
 # Each command that trains imports torch + transformers + peft: 5-20 s on a loaded machine.
@@ -83,53 +84,15 @@ class Machine:
         return blob_here(self.cmd(*args)[3:], code)
 
 
-def blob_here(argv: list[str], code: int = 0) -> subprocess.CompletedProcess[str]:
-    """``blob`` through its ``main`` in this process, exit status and streams captured."""
-    from click.testing import CliRunner
-
-    from p2p.cli import main
-
-    with CliRunner().isolation(env={"BLOBNET_PASSPHRASE": None}) as (out, err, _):
-        try:
-            main(argv)
-            got: int = 0
-        except SystemExit as exc:
-            got = exc.code if isinstance(exc.code, int) else 1
-        streams = [out.getvalue().decode(), err.getvalue().decode()]
-    assert got == code, f"blob {' '.join(argv)} exited {got}, expected {code}:\n{streams}"
-    return subprocess.CompletedProcess(argv, got, *streams)
-
-
-# A training command's process, started before its command line is known: it pays the
-# imports every training command pays (seconds each on a loaded machine) while the test
-# prepares, then runs the one `blob` command line it reads from stdin, as `blob` would.
-_WARM = (
-    "import json, sys\n"
-    "import training.cli, training.round, training.trainer  # torch, transformers, peft\n"
-    "from transformers import AutoModelForCausalLM  # noqa: F401 (loaded lazily otherwise)\n"
-    "from p2p.cli import main\n"
-    "main(json.loads(sys.stdin.readline()))\n"
-)
-
-
 class Warm:
     """One machine's training process, importing; ``go`` gives it its command line."""
 
     def __init__(self, machine: Machine) -> None:
         self.machine = machine
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WARM],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(),
-        )
+        self.proc = start_warm(_env())
 
     def go(self, *args: str) -> subprocess.Popen[str]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(self.machine.cmd(*args)[3:]) + "\n")
-        self.proc.stdin.flush()
+        go(self.proc, self.machine.cmd(*args)[3:])
         return self.proc
 
     def kill(self) -> None:
