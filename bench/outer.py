@@ -16,16 +16,19 @@ round) and a JSON of the figures under bench/results/ and prints both paths.
     .venv/bin/python bench/outer.py            # the full comparison (a few minutes)
     .venv/bin/python bench/outer.py --quick    # a smoke run
 
-Issue 18's honest comparison: ``--grid`` tunes dense DiLoCo and SparseLoCo on the same grid
-of outer learning rates and momenta (plain averaging, lr 1 / momentum 0, included) and the
-same budget, at the setting given and at ``--settings`` others, and prints the grid and the
-best of each, with the whole grid as a markdown table (``--jobs N`` runs N grid points at
-once, each a single-threaded process; a run whose held-out loss goes above its start is
-stopped and shown as diverged, the same rule for both methods). Its goal: SparseLoCo within
-3% of the best dense DiLoCo at >= 146x fewer bytes than dense fp32, at two settings:
+Issue 18's honest comparison: ``--grid`` tunes dense DiLoCo and SparseLoCo on grids of the
+same size, data and steps: the same outer learning rates, times each method's own second
+axis (dense DiLoCo: Nesterov outer momentum 0 / 0.9, so plain averaging, lr 1 / momentum 0,
+is in it; SparseLoCo: error-feedback decay 1 / 0.9, its paper's stand-in for momentum;
+``--second-axis momentum`` gives both the momentum axis, the first grid), at the setting
+given and at ``--settings`` others, and prints the grid and the best of each, with the
+whole grid as a markdown table naming both axes (``--jobs N`` runs N grid points at once,
+each a single-threaded process; a run whose held-out loss goes above its start is stopped
+and shown as diverged, the same rule for both methods). Its goal: SparseLoCo within 3% of
+the best dense DiLoCo at >= 146x fewer bytes than dense fp32, at two settings:
 
-    .venv/bin/python bench/outer.py --grid --rounds 40 --jobs 2
-    .venv/bin/python bench/outer.py --grid --rounds 30 --inner-steps 20 --jobs 2
+    .venv/bin/python bench/outer.py --grid --rounds 30 --inner-steps 50 --jobs 2
+    .venv/bin/python bench/outer.py --grid --rounds 50 --inner-steps 20 --jobs 2
 
 ``--byzantine`` runs the setting given with one more worker that sends, in turn, a huge
 update, garbage at the clip norm, the negated honest sum at the clip norm, a copy of an
@@ -120,6 +123,40 @@ def _plot(results: dict[str, SimResult], path: Path) -> None:
 GRID_LR = (0.7, 1.0, 2.0, 3.0)
 GRID_MOMENTUM = (0.0, 0.9)
 
+# The grid's second axis, one per method, each with the method's own momentum-like knob and
+# the same number of values (so both get the same runs of the same data and steps): dense
+# DiLoCo's Nesterov outer momentum, and SparseLoCo's error-feedback decay, the accumulator
+# its paper uses in place of an outer momentum (Nesterov on top of it diverged or was far
+# behind at lr >= 1 in every setting of --second-axis momentum). Decay 1 is the bench's
+# default; 0.9 was chosen after it helped at 50 inner steps (bench/figures/outer-issue-18-
+# grid.md says so). ``--second-axis momentum`` gives the old grid: momentum for both.
+OWN_AXES: dict[str, tuple[str, tuple[float, ...]]] = {
+    "diloco": ("outer_momentum", GRID_MOMENTUM),
+    "sparseloco": ("ef_decay", (1.0, 0.9)),
+}
+SHARED_AXES: dict[str, tuple[str, tuple[float, ...]]] = {
+    "diloco": ("outer_momentum", GRID_MOMENTUM),
+    "sparseloco": ("outer_momentum", GRID_MOMENTUM),
+}
+AXIS_LABEL = {"outer_momentum": "mu", "ef_decay": "decay"}
+AXIS_NAME = {"outer_momentum": "Nesterov momentum", "ef_decay": "error-feedback decay"}
+
+
+def grid_axes(second_axis: str) -> dict[str, tuple[str, tuple[float, ...]]]:
+    """Each method's second grid axis: its own knob ("own") or momentum for both."""
+    axes = {"own": OWN_AXES, "momentum": SHARED_AXES}[second_axis]
+    sizes = {len(values) for _, values in axes.values()}
+    assert len(sizes) == 1, "both methods get the same number of grid points"
+    return axes
+
+
+def grid_point(mode: str, lr: float, axis: str, value: float) -> dict[str, float]:
+    """The outer hyper-parameters of one grid point: the axis not tuned stays at the
+    method's untuned value (no outer momentum, error-feedback decay 1)."""
+    point = {"outer_lr": lr, "outer_momentum": 0.0, "ef_decay": 1.0}
+    point[axis] = value
+    return point
+
 
 def vars_of_base(args: argparse.Namespace) -> dict[str, int]:
     return {"workers": args.workers, "inner_steps": args.inner_steps, "rounds": args.rounds}
@@ -153,15 +190,34 @@ def _grid_run(config: SimConfig) -> dict[str, Any]:
     }
 
 
-def _grid(args: argparse.Namespace) -> dict[str, Any]:
-    """Both methods on the same grid and budget, at each setting; the best of each."""
+def _grid_map(jobs: int, configs: list[SimConfig]) -> Any:
+    """The grid's runs, in order: one at a time in this process, or ``jobs`` at once."""
+    if jobs <= 1:
+        yield from map(_grid_run, configs)
+        return
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
+    # Spawned workers: each is one single-threaded torch process (no fork after torch).
+    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+        yield from pool.map(_grid_run, configs)
+
+
+def _grid(args: argparse.Namespace) -> dict[str, Any]:
+    """Both methods on grids of the same size and budget, at each setting; the best of each."""
+    axes = grid_axes(args.second_axis)
     settings: list[dict[str, Any]] = [{}]
     for spec in filter(None, (args.settings or "").split(";")):
         settings.append({k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))})
-    out: dict[str, Any] = {"grid": {"outer_lr": GRID_LR, "outer_momentum": GRID_MOMENTUM}}
+    out: dict[str, Any] = {
+        "grid": {
+            "outer_lr": GRID_LR,
+            "second_axis": {
+                mode: {"name": axis, "values": values} for mode, (axis, values) in axes.items()
+            },
+            "points_per_method": len(GRID_LR) * len(next(iter(axes.values()))[1]),
+        }
+    }
     points = []
     for extra in settings:
         base = {
@@ -174,48 +230,64 @@ def _grid(args: argparse.Namespace) -> dict[str, Any]:
             "threads": 1,
             **extra,
         }
-        for mode in ("diloco", "sparseloco"):
+        for mode, (axis, values) in axes.items():
             for lr in GRID_LR:
-                for mu in GRID_MOMENTUM:
-                    points.append((extra, base, mode, lr, mu))
+                for value in values:
+                    points.append((extra, base, mode, grid_point(mode, lr, axis, value)))
     configs = [
-        SimConfig(mode=mode, outer_lr=lr, outer_momentum=mu, **base)
-        for _, base, mode, lr, mu in points
+        SimConfig(
+            mode=mode,
+            outer_lr=hyper["outer_lr"],
+            outer_momentum=hyper["outer_momentum"],
+            ef_decay=hyper["ef_decay"],
+            **base,
+        )
+        for _, base, mode, hyper in points
     ]
-    # Spawned workers: each is one single-threaded torch process (no fork after torch).
-    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-        results = []
-        for point, result in zip(points, pool.map(_grid_run, configs), strict=True):
-            extra, base, mode, lr, mu = point
-            results.append(result)
-            shown = (
-                f"diverged at round {result['diverged_at']}"
-                if "diverged_at" in result
-                else f"held-out {result['loss']:.4f}, {result['x']:.0f}x fewer bytes, "
-                f"{result['seconds']}s"
-            )
-            print(
-                f"  {extra or 'default'} {mode:>10} lr {lr:<4} mu {mu:<4}: {shown}",
-                file=sys.stderr,
-                flush=True,
-            )
+    results = []
+    for point, result in zip(points, _grid_map(args.jobs, configs), strict=True):
+        extra, base, mode, hyper = point
+        axis = axes[mode][0]
+        results.append(result)
+        shown = (
+            f"diverged at round {result['diverged_at']}"
+            if "diverged_at" in result
+            else f"held-out {result['loss']:.4f}, {result['x']:.0f}x fewer bytes, "
+            f"{result['seconds']}s"
+        )
+        print(
+            f"  {extra or 'default'} {mode:>10} lr {hyper['outer_lr']:<4} "
+            f"{AXIS_LABEL[axis]} {hyper[axis]:<4}: {shown}",
+            file=sys.stderr,
+            flush=True,
+        )
     rows = [
-        {**base, "mode": mode, "lr": lr, "mu": mu, **result}
-        for (_, base, mode, lr, mu), result in zip(points, results, strict=True)
+        {
+            **base,
+            "mode": mode,
+            "lr": hyper["outer_lr"],
+            "mu": hyper["outer_momentum"],
+            "ef_decay": hyper["ef_decay"],
+            "axis": axes[mode][0],
+            **result,
+        }
+        for (_, base, mode, hyper), result in zip(points, results, strict=True)
     ]
+    width = len(next(iter(axes.values()))[1])
     table = [
-        "| setting | method | "
-        + " | ".join(f"lr {lr} mu {mu}" for lr in GRID_LR for mu in GRID_MOMENTUM)
+        "| setting | method | second axis (a, b) | "
+        + " | ".join(f"lr {lr} {ab}" for lr in GRID_LR for ab in "ab"[:width])
         + " | best | bytes vs fp32 |"
     ]
-    table.append("|---" * (4 + len(GRID_LR) * len(GRID_MOMENTUM)) + "|")
+    table.append("|---" * (5 + len(GRID_LR) * width) + "|")
     for extra in settings:
-        best: dict[str, tuple[float, float, float]] = {}
-        shown = {**vars_of_base(args), **extra}
+        best: dict[str, dict[str, Any]] = {}
+        at_setting = {**vars_of_base(args), **extra}
         label = (
-            f"{shown['workers']} workers x {shown['inner_steps']} steps x {shown['rounds']} rounds"
+            f"{at_setting['workers']} workers x {at_setting['inner_steps']} steps x "
+            f"{at_setting['rounds']} rounds"
         )
-        for mode in ("diloco", "sparseloco"):
+        for mode, (axis, values) in axes.items():
             mine = [
                 r
                 for r, (e, *_rest) in zip(rows, points, strict=True)
@@ -223,20 +295,26 @@ def _grid(args: argparse.Namespace) -> dict[str, Any]:
             ]
             cells = ["diverged" if r["loss"] == float("inf") else f"{r['loss']:.4f}" for r in mine]
             top = min(mine, key=lambda r: r["loss"])
-            best[mode] = (top["loss"], top["lr"], top["mu"])
+            tag = AXIS_LABEL[axis]
+            at = "mu" if axis == "outer_momentum" else "ef_decay"
+            best[mode] = {"loss": top["loss"], "lr": top["lr"], axis: top[at], "axis": axis}
             ratios = [r["x"] for r in mine if r["x"] is not None]
             table.append(
-                f"| {label} | {mode} | "
+                f"| {label} | {mode} | {AXIS_NAME[axis]} "
+                f"({', '.join(str(v) for v in values)}) | "
                 + " | ".join(cells)
-                + f" | **{top['loss']:.4f}** (lr {top['lr']}, mu {top['mu']}) | "
+                + f" | **{top['loss']:.4f}** (lr {top['lr']}, {tag} {top[at]}) | "
                 + (f"{min(ratios):.0f}x |" if ratios else "- |")
             )
-        gap = best["sparseloco"][0] / best["diloco"][0] - 1
+        gap = best["sparseloco"]["loss"] / best["diloco"]["loss"] - 1
+
+        def named(b: dict[str, Any]) -> str:
+            return f"lr {b['lr']}, {AXIS_LABEL[b['axis']]} {b[b['axis']]}"
+
         print(
-            f"setting {label}: best dense DiLoCo {best['diloco'][0]:.4f} "
-            f"(lr {best['diloco'][1]}, mu {best['diloco'][2]}), best SparseLoCo "
-            f"{best['sparseloco'][0]:.4f} (lr {best['sparseloco'][1]}, mu "
-            f"{best['sparseloco'][2]}): gap {gap * 100:+.2f}% (goal <= +3%)"
+            f"setting {label}: best dense DiLoCo {best['diloco']['loss']:.4f} "
+            f"({named(best['diloco'])}), best SparseLoCo {best['sparseloco']['loss']:.4f} "
+            f"({named(best['sparseloco'])}): gap {gap * 100:+.2f}% (goal <= +3%)"
         )
         out.setdefault("best", []).append({"setting": {**extra}, "best": best, "gap": gap})
     print("\n".join(table))
@@ -489,6 +567,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--kinds", default="huge,garbage,negated,copy,empty,amplified")
     parser.add_argument("--jobs", type=int, default=1, help="grid runs in parallel")
+    parser.add_argument(
+        "--second-axis",
+        choices=("own", "momentum"),
+        default="own",
+        help="the grid's second axis: each method's own knob (DiLoCo Nesterov momentum, "
+        "SparseLoCo error-feedback decay) or momentum for both (the first grid)",
+    )
     parser.add_argument("--outer-lr", type=float, default=None)
     parser.add_argument("--outer-momentum", type=float, default=None)
     args = parser.parse_args(argv)
