@@ -53,6 +53,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.rcmgr import ResourceLimits, new_resource_manager
+from libp2p.rcmgr.connection_limits import new_connection_limits_with_defaults
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
@@ -378,7 +379,13 @@ def build_host(
             max_connections=MAX_CONNECTIONS,
             max_memory_mb=MAX_MEMORY_MB,
             max_streams=MAX_STREAMS,
-        )
+        ),
+        # py-libp2p's default connection limits hold 8 established connections per peer
+        # whatever ConnectionConfig says: a fetch striping 8 lanes beside its control
+        # lane (p2p.downloader rule 9) was refused its ninth.
+        connection_limits=new_connection_limits_with_defaults().with_max_established_per_peer(
+            max_connections_per_peer
+        ),
     )
     sec_opt = security_options(key_pair, fast=fast)
     muxer_opt = muxer_options(fast=fast)
