@@ -34,6 +34,15 @@ Theory of operation
    ``HAVE_REFRESH_INTERVAL`` and its claims go to the scheduler, and dropped when that
    stops; only providers with every chunk are striped; a swarming fetch that completed
    stays while fellows still ask it for chunks (``linger_while_asked``: `blob get`).
+9. Control lane. A provider striped over several connections (``_grow``,
+   ``p2p.scheduler.StripeGrowth``) gets its bulk ``get`` streams on the connections the
+   fetch added (lanes 1..n), and its first connection (lane 0) is left to control
+   streams: ``have``, ``status``, ``peers``, manifests (``p2p.node`` sends any stream
+   with no chosen connection there). The stream worker that started on lane 0 moves to
+   a bulk lane at its next request, and the first growth step dials one connection more
+   than it counts. A busy seeder's kernel holds megabytes of chunks unsent in each bulk
+   connection's send buffer; an answer queued behind them waited seconds (issue 21's
+   fan-out: fellows learnt of each other 9 s into a 15 s fetch).
 """
 
 from __future__ import annotations
@@ -276,9 +285,14 @@ class Download:
         probes: HaveProbes | None = None,
         scores: PeerScores | None = None,
         own_peer: str = "",
+        alone: Callable[[], bool] | None = None,
     ) -> None:
         self.network = network
         self.probes = probes
+        # Whether the shell knows that no fellow fetches this blob (p2p.swarm rule 6),
+        # and the scope of each live request, for the scheduler to shed (`set_alone`).
+        self.alone = alone
+        self.shedding: dict[int, trio.CancelScope] = {}
         self.scores = scores
         self.store = store
         self.manifest = manifest
@@ -529,12 +543,15 @@ class Download:
         count = 1 if self.striped is None else self.striped.connection_count(peer)
         lanes = self.lane_load.setdefault(peer, [0])
         lanes.extend([0] * (count - len(lanes)))
-        self.scheduler.set_connections(peer, count)
+        # Once striped, lane 0 is the control lane (rule 9): no bulk there.
+        self.scheduler.set_connections(peer, count if count == 1 else count - 1)
 
     @staticmethod
     def _quiet_lane(lanes: list[int]) -> int:
-        """The connection with the fewest workers' streams (the lowest on a tie), taken."""
-        lane = lanes.index(min(lanes))
+        """The bulk connection with the fewest workers' streams (the lowest on a tie),
+        taken: lane 0 only while it is the only one."""
+        first = 1 if len(lanes) > 1 else 0
+        lane = min(range(first, len(lanes)), key=lambda i: (lanes[i], i))
         lanes[lane] += 1
         return lane
 
@@ -546,9 +563,10 @@ class Download:
         growth = StripeGrowth(self.stripe_config, now, striped.connection_count(peer))
         self.growth[peer] = growth
 
-        async def dial() -> None:
+        async def dial(counted: bool = True) -> None:
             ok = await striped.add_connection(peer)
-            growth.on_dialled(ok, trio.current_time())
+            if counted:
+                growth.on_dialled(ok, trio.current_time())
             self._set_connections(peer)
             self._notify()
 
@@ -568,6 +586,10 @@ class Download:
                         stats.rate_bytes_per_s / 1e6,
                         (stats.rtt_s or 0.0) * 1e3,
                     )
+                if more and striped.connection_count(peer) == 1:
+                    # The first step: lane 0 becomes the control lane, so one more
+                    # connection than the step's bulk ones (growth counts bulk lanes).
+                    dials.start_soon(dial, False)
                 for _ in range(more):
                     dials.start_soon(dial)
                 wake = growth.next_check(now, stats.rtt_s)
@@ -583,6 +605,19 @@ class Download:
             # Chunk writes run in this nursery, alongside the requests that received them.
             async with trio.open_nursery() as writers:
                 while not self.scheduler.done and self._peer_usable(peer):
+                    lanes = self.lane_load.get(peer)
+                    if lane == 0 and lanes is not None and len(lanes) > 1:
+                        # Striped now: leave the control lane to control streams.
+                        if client is not None:
+                            await reset_quietly(client.stream)
+                            client = None
+                        lanes[0] -= 1
+                        lane = self._quiet_lane(lanes)
+                    if self.alone is not None:
+                        for request_id in self.scheduler.set_alone(self.alone()):
+                            scope = self.shedding.get(request_id)
+                            if scope is not None:
+                                scope.cancel()
                     ticket = self.scheduler.next_request(peer, trio.current_time())
                     if ticket is None:
                         await self._wait_change()
@@ -613,12 +648,16 @@ class Download:
                     else:
                         stream = await self.network.open_blob_stream(peer)
                     client = BlobClient(stream, self.chunk_length)
-                reply = await client.get(
-                    self.blob_id,
-                    ticket.ranges,
-                    bind(self._on_chunk, ticket, writes, writers),
-                    buffers=self.buffers,
-                )
+                with trio.CancelScope() as shed:
+                    self.shedding[ticket.request_id] = shed
+                    reply = await client.get(
+                        self.blob_id,
+                        ticket.ranges,
+                        bind(self._on_chunk, ticket, writes, writers),
+                        buffers=self.buffers,
+                    )
+                if shed.cancelled_caught:
+                    failure = ObsoleteRequest()
         except (
             BadChunk,
             ObsoleteRequest,
@@ -628,6 +667,8 @@ class Download:
             OSError,
         ) as exc:
             failure = exc
+        finally:
+            self.shedding.pop(ticket.request_id, None)
         # The scheduler hears of the request only once each chunk it carried is verified
         # and written (or failed): it must not re-offer a chunk still being written.
         await writes.wait()
@@ -774,10 +815,13 @@ async def download_blob(
     stripe_config: StripeConfig | None = None,
     scores: PeerScores | None = None,
     own_peer: str = "",
+    alone: Callable[[], bool] | None = None,
 ) -> None:
     """Fetch ``blob_id`` into ``store`` (no-op if complete). Raises NoProviders, FetchFailed,
     NoSpace. ``scores``: peers' records of bad data, read and added to (PeerScores).
-    ``own_peer``: this fetcher's peer ID, which picks where in the blob it starts."""
+    ``own_peer``: this fetcher's peer ID, which picks where in the blob it starts.
+    ``alone``: asked before each request, whether the fetch knows it has no fellows
+    (p2p.swarm rule 6; `p2p.swarm.PexBook.alone`)."""
     if await trio.to_thread.run_sync(store.has, blob_id):
         return
     async with trio.open_nursery() as nursery:
@@ -796,6 +840,7 @@ async def download_blob(
                 probes,
                 scores,
                 own_peer,
+                alone,
             )
         finally:
             nursery.cancel_scope.cancel()
@@ -815,6 +860,7 @@ async def _download(
     probes: HaveProbes,
     scores: PeerScores | None,
     own_peer: str = "",
+    alone: Callable[[], bool] | None = None,
 ) -> None:
     candidates = list(dict.fromkeys(providers))
     manifest = await _local_manifest(store, blob_id)
@@ -848,6 +894,7 @@ async def _download(
                 probes=probes,
                 scores=scores,
                 own_peer=own_peer,
+                alone=alone,
             )
             # What this download has in flight is what the node's server calls `soon`.
             with fetching_board(store).posting(blob_id, download.scheduler.in_flight):

@@ -44,7 +44,10 @@ them.
 Swarming (issue 21, ``p2p.swarm``): while a fetch runs, its providers are asked ``peers``
 (``/blobnet/blob/1.2.0``, on a stream of its own) about once a second; fellow fetchers they
 name are dialled (bounded) and join the fetch as partial providers. The node serves the
-blob protocol while it fetches (``NodeConfig.upload``), so fellows fetch from it in turn.
+blob protocol while it fetches (``NodeConfig.upload``), so fellows fetch from it in
+turn. The peer-exchange book also tells the download whether it
+is alone (p2p.swarm rule 6). Striped providers: a stream that names no connection goes on
+the first one, the control lane (``_control_connection``; p2p.downloader rule 9).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ import contextvars
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -111,7 +114,8 @@ DHT_KEY_PREFIX = "1e20"
 # Connections a fetch may stripe one provider's streams over (p2p.scheduler.StripeConfig).
 MAX_CONNECTIONS_PER_PROVIDER = StripeConfig().max_connections
 # The swarm's own per-peer cap (py-libp2p trims connections beyond it, default 3) must
-# leave room for those, plus one the peer dialled to us (a DHT query, its own fetch).
+# leave room for those and the first connection (the control lane once a fetch stripes),
+# plus one the peer dialled to us (a DHT query, its own fetch).
 SWARM_CONNECTIONS_PER_PEER = MAX_CONNECTIONS_PER_PROVIDER + 2
 
 # What a blob stream's first write proposes, and what a blobnet server answers: the
@@ -152,14 +156,17 @@ _PREFERRED_CONNECTION: contextvars.ContextVar[Any] = contextvars.ContextVar(
 )
 
 
-def _choose_connections(swarm: Any) -> bool:
+def _choose_connections(swarm: Any, control: Callable[[Any, list[Any]], Any] | None = None) -> bool:
     """Let `Node.open_blob_stream` pick which of a peer's connections a new stream uses.
 
     py-libp2p 0.8.1's ``Swarm.new_stream`` picks one with ``_select_connection`` (by
     default the one with the most streams, which would pile every stream onto one TCP
     connection). Wrapping it keeps the rest of ``new_stream`` (resource accounting,
-    retries, protocol negotiation) as py-libp2p does it. False if this py-libp2p has no
-    such hook: streams then go where it puts them, and fetches do not stripe."""
+    retries, protocol negotiation) as py-libp2p does it. A stream with no preferred
+    connection goes where ``control(peer_id, connections)`` says, when it names one:
+    the control lane, which carries no bulk data (`Node._control_connection`). False if
+    this py-libp2p has no such hook: streams then go where it puts them, and fetches do
+    not stripe."""
     original = getattr(swarm, "_select_connection", None)
     if original is None or getattr(original, "_blobnet", False):
         return original is not None
@@ -168,6 +175,10 @@ def _choose_connections(swarm: Any) -> bool:
         wanted = _PREFERRED_CONNECTION.get()
         if wanted is not None and wanted in connections:
             return wanted
+        if control is not None:
+            chosen = control(peer_id, connections)
+            if chosen is not None:
+                return chosen
         return original(connections, peer_id)
 
     select._blobnet = True  # type: ignore[attr-defined]
@@ -237,7 +248,7 @@ class Node:
         # Extra connections per peer that fetches stripe streams over (lane 1, 2, ...);
         # lane 0 is whichever connection the swarm had first.
         self._lanes: dict[str, list[Any]] = {}
-        self._striping = _choose_connections(host.get_network())
+        self._striping = _choose_connections(host.get_network(), self._control_connection)
         self._dialled: dict[str, Multiaddr] = {}
         # Behind NAT: the circuit addresses this node hands out once it holds
         # reservations (``set_advertised``; None: its own listen addresses).
@@ -460,10 +471,27 @@ class Node:
         """Connections to ``peer`` that `open_blob_stream_on` spreads streams over."""
         return 1 + len(self._live_lanes(peer))
 
+    def _control_connection(self, peer_id: Any, connections: list[Any]) -> Any:
+        """Where a stream with no preferred connection goes: once a fetch stripes
+        ``peer_id`` over lanes of its own, the first connection that is no lane, which
+        then carries no bulk data (p2p.downloader's control lane). A ``status`` or
+        ``peers`` answer from a busy seeder so waits behind no chunks in that
+        connection's send buffer (seconds, at 100 Mbit/s shared by eight fetchers'
+        streams). None: no lanes, py-libp2p chooses."""
+        lanes = self._lanes.get(str(peer_id))
+        if not lanes:
+            return None
+        taken = {id(c) for c in lanes}
+        for conn in connections:
+            if id(conn) not in taken and not getattr(conn, "is_closed", False):
+                return conn
+        return None
+
     async def add_connection(self, peer: str) -> bool:
         """Open one more TCP connection (Noise + yamux) to ``peer`` for striping; False
-        if none could be opened or the peer already has its share."""
-        if not self._striping or self.connection_count(peer) >= MAX_CONNECTIONS_PER_PROVIDER:
+        if none could be opened or the peer already has its share (the first connection,
+        which becomes the control lane, and MAX_CONNECTIONS_PER_PROVIDER lanes)."""
+        if not self._striping or self.connection_count(peer) > MAX_CONNECTIONS_PER_PROVIDER:
             return False
         if peer in self._unstripeable:
             return False
@@ -680,10 +708,11 @@ class Node:
         if await trio.to_thread.run_sync(self._intact, blob_id):
             return
         send, receive = trio.open_memory_channel[str](256)
+        book = PexBook(self.peer_id) if self.config.peer_exchange else None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._feed_dialled, dials, send.clone())
-            if self.config.peer_exchange:
-                nursery.start_soon(self._exchange, blob_id, dials, send.clone())
+            if book is not None:
+                nursery.start_soon(self._exchange, blob_id, dials, send.clone(), book)
             nursery.start_soon(self._discover, blob_id, set(dials.peers), send)
             await download_blob(
                 self,
@@ -697,6 +726,7 @@ class Node:
                 stripe_config=self.config.stripe,
                 scores=self.scores,
                 own_peer=self.peer_id,
+                alone=book.alone if book is not None else None,
             )
             nursery.cancel_scope.cancel()
 
@@ -712,18 +742,23 @@ class Node:
         )
 
     async def _exchange(
-        self, blob_id: str, dials: _Dials, send: trio.MemorySendChannel[str]
+        self, blob_id: str, dials: _Dials, send: trio.MemorySendChannel[str], book: PexBook
     ) -> None:
         """Peer exchange for one fetch (p2p.swarm): ask its providers ``peers`` (each at
         most once per PEX_INTERVAL), dial the new fellows they name (bounded), and hand
-        each one reached to the download."""
-        book = PexBook(self.peer_id)
+        each one reached to the download. ``book`` also tells the download whether it is
+        alone (p2p.swarm rule 6)."""
         dialling = trio.Semaphore(PEX_DIAL_PARALLELISM)
 
         async def dial(peer: str, addrs: tuple[str, ...]) -> None:
-            async with dialling:
-                if not await self.dial_listed(peer, addrs):
-                    return
+            reached = False
+            try:
+                async with dialling:
+                    reached = await self.dial_listed(peer, addrs)
+            finally:
+                book.dial_ended(reached)
+            if not reached:
+                return
             book.add_source(peer)
             try:
                 await send.send(peer)
@@ -733,6 +768,7 @@ class Node:
         async def ask(source: str) -> None:
             for peer, addrs in book.to_dial(await self.ask_peers(source, blob_id)):
                 nursery.start_soon(dial, peer, addrs)
+            book.answered()
 
         started = trio.current_time()
         async with send, trio.open_nursery() as nursery:

@@ -29,6 +29,16 @@ Theory of operation
    (``FetchingBoard.last_asked``), at most ``LINGER_MAX`` after completion. A one-shot
    ``blob get`` that left at once took the chunks it got last with it, and its fellows
    had to ask the seeder for them again.
+6. A fetch that knows it is alone is no swarm: once a provider it asked ``peers`` has
+   answered and no fellow it was told of is being dialled or was reached
+   (`PexBook.alone`), the scheduler drops the swarm's caps on what it asks a seeder for
+   (``p2p.scheduler``'s "Swarming"). They exist so that fetchers starting together on one
+   slow seeder do not each queue much of the blob there; a lone fetch across a long path
+   needs the opposite, every striped connection busy from the first round trip (issue
+   15's eu->asia fetch of 256 MiB: ~37 MB/s with the caps, ~47 MB/s without). Until the
+   first answer, and while a fellow is being dialled or was reached, the caps hold; a
+   fetch that learns of a fellow after all sheds what it queued at a seeder beyond them
+   (``Scheduler.set_alone``): fetchers that start together each hear "nobody" first.
 
 All time is the ``now`` argument (seconds, monotonic); nothing here does I/O.
 """
@@ -155,6 +165,10 @@ class PexBook:
         self.max_sources = max_sources
         self.known: set[str] = {own_peer}
         self.dialled = 0
+        # Rule 6: answers to `peers` so far, fellow dials in progress, fellows reached.
+        self.answers = 0
+        self.dialling = 0
+        self.reached = 0
         self._asked: dict[str, float] = {}
         self._sources: list[str] = []
 
@@ -195,8 +209,22 @@ class PexBook:
                 break
             self.known.add(peer)
             self.dialled += 1
+            self.dialling += 1
             out.append((peer, addrs))
         return out
+
+    def answered(self) -> None:
+        """A source answered ``peers`` (after `to_dial` took what it listed)."""
+        self.answers += 1
+
+    def dial_ended(self, reached: bool) -> None:
+        """A dial that `to_dial` asked for ended: the fellow is ``reached``, or not."""
+        self.dialling = max(0, self.dialling - 1)
+        self.reached += reached
+
+    def alone(self) -> bool:
+        """Rule 6: a source answered, and no fellow is being dialled or was reached."""
+        return self.answers > 0 and not self.dialling and not self.reached
 
 
 def listing(
