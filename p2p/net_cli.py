@@ -41,6 +41,7 @@ from p2p.nat_cli import (
     ready_fields,
     serve_nat_options,
 )
+from p2p.pacing import MIN_UPLOAD_LIMIT
 from p2p.ticket import MAX_TICKET_ADDRS, Ticket, validate_peer_addr
 
 if TYPE_CHECKING:
@@ -106,6 +107,18 @@ verbose_option = click.option(
     "-v", "--verbose", count=True, help="Warnings and progress notes on stderr (-vv: debug)."
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+# MB/s on the command line (1e6 bytes), bytes/s in NodeConfig; p2p.pacing's floor.
+upload_limit_option = click.option(
+    "--upload-limit",
+    "upload_limit",
+    type=click.FloatRange(min=MIN_UPLOAD_LIMIT / 1e6),
+    metavar="MB/S",
+    help="Send at most this many MB/s to other peers, all together (default: no limit).",
+)
+
+
+def _upload_limit(mb_per_s: float | None) -> float | None:
+    return None if mb_per_s is None else mb_per_s * 1e6
 
 
 EXIT_INTERRUPTED = 130
@@ -292,6 +305,7 @@ def _run_server(
     is_flag=True,
     help="Hash every chunk again before sending it (guards against this disk's bit rot).",
 )
+@upload_limit_option
 @serve_nat_options
 @click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
 @verbose_option
@@ -302,6 +316,7 @@ def serve(
     bootstrap: Sequence[str],
     no_dht: bool,
     verify_reads: bool,
+    upload_limit: float | None,
     relays: Sequence[str],
     certificate_path: Path | None,
     assume_private: bool,
@@ -318,7 +333,13 @@ def serve(
     _setup_logging(verbose)
     nat = NatSetup(relays, certificate_path, assume_private)
     store, key = _serve_checks(ctx, bootstrap)
-    config = _node_config(nat.listen(listen), bootstrap, not no_dht, verify_reads=verify_reads)
+    config = _node_config(
+        nat.listen(listen),
+        bootstrap,
+        not no_dht,
+        verify_reads=verify_reads,
+        upload_limit=_upload_limit(upload_limit),
+    )
 
     def ready(node: Node, reach: Reachable | None) -> None:
         addrs = _ready_addrs(node)
@@ -336,6 +357,7 @@ def serve(
 @listen_option
 @bootstrap_option
 @click.option("--no-dht", is_flag=True, help="Do not run the Kademlia DHT.")
+@upload_limit_option
 @serve_nat_options
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the ticket line as JSON (id, ticket, addrs)."
@@ -349,6 +371,7 @@ def share(
     listen: Sequence[str],
     bootstrap: Sequence[str],
     no_dht: bool,
+    upload_limit: float | None,
     relays: Sequence[str],
     certificate_path: Path | None,
     assume_private: bool,
@@ -372,7 +395,9 @@ def share(
         blob_id = store.put_dir(path) if is_dir else store.put_path(path, progress=progress)
     if tag_name is not None:
         store.tag(tag_name, blob_id)
-    config = _node_config(nat.listen(listen), bootstrap, not no_dht)
+    config = _node_config(
+        nat.listen(listen), bootstrap, not no_dht, upload_limit=_upload_limit(upload_limit)
+    )
 
     def ready(node: Node, reach: Reachable | None) -> None:
         addrs = _ready_addrs(node)
@@ -515,6 +540,7 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
     help="Serve nothing while fetching (by default fellow fetchers of the blob may fetch "
     "what has arrived, so a checkpoint crosses its seeder's uplink about once).",
 )
+@upload_limit_option
 @click.option(
     "--seed-for",
     type=click.FloatRange(min=0, max=MAX_SEED_SECONDS),
@@ -551,6 +577,7 @@ def get(
     link: bool,
     discovery_timeout: float,
     no_upload: bool,
+    upload_limit: float | None,
     seed_for: float | None,
     via_relay: bool,
     certificate_path: Path | None,
@@ -572,6 +599,8 @@ def get(
     # Everything checkable without the network, first.
     if tag_name is not None:
         check_tag_name(tag_name)
+    if upload_limit is not None and no_upload:
+        raise click.UsageError("--upload-limit limits what --no-upload switches off: give one")
     if seed_for is not None and (no_upload or tensors):
         raise click.UsageError(
             "--seed-for serves what was fetched: not with --no-upload or --tensor"
@@ -664,6 +693,7 @@ def get(
                 use_dht,
                 discovery_timeout=discovery_timeout,
                 upload=not no_upload,
+                upload_limit=_upload_limit(upload_limit),
                 relayed_fetch=via_relay,
                 certificate=certificate,
                 punch_timeout=punch_timeout,

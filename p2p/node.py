@@ -44,8 +44,8 @@ them.
 Swarming (issue 21, ``p2p.swarm``): while a fetch runs, its providers are asked ``peers``
 (``/blobnet/blob/1.2.0``, on a stream of its own) about once a second; fellow fetchers they
 name are dialled (bounded) and join the fetch as partial providers. The node serves the
-blob protocol while it fetches (``NodeConfig.upload``), so fellows fetch from it in
-turn. The peer-exchange book also tells the download whether it
+blob protocol while it fetches (``NodeConfig.upload``, paced by ``upload_limit``), so
+fellows fetch from it in turn. The peer-exchange book also tells the download whether it
 is alone (p2p.swarm rule 6). Striped providers: a stream that names no connection goes on
 the first one, the control lane (``_control_connection``; p2p.downloader rule 9).
 """
@@ -212,6 +212,9 @@ class NodeConfig:
     # Serve the blob protocol (complete blobs and partial downloads alike) to other peers.
     # False: this node only fetches (fellows that are told of it fail one stream to it).
     upload: bool = True
+    # Bytes per second this node's server sends at most, to all peers together (p2p.pacing;
+    # at least p2p.pacing.MIN_UPLOAD_LIMIT). None: as fast as the link goes.
+    upload_limit: float | None = None
     # Ask a fetch's providers which other peers fetch the same blob and fetch from them
     # too (p2p.swarm; issue 21).
     peer_exchange: bool = True
@@ -971,7 +974,7 @@ async def open_node(
     connection_config = getattr(host.get_network(), "connection_config", None)
     if connection_config is not None:
         connection_config.outbound_upgrade_timeout = HANDSHAKE_TIMEOUT
-    server = BlobServer(store, verify_reads=config.verify_reads)
+    server = BlobServer(store, verify_reads=config.verify_reads, upload_limit=config.upload_limit)
     listen_addrs = [_listen_addr(a) for a in config.listen]
     for addr in listen_addrs:
         _check_port_free(addr)

@@ -34,6 +34,8 @@ Theory of operation
    and every later request for it is ``not_found``.
 7. Each body is read into one buffer per request, right behind its header, and written from
    there in slices (no copy per chunk on the fast path).
+8. An upload limit (``upload_limit``, p2p.pacing) paces chunks: each waits for its bytes'
+   credit in one bucket that all streams share, before its send deadline starts.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from blobstore import (
 from p2p import protocol as proto
 from p2p.fast import fast_stream_of
 from p2p.host import remote_address_key
+from p2p.pacing import Pacer
 from p2p.swarm import SwarmBook, fetching_board, listing
 from p2p.wire import StreamLost, close_quietly, read_some, reset_quietly, write_all
 
@@ -193,8 +196,11 @@ class BlobServer:
         *,
         max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
         verify_reads: bool = False,
+        upload_limit: float | None = None,
     ) -> None:
         self.store = store
+        # Bytes per second this server sends at most, over all streams (p2p.pacing).
+        self.pacer = None if upload_limit is None else Pacer(upload_limit, trio.current_time())
         # Chunks read from disk are always hashed (theory, rule 6); this hashes page-cache
         # reads as well, at the price of a BLAKE3 pass per byte served from memory.
         self.verify_reads = verify_reads
@@ -537,6 +543,8 @@ class BlobServer:
                     header = conn.send_chunk_header(index, length)
                     frame = buf[HEADER_ROOM - len(header) : HEADER_ROOM + length]
                     frame[: len(header)] = header
+                    if self.pacer is not None:
+                        await trio.sleep(self.pacer.delay(len(frame), trio.current_time()))
                     await self._send(stream, frame, copy=copy_out)
                     self.stats.chunks_sent += 1
                     self.stats.bytes_sent += length

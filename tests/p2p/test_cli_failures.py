@@ -72,6 +72,14 @@ def test_get_mistakes_fail_fast_in_one_line(cluster: Cluster, tmp_path: Path) ->
     done, _ = here(cluster, "b", "get", UNKNOWN, "--peer", host_port)
     assert done.returncode == 2 and "lacks /p2p/" in one_line(done)
 
+    # An upload limit with uploads off, or one too low to serve anyone, says so.
+    done, _ = here(
+        cluster, "b", "get", UNKNOWN, "--peer", a.addr, "--no-upload", "--upload-limit", "5"
+    )
+    assert done.returncode == 2 and "--no-upload" in one_line(done)
+    done, _ = here(cluster, "b", "get", UNKNOWN, "--peer", a.addr, "--upload-limit", "0.01")
+    assert done.returncode == 2 and "--upload-limit" in one_line(done)
+
     # The output directory is checked before any dial: the unreachable peer is not
     # what gets reported.
     dead = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{OTHER_PEER_ID}"
