@@ -1,16 +1,22 @@
 """A fetcher serves what it holds unless told not to (`blob get --no-upload`,
-``NodeConfig(upload=False)``): a node that fetched a blob with upload off answers nobody."""
+``NodeConfig(upload=False)``): a node that fetched a blob with upload off answers nobody;
+and what it holds is found through the seeder for a model directory too (issue 21 item 4).
+"""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 import trio
 
 from blobstore import Store
+from p2p.downloader import Progress
 from p2p.errors import P2PError
 from p2p.node import NodeConfig, open_node
+
+MiB = 1 << 20
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -40,3 +46,46 @@ async def test_a_fetcher_serves_what_it_fetched_only_with_upload_on(
                 with pytest.raises(P2PError):
                     await late.fetch(blob_id, providers=fetcher.addrs, announce=False)
                 assert not late.store.has(blob_id)
+
+
+@pytest.mark.timeout(120)
+async def test_a_models_files_come_from_a_fellow_that_the_slow_seeder_names(
+    tmp_path: Path,
+) -> None:
+    """Issue 21 item 4: swarming works for a collection (a model directory) as for one
+    blob. The seeder's upload is limited to 2 MB/s; a first worker fetched the model
+    from it; a late worker told only the seeder learns of the first from it (peer
+    exchange, per child blob) and takes most of the files from the first worker."""
+    limit = 2e6
+    model = tmp_path / "model"
+    model.mkdir()
+    for name, seed in (("weights-0.bin", 1), ("weights-1.bin", 2)):
+        (model / name).write_bytes(_random_bytes(4 * MiB, seed))
+    store = Store.open(tmp_path / "seeder")
+    collection = store.put_dir(model)
+    new_bytes: dict[str, dict[str, int]] = {}
+
+    def progress(report: Progress) -> None:
+        new_bytes[report.blob_id] = dict(report.new_bytes)
+
+    async with (
+        open_node(store, config=NodeConfig(dht=False, upload_limit=limit)) as seeder,
+        open_node(tmp_path / "first", dht=False) as first,
+        open_node(tmp_path / "late", dht=False) as late,
+    ):
+        with trio.fail_after(60):
+            await first.fetch(collection, providers=seeder.addrs, announce=False)
+            await late.fetch(collection, providers=seeder.addrs, progress=progress, announce=False)
+        assert late.store.has(collection)
+        children = [e.blob_id for e in late.store.collection_entries(collection) or ()]
+        assert len(children) == 2 and all(late.store.has(c) for c in children)
+        from_first = sum(new_bytes.get(c, {}).get(first.peer_id, 0) for c in children)
+        from_seeder = sum(new_bytes.get(c, {}).get(seeder.peer_id, 0) for c in children)
+    assert from_first + from_seeder == 8 * MiB
+    assert from_first > 4 * MiB, (
+        f"{from_first} bytes from the fellow, {from_seeder} from the seeder"
+    )
+
+
+def _random_bytes(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
