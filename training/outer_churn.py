@@ -7,7 +7,8 @@ workers' own log lines (never by sleeps guessed to fit a machine's speed), it ki
 worker ``kill`` once it has closed round ``kill_after``; stops worker ``pause`` (SIGSTOP)
 once it has closed round ``pause_after`` and resumes it after ``pause_s`` seconds or,
 with ``resume_when = (worker, round)``, once that worker has also closed that round (so
-a test knows rounds were closed while it was away, however slow the machine); and starts
+a test knows rounds were closed while it was away, however slow the machine) or, with
+``resume_after_others``, once every other worker has exited (it was left behind); starts
 the joiner slot (``--join``) right after the K workers, so it joins at whatever round they
 have reached when it is ready. It returns every worker's exit status and result, and
 whether the honest survivors agree (no fork). The churn test
@@ -39,6 +40,7 @@ class ChurnPlan:
     pause_after: int = 0  # round whose closure the paused worker has applied first
     pause_s: float = 0.0
     resume_when: tuple[int, int] | None = None  # (worker, round): resume once it closed
+    resume_after_others: bool = False  # resume once every other worker has exited
     kill: int | None = None
     kill_after: int = 0
     join: bool = False
@@ -137,6 +139,11 @@ def churn_run(
                     other, closed = churn.resume_when
                     bound = min(give_up, time.monotonic() + STEP_TIMEOUT)
                     _wait_line(logs[other], f"round {closed} closed", procs[other], bound)
+                if churn.resume_after_others:
+                    bound = min(give_up, time.monotonic() + STEP_TIMEOUT)
+                    for i in procs:
+                        if i != who:
+                            procs[i].wait(timeout=max(1.0, bound - time.monotonic()))
                 os.kill(procs[who].pid, signal.SIGCONT)
                 events.append(f"resumed worker {who} after {time.monotonic() - stopped:.1f}s")
         for proc in procs.values():

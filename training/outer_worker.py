@@ -46,6 +46,16 @@ become the next state (``training.outer_aggregate``) and when to re-send an anno
 5. Disk: the state blobs of the last ``KEEP_STATES`` rounds stay tagged
    ``outer/<run>/state/<round>``; older ones are untagged, so ``blob gc`` collects them.
    Each applied closure is kept as a blob (tagged) for ``blob outer verify``.
+6. Never alone: a worker stopped past the others' last round and linger (45 s in the
+   setting of ``bench/outer.py --churn``) wakes to find them gone. It used to close the
+   remaining rounds alone (at once if it had heard none of their closures, else once
+   their blobs were dropped as unavailable, rule 4 of outer_agreement) and exit 0 on a
+   rival root, "agreed" because it heard no final root to compare: a silent fork. Now a
+   worker that trained with others proposes only while connected to an admitted peer;
+   with none for ``_alone_bound`` it stops with an error. A SIGSTOPped peer's TCP
+   connections stay up, so the others do not stop while it is paused. The price: the
+   last survivor of a run whose other workers all died stops too instead of finishing
+   alone (it cannot tell them from a run that went on without it).
 """
 
 from __future__ import annotations
@@ -1126,11 +1136,44 @@ class Worker:
                 if await self._step():
                     return
                 if not self.book.has_round(*start):
+                    if await self._waited_for_peers(start[0]):
+                        continue  # time passed: the tip may have moved
                     self.proposed_for.add(start)  # at most one closure per (round, root)
                     await self._propose()
                 continue
             now = trio.current_time()
             await self._wait_changed(slot if slot is not None and slot > now else now + 1.0)
+
+    def _alone(self) -> bool:
+        """Trained with others (applied an update of theirs) and connected to no admitted
+        peer: a closure made now would agree with nobody (point 6)."""
+        if not self.ever_admitted - {self.peer}:
+            return False  # round 0, or nobody else's update applied: nobody to fork from
+        peers = set(self.dialer.peers) - {self.peer}
+        return not peers & set(self.node.connected_peers())
+
+    async def _waited_for_peers(self, r: int) -> bool:
+        """Point 6: before proposing for round ``r``, wait while alone; False if there was
+        no need. With nobody back within ``_alone_bound`` it stops: every closure it made
+        alone would be a fork of whatever the others agreed on."""
+        if not self._alone():
+            return False
+        _say(self.label, f"round {r}: no worker of the run connected; not proposing alone")
+        with trio.move_on_after(self._alone_bound()):
+            # The dial loop connects; the node has no event for a new connection.
+            while self._alone():  # noqa: ASYNC110
+                await trio.sleep(DIAL_TICK)
+            return True
+        raise OuterNetError(
+            f"round {r}: no worker of the run is reachable, so the run went on or ended "
+            "without this worker (paused or cut off past the others' end); not closing "
+            "rounds alone"
+        )
+
+    def _alone_bound(self) -> float:
+        """How long a worker with no admitted peer connected waits for one (point 6): as
+        long as a finished worker lingers for a missing final root."""
+        return self._linger_bound()
 
     # --- start, join, finish ---------------------------------------------------------
     async def _barrier(self) -> None:
