@@ -400,7 +400,7 @@ class Download:
                 await trio.sleep(pause)
                 if self.scheduler.done or not await self._run_peer(peer):
                     return
-                stats = self.scheduler.peer_stats().get(peer)
+                stats = self.scheduler.stats_of(peer)
                 if stats is not None and stats.banned:
                     return
                 log.info("provider %s failed; trying it again in a moment", peer)
@@ -572,7 +572,7 @@ class Download:
 
         async with trio.open_nursery() as dials:
             while not growth.stopped and not self.scheduler.done:
-                stats = self.scheduler.peer_stats().get(peer)
+                stats = self.scheduler.stats_of(peer)
                 if stats is None or stats.banned or stats.dropped:
                     return
                 now = trio.current_time()
@@ -596,8 +596,7 @@ class Download:
                 await trio.sleep(max(wake - now, self.stripe_config.min_settle_s / 4))
 
     def _peer_usable(self, peer: str) -> bool:
-        stats = self.scheduler.peer_stats().get(peer)
-        return stats is not None and not stats.banned and not stats.dropped
+        return self.scheduler.still_used(peer)
 
     async def _stream_worker(self, peer: str, client: BlobClient | None, lane: int) -> None:
         """Send ``peer`` one request at a time, on a stream over connection ``lane``."""

@@ -749,23 +749,35 @@ class Scheduler:
         return self._pool_count == self._orphans
 
     def peer_stats(self) -> dict[str, PeerStats]:
-        return {
-            name: PeerStats(
-                bytes_received=p.bytes_received,
-                chunks_received=p.chunks_received,
-                rate_bytes_per_s=p.rate or 0.0,
-                inflight=len(p.requests),
-                banned=p.banned,
-                dropped=p.dropped,
-                failures=p.failures,
-                connected=p.connected,
-                last_error=p.last_error,
-                rtt_s=p.rtt,
-                inflight_limit=self._inflight_limit(p) if p.usable else 0,
-                connections=p.connections,
-            )
-            for name, p in self._peers.items()
-        }
+        return {name: self._stats(p) for name, p in self._peers.items()}
+
+    def stats_of(self, peer: str) -> PeerStats | None:
+        """One peer's `PeerStats` (None: unknown): O(1), for the shell's hot loops, where
+        `peer_stats` built every peer's (a swarm fetch has tens of fellows)."""
+        p = self._peers.get(peer)
+        return None if p is None else self._stats(p)
+
+    def still_used(self, peer: str) -> bool:
+        """Whether ``peer`` is known and neither banned nor dropped (cheaper than
+        `stats_of`, which also works out its request limit)."""
+        p = self._peers.get(peer)
+        return p is not None and not p.banned and not p.dropped
+
+    def _stats(self, p: _Peer) -> PeerStats:
+        return PeerStats(
+            bytes_received=p.bytes_received,
+            chunks_received=p.chunks_received,
+            rate_bytes_per_s=p.rate or 0.0,
+            inflight=len(p.requests),
+            banned=p.banned,
+            dropped=p.dropped,
+            failures=p.failures,
+            connected=p.connected,
+            last_error=p.last_error,
+            rtt_s=p.rtt,
+            inflight_limit=self._inflight_limit(p) if p.usable else 0,
+            connections=p.connections,
+        )
 
     def banned_peers(self) -> set[str]:
         return {name for name, p in self._peers.items() if p.banned}
