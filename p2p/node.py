@@ -769,9 +769,10 @@ class Node:
                 pass  # the download is over
 
         async def ask(source: str) -> None:
-            for peer, addrs in book.to_dial(await self.ask_peers(source, blob_id)):
+            fresh = book.to_dial(await self.ask_peers(source, blob_id))
+            for peer, addrs in fresh:
                 nursery.start_soon(dial, peer, addrs)
-            book.answered()
+            book.answered(source, len(fresh))
 
         started = trio.current_time()
         async with send, trio.open_nursery() as nursery:

@@ -118,6 +118,11 @@ REQUEST_READ_SIZE = 64 * 1024
 # Blobs whose verified-chunk bitmaps this server remembers (one bit per chunk: 128 KiB for a
 # 1 TiB blob at 1 MiB chunks); past it the oldest is forgotten and its chunks hashed again.
 MAX_VERIFIED_BLOBS = 1024
+# A `peers` answer lists each fellow's addresses from the peerstore, and a swarm asks for
+# them many times a second: each peer's are read (and turned into strings) at most this
+# often, for at most this many peers (p2p.swarm's MAX_SWARM_PEERS per blob, a few blobs).
+ADDRS_CACHE_S = 2.0
+MAX_ADDRS_CACHED = 4096
 # Room for a chunk header in front of its body in the send buffer (they take ~12 bytes).
 HEADER_ROOM = 64
 
@@ -216,6 +221,7 @@ class BlobServer:
         self.stats = ServerStats()
         # Who asked for which blob lately (p2p.swarm): answers 1.2.0's `peers`.
         self.swarm = SwarmBook()
+        self._addrs_cache: dict[str, tuple[float, list[str]]] = {}
         self.host: Any = None
 
     def install(self, host: Any) -> None:
@@ -467,7 +473,19 @@ class BlobServer:
         log.warning("blob %s is damaged on disk and no longer served (%s); %s", blob_id, why, where)
 
     def _addrs_of(self, peer: str) -> list[str]:
-        """``peer``'s addresses in the host's peerstore (identify's listen addresses)."""
+        """``peer``'s addresses in the host's peerstore (identify's listen addresses), read
+        again at most every ADDRS_CACHE_S."""
+        now = trio.current_time()
+        cached = self._addrs_cache.get(peer)
+        if cached is not None and now < cached[0]:
+            return cached[1]
+        addrs = self._read_addrs(peer)
+        if len(self._addrs_cache) >= MAX_ADDRS_CACHED:
+            self._addrs_cache.clear()
+        self._addrs_cache[peer] = (now + ADDRS_CACHE_S, addrs)
+        return addrs
+
+    def _read_addrs(self, peer: str) -> list[str]:
         if self.host is None:
             return []
         try:

@@ -11,7 +11,8 @@ Theory of operation
    listen addresses from the server's peerstore (what identify told it), peers with
    none left out, at most ``MAX_PEERS_LISTED``.
 3. A fetcher (``p2p.node.Node``) asks each provider of a download ``peers`` at most once
-   per ``PEX_INTERVAL``, dials at most ``MAX_SWARM_DIALS`` of the peers it learns per
+   per ``PEX_INTERVAL`` (per source, doubling up to ``PEX_MAX_INTERVAL`` while its answers
+   name nobody new), dials at most ``MAX_SWARM_DIALS`` of the peers it learns per
    download (``PEX_DIAL_PARALLELISM`` at a time) and hands each one it reaches to the
    download as a provider: a fellow fetcher is a partial provider, whose ``have`` the
    download asks again as its chunks arrive (``p2p.downloader.HAVE_REFRESH_INTERVAL``).
@@ -68,6 +69,10 @@ SWARM_EXPIRY = 300.0
 # A fetcher asks one provider `peers` at most this often: fellows join a swarm over the
 # first seconds, and one small request per second per provider costs nothing.
 PEX_INTERVAL = 1.0
+# ... and at most this seldom once its answers stopped naming anyone new: every fetcher
+# asks every fellow it reached, so at 1 s a 16-worker swarm answered ~240 `peers` a second
+# (each listing its fellows' addresses) for nothing after the first few rounds.
+PEX_MAX_INTERVAL = 8.0
 # Providers asked `peers` per round: the swarm's lists overlap, a few sources suffice.
 MAX_PEX_SOURCES = 8
 # Fellow fetchers dialled per download: BitTorrent keeps ~30-50 connections; a blob
@@ -170,6 +175,9 @@ class PexBook:
         self.dialling = 0
         self.reached = 0
         self._asked: dict[str, float] = {}
+        # Each source's own interval: doubles (to PEX_MAX_INTERVAL) while its answers name
+        # nobody new, back to ``interval`` when one does (rule 3).
+        self._every: dict[str, float] = {}
         self._sources: list[str] = []
 
     def add_source(self, peer: str) -> None:
@@ -185,7 +193,8 @@ class PexBook:
             return []
         out = []
         for peer in self._sources:
-            if now - self._asked.get(peer, -self.interval) >= self.interval:
+            every = self._every.get(peer, self.interval)
+            if now - self._asked.get(peer, -every) >= every:
                 self._asked[peer] = now
                 out.append(peer)
                 if len(out) == self.max_sources:
@@ -196,7 +205,11 @@ class PexBook:
         """When a source is next due (``now + interval`` when none is known yet)."""
         if not self._sources:
             return now + self.interval
-        return min(self._asked.get(p, now - self.interval) for p in self._sources) + self.interval
+        return min(
+            self._asked.get(p, now - every) + every
+            for p in self._sources
+            for every in (self._every.get(p, self.interval),)
+        )
 
     def to_dial(self, listed: Iterable[Listed]) -> list[Listed]:
         """Of the peers a source listed, those to dial: new ones, within the dial budget;
@@ -213,9 +226,11 @@ class PexBook:
             out.append((peer, addrs))
         return out
 
-    def answered(self) -> None:
-        """A source answered ``peers`` (after `to_dial` took what it listed)."""
+    def answered(self, source: str, new: int) -> None:
+        """``source`` answered ``peers``, naming ``new`` peers that `to_dial` took."""
         self.answers += 1
+        every = self._every.get(source, self.interval)
+        self._every[source] = self.interval if new else min(PEX_MAX_INTERVAL, 2 * every)
 
     def dial_ended(self, reached: bool) -> None:
         """A dial that `to_dial` asked for ended: the fellow is ``reached``, or not."""

@@ -4,6 +4,8 @@ and the scheduler's spreading of a sole seeder's chunks over fetchers."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from p2p import protocol as proto
@@ -216,3 +218,18 @@ def test_a_seeder_leaves_chunks_a_fellow_holds_to_the_fellow_while_it_is_there()
     assert first is not None and first.ranges == ((4, 8),)
     second = plain.next_request("seed", 0.0)
     assert second is not None and second.ranges[0][0] == 0  # a chunk the fellow holds
+
+
+def test_a_source_that_names_nobody_new_is_asked_ever_less_often() -> None:
+    pex = PexBook("me", interval=1.0)
+    pex.add_source("seed")
+    asked_at = []
+    for tick in range(400):  # 40 s in 0.1 s steps
+        now = tick / 10
+        for source in pex.due(now):
+            asked_at.append(now)
+            pex.answered(source, 0)
+    gaps = [b - a for a, b in itertools.pairwise(asked_at)]
+    assert gaps[:4] == pytest.approx([2.0, 4.0, 8.0, 8.0])  # doubling, then PEX_MAX_INTERVAL
+    pex.answered("seed", 1)  # a new fellow: back to the first interval
+    assert pex.next_wake(asked_at[-1]) == pytest.approx(asked_at[-1] + 1.0)

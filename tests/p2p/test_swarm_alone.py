@@ -85,10 +85,10 @@ def test_alone_means_a_source_answered_and_no_fellow_is_dialled_or_reached() -> 
     pex.add_source("seed")
     assert not pex.alone()  # nobody has answered yet
     assert pex.to_dial([("seed", (ADDR,))]) == []
-    pex.answered()
+    pex.answered("seed", 0)
     assert pex.alone()  # the seeder named nobody new
     assert [p for p, _ in pex.to_dial([("a", (ADDR,)), ("b", (ADDR,))])] == ["a", "b"]
-    pex.answered()
+    pex.answered("seed", 2)
     assert not pex.alone()  # two fellows being dialled
     pex.dial_ended(False)
     assert not pex.alone()
