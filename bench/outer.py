@@ -29,6 +29,7 @@ the best dense DiLoCo at >= 146x fewer bytes than dense fp32, at two settings:
 
     .venv/bin/python bench/outer.py --grid --rounds 30 --inner-steps 50 --jobs 2
     .venv/bin/python bench/outer.py --grid --rounds 50 --inner-steps 20 --jobs 2
+    .venv/bin/python bench/outer.py --grid --rounds 50 --inner-steps 20 --workers 8 --jobs 2
 
 ``--byzantine`` runs the setting given with one more worker that sends, in turn, a huge
 update, garbage at the clip norm, the negated honest sum at the clip norm, a copy of an
