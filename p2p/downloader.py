@@ -285,14 +285,9 @@ class Download:
         probes: HaveProbes | None = None,
         scores: PeerScores | None = None,
         own_peer: str = "",
-        alone: Callable[[], bool] | None = None,
     ) -> None:
         self.network = network
         self.probes = probes
-        # Whether the shell knows that no fellow fetches this blob (p2p.swarm rule 6),
-        # and the scope of each live request, for the scheduler to shed (`set_alone`).
-        self.alone = alone
-        self.shedding: dict[int, trio.CancelScope] = {}
         self.scores = scores
         self.store = store
         self.manifest = manifest
@@ -612,11 +607,6 @@ class Download:
                             client = None
                         lanes[0] -= 1
                         lane = self._quiet_lane(lanes)
-                    if self.alone is not None:
-                        for request_id in self.scheduler.set_alone(self.alone()):
-                            scope = self.shedding.get(request_id)
-                            if scope is not None:
-                                scope.cancel()
                     ticket = self.scheduler.next_request(peer, trio.current_time())
                     if ticket is None:
                         await self._wait_change()
@@ -647,16 +637,12 @@ class Download:
                     else:
                         stream = await self.network.open_blob_stream(peer)
                     client = BlobClient(stream, self.chunk_length)
-                with trio.CancelScope() as shed:
-                    self.shedding[ticket.request_id] = shed
-                    reply = await client.get(
-                        self.blob_id,
-                        ticket.ranges,
-                        bind(self._on_chunk, ticket, writes, writers),
-                        buffers=self.buffers,
-                    )
-                if shed.cancelled_caught:
-                    failure = ObsoleteRequest()
+                reply = await client.get(
+                    self.blob_id,
+                    ticket.ranges,
+                    bind(self._on_chunk, ticket, writes, writers),
+                    buffers=self.buffers,
+                )
         except (
             BadChunk,
             ObsoleteRequest,
@@ -666,8 +652,6 @@ class Download:
             OSError,
         ) as exc:
             failure = exc
-        finally:
-            self.shedding.pop(ticket.request_id, None)
         # The scheduler hears of the request only once each chunk it carried is verified
         # and written (or failed): it must not re-offer a chunk still being written.
         await writes.wait()
@@ -814,13 +798,10 @@ async def download_blob(
     stripe_config: StripeConfig | None = None,
     scores: PeerScores | None = None,
     own_peer: str = "",
-    alone: Callable[[], bool] | None = None,
 ) -> None:
     """Fetch ``blob_id`` into ``store`` (no-op if complete). Raises NoProviders, FetchFailed,
     NoSpace. ``scores``: peers' records of bad data, read and added to (PeerScores).
-    ``own_peer``: this fetcher's peer ID, which picks where in the blob it starts.
-    ``alone``: asked before each request, whether the fetch knows it has no fellows
-    (p2p.swarm rule 6; `p2p.swarm.PexBook.alone`)."""
+    ``own_peer``: this fetcher's peer ID, which picks where in the blob it starts."""
     if await trio.to_thread.run_sync(store.has, blob_id):
         return
     async with trio.open_nursery() as nursery:
@@ -839,7 +820,6 @@ async def download_blob(
                 probes,
                 scores,
                 own_peer,
-                alone,
             )
         finally:
             nursery.cancel_scope.cancel()
@@ -859,7 +839,6 @@ async def _download(
     probes: HaveProbes,
     scores: PeerScores | None,
     own_peer: str = "",
-    alone: Callable[[], bool] | None = None,
 ) -> None:
     candidates = list(dict.fromkeys(providers))
     manifest = await _local_manifest(store, blob_id)
@@ -893,7 +872,6 @@ async def _download(
                 probes=probes,
                 scores=scores,
                 own_peer=own_peer,
-                alone=alone,
             )
             # What this download has in flight is what the node's server calls `soon`.
             with fetching_board(store).posting(blob_id, download.scheduler.in_flight):

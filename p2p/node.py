@@ -45,8 +45,7 @@ Swarming (issue 21, ``p2p.swarm``): while a fetch runs, its providers are asked 
 (``/blobnet/blob/1.2.0``, on a stream of its own) about once a second; fellow fetchers they
 name are dialled (bounded) and join the fetch as partial providers. The node serves the
 blob protocol while it fetches (``NodeConfig.upload``, paced by ``upload_limit``), so
-fellows fetch from it in turn. The peer-exchange book also tells the download whether it
-is alone (p2p.swarm rule 6). Striped providers: a stream that names no connection goes on
+fellows fetch from it in turn. Striped providers: a stream that names no connection goes on
 the first one, the control lane (``_control_connection``; p2p.downloader rule 9).
 """
 
@@ -711,11 +710,10 @@ class Node:
         if await trio.to_thread.run_sync(self._intact, blob_id):
             return
         send, receive = trio.open_memory_channel[str](256)
-        book = PexBook(self.peer_id) if self.config.peer_exchange else None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._feed_dialled, dials, send.clone())
-            if book is not None:
-                nursery.start_soon(self._exchange, blob_id, dials, send.clone(), book)
+            if self.config.peer_exchange:
+                nursery.start_soon(self._exchange, blob_id, dials, send.clone())
             nursery.start_soon(self._discover, blob_id, set(dials.peers), send)
             await download_blob(
                 self,
@@ -729,7 +727,6 @@ class Node:
                 stripe_config=self.config.stripe,
                 scores=self.scores,
                 own_peer=self.peer_id,
-                alone=book.alone if book is not None else None,
             )
             nursery.cancel_scope.cancel()
 
@@ -745,23 +742,18 @@ class Node:
         )
 
     async def _exchange(
-        self, blob_id: str, dials: _Dials, send: trio.MemorySendChannel[str], book: PexBook
+        self, blob_id: str, dials: _Dials, send: trio.MemorySendChannel[str]
     ) -> None:
         """Peer exchange for one fetch (p2p.swarm): ask its providers ``peers`` (each at
-        most once per PEX_INTERVAL), dial the new fellows they name (bounded), and hand
-        each one reached to the download. ``book`` also tells the download whether it is
-        alone (p2p.swarm rule 6)."""
+        most once per PEX_INTERVAL, backing off: `PexBook`), dial the new fellows they name
+        (bounded), and hand each one reached to the download."""
+        book = PexBook(self.peer_id)
         dialling = trio.Semaphore(PEX_DIAL_PARALLELISM)
 
         async def dial(peer: str, addrs: tuple[str, ...]) -> None:
-            reached = False
-            try:
-                async with dialling:
-                    reached = await self.dial_listed(peer, addrs)
-            finally:
-                book.dial_ended(reached)
-            if not reached:
-                return
+            async with dialling:
+                if not await self.dial_listed(peer, addrs):
+                    return
             book.add_source(peer)
             try:
                 await send.send(peer)

@@ -55,11 +55,7 @@ Policy
   partial peer at least as fast holds or claims any (``defer_to_partial_holders``), and
   requests hold at most ``max_request_seconds`` of a peer's rate (``unmeasured_batch_bytes``
   before it is measured), so a slow seeder is never asked for much more than it is sending
-  now. A fetch that the shell says is alone (`set_alone`: no fellow was listed, or each
-  listed one was unreachable) has none of these caps: with no fellow to leave chunks to,
-  they only kept a long path's striped connections idle. When it stops being alone (a
-  fellow is listed: fetchers that start together each hear "nobody" at first), it sheds
-  what it queued at a seeder past the caps' request count (`set_alone`).
+  now.
   A partial peer claims the chunks it said it is fetching now (``soon``, from a 1.3.0
   ``status``): they are not requested from it until its bitmap holds them, but they are
   left to it rather than asked of the seeder a second time. Among pool chunks of equal
@@ -416,8 +412,6 @@ class Scheduler:
             else None
         )
         self._elsewhere = bytes((num_chunks + 7) // 8)
-        # The shell learnt that no fellow fetches this blob (see `set_alone`).
-        self._alone = False
         self._verified_count = 0
         for i in verified:
             self._check_index(i)
@@ -480,27 +474,6 @@ class Scheduler:
         p = self._peer(peer)
         if rtt >= 0.0 and (p.rtt is None or rtt < p.rtt):
             p.rtt = rtt
-
-    def set_alone(self, alone: bool) -> list[int]:
-        """Whether this fetch knows it has no fellows (p2p.swarm rule 6): while it does,
-        the swarm's caps on a seeder's requests are off ("Swarming" above). Returns the
-        live requests the shell should abandon (`cancel`) because the fetch just stopped
-        being alone: at each peer with every chunk, all but its oldest
-        ``swarm_unmeasured_inflight_requests``. What they delivered stays verified; the
-        rest goes back to the pool, for fellows to claim instead of waiting on a queue
-        that this fetch built at a seeder while it thought itself alone."""
-        was = self._alone
-        self._alone = alone
-        if not was or alone or not self._cfg.defer_to_partial_holders:
-            return []
-        keep = self._cfg.swarm_unmeasured_inflight_requests
-        shed: list[int] = []
-        for p in self._peers.values():
-            if p.bitmap is not None or len(p.requests) <= keep:
-                continue
-            live = sorted(p.requests.values(), key=lambda r: (r.issued_at, r.ticket.request_id))
-            shed.extend(r.ticket.request_id for r in live[keep:])
-        return shed
 
     def set_connections(self, peer: str, count: int) -> None:
         """The shell now stripes `peer`'s streams over `count` connections; each should
@@ -1033,7 +1006,7 @@ class Scheduler:
             want = max(want, math.ceil(p.rate * p.rtt / request_bytes) + 1)
         if p.busy_limit is not None:
             want = min(want, p.busy_limit)
-        if cfg.defer_to_partial_holders and not self._alone and p.bitmap is None and p.rate is None:
+        if cfg.defer_to_partial_holders and p.bitmap is None and p.rate is None:
             want = min(want, cfg.swarm_unmeasured_inflight_requests)
         return min(cap, want)
 
@@ -1052,9 +1025,7 @@ class Scheduler:
             size = max(1, min(m, math.ceil(m * p.rate / best)))
         cfg = self._cfg
         chunk = max(1, self._chunk_length(0)) if self._n else 1
-        if self._alone:
-            pass  # p2p.swarm rule 6: no swarm caps
-        elif p.rate is None and cfg.unmeasured_batch_bytes is not None:
+        if p.rate is None and cfg.unmeasured_batch_bytes is not None:
             size = min(size, max(1, cfg.unmeasured_batch_bytes // chunk))
         elif p.rate is not None and cfg.max_request_seconds is not None:
             size = min(size, max(1, math.ceil(p.rate * cfg.max_request_seconds / chunk)))

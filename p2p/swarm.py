@@ -12,11 +12,12 @@ Theory of operation
    none left out, at most ``MAX_PEERS_LISTED``.
 3. A fetcher (``p2p.node.Node``) asks each provider of a download ``peers`` at most once
    per ``PEX_INTERVAL`` (per source, doubling up to ``PEX_MAX_INTERVAL`` while its answers
-   name nobody new), dials at most ``MAX_SWARM_DIALS`` of the peers it learns per
-   download (``PEX_DIAL_PARALLELISM`` at a time) and hands each one it reaches to the
-   download as a provider: a fellow fetcher is a partial provider, whose ``have`` the
-   download asks again as its chunks arrive (``p2p.downloader.HAVE_REFRESH_INTERVAL``).
-   Everything a fellow sends is verified like any other provider's data; a liar is banned.
+   name nobody new),
+   dials at most ``MAX_SWARM_DIALS`` of the peers it learns per download
+   (``PEX_DIAL_PARALLELISM`` at a time) and hands each one it reaches to the download as a
+   provider: a fellow fetcher is a partial provider, whose ``have`` the download asks again
+   as its chunks arrive (``p2p.downloader.HAVE_REFRESH_INTERVAL``). Everything a fellow
+   sends is verified like any other provider's data; a liar is banned.
    `PexBook` is that bookkeeping, sans-IO.
 4. Chunks in flight are visible (``/blobnet/blob/1.3.0``'s ``status``): a download posts
    the chunks it has requested and not yet verified on its store's `FetchingBoard`; the
@@ -30,16 +31,6 @@ Theory of operation
    (``FetchingBoard.last_asked``), at most ``LINGER_MAX`` after completion. A one-shot
    ``blob get`` that left at once took the chunks it got last with it, and its fellows
    had to ask the seeder for them again.
-6. A fetch that knows it is alone is no swarm: once a provider it asked ``peers`` has
-   answered and no fellow it was told of is being dialled or was reached
-   (`PexBook.alone`), the scheduler drops the swarm's caps on what it asks a seeder for
-   (``p2p.scheduler``'s "Swarming"). They exist so that fetchers starting together on one
-   slow seeder do not each queue much of the blob there; a lone fetch across a long path
-   needs the opposite, every striped connection busy from the first round trip (issue
-   15's eu->asia fetch of 256 MiB: ~37 MB/s with the caps, ~47 MB/s without). Until the
-   first answer, and while a fellow is being dialled or was reached, the caps hold; a
-   fetch that learns of a fellow after all sheds what it queued at a seeder beyond them
-   (``Scheduler.set_alone``): fetchers that start together each hear "nobody" first.
 
 All time is the ``now`` argument (seconds, monotonic); nothing here does I/O.
 """
@@ -170,10 +161,6 @@ class PexBook:
         self.max_sources = max_sources
         self.known: set[str] = {own_peer}
         self.dialled = 0
-        # Rule 6: answers to `peers` so far, fellow dials in progress, fellows reached.
-        self.answers = 0
-        self.dialling = 0
-        self.reached = 0
         self._asked: dict[str, float] = {}
         # Each source's own interval: doubles (to PEX_MAX_INTERVAL) while its answers name
         # nobody new, back to ``interval`` when one does (rule 3).
@@ -222,24 +209,13 @@ class PexBook:
                 break
             self.known.add(peer)
             self.dialled += 1
-            self.dialling += 1
             out.append((peer, addrs))
         return out
 
     def answered(self, source: str, new: int) -> None:
         """``source`` answered ``peers``, naming ``new`` peers that `to_dial` took."""
-        self.answers += 1
         every = self._every.get(source, self.interval)
         self._every[source] = self.interval if new else min(PEX_MAX_INTERVAL, 2 * every)
-
-    def dial_ended(self, reached: bool) -> None:
-        """A dial that `to_dial` asked for ended: the fellow is ``reached``, or not."""
-        self.dialling = max(0, self.dialling - 1)
-        self.reached += reached
-
-    def alone(self) -> bool:
-        """Rule 6: a source answered, and no fellow is being dialled or was reached."""
-        return self.answers > 0 and not self.dialling and not self.reached
 
 
 def listing(
