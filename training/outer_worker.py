@@ -51,8 +51,10 @@ become the next state (``training.outer_aggregate``) and when to re-send an anno
    remaining rounds alone (at once if it had heard none of their closures, else once
    their blobs were dropped as unavailable, rule 4 of outer_agreement) and exit 0 on a
    rival root, "agreed" because it heard no final root to compare: a silent fork. Now a
-   worker that trained with others proposes only while connected to an admitted peer;
-   with none for ``_alone_bound`` it stops with an error. A SIGSTOPped peer's TCP
+   worker that trained with others proposes, and fetches the blobs a closure names,
+   only while connected to an admitted peer; with none for ``_alone_bound`` it stops
+   with an error (a closure it heard whose blobs nobody left can serve no longer costs
+   it ``UNAVAILABLE_TRIES`` fetch bounds first). A SIGSTOPped peer's TCP
    connections stay up, so the others do not stop while it is paused. The price: the
    last survivor of a run whose other workers all died stops too instead of finishing
    alone (it cannot tell them from a run that went on without it).
@@ -687,7 +689,7 @@ class Worker:
             return
         entries = [(x.peer, x.blob) for x in c.included]
         for peer, blob in entries:
-            if not await self._fetch(blob, self._providers(checked, [peer]), self._fetch_bound()):
+            if not await self._fetch_named(checked, blob, self._providers(checked, [peer])):
                 _say(
                     self.label,
                     f"closure {checked.digest.hex()[:12]}: update {blob[:12]} unavailable",
@@ -714,7 +716,7 @@ class Worker:
     async def _catch_up(self, checked: CheckedClosure) -> None:
         c = checked.closure
         providers = self._providers(checked, [c.proposer])
-        if not await self._fetch(c.state_blob, providers, self._fetch_bound()):
+        if not await self._fetch_named(checked, c.state_blob, providers):
             self._unavailable(checked)
             await self._redial()
             return
@@ -730,6 +732,17 @@ class Worker:
         before = self.state.round if self.state is not None else None
         await self._adopt(state, checked, "caught up", None, c.state_blob, len(data))
         _say(self.label, f"caught up from state round {before} to {state.round}")
+
+    async def _fetch_named(
+        self, checked: CheckedClosure, blob: str, providers: Sequence[str]
+    ) -> bool:
+        """Fetch a blob a closure names. While alone (point 6) nobody can serve it: it
+        waits for a peer first (stopping if none comes) instead of spending fetch bounds,
+        UNAVAILABLE_TRIES of them, on a closure of a run that ended without it."""
+        if self._alone() and not await trio.to_thread.run_sync(self.node.store.has, blob):
+            what = f"nobody to fetch closure {checked.digest.hex()[:12]}'s blobs from"
+            await self._waited_for_peers(checked.closure.round, what)
+        return await self._fetch(blob, providers, self._fetch_bound())
 
     async def _redial(self) -> None:
         """Drop every connection; the dial loop makes new ones within a second. After this
@@ -1152,13 +1165,15 @@ class Worker:
         peers = set(self.dialer.peers) - {self.peer}
         return not peers & set(self.node.connected_peers())
 
-    async def _waited_for_peers(self, r: int) -> bool:
-        """Point 6: before proposing for round ``r``, wait while alone; False if there was
-        no need. With nobody back within ``_alone_bound`` it stops: every closure it made
-        alone would be a fork of whatever the others agreed on."""
+    async def _waited_for_peers(self, r: int, what: str = "not proposing alone") -> bool:
+        """Point 6: before proposing for round ``r`` (or fetching a closure's blobs), wait
+        while alone; False if there was no need. With nobody back within ``_alone_bound``
+        it stops: every closure it made alone would be a fork of whatever the others
+        agreed on, and a closure's blobs cannot come from nobody."""
         if not self._alone():
             return False
-        _say(self.label, f"round {r}: no worker of the run connected; not proposing alone")
+        _say(self.label, f"round {r}: no worker of the run connected; {what}")
+        self.dialer.all_due(trio.current_time())  # the wait is for them: dial all now
         with trio.move_on_after(self._alone_bound()):
             # The dial loop connects; the node has no event for a new connection.
             while self._alone():  # noqa: ASYNC110
