@@ -21,11 +21,11 @@ pytestmark = [
 ]
 
 
-# About 50 s: torch's import, 2 short rounds, the others' linger for the stopped worker's
-# final root (a fetch bound: 3 x deadline + 10 s), then its wait for a peer (as long). Round
-# 1 is the one it misses; whether it heard that closure or not it stops within a fetch
-# bound or two of waking (it used to retry a closure it heard for UNAVAILABLE_TRIES x 2
-# fetch bounds first, 128 s at a 2 s deadline).
+# 59-78 s on a loaded 2-vCPU box: torch's imports (about 30 s), 2 short rounds, the others'
+# linger for the stopped worker's final root (a fetch bound: 3 x deadline + 10 s), their
+# exit, then its wait for a peer (a fetch bound). Whether it heard round 1's closure or not,
+# it stops a fetch bound after waking (it used to retry a closure it heard for
+# UNAVAILABLE_TRIES x 2 fetch bounds first: 128 s at a 2 s deadline).
 @pytest.mark.timeout(300)
 def test_a_worker_left_behind_stops_instead_of_closing_rounds_alone(tmp_path: Path) -> None:
     params = RunParams(
