@@ -14,10 +14,11 @@ become the next state (``training.outer_aggregate``) and when to re-send an anno
    (``training.outer_announce.PeerDialer``), so the TCP connections form a mesh whoever
    bootstrapped to whom, and a worker back from a pause finds the living peers even if
    its bootstrap peers are dead; one samples the sockets' byte counts and notices a pause
-   (the monotonic clock jumped): connections may then be dead on the far side, so it
-   drops them and dials everyone again at once; fetches run as tasks of the round; the
-   driver (``_drive``) does everything that changes the worker's state, so nothing else
-   ever sees a half-changed state.
+   (the monotonic clock jumped): it keeps its live connections (dropping them lost the
+   closures published meanwhile) and dials every missing peer at once; only a state fetch
+   that fails drops every connection to dial afresh; fetches run as tasks of the
+   round; the driver (``_drive``) does everything that changes the worker's state, so
+   nothing else ever sees a half-changed state.
 2. The driver, in a loop: (a) if it holds no update for its current state and round,
    trains one (torch in a thread; messages keep flowing), unless the state changed
    meanwhile, then puts, attests and announces it; (b) asks ``next_step``: Apply (fetch the
