@@ -12,8 +12,7 @@ Theory of operation
    none left out, at most ``MAX_PEERS_LISTED``.
 3. A fetcher (``p2p.node.Node``) asks each provider of a download ``peers`` at most once
    per ``PEX_INTERVAL`` (per source, doubling up to ``PEX_MAX_INTERVAL`` while its answers
-   name nobody new),
-   dials at most ``MAX_SWARM_DIALS`` of the peers it learns per download
+   name nobody new), dials at most ``MAX_SWARM_DIALS`` of the peers it learns per download
    (``PEX_DIAL_PARALLELISM`` at a time) and hands each one it reaches to the download as a
    provider: a fellow fetcher is a partial provider, whose ``have`` the download asks again
    as its chunks arrive (``p2p.downloader.HAVE_REFRESH_INTERVAL``). Everything a fellow
@@ -180,7 +179,7 @@ class PexBook:
             return []
         out = []
         for peer in self._sources:
-            every = self._every.get(peer, self.interval)
+            every = self._interval(peer)
             if now - self._asked.get(peer, -every) >= every:
                 self._asked[peer] = now
                 out.append(peer)
@@ -192,10 +191,9 @@ class PexBook:
         """When a source is next due (``now + interval`` when none is known yet)."""
         if not self._sources:
             return now + self.interval
+        # A source never asked is due now.
         return min(
-            self._asked.get(p, now - every) + every
-            for p in self._sources
-            for every in (self._every.get(p, self.interval),)
+            self._asked.get(p, now - self._interval(p)) + self._interval(p) for p in self._sources
         )
 
     def to_dial(self, listed: Iterable[Listed]) -> list[Listed]:
@@ -214,8 +212,11 @@ class PexBook:
 
     def answered(self, source: str, new: int) -> None:
         """``source`` answered ``peers``, naming ``new`` peers that `to_dial` took."""
-        every = self._every.get(source, self.interval)
+        every = self._interval(source)
         self._every[source] = self.interval if new else min(PEX_MAX_INTERVAL, 2 * every)
+
+    def _interval(self, source: str) -> float:
+        return self._every.get(source, self.interval)
 
 
 def listing(
