@@ -182,6 +182,14 @@ def _run_options(f: Any) -> Any:
             show_default=True,
             help="Share of each round's updates another worker replays to verify them.",
         ),
+        click.option(
+            "--fetch-floor",
+            type=click.FloatRange(0.1, 86_400),
+            default=10.0,
+            show_default=True,
+            help="Seconds a fetch gets on top of three deadlines (also how long a finished "
+            "worker waits for a missing one).",
+        ),
     ]
     for option in reversed(options):
         f = option(f)

@@ -109,6 +109,11 @@ class RunParams:
     # at 0.25 each worker replays about a quarter of an update per round (a quarter of
     # its training compute) and a cheat in 8 rounds is caught with probability 0.9.
     replay_rate: float = 0.25
+    # The least time a worker gives one fetch (a closure's blobs, a state blob) on top of
+    # three deadlines: dials, stream opens and slow links. It also bounds how long a
+    # finished worker lingers for a missing final root and how long one with nobody
+    # connected waits before it stops (training.outer_worker points 3 and 6).
+    fetch_floor: float = 10.0
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -120,6 +125,8 @@ class RunParams:
             raise ValueError("the proposer timeout must be > 0")
         if not 0.0 <= self.replay_rate <= 1.0:
             raise ValueError("the replay rate must be in [0, 1]")
+        if not self.fetch_floor > 0:
+            raise ValueError("the fetch floor must be > 0")
         self.codec()
 
     def codec(self) -> CodecParams:
@@ -502,6 +509,8 @@ def worker_argv(
         str(p.shard_sequences),
         "--replay-rate",
         repr(p.replay_rate),
+        "--fetch-floor",
+        repr(p.fetch_floor),
         "--authority",
         plan.authority,
         "--cert",

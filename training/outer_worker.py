@@ -569,7 +569,7 @@ class Worker:
         return list(dict.fromkeys(out))
 
     def _fetch_bound(self) -> float:
-        return 3 * self.params.deadline + 10.0
+        return 3 * self.params.deadline + self.params.fetch_floor
 
     # --- adopting a state -------------------------------------------------------------
     async def _adopt(
