@@ -62,6 +62,7 @@ from p2p import protocol as proto
 from p2p.buffers import ChunkBuffers
 from p2p.chunk_writer import ChunkWriter, usable_cpus
 from p2p.errors import FetchFailed, NoProviders
+from p2p.fast import kernel_rtt
 from p2p.scheduler import (
     PeerScores,
     PeerStats,
@@ -107,6 +108,18 @@ MIN_BUFFERS = 4
 # thread takes the GIL once per chunk. With more cores, hashing in the writer threads
 # keeps the event loop free for receiving.
 HASH_ON_ARRIVAL = usable_cpus() <= 2
+
+
+def path_rtt(timed: float, stream: Any) -> float:
+    """A request's round trip on ``stream`` as the scheduler should see it: the time it
+    took, less one kernel-measured RTT when that is what it took too long by. The first
+    request on a new connection leaves before the muxer's answer (p2p.fast.upgrade) and so
+    waits out the listener's setup as well: about two round trips, where later ones take
+    one plus the server's time. Never below the kernel's RTT."""
+    kernel = kernel_rtt(stream)
+    if kernel is None:
+        return timed
+    return min(timed, max(kernel, timed - kernel))
 
 
 class BadChunk(Exception):
@@ -243,7 +256,7 @@ class HaveProbes:
                 client = BlobClient(stream)
                 asked = trio.current_time()
                 probe.have = await client.have(self._blob_id)
-                probe.rtt = trio.current_time() - asked
+                probe.rtt = path_rtt(trio.current_time() - asked, stream)
                 probe.client = client
                 stream = None
         except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
@@ -418,7 +431,7 @@ class Download:
                     client = BlobClient(stream, self.chunk_length)
                     asked = trio.current_time()
                     have = await client.have(self.blob_id)
-                    rtt = trio.current_time() - asked
+                    rtt = path_rtt(trio.current_time() - asked, stream)
         except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
             log.info("provider %s unusable: %r", peer, exc)
             if stream is not None:

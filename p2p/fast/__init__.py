@@ -19,6 +19,8 @@ and `yamux` are the trio shells; `upgrade` swaps py-libp2p's muxer negotiator.
 
 from __future__ import annotations
 
+import socket
+import struct
 from typing import Any
 
 from libp2p.abc import ISecureTransport
@@ -57,6 +59,32 @@ def fast_stream_of(stream: Any) -> FastYamuxStream | None:
     """The fast muxed stream under a py-libp2p NetStream (or the stream itself), if any."""
     muxed = getattr(stream, "muxed_stream", stream)
     return muxed if isinstance(muxed, FastYamuxStream) else None
+
+
+# struct tcp_info (linux/tcp.h): eight u8 fields, then u32s; tcpi_rtt, the smoothed RTT in
+# microseconds, is the sixteenth u32.
+_TCPI_RTT = struct.Struct("=I")
+_TCPI_RTT_OFFSET = 8 + 15 * 4
+_TCP_INFO_LEN = 104
+
+
+def kernel_rtt(stream: Any) -> float | None:
+    """The kernel's smoothed RTT (seconds) of the TCP connection under a fast-path stream,
+    or None (another stack, another OS, no sample yet). Unlike timing a request, it holds
+    no muxer negotiation and no server time."""
+    fast = fast_stream_of(stream)
+    sock = getattr(getattr(fast.muxed_conn, "secured_conn", None), "sock", None) if fast else None
+    option = getattr(socket, "TCP_INFO", None)
+    if sock is None or option is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, option, _TCP_INFO_LEN)
+    except OSError:
+        return None
+    if len(info) < _TCPI_RTT_OFFSET + _TCPI_RTT.size:
+        return None
+    (micros,) = _TCPI_RTT.unpack_from(info, _TCPI_RTT_OFFSET)
+    return micros / 1e6 if micros else None
 
 
 async def read_into(stream: Any, buf: Any) -> int:
@@ -106,6 +134,7 @@ __all__ = [
     "YamuxProtocolError",
     "fast_stream_of",
     "install",
+    "kernel_rtt",
     "muxer_options",
     "read_exactly_into",
     "read_into",

@@ -243,13 +243,17 @@ class FastYamuxConn(IMuxedConn):
         peer_id: ID,
         is_initiator: bool | None = None,
         on_close: Callable[[], Awaitable[Any]] | None = None,
+        *,
+        expect: bytes = b"",
     ) -> None:
+        """``expect``: the multistream answer to a proposal sent without waiting for it
+        (p2p.fast.upgrade), checked before the first frame (yamux_core invariant 9)."""
         if not isinstance(secured_conn, FastSecureConn):
             raise LocalProtocolError("FastYamuxConn runs only over FastSecureConn")
         self.secured_conn = secured_conn
         self.peer_id = peer_id
         self._is_initiator = secured_conn.is_initiator if is_initiator is None else is_initiator
-        self.session = YamuxSession(self._is_initiator, pool=SHARED_WINDOWS)
+        self.session = YamuxSession(self._is_initiator, pool=SHARED_WINDOWS, expect=expect)
         self.on_close = on_close
         self.event_started = trio.Event()
         self.event_closed = trio.Event()

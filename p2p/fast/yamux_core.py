@@ -36,6 +36,11 @@ Invariants:
    `is_payload` said is payload of one stream, becomes at most one queue entry; the session
    takes it back for reuse once the application has read that entry entirely, which saves an
    allocation per 64 KiB frame when the reader is not waiting.
+9. A dialler that proposed `/yamux/1.0.0` without waiting for the answer (p2p.fast.upgrade)
+   gives the session the bytes that answer must be (`expect`): the first bytes received
+   must match them, else the peer refused yamux and the session ends; the first frame
+   follows them. Frames we send meanwhile follow our proposal on the wire, so a listener
+   that accepts reads them as yamux.
 """
 
 from __future__ import annotations
@@ -85,6 +90,9 @@ DEFAULT_MAX_STREAMS = 256
 # Control frames we owe but the peer does not read (e.g. a ping flood while it never reads):
 # past this the peer is misbehaving and the session ends.
 MAX_PENDING_CONTROL = 1024 * 1024
+# The longest prefix a session may expect before the first frame (invariant 9): the
+# multistream header's and the protocol's echoes are 34 bytes.
+MAX_EXPECTED_PREFIX = 256
 # Windows and lengths are u32 on the wire.
 MAX_U32 = 2**32 - 1
 # Size of recycled decryption buffers: the largest Noise plaintext (65535 - 16-byte tag).
@@ -188,7 +196,10 @@ class YamuxSession:
         session_window: int = DEFAULT_SESSION_WINDOW,
         max_streams: int = DEFAULT_MAX_STREAMS,
         pool: WindowPool | None = None,
+        expect: bytes = b"",
     ) -> None:
+        if len(expect) > MAX_EXPECTED_PREFIX:
+            raise LocalProtocolError("an expected prefix is a multistream answer, not data")
         if not INITIAL_WINDOW <= max_window <= MAX_U32:
             raise LocalProtocolError("max_window must be between 256 KiB and 2**32-1")
         self.is_initiator = is_initiator
@@ -207,6 +218,8 @@ class YamuxSession:
         self.pongs: list[int] = []
         self._pool: list[PlainBuffer] = []
         self._out = bytearray()
+        # Bytes the peer must send before its first frame (invariant 9): what is left of it.
+        self._expect = memoryview(expect)
         # Parser state: a partial header, or the payload still expected for a DATA frame.
         self._hdr = bytearray()
         self._payload_left = 0
@@ -243,6 +256,13 @@ class YamuxSession:
         mv = data if isinstance(data, memoryview) else memoryview(data)
         pos = 0
         n = len(mv)
+        if self._expect:
+            pos = min(n, len(self._expect))
+            if mv[:pos] != self._expect[:pos]:
+                raise YamuxProtocolError(
+                    f"the peer did not accept yamux: it answered {bytes(mv[:64])!r}", None
+                )
+            self._expect = self._expect[pos:]
         hdr = self._hdr
         while pos < n:
             left = self._payload_left

@@ -310,3 +310,32 @@ def test_sessions_sharing_a_pool_stay_within_its_one_budget() -> None:
         alone.receive(frame(TYPE_DATA, FLAG_SYN, sid, INITIAL_WINDOW, bytes(INITIAL_WINDOW)))
         alone.pop(alone.accepted.popleft(), -1)
     assert alone.extra_credit() > pool.limit
+
+
+ECHO = b"\x13/multistream/1.0.0\n\x0d/yamux/1.0.0\n"  # what a listener that accepts sends
+
+
+@pytest.mark.parametrize("split", [1, 5, len(ECHO), len(ECHO) + 3])
+def test_a_dialler_that_did_not_wait_checks_the_muxer_echo_before_the_first_frame(
+    split: int,
+) -> None:
+    """The dialler sent its /yamux/1.0.0 proposal and opened a stream in the same flight
+    (p2p.fast.upgrade): the listener's echo, in any split, is taken off before the frames
+    that follow it, which are then yamux as usual."""
+    dialler = YamuxSession(is_initiator=True, expect=ECHO)
+    st = dialler.open_stream()
+    wire = ECHO + frame(TYPE_WINDOW_UPDATE, FLAG_ACK, st.stream_id, 0)
+    wire += frame(TYPE_DATA, 0, st.stream_id, 5, b"hello")
+    dialler.receive(wire[:split])
+    dialler.receive(wire[split:])
+    assert st.acked and bytes(dialler.pop(st, -1)) == b"hello"
+
+
+def test_a_listener_that_refuses_yamux_ends_the_session_before_any_frame() -> None:
+    dialler = YamuxSession(is_initiator=True, expect=ECHO)
+    dialler.open_stream()
+    dialler.receive(ECHO[:20])  # the multistream header is fine
+    with pytest.raises(YamuxProtocolError, match="did not accept yamux"):
+        dialler.receive(b"\x03na\n")
+    with pytest.raises(LocalProtocolError):
+        YamuxSession(is_initiator=True, expect=b"x" * 4096)  # a prefix, not a payload

@@ -264,3 +264,22 @@ async def test_the_first_chunk_comes_two_round_trips_after_the_start(
     kinds = [k for _, k, t in network.requests if t - start < rtt / 2]
     assert sorted(kinds) == ["HaveRequest", "ManifestRequest"]
     assert store.verify(MANIFEST.blob_id) == []
+
+
+@pytest.mark.parametrize(
+    ("timed", "kernel", "seen"),
+    [
+        (0.40, 0.20, 0.20),  # a new connection's first request: it waited out the setup too
+        (0.21, 0.20, 0.20),  # a later one: one round trip and the server's time
+        (1e-3, 5e-5, 1e-3 - 5e-5),  # loopback: the server's time is all there is
+        (0.30, None, 0.30),  # no kernel figure (another stack or OS): as timed
+    ],
+)
+def test_a_requests_round_trip_is_corrected_by_the_kernels_rtt(
+    monkeypatch: pytest.MonkeyPatch, timed: float, kernel: float | None, seen: float
+) -> None:
+    """The first `have` on a connection dialled without waiting for the muxer's answer
+    takes two round trips; the scheduler and stripe growth must see one (a 100 ms path
+    read as 200 ms is striped eight ways instead of four)."""
+    monkeypatch.setattr(downloader, "kernel_rtt", lambda stream: kernel)
+    assert downloader.path_rtt(timed, object()) == pytest.approx(seen)
