@@ -21,7 +21,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF, StreamReset
 from libp2p.peer.peerinfo import PeerInfo
 
-from p2p.fast import FastYamuxConn, FastYamuxStream, read_exactly_into, read_into
+from p2p.fast import FastYamuxConn, FastYamuxStream, kernel_rtt, read_exactly_into, read_into
 from p2p.fast.yamux_core import HEADER, INITIAL_WINDOW, TYPE_DATA
 
 SINK = TProtocol("/blobnet-test/sink/1.0.0")
@@ -268,3 +268,23 @@ async def test_window_overrun_gets_go_away_and_closes_both_ends() -> None:
             await conn.submit(HEADER.pack(0, TYPE_DATA, 0, sid, 16 * 1024 * 1024), None)
             await conn.event_closed.wait()
             assert "GO_AWAY code 1" in (conn.dead_reason or "")
+
+
+@pytest.mark.skipif(not hasattr(__import__("socket"), "TCP_INFO"), reason="needs TCP_INFO")
+async def test_the_kernels_rtt_of_a_fast_stream_is_loopbacks() -> None:
+    """`kernel_rtt` reads tcpi_rtt out of struct tcp_info: on loopback it is far below
+    50 ms, where the fields beside it (the RTO, 200 ms at least; the MSS) are not. A stream
+    of another stack has none."""
+    a, b, c = make_host("fast"), make_host("fast"), make_host("default")
+    b.set_stream_handler(ECHO, libp2p_echo_handler)
+    c.set_stream_handler(ECHO, libp2p_echo_handler)
+    with trio.fail_after(30):
+        async with running(a, b, c):
+            await connect(a, b)
+            stream = await a.new_stream(b.get_id(), [ECHO])
+            assert await echo_roundtrip(Pipe.of_libp2p(stream), b"x" * 5000) == b"x" * 5000
+            rtt = kernel_rtt(stream)
+            assert rtt is not None and 0 < rtt < 0.05, rtt
+            await connect(c, b)
+            plain = await c.new_stream(b.get_id(), [ECHO])
+            assert kernel_rtt(plain) is None
