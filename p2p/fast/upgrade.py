@@ -92,7 +92,9 @@ class FastMuxerMultistream(MuxerMultistream):
             # flight as the proposal instead of a round trip later.
             expect = encode_delim(MULTISTREAM.encode()) + encode_delim(offered[0].encode())
             await conn.write(expect)
-            muxed_fast = FastYamuxConn(conn, peer_id, expect=expect)
+            muxed_fast = FastYamuxConn(
+                conn, peer_id, expect=expect, echo_timeout=float(self.negotiate_timeout)
+            )
             return self._annotate_connection(muxed_fast, conn, offered[0])
         if conn.is_initiator and len(offered) == 1:
             try:

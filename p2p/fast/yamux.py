@@ -41,6 +41,7 @@ import trio
 from libp2p.abc import IMuxedConn, IMuxedStream, ISecureConn
 from libp2p.io.exceptions import IOException
 from libp2p.peer.id import ID
+from libp2p.protocol_muxer.multiselect_client import DEFAULT_NEGOTIATE_TIMEOUT
 from libp2p.stream_muxer.exceptions import (
     MuxedConnUnavailable,
     MuxedStreamClosed,
@@ -73,6 +74,9 @@ CONTROL_BATCH = 64 * 1024
 NUDGE_MIN = 16 * 1024
 # How long close() waits for queued frames (and our GO_AWAY) to reach the socket.
 CLOSE_FLUSH_TIMEOUT = 1.0
+# A dialler that proposed yamux without waiting (yamux_core invariant 9) gives the echo
+# this long: what py-libp2p's negotiation allows a listener to answer a proposal in.
+ECHO_TIMEOUT = float(DEFAULT_NEGOTIATE_TIMEOUT)
 
 
 _wire_bound = FrameWriter.wire_bound
@@ -245,15 +249,21 @@ class FastYamuxConn(IMuxedConn):
         on_close: Callable[[], Awaitable[Any]] | None = None,
         *,
         expect: bytes = b"",
+        echo_timeout: float = ECHO_TIMEOUT,
     ) -> None:
         """``expect``: the multistream answer to a proposal sent without waiting for it
-        (p2p.fast.upgrade), checked before the first frame (yamux_core invariant 9)."""
+        (p2p.fast.upgrade), checked before the first frame (yamux_core invariant 9); a peer
+        that has not sent all of it within ``echo_timeout`` seconds ends the connection, as
+        a listener that never answers a proposal fails the dial that waits for it."""
+        if not echo_timeout > 0:
+            raise LocalProtocolError("echo_timeout must be positive")
         if not isinstance(secured_conn, FastSecureConn):
             raise LocalProtocolError("FastYamuxConn runs only over FastSecureConn")
         self.secured_conn = secured_conn
         self.peer_id = peer_id
         self._is_initiator = secured_conn.is_initiator if is_initiator is None else is_initiator
         self.session = YamuxSession(self._is_initiator, pool=SHARED_WINDOWS, expect=expect)
+        self._echo_timeout = echo_timeout
         self.on_close = on_close
         self.event_started = trio.Event()
         self.event_closed = trio.Event()
@@ -331,6 +341,8 @@ class FastYamuxConn(IMuxedConn):
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._send_loop)
+                if self.session.awaiting_echo:
+                    nursery.start_soon(self._echo_deadline)
                 self.event_started.set()
                 try:
                     await self._recv_loop()
@@ -588,6 +600,13 @@ class FastYamuxConn(IMuxedConn):
                 self._accept_event = None
                 ev.set()
         self.kick()
+
+    async def _echo_deadline(self) -> None:
+        await trio.sleep(self._echo_timeout)
+        if self.session.awaiting_echo:
+            reason = f"the peer did not answer our muxer proposal within {self._echo_timeout:g} s"
+            logger.info("closing connection to %s: %s", self.peer_id, reason)
+            self._die(reason)
 
     def _die(self, reason: str) -> None:
         if self.dead_reason is None:

@@ -251,6 +251,11 @@ class YamuxSession:
 
     # --------------------------------------------------------------------------- receiving
 
+    @property
+    def awaiting_echo(self) -> bool:
+        """Part of the expected multistream answer (invariant 9) has not arrived yet."""
+        return bool(self._expect)
+
     def receive(self, data: bytes | memoryview) -> None:
         """Parse decrypted bytes (any split); see invariant 7 about buffer ownership."""
         mv = data if isinstance(data, memoryview) else memoryview(data)

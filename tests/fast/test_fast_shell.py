@@ -1,15 +1,18 @@
 """The trio shell over a bare socket pair (no hosts): what goes on the wire when a writer is
-cancelled with its frame only part-way into a full socket."""
+cancelled with its frame only part-way into a full socket, and how long a dialler that
+proposed yamux without waiting (yamux_core invariant 9) waits for the listener's answer."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.io.trio import TrioTCPStream
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
+from libp2p.utils import encode_delim
 
 from p2p.fast import FastSecureConn, FastYamuxConn
 from p2p.fast.noise_frames import CipherState, FrameReader
@@ -19,7 +22,7 @@ KEY_OUT = bytes(range(32))
 KEY_IN = bytes(range(1, 33))
 
 
-def make_conn(sock: trio.socket.SocketType) -> FastYamuxConn:
+def make_conn(sock: trio.socket.SocketType, **kwargs: Any) -> FastYamuxConn:
     kp = create_new_key_pair()
     peer = ID.from_pubkey(kp.public_key)
     raw = RawConnection(TrioTCPStream(trio.SocketStream(sock)), initiator=True)
@@ -33,7 +36,7 @@ def make_conn(sock: trio.socket.SocketType) -> FastYamuxConn:
         send_cipher=CipherState(KEY_OUT),
         recv_cipher=CipherState(KEY_IN),
     )
-    return FastYamuxConn(secure, peer)
+    return FastYamuxConn(secure, peer, **kwargs)
 
 
 def data_payload(wire: bytes) -> bytes:
@@ -86,5 +89,45 @@ async def test_cancelled_writer_leaves_whole_frames_on_the_wire() -> None:
             got = data_payload(bytes(wire))
             assert len(got) > 0
             assert stream_payload.startswith(got)
+            nursery.cancel_scope.cancel()
+    theirs.close()
+
+
+ECHO = encode_delim(b"/multistream/1.0.0") + encode_delim(b"/yamux/1.0.0")
+
+
+def sealed(plain: bytes) -> bytes:
+    """One Noise frame from the far end (its send key is our receive key)."""
+    body = CipherState(KEY_IN).encrypt(plain)
+    return len(body).to_bytes(2, "big") + body
+
+
+async def test_a_listener_that_never_answers_the_proposal_ends_the_connection() -> None:
+    """Before the optimistic muxer, such a listener failed the dial within the negotiation
+    timeout; now the session ends within it, with a reason that names the muxer."""
+    ours, theirs = trio.socket.socketpair()
+    conn = make_conn(ours, expect=ECHO, echo_timeout=0.3)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.start)
+            await conn.event_started.wait()
+            await theirs.send(sealed(ECHO[:5]))  # half an answer is no answer
+            await conn.event_closed.wait()
+    assert conn.dead_reason is not None
+    assert "did not answer our muxer proposal within 0.3 s" in conn.dead_reason
+    theirs.close()
+
+
+async def test_an_answered_proposal_outlives_the_echo_deadline() -> None:
+    ours, theirs = trio.socket.socketpair()
+    conn = make_conn(ours, expect=ECHO, echo_timeout=0.2)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.start)
+            await conn.event_started.wait()
+            await theirs.send(sealed(ECHO))
+            await trio.sleep(0.5)
+            assert conn.dead_reason is None
+            assert not conn.session.awaiting_echo
             nursery.cancel_scope.cancel()
     theirs.close()
