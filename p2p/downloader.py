@@ -28,12 +28,14 @@ Theory of operation
 7. Memory is bounded by the buffer pool (``BUFFER_POOL_BYTES``, at least
    ``MIN_BUFFERS`` chunks) plus one chunk per stream whose body outgrew it, whatever the
    blob's size.
-8. Swarming (p2p.swarm rules 4 and 5): the chunks in flight are posted on the store's
+8. Swarming (p2p.swarm rules 4 to 6): the chunks in flight are posted on the store's
    fetching board for the node's server to call `soon`; a partial provider is asked
    ``status`` (1.3.0; ``have`` where it speaks only older versions) every
    ``HAVE_REFRESH_INTERVAL`` and its claims go to the scheduler, and dropped when that
    stops; only providers with every chunk are striped; a swarming fetch that completed
-   stays while fellows still ask it for chunks (``linger_while_asked``: `blob get`).
+   stays while fellows still ask it for chunks (``linger_while_asked``: `blob get`). A
+   provider with every chunk is asked 1.4.0's ``status`` for its count of other
+   fetchers (rule 6), and while it says nobody the swarm's opening caps are off for it.
 9. Control lane. A provider striped over several connections (``_grow``,
    ``p2p.scheduler.StripeGrowth``) gets its bulk ``get`` streams on the connections the
    fetch added (lanes 1..n), and its first connection (lane 0) is left to control
@@ -459,6 +461,8 @@ class Download:
             nursery.start_soon(self._stream_worker, peer, client, 0)
             if not full:
                 nursery.start_soon(self._refresh_have, peer)
+            elif self.config.defer_to_partial_holders:
+                nursery.start_soon(self._watch_alone, peer)
             # Only a provider with every chunk is striped: a partial one (a fellow in a
             # swarm) is one source among several, and eight fellows each dialled four
             # times cost a loaded machine ~200 handshakes for nothing.
@@ -533,19 +537,49 @@ class Download:
             if client is not None:
                 await reset_quietly(client.stream)
 
-    async def _open_status_stream(self, peer: str) -> BlobClient | None:
-        """A ``/blobnet/blob/1.3.0`` stream to ``peer`` for ``status`` (proposed, not yet
-        confirmed: the first answer tells), or None where the network has no libp2p host
-        to open one on or the open fails."""
+    async def _watch_alone(self, peer: str) -> None:
+        """Ask a seeder whether anyone else fetches the blob from it (1.4.0's ``status``,
+        p2p.swarm rule 6), at once and then every HAVE_REFRESH_INTERVAL while it says
+        nobody: meanwhile the swarm's opening caps are off for it (Scheduler.set_alone).
+        The first answer that counts anyone, a server before 1.4.0, or any failure puts
+        them back for the rest of the download."""
+        client = await self._open_status_stream(peer, fellows=True)
+        if client is None:
+            return
+        try:
+            answered = False
+            while not self.scheduler.done and self._peer_usable(peer):
+                if answered:
+                    await trio.sleep(HAVE_REFRESH_INTERVAL)
+                with trio.fail_after(CONTROL_TIMEOUT):
+                    reply = await client.status(self.blob_id)
+                answered = True
+                alone = isinstance(reply, proto.StatusResponse) and reply.fellows == 0
+                self.scheduler.set_alone(peer, alone)
+                self._notify()
+                if not alone:
+                    return
+        except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
+            log.info("provider %s: no fetcher count: %r", peer, exc)
+            self.scheduler.set_alone(peer, False)
+            self._notify()
+        finally:
+            await reset_quietly(client.stream)
+
+    async def _open_status_stream(self, peer: str, *, fellows: bool = False) -> BlobClient | None:
+        """A ``/blobnet/blob/1.3.0`` stream to ``peer`` for ``status`` (1.4.0 with
+        ``fellows``; proposed, not yet confirmed: the first answer tells), or None where
+        the network has no libp2p host to open one on or the open fails."""
         host = getattr(self.network, "host", None)
         if host is None or not hasattr(host, "get_network"):
             return None
+        protocol_id = proto.PROTOCOL_ID_1_4 if fellows else proto.PROTOCOL_ID_1_3
         try:
-            stream = await open_optimistic(host, ID.from_base58(peer), proto.PROTOCOL_ID_1_3)
+            stream = await open_optimistic(host, ID.from_base58(peer), protocol_id)
         except Exception as exc:  # libp2p raises many types for one failed open
             log.info("provider %s: no status stream: %r", peer, exc)
             return None
-        return BlobClient(stream, self.chunk_length, status=True)
+        return BlobClient(stream, self.chunk_length, status=True, fellows=fellows)
 
     def _set_connections(self, peer: str) -> None:
         count = 1 if self.striped is None else self.striped.connection_count(peer)

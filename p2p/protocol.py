@@ -64,6 +64,7 @@ __all__ = [
     "MAX_CHUNKS_PER_REQUEST",
     "MAX_CHUNK_SIZE",
     "MAX_ERROR_MESSAGE",
+    "MAX_FELLOWS_COUNTED",
     "MAX_HEADER_SIZE",
     "MAX_MANIFEST_BYTES",
     "MAX_NUM_CHUNKS",
@@ -75,6 +76,7 @@ __all__ = [
     "PROTOCOL_ID_1_1",
     "PROTOCOL_ID_1_2",
     "PROTOCOL_ID_1_3",
+    "PROTOCOL_ID_1_4",
     "SERVED_PROTOCOL_IDS",
     "Chunk",
     "ClientConnection",
@@ -111,9 +113,18 @@ PROTOCOL_ID_1_2 = "/blobnet/blob/1.2.0"
 # 1.3.0: 1.2.0 plus the `status` request: the chunks a peer holds and those it is fetching
 # now, so fellow fetchers leave a chunk in flight to it instead of asking the seeder too.
 PROTOCOL_ID_1_3 = "/blobnet/blob/1.3.0"
-# A server serves all four; a client that wants pipelining asks for 1.1.0 first, one that
-# wants peer exchange for 1.2.0, one that wants `status` for 1.3.0.
-SERVED_PROTOCOL_IDS = (PROTOCOL_ID_1_3, PROTOCOL_ID_1_2, PROTOCOL_ID_1_1, PROTOCOL_ID)
+# 1.4.0: 1.3.0 whose `status` answer also counts the peers that asked the server about the
+# blob lately (``fellows``): a fetcher that a seeder calls alone may ask it for much at once.
+PROTOCOL_ID_1_4 = "/blobnet/blob/1.4.0"
+# A server serves all five; a client that wants pipelining asks for 1.1.0 first, one that
+# wants peer exchange for 1.2.0, one that wants `status` for 1.3.0, and the count 1.4.0.
+SERVED_PROTOCOL_IDS = (
+    PROTOCOL_ID_1_4,
+    PROTOCOL_ID_1_3,
+    PROTOCOL_ID_1_2,
+    PROTOCOL_ID_1_1,
+    PROTOCOL_ID,
+)
 
 # --- Limits -------------------------------------------------------------------------------
 # Every length, count and index a peer can claim is bounded here and checked before memory
@@ -173,6 +184,9 @@ MAX_PIPELINED_REQUESTS = 8
 # MAX_PEER_ID_LEN: 16 * (128 + 4 * 256) bytes plus msgpack framing stay well inside
 # MAX_HEADER_SIZE, and a fetcher dials only a few of them anyway (p2p.swarm).
 MAX_PEERS_LISTED = 16
+# The largest `fellows` count of a 1.4.0 `status` answer: a server remembers this many
+# peers per blob (p2p.swarm.MAX_SWARM_PEERS), and past a few the count changes nothing.
+MAX_FELLOWS_COUNTED = 4 * MAX_PEERS_LISTED
 MAX_ADDRS_PER_PEER = 4
 MAX_ADDR_LEN = 256
 MAX_PEER_ID_LEN = 128
@@ -312,11 +326,15 @@ class HaveResponse:
 @dataclasses.dataclass(frozen=True, slots=True)
 class StatusResponse:
     """(1.3.0) ``bitmap`` as in HaveResponse; ``soon`` (same length, disjoint from
-    ``bitmap``) has the chunks the peer is fetching now and will hold shortly (a hint)."""
+    ``bitmap``) has the chunks the peer is fetching now and will hold shortly (a hint);
+    (1.4.0) ``fellows`` how many others fetch the blob from it now (a hint)."""
 
     num_chunks: int
     bitmap: bytes
     soon: bytes
+    # (1.4.0 only, None before) other peers that asked the server about this blob within
+    # the last few seconds (p2p.swarm.FELLOW_WINDOW), at most MAX_FELLOWS_COUNTED.
+    fellows: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -392,6 +410,12 @@ _RESPONSE_KEYS: dict[str, tuple[str, ...]] = {
     _T_ERROR: ("t", "code", "msg"),
     _T_PEERS: ("t", "p"),
     _T_STATUS: ("t", "n", "bits", "soon"),
+}
+
+# 1.4.0's `status` also counts the peers fetching the blob.
+_RESPONSE_KEYS_1_4: dict[str, tuple[str, ...]] = {
+    **_RESPONSE_KEYS,
+    _T_STATUS: ("t", "n", "bits", "soon", "f"),
 }
 
 # Which response types may answer each request type (a response carrying anything else is
@@ -529,6 +553,15 @@ def _check_status(num_chunks: object, bitmap: object, soon: object) -> tuple[int
     return num_chunks, bitmap, soon
 
 
+def _check_fellows(fellows: object) -> int:
+    if not _is_int(fellows):
+        raise _Invalid("status fellows must be an integer")
+    assert isinstance(fellows, int)
+    if not 0 <= fellows <= MAX_FELLOWS_COUNTED:
+        raise _Invalid(f"status fellows {fellows} out of range 0..{MAX_FELLOWS_COUNTED}")
+    return fellows
+
+
 def _check_manifest(manifest: object) -> bytes:
     if type(manifest) is not bytes:
         raise _Invalid("manifest must be bytes")
@@ -637,7 +670,10 @@ def _response_map(resp: object) -> dict[str, Any]:
         return {"t": _T_PEERS, "p": [[p, list(a)] for p, a in _check_peers(resp.peers)]}
     if type(resp) is StatusResponse:
         num_chunks, bitmap, soon = _check_status(resp.num_chunks, resp.bitmap, resp.soon)
-        return {"t": _T_STATUS, "n": num_chunks, "bits": bitmap, "soon": soon}
+        if resp.fellows is None:
+            return {"t": _T_STATUS, "n": num_chunks, "bits": bitmap, "soon": soon}
+        fellows = _check_fellows(resp.fellows)
+        return {"t": _T_STATUS, "n": num_chunks, "bits": bitmap, "soon": soon, "f": fellows}
     if type(resp) is End:
         return {"t": _T_END, "missing": list(_check_missing(resp.missing))}
     if type(resp) is ErrorResponse:
@@ -723,10 +759,12 @@ def _decode_request(header: bytes, peer_exchange: bool = False, status: bool = F
     return req
 
 
-def _decode_response(header: bytes, allowed: frozenset[str]) -> tuple[str, Any]:
-    """Decode a response header. Returns ("chunk", (index, length)) for a chunk header,
-    else (type, event)."""
-    obj = _unpack_map(header, _RESPONSE_KEYS)
+def _decode_response(
+    header: bytes, allowed: frozenset[str], fellows: bool = False
+) -> tuple[str, Any]:
+    """Decode a response header (``fellows``: on a 1.4.0 stream). Returns ("chunk",
+    (index, length)) for a chunk header, else (type, event)."""
+    obj = _unpack_map(header, _RESPONSE_KEYS_1_4 if fellows else _RESPONSE_KEYS)
     kind: str = obj["t"]
     if kind not in allowed:
         raise _Invalid(f"a {kind!r} message does not answer the outstanding request")
@@ -745,7 +783,10 @@ def _decode_response(header: bytes, allowed: frozenset[str]) -> tuple[str, Any]:
     elif kind == _T_PEERS:
         event = PeersResponse(_check_peers(obj["p"]))
     elif kind == _T_STATUS:
-        event = StatusResponse(*_check_status(obj["n"], obj["bits"], obj["soon"]))
+        event = StatusResponse(
+            *_check_status(obj["n"], obj["bits"], obj["soon"]),
+            fellows=_check_fellows(obj["f"]) if fellows else None,
+        )
     else:
         event = ErrorResponse(*_check_error(obj["code"], obj["msg"]))
     _require_canonical(header, _response_map(event))
@@ -917,15 +958,21 @@ class ServerConnection:
     """
 
     def __init__(
-        self, *, max_pipelined: int = 1, peer_exchange: bool = False, status: bool = False
+        self,
+        *,
+        max_pipelined: int = 1,
+        peer_exchange: bool = False,
+        status: bool = False,
+        fellows: bool = False,
     ) -> None:
         if not 1 <= max_pipelined <= MAX_PIPELINED_REQUESTS:
             raise LocalProtocolError(f"max_pipelined must be 1..{MAX_PIPELINED_REQUESTS}")
         self._max_pipelined = max_pipelined
         # 1.2.0: `peers` is a request (on older versions an unknown message type); 1.3.0
-        # (``status``) adds `status` to it.
-        self._peer_exchange = peer_exchange or status
-        self._status = status
+        # (``status``) adds `status` to it; 1.4.0 (``fellows``) the count to its answer.
+        self._peer_exchange = peer_exchange or status or fellows
+        self._status = status or fellows
+        self._fellows = fellows
         self._recv = _ReceiveBuffer()
         self._request: Request | None = None
         self._state: _RequestState | None = None
@@ -940,6 +987,11 @@ class ServerConnection:
     def eof_received(self) -> bool:
         """The client closed its side of the stream (``receive_data(b"")``)."""
         return self._recv.eof
+
+    @property
+    def counts_fellows(self) -> bool:
+        """A 1.4.0 stream: `status` answers carry the ``fellows`` count."""
+        return self._fellows
 
     @property
     def current_request(self) -> Request | None:
@@ -1035,6 +1087,10 @@ class ServerConnection:
             raise LocalProtocolError("a peers response answers only a peers request")
         if type(resp) is StatusResponse and type(request) is not StatusRequest:
             raise LocalProtocolError("a status response answers only a status request")
+        if type(resp) is StatusResponse and (resp.fellows is not None) != self._fellows:
+            raise LocalProtocolError(
+                "a status answer counts fellows on a 1.4.0 stream, and only there"
+            )
         if type(resp) is End:
             if type(request) is not GetRequest:
                 raise LocalProtocolError("end answers only a get request")
@@ -1083,15 +1139,21 @@ class ClientConnection:
     """
 
     def __init__(
-        self, *, max_pipelined: int = 1, peer_exchange: bool = False, status: bool = False
+        self,
+        *,
+        max_pipelined: int = 1,
+        peer_exchange: bool = False,
+        status: bool = False,
+        fellows: bool = False,
     ) -> None:
         if not 1 <= max_pipelined <= MAX_PIPELINED_REQUESTS:
             raise LocalProtocolError(f"max_pipelined must be 1..{MAX_PIPELINED_REQUESTS}")
         self._max_pipelined = max_pipelined
-        # 1.2.0 and 1.3.0 streams only: a `peers` request is allowed; 1.3.0 (``status``)
-        # only: a `status` request.
-        self._peer_exchange = peer_exchange or status
-        self._status = status
+        # 1.2.0 to 1.4.0 streams only: a `peers` request is allowed; 1.3.0 and 1.4.0
+        # (``status``) only: a `status` request; 1.4.0 (``fellows``): its answer counts.
+        self._peer_exchange = peer_exchange or status or fellows
+        self._status = status or fellows
+        self._fellows = fellows
         self._recv = _ReceiveBuffer()
         self._request: Request | None = None
         self._state: _RequestState | None = None
@@ -1204,7 +1266,7 @@ class ClientConnection:
             if self._recv.eof:
                 raise _Truncated("stream closed before the response was complete")
             return None
-        kind, decoded = _decode_response(header, _ALLOWED_RESPONSES[type(request)])
+        kind, decoded = _decode_response(header, _ALLOWED_RESPONSES[type(request)], self._fellows)
         state = self._state
         if kind == _T_CHUNK:
             index, length = decoded

@@ -55,7 +55,8 @@ Policy
   partial peer at least as fast holds or claims any (``defer_to_partial_holders``), and
   requests hold at most ``max_request_seconds`` of a peer's rate (``unmeasured_batch_bytes``
   before it is measured), so a slow seeder is never asked for much more than it is sending
-  now.
+  now. These opening caps are off for a seeder that said nobody else fetches from it
+  (``set_alone``, from 1.4.0's ``status``) while no partial peer is known.
   A partial peer claims the chunks it said it is fetching now (``soon``, from a 1.3.0
   ``status``): they are not requested from it until its bitmap holds them, but they are
   left to it rather than asked of the seeder a second time. Among pool chunks of equal
@@ -361,6 +362,7 @@ class _Peer:
     rtt: float | None = None  # smallest round trip measured, seconds
     connections: int = 1  # TCP connections the shell stripes this peer's streams over
     busy_limit: int | None = None  # live requests the server last took before saying busy
+    alone: bool = False  # a seeder that said nobody else fetches from it (set_alone)
 
     @property
     def usable(self) -> bool:
@@ -479,6 +481,19 @@ class Scheduler:
         """The shell now stripes `peer`'s streams over `count` connections; each should
         carry a live request (see `inflight_limit`)."""
         self._peer(peer).connections = max(1, count)
+
+    def set_alone(self, peer: str, alone: bool) -> None:
+        """`peer` (a seeder, asked with 1.4.0's ``status``) said whether anyone else
+        fetches the blob from it now. While it says nobody and no partial peer is known,
+        the swarm's opening caps do not apply to it (``swarm_unmeasured_inflight_requests``,
+        ``unmeasured_batch_bytes``, ``max_request_seconds``): they keep fetchers that do
+        not know each other yet from queueing the same chunks at one seeder, and cost a
+        fetch that has the seeder to itself most of its ramp across a continent."""
+        self._peer(peer).alone = alone
+
+    def _uncapped(self, p: _Peer) -> bool:
+        """The swarm's opening caps are off for `p` (see set_alone)."""
+        return p.alone and p.bitmap is None and not self._partials
 
     def inflight_limit(self, peer: str) -> int:
         """Live requests `peer` may hold now: enough to cover its rate x RTT (see the
@@ -1006,7 +1021,12 @@ class Scheduler:
             want = max(want, math.ceil(p.rate * p.rtt / request_bytes) + 1)
         if p.busy_limit is not None:
             want = min(want, p.busy_limit)
-        if cfg.defer_to_partial_holders and p.bitmap is None and p.rate is None:
+        if (
+            cfg.defer_to_partial_holders
+            and p.bitmap is None
+            and p.rate is None
+            and not self._uncapped(p)
+        ):
             want = min(want, cfg.swarm_unmeasured_inflight_requests)
         return min(cap, want)
 
@@ -1025,7 +1045,9 @@ class Scheduler:
             size = max(1, min(m, math.ceil(m * p.rate / best)))
         cfg = self._cfg
         chunk = max(1, self._chunk_length(0)) if self._n else 1
-        if p.rate is None and cfg.unmeasured_batch_bytes is not None:
+        if self._uncapped(p):
+            pass
+        elif p.rate is None and cfg.unmeasured_batch_bytes is not None:
             size = min(size, max(1, cfg.unmeasured_batch_bytes // chunk))
         elif p.rate is not None and cfg.max_request_seconds is not None:
             size = min(size, max(1, math.ceil(p.rate * cfg.max_request_seconds / chunk)))

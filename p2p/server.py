@@ -1,6 +1,6 @@
-"""Serving ``/blobnet/blob/1.0.0`` to ``/blobnet/blob/1.3.0``: manifests, bitmaps (with the
-chunks being fetched, on 1.3.0) and chunks of complete and partial blobs, with every size,
-count, byte and wait bounded.
+"""Serving ``/blobnet/blob/1.0.0`` to ``/blobnet/blob/1.4.0``: manifests, bitmaps (with the
+chunks being fetched, on 1.3.0, and how many others fetch the blob, on 1.4.0) and chunks of
+complete and partial blobs, with every size, count, byte and wait bounded.
 
 Theory of operation
 1. One stream carries requests in sequence; the server answers each fully, in order,
@@ -65,7 +65,7 @@ from p2p import protocol as proto
 from p2p.fast import fast_stream_of
 from p2p.host import remote_address_key
 from p2p.pacing import Pacer
-from p2p.swarm import SwarmBook, fetching_board, listing
+from p2p.swarm import FELLOW_WINDOW, SwarmBook, fetching_board, listing
 from p2p.wire import StreamLost, close_quietly, read_some, reset_quietly, write_all
 
 log = logging.getLogger(__name__)
@@ -239,13 +239,14 @@ class BlobServer:
         peer = str(stream.muxed_conn.peer_id)
         ip = remote_address_key(stream)
         max_pipelined = 1
-        peer_exchange = status = False
+        peer_exchange = status = fellows = False
         try:
             protocol_id = str(stream.get_protocol())
-            if protocol_id in (proto.PROTOCOL_ID_1_1, proto.PROTOCOL_ID_1_2, proto.PROTOCOL_ID_1_3):
+            if protocol_id in proto.SERVED_PROTOCOL_IDS and protocol_id != proto.PROTOCOL_ID:
                 max_pipelined = proto.MAX_PIPELINED_REQUESTS
             peer_exchange = protocol_id == proto.PROTOCOL_ID_1_2
             status = protocol_id == proto.PROTOCOL_ID_1_3
+            fellows = protocol_id == proto.PROTOCOL_ID_1_4
         except Exception:
             pass
         reason = self.streams.acquire(peer, ip, 1)
@@ -255,7 +256,10 @@ class BlobServer:
             return
         try:
             conn = proto.ServerConnection(
-                max_pipelined=max_pipelined, peer_exchange=peer_exchange, status=status
+                max_pipelined=max_pipelined,
+                peer_exchange=peer_exchange,
+                status=status,
+                fellows=fellows,
             )
             await self._serve(stream, conn)
         except Exception:
@@ -420,7 +424,15 @@ class BlobServer:
                 manifest, bitmap = await trio.to_thread.run_sync(self._have, request.blob_id)
                 n = manifest.num_chunks
                 soon = fetching_board(self.store).soon(request.blob_id, n, bitmap)
-                status = proto.StatusResponse(num_chunks=n, bitmap=bitmap, soon=soon)
+                count = None
+                if conn.counts_fellows:
+                    count = min(
+                        proto.MAX_FELLOWS_COUNTED,
+                        self.swarm.fellows(
+                            request.blob_id, trio.current_time(), peer, FELLOW_WINDOW
+                        ),
+                    )
+                status = proto.StatusResponse(num_chunks=n, bitmap=bitmap, soon=soon, fellows=count)
                 await self._send_held(stream, conn, status, 2 * len(bitmap), peer, ip)
             elif isinstance(request, proto.PeersRequest):
                 await trio.to_thread.run_sync(self._check_present, request.blob_id)

@@ -31,6 +31,17 @@ Theory of operation
    ``blob get`` that left at once took the chunks it got last with it, and its fellows
    had to ask the seeder for them again.
 
+6. A seeder counts who fetches from it (``/blobnet/blob/1.4.0``'s ``status``): the peers
+   other than the asker that asked it about the blob within ``FELLOW_WINDOW``
+   (`SwarmBook.fellows`). A fetcher that its seeder calls alone, and that knows no
+   fellow, drops the swarm's opening caps there (``p2p.scheduler``'s ``set_alone``): a
+   lone fetch across a continent needs many requests in flight at once to fill its
+   striped connections, and the caps cost it a quarter of its rate (bench/figures/
+   wan-opening-caps.md). It asks again every ``p2p.downloader.HAVE_REFRESH_INTERVAL``
+   and keeps the caps for good from the first answer that counts anyone. Of fetchers
+   that start together only the first to ask hears "alone"; its requests are posted as
+   in flight (rule 4), so the fellows leave those chunks to it.
+
 All time is the ``now`` argument (seconds, monotonic); nothing here does I/O.
 """
 
@@ -56,6 +67,10 @@ MAX_SWARM_PEERS = 4 * MAX_PEERS_LISTED
 # a large blob asks `get` every few seconds, so 5 minutes spans any pause in one.
 SWARM_EXPIRY = 300.0
 
+# A fellow is counted (rule 6) while it asked about the blob this recently: a fetch asks
+# its providers something at least every PEX_MAX_INTERVAL (`peers`), and far more often
+# while it fetches from them (`get`, `status`); one that finished is soon not counted.
+FELLOW_WINDOW = 10.0
 # A fetcher asks one provider `peers` at most this often: fellows join a swarm over the
 # first seconds, and one small request per second per provider costs nothing.
 PEX_INTERVAL = 1.0
@@ -138,6 +153,19 @@ class SwarmBook:
             del self._blobs[blob_id]
             return []
         return [p for p in reversed(peers) if p != exclude]
+
+    def fellows(self, blob_id: str, now: float, exclude: str, window: float) -> int:
+        """How many peers other than ``exclude`` asked about ``blob_id`` within the last
+        ``window`` seconds (a 1.4.0 `status` answer's count, rule 6)."""
+        peers = self._blobs.get(blob_id)
+        if peers is None:
+            return 0
+        count = 0
+        for peer, seen in reversed(peers.items()):  # most recent first
+            if seen < now - window:
+                break
+            count += peer != exclude
+        return count
 
     def __len__(self) -> int:
         return len(self._blobs)

@@ -160,11 +160,15 @@ class BlobClient:
         *,
         peer_exchange: bool = False,
         status: bool = False,
+        fellows: bool = False,
     ) -> None:
         self.stream = stream
         # peer_exchange: a /blobnet/blob/1.2.0 stream, where `peers` may be asked; status:
-        # a 1.3.0 one, where `status` may be asked too.
-        self.conn = proto.ClientConnection(peer_exchange=peer_exchange, status=status)
+        # a 1.3.0 one, where `status` may be asked too; fellows: a 1.4.0 one, whose
+        # `status` answers count the server's other fetchers.
+        self.conn = proto.ClientConnection(
+            peer_exchange=peer_exchange, status=status, fellows=fellows
+        )
         # With the manifest known, a chunk header announcing another length is refused
         # before its body is buffered.
         self.conn.set_expected_chunk_length(chunk_length)
@@ -259,7 +263,8 @@ class BlobClient:
         raise proto.RemoteProtocolError(f"unexpected {type(response).__name__}")
 
     async def status(self, blob_id: str) -> proto.StatusResponse | proto.ErrorResponse:
-        """(1.3.0) The chunks the peer holds and those it is fetching now."""
+        """(1.3.0) The chunks the peer holds and those it is fetching now (and, 1.4.0,
+        how many others fetch the blob from it)."""
         self._check_usable()
         await write_all(self.stream, self.conn.send_request(proto.StatusRequest(blob_id)))
         response = await self._next_response()

@@ -1,0 +1,190 @@
+"""A seeder says who else fetches from it (issue 15 against issue 21): /blobnet/blob/1.4.0's
+`status` answer counts the other peers that asked the server about the blob lately. A
+fetcher its seeder calls alone, knowing no fellow, drops the swarm's opening caps there: a
+lone fetch across a continent lost a quarter of its rate to them. The first answer that
+counts anyone puts them back, and so does the first fellow the fetcher learns of."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgpack
+import pytest
+import trio
+from libp2p.peer.id import ID
+
+from blobstore import Manifest, Store
+from p2p import protocol as proto
+from p2p.node import open_node
+from p2p.scheduler import Scheduler, SchedulerConfig, bitmap_of
+from p2p.swarm import FELLOW_WINDOW, SwarmBook
+from p2p.wire import BlobClient, StreamLost, open_optimistic
+
+BLOB = "ef" * 32
+SWARM = SchedulerConfig(
+    max_chunks_per_request=4,
+    defer_to_partial_holders=True,
+    unmeasured_batch_bytes=2,
+    max_request_seconds=0.25,
+)
+
+
+# --- the wire ---------------------------------------------------------------------------
+
+
+def test_a_1_4_status_answer_carries_the_count_and_1_3_does_not() -> None:
+    client = proto.ClientConnection(fellows=True)
+    server = proto.ServerConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS, fellows=True)
+    assert server.counts_fellows
+    server.receive_data(client.send_request(proto.StatusRequest(BLOB)))
+    assert server.next_request() == proto.StatusRequest(BLOB)
+    with pytest.raises(proto.LocalProtocolError, match=r"1\.4\.0"):
+        server.send_response(proto.StatusResponse(10, bytes(2), bytes(2)))  # no count
+    answer = proto.StatusResponse(10, b"\x05\x02", b"\x02\x00", fellows=3)
+    client.receive_data(server.send_response(answer))
+    assert client.next_event() == answer
+    # The same answer on a 1.3.0 stream is refused before it leaves.
+    old = proto.ServerConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS, status=True)
+    old.receive_data(proto.ClientConnection(status=True).send_request(proto.StatusRequest(BLOB)))
+    old.next_request()
+    assert not old.counts_fellows
+    with pytest.raises(proto.LocalProtocolError, match=r"1\.4\.0"):
+        old.send_response(answer)
+
+
+@pytest.mark.parametrize(
+    ("fellows_stream", "fields", "why"),
+    [
+        (True, {}, "missing keys"),  # a 1.4.0 answer without its count
+        (False, {"f": 0}, "unexpected keys"),  # a 1.3.0 answer with one
+        (True, {"f": -1}, "out of range"),
+        (True, {"f": proto.MAX_FELLOWS_COUNTED + 1}, "out of range"),
+        (True, {"f": True}, "must be an integer"),
+    ],
+)
+def test_a_count_that_breaks_the_rules_is_the_servers_fault(
+    fellows_stream: bool, fields: dict[str, object], why: str
+) -> None:
+    client = proto.ClientConnection(status=True, fellows=fellows_stream)
+    client.send_request(proto.StatusRequest(BLOB))
+    body = msgpack.packb(
+        {"t": "status", "n": 10, "bits": bytes(2), "soon": bytes(2), **fields}, use_bin_type=True
+    )
+    client.receive_data(len(body).to_bytes(4, "big") + body)
+    with pytest.raises(proto.RemoteProtocolError, match=why):
+        client.next_event()
+
+
+# --- what a server counts ---------------------------------------------------------------
+
+
+def test_the_count_is_the_other_peers_seen_within_the_window() -> None:
+    book = SwarmBook()
+    book.seen(BLOB, "old", 0.0)
+    book.seen(BLOB, "a", 5.0)
+    book.seen(BLOB, "b", 8.0)
+    book.seen("00" * 32, "c", 9.0)  # another blob
+    assert book.fellows(BLOB, 9.0, "a", FELLOW_WINDOW) == 2  # old and b, not the asker
+    assert book.fellows(BLOB, 12.0, "a", FELLOW_WINDOW) == 1  # old is past the window
+    assert book.fellows(BLOB, 30.0, "a", FELLOW_WINDOW) == 0
+    assert book.fellows("11" * 32, 9.0, "a", FELLOW_WINDOW) == 0
+
+
+async def test_a_seeder_counts_the_askers_fellows_on_1_4_and_says_nothing_on_1_3(
+    tmp_path: Path,
+) -> None:
+    chunk = 64 * 1024
+    data = bytes(range(256)) * (4 * chunk // 256)  # 4 chunks
+    manifest = Manifest.of_bytes(data, chunk)
+    store = Store.open(tmp_path / "seed")
+    store.put_bytes(data, chunk_size=chunk)
+    blob_id = manifest.blob_id
+    async with (
+        open_node(store, dht=False) as seed,
+        open_node(tmp_path / "first", dht=False) as first,
+        open_node(tmp_path / "second", dht=False) as second,
+    ):
+        with trio.fail_after(30):
+            peer = await first.connect(seed.addrs[0])
+            await second.connect(seed.addrs[0])
+
+            async def ask(node: object, protocol_id: str, fellows: bool = False) -> object:
+                host = node.host  # type: ignore[attr-defined]
+                stream = await open_optimistic(host, ID.from_base58(peer), protocol_id)
+                try:
+                    client = BlobClient(stream, status=True, fellows=fellows)
+                    return await client.status(blob_id)
+                finally:
+                    await stream.reset()
+
+            full = bitmap_of(range(4), 4)
+            alone = await ask(first, proto.PROTOCOL_ID_1_4, fellows=True)
+            assert alone == proto.StatusResponse(4, full, bytes(1), fellows=0)
+            await ask(second, proto.PROTOCOL_ID_1_3)  # a fellow asks, on any version
+            assert await ask(first, proto.PROTOCOL_ID_1_4, fellows=True) == (
+                proto.StatusResponse(4, full, bytes(1), fellows=1)
+            )
+            assert await ask(first, proto.PROTOCOL_ID_1_3) == proto.StatusResponse(
+                4, full, bytes(1)
+            )
+
+
+# --- what a fetcher does with it --------------------------------------------------------
+
+
+def _live(s: Scheduler, peer: str) -> list[int]:
+    """Chunk counts of the requests `peer` is given now, until the scheduler says no."""
+    sizes = []
+    while (ticket := s.next_request(peer, 0.0)) is not None:
+        sizes.append(len(ticket.indices))
+    return sizes
+
+
+def test_a_seeder_alone_with_us_gets_full_requests_on_every_connection() -> None:
+    capped = Scheduler(256, lambda i: 1, config=SWARM)
+    capped.add_peer("seed", 0.0)
+    capped.set_connections("seed", 4)
+    assert _live(capped, "seed") == [2, 2]  # the opening caps: two requests of two chunks
+
+    lone = Scheduler(256, lambda i: 1, config=SWARM)
+    lone.add_peer("seed", 0.0)
+    lone.set_connections("seed", 4)
+    lone.set_alone("seed", True)
+    assert _live(lone, "seed") == [4] * 6  # 1.5 requests per connection, full batches
+    lone._check_invariants()
+
+
+def test_the_caps_come_back_with_a_fellow_or_a_count() -> None:
+    s = Scheduler(256, lambda i: 1, config=SWARM)
+    s.add_peer("seed", 0.0)
+    s.set_connections("seed", 4)
+    s.set_alone("seed", True)
+    assert s.inflight_limit("seed") == 6
+    # Peer exchange found a fellow fetcher: the seeder is not ours alone, whatever it said.
+    s.add_peer("fellow", 0.0, bitmap_of([0, 1], 256))
+    assert s.inflight_limit("seed") == 2
+    s.remove_peer("fellow", "gone")
+    assert s.inflight_limit("seed") == 6
+    s.set_alone("seed", False)  # the seeder's next answer counted someone
+    assert s.inflight_limit("seed") == 2
+
+
+async def test_an_old_seeder_keeps_the_caps(tmp_path: Path) -> None:
+    """A server before 1.4.0 refuses the proposal: the fetcher learns nothing and the
+    caps stay (the stream fails at its first answer; nothing else does)."""
+    chunk = 64 * 1024
+    data = bytes(4 * chunk)
+    store = Store.open(tmp_path / "seed")
+    store.put_bytes(data, chunk_size=chunk)
+    async with (
+        open_node(store, dht=False) as seed,
+        open_node(tmp_path / "asker", dht=False) as asker,
+    ):
+        seed.host.remove_stream_handler(proto.PROTOCOL_ID_1_4)
+        with trio.fail_after(30):
+            peer = await asker.connect(seed.addrs[0])
+            stream = await open_optimistic(asker.host, ID.from_base58(peer), proto.PROTOCOL_ID_1_4)
+            with pytest.raises(StreamLost):
+                await BlobClient(stream, status=True, fellows=True).status(
+                    Manifest.of_bytes(data, chunk).blob_id
+                )
