@@ -89,6 +89,11 @@ STALL_GRACE = 10.0
 MANIFEST_FANOUT = 4
 # Pauses before a provider that was unreachable, busy or dropped is tried again.
 PEER_RETRY_PAUSES = (1.0, 3.0, 9.0)
+# Pauses before a provider that did not answer a manifest request is asked again (behind
+# the other candidates): a seeder whose uplink a fetch fills can hold a newcomer's answer
+# past CONTROL_TIMEOUT (seen in the fan-out bench, behind a 2 Mbit/s uplink), and that
+# is no reason to give up on it.
+MANIFEST_RETRY_PAUSES = (1.0, 3.0)
 # A provider that sent bad data in an earlier download (PeerScores) starts this much later
 # than the others: if they can serve the blob, it never gets a request; if they cannot,
 # it still may (its bad chunks are refused one by one, as ever).
@@ -198,19 +203,22 @@ class StripedNetwork(Protocol):
     def connection_count(self, peer: str) -> int: ...
 
 
-async def fetch_manifest(network: Network, blob_id: str, peer: str) -> Manifest | None:
-    """Ask one peer for the manifest; None if it has none or it does not match the ID."""
-    stream = None
+async def fetch_manifest(
+    network: Network, blob_id: str, peer: str, unanswered: set[str] | None = None
+) -> Manifest | None:
+    """Ask one peer for the manifest; None if it has none or it does not match the ID.
+    A peer that did not answer (timeout, lost stream, busy) is added to ``unanswered``."""
     try:
-        with trio.fail_after(CONTROL_TIMEOUT):
-            stream = await network.open_blob_stream(peer)
-            reply = await BlobClient(stream).manifest(blob_id)
-    except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
+        reply = await _ask_manifest(network, blob_id, peer)
+    except proto.ProtocolError as exc:
         log.info("manifest from %s failed: %r", peer, exc)
         return None
-    finally:
-        if stream is not None:
-            await reset_quietly(stream)
+    if reply is None or (
+        isinstance(reply, proto.ErrorResponse) and reply.code == proto.ErrorCode.BUSY
+    ):
+        if unanswered is not None:
+            unanswered.add(peer)
+        return None
     if isinstance(reply, proto.ErrorResponse):
         return None
     if blake3.blake3(reply).hexdigest() != blob_id:
@@ -221,6 +229,24 @@ async def fetch_manifest(network: Network, blob_id: str, peer: str) -> Manifest 
     except Exception as exc:  # BadManifest: the ID matched, so the manifest is malformed
         log.warning("peer %s sent a malformed manifest: %s", peer, exc)
         return None
+
+
+async def _ask_manifest(
+    network: Network, blob_id: str, peer: str
+) -> bytes | proto.ErrorResponse | None:
+    """One manifest request; None if the peer did not answer it. A protocol breach is
+    raised (ProtocolError): that peer is not asked again."""
+    stream = None
+    try:
+        with trio.fail_after(CONTROL_TIMEOUT):
+            stream = await network.open_blob_stream(peer)
+            return await BlobClient(stream).manifest(blob_id)
+    except (StreamLost, trio.TooSlowError, OSError) as exc:
+        log.info("manifest from %s failed: %r", peer, exc)
+        return None
+    finally:
+        if stream is not None:
+            await reset_quietly(stream)
 
 
 @dataclass
@@ -1045,19 +1071,26 @@ async def _manifest_from_network(
     within ``discovery_timeout``; up to MANIFEST_FANOUT are asked at once, and each is
     asked ``have`` at the same time (``probes``)."""
     found: list[Manifest] = []
+    unanswered: set[str] = set()
     fanout = trio.Semaphore(MANIFEST_FANOUT)
     deadline = trio.current_time() + discovery_timeout
 
     async with trio.open_nursery() as nursery:
 
-        async def ask(peer: str) -> None:
+        async def ask(peer: str, retries: tuple[float, ...] = MANIFEST_RETRY_PAUSES) -> None:
+            unanswered.discard(peer)
             try:
-                manifest = await fetch_manifest(network, blob_id, peer)
+                manifest = await fetch_manifest(network, blob_id, peer, unanswered)
             finally:
                 fanout.release()
             if manifest is not None and not found:
                 found.append(manifest)
                 nursery.cancel_scope.cancel()
+            elif peer in unanswered and retries:
+                # Asked again once the others have had their turn (the slot is free).
+                await trio.sleep(retries[0])
+                await fanout.acquire()
+                nursery.start_soon(ask, peer, retries[1:])
 
         async def start(peer: str) -> None:
             """Ask ``peer`` once a slot is free (candidates are asked in their order)."""
@@ -1085,6 +1118,12 @@ async def _manifest_from_network(
         return found[0]
     if not asked:
         raise NoProviders(f"no provider found for {blob_id}")
+    if unanswered:
+        raise NoProviders(
+            f"none of {len(asked)} peer(s) asked sent the manifest of {blob_id}: "
+            f"{len(unanswered)} did not answer within {CONTROL_TIMEOUT:g} s, "
+            f"{1 + len(MANIFEST_RETRY_PAUSES)} times each"
+        )
     raise NoProviders(f"none of {len(asked)} peer(s) asked holds {blob_id}")
 
 
