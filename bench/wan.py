@@ -25,8 +25,8 @@ verified chunk at 200 ms <= 1.5 s + start-up.
 ``--swarm N`` adds issue 21's fan-out row: a seeder with a 100 Mbit/s uplink and N
 workers on 1 Gbit/s links (one-way delays 20-40 ms), every `blob get` started at once and
 given only the seeder; total time against one transfer at the seeder's uplink, and the
-bytes the seeder sent against the blob's size. The seeder's uplink opens to its rate once
-every worker holds the manifest (bench.wan.scenarios: on a loaded machine the processes'
+bytes the seeder sent against the blob's size. Every `blob get` waits at a barrier after
+its imports and all go together (bench.wan.scenarios: on a loaded machine the processes'
 start-up ends seconds apart), and the total runs from that moment to the last exit.
 """
 

@@ -44,6 +44,40 @@ def blob_argv(node: BlobNode, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
+# A `blob` process that imports what it needs, says so (creates the file argv[1]), and
+# runs only once the file argv[2] exists (or argv[3] seconds passed): processes started
+# on a loaded machine end their imports seconds apart, and a fan-out that means "every
+# fetcher starts at once" must not measure that skew (bench.wan.scenarios).
+_AT_BARRIER = """import os, sys, time
+import p2p.cli, p2p.node
+ready, go, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
+open(ready, "w").close()
+end = time.monotonic() + limit
+while not os.path.exists(go) and time.monotonic() < end:
+    time.sleep(0.002)
+p2p.cli.main(sys.argv[4:])
+"""
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """Where processes started at a barrier say they are ready, and what lets them go."""
+
+    ready_dir: Path
+    go: Path
+    limit_s: float
+
+    def argv(self, node: BlobNode, *args: str) -> list[str]:
+        ready = self.ready_dir / f"{node.host}.ready"
+        return [
+            sys.executable, "-c", _AT_BARRIER, str(ready), str(self.go), str(self.limit_s),
+            "--store", str(node.store), "--key", str(node.key), *args,
+        ]  # fmt: skip
+
+    def ready(self, node: BlobNode) -> bool:
+        return (self.ready_dir / f"{node.host}.ready").exists()
+
+
 def write_random_file(path: Path, size: int, seed: int = 0) -> None:
     """``size`` pseudo-random bytes (incompressible, reproducible from ``seed``)."""
     rng = random.Random(seed)
@@ -137,8 +171,16 @@ class BlobNode:
         if self.served is not None:
             stop_process(self.served.proc)
 
-    def start_get(self, tb: Testbed, blob_id: str, peers: list[str], *extra: str) -> Getting:
-        """Start ``blob get`` (returns at once; :meth:`Getting.wait` for the result)."""
+    def start_get(
+        self,
+        tb: Testbed,
+        blob_id: str,
+        peers: list[str],
+        *extra: str,
+        barrier: Barrier | None = None,
+    ) -> Getting:
+        """Start ``blob get`` (returns at once; :meth:`Getting.wait` for the result); with
+        ``barrier``, it waits there after its imports."""
         argv = ["get", blob_id, "--json", "--no-dht", "--no-progress"]
         argv += ["--listen", f"/ip4/{tb.addr(self.host)}/tcp/0"]
         for peer in peers:
@@ -148,7 +190,7 @@ class BlobNode:
         started = time.monotonic()
         proc = tb.popen(
             self.host,
-            blob_argv(self, *argv, *extra),
+            (blob_argv if barrier is None else barrier.argv)(self, *argv, *extra),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

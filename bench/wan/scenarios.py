@@ -5,12 +5,18 @@ every ``blob get`` started at once and given only the seeder's address (as a tic
 gives it). It reports how long the fan-out took and how many bytes left the seeder's
 uplink, so a test can fail when the seeder served every copy itself.
 
-Start-up skew. On a loaded machine the N processes' start-up (imports, keys, dials) ends
+Start-up skew. On a loaded machine the N processes' start-up (imports above all) ends
 seconds apart, and a fetcher that is up early has the seeder to itself: what it took
-before the others arrived says nothing about swarming. So the seeder's uplink starts
-throttled (``GATE_MBIT``, enough for handshakes and manifests) and opens to its rate once
-every fetcher holds the manifest (its partial blob exists) or ``GATE_TIMEOUT`` passed; the
-fan-out's time runs from that moment. The bytes the seeder sent count from the start.
+before the others arrived says nothing about swarming. So every ``blob get`` starts at a
+barrier (``bench.wan.blobnodes.Barrier``): it imports what it needs, says it is ready,
+and waits; once all are ready (or ``GATE_TIMEOUT`` passed) they go together, within a
+few milliseconds, and the fan-out's time runs from that moment.
+
+This used to be a throttle: the seeder's uplink held at 2 Mbit/s until every fetcher
+held the manifest. With a 50 ms drop-tail queue that is one 9000-byte packet, and once
+the first fetcher (its seeder's only one, so free of the swarm's opening caps: p2p.swarm
+rule 6) had requests out, the later fetchers' handshakes and manifests were lost behind
+them, again and again, for seconds: gets failed that no real 100 Mbit/s uplink fails.
 """
 
 from __future__ import annotations
@@ -20,13 +26,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.wan.blobnodes import BlobNode, GetResult, Getting, write_random_file
+from bench.wan.blobnodes import Barrier, BlobNode, GetResult, Getting, write_random_file
 from bench.wan.testbed import Host, Testbed
 
 SEEDER_MBIT = 100.0
-# The seeder's uplink until every fetcher is up: handshakes, manifests and `have`s are a
-# few KiB each, and a chunk takes ~4 s at this rate, so little blob data moves meanwhile.
-GATE_MBIT = 2.0
 # Longest wait for every fetcher to be up: a loaded CI machine starts a Python process in
 # several seconds; past this the gate opens anyway (a fetcher that failed early shows up
 # as a failure, not as a hang).
@@ -73,21 +76,27 @@ def fan_out(
     gate: bool = True,
 ) -> FanOut:
     """Run one fan-out in ``work`` (a fresh testbed; the blob is made and put here).
-    ``gate``: hold the seeder's uplink at GATE_MBIT until every fetcher is up (above)."""
+    ``gate``: start every fetcher at a barrier and let them go together (above)."""
     data = work / "fanout.bin"
     write_random_file(data, size, seed=21)
     seeder = BlobNode(work / "seeder", "seed")
     blob_id = seeder.put(data)
     nodes = [BlobNode(work / f"w{k}", f"w{k}") for k in range(workers)]
     try:
-        first_mbit = min(GATE_MBIT, seeder_mbit) if gate else seeder_mbit
-        with Testbed(fan_out_hosts(workers, seeder_mbit=first_mbit)) as tb:
+        barrier = None
+        if gate:
+            (work / "barrier").mkdir()
+            barrier = Barrier(work / "barrier", work / "barrier" / "go", GATE_TIMEOUT)
+        with Testbed(fan_out_hosts(workers, seeder_mbit=seeder_mbit)) as tb:
             served = seeder.serve(tb)
             started = time.monotonic()
-            gettings = [n.start_get(tb, blob_id, [served.addr], *extra_get_args) for n in nodes]
-            if gate:
-                _wait_all_up(gettings)
-                tb.set_host("seed", up_mbit=seeder_mbit)
+            gettings = [
+                n.start_get(tb, blob_id, [served.addr], *extra_get_args, barrier=barrier)
+                for n in nodes
+            ]
+            if barrier is not None:
+                _wait_all_ready(barrier, nodes, gettings)
+                barrier.go.touch()
                 started = time.monotonic()
             results = [g.wait(timeout) for g in gettings]
             total = time.monotonic() - started
@@ -102,11 +111,14 @@ def fan_out(
     return FanOut(size, seeder_mbit, total, span, uplink, results)
 
 
-def _wait_all_up(gettings: list[Getting]) -> None:
-    """Until every ``blob get`` holds the manifest (its partial blob exists) or has
-    ended, or GATE_TIMEOUT passed."""
+def _wait_all_ready(barrier: Barrier, nodes: list[BlobNode], gettings: list[Getting]) -> None:
+    """Until every ``blob get`` waits at the barrier or has ended, or GATE_TIMEOUT passed
+    (then each goes by itself)."""
     deadline = time.monotonic() + GATE_TIMEOUT
     while time.monotonic() < deadline:
-        if all(g.proc.poll() is not None or g.partial_dir.exists() for g in gettings):
+        if all(
+            g.proc.poll() is not None or barrier.ready(n)
+            for n, g in zip(nodes, gettings, strict=True)
+        ):
             return
         time.sleep(GATE_POLL_S)

@@ -4,7 +4,7 @@ tells it). Peer exchange, chunks in flight shown to fellows (1.3.0 `status`) and
 partition let them fetch from each other, so the seeder's uplink carries much less than
 the three copies it carried before (3.0x the blob and more, retransmissions included).
 
-The seeder's uplink opens only once all three are up (bench.wan.scenarios: start-up
+The three start fetching together, after their imports (bench.wan.scenarios: start-up
 skew). Without that gate this test failed about 2 runs in 7 on a loaded machine: a
 fetcher that started seconds before the others took most of the blob from the seeder
 alone, and the seeder sent 2.5x the blob and more."""
