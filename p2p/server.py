@@ -429,7 +429,11 @@ class BlobServer:
                     count = min(
                         proto.MAX_FELLOWS_COUNTED,
                         self.swarm.fellows(
-                            request.blob_id, trio.current_time(), peer, FELLOW_WINDOW
+                            request.blob_id,
+                            trio.current_time(),
+                            peer,
+                            FELLOW_WINDOW,
+                            self._connected,
                         ),
                     )
                 status = proto.StatusResponse(num_chunks=n, bitmap=bitmap, soon=soon, fellows=count)
@@ -496,6 +500,17 @@ class BlobServer:
             self._addrs_cache.clear()
         self._addrs_cache[peer] = (now + ADDRS_CACHE_S, addrs)
         return addrs
+
+    def _connected(self, peer: str) -> bool:
+        """Whether ``peer`` has a connection to this node now (True without a host)."""
+        if self.host is None:
+            return True
+        try:
+            from libp2p.peer.id import ID
+
+            return bool(self.host.get_network().get_connections(ID.from_base58(peer)))
+        except Exception:  # a malformed peer ID: not anyone connected
+            return False
 
     def _read_addrs(self, peer: str) -> list[str]:
         if self.host is None:

@@ -33,7 +33,9 @@ Theory of operation
 
 6. A seeder counts who fetches from it (``/blobnet/blob/1.4.0``'s ``status``): the peers
    other than the asker that asked it about the blob within ``FELLOW_WINDOW``
-   (`SwarmBook.fellows`). A fetcher that its seeder calls alone, and that knows no
+   (`SwarmBook.fellows`) and are still connected to it: a fetch that ended and left is
+   not counted, or back-to-back fetches of one blob would each hear the last one. A
+   fetcher that its seeder calls alone, and that knows no
    fellow, drops the swarm's opening caps there (``p2p.scheduler``'s ``set_alone``): a
    lone fetch across a continent needs many requests in flight at once to fill its
    striped connections, and the caps cost it a quarter of its rate (bench/figures/
@@ -154,9 +156,17 @@ class SwarmBook:
             return []
         return [p for p in reversed(peers) if p != exclude]
 
-    def fellows(self, blob_id: str, now: float, exclude: str, window: float) -> int:
+    def fellows(
+        self,
+        blob_id: str,
+        now: float,
+        exclude: str,
+        window: float,
+        connected: Callable[[str], bool] = lambda peer: True,
+    ) -> int:
         """How many peers other than ``exclude`` asked about ``blob_id`` within the last
-        ``window`` seconds (a 1.4.0 `status` answer's count, rule 6)."""
+        ``window`` seconds and are ``connected`` still (a 1.4.0 `status` answer's count,
+        rule 6): a fetch that has ended and gone fetches nothing any more."""
         peers = self._blobs.get(blob_id)
         if peers is None:
             return 0
@@ -164,7 +174,7 @@ class SwarmBook:
         for peer, seen in reversed(peers.items()):  # most recent first
             if seen < now - window:
                 break
-            count += peer != exclude
+            count += peer != exclude and connected(peer)
         return count
 
     def __len__(self) -> int:

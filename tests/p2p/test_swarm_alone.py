@@ -88,6 +88,8 @@ def test_the_count_is_the_other_peers_seen_within_the_window() -> None:
     assert book.fellows(BLOB, 12.0, "a", FELLOW_WINDOW) == 1  # old is past the window
     assert book.fellows(BLOB, 30.0, "a", FELLOW_WINDOW) == 0
     assert book.fellows("11" * 32, 9.0, "a", FELLOW_WINDOW) == 0
+    gone = {"b"}  # b ended its fetch and hung up
+    assert book.fellows(BLOB, 9.0, "a", FELLOW_WINDOW, lambda peer: peer not in gone) == 1
 
 
 async def test_a_seeder_counts_the_askers_fellows_on_1_4_and_says_nothing_on_1_3(
@@ -127,6 +129,14 @@ async def test_a_seeder_counts_the_askers_fellows_on_1_4_and_says_nothing_on_1_3
             assert await ask(first, proto.PROTOCOL_ID_1_3) == proto.StatusResponse(
                 4, full, bytes(1)
             )
+            # The fellow's fetch ends and it hangs up: the seeder no longer counts it.
+            await second.host.disconnect(ID.from_base58(peer))
+            for _ in range(100):
+                reply = await ask(first, proto.PROTOCOL_ID_1_4, fellows=True)
+                if isinstance(reply, proto.StatusResponse) and reply.fellows == 0:
+                    break
+                await trio.sleep(0.05)
+            assert reply == proto.StatusResponse(4, full, bytes(1), fellows=0)
 
 
 # --- what a fetcher does with it --------------------------------------------------------
