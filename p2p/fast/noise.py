@@ -238,9 +238,16 @@ class FastNoiseTransport(ISecureTransport):
         return self._fast(conn, session)
 
     async def secure_outbound(self, conn: IRawConnection, peer_id: ID) -> ISecureConn:
+        return await self.secure_outbound_through(conn, conn, peer_id)
+
+    async def secure_outbound_through(
+        self, raw: IRawConnection, handshake_io: Any, peer_id: ID
+    ) -> FastSecureConn:
+        """The handshake over ``handshake_io`` (``raw`` itself, or a wrapper of it that
+        checks a negotiation answer first: p2p.fast.upgrade), the session over ``raw``."""
         # PatternXX checks the signed payload and that its key matches `peer_id`.
-        session = await self._pattern().handshake_outbound(conn, peer_id)
-        return self._fast(conn, session)
+        session = await self._pattern().handshake_outbound(handshake_io, peer_id)
+        return self._fast(raw, session)
 
     def _fast(self, raw: IRawConnection, session: Any) -> FastSecureConn:
         protocol = session.conn.noise_state.noise_protocol

@@ -1,6 +1,8 @@
-"""Negotiating Noise and yamux as the dialler in one round trip each (issue 15 item 4):
-multistream-select's header and the one proposal leave in a single write, and a listener
-that answers anything else is refused."""
+"""Negotiating Noise and yamux as the dialler (issue 15 item 4): multistream-select's
+header and the one proposal leave in a single write, and a listener that answers anything
+else is refused. Over our Noise the dialler does not wait for the answer at all: Noise's
+first message follows the proposal in the same write, and the answer is checked before
+Noise's reply is read (`AnsweredFirst`)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.utils import encode_delim
 
-from p2p.fast.upgrade import FastSecurityMultistream, select_pipelined
+from p2p.fast.upgrade import AnsweredFirst, FastSecurityMultistream, select_pipelined
 from p2p.host import build_host
 
 HEADER = encode_delim(b"/multistream/1.0.0")
@@ -61,3 +63,49 @@ def test_a_fast_host_negotiates_security_this_way() -> None:
     upgrader = host.get_network().upgrader  # type: ignore[attr-defined]
     assert isinstance(upgrader.security_multistream, FastSecurityMultistream)
     assert list(upgrader.security_multistream.transports) == [NOISE]
+
+
+class Wire:
+    """The far end of a raw connection: what it was sent, and what it sends, a few bytes
+    per read at most (any split must do)."""
+
+    def __init__(self, answer: bytes, per_read: int = 5) -> None:
+        self.answer = bytearray(answer)
+        self.per_read = per_read
+        self.writes: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        self.writes.append(bytes(data))
+
+    async def read(self, n: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        take = min(self.per_read, len(self.answer) if n is None else n)
+        out = bytes(self.answer[:take])
+        del self.answer[:take]
+        return out
+
+
+async def test_noise_leaves_with_the_proposal_and_its_reply_follows_the_answer() -> None:
+    wire = Wire(HEADER + encode_delim(NOISE.encode()) + b"noise reply")
+    conn = AnsweredFirst(wire, NOISE)
+    await conn.write(b"noise msg 1")
+    assert wire.writes == [HEADER + encode_delim(NOISE.encode()) + b"noise msg 1"]
+    assert conn.awaiting_answer
+    got = b""
+    while len(got) < len(b"noise reply"):
+        got += await conn.read(64)
+    assert got == b"noise reply"
+    assert not conn.awaiting_answer
+    await conn.write(b"noise msg 3")  # later writes are plain
+    assert wire.writes[-1] == b"noise msg 3"
+
+
+@pytest.mark.parametrize(
+    "answer", [HEADER + encode_delim(b"na"), encode_delim(b"/multistream/2.0.0"), b""]
+)
+async def test_a_listener_that_refuses_noise_fails_the_first_read(answer: bytes) -> None:
+    conn = AnsweredFirst(Wire(answer), NOISE)
+    await conn.write(b"noise msg 1")
+    with pytest.raises(MultiselectClientError):
+        await conn.read(64)
