@@ -447,6 +447,7 @@ class FastYamuxConn(IMuxedConn):
         sock = self.secured_conn.sock
         if sock is None:
             raise LocalProtocolError("inline send needs a socket")
+        self.secured_conn.coalesce(len(wire))
         while wire:
             fd = sock.fileno()
             if fd < 0:
