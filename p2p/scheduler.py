@@ -1079,6 +1079,12 @@ class Scheduler:
             )
             if total > 0.0:
                 size = min(size, max(1, math.ceil(fetchable * mine / total)))
+        if p.connections > 1 and 0 < fetchable * self._chunk_length(0) < p.outstanding_bytes:
+            # A striped peer's last chunks: what is left of the pool is less than it owes
+            # already, so each of its connections gets an even part of it, not the first
+            # to ask all of it (one connection then ran on alone after the others were
+            # done, at a fraction of the link's rate).
+            size = min(size, max(1, math.ceil(fetchable / p.connections)))
         return size
 
     def _defers(self, p: _Peer) -> bool:
