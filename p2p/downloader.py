@@ -53,7 +53,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial as bind
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import blake3
 import trio
@@ -250,18 +250,33 @@ async def _ask_manifest(
 
 
 @dataclass
-class _Probe:
+class _Asked:
+    """A request sent to a provider before its task needs the answer (HaveProbes)."""
+
     done: trio.Event = field(default_factory=trio.Event)
-    client: BlobClient | None = None
+    client: BlobClient | None = None  # the stream, kept for whoever takes the answer
+
+
+@dataclass
+class _Probe(_Asked):
     have: proto.HaveResponse | proto.ErrorResponse | None = None
     rtt: float = 0.0
 
 
 @dataclass
-class _CountProbe:
-    done: trio.Event = field(default_factory=trio.Event)
-    client: BlobClient | None = None
+class _CountProbe(_Asked):
     status: proto.StatusResponse | proto.ErrorResponse | None = None
+
+
+_A = TypeVar("_A", bound=_Asked)
+
+
+async def _take(table: dict[str, _A], peer: str) -> _A | None:
+    """``peer``'s entry of ``table``, removed, once it has ended (None if there is none)."""
+    asked = table.pop(peer, None)
+    if asked is not None:
+        await asked.done.wait()
+    return asked
 
 
 async def open_status_client(
@@ -340,10 +355,7 @@ class HaveProbes:
 
     async def take_count(self, peer: str) -> _CountProbe | None:
         """The count probe of ``peer``, once it has ended (None if none was started)."""
-        count = self._counts.pop(peer, None)
-        if count is not None:
-            await count.done.wait()
-        return count
+        return await _take(self._counts, peer)
 
     async def _ask(self, peer: str, probe: _Probe) -> None:
         stream = None
@@ -365,18 +377,14 @@ class HaveProbes:
 
     async def take(self, peer: str) -> _Probe | None:
         """The probe of ``peer``, once it has ended (None if none was started)."""
-        probe = self._probes.pop(peer, None)
-        if probe is not None:
-            await probe.done.wait()
-        return probe
+        return await _take(self._probes, peer)
 
     async def close(self) -> None:
         """Reset the streams of probes nobody took."""
-        clients = [p.client for p in self._probes.values()]
-        clients += [c.client for c in self._counts.values()]
-        for client in clients:
-            if client is not None:
-                await reset_quietly(client.stream)
+        asked: list[_Asked] = [*self._probes.values(), *self._counts.values()]
+        for entry in asked:
+            if entry.client is not None:
+                await reset_quietly(entry.client.stream)
         self._probes.clear()
         self._counts.clear()
 
@@ -581,7 +589,7 @@ class Download:
         gain chunks we lack, on a stream of its own: 1.3.0's ``status`` (what it holds and
         what it is fetching now, p2p.swarm rule 4) where the peer speaks it, else ``have``.
         Stops at the first failure (the peer's workers notice a lost peer by themselves)."""
-        client = await self._open_status_stream(peer)
+        client = await open_status_client(self.network, peer, self.chunk_length)
         status = client is not None
         try:
             if client is None:
@@ -645,7 +653,7 @@ class Download:
         reply = None if probe is None else probe.status
         client = None if probe is None else probe.client
         if client is None:
-            client = await self._open_status_stream(peer, fellows=True)
+            client = await open_status_client(self.network, peer, self.chunk_length, fellows=True)
         if client is None:
             return
         try:
@@ -666,9 +674,6 @@ class Download:
             self._notify()
         finally:
             await reset_quietly(client.stream)
-
-    async def _open_status_stream(self, peer: str, *, fellows: bool = False) -> BlobClient | None:
-        return await open_status_client(self.network, peer, self.chunk_length, fellows=fellows)
 
     def _set_connections(self, peer: str) -> None:
         count = 1 if self.striped is None else self.striped.connection_count(peer)
