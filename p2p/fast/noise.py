@@ -285,10 +285,11 @@ class FastNoiseTransport(ISecureTransport):
         return await self.secure_outbound_through(conn, conn, peer_id)
 
     async def secure_outbound_through(
-        self, raw: IRawConnection, handshake_io: Any, peer_id: ID
+        self, raw: IRawConnection, handshake_io: Any, peer_id: ID | None
     ) -> FastSecureConn:
         """The handshake over ``handshake_io`` (``raw`` itself, or a wrapper of it that
-        checks a negotiation answer first: p2p.fast.upgrade), the session over ``raw``."""
+        checks a negotiation answer first: p2p.fast.upgrade), the session over ``raw``.
+        ``peer_id`` None: any peer (the caller checks who answered)."""
         # PatternXX checks the signed payload and that its key matches `peer_id`.
         session = await self._pattern().handshake_outbound(handshake_io, peer_id)
         return self._fast(raw, session)

@@ -12,6 +12,15 @@ yamux ends the connection). Nor does it wait for the answer to its security prop
 Noise's first message follows it in the same write (`AnsweredFirst`). A dial so takes two
 round trips (TCP, Noise), not four, and the first stream's request goes out with the
 muxer proposal.
+
+A socket we dialled but are told to answer on (`secure_inbound` of a raw connection that
+is the initiator: py-libp2p's DCUtR upgrades the hole punch's own dials as the responder,
+for a TCP simultaneous open) may have reached the peer's listener instead, when the peer
+is reachable after all (the same LAN, a provider that only assumed it was private). Both
+ends would then send multistream's header and wait for a proposal until the punch round
+times out. A simultaneous dialler proposes right behind its header (or right after ours
+arrives), so a peer that says nothing after its header for `SILENT_PEER_S` is a listener,
+and we take the dialler's role (`answer_or_dial`).
 """
 
 from __future__ import annotations
@@ -34,11 +43,20 @@ from libp2p.stream_muxer.muxer_multistream import MuxerMultistream
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.utils import encode_delim
 
-from .errors import LocalProtocolError
-from .noise import FastNoiseTransport, FastSecureConn
+from .errors import LocalProtocolError, RemoteProtocolError
+from .noise import FastNoiseTransport, FastSecureConn, trio_socket_of
 from .yamux import PROTOCOL_ID, FastYamuxConn
 
 MULTISTREAM = "/multistream/1.0.0"
+# How long a dial made as the responder waits for the peer's first byte before it takes
+# the dialler's role (the module docstring). A simultaneous dialler's proposal comes one
+# way trip after its connect completes, which is about when ours did: 2 s is many times
+# an intercontinental round trip, and well inside a hole-punch round (5 s). Waiting out
+# the round instead costs more than the round: its closed socket sits in TIME_WAIT on the
+# same two ports, and every later round's dial fails at once.
+SILENT_PEER_S = 2.0
+# Proposals a responder dial turns down before it gives up on the peer (we offer one).
+MAX_PROPOSALS = 8
 
 
 async def select_pipelined(conn: Any, protocol: TProtocol) -> TProtocol:
@@ -57,18 +75,42 @@ async def select_pipelined(conn: Any, protocol: TProtocol) -> TProtocol:
     return protocol
 
 
+async def answer_or_dial(conn: Any, sock: Any, protocol: TProtocol) -> bool:
+    """multistream-select on a socket we dialled but were told to answer on (the module
+    docstring): send the header, read the peer's; then, if a proposal follows within
+    `SILENT_PEER_S`, answer it (False: we are the responder, as asked); if the peer stays
+    silent, it is a listener waiting for us (True: the caller proposes `protocol`, with
+    no header, and continues as the dialler)."""
+    communicator = MultiselectCommunicator(conn)
+    await communicator.write(MULTISTREAM)
+    header = await communicator.read()
+    if header != MULTISTREAM:
+        raise RemoteProtocolError(f"peer sent {header[:64]!r} for multistream's header")
+    with trio.move_on_after(SILENT_PEER_S) as waiting:
+        await trio.lowlevel.wait_readable(sock)  # reads nothing: the answer below does
+    if waiting.cancelled_caught:
+        return True
+    for _ in range(MAX_PROPOSALS):
+        proposal = await communicator.read()
+        if proposal == protocol:
+            await communicator.write(protocol)
+            return False
+        await communicator.write("na")
+    raise RemoteProtocolError(f"peer proposed {MAX_PROPOSALS} protocols, none of them {protocol}")
+
+
 class AnsweredFirst:
     """A raw connection for a dialler that proposed a protocol without waiting for the
     answer: its first write goes out behind the proposal (one segment), and its first
     read takes the listener's answer off the wire, and checks it, before anything else.
     A listener that answers anything else (``na``) fails the read: it refused."""
 
-    def __init__(self, conn: Any, protocol: TProtocol) -> None:
+    def __init__(self, conn: Any, protocol: TProtocol, *, header: bool = True) -> None:
         self._conn = conn
         self._protocol = protocol
-        self._proposal: bytes | None = encode_delim(MULTISTREAM.encode()) + encode_delim(
-            protocol.encode()
-        )
+        self._proposal: bytes | None = (
+            encode_delim(MULTISTREAM.encode()) if header else b""
+        ) + encode_delim(protocol.encode())
         self._expect = self._proposal
 
     @property
@@ -102,15 +144,42 @@ class FastSecurityMultistream(SecurityMultistream):
     for the answer to its proposal: the proposal and Noise's first message leave in one
     write, and the answer is checked before Noise's second message is read
     (`AnsweredFirst`); so a dial takes two round trips before its first frame, not three.
-    With another transport it proposes in one round trip (`select_pipelined`); listening
-    is unchanged."""
+    With another transport it proposes in one round trip (`select_pipelined`). Listening
+    is unchanged, but for a dial made as the responder to a silent peer (the module
+    docstring)."""
 
-    async def secure_outbound(self, conn: Any, peer_id: ID) -> ISecureConn:
+    def _noise(self) -> FastNoiseTransport | None:
         offered = list(self.transports)
         noise = self.transports[offered[0]] if len(offered) == 1 else None
-        if not isinstance(noise, FastNoiseTransport):
+        return noise if isinstance(noise, FastNoiseTransport) else None
+
+    async def secure_inbound(self, conn: Any) -> ISecureConn:
+        sock = trio_socket_of(conn)
+        noise = self._noise()
+        if not getattr(conn, "is_initiator", False) or sock is None or noise is None:
+            return await super().secure_inbound(conn)
+        protocol = next(iter(self.transports))
+        try:
+            with trio.fail_after(DEFAULT_NEGOTIATE_TIMEOUT):
+                dialling = await answer_or_dial(conn, sock, protocol)
+        except (trio.TooSlowError, MultiselectCommunicatorError, RemoteProtocolError) as exc:
+            raise MultiselectError(f"Failed to negotiate a security protocol: {exc}") from exc
+        if not dialling:
+            return await noise.secure_inbound(conn)
+        # The peer is not checked here: DCUtR's responder dial checks it after the upgrade.
+        return await self._secure_as_dialler(noise, conn, None, header=False)
+
+    async def secure_outbound(self, conn: Any, peer_id: ID) -> ISecureConn:
+        noise = self._noise()
+        if noise is None:
             return await super().secure_outbound(conn, peer_id)
-        checked = AnsweredFirst(conn, offered[0])
+        return await self._secure_as_dialler(noise, conn, peer_id)
+
+    async def _secure_as_dialler(
+        self, noise: FastNoiseTransport, conn: Any, peer_id: ID | None, *, header: bool = True
+    ) -> ISecureConn:
+        offered = list(self.transports)
+        checked = AnsweredFirst(conn, offered[0], header=header)
         try:
             with trio.fail_after(DEFAULT_NEGOTIATE_TIMEOUT):
                 secure = await noise.secure_outbound_through(conn, checked, peer_id)

@@ -2,17 +2,28 @@
 header and the one proposal leave in a single write, and a listener that answers anything
 else is refused. Over our Noise the dialler does not wait for the answer at all: Noise's
 first message follows the proposal in the same write, and the answer is checked before
-Noise's reply is read (`AnsweredFirst`)."""
+Noise's reply is read (`AnsweredFirst`). A dial told to answer (a hole punch's) that
+reached a listener takes the dialler's role once the listener stays silent."""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 import trio
 from libp2p.crypto.secp256k1 import create_new_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.io.trio import TrioTCPStream
+from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.peer.id import ID
 from libp2p.protocol_muxer.exceptions import MultiselectClientError
+from libp2p.security.security_multistream import SecurityMultistream
 from libp2p.utils import encode_delim
 
+from p2p.fast import upgrade
+from p2p.fast.noise import FastNoiseTransport
 from p2p.fast.upgrade import AnsweredFirst, FastSecurityMultistream, select_pipelined
 from p2p.host import build_host
 
@@ -109,3 +120,80 @@ async def test_a_listener_that_refuses_noise_fails_the_first_read(answer: bytes)
     await conn.write(b"noise msg 1")
     with pytest.raises(MultiselectClientError):
         await conn.read(64)
+
+
+# A hole punch's own dial, made as the responder (py-libp2p's DCUtR initiator does so for
+# a TCP simultaneous open), that reached the peer's listener instead: the peer is
+# reachable after all. Real sockets on 127.0.0.1, both ends upgraded by our negotiator.
+
+
+def _security() -> tuple[FastSecurityMultistream, ID]:
+    keys = create_new_key_pair()
+    transport = FastNoiseTransport(keys)
+    return FastSecurityMultistream({NOISE: transport}), ID.from_pubkey(keys.public_key)
+
+
+@asynccontextmanager
+async def _tcp_pair() -> AsyncIterator[tuple[RawConnection, RawConnection]]:
+    """(the dialler's raw connection, the listener's), over a real loopback socket."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    dialled = await trio.open_tcp_stream("127.0.0.1", port)
+    accepted = await listeners[0].accept()
+    try:
+        yield (
+            RawConnection(TrioTCPStream(dialled), initiator=True),
+            RawConnection(TrioTCPStream(accepted), initiator=False),
+        )
+    finally:
+        await dialled.aclose()
+        await accepted.aclose()
+        await listeners[0].aclose()
+
+
+async def _both(first: Any, second: Any) -> tuple[Any, Any]:
+    out: list[Any] = [None, None]
+
+    async def run(i: int, job: Any) -> None:
+        out[i] = await job()
+
+    with trio.fail_after(15):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, 0, first)
+            nursery.start_soon(run, 1, second)
+    return out[0], out[1]
+
+
+async def test_a_responder_dial_that_reached_a_listener_takes_the_diallers_role(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(upgrade, "SILENT_PEER_S", 0.2)
+    (ours, our_id), (theirs, their_id) = _security(), _security()
+    async with _tcp_pair() as (dialled, accepted):
+        mine, peers = await _both(
+            lambda: ours.secure_inbound(dialled),  # told to answer on a socket it dialled
+            lambda: theirs.secure_inbound(accepted),  # a listener: answers, as always
+        )
+        assert (mine.is_initiator, peers.is_initiator) == (True, False)
+        assert (mine.get_remote_peer(), peers.get_remote_peer()) == (their_id, our_id)
+        await mine.write(b"a chunk request")
+        assert await peers.read(64) == b"a chunk request"
+
+
+@pytest.mark.parametrize("far_end", [FastSecurityMultistream, SecurityMultistream])
+async def test_a_responder_dial_whose_peer_dials_too_answers_as_the_responder(
+    far_end: type[SecurityMultistream],
+) -> None:
+    # A real simultaneous open: the far end is a dialler, ours (proposal and Noise in one
+    # write) or py-libp2p's (it waits for our header before it proposes), so our end
+    # answers, as DCUtR asked (both dialling would fail the handshake).
+    (ours, our_id), (fast, their_id) = _security(), _security()
+    theirs = far_end(dict(fast.transports))
+    async with _tcp_pair() as (dialled, accepted):
+        simultaneous = RawConnection(accepted.stream, initiator=True)
+        mine, peers = await _both(
+            lambda: ours.secure_inbound(dialled),
+            lambda: theirs.secure_outbound(simultaneous, our_id),
+        )
+        assert (mine.is_initiator, peers.is_initiator) == (False, True)
+        assert mine.get_remote_peer() == their_id
