@@ -156,6 +156,12 @@ STRIPED_REQUEST_RTTS = 3.0
 # measured on a few one-chunk requests (a round trip each), so a fellow on a link ten times
 # the seeder's can measure below it; one under a quarter of it would make us wait.
 DEFER_RATE_FRACTION = 0.25
+# A seeder that said only once that nobody else fetches from it (set_alone's ``once``) is
+# owed at most this fraction of the blob at a time: a 256 MiB blob's 32 MiB is more than a
+# 200 ms gigabit path holds in flight (25 MB), so a lone fetch does not feel it, and a
+# fetcher that was first of several to ask takes at most an eighth of the blob on that
+# one answer (it took a 32 MiB blob nearly whole, in 16 MiB requests).
+ALONE_ONCE_SHARE = 8
 # The swarm partition (see "Swarm partition") hashes every chunk once per fellow: ~2 us a
 # chunk here, so 65536 chunks (64 GiB at 1 MiB) cost ~0.15 s per fellow, once.
 MAX_PARTITION_CHUNKS = 1 << 16
@@ -363,6 +369,7 @@ class _Peer:
     connections: int = 1  # TCP connections the shell stripes this peer's streams over
     busy_limit: int | None = None  # live requests the server last took before saying busy
     alone: bool = False  # a seeder that said nobody else fetches from it (set_alone)
+    alone_once: bool = False  # ... said so only once yet (set_alone)
 
     @property
     def usable(self) -> bool:
@@ -482,14 +489,20 @@ class Scheduler:
         carry a live request (see `inflight_limit`)."""
         self._peer(peer).connections = max(1, count)
 
-    def set_alone(self, peer: str, alone: bool) -> None:
+    def set_alone(self, peer: str, alone: bool, *, once: bool = False) -> None:
         """`peer` (a seeder, asked with 1.4.0's ``status``) said whether anyone else
         fetches the blob from it now. While it says nobody and no partial peer is known,
         the swarm's opening caps do not apply to it (``swarm_unmeasured_inflight_requests``,
         ``unmeasured_batch_bytes``, ``max_request_seconds``): they keep fetchers that do
         not know each other yet from queueing the same chunks at one seeder, and cost a
-        fetch that has the seeder to itself most of its ramp across a continent."""
-        self._peer(peer).alone = alone
+        fetch that has the seeder to itself most of its ramp across a continent. ``once``:
+        it said nobody only once so far. Fetchers started together reach it a little
+        apart, so the first to ask hears nobody; until the seeder says so again, what is
+        asked of it and not yet received stays within ``ALONE_ONCE_SHARE`` of the blob,
+        so a fetcher that is not alone after all has not taken most of it by the time it
+        knows."""
+        p = self._peer(peer)
+        p.alone, p.alone_once = alone, alone and once
 
     def _uncapped(self, p: _Peer) -> bool:
         """The swarm's opening caps are off for `p` (see set_alone)."""
@@ -543,6 +556,12 @@ class Scheduler:
         if self._dirty:
             self._rebuild()
         limit = self._batch_size(p)
+        if p.alone_once and self._uncapped(p):
+            chunk = max(1, self._chunk_length(0))
+            room = self._n * chunk // ALONE_ONCE_SHARE - p.outstanding_bytes
+            if room < chunk and p.requests:
+                return None
+            limit = min(limit, max(1, room // chunk))
         picked = self._pick_pool(p, limit)
         endgame = False
         if not picked and not p.requests and self._fetchable_pool() == 0:

@@ -35,14 +35,17 @@ Theory of operation
    other than the asker that asked it about the blob within ``FELLOW_WINDOW``
    (`SwarmBook.fellows`) and are still connected to it: a fetch that ended and left is
    not counted, or back-to-back fetches of one blob would each hear the last one. A
-   fetcher that its seeder calls alone, and that knows no
-   fellow, drops the swarm's opening caps there (``p2p.scheduler``'s ``set_alone``): a
-   lone fetch across a continent needs many requests in flight at once to fill its
-   striped connections, and the caps cost it a quarter of its rate (bench/figures/
-   wan-opening-caps.md). It asks again every ``p2p.downloader.HAVE_REFRESH_INTERVAL``
-   and keeps the caps for good from the first answer that counts anyone. Of fetchers
-   that start together only the first to ask hears "alone"; its requests are posted as
-   in flight (rule 4), so the fellows leave those chunks to it.
+   fetcher that its seeder calls alone, and that knows no fellow, drops the swarm's
+   opening caps there (``p2p.scheduler``'s ``set_alone``): a lone fetch across a
+   continent needs many requests in flight at once to fill its striped connections, and
+   the caps cost it a quarter of its rate (bench/figures/wan-opening-caps.md). Until the
+   seeder has said so twice in a row (``p2p.downloader.ALONE_ANSWERS``,
+   ``HAVE_REFRESH_INTERVAL`` apart) it is owed at most an eighth of the blob at a time
+   (``p2p.scheduler.ALONE_ONCE_SHARE``): of fetchers that start together the first to
+   ask hears "alone" once, and uncapped on that answer it took a small blob nearly whole
+   from the seeder before the next answer counted the others. It keeps asking every
+   ``HAVE_REFRESH_INTERVAL`` and keeps the caps for good from the first answer that
+   counts anyone.
 
 All time is the ``now`` argument (seconds, monotonic); nothing here does I/O.
 """

@@ -1,8 +1,10 @@
 """A seeder says who else fetches from it (issue 15 against issue 21): /blobnet/blob/1.4.0's
 `status` answer counts the other peers that asked the server about the blob lately. A
 fetcher its seeder calls alone, knowing no fellow, drops the swarm's opening caps there: a
-lone fetch across a continent lost a quarter of its rate to them. The first answer that
-counts anyone puts them back, and so does the first fellow the fetcher learns of."""
+lone fetch across a continent lost a quarter of its rate to them. Until the seeder has
+said so twice, it is owed at most an eighth of the blob (the first of fetchers started
+together hears "alone" once). The first answer that counts anyone puts the caps back, and
+so does the first fellow the fetcher learns of."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from libp2p.peer.id import ID
 from blobstore import Manifest, Store
 from p2p import protocol as proto
 from p2p.node import open_node
-from p2p.scheduler import Scheduler, SchedulerConfig, bitmap_of
+from p2p.scheduler import ALONE_ONCE_SHARE, Scheduler, SchedulerConfig, bitmap_of
 from p2p.swarm import FELLOW_WINDOW, SwarmBook
 from p2p.wire import BlobClient, StreamLost, open_optimistic
 
@@ -162,6 +164,21 @@ def test_a_seeder_alone_with_us_gets_full_requests_on_every_connection() -> None
     lone.set_alone("seed", True)
     assert _live(lone, "seed") == [4] * 6  # 1.5 requests per connection, full batches
     lone._check_invariants()
+
+
+def test_a_seeder_that_said_alone_once_is_owed_at_most_an_eighth_of_the_blob() -> None:
+    # Three fetchers started together: the first to ask hears "nobody else" and is not
+    # alone. On that one answer it is owed at most an eighth of the blob; on the second
+    # (0.5 s later, p2p.downloader.ALONE_ANSWERS) the requests are full ones.
+    s = Scheduler(64, lambda i: 1, config=SWARM)
+    s.add_peer("seed", 0.0)
+    s.set_connections("seed", 4)
+    s.set_alone("seed", True, once=True)
+    assert _live(s, "seed") == [4, 4]  # full batches, 64 / ALONE_ONCE_SHARE chunks in all
+    assert 64 // ALONE_ONCE_SHARE == 8
+    s.set_alone("seed", True)
+    assert _live(s, "seed") == [4] * 4  # six live requests now, as alone
+    s._check_invariants()
 
 
 def test_the_caps_come_back_with_a_fellow_or_a_count() -> None:
