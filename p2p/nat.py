@@ -318,8 +318,9 @@ async def upgrade_to_direct(host: Any, peer: ID, *, punch_timeout: float) -> str
     if direct_connection(host, peer) is not None:
         return None
     return (
-        f"hole punching to {peer} failed (no direct connection within {punch_timeout:.0f} s: "
-        "a symmetric NAT on either side maps each connection to a new port)"
+        f"hole punching to {peer} failed (no direct connection within {punch_timeout:.0f} s; "
+        "the usual cause: a symmetric NAT on either side, which maps each connection to a "
+        "new port)"
     )
 
 
