@@ -157,10 +157,10 @@ STRIPED_REQUEST_RTTS = 3.0
 # the seeder's can measure below it; one under a quarter of it would make us wait.
 DEFER_RATE_FRACTION = 0.25
 # A seeder that said only once that nobody else fetches from it (set_alone's ``once``) is
-# owed at most this fraction of the blob at a time: a 256 MiB blob's 32 MiB is more than a
-# 200 ms gigabit path holds in flight (25 MB), so a lone fetch does not feel it, and a
-# fetcher that was first of several to ask takes at most an eighth of the blob on that
-# one answer (it took a 32 MiB blob nearly whole, in 16 MiB requests).
+# owed at most this fraction of the blob at a time: a fetcher that was first of several to
+# ask takes at most an eighth of the blob on that one answer (it took a 32 MiB blob nearly
+# whole, in 16 MiB requests). A lone fetch pays for it: eu->asia 256 MiB ran ~5% slower
+# than with no budget (bench/figures/wan-opening-caps.md), and a quarter was less safe.
 ALONE_ONCE_SHARE = 8
 # The swarm partition (see "Swarm partition") hashes every chunk once per fellow: ~2 us a
 # chunk here, so 65536 chunks (64 GiB at 1 MiB) cost ~0.15 s per fellow, once.

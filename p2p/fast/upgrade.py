@@ -48,9 +48,10 @@ from .noise import FastNoiseTransport, FastSecureConn, trio_socket_of
 from .yamux import PROTOCOL_ID, FastYamuxConn
 
 MULTISTREAM = "/multistream/1.0.0"
-# How long a dial made as the responder waits for the peer's first byte before it takes
-# the dialler's role (the module docstring). A simultaneous dialler's proposal comes one
-# way trip after its connect completes, which is about when ours did: 2 s is many times
+# How long a dial made as the responder waits, after the peer's multistream header, for a
+# proposal before it takes the dialler's role (the module docstring). A simultaneous
+# dialler's proposal comes at most a round trip after its connect completes, which is
+# about when ours did: 2 s is many times
 # an intercontinental round trip, and well inside a hole-punch round (5 s). Waiting out
 # the round instead costs more than the round: its closed socket sits in TIME_WAIT on the
 # same two ports, and every later round's dial fails at once.
