@@ -9,14 +9,18 @@ so does the first fellow the fetcher learns of."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import msgpack
 import pytest
 import trio
+import trio.testing
 from libp2p.peer.id import ID
 
 from blobstore import Manifest, Store
 from p2p import protocol as proto
+from p2p.downloader import ALONE_ANSWERS, Download, _CountProbe
 from p2p.node import open_node
 from p2p.scheduler import ALONE_ONCE_SHARE, Scheduler, SchedulerConfig, bitmap_of
 from p2p.swarm import FELLOW_WINDOW, SwarmBook
@@ -215,3 +219,55 @@ async def test_an_old_seeder_keeps_the_caps(tmp_path: Path) -> None:
                 await BlobClient(stream, status=True, fellows=True).status(
                     Manifest.of_bytes(data, chunk).blob_id
                 )
+
+
+class _Seeder:
+    """A seeder's status stream that answers the fetcher counts given, one per ask."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self.counts = counts
+        self.stream = self
+        self.asked = 0
+
+    async def status(self, blob_id: str) -> proto.StatusResponse:
+        await trio.lowlevel.checkpoint()
+        self.asked += 1
+        return proto.StatusResponse(4, bytes([15]), bytes(1), fellows=self.counts.pop(0))
+
+    async def reset(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+class _Probes:
+    def __init__(self, client: _Seeder) -> None:
+        self.client = client
+
+    async def take_count(self, peer: str) -> Any:
+        await trio.lowlevel.checkpoint()
+        return _CountProbe(client=self.client, status=await self.client.status(BLOB))
+
+
+def test_a_fetcher_takes_alone_from_two_answers_and_a_count_ends_it() -> None:
+    # The downloader's side of the rule: the first "nobody" frees the caps within a share
+    # of the blob, the second frees them, and the first answer counting anyone ends it.
+    seeder = _Seeder([0, 0, 0, 2])
+    calls: list[tuple[bool, bool]] = []
+
+    class Recorder:
+        done = False
+
+        def set_alone(self, peer: str, alone: bool, *, once: bool = False) -> None:
+            calls.append((alone, once))
+
+    download = SimpleNamespace(
+        probes=_Probes(seeder),
+        scheduler=Recorder(),
+        blob_id=BLOB,
+        _peer_usable=lambda peer: True,
+        _notify=lambda: None,
+    )
+    trio.run(
+        Download._watch_alone, download, "seed", clock=trio.testing.MockClock(autojump_threshold=0)
+    )
+    assert calls == [(True, True), (True, False), (False, False)]
+    assert seeder.asked == 4 and ALONE_ANSWERS == 2
