@@ -171,8 +171,10 @@ def test_verify_names_the_corrupt_blob_and_error_paths(tmp_path: Path) -> None:
     with open(path, "r+b") as f:
         f.seek(C + 1)
         f.write(b"\x00\x01\x02")
-    shard = store_dir / "blobs" / "ab"  # two IDs sharing a prefix (resolution reads names)
-    shard.mkdir()
+    # Two IDs sharing a prefix (resolution reads names). The shard may exist already: a
+    # random blob's ID starts with "ab" one time in 128 (CI once met it).
+    shard = store_dir / "blobs" / "ab"
+    shard.mkdir(exist_ok=True)
     for tail in "01":
         (shard / ("abcdef01" + tail * 56)).write_bytes(b"")
     foreign = tmp_path / "foreign"
