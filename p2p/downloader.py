@@ -45,6 +45,14 @@ Theory of operation
    than it counts. A busy seeder's kernel holds megabytes of chunks unsent in each bulk
    connection's send buffer; an answer queued behind them waited seconds (issue 21's
    fan-out: fellows learnt of each other 9 s into a 15 s fetch).
+10. Pipelining. On a striped provider's bulk lanes each worker keeps ``PIPELINE_DEPTH``
+   requests outstanding on its ``/blobnet/blob/1.1.0`` stream (`_send_ticket`, then
+   `_read_ticket` for the oldest), and there is one worker per bulk lane: the server
+   reads the next request as soon as it has answered one, so no lane idles a round trip
+   between two requests. A stream that fails takes the requests queued behind its first
+   with it: those are cancelled (released without counting a failure against the peer).
+   A provider that refuses 1.1.0 (``ProtocolRefused``) is served one request at a time
+   from then on (``serial``), and the refused request goes out again.
 """
 
 from __future__ import annotations
@@ -75,7 +83,7 @@ from p2p.scheduler import (
     StripeGrowth,
 )
 from p2p.swarm import LINGER_MAX, LINGER_QUIET, FetchingBoard, fetching_board
-from p2p.wire import BlobClient, StreamLost, open_optimistic, reset_quietly
+from p2p.wire import BlobClient, ProtocolRefused, StreamLost, open_optimistic, reset_quietly
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +120,12 @@ HAVE_REFRESH_INTERVAL = 0.5
 # of what the rule gained (49.9-50.9 MB/s against 52-55 uncapped at once; 45-48 when the
 # caps stayed until the second answer).
 ALONE_ANSWERS = 2
+# Requests a worker keeps outstanding on a striped provider's bulk stream (rule 10): the
+# next is at the server before the current answer ends, so the connection does not idle
+# a round trip between two requests (at 200 ms a lane with one request at a time, each
+# covering 3 round trips, idled a quarter of the time). Two suffice: a request covers
+# several round trips of its lane's share (p2p.scheduler.STRIPED_REQUEST_RTTS).
+PIPELINE_DEPTH = 2
 # Progress callbacks are rate-limited so a fast transfer does not spend time reporting.
 PROGRESS_INTERVAL = 0.25
 # Chunk bodies in flight (received, or queued for hashing and the disk) share this much
@@ -206,7 +220,9 @@ class Network(Protocol):
 class StripedNetwork(Protocol):
     """A network that can open several connections to one peer (``p2p.node.Node``)."""
 
-    async def open_blob_stream_on(self, peer: str, lane: int) -> Any: ...
+    async def open_blob_stream_on(
+        self, peer: str, lane: int, *, pipelined: bool = False
+    ) -> Any: ...
 
     async def add_connection(self, peer: str) -> bool: ...
 
@@ -458,6 +474,8 @@ class Download:
         self.growth: dict[str, StripeGrowth] = {}
         # Streams each provider's workers hold open, per connection (lane).
         self.lane_load: dict[str, list[int]] = {}
+        # Providers that refused 1.1.0: their streams carry one request at a time.
+        self.serial: set[str] = set()
 
     # --- helpers -------------------------------------------------------------------
     def chunk_length(self, index: int) -> int:
@@ -586,9 +604,10 @@ class Download:
                 nursery.start_soon(self._grow, peer)
             workers = 1
             # More workers as the peer's limit grows (rate x RTT, connections): each
-            # holds at most one live request, so the scheduler's limit is the brake.
+            # holds at most one live request (or `_depth`), so the scheduler's limit is
+            # the brake.
             while not self.scheduler.done and self._peer_usable(peer):
-                while workers < self.scheduler.inflight_limit(peer):
+                while workers < self._worker_target(peer):
                     workers += 1
                     nursery.start_soon(self._stream_worker, peer, None, self._quiet_lane(lanes))
                 await self._wait_change()
@@ -695,7 +714,16 @@ class Download:
         lanes = self.lane_load.setdefault(peer, [0])
         lanes.extend([0] * (count - len(lanes)))
         # Once striped, lane 0 is the control lane (rule 9): no bulk there.
-        self.scheduler.set_connections(peer, count if count == 1 else count - 1)
+        self.scheduler.set_connections(peer, count if count == 1 else count - 1, self._depth(peer))
+
+    def _worker_target(self, peer: str) -> int:
+        """Stream workers ``peer`` should have: one per live request it may hold, or on a
+        pipelined striped provider one per bulk lane (rule 10)."""
+        limit = self.scheduler.inflight_limit(peer)
+        depth = self._depth(peer)
+        if depth == 1:
+            return limit
+        return min(limit, len(self.lane_load[peer]) - 1)
 
     @staticmethod
     def _quiet_lane(lanes: list[int]) -> int:
@@ -749,55 +777,117 @@ class Download:
     def _peer_usable(self, peer: str) -> bool:
         return self.scheduler.still_used(peer)
 
+    def _depth(self, peer: str) -> int:
+        """Requests a stream worker keeps outstanding on its stream to ``peer`` (rule 10)."""
+        lanes = self.lane_load.get(peer)
+        if self.striped is None or lanes is None or len(lanes) <= 1 or peer in self.serial:
+            return 1
+        return PIPELINE_DEPTH
+
     async def _stream_worker(self, peer: str, client: BlobClient | None, lane: int) -> None:
-        """Send ``peer`` one request at a time, on a stream over connection ``lane``."""
+        """Send ``peer`` requests on a stream over connection ``lane`` and read the answers
+        in order: one at a time, or on a striped provider's bulk lane `_depth` at once."""
+        pending: list[RequestTicket] = []  # sent, answers not yet read (oldest first)
         try:
             # Chunk writes run in this nursery, alongside the requests that received them.
             async with trio.open_nursery() as writers:
                 while not self.scheduler.done and self._peer_usable(peer):
                     lanes = self.lane_load.get(peer)
-                    if lane == 0 and lanes is not None and len(lanes) > 1:
+                    if lane == 0 and lanes is not None and len(lanes) > 1 and not pending:
                         # Striped now: leave the control lane to control streams.
                         if client is not None:
                             await reset_quietly(client.stream)
                             client = None
                         lanes[0] -= 1
                         lane = self._quiet_lane(lanes)
-                    ticket = self.scheduler.next_request(peer, trio.current_time())
-                    if ticket is None:
+                    depth = 1 if lane == 0 else self._depth(peer)
+                    while len(pending) < depth:
+                        ticket = self.scheduler.next_request(peer, trio.current_time())
+                        if ticket is None:
+                            break
+                        client, sent = await self._send_ticket(
+                            peer, client, ticket, lane, bool(pending)
+                        )
+                        if not sent:
+                            break
+                        pending.append(ticket)
+                    if not pending:
                         await self._wait_change()
                         continue
-                    client = await self._run_ticket(peer, client, ticket, writers, lane)
+                    ticket = pending.pop(0)
+                    assert client is not None  # a request is outstanding on it
+                    client = await self._read_ticket(peer, client, ticket, writers)
+                    if client is None and pending:
+                        # The stream is gone with answers still owed on it: those requests
+                        # were never answered, through no fault of the peer's beyond the
+                        # one already counted.
+                        self._cancel(pending)
         finally:
+            self._cancel(pending)
             if client is not None:
                 await reset_quietly(client.stream)
 
-    async def _run_ticket(
+    def _cancel(self, tickets: list[RequestTicket]) -> None:
+        now = trio.current_time()
+        for ticket in tickets:
+            self.scheduler.cancel(ticket.request_id, now)
+        if tickets:
+            tickets.clear()
+            self._notify()
+
+    async def _send_ticket(
         self,
         peer: str,
         client: BlobClient | None,
         ticket: RequestTicket,
+        lane: int,
+        behind: bool,
+    ) -> tuple[BlobClient | None, bool]:
+        """Send one request (opening the stream first if there is none); the client and
+        whether the request went out. A request that did not is reported: as a failure
+        when it was the stream's only one, else cancelled (``behind``: requests are
+        outstanding on the stream, and reading their answers will tell what happened to
+        it), and the stream is dropped only in the first case."""
+        try:
+            with trio.fail_at(ticket.deadline):
+                if client is None:
+                    pipelined = lane > 0 and self._depth(peer) > 1
+                    if lane and self.striped is not None:
+                        stream = await self.striped.open_blob_stream_on(
+                            peer, lane, pipelined=pipelined
+                        )
+                    else:
+                        stream = await self.network.open_blob_stream(peer)
+                    client = BlobClient(stream, self.chunk_length, pipelined=pipelined)
+                await client.send_get(self.blob_id, ticket.ranges)
+        except (StreamLost, trio.TooSlowError, OSError) as exc:
+            self._notify()
+            if behind:
+                self.scheduler.cancel(ticket.request_id, trio.current_time())
+                return client, False
+            log.info("request to %s failed: %r", peer, exc)
+            self.scheduler.on_request_failed(ticket.request_id, trio.current_time(), repr(exc))
+            await self._drop(client)
+            return None, False
+        return client, True
+
+    async def _read_ticket(
+        self,
+        peer: str,
+        client: BlobClient,
+        ticket: RequestTicket,
         writers: trio.Nursery,
-        lane: int = 0,
     ) -> BlobClient | None:
-        """Perform one request; return the client to reuse, or None if its stream is gone."""
+        """Read the answer to one request sent on ``client``; return the client to reuse,
+        or None if its stream is gone."""
         now = trio.current_time
         writes = _RequestWrites()
         reply: tuple[int, ...] | proto.ErrorResponse | None = None
         failure: Exception | None = None
         try:
             with trio.fail_at(ticket.deadline):
-                if client is None:
-                    if lane and self.striped is not None:
-                        stream = await self.striped.open_blob_stream_on(peer, lane)
-                    else:
-                        stream = await self.network.open_blob_stream(peer)
-                    client = BlobClient(stream, self.chunk_length)
-                reply = await client.get(
-                    self.blob_id,
-                    ticket.ranges,
-                    bind(self._on_chunk, ticket, writes, writers),
-                    buffers=self.buffers,
+                reply = await client.read_get(
+                    bind(self._on_chunk, ticket, writes, writers), buffers=self.buffers
                 )
         except (
             BadChunk,
@@ -823,6 +913,15 @@ class Download:
             await self._drop(client)
             return None
         if isinstance(failure, ObsoleteRequest):
+            self.scheduler.cancel(ticket.request_id, now())
+            self._notify()
+            await self._drop(client)
+            return None
+        if isinstance(failure, ProtocolRefused) and client.pipelined:
+            # An older server that does not speak 1.1.0: no pipelining with it (rule 10),
+            # and this request goes out again, one at a time, at no cost to the peer.
+            log.info("provider %s does not pipeline: %s", peer, failure)
+            self.serial.add(peer)
             self.scheduler.cancel(ticket.request_id, now())
             self._notify()
             await self._drop(client)

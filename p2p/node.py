@@ -120,6 +120,10 @@ SWARM_CONNECTIONS_PER_PEER = MAX_CONNECTIONS_PER_PROVIDER + 2
 # What a blob stream's first write proposes, and what a blobnet server answers: the
 # multistream header and the protocol, echoed (p2p.wire.OptimisticStream).
 BLOB_PROPOSAL = multistream_message(MULTISTREAM) + multistream_message(proto.PROTOCOL_ID.encode())
+# The same for a bulk stream, whose `get` requests a fetch pipelines (1.1.0).
+PIPELINED_PROPOSAL = multistream_message(MULTISTREAM) + multistream_message(
+    proto.PROTOCOL_ID_1_1.encode()
+)
 # The same for a peer-exchange stream (1.2.0: `peers`, p2p.swarm).
 PEX_PROPOSAL = multistream_message(MULTISTREAM) + multistream_message(
     proto.PROTOCOL_ID_1_2.encode()
@@ -392,16 +396,22 @@ class Node:
     def connected_peers(self) -> list[str]:
         return [str(p) for p in self.host.get_connected_peers()]
 
-    async def open_blob_stream(self, peer: str) -> Any:
-        """A new ``/blobnet/blob/1.0.0`` stream to ``peer`` (StreamLost if impossible).
+    async def open_blob_stream(self, peer: str, *, pipelined: bool = False) -> Any:
+        """A new ``/blobnet/blob/1.0.0`` stream to ``peer`` (StreamLost if impossible);
+        ``pipelined``: a ``/blobnet/blob/1.1.0`` one, where `get` requests may be sent ahead.
 
         py-libp2p 0.8.1 sometimes loses a connection when another protocol's negotiation
         fails on it (a DHT query to a peer without the DHT, say); the swarm then redials
         from the peerstore, so a failed open is retried a few times before giving up."""
+        proposal, protocol = (
+            (PIPELINED_PROPOSAL, proto.PROTOCOL_ID_1_1)
+            if pipelined
+            else (BLOB_PROPOSAL, proto.PROTOCOL_ID)
+        )
         last: Exception | None = None
         for pause in STREAM_OPEN_RETRY_PAUSES:
             try:
-                return await self._open_optimistic(ID.from_base58(peer))
+                return await self._open_optimistic(ID.from_base58(peer), proposal, protocol)
             except (BaseLibp2pError, OSError, trio.BrokenResourceError) as exc:
                 last = exc
                 await trio.sleep(pause)
@@ -459,13 +469,13 @@ class Node:
                 log.debug("listed peer %s at %s: %s", peer, addr, exc)
         return False
 
-    async def open_blob_stream_on(self, peer: str, lane: int) -> Any:
+    async def open_blob_stream_on(self, peer: str, lane: int, *, pipelined: bool = False) -> Any:
         """A blob stream to ``peer`` on its connection number ``lane`` (0: the first one;
         1, 2, ...: those `add_connection` opened, counted modulo the live ones)."""
         conn = self._lane_connection(peer, lane)
         token = _PREFERRED_CONNECTION.set(conn)
         try:
-            return await self.open_blob_stream(peer)
+            return await self.open_blob_stream(peer, pipelined=pipelined)
         finally:
             _PREFERRED_CONNECTION.reset(token)
 

@@ -37,7 +37,8 @@ Invariants (each is checked by tests/p2p/test_scheduler*.py):
 5. Requests never exceed the configured limits: at most ``max_chunks_per_request`` chunks
    in at most ``max_ranges_per_request`` ranges, at most
    ``max_inflight_requests_per_peer`` live requests per peer (fewer while the peer's
-   `inflight_limit` is lower).
+   `inflight_limit` is lower; ``depth`` per connection for a peer whose stripes the
+   shell pipelines, see `set_connections`).
 6. `done` is true iff every chunk is verified.
 
 Policy
@@ -81,11 +82,13 @@ Policy
 - Requests sized to the path. A peer may hold as many live requests as cover its
   bandwidth-delay product (measured rate x smallest measured RTT, in requests of its
   rate-scaled batch) plus one, and at least one and a half per connection the shell stripes it
-  over, within ``min_inflight_requests_per_peer`` .. ``max_inflight_requests_per_peer``.
+  over (``depth`` per connection where it pipelines them), within
+  ``min_inflight_requests_per_peer`` .. ``max_inflight_requests_per_peer``.
   A far peer so gets more requests in flight than a near one at the same rate, and a slow
   peer fewer than a fast one at the same distance; until both are measured it gets the
   minimum. The bytes in flight cost the fetcher no memory (the muxer's windows bound
-  what is buffered); they cost the server one stream and send buffer each.
+  what is buffered); they cost the server one stream and send buffer each (a request
+  queued behind another on a pipelined stream costs it neither until its turn).
 - A ``busy`` reply while other requests are live at the peer (its server's per-peer
   stream budget, shared with our other downloads, is spent) caps the peer at the requests
   it took, raised by one per request completed; with nothing else live it is a failure.
@@ -367,6 +370,7 @@ class _Peer:
     last_error: str | None = None
     rtt: float | None = None  # smallest round trip measured, seconds
     connections: int = 1  # TCP connections the shell stripes this peer's streams over
+    depth: int = 1  # requests the shell keeps outstanding per stream (set_connections)
     busy_limit: int | None = None  # live requests the server last took before saying busy
     alone: bool = False  # a seeder that said nobody else fetches from it (set_alone)
     alone_once: bool = False  # ... said so only once yet (set_alone)
@@ -484,10 +488,17 @@ class Scheduler:
         if rtt >= 0.0 and (p.rtt is None or rtt < p.rtt):
             p.rtt = rtt
 
-    def set_connections(self, peer: str, count: int) -> None:
+    def set_connections(self, peer: str, count: int, depth: int = 1) -> None:
         """The shell now stripes `peer`'s streams over `count` connections; each should
-        carry a live request (see `inflight_limit`)."""
-        self._peer(peer).connections = max(1, count)
+        carry a live request (see `inflight_limit`). ``depth``: the shell pipelines that
+        many requests on each connection's stream (1.1.0), so a connection never waits a
+        round trip between two requests; a striped peer may then hold ``depth`` live
+        requests per connection."""
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, not {depth}")
+        p = self._peer(peer)
+        p.connections = max(1, count)
+        p.depth = depth
 
     def set_alone(self, peer: str, alone: bool, *, once: bool = False) -> None:
         """`peer` (a seeder, asked with 1.4.0's ``status``) said whether anyone else
@@ -1028,10 +1039,17 @@ class Scheduler:
     def _inflight_limit(self, p: _Peer) -> int:
         cfg = self._cfg
         cap = cfg.max_inflight_requests_per_peer
+        if p.connections > 1 and p.depth > 1:
+            # Pipelined stripes: the requests queued behind each connection's current one
+            # wait at the server for their turn, holding no stream and no send buffer there.
+            cap = max(cap, p.depth * p.connections)
+            want = p.depth * p.connections
+        else:
+            # Every connection carries a request, and half of them a second one (on a
+            # stream of its own) that covers the round trip between two requests.
+            want = p.connections + (p.connections + 1) // 2
         floor = min(cfg.min_inflight_requests_per_peer, cap)
-        # Every connection carries a request, and half of them a second one that covers the
-        # round trip between two requests on one stream.
-        want = max(floor, p.connections + (p.connections + 1) // 2)
+        want = max(floor, want)
         if p.rate is not None and p.rtt is not None and self._n:
             # The bytes the path holds in flight, in requests of this peer's rate-scaled
             # batch, plus one: the measured rate is what the requests in flight achieved,
@@ -1321,7 +1339,9 @@ class Scheduler:
                 assert not p.requests
             owed = sum(self._chunk_length(i) for r in p.requests.values() for i in r.unreceived)
             assert p.outstanding_bytes == owed, (p.name, p.outstanding_bytes, owed)
-            assert len(p.requests) <= self._cfg.max_inflight_requests_per_peer
+            assert len(p.requests) <= max(
+                self._cfg.max_inflight_requests_per_peer, p.depth * p.connections
+            )
         assert rarity == self._rarity
         assert claims == self._claims
         assert self._full_usable == sum(

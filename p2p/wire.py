@@ -22,6 +22,11 @@ class StreamLost(Exception):
     """The stream or its connection failed under us (reset, closed, timed out)."""
 
 
+class ProtocolRefused(StreamLost):
+    """The peer answered an optimistic proposal with another protocol (or ``na``): it does
+    not speak that version, which is no fault of its own."""
+
+
 class Stream(Protocol):
     """The part of libp2p's ``INetStream`` this module uses."""
 
@@ -151,7 +156,9 @@ class OptimisticStream:
 
 
 class BlobClient:
-    """Requests over one stream, one at a time (the protocol's sequencing rule)."""
+    """Requests over one stream, one at a time (the protocol's sequencing rule), or, on a
+    stream opened for ``/blobnet/blob/1.1.0`` or later with ``pipelined``, several ``get``
+    requests sent ahead (`send_get`) and their responses read in order (`read_get`)."""
 
     def __init__(
         self,
@@ -161,13 +168,19 @@ class BlobClient:
         peer_exchange: bool = False,
         status: bool = False,
         fellows: bool = False,
+        pipelined: bool = False,
     ) -> None:
         self.stream = stream
+        self.pipelined = pipelined
         # peer_exchange: a /blobnet/blob/1.2.0 stream, where `peers` may be asked; status:
         # a 1.3.0 one, where `status` may be asked too; fellows: a 1.4.0 one, whose
-        # `status` answers count the server's other fetchers.
+        # `status` answers count the server's other fetchers. pipelined: a 1.1.0 or later
+        # stream, where up to MAX_PIPELINED_REQUESTS may be outstanding.
         self.conn = proto.ClientConnection(
-            peer_exchange=peer_exchange, status=status, fellows=fellows
+            max_pipelined=proto.MAX_PIPELINED_REQUESTS if pipelined else 1,
+            peer_exchange=peer_exchange,
+            status=status,
+            fellows=fellows,
         )
         # With the manifest known, a chunk header announcing another length is refused
         # before its body is buffered.
@@ -205,7 +218,7 @@ class BlobClient:
                 raise StreamLost("peer closed the stream during protocol negotiation")
             got += more
             if not expect.startswith(got):
-                raise StreamLost(f"peer refused the protocol proposed: answered {got[:64]!r}")
+                raise ProtocolRefused(f"peer refused the protocol proposed: answered {got[:64]!r}")
         self._expect = b""
 
     async def _next_response(self) -> proto.Response:
@@ -281,17 +294,29 @@ class BlobClient:
         buffers: ChunkBuffers | None = None,
     ) -> tuple[int, ...] | proto.ErrorResponse:
         """Stream the chunks of ``ranges`` into ``on_chunk``; return the indices the peer
-        reported missing, or its error reply.
+        reported missing, or its error reply (`send_get`, then `read_get`)."""
+        await self.send_get(blob_id, ranges)
+        return await self.read_get(on_chunk, buffers=buffers)
+
+    async def send_get(self, blob_id: str, ranges: tuple[tuple[int, int], ...]) -> None:
+        """Send a ``get``; on a pipelined stream while earlier ones are still answered."""
+        self._check_usable()
+        await write_all(self.stream, self.conn.send_request(proto.GetRequest(blob_id, ranges)))
+
+    async def read_get(
+        self, on_chunk: ChunkSink, *, buffers: ChunkBuffers | None = None
+    ) -> tuple[int, ...] | proto.ErrorResponse:
+        """Read the response to the oldest ``get`` outstanding: its chunks go to
+        ``on_chunk``; returns the indices the peer reported missing, or its error reply.
 
         With ``buffers``, each chunk body is received straight into a buffer of that pool
         and ``on_chunk`` owns it once it returns: it must hand it back with
         ``buffers.release(data)`` when done with it. A sink that raises must neither keep
-        nor release it: ``get`` releases it then. After a body was cut short (the stream
-        failed or the call was cancelled mid-body) the client refuses further requests
-        with StreamLost.
+        nor release it: ``read_get`` releases it then. After a body was cut short (the
+        stream failed or the call was cancelled mid-body) the client refuses further
+        requests with StreamLost.
         """
         self._check_usable()
-        await write_all(self.stream, self.conn.send_request(proto.GetRequest(blob_id, ranges)))
         try:
             while True:
                 if buffers is not None and self._spare is None:

@@ -6,6 +6,8 @@ Modes:
   slow   sleeps ``--delay`` seconds before each chunk (a slow peer)
   eio    every chunk read fails with an I/O error (a failing disk)
   flaky  the first ``have`` fails (its stream is reset), later ones work
+  old    an honest server of ``/blobnet/blob/1.0.0`` only, as the first release was: it
+         refuses the later versions (pipelining, peer exchange, status)
 
 It runs a real blobnet node over TCP on 127.0.0.1 and its own store; only the store that
 the protocol server reads through is wrapped. Prints the same JSON ready line as
@@ -24,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from libp2p.custom_types import TProtocol
 
 from blobstore import ChunkReader, Store
+from p2p import protocol as proto
 from p2p.node import open_node
 
 
@@ -64,7 +68,7 @@ class HostileStore:
             return bytes([data[0] ^ 0xFF]) + data[1:]
         if self._mode == "stall" and served > self._after:
             time.sleep(3600)
-        if self._mode == "slow":
+        if self._mode in ("slow", "old"):
             time.sleep(self._delay)
         return data
 
@@ -95,6 +99,10 @@ async def main(args: argparse.Namespace) -> None:
     store = Store.open(Path(args.store))
     async with open_node(store, listen=["/ip4/127.0.0.1/tcp/0"], dht=False) as node:
         node.server.store = HostileStore(store, args.mode, args.after, args.delay)  # type: ignore[assignment]
+        if args.mode == "old":
+            for protocol_id in proto.SERVED_PROTOCOL_IDS:
+                if protocol_id != proto.PROTOCOL_ID:
+                    node.host.remove_stream_handler(TProtocol(protocol_id))
         print(json.dumps({"peer_id": node.peer_id, "addrs": node.addrs}), flush=True)
         await trio.sleep_forever()
 
@@ -102,7 +110,9 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", required=True)
-    parser.add_argument("--mode", choices=["flip", "stall", "slow", "eio", "flaky"], required=True)
+    parser.add_argument(
+        "--mode", choices=["flip", "stall", "slow", "eio", "flaky", "old"], required=True
+    )
     parser.add_argument("--after", type=int, default=4)
     parser.add_argument("--delay", type=float, default=0.05)
     try:

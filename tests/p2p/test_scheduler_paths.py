@@ -94,6 +94,18 @@ def test_each_connection_gets_a_request_at_least() -> None:
     assert sched.peer_stats()["p"].connections == 6
 
 
+def test_pipelined_stripes_hold_depth_requests_per_connection_beyond_the_stream_cap() -> None:
+    """p2p.downloader rule 10: queued requests hold no server stream, so eight pipelined
+    lanes two deep may hold sixteen live requests (the stream budget caps twelve)."""
+    sched = Scheduler(256, length, config=CONFIG)
+    sched.add_peer("p", 0.0)
+    sched.set_connections("p", 8, depth=2)
+    assert sched.inflight_limit("p") == 16 > CONFIG.max_inflight_requests_per_peer
+    assert live_requests_granted(sched, "p", 0.0) == 16
+    sched.set_connections("p", 8, depth=1)  # a provider that refused 1.1.0
+    assert sched.inflight_limit("p") == 12
+
+
 def test_the_smallest_rtt_sample_is_kept() -> None:
     sched = Scheduler(8, length, config=CONFIG)
     sched.add_peer("p", 0.0)

@@ -311,12 +311,15 @@ def _established_at(port: int) -> int:
     return count
 
 
+@pytest.mark.parametrize("mode", ["slow", "old"])
 async def test_a_fetch_stripes_one_provider_over_several_tcp_connections(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, mode: str
 ) -> None:
     """Issue 15 item 2: one provider's chunk requests spread over several libp2p
     connections, each its own TCP connection, counted on the server's side. The growth
-    policy is told to grow at once (a loopback never needs it: see StripeConfig)."""
+    policy is told to grow at once (a loopback never needs it: see StripeConfig).
+    ``old``: a provider that speaks only 1.0.0 refuses the bulk streams' 1.1.0 proposal
+    (pipelining); the fetch goes on one request at a time per stream."""
     import trio
     from libp2p.peer.id import ID
 
@@ -327,13 +330,14 @@ async def test_a_fetch_stripes_one_provider_over_several_tcp_connections(
     source = random_file(tmp_path / "big.bin", 48 * MiB)
     blob_id = cluster.put("a", source)
     # 20 ms per chunk keeps the provider busy long enough for the connections to grow.
-    a = cluster.hostile("a", "slow", "--delay", "0.02")
+    a = cluster.hostile("a", mode, "--delay", "0.02")
     port = int(a.addr.split("/tcp/")[1].split("/")[0])
     eager = StripeConfig(min_settle_s=0.05, settle_rtts=0.0, min_gain=0.0, min_bytes_in_flight=0)
     config = NodeConfig(
         dht=False, stripe=eager, scheduler=SchedulerConfig(max_chunks_per_request=4)
     )
     carrying: list[int] = []  # connections with a blob stream open, sampled
+    bulk = (proto.PROTOCOL_ID, proto.PROTOCOL_ID_1_1)  # `get` streams: one at a time, pipelined
     async with open_node(tmp_path / "fetcher", config=config) as node:
         peer = ID.from_base58(a.peer_id)
 
@@ -341,10 +345,7 @@ async def test_a_fetch_stripes_one_provider_over_several_tcp_connections(
             for _ in range(3000):  # bounded: 60 s at most
                 conns = node.host.get_network().get_connections(peer)
                 carrying.append(
-                    sum(
-                        any(s.get_protocol() == proto.PROTOCOL_ID for s in c.get_streams())
-                        for c in conns
-                    )
+                    sum(any(s.get_protocol() in bulk for s in c.get_streams()) for c in conns)
                 )
                 await trio.sleep(0.02)
 

@@ -1,0 +1,157 @@
+"""A striped provider's bulk streams carry pipelined requests (p2p.downloader rule 10): the
+next `get` is at the server before the current answer ends, so a lane across an ocean does
+not idle a round trip between two requests. A provider that speaks only 1.0.0 refuses the
+1.1.0 proposal; the fetch then goes on one request at a time, at no cost to that provider.
+
+In-process, in virtual time: each stream's far end is a real ServerConnection (answering
+in order, as a blobnet server does), and the "network" opens as many connections as the
+fetch asks for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from fake_stream import FakeStream
+
+from blobstore import Manifest, Store
+from p2p import downloader
+from p2p import protocol as proto
+from p2p.scheduler import SchedulerConfig, StripeConfig
+from p2p.wire import OptimisticStream, multistream_message, proposal
+
+RTT = 0.2  # virtual seconds: an intercontinental path, so the fetch stripes at once
+REFUSAL = multistream_message(b"/multistream/1.0.0") + multistream_message(b"na")
+CHUNK = 64 * 1024
+DATA = bytes(range(256)) * (CHUNK // 256) * 200  # 200 chunks
+MANIFEST = Manifest.of_bytes(DATA, chunk_size=CHUNK)
+# Small requests, so that every lane has many in turn.
+CONFIG = SchedulerConfig(max_chunks_per_request=2)
+
+
+def serve_blob(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
+    """A provider holding the whole blob."""
+    if isinstance(req, proto.ManifestRequest):
+        return server.send_response(proto.ManifestResponse(MANIFEST.encode())), False
+    n = MANIFEST.num_chunks
+    if isinstance(req, proto.HaveRequest):
+        bits = bytes([0xFF] * (n // 8) + ([(1 << (n % 8)) - 1] if n % 8 else []))
+        return server.send_response(proto.HaveResponse(n, bits)), False
+    assert isinstance(req, proto.GetRequest)
+    out = bytearray()
+    for start, stop in req.ranges:
+        for i in range(start, stop):
+            offset, length = MANIFEST.chunk_span(i)
+            out += server.send_chunk_header(i, length) + DATA[offset : offset + length]
+    return bytes(out + server.send_response(proto.End(()))), False
+
+
+class Lane(FakeStream):
+    """One stream; answers reach the client a round trip after their request, and the
+    stream notes every `get` that arrived while an earlier answer was still unread."""
+
+    def __init__(self, network: StripedFake, pipelined: bool, echo: bytes) -> None:
+        super().__init__(network.serve_as(self))
+        if pipelined:
+            self.server = proto.ServerConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS)
+        self.refused = pipelined and network.refuse
+        self.inbound += echo
+        self.ready_at = 0.0
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self.refused:
+            return  # nothing after the `na` is read, as a real listener does
+        self.ready_at = max(self.ready_at, trio.current_time() + RTT)
+        await super().write(data)
+
+    async def read(self, n: int | None = None) -> bytes:
+        await trio.sleep_until(self.ready_at)
+        return await super().read(n)
+
+
+class StripedFake:
+    """A provider of the whole blob on up to ``StripeConfig.max_connections`` extra
+    connections. ``refuse``: it serves 1.0.0 only and answers a 1.1.0 proposal `na`."""
+
+    def __init__(self, *, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.extra = 0
+        self.pipelined_gets = 0  # gets that arrived behind an unread answer
+        self.gets = 0
+        self.proposals: list[bool] = []  # pipelined or not, per bulk stream opened
+
+    def serve_as(self, lane: Lane | None) -> Any:
+        def serve(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
+            if isinstance(req, proto.GetRequest):
+                self.gets += 1
+                if lane is not None and lane.inbound:
+                    self.pipelined_gets += 1
+            return serve_blob(server, req)
+
+        return serve
+
+    async def open_blob_stream(self, peer: str) -> Any:
+        await trio.lowlevel.checkpoint()
+        return Lane(self, False, b"")
+
+    async def open_blob_stream_on(self, peer: str, lane: int, *, pipelined: bool = False) -> Any:
+        await trio.lowlevel.checkpoint()
+        self.proposals.append(pipelined)
+        if not pipelined:
+            return Lane(self, False, b"")
+        ask = proposal(proto.PROTOCOL_ID_1_1)
+        return OptimisticStream(Lane(self, True, REFUSAL if self.refuse else ask), ask)
+
+    async def add_connection(self, peer: str) -> bool:
+        await trio.sleep(RTT)
+        self.extra += 1
+        return True
+
+    def connection_count(self, peer: str) -> int:
+        return 1 + self.extra
+
+
+async def fetch(tmp_path: Path, network: StripedFake) -> Store:
+    store = Store.open(tmp_path / "s")
+    with trio.fail_after(300):
+        await downloader.download_blob(
+            network,
+            store,
+            MANIFEST.blob_id,
+            providers=["far"],
+            config=CONFIG,
+            stripe_config=StripeConfig(max_connections=4),
+        )
+    assert store.verify(MANIFEST.blob_id) == []
+    return store
+
+
+@pytest.fixture
+def virtual_clock() -> trio.testing.MockClock:
+    """Virtual time that jumps only after 100 ms of real idleness (chunk writes run in
+    real threads; see test_downloader_writes)."""
+    return trio.testing.MockClock(autojump_threshold=0.1)
+
+
+async def test_striped_bulk_streams_carry_pipelined_requests(
+    tmp_path: Path, virtual_clock: trio.abc.Clock
+) -> None:
+    network = StripedFake()
+    await fetch(tmp_path, network)
+    assert network.extra == 4
+    assert any(network.proposals)  # bulk streams proposed 1.1.0
+    assert network.pipelined_gets > 0, "no get was sent before the answer ahead of it"
+
+
+async def test_a_provider_that_speaks_only_1_0_0_is_served_one_request_at_a_time(
+    tmp_path: Path, virtual_clock: trio.abc.Clock
+) -> None:
+    network = StripedFake(refuse=True)
+    await fetch(tmp_path, network)
+    assert network.pipelined_gets == 0
+    # One refusal, then 1.0.0 streams only: the provider was not dropped as failing.
+    assert network.proposals.count(True) <= network.extra
+    assert not all(network.proposals)
