@@ -228,6 +228,8 @@ class StripedNetwork(Protocol):
 
     def connection_count(self, peer: str) -> int: ...
 
+    def connection_rtt(self, peer: str) -> float | None: ...
+
 
 async def fetch_manifest(
     network: Network, blob_id: str, peer: str, unanswered: set[str] | None = None
@@ -338,7 +340,12 @@ class HaveProbes:
     With ``count_fellows`` (swarming), a probe also asks 1.4.0's ``status`` on a stream
     of its own, for the provider's count of other fetchers (p2p.swarm rule 6): asked once
     the first ``get`` is out, the answer waited behind that request's chunks on a
-    connection still in slow start (0.9 s at 200 ms, where a round trip is 0.2 s)."""
+    connection still in slow start (0.9 s at 200 ms, where a round trip is 0.2 s).
+
+    With ``stripes`` (a striped network), a provider already connected across an ocean
+    (``StripeConfig.early_lanes`` of its kernel RTT) gets its extra connections dialled
+    now, beside the manifest, not once the manifest and ``have`` are in: the dials take
+    two round trips, so the lanes are up about when the download starts."""
 
     def __init__(
         self,
@@ -347,13 +354,17 @@ class HaveProbes:
         nursery: trio.Nursery,
         *,
         count_fellows: bool = False,
+        stripes: StripeConfig | None = None,
     ) -> None:
         self._network = network
         self._blob_id = blob_id
         self._nursery = nursery
         self._count_fellows = count_fellows
+        self._stripes = stripes if isinstance(network, StripedNetwork) else None
         self._probes: dict[str, _Probe] = {}
         self._counts: dict[str, _CountProbe] = {}
+        self._dials: dict[str, trio.Event] = {}
+        self._planned: dict[str, int] = {}  # bulk lanes being dialled, per provider
 
     def start(self, peer: str) -> None:
         if peer not in self._probes:
@@ -362,6 +373,34 @@ class HaveProbes:
         if self._count_fellows and peer not in self._counts:
             count = self._counts[peer] = _CountProbe()
             self._nursery.start_soon(self._ask_count, peer, count)
+        if self._stripes is not None and peer not in self._dials:
+            self._dials[peer] = trio.Event()
+            self._nursery.start_soon(self._dial_lanes, peer, self._stripes, self._dials[peer])
+
+    async def _dial_lanes(self, peer: str, config: StripeConfig, done: trio.Event) -> None:
+        try:
+            network = self._network
+            assert isinstance(network, StripedNetwork)
+            lanes = config.early_lanes(network.connection_rtt(peer))
+            more = lanes + 1 - network.connection_count(peer)  # and the control lane
+            if lanes and more > 0:
+                self._planned[peer] = lanes
+                log.info("provider %s: %d connections at once (far away)", peer, more)
+                async with trio.open_nursery() as dials:
+                    for _ in range(more):
+                        dials.start_soon(network.add_connection, peer)
+        finally:
+            done.set()
+
+    def planned_lanes(self, peer: str) -> int:
+        """Bulk lanes being dialled for ``peer`` at `start` (0: none)."""
+        return self._planned.get(peer, 0)
+
+    async def lanes_dialled(self, peer: str) -> None:
+        """Until the extra connections dialled for ``peer`` at `start` are up or failed."""
+        done = self._dials.get(peer)
+        if done is not None:
+            await done.wait()
 
     async def _ask_count(self, peer: str, count: _CountProbe) -> None:
         client = None
@@ -602,13 +641,11 @@ class Download:
             # times cost a loaded machine ~200 handshakes for nothing.
             if full and self.striped is not None and self.stripe_config is not None:
                 nursery.start_soon(self._grow, peer)
-            workers = 1
             # More workers as the peer's limit grows (rate x RTT, connections): each
             # holds at most one live request (or `_depth`), so the scheduler's limit is
             # the brake.
             while not self.scheduler.done and self._peer_usable(peer):
-                while workers < self._worker_target(peer):
-                    workers += 1
+                for _ in range(self._workers_wanted(peer)):
                     nursery.start_soon(self._stream_worker, peer, None, self._quiet_lane(lanes))
                 await self._wait_change()
         return not self.scheduler.done
@@ -716,14 +753,14 @@ class Download:
         # Once striped, lane 0 is the control lane (rule 9): no bulk there.
         self.scheduler.set_connections(peer, count if count == 1 else count - 1, self._depth(peer))
 
-    def _worker_target(self, peer: str) -> int:
-        """Stream workers ``peer`` should have: one per live request it may hold, or on a
-        pipelined striped provider one per bulk lane (rule 10)."""
+    def _workers_wanted(self, peer: str) -> int:
+        """Stream workers ``peer`` lacks: it should have one per live request it may hold,
+        or on a pipelined striped provider one per bulk lane (rule 10)."""
         limit = self.scheduler.inflight_limit(peer)
-        depth = self._depth(peer)
-        if depth == 1:
-            return limit
-        return min(limit, len(self.lane_load[peer]) - 1)
+        lanes = self.lane_load[peer]
+        if self._depth(peer) == 1:
+            return limit - sum(lanes)
+        return min(limit, len(lanes) - 1) - sum(lanes[1:])
 
     @staticmethod
     def _quiet_lane(lanes: list[int]) -> int:
@@ -738,8 +775,14 @@ class Download:
         """Open more connections to ``peer`` while they raise its rate (StripeGrowth)."""
         assert self.striped is not None and self.stripe_config is not None
         striped = self.striped
+        if self.probes is not None:
+            await self.probes.lanes_dialled(peer)
+            self._set_connections(peer)
+            self._notify()
         now = trio.current_time()
-        growth = StripeGrowth(self.stripe_config, now, striped.connection_count(peer))
+        # Growth counts bulk lanes; the first connection is one until the first step.
+        count = striped.connection_count(peer)
+        growth = StripeGrowth(self.stripe_config, now, count - 1 if count > 1 else 1)
         self.growth[peer] = growth
 
         async def dial(counted: bool = True) -> None:
@@ -794,15 +837,24 @@ class Download:
                 while not self.scheduler.done and self._peer_usable(peer):
                     lanes = self.lane_load.get(peer)
                     if lane == 0 and lanes is not None and len(lanes) > 1 and not pending:
-                        # Striped now: leave the control lane to control streams.
+                        # Striped now: leave the control lane to control streams, for a
+                        # bulk lane that lacks a worker (pipelined lanes want one each).
                         if client is not None:
                             await reset_quietly(client.stream)
                             client = None
+                        if self._depth(peer) > 1 and min(lanes[1:]) > 0:
+                            return
                         lanes[0] -= 1
                         lane = self._quiet_lane(lanes)
                     depth = 1 if lane == 0 else self._depth(peer)
+                    # While a far provider's lanes are being dialled, the control lane
+                    # takes one chunk at a time: a full batch there would hold a share
+                    # of the blob (the alone budget's, say) meant for all the lanes.
+                    most = 1 if lane == 0 and self._lanes_coming(peer) else None
                     while len(pending) < depth:
-                        ticket = self.scheduler.next_request(peer, trio.current_time())
+                        ticket = self.scheduler.next_request(
+                            peer, trio.current_time(), max_chunks=most
+                        )
                         if ticket is None:
                             break
                         client, sent = await self._send_ticket(
@@ -824,8 +876,17 @@ class Download:
                         self._cancel(pending)
         finally:
             self._cancel(pending)
+            lanes = self.lane_load.get(peer)
+            if lanes is not None:
+                lanes[lane] -= 1
             if client is not None:
                 await reset_quietly(client.stream)
+
+    def _lanes_coming(self, peer: str) -> bool:
+        """Extra connections to ``peer`` are being dialled and none is up yet."""
+        lanes = self.lane_load.get(peer)
+        planned = 0 if self.probes is None else self.probes.planned_lanes(peer)
+        return planned > 0 and (lanes is None or len(lanes) == 1)
 
     def _cancel(self, tickets: list[RequestTicket]) -> None:
         now = trio.current_time()
@@ -1061,8 +1122,13 @@ async def download_blob(
         return
     async with trio.open_nursery() as nursery:
         config = config or SchedulerConfig()
+        stripe_config = stripe_config or StripeConfig()
         probes = HaveProbes(
-            network, blob_id, nursery, count_fellows=config.defer_to_partial_holders
+            network,
+            blob_id,
+            nursery,
+            count_fellows=config.defer_to_partial_holders,
+            stripes=stripe_config,
         )
         try:
             await _download(
@@ -1074,7 +1140,7 @@ async def download_blob(
                 progress,
                 config,
                 discovery_timeout,
-                stripe_config or StripeConfig(),
+                stripe_config,
                 probes,
                 scores,
                 own_peer,

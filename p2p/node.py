@@ -76,6 +76,7 @@ from identity import MachineKey, load_or_create_key
 from p2p import protocol as proto
 from p2p.downloader import ProgressCallback, download_blob
 from p2p.errors import BadAddress, ListenFailed, PeerUnreachable, unwrap_single
+from p2p.fast import connection_rtt
 from p2p.host import build_host
 from p2p.scheduler import PeerScores, SchedulerConfig, StripeConfig
 from p2p.server import BlobServer
@@ -478,6 +479,12 @@ class Node:
             return await self.open_blob_stream(peer, pipelined=pipelined)
         finally:
             _PREFERRED_CONNECTION.reset(token)
+
+    def connection_rtt(self, peer: str) -> float | None:
+        """The kernel's RTT of the first live connection to ``peer`` (the control lane
+        once a fetch stripes it), or None: not connected, or not on the fast path."""
+        conn = self._lane_connection(peer, 0)
+        return None if conn is None else connection_rtt(getattr(conn, "muxed_conn", None))
 
     def connection_count(self, peer: str) -> int:
         """Connections to ``peer`` that `open_blob_stream_on` spreads streams over."""

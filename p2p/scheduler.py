@@ -557,8 +557,11 @@ class Scheduler:
 
     # -------------------------------------------------------------- requests
 
-    def next_request(self, peer: str, now: float) -> RequestTicket | None:
-        """The next request to send to `peer`, or None if it has nothing useful to do now."""
+    def next_request(
+        self, peer: str, now: float, max_chunks: int | None = None
+    ) -> RequestTicket | None:
+        """The next request to send to `peer`, or None if it has nothing useful to do now;
+        ``max_chunks``: the shell's own cap on its size."""
         p = self._peers.get(peer)
         if p is None or not p.usable:
             return None
@@ -567,12 +570,17 @@ class Scheduler:
         if self._dirty:
             self._rebuild()
         limit = self._batch_size(p)
+        if max_chunks is not None:
+            limit = min(limit, max(1, max_chunks))
         if p.alone_once and self._uncapped(p):
             chunk = max(1, self._chunk_length(0))
             room = self._n * chunk // ALONE_ONCE_SHARE - p.outstanding_bytes
             if room < chunk and p.requests:
                 return None
-            limit = min(limit, max(1, room // chunk))
+            # Spread over every request the peer may hold (each lane's, pipelined), so
+            # that all its connections ramp up together rather than two of them.
+            spread = self._n // ALONE_ONCE_SHARE // max(1, p.connections * p.depth)
+            limit = min(limit, max(1, room // chunk), max(1, spread))
         picked = self._pick_pool(p, limit)
         endgame = False
         if not picked and not p.requests and self._fetchable_pool() == 0:
@@ -1415,6 +1423,16 @@ class StripeConfig:
     # nothing from company but CPU cost.
     min_bytes_in_flight: int = 1 << 20
 
+    def early_lanes(self, rtt: float | None) -> int:
+        """Bulk connections worth opening at once to a provider ``rtt`` away, before any
+        rate is measured: ``predial_connections`` from ``predial_rtt_s``,
+        ``max_connections`` from ``predial_all_rtt_s``, else none (growth decides)."""
+        if rtt is None or rtt < self.predial_rtt_s or self.max_connections < 2:
+            return 0
+        if rtt >= self.predial_all_rtt_s:
+            return self.max_connections
+        return min(self.max_connections, self.predial_connections)
+
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ValueError("max_connections must be at least 1")
@@ -1488,10 +1506,7 @@ class StripeGrowth:
             and self.connections < self._cfg.predial_connections
         ):
             self._predialled = True
-            want = min(self._cfg.max_connections, self._cfg.predial_connections)
-            if rtt >= self._cfg.predial_all_rtt_s:
-                want = self._cfg.max_connections
-            self.pending = want - self.connections
+            self.pending = self._cfg.early_lanes(rtt) - self.connections
             return self.pending
         settle = self._settle(rtt)
         if now - self._start < settle:

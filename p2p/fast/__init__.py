@@ -73,7 +73,13 @@ def kernel_rtt(stream: Any) -> float | None:
     or None (another stack, another OS, no sample yet). Unlike timing a request, it holds
     no muxer negotiation and no server time."""
     fast = fast_stream_of(stream)
-    sock = getattr(getattr(fast.muxed_conn, "secured_conn", None), "sock", None) if fast else None
+    return connection_rtt(fast.muxed_conn) if fast is not None else None
+
+
+def connection_rtt(muxed_conn: Any) -> float | None:
+    """`kernel_rtt` of a fast-path muxed connection (a py-libp2p swarm connection's
+    ``muxed_conn``); None on another stack."""
+    sock = getattr(getattr(muxed_conn, "secured_conn", None), "sock", None)
     option = getattr(socket, "TCP_INFO", None)
     if sock is None or option is None:
         return None
@@ -132,6 +138,7 @@ __all__ = [
     "NoiseProtocolError",
     "RemoteProtocolError",
     "YamuxProtocolError",
+    "connection_rtt",
     "fast_stream_of",
     "install",
     "kernel_rtt",

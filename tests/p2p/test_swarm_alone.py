@@ -172,16 +172,17 @@ def test_a_seeder_alone_with_us_gets_full_requests_on_every_connection() -> None
 
 def test_a_seeder_that_said_alone_once_is_owed_at_most_an_eighth_of_the_blob() -> None:
     # Three fetchers started together: the first to ask hears "nobody else" and is not
-    # alone. On that one answer it is owed at most an eighth of the blob; on the second
-    # (0.5 s later, p2p.downloader.ALONE_ANSWERS) the requests are full ones.
+    # alone. On that one answer it is owed at most an eighth of the blob, spread over its
+    # connections (two full batches left six of eight lanes idle across an ocean); on
+    # the second (0.5 s later, p2p.downloader.ALONE_ANSWERS) the requests are full ones.
     s = Scheduler(64, lambda i: 1, config=SWARM)
     s.add_peer("seed", 0.0)
     s.set_connections("seed", 4)
     s.set_alone("seed", True, once=True)
-    assert _live(s, "seed") == [4, 4]  # full batches, 64 / ALONE_ONCE_SHARE chunks in all
+    assert _live(s, "seed") == [2, 2, 2, 2]  # 64 / ALONE_ONCE_SHARE chunks in all
     assert 64 // ALONE_ONCE_SHARE == 8
     s.set_alone("seed", True)
-    assert _live(s, "seed") == [4] * 4  # six live requests now, as alone
+    assert _live(s, "seed") == [4, 4]  # full batches: six live requests now, as alone
     s._check_invariants()
 
 

@@ -1,7 +1,9 @@
-"""A striped provider's bulk streams carry pipelined requests (p2p.downloader rule 10): the
-next `get` is at the server before the current answer ends, so a lane across an ocean does
-not idle a round trip between two requests. A provider that speaks only 1.0.0 refuses the
-1.1.0 proposal; the fetch then goes on one request at a time, at no cost to that provider.
+"""A provider across an ocean (issue 15): its extra connections are dialled beside the
+manifest request, not after it (p2p.downloader.HaveProbes), and its bulk streams carry
+pipelined requests (p2p.downloader rule 10): the next `get` is at the server before the
+current answer ends, so a lane does not idle a round trip between two requests. A provider
+that speaks only 1.0.0 refuses the 1.1.0 proposal; the fetch then goes on one request at a
+time, at no cost to that provider.
 
 In-process, in virtual time: each stream's far end is a real ServerConnection (answering
 in order, as a blobnet server does), and the "network" opens as many connections as the
@@ -82,9 +84,12 @@ class StripedFake:
         self.pipelined_gets = 0  # gets that arrived behind an unread answer
         self.gets = 0
         self.proposals: list[bool] = []  # pipelined or not, per bulk stream opened
+        self.dialled_at: list[float] = []
+        self.asked: list[tuple[str, float]] = []  # (request kind, virtual time)
 
     def serve_as(self, lane: Lane | None) -> Any:
         def serve(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
+            self.asked.append((type(req).__name__, trio.current_time()))
             if isinstance(req, proto.GetRequest):
                 self.gets += 1
                 if lane is not None and lane.inbound:
@@ -106,12 +111,16 @@ class StripedFake:
         return OptimisticStream(Lane(self, True, REFUSAL if self.refuse else ask), ask)
 
     async def add_connection(self, peer: str) -> bool:
-        await trio.sleep(RTT)
+        self.dialled_at.append(trio.current_time())
+        await trio.sleep(2 * RTT)  # TCP, then Noise
         self.extra += 1
         return True
 
     def connection_count(self, peer: str) -> int:
         return 1 + self.extra
+
+    def connection_rtt(self, peer: str) -> float | None:
+        return RTT
 
 
 async def fetch(tmp_path: Path, network: StripedFake) -> Store:
@@ -155,3 +164,18 @@ async def test_a_provider_that_speaks_only_1_0_0_is_served_one_request_at_a_time
     # One refusal, then 1.0.0 streams only: the provider was not dropped as failing.
     assert network.proposals.count(True) <= network.extra
     assert not all(network.proposals)
+
+
+async def test_a_far_providers_lanes_are_dialled_beside_the_manifest_request(
+    tmp_path: Path, virtual_clock: trio.abc.Clock
+) -> None:
+    """Dialled once the manifest and `have` were in, the lanes came up two round trips
+    after the download started; dialled beside the manifest request, they are up one round
+    trip after it (a dial takes two)."""
+    network = StripedFake()
+    start = trio.current_time()
+    await fetch(tmp_path, network)
+    manifest_at = min(t for kind, t in network.asked if kind == "ManifestRequest")
+    assert len(network.dialled_at) == 4  # four bulk lanes; the first becomes the control lane
+    assert max(network.dialled_at) - start < RTT / 2
+    assert max(network.dialled_at) <= manifest_at + RTT / 2
