@@ -600,7 +600,7 @@ class Download:
                 if probe is not None and probe.client is not None and probe.have is not None:
                     client, have, rtt = probe.client, probe.have, probe.rtt
                     stream = client.stream
-                    client.conn.set_expected_chunk_length(self.chunk_length)
+                    client.set_chunk_length(self.chunk_length)
                 else:
                     stream = await self.network.open_blob_stream(peer)
                     client = BlobClient(stream, self.chunk_length)
@@ -758,6 +758,10 @@ class Download:
         or on a pipelined striped provider one per bulk lane (rule 10)."""
         limit = self.scheduler.inflight_limit(peer)
         lanes = self.lane_load[peer]
+        if self._lanes_coming(peer):
+            # One chunk on the control lane meanwhile: a second would halve the speed
+            # of the first through a new connection's slow start.
+            return 1 - sum(lanes)
         if self._depth(peer) == 1:
             return limit - sum(lanes)
         return min(limit, len(lanes) - 1) - sum(lanes[1:])
@@ -978,11 +982,17 @@ class Download:
             self._notify()
             await self._drop(client)
             return None
-        if isinstance(failure, ProtocolRefused) and client.pipelined:
+        if client.pipelined and (
+            isinstance(failure, ProtocolRefused)
+            or (isinstance(failure, StreamLost) and not client.negotiated)
+        ):
             # An older server that does not speak 1.1.0: no pipelining with it (rule 10),
-            # and this request goes out again, one at a time, at no cost to the peer.
+            # and this request goes out again, one at a time, at no cost to the peer. Its
+            # `na` may not be read: the listener takes the request that follows it for
+            # another proposal and resets the stream, and the reset can overtake it.
             log.info("provider %s does not pipeline: %s", peer, failure)
             self.serial.add(peer)
+            self._set_connections(peer)
             self.scheduler.cancel(ticket.request_id, now())
             self._notify()
             await self._drop(client)

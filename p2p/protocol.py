@@ -56,6 +56,7 @@ import msgpack
 
 __all__ = [
     "BLOB_ID_BYTES",
+    "CHUNK_HEADER_ROOM",
     "HASH_SIZE",
     "LENGTH_PREFIX_SIZE",
     "MAX_ADDRS_PER_PEER",
@@ -141,6 +142,9 @@ LENGTH_PREFIX_SIZE = 4
 # `manifest` and `have` carry their payload inside the header and get a larger limit: see
 # max_response_header_size().
 MAX_HEADER_SIZE = 64 * 1024
+# Room for a chunk's header (length prefix and msgpack) in front of its body: they take
+# about 12 bytes. Servers reserve it in their send buffers, clients credit it per chunk.
+CHUNK_HEADER_ROOM = 64
 
 # The largest chunk: equals blobstore.MAX_CHUNK_SIZE (the chunk size is a power of two from
 # 64 KiB to 16 MiB, DESIGN.md section 2). Defined here so the protocol core imports nothing

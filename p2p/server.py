@@ -123,8 +123,8 @@ MAX_VERIFIED_BLOBS = 1024
 # often, for at most this many peers (p2p.swarm's MAX_SWARM_PEERS per blob, a few blobs).
 ADDRS_CACHE_S = 2.0
 MAX_ADDRS_CACHED = 4096
-# Room for a chunk header in front of its body in the send buffer (they take ~12 bytes).
-HEADER_ROOM = 64
+# Room for a chunk header in front of its body in the send buffer.
+HEADER_ROOM = proto.CHUNK_HEADER_ROOM
 
 
 class Budget:

@@ -172,6 +172,7 @@ class BlobClient:
     ) -> None:
         self.stream = stream
         self.pipelined = pipelined
+        self._chunk_length: Callable[[int], int] | None = None
         # peer_exchange: a /blobnet/blob/1.2.0 stream, where `peers` may be asked; status:
         # a 1.3.0 one, where `status` may be asked too; fellows: a 1.4.0 one, whose
         # `status` answers count the server's other fetchers. pipelined: a 1.1.0 or later
@@ -182,9 +183,7 @@ class BlobClient:
             status=status,
             fellows=fellows,
         )
-        # With the manifest known, a chunk header announcing another length is refused
-        # before its body is buffered.
-        self.conn.set_expected_chunk_length(chunk_length)
+        self.set_chunk_length(chunk_length)
         self.conn.set_body_allocator(self._allocate)
         # A pooled buffer taken before reading a response header, so the body (whose
         # length only the header tells) can land in it without waiting.
@@ -194,6 +193,17 @@ class BlobClient:
         self._abandoned = False
         # The negotiation answer still to come on an optimistically opened stream.
         self._expect = stream.expect if isinstance(stream, OptimisticStream) else b""
+
+    @property
+    def negotiated(self) -> bool:
+        """The peer confirmed the protocol (always, on a stream not opened optimistically)."""
+        return not self._expect
+
+    def set_chunk_length(self, chunk_length: Callable[[int], int] | None) -> None:
+        """With the manifest known: a chunk header announcing another length is refused
+        before its body is buffered, and a `get` grants credit for its whole answer."""
+        self._chunk_length = chunk_length
+        self.conn.set_expected_chunk_length(chunk_length)
 
     def _allocate(self, length: int) -> Any:
         spare = self._spare
@@ -302,6 +312,18 @@ class BlobClient:
         """Send a ``get``; on a pipelined stream while earlier ones are still answered."""
         self._check_usable()
         await write_all(self.stream, self.conn.send_request(proto.GetRequest(blob_id, ranges)))
+        fast = fast_stream_of(self.stream)
+        if fast is not None and self._chunk_length is not None:
+            # Credit for the whole answer now: a new stream's window would otherwise grow
+            # from 256 KiB a round trip at a time, behind TCP's own slow start.
+            length = self._chunk_length
+            fast.expect(
+                sum(
+                    length(i) + proto.CHUNK_HEADER_ROOM
+                    for start, end in ranges
+                    for i in range(start, end)
+                )
+            )
 
     async def read_get(
         self, on_chunk: ChunkSink, *, buffers: ChunkBuffers | None = None

@@ -182,6 +182,12 @@ class FastYamuxStream(IMuxedStream):
                 conn.kick()
                 return filled
 
+    def expect(self, nbytes: int) -> None:
+        """We asked the peer for about ``nbytes`` on this stream: grant the credit now
+        (yamux_core invariant 3)."""
+        self._conn.session.expect(self._st, nbytes)
+        self._conn.kick()
+
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
         st = self._st

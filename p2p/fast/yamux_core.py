@@ -15,12 +15,13 @@ Invariants:
 2. Flow control: each direction of a stream starts with a 256 KiB window (spec). A DATA frame
    longer than the receive credit we granted is a protocol error (go-yamux does the same), so
    the bytes buffered for a stream never exceed the credit we handed out.
-3. A stream's window grows past 256 KiB only as the application reads: to twice the bytes
-   read so far, up to 16 MiB. A stream nobody reads (beyond a protocol header) so holds at
-   most 256 KiB, and all credit beyond the 256 KiB base comes out of one session budget, so a
-   peer can make us buffer at most `max_streams * 256 KiB + session_window` bytes. Sessions
-   that share a `WindowPool` (several connections to one peer) also keep their credit beyond
-   the base within the pool's one limit.
+3. A stream's window grows past 256 KiB only as the application reads (to twice the bytes
+   read so far, up to 16 MiB) or says it expects an answer of a given size (`expect`, up to
+   16 MiB). A stream nobody reads or expects anything on so holds at most 256 KiB, and all
+   credit beyond the 256 KiB base comes out of one session budget, so a peer can make us
+   buffer at most `max_streams * 256 KiB + session_window` bytes. Sessions that share a
+   `WindowPool` (several connections to one peer) also keep their credit beyond the base
+   within the pool's one limit.
 4. Window updates are batched: one is sent when it can grant at least half the window, or when
    the peer is about to stall (under 128 KiB of credit left). Never one per frame.
 5. Frames for streams that we no longer know (closed and forgotten, or refused) are dropped,
@@ -452,7 +453,22 @@ class YamuxSession:
             return
         st.nudged = False
         st.taken += nbytes
-        st.window_target = min(self.max_window, max(INITIAL_WINDOW, 2 * st.taken))
+        st.window_target = max(
+            st.window_target, min(self.max_window, max(INITIAL_WINDOW, 2 * st.taken))
+        )
+        self._grant(st)
+
+    def expect(self, st: Stream, nbytes: int) -> None:
+        """The application asked the peer for ``nbytes`` on this stream (a request it just
+        sent) and will read them as they come: grant that much credit now, within the
+        same budgets (invariant 3), rather than let the window grow a round trip at a
+        time from 256 KiB while a new stream's answer crosses a long path."""
+        if nbytes <= st.window_target:
+            return
+        st.window_target = min(self.max_window, nbytes)
+        self._grant(st)
+
+    def _grant(self, st: Stream) -> None:
         if st.fin_received or st.rst or st.stream_id not in self.streams:
             return
         have = st.recv_credit + st.buffered

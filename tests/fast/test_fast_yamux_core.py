@@ -268,6 +268,30 @@ def test_a_reader_with_nothing_queued_is_not_nudged() -> None:
     assert b.idle_reader_stream(64) is None
 
 
+def test_an_expected_answer_is_credited_before_it_is_read_within_the_budget() -> None:
+    """A client that just asked for 4 MiB on a new stream grants the credit at once: the
+    answer crosses a long path in TCP's slow start, not behind a window that doubles a
+    round trip at a time from 256 KiB. The session budget still bounds it."""
+    p = Pair()
+    st = p.a.open_stream()
+    p.pump()
+    peer = p.b.accepted.popleft()  # the asking side (b), before it has read a byte
+    p.b.expect(peer, 4 * 1024 * 1024)
+    p.pump()
+    assert st.send_credit == 4 * 1024 * 1024
+    p.b.expect(peer, 1024)  # a smaller expectation never shrinks a window
+    p.pump()
+    assert st.send_credit == 4 * 1024 * 1024
+    for budget, granted in ((8 << 20, 8 << 20), (1 << 20, 0)):
+        session = YamuxSession(is_initiator=False, session_window=budget)
+        session.receive(frame(TYPE_DATA, FLAG_SYN, 1, 0))
+        asking = session.accepted.popleft()
+        session.expect(asking, 16 << 20)
+        # Within the budget, and batched as ever (invariant 4: an update grants at least
+        # half the window while the stream has credit left).
+        assert asking.recv_credit == INITIAL_WINDOW + granted
+
+
 def test_session_budget_limits_growth_across_streams() -> None:
     budget = 512 * 1024
     b = YamuxSession(is_initiator=False, session_window=budget)

@@ -60,6 +60,7 @@ class Lane(FakeStream):
         if pipelined:
             self.server = proto.ServerConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS)
         self.refused = pipelined and network.refuse
+        self.reset_first = self.refused and network.reset_first
         self.inbound += echo
         self.ready_at = 0.0
 
@@ -71,6 +72,10 @@ class Lane(FakeStream):
 
     async def read(self, n: int | None = None) -> bytes:
         await trio.sleep_until(self.ready_at)
+        if self.reset_first:
+            # The listener took the request after its `na` for another proposal and reset
+            # the stream; the reset overtook the `na`.
+            raise trio.BrokenResourceError("stream was reset")
         return await super().read(n)
 
 
@@ -78,8 +83,9 @@ class StripedFake:
     """A provider of the whole blob on up to ``StripeConfig.max_connections`` extra
     connections. ``refuse``: it serves 1.0.0 only and answers a 1.1.0 proposal `na`."""
 
-    def __init__(self, *, refuse: bool = False) -> None:
+    def __init__(self, *, refuse: bool = False, reset_first: bool = False) -> None:
         self.refuse = refuse
+        self.reset_first = reset_first
         self.extra = 0
         self.pipelined_gets = 0  # gets that arrived behind an unread answer
         self.gets = 0
@@ -155,10 +161,11 @@ async def test_striped_bulk_streams_carry_pipelined_requests(
     assert network.pipelined_gets > 0, "no get was sent before the answer ahead of it"
 
 
+@pytest.mark.parametrize("reset_first", [False, True])
 async def test_a_provider_that_speaks_only_1_0_0_is_served_one_request_at_a_time(
-    tmp_path: Path, virtual_clock: trio.abc.Clock
+    tmp_path: Path, virtual_clock: trio.abc.Clock, reset_first: bool
 ) -> None:
-    network = StripedFake(refuse=True)
+    network = StripedFake(refuse=True, reset_first=reset_first)
     await fetch(tmp_path, network)
     assert network.pipelined_gets == 0
     # One refusal, then 1.0.0 streams only: the provider was not dropped as failing.
