@@ -80,11 +80,14 @@ DEFAULT_MAX_WINDOW = 16 * 1024 * 1024
 # streams at full window. Bounds what one peer can make us buffer.
 DEFAULT_SESSION_WINDOW = 64 * 1024 * 1024
 # Credit beyond the base windows summed over all sessions that share one `WindowPool` (the
-# shell's default: every session of the process). A fetch striped over eight connections to
-# one provider so buffers no more than one connection's session budget did: about 2 MiB per
-# stream at twelve streams covers a 25 MB bandwidth-delay product (1 Gbit/s x 200 ms), and
-# the fetcher's memory stays what it was with one connection.
-DEFAULT_SHARED_WINDOW = 64 * 1024 * 1024
+# shell's default: every session of the process). Credit is spent when the server writes
+# into its socket, so a lane of a fetch striped over eight connections at 200 ms has about
+# 6 MiB out (its share of the 25 MB bandwidth-delay product, and the server's send buffer,
+# which holds up to 4 MiB): eight lanes wanted most of 64 MiB, and lanes waited for credit
+# (lone eu->asia 256 MiB: 58-60 MB/s at 64 MiB, 62.8-63.5 at 128 MiB, 62.3-63.0 at 256).
+# It bounds what peers can make this process buffer beyond the base windows when it stops
+# reading (its chunk buffers full, its disk slow): 128 MiB.
+DEFAULT_SHARED_WINDOW = 128 * 1024 * 1024
 # Open streams per session (both directions). py-libp2p's backlog is 256 as well; 256 * 256 KiB
 # of unread base windows is the worst a peer can make us hold on top of the session budget.
 DEFAULT_MAX_STREAMS = 256
