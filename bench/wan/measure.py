@@ -76,21 +76,41 @@ def tcp_rate(
     """Send ``nbytes`` from ``src`` to ``dst`` over ``conns`` TCP connections. Returns
     the sink's figures (``rate_bytes_per_s``: first byte to last byte at the receiver)
     plus the source's wall ``source_seconds`` (first connect to last ack)."""
-    sink = _spawn(tb, dst, probe_argv("sink", "--port", str(port), "--conns", str(conns)))
+    got = tcp_rate_from(tb, {src: nbytes}, dst, conns=conns, port=port, timeout=timeout)
+    return {**got, "source_seconds": got["source_seconds"][src]}
+
+
+def tcp_rate_from(
+    tb: Testbed,
+    shares: dict[str, int],
+    dst: str,
+    *,
+    conns: int = 1,
+    port: int = PROBE_PORT,
+    timeout: float = 300.0,
+) -> dict[str, Any]:
+    """Send ``shares[src]`` bytes from every ``src`` at once to ``dst``, each over ``conns``
+    TCP connections, into one sink: what raw TCP gets from several providers together.
+    ``rate_bytes_per_s`` runs from the first byte received to the last, over all of them;
+    ``source_seconds`` is each source's first connect to last ack."""
+    total = sum(shares.values())
+    sink = _spawn(
+        tb, dst, probe_argv("sink", "--port", str(port), "--conns", str(conns * len(shares)))
+    )
     _ready(sink, "TCP sink")
-    source = _spawn(
-        tb,
-        src,
-        probe_argv(
+    sources = {}
+    for src, nbytes in shares.items():
+        argv = probe_argv(
             "source", "--host", tb.addr(dst), "--port", str(port),
             "--conns", str(conns), "--bytes", str(nbytes),
-        ),
-    )  # fmt: skip
-    sent = _result(source, "TCP source", timeout)
+        )  # fmt: skip
+        sources[src] = _spawn(tb, src, argv)
+    sent = {src: _result(proc, f"TCP source {src}", timeout) for src, proc in sources.items()}
     got = _result(sink, "TCP sink", timeout)
-    if sent["errors"] or got["errors"] or got["bytes"] != nbytes:
-        raise TestbedError(f"TCP probe failed: source {sent}, sink {got}")
-    return {**got, "source_seconds": sent["seconds"], "conns": conns}
+    if any(s["errors"] for s in sent.values()) or got["errors"] or got["bytes"] != total:
+        raise TestbedError(f"TCP probe failed: sources {sent}, sink {got}")
+    seconds = {src: s["seconds"] for src, s in sent.items()}
+    return {**got, "source_seconds": seconds, "conns": conns}
 
 
 def tcp_rtts_ms(
