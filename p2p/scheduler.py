@@ -129,6 +129,7 @@ from p2p.protocol import MAX_CHUNKS_PER_REQUEST, MAX_RANGES_PER_REQUEST
 __all__ = [
     "PROTOCOL_MAX_CHUNKS_PER_REQUEST",
     "PROTOCOL_MAX_RANGES_PER_REQUEST",
+    "SWARM_ENDGAME_PATIENCE_S",
     "PeerScores",
     "PeerStats",
     "RequestTicket",
