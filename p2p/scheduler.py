@@ -1048,7 +1048,15 @@ class Scheduler:
     def _inflight_limit(self, p: _Peer) -> int:
         cfg = self._cfg
         cap = cfg.max_inflight_requests_per_peer
-        if p.connections > 1 and p.depth > 1:
+        # A seeder shared with fellows (swarming, not alone) gets what its rate and the
+        # path hold (below), not a request per connection: every request queued there is
+        # seconds of a slow uplink that its other fetchers wait behind, and which they
+        # may have to take from it again (three fetchers of a 32 MiB blob from a 100
+        # Mbit/s seeder striped four ways: it sent 1.45-2.29x the blob, median 1.86).
+        shared_seeder = cfg.defer_to_partial_holders and p.bitmap is None and not self._uncapped(p)
+        if shared_seeder:
+            want = 1
+        elif p.connections > 1 and p.depth > 1:
             # Pipelined stripes: the requests queued behind each connection's current one
             # wait at the server for their turn, holding no stream and no send buffer there.
             cap = max(cap, p.depth * p.connections)

@@ -201,6 +201,27 @@ def test_the_caps_come_back_with_a_fellow_or_a_count() -> None:
     assert s.inflight_limit("seed") == 2
 
 
+def test_a_shared_seeder_holds_what_its_rate_and_path_need_whatever_its_connections() -> None:
+    """A seeder that others fetch from too gets requests for what its measured rate and
+    RTT hold, not one or two per striped connection: each request queued at a slow uplink
+    is seconds its other fetchers wait behind, and chunks they may take from it again
+    (three fetchers of 32 MiB from a 100 Mbit/s seeder striped four ways, two pipelined
+    requests each: it sent 1.45-2.29x the blob, median 1.86; 1.38-1.62 with this)."""
+    for depth in (1, 2):
+        s = Scheduler(256, lambda i: 1, config=SWARM)
+        s.add_peer("seed", 0.0)
+        s.set_connections("seed", 4, depth=depth)
+        s.add_peer("fellow", 0.0, bitmap_of([0, 1], 256))
+        s.on_rtt("seed", 0.1)
+        ticket = s.next_request("seed", 0.0)
+        assert ticket is not None
+        s.on_chunk(ticket.request_id, min(ticket.indices), 1, 1.0)  # measured: 1 chunk/s
+        assert s.inflight_limit("seed") == SWARM.min_inflight_requests_per_peer == 2
+        s.set_alone("seed", True)
+        s.remove_peer("fellow", "gone")  # ours alone again: every connection gets its share
+        assert s.inflight_limit("seed") == (6 if depth == 1 else 8)
+
+
 async def test_an_old_seeder_keeps_the_caps(tmp_path: Path) -> None:
     """A server before 1.4.0 refuses the proposal: the fetcher learns nothing and the
     caps stay (the stream fails at its first answer; nothing else does)."""
