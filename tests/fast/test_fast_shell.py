@@ -182,3 +182,43 @@ async def test_a_young_connection_sends_its_small_frames_together() -> None:
             assert not _corked(ours)  # no longer young: its window has grown
     ours.close()
     theirs.close()
+
+
+async def test_a_frame_that_trickles_in_wakes_its_reader_once() -> None:
+    """A 60 KB frame sent in ten pieces (a far or slow sender's packets): the reader is
+    woken when the first bytes come and then once the frame is whole, not per piece (a
+    16-fellow fan-out's fetchers spent most of their CPU on such wake-ups). A frame that
+    ends in silence is still delivered at once."""
+    ours, theirs = _tcp_pair()
+    conn = make_conn(ours)
+    secure = conn.secured_conn
+    assert isinstance(secure, FastSecureConn)
+    big = sealed(os.urandom(60_000))
+    small = sealed(b"done")
+    wakes = 0
+
+    async def next_frame() -> memoryview:
+        nonlocal wakes
+        while (frame := secure.reader.next_frame()) is None:
+            assert await secure.recv_more()
+            wakes += 1
+        return frame
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+
+            async def trickle() -> None:
+                step = len(big) // 10 + 1
+                for at in range(0, len(big), step):
+                    await theirs.send(big[at : at + step])
+                    await trio.sleep(0.02)
+                await theirs.send(small)
+
+            nursery.start_soon(trickle)
+            frame = await next_frame()
+            assert len(frame) == len(big) - 2
+            assert wakes <= 3
+            frame = await next_frame()  # nothing follows it: it must not wait for more
+            assert len(frame) == len(small) - 2
+    ours.close()
+    theirs.close()
