@@ -185,7 +185,7 @@ async def test_a_young_connection_sends_its_small_frames_together() -> None:
 
 
 async def test_a_frame_that_trickles_in_wakes_its_reader_once() -> None:
-    """A 60 KB frame sent in ten pieces (a far or slow sender's packets): the reader is
+    """A 30 KB frame sent in ten pieces (a far or slow sender's packets): the reader is
     woken when the first bytes come and then once the frame is whole, not per piece (a
     16-fellow fan-out's fetchers spent most of their CPU on such wake-ups). A frame that
     ends in silence is still delivered at once."""
@@ -193,8 +193,7 @@ async def test_a_frame_that_trickles_in_wakes_its_reader_once() -> None:
     conn = make_conn(ours)
     secure = conn.secured_conn
     assert isinstance(secure, FastSecureConn)
-    big = sealed(os.urandom(60_000))
-    small = sealed(b"done")
+    frames = [sealed(os.urandom(30_000)), sealed(os.urandom(65_000)), sealed(b"done")]
     wakes = 0
 
     async def next_frame() -> memoryview:
@@ -204,21 +203,60 @@ async def test_a_frame_that_trickles_in_wakes_its_reader_once() -> None:
             wakes += 1
         return frame
 
+    async def trickle(frame: bytes) -> None:
+        step = len(frame) // 10 + 1
+        for at in range(0, len(frame), step):
+            await theirs.send(frame[at : at + step])
+            await trio.sleep(0.02)
+
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(trickle, frames[0])
+            assert len(await next_frame()) == len(frames[0]) - 2
+            assert wakes <= 2
+            # Larger than a quarter of the buffer (the mark's cap): a few wakes.
+            nursery.start_soon(trickle, frames[1] + frames[2])
+            assert len(await next_frame()) == len(frames[1]) - 2
+            assert wakes <= 2 + 5
+            # Nothing follows the last one: it must not wait for more.
+            assert len(await next_frame()) == len(frames[2]) - 2
+    ours.close()
+    theirs.close()
 
-            async def trickle() -> None:
-                step = len(big) // 10 + 1
-                for at in range(0, len(big), step):
-                    await theirs.send(big[at : at + step])
-                    await trio.sleep(0.02)
-                await theirs.send(small)
 
-            nursery.start_soon(trickle)
-            frame = await next_frame()
-            assert len(frame) == len(big) - 2
-            assert wakes <= 3
-            frame = await next_frame()  # nothing follows it: it must not wait for more
-            assert len(frame) == len(small) - 2
+class _MarkedSocket:
+    """Just what FastSecureConn._set_low_water touches: a receive buffer's size, read
+    back, and the marks set."""
+
+    def __init__(self, rcvbuf: int) -> None:
+        self.rcvbuf = rcvbuf
+        self.marks: list[int] = []
+
+    def getsockopt(self, level: int, option: int) -> int:
+        assert option == trio.socket.SO_RCVBUF
+        return self.rcvbuf
+
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        assert option == trio.socket.SO_RCVLOWAT
+        self.marks.append(value)
+
+
+async def test_the_low_water_mark_stays_within_what_the_buffer_holds() -> None:
+    """Linux grows a receive buffer too small for the mark and then clamps the window to
+    the mark for good (64 KiB a round trip: a 32 MiB swarm fetch on the testbed took 11-24
+    s, not 7-10). A new connection's buffer (128 KiB, tcp_rmem's default) gets marks of a
+    quarter of it; once autotuning has grown it, whole frames; an unchanged mark is not
+    set again."""
+    ours, theirs = trio.socket.socketpair()
+    secure = make_conn(ours).secured_conn
+    assert isinstance(secure, FastSecureConn)
+    fake = _MarkedSocket(128 * 1024)
+    secure._set_low_water(fake, 60_000)  # type: ignore[arg-type]
+    secure._set_low_water(fake, 50_000)  # type: ignore[arg-type]
+    assert fake.marks == [32 * 1024]
+    fake.rcvbuf = 4 << 20
+    secure._set_low_water(fake, 60_000)  # type: ignore[arg-type]
+    secure._set_low_water(fake, 18)  # type: ignore[arg-type]
+    assert fake.marks == [32 * 1024, 60_000, 18]
     ours.close()
     theirs.close()
