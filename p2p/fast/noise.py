@@ -31,7 +31,7 @@ from libp2p.security.base_session import BaseSession
 from libp2p.security.noise.patterns import PatternXX
 
 from .errors import FastPathError, LocalProtocolError
-from .noise_frames import LEN_PREFIX, MAX_FRAME, FrameReader, FrameWriter
+from .noise_frames import MAX_FRAME, FrameReader, FrameWriter
 from .noise_frames import CipherState as CipherState
 
 PROTOCOL_ID = TProtocol("/noise")
@@ -53,9 +53,6 @@ WRITE_BATCH = 1024 * 1024
 COALESCE_S = 0.002
 COALESCE_BYTES = 256 * 1024
 _TCP_CORK = getattr(socket, "TCP_CORK", None)
-# A receive low-water mark (FastSecureConn._set_low_water) stays within this fraction of
-# the socket's receive buffer: the kernel counts about twice the payload in buffer space.
-LOW_WATER_SHARE = 4
 
 
 def trio_socket_of(raw: IRawConnection) -> trio.socket.SocketType | None:
@@ -102,8 +99,6 @@ class FastSecureConn(BaseSession):
         self.broken = False
         self._eof = False
         self._young_bytes = COALESCE_BYTES if _TCP_CORK is not None else 0
-        self._low_water = 1  # the socket's SO_RCVLOWAT (the kernel's default); -1: none
-        self._low_water_cap = 0  # the highest mark the receive buffer holds, last read
         self._corked = False
 
     # --------------------------------------------------------------- low-level I/O (muxer)
@@ -129,7 +124,8 @@ class FastSecureConn(BaseSession):
             reader.grow(min(reader.capacity * 4, RECV_BUFFER_MAX))
         return True
 
-    async def _recv_into(self, sock: trio.socket.SocketType, space: memoryview) -> int:
+    @staticmethod
+    async def _recv_into(sock: trio.socket.SocketType, space: memoryview) -> int:
         # The syscall is made directly on the non-blocking descriptor, and we wait for
         # readiness only when it would block: trio's socket methods add a scheduler round
         # trip to every call. The descriptor is looked up on each attempt, so a socket
@@ -141,44 +137,11 @@ class FastSecureConn(BaseSession):
             try:
                 n = os.readv(fd, [space])
             except BlockingIOError:
-                self._set_low_water(sock, self.reader.missing())
                 await trio.lowlevel.wait_readable(fd)
                 continue
             # Keep the loop fair to other tasks when data is always ready.
             await trio.lowlevel.checkpoint()
             return n
-
-    def _set_low_water(self, sock: trio.socket.SocketType, want: int) -> None:
-        """Have the kernel wake this reader only once ``want`` bytes are in (SO_RCVLOWAT),
-        the rest of the frame it waits for: a frame is useless until whole. Where data
-        trickles in (a slow or far sender, or fellows in a swarm) a 64 KiB frame came in
-        about seven wake-ups at a 9000-byte MTU and forty-five at 1500, each a pass of the
-        event loop; a 16-fellow fan-out's fetchers spent most of their CPU there. Linux
-        still wakes the reader at EOF, on error, under memory pressure and when the
-        receive window is nearly shut, so a frame larger than the buffer cannot hang.
-
-        Linux (6.18 here) also grows the receive buffer to hold a mark it would not hold,
-        and then clamps the receive window to the mark for good: 64 KiB a round trip, a
-        32 MiB swarm fetch took 11-24 s instead of 7-10. So the mark stays within a
-        quarter of the buffer (LOW_WATER_SHARE), read again only when it could have grown."""
-        want = min(max(1, want), MAX_FRAME + LEN_PREFIX)
-        if self._low_water < 0:
-            return
-        if want > self._low_water_cap:
-            try:
-                rcvbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-            except OSError:
-                rcvbuf = 0
-            self._low_water_cap = max(1, rcvbuf // LOW_WATER_SHARE)
-            want = min(want, self._low_water_cap)
-        if want == self._low_water:
-            return
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-        except OSError:
-            self._low_water = -1  # not a socket that takes it (never asked again)
-            return
-        self._low_water = want
 
     def coalesce(self, nbytes: int) -> None:
         """About to send ``nbytes`` on the socket: while the connection is young, cork it

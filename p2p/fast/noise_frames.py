@@ -12,8 +12,7 @@ bytes, the last 16 of which are the tag. This module holds the three pieces the 
    rekey), and the value 2**64-1 is reserved, so a cipher that reaches it refuses to go on.
 2. `FrameReader`: a reusable receive buffer. The shell `recv_into`s its free tail with one large
    call, then takes every complete frame out of it as a memoryview: no copies, no per-frame
-   allocation; `missing` says how many bytes the frame it waits for still lacks. A frame
-   shorter than a tag is a protocol error; a frame can't be longer than 65535
+   allocation. A frame shorter than a tag is a protocol error; a frame can't be longer than 65535
    bytes because the length prefix has 2 bytes.
 3. `FrameWriter`: seals a list of plaintext pieces into one preallocated send buffer, so a whole
    batch of frames goes out with a single `send`. Small pieces are coalesced into one frame; large
@@ -158,17 +157,6 @@ class FrameReader:
         space[:n] = data[:n]
         self._end += n
         return n
-
-    def missing(self) -> int:
-        """Bytes still to arrive before `next_frame` can return a frame (at least 1): a
-        reader woken with fewer can do nothing with them (the shell tells the kernel so,
-        SO_RCVLOWAT). With no length prefix yet, the smallest frame (a bare tag)."""
-        avail = self._end - self._start
-        if avail < LEN_PREFIX:
-            return LEN_PREFIX + TAG_LEN - avail
-        buf = self._buf
-        length = (buf[self._start] << 8) | buf[self._start + 1]
-        return max(1, LEN_PREFIX + length - avail)
 
     def next_frame(self) -> memoryview | None:
         """The next complete ciphertext (tag included), or None if more bytes are needed."""

@@ -102,20 +102,3 @@ def test_reader_waits_for_whole_frames_and_grows_without_losing_bytes() -> None:
     frame = reader.next_frame()
     assert frame is not None
     assert CipherState(KEY).decrypt(frame) == b"abc"
-
-
-def test_reader_says_how_much_the_next_frame_lacks() -> None:
-    """What the shell asks the kernel to wait for before waking it (SO_RCVLOWAT): never
-    more than the frame needs, so a whole frame always wakes it."""
-    body = CipherState(KEY).encrypt(b"x" * 1000)
-    wire = struct.pack(">H", len(body)) + body
-    reader = FrameReader(1 << 18)
-    assert reader.missing() == 2 + 16  # no prefix yet: the smallest frame, a bare tag
-    reader.feed(wire[:1])
-    assert reader.missing() == 17
-    reader.feed(wire[1:300])
-    assert reader.missing() == len(wire) - 300
-    reader.feed(wire[300:] + wire[:2])  # the frame, and the next one's prefix
-    assert reader.missing() == 0 + 1  # a whole frame is waiting: any byte will do
-    assert reader.next_frame() is not None
-    assert reader.missing() == len(wire) - 2
