@@ -591,6 +591,19 @@ class Scheduler:
             return None
         return self._issue(p, picked, now, endgame)
 
+    def claim(self, peer: str, now: float, indices: Iterable[int]) -> RequestTicket | None:
+        """A live request for exactly ``indices``, a `get` the shell sent before this
+        scheduler could choose (the first chunk, asked with the manifest), or None when
+        any of them is not free for ``peer`` (held, in flight, not its to give): the
+        shell then drops that answer unread."""
+        p = self._peers.get(peer)
+        picked = sorted(set(indices))
+        if p is None or not p.usable or not picked:
+            return None
+        if any(not 0 <= i < self._n or self._state[i] != _POOL or not p.holds(i) for i in picked):
+            return None
+        return self._issue(p, picked, now, False)
+
     def expects(self, request_id: int, index: int) -> bool:
         """Whether `index` belongs to live request `request_id` (the shell checks a served
         chunk with this before hashing: a chunk outside its request is a protocol error)."""

@@ -259,8 +259,17 @@ class BlobClient:
             raise StreamLost(str(exc)) from exc
 
     async def manifest(self, blob_id: str) -> bytes | proto.ErrorResponse:
+        await self.send_manifest(blob_id)
+        return await self.read_manifest()
+
+    async def send_manifest(self, blob_id: str) -> None:
+        """Ask for the manifest; on a pipelined stream, `get` requests may follow at once."""
         self._check_usable()
         await write_all(self.stream, self.conn.send_request(proto.ManifestRequest(blob_id)))
+
+    async def read_manifest(self) -> bytes | proto.ErrorResponse:
+        """The answer to the oldest request outstanding, a manifest request."""
+        self._check_usable()
         response = await self._next_response()
         if isinstance(response, proto.ManifestResponse):
             return response.manifest
@@ -308,22 +317,30 @@ class BlobClient:
         await self.send_get(blob_id, ranges)
         return await self.read_get(on_chunk, buffers=buffers)
 
-    async def send_get(self, blob_id: str, ranges: tuple[tuple[int, int], ...]) -> None:
-        """Send a ``get``; on a pipelined stream while earlier ones are still answered."""
+    async def send_get(
+        self,
+        blob_id: str,
+        ranges: tuple[tuple[int, int], ...],
+        *,
+        answer_bytes: int | None = None,
+    ) -> None:
+        """Send a ``get``; on a pipelined stream while earlier ones are still answered.
+        ``answer_bytes``: the answer's size where the chunk lengths are not known yet (a
+        `get` sent with the manifest request), for the credit granted below."""
         self._check_usable()
         await write_all(self.stream, self.conn.send_request(proto.GetRequest(blob_id, ranges)))
         fast = fast_stream_of(self.stream)
-        if fast is not None and self._chunk_length is not None:
+        if answer_bytes is None and self._chunk_length is not None:
+            length = self._chunk_length
+            answer_bytes = sum(
+                length(i) + proto.CHUNK_HEADER_ROOM
+                for start, end in ranges
+                for i in range(start, end)
+            )
+        if fast is not None and answer_bytes:
             # Credit for the whole answer now: a new stream's window would otherwise grow
             # from 256 KiB a round trip at a time, behind TCP's own slow start.
-            length = self._chunk_length
-            fast.expect(
-                sum(
-                    length(i) + proto.CHUNK_HEADER_ROOM
-                    for start, end in ranges
-                    for i in range(start, end)
-                )
-            )
+            fast.expect(answer_bytes)
 
     async def read_get(
         self, on_chunk: ChunkSink, *, buffers: ChunkBuffers | None = None

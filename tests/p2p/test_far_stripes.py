@@ -92,12 +92,16 @@ class StripedFake:
         self.proposals: list[bool] = []  # pipelined or not, per bulk stream opened
         self.dialled_at: list[float] = []
         self.asked: list[tuple[str, float]] = []  # (request kind, virtual time)
+        self.sent: dict[int, int] = {}  # chunk index -> times sent
 
     def serve_as(self, lane: Lane | None) -> Any:
         def serve(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
             self.asked.append((type(req).__name__, trio.current_time()))
             if isinstance(req, proto.GetRequest):
                 self.gets += 1
+                for start, stop in req.ranges:
+                    for i in range(start, stop):
+                        self.sent[i] = self.sent.get(i, 0) + 1
                 if lane is not None and lane.inbound:
                     self.pipelined_gets += 1
             return serve_blob(server, req)
@@ -171,6 +175,22 @@ async def test_a_provider_that_speaks_only_1_0_0_is_served_one_request_at_a_time
     # One refusal, then 1.0.0 streams only: the provider was not dropped as failing.
     assert network.proposals.count(True) <= network.extra
     assert not all(network.proposals)
+
+
+async def test_the_first_chunk_is_asked_with_the_manifest(
+    tmp_path: Path, virtual_clock: trio.abc.Clock
+) -> None:
+    """Issue 15 item 4: the first provider asked gets the manifest request and a `get` of
+    the first chunk together, on one pipelined stream, a round trip before the manifest
+    could say what to ask; the answer is read (and verified) once the manifest is in, and
+    that chunk is asked of nobody again."""
+    network = StripedFake()
+    await fetch(tmp_path, network)
+    manifest_at = min(t for kind, t in network.asked if kind == "ManifestRequest")
+    first_get = min(t for kind, t in network.asked if kind == "GetRequest")
+    assert first_get == manifest_at
+    assert network.sent[downloader.SPECULATIVE_CHUNK] == 1
+    assert set(network.sent) == set(range(MANIFEST.num_chunks))
 
 
 async def test_a_far_providers_lanes_are_dialled_beside_the_manifest_request(

@@ -668,3 +668,22 @@ def test_large_blob_costs_little_per_request() -> None:
     elapsed = time.perf_counter() - start
     assert requests >= n // 16
     assert elapsed < 10.0, f"{elapsed:.2f} s for {requests} requests"
+
+
+def test_a_claimed_chunk_is_in_flight_and_claimed_once() -> None:
+    """The shell asks for the first chunk before the scheduler exists (with the manifest
+    request) and claims it afterwards: it is then in flight like any request's, nobody
+    else is offered it, and a second claim, or one for a chunk the peer lacks, is refused."""
+    sched = Scheduler(8, length)
+    sched.add_peer("seed", 0.0)
+    sched.add_peer("partial", 0.0, bitmap_of([5], 8))
+    assert sched.claim("partial", 0.0, [0]) is None  # it does not hold chunk 0
+    ticket = sched.claim("seed", 0.0, [0])
+    assert ticket is not None and ticket.ranges == ((0, 1),)
+    assert sched.claim("seed", 0.0, [0]) is None
+    assert sched.in_flight() == [0]
+    other = sched.next_request("seed", 0.0)
+    assert other is not None and 0 not in other.indices
+    sched.on_chunk(ticket.request_id, 0, CHUNK, 1.0)
+    sched.on_request_done(ticket.request_id, 1.0)
+    assert sched.claim("seed", 1.0, [0]) is None  # verified: nothing to claim
