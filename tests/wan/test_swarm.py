@@ -25,8 +25,10 @@ WORKERS = 3
 # Without peer exchange the seeder sends every copy, WORKERS times the blob; with it
 # 1.5-1.8x here (8 runs: the first fetcher to reach the seeder takes most of the blob from
 # it, a few chunks go twice while fellows learn of each other, and the endgame duplicates
-# the last ones); 2.2 leaves room for a loaded machine.
-MAX_SEEDER_SHARE = 2.2
+# the last ones); on 2026-12-02 1.19-2.42 over 14 runs, and each fetcher now also takes
+# the first chunk from the seeder with the manifest (+0.09x here); a loaded CI run saw
+# 2.56. 2.7 still fails a swarm whose seeder serves every copy (3.0x and more).
+MAX_SEEDER_SHARE = 2.7
 
 
 def test_three_fetchers_given_only_the_seeder_spare_its_uplink(
