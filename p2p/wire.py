@@ -330,6 +330,8 @@ class BlobClient:
         self._check_usable()
         await write_all(self.stream, self.conn.send_request(proto.GetRequest(blob_id, ranges)))
         fast = fast_stream_of(self.stream)
+        if fast is None:
+            return  # py-libp2p's own streams take no credit ahead
         if answer_bytes is None and self._chunk_length is not None:
             length = self._chunk_length
             answer_bytes = sum(
@@ -337,7 +339,7 @@ class BlobClient:
                 for start, end in ranges
                 for i in range(start, end)
             )
-        if fast is not None and answer_bytes:
+        if answer_bytes:
             # Credit for the whole answer now: a new stream's window would otherwise grow
             # from 256 KiB a round trip at a time, behind TCP's own slow start.
             fast.expect(answer_bytes)
