@@ -11,6 +11,7 @@ fetch asks for."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,7 @@ class StripedFake:
         return RTT
 
 
-async def fetch(tmp_path: Path, network: StripedFake) -> Store:
+async def fetch(tmp_path: Path, network: StripedFake, config: SchedulerConfig = CONFIG) -> Store:
     store = Store.open(tmp_path / "s")
     with trio.fail_after(300):
         await downloader.download_blob(
@@ -141,7 +142,7 @@ async def fetch(tmp_path: Path, network: StripedFake) -> Store:
             store,
             MANIFEST.blob_id,
             providers=["far"],
-            config=CONFIG,
+            config=config,
             stripe_config=StripeConfig(max_connections=4),
         )
     assert store.verify(MANIFEST.blob_id) == []
@@ -190,6 +191,19 @@ async def test_the_first_chunk_is_asked_with_the_manifest(
     first_get = min(t for kind, t in network.asked if kind == "GetRequest")
     assert first_get == manifest_at
     assert network.sent[downloader.SPECULATIVE_CHUNK] == 1
+    assert set(network.sent) == set(range(MANIFEST.num_chunks))
+
+
+async def test_a_swarming_fetcher_waits_for_the_manifest_before_it_asks_for_chunks(
+    tmp_path: Path, virtual_clock: trio.abc.Clock
+) -> None:
+    """In a swarm every fetcher's first request goes to the seeder: a first chunk asked
+    with each manifest would be the one chunk the seeder sends N times."""
+    network = StripedFake()
+    await fetch(tmp_path, network, dataclasses.replace(CONFIG, defer_to_partial_holders=True))
+    manifest_at = min(t for kind, t in network.asked if kind == "ManifestRequest")
+    first_get = min(t for kind, t in network.asked if kind == "GetRequest")
+    assert first_get >= manifest_at + RTT
     assert set(network.sent) == set(range(MANIFEST.num_chunks))
 
 

@@ -23,12 +23,11 @@ MiB = 1 << 20
 SIZE = 32 * MiB  # 2.7 s at the seeder's uplink: long enough for fellows to find each other
 WORKERS = 3
 # Without peer exchange the seeder sends every copy, WORKERS times the blob; with it
-# 1.5-1.8x here (8 runs: the first fetcher to reach the seeder takes most of the blob from
-# it, a few chunks go twice while fellows learn of each other, and the endgame duplicates
-# the last ones); on 2026-12-02 1.19-2.42 over 14 runs, and each fetcher now also takes
-# the first chunk from the seeder with the manifest (+0.09x here); a loaded CI run saw
-# 2.56. 2.7 still fails a swarm whose seeder serves every copy (3.0x and more).
-MAX_SEEDER_SHARE = 2.7
+# 1.23-2.27x here (18 runs on 2026-12-02, median 1.42: the first fetcher to reach the
+# seeder takes most of the blob from it, a few chunks go twice while fellows learn of each
+# other, and the endgame duplicates the last ones). The margin is for a loaded CI machine;
+# a seeder that serves every copy sends 3.0x and more.
+MAX_SEEDER_SHARE = 2.5
 
 
 def test_three_fetchers_given_only_the_seeder_spare_its_uplink(
