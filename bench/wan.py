@@ -17,7 +17,9 @@ TCP buffer limits set in every namespace). Rows, medians of ``--runs``:
 - `blob get` (real `blob serve` / `blob get` processes, stores in temp dirs, a key per
   process) from eu to asia, from eu to us, and from eu + us to asia: the fetch's own rate
   and seconds (its --json), the process's wall time, and the time from starting the
-  process to its first verified chunk on disk;
+  process to its first verified chunk on disk. Its rate is counted like raw TCP's, from
+  the first byte of chunk data received to the end; the rate from the download's start
+  (one request's round trip earlier) is printed beside it;
 - start-up: a Python process importing what `blob get` imports, on the same host, timed
   in the same run (the first-chunk goal allows for it).
 
@@ -158,7 +160,8 @@ def run_bench(runs: int, size_mib: int, swarm: int, swarm_size_mib: int) -> dict
                     blob[name].append(got_blob)
                     print(
                         f"[wan]   blob get {name}: rc {got_blob.returncode}, "
-                        f"{got_blob.rate_bytes_per_s / MB:.1f} MB/s, "
+                        f"{got_blob.transfer_rate_bytes_per_s / MB:.1f} MB/s "
+                        f"({got_blob.rate_bytes_per_s / MB:.1f} from start), "
                         f"first chunk {got_blob.first_chunk_s}",
                         file=sys.stderr,
                     )
@@ -186,6 +189,7 @@ def _summarise(
         ok = [r for r in results if r.returncode == 0]
         blob_rows[name] = {
             "rate_bytes_per_s": _median([r.rate_bytes_per_s for r in ok]),
+            "transfer_rate_bytes_per_s": _median([r.transfer_rate_bytes_per_s for r in ok]),
             "seconds": _median([float(r.report.get("seconds") or 0.0) for r in ok]),
             "wall_s": _median([r.wall_s for r in ok]),
             "first_chunk_s": _median([r.first_chunk_s for r in ok if r.first_chunk_s]),
@@ -193,6 +197,7 @@ def _summarise(
             "samples": [
                 {
                     "rate_bytes_per_s": r.rate_bytes_per_s,
+                    "transfer_rate_bytes_per_s": r.transfer_rate_bytes_per_s,
                     "wall_s": r.wall_s,
                     "first_chunk_s": r.first_chunk_s,
                     "returncode": r.returncode,
@@ -205,13 +210,16 @@ def _summarise(
     goals = []
 
     def ratio(name: str, limit: float | None, target: float, why: str) -> None:
-        rate = blob_rows[name]["rate_bytes_per_s"]
+        # Like for like: both rates from the first byte received to the last.
+        rate = blob_rows[name]["transfer_rate_bytes_per_s"]
         value = rate / limit if rate and limit else None
+        from_start = blob_rows[name]["rate_bytes_per_s"]
         goals.append(
             {
                 "goal": f"{name}: blob get >= {target}x {why}",
                 "value": value,
                 "met": value is not None and value >= target,
+                "from_start": from_start / limit if from_start and limit else None,
             }
         )
 
@@ -223,7 +231,7 @@ def _summarise(
     # Like for like: raw TCP from both providers at once pays the same slow start of 16
     # connections into one downlink that the fetch does (informational: not the issue's).
     together = raw_med[TWO_PROVIDERS][8]
-    rate = blob_rows["eu+us->asia"]["rate_bytes_per_s"]
+    rate = blob_rows["eu+us->asia"]["transfer_rate_bytes_per_s"]
     goals.append(
         {
             "goal": "eu+us->asia: blob get / raw 8-conn from both at once (like for like)",
@@ -306,11 +314,11 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"process start-up (imports of blob get, in asia): {_s(result['startup_s'])} s")
     print()
     header = (
-        "| path | RTT | raw 1 conn | raw 4 | raw 8 | blob get MB/s | fetch s "
-        "| wall s | first chunk s |"
+        "| path | RTT | raw 1 conn | raw 4 | raw 8 | blob get MB/s | from start MB/s "
+        "| fetch s | wall s | first chunk s |"
     )
     print(header)
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rtts = {"eu->asia": 200, "us->asia": 150, "eu->us": 80, "eu+us->asia": "200/150"}
     raw = result["raw_bytes_per_s"]
     for path in ("eu->asia", "us->asia", "eu->us", "eu+us->asia"):
@@ -318,13 +326,14 @@ def print_table(result: dict[str, Any]) -> None:
         b = result["blob"].get(path)
         blob_cells = (
             [
+                _mb(b["transfer_rate_bytes_per_s"]),
                 _mb(b["rate_bytes_per_s"]),
                 _s(b["seconds"]),
                 _s(b["wall_s"]),
                 _s(b["first_chunk_s"]),
             ]
             if b
-            else ["-"] * 4
+            else ["-"] * 5
         )
         cells = [path, f"{rtts[path]} ms", _mb(r.get("1")), _mb(r.get("4")), _mb(r.get("8"))]
         print("| " + " | ".join(cells + blob_cells) + " |")
@@ -334,6 +343,8 @@ def print_table(result: dict[str, Any]) -> None:
         shown = "-" if value is None else f"{value:.2f}"
         if "limit" in goal and goal["limit"] is not None:
             shown += f" s after start-up (limit {goal['limit']:.2f} s)"
+        if goal.get("from_start") is not None:
+            shown += f" (from the download's start: {goal['from_start']:.2f})"
         verdict = "    " if goal["met"] is None else "MET " if goal["met"] else "MISS"
         print(f"{verdict} {goal['goal']}: {shown}")
     for name, row in result["blob"].items():

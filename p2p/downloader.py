@@ -234,6 +234,10 @@ class Progress:
     new_bytes: dict[str, int] = field(default_factory=dict)
     duplicate_bytes: int = 0
     finished: bool = False
+    # Bytes fetched over the time since the first chunk's first byte arrived (0.0 until
+    # then): the figure raw TCP's rate is (first byte to last), without the round trip
+    # that a request costs before anything can arrive.
+    transfer_rate_bytes_per_s: float = 0.0
 
 
 ProgressCallback = Callable[[Progress], None]
@@ -621,6 +625,7 @@ class Download:
         self.peers_seen: set[str] = set()
         self.peer_tasks = 0
         self.started = trio.current_time()
+        self.first_body_at: float | None = None  # see Progress.transfer_rate_bytes_per_s
         self.start_bytes = self._done_bytes()
         self.last_progress = 0.0
         self.new_bytes: dict[str, int] = {}
@@ -664,12 +669,16 @@ class Download:
             if force
             else self._approx_done()
         )
+        receiving = 0.0 if self.first_body_at is None else now - self.first_body_at
         self.progress(
             Progress(
                 blob_id=self.blob_id,
                 total_bytes=self.manifest.size,
                 done_bytes=done,
                 rate_bytes_per_s=(done - self.start_bytes) / elapsed,
+                transfer_rate_bytes_per_s=(
+                    (done - self.start_bytes) / receiving if receiving > 0 else 0.0
+                ),
                 elapsed=elapsed,
                 peers=self.scheduler.peer_stats(),
                 new_bytes=dict(self.new_bytes),
@@ -1110,6 +1119,8 @@ class Download:
             OSError,
         ) as exc:
             failure = exc
+        finally:
+            self._note_first_body(client)
         # The scheduler hears of the request only once each chunk it carried is verified
         # and written (or failed): it must not re-offer a chunk still being written.
         await writes.wait()
@@ -1232,6 +1243,11 @@ class Download:
             self.buffers.release(data)
             self.writing.pop(index).set()
             writes.finish()
+
+    def _note_first_body(self, client: BlobClient) -> None:
+        at = client.first_body_at
+        if at is not None and (self.first_body_at is None or at < self.first_body_at):
+            self.first_body_at = at
 
     def _count_chunk(
         self, ticket: RequestTicket, index: int, length: int, *, duplicate: bool

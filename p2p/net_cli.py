@@ -940,6 +940,7 @@ def _fetch_stats(
     stats: dict[str, Any] = {"source": "network"}
     if final:
         stats["rate_bytes_per_s"] = final[-1].rate_bytes_per_s
+        stats["transfer_rate_bytes_per_s"] = final[-1].transfer_rate_bytes_per_s
         stats["seconds"] = final[-1].elapsed
         stats["duplicate_bytes"] = final[-1].duplicate_bytes
         stats["cpu_s"] = round(cpu_marks[-1] - cpu_marks[0], 3)

@@ -191,6 +191,9 @@ class BlobClient:
         # The pooled buffer a body in progress is landing in (not yet given to a sink).
         self._lent: Any = None
         self._abandoned = False
+        # When the first chunk body on this stream began to arrive (trio time; None: not
+        # yet): a fetch's transfer rate counts from there, as raw TCP's does (bench/wan).
+        self.first_body_at: float | None = None
         # The negotiation answer still to come on an optimistically opened stream.
         self._expect = stream.expect if isinstance(stream, OptimisticStream) else b""
 
@@ -245,6 +248,8 @@ class BlobClient:
                     raise StreamLost("peer closed the stream in the middle of a response")
                 space = self.conn.body_space()
                 if space is not None:
+                    if self.first_body_at is None:
+                        self.first_body_at = trio.current_time()
                     n = await read_some_into(self.stream, space)
                     if n:
                         self.conn.body_received(n)

@@ -108,7 +108,14 @@ class GetResult:
 
     @property
     def rate_bytes_per_s(self) -> float:
+        """Bytes over the time from the download's start (manifest in) to its end."""
         return float(self.report.get("rate_bytes_per_s") or 0.0)
+
+    @property
+    def transfer_rate_bytes_per_s(self) -> float:
+        """Bytes over the time from the first chunk byte received to the end: what raw
+        TCP's rate is (bench.wan.probe: first byte to last at the receiver)."""
+        return float(self.report.get("transfer_rate_bytes_per_s") or 0.0)
 
 
 @dataclass
