@@ -11,6 +11,7 @@ limits is not used for the blob even when the user allows relayed fetches)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -47,6 +48,9 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
 
     if unavailable_reason() is not None:
         pytest.skip(str(unavailable_reason()))
+    # This module-scoped fixture is set up before the function-scoped nat_capable.
+    if shutil.which("nft") is None:
+        pytest.skip("NAT hosts need the `nft` command (Debian package nftables)")
     hosts = {
         "relay": Host(delay_ms=20.0),
         "pub": Host(delay_ms=20.0),
