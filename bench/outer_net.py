@@ -1,6 +1,7 @@
 """Bytes on the wire of a local hub-less outer-loop run, per worker per round (issue 17).
 
     .venv/bin/python bench/outer_net.py --workers 3 --rounds 5 [--replay-rate 0.25]
+                                        [--model-size small]
     .venv/bin/python bench/outer_net.py --wan-runs 1 --rounds 6 --deadline 8   (root)
     .venv/bin/python bench/outer_net.py --nat-runs 3 [--nat symmetric] [--via-relay]  (root)
 
@@ -43,6 +44,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         deadline=args.deadline,
         proposer_timeout=1.0,
         replay_rate=args.replay_rate,
+        model_size=args.model_size,
     )
     with default_workdir() as tmp:
         summary = summarise(run_local(prepare_run(Path(tmp), params), timeout=1200))
@@ -200,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner-steps", type=int, default=2)
     parser.add_argument("--deadline", type=float, default=6.0)
     parser.add_argument("--replay-rate", type=float, default=0.0)
+    parser.add_argument(
+        "--model-size",
+        choices=("tiny", "small"),
+        default="tiny",
+        help="small (3.7M parameters) shows what a round's fixed bytes weigh against a "
+        "larger update",
+    )
     parser.add_argument("--json", type=Path, default=None, help="Write the figures here.")
     parser.add_argument(
         "--wan-runs",

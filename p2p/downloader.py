@@ -651,6 +651,13 @@ class Download:
         self.changed.set()
         self.changed = trio.Event()
 
+    def _idle_wait(self) -> float:
+        """How long an idle worker may sleep: until the next request turns late (an
+        endgame copy may be due then), at most IDLE_WAKE_S."""
+        now = trio.current_time()
+        late = self.scheduler.next_late_at(now)
+        return IDLE_WAKE_S if late is None else min(IDLE_WAKE_S, late - now)
+
     async def _wait_change(self, seconds: float = IDLE_WAKE_S) -> None:
         with trio.move_on_after(seconds):
             await self.changed.wait()
@@ -1024,7 +1031,7 @@ class Download:
                             break
                         pending.append(ticket)
                     if not pending:
-                        await self._wait_change()
+                        await self._wait_change(self._idle_wait())
                         continue
                     ticket = pending.pop(0)
                     assert client is not None  # a request is outstanding on it

@@ -28,7 +28,8 @@ Invariants (each is checked by tests/p2p/test_scheduler*.py):
    the moment it is handed out. Endgame is the state where no pool chunk is held by any
    usable peer; only then may an idle peer (no live request) be handed copies of chunks
    in flight elsewhere, at most ``1 + endgame_duplicates`` live requests per chunk, oldest
-   request first (the one most likely stuck behind a slow peer).
+   request first (the one most likely stuck behind a slow peer), and only of requests
+   that are late (``ENDGAME_PATIENCE_RTTS``; ``next_late_at`` says when the next one is).
 3. A banned peer never gets a request. A peer is banned for this download when one of its
    chunks fails its hash or it breaks the protocol; its live requests are released at
    once. A banned peer stays banned even if it is added again.
@@ -127,6 +128,8 @@ from dataclasses import dataclass, field
 from p2p.protocol import MAX_CHUNKS_PER_REQUEST, MAX_RANGES_PER_REQUEST
 
 __all__ = [
+    "ENDGAME_MIN_PATIENCE_S",
+    "ENDGAME_PATIENCE_RTTS",
     "PROTOCOL_MAX_CHUNKS_PER_REQUEST",
     "PROTOCOL_MAX_RANGES_PER_REQUEST",
     "SWARM_ENDGAME_PATIENCE_S",
@@ -154,6 +157,14 @@ _VERIFIED = 2
 # old: a fellow sends a chunk in well under a second, and the seeder's uplink is the
 # scarce link (each copy there costs every other fetcher).
 SWARM_ENDGAME_PATIENCE_S = 2.0
+# Any other endgame copy waits until the request it copies is late: out for longer than
+# ENDGAME_PATIENCE_RTTS round trips of its peer plus the time its peer's measured rate
+# needs for the bytes it still owes, and at least ENDGAME_MIN_PATIENCE_S. Copied at once,
+# a blob of one chunk (an outer-loop update) fetched from two holders crossed the wire
+# twice: 2.75x the update per round instead of 2.16x (bench/outer_net.py --model-size
+# small). A request on time needs no copy; a stalled or slow one still gets one.
+ENDGAME_PATIENCE_RTTS = 2.0
+ENDGAME_MIN_PATIENCE_S = 0.1
 # A request to a striped provider holds this many round trips of one connection's share.
 STRIPED_REQUEST_RTTS = 3.0
 # A seeder defers to fellows at least this fraction of its rate: a fellow's rate is
@@ -1200,11 +1211,32 @@ class Scheduler:
             ranges = after
         return picked
 
+    def _late_at(self, r: _Request) -> float:
+        """When ``r`` will have been out longer than its peer should need for it (see
+        ENDGAME_PATIENCE_RTTS)."""
+        q = r.peer
+        patience = ENDGAME_PATIENCE_RTTS * (q.rtt or 0.0)
+        if q.rate:
+            patience += sum(self._chunk_length(i) for i in r.unreceived) / q.rate
+        return r.issued_at + max(ENDGAME_MIN_PATIENCE_S, patience)
+
+    def _late(self, r: _Request, now: float) -> bool:
+        return now >= self._late_at(r)
+
+    def next_late_at(self, now: float) -> float | None:
+        """The soonest time after ``now`` at which a live request becomes late, so an
+        endgame copy of it may be handed out (None: none will, or the endgame has not
+        begun). An idle worker sleeps until then at most, not a whole idle period."""
+        if self._fetchable_pool():
+            return None
+        times = [t for r in self._requests.values() if (t := self._late_at(r)) > now]
+        return min(times, default=None)
+
     def _pick_endgame(self, p: _Peer, limit: int, now: float) -> list[int]:
         if self._cfg.endgame_duplicates <= 0:
             return []
         copies = 1 + self._cfg.endgame_duplicates
-        others = [r for r in self._requests.values() if r.peer is not p]
+        others = [r for r in self._requests.values() if r.peer is not p and self._late(r, now)]
         if self._cfg.defer_to_partial_holders and p.bitmap is None:
             # A swarm's seeder copies a fellow's request only once it is overdue: the
             # fellow's link is the fast one, and each copy costs the seeder's uplink.

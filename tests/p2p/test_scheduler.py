@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from p2p.scheduler import (
+    ENDGAME_MIN_PATIENCE_S,
     PROTOCOL_MAX_CHUNKS_PER_REQUEST,
     RequestTicket,
     Scheduler,
@@ -371,7 +372,10 @@ def test_endgame_duplicates_the_tail_and_reports_late_duplicates() -> None:
     assert slow is not None and fast is not None
     assert slow.indices == {0, 1} and fast.indices == {2, 3}
     sched.add_peer("third", 0.0)
-    assert sched.next_request("third", 0.0) is not None, "endgame: pool empty, third idle"
+    # Pool empty, "third" idle: a copy waits until the request it copies is late.
+    assert sched.next_request("third", 0.0) is None
+    assert sched.next_late_at(0.0) == pytest.approx(ENDGAME_MIN_PATIENCE_S)
+    assert sched.next_request("third", ENDGAME_MIN_PATIENCE_S) is not None
     sched.remove_peer("third", "test")
     for i in (2, 3):
         assert sched.on_chunk(fast.request_id, i, CHUNK, 0.1)
