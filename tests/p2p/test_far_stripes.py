@@ -234,6 +234,64 @@ async def test_the_transfer_rate_counts_from_the_first_byte_like_raw_tcp(
     assert final.elapsed - receiving == pytest.approx(RTT, rel=0.25)
 
 
+class StuckFake(StripedFake):
+    """ "far" as above, and "stuck", which answers `manifest` and `have` but never a `get`
+    (a provider that stalls without closing anything)."""
+
+    async def open_blob_stream(self, peer: str) -> Any:
+        lane = await super().open_blob_stream(peer)
+        return self._stall(lane) if peer == "stuck" else lane
+
+    async def open_blob_stream_on(self, peer: str, lane: int, *, pipelined: bool = False) -> Any:
+        stream = await super().open_blob_stream_on(peer, lane, pipelined=pipelined)
+        if peer != "stuck":
+            return stream
+        self._stall(stream.stream if isinstance(stream, OptimisticStream) else stream)
+        return stream
+
+    def _stall(self, lane: Lane) -> Lane:
+        serve = lane.serve
+
+        def stalled(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
+            if isinstance(req, proto.GetRequest):
+                return b"", False
+            return serve(server, req)  # type: ignore[no-any-return]
+
+        lane.serve = stalled
+        return lane
+
+    def connection_count(self, peer: str) -> int:
+        return 1
+
+
+async def test_a_provider_that_stalls_does_not_hold_the_tail(
+    tmp_path: Path, virtual_clock: trio.abc.Clock
+) -> None:
+    """ "stuck" takes requests and never answers them, nor closes anything. Once "far" has
+    emptied the pool it copies stuck's requests, which are late by then (endgame), so the
+    fetch ends about when far alone would have ended, not when stuck's requests time out."""
+
+    async def took(network: StripedFake, providers: list[str], name: str) -> float:
+        store = Store.open(tmp_path / name)
+        start = trio.current_time()
+        with trio.fail_after(300):
+            await downloader.download_blob(
+                network,
+                store,
+                MANIFEST.blob_id,
+                providers=providers,
+                config=CONFIG,
+                stripe_config=StripeConfig(max_connections=1),
+            )
+        assert store.verify(MANIFEST.blob_id) == []
+        return trio.current_time() - start
+
+    alone = await took(StripedFake(), ["far"], "alone")
+    with_stuck = await took(StuckFake(), ["far", "stuck"], "stuck")
+    # The copies cost a round trip or two of far's, not the stalled requests' timeout.
+    assert with_stuck < alone + downloader.IDLE_WAKE_S / 2
+
+
 async def test_a_far_providers_lanes_are_dialled_beside_the_manifest_request(
     tmp_path: Path, virtual_clock: trio.abc.Clock
 ) -> None:
