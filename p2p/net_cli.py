@@ -881,6 +881,7 @@ def _fetch(
     # benchmarks: start-up and imports excluded.
     cpu_marks: list[float] = []
     first_byte_at: list[float] = []
+    done_at: list[float] = []  # wall clock when the blob was complete (before any linger)
     said: set[str] = set()
 
     def on_progress(progress: Progress) -> None:
@@ -890,6 +891,7 @@ def _fetch(
         if progress.finished:
             cpu_marks.append(_own_cpu_s())
             final.append(progress)
+            done_at.append(time.time())
 
     def note_punches(node: Node) -> None:
         for reasons, then in (
@@ -923,12 +925,11 @@ def _fetch(
                 raise type(exc)(f"{exc}; " + "; ".join(punches)) from None
             note_punches(node)
             if seed is not None:
-                await seed.run(
-                    node, blob_id, _fetch_stats(final, cpu_marks, first_byte_at, started_at)
-                )
+                stats = _fetch_stats(final, cpu_marks, first_byte_at, started_at, done_at)
+                await seed.run(node, blob_id, stats)
 
     run_interruptible(main)
-    return _fetch_stats(final, cpu_marks, first_byte_at, started_at)
+    return _fetch_stats(final, cpu_marks, first_byte_at, started_at, done_at)
 
 
 def _fetch_stats(
@@ -936,6 +937,7 @@ def _fetch_stats(
     cpu_marks: list[float],
     first_byte_at: list[float],
     started_at: float | None,
+    done_at: Sequence[float] = (),
 ) -> dict[str, Any]:
     stats: dict[str, Any] = {"source": "network"}
     if final:
@@ -953,6 +955,10 @@ def _fetch_stats(
         stats["first_byte_at"] = first_byte_at[0]
         if started_at is not None:
             stats["first_byte_s"] = round(first_byte_at[0] - started_at, 3)
+    if done_at:
+        # Wall clock too: a swarm bench takes the last worker's (p2p.swarm rule 5: a
+        # fetcher may linger after this, serving fellows).
+        stats["done_at"] = done_at[0]
     return stats
 
 

@@ -51,6 +51,9 @@ class FanOut:
     size: int
     seeder_mbit: float
     total_s: float  # the seeder's uplink opened (all gets up) -> the last one exited
+    # ... -> the last one held the whole blob (its report's done_at: before it lingered
+    # to serve fellows, p2p.swarm rule 5); None if a get did not say
+    all_hold_s: float | None
     span_s: float | None  # first verified chunk anywhere -> the last exit (no start-up)
     seeder_uplink_bytes: int  # what left the seeder's uplink, retransmissions included
     results: list[GetResult]
@@ -90,6 +93,7 @@ def fan_out(
         with Testbed(fan_out_hosts(workers, seeder_mbit=seeder_mbit)) as tb:
             served = seeder.serve(tb)
             started = time.monotonic()
+            started_wall = time.time()
             gettings = [
                 n.start_get(tb, blob_id, [served.addr], *extra_get_args, barrier=barrier)
                 for n in nodes
@@ -98,6 +102,7 @@ def fan_out(
                 _wait_all_ready(barrier, nodes, gettings)
                 barrier.go.touch()
                 started = time.monotonic()
+                started_wall = time.time()
             results = [g.wait(timeout) for g in gettings]
             total = time.monotonic() - started
             firsts = [g.first_chunk for g in gettings if g.first_chunk is not None]
@@ -108,7 +113,9 @@ def fan_out(
         for node in [seeder, *nodes]:
             shutil.rmtree(node.root, ignore_errors=True)
     span = max(ends) - min(firsts) if firsts else None
-    return FanOut(size, seeder_mbit, total, span, uplink, results)
+    done = [r.report.get("done_at") for r in results]
+    all_hold = None if None in done else max(float(d) for d in done) - started_wall  # type: ignore[arg-type]
+    return FanOut(size, seeder_mbit, total, all_hold, span, uplink, results)
 
 
 def _wait_all_ready(barrier: Barrier, nodes: list[BlobNode], gettings: list[Getting]) -> None:
