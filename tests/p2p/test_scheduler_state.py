@@ -21,7 +21,14 @@ from hypothesis.stateful import (
     rule,
 )
 
-from p2p.scheduler import RequestTicket, Scheduler, SchedulerConfig, bitmap_of
+from p2p.scheduler import (
+    ENDGAME_MIN_PATIENCE_S,
+    ENDGAME_PATIENCE_RTTS,
+    RequestTicket,
+    Scheduler,
+    SchedulerConfig,
+    bitmap_of,
+)
 
 N = 10  # small, so that runs often reach the endgame and the drained tail
 PEERS = ("a", "b", "c", "d")
@@ -49,6 +56,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.verified = set(verified)
         self.live: dict[int, tuple[RequestTicket, set[int]]] = {}  # id -> ticket, owed
+        self.issued: dict[int, float] = {}  # id -> when it was handed out
         self.released: dict[int, RequestTicket] = {}
         self.holds: dict[str, set[int]] = {}
         self.connected: set[str] = set()
@@ -73,6 +81,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             for i in owe - self.verified:
                 out.setdefault(i, set()).add(rid)
         return out
+
+    def late(self, rid: int) -> bool:
+        """Invariant 2's patience: a request may be copied once it has been out for
+        ENDGAME_PATIENCE_RTTS of its peer's round trips plus what the peer's measured rate
+        needs for the bytes it still owes, and at least ENDGAME_MIN_PATIENCE_S."""
+        ticket, owe = self.live[rid]
+        stats = self.sched.peer_stats()[ticket.peer]
+        patience = ENDGAME_PATIENCE_RTTS * (stats.rtt_s or 0.0)
+        if stats.rate_bytes_per_s > 0:
+            patience += sum(length(i) for i in owe) / stats.rate_bytes_per_s
+        return self.now - self.issued[rid] >= max(ENDGAME_MIN_PATIENCE_S, patience)
 
     def pool(self) -> set[int]:
         return set(range(N)) - self.verified - set(self.owed())
@@ -122,7 +141,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             copyable = [
                 i
                 for i, rids in owed.items()
-                if i in self.holds[peer] and len(rids) <= CONFIG.endgame_duplicates
+                if i in self.holds[peer]
+                and len(rids) <= CONFIG.endgame_duplicates
+                and any(self.late(rid) for rid in rids)
             ]
             if copyable:
                 assert ticket is not None and ticket.endgame, "an idle peer joins the endgame"
@@ -144,12 +165,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert not fetchable and live_here == 0
             for i in ticket.indices:
                 assert 1 <= len(owed.get(i, ())) <= CONFIG.endgame_duplicates
+                assert any(self.late(rid) for rid in owed[i]), "copies of late requests only"
         else:
             assert ticket.indices <= pool, "outside endgame only unowed chunks"
             # Rarest first: the (rarity, index)-least chunk this peer could take is taken.
             best = min(mine, key=lambda i: (self.rarity(i), i))
             assert best in ticket.indices
         self.live[ticket.request_id] = (ticket, set(ticket.indices))
+        self.issued[ticket.request_id] = self.now
 
     @rule()
     def every_peer_asks(self) -> None:
