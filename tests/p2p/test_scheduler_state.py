@@ -85,12 +85,13 @@ class SchedulerMachine(RuleBasedStateMachine):
     def late(self, rid: int) -> bool:
         """Invariant 2's patience: a request may be copied once it has been out for
         ENDGAME_PATIENCE_RTTS of its peer's round trips plus what the peer's measured rate
-        needs for the bytes it still owes, and at least ENDGAME_MIN_PATIENCE_S."""
+        needs for the chunks it still owes (each at chunk 0's length), and at least
+        ENDGAME_MIN_PATIENCE_S."""
         ticket, owe = self.live[rid]
         stats = self.sched.peer_stats()[ticket.peer]
         patience = ENDGAME_PATIENCE_RTTS * (stats.rtt_s or 0.0)
         if stats.rate_bytes_per_s > 0:
-            patience += sum(length(i) for i in owe) / stats.rate_bytes_per_s
+            patience += len(owe) * length(0) / stats.rate_bytes_per_s
         return self.now - self.issued[rid] >= max(ENDGAME_MIN_PATIENCE_S, patience)
 
     def pool(self) -> set[int]:
