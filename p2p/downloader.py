@@ -715,7 +715,11 @@ class Download:
         try:
             for pause in (delay, *PEER_RETRY_PAUSES):
                 await trio.sleep(pause)
-                if self.scheduler.done or not await self._run_peer(peer):
+                retry = not self.scheduler.done and await self._run_peer(peer)
+                # A first-chunk stream the run did not take (its `have` failed) is reset
+                # now, not held open, its answer unread, until the download ends.
+                await self._drop_speculation(peer)
+                if not retry:
                     return
                 stats = self.scheduler.stats_of(peer)
                 if stats is not None and stats.banned:
@@ -786,6 +790,11 @@ class Download:
                     nursery.start_soon(self._stream_worker, peer, None, self._quiet_lane(lanes))
                 await self._wait_change()
         return not self.scheduler.done
+
+    async def _drop_speculation(self, peer: str) -> None:
+        spec = None if self.probes is None else self.probes.take_speculation(peer)
+        if spec is not None:
+            await reset_quietly(spec.stream)
 
     async def _speculated(
         self, peer: str, client: BlobClient

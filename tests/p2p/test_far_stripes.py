@@ -264,6 +264,79 @@ class StuckFake(StripedFake):
         return 1
 
 
+class ForgetfulFake(StripedFake):
+    """ "far" as above, and "forgetful", which answers the manifest request (and the
+    first chunk's `get` beside it) but then says it lacks the blob when asked `have`.
+    Notes when each of forgetful's streams was reset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forgetful_resets: list[float] = []
+
+    async def open_blob_stream(self, peer: str) -> Any:
+        return self._watch(peer, await super().open_blob_stream(peer))
+
+    async def open_blob_stream_on(self, peer: str, lane: int, *, pipelined: bool = False) -> Any:
+        stream = await super().open_blob_stream_on(peer, lane, pipelined=pipelined)
+        self._watch(peer, stream.stream if isinstance(stream, OptimisticStream) else stream)
+        return stream
+
+    def _watch(self, peer: str, lane: Lane) -> Lane:
+        if peer != "forgetful":
+            return lane
+        serve = lane.serve
+
+        def forgetful(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
+            if isinstance(req, proto.HaveRequest):
+                gone = proto.ErrorResponse(proto.ErrorCode.NOT_FOUND, "deleted meanwhile")
+                return server.send_response(gone), False
+            return serve(server, req)  # type: ignore[no-any-return]
+
+        async def reset() -> None:
+            self.forgetful_resets.append(trio.current_time())
+
+        lane.serve = forgetful
+        lane.reset = reset  # type: ignore[method-assign]
+        return lane
+
+    def connection_count(self, peer: str) -> int:
+        return 1
+
+
+async def test_a_provider_dropped_at_have_gets_its_first_chunk_stream_reset_at_once(
+    tmp_path: Path, virtual_clock: trio.abc.Clock
+) -> None:
+    """The first provider asked gets the manifest request and chunk 0's `get` on one
+    stream. If it then turns out useless (its `have` says it lacks the blob), that stream
+    is reset as its task ends, not held open with its answer unread until the fetch from
+    the others is over."""
+    network = ForgetfulFake()
+    store = Store.open(tmp_path / "s")
+    send, more = trio.open_memory_channel[str](1)
+
+    async def discover() -> None:
+        await trio.sleep(5 * RTT)  # "far" is found later, so forgetful is asked first
+        await send.send("far")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(discover)
+        with trio.fail_after(300):
+            await downloader.download_blob(
+                network,
+                store,
+                MANIFEST.blob_id,
+                providers=["forgetful"],
+                more_providers=more,
+                config=CONFIG,
+                stripe_config=StripeConfig(max_connections=1),
+            )
+    done = trio.current_time()
+    assert store.verify(MANIFEST.blob_id) == []
+    assert network.proposals[0], "forgetful was asked for the first chunk with the manifest"
+    assert len(network.forgetful_resets) >= 2  # the `have` stream and the speculative one
+    assert max(network.forgetful_resets) < 5 * RTT < done
+
+
 async def test_a_provider_that_stalls_does_not_hold_the_tail(
     tmp_path: Path, virtual_clock: trio.abc.Clock
 ) -> None:
