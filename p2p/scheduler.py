@@ -160,10 +160,10 @@ SWARM_ENDGAME_PATIENCE_S = 2.0
 # Any other endgame copy waits until the request it copies is late: out for longer than
 # ENDGAME_PATIENCE_RTTS round trips of its peer plus the time its peer's measured rate
 # needs for the chunks it still owes (each counted at the first chunk's length), and at
-# least ENDGAME_MIN_PATIENCE_S. Copied at once,
-# a blob of one chunk (an outer-loop update) fetched from two holders crossed the wire
-# twice: 2.75x the update per round instead of 2.16x (bench/outer_net.py --model-size
-# small). A request on time needs no copy; a stalled or slow one still gets one.
+# least ENDGAME_MIN_PATIENCE_S. Copied at once, a blob of one chunk (an outer-loop update)
+# fetched from two holders crossed the wire twice: 2.75x the update per round instead of
+# 2.16x (bench/outer_net.py --model-size small). A request on time needs no copy; a
+# stalled or slow one still gets one.
 ENDGAME_PATIENCE_RTTS = 2.0
 ENDGAME_MIN_PATIENCE_S = 0.1
 # A request to a striped provider holds this many round trips of one connection's share.
@@ -1224,9 +1224,6 @@ class Scheduler:
             patience += len(r.unreceived) * self._chunk_length(0) / q.rate
         return r.issued_at + max(ENDGAME_MIN_PATIENCE_S, patience)
 
-    def _late(self, r: _Request, now: float) -> bool:
-        return now >= self._late_at(r)
-
     def next_late_at(self, now: float) -> float | None:
         """The soonest time after ``now`` at which a live request becomes late, so an
         endgame copy of it may be handed out (None: none will, or the endgame has not
@@ -1240,7 +1237,7 @@ class Scheduler:
         if self._cfg.endgame_duplicates <= 0:
             return []
         copies = 1 + self._cfg.endgame_duplicates
-        others = [r for r in self._requests.values() if r.peer is not p and self._late(r, now)]
+        others = [r for r in self._requests.values() if r.peer is not p and now >= self._late_at(r)]
         if self._cfg.defer_to_partial_holders and p.bitmap is None:
             # A swarm's seeder copies a fellow's request only once it is overdue: the
             # fellow's link is the fast one, and each copy costs the seeder's uplink.

@@ -113,8 +113,8 @@ def fan_out(
         for node in [seeder, *nodes]:
             shutil.rmtree(node.root, ignore_errors=True)
     span = max(ends) - min(firsts) if firsts else None
-    done = [r.report.get("done_at") for r in results]
-    all_hold = None if None in done else max(float(d) for d in done) - started_wall  # type: ignore[arg-type]
+    done = [float(d) for r in results if (d := r.report.get("done_at")) is not None]
+    all_hold = max(done) - started_wall if len(done) == len(results) else None
     return FanOut(size, seeder_mbit, total, all_hold, span, uplink, results)
 
 

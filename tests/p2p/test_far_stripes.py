@@ -12,6 +12,7 @@ fetch asks for."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,16 +135,28 @@ class StripedFake:
         return RTT
 
 
-async def fetch(tmp_path: Path, network: StripedFake, config: SchedulerConfig = CONFIG) -> Store:
-    store = Store.open(tmp_path / "s")
+async def fetch(
+    tmp_path: Path,
+    network: StripedFake,
+    config: SchedulerConfig = CONFIG,
+    *,
+    providers: Sequence[str] = ("far",),
+    connections: int = 4,
+    name: str = "s",
+    **options: Any,
+) -> Store:
+    """Fetch the blob from ``providers`` over ``network`` into a store of its own and check
+    it; ``options`` go to download_blob as they are."""
+    store = Store.open(tmp_path / name)
     with trio.fail_after(300):
         await downloader.download_blob(
             network,
             store,
             MANIFEST.blob_id,
-            providers=["far"],
+            providers=providers,
             config=config,
-            stripe_config=StripeConfig(max_connections=4),
+            stripe_config=StripeConfig(max_connections=connections),
+            **options,
         )
     assert store.verify(MANIFEST.blob_id) == []
     return store
@@ -214,19 +227,10 @@ async def test_the_transfer_rate_counts_from_the_first_byte_like_raw_tcp(
     byte received to the last; a fetch's first byte comes a request's round trip after
     it starts, and that round trip is not part of the transfer rate."""
     seen: list[downloader.Progress] = []
-    store = Store.open(tmp_path / "s")
-    with trio.fail_after(300):
-        await downloader.download_blob(
-            StripedFake(),
-            store,
-            MANIFEST.blob_id,
-            providers=["far"],
-            # Swarm mode: no first chunk with the manifest, so the first get is sent
-            # once the download has started.
-            config=dataclasses.replace(CONFIG, defer_to_partial_holders=True),
-            stripe_config=StripeConfig(max_connections=4),
-            progress=seen.append,
-        )
+    # Swarm mode: no first chunk with the manifest, so the first get is sent once the
+    # download has started.
+    swarm = dataclasses.replace(CONFIG, defer_to_partial_holders=True)
+    await fetch(tmp_path, StripedFake(), swarm, progress=seen.append)
     final = seen[-1]
     assert final.finished and final.done_bytes == MANIFEST.size
     receiving = final.done_bytes / final.transfer_rate_bytes_per_s
@@ -311,7 +315,6 @@ async def test_a_provider_dropped_at_have_gets_its_first_chunk_stream_reset_at_o
     is reset as its task ends, not held open with its answer unread until the fetch from
     the others is over."""
     network = ForgetfulFake()
-    store = Store.open(tmp_path / "s")
     send, more = trio.open_memory_channel[str](1)
 
     async def discover() -> None:
@@ -320,18 +323,8 @@ async def test_a_provider_dropped_at_have_gets_its_first_chunk_stream_reset_at_o
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(discover)
-        with trio.fail_after(300):
-            await downloader.download_blob(
-                network,
-                store,
-                MANIFEST.blob_id,
-                providers=["forgetful"],
-                more_providers=more,
-                config=CONFIG,
-                stripe_config=StripeConfig(max_connections=1),
-            )
+        await fetch(tmp_path, network, providers=["forgetful"], connections=1, more_providers=more)
     done = trio.current_time()
-    assert store.verify(MANIFEST.blob_id) == []
     assert network.proposals[0], "forgetful was asked for the first chunk with the manifest"
     assert len(network.forgetful_resets) >= 2  # the `have` stream and the speculative one
     assert max(network.forgetful_resets) < 5 * RTT < done
@@ -345,18 +338,8 @@ async def test_a_provider_that_stalls_does_not_hold_the_tail(
     fetch ends about when far alone would have ended, not when stuck's requests time out."""
 
     async def took(network: StripedFake, providers: list[str], name: str) -> float:
-        store = Store.open(tmp_path / name)
         start = trio.current_time()
-        with trio.fail_after(300):
-            await downloader.download_blob(
-                network,
-                store,
-                MANIFEST.blob_id,
-                providers=providers,
-                config=CONFIG,
-                stripe_config=StripeConfig(max_connections=1),
-            )
-        assert store.verify(MANIFEST.blob_id) == []
+        await fetch(tmp_path, network, providers=providers, connections=1, name=name)
         return trio.current_time() - start
 
     alone = await took(StripedFake(), ["far"], "alone")
