@@ -57,9 +57,13 @@ Theory of operation
    provider asked gets `manifest` and a `get` of SPECULATIVE_CHUNK on one pipelined
    stream, and that provider's task claims the chunk (``Scheduler.claim``) and reads the
    answer on its first worker, verified against the manifest like any chunk. At 200 ms
-   the first verified chunk came a round trip sooner. Not when swarming
-   (``defer_to_partial_holders``): each of N fetchers would take that chunk from the
-   seeder, whose uplink is what a swarm spares (3 fetchers of 32 MiB: +0.09x each).
+   the first verified chunk came a round trip sooner. When swarming
+   (``defer_to_partial_holders``) the `get` is a `try_get` on a 1.5.0 stream: a seeder
+   that others fetch the blob from declines it (each of N fetchers would otherwise take
+   that chunk from the seeder, whose uplink is what a swarm spares: 3 fetchers of 32 MiB,
+   +0.09x each), and the chunk goes back to the pool as if never asked; a lone fetcher
+   gets it a round trip sooner. A server before 1.5.0 refuses that proposal, and the
+   manifest is asked the plain way.
 """
 
 from __future__ import annotations
@@ -254,7 +258,7 @@ class StripedNetwork(Protocol):
     """A network that can open several connections to one peer (``p2p.node.Node``)."""
 
     async def open_blob_stream_on(
-        self, peer: str, lane: int, *, pipelined: bool = False
+        self, peer: str, lane: int, *, pipelined: bool = False, tentative: bool = False
     ) -> Any: ...
 
     async def add_connection(self, peer: str) -> bool: ...
@@ -280,10 +284,13 @@ async def fetch_manifest(
     try:
         if probes is not None and probes.may_speculate():
             try:
-                reply, client = await _ask_speculating(network, blob_id, peer)
-            except ProtocolRefused as exc:  # a server before 1.1.0: ask the plain way
-                log.info("provider %s does not pipeline: %s", peer, exc)
-                probes.serial.add(peer)
+                reply, client = await _ask_speculating(network, blob_id, peer, probes.tentative)
+            except ProtocolRefused as exc:
+                # A server before 1.1.0 (or, for a `try_get`, before 1.5.0; whether it
+                # pipelines, its bulk streams find out): ask the plain way.
+                log.info("provider %s refused the first request's version: %s", peer, exc)
+                if not probes.tentative:
+                    probes.serial.add(peer)
                 reply = await _ask_manifest(network, blob_id, peer)
         else:
             reply = await _ask_manifest(network, blob_id, peer)
@@ -344,21 +351,27 @@ async def _ask_manifest(
 
 
 async def _ask_speculating(
-    network: Network, blob_id: str, peer: str
+    network: Network, blob_id: str, peer: str, tentative: bool = False
 ) -> tuple[bytes | proto.ErrorResponse | None, BlobClient | None]:
     """The manifest request and a `get` of SPECULATIVE_CHUNK sent together on one
-    ``/blobnet/blob/1.1.0`` stream: the manifest's answer, and the client whose `get`
-    is still to be read (None unless a manifest came). ProtocolRefused: the peer does not
-    pipeline. The chunk is checked against the manifest when it is read, as any other."""
+    ``/blobnet/blob/1.1.0`` stream (``tentative``: a `try_get` on a 1.5.0 one): the
+    manifest's answer, and the client whose `get` is still to be read (None unless a
+    manifest came). ProtocolRefused: the peer does not speak that version. The chunk is
+    checked against the manifest when it is read, as any other."""
     assert isinstance(network, StripedNetwork)
     client = None
     try:
         with trio.fail_after(CONTROL_TIMEOUT):
-            stream = await network.open_blob_stream_on(peer, 0, pipelined=True)
-            client = BlobClient(stream, pipelined=True)
+            if tentative:
+                stream = await network.open_blob_stream_on(peer, 0, pipelined=True, tentative=True)
+            else:
+                stream = await network.open_blob_stream_on(peer, 0, pipelined=True)
+            client = BlobClient(stream, pipelined=True, tentative=tentative)
             await client.send_manifest(blob_id)
             span = ((SPECULATIVE_CHUNK, SPECULATIVE_CHUNK + 1),)
-            await client.send_get(blob_id, span, answer_bytes=SPECULATIVE_ANSWER_BYTES)
+            await client.send_get(
+                blob_id, span, answer_bytes=SPECULATIVE_ANSWER_BYTES, tentative=tentative
+            )
             reply = await client.read_manifest()
         if not isinstance(reply, bytes):
             return reply, None
@@ -466,10 +479,11 @@ class HaveProbes:
         self._dials: dict[str, trio.Event] = {}
         self._planned: dict[str, int] = {}  # bulk lanes being dialled, per provider
         # First-chunk `get`s sent with a manifest request, answers unread (fetch_manifest).
-        # Not when swarming (count_fellows): every fetcher would take chunk 0 from the
-        # seeder, the one chunk the seeder must then send N times (rule 11).
+        # A `try_get` when swarming (count_fellows): a seeder that others fetch from
+        # declines it, else it would send that one chunk N times (rule 11).
         self._speculations: dict[str, BlobClient] = {}
-        self._speculated = count_fellows or not isinstance(network, StripedNetwork)
+        self._speculated = not isinstance(network, StripedNetwork)
+        self.tentative = count_fellows
         self.serial: set[str] = set()  # providers that refused 1.1.0 meanwhile
 
     def start(self, peer: str) -> None:

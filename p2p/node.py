@@ -125,6 +125,11 @@ BLOB_PROPOSAL = multistream_message(MULTISTREAM) + multistream_message(proto.PRO
 PIPELINED_PROPOSAL = multistream_message(MULTISTREAM) + multistream_message(
     proto.PROTOCOL_ID_1_1.encode()
 )
+# The same for the stream of a swarming fetch's first request: its manifest request and a
+# `try_get` of the first chunk, which a seeder that others fetch from declines (1.5.0).
+TENTATIVE_PROPOSAL = multistream_message(MULTISTREAM) + multistream_message(
+    proto.PROTOCOL_ID_1_5.encode()
+)
 # The same for a peer-exchange stream (1.2.0: `peers`, p2p.swarm).
 PEX_PROPOSAL = multistream_message(MULTISTREAM) + multistream_message(
     proto.PROTOCOL_ID_1_2.encode()
@@ -397,15 +402,20 @@ class Node:
     def connected_peers(self) -> list[str]:
         return [str(p) for p in self.host.get_connected_peers()]
 
-    async def open_blob_stream(self, peer: str, *, pipelined: bool = False) -> Any:
+    async def open_blob_stream(
+        self, peer: str, *, pipelined: bool = False, tentative: bool = False
+    ) -> Any:
         """A new ``/blobnet/blob/1.0.0`` stream to ``peer`` (StreamLost if impossible);
-        ``pipelined``: a ``/blobnet/blob/1.1.0`` one, where `get` requests may be sent ahead.
+        ``pipelined``: a ``/blobnet/blob/1.1.0`` one, where `get` requests may be sent ahead;
+        ``tentative``: a ``/blobnet/blob/1.5.0`` one, where a `get` may be a `try_get`.
 
         py-libp2p 0.8.1 sometimes loses a connection when another protocol's negotiation
         fails on it (a DHT query to a peer without the DHT, say); the swarm then redials
         from the peerstore, so a failed open is retried a few times before giving up."""
         proposal, protocol = (
-            (PIPELINED_PROPOSAL, proto.PROTOCOL_ID_1_1)
+            (TENTATIVE_PROPOSAL, proto.PROTOCOL_ID_1_5)
+            if tentative
+            else (PIPELINED_PROPOSAL, proto.PROTOCOL_ID_1_1)
             if pipelined
             else (BLOB_PROPOSAL, proto.PROTOCOL_ID)
         )
@@ -470,13 +480,15 @@ class Node:
                 log.debug("listed peer %s at %s: %s", peer, addr, exc)
         return False
 
-    async def open_blob_stream_on(self, peer: str, lane: int, *, pipelined: bool = False) -> Any:
+    async def open_blob_stream_on(
+        self, peer: str, lane: int, *, pipelined: bool = False, tentative: bool = False
+    ) -> Any:
         """A blob stream to ``peer`` on its connection number ``lane`` (0: the first one;
         1, 2, ...: those `add_connection` opened, counted modulo the live ones)."""
         conn = self._lane_connection(peer, lane)
         token = _PREFERRED_CONNECTION.set(conn)
         try:
-            return await self.open_blob_stream(peer, pipelined=pipelined)
+            return await self.open_blob_stream(peer, pipelined=pipelined, tentative=tentative)
         finally:
             _PREFERRED_CONNECTION.reset(token)
 

@@ -1,4 +1,4 @@
-"""The sans-IO core of the ``/blobnet/blob/1.0.0`` to ``/blobnet/blob/1.3.0`` wire protocol.
+"""The sans-IO core of the ``/blobnet/blob/1.0.0`` to ``/blobnet/blob/1.5.0`` wire protocol.
 
 Bytes in, events out; events in, bytes out. Nothing here touches a socket, a clock or the
 store: the trio shell (server, client, downloader) moves bytes between these objects and
@@ -78,6 +78,7 @@ __all__ = [
     "PROTOCOL_ID_1_2",
     "PROTOCOL_ID_1_3",
     "PROTOCOL_ID_1_4",
+    "PROTOCOL_ID_1_5",
     "SERVED_PROTOCOL_IDS",
     "Chunk",
     "ClientConnection",
@@ -117,9 +118,15 @@ PROTOCOL_ID_1_3 = "/blobnet/blob/1.3.0"
 # 1.4.0: 1.3.0 whose `status` answer also counts the peers that asked the server about the
 # blob lately (``fellows``): a fetcher that a seeder calls alone may ask it for much at once.
 PROTOCOL_ID_1_4 = "/blobnet/blob/1.4.0"
-# A server serves all five; a client that wants pipelining asks for 1.1.0 first, one that
-# wants peer exchange for 1.2.0, one that wants `status` for 1.3.0, and the count 1.4.0.
+# 1.5.0: 1.4.0 plus `try_get`, a `get` the server may decline while others fetch the blob
+# from it: a swarming fetcher's first chunk, asked with the manifest, costs a seeder one
+# copy per swarm instead of one per fetcher, and a lone fetcher still saves a round trip.
+PROTOCOL_ID_1_5 = "/blobnet/blob/1.5.0"
+# A server serves all six; a client that wants pipelining asks for 1.1.0 first, one that
+# wants peer exchange for 1.2.0, one that wants `status` for 1.3.0, the count 1.4.0, and
+# one that sends a `try_get` 1.5.0.
 SERVED_PROTOCOL_IDS = (
+    PROTOCOL_ID_1_5,
     PROTOCOL_ID_1_4,
     PROTOCOL_ID_1_3,
     PROTOCOL_ID_1_2,
@@ -286,10 +293,14 @@ class HaveRequest:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GetRequest:
-    """Ask for chunks of ``blob_id``: half-open index ranges, sorted, non-overlapping."""
+    """Ask for chunks of ``blob_id``: half-open index ranges, sorted, non-overlapping.
+    ``tentative`` (1.5.0, sent as ``try_get``): the server may decline it, answering
+    `end` with every requested index in ``missing``, which then says nothing about what
+    the server holds."""
 
     blob_id: str
     ranges: tuple[tuple[int, int], ...]
+    tentative: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -390,6 +401,7 @@ Response: TypeAlias = (
 _T_MANIFEST = "manifest"
 _T_HAVE = "have"
 _T_GET = "get"
+_T_TRY_GET = "try_get"
 _T_CHUNK = "chunk"
 _T_END = "end"
 _T_ERROR = "error"
@@ -406,6 +418,8 @@ _REQUEST_KEYS: dict[str, tuple[str, ...]] = {
 _REQUEST_KEYS_1_2: dict[str, tuple[str, ...]] = {**_REQUEST_KEYS, _T_PEERS: ("t", "id")}
 # 1.3.0 adds `status`; on older versions it is an unknown message type.
 _REQUEST_KEYS_1_3: dict[str, tuple[str, ...]] = {**_REQUEST_KEYS_1_2, _T_STATUS: ("t", "id")}
+# 1.5.0 adds `try_get`; on older versions it is an unknown message type.
+_REQUEST_KEYS_1_5: dict[str, tuple[str, ...]] = {**_REQUEST_KEYS_1_3, _T_TRY_GET: ("t", "id", "r")}
 _RESPONSE_KEYS: dict[str, tuple[str, ...]] = {
     _T_MANIFEST: ("t", "m"),
     _T_HAVE: ("t", "n", "bits"),
@@ -657,7 +671,7 @@ def _request_map(req: object) -> dict[str, Any]:
     if type(req) is GetRequest:
         ranges = _check_ranges(req.ranges)
         return {
-            "t": _T_GET,
+            "t": _T_TRY_GET if req.tentative else _T_GET,
             "id": _blob_id_to_wire(req.blob_id),
             "r": [list(pair) for pair in ranges],
         }
@@ -743,8 +757,18 @@ def _require_canonical(header: bytes, canonical: dict[str, Any]) -> None:
         raise _Invalid("header is not canonical msgpack")
 
 
-def _decode_request(header: bytes, peer_exchange: bool = False, status: bool = False) -> Request:
-    keys = _REQUEST_KEYS_1_3 if status else _REQUEST_KEYS_1_2 if peer_exchange else _REQUEST_KEYS
+def _decode_request(
+    header: bytes, peer_exchange: bool = False, status: bool = False, tentative: bool = False
+) -> Request:
+    keys = (
+        _REQUEST_KEYS_1_5
+        if tentative
+        else _REQUEST_KEYS_1_3
+        if status
+        else _REQUEST_KEYS_1_2
+        if peer_exchange
+        else _REQUEST_KEYS
+    )
     obj = _unpack_map(header, keys)
     kind = obj["t"]
     blob_id = _blob_id_from_wire(obj["id"])
@@ -758,7 +782,7 @@ def _decode_request(header: bytes, peer_exchange: bool = False, status: bool = F
     elif kind == _T_STATUS:
         req = StatusRequest(blob_id)
     else:
-        req = GetRequest(blob_id, _check_ranges(obj["r"]))
+        req = GetRequest(blob_id, _check_ranges(obj["r"]), tentative=kind == _T_TRY_GET)
     _require_canonical(header, _request_map(req))
     return req
 
@@ -968,15 +992,18 @@ class ServerConnection:
         peer_exchange: bool = False,
         status: bool = False,
         fellows: bool = False,
+        tentative: bool = False,
     ) -> None:
         if not 1 <= max_pipelined <= MAX_PIPELINED_REQUESTS:
             raise LocalProtocolError(f"max_pipelined must be 1..{MAX_PIPELINED_REQUESTS}")
         self._max_pipelined = max_pipelined
         # 1.2.0: `peers` is a request (on older versions an unknown message type); 1.3.0
-        # (``status``) adds `status` to it; 1.4.0 (``fellows``) the count to its answer.
-        self._peer_exchange = peer_exchange or status or fellows
-        self._status = status or fellows
-        self._fellows = fellows
+        # (``status``) adds `status` to it; 1.4.0 (``fellows``) the count to its answer;
+        # 1.5.0 (``tentative``) the `try_get` request.
+        self._tentative = tentative
+        self._fellows = fellows or tentative
+        self._status = status or self._fellows
+        self._peer_exchange = peer_exchange or self._status
         self._recv = _ReceiveBuffer()
         self._request: Request | None = None
         self._state: _RequestState | None = None
@@ -994,7 +1021,7 @@ class ServerConnection:
 
     @property
     def counts_fellows(self) -> bool:
-        """A 1.4.0 stream: `status` answers carry the ``fellows`` count."""
+        """A 1.4.0 or 1.5.0 stream: `status` answers carry the ``fellows`` count."""
         return self._fellows
 
     @property
@@ -1068,7 +1095,7 @@ class ServerConnection:
             if self._recv.eof and len(self._recv):
                 raise _Truncated("stream closed in the middle of a request")
             return None
-        return _decode_request(header, self._peer_exchange, self._status)
+        return _decode_request(header, self._peer_exchange, self._status, self._tentative)
 
     def unsent_indices(self) -> tuple[int, ...]:
         """Indices of the current `get` not sent yet, ascending: the ``missing`` list of an
@@ -1093,7 +1120,7 @@ class ServerConnection:
             raise LocalProtocolError("a status response answers only a status request")
         if type(resp) is StatusResponse and (resp.fellows is not None) != self._fellows:
             raise LocalProtocolError(
-                "a status answer counts fellows on a 1.4.0 stream, and only there"
+                "a status answer counts fellows on a 1.4.0 or 1.5.0 stream, and only there"
             )
         if type(resp) is End:
             if type(request) is not GetRequest:
@@ -1149,15 +1176,18 @@ class ClientConnection:
         peer_exchange: bool = False,
         status: bool = False,
         fellows: bool = False,
+        tentative: bool = False,
     ) -> None:
         if not 1 <= max_pipelined <= MAX_PIPELINED_REQUESTS:
             raise LocalProtocolError(f"max_pipelined must be 1..{MAX_PIPELINED_REQUESTS}")
         self._max_pipelined = max_pipelined
-        # 1.2.0 to 1.4.0 streams only: a `peers` request is allowed; 1.3.0 and 1.4.0
-        # (``status``) only: a `status` request; 1.4.0 (``fellows``): its answer counts.
-        self._peer_exchange = peer_exchange or status or fellows
-        self._status = status or fellows
-        self._fellows = fellows
+        # 1.2.0 to 1.5.0 streams only: a `peers` request is allowed; 1.3.0 and later
+        # (``status``) only: a `status` request; 1.4.0 and 1.5.0 (``fellows``): its answer
+        # counts; 1.5.0 (``tentative``) only: a `try_get`.
+        self._tentative = tentative
+        self._fellows = fellows or tentative
+        self._status = status or self._fellows
+        self._peer_exchange = peer_exchange or self._status
         self._recv = _ReceiveBuffer()
         self._request: Request | None = None
         self._state: _RequestState | None = None
@@ -1219,10 +1249,12 @@ class ClientConnection:
             raise LocalProtocolError("peers is a /blobnet/blob/1.2.0 request")
         if type(req) is StatusRequest and not self._status:
             raise LocalProtocolError("status is a /blobnet/blob/1.3.0 request")
+        if type(req) is GetRequest and req.tentative and not self._tentative:
+            raise LocalProtocolError("try_get is a /blobnet/blob/1.5.0 request")
         data = encode_request(req)
         if type(req) is GetRequest:
             # Normalise lists to tuples so the stored request matches what is on the wire.
-            req = GetRequest(req.blob_id, _check_ranges(req.ranges))
+            req = GetRequest(req.blob_id, _check_ranges(req.ranges), req.tentative)
         if self._request is None:
             self._request = req
             self._state = _RequestState(req)

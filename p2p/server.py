@@ -183,6 +183,8 @@ class ServerStats:
     bytes_sent: int = 0
     chunks_sent: int = 0
     busy_rejections: int = 0
+    # `try_get`s declined because others fetch the blob from us (1.5.0).
+    tentative_declined: int = 0
     protocol_errors: int = 0
     quarantined: int = 0
 
@@ -239,7 +241,7 @@ class BlobServer:
         peer = str(stream.muxed_conn.peer_id)
         ip = remote_address_key(stream)
         max_pipelined = 1
-        peer_exchange = status = fellows = False
+        peer_exchange = status = fellows = tentative = False
         try:
             protocol_id = str(stream.get_protocol())
             if protocol_id in proto.SERVED_PROTOCOL_IDS and protocol_id != proto.PROTOCOL_ID:
@@ -247,6 +249,7 @@ class BlobServer:
             peer_exchange = protocol_id == proto.PROTOCOL_ID_1_2
             status = protocol_id == proto.PROTOCOL_ID_1_3
             fellows = protocol_id == proto.PROTOCOL_ID_1_4
+            tentative = protocol_id == proto.PROTOCOL_ID_1_5
         except Exception:
             pass
         reason = self.streams.acquire(peer, ip, 1)
@@ -260,6 +263,7 @@ class BlobServer:
                 peer_exchange=peer_exchange,
                 status=status,
                 fellows=fellows,
+                tentative=tentative,
             )
             await self._serve(stream, conn)
         except Exception:
@@ -424,18 +428,7 @@ class BlobServer:
                 manifest, bitmap = await trio.to_thread.run_sync(self._have, request.blob_id)
                 n = manifest.num_chunks
                 soon = fetching_board(self.store).soon(request.blob_id, n, bitmap)
-                count = None
-                if conn.counts_fellows:
-                    count = min(
-                        proto.MAX_FELLOWS_COUNTED,
-                        self.swarm.fellows(
-                            request.blob_id,
-                            trio.current_time(),
-                            peer,
-                            FELLOW_WINDOW,
-                            self._connected,
-                        ),
-                    )
+                count = self._fellows(request.blob_id, peer) if conn.counts_fellows else None
                 status = proto.StatusResponse(num_chunks=n, bitmap=bitmap, soon=soon, fellows=count)
                 await self._send_held(stream, conn, status, 2 * len(bitmap), peer, ip)
             elif isinstance(request, proto.PeersRequest):
@@ -444,6 +437,12 @@ class BlobServer:
                     self.swarm, request.blob_id, peer, trio.current_time(), self._addrs_of
                 )
                 await self._send(stream, conn.send_response(proto.PeersResponse(listed)))
+            elif request.tentative and self._fellows(request.blob_id, peer):
+                # A `try_get` while others fetch this blob from us (1.5.0): declined, so
+                # that N fetchers' first chunks, each asked with its manifest, do not
+                # cross our uplink N times; each fetcher takes it as the swarm shares.
+                self.stats.tentative_declined += 1
+                await self._send(stream, conn.send_response(proto.End(conn.unsent_indices())))
             else:
                 await self._send_chunks(stream, conn, request, peer, ip)
         except _Busy as exc:
@@ -457,6 +456,14 @@ class BlobServer:
         except StoreError as exc:
             log.warning("store error while serving %s: %s", request, exc)
             await self._error(stream, conn, proto.ErrorCode.INTERNAL, "store error")
+
+    def _fellows(self, blob_id: str, peer: str) -> int:
+        """How many peers besides ``peer`` asked us about ``blob_id`` lately and are
+        connected now (1.4.0's `status` count, PROTOCOL.md section 5.5)."""
+        count = self.swarm.fellows(
+            blob_id, trio.current_time(), peer, FELLOW_WINDOW, self._connected
+        )
+        return min(proto.MAX_FELLOWS_COUNTED, count)
 
     async def _error(
         self, stream: Any, conn: proto.ServerConnection, code: proto.ErrorCode, message: str

@@ -168,6 +168,7 @@ class BlobClient:
         peer_exchange: bool = False,
         status: bool = False,
         fellows: bool = False,
+        tentative: bool = False,
         pipelined: bool = False,
     ) -> None:
         self.stream = stream
@@ -175,13 +176,15 @@ class BlobClient:
         self._chunk_length: Callable[[int], int] | None = None
         # peer_exchange: a /blobnet/blob/1.2.0 stream, where `peers` may be asked; status:
         # a 1.3.0 one, where `status` may be asked too; fellows: a 1.4.0 one, whose
-        # `status` answers count the server's other fetchers. pipelined: a 1.1.0 or later
-        # stream, where up to MAX_PIPELINED_REQUESTS may be outstanding.
+        # `status` answers count the server's other fetchers; tentative: a 1.5.0 one,
+        # where a `get` may be sent as a `try_get`. pipelined: a 1.1.0 or later stream,
+        # where up to MAX_PIPELINED_REQUESTS may be outstanding.
         self.conn = proto.ClientConnection(
             max_pipelined=proto.MAX_PIPELINED_REQUESTS if pipelined else 1,
             peer_exchange=peer_exchange,
             status=status,
             fellows=fellows,
+            tentative=tentative,
         )
         self.set_chunk_length(chunk_length)
         self.conn.set_body_allocator(self._allocate)
@@ -328,12 +331,16 @@ class BlobClient:
         ranges: tuple[tuple[int, int], ...],
         *,
         answer_bytes: int | None = None,
+        tentative: bool = False,
     ) -> None:
         """Send a ``get``; on a pipelined stream while earlier ones are still answered.
         ``answer_bytes``: the answer's size where the chunk lengths are not known yet (a
-        `get` sent with the manifest request), for the credit granted below."""
+        `get` sent with the manifest request), for the credit granted below.
+        ``tentative`` (a 1.5.0 stream): send it as a ``try_get``, which the server may
+        decline (`read_get` then reports nothing missing)."""
         self._check_usable()
-        await write_all(self.stream, self.conn.send_request(proto.GetRequest(blob_id, ranges)))
+        request = proto.GetRequest(blob_id, ranges, tentative)
+        await write_all(self.stream, self.conn.send_request(request))
         fast = fast_stream_of(self.stream)
         if fast is None:
             return  # py-libp2p's own streams take no credit ahead
@@ -361,8 +368,13 @@ class BlobClient:
         nor release it: ``read_get`` releases it then. After a body was cut short (the
         stream failed or the call was cancelled mid-body) the client refuses further
         requests with StreamLost.
+
+        The answer to a ``try_get`` reports nothing missing: what it lists there the
+        server declined to send, which says nothing about what it holds.
         """
         self._check_usable()
+        asked = self.conn.outstanding_request
+        declinable = isinstance(asked, proto.GetRequest) and asked.tentative
         try:
             while True:
                 if buffers is not None and self._spare is None:
@@ -377,7 +389,7 @@ class BlobClient:
                             buffers.release(response.data)
                         raise
                 elif isinstance(response, proto.End):
-                    return response.missing
+                    return () if declinable else response.missing
                 elif isinstance(response, proto.ErrorResponse):
                     return response
                 else:

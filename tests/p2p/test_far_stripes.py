@@ -36,8 +36,11 @@ MANIFEST = Manifest.of_bytes(DATA, chunk_size=CHUNK)
 CONFIG = SchedulerConfig(max_chunks_per_request=2)
 
 
-def serve_blob(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
-    """A provider holding the whole blob."""
+def serve_blob(
+    server: proto.ServerConnection, req: proto.Request, decline: bool = False
+) -> tuple[bytes, bool]:
+    """A provider holding the whole blob; ``decline``: one that others fetch from, which
+    declines a `try_get` (1.5.0)."""
     if isinstance(req, proto.ManifestRequest):
         return server.send_response(proto.ManifestResponse(MANIFEST.encode())), False
     n = MANIFEST.num_chunks
@@ -45,6 +48,8 @@ def serve_blob(server: proto.ServerConnection, req: proto.Request) -> tuple[byte
         bits = bytes([0xFF] * (n // 8) + ([(1 << (n % 8)) - 1] if n % 8 else []))
         return server.send_response(proto.HaveResponse(n, bits)), False
     assert isinstance(req, proto.GetRequest)
+    if req.tentative and decline:
+        return server.send_response(proto.End(server.unsent_indices())), False
     out = bytearray()
     for start, stop in req.ranges:
         for i in range(start, stop):
@@ -57,10 +62,14 @@ class Lane(FakeStream):
     """One stream; answers reach the client a round trip after their request, and the
     stream notes every `get` that arrived while an earlier answer was still unread."""
 
-    def __init__(self, network: StripedFake, pipelined: bool, echo: bytes) -> None:
+    def __init__(
+        self, network: StripedFake, pipelined: bool, echo: bytes, tentative: bool = False
+    ) -> None:
         super().__init__(network.serve_as(self))
         if pipelined:
-            self.server = proto.ServerConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS)
+            self.server = proto.ServerConnection(
+                max_pipelined=proto.MAX_PIPELINED_REQUESTS, tentative=tentative
+            )
         self.refused = pipelined and network.refuse
         self.reset_first = self.refused and network.reset_first
         self.inbound += echo
@@ -83,11 +92,15 @@ class Lane(FakeStream):
 
 class StripedFake:
     """A provider of the whole blob on up to ``StripeConfig.max_connections`` extra
-    connections. ``refuse``: it serves 1.0.0 only and answers a 1.1.0 proposal `na`."""
+    connections. ``refuse``: it serves 1.0.0 only and answers a 1.1.0 proposal `na`.
+    ``decline``: others fetch the blob from it, so it declines a `try_get`."""
 
-    def __init__(self, *, refuse: bool = False, reset_first: bool = False) -> None:
+    def __init__(
+        self, *, refuse: bool = False, reset_first: bool = False, decline: bool = False
+    ) -> None:
         self.refuse = refuse
         self.reset_first = reset_first
+        self.decline = decline
         self.extra = 0
         self.pipelined_gets = 0  # gets that arrived behind an unread answer
         self.gets = 0
@@ -98,7 +111,10 @@ class StripedFake:
 
     def serve_as(self, lane: Lane | None) -> Any:
         def serve(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
-            self.asked.append((type(req).__name__, trio.current_time()))
+            tentative = isinstance(req, proto.GetRequest) and req.tentative
+            self.asked.append(("TryGet" if tentative else type(req).__name__, trio.current_time()))
+            if tentative and self.decline:
+                return serve_blob(server, req, decline=True)
             if isinstance(req, proto.GetRequest):
                 self.gets += 1
                 for start, stop in req.ranges:
@@ -114,13 +130,16 @@ class StripedFake:
         await trio.lowlevel.checkpoint()
         return Lane(self, False, b"")
 
-    async def open_blob_stream_on(self, peer: str, lane: int, *, pipelined: bool = False) -> Any:
+    async def open_blob_stream_on(
+        self, peer: str, lane: int, *, pipelined: bool = False, tentative: bool = False
+    ) -> Any:
         await trio.lowlevel.checkpoint()
         self.proposals.append(pipelined)
         if not pipelined:
             return Lane(self, False, b"")
-        ask = proposal(proto.PROTOCOL_ID_1_1)
-        return OptimisticStream(Lane(self, True, REFUSAL if self.refuse else ask), ask)
+        ask = proposal(proto.PROTOCOL_ID_1_5 if tentative else proto.PROTOCOL_ID_1_1)
+        lane = Lane(self, True, REFUSAL if self.refuse else ask, tentative)
+        return OptimisticStream(lane, ask)
 
     async def add_connection(self, peer: str) -> bool:
         self.dialled_at.append(trio.current_time())
@@ -207,17 +226,24 @@ async def test_the_first_chunk_is_asked_with_the_manifest(
     assert set(network.sent) == set(range(MANIFEST.num_chunks))
 
 
-async def test_a_swarming_fetcher_waits_for_the_manifest_before_it_asks_for_chunks(
-    tmp_path: Path, virtual_clock: trio.abc.Clock
+@pytest.mark.parametrize("others_fetch", [False, True])
+async def test_a_swarming_fetcher_asks_its_first_chunk_as_a_try_get(
+    tmp_path: Path, virtual_clock: trio.abc.Clock, others_fetch: bool
 ) -> None:
-    """In a swarm every fetcher's first request goes to the seeder: a first chunk asked
-    with each manifest would be the one chunk the seeder sends N times."""
-    network = StripedFake()
+    """In a swarm every fetcher's first request goes to the seeder, so a first chunk asked
+    with each manifest would be the one chunk the seeder sends N times. It is asked as a
+    `try_get` (1.5.0): a seeder alone with this fetcher sends it a round trip sooner; one
+    that others fetch from declines it, and the fetcher asks for that chunk later like
+    any other, as one the seeder still holds (the decline is no `missing`)."""
+    network = StripedFake(decline=others_fetch)
     await fetch(tmp_path, network, dataclasses.replace(CONFIG, defer_to_partial_holders=True))
     manifest_at = min(t for kind, t in network.asked if kind == "ManifestRequest")
+    assert min(t for kind, t in network.asked if kind == "TryGet") == manifest_at
+    assert [kind for kind, _ in network.asked].count("TryGet") == 1
     first_get = min(t for kind, t in network.asked if kind == "GetRequest")
-    assert first_get >= manifest_at + RTT
-    assert set(network.sent) == set(range(MANIFEST.num_chunks))
+    if others_fetch:
+        assert first_get >= manifest_at + RTT
+    assert network.sent == dict.fromkeys(range(MANIFEST.num_chunks), 1)
 
 
 async def test_the_transfer_rate_counts_from_the_first_byte_like_raw_tcp(
@@ -227,10 +253,10 @@ async def test_the_transfer_rate_counts_from_the_first_byte_like_raw_tcp(
     byte received to the last; a fetch's first byte comes a request's round trip after
     it starts, and that round trip is not part of the transfer rate."""
     seen: list[downloader.Progress] = []
-    # Swarm mode: no first chunk with the manifest, so the first get is sent once the
-    # download has started.
+    # Swarm mode, and a seeder that others fetch from: it declines the first chunk asked
+    # with the manifest, so the first get is sent once the download has started.
     swarm = dataclasses.replace(CONFIG, defer_to_partial_holders=True)
-    await fetch(tmp_path, StripedFake(), swarm, progress=seen.append)
+    await fetch(tmp_path, StripedFake(decline=True), swarm, progress=seen.append)
     final = seen[-1]
     assert final.finished and final.done_bytes == MANIFEST.size
     receiving = final.done_bytes / final.transfer_rate_bytes_per_s

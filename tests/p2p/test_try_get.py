@@ -1,0 +1,114 @@
+"""A first chunk the seeder may decline (issue 15 against issue 21): a fetcher's first
+request carries its manifest request and a `get` of chunk 0 together, a round trip before
+the manifest could say what to ask. In a swarm each of N fetchers would so take chunk 0
+from the seeder, the one chunk it then sends N times; so a swarming fetcher asks it as a
+`try_get` (/blobnet/blob/1.5.0), which a seeder that others fetch from declines. The
+decline is an `end` listing the chunk as missing, which says nothing about what the seeder
+holds: the fetcher asks for that chunk later like any other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgpack
+import pytest
+import trio
+from libp2p.peer.id import ID
+
+from blobstore import Manifest, Store
+from p2p import protocol as proto
+from p2p.node import open_node
+from p2p.wire import BlobClient, open_optimistic
+
+BLOB = "ef" * 32
+SPAN = ((0, 1),)
+
+
+# --- the wire ---------------------------------------------------------------------------
+
+
+def test_a_try_get_is_its_own_message_on_1_5_and_unknown_before() -> None:
+    client = proto.ClientConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS, tentative=True)
+    server = proto.ServerConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS, tentative=True)
+    frame = client.send_request(proto.GetRequest(BLOB, SPAN, tentative=True))
+    assert msgpack.unpackb(frame[4:])["t"] == "try_get"
+    server.receive_data(frame)
+    asked = server.next_request()
+    assert asked == proto.GetRequest(BLOB, SPAN, tentative=True)
+    # Declined: `end` lists every requested chunk, and nothing was sent.
+    client.receive_data(server.send_response(proto.End(server.unsent_indices())))
+    assert client.next_event() == proto.End((0,))
+    assert server.counts_fellows  # 1.5.0 keeps 1.4.0's count in `status`
+
+    # A 1.4.0 server does not know the message: the client broke the protocol.
+    old = proto.ServerConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS, fellows=True)
+    old.receive_data(frame)
+    with pytest.raises(proto.RemoteProtocolError, match="unknown message type 'try_get'"):
+        old.next_request()
+    # ... and our client does not send it there.
+    with pytest.raises(proto.LocalProtocolError, match=r"1\.5\.0"):
+        proto.ClientConnection(fellows=True).send_request(
+            proto.GetRequest(BLOB, SPAN, tentative=True)
+        )
+
+
+def test_a_try_get_is_checked_like_a_get() -> None:
+    server = proto.ServerConnection(tentative=True)
+    body = msgpack.packb(
+        {"t": "try_get", "id": bytes.fromhex(BLOB), "r": [[2, 1]]}, use_bin_type=True
+    )
+    server.receive_data(len(body).to_bytes(4, "big") + body)
+    with pytest.raises(proto.RemoteProtocolError, match="range"):
+        server.next_request()
+
+
+# --- what a seeder does -----------------------------------------------------------------
+
+
+async def test_a_seeder_declines_a_try_get_while_others_fetch_from_it(tmp_path: Path) -> None:
+    chunk = 64 * 1024
+    data = bytes(range(256)) * (4 * chunk // 256)  # 4 chunks
+    manifest = Manifest.of_bytes(data, chunk)
+    store = Store.open(tmp_path / "seed")
+    store.put_bytes(data, chunk_size=chunk)
+    blob_id = manifest.blob_id
+    async with (
+        open_node(store, dht=False) as seed,
+        open_node(tmp_path / "first", dht=False) as first,
+        open_node(tmp_path / "second", dht=False) as second,
+    ):
+        with trio.fail_after(30):
+            peer = await first.connect(seed.addrs[0])
+            await second.connect(seed.addrs[0])
+
+            async def first_chunk(node: object, tentative: bool = True) -> object:
+                """Ask chunk 0 as a fetch's first request does, manifest, then the get:
+                the chunks that came, and what the answer called missing."""
+                host = node.host  # type: ignore[attr-defined]
+                stream = await open_optimistic(host, ID.from_base58(peer), proto.PROTOCOL_ID_1_5)
+                got: list[int] = []
+
+                async def sink(index: int, body: memoryview) -> None:
+                    assert bytes(body) == data[index * chunk : (index + 1) * chunk]
+                    got.append(index)
+
+                try:
+                    client = BlobClient(stream, pipelined=True, tentative=True)
+                    await client.send_manifest(blob_id)
+                    await client.send_get(blob_id, SPAN, tentative=tentative)
+                    assert isinstance(await client.read_manifest(), bytes)
+                    missing = await client.read_get(sink)
+                finally:
+                    await stream.reset()
+                return got, missing
+
+            assert await first_chunk(first) == ([0], ())  # alone with the seeder: sent
+            assert seed.server.stats.tentative_declined == 0
+            # The second fetcher asked about the blob too: now each is declined, and the
+            # decline reads as nothing missing (the seeder holds chunk 0 all the same).
+            assert await first_chunk(second) == ([], ())
+            assert await first_chunk(first) == ([], ())
+            assert seed.server.stats.tentative_declined == 2
+            # A plain `get` is served whoever else fetches.
+            assert await first_chunk(first, tentative=False) == ([0], ())
+            assert seed.server.stats.tentative_declined == 2
