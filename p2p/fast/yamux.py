@@ -170,8 +170,7 @@ class FastYamuxStream(IMuxedStream):
             except BaseException:
                 filled = st.target_filled
                 if filled and not st.rst:
-                    st.queue.appendleft(memoryview(bytes(out[:filled])))
-                    st.buffered += filled
+                    conn.session.requeue(st, bytes(out[:filled]))
                 raise
             finally:
                 filled = st.target_filled

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from p2p.fast.errors import LocalProtocolError, YamuxProtocolError
@@ -334,6 +336,71 @@ def test_sessions_sharing_a_pool_stay_within_its_one_budget() -> None:
         alone.receive(frame(TYPE_DATA, FLAG_SYN, sid, INITIAL_WINDOW, bytes(INITIAL_WINDOW)))
         alone.pop(alone.accepted.popleft(), -1)
     assert alone.extra_credit() > pool.limit
+
+
+def brute_extra(session: YamuxSession) -> int:
+    """Invariant 3's sum, counted the slow way over the streams the session knows."""
+    return sum(
+        max(st.recv_credit + st.buffered - INITIAL_WINDOW, 0) for st in session.streams.values()
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_kept_extra_credit_is_the_sum_over_the_streams_through_any_traffic(
+    seed: int,
+) -> None:
+    """The session keeps `extra_credit` as streams' credit and buffers change (it is
+    asked at every grant, of every session in a pool) instead of summing over all
+    streams each time; through random data, reads, direct reads, expectations, resets,
+    FINs and a cancelled read, it equals the slow sum, and the pool's equals its sessions'."""
+    rng = random.Random(seed)
+    pool = WindowPool()
+    p = Pair()
+    p.b = YamuxSession(is_initiator=False, pool=pool, session_window=8 << 20)
+    other = YamuxSession(is_initiator=False, pool=pool)
+    other.receive(frame(TYPE_DATA, FLAG_SYN, 1, 4096, bytes(4096)))  # a second member
+    senders: list[Stream] = []
+    for _ in range(400):
+        live = [st for st in senders if st.stream_id in p.a.streams and not st.rst]
+        receivers = list(p.b.streams.values())
+        op = rng.randrange(8)
+        if op == 0 or not live:
+            if len(p.a.streams) < 6:
+                senders.append(p.a.open_stream())
+        elif op == 1:
+            st = rng.choice(live)
+            n = min(st.send_credit, rng.choice((1, 1000, 65536, 300_000)))
+            if n and not st.fin_sent:
+                p.send_data(p.a, st, bytes(n))
+        elif op == 2 and receivers:
+            st = rng.choice(receivers)
+            p.b.pop(st, rng.choice((-1, 1, 5000, 70_000)))
+        elif op == 3 and receivers:
+            p.b.expect(rng.choice(receivers), rng.choice((1 << 20, 8 << 20)))
+        elif op == 4 and receivers and rng.random() < 0.2:
+            p.b.reset(rng.choice(receivers))
+        elif op == 5 and rng.random() < 0.2:
+            fin = p.a.fin_frame(rng.choice(live))
+            if fin is not None:
+                p.a_wire += p.a.take_outgoing() + fin
+        elif op == 6:
+            # A reader waiting in `readinto` takes payload straight into its buffer, and
+            # is cancelled before it counts what it took: the bytes go back to the queue.
+            st = rng.choice(live)
+            peer = p.b.streams.get(st.stream_id)
+            if peer is not None and not peer.queue and st.send_credit >= 2048 and not st.fin_sent:
+                peer.target = memoryview(bytearray(4096))
+                p.send_data(p.a, st, bytes(2048))
+                p.pump()
+                filled, peer.target, peer.target_filled = peer.target_filled, None, 0
+                assert filled == 2048
+                p.b.requeue(peer, bytes(filled))
+        p.pump()
+        while p.b.accepted:
+            p.b.accepted.popleft()
+        assert p.b.extra_credit() == brute_extra(p.b)
+        assert pool.extra_credit() == brute_extra(p.b) + brute_extra(other)
+        assert p.b.extra_credit() <= p.b.session_window
 
 
 ECHO = b"\x13/multistream/1.0.0\n\x0d/yamux/1.0.0\n"  # what a listener that accepts sends
