@@ -198,12 +198,18 @@ async def test_striped_bulk_streams_carry_pipelined_requests(
     assert network.pipelined_gets > 0, "no get was sent before the answer ahead of it"
 
 
-@pytest.mark.parametrize("reset_first", [False, True])
+@pytest.mark.parametrize(
+    ("reset_first", "swarming"), [(False, False), (True, False), (False, True)]
+)
 async def test_a_provider_that_speaks_only_1_0_0_is_served_one_request_at_a_time(
-    tmp_path: Path, virtual_clock: trio.abc.Clock, reset_first: bool
+    tmp_path: Path, virtual_clock: trio.abc.Clock, reset_first: bool, swarming: bool
 ) -> None:
+    """Swarming, the first request's proposal is 1.5.0 (a `try_get`), which the provider
+    refuses as well: the manifest is then asked on 1.0.0, and its bulk streams find out
+    for themselves that it does not pipeline."""
     network = StripedFake(refuse=True, reset_first=reset_first)
-    await fetch(tmp_path, network)
+    config = dataclasses.replace(CONFIG, defer_to_partial_holders=swarming)
+    await fetch(tmp_path, network, config)
     assert network.pipelined_gets == 0
     # One refusal, then 1.0.0 streams only: the provider was not dropped as failing.
     assert network.proposals.count(True) <= network.extra
