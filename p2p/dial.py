@@ -125,7 +125,7 @@ async def dial_named(node: Any, addrs: Sequence[str]) -> Dialled:
 
         async def dial(addr: str) -> None:
             try:
-                await node.connect(addr)
+                await node.connect(addr, lanes=True)
             except PeerUnreachable as exc:
                 if nursery.cancel_scope.cancel_called:
                     return  # our own cancel, dressed as a dial error by libp2p: pending

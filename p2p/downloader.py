@@ -502,6 +502,12 @@ class HaveProbes:
             network = self._network
             assert isinstance(network, StripedNetwork)
             lanes = config.early_lanes(network.connection_rtt(peer))
+            wait_lanes = getattr(network, "wait_lanes", None)
+            if lanes and wait_lanes is not None and network.connection_count(peer) <= lanes:
+                # Lanes the node began to dial when the first connection's TCP connect
+                # showed a long path (p2p.node.Node.connect with ``lanes``).
+                self._planned[peer] = lanes
+                await wait_lanes(peer)
             more = lanes + 1 - network.connection_count(peer)  # and the control lane
             if lanes and more > 0:
                 self._planned[peer] = lanes

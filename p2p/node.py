@@ -262,6 +262,14 @@ class Node:
         self._lanes: dict[str, list[Any]] = {}
         self._striping = _choose_connections(host.get_network(), self._control_connection)
         self._dialled: dict[str, Multiaddr] = {}
+        # Providers being dialled to fetch from (`connect(..., lanes=True)`): once the TCP
+        # connect of the first connection is up, its RTT says how many bulk lanes to dial
+        # (StripeConfig.early_lanes), beside its Noise handshake rather than after it.
+        self._lanes_wanted: set[str] = set()
+        self._early_lanes: dict[str, trio.Event] = {}  # peer -> those lanes are dialled
+        from p2p.fast.upgrade import on_tcp_dialled
+
+        on_tcp_dialled(host, self._on_tcp_dialled)
         # Behind NAT: the circuit addresses this node hands out once it holds
         # reservations (``set_advertised``; None: its own listen addresses).
         self.advertised: list[str] | None = None
@@ -326,28 +334,39 @@ class Node:
         self._reprovide_now.set()
 
     # --- connections -----------------------------------------------------------------
-    async def connect(self, addr: str) -> str:
+    async def connect(self, addr: str, *, lanes: bool = False) -> str:
         """Dial a peer by ``/ip4/.../tcp/.../p2p/<id>``; return its peer ID. A circuit
         address (``.../p2p/<relay>/p2p-circuit/p2p/<id>``) is reached through its relay
         and hole-punched (``p2p.nat.punch_through``); PeerUnreachable with the one-line
-        reason when no direct connection came of it (unless ``relayed_fetch``)."""
+        reason when no direct connection came of it (unless ``relayed_fetch``).
+
+        ``lanes``: the peer is a provider about to be fetched from. If the TCP connect
+        shows a long path (``StripeConfig.early_lanes`` of its RTT), that many bulk lanes
+        are dialled at once, beside the first connection's Noise handshake: they are up a
+        round trip sooner than if the fetch dialled them once it starts (`wait_lanes`)."""
         maddr = validate_peer_addr(addr, error=BadAddress)
         if "/p2p-circuit" in addr:
             return await self._connect_circuit(addr)
         info = info_from_p2p_addr(maddr)
+        peer = str(info.peer_id)
         # An explicit dial is a deliberate retry: py-libp2p would refuse every dial to a
         # peer for 60 s after one failed (its negative cache), so a peer back from a pause
         # or a restart stayed unreachable that long. Callers bound their own retries.
         unblock = getattr(self.host.get_network(), "unblock_peer", None)
         if unblock is not None:
             unblock(info.peer_id)
+        if lanes and info.addrs and peer not in self._early_lanes:
+            self._dialled[peer] = info.addrs[0]  # where the lanes go (add_connection)
+            self._lanes_wanted.add(peer)
         try:
             with trio.fail_after(DIAL_TIMEOUT):
                 await self.host.connect(info)
         except Exception as exc:  # libp2p raises many types for one failed dial
             raise PeerUnreachable(f"cannot reach {addr}: {exc}") from None
+        finally:
+            self._lanes_wanted.discard(peer)
         if info.addrs:
-            self._dialled[str(info.peer_id)] = info.addrs[0]
+            self._dialled[peer] = info.addrs[0]
         if self.dht is not None:
             try:
                 # Bounded: a full routing-table bucket makes py-libp2p ping its oldest peer.
@@ -539,6 +558,38 @@ class Node:
         self._lanes.setdefault(peer, []).append(conn)
         return True
 
+    def _on_tcp_dialled(self, peer_id: ID, rtt: float | None) -> None:
+        """A dial's TCP connect is up (p2p.fast.upgrade.on_tcp_dialled): for a provider
+        `connect` was asked to dial lanes to, dial as many as its RTT calls for."""
+        peer = str(peer_id)
+        if peer not in self._lanes_wanted or self._background is None:
+            return
+        self._lanes_wanted.discard(peer)
+        count = self.config.stripe.early_lanes(rtt) - len(self._live_lanes(peer))
+        if count <= 0 or not self._striping or peer in self._unstripeable:
+            return
+        ms = (rtt or 0.0) * 1e3
+        log.info("provider %s: %d connections at once (%.0f ms away)", peer, count, ms)
+        done = self._early_lanes[peer] = trio.Event()
+        self._background.start_soon(self._dial_early_lanes, peer, count, done)
+
+    async def _dial_early_lanes(self, peer: str, count: int, done: trio.Event) -> None:
+        try:
+            async with trio.open_nursery() as dials:
+                for _ in range(count):
+                    dials.start_soon(self.add_connection, peer)
+        finally:
+            done.set()
+            if self._early_lanes.get(peer) is done:
+                del self._early_lanes[peer]
+
+    async def wait_lanes(self, peer: str) -> None:
+        """Until the lanes `connect` began to dial to ``peer`` are up or failed (at once
+        if it dialled none)."""
+        done = self._early_lanes.get(peer)
+        if done is not None:
+            await done.wait()
+
     def _live_lanes(self, peer: str) -> list[Any]:
         lanes = [c for c in self._lanes.get(peer, []) if not getattr(c, "is_closed", False)]
         if lanes:
@@ -725,7 +776,7 @@ class Node:
 
     async def _dial_into(self, addr: str, dials: _Dials) -> None:
         try:
-            dials.add(await self.connect(addr))
+            dials.add(await self.connect(addr, lanes=True))
         except PeerUnreachable as exc:
             log.info("%s", exc)
             dials.errors.append(str(exc))

@@ -19,8 +19,6 @@ and `yamux` are the trio shells; `upgrade` swaps py-libp2p's muxer negotiator.
 
 from __future__ import annotations
 
-import socket
-import struct
 from typing import Any
 
 from libp2p.abc import ISecureTransport
@@ -37,7 +35,7 @@ from .errors import (
     YamuxProtocolError,
 )
 from .noise import PROTOCOL_ID as NOISE_PROTOCOL_ID
-from .noise import FastNoiseTransport, FastSecureConn
+from .noise import FastNoiseTransport, FastSecureConn, socket_rtt
 from .upgrade import FastMuxerMultistream, install
 from .yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from .yamux import FastYamuxConn, FastYamuxStream
@@ -61,13 +59,6 @@ def fast_stream_of(stream: Any) -> FastYamuxStream | None:
     return muxed if isinstance(muxed, FastYamuxStream) else None
 
 
-# struct tcp_info (linux/tcp.h): eight u8 fields, then u32s; tcpi_rtt, the smoothed RTT in
-# microseconds, is the sixteenth u32.
-_TCPI_RTT = struct.Struct("=I")
-_TCPI_RTT_OFFSET = 8 + 15 * 4
-_TCP_INFO_LEN = 104
-
-
 def kernel_rtt(stream: Any) -> float | None:
     """The kernel's smoothed RTT (seconds) of the TCP connection under a fast-path stream,
     or None (another stack, another OS, no sample yet). Unlike timing a request, it holds
@@ -79,18 +70,7 @@ def kernel_rtt(stream: Any) -> float | None:
 def connection_rtt(muxed_conn: Any) -> float | None:
     """`kernel_rtt` of a fast-path muxed connection (a py-libp2p swarm connection's
     ``muxed_conn``); None on another stack."""
-    sock = getattr(getattr(muxed_conn, "secured_conn", None), "sock", None)
-    option = getattr(socket, "TCP_INFO", None)
-    if sock is None or option is None:
-        return None
-    try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, option, _TCP_INFO_LEN)
-    except OSError:
-        return None
-    if len(info) < _TCPI_RTT_OFFSET + _TCPI_RTT.size:
-        return None
-    (micros,) = _TCPI_RTT.unpack_from(info, _TCPI_RTT_OFFSET)
-    return micros / 1e6 if micros else None
+    return socket_rtt(getattr(getattr(muxed_conn, "secured_conn", None), "sock", None))
 
 
 async def read_into(stream: Any, buf: Any) -> int:

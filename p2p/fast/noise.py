@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 from typing import Any
 
 import trio
@@ -53,6 +54,29 @@ WRITE_BATCH = 1024 * 1024
 COALESCE_S = 0.002
 COALESCE_BYTES = 256 * 1024
 _TCP_CORK = getattr(socket, "TCP_CORK", None)
+
+
+# struct tcp_info (linux/tcp.h): eight u8 fields, then u32s; tcpi_rtt, the smoothed RTT in
+# microseconds, is the sixteenth u32.
+_TCPI_RTT = struct.Struct("=I")
+_TCPI_RTT_OFFSET = 8 + 15 * 4
+_TCP_INFO_LEN = 104
+
+
+def socket_rtt(sock: Any) -> float | None:
+    """The kernel's smoothed RTT (seconds) of a TCP socket, or None (not TCP, another OS,
+    no sample yet). A dialler has one as soon as its connect completes: the SYN's."""
+    option = getattr(socket, "TCP_INFO", None)
+    if sock is None or option is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, option, _TCP_INFO_LEN)
+    except OSError:
+        return None
+    if len(info) < _TCPI_RTT_OFFSET + _TCPI_RTT.size:
+        return None
+    (micros,) = _TCPI_RTT.unpack_from(info, _TCPI_RTT_OFFSET)
+    return micros / 1e6 if micros else None
 
 
 def trio_socket_of(raw: IRawConnection) -> trio.socket.SocketType | None:

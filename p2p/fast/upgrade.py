@@ -25,6 +25,7 @@ and we take the dialler's role (`answer_or_dial`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -44,7 +45,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.utils import encode_delim
 
 from .errors import LocalProtocolError, RemoteProtocolError
-from .noise import FastNoiseTransport, FastSecureConn, trio_socket_of
+from .noise import FastNoiseTransport, FastSecureConn, socket_rtt, trio_socket_of
 from .yamux import PROTOCOL_ID, FastYamuxConn
 
 MULTISTREAM = "/multistream/1.0.0"
@@ -147,7 +148,10 @@ class FastSecurityMultistream(SecurityMultistream):
     (`AnsweredFirst`); so a dial takes two round trips before its first frame, not three.
     With another transport it proposes in one round trip (`select_pipelined`). Listening
     is unchanged, but for a dial made as the responder to a silent peer (the module
-    docstring)."""
+    docstring). ``on_dial`` (`on_tcp_dialled`) hears of each dial whose TCP connect has
+    completed, with the kernel's RTT of it, before Noise begins."""
+
+    on_dial: Callable[[ID, float | None], None] | None = None
 
     def _noise(self) -> FastNoiseTransport | None:
         offered = list(self.transports)
@@ -171,6 +175,8 @@ class FastSecurityMultistream(SecurityMultistream):
         return await self._secure_as_dialler(noise, conn, None, header=False)
 
     async def secure_outbound(self, conn: Any, peer_id: ID) -> ISecureConn:
+        if self.on_dial is not None:
+            self.on_dial(peer_id, socket_rtt(trio_socket_of(conn)))
         noise = self._noise()
         if noise is None:
             return await super().secure_outbound(conn, peer_id)
@@ -248,6 +254,17 @@ class FastMuxerMultistream(MuxerMultistream):
         else:
             muxed = transport_class(conn, peer_id)
         return self._annotate_connection(muxed, conn, protocol)
+
+
+def on_tcp_dialled(host: Any, callback: Callable[[ID, float | None], None]) -> bool:
+    """Call ``callback(peer_id, rtt)`` whenever ``host`` (after `install`) has a dialled
+    TCP connection up, before its Noise handshake: the caller learns the path's RTT a
+    round trip before the connection is usable. False if ``host`` is not on our stack."""
+    security = getattr(getattr(host.get_network(), "upgrader", None), "security_multistream", None)
+    if not isinstance(security, FastSecurityMultistream):
+        return False
+    security.on_dial = callback
+    return True
 
 
 def install(host: Any) -> None:
