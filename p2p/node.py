@@ -355,6 +355,7 @@ class Node:
         unblock = getattr(self.host.get_network(), "unblock_peer", None)
         if unblock is not None:
             unblock(info.peer_id)
+        known = self._dialled.get(peer)
         if lanes and info.addrs and peer not in self._early_lanes:
             self._dialled[peer] = info.addrs[0]  # where the lanes go (add_connection)
             self._lanes_wanted.add(peer)
@@ -362,6 +363,10 @@ class Node:
             with trio.fail_after(DIAL_TIMEOUT):
                 await self.host.connect(info)
         except Exception as exc:  # libp2p raises many types for one failed dial
+            if known is not None:
+                self._dialled[peer] = known
+            else:
+                self._dialled.pop(peer, None)
             raise PeerUnreachable(f"cannot reach {addr}: {exc}") from None
         finally:
             self._lanes_wanted.discard(peer)
