@@ -136,6 +136,7 @@ def run_bench(runs: int, size_mib: int, swarm: int, swarm_size_mib: int) -> dict
     blob: dict[str, list[GetResult]] = {name: [] for name, _, _ in BLOB_PATHS}
     startups: list[float] = []
     emulator: list[float] = []
+    congestion = "unknown"
     try:
         data = work / "blob.bin"
         write_random_file(data, size)
@@ -145,6 +146,7 @@ def run_bench(runs: int, size_mib: int, swarm: int, swarm_size_mib: int) -> dict
             print(f"[wan] run {run + 1}/{runs}: emulator check", file=sys.stderr)
             emulator.append(_emulator_check(size))
             with Testbed(THREE_CONTINENTS) as tb:
+                congestion = _congestion_control(tb, "asia")
                 for a, b in RAW_PATHS:
                     for conns in CONNS:
                         got = tcp_rate(tb, a, b, size, conns=conns, timeout=_fetch_timeout(size))
@@ -170,11 +172,27 @@ def run_bench(runs: int, size_mib: int, swarm: int, swarm_size_mib: int) -> dict
                 for node in providers.values():
                     node.stop()
         result = _summarise(raw, blob, startups, emulator, runs, size_mib)
+        result["testbed"] += f", TCP congestion control {congestion} (the host's default)"
         if swarm:
             result["swarm"] = _swarm(work, swarm, swarm_size_mib, runs)
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _congestion_control(tb: Testbed, host: str) -> str:
+    """The TCP congestion control that ``host``'s sockets use: the testbed pins buffer
+    sizes, not this, and a new namespace takes the host's default (BBR on some machines,
+    cubic on most), which moves every figure, raw TCP's included."""
+    done = tb.run(
+        host,
+        ["sysctl", "-n", "net.ipv4.tcp_congestion_control"],
+        timeout=10,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() or "unknown"
 
 
 def _summarise(
