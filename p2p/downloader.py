@@ -362,10 +362,7 @@ async def _ask_speculating(
     client = None
     try:
         with trio.fail_after(CONTROL_TIMEOUT):
-            if tentative:
-                stream = await network.open_blob_stream_on(peer, 0, pipelined=True, tentative=True)
-            else:
-                stream = await network.open_blob_stream_on(peer, 0, pipelined=True)
+            stream = await network.open_blob_stream_on(peer, 0, pipelined=True, tentative=tentative)
             client = BlobClient(stream, pipelined=True, tentative=tentative)
             await client.send_manifest(blob_id)
             span = ((SPECULATIVE_CHUNK, SPECULATIVE_CHUNK + 1),)

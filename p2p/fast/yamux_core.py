@@ -189,7 +189,7 @@ class WindowPool:
         self._sessions.add(session)
 
     def extra_credit(self) -> int:
-        return sum(session._extra for session in list(self._sessions))
+        return sum(session.extra_credit() for session in list(self._sessions))
 
 
 class YamuxSession:

@@ -278,8 +278,12 @@ class StuckFake(StripedFake):
         lane = await super().open_blob_stream(peer)
         return self._stall(lane) if peer == "stuck" else lane
 
-    async def open_blob_stream_on(self, peer: str, lane: int, *, pipelined: bool = False) -> Any:
-        stream = await super().open_blob_stream_on(peer, lane, pipelined=pipelined)
+    async def open_blob_stream_on(
+        self, peer: str, lane: int, *, pipelined: bool = False, tentative: bool = False
+    ) -> Any:
+        stream = await super().open_blob_stream_on(
+            peer, lane, pipelined=pipelined, tentative=tentative
+        )
         if peer != "stuck":
             return stream
         self._stall(stream.stream if isinstance(stream, OptimisticStream) else stream)
@@ -312,8 +316,12 @@ class ForgetfulFake(StripedFake):
     async def open_blob_stream(self, peer: str) -> Any:
         return self._watch(peer, await super().open_blob_stream(peer))
 
-    async def open_blob_stream_on(self, peer: str, lane: int, *, pipelined: bool = False) -> Any:
-        stream = await super().open_blob_stream_on(peer, lane, pipelined=pipelined)
+    async def open_blob_stream_on(
+        self, peer: str, lane: int, *, pipelined: bool = False, tentative: bool = False
+    ) -> Any:
+        stream = await super().open_blob_stream_on(
+            peer, lane, pipelined=pipelined, tentative=tentative
+        )
         self._watch(peer, stream.stream if isinstance(stream, OptimisticStream) else stream)
         return stream
 

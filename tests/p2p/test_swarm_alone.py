@@ -17,6 +17,7 @@ import pytest
 import trio
 import trio.testing
 from libp2p.peer.id import ID
+from seeded import seeder_and_two_fetchers
 
 from blobstore import Manifest, Store
 from p2p import protocol as proto
@@ -101,20 +102,9 @@ def test_the_count_is_the_other_peers_seen_within_the_window() -> None:
 async def test_a_seeder_counts_the_askers_fellows_on_1_4_and_says_nothing_on_1_3(
     tmp_path: Path,
 ) -> None:
-    chunk = 64 * 1024
-    data = bytes(range(256)) * (4 * chunk // 256)  # 4 chunks
-    manifest = Manifest.of_bytes(data, chunk)
-    store = Store.open(tmp_path / "seed")
-    store.put_bytes(data, chunk_size=chunk)
-    blob_id = manifest.blob_id
-    async with (
-        open_node(store, dht=False) as seed,
-        open_node(tmp_path / "first", dht=False) as first,
-        open_node(tmp_path / "second", dht=False) as second,
-    ):
+    async with seeder_and_two_fetchers(tmp_path) as nodes:
+        blob_id, first, second, peer = nodes.blob_id, nodes.first, nodes.second, nodes.peer
         with trio.fail_after(30):
-            peer = await first.connect(seed.addrs[0])
-            await second.connect(seed.addrs[0])
 
             async def ask(node: object, protocol_id: str, fellows: bool = False) -> object:
                 host = node.host  # type: ignore[attr-defined]

@@ -14,10 +14,9 @@ import msgpack
 import pytest
 import trio
 from libp2p.peer.id import ID
+from seeded import CHUNK, DATA, seeder_and_two_fetchers
 
-from blobstore import Manifest, Store
 from p2p import protocol as proto
-from p2p.node import open_node
 from p2p.wire import BlobClient, open_optimistic
 
 BLOB = "ef" * 32
@@ -66,30 +65,20 @@ def test_a_try_get_is_checked_like_a_get() -> None:
 
 
 async def test_a_seeder_declines_a_try_get_while_others_fetch_from_it(tmp_path: Path) -> None:
-    chunk = 64 * 1024
-    data = bytes(range(256)) * (4 * chunk // 256)  # 4 chunks
-    manifest = Manifest.of_bytes(data, chunk)
-    store = Store.open(tmp_path / "seed")
-    store.put_bytes(data, chunk_size=chunk)
-    blob_id = manifest.blob_id
-    async with (
-        open_node(store, dht=False) as seed,
-        open_node(tmp_path / "first", dht=False) as first,
-        open_node(tmp_path / "second", dht=False) as second,
-    ):
+    async with seeder_and_two_fetchers(tmp_path) as nodes:
+        blob_id, seed, first, second = nodes.blob_id, nodes.seed, nodes.first, nodes.second
         with trio.fail_after(30):
-            peer = await first.connect(seed.addrs[0])
-            await second.connect(seed.addrs[0])
 
             async def first_chunk(node: object, tentative: bool = True) -> object:
                 """Ask chunk 0 as a fetch's first request does, manifest, then the get:
                 the chunks that came, and what the answer called missing."""
                 host = node.host  # type: ignore[attr-defined]
-                stream = await open_optimistic(host, ID.from_base58(peer), proto.PROTOCOL_ID_1_5)
+                peer = ID.from_base58(nodes.peer)
+                stream = await open_optimistic(host, peer, proto.PROTOCOL_ID_1_5)
                 got: list[int] = []
 
                 async def sink(index: int, body: memoryview) -> None:
-                    assert bytes(body) == data[index * chunk : (index + 1) * chunk]
+                    assert bytes(body) == DATA[index * CHUNK : (index + 1) * CHUNK]
                     got.append(index)
 
                 try:
