@@ -10,7 +10,7 @@ The class is a flat dict of strings and ints. Its canonical form is
 ``json.dumps(fields, sort_keys=True, separators=(",", ":"))``; its ``hash`` is the BLAKE3-256
 of that, and its ``id`` is ``"<family>-<first 32 hex of the hash>"`` (the string an
 authority writes into an admission certificate, `blob train kernel-class` prints it).
-The ``family`` ("cpu" or "cuda") picks the audited kernel set in ``training/kernels/``.
+The ``family`` ("cpu" or "cuda") picks the audited kernel set in ``training/rounds/kernels/``.
 
 Detection imports torch; call it after ``training.determinism.enter`` so the thread count
 and flags it records are the ones the round runs with.
@@ -33,7 +33,7 @@ that differ in it never vouch for each other, or refused:
   ``opt_einsum`` (it reorders einsum contractions) and ``autocast`` (CPU autocast casts
   matmuls to bf16); on CUDA also the preferred BLAS library. A round re-detects its
   class after the last step, so one changed during the round is caught too
-  (``training.round``).
+  (``training.rounds.round``).
 - The host CPU in both families (a CUDA round builds its model and LoRA initialisation
   on the CPU before moving them to the GPU): ATen's ``cpu_capability``, and
   ``cpu_vendor``, ``cpu_model`` (family/model) and ``cpu_flags`` (the math ISA
@@ -66,7 +66,7 @@ import blake3
 from training.errors import BadRoundRecord, UnsafeSetting
 
 KERNEL_CLASS_SCHEMA = 2
-# The optimizer implementation every round uses (training.recipe); fused AdamW gives
+# The optimizer implementation every round uses (training.rounds.recipe); fused AdamW gives
 # other bits, and on CUDA the step counter lives on the device (capturable=True).
 OPTIMIZER_IMPL_CPU = "torch.optim.AdamW(foreach=False,fused=False)"
 OPTIMIZER_IMPL_CUDA = "torch.optim.AdamW(foreach=False,fused=False,capturable=True)"
@@ -99,7 +99,7 @@ MATH_ENV: dict[str, str] = {
     "OPENBLAS_CORETYPE": "forces OpenBLAS's kernel set (torch builds that use OpenBLAS)",
     "OPENBLAS_NUM_THREADS": "OpenBLAS's thread count (not set by torch.set_num_threads)",
     "LD_PRELOAD": "may replace math routines (libm, the OpenMP runtime) process-wide",
-    # CUDA (untested until a GPU is lent; training/gpu_check.py):
+    # CUDA (untested until a GPU is lent; training/rounds/gpu_check.py):
     "NVIDIA_TF32_OVERRIDE": "forces cuBLAS/cuDNN TF32 on or off whatever torch asks",
     "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "lets cuBLAS use TF32 for float32 matmuls",
     "TORCH_BLAS_PREFER_CUBLASLT": "picks cuBLASLt over cuBLAS for matmuls",

@@ -188,7 +188,7 @@ def _tokenizer_records(store: Store, base_id: str, contents: list[bytes], seq_le
     from training.hf_model import config_bytes_to_dict, model_eos
     from training.model import CONFIG_NAME, MAX_CONFIG_SIZE, TOKENIZER_NAME
     from training.records import MAX_TOKENIZER_SIZE, make_tokenizer_records
-    from training.round import verify_local
+    from training.rounds.round import verify_local
 
     if not store.is_collection(base_id):
         raise BadModel(f"--base {base_id} is not a model collection")
@@ -238,7 +238,7 @@ def recipe_command(
     as_json: bool,
 ) -> None:
     """Write a recipe file (the defaults, with any option given changed)."""
-    from training.recipe import Recipe
+    from training.rounds.recipe import Recipe
 
     given: dict[str, Any] = {
         "lr": lr,
@@ -332,9 +332,9 @@ def run_command(
     """Run a round: fetch inputs, train, publish adapter and round record."""
     from blobstore import parse_blob_id
     from training import determinism
-    from training.net import fetch_missing
-    from training.recipe import Recipe
-    from training.round import RoundInputs, run_round
+    from training.rounds.inputs import fetch_missing
+    from training.rounds.recipe import Recipe
+    from training.rounds.round import RoundInputs, run_round
 
     if publish_as is not None:
         from p2p.names import check_name
@@ -353,7 +353,7 @@ def run_command(
     if certificate is not None:
         # A certificate for another key or kernel class is refused before any fetch.
         from training.kernel_class import detect
-        from training.round import check_certificate
+        from training.rounds.round import check_certificate
 
         determinism.enter(resolved, threads, seed)
         check_certificate(certificate, signer, detect(resolved).id)
@@ -415,8 +415,8 @@ def replay_command(
     """Re-run a round; exit 0 and attest only on the identical digest."""
     from blobstore import parse_blob_id
     from training import determinism
-    from training.net import fetch_missing
-    from training.round import check_certificate, load_record, replay_round, required_inputs
+    from training.rounds.inputs import fetch_missing
+    from training.rounds.round import check_certificate, load_record, replay_round, required_inputs
 
     if output is not None:
         from p2p.export import check_output
@@ -485,7 +485,7 @@ def check_command(
     the replay ran (a key in a file can sign anything); --require-hardware accepts only
     hardware-backed signers."""
     from training.errors import EvidenceRejected
-    from training.round import check_evidence, load_record
+    from training.rounds.round import check_evidence, load_record
 
     store = _store(ctx)
     record = load_record(store, _resolve(store, round_ref))
@@ -528,7 +528,7 @@ def _attestation_bytes(store: Store, ref: str) -> bytes:
     return _read(store.path(blob_id), "attestation", MAX_ATTESTATION_FILE)
 
 
-def main() -> None:  # pragma: no cover - `python -m training.cli` for debugging
+def main() -> None:  # pragma: no cover - `python -m training.rounds.cli` for debugging
     try:
         train_group.main(standalone_mode=True)
     except TrainingError as exc:

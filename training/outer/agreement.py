@@ -81,7 +81,7 @@ from identity import (
     verify_attestation,
 )
 from training.errors import TrainingError
-from training.outer_messages import RUN_ID_RE, UPDATE_KIND, Refused, update_subjects_ok
+from training.outer.messages import RUN_ID_RE, UPDATE_KIND, Refused, update_subjects_ok
 
 CLOSURE_KIND = "blobnet/outer-closure"
 CLOSURE_DOMAIN = b"blobnet/outer-closure/v1"

@@ -3,15 +3,15 @@
 Theory of operation
 -------------------
 The decisions are made elsewhere, as pure functions of what the worker has heard:
-which update announcements count (``training.outer_messages.Ledger``), which closure is
-the tip and what to do about it (``training.outer_agreement``), how the named updates
-become the next state (``training.outer_aggregate``) and when to re-send an announcement
-(``training.outer_announce``). This module moves bytes between them and the node:
+which update announcements count (``training.outer.messages.Ledger``), which closure is
+the tip and what to do about it (``training.outer.agreement``), how the named updates
+become the next state (``training.outer.aggregate``) and when to re-send an announcement
+(``training.outer.announce``). This module moves bytes between them and the node:
 
 1. Tasks: one reads the run's gossipsub topic into the ledger and the closure book; one
    re-publishes announcements with back-off; one dials every admitted peer it has heard
    of and is not connected to, for the whole run, with back-off
-   (``training.outer_announce.PeerDialer``), so the TCP connections form a mesh whoever
+   (``training.outer.announce.PeerDialer``), so the TCP connections form a mesh whoever
    bootstrapped to whom, and a worker back from a pause finds the living peers even if
    its bootstrap peers are dead; one samples the sockets' byte counts and notices a pause
    (the monotonic clock jumped): it keeps its live connections (dropping them lost the
@@ -36,7 +36,7 @@ become the next state (``training.outer_aggregate``) and when to re-send an anno
    verdicts on the last round's sample; then it writes its result. Its tasks are
    cancelled before the node closes, so shutdown is clean; a peer's death is a fetch that
    fails and is retried elsewhere, never an error.
-4. Replay (``training.outer_replay``): with each update the worker stores its inner state
+4. Replay (``training.outer.replay``): with each update the worker stores its inner state
    and a commitment, named in its update attestation. After applying round r it draws
    round r's sample from the new root; for each sampled update it is the replayer of, it
    replays it (a task of the run, torch in a thread) and announces a signed verdict. A
@@ -81,10 +81,9 @@ from identity import (
     TrustStore,
     sign_attestation,
 )
-from training.codec import CodecError
-from training.outer import OuterState, state_root
-from training.outer_aggregate import Aggregate, aggregate, unwrap_update
-from training.outer_agreement import (
+from p2p.transport.meter import SAMPLE_INTERVAL, WireMeter
+from training.outer.aggregate import Aggregate, aggregate, unwrap_update
+from training.outer.agreement import (
     Apply,
     BadClosure,
     CatchUp,
@@ -99,8 +98,10 @@ from training.outer_agreement import (
     select_for_closure,
     sign_closure,
 )
-from training.outer_announce import Announcer, PeerDialer
-from training.outer_messages import (
+from training.outer.announce import Announcer, PeerDialer
+from training.outer.codec import CodecError
+from training.outer.loop import OuterState, state_root
+from training.outer.messages import (
     STATE_KIND,
     UPDATE_KIND,
     BadMessage,
@@ -123,9 +124,9 @@ from training.outer_messages import (
     encode_message,
     topic,
 )
-from training.outer_milestones import milestone_for, sign_milestone, tag
-from training.outer_net import OuterNetError, Trainer, WorkerConfig, write_json
-from training.outer_replay import (
+from training.outer.milestones import milestone_for, sign_milestone, tag
+from training.outer.params import OuterNetError, WorkerConfig, write_json
+from training.outer.replay import (
     UNAVAILABLE,
     BadCommitment,
     BadVerdict,
@@ -141,8 +142,8 @@ from training.outer_replay import (
     sampled,
     sign_verdict,
 )
-from training.outer_wire import SAMPLE_INTERVAL, WireMeter
-from training.state_blob import BadStateBlob, decode_state, encode_state
+from training.outer.state_blob import BadStateBlob, decode_state, encode_state
+from training.outer.trainer import Trainer
 
 if TYPE_CHECKING:
     from p2p.node import Node
@@ -208,7 +209,7 @@ class RoundRecord:
     state_bytes: int = 0
     seconds: float = 0.0
     # Payload bytes this worker's TCP sockets sent / received since the previous record
-    # (training.outer_wire): announcements, closures, attestations and blobs alike.
+    # (p2p.transport.meter): announcements, closures, attestations and blobs alike.
     wire_sent: int = 0
     wire_received: int = 0
     milestone_blob: str = ""
@@ -961,7 +962,7 @@ class Worker:
         if (self.state, self.root) != (state, root):
             return  # the state moved on while we trained: this update is for nobody
         blob = await self.node.add_bytes(trained.update)
-        # What a replayer needs (training.outer_replay, rule 1): the inner state before
+        # What a replayer needs (training.outer.replay, rule 1): the inner state before
         # the round, and the commitment naming it, the rows, the losses and the update.
         inner = await self.node.add_bytes(trained.inner_before)
         commitment = UpdateCommitment(
@@ -1093,7 +1094,7 @@ class Worker:
     # --- the driver -------------------------------------------------------------------
     async def _step(self) -> bool:
         """Act on the tip once; True if the state changed."""
-        from training.outer_agreement import next_step
+        from training.outer.agreement import next_step
 
         assert self.state is not None
         before = (self.state.round, self.root)

@@ -27,9 +27,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from training.codec import F32, MAX_ELEMENTS, MAX_NAME_LEN, MAX_NDIM, MAX_TENSORS, ByteReader
 from training.errors import TrainingError
-from training.outer import OuterState
+from training.outer.codec import F32, MAX_ELEMENTS, MAX_NAME_LEN, MAX_NDIM, MAX_TENSORS, ByteReader
+from training.outer.loop import OuterState
 
 MAGIC = b"BNOS"
 VERSION = 1

@@ -17,9 +17,9 @@ Theory of operation
    stay in the store. :func:`verify_run` re-checks from these alone: each closure's
    signatures (against the run's authorities), the chain (each closure starts from the
    previous result), each result recomputed from the start state and the named update
-   blobs (``training.outer_aggregate``), and each milestone's signature and body against
+   blobs (``training.outer.aggregate``), and each milestone's signature and body against
    that recomputation. Any failure is reported; none may be skipped silently.
-3. **Verified.** A sampled update's replay verdict (``training.outer_replay``) arrives a
+3. **Verified.** A sampled update's replay verdict (``training.outer.replay``) arrives a
    round after its milestone, so it is its own signed record: every verdict a worker
    made or accepted is kept as a blob, tagged ``outer-<run>-verdict-<r>-<author>``.
    :func:`list_milestones` lists them per round beside the included updates (included vs
@@ -47,18 +47,18 @@ from identity import (
     sign_attestation,
     verify_attestation,
 )
-from training.outer import OuterConfig, state_root
-from training.outer_aggregate import Aggregate, aggregate
-from training.outer_agreement import CheckedClosure, check_closure
-from training.outer_messages import (
+from training.outer.aggregate import Aggregate, aggregate
+from training.outer.agreement import CheckedClosure, check_closure
+from training.outer.loop import OuterConfig, state_root
+from training.outer.messages import (
     BadMessage,
     ClosureAnnouncement,
     Refused,
     VerdictAnnouncement,
     decode_message,
 )
-from training.outer_replay import REPLAY_KIND, BadVerdict, Verdict, check_verdict
-from training.state_blob import BadStateBlob, decode_state
+from training.outer.replay import REPLAY_KIND, BadVerdict, Verdict, check_verdict
+from training.outer.state_blob import BadStateBlob, decode_state
 
 MILESTONE_KIND = "blobnet/outer-milestone"
 MILESTONE_DOMAIN = b"blobnet/outer-milestone/v1"

@@ -7,19 +7,19 @@ of canonical msgpack announcements (``encode_message`` / ``decode_message``):
   admitted machines count towards the start barrier.
 - ``update``: "my pseudo-gradient for round r is blob B"; carries an attestation of kind
   ``blobnet/outer-update`` over B with subjects ``[B, state_root(S_r), C]`` where C is the
-  blob of B's commitment (how it was computed, ``training.outer_replay``), and the
+  blob of B's commitment (how it was computed, ``training.outer.replay``), and the
   addresses where B can be fetched.
 - ``state``: "after round r-1 the global state S_r has root R and is blob B"; carries an
   attestation of kind ``blobnet/outer-state`` with subjects ``[B, R]`` (sent at the end of
   a run, so workers compare their final roots).
-- ``closure``: a round closure (``training.outer_agreement``): its canonical body and the
+- ``closure``: a round closure (``training.outer.agreement``): its canonical body and the
   proposer's attestation, and where its blobs can be fetched. Judged by the agreement
   core, not the ledger (it is passed through as :class:`ClosureHeard`).
-- ``closure-ref``: the same closure, compact (``training.outer_agreement`` rule 5): the
+- ``closure-ref``: the same closure, compact (``training.outer.agreement`` rule 5): the
   body with attestation digests, the proposer's attestation, and the blob of the full
   ``closure`` announcement for a receiver that lacks an attestation (passed through as
   :class:`ClosureRefHeard`).
-- ``verdict``: a replay verdict on one round's update (``training.outer_replay``): the
+- ``verdict``: a replay verdict on one round's update (``training.outer.replay``): the
   round, author, update and commitment blobs, the outcome and the replayer's attestation.
   Judged by the worker against what it applied (passed through as :class:`VerdictHeard`).
 
@@ -73,7 +73,7 @@ UPDATE_KIND = "blobnet/outer-update"
 STATE_KIND = "blobnet/outer-state"
 MESSAGE_VERSION = 1
 
-# A closure body is at most 64 KiB (training.outer_agreement.MAX_CLOSURE_SIZE), its
+# A closure body is at most 64 KiB (training.outer.agreement.MAX_CLOSURE_SIZE), its
 # attestation about 800 bytes and the addresses at most MAX_ADDRS * MAX_ADDR_LEN: 72 KiB
 # bounds every message with room to spare, before msgpack allocates anything.
 MAX_MESSAGE_SIZE = 72 * 1024

@@ -9,8 +9,8 @@ Theory of operation:
    ``__torch_dispatch__`` before it runs (research/train.md section 3), unless the op has
    its own kernel for that key (point 5).
 2. An op is allowed only if its name (``aten::mm.default``) is in the audited kernel set,
-   the JSON file ``training/kernels/<family>.json``. The set is recorded by ``python -m
-   training.audit --build <family>`` on every supported model shape, with and without
+   the JSON file ``training/rounds/kernels/<family>.json``. The set is recorded by ``python -m
+   training.rounds.audit --build <family>`` on every supported model shape, with and without
    dropout, over step 0 (AdamW's ``zeros_like`` state init, ``lift_fresh``) and steady
    steps, and holds the ops of every depth the auditor can see (point 5a). Anything else
    raises ``AuditViolation`` naming the op, and the round is refused.
@@ -105,7 +105,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from training.errors import AuditViolation, NoKernelSet
-from training.recipe import DEFAULT_TARGETS
+from training.rounds.recipe import DEFAULT_TARGETS
 
 if TYPE_CHECKING:
     import torch
@@ -114,7 +114,7 @@ KERNELS_DIR = Path(__file__).resolve().parent / "kernels"
 # 2: the ops of every depth the dispatcher regime sees (format 1 held only outer ops, on
 # which that regime would refuse rounds for ops nested in audited kernels).
 KERNEL_SET_FORMAT = 2
-BUILD_COMMAND = "python -m training.audit --build {family}"
+BUILD_COMMAND = "python -m training.rounds.audit --build {family}"
 # A kernel set lists ~100 ops; a file much larger than this is not one.
 MAX_KERNEL_SET_SIZE = 1 << 20
 # Recording passes of the builder (point 5a): each pass lets the ops found so far fall
@@ -457,11 +457,12 @@ def build_kernel_set(family: str, steps: int = 3) -> dict[str, Any]:
     """
     import tempfile
 
-    from training import determinism, kernel_class, trainer
+    from training import determinism, kernel_class
     from training.hf_model import ARCH_TARGETS, build_model_dir, model_eos
     from training.model import load_base_model, make_tiny_llama, read_config
-    from training.recipe import Recipe
     from training.records import make_records, make_tokenizer_records
+    from training.rounds import trainer
+    from training.rounds.recipe import Recipe
 
     device = determinism.resolve_device(family)
     determinism.enter(device)
@@ -522,12 +523,12 @@ def build_kernel_set(family: str, steps: int = 3) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m training.audit",
+        prog="python -m training.rounds.audit",
         description="Build the audited kernel set of a kernel class family.",
     )
     parser.add_argument("--build", choices=["cpu", "cuda"], required=True)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None, help="default training/kernels/")
+    parser.add_argument("--out", type=Path, default=None, help="default training/rounds/kernels/")
     ns = parser.parse_args(argv)
     result = build_kernel_set(ns.build, steps=ns.steps)
     out: Path = ns.out or kernel_set_path(ns.build)

@@ -13,7 +13,7 @@ Theory of operation:
 2. ``execute`` enters deterministic mode, detects the kernel class, loads that family's
    audited kernel set, trains every step under the auditor (``make_round_auditor``: its
    dispatcher regime on a CPU machine without an accelerator), publishes the adapter as a
-   peft-loadable collection and returns the commitment (training.commitment).
+   peft-loadable collection and returns the commitment (training.rounds.commitment).
 3. ``run_round`` signs the commitment's digest (statement kind ``round-result``) and
    publishes the round record; its blob ID is the round ID.
 4. ``replay_round`` reads a round record, refuses unless this machine is of the same
@@ -53,13 +53,6 @@ from identity import (
     verify_attestation,
 )
 from training import determinism
-from training.commitment import (
-    MAX_RECORD_SIZE,
-    REPLAY_KIND,
-    ROUND_KIND,
-    Commitment,
-    RoundRecord,
-)
 from training.errors import (
     AuditViolation,
     BadModel,
@@ -72,8 +65,15 @@ from training.errors import (
 )
 from training.kernel_class import KernelClass
 from training.model import CONFIG_NAME, INDEX_NAME, TOKENIZER_NAME, WEIGHTS_NAME
-from training.recipe import Recipe, recipe_hash
 from training.records import HEADER_SIZE_V2, MAX_TOKENS, Records, decode_records
+from training.rounds.commitment import (
+    MAX_RECORD_SIZE,
+    REPLAY_KIND,
+    ROUND_KIND,
+    Commitment,
+    RoundRecord,
+)
+from training.rounds.recipe import Recipe, recipe_hash
 
 # Stdout-free progress hook: (step, loss bits).
 StepHook = Callable[[int, int], None]
@@ -205,7 +205,8 @@ def execute(
             raise BlobNotFound(f"round input {blob_id} is not in the store; fetch it (--peer)")
     verify_inputs(store, inputs.base_id, inputs.records_id)
     determinism.enter(resolved, threads, inputs.seed)
-    from training import audit, kernel_class, trainer
+    from training import kernel_class
+    from training.rounds import audit, trainer
 
     kc = kernel_class.detect(resolved)
     if expect is not None and kc != expect.kernel_class:

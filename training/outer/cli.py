@@ -1,7 +1,7 @@
 """``blob outer``: the DiLoCo outer loop's commands.
 
-``blob outer simulate`` runs K workers in one process (``training.outer.simulate``);
-``blob outer worker`` runs one worker of a decentralised run (``training.outer_net``), and
+``blob outer simulate`` runs K workers in one process (``training.outer.loop.simulate``);
+``blob outer worker`` runs one worker of a decentralised run (``training.outer.launch``), and
 ``blob outer run`` runs K of them as processes on 127.0.0.1. torch is imported only when a
 command runs.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from p2p.nat_cli import NAT_DEFAULT_LISTEN, check_relays, relay_options
-from training.outer import MODES, SimConfig, SimResult
+from training.outer.loop import MODES, SimConfig, SimResult
 
 _DEFAULTS = SimConfig()
 
@@ -77,8 +77,8 @@ def simulate_command(
     as_json: bool,
 ) -> None:
     """Run K simulated workers in this process and report held-out loss and bytes sent."""
-    from training.codec import CodecParams
-    from training.outer import simulate
+    from training.outer.codec import CodecParams
+    from training.outer.loop import simulate
 
     try:
         CodecParams(chunk=chunk, k=k)
@@ -197,7 +197,7 @@ def _run_options(f: Any) -> Any:
 
 
 def _params(run_id: str, **kw: Any) -> Any:
-    from training.outer_net import RunParams
+    from training.outer.params import RunParams
 
     try:
         return RunParams(run_id=run_id, **kw)
@@ -316,7 +316,8 @@ def worker_command(
     import trio
 
     from blobstore import parse_blob_id
-    from training.outer_net import WorkerConfig, run_worker
+    from training.outer.launch import run_worker
+    from training.outer.params import WorkerConfig
 
     if initial is None and not join:
         raise click.UsageError("give the initial state (--initial BLOB_ID) or --join")
@@ -353,7 +354,7 @@ def worker_command(
 
 
 def _disagreed() -> Exception:
-    from training.outer_net import OuterRunFailed
+    from training.outer.params import OuterRunFailed
 
     return OuterRunFailed("workers reached different global states (see the DISAGREE lines)")
 
@@ -385,13 +386,8 @@ def run_command(
     **run: Any,
 ) -> None:
     """Run K worker processes on 127.0.0.1 (a mesh, no hub) and compare their roots."""
-    from training.outer_net import (
-        OuterRunFailed,
-        default_workdir,
-        prepare_run,
-        run_local,
-        summarise,
-    )
+    from training.outer.launch import default_workdir, prepare_run, run_local, summarise
+    from training.outer.params import OuterRunFailed
 
     if publish_as is not None:
         from p2p.names import check_name
@@ -461,7 +457,7 @@ def milestones_command(
     """List the signed per-round milestones of RUN kept in this store, with the replay
     verdicts on each round's sampled updates (included vs verified)."""
     from identity import TrustStore
-    from training.outer_milestones import list_milestones
+    from training.outer.milestones import list_milestones
 
     trust = TrustStore(frozenset(_authority(a) for a in authorities)) if authorities else None
     entries = list_milestones(_store(ctx), run_id, trust)
@@ -503,8 +499,8 @@ def verify_command(
     """Re-check RUN's closures, results and milestones from the blobs in this store; exit 1
     if any fails."""
     from identity import TrustStore
-    from training.outer_milestones import verify_run
-    from training.outer_net import OuterRunFailed, RunParams
+    from training.outer.milestones import verify_run
+    from training.outer.params import OuterRunFailed, RunParams
 
     trust = TrustStore(frozenset(_authority(a) for a in authorities))
     config = RunParams(run_id=run_id, workers=1, rounds=0, inner_steps=1).outer_config()

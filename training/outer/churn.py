@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from training.outer_net import RunPlan, wait_for_addrs, worker_argv, worker_env
+from training.outer.launch import RunPlan, wait_for_addrs, worker_argv, worker_env
 
 # Every step of a churn run is bounded: a worker that never logs what we wait for fails
 # the run instead of hanging it.

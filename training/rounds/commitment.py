@@ -19,7 +19,7 @@ Invariants:
 
 1. The digest is ``BLAKE3(COMMITMENT_DOMAIN + encode())``: one BLAKE3 over every input and
    every step, so two machines agree on the digest iff they agree on all of them.
-2. State roots hash canonical tensor bytes, never files (training.trainer.hash_tensors);
+2. State roots hash canonical tensor bytes, never files (training.rounds.trainer.hash_tensors);
    the adapter ID is of a collection whose two files are byte-stable (trainer.save_adapter).
 3. ``decode`` accepts only canonical bytes (it re-encodes and compares) with exact key
    sets and bounded sizes, so one commitment has one encoding and one digest.
@@ -42,7 +42,7 @@ import msgpack
 from identity import decode_msgpack_map
 from training.errors import BadRoundRecord
 from training.kernel_class import KernelClass
-from training.recipe import MAX_STEPS, Recipe, recipe_hash
+from training.rounds.recipe import MAX_STEPS, Recipe, recipe_hash
 
 COMMITMENT_VERSION = 1
 RECORD_VERSION = 1

@@ -13,7 +13,7 @@ Order of a round, each part a pure function of its inputs within one kernel clas
 3. ``run_steps``: per step, the batch is built outside the audit; forward (HF causal-LM
    loss; padding is ignored), backward, ``optimizer.step``, ``zero_grad`` and the loss
    read-back run inside the auditor, whose dispatcher-regime kernels stay installed for
-   the whole run (training.audit, point 5); before step 0 the model's tensors are
+   the whole run (training.rounds.audit, point 5); before step 0 the model's tensors are
    checked to be on the device (``check_placement``, point 3). Each loss is logged as
    its float32 bits.
 4. ``state_root``: BLAKE3 over canonical tensor bytes of the adapter parameters and the
@@ -37,8 +37,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from training.determinism import seed_all
 from training.errors import AuditViolation, BadRecipe, BadRecords
-from training.recipe import Recipe
 from training.records import PAD_ID, Records, decode_records
+from training.rounds.recipe import Recipe
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -183,7 +183,7 @@ def run_steps(
     every step, and is installed (its dispatcher-regime kernels) for the whole run."""
     if auditor is None:
         return _run_steps(session, records, None, on_step)
-    from training.audit import check_placement
+    from training.rounds.audit import check_placement
 
     check_placement(session.model, session.device)
     with auditor.installed():

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A closure names the updates of a round (``training.outer_agreement``); every worker turns
+A closure names the updates of a round (``training.outer.agreement``); every worker turns
 them into S_{r+1} with :func:`aggregate`, a pure function of S_r and the named blobs, so
 equal inputs give equal bits everywhere (every op is float32 elementwise numpy, or a
 float64 reduction over one array in a fixed layout, on one thread).
@@ -14,7 +14,7 @@ float64 reduction over one array in a fixed layout, on one thread).
 2. **Copies.** A payload byte-identical to that of an update earlier in ascending peer
    order (someone re-wrapped another worker's payload in their own envelope) is excluded;
    the payload counts once, so a copier changes nothing. (Which of the two authors did the
-   work is for replay to tell, ``training.outer_replay``; the numbers are the same.) Near
+   work is for replay to tell, ``training.outer.replay``; the numbers are the same.) Near
    copies too: of two in-bound updates whose signs (at up to SKETCH_COORDS strided
    coordinates) agree with cosine >= NEAR_COPY_COSINE, the one with the larger norm is
    excluded. An honest update re-sent rescaled to the clip norm agrees with every honest
@@ -79,8 +79,8 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
-from training.codec import F32, CodecError, decode
-from training.outer import OuterConfig, OuterState, outer_step
+from training.outer.codec import F32, CodecError, decode
+from training.outer.loop import OuterConfig, OuterState, outer_step
 
 UPDATE_MAGIC = b"BNOU"
 UPDATE_VERSION = 1

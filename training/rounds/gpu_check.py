@@ -1,15 +1,15 @@
 """The GPU check: build the CUDA kernel set, then run a round on CUDA and replay it in
 another process on the same device; one short script for a machine with a GPU.
 
-    python -m training.gpu_check [--out DIR] [--steps 4] [--keep-kernel-set]
-    python -m training.gpu_check --device cpu --out DIR   # rehearsal without a GPU
+    python -m training.rounds.gpu_check [--out DIR] [--steps 4] [--keep-kernel-set]
+    python -m training.rounds.gpu_check --device cpu --out DIR   # rehearsal without a GPU
 
 What it does, in order, stopping at the first failure with a one-line reason:
 
 1. Refuses at once (exit 2) without CUDA: nothing here can be checked on a CPU.
-2. ``python -m training.audit --build cuda`` in a child process: records the ops of every
+2. ``python -m training.rounds.audit --build cuda`` in a child process: records the ops of every
    audited shape on CUDA into ``DIR/cuda.json`` and installs it as
-   ``training/kernels/cuda.json`` (commit that file; ``--keep-kernel-set`` keeps any
+   ``training/rounds/kernels/cuda.json`` (commit that file; ``--keep-kernel-set`` keeps any
    existing one instead and only writes ``DIR/cuda.json``).
 3. In a temporary store, with two admitted keys: a built-in tiny Llama round and a
    GPT-2-style Hugging Face directory round (``blob train run --device cuda``), each
@@ -19,7 +19,7 @@ What it does, in order, stopping at the first failure with a one-line reason:
 
 Exit 0 when every step passed, 1 when a step failed (the JSON says which and why).
 ``--device cpu`` rehearses the same steps on the CPU kernel class (the kernel set goes to
-``DIR/cpu.json`` only, never into ``training/kernels/``), so the script is known to work
+``DIR/cpu.json`` only, never into ``training/rounds/kernels/``), so the script is known to work
 before device time is spent on it.
 """
 
@@ -63,9 +63,9 @@ def run_check(out: Path, steps: int, keep_kernel_set: bool, device: str = "cuda"
     from blobstore import Store
     from identity import Authority, MachineKey, SoftwareSigner, create_key_file
     from identity import format_public_key as fmt
-    from training.audit import kernel_set_path
     from training.hf_model import ARCH_TARGETS, build_model_dir
-    from training.recipe import Recipe
+    from training.rounds.audit import kernel_set_path
+    from training.rounds.recipe import Recipe
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("BLOBNET_PASSPHRASE", None)
@@ -73,9 +73,9 @@ def run_check(out: Path, steps: int, keep_kernel_set: bool, device: str = "cuda"
     started = time.monotonic()
     built = out / f"{device}.json"
     _child(
-        [sys.executable, "-m", "training.audit", "--build", device, "--out", str(built)],
+        [sys.executable, "-m", "training.rounds.audit", "--build", device, "--out", str(built)],
         env,
-        f"python -m training.audit --build {device}",
+        f"python -m training.rounds.audit --build {device}",
     )
     kernel_set = json.loads(built.read_text())
     report["kernel_set"] = {"ops": len(kernel_set["ops"]), "file": str(built)}
@@ -203,7 +203,7 @@ def run_check(out: Path, steps: int, keep_kernel_set: bool, device: str = "cuda"
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m training.gpu_check", description=__doc__.split("\n\n")[0]
+        prog="python -m training.rounds.gpu_check", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--out", type=Path, default=Path("gpu-check"))
     parser.add_argument("--steps", type=int, default=4)

@@ -8,7 +8,7 @@ Theory of operation
 2. Each worker loads the global parameters into its model, runs H inner steps on its shard
    with its own AdamW (whose state stays local across rounds, as in DiLoCo), and sends
    ``make_update``: the pseudo-gradient ``start - end``, encoded densely or through a
-   SparseLoCo codec with the worker's own error-feedback residual (``training.codec``).
+   SparseLoCo codec with the worker's own error-feedback residual (``training.outer.codec``).
 3. ``apply_round`` averages the decoded updates that arrived, in ascending peer-ID order
    (so the float32 sum is the same whatever order they arrived in), and takes one outer
    step, SGD with Nesterov momentum as in DiLoCo (PyTorch's formulation, dampening 0)::
@@ -38,14 +38,14 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
-from training.codec import (
+from training.errors import TrainingError
+from training.outer.codec import (
     F32,
     CodecParams,
     ErrorFeedback,
     decode,
     encode_dense,
 )
-from training.errors import TrainingError
 
 if TYPE_CHECKING:
     import torch
@@ -354,7 +354,7 @@ class SimConfig:
     outer_lr: float | None = None  # None: the mode's default (MODE_DEFAULTS)
     outer_momentum: float | None = None
     chunk: int = 4096
-    # 80 of 4096 (1.95%): with Rice-coded positions (training.codec) the tiny Llama's update
+    # 80 of 4096 (1.95%): with Rice-coded positions (training.outer.codec) the tiny Llama's update
     # is 3.16 KB, 157x fewer bytes than dense fp32 (k 48 with 12-bit indices was 130x).
     k: int = 80
     ef_decay: float | None = None
@@ -363,7 +363,7 @@ class SimConfig:
     model_size: str = "tiny"
     seed: int = 0
     threads: int | None = 1
-    # Aggregate as the network does (training.outer_aggregate: envelopes, bounds, copies,
+    # Aggregate as the network does (training.outer.aggregate: envelopes, bounds, copies,
     # direction) instead of the plain mean; implied by a byzantine worker.
     robust: bool = False
 
@@ -380,7 +380,7 @@ class SimResult:
     state_roots: list[str] = field(default_factory=list)
     params: int = 0
     # Robust aggregation only, per round: "peer: reason" of each excluded update, and each
-    # admitted update's cosine with the others' sum (training.outer_aggregate rule 4).
+    # admitted update's cosine with the others' sum (training.outer.aggregate rule 4).
     excluded: list[list[str]] = field(default_factory=list)
     agreement: list[list[float]] = field(default_factory=list)
 
@@ -456,7 +456,7 @@ def simulate(
     worker, gradients averaged), with ``rounds * inner_steps`` steps and the same data.
     ``progress(round, result)`` is called after each round. ``adversary``, if given, is one
     more worker (``BYZANTINE_PEER``) whose payload each round it makes; the round is then
-    aggregated by ``training.outer_aggregate`` (as with ``robust``).
+    aggregated by ``training.outer.aggregate`` (as with ``robust``).
     """
     import torch
 
@@ -503,7 +503,7 @@ def simulate(
     optimizers = [_adamw(m, cfg) for m in models]
     codec = CodecParams(chunk=cfg.chunk, k=cfg.k)
     feedbacks = [
-        # Names and shapes by schema digest, as on the wire (training.outer_net.Trainer).
+        # Names and shapes by schema digest, as on the wire (training.outer.launch.Trainer).
         ErrorFeedback(codec, decay=cfg.ef_decay, schema_ref=True)
         if cfg.mode == "sparseloco"
         else None
@@ -548,8 +548,8 @@ def _robust_round(
     result: SimResult,
 ) -> OuterState:
     """One round aggregated as the network does: each payload in its envelope, plus the
-    adversary's, through ``training.outer_aggregate.aggregate``."""
-    from training.outer_aggregate import aggregate, wrap_update
+    adversary's, through ``training.outer.aggregate.aggregate``."""
+    from training.outer.aggregate import aggregate, wrap_update
 
     root = state_root(state)
     blobs = dict(payloads)

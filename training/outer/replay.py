@@ -34,7 +34,7 @@ Theory of operation
    accused nothing). A worker that holds a confirmed mismatch for an operator leaves that
    operator's updates out of every closure it proposes from then on, with the reason
    ``failed replay of round r``. The round the cheat was in is already applied: it was
-   bounded like any update (``training.outer_aggregate``); replay makes cheating a
+   bounded like any update (``training.outer.aggregate``); replay makes cheating a
    one-round, detected, unpaid act rather than preventing it.
 5. **Cost and catch.** At rate q each worker replays about q updates per round: q times
    its own training compute (H inner steps), plus fetching the inner state (3x the model
@@ -75,8 +75,8 @@ from identity import (
 from training.errors import TrainingError
 
 if TYPE_CHECKING:
-    from training.outer import OuterState
-    from training.outer_net import RunParams
+    from training.outer.loop import OuterState
+    from training.outer.params import RunParams
 
 REPLAY_KIND = "blobnet/outer-replay"
 COMMITMENT_DOMAIN = b"blobnet/outer-update-commitment/v1"
@@ -413,7 +413,7 @@ def replay(
     """Rule 3: recompute ``c``'s update from S_r (``start``) and the inner state, and
     compare with ``update`` (the included blob's bytes): :data:`MATCH` or
     ``mismatch: <the first thing that differs>``."""
-    from training.outer_net import Trainer
+    from training.outer.trainer import Trainer
 
     if (c.chunk, c.k) != (params.chunk, params.k):
         return f"{MISMATCH}: codec settings are not the run's"

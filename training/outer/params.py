@@ -1,0 +1,150 @@
+"""What every worker of an outer-loop run is given: the run's parameters, one worker's
+configuration, the errors that end a run, and the kernel class its workers run under.
+
+:class:`RunParams` is what every worker must be given identically (run ID, K, rounds,
+inner steps, deadline, proposer timeout, seed, codec and model size; the outer optimiser is
+``MODE_DEFAULTS["sparseloco"]``). S_0 is made once, by the launcher, and named by its state
+blob ID (``training.outer.state_blob``): nobody re-derives a random init.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from p2p.gossip import MAX_RUN_WORKERS
+from training.errors import TrainingError
+from training.outer.codec import CodecParams
+from training.outer.loop import (
+    MODE_DEFAULTS,
+    OuterConfig,
+)
+from training.outer.messages import check_run_id
+
+OUTER_MODE = "sparseloco"
+DEFAULT_START_TIMEOUT = 300.0
+# Certificates issued by the launcher start this early (clock skew) and last this long.
+CERT_SKEW = 300
+CERT_LIFETIME = 7 * 24 * 3600
+
+
+class OuterNetError(TrainingError):
+    """The run cannot go on: a bad setup (key, certificate, initial state) or a peer that
+    never answered within its bound."""
+
+    exit_code = 1
+
+
+class OuterRunFailed(TrainingError):
+    """A local run ended with workers that failed or roots that disagree."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class RunParams:
+    """What every worker of a run must be given identically."""
+
+    run_id: str
+    workers: int
+    rounds: int
+    inner_steps: int
+    deadline: float = 8.0
+    proposer_timeout: float = 3.0
+    seed: int = 0
+    batch: int = 8
+    seq_len: int = 64
+    inner_lr: float = 2e-3
+    chunk: int = 4096
+    # 80 of 4096 values kept per chunk: what bench/outer.py tuned (157x fewer bytes than a
+    # dense float32 update; bench/figures/outer-issue-18-grid.md).
+    k: int = 80
+    model_size: str = "tiny"
+    shard_sequences: int = 512
+    # Share of each round's updates that another worker replays (training.outer.replay):
+    # at 0.25 each worker replays about a quarter of an update per round (a quarter of
+    # its training compute) and a cheat in 8 rounds is caught with probability 0.9.
+    replay_rate: float = 0.25
+    # The least time a worker gives one fetch (a closure's blobs, a state blob) on top of
+    # three deadlines: dials, stream opens and slow links. It also bounds how long a
+    # finished worker lingers for a missing final root and how long one with nobody
+    # connected waits before it stops (training.outer.worker points 3 and 6).
+    fetch_floor: float = 10.0
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+        if self.workers < 1 or self.rounds < 0 or self.inner_steps < 1 or self.deadline <= 0:
+            raise ValueError("workers and inner steps must be >= 1, rounds >= 0, deadline > 0")
+        if self.workers > MAX_RUN_WORKERS:
+            raise ValueError(f"a run has at most {MAX_RUN_WORKERS} workers (p2p.gossip's limits)")
+        if self.proposer_timeout <= 0:
+            raise ValueError("the proposer timeout must be > 0")
+        if not 0.0 <= self.replay_rate <= 1.0:
+            raise ValueError("the replay rate must be in [0, 1]")
+        if not self.fetch_floor > 0:
+            raise ValueError("the fetch floor must be > 0")
+        self.codec()
+
+    def codec(self) -> CodecParams:
+        return CodecParams(chunk=self.chunk, k=self.k)
+
+    def outer_config(self) -> OuterConfig:
+        mode = MODE_DEFAULTS[OUTER_MODE]
+        return OuterConfig(lr=mode["outer_lr"], momentum=mode["outer_momentum"])
+
+    @property
+    def ef_decay(self) -> float:
+        return MODE_DEFAULTS[OUTER_MODE]["ef_decay"]
+
+    def shard_seed(self, shard: int) -> int:
+        return self.seed * 1000 + 1 + shard
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    params: RunParams
+    shard: int
+    store_root: Path
+    key_path: Path
+    cert_path: Path
+    authorities: tuple[bytes, ...]
+    result_path: Path
+    initial: str | None = None
+    join: bool = False
+    bootstrap: tuple[str, ...] = ()
+    listen: str = "/ip4/127.0.0.1/tcp/0"
+    addr_file: Path | None = None
+    start_timeout: float = DEFAULT_START_TIMEOUT
+    # Test hook: sleep before training in this round (so a test can kill the worker in a
+    # known place mid-round).
+    stall_round: int | None = None
+    # Test hook: from this round on, train on other batch rows than the commitment names
+    # (an update that does not match its commitment; replay must catch it).
+    cheat_from_round: int | None = None
+    # Name the final state blob <this peer ID>/NAME at the end (p2p/NAMES.md).
+    publish: str | None = None
+    # Behind NAT (issue 20): relays to reserve on when no relay can dial this worker back
+    # (its own admission certificate is what the relays check), and whether a fetch may
+    # cross a relay when hole punching to a NATed worker fails.
+    relays: tuple[str, ...] = ()
+    assume_private: bool = False
+    relayed_fetch: bool = False
+
+
+def outer_kernel_class() -> str:
+    """The kernel class ID this process's workers run under (CPU, one thread)."""
+    from training import determinism
+    from training.kernel_class import detect
+
+    determinism.enter("cpu", threads=1)
+    return detect("cpu").id
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON through a temp file and a rename (readers never see half)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,146 @@
+"""A worker's torch side (:class:`Trainer`): model, inner AdamW kept across rounds as in
+DiLoCo, shard, batch sampler and error-feedback residual; and :class:`Trained`, what one
+round's training hands the update commitment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from training.outer.codec import ErrorFeedback
+from training.outer.loop import (
+    OuterState,
+    load_params,
+    make_update,
+    model_params,
+    run_inner_steps,
+    synthetic_tokens,
+)
+from training.outer.params import RunParams, outer_kernel_class
+
+
+class Trainer:
+    """A worker's torch side: model, inner AdamW (local across rounds, as in DiLoCo),
+    shard, batch sampler and error-feedback residual. Every method runs in one thread."""
+
+    def __init__(self, params: RunParams, shard: int) -> None:
+        import torch
+
+        from training.model import make_tiny_llama
+
+        self.params = params
+        self.kernel_class = outer_kernel_class()
+        self.model = make_tiny_llama(params.model_size, seed=params.seed)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=params.inner_lr,
+            betas=(0.9, 0.95),
+            weight_decay=0.0,
+            foreach=False,
+            fused=False,
+        )
+        self.tokens = synthetic_tokens(
+            params.shard_seed(shard), params.shard_sequences, params.seq_len
+        )
+        self.rng = np.random.default_rng([params.seed, shard])
+        # Names and shapes travel once per run, in the state blob; updates carry a digest.
+        self.feedback = ErrorFeedback(params.codec(), decay=params.ef_decay, schema_ref=True)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(v.shape) for name, v in model_params(self.model).items()}
+
+    def next_rows(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The batch rows of the next round (inner steps x batch), from the sampler."""
+        rows = self.tokens.shape[0]
+        return np.stack(
+            [
+                self.rng.integers(0, rows, size=self.params.batch)
+                for _ in range(self.params.inner_steps)
+            ]
+        )
+
+    def train(self, state: OuterState, root: str, author: str, *, cheat: bool = False) -> Trained:
+        """H inner steps from ``state`` (whose root is ``root``) on the sampler's next rows:
+        the update blob (in its envelope, ``training.outer.aggregate.wrap_update``), the
+        losses and what the update's commitment needs (``training.outer.replay``).
+        ``cheat`` (a test hook) trains on other rows than it reports."""
+        before = self.inner_state()
+        rows = self.next_rows()
+        used = self.next_rows() if cheat else rows
+        update, losses, after = self.train_rows(state, root, author, used)
+        return Trained(update, losses, rows, before, after)
+
+    def train_rows(
+        self,
+        state: OuterState,
+        root: str,
+        author: str,
+        rows: np.ndarray[Any, np.dtype[np.int64]],
+    ) -> tuple[bytes, list[float], bytes]:
+        """H inner steps on these batch rows: (update blob, losses, inner state after)."""
+        import torch
+
+        from training.outer.aggregate import wrap_update
+
+        torch.set_num_threads(1)  # per OS thread under OpenMP: set in the thread that runs
+        load_params(self.model, state.params)
+        batches = [torch.from_numpy(self.tokens[r]) for r in rows]
+        losses = run_inner_steps(self.model, self.optimizer, batches)
+        payload = make_update(state.params, model_params(self.model), self.feedback)
+        update = wrap_update(payload, round_=state.round, start_root=root, author=author)
+        return update, losses, self.inner_state()
+
+    def inner_state(self) -> bytes:
+        """The inner AdamW moments and the error-feedback residual, canonically encoded."""
+        from training.outer.replay import encode_inner
+
+        state = self.optimizer.state_dict()["state"]
+        opt: list[tuple[bytes, bytes, bytes] | None] = []
+        for i, _ in enumerate(self.model.parameters()):
+            entry = state.get(i)
+            if not entry:
+                opt.append(None)
+                continue
+            opt.append(
+                tuple(  # type: ignore[arg-type]
+                    entry[key].detach().numpy().astype("<f4").tobytes()
+                    for key in ("step", "exp_avg", "exp_avg_sq")
+                )
+            )
+        return encode_inner(opt, self.feedback.residual)
+
+    def load_inner(self, data: bytes) -> None:
+        """Adopt an inner state (``inner_state``'s bytes); BadInnerState if it does not fit."""
+        import torch
+
+        from training.outer.replay import decode_inner
+
+        params = list(self.model.parameters())
+        optimizer, residual = decode_inner(data, [p.numel() for p in params], self.shapes())
+        saved = self.optimizer.state_dict()
+        state: dict[int, dict[str, Any]] = {}
+        for i, (entry, p) in enumerate(zip(optimizer, params, strict=True)):
+            if entry is None:
+                continue
+            step, m, v = (np.frombuffer(x, dtype="<f4").astype(np.float32) for x in entry)
+            state[i] = {
+                "step": torch.from_numpy(step).reshape(()),
+                "exp_avg": torch.from_numpy(m).reshape(p.shape),
+                "exp_avg_sq": torch.from_numpy(v).reshape(p.shape),
+            }
+        saved["state"] = state
+        self.optimizer.load_state_dict(saved)
+        self.feedback.residual = residual
+
+
+@dataclass(frozen=True)
+class Trained:
+    """One round's training: what the update commitment records (training.outer.replay)."""
+
+    update: bytes
+    losses: list[float]
+    rows: np.ndarray[Any, np.dtype[np.int64]]
+    inner_before: bytes
+    inner_after: bytes
