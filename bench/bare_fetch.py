@@ -31,11 +31,11 @@ from typing import Protocol
 import msgpack
 from blake3 import blake3
 
-from p2p.fast.noise_frames import TAG_LEN, CipherState, FrameReader, FrameWriter
-from p2p.fast.yamux_core import HEADER as YAMUX_HEADER
-from p2p.fast.yamux_core import HEADER_LEN as YAMUX_HEADER_LEN
-from p2p.fast.yamux_core import TYPE_DATA
-from p2p.protocol import LENGTH_PREFIX_SIZE, encode_chunk_header
+from p2p.blob.protocol import LENGTH_PREFIX_SIZE, encode_chunk_header
+from p2p.transport.fast.noise_frames import TAG_LEN, CipherState, FrameReader, FrameWriter
+from p2p.transport.fast.yamux_core import HEADER as YAMUX_HEADER
+from p2p.transport.fast.yamux_core import HEADER_LEN as YAMUX_HEADER_LEN
+from p2p.transport.fast.yamux_core import TYPE_DATA
 
 MIB = 1 << 20
 CHUNK = MIB

@@ -7,7 +7,7 @@ Rows (sender = this process, receiver = a child process, 127.0.0.1):
   lean_pipe          blocking sockets, ChaCha20-Poly1305 over 1 MiB frames, BLAKE3 of each
                      1 MiB chunk on the receiver (the floor a blob fetch is held to)
   libp2p_default     py-libp2p 0.8.1 Noise + yamux, one stream, 1 MiB writes and reads
-  fast_stream        blobnet's p2p.fast Noise + yamux, one stream, 1 MiB writes, receiver
+  fast_stream        blobnet's p2p.transport.fast Noise + yamux, one stream, 1 MiB writes, receiver
                      uses read_into (straight into its buffer)
   fast_stream_blake3 as fast_stream, plus BLAKE3 of each 1 MiB chunk on the receiver
   fast_stream_store  as fast_stream, but the receiver does a fetch's store work: each chunk
@@ -146,7 +146,7 @@ def _child_libp2p(mode: str, reps: int, directory: Path | None) -> None:
     from blake3 import blake3
     from multiaddr import Multiaddr
 
-    from p2p.fast import read_exactly_into
+    from p2p.transport.fast import read_exactly_into
 
     proto = TProtocol("/blobnet-bench/sink/1.0.0")
     host = _make_host("default" if mode == "libp2p_default" else "fast")
@@ -208,10 +208,10 @@ async def _receive_into_store(stream: Any, size: int, directory: Path | None) ->
     from blake3 import blake3
 
     from blobstore import Manifest, Store
-    from p2p.buffers import ChunkBuffers
-    from p2p.chunk_writer import ChunkWriter
-    from p2p.downloader import BUFFER_POOL_BYTES, HASH_ON_ARRIVAL, MIN_BUFFERS
-    from p2p.fast import read_exactly_into
+    from p2p.blob.buffers import ChunkBuffers
+    from p2p.fetch.chunk_writer import ChunkWriter
+    from p2p.fetch.downloader import BUFFER_POOL_BYTES, HASH_ON_ARRIVAL, MIN_BUFFERS
+    from p2p.transport.fast import read_exactly_into
 
     payload = _payload()
     hashes = blake3(payload).digest() * (size // CHUNK)
@@ -254,7 +254,7 @@ def _make_host(kind: str) -> Any:
     kp = create_new_key_pair()
     if kind == "default":
         return new_host(key_pair=kp)
-    import p2p.fast as fast
+    import p2p.transport.fast as fast
 
     host = new_host(key_pair=kp, sec_opt=fast.security_options(kp), muxer_opt=fast.muxer_options())
     fast.install(host)
@@ -338,7 +338,7 @@ def _send_libp2p(mode: str, size: int, reps: int, directory: Path | None = None)
     from libp2p.peer.peerinfo import info_from_p2p_addr
     from multiaddr import Multiaddr
 
-    from p2p.fast import read_exactly_into
+    from p2p.transport.fast import read_exactly_into
 
     proto = TProtocol("/blobnet-bench/sink/1.0.0")
     child = _Child(mode, reps, ("--dir", str(directory)) if directory else ())

@@ -254,7 +254,7 @@ def print_fetch(name: str, row: dict[str, Any], note: str = "") -> None:
 
 def _fast_available() -> bool:
     try:
-        from p2p.host import fast_path_available
+        from p2p.transport.host import fast_path_available
     except ImportError:
         return False
     return fast_path_available()

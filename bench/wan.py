@@ -30,7 +30,7 @@ verified chunk at 200 ms <= 1.5 s + start-up.
 ``--swarm N`` adds issue 21's fan-out row: a seeder with a 100 Mbit/s uplink and N
 workers on 1 Gbit/s links (one-way delays 20-40 ms), every `blob get` started at once and
 given only the seeder; the time until every worker holds the blob (its `blob get` report's
-`done_at`; it may linger after that to serve fellows, p2p.swarm rule 5) and until the last
+`done_at`; it may linger after that to serve fellows, p2p.blob.swarm rule 5) and until the last
 exits, against one transfer at the seeder's uplink, and the bytes the seeder sent against
 the blob's size. Every `blob get` waits at a barrier after
 its imports and all go together (bench.wan.scenarios: on a loaded machine the processes'

@@ -91,7 +91,7 @@ def _cli_tries(tb: Testbed, tries: int, size: int, logs: Path) -> list[dict[str,
     from identity import Authority, MachineKey
     from identity.keyfile import create_key_file
     from identity.signer import SoftwareSigner
-    from p2p.ticket import Ticket
+    from p2p.blob.ticket import Ticket
 
     def blob(host: str, name: str, *args: str) -> subprocess.Popen[str]:
         d = logs / name

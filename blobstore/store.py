@@ -15,8 +15,8 @@ Layout under the store root::
     quarantine/<id>/         a blob found rotten: data, manifest, reason
     tags/<name>              "<id>\\n": a name that pins a blob
     tmp/                     temp files of writers in progress, each flock-ed
-    names/, peers/           the network layer's own files (p2p.names_cache: signed
-                             name records; p2p.peer_memory: peers that sent bad data)
+    names/, peers/           the network layer's own files (p2p.names.cache: signed
+                             name records; p2p.fetch.peer_memory: peers that sent bad data)
 
 File modes
 ----------

@@ -8,7 +8,7 @@ role, driven over stdin/stdout JSON lines by :mod:`bench.wan.natnodes`)::
 Every role prints ``{"ready": true, ...}`` when up. The relay then answers ``stats`` on
 stdin with its relayed byte count; the provider serves until killed; the fetcher dials
 its providers (circuit addresses through their relays, hole-punched), fetches the blob and
-prints one result line (``p2p.nat.NatFetch``, or ``{"error": ...}``), then exits.
+prints one result line (``p2p.nat.punch.NatFetch``, or ``{"error": ...}``), then exits.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ async def _lines() -> Any:
 
 async def run_relay(args: argparse.Namespace, store: str) -> None:
     from identity import TrustStore
-    from p2p.node import open_node
-    from p2p.relay import control_limits, relay_service
+    from p2p.nat.relay import control_limits, relay_service
+    from p2p.node.node import open_node
 
     trust = TrustStore(frozenset(bytes.fromhex(h) for h in args.trust)) if args.trust else None
     limits = control_limits(max_bytes=args.max_bytes) if args.max_bytes else control_limits()
@@ -66,8 +66,8 @@ async def run_relay(args: argparse.Namespace, store: str) -> None:
 
 
 async def run_provider(args: argparse.Namespace, store: str) -> None:
-    from p2p.nat import reachable
-    from p2p.node import open_node
+    from p2p.nat.punch import reachable
+    from p2p.node.node import open_node
 
     async with open_node(
         store, listen=[args.listen], dht=args.dht, bootstrap=args.bootstrap, fast=not args.slow
@@ -95,8 +95,8 @@ async def run_provider(args: argparse.Namespace, store: str) -> None:
 
 
 async def run_fetcher(args: argparse.Namespace, store: str) -> None:
-    from p2p.nat import NatUnreachable, fetch_with_nat
-    from p2p.node import open_node
+    from p2p.nat.punch import NatUnreachable, fetch_with_nat
+    from p2p.node.node import open_node
 
     t0 = time.monotonic()
     async with open_node(

@@ -9,7 +9,7 @@ address at ``PORT`` (one node per host, so one fixed port: hole punching dials f
         result = nat.fetch("cafe", home.blob, [home.circuit_addrs[0]])
         nat.relayed_bytes(relay)  # what the relay carried
 
-A fetch's result is :class:`p2p.nat.NatFetch`'s JSON (``punches``, ``first_byte_s``,
+A fetch's result is :class:`p2p.nat.punch.NatFetch`'s JSON (``punches``, ``first_byte_s``,
 ``done_s``, ``bytes``) or ``{"error": ...}``; times count from the fetcher's node being
 up (its Python start-up excluded), so they are what ``blob get`` would add to its own.
 """

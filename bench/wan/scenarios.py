@@ -14,7 +14,7 @@ few milliseconds, and the fan-out's time runs from that moment.
 
 This used to be a throttle: the seeder's uplink held at 2 Mbit/s until every fetcher
 held the manifest. With a 50 ms drop-tail queue that is one 9000-byte packet, and once
-the first fetcher (its seeder's only one, so free of the swarm's opening caps: p2p.swarm
+the first fetcher (its seeder's only one, so free of the swarm's opening caps: p2p.blob.swarm
 rule 6) had requests out, the later fetchers' handshakes and manifests were lost behind
 them, again and again, for seconds: gets failed that no real 100 Mbit/s uplink fails.
 """
@@ -52,7 +52,7 @@ class FanOut:
     seeder_mbit: float
     total_s: float  # the seeder's uplink opened (all gets up) -> the last one exited
     # ... -> the last one held the whole blob (its report's done_at: before it lingered
-    # to serve fellows, p2p.swarm rule 5); None if a get did not say
+    # to serve fellows, p2p.blob.swarm rule 5); None if a get did not say
     all_hold_s: float | None
     span_s: float | None  # first verified chunk anywhere -> the last exit (no start-up)
     seeder_uplink_bytes: int  # what left the seeder's uplink, retransmissions included

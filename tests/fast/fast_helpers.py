@@ -18,8 +18,8 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 from p2pd_client import DaemonConn
 
-import p2p.fast as fast
-from p2p.fast import FastSecureConn, FastYamuxConn
+import p2p.transport.fast as fast
+from p2p.transport.fast import FastSecureConn, FastYamuxConn
 
 ECHO = TProtocol("/blobnet-test/echo/1.0.0")
 # What a DaemonStream read without a size asks the daemon's unix socket for.
@@ -165,10 +165,10 @@ class DaemonPeerConn:
 
 
 class DaemonStream:
-    """A p2pd stream as blobnet's blob protocol uses a libp2p stream (`p2p.wire.Stream`,
+    """A p2pd stream as blobnet's blob protocol uses a libp2p stream (`p2p.blob.shell.Stream`,
     plus `.muxed_conn.peer_id` for BlobServer's per-peer limits).
 
-    `read` returns b"" at EOF (which `p2p.wire.read_some` takes as EOF, like py-libp2p's
+    `read` returns b"" at EOF (which `p2p.blob.shell.read_some` takes as EOF, like py-libp2p's
     StreamEOF). `close` half-closes the unix socket, but this p2pd then ends the libp2p
     stream both ways (a reply still owed is lost), so close only when done reading. The
     control protocol has no reset; `reset` closes the socket outright, the nearest thing."""

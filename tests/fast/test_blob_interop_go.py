@@ -24,10 +24,10 @@ from libp2p.peer.id import ID
 from p2pd_client import DaemonClient, DaemonConn, StreamInfo, run_daemon
 
 from blobstore import MIN_CHUNK_SIZE, Manifest, Store
-from p2p import protocol as proto
-from p2p.node import open_node
-from p2p.server import BlobServer
-from p2p.wire import BlobClient
+from p2p.blob import protocol as proto
+from p2p.blob.server import BlobServer
+from p2p.blob.shell import BlobClient
+from p2p.node.node import open_node
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ import struct
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p.fast.errors import NoiseProtocolError, YamuxProtocolError
-from p2p.fast.noise_frames import CipherState, FrameReader, FrameWriter
-from p2p.fast.yamux_core import HEADER, YamuxSession
+from p2p.transport.fast.errors import NoiseProtocolError, YamuxProtocolError
+from p2p.transport.fast.noise_frames import CipherState, FrameReader, FrameWriter
+from p2p.transport.fast.yamux_core import HEADER, YamuxSession
 
 KEY = bytes(range(32))
 FUZZ = settings(max_examples=250, deadline=None)

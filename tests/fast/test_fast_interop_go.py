@@ -28,7 +28,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from p2pd_client import DaemonClient, StreamInfo, run_daemon
 
-from p2p.fast import FastYamuxStream
+from p2p.transport.fast import FastYamuxStream
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import pytest
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from noise.backends.default.ciphers import ChaCha20Cipher  # type: ignore[import-untyped]
 
-from p2p.fast.errors import LocalProtocolError, NoiseProtocolError
-from p2p.fast.noise_frames import (
+from p2p.transport.fast.errors import LocalProtocolError, NoiseProtocolError
+from p2p.transport.fast.noise_frames import (
     MAX_FRAME,
     MAX_NONCE,
     MAX_PLAINTEXT,

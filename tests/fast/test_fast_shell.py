@@ -14,9 +14,9 @@ from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.utils import encode_delim
 
-from p2p.fast import FastSecureConn, FastYamuxConn
-from p2p.fast.noise_frames import CipherState, FrameReader
-from p2p.fast.yamux_core import HEADER, TYPE_DATA
+from p2p.transport.fast import FastSecureConn, FastYamuxConn
+from p2p.transport.fast.noise_frames import CipherState, FrameReader
+from p2p.transport.fast.yamux_core import HEADER, TYPE_DATA
 
 KEY_OUT = bytes(range(32))
 KEY_IN = bytes(range(1, 33))
@@ -156,7 +156,7 @@ async def test_a_young_connection_sends_its_small_frames_together() -> None:
     """A new connection may send ~10 segments before its first ACK; its first frames are
     small and many, so they are corked for COALESCE_S and leave together: the first
     answers of a fetch at 200 ms came a round trip sooner (0.2 s, not 0.4 s)."""
-    from p2p.fast import noise
+    from p2p.transport.fast import noise
 
     ours, theirs = _tcp_pair()
     conn = make_conn(ours)

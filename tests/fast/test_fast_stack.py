@@ -21,8 +21,14 @@ from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF, StreamReset
 from libp2p.peer.peerinfo import PeerInfo
 
-from p2p.fast import FastYamuxConn, FastYamuxStream, kernel_rtt, read_exactly_into, read_into
-from p2p.fast.yamux_core import HEADER, INITIAL_WINDOW, TYPE_DATA
+from p2p.transport.fast import (
+    FastYamuxConn,
+    FastYamuxStream,
+    kernel_rtt,
+    read_exactly_into,
+    read_into,
+)
+from p2p.transport.fast.yamux_core import HEADER, INITIAL_WINDOW, TYPE_DATA
 
 SINK = TProtocol("/blobnet-test/sink/1.0.0")
 

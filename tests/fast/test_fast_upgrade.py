@@ -22,10 +22,10 @@ from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.security.security_multistream import SecurityMultistream
 from libp2p.utils import encode_delim
 
-from p2p.fast import upgrade
-from p2p.fast.noise import FastNoiseTransport
-from p2p.fast.upgrade import AnsweredFirst, FastSecurityMultistream, select_pipelined
-from p2p.host import build_host
+from p2p.transport.fast import upgrade
+from p2p.transport.fast.noise import FastNoiseTransport
+from p2p.transport.fast.upgrade import AnsweredFirst, FastSecurityMultistream, select_pipelined
+from p2p.transport.host import build_host
 
 HEADER = encode_delim(b"/multistream/1.0.0")
 NOISE = TProtocol("/noise")

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from p2p.fast.errors import LocalProtocolError, YamuxProtocolError
-from p2p.fast.yamux_core import (
+from p2p.transport.fast.errors import LocalProtocolError, YamuxProtocolError
+from p2p.transport.fast.yamux_core import (
     DEFAULT_MAX_WINDOW,
     FLAG_ACK,
     FLAG_FIN,
@@ -411,7 +411,7 @@ def test_a_dialler_that_did_not_wait_checks_the_muxer_echo_before_the_first_fram
     split: int,
 ) -> None:
     """The dialler sent its /yamux/1.0.0 proposal and opened a stream in the same flight
-    (p2p.fast.upgrade): the listener's echo, in any split, is taken off before the frames
+    (p2p.transport.fast.upgrade): the listener's echo, in any split, is taken off before the frames
     that follow it, which are then yamux as usual."""
     dialler = YamuxSession(is_initiator=True, expect=ECHO)
     st = dialler.open_stream()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import trio
 
-from p2p import protocol as proto
+from p2p.blob import protocol as proto
 
 Serve = Callable[[proto.ServerConnection, proto.Request], tuple[bytes, bool]]
 

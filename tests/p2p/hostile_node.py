@@ -29,8 +29,8 @@ import trio
 from libp2p.custom_types import TProtocol
 
 from blobstore import ChunkReader, Store
-from p2p import protocol as proto
-from p2p.node import open_node
+from p2p.blob import protocol as proto
+from p2p.node.node import open_node
 
 
 class HostileStore:

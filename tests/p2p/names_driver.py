@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from p2p import names  # noqa: E402
-from p2p import names_protocol as wire  # noqa: E402
-from p2p.node import open_node  # noqa: E402
-from p2p.wire import close_quietly, write_all  # noqa: E402
+from p2p.blob.shell import close_quietly, write_all  # noqa: E402
+from p2p.names import protocol as wire  # noqa: E402
+from p2p.names import service as names  # noqa: E402
+from p2p.node.node import open_node  # noqa: E402
 
 # A command that takes longer than this is a hang: answer with an error instead.
 COMMAND_TIMEOUT = 30.0

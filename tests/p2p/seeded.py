@@ -12,7 +12,7 @@ from pathlib import Path
 import trio
 
 from blobstore import Store
-from p2p.node import Node, open_node
+from p2p.node.node import Node, open_node
 
 CHUNK = 64 * 1024
 DATA = bytes(range(256)) * (4 * CHUNK // 256)  # 4 chunks

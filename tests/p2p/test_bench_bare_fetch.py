@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from p2p.fast.noise_frames import CipherState, FrameWriter
-from p2p.fast.yamux_core import HEADER as YAMUX_HEADER
-from p2p.fast.yamux_core import TYPE_DATA
-from p2p.protocol import encode_chunk_header
+from p2p.blob.protocol import encode_chunk_header
+from p2p.transport.fast.noise_frames import CipherState, FrameWriter
+from p2p.transport.fast.yamux_core import HEADER as YAMUX_HEADER
+from p2p.transport.fast.yamux_core import TYPE_DATA
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 if str(BENCH) not in sys.path:

@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from p2p import NodeStopped, P2PError
-from p2p.blocking import BlockingNode, NodeNotRunning
+from p2p.node.blocking import BlockingNode, NodeNotRunning
 
 
 class NodeCrash(Exception):

@@ -11,9 +11,9 @@ import trio
 import trio.testing
 from fake_stream import FakeStream, Serve
 
-from p2p import protocol as proto
-from p2p.buffers import ChunkBuffers
-from p2p.wire import BlobClient, ChunkSink, StreamLost
+from p2p.blob import protocol as proto
+from p2p.blob.buffers import ChunkBuffers
+from p2p.blob.shell import BlobClient, ChunkSink, StreamLost
 
 BLOB = "0123456789abcdef" * 4
 
@@ -445,8 +445,8 @@ def manifest_answer(body: bytes) -> bytes:
 async def test_an_optimistic_stream_checks_the_echo_before_the_first_response() -> None:
     """Issue 15 item 4: the protocol is proposed and the first request sent without
     waiting; the client reads the peer's echo of the proposal, then the response."""
-    from p2p.node import BLOB_PROPOSAL
-    from p2p.wire import OptimisticStream
+    from p2p.blob.shell import OptimisticStream
+    from p2p.node.node import BLOB_PROPOSAL
 
     raw = Canned(BLOB_PROPOSAL + manifest_answer(b"the manifest"))
     client = BlobClient(OptimisticStream(raw, BLOB_PROPOSAL))
@@ -460,8 +460,8 @@ async def test_an_optimistic_stream_checks_the_echo_before_the_first_response() 
     [b"\x03na\n", b"\x13/multistream/1.0.0\n\x03na\n", b"\x13/multistream/1.0.0\n"],
 )
 async def test_a_peer_refusing_the_protocol_is_a_lost_stream_not_garbage(answer: bytes) -> None:
-    from p2p.node import BLOB_PROPOSAL
-    from p2p.wire import OptimisticStream
+    from p2p.blob.shell import OptimisticStream
+    from p2p.node.node import BLOB_PROPOSAL
 
     client = BlobClient(OptimisticStream(Canned(answer), BLOB_PROPOSAL))
     with pytest.raises(StreamLost, match=r"refused|negotiation"):

@@ -1,4 +1,4 @@
-"""p2p.chunk_writer: chunks verified and written by the download's own threads, with the
+"""p2p.fetch.chunk_writer: chunks verified and written by the download's own threads, with the
 store's answers and errors handed back to the waiting task, never abandoned on cancel."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import trio
 from blake3 import blake3
 
 from blobstore import CorruptChunk, Manifest, Store
-from p2p.chunk_writer import MAX_WRITER_THREADS, ChunkWriter, default_writer_threads
+from p2p.fetch.chunk_writer import MAX_WRITER_THREADS, ChunkWriter, default_writer_threads
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from blobstore import BadCollection, BlobNotFound, Store, StoreError
-from p2p.export import export_files, link_file
+from blobstore.export import export_files, link_file
 
 
 @pytest.fixture

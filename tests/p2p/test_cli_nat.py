@@ -18,7 +18,7 @@ import pytest
 from identity import Authority, MachineKey
 from identity.keyfile import create_key_file
 from identity.signer import SoftwareSigner
-from p2p.ticket import Ticket
+from p2p.blob.ticket import Ticket
 
 from .conftest import LISTEN, Cluster, NodeProcess, blob_cmd, random_file, run_blob
 
@@ -90,7 +90,7 @@ def test_a_private_provider_hands_out_its_circuit_and_a_ticket_to_it_fetches_dir
 
 def _blob_here(capsys: pytest.CaptureFixture[str], tmp_path: Path, *args: str) -> tuple[int, str]:
     """``blob ARGS`` in this process (mistakes are found before any node starts)."""
-    from p2p import cli as blob_cli
+    from p2p.cli.main import main as blob_cli
 
     argv = ["--store", str(tmp_path / "store"), "--key", str(tmp_path / "key"), *args]
     with pytest.raises(SystemExit) as done:
@@ -175,8 +175,8 @@ def test_get_listens_on_loopback_only_when_everyone_it_names_is_on_this_machine(
     """Fellow fetchers on other machines fetch from a ``blob get`` and hole punching
     dials from its listen port, so it listens on every interface unless every peer it
     names (directly, in a ticket, as a relay or bootstrap peer) is local."""
-    from p2p.nat_cli import NAT_DEFAULT_LISTEN
-    from p2p.net_cli import DEFAULT_LISTEN, fetch_listen
+    from p2p.cli.nat import NAT_DEFAULT_LISTEN
+    from p2p.cli.net import DEFAULT_LISTEN, fetch_listen
 
     remote = f"/ip4/10.1.2.3/tcp/4001/p2p/{PEER}"
     assert fetch_listen([], [ADDR, f"{ADDR}/p2p-circuit/p2p/{PEER}"]) == DEFAULT_LISTEN

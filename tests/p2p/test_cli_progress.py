@@ -4,8 +4,8 @@ of the blob looked like it arrived in the first instant)."""
 
 from __future__ import annotations
 
-from p2p.downloader import Progress
-from p2p.net_cli import ProgressBar
+from p2p.cli.net import ProgressBar
+from p2p.fetch.downloader import Progress
 
 MiB = 1024 * 1024
 

@@ -13,8 +13,8 @@ import pytest
 from safetensors.numpy import save
 
 from blobstore import Store
-from p2p import protocol as proto
-from p2p.tensors import (
+from p2p.blob import protocol as proto
+from p2p.fetch.tensors import (
     BadSafetensors,
     TensorInfo,
     _requests,

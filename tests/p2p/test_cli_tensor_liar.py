@@ -12,16 +12,16 @@ import pytest
 from safetensors.numpy import save
 
 from blobstore import Store
-from p2p import protocol as proto
+from p2p.blob import protocol as proto
 from p2p.errors import FetchFailed
-from p2p.tensors import fetch_tensors
+from p2p.fetch.tensors import fetch_tensors
 from tests.p2p.fake_stream import FakeStream
 
 CHUNK = 64 * 1024  # the smallest chunk size, so the file spans several chunks
 
 
 class Providers:
-    """A node (what ``fetch_tensors`` uses of ``p2p.node.Node``) with store ``store`` whose
+    """A node (what ``fetch_tensors`` uses of ``p2p.node.node.Node``) with store ``store`` whose
     peers serve ``source``'s blobs; a peer named ``liar*`` flips the first byte of every
     chunk it sends."""
 

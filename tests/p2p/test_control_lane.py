@@ -1,10 +1,10 @@
-"""A striped fetch leaves its first connection to control streams (p2p.downloader rule 9):
+"""A striped fetch leaves its first connection to control streams (p2p.fetch.downloader rule 9):
 a busy seeder's bulk connections hold megabytes unsent, and a `status` or `peers` answer
 queued behind them waited seconds."""
 
 from __future__ import annotations
 
-from p2p.downloader import Download
+from p2p.fetch.downloader import Download
 
 
 def test_bulk_streams_leave_the_first_connection_to_control_streams() -> None:

@@ -16,10 +16,10 @@ import trio.testing
 from fake_stream import FakeStream
 
 from blobstore import Manifest, NoSpace, PartialBlob, Store
-from p2p import downloader
-from p2p import protocol as proto
-from p2p.buffers import ChunkBuffers
+from p2p.blob import protocol as proto
+from p2p.blob.buffers import ChunkBuffers
 from p2p.errors import unwrap_single
+from p2p.fetch import downloader
 
 CHUNK = 64 * 1024
 DATA = os.urandom(40 * CHUNK + 123)  # 41 chunks: more than two 16-chunk requests

@@ -13,8 +13,8 @@ from pathlib import Path
 import trio
 
 from blobstore import Store
-from p2p.node import NodeConfig, open_node
-from p2p.scheduler import StripeConfig
+from p2p.fetch.scheduler import StripeConfig
+from p2p.node.node import NodeConfig, open_node
 
 CHUNK = 64 * 1024
 # Loopback is far for this config: three lanes from any measured RTT.

@@ -1,6 +1,6 @@
 """A provider across an ocean (issue 15): its extra connections are dialled beside the
-manifest request, not after it (p2p.downloader.HaveProbes), and its bulk streams carry
-pipelined requests (p2p.downloader rule 10): the next `get` is at the server before the
+manifest request, not after it (p2p.fetch.downloader.HaveProbes), and its bulk streams carry
+pipelined requests (p2p.fetch.downloader rule 10): the next `get` is at the server before the
 current answer ends, so a lane does not idle a round trip between two requests. A provider
 that speaks only 1.0.0 refuses the 1.1.0 proposal; the fetch then goes on one request at a
 time, at no cost to that provider.
@@ -22,10 +22,10 @@ import trio.testing
 from fake_stream import FakeStream
 
 from blobstore import Manifest, Store
-from p2p import downloader
-from p2p import protocol as proto
-from p2p.scheduler import SchedulerConfig, StripeConfig
-from p2p.wire import OptimisticStream, multistream_message, proposal
+from p2p.blob import protocol as proto
+from p2p.blob.shell import OptimisticStream, multistream_message, proposal
+from p2p.fetch import downloader
+from p2p.fetch.scheduler import SchedulerConfig, StripeConfig
 
 RTT = 0.2  # virtual seconds: an intercontinental path, so the fetch stripes at once
 REFUSAL = multistream_message(b"/multistream/1.0.0") + multistream_message(b"na")

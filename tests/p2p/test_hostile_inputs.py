@@ -17,10 +17,10 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
-from p2p import protocol as proto
-from p2p.host import build_host
-from p2p.server import MAX_STREAMS_PER_PEER
-from p2p.wire import BlobClient
+from p2p.blob import protocol as proto
+from p2p.blob.server import MAX_STREAMS_PER_PEER
+from p2p.blob.shell import BlobClient
+from p2p.transport.host import build_host
 
 from .conftest import Cluster, NodeProcess, random_file
 

@@ -15,9 +15,9 @@ import trio
 from fake_stream import FakeStream
 
 from blobstore import Manifest
-from p2p import downloader
-from p2p import protocol as proto
+from p2p.blob import protocol as proto
 from p2p.errors import NoProviders
+from p2p.fetch import downloader
 
 CHUNK = 64 * 1024
 DATA = os.urandom(3 * CHUNK + 5)

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from identity import MachineKey, SoftwareSigner
-from p2p import names_protocol as wire
-from p2p.names_record import NameRecord, NameRejected, sign_record, verify
+from p2p.names import protocol as wire
+from p2p.names.record import NameRecord, NameRejected, sign_record, verify
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NOW = 1_800_000_000

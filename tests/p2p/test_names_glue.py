@@ -1,7 +1,7 @@
 """``blob publish`` beside a running ``blob serve``, then ``blob get PUBLISHER/NAME`` on
 another machine: real processes over TCP on 127.0.0.1.
 
-Needs the lead's glue (p2p/NAMES.md's commands registered in ``blob``, the catalog
+Needs the lead's glue (p2p/names/NAMES.md's commands registered in ``blob``, the catalog
 installed at node start); skipped, saying so, until it is in.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from identity import load_or_create_key
-from p2p import cli as blob_cli
+from p2p.cli.main import main as blob_cli
 
 from .conftest import Cluster, blob_cmd, last_json, random_file, run_blob
 

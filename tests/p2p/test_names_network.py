@@ -23,7 +23,7 @@ import pytest
 
 from blobstore import Store
 from identity import MachineKey, SoftwareSigner, load_or_create_key
-from p2p.names_record import sign_record
+from p2p.names.record import sign_record
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -21,19 +21,10 @@ import trio.testing
 
 from blobstore import Store
 from identity import Authority, MachineKey, SoftwareSigner, TrustStore
-from p2p import names_cache
-from p2p import names_protocol as wire
-from p2p.names import (
-    MAX_CONCURRENT_REQUESTS,
-    PUSH_WINDOW_S,
-    NameService,
-    NameValidator,
-    PushLimiter,
-    install,
-    resolve,
-)
-from p2p.names_cache import MAX_RECORDS_PER_PUBLISHER, NameCache
-from p2p.names_record import (
+from p2p.names import cache as names_cache
+from p2p.names import protocol as wire
+from p2p.names.cache import MAX_RECORDS_PER_PUBLISHER, NameCache
+from p2p.names.record import (
     MAX_NAME_LENGTH,
     MAX_NAME_RECORD_SIZE,
     BadName,
@@ -46,6 +37,15 @@ from p2p.names_record import (
     sign_record,
     supersedes,
     verify,
+)
+from p2p.names.service import (
+    MAX_CONCURRENT_REQUESTS,
+    PUSH_WINDOW_S,
+    NameService,
+    NameValidator,
+    PushLimiter,
+    install,
+    resolve,
 )
 
 NOW = 1_800_000_000  # a fixed "now": time is an argument, never read by the code under test

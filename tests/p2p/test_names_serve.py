@@ -17,8 +17,8 @@ import trio
 
 from blobstore import Store
 from identity import MachineKey, SoftwareSigner
-from p2p import names
-from p2p.node import open_node
+from p2p.names import service as names
+from p2p.node.node import open_node
 
 POLL = 0.1
 

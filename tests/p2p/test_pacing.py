@@ -10,8 +10,8 @@ import pytest
 import trio
 
 from blobstore import Store
-from p2p.node import NodeConfig, open_node
-from p2p.pacing import MIN_BURST_BYTES, MIN_UPLOAD_LIMIT, Pacer
+from p2p.blob.pacing import MIN_BURST_BYTES, MIN_UPLOAD_LIMIT, Pacer
+from p2p.node.node import NodeConfig, open_node
 
 MiB = 1 << 20
 MIB_HALF = MiB // 2
@@ -67,5 +67,5 @@ async def test_a_node_with_an_upload_limit_serves_no_faster_than_it(tmp_path: Pa
             await fetcher.fetch(blob_id, providers=seeder.addrs, announce=False)
         took = trio.current_time() - started
     assert fetcher.store.has(blob_id)
-    # The bucket lets through rate x time + one burst + one chunk (p2p.pacing's rule).
+    # The bucket lets through rate x time + one burst + one chunk (p2p.blob.pacing's rule).
     assert took >= (size - MIN_BURST_BYTES - MiB) / limit - 0.2, f"{size} bytes in {took:.2f} s"

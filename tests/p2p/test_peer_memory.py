@@ -10,9 +10,9 @@ import pytest
 import trio
 
 from blobstore import Store
-from p2p import peer_memory
-from p2p.node import open_node
-from p2p.scheduler import PeerScores
+from p2p.fetch import peer_memory
+from p2p.fetch.scheduler import PeerScores
+from p2p.node.node import open_node
 
 LIAR = "12D3KooWLiarLiarLiarLiarLiarLiarLiarLiarLiarLiarLiar"
 

@@ -13,8 +13,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from p2p import protocol
-from p2p.protocol import (
+from p2p.blob import protocol
+from p2p.blob.protocol import (
     MAX_CHUNK_SIZE,
     MAX_CHUNKS_PER_REQUEST,
     MAX_ERROR_MESSAGE,
@@ -738,7 +738,7 @@ def test_truncated_error_fits_the_limit_at_a_character_boundary() -> None:
 
 def test_the_largest_chunk_header_fits_the_servers_room_for_it() -> None:
     """The server writes each chunk header into HEADER_ROOM bytes just before the body."""
-    from p2p.server import HEADER_ROOM
+    from p2p.blob.server import HEADER_ROOM
 
     largest = protocol.encode_chunk_header(protocol.MAX_NUM_CHUNKS - 1, MAX_CHUNK_SIZE)
     assert len(largest) <= HEADER_ROOM

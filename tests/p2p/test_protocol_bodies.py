@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from p2p.protocol import (
+from p2p.blob.protocol import (
     Chunk,
     ClientConnection,
     End,

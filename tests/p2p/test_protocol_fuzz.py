@@ -14,7 +14,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2p.protocol import (
+from p2p.blob.protocol import (
     MAX_CHUNKS_PER_REQUEST,
     MAX_PIPELINED_REQUESTS,
     MAX_RANGES_PER_REQUEST,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2p.protocol import (
+from p2p.blob.protocol import (
     MAX_PIPELINED_REQUESTS,
     ClientConnection,
     End,

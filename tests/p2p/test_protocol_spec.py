@@ -10,7 +10,7 @@ from blake3 import blake3
 
 from blobstore import CollectionEntry, Manifest
 from blobstore.collection import COLLECTION_MAGIC, encode_collection
-from p2p import protocol
+from p2p.blob import protocol
 
 SPEC = (Path(protocol.__file__).parent / "PROTOCOL.md").read_text()
 ID = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"

@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.lowlevel
 
-from p2p import gossip
-from p2p.node import open_node
+from p2p.node import gossip
+from p2p.node.node import open_node
 
 pytestmark = [
     pytest.mark.timeout(120),

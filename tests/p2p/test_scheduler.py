@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from p2p.scheduler import (
+from p2p.fetch.scheduler import (
     ENDGAME_MIN_PATIENCE_S,
     PROTOCOL_MAX_CHUNKS_PER_REQUEST,
     RequestTicket,

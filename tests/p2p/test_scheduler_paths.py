@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from p2p.scheduler import (
+from p2p.fetch.scheduler import (
     PeerScores,
     Scheduler,
     SchedulerConfig,
@@ -95,7 +95,7 @@ def test_each_connection_gets_a_request_at_least() -> None:
 
 
 def test_pipelined_stripes_hold_depth_requests_per_connection_beyond_the_stream_cap() -> None:
-    """p2p.downloader rule 10: queued requests hold no server stream, so eight pipelined
+    """p2p.fetch.downloader rule 10: queued requests hold no server stream, so eight pipelined
     lanes two deep may hold sixteen live requests (the stream budget caps twelve)."""
     sched = Scheduler(256, length, config=CONFIG)
     sched.add_peer("p", 0.0)

@@ -21,7 +21,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from p2p.scheduler import (
+from p2p.fetch.scheduler import (
     ENDGAME_MIN_PATIENCE_S,
     ENDGAME_PATIENCE_RTTS,
     RequestTicket,

@@ -24,8 +24,8 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.transport.tcp.tcp import TCP
 from multiaddr import Multiaddr
 
-from p2p import protocol as proto
-from p2p.host import build_host
+from p2p.blob import protocol as proto
+from p2p.transport.host import build_host
 
 from .conftest import Cluster, NodeProcess, last_json, random_file, run_blob
 

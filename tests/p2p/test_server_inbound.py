@@ -1,8 +1,8 @@
 """Issue 16, item 2: silent sockets and idle connections must not lock a real peer out.
 
 py-libp2p 0.8.1 counts handshaking sockets against one slot counter, waits 10 s for a
-handshake and never gives a slot back; ``p2p.host.InboundGate`` replaces it. The unit tests
-drive the gate's bookkeeping directly; the others run a real host over TCP on 127.0.0.1,
+handshake and never gives a slot back; ``p2p.transport.host.InboundGate`` replaces it. The unit
+tests drive the gate's bookkeeping directly; the others run a real host over TCP on 127.0.0.1,
 with flooders binding other loopback addresses (127.0.0.2, 127.0.0.3) so they count as
 other machines.
 """
@@ -22,11 +22,11 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from blobstore import Store
-from p2p import host as host_mod
-from p2p import protocol as proto
-from p2p.host import InboundGate, address_key, build_host, install_inbound_gate
-from p2p.server import BlobServer
-from p2p.wire import BlobClient
+from p2p.blob import protocol as proto
+from p2p.blob.server import BlobServer
+from p2p.blob.shell import BlobClient
+from p2p.transport import host as host_mod
+from p2p.transport.host import InboundGate, address_key, build_host, install_inbound_gate
 
 PROTOCOL = TProtocol(proto.PROTOCOL_ID)
 

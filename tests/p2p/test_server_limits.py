@@ -28,11 +28,11 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from multiaddr import Multiaddr
 
 from blobstore import Store
-from p2p import host as host_mod
-from p2p import protocol as proto
-from p2p import server as server_mod
-from p2p.host import build_host
-from p2p.server import BlobServer, Budget
+from p2p.blob import protocol as proto
+from p2p.blob import server as server_mod
+from p2p.blob.server import BlobServer, Budget
+from p2p.transport import host as host_mod
+from p2p.transport.host import build_host
 
 pytestmark = [
     pytest.mark.integration,
@@ -263,7 +263,7 @@ async def test_rotten_chunk_is_never_sent_and_quarantines_the_blob(
         conn = proto.ClientConnection()
         await stream.write(conn.send_request(all_chunks(target.blob_id)))
         events: list[proto.Response] = []
-        with trio.fail_after(20), caplog.at_level(logging.WARNING, logger="p2p.server"):
+        with trio.fail_after(20), caplog.at_level(logging.WARNING, logger="p2p.blob.server"):
             while not events or isinstance(events[-1], proto.Chunk):
                 conn.receive_data(await stream.read(256 * 1024))
                 while (event := conn.next_event()) is not None:

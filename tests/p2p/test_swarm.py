@@ -8,9 +8,9 @@ import itertools
 
 import pytest
 
-from p2p import protocol as proto
-from p2p.scheduler import Scheduler, SchedulerConfig
-from p2p.swarm import PexBook, SwarmBook, listing, usable_addrs
+from p2p.blob import protocol as proto
+from p2p.blob.swarm import PexBook, SwarmBook, listing, usable_addrs
+from p2p.fetch.scheduler import Scheduler, SchedulerConfig
 
 BLOB = "ab" * 32
 ADDR = "/ip4/10.0.0.2/tcp/4001"

@@ -20,12 +20,12 @@ from libp2p.peer.id import ID
 from seeded import seeder_and_two_fetchers
 
 from blobstore import Manifest, Store
-from p2p import protocol as proto
-from p2p.downloader import ALONE_ANSWERS, Download, _CountProbe
-from p2p.node import open_node
-from p2p.scheduler import ALONE_ONCE_SHARE, Scheduler, SchedulerConfig, bitmap_of
-from p2p.swarm import FELLOW_WINDOW, SwarmBook
-from p2p.wire import BlobClient, StreamLost, open_optimistic
+from p2p.blob import protocol as proto
+from p2p.blob.shell import BlobClient, StreamLost, open_optimistic
+from p2p.blob.swarm import FELLOW_WINDOW, SwarmBook
+from p2p.fetch.downloader import ALONE_ANSWERS, Download, _CountProbe
+from p2p.fetch.scheduler import ALONE_ONCE_SHARE, Scheduler, SchedulerConfig, bitmap_of
+from p2p.node.node import open_node
 
 BLOB = "ef" * 32
 SWARM = SchedulerConfig(
@@ -164,7 +164,7 @@ def test_a_seeder_that_said_alone_once_is_owed_at_most_an_eighth_of_the_blob() -
     # Three fetchers started together: the first to ask hears "nobody else" and is not
     # alone. On that one answer it is owed at most an eighth of the blob, spread over its
     # connections (two full batches left six of eight lanes idle across an ocean); on
-    # the second (0.5 s later, p2p.downloader.ALONE_ANSWERS) the requests are full ones.
+    # the second (0.5 s later, p2p.fetch.downloader.ALONE_ANSWERS) the requests are full ones.
     s = Scheduler(64, lambda i: 1, config=SWARM)
     s.add_peer("seed", 0.0)
     s.set_connections("seed", 4)

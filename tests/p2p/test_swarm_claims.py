@@ -13,12 +13,12 @@ import trio
 from libp2p.peer.id import ID
 
 from blobstore import Manifest, Store
-from p2p import protocol as proto
-from p2p.downloader import _linger
-from p2p.node import open_node
-from p2p.scheduler import Scheduler, SchedulerConfig, bitmap_of
-from p2p.swarm import LINGER_MAX, LINGER_QUIET, FetchingBoard, fetching_board
-from p2p.wire import BlobClient, StreamLost, open_optimistic
+from p2p.blob import protocol as proto
+from p2p.blob.shell import BlobClient, StreamLost, open_optimistic
+from p2p.blob.swarm import LINGER_MAX, LINGER_QUIET, FetchingBoard, fetching_board
+from p2p.fetch.downloader import _linger
+from p2p.fetch.scheduler import Scheduler, SchedulerConfig, bitmap_of
+from p2p.node.node import open_node
 
 BLOB = "cd" * 32
 SWARM = SchedulerConfig(max_chunks_per_request=4, defer_to_partial_holders=True)

@@ -12,9 +12,9 @@ import pytest
 import trio
 
 from blobstore import Store
-from p2p.downloader import Progress
 from p2p.errors import P2PError
-from p2p.node import NodeConfig, open_node
+from p2p.fetch.downloader import Progress
+from p2p.node.node import NodeConfig, open_node
 
 MiB = 1 << 20
 

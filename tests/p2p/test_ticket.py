@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from p2p.blob.ticket import Ticket
 from p2p.errors import BadTicket
-from p2p.ticket import Ticket
 
 PEER = "12D3KooWGxP5jFCb1ZfeytT77zTWxzNbaBDCWUzozFeUwnRSbsES"
 ADDR = f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER}"

@@ -323,9 +323,9 @@ async def test_a_fetch_stripes_one_provider_over_several_tcp_connections(
     import trio
     from libp2p.peer.id import ID
 
-    from p2p import protocol as proto
-    from p2p.node import NodeConfig, open_node
-    from p2p.scheduler import SchedulerConfig, StripeConfig
+    from p2p.blob import protocol as proto
+    from p2p.fetch.scheduler import SchedulerConfig, StripeConfig
+    from p2p.node.node import NodeConfig, open_node
 
     source = random_file(tmp_path / "big.bin", 48 * MiB)
     blob_id = cluster.put("a", source)
@@ -369,7 +369,7 @@ async def test_a_rotten_local_copy_is_repaired_from_a_peer_not_trusted(
     fetched again."""
     import os
 
-    from p2p.node import open_node
+    from p2p.node.node import open_node
 
     source = random_file(tmp_path / "w.bin", 6 * MiB + 3)
     blob_id = cluster.put("good", source)
@@ -402,7 +402,7 @@ async def test_a_provider_that_never_handshakes_does_not_hold_up_the_fetch(
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.peer.id import ID
 
-    from p2p.node import DIAL_TIMEOUT, open_node
+    from p2p.node.node import DIAL_TIMEOUT, open_node
 
     source = random_file(tmp_path / "w.bin", 4 * MiB)
     blob_id = cluster.put("good", source)

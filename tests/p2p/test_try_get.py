@@ -16,8 +16,8 @@ import trio
 from libp2p.peer.id import ID
 from seeded import CHUNK, DATA, seeder_and_two_fetchers
 
-from p2p import protocol as proto
-from p2p.wire import BlobClient, open_optimistic
+from p2p.blob import protocol as proto
+from p2p.blob.shell import BlobClient, open_optimistic
 
 BLOB = "ef" * 32
 SPAN = ((0, 1),)

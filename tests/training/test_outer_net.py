@@ -28,7 +28,7 @@ from identity import (
     load_key_file,
     sign_attestation,
 )
-from p2p.node import open_node
+from p2p.node.node import open_node
 from training.outer.aggregate import aggregate, wrap_update
 from training.outer.agreement import decode_closure
 from training.outer.churn import ChurnPlan, ChurnResult, churn_run

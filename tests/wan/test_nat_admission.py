@@ -29,9 +29,8 @@ from multiaddr import Multiaddr
 
 from identity import AdmissionCertificate, Authority, MachineKey, TrustStore
 from identity.signer import SoftwareSigner
-from p2p.host import build_host
-from p2p.nat import MAX_PUNCHES, punch_circuits
-from p2p.relay import (
+from p2p.nat.punch import MAX_PUNCHES, punch_circuits
+from p2p.nat.relay import (
     REACH_PROTOCOL,
     AdmissionBook,
     AdmittedRelay,
@@ -43,6 +42,7 @@ from p2p.relay import (
     relay_service,
     reserve,
 )
+from p2p.transport.host import build_host
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -165,7 +165,7 @@ def test_the_admission_book_forgets_nobody_early_and_holds_a_bounded_number() ->
 
 
 class _Peer:
-    """What p2p.nat needs of a node: its host, and a way to dial an address."""
+    """What p2p.nat.punch needs of a node: its host, and a way to dial an address."""
 
     def __init__(self, host: IHost) -> None:
         self.host = host

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.timeout(60)
 
 RUN_BLOB_WITH_RELAY = (
     "import sys\n"
-    "from p2p.cli import cli, main\n"
-    "from p2p.relay_cli import relay\n"
+    "from p2p.cli.main import cli, main\n"
+    "from p2p.cli.relay import relay\n"
     "cli.add_command(relay)\n"
     "main(sys.argv[1:])\n"
 )
@@ -45,7 +45,7 @@ def test_a_relay_without_an_authority_or_with_a_zero_limit_is_a_usage_error(
 
 
 def test_the_help_states_the_relays_real_default_limits(tmp_path: Path) -> None:
-    from p2p import relay
+    from p2p.nat import relay
 
     proc = _blob(tmp_path, "--help")
     out, _ = proc.communicate(timeout=30)

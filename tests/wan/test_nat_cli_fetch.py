@@ -32,7 +32,7 @@ from blobstore import Store
 from identity import Authority, MachineKey
 from identity.keyfile import create_key_file
 from identity.signer import SoftwareSigner
-from p2p.ticket import Ticket
+from p2p.blob.ticket import Ticket
 
 pytestmark = [pytest.mark.usefixtures("nat_capable"), pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -165,7 +165,7 @@ def test_natted_providers_are_fetched_from_directly_or_fail_in_one_line(tmp_path
                 "-o", str(tmp_path / "cafe.bin"),
             )  # fmt: skip
             # cafe and dorm punch to home at the same time: py-libp2p's relay closed one
-            # circuit's streams when another circuit to the same peer ended (p2p.relay,
+            # circuit's streams when another circuit to the same peer ended (p2p.nat.relay,
             # AdmittedRelay._relay_data), so one of them never punched.
             dorm = run.start(
                 "dorm", "get", blob_id, *fetch, "--bootstrap", relay_addr,

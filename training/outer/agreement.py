@@ -88,7 +88,7 @@ CLOSURE_DOMAIN = b"blobnet/outer-closure/v1"
 RANK_DOMAIN = b"blobnet/outer-rank/v1"
 ATTESTATION_REF_DOMAIN = b"blobnet/outer-attestation-ref/v1"
 CLOSURE_VERSION = 1
-# At most this many updates in one closure: p2p.gossip sizes its rate limits for a run of
+# At most this many updates in one closure: p2p.node.gossip sizes its rate limits for a run of
 # at most MAX_RUN_WORKERS workers, and a closure never names more workers than the run has.
 MAX_INCLUDED = 64
 # An update attestation with its certificate is about 700 bytes: 64 of them, the closure's

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-# Within its first GOSSIP_WINDOW heartbeats (3 s, p2p.gossip) a message that a mesh peer
+# Within its first GOSSIP_WINDOW heartbeats (3 s, p2p.node.gossip) a message that a mesh peer
 # missed is recovered by gossipsub itself (IHAVE / IWANT), so the first re-send waits that
 # long; later ones back off to about one per round at the default deadline. (Re-sending
 # after 1 s made announcements half of a worker's bytes per round on 3 workers.)
@@ -74,7 +74,7 @@ class Announcer:
 # round at the default deadline.
 DIAL_FIRST = 1.0
 DIAL_MAX = 8.0
-# Peers remembered: every admitted worker of the largest run (p2p.gossip.MAX_RUN_WORKERS)
+# Peers remembered: every admitted worker of the largest run (p2p.node.gossip.MAX_RUN_WORKERS)
 # with room for as many that left; the oldest-heard are forgotten first.
 MAX_PEERS = 128
 # Addresses kept per peer (newest first): a node listens on a handful.

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from p2p.nat_cli import NAT_DEFAULT_LISTEN, check_relays, relay_options
+from p2p.cli.nat import NAT_DEFAULT_LISTEN, check_relays, relay_options
 from training.outer.loop import MODES, SimConfig, SimResult
 
 _DEFAULTS = SimConfig()
@@ -134,7 +134,7 @@ def _run_options(f: Any) -> Any:
     options = [
         click.option(
             "--workers",
-            type=click.IntRange(1, 64),  # p2p.gossip.MAX_RUN_WORKERS
+            type=click.IntRange(1, 64),  # p2p.node.gossip.MAX_RUN_WORKERS
             required=True,
             help="K: a round closes early once updates from K workers are in.",
         ),
@@ -390,7 +390,7 @@ def run_command(
     from training.outer.params import OuterRunFailed
 
     if publish_as is not None:
-        from p2p.names import check_name
+        from p2p.names.service import check_name
 
         check_name(publish_as)  # refused before any worker starts
     params = _params(run_id, **run)

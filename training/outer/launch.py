@@ -82,17 +82,17 @@ def _load_identity(
 
 async def run_worker(config: WorkerConfig) -> dict[str, Any]:
     """Run one worker to the end of the run; returns (and writes) its result."""
-    from p2p.node import open_node
+    from p2p.node.node import open_node
 
     if config.initial is None and not config.join:
         raise OuterNetError("a worker needs the initial state blob ID (--initial) or --join")
     if config.publish is not None:
-        from p2p.names import check_name
+        from p2p.names.service import check_name
 
         check_name(config.publish)  # a bad name is refused before any training
     key, certificate, trust = _load_identity(config)
-    from p2p.nat_cli import behind_nat
-    from p2p.node import NodeConfig
+    from p2p.cli.nat import behind_nat
+    from p2p.node.node import NodeConfig
 
     node_config = NodeConfig(
         listen=(config.listen,),

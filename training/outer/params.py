@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from p2p.gossip import MAX_RUN_WORKERS
+from p2p.node.gossip import MAX_RUN_WORKERS
 from training.errors import TrainingError
 from training.outer.codec import CodecParams
 from training.outer.loop import (
@@ -79,7 +79,9 @@ class RunParams:
         if self.workers < 1 or self.rounds < 0 or self.inner_steps < 1 or self.deadline <= 0:
             raise ValueError("workers and inner steps must be >= 1, rounds >= 0, deadline > 0")
         if self.workers > MAX_RUN_WORKERS:
-            raise ValueError(f"a run has at most {MAX_RUN_WORKERS} workers (p2p.gossip's limits)")
+            raise ValueError(
+                f"a run has at most {MAX_RUN_WORKERS} workers (p2p.node.gossip's limits)"
+            )
         if self.proposer_timeout <= 0:
             raise ValueError("the proposer timeout must be > 0")
         if not 0.0 <= self.replay_rate <= 1.0:
@@ -124,7 +126,7 @@ class WorkerConfig:
     # Test hook: from this round on, train on other batch rows than the commitment names
     # (an update that does not match its commitment; replay must catch it).
     cheat_from_round: int | None = None
-    # Name the final state blob <this peer ID>/NAME at the end (p2p/NAMES.md).
+    # Name the final state blob <this peer ID>/NAME at the end (p2p/names/NAMES.md).
     publish: str | None = None
     # Behind NAT (issue 20): relays to reserve on when no relay can dial this worker back
     # (its own admission certificate is what the relays check), and whether a fetch may

@@ -146,7 +146,7 @@ from training.outer.state_blob import BadStateBlob, decode_state, encode_state
 from training.outer.trainer import Trainer
 
 if TYPE_CHECKING:
-    from p2p.node import Node
+    from p2p.node.node import Node
 
 # A fetch attempt with no progress for this long is abandoned and tried again.
 FETCH_STALL = 20.0

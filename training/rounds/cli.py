@@ -337,7 +337,7 @@ def run_command(
     from training.rounds.round import RoundInputs, run_round
 
     if publish_as is not None:
-        from p2p.names import check_name
+        from p2p.names.service import check_name
 
         check_name(publish_as)  # refuse a bad name before any training
     recipe = Recipe.decode(_read(recipe_path, "recipe", 1 << 16))
@@ -371,7 +371,7 @@ def run_command(
     c = result.commitment
     published = None
     if publish_as is not None:
-        from p2p.names import publish_in_store
+        from p2p.names.service import publish_in_store
 
         published = publish_in_store(store, signer, publish_as, c.adapter_id, now=time.time())
     if as_json:
@@ -419,7 +419,7 @@ def replay_command(
     from training.rounds.round import check_certificate, load_record, replay_round, required_inputs
 
     if output is not None:
-        from p2p.export import check_output
+        from blobstore.export import check_output
 
         check_output(output)  # a missing directory, before the fetch and the whole replay
     store = _store(ctx)

@@ -1,0 +1,238 @@
+"""The ``blob`` program.
+
+It lives here, in the highest package that needs no torch, and gathers the commands of
+the packages it stands on (``blobstore.cli``, ``identity.cli``) by import, and those of the
+packages above it (``training``) through the ``blobnet.cli`` entry-point group, loaded only
+when one of their commands is asked for, so ``blob put`` never imports torch.
+
+Global options: ``--store``, ``--key``, ``--json`` and ``-v`` may come before the
+subcommand or after it (``blob ls --store X``). ``--store`` and ``--key`` are added to every
+command that has no option of that name (at load time, so entry-point groups get them
+too); ``--json`` and ``-v`` before the subcommand become the defaults of the subcommand's
+own ``--json`` and ``-v`` options through click's ``default_map``.
+
+Error boundary: every user-facing error class in blobnet carries an integer ``exit_code``
+class attribute. ``main`` turns such an error into one line on stderr and that exit status,
+with no traceback. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+import click
+
+from blobstore import cli as blobstore_cli
+from identity import cli as identity_cli
+from p2p.cli import names as names_cli
+from p2p.cli import net as net_cli
+from p2p.cli import relay as relay_cli
+from p2p.errors import unwrap_single
+
+# Documented exit codes (README "Exit codes"); the packages' error classes use these values.
+EXIT_OK = 0
+EXIT_INTERRUPTED = 130
+
+
+def default_store_root() -> Path:
+    """``$XDG_DATA_HOME/blobnet/store`` (``~/.local/share/blobnet/store`` by default)."""
+    data_home = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data_home) / "blobnet" / "store"
+
+
+def default_key_path() -> Path:
+    """``$XDG_CONFIG_HOME/blobnet/machine.key`` (``~/.config/blobnet/machine.key``)."""
+    config_home = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(config_home) / "blobnet" / "machine.key"
+
+
+# The options any command accepts after its name, whether or not it declares them: the
+# parameter name in the root context's ``obj`` and the option's help.
+_GLOBAL_PATH_OPTIONS = {
+    "--store": ("store_root", "Store directory (same as before the command)."),
+    "--key": ("key_path", "Machine key file (same as before the command)."),
+}
+# Per-command options that a global flag before the subcommand sets the default of.
+_GLOBAL_FLAG_PARAMS = ("as_json", "verbose")
+
+
+def _set_root(name: str) -> Any:
+    def callback(ctx: click.Context, _param: click.Parameter, value: Path | None) -> None:
+        if value is not None:
+            ctx.find_root().ensure_object(dict)[name] = value
+
+    return callback
+
+
+def add_global_options(command: click.Command) -> click.Command:
+    """Give ``command`` (and, for a group, every command in it) the ``--store`` and
+    ``--key`` options where it lacks them. Idempotent."""
+    if getattr(command, "_blobnet_globals", False):
+        return command
+    taken = {opt for param in command.params for opt in getattr(param, "opts", ())}
+    for flag, (name, help_text) in _GLOBAL_PATH_OPTIONS.items():
+        if flag in taken:
+            continue
+        command.params.append(
+            click.Option(
+                [flag],
+                type=click.Path(path_type=Path, dir_okay=name == "store_root"),
+                expose_value=False,
+                callback=_set_root(name),
+                help=help_text,
+            )
+        )
+    command._blobnet_globals = True  # type: ignore[attr-defined]
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            add_global_options(sub)
+    return command
+
+
+def _flag_defaults(command: click.Command, values: dict[str, Any]) -> dict[str, Any]:
+    """A ``default_map`` for ``command``: ``values`` for the parameters it has, nested
+    for a group's commands."""
+    out: dict[str, Any] = {
+        param.name: values[param.name]
+        for param in command.params
+        if param.name in values and isinstance(param, click.Option)
+    }
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            nested = _flag_defaults(sub, values)
+            if nested:
+                out[name] = nested
+    return out
+
+
+class BlobGroup(click.Group):
+    """A group that also lists and loads the entry-point command groups lazily, and gives
+    every command the global options (see the module docstring)."""
+
+    def _plugins(self) -> dict[str, Any]:
+        return {ep.name: ep for ep in entry_points(group="blobnet.cli")}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self._plugins()})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            return add_global_options(command)
+        plugin = self._plugins().get(cmd_name)
+        if plugin is None:
+            return None
+        try:
+            loaded = plugin.load()
+        except ImportError as exc:
+            return _unavailable(cmd_name, exc)
+        return add_global_options(loaded) if isinstance(loaded, click.Command) else None
+
+
+class CommandUnavailable(Exception):
+    """A command group could not be loaded (an optional extra is not installed)."""
+
+    exit_code = 5
+
+
+def _unavailable(name: str, exc: ImportError) -> click.Command:
+    message = f"`blob {name}` is unavailable: {exc} (install blobnet[train])"
+
+    @click.command(
+        name, context_settings={"ignore_unknown_options": True}, help=message, add_help_option=False
+    )
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def command(args: tuple[str, ...]) -> None:
+        raise CommandUnavailable(message)
+
+    return command
+
+
+@click.group(cls=BlobGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--store",
+    "store_root",
+    envvar="BLOBNET_STORE",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Store directory (env BLOBNET_STORE; default under $XDG_DATA_HOME/blobnet).",
+)
+@click.option(
+    "--key",
+    "key_path",
+    envvar="BLOBNET_KEY",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Machine key file (env BLOBNET_KEY; default $XDG_CONFIG_HOME/blobnet/machine.key).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (any command).")
+@click.option("-v", "--verbose", count=True, help="More logging on stderr (network commands).")
+@click.version_option(package_name="blobnet")
+@click.pass_context
+def cli(
+    ctx: click.Context,
+    store_root: Path | None,
+    key_path: Path | None,
+    as_json: bool,
+    verbose: int,
+) -> None:
+    """blobnet: verified, content-addressed blobs over libp2p for decentralised training."""
+    obj = ctx.ensure_object(dict)
+    obj["store_root"] = store_root or default_store_root()
+    obj["key_path"] = key_path or default_key_path()
+    obj["as_json"] = as_json
+    given = zip(_GLOBAL_FLAG_PARAMS, (as_json, verbose), strict=True)
+    flags = {name: value for name, value in given if value}
+    sub_name = ctx.invoked_subcommand
+    if flags and sub_name is not None:
+        sub = cli.get_command(ctx, sub_name)
+        if sub is not None:
+            ctx.default_map = {sub_name: _flag_defaults(sub, flags)}
+
+
+blobstore_cli.register(cli)
+identity_cli.register(cli)
+net_cli.register(cli)  # after blobstore: its networked `get` replaces the local-only one
+names_cli.register(cli)
+cli.add_command(relay_cli.relay)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``blob`` console script."""
+    try:
+        result = cli.main(args=argv, prog_name="blob", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except click.UsageError as exc:
+        # One line, like every other error; the command's --help has the rest.
+        where = exc.ctx.command_path if exc.ctx is not None else "blob"
+        click.echo(f"{where}: error: {exc.format_message()} (see `{where} --help`)", err=True)
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("Interrupted.", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except BaseException as exc:
+        # trio wraps errors from concurrent tasks (and Ctrl-C inside them) in groups.
+        error: BaseException = exc
+        if isinstance(exc, BaseExceptionGroup):
+            if exc.subgroup(KeyboardInterrupt) is not None:
+                click.echo("Interrupted.", err=True)
+                sys.exit(EXIT_INTERRUPTED)
+            error = unwrap_single(exc)
+        code = getattr(type(error), "exit_code", None)
+        if not isinstance(error, Exception) or not isinstance(code, int):
+            raise
+        if code == EXIT_INTERRUPTED:
+            click.echo("Interrupted.", err=True)
+            sys.exit(code)
+        click.echo(f"blob: error: {error}", err=True)
+        sys.exit(code)
+    sys.exit(result if isinstance(result, int) else EXIT_OK)

@@ -1,0 +1,297 @@
+"""The node's cache of name records: the newest valid record per name, kept on disk.
+
+A node answers ``get(name)`` from this cache, so records it published or accepted keep
+being served after a restart. Records are self-authenticating; the cache only decides
+which one to keep.
+
+Rules:
+
+1. Only verified records enter (the caller verifies; :meth:`NameCache.load` re-verifies
+   what it reads back, so a damaged or expired file is dropped, never served).
+2. Per name, a record replaces the held one only if it supersedes it
+   (:func:`p2p.names.record.supersedes`); an older one is refused with OLDER. Offering
+   the held record again is accepted and changes nothing.
+3. Bounded: at most ``MAX_CACHED_RECORDS`` names in all and ``MAX_RECORDS_PER_PUBLISHER``
+   per publisher. When full, expired records are dropped first; if that frees nothing,
+   records from others are refused (``full``), this node's own publications never are.
+4. On disk: ``<store>/names/<64 hex of the record key>``, each the record's canonical
+   bytes, written through blobstore's one durable write helper (temp in the store's
+   ``tmp/``, fsync, rename, fsync dir), so a crash leaves the old record or the new one.
+   Writes are serialised and always write the *current* best, so two racing writes can
+   never leave an older record on disk. Across processes (``blob publish`` or
+   ``blob train run --publish`` beside ``blob serve``) each write holds
+   ``<store>/locks/names`` (the store's private lock directory: no other user can take
+   it) and first reads the saved file: a record there that is as new or newer than this
+   process's is adopted, not overwritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from blobstore import StoreBusy
+from blobstore.durable import os_errors, try_lock_fd, write_file_atomic
+from p2p.names.record import (
+    MAX_NAME_RECORD_SIZE,
+    NameRecord,
+    NameRejected,
+    supersedes,
+    verify,
+)
+
+log = logging.getLogger(__name__)
+
+# A node is an index for its own runs and those it follows; thousands of names is a
+# busy catalog, and 4096 records of at most 5 KiB bound the cache to 20 MiB.
+MAX_CACHED_RECORDS = 4096
+# One publisher (one key, and keys are free) cannot fill the cache on its own; the same
+# bound caps a catalog listing.
+MAX_RECORDS_PER_PUBLISHER = 256
+NAMES_DIR = "names"
+_FILE_MODE = 0o644
+NAMES_LOCK = "names"  # in the store's locks/ directory
+# Another process holds the names lock only for one small durable write (milliseconds);
+# waiting longer means it is stuck, and the caller should hear so rather than hang.
+NAMES_LOCK_TIMEOUT = 10.0
+_LOCK_POLL = 0.005
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What the cache did with an offered record."""
+
+    accepted: bool
+    changed: bool
+    reason: str = ""
+
+
+class NameCache:
+    """The newest record per name key; persisted under ``directory`` when given."""
+
+    def __init__(
+        self,
+        directory: Path | None = None,
+        tmp_dir: Path | None = None,
+        lock_file: Path | None = None,
+    ) -> None:
+        self.directory = directory
+        self.tmp_dir = tmp_dir
+        self.lock_file = lock_file
+        self._records: dict[bytes, NameRecord] = {}
+        self._own: set[bytes] = set()
+        self._mutex = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._dir_stamp: int | None = None
+        # name -> (inode, mtime, size) of each saved file as last loaded: a reload reads
+        # and verifies only files that are new or replaced (each save is a new file), so
+        # a peer that alternates pushes and listings cannot make every listing re-verify
+        # the whole cache.
+        self._loaded: dict[str, tuple[int, int, int]] = {}
+
+    @classmethod
+    def for_store_root(cls, root: Path, tmp_dir: Path) -> NameCache:
+        return cls(root / NAMES_DIR, tmp_dir, root / "locks" / NAMES_LOCK)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, key: bytes) -> NameRecord | None:
+        return self._records.get(key)
+
+    def by_publisher(self, publisher: str) -> list[NameRecord]:
+        with self._mutex:
+            found = [r for r in self._records.values() if r.publisher == publisher]
+        return sorted(found, key=lambda r: r.name)[:MAX_RECORDS_PER_PUBLISHER]
+
+    def offer(self, record: NameRecord, *, now: float, own: bool = False) -> Offer:
+        """Keep ``record`` (already verified) if it is the newest for its name (rule 2,
+        3). Returns whether it was accepted and whether the held record changed."""
+        key = record.key
+        with self._mutex:
+            held = self._records.get(key)
+            if held is not None:
+                if held == record:
+                    if own:
+                        self._own.add(key)
+                    return Offer(accepted=True, changed=False)
+                if not supersedes(record, held):
+                    return Offer(
+                        accepted=False,
+                        changed=False,
+                        reason=f"older than the held record (seq {held.seq})",
+                    )
+            else:
+                full = self._full_for(record.publisher)
+                if full and not own:
+                    self._drop_expired(now)
+                    full = self._full_for(record.publisher)
+                if full and not own:
+                    return Offer(accepted=False, changed=False, reason=f"full ({full})")
+            self._records[key] = record
+            if own:
+                self._own.add(key)
+        return Offer(accepted=True, changed=True)
+
+    def _full_for(self, publisher: str) -> str:
+        if len(self._records) >= MAX_CACHED_RECORDS:
+            return f"{MAX_CACHED_RECORDS} names held"
+        count = sum(1 for r in self._records.values() if r.publisher == publisher)
+        if count >= MAX_RECORDS_PER_PUBLISHER:
+            return f"{MAX_RECORDS_PER_PUBLISHER} names held for this publisher"
+        return ""
+
+    def _drop_expired(self, now: float) -> None:
+        for key, record in list(self._records.items()):
+            if record.expires is not None and now >= record.expires:
+                del self._records[key]
+                self._own.discard(key)
+                self._unlink(key)
+
+    # --- disk --------------------------------------------------------------------------
+    def _path(self, key: bytes) -> Path:
+        assert self.directory is not None
+        return self.directory / key.hex()
+
+    def persist(self, key: bytes, *, now: float) -> None:
+        """Write the current record for ``key`` durably (rule 4), unless the saved file
+        already holds it or a newer one (another process wrote it; it is adopted).
+        Blocking: run it in a thread. Raises blobstore's typed errors for local I/O
+        failures."""
+        if self.directory is None or self.tmp_dir is None:
+            return
+        with self._write_lock:
+            record = self._records.get(key)
+            if record is None:
+                return
+            with os_errors(f"saving the name record {record.ref}"), self._process_lock():
+                self.directory.mkdir(exist_ok=True)
+                path = self._path(key)
+                saved = self._load_one(path, now) if path.exists() else None
+                if saved is not None and saved.key == key and not supersedes(record, saved):
+                    self.offer(saved, now=now, own=key in self._own)
+                    return
+                write_file_atomic(
+                    self._path(key),
+                    record.encode(),
+                    tmp_dir=self.tmp_dir,
+                    replace=True,
+                    mode=_FILE_MODE,
+                )
+
+    @contextlib.contextmanager
+    def _process_lock(self) -> Iterator[None]:
+        """Hold ``lock_file`` (when set) against other processes' writes; StoreBusy
+        after ``NAMES_LOCK_TIMEOUT`` seconds."""
+        if self.lock_file is None:
+            yield
+            return
+        fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            deadline = time.monotonic() + NAMES_LOCK_TIMEOUT
+            while not try_lock_fd(fd):
+                if time.monotonic() >= deadline:
+                    raise StoreBusy(
+                        f"{self.lock_file} has been held by another process for over "
+                        f"{NAMES_LOCK_TIMEOUT:g} s; is a blob command stuck?"
+                    )
+                time.sleep(_LOCK_POLL)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+    def _unlink(self, key: bytes) -> None:
+        if self.directory is None:
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(self._path(key))
+
+    def load(self, *, now: float, own_publisher: str | None = None) -> int:
+        """Read the records saved under ``directory`` (rule 1), also those another
+        process (``blob publish`` beside ``blob serve``) wrote since the last load;
+        returns how many were new or newer. Files that do not verify, or expired, are
+        deleted. Records by ``own_publisher`` count as this node's own (rule 3)."""
+        if self.directory is None:
+            return 0
+        changed = 0
+        with os_errors(f"reading name records in {self.directory}"):
+            try:
+                stamp = self.directory.stat().st_mtime_ns
+                entries = sorted(os.scandir(self.directory), key=lambda e: e.name)
+            except FileNotFoundError:
+                return 0
+            self._dir_stamp = stamp
+            loaded: dict[str, tuple[int, int, int]] = {}
+            for entry in entries[: MAX_CACHED_RECORDS * 2]:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+                if self._loaded.get(entry.name) == seen and self._holds(entry.name, now):
+                    loaded[entry.name] = seen
+                    continue
+                offer = self._offer_file(Path(entry.path), now, own_publisher)
+                if offer.accepted:
+                    loaded[entry.name] = seen
+                if offer.changed:
+                    changed += 1
+            self._loaded = loaded
+        return changed
+
+    def _holds(self, file_name: str, now: float) -> bool:
+        """Whether the live record of the file named ``file_name`` is held."""
+        try:
+            record = self._records.get(bytes.fromhex(file_name))
+        except ValueError:
+            return False
+        return record is not None and (record.expires is None or now < record.expires)
+
+    def load_if_changed(self, *, now: float, own_publisher: str | None = None) -> int:
+        """:meth:`load` if a file was added or replaced since the last one (a rename
+        into the directory changes its mtime), else nothing. Blocking."""
+        if self.directory is None:
+            return 0
+        try:
+            stamp = self.directory.stat().st_mtime_ns
+        except OSError:
+            return 0
+        if stamp == self._dir_stamp:
+            return 0
+        return self.load(now=now, own_publisher=own_publisher)
+
+    def reload_key(self, key: bytes, *, now: float, own_publisher: str | None = None) -> None:
+        """Offer the saved file of one name, if any (another process may have written a
+        newer record). Blocking: one small read."""
+        if self.directory is None:
+            return
+        path = self._path(key)
+        if path.exists():
+            self._offer_file(path, now, own_publisher)
+
+    def _offer_file(self, path: Path, now: float, own_publisher: str | None) -> Offer:
+        record = self._load_one(path, now)
+        if record is None or record.key.hex() != path.name:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return Offer(accepted=False, changed=False, reason="unusable file")
+        return self.offer(record, now=now, own=record.publisher == own_publisher)
+
+    def _load_one(self, path: Path, now: float) -> NameRecord | None:
+        try:
+            with path.open("rb") as f:
+                data = f.read(MAX_NAME_RECORD_SIZE + 1)
+        except OSError as exc:
+            log.warning("cannot read name record %s: %s", path, exc)
+            return None
+        try:
+            return verify(data, now=now)
+        except NameRejected as exc:
+            log.warning("dropping saved name record %s: %s", path.name, exc)
+            return None

@@ -1,0 +1,3 @@
+"""Reaching peers behind NAT: circuit relay v2 with admission (``relay``) and hole punching
+with fetches over a relayed path until a direct one is up (``punch``).
+"""

@@ -1,0 +1,615 @@
+"""Fetching from a provider behind NAT: through its relay, upgraded to a direct
+connection by hole punching (DCUtR), the blob itself over the direct connection.
+
+Steps of :func:`punch_through` (and :func:`fetch_with_nat`, which runs it for every NATed
+provider of a fetch at once; each step is bounded, and the result says which ended it):
+
+1. Dial the provider's circuit address (``p2p.nat.relay.dial_via_relay``): TCP + Noise to the
+   relay, ``CONNECT``, then Noise + yamux end to end through it.
+2. Hole-punch (py-libp2p's ``DCUtRProtocol.initiate_hole_punch``): a direct dial first
+   (the provider may be reachable after all), then up to three simultaneous-open rounds.
+3. With a direct connection: close the relayed one (so no blob byte can take it) and
+   fetch from the provider as a connected peer. Without one: say why in one line; fetch
+   through the relay only when the caller allows it (and the relay's limits will cut a
+   bulk transfer short unless it was configured with raised ones).
+
+A node dials circuit addresses through ``Node.connect``, which runs :func:`punch_through`
+as a :class:`PunchJobs` job: one try per address at a time, shared by every caller, in
+the node's own nursery (a caller's cancel does not abandon it), failures remembered for
+``PUNCH_FAILURE_MEMORY``. Each try first lifts py-libp2p's negative dial cache for the
+peer (:func:`_unblock`): a NATed peer's own addresses always fail, and a DHT walk that
+dialled them would otherwise have DCUtR refused.
+
+Reachability (:func:`reachable`, for a serving node): the node asks a relay to dial it
+back at the IP the relay sees it at and its listen port, on a fresh connection
+(:func:`check_reachability`; py-libp2p 0.8.1's AutoNAT cannot tell, see there). A NAT
+drops that SYN: the node is private, reserves on every configured relay (renewing before
+expiry) and advertises the circuit addresses (:func:`advertise`); its tickets name only
+those, so they stay short.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+
+from p2p.blob.ticket import TICKET_PREFIX, Ticket
+from p2p.fetch.downloader import Progress, ProgressCallback
+from p2p.nat.relay import (
+    EXCHANGE_TIMEOUT,
+    MAX_ADMIT_REPLY,
+    MAX_REACH_PORTS,
+    REACH_DIAL_TIMEOUT,
+    REACH_PROTOCOL,
+    RelayError,
+    Reservation,
+    dial_via_relay,
+    direct_connection,
+    nat_services,
+    parse_circuit_addr,
+    present_certificate,
+    reserve,
+)
+
+log = logging.getLogger(__name__)
+
+# Reservations are renewed when this much of their life is left (py-libp2p's client
+# renews at 80% of the TTL too), and retried this soon after a failed renewal.
+RENEW_AT_FRACTION_LEFT = 0.2
+RENEW_RETRY = 30.0
+
+# A relay whose circuits carry less than this is for signalling: a fetch through it (when
+# the user allows relayed fetches) would be cut mid-blob and retried for tens of seconds,
+# so it is refused at once, saying why. 16 MiB: sixteen default chunks.
+MIN_RELAYED_FETCH_BYTES = 16 * 1024 * 1024
+# py-libp2p's DCUtR tries a direct dial (10 s cap), then three rounds of at most 5 s with
+# 2 s pauses: 25 s is its worst case; a caller's timeout bounds the whole of it.
+DEFAULT_PUNCH_TIMEOUT = 30.0
+# Circuit addresses punched at once for one fetch: each punch is a relay dial, a Noise
+# handshake and DCUtR's rounds, and a DHT answer or a ticket can name any number. A
+# fetch needs a few providers, not every one; those given first (ticket, command line)
+# come before the DHT's.
+MAX_PUNCHES = 16
+# A node's punches under way or remembered at once (PunchJobs): sixteen per fetch, a few
+# fetches of a collection at once.
+MAX_PUNCH_JOBS = 64
+# A failed punch is not tried again for this long: a NAT that mapped symmetrically a
+# minute ago still does (PunchJobs).
+PUNCH_FAILURE_MEMORY = 60.0
+# Closing a relayed connection sends a yamux GO_AWAY and a Noise frame through the relay:
+# a few RTTs at most; a dead relay must not hold a cancelled punch up.
+CLOSE_TIMEOUT = 5.0
+
+
+class NatUnreachable(Exception):
+    """No provider of a fetch could be reached: each NATed one failed to hole-punch
+    (and relayed transfer was not allowed) and no other was given. ``str``: one line."""
+
+    exit_code = 6  # the README's "network" exit code
+
+
+@dataclass
+class Punch:
+    """One NATed provider's way in: ``path`` "direct" (hole punched), "relayed" (the
+    punch failed; the caller allowed the relay) or "failed" (``reason``, one line)."""
+
+    addr: str
+    peer: str = ""
+    path: str = "failed"
+    reason: str = ""
+    relayed_s: float | None = None  # connected through the relay, from the start
+    direct_s: float | None = None  # direct connection up, from the start
+    relay_max_bytes: int = 0  # what the relay said one circuit may carry (0: unstated)
+
+
+@dataclass
+class NatFetch:
+    """What a fetch with NATed providers came to; times in seconds from its start."""
+
+    blob_id: str
+    punches: list[Punch] = field(default_factory=list)
+    first_byte_s: float | None = None
+    done_s: float | None = None
+    bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def failures(self) -> list[str]:
+        """One line per NATed provider that could not be reached directly."""
+        return [p.reason for p in self.punches if p.path != "direct" and p.reason]
+
+
+@asynccontextmanager
+async def _dcutr(host: Any) -> AsyncIterator[Any]:
+    existing = getattr(host, "_dcutr_protocol", None)
+    if existing is not None:
+        yield existing
+        return
+    async with nat_services(host) as dcutr:
+        yield dcutr
+
+
+# ------------------------------------------------------------------------ reachability
+@dataclass(frozen=True)
+class Reachability:
+    """Whether peers can dial us: ``public`` True / False, or None when no relay could
+    tell; ``detail`` is the relay's one-line answer or why there was none."""
+
+    public: bool | None
+    detail: str
+
+
+def _listen_ports(host: Any) -> list[int]:
+    ports = []
+    for addr in host.get_transport_addrs():
+        try:
+            port = addr.value_for_protocol("tcp")
+        except Exception:  # not a TCP address
+            continue
+        if port and int(port) not in ports:
+            ports.append(int(port))
+    return ports[:MAX_REACH_PORTS]
+
+
+async def check_reachability(host: Any, relay: ID) -> Reachability:
+    """Ask a (connected) blobnet relay to dial us back on a fresh connection at the IP it
+    sees us at and our listen ports. A NAT or firewall drops that SYN: "private".
+
+    Why not py-libp2p's AutoNAT (v1, 0.8.1): its server dials back with ``host.connect``
+    (host/autonat/autonat.py, ``_try_dial``), which returns at once when a connection to
+    the peer exists (host/basic_host.py, ``connect``), and the request itself arrived on
+    one. Measured on the testbed: a host behind NAT asking to be dialled at its public
+    IP, port 9 (nothing listens; the NAT drops it anyway) is answered OK; asking with its
+    own (private) listen address it is answered E_DIAL_REFUSED. It never says private."""
+    from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
+
+    ports = _listen_ports(host)
+    if not ports:
+        return Reachability(None, "no TCP listen address to be dialled back on")
+    try:
+        with trio.fail_after(EXCHANGE_TIMEOUT + REACH_DIAL_TIMEOUT * len(ports)):
+            stream = await host.new_stream(relay, [REACH_PROTOCOL])
+            await stream.write(encode_varint_prefixed(" ".join(map(str, ports)).encode()))
+            reply = await read_varint_prefixed_bytes_limited(stream, MAX_ADMIT_REPLY)
+            await stream.close()
+    except Exception as exc:  # libp2p raises many types for one failed exchange
+        return Reachability(None, f"relay {relay} gave no dial-back answer: {exc!r}")
+    text = reply.decode(errors="replace")
+    if text.startswith("public"):
+        return Reachability(True, text)
+    if text.startswith("private"):
+        return Reachability(False, text)
+    return Reachability(None, f"relay {relay}: {text}")
+
+
+def advertise(host: Any, extra: list[str]) -> None:
+    """Make ``host.get_addrs()`` (identify, DHT provider records, ``Node.addrs`` and so
+    tickets) name ``extra`` addresses too, after its own.
+
+    Not through py-libp2p's ``addrs_factory``: ``BasicHost.get_addrs`` (0.8.1,
+    host/basic_host.py) strips an address's first ``/p2p/`` component and appends ours,
+    which turns ``.../p2p/<relay>/p2p-circuit/p2p/<us>`` into the relay's bare address."""
+    import multiaddr
+
+    own = type(host).get_addrs.__get__(host)
+    added = [multiaddr.Multiaddr(a) for a in extra]
+
+    def get_addrs() -> list[Any]:
+        return [*own(), *added]
+
+    host.get_addrs = get_addrs
+
+
+@dataclass
+class Reachable:
+    """How a node can be reached: ``addrs`` to hand out (tickets: circuit addresses only
+    when the node is private, so they stay short), its reservations and the one-line
+    reasons of relays that failed."""
+
+    reachability: Reachability
+    addrs: list[str] = field(default_factory=list)
+    reservations: list[Reservation] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+async def _reserve_all(
+    host: Any, relays: Sequence[str], certificate: bytes | None, out: Reachable
+) -> None:
+    out.reservations, out.problems = [], []
+    for relay_addr in relays:
+        try:
+            out.reservations.append(await reserve(host, relay_addr, certificate=certificate))
+        except RelayError as exc:
+            out.problems.append(str(exc))
+            log.warning("%s", exc)
+
+
+async def _renew(
+    host: Any, relays: Sequence[str], certificate: bytes | None, out: Reachable
+) -> None:
+    while True:
+        if out.reservations:
+            soonest = min(r.expires for r in out.reservations)
+            life = soonest - time.time()
+            await trio.sleep(max(RENEW_RETRY, life * (1 - RENEW_AT_FRACTION_LEFT)))
+        else:
+            await trio.sleep(RENEW_RETRY)
+        await _reserve_all(host, relays, certificate, out)
+
+
+@asynccontextmanager
+async def reachable(
+    host: Any,
+    relays: Sequence[str],
+    *,
+    certificate: bytes | None = None,
+    assume_private: bool = False,
+) -> AsyncIterator[Reachable]:
+    """Run what a node needs behind NAT for the ``async with`` block: relay v2's stop
+    side and DCUtR; a dial-back check through the first relay that answers; if the node
+    is private (or ``assume_private``), reservations on every relay, renewed before they
+    expire, with their circuit addresses advertised (``advertise``)."""
+    async with nat_services(host), trio.open_nursery() as nursery:
+        reach = Reachability(None, "no relays configured")
+        for relay_addr in relays:
+            relay_id = ID.from_base58(relay_addr.rsplit("/p2p/", 1)[1])
+            try:
+                with trio.fail_after(EXCHANGE_TIMEOUT):
+                    await host.connect(_peer_info(relay_addr))
+                if certificate is not None:
+                    await present_certificate(host, relay_id, certificate)
+            except Exception as exc:  # RelayError or a failed dial: try the next relay
+                reach = Reachability(None, f"relay {relay_addr}: {exc}")
+                continue
+            reach = await check_reachability(host, relay_id)
+            if reach.public is not None:
+                break
+        out = Reachable(reach)
+        own = [str(a) for a in host.get_addrs()]
+        if reach.public is True and not assume_private:
+            out.addrs = own
+        elif relays:
+            await _reserve_all(host, relays, certificate, out)
+            circuits = [a for r in out.reservations for a in r.circuit_addrs]
+            advertise(host, circuits)
+            out.addrs = circuits or own
+            nursery.start_soon(_renew, host, relays, certificate, out)
+        else:
+            out.addrs = own
+        yield out
+        nursery.cancel_scope.cancel()
+
+
+def _peer_info(addr: str) -> Any:
+    import multiaddr
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    return info_from_p2p_addr(multiaddr.Multiaddr(addr))
+
+
+async def close_relayed(host: Any, peer: ID) -> int:
+    """Close every relayed connection to ``peer``; the number closed."""
+    closed = 0
+    for conn in list(host.get_network().get_connections(peer)):
+        try:
+            addrs = conn.get_transport_addresses()
+        except Exception:  # cannot tell: leave it
+            continue
+        if addrs and all("/p2p-circuit" in str(a) for a in addrs):
+            await conn.close()
+            closed += 1
+    return closed
+
+
+async def upgrade_to_direct(host: Any, peer: ID, *, punch_timeout: float) -> str | None:
+    """Hole-punch to ``peer`` (connected through a relay); None when a direct connection
+    is up, else the one-line reason it is not."""
+    async with _dcutr(host) as dcutr:
+        with trio.move_on_after(punch_timeout):
+            await dcutr.initiate_hole_punch(peer)
+    if direct_connection(host, peer) is not None:
+        return None
+    return (
+        f"hole punching to {peer} failed (no direct connection within {punch_timeout:.0f} s; "
+        "the usual cause: a symmetric NAT on either side, which maps each connection to a "
+        "new port)"
+    )
+
+
+async def punch_through(
+    node: Any,
+    circuit_addr: str,
+    *,
+    certificate: bytes | None = None,
+    allow_relayed: bool = False,
+    punch_timeout: float = DEFAULT_PUNCH_TIMEOUT,
+    started: float | None = None,
+) -> Punch:
+    """Reach the peer at ``circuit_addr`` through its relay and hole-punch to it. A
+    failed punch closes the relayed connection unless ``allow_relayed`` (so no fetch can
+    drift onto the relay). Never raises for a network failure: the result says why."""
+    host = node.host
+    t0 = time.monotonic() if started is None else started
+    out = Punch(addr=circuit_addr)
+    try:
+        relay_addr, target = parse_circuit_addr(circuit_addr)
+        peer = ID.from_base58(target)
+    except ValueError as exc:
+        out.reason = str(exc)
+        return out
+    out.peer = target
+    if direct_connection(host, peer) is not None:
+        out.path, out.direct_s = "direct", 0.0  # already connected directly: nothing to do
+        return out
+    try:
+        try:
+            if certificate is not None:
+                relay_id = ID.from_base58(relay_addr.rsplit("/p2p/", 1)[1])
+                await node.connect(relay_addr)
+                await present_certificate(host, relay_id, certificate)
+            _unblock(host, peer)
+            circuit = await dial_via_relay(host, circuit_addr)
+        except Exception as exc:  # RelayError, PeerUnreachable, ...: one line either way
+            out.reason = str(exc)
+            return out
+        out.relay_max_bytes = circuit.max_bytes
+        out.relayed_s = time.monotonic() - t0
+        _unblock(host, peer)
+        reason = await upgrade_to_direct(host, peer, punch_timeout=punch_timeout)
+        if reason is None:
+            out.direct_s = time.monotonic() - t0
+            out.path = "direct"
+        else:
+            out.reason = reason
+            if allow_relayed and 0 < circuit.max_bytes < MIN_RELAYED_FETCH_BYTES:
+                out.reason += (
+                    f"; its relay cuts circuits at {circuit.max_bytes} bytes (signalling "
+                    "only), so it cannot carry the blob: the relay must run with a raised "
+                    "--max-circuit-bytes"
+                )
+            elif allow_relayed:
+                out.path = "relayed"
+    finally:
+        # Also when cancelled half-way: a relayed connection left open would carry the
+        # next stream to the peer, and with it the blob.
+        if out.path != "relayed":
+            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT):
+                await close_relayed(host, peer)
+    return out
+
+
+def _unblock(host: Any, peer: ID) -> None:
+    """Lift py-libp2p's negative dial cache for ``peer`` (0.8.1, ``Swarm.unblock_peer``).
+
+    A NATed peer's own addresses always fail, and anything that dials it (a DHT query
+    that walks to it, a stream to a provider not yet reached) puts it in that cache; while
+    there, DCUtR's stream and its direct dials to the peer are refused at once (seen on
+    the testbed: a public fetcher that found the provider on the DHT never punched)."""
+    unblock = getattr(host.get_network(), "unblock_peer", None)
+    if unblock is not None:
+        unblock(peer)
+
+
+@dataclass
+class _Job:
+    done: trio.Event = field(default_factory=trio.Event)
+    punch: Punch | None = None
+    ended_at: float = 0.0
+
+
+class PunchJobs:
+    """The punches one node runs, at most one per circuit address at a time.
+
+    Callers of the same address share one try (the CLI dials its named peers, and the
+    fetch dials those that did not answer first again), and each try runs in the node's
+    own nursery, so a caller that gives up (``p2p.node.dial.dial_named`` returns at the first
+    peer that answers) neither abandons it half-way nor starts it over. A failed try is
+    remembered for ``PUNCH_FAILURE_MEMORY`` seconds: the DHT names the same NATed
+    provider on each lookup of a fetch, and every try costs DCUtR's rounds. Times are
+    ``now`` arguments (trio's clock in the node)."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, _Job] = {}
+        self.failures: list[str] = []  # one line per failed punch, oldest first
+        self.relayed: list[str] = []  # the same for punches that fell back to the relay
+
+    def _forget_old(self, now: float) -> None:
+        for addr, job in list(self._jobs.items()):
+            if job.done.is_set() and now - job.ended_at >= PUNCH_FAILURE_MEMORY:
+                del self._jobs[addr]
+        while len(self._jobs) > MAX_PUNCH_JOBS:
+            oldest = min(
+                (a for a, j in self._jobs.items() if j.done.is_set()),
+                key=lambda a: self._jobs[a].ended_at,
+                default=None,
+            )
+            if oldest is None:
+                break
+            del self._jobs[oldest]
+
+    async def punch(
+        self,
+        node: Any,
+        addr: str,
+        nursery: trio.Nursery | None,
+        *,
+        now: float,
+        certificate: bytes | None = None,
+        allow_relayed: bool = False,
+        punch_timeout: float = DEFAULT_PUNCH_TIMEOUT,
+    ) -> Punch:
+        """The outcome of punching to ``addr``: a running or remembered failed try, or a
+        new one (in ``nursery``; in the caller's task when None)."""
+        self._forget_old(now)
+        job = self._jobs.get(addr)
+        if job is not None and job.done.is_set() and job.punch is not None:
+            if job.punch.path == "failed":
+                return job.punch  # remembered
+            del self._jobs[addr]  # it worked: a new call means the connection went
+            job = None
+        if job is None:
+            if len(self._jobs) >= MAX_PUNCH_JOBS:
+                return Punch(addr=addr, reason=f"{MAX_PUNCH_JOBS} hole punches already running")
+            job = self._jobs[addr] = _Job()
+
+            async def run(job: _Job = job) -> None:
+                try:
+                    job.punch = await punch_through(
+                        node,
+                        addr,
+                        certificate=certificate,
+                        allow_relayed=allow_relayed,
+                        punch_timeout=punch_timeout,
+                    )
+                finally:
+                    if job.punch is None:  # cancelled: the node is closing
+                        job.punch = Punch(addr=addr, reason="hole punch cancelled")
+                    else:
+                        seen = {"failed": self.failures, "relayed": self.relayed}
+                        lines = seen.get(job.punch.path)
+                        if lines is not None and job.punch.reason not in lines:
+                            lines.append(job.punch.reason)
+                            del lines[:-MAX_PUNCH_JOBS]
+                    job.ended_at = trio.current_time()
+                    job.done.set()
+
+            if nursery is None:
+                await run()
+            else:
+                nursery.start_soon(run)
+        await job.done.wait()
+        assert job.punch is not None
+        return job.punch
+
+
+async def natted_providers(node: Any, blob_id: str) -> list[str]:
+    """Circuit addresses of the DHT's providers of ``blob_id`` that we are not connected
+    to and know no other way to (a NATed provider advertises only those that work)."""
+    out: list[str] = []
+    connected = set(node.connected_peers())
+    for peer in await node.find_providers(blob_id):
+        if peer in connected:
+            continue
+        try:
+            addrs = [str(a) for a in node.host.get_peerstore().addrs(ID.from_base58(peer))]
+        except Exception:  # no addresses known after all
+            continue
+        out.extend(a for a in addrs if "/p2p-circuit" in a and a.endswith(f"/p2p/{peer}"))
+    return out
+
+
+async def _punch_all(
+    node: Any,
+    circuits: list[str],
+    out: NatFetch,
+    t0: float,
+    certificate: bytes | None,
+    allow_relayed: bool,
+    punch_timeout: float,
+) -> None:
+    punches: list[Punch] = []
+    if len(circuits) > MAX_PUNCHES:
+        log.info("punching %d of %d circuit addresses", MAX_PUNCHES, len(circuits))
+        circuits = circuits[:MAX_PUNCHES]
+
+    async def one(addr: str) -> None:
+        punch = await punch_through(
+            node,
+            addr,
+            certificate=certificate,
+            allow_relayed=allow_relayed,
+            punch_timeout=punch_timeout,
+            started=t0,
+        )
+        punches.append(punch)
+
+    async with trio.open_nursery() as nursery:
+        for addr in circuits:
+            nursery.start_soon(one, addr)
+    out.punches = sorted(punches, key=lambda p: circuits.index(p.addr))
+    for line in out.failures():
+        log.warning("%s", line)
+
+
+async def punch_circuits(
+    node: Any,
+    addrs: Sequence[str],
+    *,
+    certificate: bytes | None = None,
+    allow_relayed: bool = False,
+    punch_timeout: float = DEFAULT_PUNCH_TIMEOUT,
+) -> list[Punch]:
+    """Reach every circuit address in ``addrs`` at once (:func:`punch_through`), for a
+    caller that then fetches as usual: the punched providers are connected peers, which
+    a fetch asks first. Each failure is logged and carried in its ``Punch.reason``."""
+    out = NatFetch(blob_id="")
+    circuits = list(dict.fromkeys(a for a in addrs if "/p2p-circuit" in a))
+    async with _dcutr(node.host):
+        await _punch_all(
+            node, circuits, out, time.monotonic(), certificate, allow_relayed, punch_timeout
+        )
+    return out.punches
+
+
+async def fetch_with_nat(
+    node: Any,
+    ref: str,
+    providers: Sequence[str] = (),
+    *,
+    certificate: bytes | None = None,
+    allow_relayed: bool = False,
+    punch_timeout: float = DEFAULT_PUNCH_TIMEOUT,
+    progress: ProgressCallback | None = None,
+    discover: bool = False,
+) -> NatFetch:
+    """Fetch ``ref`` (a blob ID or a ticket, whose addresses join ``providers``):
+    circuit addresses are reached through their relays and hole-punched (in parallel,
+    each bounded by ``punch_timeout``), the others dialled as usual. NATed providers
+    that could not be punched are left out (each with a one-line reason in the result)
+    unless ``allow_relayed``; NatUnreachable when no provider is left. With
+    ``discover`` the DHT is asked first, and providers it names that are known only by
+    circuit addresses join the punches (the fetch asks the DHT again as usual). Errors of
+    the fetch itself propagate (``Node.fetch``'s)."""
+    t0 = time.monotonic()
+    providers = list(providers)
+    blob_id = ref
+    if ref.startswith(TICKET_PREFIX):
+        ticket = Ticket.decode(ref)
+        blob_id = ticket.blob_id
+        providers.extend(ticket.addrs)
+    out = NatFetch(blob_id=blob_id)
+    if discover:
+        providers.extend(await natted_providers(node, blob_id))
+    circuits = [a for a in dict.fromkeys(providers) if "/p2p-circuit" in a]
+    direct = [a for a in dict.fromkeys(providers) if "/p2p-circuit" not in a]
+    failed: Exception | None = None
+    # Errors leave the services' block as themselves, not wrapped in an exception group.
+    async with _dcutr(node.host):
+        try:
+            await _punch_all(node, circuits, out, t0, certificate, allow_relayed, punch_timeout)
+            reached = [p for p in out.punches if p.path in ("direct", "relayed")]
+            if not reached and not direct:
+                raise NatUnreachable("; ".join(out.failures()) or "no providers given")
+
+            def on_progress(p: Progress) -> None:
+                if out.first_byte_s is None and p.done_bytes > 0:
+                    out.first_byte_s = time.monotonic() - t0
+                out.bytes = p.done_bytes
+                if progress is not None:
+                    progress(p)
+
+            await node.fetch(blob_id, providers=direct, progress=on_progress)
+            out.done_s = time.monotonic() - t0
+        except Exception as exc:  # re-raised below, outside the services
+            failed = exc
+    if failed is not None:
+        raise failed
+    return out
