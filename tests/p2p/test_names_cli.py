@@ -15,8 +15,8 @@ import pytest
 
 from blobstore import Manifest, Store
 from identity import load_or_create_key
+from p2p.cli import main as blob_cli
 from p2p.cli import names as names_cli
-from p2p.cli.main import main as blob_cli
 
 for _command in names_cli.COMMANDS:  # the lead's glue registers them in p2p/cli/main.py
     if _command.name not in blob_cli.cli.commands:
