@@ -1,6 +1,6 @@
 """Ways for tests to run ``blob`` besides a plain subprocess.
 
-- :func:`blob_here`: through ``p2p.cli.main.main`` in this process, for commands that answer
+- :func:`blob_here`: through ``p2p.cli.app.main`` in this process, for commands that answer
   before any node starts (usage errors, local reads, keys and certificates), where a
   subprocess would only add an interpreter start.
 - :func:`start_warm` / :func:`go`: a training command's own process, started before its
@@ -21,7 +21,7 @@ _WARM = (
     "import json, sys\n"
     "import training.rounds.cli, training.rounds.round, training.rounds.trainer\n"  # torch, peft
     "from transformers import AutoModelForCausalLM  # noqa: F401 (loaded lazily otherwise)\n"
-    "from p2p.cli.main import main\n"
+    "from p2p.cli.app import main\n"
     "main(json.loads(sys.stdin.readline()))\n"
 )
 
@@ -31,7 +31,7 @@ def blob_here(argv: Sequence[str], code: int | None = None) -> subprocess.Comple
     exit status is asserted."""
     from click.testing import CliRunner
 
-    from p2p.cli.main import main
+    from p2p.cli.app import main
 
     with CliRunner().isolation(env={"BLOBNET_PASSPHRASE": None}) as (out, err, _):
         try:

@@ -49,13 +49,13 @@ def blob_argv(node: BlobNode, *args: str) -> list[str]:
 # on a loaded machine end their imports seconds apart, and a fan-out that means "every
 # fetcher starts at once" must not measure that skew (bench.wan.scenarios).
 _AT_BARRIER = """import os, sys, time
-import p2p.cli.main, p2p.node.node
+import p2p.cli.app, p2p.node.node
 ready, go, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
 open(ready, "w").close()
 end = time.monotonic() + limit
 while not os.path.exists(go) and time.monotonic() < end:
     time.sleep(0.002)
-p2p.cli.main.main(sys.argv[4:])
+p2p.cli.app.main(sys.argv[4:])
 """
 
 
@@ -303,7 +303,7 @@ def startup_s(tb: Testbed, host: str) -> float:
     started = time.monotonic()
     tb.run(
         host,
-        [sys.executable, "-c", "import p2p.cli.main, p2p.node.node"],
+        [sys.executable, "-c", "import p2p.cli.app, p2p.node.node"],
         timeout=120,
         check=True,
         env=blob_env(),

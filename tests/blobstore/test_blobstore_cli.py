@@ -2,7 +2,7 @@
 the documented exit codes.
 
 Starting the program costs seconds (it loads the network stack), so most commands run
-as a batch inside one subprocess that calls ``p2p.cli.main.main`` once per command, with
+as a batch inside one subprocess that calls ``p2p.cli.app.main`` once per command, with
 fds 1 and 2 redirected per command and ``SystemExit`` turned into the exit status, just
 as the interpreter would. ``test_real_process_exit_codes`` checks that the process
 boundary itself behaves the same.
@@ -26,7 +26,7 @@ C = 64 * 1024
 
 DRIVER = r"""
 import json, os, sys, tempfile, traceback
-from p2p.cli.main import main
+from p2p.cli.app import main
 
 results = []
 for argv in json.load(open(sys.argv[1])):

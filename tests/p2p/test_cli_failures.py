@@ -122,7 +122,7 @@ def test_global_options_after_the_command_and_json_everywhere(
     store, key = cluster.store("a"), cluster.key("a")
     blob_id = cluster.put_here("a", random_file(tmp_path / "w.bin", 10_000))
     # `blob ls --store X --key Y --json`: the global options after the subcommand.
-    from p2p.cli.main import main
+    from p2p.cli.app import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["ls", "--store", str(store), "--key", str(key), "--json"])

@@ -90,7 +90,7 @@ def test_a_private_provider_hands_out_its_circuit_and_a_ticket_to_it_fetches_dir
 
 def _blob_here(capsys: pytest.CaptureFixture[str], tmp_path: Path, *args: str) -> tuple[int, str]:
     """``blob ARGS`` in this process (mistakes are found before any node starts)."""
-    from p2p.cli import main as blob_cli
+    from p2p.cli import app as blob_cli
 
     argv = ["--store", str(tmp_path / "store"), "--key", str(tmp_path / "key"), *args]
     with pytest.raises(SystemExit) as done:

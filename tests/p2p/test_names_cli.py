@@ -1,5 +1,5 @@
 """``blob publish``, ``blob resolve`` and ``blob catalog`` through the ``blob`` program's
-own error boundary (p2p.cli.main.main), over a real store, with no peers.
+own error boundary (p2p.cli.app.main), over a real store, with no peers.
 
 The story: a user names a blob of their store; the name resolves from the store's record
 cache and is listed; a new publication supersedes the old one; every user mistake is one
@@ -15,10 +15,10 @@ import pytest
 
 from blobstore import Manifest, Store
 from identity import load_or_create_key
-from p2p.cli import main as blob_cli
+from p2p.cli import app as blob_cli
 from p2p.cli import names as names_cli
 
-for _command in names_cli.COMMANDS:  # the lead's glue registers them in p2p/cli/main.py
+for _command in names_cli.COMMANDS:  # the lead's glue registers them in p2p/cli/app.py
     if _command.name not in blob_cli.cli.commands:
         blob_cli.cli.add_command(_command)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from identity import load_or_create_key
-from p2p.cli import main as blob_cli
+from p2p.cli import app as blob_cli
 
 from .conftest import Cluster, blob_cmd, last_json, random_file, run_blob
 

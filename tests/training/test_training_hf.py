@@ -143,7 +143,7 @@ import sys
 # torch, transformers, peft:
 import training.rounds.cli, training.rounds.round, training.rounds.trainer
 from transformers import AutoModelForCausalLM  # loaded lazily otherwise
-from p2p.cli.main import main
+from p2p.cli.app import main
 store, key, cert, out = sys.argv[1:5]
 for i, round_id in enumerate(sys.stdin.readline().split()):
     try:

@@ -53,7 +53,7 @@ def test_certificate_for_one_thread_refused_before_training_at_two(
     """The recipe asks for 200 steps; the refusal comes before step 0, in one line. (In
     this process: the run sets torch's thread count to 2 before it refuses, and the test
     puts it back.)"""
-    from p2p.cli.main import main
+    from p2p.cli.app import main
     from training import determinism, kernel_class
 
     tmp, base, records = inputs
@@ -89,7 +89,7 @@ def test_certificate_for_one_thread_refused_before_training_at_two(
 def test_unknown_target_module_is_one_line_before_training(
     inputs: tuple[Path, str, str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from p2p.cli.main import main
+    from p2p.cli.app import main
 
     tmp, base, records = inputs
     recipe = tmp / "bad-target.msgpack"
@@ -126,7 +126,7 @@ def test_corrupt_local_records_are_named_not_blamed_on_the_round(
 ) -> None:
     """Issue 19: one flipped byte in the replayer's records gave "replay differs first at
     step 22". Now the run stops before training, naming the local blob, exit 4."""
-    from p2p.cli.main import main
+    from p2p.cli.app import main
 
     _, base, records = inputs
     store = _copy_store(inputs, tmp_path / "store")

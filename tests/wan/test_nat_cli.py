@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 
 RUN_BLOB_WITH_RELAY = (
     "import sys\n"
-    "from p2p.cli.main import cli, main\n"
+    "from p2p.cli.app import cli, main\n"
     "from p2p.cli.relay import relay\n"
     "cli.add_command(relay)\n"
     "main(sys.argv[1:])\n"
