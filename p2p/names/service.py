@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 from libp2p.custom_types import TProtocol
@@ -74,7 +74,20 @@ from p2p.names.record import (
 
 if TYPE_CHECKING:
     from blobstore import Store
-    from p2p.node.node import Node
+
+
+class Node(Protocol):
+    """What the names service needs of a running node (``p2p.node.Node`` is one): names sit
+    below the node, which installs them, so they see it through this view only."""
+
+    store: Store
+    host: Any
+    dht: Any
+
+    @property
+    def peer_id(self) -> str: ...
+
+    def connected_peers(self) -> list[str]: ...
 
 __all__ = [
     "DHT_NAMESPACE",
