@@ -191,26 +191,6 @@ def put_cmd(
         _emit_json(results)
 
 
-@click.command("get")
-@click.argument("ref")
-@click.option(
-    "-o",
-    "--output",
-    "output",
-    required=True,
-    type=click.Path(path_type=Path),
-    help="File to write (a directory for a collection).",
-)
-@click.pass_context
-def get_cmd(ctx: click.Context, ref: str, output: Path) -> None:
-    """Write a blob from the local store to OUTPUT (collections become directories)."""
-    store = _open_store(ctx)
-    blob_id = store.resolve(ref)
-    size = store.manifest(blob_id).size
-    with progress_bar(size, output.name, True) as progress:
-        store.export(blob_id, output, progress=progress)
-
-
 @click.command("cat")
 @click.argument("ref")
 @click.pass_context
@@ -535,7 +515,6 @@ def register(group: click.Group) -> None:
     """Add the store's commands to the top-level group."""
     for command in (
         put_cmd,
-        get_cmd,
         cat_cmd,
         ls_cmd,
         stat_cmd,

@@ -28,9 +28,11 @@ import click
 
 from blobstore import cli as blobstore_cli
 from identity import cli as identity_cli
+from p2p.cli import get as get_cli
+from p2p.cli import local as local_cli
 from p2p.cli import names as names_cli
-from p2p.cli import net as net_cli
 from p2p.cli import relay as relay_cli
+from p2p.cli import serve as serve_cli
 from p2p.errors import unwrap_single
 
 # Documented exit codes (README "Exit codes"); the packages' error classes use these values.
@@ -196,7 +198,8 @@ def cli(
 
 blobstore_cli.register(cli)
 identity_cli.register(cli)
-net_cli.register(cli)  # after blobstore: its networked `get` replaces the local-only one
+for family in (serve_cli.serve, serve_cli.share, get_cli.get, *local_cli.COMMANDS):
+    cli.add_command(family)
 names_cli.register(cli)
 cli.add_command(relay_cli.relay)
 

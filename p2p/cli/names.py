@@ -23,7 +23,7 @@ import click
 from blobstore import BlobNotFound, Store
 from identity.cli import load_trust, make_trust_options
 from p2p.blob.ticket import validate_peer_addr
-from p2p.cli.net import bootstrap_option, listen_option, run_interruptible, verbose_option
+from p2p.cli.common import bootstrap_option, listen_option, run_interruptible, verbose_option
 from p2p.errors import BadAddress
 from p2p.names.record import NameRecord, check_name, parse_ref
 

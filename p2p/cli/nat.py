@@ -1,4 +1,4 @@
-"""What ``blob serve``, ``blob share`` and ``blob get`` do behind NAT (issue 20): their
+"""What ``blob serve``, ``blob share`` and ``blob get`` do behind NAT: their
 options, and the glue between a command's node and :mod:`p2p.nat.punch`.
 
 - ``serve``/``share --relay MADDR... [--certificate FILE] [--assume-private]``: the node
@@ -11,9 +11,8 @@ options, and the glue between a command's node and :mod:`p2p.nat.punch`.
   fails with that line (exit 6). Only with ``--via-relay`` does the blob cross a relay,
   and only one run with raised ``--max-circuit-bytes`` lets it through.
 
-Kept apart from ``p2p.cli.net`` (which uses these options) and ``p2p.cli.relay`` (which
-uses ``net_cli``'s), so that neither imports the other. libp2p is imported only when a
-node runs.
+Used by ``p2p.cli.serve``, ``p2p.cli.get`` and ``p2p.cli.relay`` (and the outer loop's
+workers); libp2p is imported only when a node runs.
 """
 
 from __future__ import annotations

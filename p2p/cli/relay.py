@@ -22,19 +22,19 @@ import click
 import trio
 
 from identity.cli import load_trust, trust_options
-from p2p.cli.nat import get_nat_options, load_certificate, serve_nat_options
-from p2p.cli.net import (
+from p2p.cli.common import (
     DEFAULT_LISTEN,
     Interrupted,
-    _key_path,
-    _load_key,
-    _setup_logging,
-    _store,
     json_option,
+    key_path_of,
     listen_option,
+    load_key,
     run_interruptible,
+    setup_logging,
+    store_of,
     verbose_option,
 )
+from p2p.cli.nat import get_nat_options, load_certificate, serve_nat_options
 
 __all__ = ["get_nat_options", "load_certificate", "relay", "serve_nat_options"]
 
@@ -112,10 +112,10 @@ def relay(
     """
     from p2p.nat import relay as r
 
-    _setup_logging(verbose)
+    setup_logging(verbose)
     trust = load_trust(authorities, revoked_path)
-    store = _store(ctx)
-    key = _load_key(_key_path(ctx))
+    store = store_of(ctx)
+    key = load_key(key_path_of(ctx))
     limits = r.control_limits(
         max_bytes=max_circuit_bytes or r.CIRCUIT_MAX_BYTES,
         max_seconds=max_circuit_seconds or r.CIRCUIT_MAX_SECONDS,

@@ -89,6 +89,7 @@ class Node(Protocol):
 
     def connected_peers(self) -> list[str]: ...
 
+
 __all__ = [
     "DHT_NAMESPACE",
     "PROTOCOL_ID",

@@ -4,7 +4,7 @@ It used to end, now and then, in trio.TrioInternalError: trio's default SIGINT h
 raises KeyboardInterrupt inside whichever task is running, and when that task was a
 chunk write between queueing its job and waiting for it, the writer thread later woke a
 task that had already exited. The networked commands now take SIGINT through a trio
-signal receiver (p2p.cli.net.run_interruptible), which cancels the work in order."""
+signal receiver (p2p.cli.common.run_interruptible), which cancels the work in order."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from blobstore import Store
-from p2p.cli.net import Interrupted, run_interruptible
+from p2p.cli.common import Interrupted, run_interruptible
 from p2p.fetch.chunk_writer import ChunkWriter
 
 from .conftest import Cluster, blob_cmd, random_file, run_blob, wait_until

@@ -175,8 +175,8 @@ def test_get_listens_on_loopback_only_when_everyone_it_names_is_on_this_machine(
     """Fellow fetchers on other machines fetch from a ``blob get`` and hole punching
     dials from its listen port, so it listens on every interface unless every peer it
     names (directly, in a ticket, as a relay or bootstrap peer) is local."""
+    from p2p.cli.common import DEFAULT_LISTEN, fetch_listen
     from p2p.cli.nat import NAT_DEFAULT_LISTEN
-    from p2p.cli.net import DEFAULT_LISTEN, fetch_listen
 
     remote = f"/ip4/10.1.2.3/tcp/4001/p2p/{PEER}"
     assert fetch_listen([], [ADDR, f"{ADDR}/p2p-circuit/p2p/{PEER}"]) == DEFAULT_LISTEN

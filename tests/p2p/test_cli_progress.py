@@ -4,7 +4,7 @@ of the blob looked like it arrived in the first instant)."""
 
 from __future__ import annotations
 
-from p2p.cli.net import ProgressBar
+from p2p.cli.get import ProgressBar
 from p2p.fetch.downloader import Progress
 
 MiB = 1024 * 1024

@@ -1,27 +1,20 @@
-"""The network commands of ``blob``: ``serve``, ``share``, ``get`` (local or over the
-network), ``export``, ``ticket`` and ``demo``.
+"""``blob get``: a blob, a collection (or the files of it that ``--include`` names) or named
+tensors, from the local store or over the network.
 
 Everything that can be checked without the network is checked before a node starts:
 addresses, output paths, tag names, a named peer with our own peer ID, and whether the
 command names anywhere to fetch from at all. Named peers are dialled first, so a failure
-says which peer and why. Ctrl-C (or SIGTERM) during a networked command is caught by a
-trio signal receiver and turned into an orderly cancellation, never a KeyboardInterrupt
-raised inside some task, and the command exits 130 with one line.
+says which peer and why.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
-import logging
-import os
-import resource
-import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import click
 import trio
@@ -29,392 +22,38 @@ import trio
 from blobstore import BadBlobId, BlobNotFound, Store, parse_blob_id
 from blobstore.export import check_output
 from blobstore.store import check_tag_name
-from p2p.blob.pacing import MIN_UPLOAD_LIMIT
-from p2p.blob.ticket import MAX_TICKET_ADDRS, Ticket, validate_peer_addr
+from p2p.blob.ticket import Ticket
+from p2p.cli.common import (
+    Interrupted,
+    bootstrap_option,
+    check_peer_addrs,
+    fetch_listen,
+    json_option,
+    key_path_of,
+    load_key,
+    node_config,
+    own_cpu_seconds,
+    run_interruptible,
+    setup_logging,
+    store_of,
+    upload_limit_option,
+    upload_rate,
+    verbose_option,
+    write_output,
+)
 from p2p.cli.nat import (
-    NAT_DEFAULT_LISTEN,
-    behind_nat,
-    check_relays,
     get_nat_options,
     load_certificate,
-    nat_warning,
-    ready_fields,
-    serve_nat_options,
 )
-from p2p.errors import BadAddress
-from p2p.transport.addresses import dialable_addrs
 
 if TYPE_CHECKING:
     from identity import MachineKey
     from p2p.fetch.downloader import Progress
-    from p2p.nat.punch import Reachable
     from p2p.node.node import Node
-
-# libp2p takes seconds to import, so p2p.node.node is imported inside the commands that run a
-# node: `blob put` and friends stay fast.
-DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 # --seed-for's ceiling: a day; a longer-lived seeder is `blob serve`.
 MAX_SEED_SECONDS = 86400.0
 # A punch longer than this is not going to work (py-libp2p's DCUtR gives up after 25 s).
 MAX_PUNCH_TIMEOUT = 300.0
-
-T = TypeVar("T")
-
-
-def _own_cpu_s() -> float:
-    """User + system CPU seconds of this process so far, all threads included."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _store(ctx: click.Context) -> Store:
-    return Store.open(ctx.find_root().obj["store_root"])
-
-
-def _key_path(ctx: click.Context) -> Path:
-    path: Path = ctx.find_root().obj["key_path"]
-    return path
-
-
-def _setup_logging(verbose: int) -> None:
-    """Logging for commands that run a node. libp2p is imported first: its import sets
-    its own logger's level, which would undo ours."""
-    import libp2p  # noqa: F401
-
-    # Warnings (an unreachable bootstrap peer, a banned provider) only with -v: by default
-    # a command's outcome is its one result or error line.
-    level = logging.ERROR if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(
-        level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    if verbose < 2:
-        # py-libp2p logs routine DHT and connection churn (a peer without the DHT, a
-        # stream reset) at WARNING and ERROR; -vv shows it.
-        logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-
-
-listen_option = click.option(
-    "--listen",
-    "listen",
-    multiple=True,
-    metavar="MADDR",
-    help="Address to listen on (repeatable; default /ip4/127.0.0.1/tcp/0).",
-)
-bootstrap_option = click.option(
-    "--bootstrap", multiple=True, metavar="MADDR", help="DHT bootstrap peer (repeatable)."
-)
-verbose_option = click.option(
-    "-v", "--verbose", count=True, help="Warnings and progress notes on stderr (-vv: debug)."
-)
-json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-# MB/s on the command line (1e6 bytes), bytes/s in NodeConfig; p2p.blob.pacing's floor.
-upload_limit_option = click.option(
-    "--upload-limit",
-    "upload_limit",
-    type=click.FloatRange(min=MIN_UPLOAD_LIMIT / 1e6),
-    metavar="MB/S",
-    help="Send at most this many MB/s to other peers, all together (default: no limit).",
-)
-
-
-def _upload_limit(mb_per_s: float | None) -> float | None:
-    return None if mb_per_s is None else mb_per_s * 1e6
-
-
-EXIT_INTERRUPTED = 130
-
-
-class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived while a networked command ran."""
-
-    exit_code = EXIT_INTERRUPTED
-
-    def __init__(self, signal_name: str) -> None:
-        super().__init__(f"interrupted by {signal_name}")
-        self.signal_name = signal_name
-
-
-def run_interruptible(work: Callable[[], Awaitable[T]]) -> T:
-    """``trio.run(work)``, with SIGINT and SIGTERM cancelling ``work`` in order (its
-    cleanup runs: a fetch flushes what verified) and then raising ``Interrupted``. A
-    second signal during that cleanup ends the process at once (exit 130): the store is
-    crash-safe, so only what verified since the last flush is lost.
-
-    trio's default Ctrl-C handling raises KeyboardInterrupt inside whichever task is
-    running, which can leave a task that a worker thread will later wake; a signal
-    receiver turns the signal into a plain cancellation instead."""
-    caught: list[int] = []
-
-    async def main() -> T:
-        result: list[T] = []
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with trio.open_nursery() as nursery:
-                work_scope = trio.CancelScope()
-
-                async def watch() -> None:
-                    async for signum in signals:
-                        if caught:
-                            click.echo("Interrupted again: stopping now.", err=True)
-                            os._exit(EXIT_INTERRUPTED)
-                        caught.append(signum)
-                        work_scope.cancel()
-
-                nursery.start_soon(watch)
-                with work_scope:
-                    result.append(await work())
-                nursery.cancel_scope.cancel()
-        if caught or not result:
-            raise Interrupted(signal.Signals(caught[0]).name if caught else "cancelled")
-        return result[0]
-
-    try:
-        return trio.run(main)
-    except BaseException as exc:
-        if caught and not isinstance(exc, Interrupted):
-            # Whatever the cancellation surfaced as (a dial or stream error wrapping it),
-            # the user asked to stop.
-            raise Interrupted(signal.Signals(caught[0]).name) from None
-        raise
-
-
-def _load_key(key_path: Path) -> MachineKey:
-    from identity import load_or_create_key
-
-    return load_or_create_key(key_path)
-
-
-def _check_peer_addrs(addrs: Sequence[str], option: str) -> None:
-    """Malformed addresses are usage errors (exit 2), said plainly."""
-    for addr in addrs:
-        try:
-            validate_peer_addr(addr, error=BadAddress)
-        except BadAddress as exc:
-            raise click.BadParameter(str(exc), param_hint=option) from None
-
-
-def _ready_addrs(node: Node) -> list[str]:
-    """What a ready line and a ticket name: the circuit addresses of a node behind NAT
-    (nothing else can be dialled from outside), else its own dialable addresses."""
-    return dialable_addrs(node.reachable_addrs)
-
-
-def fetch_listen(listen: Sequence[str], addrs: Sequence[str]) -> tuple[str, ...]:
-    """``blob get``'s listen address: as given; else loopback when every peer the
-    command names is on this machine, else every interface on a random port (fellow
-    fetchers on other machines fetch from it, and hole punching dials from it)."""
-    if listen:
-        return tuple(listen)
-    for addr in addrs:
-        try:
-            ip = _first_ip(addr)
-        except ValueError:
-            return NAT_DEFAULT_LISTEN
-        if ip is None or not ipaddress.ip_address(ip).is_loopback:
-            return NAT_DEFAULT_LISTEN
-    return DEFAULT_LISTEN
-
-
-def _first_ip(addr: str) -> str | None:
-    """The first /ip4/ or /ip6/ component of ``addr`` (None: a DNS name or none)."""
-    parts = addr.split("/")
-    for i, part in enumerate(parts[:-1]):
-        if part in ("ip4", "ip6"):
-            ipaddress.ip_address(parts[i + 1])  # ValueError if malformed
-            return parts[i + 1]
-    return None
-
-
-def _node_config(listen: Sequence[str], bootstrap: Sequence[str], dht: bool, **extra: Any) -> Any:
-    from p2p.node.node import NodeConfig
-
-    return NodeConfig(
-        listen=tuple(listen or DEFAULT_LISTEN), bootstrap=tuple(bootstrap), dht=dht, **extra
-    )
-
-
-class NatSetup:
-    """A serving command's NAT options, checked (``--relay``, ``--certificate``,
-    ``--assume-private``)."""
-
-    def __init__(
-        self, relays: Sequence[str], certificate_path: Path | None, assume_private: bool
-    ) -> None:
-        check_relays(relays)
-        self.relays = tuple(relays)
-        self.certificate = load_certificate(certificate_path)
-        self.assume_private = assume_private
-
-    def listen(self, listen: Sequence[str]) -> tuple[str, ...]:
-        """Behind NAT a node listens where its NAT maps it, unless told otherwise."""
-        return tuple(listen) or (NAT_DEFAULT_LISTEN if self.relays else DEFAULT_LISTEN)
-
-
-async def _serve_until_signal(
-    store: Store,
-    key: MachineKey,
-    config: Any,
-    on_ready: Callable[[Node, Reachable | None], None],
-    nat: NatSetup,
-) -> None:
-    """Run a node until cancelled (``run_interruptible`` cancels it on SIGINT/SIGTERM),
-    reachable through ``nat``'s relays when it is behind NAT."""
-    from p2p.node.node import open_node
-
-    async with (
-        open_node(store, key=key, config=config) as node,
-        behind_nat(node, nat.relays, nat.certificate, nat.assume_private) as reach,
-    ):
-        warning = nat_warning(reach)
-        if warning is not None:
-            click.echo(warning, err=True)
-        on_ready(node, reach)
-        sys.stdout.flush()
-        await trio.sleep_forever()
-
-
-def _serve_checks(ctx: click.Context, bootstrap: Sequence[str]) -> tuple[Store, MachineKey]:
-    from p2p.node.dial import check_not_self
-
-    _check_peer_addrs(bootstrap, "--bootstrap")
-    store = _store(ctx)
-    key_path = _key_path(ctx)
-    key = _load_key(key_path)
-    check_not_self(bootstrap, key.peer_id, key_path)
-    return store, key
-
-
-def _run_server(
-    store: Store,
-    key: MachineKey,
-    config: Any,
-    on_ready: Callable[[Node, Reachable | None], None],
-    nat: NatSetup,
-) -> None:
-    try:
-        run_interruptible(lambda: _serve_until_signal(store, key, config, on_ready, nat))
-    except Interrupted as exc:
-        click.echo(f"stopping on {exc.signal_name}", err=True)  # a server's normal end: exit 0
-
-
-@click.command()
-@listen_option
-@bootstrap_option
-@click.option("--no-dht", is_flag=True, help="Do not run the Kademlia DHT.")
-@click.option(
-    "--verify-reads",
-    is_flag=True,
-    help="Hash every chunk again before sending it (guards against this disk's bit rot).",
-)
-@upload_limit_option
-@serve_nat_options
-@click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
-@verbose_option
-@click.pass_context
-def serve(
-    ctx: click.Context,
-    listen: Sequence[str],
-    bootstrap: Sequence[str],
-    no_dht: bool,
-    verify_reads: bool,
-    upload_limit: float | None,
-    relays: Sequence[str],
-    certificate_path: Path | None,
-    assume_private: bool,
-    as_json: bool,
-    verbose: int,
-) -> None:
-    """Serve this store's blobs until SIGINT or SIGTERM.
-
-    Prints one ready line (peer ID and dialable addresses) once the node accepts peers; a
-    wildcard listen address (/ip4/0.0.0.0/...) is shown as each interface's address.
-    With --relay, a node that the relay cannot dial back (behind NAT) reserves a slot
-    there and its ready line names its circuit address instead.
-    """
-    _setup_logging(verbose)
-    nat = NatSetup(relays, certificate_path, assume_private)
-    store, key = _serve_checks(ctx, bootstrap)
-    config = _node_config(
-        nat.listen(listen),
-        bootstrap,
-        not no_dht,
-        verify_reads=verify_reads,
-        upload_limit=_upload_limit(upload_limit),
-    )
-
-    def ready(node: Node, reach: Reachable | None) -> None:
-        addrs = _ready_addrs(node)
-        if as_json:
-            click.echo(json.dumps({"peer_id": node.peer_id, "addrs": addrs, **ready_fields(reach)}))
-        else:
-            click.echo(f"ready {node.peer_id} " + " ".join(addrs))
-
-    _run_server(store, key, config, ready, nat)
-
-
-@click.command()
-@click.argument("path", type=click.Path(exists=True, path_type=Path))
-@click.option("--tag", "tag_name", metavar="NAME", help="Tag the shared blob.")
-@listen_option
-@bootstrap_option
-@click.option("--no-dht", is_flag=True, help="Do not run the Kademlia DHT.")
-@upload_limit_option
-@serve_nat_options
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print the ticket line as JSON (id, ticket, addrs)."
-)
-@verbose_option
-@click.pass_context
-def share(
-    ctx: click.Context,
-    path: Path,
-    tag_name: str | None,
-    listen: Sequence[str],
-    bootstrap: Sequence[str],
-    no_dht: bool,
-    upload_limit: float | None,
-    relays: Sequence[str],
-    certificate_path: Path | None,
-    assume_private: bool,
-    as_json: bool,
-    verbose: int,
-) -> None:
-    """Put PATH (a file or directory) into the store and serve it until SIGINT: prints a
-    ticket that `blob get TICKET` fetches from anywhere that can reach this machine.
-
-    The ticket is the first line on stdout; how to fetch it goes to stderr."""
-    from blobstore.cli import progress_bar
-
-    _setup_logging(verbose)
-    if tag_name is not None:
-        check_tag_name(tag_name)
-    nat = NatSetup(relays, certificate_path, assume_private)
-    store, key = _serve_checks(ctx, bootstrap)
-    is_dir = path.is_dir()
-    size = path.stat().st_size if not is_dir else 0
-    with progress_bar(size, path.name, not as_json) as progress:
-        blob_id = store.put_dir(path) if is_dir else store.put_path(path, progress=progress)
-    if tag_name is not None:
-        store.tag(tag_name, blob_id)
-    config = _node_config(
-        nat.listen(listen), bootstrap, not no_dht, upload_limit=_upload_limit(upload_limit)
-    )
-
-    def ready(node: Node, reach: Reachable | None) -> None:
-        addrs = _ready_addrs(node)
-        ticket = Ticket(blob_id, tuple(addrs[:MAX_TICKET_ADDRS])).encode()
-        if as_json:
-            info = {"id": blob_id, "ticket": ticket, "peer_id": node.peer_id, "addrs": addrs}
-            click.echo(json.dumps({**info, **ready_fields(reach)}))
-        else:
-            click.echo(ticket)
-        click.echo(
-            f"sharing {path} ({blob_id[:12]}) as {node.peer_id}; fetch it with\n"
-            f"  blob get {ticket} -o {path.name}\n"
-            "Ctrl-C stops sharing.",
-            err=True,
-        )
-
-    _run_server(store, key, config, ready, nat)
 
 
 class ProgressBar:
@@ -594,7 +233,7 @@ def get(
     NAT (circuit addresses) are reached through their relay and hole-punched; the blob
     crosses the direct connection, or, with --via-relay, the relay when the punch fails.
     """
-    _setup_logging(verbose)
+    setup_logging(verbose)
     started_at = time.time()
     # Everything checkable without the network, first.
     if tag_name is not None:
@@ -612,9 +251,9 @@ def get(
         raise click.UsageError("--link makes links at -o PATH: give -o")
     if output is not None:
         check_output(output)
-    _check_peer_addrs(peers, "--peer")
-    _check_peer_addrs(bootstrap, "--bootstrap")
-    store = _store(ctx)
+    check_peer_addrs(peers, "--peer")
+    check_peer_addrs(bootstrap, "--bootstrap")
+    store = store_of(ctx)
     from p2p.names.record import is_name_ref
 
     ticket_addrs: tuple[str, ...] = ()
@@ -649,7 +288,7 @@ def get(
             if output is not None:
                 # What was just fetched was verified chunk by chunk on arrival: no second
                 # hash.
-                _write_output(
+                write_output(
                     store,
                     blob_id,
                     output,
@@ -681,19 +320,19 @@ def get(
                     f"{blob_id[:12]} is not complete in this store, and nothing says where to "
                     "fetch it from: give --peer MADDR, --bootstrap MADDR or a ticket"
                 )
-            key_path = _key_path(ctx)
-            key = _load_key(key_path)
+            key_path = key_path_of(ctx)
+            key = load_key(key_path)
             from p2p.fetch.scheduler import SchedulerConfig
             from p2p.node.dial import check_not_self
 
             check_not_self([*named, *bootstrap], key.peer_id, key_path)
-            config = _node_config(
+            config = node_config(
                 fetch_listen(listen, [*named, *bootstrap]),
                 bootstrap,
                 use_dht,
                 discovery_timeout=discovery_timeout,
                 upload=not no_upload,
-                upload_limit=_upload_limit(upload_limit),
+                upload_limit=upload_rate(upload_limit),
                 relayed_fetch=via_relay,
                 certificate=certificate,
                 punch_timeout=punch_timeout,
@@ -757,13 +396,13 @@ def _get_tensors(
         result = run_interruptible(lambda: read_local_tensors(store, blob_id, names))
     else:
         source = "network"
-        key_path = _key_path(ctx)
-        key = _load_key(key_path)
+        key_path = key_path_of(ctx)
+        key = load_key(key_path)
         from p2p.node.dial import check_not_self, dial_named, peer_id_of, unreachable_error
         from p2p.node.node import open_node
 
         check_not_self(named, key.peer_id, key_path)
-        config = _node_config(listen, (), False)
+        config = node_config(listen, (), False)
 
         async def main() -> TensorFetch:
             async with open_node(store, key=key, config=config) as node:
@@ -889,7 +528,7 @@ def _fetch(
         if not first_byte_at and sum(progress.new_bytes.values()) > 0:
             first_byte_at.append(time.time())
         if progress.finished:
-            cpu_marks.append(_own_cpu_s())
+            cpu_marks.append(own_cpu_seconds())
             final.append(progress)
             done_at.append(time.time())
 
@@ -914,7 +553,7 @@ def _fetch(
                     for line in dialled.failures:
                         click.echo(f"blob: note: cannot reach {line}", err=True)
                 note_punches(node)
-                cpu_marks.append(_own_cpu_s())
+                cpu_marks.append(own_cpu_seconds())
                 # A one-shot fetcher does not announce: it is gone once the blob is here.
                 await _fetch_wanted(node, blob_id, dialled.usable, include, on_progress)
             except P2PError as exc:
@@ -994,104 +633,3 @@ async def _fetch_wanted(
     async with trio.open_nursery() as nursery:
         for child_id in dict.fromkeys(c for _path, c in wanted):
             nursery.start_soon(child, child_id)
-
-
-def _write_output(
-    store: Store,
-    blob_id: str,
-    output: Path,
-    include: Sequence[str],
-    link: bool,
-    show_progress: bool = False,
-    verify: bool = True,
-) -> None:
-    """``-o``: links, a subset of a collection, or the store's own verified export (with
-    a progress bar on a terminal, since it reads every byte again)."""
-    from blobstore.cli import progress_bar
-    from blobstore.export import export_files, link_file, select_entries
-
-    collection = store.is_collection(blob_id)
-    if include and not collection:
-        raise click.UsageError(f"--include picks files of a collection; {blob_id[:12]} is a file")
-    if collection and (include or link):
-        export_files(store, select_entries(store, blob_id, include), output, link=link)
-    elif link:
-        link_file(store, blob_id, output)
-    else:
-        size = (
-            sum(e.size for e in store.read_collection(blob_id))
-            if collection
-            else store.manifest(blob_id).size
-        )
-        with progress_bar(size, output.name, show_progress) as progress:
-            store.export(blob_id, output, progress=progress, verify=verify)
-
-
-@click.command("export")
-@click.argument("ref")
-@click.argument("dest", type=click.Path(path_type=Path))
-@click.option("--copy", is_flag=True, help="Verified copies instead of symlinks into the store.")
-@click.option(
-    "--include", "include", multiple=True, metavar="GLOB", help="Only matching files (fnmatch)."
-)
-@json_option
-@click.pass_context
-def export_cmd(
-    ctx: click.Context, ref: str, dest: Path, copy: bool, include: Sequence[str], as_json: bool
-) -> None:
-    """Write a blob from the store to DEST without copying it: symlinks to the store's
-    read-only files (a collection becomes a directory of them), which
-    transformers' from_pretrained(DEST) and safetensors load as they are."""
-    check_output(dest)
-    store = _store(ctx)
-    blob_id = store.resolve(ref)
-    _write_output(store, blob_id, dest, include, link=not copy)
-    if as_json:
-        click.echo(json.dumps({"id": blob_id, "path": str(dest), "linked": not copy}))
-    else:
-        click.echo(f"{blob_id}  {dest}")
-
-
-@click.command()
-@click.argument("ref")
-@click.option(
-    "--addr",
-    "addrs",
-    multiple=True,
-    required=True,
-    metavar="MADDR",
-    help="Provider address ending in /p2p/<peer id> (repeatable).",
-)
-@json_option
-@click.pass_context
-def ticket(ctx: click.Context, ref: str, addrs: Sequence[str], as_json: bool) -> None:
-    """Print a ticket: the blob ID and provider addresses in one copyable string."""
-    _check_peer_addrs(addrs, "--addr")
-    store = _store(ctx)
-    try:
-        blob_id = store.resolve(ref)
-    except BlobNotFound:
-        blob_id = parse_blob_id(ref)
-    text = Ticket(blob_id, tuple(addrs)).encode()
-    if as_json:
-        click.echo(json.dumps({"id": blob_id, "addrs": list(addrs), "ticket": text}))
-    else:
-        click.echo(text)
-
-
-@click.command()
-@click.option("--size-mib", default=256, show_default=True, help="Checkpoint size.")
-@click.option("--keep", is_flag=True, help="Keep the temp stores and print where.")
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def demo(size_mib: int, keep: bool, as_json: bool) -> None:
-    """Three nodes as separate processes on 127.0.0.1: a generated safetensors checkpoint
-    is put on node 1, fetched by node 2, then by node 3 from nodes 1 and 2 at once,
-    verified and memory-mapped from the store."""
-    from p2p.cli.demo import run_demo
-
-    run_demo(size_mib=size_mib, keep=keep, as_json=as_json)
-
-
-def register(group: click.Group) -> None:
-    for command in (serve, share, get, export_cmd, ticket, demo):
-        group.add_command(command)

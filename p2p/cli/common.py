@@ -1,0 +1,243 @@
+"""What the ``blob`` command families share: options, the store and key of a command,
+logging, Ctrl-C handling, checks of peer addresses and a node's configuration.
+
+Ctrl-C (or SIGTERM) during a networked command is caught by a trio signal receiver and
+turned into an orderly cancellation, never a KeyboardInterrupt raised inside some task,
+and the command exits 130 with one line.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import resource
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+import trio
+
+from blobstore import Store
+from p2p.blob.pacing import MIN_UPLOAD_LIMIT
+from p2p.blob.ticket import validate_peer_addr
+from p2p.cli.nat import (
+    NAT_DEFAULT_LISTEN,
+)
+from p2p.errors import BadAddress
+from p2p.transport.addresses import dialable_addrs
+
+if TYPE_CHECKING:
+    from identity import MachineKey
+    from p2p.node.node import Node
+
+# libp2p takes seconds to import, so p2p.node.node is imported inside the commands that run a
+# node: `blob put` and friends stay fast.
+DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
+
+T = TypeVar("T")
+
+
+def own_cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, all threads included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def store_of(ctx: click.Context) -> Store:
+    return Store.open(ctx.find_root().obj["store_root"])
+
+
+def key_path_of(ctx: click.Context) -> Path:
+    path: Path = ctx.find_root().obj["key_path"]
+    return path
+
+
+def setup_logging(verbose: int) -> None:
+    """Logging for commands that run a node. libp2p is imported first: its import sets
+    its own logger's level, which would undo ours."""
+    import libp2p  # noqa: F401
+
+    # Warnings (an unreachable bootstrap peer, a banned provider) only with -v: by default
+    # a command's outcome is its one result or error line.
+    level = logging.ERROR if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(
+        level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    if verbose < 2:
+        # py-libp2p logs routine DHT and connection churn (a peer without the DHT, a
+        # stream reset) at WARNING and ERROR; -vv shows it.
+        logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+
+
+listen_option = click.option(
+    "--listen",
+    "listen",
+    multiple=True,
+    metavar="MADDR",
+    help="Address to listen on (repeatable; default /ip4/127.0.0.1/tcp/0).",
+)
+bootstrap_option = click.option(
+    "--bootstrap", multiple=True, metavar="MADDR", help="DHT bootstrap peer (repeatable)."
+)
+verbose_option = click.option(
+    "-v", "--verbose", count=True, help="Warnings and progress notes on stderr (-vv: debug)."
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+# MB/s on the command line (1e6 bytes), bytes/s in NodeConfig; p2p.blob.pacing's floor.
+upload_limit_option = click.option(
+    "--upload-limit",
+    "upload_limit",
+    type=click.FloatRange(min=MIN_UPLOAD_LIMIT / 1e6),
+    metavar="MB/S",
+    help="Send at most this many MB/s to other peers, all together (default: no limit).",
+)
+
+
+def upload_rate(mb_per_s: float | None) -> float | None:
+    return None if mb_per_s is None else mb_per_s * 1e6
+
+
+EXIT_INTERRUPTED = 130
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived while a networked command ran."""
+
+    exit_code = EXIT_INTERRUPTED
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(f"interrupted by {signal_name}")
+        self.signal_name = signal_name
+
+
+def run_interruptible(work: Callable[[], Awaitable[T]]) -> T:
+    """``trio.run(work)``, with SIGINT and SIGTERM cancelling ``work`` in order (its
+    cleanup runs: a fetch flushes what verified) and then raising ``Interrupted``. A
+    second signal during that cleanup ends the process at once (exit 130): the store is
+    crash-safe, so only what verified since the last flush is lost.
+
+    trio's default Ctrl-C handling raises KeyboardInterrupt inside whichever task is
+    running, which can leave a task that a worker thread will later wake; a signal
+    receiver turns the signal into a plain cancellation instead."""
+    caught: list[int] = []
+
+    async def main() -> T:
+        result: list[T] = []
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                work_scope = trio.CancelScope()
+
+                async def watch() -> None:
+                    async for signum in signals:
+                        if caught:
+                            click.echo("Interrupted again: stopping now.", err=True)
+                            os._exit(EXIT_INTERRUPTED)
+                        caught.append(signum)
+                        work_scope.cancel()
+
+                nursery.start_soon(watch)
+                with work_scope:
+                    result.append(await work())
+                nursery.cancel_scope.cancel()
+        if caught or not result:
+            raise Interrupted(signal.Signals(caught[0]).name if caught else "cancelled")
+        return result[0]
+
+    try:
+        return trio.run(main)
+    except BaseException as exc:
+        if caught and not isinstance(exc, Interrupted):
+            # Whatever the cancellation surfaced as (a dial or stream error wrapping it),
+            # the user asked to stop.
+            raise Interrupted(signal.Signals(caught[0]).name) from None
+        raise
+
+
+def load_key(key_path: Path) -> MachineKey:
+    from identity import load_or_create_key
+
+    return load_or_create_key(key_path)
+
+
+def check_peer_addrs(addrs: Sequence[str], option: str) -> None:
+    """Malformed addresses are usage errors (exit 2), said plainly."""
+    for addr in addrs:
+        try:
+            validate_peer_addr(addr, error=BadAddress)
+        except BadAddress as exc:
+            raise click.BadParameter(str(exc), param_hint=option) from None
+
+
+def ready_addrs(node: Node) -> list[str]:
+    """What a ready line and a ticket name: the circuit addresses of a node behind NAT
+    (nothing else can be dialled from outside), else its own dialable addresses."""
+    return dialable_addrs(node.reachable_addrs)
+
+
+def fetch_listen(listen: Sequence[str], addrs: Sequence[str]) -> tuple[str, ...]:
+    """``blob get``'s listen address: as given; else loopback when every peer the
+    command names is on this machine, else every interface on a random port (fellow
+    fetchers on other machines fetch from it, and hole punching dials from it)."""
+    if listen:
+        return tuple(listen)
+    for addr in addrs:
+        try:
+            ip = first_ip(addr)
+        except ValueError:
+            return NAT_DEFAULT_LISTEN
+        if ip is None or not ipaddress.ip_address(ip).is_loopback:
+            return NAT_DEFAULT_LISTEN
+    return DEFAULT_LISTEN
+
+
+def first_ip(addr: str) -> str | None:
+    """The first /ip4/ or /ip6/ component of ``addr`` (None: a DNS name or none)."""
+    parts = addr.split("/")
+    for i, part in enumerate(parts[:-1]):
+        if part in ("ip4", "ip6"):
+            ipaddress.ip_address(parts[i + 1])  # ValueError if malformed
+            return parts[i + 1]
+    return None
+
+
+def node_config(listen: Sequence[str], bootstrap: Sequence[str], dht: bool, **extra: Any) -> Any:
+    from p2p.node.node import NodeConfig
+
+    return NodeConfig(
+        listen=tuple(listen or DEFAULT_LISTEN), bootstrap=tuple(bootstrap), dht=dht, **extra
+    )
+
+
+def write_output(
+    store: Store,
+    blob_id: str,
+    output: Path,
+    include: Sequence[str],
+    link: bool,
+    show_progress: bool = False,
+    verify: bool = True,
+) -> None:
+    """``-o``: links, a subset of a collection, or the store's own verified export (with
+    a progress bar on a terminal, since it reads every byte again)."""
+    from blobstore.cli import progress_bar
+    from blobstore.export import export_files, link_file, select_entries
+
+    collection = store.is_collection(blob_id)
+    if include and not collection:
+        raise click.UsageError(f"--include picks files of a collection; {blob_id[:12]} is a file")
+    if collection and (include or link):
+        export_files(store, select_entries(store, blob_id, include), output, link=link)
+    elif link:
+        link_file(store, blob_id, output)
+    else:
+        size = (
+            sum(e.size for e in store.read_collection(blob_id))
+            if collection
+            else store.manifest(blob_id).size
+        )
+        with progress_bar(size, output.name, show_progress) as progress:
+            store.export(blob_id, output, progress=progress, verify=verify)
