@@ -15,8 +15,8 @@ The ``family`` ("cpu" or "cuda") picks the audited kernel set in ``training/roun
 Detection imports torch; call it after ``training.determinism.enter`` so the thread count
 and flags it records are the ones the round runs with.
 
-Settings that change CPU math (issue 19: ``MKL_ENABLE_INSTRUCTIONS=AVX2`` changed loss bits
-from step 4 under an unchanged class). Each is either folded into the class, so machines
+Settings that change CPU math (``MKL_ENABLE_INSTRUCTIONS=AVX2`` changes loss bits from
+step 4 under an unchanged class). Each is either folded into the class, so machines
 that differ in it never vouch for each other, or refused:
 
 - Environment variables read by torch's math libraries (:data:`MATH_ENV`, each with why):

@@ -1,7 +1,7 @@
 """An upload rate limit: a token bucket, sans-IO (time is the ``now`` argument).
 
-A node that serves while it fetches (issue 21: a checkpoint crosses its seeder's uplink
-about once because every fetcher hands on what it has) spends its own uplink on others;
+A node that serves while it fetches (a checkpoint crosses its seeder's uplink about once
+because every fetcher hands on what it has) spends its own uplink on others;
 ``blob get --upload-limit`` / ``NodeConfig.upload_limit`` caps what it sends, as every
 BitTorrent client lets its user do. The server asks `Pacer.delay` before each chunk it
 sends and sleeps that long; all its streams share the one bucket.

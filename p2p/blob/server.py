@@ -71,7 +71,7 @@ from p2p.transport.host import remote_address_key
 log = logging.getLogger(__name__)
 
 # Store errors that mean "not here (any more)": answered `not_found`, so the client moves on.
-# BlobQuarantined comes with the store's quarantine (issue 16, item 5).
+# BlobQuarantined: a blob the store quarantined after it failed a re-hash.
 _QUARANTINED = getattr(blobstore, "BlobQuarantined", None)
 _NOT_HERE: tuple[type[Exception], ...] = (
     (BlobNotFound, BadBlobId, _QUARANTINED)
@@ -91,8 +91,8 @@ MAX_STREAMS = 1024
 # Send-buffer bytes held by requests being answered. A `get` holds one chunk-sized buffer
 # (1 MiB by default, up to 16 MiB) until its response ends. Per peer: 4 requests at the
 # largest chunk size, 64 at the default. Per address: two such peers. In all: a quarter
-# of the 1 GiB a serving node may use (issue 16: 16 identities x 16 unread gets reached
-# 4.2 GiB without these).
+# of the 1 GiB a serving node may use (16 identities x 16 unread gets reach 4.2 GiB
+# without these).
 MAX_SEND_BYTES_PER_PEER = 64 * MiB
 MAX_SEND_BYTES_PER_IP = 128 * MiB
 MAX_SEND_BYTES = 256 * MiB

@@ -1,4 +1,4 @@
-"""Peer exchange: fetchers of one blob find each other through its providers (issue 21).
+"""Peer exchange: fetchers of one blob find each other through its providers.
 
 Theory of operation
 1. A server (``p2p.blob.server.BlobServer``) remembers, per blob, the peers that asked it

@@ -1,4 +1,4 @@
-"""``blob relay``: run a circuit relay v2 for admitted peers (issue 20). The options that
+"""``blob relay``: run a circuit relay v2 for admitted peers. The options that
 ``blob serve`` and ``blob get`` take to work behind NAT live in :mod:`p2p.cli.nat`
 (re-exported here: :func:`serve_nat_options`, :func:`get_nat_options`,
 :func:`load_certificate`).

@@ -102,7 +102,7 @@ class ChunkWriter:
                 await trio.to_thread.run_sync(thread.join)
 
     # KeyboardInterrupt must not land between queueing the job and waiting for it: the
-    # thread would later reschedule a task that had exited (TrioInternalError, issue 14).
+    # thread would later reschedule a task that had exited (TrioInternalError).
     @trio.lowlevel.enable_ki_protection
     async def write(self, index: int, data: memoryview, digest: bytes | None = None) -> bool:
         """``partial.write_chunk(index, data, digest=digest)`` in a writer thread."""

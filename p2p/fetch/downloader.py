@@ -43,8 +43,8 @@ Theory of operation
    with no chosen connection there). The stream worker that started on lane 0 moves to
    a bulk lane at its next request, and the first growth step dials one connection more
    than it counts. A busy seeder's kernel holds megabytes of chunks unsent in each bulk
-   connection's send buffer; an answer queued behind them waited seconds (issue 21's
-   fan-out: fellows learnt of each other 9 s into a 15 s fetch).
+   connection's send buffer; an answer queued behind them waits seconds (in a
+   16-fetcher fan-out, fellows learnt of each other 9 s into a 15 s fetch).
 10. Pipelining. On a striped provider's bulk lanes each worker keeps ``PIPELINE_DEPTH``
    requests outstanding on its ``/blobnet/blob/1.1.0`` stream (`_send_ticket`, then
    `_read_ticket` for the oldest), and there is one worker per bulk lane: the server
@@ -442,8 +442,8 @@ async def open_status_client(
 class HaveProbes:
     """``have`` asked of each provider while its manifest request is still out.
 
-    A provider's first stream used to wait for the manifest before asking ``have``: one
-    stream open and one round trip more before the first ``get``. A probe opens its own
+    Waiting for the manifest before asking ``have`` would cost one stream open and one
+    round trip more before the first ``get``. A probe opens its own
     stream beside the manifest's and asks at once; the provider's task takes the answer,
     and the stream, for its first worker.
 

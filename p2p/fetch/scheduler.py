@@ -51,7 +51,7 @@ Policy
   while those peers are still here; equal rarity goes by index, which keeps ranges
   contiguous and writes sequential. The index is counted from the scheduler's ``start``
   (wrapping), which a fetcher derives from its peer ID: fetchers of one blob that all ask
-  one seeder take different chunks from it first (issue 21).
+  one seeder take different chunks from it first.
 - Swarming (config, off by default; ``p2p.node.node`` turns it on with peer exchange): a peer
   with every chunk is handed only chunks no usable partial peer holds or *claims* while a
   partial peer at least as fast holds or claims any (``defer_to_partial_holders``), and
@@ -242,7 +242,7 @@ class SchedulerConfig:
     # Time constant of the rate average: ~2 s follows a peer whose link changes within a
     # few requests without jumping on every burst of TCP delivery.
     rate_time_constant_s: float = 2.0
-    # Swarming (issue 21): a measured peer's request holds at most this many seconds of
+    # Swarming: a measured peer's request holds at most this many seconds of
     # its rate, and an unmeasured peer's first requests at most this many bytes, so a slow
     # sole seeder is never handed a large part of the blob at once: what it has not been
     # asked for yet can still come from fellow fetchers. None: no such cap.
@@ -256,8 +256,8 @@ class SchedulerConfig:
     # Swarming (with defer_to_partial_holders): live requests a peer with every chunk may
     # hold before its rate is measured. Fetchers that all start on one seeder know nothing
     # of each other for their first second (peer exchange takes a dial and two round
-    # trips), and each used to queue a dozen chunks there at once (six requests over four
-    # striped connections), most of them the same chunks as its fellows'. Two requests
+    # trips); left alone, each would queue a dozen chunks there at once (six requests over
+    # four striped connections), most of them the same chunks as its fellows'. Two requests
     # of `unmeasured_batch_bytes` keep a 100 Mbit/s seeder's link busy meanwhile.
     swarm_unmeasured_inflight_requests: int = 2
     # Swarming: once the blob is complete the fetch stays while fellows still ask this

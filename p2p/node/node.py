@@ -24,7 +24,7 @@ Round trips from ``blob get`` to the first verified chunk, from a named provider
 5. A blob stream needs no round trip of its own: the protocol proposal and the first
    request leave together (``p2p.blob.shell.OptimisticStream``; py-libp2p's ``new_stream``
    takes 2). ``manifest`` and ``have`` go out at the same time on two streams
-   (``p2p.fetch.downloader.HaveProbes``; ``have`` used to wait for the manifest): 1.
+   (``p2p.fetch.downloader.HaveProbes``; ``have`` does not wait for the manifest): 1.
 6. ``get`` on the ``have`` stream: 1, plus the first chunk's own transfer time.
 
 So 6 round trips where there were 13 (two stream opens of 2 each, ``have`` after the
@@ -33,7 +33,7 @@ fast path (``fast=False``) the two negotiations take their 2 each. Named provide
 dialled at once and each joins the fetch as soon as it is connected, so one that accepts
 TCP and never completes the handshake costs nothing (``HANDSHAKE_TIMEOUT`` ends its dial).
 
-Behind NAT (issue 20, ``p2p.nat.punch``): ``connect`` reaches a circuit address
+Behind NAT (``p2p.nat.punch``): ``connect`` reaches a circuit address
 (``.../p2p/<relay>/p2p-circuit/p2p/<peer>``) through its relay and hole-punches; the fetch
 then uses the direct connection (``NodeConfig.relayed_fetch`` lets it use the relayed one
 when the punch fails). DHT providers known only by circuit addresses are punched to before
@@ -41,7 +41,7 @@ they join a fetch. A node that holds reservations hands out its circuit addresse
 (``set_advertised``, ``reachable_addrs``) and provides its blobs again so DHT records name
 them.
 
-Swarming (issue 21, ``p2p.blob.swarm``): while a fetch runs, its providers are asked ``peers``
+Swarming (``p2p.blob.swarm``): while a fetch runs, its providers are asked ``peers``
 (``/blobnet/blob/1.2.0``, on a stream of its own) about once a second; fellow fetchers they
 name are dialled (bounded) and join the fetch as partial providers. The node serves the
 blob protocol while it fetches (``NodeConfig.upload``, paced by ``upload_limit``), so
@@ -155,7 +155,7 @@ MAX_DHT_PUNCHES = 16
 MAX_RELAYS_PER_PROVIDER = 4
 # How long a dialled peer may take to finish the Noise and yamux handshakes once TCP is
 # up: they take about five round trips, 1 s at 200 ms, so 5 s is generous; a peer that
-# accepts TCP and never answers (issue 16) then costs 5 s per try, not py-libp2p's 10.
+# accepts TCP and never answers then costs 5 s per try, not py-libp2p's 10.
 HANDSHAKE_TIMEOUT = 5.0
 
 # The connection the next stream to a peer should use; read by the swarm's connection
@@ -215,8 +215,8 @@ class NodeConfig:
     pubsub: bool = False
     # Hash chunks again when serving them (see p2p.blob.server.BlobServer.verify_reads).
     verify_reads: bool = False
-    # Hash a blob already in the store before a fetch takes it as done (issue 16: a fetch
-    # must not trust a rotten local copy). Costs a read of the blob, ~1 s per GiB.
+    # Hash a blob already in the store before a fetch takes it as done (a fetch must not
+    # trust a rotten local copy). Costs a read of the blob, ~1 s per GiB.
     verify_local: bool = True
     # Serve the blob protocol (complete blobs and partial downloads alike) to other peers.
     # False: this node only fetches (fellows that are told of it fail one stream to it).
@@ -225,9 +225,9 @@ class NodeConfig:
     # at least p2p.blob.pacing.MIN_UPLOAD_LIMIT). None: as fast as the link goes.
     upload_limit: float | None = None
     # Ask a fetch's providers which other peers fetch the same blob and fetch from them
-    # too (p2p.blob.swarm; issue 21).
+    # too (p2p.blob.swarm).
     peer_exchange: bool = True
-    # Behind NAT (p2p.nat.punch, issue 20): when hole punching to a provider reached through a
+    # Behind NAT (p2p.nat.punch): when hole punching to a provider reached through a
     # relay fails, fetch through the relay (only a relay with raised circuit limits lets
     # a blob through); by default such a provider is left out, with its one-line reason.
     relayed_fetch: bool = False

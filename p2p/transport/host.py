@@ -7,7 +7,7 @@ mplex (unbounded varint frames). A blobnet node offers exactly one security tran
 When blobnet's fast data path (``p2p.transport.fast``) is importable it replaces py-libp2p's Noise
 data path and yamux under the same protocol IDs; ``fast=False`` keeps py-libp2p's own.
 
-Theory of operation: inbound connections (issue 16, item 2)
+Theory of operation: inbound connections
 py-libp2p 0.8.1 admits inbound sockets through one counter of ``max_connections -
 min_connections`` slots (250 by default) that counts sockets still handshaking, lets a
 handshake take 10 s, and never gives a slot back: the handler that holds it waits for the
@@ -66,7 +66,7 @@ MAX_STREAMS = 4096
 MAX_MEMORY_MB = 1024
 # Connections one peer may hold to us, and we to it. One TCP connection cannot carry a
 # long fat link (stock kernels cap its buffers at a few MiB: ~13 MB/s at 200 ms RTT, 75 MB/s
-# with 8 connections; issue 15), so a fetch stripes its streams over several connections
+# with 8 connections), so a fetch stripes its streams over several connections
 # to one provider. py-libp2p's default is 3.
 MAX_CONNECTIONS_PER_PEER = 8
 

@@ -1,5 +1,5 @@
-"""Bytes on the wire, counted at this process's TCP sockets (issue 17: announcements were 7x
-what the benchmark counted, because it counted only update blobs).
+"""Bytes on the wire, counted at this process's TCP sockets: everything a worker sends
+(announcements, closures, gossip, framing), not only the update blobs a benchmark asks for.
 
 The kernel keeps, per TCP socket, the payload bytes the peer acknowledged
 (``tcpi_bytes_acked``) and the payload bytes received (``tcpi_bytes_received``); every

@@ -1,14 +1,14 @@
 """When a worker re-publishes its announcements, and when it dials its peers again (sans-IO).
 
 Gossipsub keeps no history, so a peer that subscribed late, or was paused, hears an
-announcement only if it is sent again. Sending every announcement every second (the
-first version) made announcements 7x the update bytes (issue 17). Instead each
+announcement only if it is sent again. Sending every announcement every second would
+make announcements 7x the update bytes. Instead each
 announcement is sent when it is set or changes, then again after ``FIRST_RETRY``,
 doubling up to ``MAX_RETRY`` seconds, until it is dropped (the round it belongs to closed).
 Sans-IO: ``now`` is an argument; :meth:`Announcer.next_due` says when to wake.
 
-:class:`PeerDialer` is the same idea for connections (issue 17, a worker resumed after a
-pause never rejoined): it remembers every admitted peer heard of, with the addresses its
+:class:`PeerDialer` is the same idea for connections (a worker resumed after a pause
+must rejoin): it remembers every admitted peer heard of, with the addresses its
 signed announcements gave, and says whom to dial when. A peer that is not connected is
 dialled at once, then after ``DIAL_FIRST`` seconds, doubling up to ``DIAL_MAX``, for the
 whole run: a dead bootstrap peer costs one failed dial every ``DIAL_MAX`` seconds, and a

@@ -85,7 +85,7 @@ SCHEME_DENSE = 0
 SCHEME_TOPK = 1
 # Top-k whose tensor names and shapes are not repeated: the header carries a digest of
 # them instead, and the receiver supplies them (from the run's state blob, which it holds).
-# Names and shapes were 23% of an update on the tiny model (issue 17), sent every round.
+# Names and shapes would be 23% of an update on the tiny model, sent every round.
 SCHEME_TOPK_REF = 2
 # Top-k with Rice-coded positions and density-proportional short chunks (module docstring,
 # items 1 and 4), with names and shapes inline (3) or by schema digest (4).

@@ -355,7 +355,7 @@ class SimConfig:
     outer_momentum: float | None = None
     chunk: int = 4096
     # 80 of 4096 (1.95%): with Rice-coded positions (training.outer.codec) the tiny Llama's update
-    # is 3.16 KB, 157x fewer bytes than dense fp32 (k 48 with 12-bit indices was 130x).
+    # is 3.16 KB, 157x fewer bytes than dense fp32 (k 48 with 12-bit indices: 130x).
     k: int = 80
     ef_decay: float | None = None
     eval_sequences: int = 64

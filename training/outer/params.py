@@ -128,7 +128,7 @@ class WorkerConfig:
     cheat_from_round: int | None = None
     # Name the final state blob <this peer ID>/NAME at the end (p2p/names/NAMES.md).
     publish: str | None = None
-    # Behind NAT (issue 20): relays to reserve on when no relay can dial this worker back
+    # Behind NAT: relays to reserve on when no relay can dial this worker back
     # (its own admission certificate is what the relays check), and whether a fetch may
     # cross a relay when hole punching to a NATed worker fails.
     relays: tuple[str, ...] = ()

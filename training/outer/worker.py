@@ -48,11 +48,11 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
    ``outer/<run>/state/<round>``; older ones are untagged, so ``blob gc`` collects them.
    Each applied closure is kept as a blob (tagged) for ``blob outer verify``.
 6. Never alone: a worker stopped past the others' last round and linger (45 s in the
-   setting of ``bench/outer.py --churn``) wakes to find them gone. It used to close the
+   setting of ``bench/outer.py --churn``) wakes to find them gone. Closing the
    remaining rounds alone (at once if it had heard none of their closures, else once
-   their blobs were dropped as unavailable, rule 4 of outer_agreement) and exit 0 on a
-   rival root, "agreed" because it heard no final root to compare: a silent fork. Now a
-   worker that trained with others proposes, and fetches the blobs a closure names,
+   their blobs were dropped as unavailable, rule 4 of outer_agreement) and exiting 0 on a
+   rival root, "agreed" because it heard no final root to compare, would be a silent
+   fork. So a worker that trained with others proposes, and fetches the blobs a closure names,
    only while connected to an admitted peer; with none for ``_alone_bound`` it stops
    with an error (a closure it heard whose blobs nobody left can serve no longer costs
    it ``UNAVAILABLE_TRIES`` fetch bounds first). A SIGSTOPped peer's TCP

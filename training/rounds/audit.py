@@ -39,7 +39,7 @@ Theory of operation:
 5. Two regimes, with the same allow-list and the same refusals. A Python dispatch mode
    costs ~10 us per op however little its ``__torch_dispatch__`` does (boxing the
    arguments, the C++/Python crossing): an empty one alone makes a tiny-model step
-   ~1.4-1.9x slower, so a check in Python of every op cannot meet issue 19's <= 1.5x.
+   ~1.4-1.9x slower, so a check in Python of every op cannot meet the <= 1.5x overhead allowed.
 
    * ``python`` (``make_auditor``; CUDA rounds, CPU rounds on a machine that has an
      accelerator, the builder's first pass): every op reaches ``__torch_dispatch__``.
