@@ -30,10 +30,6 @@ def set_bit(bits: bytearray, index: int) -> None:
     bits[index >> 3] |= 1 << (index & 7)
 
 
-def clear_bit(bits: bytearray, index: int) -> None:
-    bits[index >> 3] &= ~(1 << (index & 7)) & 0xFF
-
-
 def count_bits(bits: bytes | bytearray) -> int:
     return int.from_bytes(bits, "little").bit_count()
 

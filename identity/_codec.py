@@ -81,13 +81,6 @@ def take_bytes(fields: dict[str, Any], key: str, size: int, *, what: str) -> byt
     return value
 
 
-def take_text(fields: dict[str, Any], key: str, max_len: int, *, what: str) -> str:
-    """``fields[key]`` as a non-empty string of printable characters, at most ``max_len``."""
-    value: str = take(fields, key, str, what=what)
-    check_text(value, max_len, f"{what} field {key!r}")
-    return value
-
-
 def check_text(value: str, max_len: int, what: str) -> None:
     """Raise :class:`CodecError` unless ``value`` is 1..max_len printable characters."""
     if not 0 < len(value) <= max_len:

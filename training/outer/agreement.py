@@ -20,9 +20,11 @@ named blobs (content-addressed, from anyone) and recompute R_{r+1}.
    unpredictable order every round, so the duty rotates. The worker at position p
    proposes at ``ready + p * proposer_timeout`` (:func:`proposal_time`), where ``ready``
    is when it holds updates from all K workers or its round deadline passed, unless it
-   already holds a valid closure for round r; and only within ``PROPOSE_WINDOW`` of that
-   time (a worker that wakes from a long pause does not propose for a round the others
-   have long closed: it catches up instead).
+   already holds a valid closure for round r. A slot has no end: a worker that wakes from
+   a long pause takes in what it heard before it looks at its slot, so it holds the
+   others' closure and does not propose; a closure that still comes late loses to the
+   tip by rule 3 (a higher round wins), and one for the current round is a rival like
+   any other.
 3. **Fork choice** (:class:`ClosureBook`). The tip is the valid closure of the highest
    round; among closures of that round, the one with the lowest
    ``(rank(R_r, proposer), closure digest)`` (:func:`priority`). Every worker moves to the
@@ -63,7 +65,7 @@ from __future__ import annotations
 
 import itertools
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,8 +102,6 @@ CLOSURE_WINDOW = 4
 # Siblings kept per round: honest proposers for one round are a handful (rank 0, then a
 # few take-overs); the worst of more are dropped (they cannot be the tip).
 MAX_CLOSURES_PER_ROUND = 16
-# A worker proposes only within this many proposer timeouts after its slot opens (rule 2).
-PROPOSE_WINDOW_SLOTS = 1.0
 
 _HEX = frozenset("0123456789abcdef")
 
@@ -356,12 +356,6 @@ def proposal_time(ready: float, position: int, proposer_timeout: float) -> float
     return ready + position * proposer_timeout
 
 
-def may_propose(now: float, ready: float, position: int, proposer_timeout: float) -> bool:
-    """Rule 2: within the window after the slot opens, and not before."""
-    opens = proposal_time(ready, position, proposer_timeout)
-    return opens <= now <= opens + PROPOSE_WINDOW_SLOTS * proposer_timeout
-
-
 def priority(checked: CheckedClosure) -> tuple[bytes, bytes]:
     """Rule 3's order among closures of one round (lower is better)."""
     return rank(checked.closure.start_root, checked.closure.proposer), checked.digest
@@ -454,11 +448,6 @@ def next_step(book: ClosureBook, round_: int, root: str) -> Step:
     if c.round + 1 < round_:
         return Stay()  # we are ahead of every closure we hold (ours are still on the way)
     return CatchUp(tip)
-
-
-def included_order(included: Sequence[Included]) -> list[Included]:
-    """The fixed order in which updates are decoded and accumulated (ascending peer)."""
-    return sorted(included, key=lambda x: x.peer.encode())
 
 
 def select_for_closure(

@@ -32,7 +32,7 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import blake3
 import numpy as np
@@ -50,7 +50,6 @@ from training.outer.codec import (
 if TYPE_CHECKING:
     import torch
 
-Mode = Literal["sparseloco", "diloco", "ddp"]
 MODES: tuple[str, ...] = ("sparseloco", "diloco", "ddp")
 
 STATE_DOMAIN = b"blobnet/outer-state/v1"

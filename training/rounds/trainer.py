@@ -275,12 +275,3 @@ def save_adapter(session: Session, directory: Path) -> None:
     if isinstance(config.get("target_modules"), list):
         config["target_modules"] = sorted(config["target_modules"])
     config_path.write_bytes((json.dumps(config, sort_keys=True, indent=2) + "\n").encode())
-
-
-def load_adapter(base: torch.nn.Module, directory: Path) -> PeftModel:
-    """``PeftModel.from_pretrained`` on a published adapter, in eval mode."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
-        model = PeftModel.from_pretrained(base, str(directory))
-    model.eval()
-    return model
