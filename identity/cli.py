@@ -23,6 +23,8 @@ from typing import Any
 
 import click
 
+from blobstore.errors import ExitCode
+
 from ._files import PUBLIC_FILE_MODE, write_file
 from .attestation import DIGEST_SIZE, MAX_ATTESTATION_SIZE, sign_attestation, verify_attestation
 from .certificate import (
@@ -448,7 +450,7 @@ def attest_verify(
             _echo_json({"valid": False, "reason": exc.reason.name.lower(), "message": str(exc)})
         else:
             click.echo(f"rejected ({exc.reason.value}): {exc}")
-        ctx.exit(1)
+        ctx.exit(ExitCode.REJECTED)
     if as_json:
         _echo_json({"valid": True, **claims.to_json()})
     else:

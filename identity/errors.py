@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import enum
 
+from blobstore.errors import ExitCode
+
 
 class IdentityError(Exception):
     """Base class of every error raised by the identity package."""
 
-    exit_code: int = 4
+    exit_code: int = ExitCode.BAD_DATA
 
 
 class NotFound(IdentityError):
     """An input file (key, public key, certificate, attestation) does not exist."""
 
-    exit_code = 3
+    exit_code = ExitCode.NOT_FOUND
 
 
 class KeyNotFound(NotFound):
@@ -34,61 +36,61 @@ class KeyNotFound(NotFound):
 class KeyExists(IdentityError):
     """A key file (or its public-key file) already exists; keys are never overwritten."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class KeyPermissionsTooOpen(IdentityError):
     """The key file can be read or written by group or others."""
 
-    exit_code = 5
+    exit_code = ExitCode.LOCAL_IO
 
 
 class KeyFileIOError(IdentityError):
     """The operating system refused a key-file operation (permissions, space, ...)."""
 
-    exit_code = 5
+    exit_code = ExitCode.LOCAL_IO
 
 
 class BadKeyFile(IdentityError):
     """The key file is not a valid blobnet key file."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
 
 class WrongPassphrase(IdentityError):
     """The passphrase does not decrypt the key file (which is left untouched)."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
 
 class PassphraseRequired(IdentityError):
     """The key file is encrypted and no passphrase was given."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class BadPeerId(IdentityError):
     """A string is not an Ed25519 libp2p peer ID (``12D3KooW...``)."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class ReservedKind(IdentityError):
     """``blob attest sign`` was asked for a kind only the code that computed it signs."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class BadPublicKey(IdentityError):
     """A public key (hex text or ``.pub`` file) is malformed."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
 
 class BadRevocationList(IdentityError):
     """A revocation-list file has a line that is neither a serial nor a peer ID."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
 
 class Reason(enum.Enum):
@@ -110,7 +112,7 @@ class Reason(enum.Enum):
 class Rejected(IdentityError):
     """A certificate or attestation failed verification; ``reason`` says why."""
 
-    exit_code = 1
+    exit_code = ExitCode.REJECTED
 
     def __init__(self, reason: Reason, message: str) -> None:
         super().__init__(message)
@@ -128,7 +130,7 @@ class AttestationRejected(Rejected):
 class BadCertificate(CertificateRejected):
     """Bytes that do not decode as a canonical admission certificate."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
     def __init__(self, message: str) -> None:
         super().__init__(Reason.MALFORMED, message)
@@ -137,7 +139,7 @@ class BadCertificate(CertificateRejected):
 class BadAttestation(AttestationRejected):
     """Bytes that do not decode as a canonical attestation."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
     def __init__(self, message: str) -> None:
         super().__init__(Reason.MALFORMED, message)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from blobstore.errors import ExitCode
+
 
 class P2PError(Exception):
     """Base of the network layer's user-facing errors."""
 
-    exit_code = 6
+    exit_code = ExitCode.NETWORK
 
 
 class NoProviders(P2PError):
@@ -24,13 +26,13 @@ class PeerUnreachable(P2PError):
 class ListenFailed(P2PError):
     """The node could not listen on any of the addresses asked for."""
 
-    exit_code = 5
+    exit_code = ExitCode.LOCAL_IO
 
 
 class BadAddress(P2PError):
     """A multiaddr or ticket given by the user is malformed."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
 
 class BadTicket(BadAddress):

@@ -27,6 +27,7 @@ from typing import Any
 import click
 
 from blobstore import cli as blobstore_cli
+from blobstore.errors import ExitCode
 from identity import cli as identity_cli
 from p2p.cli import get as get_cli
 from p2p.cli import local as local_cli
@@ -36,8 +37,6 @@ from p2p.cli import serve as serve_cli
 from p2p.errors import unwrap_single
 
 # Documented exit codes (README "Exit codes"); the packages' error classes use these values.
-EXIT_OK = 0
-EXIT_INTERRUPTED = 130
 
 
 def default_store_root() -> Path:
@@ -138,7 +137,7 @@ class BlobGroup(click.Group):
 class CommandUnavailable(Exception):
     """A command group could not be loaded (an optional extra is not installed)."""
 
-    exit_code = 5
+    exit_code = ExitCode.LOCAL_IO
 
 
 def _unavailable(name: str, exc: ImportError) -> click.Command:
@@ -210,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         result = cli.main(args=argv, prog_name="blob", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(ExitCode.INTERRUPTED)
     except click.UsageError as exc:
         # One line, like every other error; the command's --help has the rest.
         where = exc.ctx.command_path if exc.ctx is not None else "blob"
@@ -221,21 +220,21 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        sys.exit(ExitCode.INTERRUPTED)
     except BaseException as exc:
         # trio wraps errors from concurrent tasks (and Ctrl-C inside them) in groups.
         error: BaseException = exc
         if isinstance(exc, BaseExceptionGroup):
             if exc.subgroup(KeyboardInterrupt) is not None:
                 click.echo("Interrupted.", err=True)
-                sys.exit(EXIT_INTERRUPTED)
+                sys.exit(ExitCode.INTERRUPTED)
             error = unwrap_single(exc)
         code = getattr(type(error), "exit_code", None)
         if not isinstance(error, Exception) or not isinstance(code, int):
             raise
-        if code == EXIT_INTERRUPTED:
+        if code == ExitCode.INTERRUPTED:
             click.echo("Interrupted.", err=True)
             sys.exit(code)
         click.echo(f"blob: error: {error}", err=True)
         sys.exit(code)
-    sys.exit(result if isinstance(result, int) else EXIT_OK)
+    sys.exit(result if isinstance(result, int) else ExitCode.OK)

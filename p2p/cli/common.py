@@ -22,6 +22,7 @@ import click
 import trio
 
 from blobstore import Store
+from blobstore.errors import ExitCode
 from p2p.blob.pacing import MIN_UPLOAD_LIMIT
 from p2p.blob.ticket import validate_peer_addr
 from p2p.cli.nat import (
@@ -101,13 +102,10 @@ def upload_rate(mb_per_s: float | None) -> float | None:
     return None if mb_per_s is None else mb_per_s * 1e6
 
 
-EXIT_INTERRUPTED = 130
-
-
 class Interrupted(Exception):
     """SIGINT or SIGTERM arrived while a networked command ran."""
 
-    exit_code = EXIT_INTERRUPTED
+    exit_code = ExitCode.INTERRUPTED
 
     def __init__(self, signal_name: str) -> None:
         super().__init__(f"interrupted by {signal_name}")
@@ -135,7 +133,7 @@ def run_interruptible(work: Callable[[], Awaitable[T]]) -> T:
                     async for signum in signals:
                         if caught:
                             click.echo("Interrupted again: stopping now.", err=True)
-                            os._exit(EXIT_INTERRUPTED)
+                            os._exit(ExitCode.INTERRUPTED)
                         caught.append(signum)
                         work_scope.cancel()
 

@@ -37,6 +37,7 @@ import trio
 
 from blobstore import BlobExists, BlobNotFound, CorruptChunk, Manifest, Store
 from blobstore.collection import COLLECTION_MAGIC, MAX_COLLECTION_SIZE, looks_like_collection
+from blobstore.errors import ExitCode
 from p2p.blob import protocol as proto
 from p2p.blob.shell import BlobClient, StreamLost, reset_quietly
 from p2p.errors import FetchFailed, NoProviders
@@ -82,7 +83,7 @@ MIN_RATE_BYTES_PER_S = 1024 * 1024
 class BadSafetensors(Exception):
     """The blob is not a well-formed safetensors file (bad data)."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
 
 class TensorNotFound(BlobNotFound):

@@ -43,6 +43,7 @@ from typing import Any
 import msgpack
 from blake3 import blake3
 
+from blobstore.errors import ExitCode
 from identity import (
     MAX_CERTIFICATE_SIZE,
     AdmissionCertificate,
@@ -119,19 +120,19 @@ class CatalogError(P2PError):
 class BadName(CatalogError):
     """A name or ``PUBLISHER/NAME`` reference given by the user is malformed."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 class NameNotFound(CatalogError):
     """No valid record for the name was found (locally or on any peer asked)."""
 
-    exit_code = 3
+    exit_code = ExitCode.NOT_FOUND
 
 
 class NameRejected(CatalogError):
     """A record failed verification; ``reason`` says why (a remote peer's fault)."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
     def __init__(self, reason: NameReason, message: str) -> None:
         super().__init__(message)

@@ -40,6 +40,7 @@ from typing import Any
 import trio
 from libp2p.peer.id import ID
 
+from blobstore.errors import ExitCode
 from p2p.blob.ticket import TICKET_PREFIX, Ticket
 from p2p.fetch.downloader import Progress, ProgressCallback
 from p2p.nat.relay import (
@@ -92,7 +93,7 @@ class NatUnreachable(Exception):
     """No provider of a fetch could be reached: each NATed one failed to hole-punch
     (and relayed transfer was not allowed) and no other was given. ``str``: one line."""
 
-    exit_code = 6  # the README's "network" exit code
+    exit_code = ExitCode.NETWORK
 
 
 @dataclass

@@ -72,6 +72,7 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
 
+from blobstore.errors import ExitCode
 from identity import MAX_CERTIFICATE_SIZE, TrustStore, verify_certificate
 from identity.errors import IdentityError
 
@@ -139,7 +140,7 @@ def control_limits(
 class RelayError(Exception):
     """A relay exchange failed; ``str`` is a one-line reason naming whose fault it is."""
 
-    exit_code = 6  # the README's "network" exit code
+    exit_code = ExitCode.NETWORK
 
 
 class RelayRefused(RelayError):

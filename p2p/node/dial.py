@@ -18,6 +18,7 @@ from typing import Any
 
 import trio
 
+from blobstore.errors import ExitCode
 from p2p.blob.ticket import validate_peer_addr
 from p2p.errors import P2PError, PeerUnreachable
 
@@ -32,7 +33,7 @@ MAX_CAUSE_DEPTH = 32
 class OwnPeerId(P2PError):
     """A named peer has this process's own peer ID (both use one machine key)."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 def peer_id_of(addr: str) -> str:

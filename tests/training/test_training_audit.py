@@ -70,7 +70,7 @@ def test_refuses_op_outside_the_set(allowed: frozenset[str]) -> None:
 
 
 def test_missing_kernel_set_names_the_build_command() -> None:
-    with pytest.raises(NoKernelSet, match=r"python -m training\.audit --build tpu"):
+    with pytest.raises(NoKernelSet, match=r"python -m training\.rounds\.audit --build tpu"):
         audit.load_kernel_set("tpu")
 
 

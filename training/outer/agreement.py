@@ -72,6 +72,7 @@ from typing import Any
 import blake3
 import msgpack
 
+from blobstore.errors import ExitCode
 from identity import (
     AdmissionCertificate,
     Attestation,
@@ -109,7 +110,7 @@ _HEX = frozenset("0123456789abcdef")
 class BadClosure(TrainingError):
     """Bytes that are not a canonical closure body (the proposer's fault)."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
+from blobstore.errors import ExitCode
 from training.errors import TrainingError
 
 F32 = npt.NDArray[np.float32]
@@ -121,7 +122,7 @@ _FIXED = struct.Struct("<4sBBBBIIII")
 class CodecError(TrainingError):
     """An encoded pseudo-gradient is malformed (a remote peer's fault: drop the update)."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
 
 @dataclass(frozen=True)

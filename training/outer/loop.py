@@ -38,6 +38,7 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
+from blobstore.errors import ExitCode
 from training.errors import TrainingError
 from training.outer.codec import (
     F32,
@@ -59,7 +60,7 @@ TENSORSET_DOMAIN = b"TENSORSET/v1"
 class OuterError(TrainingError):
     """The outer loop was given inconsistent inputs (a local bug, not a peer's fault)."""
 
-    exit_code = 2
+    exit_code = ExitCode.USAGE
 
 
 @dataclass(frozen=True)

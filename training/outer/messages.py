@@ -57,6 +57,7 @@ from typing import Any
 
 import msgpack
 
+from blobstore.errors import ExitCode
 from identity import (
     AdmissionCertificate,
     Attestation,
@@ -101,7 +102,7 @@ MAX_OUTCOME_LEN = 128
 class BadMessage(TrainingError):
     """Bytes that are not a canonical outer-loop announcement (the sender's fault)."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
 
 def topic(run_id: str) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from blobstore.errors import ExitCode
 from p2p.node.gossip import MAX_RUN_WORKERS
 from training.errors import TrainingError
 from training.outer.codec import CodecParams
@@ -35,13 +36,13 @@ class OuterNetError(TrainingError):
     """The run cannot go on: a bad setup (key, certificate, initial state) or a peer that
     never answered within its bound."""
 
-    exit_code = 1
+    exit_code = ExitCode.REJECTED
 
 
 class OuterRunFailed(TrainingError):
     """A local run ended with workers that failed or roots that disagree."""
 
-    exit_code = 1
+    exit_code = ExitCode.REJECTED
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ import blake3
 import msgpack
 import numpy as np
 
+from blobstore.errors import ExitCode
 from identity import (
     AdmissionCertificate,
     Attestation,
@@ -103,13 +104,13 @@ _HEX = frozenset("0123456789abcdef")
 class BadCommitment(TrainingError):
     """Bytes that are not a canonical update commitment (the author's fault)."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
 
 class BadInnerState(TrainingError):
     """An inner-state blob that does not fit the model (the author's fault)."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
 
 def _hex64(value: Any, what: str) -> str:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from blobstore.errors import ExitCode
 from training.errors import TrainingError
 from training.outer.codec import F32, MAX_ELEMENTS, MAX_NAME_LEN, MAX_NDIM, MAX_TENSORS, ByteReader
 from training.outer.loop import OuterState
@@ -45,7 +46,7 @@ _HEAD = struct.Struct("<4sBBHQI")
 class BadStateBlob(TrainingError):
     """Bytes that are not a canonical global-state blob (a peer's fault)."""
 
-    exit_code = 4
+    exit_code = ExitCode.BAD_DATA
 
 
 def _name_key(name: str) -> bytes:

@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from blobstore import Store
+from blobstore.errors import ExitCode
 from identity import PUBLIC_FILE_MODE, write_file
 from identity.cli import load_trust, trust_options
 from training.errors import TrainingError
@@ -500,7 +501,7 @@ def check_command(
             _echo_json({"accepted": False, "message": str(exc)})
         else:
             click.echo(str(exc))
-        ctx.exit(1)
+        ctx.exit(ExitCode.REJECTED)
     if as_json:
         _echo_json(
             {

@@ -7,11 +7,13 @@ the API (a bug). Both carry `exit_code` 6 (network), the project's code for netw
 
 from __future__ import annotations
 
+from blobstore.errors import ExitCode
+
 
 class FastPathError(Exception):
     """Base class of every error raised by `p2p.transport.fast`."""
 
-    exit_code = 6
+    exit_code = ExitCode.NETWORK
 
 
 class RemoteProtocolError(FastPathError):
