@@ -133,9 +133,9 @@ class TempFile:
     Use as a context manager; leaving the block without :meth:`publish` deletes it.
     """
 
-    def __init__(self, tmp_dir: Path) -> None:
+    def __init__(self, tmp_dir: Path, *, prefix: str = TEMP_PREFIX) -> None:
         for _ in range(_OPEN_RETRIES):
-            path = tmp_dir / f"{TEMP_PREFIX}{secrets.token_hex(12)}"
+            path = tmp_dir / f"{prefix}{secrets.token_hex(12)}"
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             if try_lock_fd(fd) and os.stat(path).st_ino == os.fstat(fd).st_ino:
                 self.path = path
@@ -210,10 +210,17 @@ def link_or_rename(source: Path, target: Path, *, replace: bool) -> bool:
 
 
 def write_file_atomic(
-    target: Path, data: bytes, *, tmp_dir: Path, replace: bool, mode: int = 0o400
+    target: Path,
+    data: bytes,
+    *,
+    tmp_dir: Path | None = None,
+    replace: bool,
+    mode: int = 0o400,
 ) -> bool:
-    """Durably write ``data`` at ``target`` (see :meth:`TempFile.publish`)."""
-    with TempFile(tmp_dir) as tmp:
+    """Durably write ``data`` at ``target`` (see :meth:`TempFile.publish`). Without
+    ``tmp_dir`` (a file outside a store) the temp file is ``.NAME.tmp-*`` beside it."""
+    prefix = TEMP_PREFIX if tmp_dir is not None else f".{target.name}.tmp-"
+    with TempFile(tmp_dir or target.parent, prefix=prefix) as tmp:
         write_all(tmp.fd, data)
         return tmp.publish(target, replace=replace, mode=mode)
 

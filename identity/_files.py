@@ -1,20 +1,21 @@
-"""The one durable-write helper of the identity package (STYLE 7).
+"""Files of the identity package (keys, public keys, certificates, attestations).
 
-Every file we write (key, public key, certificate, attestation) goes through
-:func:`write_file`: a temp file in the same directory created with ``O_EXCL`` and its
-final mode, written, fsynced, then published and the directory fsynced. Key files are
-published with ``os.link``, which fails if the target exists, so a key is never
-overwritten and a crash never leaves a half-written key under the final name (the worst
-case is a stray ``.NAME.tmp-*`` file, removed on the way out when we can).
+Every one is written through the project's one durable-write helper
+(:func:`blobstore.durable.write_file_atomic`): a temp file ``.NAME.tmp-*`` beside the
+target, written, fsynced with its final mode, then published and the directory fsynced.
+Key files are published without overwrite (``os.link``, which fails if the target
+exists), so a key is never overwritten and a crash never leaves a half-written key under
+the final name (the worst case is a stray temp file).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import secrets
 from pathlib import Path
+
+from blobstore.durable import write_file_atomic
+from blobstore.errors import StoreError
 
 from .errors import KeyExists, KeyFileIOError
 
@@ -42,40 +43,11 @@ def make_private_dir(directory: Path) -> None:
         os.chmod(d, PRIVATE_DIR_MODE)  # mkdir's mode is filtered by the umask
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# Filesystems without hard links (some FUSE and network mounts, vfat) answer link() with
-# one of these; there we fall back to creating the final name with O_EXCL, which still
-# never overwrites but can leave a short file if we crash mid-write.
-_NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
-
-
 def _exists(path: Path) -> KeyExists:
     return KeyExists(
         f"{path} already exists and is never overwritten; "
         "choose another path or move the old file away first"
     )
-
-
-def _write_exclusive(path: Path, data: bytes, mode: int) -> None:
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-    except FileExistsError:
-        raise _exists(path) from None
-    try:
-        os.fchmod(fd, mode)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_file(path: Path, data: bytes, *, mode: int, overwrite: bool) -> None:
@@ -85,33 +57,13 @@ def write_file(path: Path, data: bytes, *, mode: int, overwrite: bool) -> None:
     writers racing for the same path cannot both succeed.
     """
     directory = path.parent
-    tmp = directory / f".{path.name}.tmp-{secrets.token_hex(8)}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-        try:
-            os.fchmod(fd, mode)  # the creation mode is filtered by the umask
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                raise _exists(path) from None
-            except OSError as exc:
-                if exc.errno not in _NO_HARD_LINKS:
-                    raise
-                _write_exclusive(path, data, mode)
-        _fsync_dir(directory)
+        published = write_file_atomic(path, data, replace=overwrite, mode=mode)
     except OSError as exc:
         if exc.errno == errno.ENOENT and not directory.exists():
             raise KeyFileIOError(f"cannot write {path}: directory {directory} is missing") from exc
         raise KeyFileIOError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    except StoreError as exc:
+        raise KeyFileIOError(f"cannot write {path}: {exc}") from exc
+    if not published:
+        raise _exists(path)

@@ -10,11 +10,11 @@ blob ID (``training.outer.state_blob``): nobody re-derives a random init.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from blobstore.durable import write_file_atomic
 from blobstore.errors import ExitCode
 from p2p.node.gossip import MAX_RUN_WORKERS
 from training.errors import TrainingError
@@ -147,7 +147,6 @@ def outer_kernel_class() -> str:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON through a temp file and a rename (readers never see half)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Write ``obj`` as JSON durably, replacing what was there (readers never see half)."""
+    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+    write_file_atomic(path, data, replace=True, mode=0o644)
