@@ -56,7 +56,7 @@ bench: install
 	$(BIN)/python bench/transfer.py --json-out bench/results/transfer.json
 	$(BIN)/python bench/round.py
 	$(BIN)/python bench/outer.py
-	$(BIN)/python bench/wan.py --json-out bench/results/wan.json  # needs root
+	$(BIN)/python bench/wan_transfer.py --json-out bench/results/wan.json  # needs root
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache
