@@ -1,7 +1,7 @@
 """WAN bench (issue 15): `blob get` on the emulated three-continent WAN against what raw
 TCP gets through the same links, in one run.
 
-    sudo .venv/bin/python bench/wan.py [--runs 3] [--size-mib 256] [--json-out FILE]
+    sudo .venv/bin/python bench/wan_transfer.py [--runs 3] [--size-mib 256] [--json-out FILE]
 
 Testbed: bench/wan's THREE_CONTINENTS preset (eu, us, asia; RTT eu-us 80 ms, us-asia
 150 ms, eu-asia 200 ms; 1 Gbit/s access links, 50 ms drop-tail queues, MTU 9000, stock
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--runs and --size-mib must be >= 1, --swarm >= 0")
     reason = unavailable_reason()
     if reason is not None:
-        print(f"bench/wan.py: {reason}", file=sys.stderr)
+        print(f"bench/wan_transfer.py: {reason}", file=sys.stderr)
         return 2
     if args.swarm_only:
         if not args.swarm:
@@ -444,5 +444,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:
-        print("bench/wan.py: interrupted", file=sys.stderr)
+        print("bench/wan_transfer.py: interrupted", file=sys.stderr)
         sys.exit(130)
