@@ -73,12 +73,6 @@ __all__ = [
     "MAX_PEER_ID_LEN",
     "MAX_PIPELINED_REQUESTS",
     "MAX_RANGES_PER_REQUEST",
-    "PROTOCOL_ID",
-    "PROTOCOL_ID_1_1",
-    "PROTOCOL_ID_1_2",
-    "PROTOCOL_ID_1_3",
-    "PROTOCOL_ID_1_4",
-    "PROTOCOL_ID_1_5",
     "SERVED_PROTOCOL_IDS",
     "Chunk",
     "ClientConnection",
@@ -101,38 +95,69 @@ __all__ = [
     "StatusRequest",
     "StatusResponse",
     "TruncatedStreamError",
+    "Version",
     "encode_chunk_header",
     "encode_request",
     "encode_response_header",
     "max_response_header_size",
 ]
 
-PROTOCOL_ID = "/blobnet/blob/1.0.0"
-# 1.1.0: the same messages, and a client may pipeline requests (PROTOCOL.md section 5).
-PROTOCOL_ID_1_1 = "/blobnet/blob/1.1.0"
-# 1.2.0: 1.1.0 plus the `peers` request (peer exchange: who else fetches this blob).
-PROTOCOL_ID_1_2 = "/blobnet/blob/1.2.0"
-# 1.3.0: 1.2.0 plus the `status` request: the chunks a peer holds and those it is fetching
-# now, so fellow fetchers leave a chunk in flight to it instead of asking the seeder too.
-PROTOCOL_ID_1_3 = "/blobnet/blob/1.3.0"
-# 1.4.0: 1.3.0 whose `status` answer also counts the peers that asked the server about the
-# blob lately (``fellows``): a fetcher that a seeder calls alone may ask it for much at once.
-PROTOCOL_ID_1_4 = "/blobnet/blob/1.4.0"
-# 1.5.0: 1.4.0 plus `try_get`, a `get` the server may decline while others fetch the blob
-# from it: a swarming fetcher's first chunk, asked with the manifest, costs a seeder one
-# copy per swarm instead of one per fetcher, and a lone fetcher still saves a round trip.
-PROTOCOL_ID_1_5 = "/blobnet/blob/1.5.0"
-# A server serves all six; a client that wants pipelining asks for 1.1.0 first, one that
-# wants peer exchange for 1.2.0, one that wants `status` for 1.3.0, the count 1.4.0, and
-# one that sends a `try_get` 1.5.0.
-SERVED_PROTOCOL_IDS = (
-    PROTOCOL_ID_1_5,
-    PROTOCOL_ID_1_4,
-    PROTOCOL_ID_1_3,
-    PROTOCOL_ID_1_2,
-    PROTOCOL_ID_1_1,
-    PROTOCOL_ID,
-)
+
+class Version(enum.IntEnum):
+    """A ``/blobnet/blob`` protocol version. Versions are ordered, and each carries every
+    feature of the versions below it: a stream's version alone says what may cross it."""
+
+    # Requests one at a time.
+    V1_0 = 0
+    # The same messages, and a client may pipeline requests (PROTOCOL.md section 5).
+    V1_1 = 1
+    # The `peers` request (peer exchange: who else fetches this blob).
+    V1_2 = 2
+    # The `status` request: the chunks a peer holds and those it is fetching now, so
+    # fellow fetchers leave a chunk in flight to it instead of asking the seeder too.
+    V1_3 = 3
+    # `status` answers also count the peers that asked the server about the blob lately
+    # (``fellows``): a fetcher that a seeder calls alone may ask it for much at once.
+    V1_4 = 4
+    # `try_get`, a `get` the server may decline while others fetch the blob from it: a
+    # swarming fetcher's first chunk, asked with the manifest, costs a seeder one copy per
+    # swarm instead of one per fetcher, and a lone fetcher still saves a round trip.
+    V1_5 = 5
+
+    @property
+    def protocol_id(self) -> str:
+        return f"/blobnet/blob/1.{self.value}.0"
+
+    @property
+    def max_pipelined(self) -> int:
+        """Requests a client may have outstanding on one stream of this version."""
+        return 1 if self is Version.V1_0 else MAX_PIPELINED_REQUESTS
+
+    @property
+    def peer_exchange(self) -> bool:
+        return self >= Version.V1_2
+
+    @property
+    def status(self) -> bool:
+        return self >= Version.V1_3
+
+    @property
+    def fellows(self) -> bool:
+        return self >= Version.V1_4
+
+    @property
+    def tentative(self) -> bool:
+        return self >= Version.V1_5
+
+    @classmethod
+    def of(cls, protocol_id: str) -> Version | None:
+        """The version a protocol ID names, or None for anything else."""
+        return _VERSION_OF.get(protocol_id)
+
+
+_VERSION_OF = {v.protocol_id: v for v in Version}
+# A server serves every version; a client asks for the lowest that carries what it needs.
+SERVED_PROTOCOL_IDS = tuple(v.protocol_id for v in sorted(Version, reverse=True))
 
 # --- Limits -------------------------------------------------------------------------------
 # Every length, count and index a peer can claim is bounded here and checked before memory
@@ -757,16 +782,14 @@ def _require_canonical(header: bytes, canonical: dict[str, Any]) -> None:
         raise _Invalid("header is not canonical msgpack")
 
 
-def _decode_request(
-    header: bytes, peer_exchange: bool = False, status: bool = False, tentative: bool = False
-) -> Request:
+def _decode_request(header: bytes, version: Version) -> Request:
     keys = (
         _REQUEST_KEYS_1_5
-        if tentative
+        if version.tentative
         else _REQUEST_KEYS_1_3
-        if status
+        if version.status
         else _REQUEST_KEYS_1_2
-        if peer_exchange
+        if version.peer_exchange
         else _REQUEST_KEYS
     )
     obj = _unpack_map(header, keys)
@@ -980,30 +1003,15 @@ class ServerConnection:
     ``send_response`` / ``send_chunk_header`` and write the bytes they return. The request is
     answered after a ManifestResponse, HaveResponse, End or ErrorResponse.
 
-    ``max_pipelined`` is 1 on ``/blobnet/blob/1.0.0`` streams and MAX_PIPELINED_REQUESTS on
-    1.1.0 ones: requests that arrive while one is being answered are parsed and queued (a
-    violation beyond that many outstanding), and ``next_request`` hands them out in order.
+    ``version`` is the stream's: on 1.0.0 one request at a time; from 1.1.0 requests that
+    arrive while one is being answered are parsed and queued (a violation beyond
+    ``max_pipelined`` outstanding), and ``next_request`` hands them out in order; each later
+    version adds the requests and answer fields :class:`Version` lists.
     """
 
-    def __init__(
-        self,
-        *,
-        max_pipelined: int = 1,
-        peer_exchange: bool = False,
-        status: bool = False,
-        fellows: bool = False,
-        tentative: bool = False,
-    ) -> None:
-        if not 1 <= max_pipelined <= MAX_PIPELINED_REQUESTS:
-            raise LocalProtocolError(f"max_pipelined must be 1..{MAX_PIPELINED_REQUESTS}")
-        self._max_pipelined = max_pipelined
-        # 1.2.0: `peers` is a request (on older versions an unknown message type); 1.3.0
-        # (``status``) adds `status` to it; 1.4.0 (``fellows``) the count to its answer;
-        # 1.5.0 (``tentative``) the `try_get` request.
-        self._tentative = tentative
-        self._fellows = fellows or tentative
-        self._status = status or self._fellows
-        self._peer_exchange = peer_exchange or self._status
+    def __init__(self, version: Version = Version.V1_0) -> None:
+        self._version = version
+        self._max_pipelined = version.max_pipelined
         self._recv = _ReceiveBuffer()
         self._request: Request | None = None
         self._state: _RequestState | None = None
@@ -1021,8 +1029,8 @@ class ServerConnection:
 
     @property
     def counts_fellows(self) -> bool:
-        """A 1.4.0 or 1.5.0 stream: `status` answers carry the ``fellows`` count."""
-        return self._fellows
+        """A 1.4.0 or later stream: `status` answers carry the ``fellows`` count."""
+        return self._version.fellows
 
     @property
     def current_request(self) -> Request | None:
@@ -1095,7 +1103,7 @@ class ServerConnection:
             if self._recv.eof and len(self._recv):
                 raise _Truncated("stream closed in the middle of a request")
             return None
-        return _decode_request(header, self._peer_exchange, self._status, self._tentative)
+        return _decode_request(header, self._version)
 
     def unsent_indices(self) -> tuple[int, ...]:
         """Indices of the current `get` not sent yet, ascending: the ``missing`` list of an
@@ -1118,7 +1126,7 @@ class ServerConnection:
             raise LocalProtocolError("a peers response answers only a peers request")
         if type(resp) is StatusResponse and type(request) is not StatusRequest:
             raise LocalProtocolError("a status response answers only a status request")
-        if type(resp) is StatusResponse and (resp.fellows is not None) != self._fellows:
+        if type(resp) is StatusResponse and (resp.fellows is not None) != self._version.fellows:
             raise LocalProtocolError(
                 "a status answer counts fellows on a 1.4.0 or 1.5.0 stream, and only there"
             )
@@ -1163,31 +1171,20 @@ class ClientConnection:
     its unfilled part: receive into it and report the count with ``body_received`` instead
     of passing bytes through ``receive_data``.
 
-    Pipelining (``/blobnet/blob/1.1.0`` streams only): with ``max_pipelined`` > 1 up to that
+    Pipelining (1.1.0 and later streams): with ``max_pipelined`` > 1 up to that
     many requests may be sent before their responses complete; the server answers in order,
     so every event belongs to ``outstanding_request`` (the oldest), and ``send_request`` may
     be called again whenever ``outstanding_count < max_pipelined``.
     """
 
-    def __init__(
-        self,
-        *,
-        max_pipelined: int = 1,
-        peer_exchange: bool = False,
-        status: bool = False,
-        fellows: bool = False,
-        tentative: bool = False,
-    ) -> None:
-        if not 1 <= max_pipelined <= MAX_PIPELINED_REQUESTS:
-            raise LocalProtocolError(f"max_pipelined must be 1..{MAX_PIPELINED_REQUESTS}")
+    def __init__(self, version: Version = Version.V1_0, *, max_pipelined: int = 1) -> None:
+        if not 1 <= max_pipelined <= version.max_pipelined:
+            raise LocalProtocolError(
+                f"max_pipelined must be 1..{version.max_pipelined} on a {version.protocol_id} "
+                "stream"
+            )
+        self._version = version
         self._max_pipelined = max_pipelined
-        # 1.2.0 to 1.5.0 streams only: a `peers` request is allowed; 1.3.0 and later
-        # (``status``) only: a `status` request; 1.4.0 and 1.5.0 (``fellows``): its answer
-        # counts; 1.5.0 (``tentative``) only: a `try_get`.
-        self._tentative = tentative
-        self._fellows = fellows or tentative
-        self._status = status or self._fellows
-        self._peer_exchange = peer_exchange or self._status
         self._recv = _ReceiveBuffer()
         self._request: Request | None = None
         self._state: _RequestState | None = None
@@ -1245,11 +1242,11 @@ class ClientConnection:
             )
         if self._recv.eof:
             raise LocalProtocolError("the server closed the stream")
-        if type(req) is PeersRequest and not self._peer_exchange:
+        if type(req) is PeersRequest and not self._version.peer_exchange:
             raise LocalProtocolError("peers is a /blobnet/blob/1.2.0 request")
-        if type(req) is StatusRequest and not self._status:
+        if type(req) is StatusRequest and not self._version.status:
             raise LocalProtocolError("status is a /blobnet/blob/1.3.0 request")
-        if type(req) is GetRequest and req.tentative and not self._tentative:
+        if type(req) is GetRequest and req.tentative and not self._version.tentative:
             raise LocalProtocolError("try_get is a /blobnet/blob/1.5.0 request")
         data = encode_request(req)
         if type(req) is GetRequest:
@@ -1302,7 +1299,9 @@ class ClientConnection:
             if self._recv.eof:
                 raise _Truncated("stream closed before the response was complete")
             return None
-        kind, decoded = _decode_response(header, _ALLOWED_RESPONSES[type(request)], self._fellows)
+        kind, decoded = _decode_response(
+            header, _ALLOWED_RESPONSES[type(request)], self._version.fellows
+        )
         state = self._state
         if kind == _T_CHUNK:
             index, length = decoded

@@ -240,16 +240,9 @@ class BlobServer:
     async def handle_stream(self, stream: Any) -> None:
         peer = str(stream.muxed_conn.peer_id)
         ip = remote_address_key(stream)
-        max_pipelined = 1
-        peer_exchange = status = fellows = tentative = False
+        version = proto.Version.V1_0
         try:
-            protocol_id = str(stream.get_protocol())
-            if protocol_id in proto.SERVED_PROTOCOL_IDS and protocol_id != proto.PROTOCOL_ID:
-                max_pipelined = proto.MAX_PIPELINED_REQUESTS
-            peer_exchange = protocol_id == proto.PROTOCOL_ID_1_2
-            status = protocol_id == proto.PROTOCOL_ID_1_3
-            fellows = protocol_id == proto.PROTOCOL_ID_1_4
-            tentative = protocol_id == proto.PROTOCOL_ID_1_5
+            version = proto.Version.of(str(stream.get_protocol())) or version
         except Exception:
             pass
         reason = self.streams.acquire(peer, ip, 1)
@@ -258,13 +251,7 @@ class BlobServer:
             await self._refuse(stream, reason)
             return
         try:
-            conn = proto.ServerConnection(
-                max_pipelined=max_pipelined,
-                peer_exchange=peer_exchange,
-                status=status,
-                fellows=fellows,
-                tentative=tentative,
-            )
+            conn = proto.ServerConnection(version)
             await self._serve(stream, conn)
         except Exception:
             # py-libp2p treats an exception escaping a stream handler as fatal to the

@@ -165,26 +165,16 @@ class BlobClient:
         stream: Stream,
         chunk_length: Callable[[int], int] | None = None,
         *,
-        peer_exchange: bool = False,
-        status: bool = False,
-        fellows: bool = False,
-        tentative: bool = False,
+        version: proto.Version = proto.Version.V1_0,
         pipelined: bool = False,
     ) -> None:
         self.stream = stream
         self.pipelined = pipelined
         self._chunk_length: Callable[[int], int] | None = None
-        # peer_exchange: a /blobnet/blob/1.2.0 stream, where `peers` may be asked; status:
-        # a 1.3.0 one, where `status` may be asked too; fellows: a 1.4.0 one, whose
-        # `status` answers count the server's other fetchers; tentative: a 1.5.0 one,
-        # where a `get` may be sent as a `try_get`. pipelined: a 1.1.0 or later stream,
-        # where up to MAX_PIPELINED_REQUESTS may be outstanding.
+        # ``version``: the stream's (what may be asked on it); ``pipelined``: send up to
+        # the version's ``max_pipelined`` requests ahead instead of one at a time.
         self.conn = proto.ClientConnection(
-            max_pipelined=proto.MAX_PIPELINED_REQUESTS if pipelined else 1,
-            peer_exchange=peer_exchange,
-            status=status,
-            fellows=fellows,
-            tentative=tentative,
+            version, max_pipelined=version.max_pipelined if pipelined else 1
         )
         self.set_chunk_length(chunk_length)
         self.conn.set_body_allocator(self._allocate)

@@ -363,7 +363,8 @@ async def _ask_speculating(
     try:
         with trio.fail_after(CONTROL_TIMEOUT):
             stream = await network.open_blob_stream_on(peer, 0, pipelined=True, tentative=tentative)
-            client = BlobClient(stream, pipelined=True, tentative=tentative)
+            version = proto.Version.V1_5 if tentative else proto.Version.V1_1
+            client = BlobClient(stream, version=version, pipelined=True)
             await client.send_manifest(blob_id)
             span = ((SPECULATIVE_CHUNK, SPECULATIVE_CHUNK + 1),)
             await client.send_get(
@@ -430,13 +431,13 @@ async def open_status_client(
     host = getattr(network, "host", None)
     if host is None or not hasattr(host, "get_network"):
         return None
-    protocol_id = proto.PROTOCOL_ID_1_4 if fellows else proto.PROTOCOL_ID_1_3
+    version = proto.Version.V1_4 if fellows else proto.Version.V1_3
     try:
-        stream = await open_optimistic(host, ID.from_base58(peer), protocol_id)
+        stream = await open_optimistic(host, ID.from_base58(peer), version.protocol_id)
     except Exception as exc:  # libp2p raises many types for one failed open
         log.info("provider %s: no status stream: %r", peer, exc)
         return None
-    return BlobClient(stream, chunk_length, status=True, fellows=fellows)
+    return BlobClient(stream, chunk_length, version=version)
 
 
 class HaveProbes:
@@ -1112,7 +1113,10 @@ class Download:
                         )
                     else:
                         stream = await self.network.open_blob_stream(peer)
-                    client = BlobClient(stream, self.chunk_length, pipelined=pipelined)
+                    version = proto.Version.V1_1 if pipelined else proto.Version.V1_0
+                    client = BlobClient(
+                        stream, self.chunk_length, version=version, pipelined=pipelined
+                    )
                 await client.send_get(self.blob_id, ticket.ranges)
         except (StreamLost, trio.TooSlowError, OSError) as exc:
             self._notify()

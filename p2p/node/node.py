@@ -119,21 +119,12 @@ MAX_CONNECTIONS_PER_PROVIDER = StripeConfig().max_connections
 SWARM_CONNECTIONS_PER_PEER = MAX_CONNECTIONS_PER_PROVIDER + 2
 
 # What a blob stream's first write proposes, and what a blobnet server answers: the
-# multistream header and the protocol, echoed (p2p.blob.shell.OptimisticStream).
-BLOB_PROPOSAL = multistream_message(MULTISTREAM) + multistream_message(proto.PROTOCOL_ID.encode())
-# The same for a bulk stream, whose `get` requests a fetch pipelines (1.1.0).
-PIPELINED_PROPOSAL = multistream_message(MULTISTREAM) + multistream_message(
-    proto.PROTOCOL_ID_1_1.encode()
-)
-# The same for the stream of a swarming fetch's first request: its manifest request and a
-# `try_get` of the first chunk, which a seeder that others fetch from declines (1.5.0).
-TENTATIVE_PROPOSAL = multistream_message(MULTISTREAM) + multistream_message(
-    proto.PROTOCOL_ID_1_5.encode()
-)
-# The same for a peer-exchange stream (1.2.0: `peers`, p2p.blob.swarm).
-PEX_PROPOSAL = multistream_message(MULTISTREAM) + multistream_message(
-    proto.PROTOCOL_ID_1_2.encode()
-)
+# multistream header and the version's protocol, echoed (p2p.blob.shell.OptimisticStream).
+PROPOSALS = {
+    v: multistream_message(MULTISTREAM) + multistream_message(v.protocol_id.encode())
+    for v in proto.Version
+}
+BLOB_PROPOSAL = PROPOSALS[proto.Version.V1_0]
 # A `peers` question (open, ask, answer) takes two round trips: 5 s covers a slow path.
 PEX_TIMEOUT = 5.0
 # A listed fellow is dialled for at most this long per address: it is a bonus, not a need.
@@ -436,27 +427,28 @@ class Node:
         py-libp2p 0.8.1 sometimes loses a connection when another protocol's negotiation
         fails on it (a DHT query to a peer without the DHT, say); the swarm then redials
         from the peerstore, so a failed open is retried a few times before giving up."""
-        proposal, protocol = (
-            (TENTATIVE_PROPOSAL, proto.PROTOCOL_ID_1_5)
+        version = (
+            proto.Version.V1_5
             if tentative
-            else (PIPELINED_PROPOSAL, proto.PROTOCOL_ID_1_1)
+            else proto.Version.V1_1
             if pipelined
-            else (BLOB_PROPOSAL, proto.PROTOCOL_ID)
+            else proto.Version.V1_0
         )
         last: Exception | None = None
         for pause in STREAM_OPEN_RETRY_PAUSES:
             try:
-                return await self._open_optimistic(ID.from_base58(peer), proposal, protocol)
+                return await self._open_optimistic(ID.from_base58(peer), version)
             except (BaseLibp2pError, OSError, trio.BrokenResourceError) as exc:
                 last = exc
                 await trio.sleep(pause)
         raise StreamLost(f"cannot open a stream to {peer}: {last}") from last
 
     async def _open_optimistic(
-        self, peer_id: ID, proposal: bytes = BLOB_PROPOSAL, protocol: str = proto.PROTOCOL_ID
+        self, peer_id: ID, version: proto.Version = proto.Version.V1_0
     ) -> OptimisticStream:
         """A muxed stream with the blob protocol proposed but not yet confirmed: the first
         request goes out in the same round trip (the client checks the answer)."""
+        proposal = PROPOSALS[version]
         stream = await self.host.get_network().new_stream(peer_id)
         try:
             await stream.write(proposal)
@@ -467,7 +459,7 @@ class Node:
                 except Exception:  # the stream is being abandoned either way
                     pass
             raise
-        stream.set_protocol(TProtocol(protocol))
+        stream.set_protocol(TProtocol(version.protocol_id))
         return OptimisticStream(stream, proposal)
 
     async def ask_peers(self, peer: str, blob_id: str) -> tuple[Listed, ...]:
@@ -476,10 +468,9 @@ class Node:
         stream: Any = None
         try:
             with trio.fail_after(PEX_TIMEOUT):
-                stream = await self._open_optimistic(
-                    ID.from_base58(peer), PEX_PROPOSAL, proto.PROTOCOL_ID_1_2
-                )
-                answer = await BlobClient(stream, peer_exchange=True).peers(blob_id)
+                version = proto.Version.V1_2
+                stream = await self._open_optimistic(ID.from_base58(peer), version)
+                answer = await BlobClient(stream, version=version).peers(blob_id)
             await close_quietly(stream)
         except (BaseLibp2pError, OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
             log.debug("peers of %s from %s: %r", blob_id[:12], peer, exc)

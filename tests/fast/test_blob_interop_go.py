@@ -72,7 +72,9 @@ async def test_blobnet_fetches_blob_go_serves(
     with trio.fail_after(TIMEOUT_S):
         async with (
             run_daemon(p2pd_binary, short_dir) as daemon,
-            daemon.stream_handler(short_dir / "h.sock", [proto.PROTOCOL_ID], go_blob_handler),
+            daemon.stream_handler(
+                short_dir / "h.sock", [proto.Version.V1_0.protocol_id], go_blob_handler
+            ),
             open_node(tmp_path / "fetching-store", dht=False) as node,
         ):
             go_raw_id, go_addrs = await daemon.identify()
@@ -92,7 +94,7 @@ async def test_blobnet_fetches_blob_go_serves(
 
     # Every stream came from the blobnet node, over go, for the blob protocol.
     assert {(info.peer, info.proto) for info in served} == {
-        (node.host.get_id().to_bytes(), proto.PROTOCOL_ID)
+        (node.host.get_id().to_bytes(), proto.Version.V1_0.protocol_id)
     }
     # A manifest stream, then a `have` stream whose peer runs two request streams.
     assert len(served) >= 3, f"only {len(served)} streams served"
@@ -128,9 +130,9 @@ async def _go_fetch(daemon: DaemonClient, peer: bytes, blob_id: str, store: Stor
     opened: list[DaemonConn] = []
 
     async def open_client(chunk_length: proto.ExpectedLength | None = None) -> BlobClient:
-        info, conn = await daemon.stream_open(peer, [proto.PROTOCOL_ID])
+        info, conn = await daemon.stream_open(peer, [proto.Version.V1_0.protocol_id])
         opened.append(conn)
-        assert info.proto == proto.PROTOCOL_ID
+        assert info.proto == proto.Version.V1_0.protocol_id
         assert info.peer == peer
         return BlobClient(DaemonStream(conn, info.peer), chunk_length)
 

@@ -101,7 +101,7 @@ async def main(args: argparse.Namespace) -> None:
         node.server.store = HostileStore(store, args.mode, args.after, args.delay)  # type: ignore[assignment]
         if args.mode == "old":
             for protocol_id in proto.SERVED_PROTOCOL_IDS:
-                if protocol_id != proto.PROTOCOL_ID:
+                if protocol_id != proto.Version.V1_0.protocol_id:
                     node.host.remove_stream_handler(TProtocol(protocol_id))
         print(json.dumps({"peer_id": node.peer_id, "addrs": node.addrs}), flush=True)
         await trio.sleep_forever()

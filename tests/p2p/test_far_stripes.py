@@ -68,7 +68,7 @@ class Lane(FakeStream):
         super().__init__(network.serve_as(self))
         if pipelined:
             self.server = proto.ServerConnection(
-                max_pipelined=proto.MAX_PIPELINED_REQUESTS, tentative=tentative
+                proto.Version.V1_5 if tentative else proto.Version.V1_1
             )
         self.refused = pipelined and network.refuse
         self.reset_first = self.refused and network.reset_first
@@ -137,7 +137,9 @@ class StripedFake:
         self.proposals.append(pipelined)
         if not pipelined:
             return Lane(self, False, b"")
-        ask = proposal(proto.PROTOCOL_ID_1_5 if tentative else proto.PROTOCOL_ID_1_1)
+        ask = proposal(
+            proto.Version.V1_5.protocol_id if tentative else proto.Version.V1_1.protocol_id
+        )
         lane = Lane(self, True, REFUSAL if self.refuse else ask, tentative)
         return OptimisticStream(lane, ask)
 

@@ -33,7 +33,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::ResourceWarning"),
 ]
 
-PROTOCOL = TProtocol(proto.PROTOCOL_ID)
+PROTOCOL = TProtocol(proto.Version.V1_0.protocol_id)
 
 
 @asynccontextmanager

@@ -22,7 +22,6 @@ from p2p.blob.protocol import (
     MAX_MANIFEST_BYTES,
     MAX_NUM_CHUNKS,
     MAX_RANGES_PER_REQUEST,
-    PROTOCOL_ID,
     Chunk,
     ClientConnection,
     End,
@@ -40,6 +39,7 @@ from p2p.blob.protocol import (
     Response,
     ServerConnection,
     TruncatedStreamError,
+    Version,
     encode_chunk_header,
     encode_request,
     encode_response_header,
@@ -103,7 +103,7 @@ def get_response(server: ServerConnection, bodies: dict[int, bytes]) -> bytes:
 
 
 def test_protocol_id_and_limits_are_what_the_spec_says() -> None:
-    assert PROTOCOL_ID == "/blobnet/blob/1.0.0"
+    assert Version.V1_0.protocol_id == "/blobnet/blob/1.0.0"
     assert MAX_HEADER_SIZE == 64 * 1024
     assert MAX_CHUNK_SIZE == 16 * 1024 * 1024
     assert MAX_MANIFEST_BYTES == 16 * 1024 * 1024 + 64

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from p2p.blob.protocol import (
     MAX_CHUNKS_PER_REQUEST,
-    MAX_PIPELINED_REQUESTS,
     MAX_RANGES_PER_REQUEST,
     Chunk,
     ClientConnection,
@@ -33,6 +32,7 @@ from p2p.blob.protocol import (
     ServerConnection,
     StatusRequest,
     StatusResponse,
+    Version,
     encode_chunk_header,
     encode_request,
 )
@@ -89,7 +89,7 @@ def run_server(chunks: list[bytes]) -> tuple[list[Any], str | None]:
     """Feed ``chunks`` then EOF; answer each request at once (as the shell does). A 1.1.0
     connection: several requests may arrive in one piece. (On 1.0.0 that is a violation
     seen only when the bytes come together, so whole and split feeds differ by design.)"""
-    server = ServerConnection(max_pipelined=MAX_PIPELINED_REQUESTS, status=True)
+    server = ServerConnection(Version.V1_3)
     events: list[Any] = []
     try:
         for piece in [*chunks, b""]:
@@ -107,7 +107,7 @@ def run_client(
 ) -> tuple[list[Any], str | None]:
     """Feed ``chunks`` then EOF to a client; with ``resend`` it sends ``req`` again after each
     response, so bytes past the first response are parsed too."""
-    client = ClientConnection(status=True)
+    client = ClientConnection(Version.V1_3)
     client.send_request(req)
     events: list[Any] = []
     try:
@@ -124,7 +124,7 @@ def run_client(
 
 def valid_response(req: Request, data: st.DataObject) -> bytes:
     """A valid response stream for ``req`` (generated through a real ServerConnection)."""
-    server = ServerConnection(status=True)
+    server = ServerConnection(Version.V1_3)
     server.receive_data(encode_request(req))
     assert server.next_request() == req
     if data.draw(st.integers(0, 4), label="answer with an error") == 0:
@@ -228,7 +228,7 @@ def test_chunk_header_round_trips(index: int, length: int) -> None:
 @FUZZ
 @given(req=requests)
 def test_request_round_trips(req: Request) -> None:
-    server = ServerConnection(status=True)
+    server = ServerConnection(Version.V1_3)
     server.receive_data(encode_request(req))
     assert server.next_request() == req
     assert server.next_request() is None  # a response is owed; nothing more was sent

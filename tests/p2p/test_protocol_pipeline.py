@@ -19,6 +19,7 @@ from p2p.blob.protocol import (
     ManifestRequest,
     RemoteProtocolError,
     ServerConnection,
+    Version,
     encode_chunk_header,
     encode_request,
     encode_response_header,
@@ -32,7 +33,7 @@ def have(i: int) -> HaveRequest:
 
 
 def test_server_hands_out_pipelined_requests_in_order_one_at_a_time() -> None:
-    server = ServerConnection(max_pipelined=MAX_PIPELINED_REQUESTS)
+    server = ServerConnection(Version.V1_1)
     server.receive_data(b"".join(encode_request(have(i)) for i in range(3)))
     for i in range(3):
         assert server.next_request() == have(i)
@@ -43,7 +44,7 @@ def test_server_hands_out_pipelined_requests_in_order_one_at_a_time() -> None:
 
 
 def test_server_refuses_more_than_the_bound_after_answering_the_rest() -> None:
-    server = ServerConnection(max_pipelined=MAX_PIPELINED_REQUESTS)
+    server = ServerConnection(Version.V1_1)
     server.receive_data(
         b"".join(encode_request(have(i)) for i in range(MAX_PIPELINED_REQUESTS + 1))
     )
@@ -59,7 +60,7 @@ def test_server_answers_requests_before_a_bad_frame_whatever_the_split() -> None
     good = encode_request(have(1))
     bad = (2**31).to_bytes(4, "big")
     for pieces in ([good + bad], [good, bad], [good[:7], good[7:] + bad]):
-        server = ServerConnection(max_pipelined=MAX_PIPELINED_REQUESTS)
+        server = ServerConnection(Version.V1_1)
         seen, error = run(server, pieces)
         assert seen == [have(1)], pieces
         assert error is not None and "over the limit" in error
@@ -88,7 +89,7 @@ def test_1_0_server_calls_a_request_sent_with_another_a_violation() -> None:
 
 
 def test_client_pipelines_up_to_its_bound_and_matches_responses_in_order() -> None:
-    client = ClientConnection(max_pipelined=3)
+    client = ClientConnection(Version.V1_1, max_pipelined=3)
     sent = [
         client.send_request(ManifestRequest(BLOB)),
         client.send_request(GetRequest(BLOB, ((0, 2),))),
@@ -112,7 +113,7 @@ def test_client_pipelines_up_to_its_bound_and_matches_responses_in_order() -> No
 
 
 def test_client_checks_each_response_against_the_oldest_request() -> None:
-    client = ClientConnection(max_pipelined=2)
+    client = ClientConnection(Version.V1_1, max_pipelined=2)
     client.send_request(HaveRequest(BLOB))
     client.send_request(GetRequest(BLOB, ((0, 1),)))
     # A chunk answers the get, but the have is still owed: a violation.
@@ -131,6 +132,17 @@ def test_1_0_client_still_sends_one_request_at_a_time() -> None:
 @pytest.mark.parametrize("bound", [0, MAX_PIPELINED_REQUESTS + 1])
 def test_pipelining_bound_is_checked(bound: int) -> None:
     with pytest.raises(LocalProtocolError):
-        ServerConnection(max_pipelined=bound)
-    with pytest.raises(LocalProtocolError):
-        ClientConnection(max_pipelined=bound)
+        ClientConnection(Version.V1_1, max_pipelined=bound)
+
+
+def test_a_version_carries_its_features_and_every_older_one() -> None:
+    """One ordered version says what a stream carries: pipelining from 1.1.0, `peers` from
+    1.2.0, `status` from 1.3.0, its fellow count from 1.4.0, `try_get` from 1.5.0."""
+    assert [v.protocol_id for v in Version] == [f"/blobnet/blob/1.{m}.0" for m in range(6)]
+    assert [v.max_pipelined for v in Version] == [1] + [MAX_PIPELINED_REQUESTS] * 5
+    features = [(v.peer_exchange, v.status, v.fellows, v.tentative) for v in Version]
+    assert features == [(n >= 2, n >= 3, n >= 4, n >= 5) for n in range(6)]
+    assert all(Version.of(v.protocol_id) is v for v in Version)
+    assert Version.of("/blobnet/blob/1.6.0") is None
+    with pytest.raises(LocalProtocolError, match=r"1\.\.1 on"):
+        ClientConnection(Version.V1_0, max_pipelined=2)  # 1.0.0 streams do not pipeline

@@ -45,8 +45,8 @@ def test_collection_example_matches_blobstore() -> None:
 
 
 def test_spec_states_the_protocol_ids_limits_and_security() -> None:
-    assert protocol.PROTOCOL_ID == "/blobnet/blob/1.0.0"
-    assert protocol.PROTOCOL_ID_1_1 == "/blobnet/blob/1.1.0"
+    assert protocol.Version.V1_0.protocol_id == "/blobnet/blob/1.0.0"
+    assert protocol.Version.V1_1.protocol_id == "/blobnet/blob/1.1.0"
     for protocol_id in protocol.SERVED_PROTOCOL_IDS:
         assert f"`{protocol_id}`" in SPEC
     assert f"| `MAX_PIPELINED_REQUESTS` | {protocol.MAX_PIPELINED_REQUESTS} |" in SPEC

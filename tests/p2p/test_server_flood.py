@@ -142,7 +142,9 @@ async def unread_gets(
                         await trio.sleep(0.5)
 
                 async def unread_get() -> None:
-                    stream = await host.new_stream(info.peer_id, [TProtocol(proto.PROTOCOL_ID)])
+                    stream = await host.new_stream(
+                        info.peer_id, [TProtocol(proto.Version.V1_0.protocol_id)]
+                    )
                     await stream.write(request)
                     stats["gets"] += 1
 

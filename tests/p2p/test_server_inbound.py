@@ -28,7 +28,7 @@ from p2p.blob.shell import BlobClient
 from p2p.transport import host as host_mod
 from p2p.transport.host import InboundGate, address_key, build_host, install_inbound_gate
 
-PROTOCOL = TProtocol(proto.PROTOCOL_ID)
+PROTOCOL = TProtocol(proto.Version.V1_0.protocol_id)
 
 
 # --- The gate's bookkeeping ---------------------------------------------------------------

@@ -113,7 +113,9 @@ async def client(target: Served, *, fast: bool = False) -> AsyncIterator[Any]:
         await host.get_network().close_peer(target.host.get_id())
 
 
-async def open_stream(host: Any, target: Served, protocol: str = proto.PROTOCOL_ID) -> Any:
+async def open_stream(
+    host: Any, target: Served, protocol: str = proto.Version.V1_0.protocol_id
+) -> Any:
     return await host.new_stream(target.host.get_id(), [TProtocol(protocol)])
 
 
@@ -356,8 +358,10 @@ async def test_a_plaintext_only_peer_cannot_connect(tmp_path: Path) -> None:
 
 async def test_pipelined_requests_are_answered_in_order_on_1_1(tmp_path: Path) -> None:
     async with served(tmp_path) as target, client(target) as peer:
-        stream = await open_stream(peer, target, proto.PROTOCOL_ID_1_1)
-        conn = proto.ClientConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS)
+        stream = await open_stream(peer, target, proto.Version.V1_1.protocol_id)
+        conn = proto.ClientConnection(
+            proto.Version.V1_1, max_pipelined=proto.MAX_PIPELINED_REQUESTS
+        )
         requests: list[proto.Request] = [
             proto.GetRequest(target.blob_id, ((i, i + 1),)) for i in range(6)
         ]
@@ -378,7 +382,7 @@ async def test_pipelined_requests_are_answered_in_order_on_1_1(tmp_path: Path) -
 
 async def test_pipelining_on_1_0_is_still_a_violation(tmp_path: Path) -> None:
     async with served(tmp_path) as target, client(target) as peer:
-        stream = await open_stream(peer, target, proto.PROTOCOL_ID)
+        stream = await open_stream(peer, target, proto.Version.V1_0.protocol_id)
         two = proto.encode_request(proto.HaveRequest(target.blob_id)) * 2
         await stream.write(two)
         conn = proto.ClientConnection()

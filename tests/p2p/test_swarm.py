@@ -17,13 +17,11 @@ ADDR = "/ip4/10.0.0.2/tcp/4001"
 
 
 def _server(peer_exchange: bool) -> proto.ServerConnection:
-    return proto.ServerConnection(
-        max_pipelined=proto.MAX_PIPELINED_REQUESTS, peer_exchange=peer_exchange
-    )
+    return proto.ServerConnection(proto.Version.V1_2 if peer_exchange else proto.Version.V1_1)
 
 
 def test_peers_round_trip_on_a_1_2_stream() -> None:
-    client = proto.ClientConnection(peer_exchange=True)
+    client = proto.ClientConnection(proto.Version.V1_2)
     server = _server(True)
     server.receive_data(client.send_request(proto.PeersRequest(BLOB)))
     assert server.next_request() == proto.PeersRequest(BLOB)
@@ -35,7 +33,7 @@ def test_peers_round_trip_on_a_1_2_stream() -> None:
 def test_peers_is_an_unknown_request_on_older_versions() -> None:
     with pytest.raises(proto.LocalProtocolError, match=r"1\.2\.0"):
         proto.ClientConnection().send_request(proto.PeersRequest(BLOB))
-    frame = proto.ClientConnection(peer_exchange=True).send_request(proto.PeersRequest(BLOB))
+    frame = proto.ClientConnection(proto.Version.V1_2).send_request(proto.PeersRequest(BLOB))
     server = _server(False)
     server.receive_data(frame)
     with pytest.raises(proto.RemoteProtocolError, match="unknown message type"):
@@ -52,7 +50,7 @@ def test_a_peers_answer_over_its_bounds_is_refused() -> None:
     with pytest.raises(proto.LocalProtocolError):
         proto.encode_response_header(proto.PeersResponse((("p", (ADDR,)), ("p", (ADDR,)))))
     # A hostile server's oversized list is a remote fault on the client's side.
-    client = proto.ClientConnection(peer_exchange=True)
+    client = proto.ClientConnection(proto.Version.V1_2)
     client.send_request(proto.PeersRequest(BLOB))
     import msgpack
 

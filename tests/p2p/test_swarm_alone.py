@@ -40,8 +40,8 @@ SWARM = SchedulerConfig(
 
 
 def test_a_1_4_status_answer_carries_the_count_and_1_3_does_not() -> None:
-    client = proto.ClientConnection(fellows=True)
-    server = proto.ServerConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS, fellows=True)
+    client = proto.ClientConnection(proto.Version.V1_4)
+    server = proto.ServerConnection(proto.Version.V1_4)
     assert server.counts_fellows
     server.receive_data(client.send_request(proto.StatusRequest(BLOB)))
     assert server.next_request() == proto.StatusRequest(BLOB)
@@ -51,8 +51,10 @@ def test_a_1_4_status_answer_carries_the_count_and_1_3_does_not() -> None:
     client.receive_data(server.send_response(answer))
     assert client.next_event() == answer
     # The same answer on a 1.3.0 stream is refused before it leaves.
-    old = proto.ServerConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS, status=True)
-    old.receive_data(proto.ClientConnection(status=True).send_request(proto.StatusRequest(BLOB)))
+    old = proto.ServerConnection(proto.Version.V1_3)
+    old.receive_data(
+        proto.ClientConnection(proto.Version.V1_3).send_request(proto.StatusRequest(BLOB))
+    )
     old.next_request()
     assert not old.counts_fellows
     with pytest.raises(proto.LocalProtocolError, match=r"1\.4\.0"):
@@ -72,7 +74,7 @@ def test_a_1_4_status_answer_carries_the_count_and_1_3_does_not() -> None:
 def test_a_count_that_breaks_the_rules_is_the_servers_fault(
     fellows_stream: bool, fields: dict[str, object], why: str
 ) -> None:
-    client = proto.ClientConnection(status=True, fellows=fellows_stream)
+    client = proto.ClientConnection(proto.Version.V1_4 if fellows_stream else proto.Version.V1_3)
     client.send_request(proto.StatusRequest(BLOB))
     body = msgpack.packb(
         {"t": "status", "n": 10, "bits": bytes(2), "soon": bytes(2), **fields}, use_bin_type=True
@@ -110,25 +112,27 @@ async def test_a_seeder_counts_the_askers_fellows_on_1_4_and_says_nothing_on_1_3
                 host = node.host  # type: ignore[attr-defined]
                 stream = await open_optimistic(host, ID.from_base58(peer), protocol_id)
                 try:
-                    client = BlobClient(stream, status=True, fellows=fellows)
+                    client = BlobClient(
+                        stream, version=(proto.Version.V1_4 if fellows else proto.Version.V1_3)
+                    )
                     return await client.status(blob_id)
                 finally:
                     await stream.reset()
 
             full = bitmap_of(range(4), 4)
-            alone = await ask(first, proto.PROTOCOL_ID_1_4, fellows=True)
+            alone = await ask(first, proto.Version.V1_4.protocol_id, fellows=True)
             assert alone == proto.StatusResponse(4, full, bytes(1), fellows=0)
-            await ask(second, proto.PROTOCOL_ID_1_3)  # a fellow asks, on any version
-            assert await ask(first, proto.PROTOCOL_ID_1_4, fellows=True) == (
+            await ask(second, proto.Version.V1_3.protocol_id)  # a fellow asks, on any version
+            assert await ask(first, proto.Version.V1_4.protocol_id, fellows=True) == (
                 proto.StatusResponse(4, full, bytes(1), fellows=1)
             )
-            assert await ask(first, proto.PROTOCOL_ID_1_3) == proto.StatusResponse(
+            assert await ask(first, proto.Version.V1_3.protocol_id) == proto.StatusResponse(
                 4, full, bytes(1)
             )
             # The fellow's fetch ends and it hangs up: the seeder no longer counts it.
             await second.host.disconnect(ID.from_base58(peer))
             for _ in range(100):
-                reply = await ask(first, proto.PROTOCOL_ID_1_4, fellows=True)
+                reply = await ask(first, proto.Version.V1_4.protocol_id, fellows=True)
                 if isinstance(reply, proto.StatusResponse) and reply.fellows == 0:
                     break
                 await trio.sleep(0.05)
@@ -223,12 +227,14 @@ async def test_an_old_seeder_keeps_the_caps(tmp_path: Path) -> None:
         open_node(store, dht=False) as seed,
         open_node(tmp_path / "asker", dht=False) as asker,
     ):
-        seed.host.remove_stream_handler(proto.PROTOCOL_ID_1_4)
+        seed.host.remove_stream_handler(proto.Version.V1_4.protocol_id)
         with trio.fail_after(30):
             peer = await asker.connect(seed.addrs[0])
-            stream = await open_optimistic(asker.host, ID.from_base58(peer), proto.PROTOCOL_ID_1_4)
+            stream = await open_optimistic(
+                asker.host, ID.from_base58(peer), proto.Version.V1_4.protocol_id
+            )
             with pytest.raises(StreamLost):
-                await BlobClient(stream, status=True, fellows=True).status(
+                await BlobClient(stream, version=proto.Version.V1_4).status(
                     Manifest.of_bytes(data, chunk).blob_id
                 )
 

@@ -33,22 +33,22 @@ def _chunks(ticket: object) -> set[int]:
 
 
 def test_status_round_trip_on_a_1_3_stream() -> None:
-    client = proto.ClientConnection(status=True)
-    server = proto.ServerConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS, status=True)
+    client = proto.ClientConnection(proto.Version.V1_3)
+    server = proto.ServerConnection(proto.Version.V1_3)
     server.receive_data(client.send_request(proto.StatusRequest(BLOB)))
     assert server.next_request() == proto.StatusRequest(BLOB)
     answer = proto.StatusResponse(num_chunks=10, bitmap=b"\x05\x02", soon=b"\x02\x00")
     client.receive_data(server.send_response(answer))
     assert client.next_event() == answer
     # A 1.3.0 stream still carries `peers`.
-    assert proto.ClientConnection(status=True).send_request(proto.PeersRequest(BLOB))
+    assert proto.ClientConnection(proto.Version.V1_3).send_request(proto.PeersRequest(BLOB))
 
 
 def test_status_is_an_unknown_request_before_1_3() -> None:
     with pytest.raises(proto.LocalProtocolError, match=r"1\.3\.0"):
-        proto.ClientConnection(peer_exchange=True).send_request(proto.StatusRequest(BLOB))
-    frame = proto.ClientConnection(status=True).send_request(proto.StatusRequest(BLOB))
-    server = proto.ServerConnection(peer_exchange=True)
+        proto.ClientConnection(proto.Version.V1_2).send_request(proto.StatusRequest(BLOB))
+    frame = proto.ClientConnection(proto.Version.V1_3).send_request(proto.StatusRequest(BLOB))
+    server = proto.ServerConnection(proto.Version.V1_2)
     server.receive_data(frame)
     with pytest.raises(proto.RemoteProtocolError, match="unknown message type"):
         server.next_request()
@@ -67,7 +67,7 @@ def test_a_status_answer_that_breaks_its_rules_is_a_remote_fault(
 ) -> None:
     import msgpack
 
-    client = proto.ClientConnection(status=True)
+    client = proto.ClientConnection(proto.Version.V1_3)
     client.send_request(proto.StatusRequest(BLOB))
     body = msgpack.packb({"t": "status", "n": 10, "bits": bits, "soon": soon}, use_bin_type=True)
     client.receive_data(len(body).to_bytes(4, "big") + body)
@@ -111,14 +111,18 @@ async def test_a_node_answers_status_with_its_chunks_in_flight_and_refuses_it_on
             trio.fail_after(30),
             fetching_board(store).posting(blob_id, lambda: [0, 2]),  # 0 is already held
         ):
-            stream = await open_optimistic(asker.host, ID.from_base58(peer), proto.PROTOCOL_ID_1_3)
-            answer = await BlobClient(stream, status=True).status(blob_id)
+            stream = await open_optimistic(
+                asker.host, ID.from_base58(peer), proto.Version.V1_3.protocol_id
+            )
+            answer = await BlobClient(stream, version=proto.Version.V1_3).status(blob_id)
             assert answer == proto.StatusResponse(4, bitmap_of([0], 4), bitmap_of([2], 4))
             await stream.reset()
             # On 1.2.0 the same request is a protocol violation.
-            stream = await open_optimistic(asker.host, ID.from_base58(peer), proto.PROTOCOL_ID_1_2)
-            client = BlobClient(stream, peer_exchange=True)
-            client.conn = proto.ClientConnection(status=True)  # say it anyway
+            stream = await open_optimistic(
+                asker.host, ID.from_base58(peer), proto.Version.V1_2.protocol_id
+            )
+            client = BlobClient(stream, version=proto.Version.V1_2)
+            client.conn = proto.ClientConnection(proto.Version.V1_3)  # say it anyway
             try:
                 reply = await client.status(blob_id)
             except StreamLost:

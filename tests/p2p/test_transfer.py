@@ -337,7 +337,10 @@ async def test_a_fetch_stripes_one_provider_over_several_tcp_connections(
         dht=False, stripe=eager, scheduler=SchedulerConfig(max_chunks_per_request=4)
     )
     carrying: list[int] = []  # connections with a blob stream open, sampled
-    bulk = (proto.PROTOCOL_ID, proto.PROTOCOL_ID_1_1)  # `get` streams: one at a time, pipelined
+    bulk = (
+        proto.Version.V1_0.protocol_id,
+        proto.Version.V1_1.protocol_id,
+    )  # `get` streams: one at a time, pipelined
     async with open_node(tmp_path / "fetcher", config=config) as node:
         peer = ID.from_base58(a.peer_id)
 

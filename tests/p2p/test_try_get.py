@@ -27,8 +27,8 @@ SPAN = ((0, 1),)
 
 
 def test_a_try_get_is_its_own_message_on_1_5_and_unknown_before() -> None:
-    client = proto.ClientConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS, tentative=True)
-    server = proto.ServerConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS, tentative=True)
+    client = proto.ClientConnection(proto.Version.V1_5, max_pipelined=proto.MAX_PIPELINED_REQUESTS)
+    server = proto.ServerConnection(proto.Version.V1_5)
     frame = client.send_request(proto.GetRequest(BLOB, SPAN, tentative=True))
     assert msgpack.unpackb(frame[4:])["t"] == "try_get"
     server.receive_data(frame)
@@ -40,19 +40,19 @@ def test_a_try_get_is_its_own_message_on_1_5_and_unknown_before() -> None:
     assert server.counts_fellows  # 1.5.0 keeps 1.4.0's count in `status`
 
     # A 1.4.0 server does not know the message: the client broke the protocol.
-    old = proto.ServerConnection(max_pipelined=proto.MAX_PIPELINED_REQUESTS, fellows=True)
+    old = proto.ServerConnection(proto.Version.V1_4)
     old.receive_data(frame)
     with pytest.raises(proto.RemoteProtocolError, match="unknown message type 'try_get'"):
         old.next_request()
     # ... and our client does not send it there.
     with pytest.raises(proto.LocalProtocolError, match=r"1\.5\.0"):
-        proto.ClientConnection(fellows=True).send_request(
+        proto.ClientConnection(proto.Version.V1_4).send_request(
             proto.GetRequest(BLOB, SPAN, tentative=True)
         )
 
 
 def test_a_try_get_is_checked_like_a_get() -> None:
-    server = proto.ServerConnection(tentative=True)
+    server = proto.ServerConnection(proto.Version.V1_5)
     body = msgpack.packb(
         {"t": "try_get", "id": bytes.fromhex(BLOB), "r": [[2, 1]]}, use_bin_type=True
     )
@@ -74,7 +74,7 @@ async def test_a_seeder_declines_a_try_get_while_others_fetch_from_it(tmp_path: 
                 the chunks that came, and what the answer called missing."""
                 host = node.host  # type: ignore[attr-defined]
                 peer = ID.from_base58(nodes.peer)
-                stream = await open_optimistic(host, peer, proto.PROTOCOL_ID_1_5)
+                stream = await open_optimistic(host, peer, proto.Version.V1_5.protocol_id)
                 got: list[int] = []
 
                 async def sink(index: int, body: memoryview) -> None:
@@ -82,7 +82,7 @@ async def test_a_seeder_declines_a_try_get_while_others_fetch_from_it(tmp_path: 
                     got.append(index)
 
                 try:
-                    client = BlobClient(stream, pipelined=True, tentative=True)
+                    client = BlobClient(stream, version=proto.Version.V1_5, pipelined=True)
                     await client.send_manifest(blob_id)
                     await client.send_get(blob_id, SPAN, tentative=tentative)
                     assert isinstance(await client.read_manifest(), bytes)
