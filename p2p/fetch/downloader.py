@@ -37,7 +37,7 @@ Theory of operation
    provider with every chunk is asked 1.4.0's ``status`` for its count of other
    fetchers (rule 6), and while it says nobody the swarm's opening caps are off for it.
 9. Control lane. A provider striped over several connections (``_grow``,
-   ``p2p.fetch.scheduler.StripeGrowth``) gets its bulk ``get`` streams on the connections the
+   ``p2p.fetch.striping.StripeGrowth``) gets its bulk ``get`` streams on the connections the
    fetch added (lanes 1..n), and its first connection (lane 0) is left to control
    streams: ``have``, ``status``, ``peers``, manifests (``p2p.node.node`` sends any stream
    with no chosen connection there). The stream worker that started on lane 0 moves to
@@ -95,14 +95,13 @@ from p2p.errors import FetchFailed, NoProviders
 from p2p.fetch.chunk_writer import ChunkWriter, usable_cpus
 from p2p.fetch.scheduler import (
     SWARM_ENDGAME_PATIENCE_S,
-    PeerScores,
     PeerStats,
     RequestTicket,
     Scheduler,
     SchedulerConfig,
-    StripeConfig,
-    StripeGrowth,
 )
+from p2p.fetch.scores import PeerScores
+from p2p.fetch.striping import StripeConfig, StripeGrowth
 from p2p.transport.fast import kernel_rtt
 
 log = logging.getLogger(__name__)

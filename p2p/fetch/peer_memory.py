@@ -22,7 +22,7 @@ from typing import Any
 
 from blobstore import Store
 from blobstore.durable import write_file_atomic
-from p2p.fetch.scheduler import PeerScores
+from p2p.fetch.scores import PeerScores
 
 log = logging.getLogger(__name__)
 

@@ -88,7 +88,9 @@ from p2p.blob.swarm import PEX_DIAL_PARALLELISM, Listed, PexBook
 from p2p.blob.ticket import MAX_TICKET_ADDRS, Ticket, validate_peer_addr
 from p2p.errors import BadAddress, ListenFailed, PeerUnreachable, unwrap_single
 from p2p.fetch.downloader import ProgressCallback, download_blob
-from p2p.fetch.scheduler import PeerScores, SchedulerConfig, StripeConfig
+from p2p.fetch.scheduler import SchedulerConfig
+from p2p.fetch.scores import PeerScores
+from p2p.fetch.striping import StripeConfig
 from p2p.transport.fast import connection_rtt
 from p2p.transport.host import build_host
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import trio
 
 from blobstore import Store
-from p2p.fetch.scheduler import StripeConfig
+from p2p.fetch.striping import StripeConfig
 from p2p.node.node import NodeConfig, open_node
 
 CHUNK = 64 * 1024

@@ -25,7 +25,8 @@ from blobstore import Manifest, Store
 from p2p.blob import protocol as proto
 from p2p.blob.shell import OptimisticStream, multistream_message, proposal
 from p2p.fetch import downloader
-from p2p.fetch.scheduler import SchedulerConfig, StripeConfig
+from p2p.fetch.scheduler import SchedulerConfig
+from p2p.fetch.striping import StripeConfig
 
 RTT = 0.2  # virtual seconds: an intercontinental path, so the fetch stripes at once
 REFUSAL = multistream_message(b"/multistream/1.0.0") + multistream_message(b"na")

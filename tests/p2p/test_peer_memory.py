@@ -11,7 +11,7 @@ import trio
 
 from blobstore import Store
 from p2p.fetch import peer_memory
-from p2p.fetch.scheduler import PeerScores
+from p2p.fetch.scores import PeerScores
 from p2p.node.node import open_node
 
 LIAR = "12D3KooWLiarLiarLiarLiarLiarLiarLiarLiarLiarLiarLiar"

@@ -10,14 +10,9 @@ from typing import Any
 
 import pytest
 
-from p2p.fetch.scheduler import (
-    PeerScores,
-    Scheduler,
-    SchedulerConfig,
-    ScoreConfig,
-    StripeConfig,
-    StripeGrowth,
-)
+from p2p.fetch.scheduler import Scheduler, SchedulerConfig
+from p2p.fetch.scores import PeerScores, ScoreConfig
+from p2p.fetch.striping import StripeConfig, StripeGrowth
 
 CHUNK = 1 << 20
 CONFIG = SchedulerConfig(max_chunks_per_request=4)  # 4 MiB requests

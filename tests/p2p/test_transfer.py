@@ -324,7 +324,8 @@ async def test_a_fetch_stripes_one_provider_over_several_tcp_connections(
     from libp2p.peer.id import ID
 
     from p2p.blob import protocol as proto
-    from p2p.fetch.scheduler import SchedulerConfig, StripeConfig
+    from p2p.fetch.scheduler import SchedulerConfig
+    from p2p.fetch.striping import StripeConfig
     from p2p.node.node import NodeConfig, open_node
 
     source = random_file(tmp_path / "big.bin", 48 * MiB)
