@@ -1,9 +1,10 @@
 """Identity commands of the ``blob`` program.
 
-``blob id``, ``blob authority new``, ``blob admit``, ``blob attest sign`` and
-``blob attest verify``. Errors are the identity package's own, each with its
-``exit_code``; ``blob attest verify`` prints its verdict and exits 0 (valid) or 1
-(rejected, malformed included) so scripts can rely on the status alone.
+``blob id``, ``blob authority new``, ``blob admit``, ``blob attest sign``,
+``blob attest verify`` and the ``blob tpm`` group (:mod:`identity.tpm.cli`). Errors are
+the identity package's own, each with its ``exit_code``; ``blob attest verify`` prints its
+verdict and exits 0 (valid) or 1 (rejected, malformed included) so scripts can rely on the
+status alone.
 
 Passphrases: ``BLOBNET_PASSPHRASE``, when set, encrypts keys these commands create and
 decrypts encrypted keys they load; without it an encrypted key is unlocked by a prompt
@@ -49,6 +50,7 @@ from .keys import MachineKey, format_public_key, parse_public_key
 from .kinds import HARDWARE_SIGNER_KINDS, RESERVED_KINDS, RESERVED_PREFIX, is_reserved_kind
 from .peerid import parse_peer_id
 from .signer import SoftwareSigner
+from .tpm.signer import machine_signer
 
 PASSPHRASE_ENV = "BLOBNET_PASSPHRASE"
 DEFAULT_VALID_DAYS = 30
@@ -182,6 +184,9 @@ def register(group: click.Group) -> None:
     group.add_command(authority_group)
     group.add_command(admit_command)
     group.add_command(attest_group)
+    from .tpm.cli import tpm_group  # it imports this module's helpers
+
+    group.add_command(tpm_group)
 
 
 @click.command("id")
@@ -190,7 +195,7 @@ def register(group: click.Group) -> None:
 def id_command(ctx: click.Context, as_json: bool) -> None:
     """Show this machine's peer ID (creating its key on first use)."""
     key, path, created = _machine_key(ctx)
-    signer = SoftwareSigner(key)
+    signer = machine_signer(key, path)
     if as_json:
         _echo_json(
             {
@@ -389,10 +394,10 @@ def attest_sign(
     if cert_path is not None:
         cert_data = _read_input(cert_path, "certificate", MAX_CERTIFICATE_SIZE)
         cert = AdmissionCertificate.decode(cert_data)
-    key, _path, _created = _machine_key(ctx)
+    key, path, _created = _machine_key(ctx)
     try:
         attestation = sign_attestation(
-            SoftwareSigner(key),
+            machine_signer(key, path),
             kind=kind,
             digest=digest,
             kernel_class=kernel_class,
@@ -417,7 +422,8 @@ def attest_sign(
 @click.option(
     "--require-hardware",
     is_flag=True,
-    help="Accept only hardware-backed signers (" + ", ".join(sorted(HARDWARE_SIGNER_KINDS)) + ").",
+    help="Accept only attestations co-signed by a TPM attestation key their certificate "
+    "records (other hardware kinds carry no evidence this verifier checks).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context

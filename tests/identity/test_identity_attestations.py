@@ -187,10 +187,11 @@ def test_verifier_expectations(world: Any) -> None:
     assert verify_attestation(att, kind="round-result", signer_kinds={"software"}) == att
 
 
-def test_a_hardware_signer_plugs_in_without_changing_callers(world: Any) -> None:
-    class EnclaveSigner:
-        """Stands in for a TEE-backed signer: same protocol, its own kind."""
+def test_a_hardware_kind_claimed_without_evidence_is_refused(world: Any) -> None:
+    """A signer that only *says* it is a TEE: before hardware kinds needed evidence, its
+    claim passed a verifier that required hardware; now it is refused whatever is asked."""
 
+    class EnclaveSigner:
         kind = "tee"
 
         def __init__(self, key: MachineKey) -> None:
@@ -209,8 +210,11 @@ def test_a_hardware_signer_plugs_in_without_changing_callers(world: Any) -> None
         time=NOW,
         certificate=world.cert,
     )
-    claims = verify_attestation(att.encode(), trust=world.trust, now=NOW, signer_kinds={"tee"})
-    assert claims.signer_kind == "tee"
+    assert att.signer_kind == "tee"
+    assert reason_of(att, trust=world.trust, now=NOW, signer_kinds={"tee"}) is (
+        Reason.HARDWARE_UNPROVEN
+    )
+    assert reason_of(att) is Reason.HARDWARE_UNPROVEN
 
 
 def fields_of(att: Attestation) -> dict[str, Any]:
