@@ -42,7 +42,7 @@ from identity.tpm import device as tpm_device
 from identity.tpm.swtpm import Swtpm, local_ca_certificates, missing_tools, running_swtpm
 
 MISSING = missing_tools()
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no swtpm here: {MISSING}")
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"TPM tests cannot run here: {MISSING}")
 
 KERNEL_CLASS = "cpu-test"
 DIGEST = bytes(range(32))
@@ -116,10 +116,18 @@ class Authority:
             "--registry", str(self.registry), "-o", str(out), *extra,
         )  # fmt: skip
 
-    def admit(self, key: Path, answer: Path, out: Path, *extra: str) -> Run:
+    def admit(
+        self,
+        key: Path,
+        answer: Path,
+        out: Path,
+        *extra: str,
+        operator: str = "alice",
+        kernel_class: str = KERNEL_CLASS,
+    ) -> Run:
         return blob(
-            key, "tpm", "admit", str(answer), "--operator", "alice", "--kernel-class",
-            KERNEL_CLASS, "--authority", str(self.key), "--registry", str(self.registry),
+            key, "tpm", "admit", str(answer), "--operator", operator, "--kernel-class",
+            kernel_class, "--authority", str(self.key), "--registry", str(self.registry),
             "-o", str(out), "--json", *extra,
         )  # fmt: skip
 
@@ -144,14 +152,16 @@ def bind(key: Path, tpm: Swtpm) -> Path:
     return evidence
 
 
-def admit_through_cli(authority: Authority, key: Path, tpm: Swtpm, *extra: str) -> Run:
+def admit_through_cli(
+    authority: Authority, key: Path, tpm: Swtpm, *extra: str, **admit: str
+) -> Run:
     """bind, challenge, answer, admit: the whole sequence of the README."""
     evidence = bind(key, tpm)
     challenge = key.with_name("challenge")
     ok(authority.challenge(key, evidence, challenge))
     answer = key.with_name("answer")
     ok(blob(key, "tpm", "answer", str(challenge), "-o", str(answer)))
-    return authority.admit(key, answer, key.with_name("cert"), *extra)
+    return authority.admit(key, answer, key.with_name("cert"), *extra, **admit)
 
 
 def sign_as(key: Path, kind: str, cert: Path) -> Path:
@@ -232,6 +242,34 @@ def test_an_ek_public_area_that_is_not_the_certified_key_is_refused(
     forged = key.with_name("forged")
     forged.write_bytes(dataclasses.replace(evidence, ek_public=other_ek).encode())
     refused(authority.challenge(key, forged, tmp_path / "c"), AdmissionReason.EK_MISMATCH)
+
+
+def _without_attribute(public: bytes, attribute: str) -> bytes:
+    from identity.tpm._pytss import pytss
+
+    t = pytss()
+    area, _ = t.TPM2B_PUBLIC.unmarshal(public)
+    area.publicArea.objectAttributes &= ~getattr(t.TPMA_OBJECT, attribute)
+    return bytes(area.marshal())
+
+
+def test_public_areas_without_the_required_attributes_are_refused(
+    tmp_path: Path, tpms: Tpms, authority: Authority
+) -> None:
+    """The certified EK key in a public area that is not restricted, and an AK that is not
+    restricted (it could sign anything, a forged quote included). Guards the attribute
+    checks of admission rules 2 and 3."""
+    key = machine_key(tmp_path, "m")
+    evidence = Evidence.decode(bind(key, tpms.a).read_bytes())
+    cases = (
+        ("ek_public", evidence.ek_public, AdmissionReason.EK_MISMATCH),
+        ("ak_public", evidence.ak_public, AdmissionReason.BAD_AK),
+    )
+    for field, public, reason in cases:
+        forged = key.with_name(f"forged-{field}")
+        changed = {field: _without_attribute(public, "RESTRICTED")}
+        forged.write_bytes(dataclasses.replace(evidence, **changed).encode())  # type: ignore[arg-type]
+        refused(authority.challenge(key, forged, tmp_path / "c"), reason)
 
 
 def test_an_ak_from_another_tpm_fails_activation(
@@ -391,3 +429,58 @@ def _self_signed_ca(name: str) -> bytes:
         .sign(key, hashes.SHA256())
     )
     return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def test_train_check_require_hardware_accepts_two_admitted_tpms(
+    tmp_path: Path, tpms: Tpms, authority: Authority
+) -> None:
+    """The round's evidence check with --require-hardware: the runner's round-result from
+    the machine on TPM A and a replay from another operator's machine on TPM B pass; the
+    same replay from a software key does not."""
+    pytest.importorskip("torch", reason="training's evidence check needs the train extra")
+    from identity import TrustStore, load_key_file, parse_public_key
+    from training.commitment import REPLAY_KIND, ROUND_KIND, Commitment, RoundRecord
+    from training.errors import EvidenceRejected
+    from training.kernel_class import KERNEL_CLASS_SCHEMA, KernelClass
+    from training.recipe import Recipe, recipe_hash
+    from training.round import check_evidence
+
+    kc = KernelClass.from_fields(
+        {"schema": KERNEL_CLASS_SCHEMA, "device": "cpu", "cpu_capability": "AVX2", "threads": 1}
+    )
+    recipe = Recipe(steps=1)
+    commitment = Commitment(
+        base_id="b" * 64, records_id="c" * 64, recipe_hash=recipe_hash(recipe), seed=1,
+        kernel_class=kc, steps=1, start_root=bytes(32), end_root=bytes(range(32)),
+        step_log=(0x40B00000,), adapter_id="d" * 64,
+    )  # fmt: skip
+
+    def attest(key: Path, kind: str, operator: str, tpm: Swtpm | None) -> bytes:
+        cert = key.with_name("cert")
+        if tpm is not None:
+            ok(admit_through_cli(authority, key, tpm, operator=operator, kernel_class=kc.id))
+        else:
+            peer = load_key_file(key).peer_id
+            ok(blob(key, "admit", peer, "--operator", operator, "--kernel-class", kc.id,
+                    "--authority", str(authority.key), "-o", str(cert)))  # fmt: skip
+        return sign_attestation(
+            machine_signer(load_key_file(key), key),
+            kind=kind,
+            digest=commitment.digest,
+            kernel_class=kc.id,
+            subjects=(commitment.base_id, commitment.records_id, commitment.adapter_id),
+            time=int(time.time()),
+            certificate=AdmissionCertificate.decode(cert.read_bytes()),
+        ).encode()
+
+    record = RoundRecord(
+        commitment, recipe, attest(machine_key(tmp_path, "a"), ROUND_KIND, "alice", tpms.a)
+    )
+    replay = attest(machine_key(tmp_path, "b"), REPLAY_KIND, "bob", tpms.b)
+    soft = attest(machine_key(tmp_path, "s"), REPLAY_KIND, "carol", None)
+    trust = TrustStore(frozenset({parse_public_key(authority.public)}))
+    now = time.time()
+    evidence = check_evidence(record, [replay], trust=trust, now=now, require_hardware=True)
+    assert evidence.signer_kinds == ("tpm", "tpm")
+    with pytest.raises(EvidenceRejected, match="signer kind not allowed"):
+        check_evidence(record, [soft], trust=trust, now=now, require_hardware=True)
