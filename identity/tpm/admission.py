@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -64,8 +64,10 @@ DEFAULT_CHALLENGE_LIFETIME_S = 300
 MAX_PENDING = 4096
 # One entry per admitted TPM (about 150 bytes): 64 MiB is some 400 000 machines.
 MAX_REGISTRY_SIZE = 64 << 20
-# Trust anchors one authority is given (--ek-ca): every TPM vendor's roots and more.
+# Trust anchors one authority is given (--ek-ca): every TPM vendor's roots and more; a CA
+# certificate is bounded like an EK certificate.
 MAX_EK_CAS = 256
+MAX_EK_CA_FILE_SIZE = MAX_EK_CAS * MAX_EK_CERT_SIZE
 REGISTRY_VERSION = 1
 
 
@@ -106,7 +108,7 @@ def _valid_at(cert: x509.Certificate, now: float) -> bool:
 def _issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
     try:
         cert.verify_directly_issued_by(issuer)
-    except (ValueError, TypeError, InvalidSignature):
+    except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):
         return False
     return True
 
@@ -176,15 +178,6 @@ def _has(attributes: int, *flags: int) -> bool:
     return all(attributes & flag == flag for flag in flags)
 
 
-def ek_hash_of(ek_cert_der: bytes) -> bytes:
-    """The EK's hash as certificates record it: SHA-256 of its SubjectPublicKeyInfo."""
-    cert = x509.load_der_x509_certificate(ek_cert_der)
-    spki = cert.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    return hashlib.sha256(spki).digest()
-
-
 def check_binding(
     evidence: Evidence, ek_cas: Sequence[x509.Certificate], *, now: float
 ) -> BoundMachine:
@@ -194,16 +187,16 @@ def check_binding(
     try:
         ek_cert = x509.load_der_x509_certificate(evidence.ek_cert)
         chain = [x509.load_der_x509_certificate(c) for c in evidence.ek_chain]
-    except ValueError as exc:
+        cert_spki = ek_cert.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    except (ValueError, UnsupportedAlgorithm) as exc:
         raise _refuse(
             AdmissionReason.UNTRUSTED_EK, f"the EK certificate does not parse: {exc}"
         ) from None
     _check_chain(ek_cert, chain, ek_cas, now)
 
     ek = _unmarshal_public(evidence.ek_public, "EK")
-    cert_spki = ek_cert.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
     if _spki(ek, "EK") != cert_spki:
         raise _refuse(
             AdmissionReason.EK_MISMATCH,
@@ -469,7 +462,3 @@ def _already(live: Admitted, peer_id: str) -> AdmissionRefused:
         f"this TPM's endorsement key is already admitted as {live.peer_id}{same}, serial "
         f"{live.serial}; one TPM is one live admission (--replace revokes that one)",
     )
-
-
-# The EK certificate limit of the evidence is also what an authority reads of a CA file.
-MAX_EK_CA_FILE_SIZE = MAX_EK_CAS * MAX_EK_CERT_SIZE

@@ -267,14 +267,14 @@ def _append_revocation(path: Path, admitted: Admitted) -> None:
 @click.option(
     "--replace",
     is_flag=True,
-    help="If this TPM is already admitted, revoke that admission and admit this key.",
+    help="If this TPM is already admitted, revoke that admission (--revoked) and admit this key.",
 )
 @click.option(
     "--revoked",
     "revoked_path",
     type=click.Path(path_type=Path, dir_okay=False),
     default=None,
-    help="Revocation list to append a replaced admission's serial to.",
+    help="Revocation list a replaced admission's serial is appended to (needed by --replace).",
 )
 @click.option(
     "-o",
@@ -297,6 +297,10 @@ def tpm_admit(
     as_json: bool,
 ) -> None:
     """Check a challenge's answer and sign the admission certificate (signer kind tpm)."""
+    if replace and revoked_path is None:
+        # A replaced certificate left off every revocation list would stay valid: two live
+        # identities for one TPM.
+        raise click.UsageError("--replace needs --revoked FILE, the list the replaced serial joins")
     answer = Answer.decode(_read_bounded(answer_path, "TPM answer", MAX_ANSWER_SIZE))
     authority = Authority(SoftwareSigner(_load_key(authority_path)))
     now = int(time.time())
@@ -316,9 +320,12 @@ def tpm_admit(
         except ValueError as exc:
             raise _fields_error(exc) from None
         admitted = Admitted(pending.ek_hash, pending.peer_id, cert.serial, cert.not_after)
+        # Crash order: the replaced serial is revoked before the registry forgets it, and
+        # the registry records the admission before its certificate exists.
+        if replaced is not None:
+            assert revoked_path is not None
+            _append_revocation(revoked_path, replaced)
         registry.save(remaining.with_admission(admitted))
-    if replaced is not None and revoked_path is not None:
-        _append_revocation(revoked_path, replaced)
     write_file(output, cert.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
     if as_json:
         _echo_json(
@@ -335,7 +342,7 @@ def tpm_admit(
         )
         if replaced is not None:
             click.echo(
-                f"replaced and revoked serial {replaced.serial} ({replaced.peer_id}); "
-                "give verifiers the revocation list",
+                f"replaced serial {replaced.serial} ({replaced.peer_id}), now on "
+                f"{revoked_path}; give verifiers that revocation list",
                 err=True,
             )

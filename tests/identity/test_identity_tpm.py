@@ -8,8 +8,10 @@ forgery test names the check it guards; each was seen failing with that check re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -319,8 +321,13 @@ def test_a_replayed_answer_is_refused_even_when_replacing(
     one-EK rule lets the second admission through, so only the nonce stops the replay."""
     key = machine_key(tmp_path, "m")
     ok(admit_through_cli(authority, key, tpms.a))
-    run = authority.admit(key, key.with_name("answer"), tmp_path / "again", "--replace")
+    again = tmp_path / "again"
+    run = authority.admit(
+        key, key.with_name("answer"), again, "--replace", "--revoked", str(tmp_path / "rl")
+    )
     refused(run, AdmissionReason.UNKNOWN_CHALLENGE)
+    # --replace alone is refused: the replaced certificate must join a revocation list
+    assert authority.admit(key, key.with_name("answer"), again, "--replace").code == 2
 
 
 def test_an_expired_challenge_is_refused(tmp_path: Path, tpms: Tpms, authority: Authority) -> None:
@@ -484,3 +491,32 @@ def test_train_check_require_hardware_accepts_two_admitted_tpms(
     assert evidence.signer_kinds == ("tpm", "tpm")
     with pytest.raises(EvidenceRejected, match="signer kind not allowed"):
         check_evidence(record, [soft], trust=trust, now=now, require_hardware=True)
+
+
+def test_malformed_evidence_and_an_unreachable_tpm_are_one_line_errors(
+    tmp_path: Path, tpms: Tpms, authority: Authority
+) -> None:
+    """Hostile or broken inputs end in the identity errors (exit 1, 4, 5), never a
+    traceback from tpm2-pytss or cryptography."""
+    key = machine_key(tmp_path, "m")
+    evidence = Evidence.decode(bind(key, tpms.a).read_bytes())
+    for name, changes, code in (
+        ("cert", {"ek_cert": b"not a certificate"}, 1),
+        ("ek", {"ek_public": b"\x00\x05garbage"}, 4),
+        ("ak", {"ak_public": b"\xff" * 40}, 4),
+    ):
+        forged = key.with_name(name)
+        forged.write_bytes(dataclasses.replace(evidence, **changes).encode())  # type: ignore[arg-type]
+        assert authority.challenge(key, forged, tmp_path / "c").code == code, name
+    with socket_closed_port() as port:
+        run = blob(key, "tpm", "bind", "--tcti", f"swtpm:host=127.0.0.1,port={port}", "-o", "e")
+    assert run.code == 5, run
+    assert "cannot open the TPM" in str(run.error)
+
+
+@contextlib.contextmanager
+def socket_closed_port() -> Iterator[int]:
+    """A 127.0.0.1 port nothing listens on (held bound, not listening, while in use)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
