@@ -130,7 +130,7 @@ class AdmissionCertificate:
                 raise _codec.CodecError(f"{what} of a software machine carries no AK or EK")
         elif self.machine_kind == TPM_SIGNER_KIND:
             try:
-                parse_ak_point(self.ak)  # type: ignore[arg-type]
+                parse_ak_point(self.ak or b"")
             except ValueError as exc:
                 raise _codec.CodecError(f"{what} ak: {exc}") from None
             if type(self.ek_hash) is not bytes or len(self.ek_hash) != EK_HASH_SIZE:

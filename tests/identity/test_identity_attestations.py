@@ -22,6 +22,7 @@ from identity import (
     Attestation,
     AttestationRejected,
     BadAttestation,
+    BadCertificate,
     HardwareRoot,
     MachineKey,
     Reason,
@@ -397,3 +398,37 @@ def test_an_ak_cosignature_over_other_bytes_is_refused(world: Any) -> None:
 def test_a_software_certificate_stays_version_1(world: Any) -> None:
     assert msgpack.unpackb(world.cert.encode())["v"] == 1
     assert world.cert.machine_kind == "software" and world.cert.ak is None
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda f: {k: v for k, v in f.items() if k != "ek"}, id="missing-ek"),
+        pytest.param(lambda f: {**f, "machine_kind": "software"}, id="software-with-ak"),
+        pytest.param(lambda f: {**f, "machine_kind": "tee"}, id="unknown-machine-kind"),
+        pytest.param(lambda f: {**f, "v": 1}, id="version-1-with-ak"),
+        pytest.param(lambda f: {**f, "ak": b"\x04" + bytes(64)}, id="ak-not-on-the-curve"),
+        pytest.param(lambda f: {**f, "ek": f["ek"][:31]}, id="short-ek"),
+    ],
+)
+def test_hardware_certificates_decode_strictly(world: Any, repack: Any, mutate: Any) -> None:
+    _signer, cert = hardware_world(world)
+    fields = msgpack.unpackb(cert.encode(), raw=False)
+    assert repack(fields) == cert.encode()
+    with pytest.raises(BadCertificate):
+        AdmissionCertificate.decode(repack(mutate(fields)))
+
+
+def test_hardware_attestations_decode_strictly(world: Any, repack: Any) -> None:
+    signer, cert = hardware_world(world)
+    att = make(world, signer=signer, certificate=cert)
+    fields = fields_of(att)
+    assert fields["v"] == 2 and repack(fields) == att.encode()
+    for broken in (
+        {k: v for k, v in fields.items() if k != "ak_sig"},
+        {**fields, "signer_kind": "software"},
+        {**fields, "v": 1},
+        {**fields, "ak_sig": fields["ak_sig"][:63]},
+    ):
+        with pytest.raises(BadAttestation):
+            Attestation.decode(repack(broken))
