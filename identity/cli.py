@@ -61,7 +61,8 @@ CLOCK_SKEW_ALLOWANCE_S = 300
 MAX_REVOCATION_LIST_SIZE = 16 << 20
 
 
-def _echo_json(obj: Any) -> None:
+def echo_json(obj: Any) -> None:
+    """Print ``obj`` as the indented JSON of every ``--json`` output."""
     click.echo(json.dumps(obj, indent=2))
 
 
@@ -69,7 +70,8 @@ def _env_passphrase() -> str | None:
     return os.environ.get(PASSPHRASE_ENV) or None
 
 
-def _load_key(path: Path) -> MachineKey:
+def load_key(path: Path) -> MachineKey:
+    """The key at ``path``, unlocked by $BLOBNET_PASSPHRASE or a prompt on a terminal."""
     try:
         return load_key_file(path, _env_passphrase())
     except PassphraseRequired:
@@ -86,22 +88,24 @@ def _key_path(ctx: click.Context) -> Path:
     return Path(path)
 
 
-def _machine_key(ctx: click.Context) -> tuple[MachineKey, Path, bool]:
+def machine_key(ctx: click.Context) -> tuple[MachineKey, Path, bool]:
     """The machine key, created (and said so on stderr) on first use."""
     path = _key_path(ctx)
     try:
-        return _load_key(path), path, False
+        return load_key(path), path, False
     except KeyNotFound:
         pass
     try:
         key = create_key_file(path, _env_passphrase())
     except KeyExists:  # created by another process in between
-        return _load_key(path), path, False
+        return load_key(path), path, False
     click.echo(f"blob: created a new machine key {path} (peer ID {key.peer_id})", err=True)
     return key, path, True
 
 
-def _read_input(path: Path, what: str, max_size: int) -> bytes:
+def read_input(path: Path, what: str, max_size: int) -> bytes:
+    """At most ``max_size + 1`` bytes of the ``what`` file at ``path`` (the caller compares
+    the length with its limit); a missing file is :class:`NotFound`."""
     try:
         with open(path, "rb") as f:
             data = f.read(max_size + 1)
@@ -118,7 +122,7 @@ def _authority_key(value: str) -> bytes:
         return parse_public_key(value)
     except BadPublicKey:
         pass
-    data = _read_input(Path(value), "authority public key", 1024)
+    data = read_input(Path(value), "authority public key", 1024)
     try:
         return parse_public_key(data.decode("ascii", errors="replace"))
     except BadPublicKey as exc:
@@ -165,7 +169,7 @@ def load_trust(authorities: Iterable[str], revoked_path: Path | None) -> TrustSt
     trusted = frozenset(_authority_key(a) for a in authorities)
     revoked = RevocationList()
     if revoked_path is not None:
-        raw = _read_input(revoked_path, "revocation list", MAX_REVOCATION_LIST_SIZE)
+        raw = read_input(revoked_path, "revocation list", MAX_REVOCATION_LIST_SIZE)
         if len(raw) > MAX_REVOCATION_LIST_SIZE:
             raise BadRevocationList(f"{revoked_path} is larger than 16 MiB")
         revoked = RevocationList.parse(
@@ -174,7 +178,8 @@ def load_trust(authorities: Iterable[str], revoked_path: Path | None) -> TrustSt
     return TrustStore(trusted, revoked)
 
 
-def _fields_error(exc: ValueError) -> click.UsageError:
+def fields_error(exc: ValueError) -> click.UsageError:
+    """A malformed field given on the command line, as click's usage error."""
     return click.UsageError(str(exc))
 
 
@@ -194,10 +199,10 @@ def register(group: click.Group) -> None:
 @click.pass_context
 def id_command(ctx: click.Context, as_json: bool) -> None:
     """Show this machine's peer ID (creating its key on first use)."""
-    key, path, created = _machine_key(ctx)
+    key, path, created = machine_key(ctx)
     signer = machine_signer(key, path)
     if as_json:
-        _echo_json(
+        echo_json(
             {
                 "peer_id": key.peer_id,
                 "public_key": format_public_key(key.public_key_bytes),
@@ -247,7 +252,7 @@ def authority_new(output: Path, encrypt: bool, as_json: bool) -> None:
     public = format_public_key(key.public_key_bytes)
     write_file(pub_path, (public + "\n").encode(), mode=PUBLIC_FILE_MODE, overwrite=False)
     if as_json:
-        _echo_json(
+        echo_json(
             {
                 "public_key": public,
                 "key_file": str(output),
@@ -308,7 +313,7 @@ def admit_command(
 ) -> None:
     """Sign an admission certificate for PEER_ID."""
     parse_peer_id(peer_id)
-    authority = Authority(SoftwareSigner(_load_key(authority_path)))
+    authority = Authority(SoftwareSigner(load_key(authority_path)))
     now = int(time.time())
     try:
         cert = authority.admit(
@@ -320,10 +325,10 @@ def admit_command(
             serial=secrets.randbits(63) if serial is None else serial,
         )
     except ValueError as exc:
-        raise _fields_error(exc) from None
+        raise fields_error(exc) from None
     write_file(output, cert.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
     if as_json:
-        _echo_json({**cert.to_json(), "file": str(output)})
+        echo_json({**cert.to_json(), "file": str(output)})
     else:
         click.echo(
             f"admitted {peer_id} (operator {operator!r}, kernel class {kernel_class!r}) "
@@ -392,9 +397,9 @@ def attest_sign(
         raise click.BadParameter("must be 64 hex digits (32 bytes)", param_hint="--digest")
     cert = None
     if cert_path is not None:
-        cert_data = _read_input(cert_path, "certificate", MAX_CERTIFICATE_SIZE)
+        cert_data = read_input(cert_path, "certificate", MAX_CERTIFICATE_SIZE)
         cert = AdmissionCertificate.decode(cert_data)
-    key, path, _created = _machine_key(ctx)
+    key, path, _created = machine_key(ctx)
     try:
         attestation = sign_attestation(
             machine_signer(key, path),
@@ -406,10 +411,10 @@ def attest_sign(
             certificate=cert,
         )
     except ValueError as exc:
-        raise _fields_error(exc) from None
+        raise fields_error(exc) from None
     write_file(output, attestation.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
     if as_json:
-        _echo_json({**attestation.to_json(), "file": str(output)})
+        echo_json({**attestation.to_json(), "file": str(output)})
     else:
         click.echo(f"signed {attestation.describe()}: {output}")
 
@@ -439,7 +444,7 @@ def attest_verify(
 ) -> None:
     """Verify an attestation and its certificate; exit 0 if valid, 1 if rejected."""
     trust = load_trust(authorities, revoked_path)
-    data = _read_input(file, "attestation", MAX_ATTESTATION_SIZE)
+    data = read_input(file, "attestation", MAX_ATTESTATION_SIZE)
     try:
         claims = verify_attestation(
             data,
@@ -451,12 +456,12 @@ def attest_verify(
         )
     except Rejected as exc:
         if as_json:
-            _echo_json({"valid": False, "reason": exc.reason.name.lower(), "message": str(exc)})
+            echo_json({"valid": False, "reason": exc.reason.name.lower(), "message": str(exc)})
         else:
             click.echo(f"rejected ({exc.reason.value}): {exc}")
         ctx.exit(1)
     if as_json:
-        _echo_json({"valid": True, **claims.to_json()})
+        echo_json({"valid": True, **claims.to_json()})
     else:
         cert = claims.certificate
         assert cert is not None

@@ -21,11 +21,11 @@ from ..cli import (
     CLOCK_SKEW_ALLOWANCE_S,
     DEFAULT_VALID_DAYS,
     MAX_REVOCATION_LIST_SIZE,
-    _echo_json,
-    _fields_error,
-    _load_key,
-    _machine_key,
-    _read_input,
+    echo_json,
+    fields_error,
+    load_key,
+    machine_key,
+    read_input,
 )
 from ..errors import BadTpmData, NotFound
 from ..signer import SoftwareSigner
@@ -66,7 +66,7 @@ _tcti_option = click.option(
 
 
 def _read_bounded(path: Path, what: str, limit: int) -> bytes:
-    data = _read_input(path, what, limit)
+    data = read_input(path, what, limit)
     if len(data) > limit:
         raise BadTpmData(f"{path} is larger than a {what} can be ({limit} bytes)")
     return data
@@ -94,7 +94,7 @@ def tpm_bind(ctx: click.Context, tcti: str | None, output: Path, as_json: bool) 
     Records the binding beside the key (KEY.tpm), so attestations this machine signs from
     now on carry the TPM attestation key's co-signature.
     """
-    key, key_path, _created = _machine_key(ctx)
+    key, key_path, _created = machine_key(ctx)
     tcti = tcti or DEFAULT_TCTI
     started = time.perf_counter()
     evidence, ak = device.bind(key, tcti)
@@ -103,7 +103,7 @@ def tpm_bind(ctx: click.Context, tcti: str | None, output: Path, as_json: bool) 
     write_file(output, evidence.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
     write_file(binding_path(key_path), binding.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
     if as_json:
-        _echo_json(
+        echo_json(
             {
                 "peer_id": key.peer_id,
                 "tcti": tcti,
@@ -172,7 +172,7 @@ def tpm_challenge(
         for path in ek_ca_paths
         for ca in parse_ek_cas(_read_bounded(path, "EK CA file", MAX_EK_CA_FILE_SIZE), str(path))
     ]
-    authority = _load_key(authority_path)
+    authority = load_key(authority_path)
     now = time.time()
     machine = check_binding(evidence, cas, now=now)
     credential = secrets.token_bytes(CREDENTIAL_SIZE)
@@ -188,7 +188,7 @@ def tpm_challenge(
         registry.save(registry.registry.with_challenge(machine, challenge, credential, now))
     write_file(output, challenge.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
     if as_json:
-        _echo_json(
+        echo_json(
             {
                 "peer_id": machine.peer_id,
                 "ek_hash": machine.ek_hash.hex(),
@@ -218,7 +218,7 @@ def tpm_challenge(
 def tpm_answer(ctx: click.Context, challenge_path: Path, tcti: str | None, output: Path) -> None:
     """Activate the authority's credential in this machine's TPM and sign the answer."""
     challenge = Challenge.decode(_read_bounded(challenge_path, "TPM challenge", MAX_CHALLENGE_SIZE))
-    key, key_path, _created = _machine_key(ctx)
+    key, key_path, _created = machine_key(ctx)
     if tcti is None:
         binding = read_binding(key_path)
         tcti = DEFAULT_TCTI if binding is None else binding.tcti
@@ -302,7 +302,7 @@ def tpm_admit(
         # identities for one TPM.
         raise click.UsageError("--replace needs --revoked FILE, the list the replaced serial joins")
     answer = Answer.decode(_read_bounded(answer_path, "TPM answer", MAX_ANSWER_SIZE))
-    authority = Authority(SoftwareSigner(_load_key(authority_path)))
+    authority = Authority(SoftwareSigner(load_key(authority_path)))
     now = int(time.time())
     serial = secrets.randbits(63)
     with open_registry(registry_path) as registry:
@@ -318,7 +318,7 @@ def tpm_admit(
                 hardware=HardwareRoot(ak=pending.ak, ek_hash=pending.ek_hash),
             )
         except ValueError as exc:
-            raise _fields_error(exc) from None
+            raise fields_error(exc) from None
         admitted = Admitted(pending.ek_hash, pending.peer_id, cert.serial, cert.not_after)
         # Crash order: the replaced serial is revoked before the registry forgets it, and
         # the registry records the admission before its certificate exists.
@@ -328,7 +328,7 @@ def tpm_admit(
         registry.save(remaining.with_admission(admitted))
     write_file(output, cert.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
     if as_json:
-        _echo_json(
+        echo_json(
             {
                 **cert.to_json(),
                 "file": str(output),
