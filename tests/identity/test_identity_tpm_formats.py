@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
+import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from identity import AdmissionReason, AdmissionRefused, BadTpmData, MachineKey
 from identity.tpm import Answer, Challenge, Evidence, Pending, Registry
@@ -98,3 +101,33 @@ def test_open_challenges_are_bounded_and_expired_ones_dropped() -> None:
     assert info.value.reason is AdmissionReason.TOO_MANY_CHALLENGES
     # once they have expired they no longer count
     assert len(full.with_challenge(machine, challenge, credential, NOW + 1).pending) == 1
+
+
+_KEYS = ("v", "peer", "ek_cert", "ek_chain", "ek_pub", "ak_pub", "binding", "nonce", "expires",
+         "evidence", "authority", "credential", "secret", "sig", "pending", "admitted", "ek", "ak",
+         "serial", "not_after")  # fmt: skip
+_VALUES = st.recursive(
+    st.one_of(
+        st.none(), st.booleans(), st.integers(-1, 2**64 - 1), st.binary(max_size=80),
+        st.text(max_size=60), st.just(KEY.peer_id), st.just(1),
+    ),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(_KEYS), inner),
+    max_leaves=12,
+)  # fmt: skip
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(st.binary(max_size=600), st.dictionaries(st.sampled_from(_KEYS), _VALUES)))
+def test_hostile_input_raises_only_bad_tpm_data(value: bytes | dict[str, object]) -> None:
+    """Whatever a peer sends as evidence, a challenge or an answer, and whatever a registry
+    file holds, decoding ends in a value or BadTpmData, never another exception."""
+    data = value if isinstance(value, bytes) else msgpack.packb(value, use_bin_type=True)
+    for kind in (Evidence, Challenge, Answer):
+        try:
+            kind.decode(data)  # type: ignore[attr-defined]
+        except BadTpmData:
+            pass
+    try:
+        Registry.decode(data)
+    except BadTpmData:
+        pass
