@@ -131,3 +131,24 @@ def test_hostile_input_raises_only_bad_tpm_data(value: bytes | dict[str, object]
         Registry.decode(data)
     except BadTpmData:
         pass
+
+
+def test_without_tpm2_pytss_the_tpm_commands_say_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the tpm extra is not installed, a TPM operation is TpmUnavailable (exit 5)
+    naming the extra, not an ImportError traceback."""
+    import sys
+
+    from identity import TpmUnavailable
+    from identity.tpm import _pytss, device
+
+    monkeypatch.setitem(sys.modules, "tpm2_pytss", None)  # makes `import tpm2_pytss` fail
+    _pytss.pytss.cache_clear()
+    try:
+        with pytest.raises(TpmUnavailable, match=r"install the tpm extra") as info:
+            device.bind(KEY, "swtpm:port=1")
+        assert info.value.exit_code == 5
+        assert _pytss.unavailable_reason() is not None
+    finally:
+        _pytss.pytss.cache_clear()
