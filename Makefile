@@ -4,9 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CORE_STAMP := $(VENV)/.blobnet-core
 FULL_STAMP := $(VENV)/.blobnet-full
+TPM_STAMP := $(VENV)/.blobnet-tpm
+PKG_CONFIG ?= pkg-config
 P2PD := .cache/p2pd/p2pd
 
-.PHONY: install install-core p2pd demo test lint typecheck pytest bench clean
+.PHONY: install install-core p2pd tpm demo test lint typecheck pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +27,20 @@ $(FULL_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[train,bench,dev]'
 	touch $@ $(CORE_STAMP)
 
+# The tpm extra (tpm2-pytss) compiles against the system's tpm2-tss headers. Where they are
+# missing (no libtss2-dev), or the build fails, install goes on without it: the TPM commands
+# then say what is missing and their tests skip saying why. Retried on the next make.
+$(TPM_STAMP): pyproject.toml $(FULL_STAMP)
+	@if $(PKG_CONFIG) --exists tss2-esys tss2-tctildr 2>/dev/null; then \
+		if $(BIN)/python -m pip install -q -e '.[tpm]'; then touch $@; \
+		else echo "make: tpm2-pytss did not build; the TPM tests will skip"; fi; \
+	else \
+		echo "make: no tpm2-tss headers (Debian: libtss2-dev pkgconf); tpm2-pytss not installed, the TPM tests will skip"; \
+	fi
+
 install-core: $(CORE_STAMP)
-install: $(FULL_STAMP) p2pd
+tpm: $(TPM_STAMP)
+install: $(FULL_STAMP) p2pd tpm
 
 # go-libp2p's daemon for the interop tests, from the hivemind wheel on PyPI, fetched here at
 # install time and never during the test run (idempotent; when it cannot be fetched the

@@ -8,7 +8,10 @@
   in behind the same protocol, and every signature records its ``kind``.
 - :class:`Authority` issues :class:`AdmissionCertificate` s; :func:`verify_certificate`
   checks them against a :class:`TrustStore` (authorities + :class:`RevocationList`).
-- :func:`sign_attestation` / :func:`verify_attestation`: domain-separated signed claims.
+- :func:`sign_attestation` / :func:`verify_attestation`: domain-separated signed claims;
+  a :class:`HardwareSigner` (a TPM-bound machine, :mod:`identity.tpm`) adds its attestation
+  key's co-signature, the evidence ``--require-hardware`` accepts (:mod:`identity.hardware`).
+- :func:`machine_signer`: the signer of a machine key, TPM-backed when it is bound.
 - :func:`is_reserved_kind`: statement kinds only the code that computed them signs
   (``blob attest sign`` refuses them); :mod:`identity.kinds` says what that proves.
 - :func:`write_file`: the durable write (temp file, fsync, rename) of every file the
@@ -34,11 +37,14 @@ from .certificate import (
     MAX_CERTIFICATE_SIZE,
     AdmissionCertificate,
     Authority,
+    HardwareRoot,
     RevocationList,
     TrustStore,
     verify_certificate,
 )
 from .errors import (
+    AdmissionReason,
+    AdmissionRefused,
     AttestationRejected,
     BadAttestation,
     BadCertificate,
@@ -46,6 +52,7 @@ from .errors import (
     BadPeerId,
     BadPublicKey,
     BadRevocationList,
+    BadTpmData,
     CertificateRejected,
     IdentityError,
     KeyExists,
@@ -57,6 +64,8 @@ from .errors import (
     Reason,
     Rejected,
     ReservedKind,
+    TpmRefused,
+    TpmUnavailable,
     WrongPassphrase,
 )
 from .keyfile import (
@@ -75,7 +84,8 @@ from .kinds import (
     is_reserved_kind,
 )
 from .peerid import parse_peer_id, peer_id_from_public_key, public_key_from_peer_id
-from .signer import SOFTWARE, Signer, SoftwareSigner
+from .signer import SOFTWARE, HardwareSigner, Signer, SoftwareSigner
+from .tpm.signer import TpmSigner, machine_signer
 
 __all__ = [
     "ATTESTATION_DOMAIN",
@@ -89,6 +99,8 @@ __all__ = [
     "RESERVED_PREFIX",
     "SOFTWARE",
     "AdmissionCertificate",
+    "AdmissionReason",
+    "AdmissionRefused",
     "Attestation",
     "AttestationRejected",
     "Authority",
@@ -98,7 +110,10 @@ __all__ = [
     "BadPeerId",
     "BadPublicKey",
     "BadRevocationList",
+    "BadTpmData",
     "CertificateRejected",
+    "HardwareRoot",
+    "HardwareSigner",
     "IdentityError",
     "KeyExists",
     "KeyFileIOError",
@@ -113,6 +128,9 @@ __all__ = [
     "RevocationList",
     "Signer",
     "SoftwareSigner",
+    "TpmRefused",
+    "TpmSigner",
+    "TpmUnavailable",
     "TrustStore",
     "WrongPassphrase",
     "create_key_file",
@@ -123,6 +141,7 @@ __all__ = [
     "is_reserved_kind",
     "load_key_file",
     "load_or_create_key",
+    "machine_signer",
     "parse_peer_id",
     "parse_public_key",
     "peer_id_from_public_key",

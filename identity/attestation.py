@@ -15,6 +15,24 @@ Wire form: one canonical msgpack map (see :mod:`identity._codec`)::
 differs from the certificate prefix and from libp2p's (``noise-libp2p-static-key:``,
 ``libp2p-peer-record``...), and includes the statement kind, so a signature made for one
 purpose or one kind of statement cannot be replayed as another.
+
+A machine whose key a TPM vouches for (signer kind ``"tpm"``) adds its attestation key's
+signature: version 2, the same map with ``"ak": bin65`` (the AK's P-256 point) after
+``cert`` and ``"ak_sig": bin64`` after ``sig``. ``ak`` is part of the bytes both keys sign;
+``ak_sig`` signs :func:`identity.hardware.cosign_message` of them.
+
+Rules of :func:`verify_attestation`, beyond the Ed25519 signature:
+
+1. A hardware signer kind is believed only with evidence this verifier checks. For
+   ``"tpm"`` that is ``ak`` and ``ak_sig``, the AK's signature over the same bytes
+   (BAD_HARDWARE_SIGNATURE otherwise); for the other hardware kinds no evidence format
+   exists yet, so their claim is refused (HARDWARE_UNPROVEN). An AK travels only with
+   signer kind ``"tpm"``.
+2. With a trust store, a ``"tpm"`` attestation's certificate must record that same AK
+   (the authority checked, by credential activation, that it lives in an endorsed TPM);
+   an AK the certificate does not name proves nothing (HARDWARE_UNPROVEN).
+3. ``signer_kinds`` restricted to hardware kinds (``--require-hardware``) therefore
+   accepts exactly the attestations co-signed by an AK their certificate records.
 """
 
 from __future__ import annotations
@@ -40,12 +58,22 @@ from .errors import (
     CertificateRejected,
     Reason,
 )
+from .hardware import (
+    AK_POINT_SIZE,
+    AK_SIGNATURE_SIZE,
+    TPM_SIGNER_KIND,
+    cosign_message,
+    parse_ak_point,
+    verify_ak_signature,
+)
 from .keys import ED25519_SIGNATURE_SIZE, verify_signature
+from .kinds import is_hardware_signer
 from .peerid import parse_peer_id, public_key_from_peer_id
-from .signer import Signer
+from .signer import HardwareSigner, Signer
 
 ATTESTATION_DOMAIN = b"blobnet-attestation-v1:"
 ATTESTATION_VERSION = 1
+HARDWARE_ATTESTATION_VERSION = 2
 DIGEST_SIZE = 32
 MAX_KIND_LENGTH = 64
 # Enough for a round's inputs and outputs; a larger set goes in a collection blob, whose
@@ -67,6 +95,7 @@ _FIELDS = (
     "cert",
     "sig",
 )
+_HARDWARE_FIELDS = (*_FIELDS[:-1], "ak", "sig", "ak_sig")
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -92,6 +121,9 @@ class Attestation:
     signer_kind: str
     certificate: AdmissionCertificate | None
     signature: bytes
+    # The TPM attestation key's point and its co-signature (signer kind "tpm" only).
+    ak: bytes | None = None
+    ak_signature: bytes | None = None
 
     def __post_init__(self) -> None:
         what = "attestation"
@@ -114,8 +146,32 @@ class Attestation:
             raise _codec.CodecError(f"{what} certificate must be an AdmissionCertificate")
         if type(self.signature) is not bytes or len(self.signature) != ED25519_SIGNATURE_SIZE:
             raise _codec.CodecError(f"{what} signature must be {ED25519_SIGNATURE_SIZE} bytes")
+        if (self.ak is None) != (self.ak_signature is None):
+            raise _codec.CodecError(f"{what} carries an AK without its signature or vice versa")
+        if self.ak is not None:
+            if self.signer_kind != TPM_SIGNER_KIND:
+                raise _codec.CodecError(f"{what} carries an AK but its signer kind is not 'tpm'")
+            try:
+                parse_ak_point(self.ak)
+            except ValueError as exc:
+                raise _codec.CodecError(f"{what} ak: {exc}") from None
+            sig = self.ak_signature
+            if type(sig) is not bytes or len(sig) != AK_SIGNATURE_SIZE:
+                raise _codec.CodecError(f"{what} AK signature must be {AK_SIGNATURE_SIZE} bytes")
 
     def _unsigned_fields(self) -> dict[str, Any]:
+        fields = self._software_fields()
+        if self.ak is not None:
+            fields["v"] = HARDWARE_ATTESTATION_VERSION
+            fields["ak"] = self.ak
+        return fields
+
+    def _signature_fields(self) -> dict[str, Any]:
+        if self.ak is None:
+            return {"sig": self.signature}
+        return {"sig": self.signature, "ak_sig": self.ak_signature}
+
+    def _software_fields(self) -> dict[str, Any]:
         return {
             "v": ATTESTATION_VERSION,
             "kind": self.kind,
@@ -137,9 +193,13 @@ class Attestation:
             + _codec.encode(self._unsigned_fields())
         )
 
+    def cosigned_message(self) -> bytes:
+        """The exact bytes the AK signs (identity.hardware.cosign_message of the above)."""
+        return cosign_message(self.signed_message())
+
     def encode(self) -> bytes:
-        """Canonical bytes of the attestation, signature included."""
-        return _codec.encode({**self._unsigned_fields(), "sig": self.signature})
+        """Canonical bytes of the attestation, signatures included."""
+        return _codec.encode({**self._unsigned_fields(), **self._signature_fields()})
 
     @classmethod
     def decode(cls, data: bytes) -> Attestation:
@@ -151,9 +211,19 @@ class Attestation:
         try:
             fields = _codec.decode_map(data, max_size=MAX_ATTESTATION_SIZE, what=what)
             version = _codec.take(fields, "v", int, what=what)
-            if version != ATTESTATION_VERSION:
+            if version == ATTESTATION_VERSION:
+                _codec.check_keys(fields, _FIELDS, what=what)
+                hardware: dict[str, Any] = {}
+            elif version == HARDWARE_ATTESTATION_VERSION:
+                _codec.check_keys(fields, _HARDWARE_FIELDS, what=what)
+                hardware = {
+                    "ak": _codec.take_bytes(fields, "ak", AK_POINT_SIZE, what=what),
+                    "ak_signature": _codec.take_bytes(
+                        fields, "ak_sig", AK_SIGNATURE_SIZE, what=what
+                    ),
+                }
+            else:
                 raise _codec.CodecError(f"{what} has unknown version {version}")
-            _codec.check_keys(fields, _FIELDS, what=what)
             subjects = _codec.take(fields, "subjects", list, what=what)
             raw_cert = fields["cert"]
             if raw_cert is None:
@@ -175,6 +245,7 @@ class Attestation:
                 signer_kind=_codec.take(fields, "signer_kind", str, what=what),
                 certificate=certificate,
                 signature=_codec.take(fields, "sig", bytes, what=what),
+                **hardware,
             )
             _codec.require_canonical(data, attestation.encode(), what=what)
         except _codec.CodecError as exc:
@@ -196,6 +267,7 @@ class Attestation:
             "signer_peer_id": self.signer_peer_id,
             "signer_kind": self.signer_kind,
             "certificate": None if self.certificate is None else self.certificate.to_json(),
+            "ak": None if self.ak is None else self.ak.hex(),
         }
 
 
@@ -210,8 +282,18 @@ def sign_attestation(
     certificate: AdmissionCertificate | None = None,
 ) -> Attestation:
     """Make and sign an attestation (``ValueError`` for malformed claims, or a certificate
-    for another peer or kernel class: that would only ever be rejected)."""
+    for another peer, kernel class or AK: that would only ever be rejected).
+
+    A :class:`~identity.signer.HardwareSigner` adds its AK and the AK's co-signature.
+    """
+    hardware = signer if isinstance(signer, HardwareSigner) else None
     if certificate is not None:
+        if hardware is not None and certificate.ak != hardware.ak:
+            raise ValueError(
+                "the certificate does not record this machine's TPM attestation key; "
+                "admit the machine on its TPM (`blob tpm bind`, then the authority's "
+                "`blob tpm challenge` and `blob tpm admit`)"
+            )
         if certificate.peer_id != signer.peer_id:
             raise ValueError(
                 f"the certificate admits {certificate.peer_id}, but the signer is {signer.peer_id}"
@@ -231,8 +313,14 @@ def sign_attestation(
         signer_kind=signer.kind,
         certificate=certificate,
         signature=bytes(ED25519_SIGNATURE_SIZE),
+        ak=None if hardware is None else hardware.ak,
+        ak_signature=None if hardware is None else bytes(AK_SIGNATURE_SIZE),
     )
-    return dataclasses.replace(unsigned, signature=signer.sign(unsigned.signed_message()))
+    signature = signer.sign(unsigned.signed_message())
+    if hardware is None:
+        return dataclasses.replace(unsigned, signature=signature)
+    ak_signature = hardware.cosign(unsigned.cosigned_message())
+    return dataclasses.replace(unsigned, signature=signature, ak_signature=ak_signature)
 
 
 def verify_attestation(
@@ -246,9 +334,10 @@ def verify_attestation(
 ) -> Attestation:
     """Return the attestation's claims if they verify, else raise AttestationRejected.
 
-    Always checked: canonical decoding (MALFORMED) and the signature by the key inside
-    the signer's peer ID (BAD_SIGNATURE). Optional expectations: the statement ``kind``
-    (WRONG_KIND), the ``kernel_class`` (WRONG_KERNEL_CLASS) and the allowed
+    Always checked: canonical decoding (MALFORMED), the signature by the key inside
+    the signer's peer ID (BAD_SIGNATURE), and a hardware signer kind's evidence (rules 1-2
+    of the module: BAD_HARDWARE_SIGNATURE, HARDWARE_UNPROVEN). Optional expectations: the
+    statement ``kind`` (WRONG_KIND), the ``kernel_class`` (WRONG_KERNEL_CLASS) and the allowed
     ``signer_kinds`` (SIGNER_KIND_NOT_ALLOWED). With ``trust`` (which needs ``now``), the
     attestation must carry a certificate (MISSING_CERTIFICATE) that is valid at ``now``
     and binds the signer's peer ID and the attestation's kernel class; its failure
@@ -263,6 +352,23 @@ def verify_attestation(
             Reason.BAD_SIGNATURE,
             f"{attestation.describe()} has a bad signature: it was altered, signed by "
             "another key or signed for another purpose",
+        )
+    if attestation.ak is not None:
+        assert attestation.ak_signature is not None  # __post_init__ pairs them
+        if not verify_ak_signature(
+            attestation.ak, attestation.cosigned_message(), attestation.ak_signature
+        ):
+            raise AttestationRejected(
+                Reason.BAD_HARDWARE_SIGNATURE,
+                f"{attestation.describe()} has a bad TPM attestation-key signature: it was "
+                "made over other bytes or by another key",
+            )
+    elif is_hardware_signer(attestation.signer_kind):
+        raise AttestationRejected(
+            Reason.HARDWARE_UNPROVEN,
+            f"{attestation.describe()} claims a {attestation.signer_kind!r} signer but carries "
+            "no hardware evidence this verifier checks (only a TPM attestation key's "
+            "co-signature is checked)",
         )
     if kind is not None and attestation.kind != kind:
         raise AttestationRejected(
@@ -298,4 +404,11 @@ def verify_attestation(
             )
         except CertificateRejected as exc:
             raise AttestationRejected(exc.reason, f"{attestation.describe()}: its {exc}") from exc
+        if attestation.ak is not None and attestation.certificate.ak != attestation.ak:
+            raise AttestationRejected(
+                Reason.HARDWARE_UNPROVEN,
+                f"{attestation.describe()} is co-signed by a TPM attestation key its admission "
+                f"{attestation.certificate.describe()} does not record; only an AK the "
+                "authority admitted proves the hardware",
+            )
     return attestation

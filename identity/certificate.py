@@ -10,6 +10,17 @@ Wire form: one canonical msgpack map (see :mod:`identity._codec`)::
      "not_before": int, "not_after": int, "serial": int,
      "authority": bin32, "authority_kind": "software", "sig": bin64}
 
+A machine admitted on its TPM's endorsement key (``identity.tpm``) gets version 2, the same
+map with three more fields before ``sig``::
+
+    {..., "authority_kind": "software", "machine_kind": "tpm", "ak": bin65, "ek": bin32,
+     "sig": bin64}
+
+``machine_kind`` is where the machine's attestation key lives, ``ak`` that key's P-256 point
+(:mod:`identity.hardware`) and ``ek`` the SHA-256 of the DER SubjectPublicKeyInfo of the
+TPM's endorsement key, the one admission per TPM being counted on it. A software-admitted
+machine's certificate stays version 1, byte for byte.
+
 ``sig`` is the authority's Ed25519 signature over ``CERTIFICATE_DOMAIN`` followed by the
 encoding of the same map without ``sig``. The domain prefix differs from every other
 signed object's (attestations, libp2p's own), so a certificate signature can never be
@@ -35,12 +46,15 @@ from .errors import (
     CertificateRejected,
     Reason,
 )
+from .hardware import AK_POINT_SIZE, TPM_SIGNER_KIND, parse_ak_point
 from .keys import ED25519_SIGNATURE_SIZE, verify_signature
 from .peerid import ED25519_PUBLIC_KEY_SIZE, parse_peer_id
 from .signer import Signer
 
 CERTIFICATE_DOMAIN = b"blobnet-admission-certificate-v1:"
 CERTIFICATE_VERSION = 1
+HARDWARE_CERTIFICATE_VERSION = 2
+EK_HASH_SIZE = 32
 # A certificate is about 250 bytes with the longest allowed names; 4 KiB leaves room for
 # a future version while bounding what a peer can make us parse.
 MAX_CERTIFICATE_SIZE = 4096
@@ -60,6 +74,7 @@ _FIELDS = (
     "authority_kind",
     "sig",
 )
+_HARDWARE_FIELDS = (*_FIELDS[:-1], "machine_kind", "ak", "ek", "sig")
 
 
 def _iso(t: float) -> str:
@@ -86,6 +101,11 @@ class AdmissionCertificate:
     authority: bytes
     authority_kind: str
     signature: bytes
+    # Where the machine's attestation key lives, that key and its TPM's EK hash (None, None
+    # for a software-admitted machine).
+    machine_kind: str = "software"
+    ak: bytes | None = None
+    ek_hash: bytes | None = None
 
     def __post_init__(self) -> None:
         what = "certificate"
@@ -105,10 +125,39 @@ class AdmissionCertificate:
         _codec.check_name(self.authority_kind, MAX_SIGNER_KIND_LENGTH, f"{what} authority kind")
         if type(self.signature) is not bytes or len(self.signature) != ED25519_SIGNATURE_SIZE:
             raise _codec.CodecError(f"{what} signature must be {ED25519_SIGNATURE_SIZE} bytes")
+        if self.machine_kind == "software":
+            if self.ak is not None or self.ek_hash is not None:
+                raise _codec.CodecError(f"{what} of a software machine carries no AK or EK")
+        elif self.machine_kind == TPM_SIGNER_KIND:
+            try:
+                parse_ak_point(self.ak or b"")
+            except ValueError as exc:
+                raise _codec.CodecError(f"{what} ak: {exc}") from None
+            if type(self.ek_hash) is not bytes or len(self.ek_hash) != EK_HASH_SIZE:
+                raise _codec.CodecError(f"{what} ek must be a {EK_HASH_SIZE}-byte hash")
+        else:
+            raise _codec.CodecError(
+                f"{what} machine kind must be 'software' or 'tpm', not {self.machine_kind!r:.40}"
+            )
+
+    @property
+    def hardware(self) -> bool:
+        """Whether the machine was admitted on a hardware root (its AK is recorded)."""
+        return self.ak is not None
 
     def _unsigned_fields(self) -> dict[str, Any]:
+        if self.hardware:
+            return {
+                **self._software_fields(HARDWARE_CERTIFICATE_VERSION),
+                "machine_kind": self.machine_kind,
+                "ak": self.ak,
+                "ek": self.ek_hash,
+            }
+        return self._software_fields(CERTIFICATE_VERSION)
+
+    def _software_fields(self, version: int) -> dict[str, Any]:
         return {
-            "v": CERTIFICATE_VERSION,
+            "v": version,
             "peer": self.peer_id,
             "operator": self.operator,
             "kernel_class": self.kernel_class,
@@ -137,9 +186,18 @@ class AdmissionCertificate:
         try:
             fields = _codec.decode_map(data, max_size=MAX_CERTIFICATE_SIZE, what=what)
             version = _codec.take(fields, "v", int, what=what)
-            if version != CERTIFICATE_VERSION:
+            if version == CERTIFICATE_VERSION:
+                _codec.check_keys(fields, _FIELDS, what=what)
+                hardware: dict[str, Any] = {}
+            elif version == HARDWARE_CERTIFICATE_VERSION:
+                _codec.check_keys(fields, _HARDWARE_FIELDS, what=what)
+                hardware = {
+                    "machine_kind": _codec.take(fields, "machine_kind", str, what=what),
+                    "ak": _codec.take_bytes(fields, "ak", AK_POINT_SIZE, what=what),
+                    "ek_hash": _codec.take_bytes(fields, "ek", EK_HASH_SIZE, what=what),
+                }
+            else:
                 raise _codec.CodecError(f"{what} has unknown version {version}")
-            _codec.check_keys(fields, _FIELDS, what=what)
             cert = cls(
                 peer_id=_codec.take(fields, "peer", str, what=what),
                 operator=_codec.take(fields, "operator", str, what=what),
@@ -150,6 +208,7 @@ class AdmissionCertificate:
                 authority=_codec.take(fields, "authority", bytes, what=what),
                 authority_kind=_codec.take(fields, "authority_kind", str, what=what),
                 signature=_codec.take(fields, "sig", bytes, what=what),
+                **hardware,
             )
             _codec.require_canonical(data, cert.encode(), what=what)
         except _codec.CodecError as exc:
@@ -174,7 +233,19 @@ class AdmissionCertificate:
             "serial": self.serial,
             "authority": self.authority.hex(),
             "authority_kind": self.authority_kind,
+            "machine_kind": self.machine_kind,
+            "ak": None if self.ak is None else self.ak.hex(),
+            "ek_hash": None if self.ek_hash is None else self.ek_hash.hex(),
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareRoot:
+    """What an authority records of a machine admitted on its TPM: the AK and EK hash."""
+
+    ak: bytes
+    ek_hash: bytes
+    kind: str = TPM_SIGNER_KIND
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,8 +328,13 @@ class Authority:
         not_before: int,
         not_after: int,
         serial: int,
+        hardware: HardwareRoot | None = None,
     ) -> AdmissionCertificate:
-        """Sign a certificate (``ValueError`` for malformed fields, e.g. a bad peer ID)."""
+        """Sign a certificate (``ValueError`` for malformed fields, e.g. a bad peer ID).
+
+        ``hardware`` records the machine's TPM root; only an admission that checked it (the
+        credential activation of ``identity.tpm``) passes one.
+        """
         unsigned = AdmissionCertificate(
             peer_id=peer_id,
             operator=operator,
@@ -270,6 +346,10 @@ class Authority:
             authority_kind=self._signer.kind,
             signature=bytes(ED25519_SIGNATURE_SIZE),
         )
+        if hardware is not None:
+            unsigned = dataclasses.replace(
+                unsigned, machine_kind=hardware.kind, ak=hardware.ak, ek_hash=hardware.ek_hash
+            )
         signature = self._signer.sign(unsigned.signed_message())
         return dataclasses.replace(unsigned, signature=signature)
 

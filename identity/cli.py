@@ -1,9 +1,10 @@
 """Identity commands of the ``blob`` program.
 
-``blob id``, ``blob authority new``, ``blob admit``, ``blob attest sign`` and
-``blob attest verify``. Errors are the identity package's own, each with its
-``exit_code``; ``blob attest verify`` prints its verdict and exits 0 (valid) or 1
-(rejected, malformed included) so scripts can rely on the status alone.
+``blob id``, ``blob authority new``, ``blob admit``, ``blob attest sign``,
+``blob attest verify`` and the ``blob tpm`` group (:mod:`identity.tpm.cli`). Errors are
+the identity package's own, each with its ``exit_code``; ``blob attest verify`` prints its
+verdict and exits 0 (valid) or 1 (rejected, malformed included) so scripts can rely on the
+status alone.
 
 Passphrases: ``BLOBNET_PASSPHRASE``, when set, encrypts keys these commands create and
 decrypts encrypted keys they load; without it an encrypted key is unlocked by a prompt
@@ -51,6 +52,7 @@ from .keys import MachineKey, format_public_key, parse_public_key
 from .kinds import HARDWARE_SIGNER_KINDS, RESERVED_KINDS, RESERVED_PREFIX, is_reserved_kind
 from .peerid import parse_peer_id
 from .signer import SoftwareSigner
+from .tpm.signer import machine_signer
 
 PASSPHRASE_ENV = "BLOBNET_PASSPHRASE"
 DEFAULT_VALID_DAYS = 30
@@ -61,7 +63,8 @@ CLOCK_SKEW_ALLOWANCE_S = 300
 MAX_REVOCATION_LIST_SIZE = 16 << 20
 
 
-def _echo_json(obj: Any) -> None:
+def echo_json(obj: Any) -> None:
+    """Print ``obj`` as the indented JSON of every ``--json`` output."""
     click.echo(json.dumps(obj, indent=2))
 
 
@@ -69,7 +72,8 @@ def _env_passphrase() -> str | None:
     return os.environ.get(PASSPHRASE_ENV) or None
 
 
-def _load_key(path: Path) -> MachineKey:
+def load_key(path: Path) -> MachineKey:
+    """The key at ``path``, unlocked by $BLOBNET_PASSPHRASE or a prompt on a terminal."""
     try:
         return load_key_file(path, _env_passphrase())
     except PassphraseRequired:
@@ -86,22 +90,24 @@ def _key_path(ctx: click.Context) -> Path:
     return Path(path)
 
 
-def _machine_key(ctx: click.Context) -> tuple[MachineKey, Path, bool]:
+def machine_key(ctx: click.Context) -> tuple[MachineKey, Path, bool]:
     """The machine key, created (and said so on stderr) on first use."""
     path = _key_path(ctx)
     try:
-        return _load_key(path), path, False
+        return load_key(path), path, False
     except KeyNotFound:
         pass
     try:
         key = create_key_file(path, _env_passphrase())
     except KeyExists:  # created by another process in between
-        return _load_key(path), path, False
+        return load_key(path), path, False
     click.echo(f"blob: created a new machine key {path} (peer ID {key.peer_id})", err=True)
     return key, path, True
 
 
-def _read_input(path: Path, what: str, max_size: int) -> bytes:
+def read_input(path: Path, what: str, max_size: int) -> bytes:
+    """At most ``max_size + 1`` bytes of the ``what`` file at ``path`` (the caller compares
+    the length with its limit); a missing file is :class:`NotFound`."""
     try:
         with open(path, "rb") as f:
             data = f.read(max_size + 1)
@@ -118,7 +124,7 @@ def _authority_key(value: str) -> bytes:
         return parse_public_key(value)
     except BadPublicKey:
         pass
-    data = _read_input(Path(value), "authority public key", 1024)
+    data = read_input(Path(value), "authority public key", 1024)
     try:
         return parse_public_key(data.decode("ascii", errors="replace"))
     except BadPublicKey as exc:
@@ -165,7 +171,7 @@ def load_trust(authorities: Iterable[str], revoked_path: Path | None) -> TrustSt
     trusted = frozenset(_authority_key(a) for a in authorities)
     revoked = RevocationList()
     if revoked_path is not None:
-        raw = _read_input(revoked_path, "revocation list", MAX_REVOCATION_LIST_SIZE)
+        raw = read_input(revoked_path, "revocation list", MAX_REVOCATION_LIST_SIZE)
         if len(raw) > MAX_REVOCATION_LIST_SIZE:
             raise BadRevocationList(f"{revoked_path} is larger than 16 MiB")
         revoked = RevocationList.parse(
@@ -174,7 +180,8 @@ def load_trust(authorities: Iterable[str], revoked_path: Path | None) -> TrustSt
     return TrustStore(trusted, revoked)
 
 
-def _fields_error(exc: ValueError) -> click.UsageError:
+def fields_error(exc: ValueError) -> click.UsageError:
+    """A malformed field given on the command line, as click's usage error."""
     return click.UsageError(str(exc))
 
 
@@ -184,6 +191,9 @@ def register(group: click.Group) -> None:
     group.add_command(authority_group)
     group.add_command(admit_command)
     group.add_command(attest_group)
+    from .tpm.cli import tpm_group  # it imports this module's helpers
+
+    group.add_command(tpm_group)
 
 
 @click.command("id")
@@ -191,10 +201,10 @@ def register(group: click.Group) -> None:
 @click.pass_context
 def id_command(ctx: click.Context, as_json: bool) -> None:
     """Show this machine's peer ID (creating its key on first use)."""
-    key, path, created = _machine_key(ctx)
-    signer = SoftwareSigner(key)
+    key, path, created = machine_key(ctx)
+    signer = machine_signer(key, path)
     if as_json:
-        _echo_json(
+        echo_json(
             {
                 "peer_id": key.peer_id,
                 "public_key": format_public_key(key.public_key_bytes),
@@ -244,7 +254,7 @@ def authority_new(output: Path, encrypt: bool, as_json: bool) -> None:
     public = format_public_key(key.public_key_bytes)
     write_file(pub_path, (public + "\n").encode(), mode=PUBLIC_FILE_MODE, overwrite=False)
     if as_json:
-        _echo_json(
+        echo_json(
             {
                 "public_key": public,
                 "key_file": str(output),
@@ -305,7 +315,7 @@ def admit_command(
 ) -> None:
     """Sign an admission certificate for PEER_ID."""
     parse_peer_id(peer_id)
-    authority = Authority(SoftwareSigner(_load_key(authority_path)))
+    authority = Authority(SoftwareSigner(load_key(authority_path)))
     now = int(time.time())
     try:
         cert = authority.admit(
@@ -317,10 +327,10 @@ def admit_command(
             serial=secrets.randbits(63) if serial is None else serial,
         )
     except ValueError as exc:
-        raise _fields_error(exc) from None
+        raise fields_error(exc) from None
     write_file(output, cert.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
     if as_json:
-        _echo_json({**cert.to_json(), "file": str(output)})
+        echo_json({**cert.to_json(), "file": str(output)})
     else:
         click.echo(
             f"admitted {peer_id} (operator {operator!r}, kernel class {kernel_class!r}) "
@@ -389,12 +399,12 @@ def attest_sign(
         raise click.BadParameter("must be 64 hex digits (32 bytes)", param_hint="--digest")
     cert = None
     if cert_path is not None:
-        cert_data = _read_input(cert_path, "certificate", MAX_CERTIFICATE_SIZE)
+        cert_data = read_input(cert_path, "certificate", MAX_CERTIFICATE_SIZE)
         cert = AdmissionCertificate.decode(cert_data)
-    key, _path, _created = _machine_key(ctx)
+    key, path, _created = machine_key(ctx)
     try:
         attestation = sign_attestation(
-            SoftwareSigner(key),
+            machine_signer(key, path),
             kind=kind,
             digest=digest,
             kernel_class=kernel_class,
@@ -403,10 +413,10 @@ def attest_sign(
             certificate=cert,
         )
     except ValueError as exc:
-        raise _fields_error(exc) from None
+        raise fields_error(exc) from None
     write_file(output, attestation.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
     if as_json:
-        _echo_json({**attestation.to_json(), "file": str(output)})
+        echo_json({**attestation.to_json(), "file": str(output)})
     else:
         click.echo(f"signed {attestation.describe()}: {output}")
 
@@ -419,7 +429,8 @@ def attest_sign(
 @click.option(
     "--require-hardware",
     is_flag=True,
-    help="Accept only hardware-backed signers (" + ", ".join(sorted(HARDWARE_SIGNER_KINDS)) + ").",
+    help="Accept only attestations co-signed by a TPM attestation key their certificate "
+    "records (other hardware kinds carry no evidence this verifier checks).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
@@ -435,7 +446,7 @@ def attest_verify(
 ) -> None:
     """Verify an attestation and its certificate; exit 0 if valid, 1 if rejected."""
     trust = load_trust(authorities, revoked_path)
-    data = _read_input(file, "attestation", MAX_ATTESTATION_SIZE)
+    data = read_input(file, "attestation", MAX_ATTESTATION_SIZE)
     try:
         claims = verify_attestation(
             data,
@@ -447,12 +458,12 @@ def attest_verify(
         )
     except Rejected as exc:
         if as_json:
-            _echo_json({"valid": False, "reason": exc.reason.name.lower(), "message": str(exc)})
+            echo_json({"valid": False, "reason": exc.reason.name.lower(), "message": str(exc)})
         else:
             click.echo(f"rejected ({exc.reason.value}): {exc}")
         ctx.exit(ExitCode.REJECTED)
     if as_json:
-        _echo_json({"valid": True, **claims.to_json()})
+        echo_json({"valid": True, **claims.to_json()})
     else:
         cert = claims.certificate
         assert cert is not None

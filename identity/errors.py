@@ -107,6 +107,8 @@ class Reason(enum.Enum):
     WRONG_KIND = "wrong statement kind"
     SIGNER_KIND_NOT_ALLOWED = "signer kind not allowed"
     MISSING_CERTIFICATE = "missing certificate"
+    BAD_HARDWARE_SIGNATURE = "bad hardware signature"
+    HARDWARE_UNPROVEN = "hardware unproven"
 
 
 class Rejected(IdentityError):
@@ -143,3 +145,46 @@ class BadAttestation(AttestationRejected):
 
     def __init__(self, message: str) -> None:
         super().__init__(Reason.MALFORMED, message)
+
+
+class BadTpmData(IdentityError):
+    """TPM evidence, a challenge, an answer or an admission registry that does not decode."""
+
+    exit_code = ExitCode.BAD_DATA
+
+
+class TpmUnavailable(IdentityError):
+    """No TPM can be used here: tpm2-pytss or the TCTI is missing, or the TPM is unreachable."""
+
+    exit_code = ExitCode.LOCAL_IO
+
+
+class TpmRefused(IdentityError):
+    """The machine's TPM refused an operation (e.g. a credential made for another TPM)."""
+
+    exit_code = ExitCode.REJECTED
+
+
+class AdmissionReason(enum.Enum):
+    """Why an authority refused to admit a machine on its TPM."""
+
+    UNTRUSTED_EK = "untrusted endorsement key"
+    EK_MISMATCH = "EK does not match its certificate"
+    BAD_AK = "attestation key not acceptable"
+    BAD_BINDING = "bad binding"
+    UNKNOWN_CHALLENGE = "unknown or used challenge"
+    EXPIRED_CHALLENGE = "expired challenge"
+    ACTIVATION_FAILED = "credential activation failed"
+    BAD_ANSWER = "bad answer"
+    EK_ALREADY_ADMITTED = "EK already admitted"
+    TOO_MANY_CHALLENGES = "too many open challenges"
+
+
+class AdmissionRefused(IdentityError):
+    """An authority refused a TPM admission; ``reason`` says why (the machine's fault)."""
+
+    exit_code = ExitCode.REJECTED
+
+    def __init__(self, reason: AdmissionReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -15,13 +15,18 @@ Python; a verifier cannot tell a replay that ran from a signature that claims on
 With software keys, two matching attestations from distinct admitted operators prove
 only that two admitted operators *signed* that digest: that a dishonest operator who
 replays nothing can be found out afterwards (anyone can replay the round from its
-blobs and contradict them), not that the replay happened. Proof that the code ran needs
-a hardware-backed signer whose key never leaves a TPM or TEE and whose evidence (a quote
-or report over the code) travels with the attestation; until then the signer kind is
-the signer's own claim, covered by its signature but not proven by it.
+blobs and contradict them), not that the replay happened.
+
+A TPM-bound machine (:mod:`identity.tpm`) adds a co-signature by an attestation key that
+never leaves its TPM, and the authority admits each TPM once: its attestations prove that
+one admitted TPM's owner signed them, so a dishonest operator's signatures are as scarce
+as its TPMs. They still do not prove which code ran: that needs a quote over measured boot
+(PCRs) or a TEE report travelling with the attestation.
 
 Signer kinds: ``"software"`` (:data:`identity.signer.SOFTWARE`) or one of
-:data:`HARDWARE_SIGNER_KINDS`; a verifier that requires hardware accepts only those.
+:data:`HARDWARE_SIGNER_KINDS`. A hardware kind counts only with evidence a verifier checks
+(today the TPM co-signature, ``identity.attestation`` rules 1-3); a verifier that requires
+hardware accepts only those.
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
 """The signer interface: who signs, and with what kind of key storage.
 
 Callers (attestations, certificates, the node) sign through :class:`Signer` and never
-touch key material. :class:`SoftwareSigner` keeps the key in process memory; a hardware
-backend (TPM, TEE) implements the same four members with its own ``kind`` and plugs in
-without any caller changing. Every signed object records the signer's ``kind`` so a
-verifier can set policy on it. Until a hardware backend also carries evidence of its kind
-(a TPM quote, a TEE report), the kind is the signer's own claim, covered by its signature
-but not proven by it.
+touch key material. :class:`SoftwareSigner` keeps the key in process memory. Every signed
+object records the signer's ``kind`` so a verifier can set policy on it.
+
+A :class:`HardwareSigner` is a :class:`Signer` whose Ed25519 key a hardware-resident key
+vouches for (``identity.tpm.TpmSigner``: a TPM attestation key, AK). It adds the AK's
+public point and :meth:`HardwareSigner.cosign`, and attestations it signs carry the AK's
+co-signature, which is what makes its ``kind`` evidence rather than a claim
+(``identity.attestation``, rules 1-3).
 """
 
 from __future__ import annotations
@@ -39,6 +41,20 @@ class Signer(Protocol):
 
     def sign(self, message: bytes) -> bytes:
         """A 64-byte Ed25519 signature of ``message``."""
+        ...
+
+
+@runtime_checkable
+class HardwareSigner(Signer, Protocol):
+    """A signer whose Ed25519 key is vouched for by a hardware attestation key (AK)."""
+
+    @property
+    def ak(self) -> bytes:
+        """The AK's 65-byte uncompressed P-256 point."""
+        ...
+
+    def cosign(self, message: bytes) -> bytes:
+        """The AK's 64-byte ``r || s`` ECDSA-SHA256 signature of ``message``."""
         ...
 
 

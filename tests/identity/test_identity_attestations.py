@@ -7,15 +7,23 @@ from typing import Any
 
 import msgpack
 import pytest
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from identity import (
     ATTESTATION_DOMAIN,
     CERTIFICATE_DOMAIN,
+    HARDWARE_SIGNER_KINDS,
+    AdmissionCertificate,
     Attestation,
     AttestationRejected,
     BadAttestation,
+    BadCertificate,
+    HardwareRoot,
     MachineKey,
     Reason,
     RevocationList,
@@ -42,7 +50,8 @@ def make(world: Any, **overrides: Any) -> Attestation:
         "certificate": world.cert,
         **overrides,
     }
-    return sign_attestation(world.signer, **args)
+    signer = args.pop("signer", world.signer)
+    return sign_attestation(signer, **args)
 
 
 def reason_of(data: bytes | Attestation, **kw: Any) -> Reason:
@@ -187,10 +196,11 @@ def test_verifier_expectations(world: Any) -> None:
     assert verify_attestation(att, kind="round-result", signer_kinds={"software"}) == att
 
 
-def test_a_hardware_signer_plugs_in_without_changing_callers(world: Any) -> None:
-    class EnclaveSigner:
-        """Stands in for a TEE-backed signer: same protocol, its own kind."""
+def test_a_hardware_kind_claimed_without_evidence_is_refused(world: Any) -> None:
+    """A signer that only *says* it is a TEE: before hardware kinds needed evidence, its
+    claim passed a verifier that required hardware; now it is refused whatever is asked."""
 
+    class EnclaveSigner:
         kind = "tee"
 
         def __init__(self, key: MachineKey) -> None:
@@ -209,8 +219,11 @@ def test_a_hardware_signer_plugs_in_without_changing_callers(world: Any) -> None
         time=NOW,
         certificate=world.cert,
     )
-    claims = verify_attestation(att.encode(), trust=world.trust, now=NOW, signer_kinds={"tee"})
-    assert claims.signer_kind == "tee"
+    assert att.signer_kind == "tee"
+    assert reason_of(att, trust=world.trust, now=NOW, signer_kinds={"tee"}) is (
+        Reason.HARDWARE_UNPROVEN
+    )
+    assert reason_of(att) is Reason.HARDWARE_UNPROVEN
 
 
 def fields_of(att: Attestation) -> dict[str, Any]:
@@ -295,3 +308,127 @@ def test_mutated_attestations_raise_only_rejections(world: Any, data: st.DataObj
     except AttestationRejected:
         return
     assert bytes(raw) == good
+
+
+class FakeTpmSigner(SoftwareSigner):
+    """A TPM-bound signer without a TPM: a P-256 key in memory plays the attestation key."""
+
+    def __init__(self, key: MachineKey) -> None:
+        super().__init__(key)
+        self._ak = ec.generate_private_key(ec.SECP256R1())
+
+    @property
+    def kind(self) -> str:
+        return "tpm"
+
+    @property
+    def ak(self) -> bytes:
+        return self._ak.public_key().public_bytes(Encoding.X962, PublicFormat.UncompressedPoint)
+
+    def cosign(self, message: bytes) -> bytes:
+        r, s = decode_dss_signature(self._ak.sign(message, ec.ECDSA(hashes.SHA256())))
+        return r.to_bytes(32, "big") + s.to_bytes(32, "big")
+
+
+def hardware_world(world: Any) -> tuple[FakeTpmSigner, AdmissionCertificate]:
+    signer = FakeTpmSigner(world.machine)
+    cert = world.authority.admit(
+        world.machine.peer_id,
+        operator="alice",
+        kernel_class=KERNEL_CLASS,
+        not_before=NOW - DAY,
+        not_after=NOW + DAY,
+        serial=7,
+        hardware=HardwareRoot(ak=signer.ak, ek_hash=bytes(range(32))),
+    )
+    return signer, cert
+
+
+def test_a_cosigned_attestation_passes_require_hardware(world: Any) -> None:
+    signer, cert = hardware_world(world)
+    att = make(world, signer=signer, certificate=cert)
+    assert att.ak == signer.ak
+    assert Attestation.decode(att.encode()) == att
+    claims = verify_attestation(
+        att.encode(), trust=world.trust, now=NOW, signer_kinds=HARDWARE_SIGNER_KINDS
+    )
+    assert claims.signer_kind == "tpm"
+    # the certificate round-trips as version 2 with what the authority recorded
+    assert AdmissionCertificate.decode(cert.encode()) == cert
+    assert msgpack.unpackb(cert.encode())["v"] == 2
+
+
+def test_an_ak_the_certificate_does_not_record_proves_nothing(world: Any) -> None:
+    """A software key holder makes up a P-256 "AK" and co-signs with it, carrying a real
+    certificate of the machine: the AK is not the admitted one. Guards the check that the
+    certificate records the attestation's AK (attestation rule 2)."""
+    _signer, cert = hardware_world(world)
+    impostor = FakeTpmSigner(world.machine)
+
+    def forged(certificate: AdmissionCertificate) -> Attestation:
+        # sign_attestation refuses a certificate for another AK: the forger signs by hand
+        unsigned = dataclasses.replace(
+            make(world, signer=impostor, certificate=None), certificate=certificate
+        )
+        return dataclasses.replace(
+            unsigned,
+            signature=world.machine.sign(unsigned.signed_message()),
+            ak_signature=impostor.cosign(unsigned.cosigned_message()),
+        )
+
+    assert reason_of(forged(cert), trust=world.trust, now=NOW) is Reason.HARDWARE_UNPROVEN
+    # and a software-admitted machine's certificate records no AK at all
+    assert reason_of(forged(world.cert), trust=world.trust, now=NOW) is Reason.HARDWARE_UNPROVEN
+    with pytest.raises(ValueError, match="does not record this machine's TPM attestation key"):
+        make(world, signer=impostor, certificate=cert)
+
+
+def test_an_ak_cosignature_over_other_bytes_is_refused(world: Any) -> None:
+    """Guards the AK co-signature check (attestation rule 1) without a TPM."""
+    signer, cert = hardware_world(world)
+    att = make(world, signer=signer, certificate=cert)
+    other = make(world, signer=signer, certificate=cert, digest=bytes(32))
+    moved = dataclasses.replace(att, ak_signature=other.ak_signature)
+    assert reason_of(moved.encode()) is Reason.BAD_HARDWARE_SIGNATURE
+    # the AK travels inside the Ed25519-signed bytes: swapping it breaks that signature
+    swapped = dataclasses.replace(att, ak=FakeTpmSigner(world.machine).ak)
+    assert reason_of(swapped.encode()) is Reason.BAD_SIGNATURE
+
+
+def test_a_software_certificate_stays_version_1(world: Any) -> None:
+    assert msgpack.unpackb(world.cert.encode())["v"] == 1
+    assert world.cert.machine_kind == "software" and world.cert.ak is None
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        pytest.param(lambda f: {k: v for k, v in f.items() if k != "ek"}, id="missing-ek"),
+        pytest.param(lambda f: {**f, "machine_kind": "software"}, id="software-with-ak"),
+        pytest.param(lambda f: {**f, "machine_kind": "tee"}, id="unknown-machine-kind"),
+        pytest.param(lambda f: {**f, "v": 1}, id="version-1-with-ak"),
+        pytest.param(lambda f: {**f, "ak": b"\x04" + bytes(64)}, id="ak-not-on-the-curve"),
+        pytest.param(lambda f: {**f, "ek": f["ek"][:31]}, id="short-ek"),
+    ],
+)
+def test_hardware_certificates_decode_strictly(world: Any, repack: Any, mutate: Any) -> None:
+    _signer, cert = hardware_world(world)
+    fields = msgpack.unpackb(cert.encode(), raw=False)
+    assert repack(fields) == cert.encode()
+    with pytest.raises(BadCertificate):
+        AdmissionCertificate.decode(repack(mutate(fields)))
+
+
+def test_hardware_attestations_decode_strictly(world: Any, repack: Any) -> None:
+    signer, cert = hardware_world(world)
+    att = make(world, signer=signer, certificate=cert)
+    fields = fields_of(att)
+    assert fields["v"] == 2 and repack(fields) == att.encode()
+    for broken in (
+        {k: v for k, v in fields.items() if k != "ak_sig"},
+        {**fields, "signer_kind": "software"},
+        {**fields, "v": 1},
+        {**fields, "ak_sig": fields["ak_sig"][:63]},
+    ):
+        with pytest.raises(BadAttestation):
+            Attestation.decode(repack(broken))

@@ -7,10 +7,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from identity import (
     AdmissionCertificate,
     Authority,
+    HardwareRoot,
     MachineKey,
     RevocationList,
     SoftwareSigner,
@@ -47,7 +52,27 @@ def _commitment(kc: KernelClass = KC, seed: int = 1) -> Commitment:
 
 
 class TpmSigner(SoftwareSigner):
-    """Stands in for a hardware-backed signer: same interface, another kind."""
+    """Stands in for a TPM-bound signer: a P-256 key in memory plays the attestation key."""
+
+    def __init__(self, key: MachineKey) -> None:
+        super().__init__(key)
+        self._ak = ec.generate_private_key(ec.SECP256R1())
+
+    @property
+    def kind(self) -> str:
+        return "tpm"
+
+    @property
+    def ak(self) -> bytes:
+        return self._ak.public_key().public_bytes(Encoding.X962, PublicFormat.UncompressedPoint)
+
+    def cosign(self, message: bytes) -> bytes:
+        r, s = decode_dss_signature(self._ak.sign(message, ec.ECDSA(hashes.SHA256())))
+        return r.to_bytes(32, "big") + s.to_bytes(32, "big")
+
+
+class ClaimsTpmSigner(SoftwareSigner):
+    """Says it is a TPM but has no attestation key to co-sign with."""
 
     @property
     def kind(self) -> str:
@@ -83,6 +108,7 @@ class Setup:
             not_before=NOW - 3600,
             not_after=not_after,
             serial=self.serial,
+            hardware=HardwareRoot(signer.ak, bytes(32)) if isinstance(signer, TpmSigner) else None,
         )
         return Machine(signer, cert)
 
@@ -217,3 +243,7 @@ def test_require_hardware_accepts_only_hardware_signers(setup: Setup) -> None:
     mixed = _record(alice, hw_record.commitment)
     with pytest.raises(EvidenceRejected, match="'software' signer"):
         check_evidence(mixed, [hw_replay], trust=setup.trust, now=NOW, require_hardware=True)
+    # a signer that only claims a TPM, with no attestation key's co-signature, is refused
+    claimed = _attest(setup.machine("bob", signer_class=ClaimsTpmSigner), hw_record.commitment)
+    with pytest.raises(EvidenceRejected, match="hardware unproven"):
+        check_evidence(hw_record, [claimed], trust=setup.trust, now=NOW, require_hardware=True)

@@ -49,13 +49,13 @@ def _key_path(ctx: click.Context) -> Path:
 
 
 def _signer(ctx: click.Context) -> Any:
-    from identity import SoftwareSigner, ensure_key
+    from identity import ensure_key, machine_signer
 
     path = _key_path(ctx)
     key, created = ensure_key(path, os.environ.get(PASSPHRASE_ENV) or None)
     if created:
         click.echo(f"blob: created a new machine key {path} (peer ID {key.peer_id})", err=True)
-    return SoftwareSigner(key)
+    return machine_signer(key, path)  # TPM-backed when `blob tpm bind` bound the key
 
 
 def _read(path: Path, what: str, limit: int) -> bytes:
@@ -464,7 +464,8 @@ def replay_command(
 @click.option(
     "--require-hardware",
     is_flag=True,
-    help="Accept only attestations made by hardware-backed signers (TPM, TEE, HSM).",
+    help="Accept only attestations co-signed by a TPM attestation key their admission "
+    "certificate records (`blob tpm`).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
@@ -484,7 +485,7 @@ def check_command(
 
     With software keys this shows that two admitted operators signed the digest, not that
     the replay ran (a key in a file can sign anything); --require-hardware accepts only
-    hardware-backed signers."""
+    attestations co-signed by a TPM-resident key the authority admitted (`blob tpm`)."""
     from training.errors import EvidenceRejected
     from training.rounds.round import check_evidence, load_record
 

@@ -27,9 +27,10 @@ Theory of operation:
    round's digest, and come from at least two distinct admitted operators: the runner's
    ``round-result`` and at least one ``blobnet/round-replay`` from another operator.
    A second ``round-result`` does not count: it says "I ran it", not "I replayed it".
-   With ``require_hardware`` every signer must be hardware-backed. What this proves with
+   With ``require_hardware`` every attestation must be co-signed by a TPM attestation key
+   its certificate records (identity.attestation, rules 1-3). What this proves with
    software keys: two admitted operators signed the digest, not that a replay ran
-   (identity.kinds says why and what hardware signers would add).
+   (identity.kinds says why and what hardware signers add).
 """
 
 from __future__ import annotations
