@@ -36,8 +36,11 @@ from p2p.node.node import open_node
 class HostileStore:
     """The store as the protocol server sees it, with chunk reads that misbehave."""
 
-    def __init__(self, store: Store, mode: str, after: int, delay: float) -> None:
+    def __init__(
+        self, store: Store, mode: str, after: int, delay: float, count_to: Path | None = None
+    ) -> None:
         self._store = store
+        self._count_to = count_to
         self._mode = mode
         self.mode = mode
         self._after = after
@@ -64,6 +67,8 @@ class HostileStore:
         with self._lock:
             self._served += 1
             served = self._served
+            if self._count_to is not None:  # for tests that wait until chunks were served
+                self._count_to.write_text(str(served))
         if self._mode == "flip":
             return bytes([data[0] ^ 0xFF]) + data[1:]
         if self._mode == "stall" and served > self._after:
@@ -98,7 +103,7 @@ class HostileReader:
 async def main(args: argparse.Namespace) -> None:
     store = Store.open(Path(args.store))
     async with open_node(store, listen=["/ip4/127.0.0.1/tcp/0"], dht=False) as node:
-        node.server.store = HostileStore(store, args.mode, args.after, args.delay)  # type: ignore[assignment]
+        node.server.store = HostileStore(store, args.mode, args.after, args.delay, args.count_to)  # type: ignore[assignment]
         if args.mode == "old":
             for protocol_id in proto.SERVED_PROTOCOL_IDS:
                 if protocol_id != proto.Version.V1_0.protocol_id:
@@ -115,6 +120,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--after", type=int, default=4)
     parser.add_argument("--delay", type=float, default=0.05)
+    parser.add_argument("--count-to", type=Path, default=None, help="write chunks served here")
     try:
         trio.run(main, parser.parse_args())
     except KeyboardInterrupt:

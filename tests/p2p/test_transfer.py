@@ -75,20 +75,21 @@ def test_stalled_and_killed_providers_do_not_stop_the_fetch(
     for name in ("good", "staller", "victim"):
         blob_id = cluster.put(name, source)
     staller = cluster.hostile("staller", "stall", "--after", "3")
-    victim = cluster.hostile("victim", "slow", "--delay", "0.05")
+    served = tmp_path / "victim-served"
+    victim = cluster.hostile("victim", "slow", "--delay", "0.05", "--count-to", str(served))
     good = cluster.hostile("good", "slow", "--delay", "0.01")
 
     import subprocess
-    import time
 
-    from .conftest import blob_cmd, last_json
+    from .conftest import blob_cmd, last_json, wait_until
 
     fetch = subprocess.Popen(
         blob_cmd(cluster.store("f"), cluster.key("f"), "get", blob_id, "--json",
                  "--peer", staller.addr, "--peer", victim.addr, "--peer", good.addr),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    time.sleep(4.0)  # let the victim serve a few chunks, then kill it mid-transfer
+    # The victim served a few chunks of 48 (it sends one every 0.05 s): kill it mid-transfer.
+    assert wait_until(lambda: served.exists() and int(served.read_text() or 0) >= 4, timeout=60)
     victim.kill()
     out, err = fetch.communicate(timeout=240)
     assert fetch.returncode == 0, err
@@ -210,13 +211,13 @@ def test_interrupted_fetch_exits_130_and_keeps_what_verified(
     """Regression guard: Ctrl-C used to cancel the final flush, losing verified chunks."""
     import signal
     import subprocess
-    import time
 
     from .conftest import blob_cmd, wait_until
 
     source = random_file(tmp_path / "ckpt.bin", 32 * MiB)
     blob_id = cluster.put("origin", source)
-    origin = cluster.hostile("origin", "slow", "--delay", "0.2")
+    served = tmp_path / "origin-served"
+    origin = cluster.hostile("origin", "slow", "--delay", "0.2", "--count-to", str(served))
     with subprocess.Popen(
         blob_cmd(cluster.store("b"), cluster.key("b"), "get", blob_id, "--json",
                  "--no-dht", "--peer", origin.addr),
@@ -224,7 +225,8 @@ def test_interrupted_fetch_exits_130_and_keeps_what_verified(
     ) as fetch:  # fmt: skip
         partial = cluster.store("b") / "partial" / blob_id
         assert wait_until(partial.exists, timeout=60)
-        time.sleep(1.0)  # a few chunks verify; the periodic flush (2 s) has not run yet
+        # A few chunks were sent (one every 0.2 s per stream), within the periodic flush's 2 s.
+        assert wait_until(lambda: served.exists() and int(served.read_text() or 0) >= 3, 60)
         fetch.send_signal(signal.SIGINT)
         _, err = fetch.communicate(timeout=60)
     assert fetch.returncode == 130, err
