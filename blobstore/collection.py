@@ -29,6 +29,7 @@ from typing import Any
 import msgpack
 from blake3 import blake3
 
+from blobstore.canonical import encode as encode_canonical
 from blobstore.errors import BadCollection
 from blobstore.manifest import MAX_BLOB_SIZE, parse_blob_id
 
@@ -128,12 +129,11 @@ def encode_collection(entries: list[CollectionEntry]) -> bytes:
     """Canonical bytes of a collection (entries are sorted here)."""
     ordered = sorted(entries, key=lambda e: e.path)
     check_entries(ordered)
-    out: bytes = msgpack.packb(
+    out: bytes = encode_canonical(
         {
             "collection": COLLECTION_VERSION,
             "entries": [[e.path, e.blob_id, e.size] for e in ordered],
-        },
-        use_bin_type=True,
+        }
     )
     return out
 

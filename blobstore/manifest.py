@@ -26,6 +26,7 @@ from typing import Any
 import msgpack
 from blake3 import blake3
 
+from blobstore.canonical import encode as encode_canonical
 from blobstore.errors import BadBlobId, BadManifest
 
 HASH_SIZE = 32
@@ -128,14 +129,13 @@ class Manifest:
 
     def encode(self) -> bytes:
         """The canonical msgpack bytes (the preimage of the blob ID)."""
-        out: bytes = msgpack.packb(
+        out: bytes = encode_canonical(
             {
                 "v": MANIFEST_VERSION,
                 "size": self.size,
                 "chunk": self.chunk_size,
                 "hashes": self.hashes,
-            },
-            use_bin_type=True,
+            }
         )
         return out
 

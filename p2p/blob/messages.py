@@ -12,6 +12,8 @@ from typing import Any, ClassVar, TypeAlias
 
 import msgpack
 
+from blobstore.canonical import encode as encode_canonical
+
 __all__ = [
     "BLOB_ID_BYTES",
     "CHUNK_HEADER_ROOM",
@@ -631,7 +633,7 @@ def _check_missing(missing: object) -> tuple[int, ...]:
 
 
 def _frame(header: dict[str, Any]) -> bytes:
-    body = msgpack.packb(header, use_bin_type=True)
+    body = encode_canonical(header)
     assert isinstance(body, bytes)
     return len(body).to_bytes(LENGTH_PREFIX_SIZE, "big") + body
 
@@ -730,7 +732,7 @@ def _unpack_map(header: bytes, keys_by_type: dict[str, tuple[str, ...]]) -> dict
 
 
 def _require_canonical(header: bytes, canonical: dict[str, Any]) -> None:
-    if msgpack.packb(canonical, use_bin_type=True) != header:
+    if encode_canonical(canonical) != header:
         raise Invalid("header is not canonical msgpack")
 
 

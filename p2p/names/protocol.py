@@ -21,8 +21,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
+from blobstore.canonical import encode as encode_canonical
 from identity import decode_msgpack_map
 from p2p.names.cache import MAX_RECORDS_PER_PUBLISHER
 from p2p.names.record import MAX_NAME_RECORD_SIZE
@@ -86,7 +85,7 @@ Response = RecordResponse | PutResponse | RecordsResponse | ErrorResponse
 
 
 def _frame(fields: dict[str, Any]) -> bytes:
-    body: bytes = msgpack.packb(fields, use_bin_type=True)
+    body: bytes = encode_canonical(fields)
     return struct.pack(">I", len(body)) + body
 
 

@@ -40,9 +40,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-import msgpack
 from blake3 import blake3
 
+from blobstore.canonical import encode as encode_canonical
 from blobstore.errors import ExitCode
 from identity import (
     MAX_CERTIFICATE_SIZE,
@@ -357,7 +357,7 @@ class NameRecord:
 
 
 def _pack(fields: dict[str, Any]) -> bytes:
-    data: bytes = msgpack.packb(fields, use_bin_type=True)
+    data: bytes = encode_canonical(fields)
     return data
 
 

@@ -70,8 +70,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
-import msgpack
 
+from blobstore.canonical import encode as encode_canonical
 from blobstore.errors import ExitCode
 from identity import (
     AdmissionCertificate,
@@ -150,7 +150,7 @@ def _fields(c: Closure) -> dict[str, Any]:
 
 
 def encode_closure(c: Closure) -> bytes:
-    data: bytes = msgpack.packb(_fields(c), use_bin_type=True)
+    data: bytes = encode_canonical(_fields(c))
     if decode_closure(data) != c:
         raise ValueError("closure does not round-trip (a malformed field)")
     return data
@@ -200,7 +200,7 @@ def decode_closure(data: bytes) -> Closure:
         _hex64(result, "result"),
         _hex64(state, "state"),
     )
-    canonical: bytes = msgpack.packb(_fields(closure), use_bin_type=True)
+    canonical: bytes = encode_canonical(_fields(closure))
     if canonical != bytes(data):
         raise BadClosure("closure is not in canonical form")
     return closure
@@ -211,7 +211,7 @@ def compact_body(body: bytes) -> bytes:
     5); ``BadClosure`` if ``body`` is not a closure body."""
     c = decode_closure(body)
     slim = tuple(Included(x.peer, x.blob, attestation_digest(x.attestation)) for x in c.included)
-    data: bytes = msgpack.packb(_fields(_replace_included(c, slim)), use_bin_type=True)
+    data: bytes = encode_canonical(_fields(_replace_included(c, slim)))
     return data
 
 
@@ -226,7 +226,7 @@ def expand_body(compact: bytes, lookup: Callable[[str, str], bytes | None]) -> b
         if attestation is None or attestation_digest(attestation) != x.attestation:
             return None
         full.append(Included(x.peer, x.blob, attestation))
-    data: bytes = msgpack.packb(_fields(_replace_included(c, tuple(full))), use_bin_type=True)
+    data: bytes = encode_canonical(_fields(_replace_included(c, tuple(full))))
     return data
 
 

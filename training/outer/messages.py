@@ -55,8 +55,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
+from blobstore.canonical import encode as encode_canonical
 from blobstore.errors import ExitCode
 from identity import (
     AdmissionCertificate,
@@ -243,7 +242,7 @@ def _fields(msg: Message) -> dict[str, Any]:
 
 def encode_message(msg: Message) -> bytes:
     """Canonical bytes of an announcement (``ValueError`` for a malformed one: our bug)."""
-    data: bytes = msgpack.packb(_fields(msg), use_bin_type=True)
+    data: bytes = encode_canonical(_fields(msg))
     try:
         if decode_message(data) != msg:
             raise ValueError("announcement does not round-trip")
@@ -337,7 +336,7 @@ def decode_message(data: bytes) -> Message:
             _take(obj, "attestation", bytes),
             _addrs(obj),
         )
-    canonical: bytes = msgpack.packb(_fields(msg), use_bin_type=True)
+    canonical: bytes = encode_canonical(_fields(msg))
     if canonical != bytes(data):
         raise BadMessage("announcement is not in canonical form")
     return msg

@@ -59,9 +59,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import blake3
-import msgpack
 import numpy as np
 
+from blobstore.canonical import encode as encode_canonical
 from blobstore.errors import ExitCode
 from identity import (
     AdmissionCertificate,
@@ -157,7 +157,7 @@ class UpdateCommitment:
         }
 
     def encode(self) -> bytes:
-        data: bytes = msgpack.packb(self.fields(), use_bin_type=True)
+        data: bytes = encode_canonical(self.fields())
         try:
             ok = decode_commitment(data) == self
         except BadCommitment as exc:
@@ -214,7 +214,7 @@ def decode_commitment(data: bytes) -> UpdateCommitment:
         _hex64(obj["inner_end"], "inner_end"),
         _hex64(obj["update"], "update"),
     )
-    if msgpack.packb(c.fields(), use_bin_type=True) != bytes(data):
+    if encode_canonical(c.fields()) != bytes(data):
         raise BadCommitment("commitment is not in canonical form")
     return c
 
@@ -237,7 +237,7 @@ def encode_inner(
         [name, np.ascontiguousarray(residual[name], dtype="<f4").tobytes()]
         for name in sorted(residual, key=lambda n: n.encode())
     ]
-    data: bytes = msgpack.packb({"v": INNER_VERSION, "opt": opt, "ef": ef}, use_bin_type=True)
+    data: bytes = encode_canonical({"v": INNER_VERSION, "opt": opt, "ef": ef})
     return data
 
 
@@ -345,9 +345,7 @@ class Verdict:
 
 
 def verdict_digest(v: Verdict) -> bytes:
-    body: bytes = msgpack.packb(
-        [v.run, v.round, v.author, v.update, v.commitment, v.outcome], use_bin_type=True
-    )
+    body: bytes = encode_canonical([v.run, v.round, v.author, v.update, v.commitment, v.outcome])
     return blake3.blake3(VERDICT_DOMAIN + struct.pack("<Q", len(body)) + body).digest()
 
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import blake3
-import msgpack
 
+from blobstore.canonical import encode as encode_canonical
 from identity import decode_msgpack_map
 from training.errors import BadRoundRecord
 from training.kernel_class import KernelClass
@@ -85,7 +85,7 @@ def _canonical(obj: Any) -> Any:
 
 def pack(obj: dict[str, Any]) -> bytes:
     """Canonical msgpack: maps with sorted keys, bin type for bytes."""
-    out: bytes = msgpack.packb(_canonical(obj), use_bin_type=True, use_single_float=False)
+    out: bytes = encode_canonical(_canonical(obj))
     return out
 
 

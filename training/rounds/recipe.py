@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import blake3
-import msgpack
 
+from blobstore.canonical import encode as encode_canonical
 from identity import decode_msgpack_map
 from training.errors import BadRecipe
 from training.records import MAX_SEQ_LEN
@@ -115,9 +115,7 @@ class Recipe:
     def encode(self) -> bytes:
         """Canonical msgpack (sorted keys, float64 floats)."""
         d = self.to_dict()
-        out: bytes = msgpack.packb(
-            {k: d[k] for k in sorted(d)}, use_bin_type=True, use_single_float=False
-        )
+        out: bytes = encode_canonical({k: d[k] for k in sorted(d)})
         return out
 
     @property
