@@ -209,8 +209,8 @@ def _chunk_counts(numel: int, params: CodecParams) -> npt.NDArray[np.int64]:
     return counts
 
 
-def _as_float32(value: Any, name: str) -> F32:
-    """A C-contiguous float32 numpy copy of a numpy array or CPU torch tensor."""
+def _checked_float32(value: Any, name: str) -> F32:
+    """A float32 numpy view (or CPU copy) of a numpy array or torch tensor, all finite."""
     if hasattr(value, "detach"):  # torch.Tensor, without importing torch
         value = value.detach().to("cpu").contiguous().numpy()
     array = np.asarray(value)
@@ -218,8 +218,13 @@ def _as_float32(value: Any, name: str) -> F32:
         raise ValueError(f"tensor {name!r} is {array.dtype}, expected float32")
     if not np.isfinite(array).all():
         raise ValueError(f"tensor {name!r} holds NaN or infinity; refusing to send it")
+    return array
+
+
+def _as_float32(value: Any, name: str) -> F32:
+    """A C-contiguous float32 numpy copy of a numpy array or CPU torch tensor."""
     # np.array keeps 0-d arrays 0-d (ascontiguousarray would make them 1-d).
-    return np.array(array, dtype=np.float32, order="C", copy=True)
+    return np.array(_checked_float32(value, name), dtype=np.float32, order="C", copy=True)
 
 
 def _check_names(names: list[str]) -> None:
@@ -236,8 +241,15 @@ def _sorted_names(tensors: Mapping[str, Any]) -> list[str]:
     return names
 
 
+# Chunks compressed together: their temporaries (magnitudes, a partition copy, masks) are
+# a few bytes per value of the block, never of the whole tensor, so a 1B-parameter update
+# needs no full-size scratch; 256 chunks of 4096 are 1M values (a few MiB).
+BLOCK_VALUES = 1 << 20
+
+
 def compress_tensor(values: F32, params: CodecParams) -> SparseTensor:
-    """Top-k + 2-bit quantisation of one float32 tensor (see the module docstring)."""
+    """Top-k + 2-bit quantisation of one float32 tensor (see the module docstring),
+    a block of whole chunks at a time (each chunk's selection and scales are its own)."""
     shape = tuple(int(d) for d in values.shape)
     flat = values.reshape(-1)
     numel = flat.size
@@ -248,22 +260,48 @@ def compress_tensor(values: F32, params: CodecParams) -> SparseTensor:
             shape, np.zeros((0, 2), np.float32), np.zeros(0, np.int64), np.zeros(0, np.uint8)
         )
     chunk = params.chunk
+    rows_per_block = max(1, BLOCK_VALUES // chunk)
+    scales = np.empty((n_chunks, 2), dtype=np.float32)
+    positions: list[npt.NDArray[np.int64]] = []
+    codes: list[npt.NDArray[np.uint8]] = []
+    for first in range(0, n_chunks, rows_per_block):
+        last = min(first + rows_per_block, n_chunks)
+        block = flat[first * chunk : min(last * chunk, numel)]
+        pos, code = _compress_block(block, counts[first:last], params, scales[first:last])
+        positions.append(pos + first * chunk)
+        codes.append(code)
+    return SparseTensor(shape, scales, np.concatenate(positions), np.concatenate(codes))
+
+
+def _compress_block(
+    flat: F32, counts: npt.NDArray[np.int64], params: CodecParams, scales_out: F32
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8]]:
+    """Select and quantise whole chunks ``flat`` (the last one may be short): positions
+    relative to the block, their codes; each chunk's (low, high) scales into ``scales_out``."""
+    chunk = params.chunk
+    n_chunks = counts.size
+    numel = flat.size
     # Padded magnitudes; padding is -1 so it never beats a real value (|v| >= 0).
-    mags = np.full(n_chunks * chunk, -1.0, dtype=np.float32)
-    mags[:numel] = np.abs(flat)
+    if numel == n_chunks * chunk:
+        mags = np.abs(flat)
+    else:
+        mags = np.full(n_chunks * chunk, -1.0, dtype=np.float32)
+        np.abs(flat, out=mags[:numel])
     mags2 = mags.reshape(n_chunks, chunk)
-    # k-th largest magnitude per chunk (a value, so independent of partition's order). In a
-    # short last chunk with fewer than k values this is padding (-1), so all are kept.
+    # k-th largest magnitude per chunk (a value, so independent of partition's order). A
+    # short last chunk keeping m < k takes its own m-th largest (a real value, m <= n).
     kth = chunk - params.k
     thresh = np.partition(mags2, kth, axis=1)[:, kth : kth + 1]
     if counts[-1] != params.k:
-        # A short last chunk keeping m < k: its own m-th largest (a real value, m <= n).
         last_kth = chunk - int(counts[-1])
         thresh[-1, 0] = np.partition(mags2[-1], last_kth)[last_kth]
-    above = mags2 > thresh
-    need = counts - above.sum(axis=1)
-    equal = mags2 == thresh
-    keep = above | (equal & (np.cumsum(equal, axis=1) <= need[:, None]))
+    keep = mags2 >= thresh
+    # Ties at the threshold beyond what a chunk keeps: the lowest indices equal to it win.
+    extra = keep.sum(axis=1) - counts
+    for row in np.flatnonzero(extra):
+        equal = mags2[row] == thresh[row, 0]
+        need = int(counts[row]) - int((mags2[row] > thresh[row, 0]).sum())
+        keep[row] = (mags2[row] > thresh[row, 0]) | (equal & (np.cumsum(equal) <= need))
     rows, cols = np.nonzero(keep)  # row-major: ascending positions
     positions = rows.astype(np.int64) * chunk + cols.astype(np.int64)
     kept = flat[positions]
@@ -283,8 +321,17 @@ def compress_tensor(values: F32, params: CodecParams) -> SparseTensor:
     scales = np.zeros((n_chunks, 2), dtype=np.float64)
     scales[:, 1] = sum_high / n_high
     np.divide(sum_low, n_low, out=scales[:, 0], where=n_low > 0)
+    scales_out[:] = scales.astype(np.float32)
     codes = ((kept < 0).astype(np.uint8) | (high.astype(np.uint8) << 1)).astype(np.uint8)
-    return SparseTensor(shape, scales.astype(np.float32), positions, codes)
+    return positions, codes
+
+
+def dequantised(sparse: SparseTensor, params: CodecParams) -> F32:
+    """The values a ``SparseTensor`` stands for at its kept positions (``±scale``)."""
+    chunk_of = sparse.positions // params.chunk
+    magnitude = sparse.scales[chunk_of, (sparse.codes >> 1).astype(np.int64)]
+    values: F32 = np.where(sparse.codes & 1, -magnitude, magnitude)
+    return values
 
 
 def decompress_tensor(sparse: SparseTensor, params: CodecParams) -> F32:
@@ -292,15 +339,17 @@ def decompress_tensor(sparse: SparseTensor, params: CodecParams) -> F32:
     numel = _numel(sparse.shape)
     out = np.zeros(numel, dtype=np.float32)
     if sparse.positions.size:
-        chunk_of = sparse.positions // params.chunk
-        magnitude = sparse.scales[chunk_of, (sparse.codes >> 1).astype(np.int64)]
-        out[sparse.positions] = np.where(sparse.codes & 1, -magnitude, magnitude)
+        out[sparse.positions] = dequantised(sparse, params)
     return out.reshape(sparse.shape)
 
 
 def compress(tensors: Mapping[str, Any], params: CodecParams) -> dict[str, SparseTensor]:
-    """Compress every tensor (float32 numpy arrays or CPU torch tensors)."""
-    return {n: compress_tensor(_as_float32(tensors[n], n), params) for n in _sorted_names(tensors)}
+    """Compress every tensor (float32 numpy arrays or CPU torch tensors), reading them in
+    place (compression writes nothing back)."""
+    return {
+        n: compress_tensor(np.asarray(_checked_float32(tensors[n], n), order="C"), params)
+        for n in _sorted_names(tensors)
+    }
 
 
 def decompress(sparse: Mapping[str, SparseTensor], params: CodecParams) -> dict[str, F32]:
@@ -776,16 +825,22 @@ class ErrorFeedback:
             raise ValueError("error feedback: tensor names changed between rounds")
         sparse: dict[str, SparseTensor] = {}
         for name in names:
-            grad = _as_float32(grads[name], name)
             previous = self.residual.get(name)
             if previous is None:
-                accumulated = grad.copy()
+                accumulated = _as_float32(grads[name], name)  # a copy: the residual from now
             else:
+                grad = _checked_float32(grads[name], name)
                 if previous.shape != grad.shape:
                     raise ValueError(f"error feedback: shape of {name!r} changed")
-                accumulated = previous * self.decay + grad if self.decay != 1 else previous + grad
+                # In place, in float32: the same roundings as decay * residual + grad.
+                accumulated = previous
+                if self.decay != 1:
+                    accumulated *= self.decay
+                accumulated += grad
             entry = compress_tensor(accumulated, self.params)
-            accumulated -= decompress_tensor(entry, self.params)
+            # What the receivers decode is nonzero only where a value was kept.
+            flat = accumulated.reshape(-1)
+            flat[entry.positions] -= dequantised(entry, self.params)
             self.residual[name] = accumulated
             sparse[name] = entry
         return sparse
