@@ -1,0 +1,169 @@
+"""Every place blobnet reaches into py-libp2p 0.8.1's private attributes, each with its reason.
+
+Theory of operation:
+1. Each patch is one function here that takes the object it patches (a swarm, a host, a
+   resource manager) and replaces an attribute on that instance only, never on
+   py-libp2p's classes: two hosts in one process (tests, a relay beside a node) patch
+   their own objects.
+2. Before replacing anything a patch looks the attribute up with ``_require``; a
+   py-libp2p that renamed or dropped it raises ``PatchTargetMissing`` at start-up
+   instead of silently running unpatched. ``TARGETS`` lists every (class, attribute)
+   a patch needs, and tests/p2p/test_patches.py fails when one disappears.
+3. A patch keeps py-libp2p's own behaviour around the part it changes (it wraps the
+   original and calls it), so a fix upstream makes the patch a no-op, not a conflict.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from libp2p.host.basic_host import BasicHost
+from libp2p.network.swarm import Swarm
+from libp2p.rcmgr.manager import ResourceManager
+
+
+class PatchTargetMissing(RuntimeError):
+    """py-libp2p no longer has an attribute blobnet patches (a local error: this
+    py-libp2p is not the one the patch was written for)."""
+
+
+# (class, attribute, why blobnet patches it). Each line is checked by the patches test.
+TARGETS: tuple[tuple[type, str, str], ...] = (
+    (
+        Swarm,
+        "upgrade_inbound_raw_conn",
+        "its clean-up awaits the raw close before releasing the pre-upgrade connection "
+        "scope, so a cancelled handshake leaks one resource-manager slot",
+    ),
+    (
+        Swarm,
+        "_dial_addr_single_attempt",
+        "same leak on a dial cancelled during its handshake",
+    ),
+    (
+        Swarm,
+        "_resource_manager",
+        "the manager whose open_connection the scope release records",
+    ),
+    (
+        ResourceManager,
+        "open_connection",
+        "records the scopes an upgrade opened, so a failed one releases them",
+    ),
+    (
+        Swarm,
+        "_handle_inbound_connection",
+        "py-libp2p's handler admits through a slot counter it never gives back; "
+        "p2p.transport.host.InboundGate replaces it",
+    ),
+    (
+        Swarm,
+        "_build_remote_multiaddr",
+        "the replacement inbound handler asks py-libp2p's connection gate as it would",
+    ),
+    (
+        Swarm,
+        "_select_connection",
+        "picks which of a peer's connections a new stream uses (one with the most "
+        "streams by default), so striped fetches choose their own",
+    ),
+    (
+        BasicHost,
+        "get_addrs",
+        "a NATed node hands out relay circuit addresses that addrs_factory would mangle",
+    ),
+)
+
+
+def _require(obj: Any, name: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise PatchTargetMissing(
+            f"py-libp2p's {type(obj).__name__} has no {name!r}: blobnet's patch of it "
+            "needs updating for this py-libp2p version"
+        ) from None
+
+
+# --- Connection scopes of failed upgrades --------------------------------------------------
+#
+# py-libp2p 0.8.1 (network/swarm.py, Swarm.upgrade_inbound_raw_conn) takes a pre-upgrade
+# connection scope from the resource manager, and on any failure runs a clean-up that
+# first awaits the muxed, secured and raw connections' close and only then closes the
+# scope. When the failure is a cancellation (the upgrade's caller cancelled it: our inbound
+# gate dropping a handshake, a dial abandoned mid-handshake), the first await in that
+# clean-up raises Cancelled again and ``pre_scope.close()`` never runs. Each such upgrade
+# keeps one of the manager's connection slots for the life of the process; after
+# ``max_connections`` of them every new connection is refused ("Connection denied by
+# resource manager (pre-upgrade admission)"). The dial path
+# (``_dial_addr_single_attempt``) has the same order in its BaseException handler.
+#
+# The patch records every connection scope opened while an upgrade runs (the task's
+# context variable below) and, when the upgrade ends in any exception, closes them all.
+# A scope's close is idempotent, so scopes py-libp2p did release are not released twice.
+
+_UPGRADE_SCOPES: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "blobnet_upgrade_scopes", default=None
+)
+
+
+def release_scopes_of_failed_upgrades(network: Any) -> None:
+    """Make ``network``'s inbound upgrades and outbound dials give their resource-manager
+    connection scopes back when they fail or are cancelled (see above)."""
+    manager = _require(network, "_resource_manager")
+    if manager is None:
+        return
+    open_connection: Callable[..., Any] = _require(manager, "open_connection")
+
+    def recording_open_connection(*args: Any, **kwargs: Any) -> Any:
+        scope = open_connection(*args, **kwargs)
+        held = _UPGRADE_SCOPES.get()
+        if scope is not None and held is not None:
+            held.append(scope)
+        return scope
+
+    manager.open_connection = recording_open_connection
+    for name in ("upgrade_inbound_raw_conn", "_dial_addr_single_attempt"):
+        setattr(network, name, _releasing_scopes(_require(network, name)))
+
+
+def _releasing_scopes(original: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def upgrade(*args: Any, **kwargs: Any) -> Any:
+        held: list[Any] = []
+        token = _UPGRADE_SCOPES.set(held)
+        try:
+            return await original(*args, **kwargs)
+        except BaseException:
+            for scope in held:
+                close = getattr(scope, "close", None)
+                if close is not None:
+                    close()
+            raise
+        finally:
+            _UPGRADE_SCOPES.reset(token)
+
+    return upgrade
+
+
+def resource_manager(network: Any) -> Any:
+    """``network``'s resource manager (None if it has none): py-libp2p keeps it private."""
+    return _require(network, "_resource_manager")
+
+
+# --- The inbound handler -------------------------------------------------------------------
+
+
+def route_inbound(network: Any, handle: Callable[[Any, Any], Awaitable[None]]) -> Any:
+    """Send ``network``'s new inbound sockets to ``handle`` instead of py-libp2p's handler
+    (which admits through a slot counter it never gives back; p2p.transport.host's theory
+    of operation). Returns py-libp2p's handler, for connections that are not ours to gate."""
+    original = _require(network, "_handle_inbound_connection")
+    network._handle_inbound_connection = handle
+    return original
+
+
+def remote_multiaddr(network: Any, read_write_closer: Any) -> Any:
+    """The multiaddr py-libp2p's connection gate is asked about for an inbound socket."""
+    return _require(network, "_build_remote_multiaddr")(read_write_closer)
