@@ -74,7 +74,7 @@ from multiaddr import Multiaddr
 from blobstore import BlobNotFound, Store
 from identity import MachineKey, load_or_create_key
 from p2p.blob import protocol as proto
-from p2p.blob.server import BlobServer
+from p2p.blob.server import BlobServer, ServerLimits
 from p2p.blob.shell import (
     MULTISTREAM,
     BlobClient,
@@ -235,6 +235,8 @@ class NodeConfig:
     # peers only unless run with --open-circuits).
     certificate: bytes | None = None
     punch_timeout: float = 30.0  # p2p.nat.punch.DEFAULT_PUNCH_TIMEOUT
+    # The blob server's budgets and deadlines (p2p.blob.server.ServerLimits).
+    server_limits: ServerLimits = field(default_factory=ServerLimits)
 
 
 class Node:
@@ -1052,7 +1054,12 @@ async def open_node(
     connection_config = getattr(host.get_network(), "connection_config", None)
     if connection_config is not None:
         connection_config.outbound_upgrade_timeout = HANDSHAKE_TIMEOUT
-    server = BlobServer(store, verify_reads=config.verify_reads, upload_limit=config.upload_limit)
+    server = BlobServer(
+        store,
+        limits=config.server_limits,
+        verify_reads=config.verify_reads,
+        upload_limit=config.upload_limit,
+    )
     listen_addrs = [_listen_addr(a) for a in config.listen]
     for addr in listen_addrs:
         _check_port_free(addr)
