@@ -91,6 +91,7 @@ from p2p.fetch.downloader import ProgressCallback, download_blob
 from p2p.fetch.scheduler import PeerScores, SchedulerConfig, StripeConfig
 from p2p.transport.fast import connection_rtt
 from p2p.transport.host import build_host
+from p2p.transport.providers import ProviderLimits, install_provider_guard
 
 if TYPE_CHECKING:
     from p2p.names.record import NameRecord
@@ -237,6 +238,8 @@ class NodeConfig:
     punch_timeout: float = 30.0  # p2p.nat.punch.DEFAULT_PUNCH_TIMEOUT
     # The blob server's budgets and deadlines (p2p.blob.server.ServerLimits).
     server_limits: ServerLimits = field(default_factory=ServerLimits)
+    # What other peers may store in this node's DHT provider records (p2p.transport.providers).
+    provider_limits: ProviderLimits = field(default_factory=ProviderLimits)
 
 
 class Node:
@@ -1071,6 +1074,8 @@ async def open_node(
         if config.upload:
             server.install(host)  # every protocol version the server speaks
         kad = KadDHT(host, DHTMode.SERVER) if config.dht else None
+        if kad is not None:
+            install_provider_guard(kad, config.provider_limits, local=str(host.get_id()))
         floodsub: Any = _make_pubsub(host) if config.pubsub else None
         async with _maybe_service(kad), _maybe_service(floodsub), trio.open_nursery() as nursery:
             if floodsub is not None:

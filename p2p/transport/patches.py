@@ -20,6 +20,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from libp2p.host.basic_host import BasicHost
+from libp2p.kad_dht.kad_dht import KadDHT
+from libp2p.kad_dht.provider_store import ProviderStore
 from libp2p.network.swarm import Swarm
 from libp2p.rcmgr.manager import ResourceManager
 
@@ -68,6 +70,22 @@ TARGETS: tuple[tuple[type, str, str], ...] = (
         "_select_connection",
         "picks which of a peer's connections a new stream uses (one with the most "
         "streams by default), so striped fetches choose their own",
+    ),
+    (
+        KadDHT,
+        "provider_store",
+        "py-libp2p stores every ADD_PROVIDER's addresses, without caps, for 48 h; "
+        "p2p.transport.providers decides what is kept",
+    ),
+    (
+        ProviderStore,
+        "add_provider",
+        "where an accepted ADD_PROVIDER is stored: the guard filters it first",
+    ),
+    (
+        ProviderStore,
+        "providers",
+        "the records by key and peer: the guard drops the ones it evicts",
     ),
     (
         BasicHost,
@@ -167,3 +185,38 @@ def route_inbound(network: Any, handle: Callable[[Any, Any], Awaitable[None]]) -
 def remote_multiaddr(network: Any, read_write_closer: Any) -> Any:
     """The multiaddr py-libp2p's connection gate is asked about for an inbound socket."""
     return _require(network, "_build_remote_multiaddr")(read_write_closer)
+
+
+# --- Provider records ----------------------------------------------------------------------
+
+
+def guard_provider_store(kad: Any, guard: Any, clock: Callable[[], float]) -> None:
+    """Pass every provider record ``kad`` would store through ``guard``
+    (p2p.transport.providers.ProviderGuard): py-libp2p 0.8.1 stores them all, every
+    address included, for 48 h. ``clock`` is the wall clock py-libp2p's records use."""
+    from libp2p.peer.peerinfo import PeerInfo
+
+    store = _require(kad, "provider_store")
+    original: Callable[[bytes, Any], None] = _require(store, "add_provider")
+    records: dict[bytes, dict[str, Any]] = _require(store, "providers")
+
+    def add_provider(key: bytes, provider: Any) -> None:
+        if not provider or not getattr(provider, "peer_id", None):
+            return
+        now = clock()
+        for gone_key, gone_peer in guard.expire(now):
+            records.get(gone_key, {}).pop(gone_peer, None)
+        decision = guard.admit(key, str(provider.peer_id), list(provider.addrs), now)
+        for drop_key, drop_peer in decision.drop:
+            held = records.get(drop_key)
+            if held is not None:
+                held.pop(drop_peer, None)
+                if not held:
+                    del records[drop_key]
+        if decision.addrs is None:
+            return
+        original(key, PeerInfo(provider.peer_id, decision.addrs))
+        if str(provider.peer_id) not in records.get(key, {}):
+            guard.forget(key, str(provider.peer_id))  # py-libp2p's own per-key cap said no
+
+    store.add_provider = add_provider

@@ -17,9 +17,12 @@ from p2p.transport.host import build_host
 
 
 def instances() -> list[Any]:
+    from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+
     host = build_host(create_new_key_pair(), fast=False)
     network = host.get_network()
-    return [host, network, patches.resource_manager(network)]
+    kad = KadDHT(host, DHTMode.SERVER)
+    return [host, network, patches.resource_manager(network), kad, kad.provider_store]
 
 
 @pytest.mark.parametrize(
