@@ -89,6 +89,7 @@ from p2p.blob.ticket import MAX_TICKET_ADDRS, Ticket, validate_peer_addr
 from p2p.errors import BadAddress, ListenFailed, PeerUnreachable, unwrap_single
 from p2p.fetch.downloader import ProgressCallback, download_blob
 from p2p.fetch.scheduler import PeerScores, SchedulerConfig, StripeConfig
+from p2p.transport import patches
 from p2p.transport.fast import connection_rtt
 from p2p.transport.host import build_host
 from p2p.transport.providers import ProviderLimits, install_provider_guard
@@ -177,23 +178,21 @@ def _choose_connections(swarm: Any, control: Callable[[Any, list[Any]], Any] | N
     the control lane, which carries no bulk data (`Node._control_connection`). False if
     this py-libp2p has no such hook: streams then go where it puts them, and fetches do
     not stripe."""
-    original = getattr(swarm, "_select_connection", None)
-    if original is None or getattr(original, "_blobnet", False):
-        return original is not None
 
-    def select(connections: list[Any], peer_id: Any) -> Any:
-        wanted = _PREFERRED_CONNECTION.get()
-        if wanted is not None and wanted in connections:
-            return wanted
-        if control is not None:
-            chosen = control(peer_id, connections)
-            if chosen is not None:
-                return chosen
-        return original(connections, peer_id)
+    def make(original: Callable[[list[Any], Any], Any]) -> Callable[[list[Any], Any], Any]:
+        def select(connections: list[Any], peer_id: Any) -> Any:
+            wanted = _PREFERRED_CONNECTION.get()
+            if wanted is not None and wanted in connections:
+                return wanted
+            if control is not None:
+                chosen = control(peer_id, connections)
+                if chosen is not None:
+                    return chosen
+            return original(connections, peer_id)
 
-    select._blobnet = True  # type: ignore[attr-defined]
-    swarm._select_connection = select
-    return True
+        return select
+
+    return patches.wrap_select_connection(swarm, make)
 
 
 def dht_key(blob_id: str) -> str:
@@ -411,7 +410,7 @@ class Node:
     async def _nat_services_up(self) -> None:
         """DCUtR (and relay v2's stop side) running on the host for as long as the node
         runs, started on first need; ``p2p.nat.punch.reachable`` may have started them."""
-        if getattr(self.host, "_dcutr_protocol", None) is not None or self._background is None:
+        if patches.running_dcutr(self.host) is not None or self._background is None:
             return  # running, or no nursery to hold them: punch_through brings its own
         if self._nat_up is None:
             self._nat_up = trio.Event()

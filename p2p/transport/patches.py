@@ -93,6 +93,10 @@ TARGETS: tuple[tuple[type, str, str], ...] = (
         "a NATed node hands out relay circuit addresses that addrs_factory would mangle",
     ),
 )
+# Set at run time, so not in TARGETS: DCUtRProtocol registers itself on its host as
+# ``_dcutr_protocol`` and never leaves (tests/p2p/test_patches.py checks it on a running
+# one).
+DCUTR_ATTRIBUTE = "_dcutr_protocol"
 
 
 def _require(obj: Any, name: str) -> Any:
@@ -220,3 +224,55 @@ def guard_provider_store(kad: Any, guard: Any, clock: Callable[[], float]) -> No
             guard.forget(key, str(provider.peer_id))  # py-libp2p's own per-key cap said no
 
     store.add_provider = add_provider
+
+
+# --- Connection choice ---------------------------------------------------------------------
+
+
+def wrap_select_connection(
+    swarm: Any, make: Callable[[Any], Callable[[list[Any], Any], Any]]
+) -> bool:
+    """Replace the swarm's choice of which of a peer's connections a new stream uses with
+    ``make(original)`` (py-libp2p 0.8.1's ``Swarm.new_stream`` calls ``_select_connection``;
+    by default the connection with the most streams, which piles every stream onto one TCP
+    connection). Wrapping only that keeps the rest of ``new_stream`` as py-libp2p does it.
+    Once per swarm; False if this py-libp2p has no such hook (streams then go where it
+    puts them)."""
+    original = getattr(swarm, "_select_connection", None)
+    if original is None or getattr(original, "_blobnet", False):
+        return original is not None
+    select = make(original)
+    select._blobnet = True  # type: ignore[attr-defined]
+    swarm._select_connection = select
+    return True
+
+
+# --- Advertised addresses ------------------------------------------------------------------
+
+
+def advertise_addrs(host: Any, extra: list[Any]) -> None:
+    """Make ``host.get_addrs()`` name ``extra`` multiaddrs too, after its own. Not through
+    py-libp2p's ``addrs_factory``: ``BasicHost.get_addrs`` (0.8.1, host/basic_host.py)
+    strips an address's first ``/p2p/`` component and appends ours, which turns
+    ``.../p2p/<relay>/p2p-circuit/p2p/<us>`` into the relay's bare address."""
+    own = _require(type(host), "get_addrs").__get__(host)
+
+    def get_addrs() -> list[Any]:
+        return [*own(), *extra]
+
+    host.get_addrs = get_addrs
+
+
+# --- DCUtR ---------------------------------------------------------------------------------
+
+
+def running_dcutr(host: Any) -> Any:
+    """The DCUtR service registered on ``host``, or None."""
+    return getattr(host, DCUTR_ATTRIBUTE, None)
+
+
+def forget_dcutr(host: Any, dcutr: Any) -> None:
+    """Take a stopped DCUtR service off its host: DCUtRProtocol registers itself there and
+    never leaves, and the next user (p2p.nat.punch) must not find a stopped one."""
+    if getattr(host, DCUTR_ATTRIBUTE, None) is dcutr:
+        delattr(host, DCUTR_ATTRIBUTE)

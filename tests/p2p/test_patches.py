@@ -48,3 +48,17 @@ def test_a_missing_attribute_fails_loudly() -> None:
         patches.release_scopes_of_failed_upgrades(NoManager())
     with pytest.raises(patches.PatchTargetMissing, match="_handle_inbound_connection"):
         patches.route_inbound(NoManager(), lambda conn, maddr: None)
+
+
+async def test_a_running_dcutr_is_found_on_its_host_and_forgotten() -> None:
+    """DCUtRProtocol registers itself on its host under ``patches.DCUTR_ATTRIBUTE``;
+    p2p.nat.punch finds a running one there and p2p.nat.relay takes a stopped one off."""
+    from multiaddr import Multiaddr
+
+    from p2p.nat.relay import nat_services
+
+    host = build_host(create_new_key_pair(), fast=False)
+    async with host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        async with nat_services(host) as dcutr:
+            assert patches.running_dcutr(host) is dcutr
+        assert patches.running_dcutr(host) is None
