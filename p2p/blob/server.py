@@ -73,7 +73,7 @@ from blobstore import (
 from p2p.blob import protocol as proto
 from p2p.blob.pacing import Pacer
 from p2p.blob.shell import StreamLost, close_quietly, read_some, reset_quietly, write_all
-from p2p.blob.swarm import FELLOW_WINDOW, SwarmBook, fetching_board, listing
+from p2p.blob.swarm import FELLOW_WINDOW, FetchingBoard, SwarmBook, listing
 from p2p.transport.fast import fast_stream_of
 from p2p.transport.host import remote_address_key
 
@@ -337,10 +337,14 @@ class BlobServer:
         store: Store,
         *,
         limits: ServerLimits | None = None,
+        board: FetchingBoard | None = None,
         verify_reads: bool = False,
         upload_limit: float | None = None,
     ) -> None:
         self.store = store
+        # What this node's downloads have in flight (the node owns it and hands it to
+        # them; a server alone has a board of its own that nothing posts on).
+        self.board = board if board is not None else FetchingBoard()
         self.limits = limits = limits if limits is not None else ServerLimits()
         # Bytes per second this server sends at most, over all streams (p2p.blob.pacing).
         self.pacer = None if upload_limit is None else Pacer(upload_limit, trio.current_time())
@@ -498,7 +502,7 @@ class BlobServer:
                 if not isinstance(request, proto.PeersRequest | proto.ManifestRequest):
                     # Chunks wanted (p2p.blob.swarm rule 5); peer exchange asks every second
                     # for as long as a fetch runs, lingering included.
-                    fetching_board(self.store).asked(request.blob_id, trio.current_time())
+                    self.board.asked(request.blob_id, trio.current_time())
                 await self._answer(stream, conn, request, peer, ip)
         except proto.RemoteProtocolError as exc:
             self.stats.protocol_errors += 1
@@ -603,7 +607,7 @@ class BlobServer:
             elif isinstance(request, proto.StatusRequest):
                 manifest, bitmap = await trio.to_thread.run_sync(self._have, request.blob_id)
                 n = manifest.num_chunks
-                soon = fetching_board(self.store).soon(request.blob_id, n, bitmap)
+                soon = self.board.soon(request.blob_id, n, bitmap)
                 count = self._fellows(request.blob_id, peer) if conn.counts_fellows else None
                 status = proto.StatusResponse(num_chunks=n, bitmap=bitmap, soon=soon, fellows=count)
                 await self._send_held(stream, conn, status, 2 * len(bitmap), peer, ip)

@@ -816,6 +816,7 @@ class Node:
                 stripe_config=self.config.stripe,
                 scores=self.scores,
                 own_peer=self.peer_id,
+                board=self.server.board,
             )
             nursery.cancel_scope.cancel()
 
