@@ -13,12 +13,15 @@ flooding address a 127.0.0.x of its own so the server sees other machines; the l
   dht     4 identities x 10 ADD_PROVIDER messages naming themselves with 370,000
           addresses each (under the 4 MiB frame cap), DHT on; server RSS after, and a
           legit get.
+  names   4,176 valid, never-expiring name records from 17 free keys, pushed by 72 free
+          identities (each under its per-minute rate) at the 4,096-name cache; then a new
+          publisher's name.
 
 Goals: a legit get within 5 s after a flood stops (and within 2x the idle server's time
 during the greedy flood), the server under 1 GiB RSS during the greedy flood and under
 512 MiB after the DHT flood.
 
-    .venv/bin/python bench/floods.py [burst|greedy|dht ...]
+    .venv/bin/python bench/floods.py [burst|greedy|dht|names ...]
 """
 
 from __future__ import annotations
@@ -309,7 +312,85 @@ def dht() -> None:
         )
 
 
-SCENARIOS = {"burst": burst, "greedy": greedy, "dht": dht}
+async def push_records(srv: Server, source: str, records: list[bytes]) -> list[str]:
+    """Push each record over the names protocol from one fresh identity; the answers."""
+    from libp2p.peer.id import ID
+
+    from p2p.names import protocol as wire
+
+    host = flooder_host(source)
+    answers = []
+    async with host.run(listen_addrs=[]):
+        info = info_from_p2p_addr(Multiaddr(srv.addr))
+        await host.connect(info)
+        for record in records:
+            request = wire.PutRequest(record)
+            try:
+                with trio.fail_after(30):
+                    stream = await host.new_stream(
+                        ID.from_base58(str(info.peer_id)), [TProtocol(wire.PROTOCOL_ID)]
+                    )
+                    await stream.write(wire.encode(request))
+                    head = b""
+                    while len(head) < wire.LENGTH_PREFIX_SIZE:
+                        head += await stream.read(wire.LENGTH_PREFIX_SIZE - len(head))
+                    size = int.from_bytes(head, "big")
+                    body = b""
+                    while len(body) < size:
+                        body += await stream.read(size - len(body))
+                    reply = wire.decode_response(body, request)
+                    await stream.close()
+                answers.append(
+                    reply.reason if isinstance(reply, wire.PutResponse) and not reply.ok else "ok"
+                )
+            except Exception as exc:
+                answers.append(type(exc).__name__)
+    return answers
+
+
+def names() -> None:
+    """4,200 valid, never-expiring records from 17 free keys, pushed by 72 free identities
+    (58 each, under the 60 a minute each may push); then a new publisher's name."""
+    from identity import MachineKey, SoftwareSigner
+    from p2p.names.record import sign_record
+
+    with server() as (srv, _root):
+        before = srv.rss_mib()
+        now = int(time.time())
+        keys = [SoftwareSigner(MachineKey.generate()) for _ in range(17)]
+        records = [
+            sign_record(keys[i % 17], name=f"flood/{i}", blob_id="a" * 64, seq=1, time=now).encode()
+            for i in range(72 * 58)
+        ]
+
+        async def run() -> list[str]:
+            answers: list[str] = []
+
+            async def one(i: int) -> None:
+                answers.extend(
+                    await push_records(srv, f"127.0.2.{10 + i}", records[i * 58 : (i + 1) * 58])
+                )
+
+            async with trio.open_nursery() as nursery:
+                for i in range(72):
+                    nursery.start_soon(one, i)
+            return answers
+
+        start = time.monotonic()
+        answers = trio.run(run)
+        took = time.monotonic() - start
+        legit = SoftwareSigner(MachineKey.generate())
+        record = sign_record(legit, name="run-1/adapter", blob_id="b" * 64, seq=1, time=now)
+        (answer,) = trio.run(push_records, srv, "127.0.0.1", [record.encode()])
+        accepted = sum(1 for a in answers if a == "ok")
+        print(
+            f"names: {len(answers)} flood records pushed in {took:.0f} s, {accepted} accepted; "
+            f"a new publisher's name: {answer}; server RSS {before:.0f} -> {srv.rss_mib():.0f} "
+            f"MiB (goal: < 512)"
+        )
+
+
+SCENARIOS = {"burst": burst, "greedy": greedy, "dht": dht, "names": names}
 
 
 if __name__ == "__main__":
