@@ -324,5 +324,3 @@ class FetchingBoard:
                     bits |= 1 << i
         bits &= ~int.from_bytes(held, "little")
         return bits.to_bytes((num_chunks + 7) // 8, "little")
-
-
