@@ -125,9 +125,9 @@ def _require(obj: Any, name: str) -> Any:
 # The patch records every connection scope opened while an upgrade runs (the task's
 # context variable below) and, when the upgrade ends in any exception, closes them all.
 # A scope's close is idempotent, so scopes py-libp2p did release are not released twice.
-# One case errs the other way: an upgrade whose connection registered and then failed
-# before returning (nothing in 0.8.1 does so) would have its live connection's scope
-# released early, an undercount of one until it closes, never a slot lost for good.
+# One case errs the other way: an upgrade cancelled inside ``add_conn`` after the swarm
+# registered its connection has that live connection's scope released early: an
+# undercount of one until it closes, never a slot lost for good.
 
 _UPGRADE_SCOPES: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
     "blobnet_upgrade_scopes", default=None
