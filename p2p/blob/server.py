@@ -8,11 +8,20 @@ Theory of operation
    complete is a violation; on 1.1.0 a client may pipeline up to
    ``proto.MAX_PIPELINED_REQUESTS`` (the sans-IO ``ServerConnection`` enforces both).
 2. Budgets, each counted in all, per peer identity and per source address (identities are
-   free, addresses are not): open streams (``MAX_STREAMS*``) and send-buffer bytes
-   (``MAX_SEND_BYTES*``: each ``get`` holds one chunk-sized buffer while it is answered;
-   each manifest or have response its frame). A stream over the stream budget gets one
-   ``busy`` answer to its first request, then is closed; a request over the byte budget
-   is answered ``busy`` before anything is read from disk, and the stream stays usable.
+   free, addresses are not): open streams (``ServerLimits.max_streams*``) and send-buffer
+   bytes (``max_send_bytes*``: each ``get`` holds one chunk-sized buffer plus
+   ``HEADER_ROOM`` while it is answered; each manifest or have response its frame). A
+   stream over the stream budget gets one ``busy`` answer to its first request, then is
+   closed; a request over the byte budget is answered ``busy`` before anything is read
+   from disk, and the stream stays usable.
+9. Room for newcomers. The last ``reserved_streams`` streams and ``reserved_send_bytes``
+   bytes of each budget go only to a peer that holds little (under the ``light_*`` bounds,
+   as an identity and as an address), so greedy peers filling the budget leave room for a
+   new one. When even the reserve is full, a light peer's new stream evicts the stream
+   idle longest (waiting for its next request) of the source address holding the most
+   streams, if that address holds more than the newcomer's (else of the identity holding
+   the most, if it holds more than the newcomer); a stream in the middle of a request or
+   response is never evicted (its own deadlines bound it).
 3. Waiting is bounded: an idle stream is closed after ``IDLE_TIMEOUT``; a request that
    has started must arrive whole within ``REQUEST_TIMEOUT``; every ``SEND_SLICE`` of a
    response must be written within ``SEND_TIMEOUT_BASE`` plus its size at
@@ -42,9 +51,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -64,7 +73,7 @@ from blobstore import (
 from p2p.blob import protocol as proto
 from p2p.blob.pacing import Pacer
 from p2p.blob.shell import StreamLost, close_quietly, read_some, reset_quietly, write_all
-from p2p.blob.swarm import FELLOW_WINDOW, SwarmBook, fetching_board, listing
+from p2p.blob.swarm import FELLOW_WINDOW, FetchingBoard, SwarmBook, listing
 from p2p.transport.fast import fast_stream_of
 from p2p.transport.host import remote_address_key
 
@@ -88,14 +97,28 @@ MAX_STREAMS_PER_PEER = 16
 MAX_STREAMS_PER_IP = 128
 # ... in all: tens of peers with a handful of streams each, well under the host's 4096.
 MAX_STREAMS = 1024
+# Room for a chunk header in front of its body in the send buffer; a `get` is charged its
+# chunk size plus this.
+HEADER_ROOM = proto.CHUNK_HEADER_ROOM
 # Send-buffer bytes held by requests being answered. A `get` holds one chunk-sized buffer
-# (1 MiB by default, up to 16 MiB) until its response ends. Per peer: 4 requests at the
-# largest chunk size, 64 at the default. Per address: two such peers. In all: a quarter
-# of the 1 GiB a serving node may use (16 identities x 16 unread gets reach 4.2 GiB
-# without these).
-MAX_SEND_BYTES_PER_PEER = 64 * MiB
-MAX_SEND_BYTES_PER_IP = 128 * MiB
-MAX_SEND_BYTES = 256 * MiB
+# (1 MiB by default, up to 16 MiB) plus HEADER_ROOM until its response ends. Per peer: 4
+# requests at the largest chunk size (64 MiB + 4 x 64 B), 63 at the default. Per address:
+# two such peers. In all: a quarter of the 1 GiB a serving node may use (16 identities x 16
+# unread gets reach 4.2 GiB without these).
+MAX_SEND_BYTES_PER_PEER = 4 * (proto.MAX_CHUNK_SIZE + HEADER_ROOM)
+MAX_SEND_BYTES_PER_IP = 2 * MAX_SEND_BYTES_PER_PEER
+MAX_SEND_BYTES = 2 * MAX_SEND_BYTES_PER_IP
+# Kept for peers holding little (theory, rule 9): a fetch's control stream and 8 lanes,
+# many times over, and 4 such fetches' worth of 1 MiB-chunk buffers.
+RESERVED_STREAMS = 128
+RESERVED_SEND_BYTES = 64 * MiB
+# "Holding little": at most a whole fetch's streams (a control stream and 8 lanes, and one
+# more) as an identity, two fetches' as an address; and two 16 MiB `get`s in flight (a
+# fetch's 8 lanes with a few 1 MiB requests each) per identity, two such per address.
+LIGHT_PEER_STREAMS = 10
+LIGHT_IP_STREAMS = 20
+LIGHT_PEER_SEND_BYTES = 2 * (proto.MAX_CHUNK_SIZE + HEADER_ROOM)
+LIGHT_IP_SEND_BYTES = 2 * LIGHT_PEER_SEND_BYTES
 # A stream with no request for this long is closed; downloaders open streams on demand.
 IDLE_TIMEOUT = 60.0
 # Once a request's first byte arrives, the rest must follow quickly (slowloris).
@@ -123,19 +146,67 @@ MAX_VERIFIED_BLOBS = 1024
 # often, for at most this many peers (p2p.blob.swarm's MAX_SWARM_PEERS per blob, a few blobs).
 ADDRS_CACHE_S = 2.0
 MAX_ADDRS_CACHED = 4096
-# Room for a chunk header in front of its body in the send buffer.
-HEADER_ROOM = proto.CHUNK_HEADER_ROOM
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Every bound and wait of the server (the constants above say why each value). A node
+    hands one in through its config; a test builds the one it needs with ``with_``."""
+
+    max_streams_per_peer: int = MAX_STREAMS_PER_PEER
+    max_streams_per_ip: int = MAX_STREAMS_PER_IP
+    max_streams: int = MAX_STREAMS
+    reserved_streams: int = RESERVED_STREAMS
+    light_peer_streams: int = LIGHT_PEER_STREAMS
+    light_ip_streams: int = LIGHT_IP_STREAMS
+    max_send_bytes_per_peer: int = MAX_SEND_BYTES_PER_PEER
+    max_send_bytes_per_ip: int = MAX_SEND_BYTES_PER_IP
+    max_send_bytes: int = MAX_SEND_BYTES
+    reserved_send_bytes: int = RESERVED_SEND_BYTES
+    light_peer_send_bytes: int = LIGHT_PEER_SEND_BYTES
+    light_ip_send_bytes: int = LIGHT_IP_SEND_BYTES
+    idle_timeout: float = IDLE_TIMEOUT
+    request_timeout: float = REQUEST_TIMEOUT
+    min_send_rate: float = MIN_SEND_RATE
+    send_timeout_base: float = SEND_TIMEOUT_BASE
+    send_slice: int = SEND_SLICE
+    reset_grace: float = RESET_GRACE
+    refuse_read_timeout: float = REFUSE_READ_TIMEOUT
+    max_refusing: int = MAX_REFUSING
+    request_read_size: int = REQUEST_READ_SIZE
+    max_verified_blobs: int = MAX_VERIFIED_BLOBS
+    addrs_cache_s: float = ADDRS_CACHE_S
+    max_addrs_cached: int = MAX_ADDRS_CACHED
+
+    def with_(self, **changes: Any) -> ServerLimits:
+        """A copy with ``changes`` (field names as above)."""
+        return replace(self, **changes)
 
 
 class Budget:
     """One resource counted three ways: in all, per peer identity, per source address.
     Sans-IO bookkeeping; ``acquire`` says why it refuses, ``release`` gives back."""
 
-    def __init__(self, name: str, total: int, per_peer: int, per_ip: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        total: int,
+        per_peer: int,
+        per_ip: int,
+        *,
+        reserved: int = 0,
+        light_peer: int = 0,
+        light_ip: int = 0,
+    ) -> None:
         self.name = name
         self.total = total
         self.per_peer = per_peer
         self.per_ip = per_ip
+        # The last ``reserved`` units go only to a peer holding under ``light_peer`` with
+        # its address under ``light_ip`` (theory, rule 9).
+        self.reserved = reserved
+        self.light_peer = light_peer
+        self.light_ip = light_ip
         self.used = 0
         self.by_peer: Counter[str] = Counter()
         self.by_ip: Counter[str] = Counter()
@@ -148,10 +219,23 @@ class Budget:
             return f"{self.name}: your address holds {self.by_ip[ip]} of {self.per_ip}"
         if self.used + amount > self.total:
             return f"{self.name}: the server is at its limit of {self.total}"
+        if self.used + amount > self.total - self.reserved and not self.light(peer, ip, amount):
+            return (
+                f"{self.name}: the server keeps its last {self.reserved} for peers holding "
+                f"less than {self.light_peer} (your peer holds {self.by_peer[peer]}, "
+                f"your address {self.by_ip[ip]})"
+            )
         self.used += amount
         self.by_peer[peer] += amount
         self.by_ip[ip] += amount
         return None
+
+    def light(self, peer: str, ip: str, amount: int = 1) -> bool:
+        """Whether ``peer`` at ``ip`` holds little enough to use the reserve."""
+        return (
+            self.by_peer[peer] + amount <= self.light_peer
+            and self.by_ip[ip] + amount <= self.light_ip
+        )
 
     def release(self, peer: str, ip: str, amount: int) -> None:
         self.used -= amount
@@ -169,6 +253,57 @@ class Budget:
         finally:
             if reason is None:
                 self.release(peer, ip, amount)
+
+
+@dataclass
+class _Slot:
+    """One open stream's place in the stream budget."""
+
+    peer: str
+    ip: str
+    held: bool = True
+
+
+@dataclass
+class _Waiting:
+    slot: _Slot
+    since: float
+    evict: Callable[[], None]
+
+
+class IdleStreams:
+    """Streams waiting for their next request, and which one a newcomer may evict (theory,
+    rule 9). Sans-IO: the caller passes the time and the holdings, and runs the eviction."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, _Waiting] = {}
+
+    def wait(self, slot: _Slot, now: float, evict: Callable[[], None]) -> None:
+        self.waiting[id(slot)] = _Waiting(slot, now, evict)
+
+    def working(self, slot: _Slot) -> None:
+        self.waiting.pop(id(slot), None)
+
+    def victim(
+        self, by_ip: Counter[str], by_peer: Counter[str], ip: str, peer: str
+    ) -> _Waiting | None:
+        """The stream idle longest of the source address holding the most streams, among
+        addresses holding more than ``ip`` will once served; failing that, of the identity
+        holding the most, among those holding more than ``peer`` will. None if there is
+        none; the victim is no longer listed as waiting."""
+        for holdings, mine, by_address in ((by_ip, ip, True), (by_peer, peer, False)):
+            floor = holdings[mine] + 1
+            for key in sorted(holdings, key=holdings.__getitem__, reverse=True):
+                if holdings[key] <= floor:
+                    break
+                idle = [
+                    (w.since, k)
+                    for k, w in self.waiting.items()
+                    if (w.slot.ip if by_address else w.slot.peer) == key
+                ]
+                if idle:
+                    return self.waiting.pop(min(idle)[1])
+        return None
 
 
 class _Busy(Exception):
@@ -201,21 +336,41 @@ class BlobServer:
         self,
         store: Store,
         *,
-        max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
+        limits: ServerLimits | None = None,
+        board: FetchingBoard | None = None,
         verify_reads: bool = False,
         upload_limit: float | None = None,
     ) -> None:
         self.store = store
+        # What this node's downloads have in flight (the node owns it and hands it to
+        # them; a server alone has a board of its own that nothing posts on).
+        self.board = board if board is not None else FetchingBoard()
+        self.limits = limits = limits if limits is not None else ServerLimits()
         # Bytes per second this server sends at most, over all streams (p2p.blob.pacing).
         self.pacer = None if upload_limit is None else Pacer(upload_limit, trio.current_time())
         # Chunks read from disk are always hashed (theory, rule 6); this hashes page-cache
         # reads as well, at the price of a BLAKE3 pass per byte served from memory.
         self.verify_reads = verify_reads
-        self.max_streams_per_peer = max_streams_per_peer
-        self.streams = Budget("streams", MAX_STREAMS, max_streams_per_peer, MAX_STREAMS_PER_IP)
-        self.send_bytes = Budget(
-            "send buffers", MAX_SEND_BYTES, MAX_SEND_BYTES_PER_PEER, MAX_SEND_BYTES_PER_IP
+        self.streams = Budget(
+            "streams",
+            limits.max_streams,
+            limits.max_streams_per_peer,
+            limits.max_streams_per_ip,
+            reserved=limits.reserved_streams,
+            light_peer=limits.light_peer_streams,
+            light_ip=limits.light_ip_streams,
         )
+        self.send_bytes = Budget(
+            "send buffers",
+            limits.max_send_bytes,
+            limits.max_send_bytes_per_peer,
+            limits.max_send_bytes_per_ip,
+            reserved=limits.reserved_send_bytes,
+            light_peer=limits.light_peer_send_bytes,
+            light_ip=limits.light_ip_send_bytes,
+        )
+        self.idle = IdleStreams()
+        self.evicted = 0
         self.quarantined: set[str] = set()
         # Chunks hashed once by this process (theory, rule 6), by blob ID.
         self.verified: dict[str, bytearray] = {}
@@ -246,35 +401,54 @@ class BlobServer:
         except Exception:
             pass
         reason = self.streams.acquire(peer, ip, 1)
+        if reason is not None and self.streams.light(peer, ip):
+            victim = self.idle.victim(self.streams.by_ip, self.streams.by_peer, ip, peer)
+            if victim is not None:
+                self._evict(victim)
+                reason = self.streams.acquire(peer, ip, 1)
         if reason is not None:
             self.stats.busy_rejections += 1
             await self._refuse(stream, reason)
             return
+        slot = _Slot(peer, ip)
         try:
             conn = proto.ServerConnection(version)
-            await self._serve(stream, conn)
+            await self._serve(stream, conn, slot)
         except Exception:
             # py-libp2p treats an exception escaping a stream handler as fatal to the
             # whole swarm: one bad request or disk error must cost one stream, not the node.
             log.exception("unexpected error serving %s; stream reset", peer)
             await reset_quietly(stream)
         finally:
-            self.streams.release(peer, ip, 1)
+            self.idle.working(slot)
+            self._release(slot)
+
+    def _release(self, slot: _Slot) -> None:
+        if slot.held:
+            slot.held = False
+            self.streams.release(slot.peer, slot.ip, 1)
+
+    def _evict(self, victim: _Waiting) -> None:
+        """End an idle stream now to make room (theory, rule 9): its slot is free at once,
+        and its wait for a request ends as an idle stream's does (a clean close)."""
+        self.evicted += 1
+        self._release(victim.slot)
+        victim.evict()
 
     async def _refuse(self, stream: Any, reason: str) -> None:
         """Answer a stream over the stream budget: its first request gets `busy`, then the
         stream ends (PROTOCOL.md 7.1 item 6 and 7.3: nothing is sent before a request)."""
-        if self.refusing >= MAX_REFUSING:
+        if self.refusing >= self.limits.max_refusing:
             await reset_quietly(stream)
             return
         self.refusing += 1
         try:
             conn = proto.ServerConnection()
             request = None
-            with trio.move_on_after(REFUSE_READ_TIMEOUT):
+            with trio.move_on_after(self.limits.refuse_read_timeout):
                 try:
                     while (request := conn.next_request()) is None and not conn.eof_received:
-                        conn.receive_data(await read_some(stream, REQUEST_READ_SIZE))
+                        conn.receive_data(await read_some(stream, self.limits.request_read_size))
                 except (StreamLost, proto.RemoteProtocolError):
                     request = None
             if request is None:
@@ -288,26 +462,25 @@ class BlobServer:
     async def _fail(self, stream: Any, frame: bytes) -> None:
         """Write a last error frame, close our side, give the peer RESET_GRACE to read it
         and close, then reset (theory, rule 4)."""
-        with trio.move_on_after(SEND_TIMEOUT_BASE):
+        with trio.move_on_after(self.limits.send_timeout_base):
             try:
                 await write_all(stream, frame)
                 await stream.close()
             except Exception:
                 pass
-        with trio.move_on_after(RESET_GRACE):
+        with trio.move_on_after(self.limits.reset_grace):
             try:
-                while await read_some(stream, REQUEST_READ_SIZE):
+                while await read_some(stream, self.limits.request_read_size):
                     pass  # discard: the peer has seen our error or will
             except Exception:
                 pass
         await reset_quietly(stream)
 
-    async def _serve(self, stream: Any, conn: proto.ServerConnection) -> None:
-        peer = str(stream.muxed_conn.peer_id)
-        ip = remote_address_key(stream)
+    async def _serve(self, stream: Any, conn: proto.ServerConnection, slot: _Slot) -> None:
+        peer, ip = slot.peer, slot.ip
         try:
             while True:
-                request = await self._read_request(stream, conn)
+                request = await self._read_request(stream, conn, slot)
                 if request is None:
                     await close_quietly(stream)
                     return
@@ -316,7 +489,7 @@ class BlobServer:
                 if not isinstance(request, proto.PeersRequest | proto.ManifestRequest):
                     # Chunks wanted (p2p.blob.swarm rule 5); peer exchange asks every second
                     # for as long as a fetch runs, lingering included.
-                    fetching_board(self.store).asked(request.blob_id, trio.current_time())
+                    self.board.asked(request.blob_id, trio.current_time())
                 await self._answer(stream, conn, request, peer, ip)
         except proto.RemoteProtocolError as exc:
             self.stats.protocol_errors += 1
@@ -328,21 +501,27 @@ class BlobServer:
             await reset_quietly(stream)
 
     async def _read_request(
-        self, stream: Any, conn: proto.ServerConnection
+        self, stream: Any, conn: proto.ServerConnection, slot: _Slot
     ) -> proto.Request | None:
         request = conn.next_request()
         if request is not None:
             return request
         if conn.eof_received:
             return None
-        with trio.move_on_after(IDLE_TIMEOUT):
-            data = await read_some(stream, REQUEST_READ_SIZE)
+        limits = self.limits
+        with trio.move_on_after(limits.idle_timeout) as waiting:
+            # Evictable until a request begins (theory, rule 9).
+            self.idle.wait(slot, trio.current_time(), waiting.cancel)
+            try:
+                data = await read_some(stream, limits.request_read_size)
+            finally:
+                self.idle.working(slot)
             conn.receive_data(data)
             if not data:
                 return conn.next_request()
-            with trio.fail_after(REQUEST_TIMEOUT):
+            with trio.fail_after(limits.request_timeout):
                 while (request := conn.next_request()) is None:
-                    data = await read_some(stream, REQUEST_READ_SIZE)
+                    data = await read_some(stream, limits.request_read_size)
                     conn.receive_data(data)
                     if not data:
                         return conn.next_request()
@@ -352,10 +531,11 @@ class BlobServer:
     async def _send(self, stream: Any, data: bytes | memoryview, *, copy: bool = False) -> None:
         """Write ``data`` in slices, each within its own deadline (theory, rule 3);
         ``copy``: hand the stream a bytes copy of each slice (py-libp2p's own stack)."""
+        limits = self.limits
         view = memoryview(data)
-        for offset in range(0, len(view), SEND_SLICE):
-            piece = view[offset : offset + SEND_SLICE]
-            with trio.fail_after(SEND_TIMEOUT_BASE + len(piece) / MIN_SEND_RATE):
+        for offset in range(0, len(view), limits.send_slice):
+            piece = view[offset : offset + limits.send_slice]
+            with trio.fail_after(limits.send_timeout_base + len(piece) / limits.min_send_rate):
                 await write_all(stream, bytes(piece) if copy else piece)
 
     async def _send_held(
@@ -414,7 +594,7 @@ class BlobServer:
             elif isinstance(request, proto.StatusRequest):
                 manifest, bitmap = await trio.to_thread.run_sync(self._have, request.blob_id)
                 n = manifest.num_chunks
-                soon = fetching_board(self.store).soon(request.blob_id, n, bitmap)
+                soon = self.board.soon(request.blob_id, n, bitmap)
                 count = self._fellows(request.blob_id, peer) if conn.counts_fellows else None
                 status = proto.StatusResponse(num_chunks=n, bitmap=bitmap, soon=soon, fellows=count)
                 await self._send_held(stream, conn, status, 2 * len(bitmap), peer, ip)
@@ -490,9 +670,9 @@ class BlobServer:
         if cached is not None and now < cached[0]:
             return cached[1]
         addrs = self._read_addrs(peer)
-        if len(self._addrs_cache) >= MAX_ADDRS_CACHED:
+        if len(self._addrs_cache) >= self.limits.max_addrs_cached:
             self._addrs_cache.clear()
-        self._addrs_cache[peer] = (now + ADDRS_CACHE_S, addrs)
+        self._addrs_cache[peer] = (now + self.limits.addrs_cache_s, addrs)
         return addrs
 
     def _connected(self, peer: str) -> bool:
@@ -596,7 +776,7 @@ class BlobServer:
         if bits is None or len(bits) != (num_chunks + 7) // 8:
             bits = bytearray((num_chunks + 7) // 8)
         self.verified[blob_id] = bits  # most recently used last
-        while len(self.verified) > MAX_VERIFIED_BLOBS:
+        while len(self.verified) > self.limits.max_verified_blobs:
             del self.verified[next(iter(self.verified))]
         return bits
 

@@ -19,7 +19,7 @@ Theory of operation
    sends is verified like any other provider's data; a liar is banned.
    `PexBook` is that bookkeeping, sans-IO.
 4. Chunks in flight are visible (``/blobnet/blob/1.3.0``'s ``status``): a download posts
-   the chunks it has requested and not yet verified on its store's `FetchingBoard`; the
+   the chunks it has requested and not yet verified on its node's `FetchingBoard`; the
    server answers ``status`` with them as ``soon`` beside the held ones. A fellow that
    learns a chunk is soon at a peer leaves it to that peer (``p2p.fetch.scheduler``'s claims)
    instead of asking the seeder for it too: each chunk then crosses the seeder's uplink
@@ -55,7 +55,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from weakref import WeakKeyDictionary
 
 from p2p.blob.protocol import MAX_ADDR_LEN, MAX_ADDRS_PER_PEER, MAX_PEER_ID_LEN, MAX_PEERS_LISTED
 
@@ -284,7 +283,7 @@ InFlight = Callable[[], Iterable[int]]
 
 
 class FetchingBoard:
-    """The chunks this process's downloads into one store are fetching now, by blob ID
+    """The chunks a node's downloads are fetching now, by blob ID
     (what a ``status`` answer calls ``soon``). One download posts per blob at a time; a
     second one of the same blob (another task) shares the board entry, newest first."""
 
@@ -325,16 +324,3 @@ class FetchingBoard:
                     bits |= 1 << i
         bits &= ~int.from_bytes(held, "little")
         return bits.to_bytes((num_chunks + 7) // 8, "little")
-
-
-# One board per store object: the server and the downloads of one node share its store
-# (and nothing else that both are handed), so the store is the key; a board goes with it.
-_BOARDS: WeakKeyDictionary[object, FetchingBoard] = WeakKeyDictionary()
-
-
-def fetching_board(store: object) -> FetchingBoard:
-    """The board of ``store`` (made on first use)."""
-    board = _BOARDS.get(store)
-    if board is None:
-        board = _BOARDS[store] = FetchingBoard()
-    return board

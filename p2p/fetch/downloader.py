@@ -90,7 +90,7 @@ from blobstore import (
 from p2p.blob import protocol as proto
 from p2p.blob.buffers import ChunkBuffers
 from p2p.blob.shell import BlobClient, ProtocolRefused, StreamLost, open_optimistic, reset_quietly
-from p2p.blob.swarm import LINGER_MAX, LINGER_QUIET, FetchingBoard, fetching_board
+from p2p.blob.swarm import LINGER_MAX, LINGER_QUIET, FetchingBoard
 from p2p.errors import FetchFailed, NoProviders
 from p2p.fetch.chunk_writer import ChunkWriter, usable_cpus
 from p2p.fetch.scheduler import (
@@ -1323,10 +1323,14 @@ async def download_blob(
     stripe_config: StripeConfig | None = None,
     scores: PeerScores | None = None,
     own_peer: str = "",
+    board: FetchingBoard | None = None,
 ) -> None:
     """Fetch ``blob_id`` into ``store`` (no-op if complete). Raises NoProviders, FetchFailed,
     NoSpace. ``scores``: peers' records of bad data, read and added to (PeerScores).
-    ``own_peer``: this fetcher's peer ID, which picks where in the blob it starts."""
+    ``own_peer``: this fetcher's peer ID, which picks where in the blob it starts.
+    ``board``: where the download posts what it has in flight, for the node's server
+    (the node owns it; None: a board of this download's own)."""
+    board = board if board is not None else FetchingBoard()
     if await trio.to_thread.run_sync(store.has, blob_id):
         return
     async with trio.open_nursery() as nursery:
@@ -1352,6 +1356,7 @@ async def download_blob(
                 stripe_config,
                 probes,
                 scores,
+                board,
                 own_peer,
             )
         finally:
@@ -1371,6 +1376,7 @@ async def _download(
     stripe_config: StripeConfig,
     probes: HaveProbes,
     scores: PeerScores | None,
+    board: FetchingBoard,
     own_peer: str = "",
 ) -> None:
     candidates = list(dict.fromkeys(providers))
@@ -1407,7 +1413,7 @@ async def _download(
                 own_peer=own_peer,
             )
             # What this download has in flight is what the node's server calls `soon`.
-            with fetching_board(store).posting(blob_id, download.scheduler.in_flight):
+            with board.posting(blob_id, download.scheduler.in_flight):
                 await _run(download, candidates, more_providers, discovery_timeout)
         await download.flush()
         await trio.to_thread.run_sync(partial.publish)
@@ -1418,7 +1424,7 @@ async def _download(
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(partial.close)
     if config.defer_to_partial_holders and config.linger_while_asked:
-        await _linger(fetching_board(store), blob_id)
+        await _linger(board, blob_id)
 
 
 async def _linger(board: FetchingBoard, blob_id: str) -> None:

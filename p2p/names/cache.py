@@ -12,8 +12,18 @@ Rules:
    (:func:`p2p.names.record.supersedes`); an older one is refused with OLDER. Offering
    the held record again is accepted and changes nothing.
 3. Bounded: at most ``MAX_CACHED_RECORDS`` names in all and ``MAX_RECORDS_PER_PUBLISHER``
-   per publisher. When full, expired records are dropped first; if that frees nothing,
-   records from others are refused (``full``), this node's own publications never are.
+   per publisher; this node's own publications are never refused or evicted. Another
+   publisher's record is held until its expiry or ``MAX_HOLD_S`` after its signed
+   publication time, whichever is sooner (a record that never expires is held a week
+   unless republished), and then dropped, on disk too.
+5. When the cache is full, expired records go first; then a new record evicts one held
+   record of a lower or equal rank, where rank is: names this node asked for (resolved,
+   or published here by its user) above records peers pushed. Among those the victim is
+   a record of the publisher holding the most of that rank, least recently used
+   (``get``); within one rank a publisher evicts only from a publisher holding more than
+   it will. So a flood from free keys can churn only the pushed records of the greediest
+   flooders and never takes a name this node asked for or a small publisher's name; an
+   evicted record's file is deleted, so a restart loads only what survived.
 4. On disk: ``<store>/names/<64 hex of the record key>``, each the record's canonical
    bytes, written through blobstore's one durable write helper (temp in the store's
    ``tmp/``, fsync, rename, fsync dir), so a crash leaves the old record or the new one.
@@ -32,6 +42,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +65,9 @@ MAX_CACHED_RECORDS = 4096
 # One publisher (one key, and keys are free) cannot fill the cache on its own; the same
 # bound caps a catalog listing.
 MAX_RECORDS_PER_PUBLISHER = 256
+# Another publisher's record is held at most this long after its signed publication time
+# (rule 3): a publisher that wants its name kept republishes it (a new seq) within a week.
+MAX_HOLD_S = 7 * 24 * 3600
 NAMES_DIR = "names"
 _FILE_MODE = 0o644
 NAMES_LOCK = "names"  # in the store's locks/ directory
@@ -80,12 +94,21 @@ class NameCache:
         directory: Path | None = None,
         tmp_dir: Path | None = None,
         lock_file: Path | None = None,
+        *,
+        max_records: int = MAX_CACHED_RECORDS,
+        max_per_publisher: int = MAX_RECORDS_PER_PUBLISHER,
     ) -> None:
+        self.max_records = max_records
+        self.max_per_publisher = max_per_publisher
         self.directory = directory
         self.tmp_dir = tmp_dir
         self.lock_file = lock_file
         self._records: dict[bytes, NameRecord] = {}
         self._own: set[bytes] = set()
+        # Names this node asked for (rule 5), and the use counter of each held name.
+        self._asked: set[bytes] = set()
+        self._used: dict[bytes, int] = {}
+        self._uses = 0
         self._mutex = threading.Lock()
         self._write_lock = threading.Lock()
         self._dir_stamp: int | None = None
@@ -96,30 +119,42 @@ class NameCache:
         self._loaded: dict[str, tuple[int, int, int]] = {}
 
     @classmethod
-    def for_store_root(cls, root: Path, tmp_dir: Path) -> NameCache:
-        return cls(root / NAMES_DIR, tmp_dir, root / "locks" / NAMES_LOCK)
+    def for_store_root(cls, root: Path, tmp_dir: Path, **limits: int) -> NameCache:
+        """The cache saved in a store (``limits``: ``max_records``, ``max_per_publisher``)."""
+        return cls(root / NAMES_DIR, tmp_dir, root / "locks" / NAMES_LOCK, **limits)
 
     def __len__(self) -> int:
         return len(self._records)
 
     def get(self, key: bytes) -> NameRecord | None:
-        return self._records.get(key)
+        record = self._records.get(key)
+        if record is not None:
+            self._uses += 1
+            self._used[key] = self._uses
+        return record
 
     def by_publisher(self, publisher: str) -> list[NameRecord]:
         with self._mutex:
             found = [r for r in self._records.values() if r.publisher == publisher]
         return sorted(found, key=lambda r: r.name)[:MAX_RECORDS_PER_PUBLISHER]
 
-    def offer(self, record: NameRecord, *, now: float, own: bool = False) -> Offer:
-        """Keep ``record`` (already verified) if it is the newest for its name (rule 2,
-        3). Returns whether it was accepted and whether the held record changed."""
+    def offer(
+        self, record: NameRecord, *, now: float, own: bool = False, asked: bool = False
+    ) -> Offer:
+        """Keep ``record`` (already verified) if it is the newest for its name (rules 2,
+        3, 5). ``own``: this node's publication; ``asked``: a name this node asked for.
+        Returns whether it was accepted and whether the held record changed."""
         key = record.key
         with self._mutex:
+            if not own and key not in self._own and now >= self._held_until(record):
+                return Offer(accepted=False, changed=False, reason="expired")
             held = self._records.get(key)
             if held is not None:
                 if held == record:
                     if own:
                         self._own.add(key)
+                    if asked:
+                        self._asked.add(key)
                     return Offer(accepted=True, changed=False)
                 if not supersedes(record, held):
                     return Offer(
@@ -132,26 +167,75 @@ class NameCache:
                 if full and not own:
                     self._drop_expired(now)
                     full = self._full_for(record.publisher)
+                if full and not own and not full.endswith("for this publisher"):
+                    victim = self._victim(record.publisher, asked or key in self._asked)
+                    if victim is not None:
+                        self._forget(victim)
+                        self._unlink(victim)
+                        full = ""
                 if full and not own:
                     return Offer(accepted=False, changed=False, reason=f"full ({full})")
             self._records[key] = record
+            self._uses += 1
+            self._used.setdefault(key, self._uses)
             if own:
                 self._own.add(key)
+            if asked:
+                self._asked.add(key)
         return Offer(accepted=True, changed=True)
 
+    def _held_until(self, record: NameRecord) -> float:
+        """When another publisher's record stops being held (rule 3)."""
+        cap = record.time + MAX_HOLD_S
+        return cap if record.expires is None else min(record.expires, cap)
+
     def _full_for(self, publisher: str) -> str:
-        if len(self._records) >= MAX_CACHED_RECORDS:
-            return f"{MAX_CACHED_RECORDS} names held"
+        if len(self._records) >= self.max_records:
+            return f"{self.max_records} names held"
         count = sum(1 for r in self._records.values() if r.publisher == publisher)
-        if count >= MAX_RECORDS_PER_PUBLISHER:
-            return f"{MAX_RECORDS_PER_PUBLISHER} names held for this publisher"
+        if count >= self.max_per_publisher:
+            return f"{self.max_per_publisher} names held for this publisher"
         return ""
+
+    def _victim(self, publisher: str, asked: bool) -> bytes | None:
+        """The record a newcomer of rank ``asked`` by ``publisher`` may evict (rule 5)."""
+        ranks: dict[bool, Counter[str]] = {False: Counter(), True: Counter()}
+        for key, record in self._records.items():
+            if key not in self._own:
+                ranks[key in self._asked][record.publisher] += 1
+        for rank in (False, True):
+            if rank and not asked:
+                return None
+            holdings = ranks[rank]
+            if not holdings:
+                continue
+            greedy, held = holdings.most_common(1)[0]
+            if rank == asked and held <= holdings[publisher] + 1:
+                return None
+            candidates = [
+                (self._used.get(key, 0), key)
+                for key, record in self._records.items()
+                if record.publisher == greedy
+                and key not in self._own
+                and (key in self._asked) == rank
+            ]
+            return min(candidates)[1]
+        return None
+
+    def _forget(self, key: bytes) -> None:
+        self._records.pop(key, None)
+        self._own.discard(key)
+        self._asked.discard(key)
+        self._used.pop(key, None)
 
     def _drop_expired(self, now: float) -> None:
         for key, record in list(self._records.items()):
             if record.expires is not None and now >= record.expires:
-                del self._records[key]
-                self._own.discard(key)
+                expired = True
+            else:
+                expired = key not in self._own and now >= self._held_until(record)
+            if expired:
+                self._forget(key)
                 self._unlink(key)
 
     # --- disk --------------------------------------------------------------------------
@@ -228,7 +312,7 @@ class NameCache:
                 return 0
             self._dir_stamp = stamp
             loaded: dict[str, tuple[int, int, int]] = {}
-            for entry in entries[: MAX_CACHED_RECORDS * 2]:
+            for entry in entries[: self.max_records * 2]:
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:

@@ -361,10 +361,16 @@ class NameService:
     def _reload_key(self, key: bytes, now: float) -> None:
         self.cache.reload_key(key, now=now, own_publisher=self.own_publisher)
 
-    async def take(self, record: NameRecord, *, now: float) -> tuple[bool, str, bool]:
+    async def take(
+        self, record: NameRecord, *, now: float, asked: bool = False
+    ) -> tuple[bool, str, bool]:
         """Offer a verified record to the cache; persist it and copy it into the local
-        DHT value store when it is newer. Returns (accepted, reason, changed)."""
-        offer = self.cache.offer(record, now=now, own=record.publisher == self.own_publisher)
+        DHT value store when it is newer. ``asked``: this node asked for the name (it
+        resolved or published it), which the cache keeps over pushed records. Returns
+        (accepted, reason, changed)."""
+        offer = self.cache.offer(
+            record, now=now, own=record.publisher == self.own_publisher, asked=asked
+        )
         if offer.changed:
             await trio.to_thread.run_sync(partial(self.cache.persist, record.key, now=now))
             dht = getattr(self.node, "dht", None)
@@ -496,7 +502,7 @@ async def publish_record(
     now = service.clock() if now is None else now
     verify(record, now=now)
     await trio.to_thread.run_sync(service._reload_key, record.key, now)
-    accepted, reason, _changed = await service.take(record, now=now)
+    accepted, reason, _changed = await service.take(record, now=now, asked=True)
     if not accepted:
         raise NameRejected(NameReason.OLDER, f"{record.describe()} not published: {reason}")
     spread = Spread(record)
@@ -725,7 +731,7 @@ async def resolve(
             f" connected peer(s){' and the DHT' if use_dht and node.dht is not None else ''}"
         )
     try:
-        await service.take(best, now=now)
+        await service.take(best, now=now, asked=True)
     except StoreError as exc:  # caching what was resolved is a courtesy to others
         log.warning("cannot keep %s: %s", best.describe(), exc)
     return best

@@ -130,7 +130,9 @@ class NatFetch:
 
 @asynccontextmanager
 async def _dcutr(host: Any) -> AsyncIterator[Any]:
-    existing = getattr(host, "_dcutr_protocol", None)
+    from p2p.transport import patches
+
+    existing = patches.running_dcutr(host)
     if existing is not None:
         yield existing
         return
@@ -195,18 +197,12 @@ def advertise(host: Any, extra: list[str]) -> None:
     """Make ``host.get_addrs()`` (identify, DHT provider records, ``Node.addrs`` and so
     tickets) name ``extra`` addresses too, after its own.
 
-    Not through py-libp2p's ``addrs_factory``: ``BasicHost.get_addrs`` (0.8.1,
-    host/basic_host.py) strips an address's first ``/p2p/`` component and appends ours,
-    which turns ``.../p2p/<relay>/p2p-circuit/p2p/<us>`` into the relay's bare address."""
+    (p2p.transport.patches.advertise_addrs says why not through ``addrs_factory``.)"""
     import multiaddr
 
-    own = type(host).get_addrs.__get__(host)
-    added = [multiaddr.Multiaddr(a) for a in extra]
+    from p2p.transport import patches
 
-    def get_addrs() -> list[Any]:
-        return [*own(), *added]
-
-    host.get_addrs = get_addrs
+    patches.advertise_addrs(host, [multiaddr.Multiaddr(a) for a in extra])
 
 
 @dataclass

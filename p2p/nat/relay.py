@@ -75,6 +75,7 @@ from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_byt
 from blobstore.errors import ExitCode
 from identity import MAX_CERTIFICATE_SIZE, TrustStore, verify_certificate
 from identity.errors import IdentityError
+from p2p.transport import patches
 
 log = logging.getLogger(__name__)
 
@@ -609,5 +610,4 @@ async def nat_services(
     finally:
         # DCUtRProtocol registers itself on the host and never leaves; a stopped one must
         # not be found there by the next user (p2p.nat.punch looks for a running one).
-        if getattr(host, "_dcutr_protocol", None) is dcutr:
-            del host._dcutr_protocol  # type: ignore[attr-defined]
+        patches.forget_dcutr(host, dcutr)

@@ -74,7 +74,7 @@ from multiaddr import Multiaddr
 from blobstore import BlobNotFound, Store
 from identity import MachineKey, load_or_create_key
 from p2p.blob import protocol as proto
-from p2p.blob.server import BlobServer
+from p2p.blob.server import BlobServer, ServerLimits
 from p2p.blob.shell import (
     MULTISTREAM,
     BlobClient,
@@ -91,8 +91,10 @@ from p2p.fetch.downloader import ProgressCallback, download_blob
 from p2p.fetch.scheduler import SchedulerConfig
 from p2p.fetch.scores import PeerScores
 from p2p.fetch.striping import StripeConfig
+from p2p.transport import patches
 from p2p.transport.fast import connection_rtt
 from p2p.transport.host import build_host
+from p2p.transport.providers import ProviderLimits, install_provider_guard
 
 if TYPE_CHECKING:
     from p2p.names.record import NameRecord
@@ -169,23 +171,21 @@ def _choose_connections(swarm: Any, control: Callable[[Any, list[Any]], Any] | N
     the control lane, which carries no bulk data (`Node._control_connection`). False if
     this py-libp2p has no such hook: streams then go where it puts them, and fetches do
     not stripe."""
-    original = getattr(swarm, "_select_connection", None)
-    if original is None or getattr(original, "_blobnet", False):
-        return original is not None
 
-    def select(connections: list[Any], peer_id: Any) -> Any:
-        wanted = _PREFERRED_CONNECTION.get()
-        if wanted is not None and wanted in connections:
-            return wanted
-        if control is not None:
-            chosen = control(peer_id, connections)
-            if chosen is not None:
-                return chosen
-        return original(connections, peer_id)
+    def make(original: Callable[[list[Any], Any], Any]) -> Callable[[list[Any], Any], Any]:
+        def select(connections: list[Any], peer_id: Any) -> Any:
+            wanted = _PREFERRED_CONNECTION.get()
+            if wanted is not None and wanted in connections:
+                return wanted
+            if control is not None:
+                chosen = control(peer_id, connections)
+                if chosen is not None:
+                    return chosen
+            return original(connections, peer_id)
 
-    select._blobnet = True  # type: ignore[attr-defined]
-    swarm._select_connection = select
-    return True
+        return select
+
+    return patches.wrap_select_connection(swarm, make)
 
 
 def dht_key(blob_id: str) -> str:
@@ -228,6 +228,10 @@ class NodeConfig:
     # peers only unless run with --open-circuits).
     certificate: bytes | None = None
     punch_timeout: float = 30.0  # p2p.nat.punch.DEFAULT_PUNCH_TIMEOUT
+    # The blob server's budgets and deadlines (p2p.blob.server.ServerLimits).
+    server_limits: ServerLimits = field(default_factory=ServerLimits)
+    # What other peers may store in this node's DHT provider records (p2p.transport.providers).
+    provider_limits: ProviderLimits = field(default_factory=ProviderLimits)
 
 
 class Node:
@@ -399,7 +403,7 @@ class Node:
     async def _nat_services_up(self) -> None:
         """DCUtR (and relay v2's stop side) running on the host for as long as the node
         runs, started on first need; ``p2p.nat.punch.reachable`` may have started them."""
-        if getattr(self.host, "_dcutr_protocol", None) is not None or self._background is None:
+        if patches.running_dcutr(self.host) is not None or self._background is None:
             return  # running, or no nursery to hold them: punch_through brings its own
         if self._nat_up is None:
             self._nat_up = trio.Event()
@@ -805,6 +809,7 @@ class Node:
                 stripe_config=self.config.stripe,
                 scores=self.scores,
                 own_peer=self.peer_id,
+                board=self.server.board,
             )
             nursery.cancel_scope.cancel()
 
@@ -1045,7 +1050,12 @@ async def open_node(
     connection_config = getattr(host.get_network(), "connection_config", None)
     if connection_config is not None:
         connection_config.outbound_upgrade_timeout = HANDSHAKE_TIMEOUT
-    server = BlobServer(store, verify_reads=config.verify_reads, upload_limit=config.upload_limit)
+    server = BlobServer(
+        store,
+        limits=config.server_limits,
+        verify_reads=config.verify_reads,
+        upload_limit=config.upload_limit,
+    )
     listen_addrs = [_listen_addr(a) for a in config.listen]
     for addr in listen_addrs:
         _check_port_free(addr)
@@ -1057,6 +1067,8 @@ async def open_node(
         if config.upload:
             server.install(host)  # every protocol version the server speaks
         kad = KadDHT(host, DHTMode.SERVER) if config.dht else None
+        if kad is not None:
+            install_provider_guard(kad, config.provider_limits, local=str(host.get_id()))
         floodsub: Any = _make_pubsub(host) if config.pubsub else None
         async with _maybe_service(kad), _maybe_service(floodsub), trio.open_nursery() as nursery:
             if floodsub is not None:

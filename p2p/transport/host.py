@@ -30,6 +30,14 @@ made and closed over a node's life. blobnet replaces that handler with ``Inbound
 3. Past the gate, py-libp2p's own limits still hold: ``MAX_CONNECTIONS`` in all (checked
    when a connection registers), ``max_connections_per_peer`` per identity, and its pruner
    trims idle connections past ``CONN_GRACE_PERIOD`` above ``CONN_HIGH_WATERMARK``.
+4. The gate never cancels py-libp2p's upgrade while an ordinary error can end it: a
+   dropped handshake has its socket closed under it (its reads see end of file), and the
+   deadline is py-libp2p's own ``inbound_upgrade_timeout`` (``HANDSHAKE_TIMEOUT``), whose
+   clean-up runs outside the expired scope. A cancelled upgrade skips py-libp2p's release
+   of the resource manager's connection slot (``p2p.transport.patches`` says where and
+   releases it anyway), so cancelling is only the backstop, ``HANDSHAKE_ABORT_GRACE``
+   later. After any handshake ends, done or not, the manager's connection count is what
+   it was before, plus one for each connection that was established.
 Identities are free, so the gate counts by source address (an IPv6 source by its /64,
 since one host gets a whole /64), never by peer ID.
 """
@@ -58,6 +66,8 @@ from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
+
+from p2p.transport import patches
 
 # Connection and stream ceilings for the whole host. A blob node talks to tens of peers,
 # each with a handful of streams (DESIGN section 4); these leave room for a DHT as well.
@@ -91,6 +101,9 @@ CONN_HIGH_WATERMARK = 384
 # A new connection is never idle-evicted or pruned this young: a real peer opens its first
 # stream within a round trip of its handshake.
 IDLE_EVICT_AGE = 2.0
+# A handshake the gate ended by closing its socket, or that passed py-libp2p's own
+# deadline, normally unwinds within milliseconds; after this long it is cancelled (rule 4).
+HANDSHAKE_ABORT_GRACE = 1.0
 CONN_GRACE_PERIOD = 10.0
 
 
@@ -244,12 +257,16 @@ def remote_address_key(conn: Any) -> str:
     return address_key(str(address[0])) if address else "?"
 
 
-def install_inbound_gate(host: IHost, gate: InboundGate | None = None) -> InboundGate:
+def install_inbound_gate(
+    host: IHost, gate: InboundGate | None = None, *, handshake_timeout: float = HANDSHAKE_TIMEOUT
+) -> InboundGate:
     """Route the host's inbound sockets through ``gate`` instead of py-libp2p's leaking
-    slot counter (module docstring, rule 1-3). Returns the gate (for tests and stats)."""
+    slot counter (module docstring, rules 1-4). ``handshake_timeout`` must be the host's
+    ``inbound_upgrade_timeout`` (``build_host`` sets both). Returns the gate (for tests and
+    stats)."""
     network: Any = host.get_network()
     gate = gate if gate is not None else InboundGate()
-    original: Callable[[Any, Any], Awaitable[None]] = network._handle_inbound_connection
+    original: Callable[[Any, Any], Awaitable[None]] | None = None
 
     def streams_of(key: int) -> int:
         for conn in network.get_connections():
@@ -265,12 +282,19 @@ def install_inbound_gate(host: IHost, gate: InboundGate | None = None) -> Inboun
 
     async def handle(read_write_closer: Any, maddr: Any) -> None:
         if isinstance(read_write_closer, IMuxedConn):  # QUIC and the like: not ours to gate
+            assert original is not None
             await original(read_write_closer, maddr)
             return
         ip = remote_address_key(read_write_closer)
         now = trio.current_time()
-        scope = trio.CancelScope(deadline=now + HANDSHAKE_TIMEOUT)
-        admission = gate.admit(ip, now, scope.cancel)
+        # The backstop only (rule 4): py-libp2p's own timeout ends a silent handshake first.
+        scope = trio.CancelScope(deadline=now + handshake_timeout + HANDSHAKE_ABORT_GRACE)
+
+        def drop() -> None:
+            _abort_socket(read_write_closer)
+            scope.deadline = min(scope.deadline, trio.current_time() + HANDSHAKE_ABORT_GRACE)
+
+        admission = gate.admit(ip, now, drop)
         if admission.token is None:
             log.debug("inbound from %s refused: %s", ip, admission.reason)
             await _close_quietly(read_write_closer)
@@ -291,7 +315,7 @@ def install_inbound_gate(host: IHost, gate: InboundGate | None = None) -> Inboun
         try:
             with scope:
                 if network.connection_gate is not None:
-                    remote = network._build_remote_multiaddr(read_write_closer)
+                    remote = patches.remote_multiaddr(network, read_write_closer)
                     if remote is not None and not await network.connection_gate.is_allowed(remote):
                         return
                 raw = RawConnection(read_write_closer, False)
@@ -313,8 +337,18 @@ def install_inbound_gate(host: IHost, gate: InboundGate | None = None) -> Inboun
         finally:
             gate.disconnected(key)
 
-    network._handle_inbound_connection = handle
+    original = patches.route_inbound(network, handle)
     return gate
+
+
+def _abort_socket(read_write_closer: Any) -> None:
+    """Close an inbound socket now, from synchronous code: a task reading it sees end of
+    file, so py-libp2p's upgrade fails by an ordinary error and runs its own clean-up
+    (rule 4). py-libp2p's TCP stream keeps the trio stream as ``.stream``."""
+    stream = getattr(read_write_closer, "stream", None)
+    sock = getattr(stream, "socket", None)
+    if sock is not None:
+        sock.close()
 
 
 async def _close_quietly(read_write_closer: Any) -> None:
@@ -357,11 +391,15 @@ def build_host(
     *,
     fast: bool = True,
     max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER,
+    gate: InboundGate | None = None,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT,
 ) -> IHost:
     """A host offering Noise + yamux only, with an explicit resource manager.
 
     ``max_connections_per_peer`` bounds the connections to (and from) one peer; a fetcher
-    opens several to one provider to stripe a long fat link.
+    opens several to one provider to stripe a long fat link. ``gate`` (a default
+    ``InboundGate`` if None) admits inbound sockets, each with ``handshake_timeout`` to
+    finish its handshake.
     """
     connection_config = ConnectionConfig(
         max_connections=MAX_CONNECTIONS,
@@ -372,7 +410,7 @@ def build_host(
         high_watermark=CONN_HIGH_WATERMARK,
         grace_period=CONN_GRACE_PERIOD,
         max_connections_per_peer=max_connections_per_peer,
-        inbound_upgrade_timeout=HANDSHAKE_TIMEOUT,
+        inbound_upgrade_timeout=handshake_timeout,
     )
     resource_manager = new_resource_manager(
         limits=ResourceLimits(
@@ -411,5 +449,13 @@ def build_host(
         raise HostConfigError(f"host offers muxers {sorted(muxers)}, expected {sorted(muxer_opt)}")
     if getattr(network, "_resource_manager", resource_manager) is None:
         raise HostConfigError("libp2p silently dropped the resource manager")
-    install_inbound_gate(host)
+    patches.release_scopes_of_failed_upgrades(network)
+    install_inbound_gate(host, gate, handshake_timeout=handshake_timeout)
     return host
+
+
+def resource_connections(host: IHost) -> int:
+    """Connection slots the host's resource manager counts as held now (each established
+    connection holds one; a handshake in progress holds one until it ends)."""
+    manager = patches.resource_manager(host.get_network())
+    return int(manager.get_stats()["connections"]) if manager is not None else 0

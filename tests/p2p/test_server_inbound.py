@@ -26,7 +26,7 @@ from p2p.blob import protocol as proto
 from p2p.blob.server import BlobServer
 from p2p.blob.shell import BlobClient
 from p2p.transport import host as host_mod
-from p2p.transport.host import InboundGate, address_key, build_host, install_inbound_gate
+from p2p.transport.host import InboundGate, address_key, build_host
 
 PROTOCOL = TProtocol(proto.Version.V1_0.protocol_id)
 
@@ -128,12 +128,16 @@ def test_build_host_configures_libp2p_limits_on_purpose() -> None:
 
 
 @asynccontextmanager
-async def blob_server(tmp_path: Path, gate: InboundGate | None = None) -> AsyncIterator[Any]:
+async def blob_server(
+    tmp_path: Path,
+    gate: InboundGate | None = None,
+    handshake_timeout: float = host_mod.HANDSHAKE_TIMEOUT,
+) -> AsyncIterator[Any]:
     store = Store.open(tmp_path / "server-store")
     blob_id = store.put_bytes(b"x" * 300_000)
-    host = build_host(create_new_key_pair(), fast=False)
-    if gate is not None:
-        install_inbound_gate(host, gate)
+    host = build_host(
+        create_new_key_pair(), fast=False, gate=gate, handshake_timeout=handshake_timeout
+    )
     host.set_stream_handler(PROTOCOL, BlobServer(store).handle_stream)
     async with host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
         host.blob_id = blob_id
@@ -191,12 +195,9 @@ async def test_silent_sockets_do_not_lock_out_a_real_peer(tmp_path: Path, floode
 @pytest.mark.timeout(120)
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
-async def test_silent_socket_is_dropped_at_the_handshake_deadline(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(host_mod, "HANDSHAKE_TIMEOUT", 1.0)
+async def test_silent_socket_is_dropped_at_the_handshake_deadline(tmp_path: Path) -> None:
     gate = InboundGate()
-    async with blob_server(tmp_path, gate) as server:
+    async with blob_server(tmp_path, gate, handshake_timeout=1.0) as server:
         (sock,) = await silent_sockets(server_port(server), "127.0.0.2", 1)
         start = trio.current_time()
         with trio.fail_after(10):

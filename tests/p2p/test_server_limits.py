@@ -30,7 +30,7 @@ from multiaddr import Multiaddr
 from blobstore import Store
 from p2p.blob import protocol as proto
 from p2p.blob import server as server_mod
-from p2p.blob.server import BlobServer, Budget
+from p2p.blob.server import BlobServer, Budget, ServerLimits
 from p2p.transport import host as host_mod
 from p2p.transport.host import build_host
 
@@ -93,12 +93,16 @@ class Served:
 
 @asynccontextmanager
 async def served(
-    tmp_path: Path, size: int = 8 * CHUNK, *, fast: bool = False
+    tmp_path: Path,
+    size: int = 8 * CHUNK,
+    *,
+    fast: bool = False,
+    limits: ServerLimits | None = None,
 ) -> AsyncIterator[Served]:
     store = Store.open(tmp_path / "server-store")
     blob_id = store.put_bytes(os.urandom(size), chunk_size=CHUNK)
     host = build_host(create_new_key_pair(), fast=fast)
-    server = BlobServer(store)
+    server = BlobServer(store, limits=limits)
     server.install(host)
     async with host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
         yield Served(host, server, store, blob_id, tmp_path)
@@ -163,13 +167,11 @@ async def wait_for(predicate: Any, seconds: float) -> bool:
 # --- Issue 16 item 1: send buffers and streams are budgeted ----------------------------
 
 
-async def test_unread_gets_hold_at_most_the_peer_budget_and_get_busy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_unread_gets_hold_at_most_the_peer_budget_and_get_busy(tmp_path: Path) -> None:
     """One identity opens 8 `get`s it never reads. Each holds a 1 MiB send buffer; with a
     per-peer budget of 3 buffers the rest are answered `busy` before any disk read."""
-    monkeypatch.setattr(server_mod, "MAX_SEND_BYTES_PER_PEER", 3 * (CHUNK + 64))
-    async with served(tmp_path) as target, client(target) as flooder:
+    limits = ServerLimits().with_(max_send_bytes_per_peer=3 * (CHUNK + 64))
+    async with served(tmp_path, limits=limits) as target, client(target) as flooder:
         await unread_gets(flooder, target, 3)
         assert await wait_for(lambda: target.server.send_bytes.used == 3 * (CHUNK + 64), 10)
         stream = await open_stream(flooder, target)
@@ -182,12 +184,10 @@ async def test_unread_gets_hold_at_most_the_peer_budget_and_get_busy(
         assert isinstance(have, proto.HaveResponse)
 
 
-async def test_identities_on_one_address_share_its_budget(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(server_mod, "MAX_SEND_BYTES_PER_IP", 2 * (CHUNK + 64))
+async def test_identities_on_one_address_share_its_budget(tmp_path: Path) -> None:
+    limits = ServerLimits().with_(max_send_bytes_per_ip=2 * (CHUNK + 64))
     async with (
-        served(tmp_path) as target,
+        served(tmp_path, limits=limits) as target,
         client(target) as first,
         client(target) as second,
         client(target) as third,
@@ -202,10 +202,14 @@ async def test_identities_on_one_address_share_its_budget(
 
 
 async def test_streams_over_the_address_budget_get_busy_after_their_request(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setattr(server_mod, "MAX_STREAMS_PER_IP", 2)
-    async with served(tmp_path) as target, client(target) as first, client(target) as second:
+    limits = ServerLimits().with_(max_streams_per_ip=2)
+    async with (
+        served(tmp_path, limits=limits) as target,
+        client(target) as first,
+        client(target) as second,
+    ):
         held = [await open_stream(first, target), await open_stream(first, target)]
         for stream in held:
             await stream.write(b"\0")  # a request begun: the server holds the stream
@@ -221,15 +225,14 @@ async def test_streams_over_the_address_budget_get_busy_after_their_request(
 
 
 async def test_reader_that_stops_reading_loses_its_stream_at_the_send_deadline(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """Mutation-list item: with the send deadline removed the buffer stays pinned and this
     fails. Deadline here: 1 s + 512 KiB at 64 MiB/s per slice. The server runs blobnet's
     own yamux (as `blob serve` does): py-libp2p's gives up on a zero window after 5 s by
     itself, which would hide a missing deadline."""
-    monkeypatch.setattr(server_mod, "SEND_TIMEOUT_BASE", 1.0)
-    monkeypatch.setattr(server_mod, "MIN_SEND_RATE", 64 * MiB)
-    async with served(tmp_path, fast=True) as target, client(target) as reader:
+    limits = ServerLimits().with_(send_timeout_base=1.0, min_send_rate=64 * MiB)
+    async with served(tmp_path, fast=True, limits=limits) as target, client(target) as reader:
         (stream,) = await unread_gets(reader, target, 1)
         assert await wait_for(lambda: target.server.send_bytes.used > 0, 10)
         start = trio.current_time()
@@ -404,3 +407,109 @@ async def test_pipelining_on_1_0_is_still_a_violation(tmp_path: Path) -> None:
 
 def test_handshake_deadline_is_short() -> None:
     assert host_mod.HANDSHAKE_TIMEOUT <= 5.0
+
+
+# --- Room for newcomers (server theory, rule 9) and the request-arrival deadline -----------
+
+
+def test_the_reserve_goes_only_to_peers_holding_little() -> None:
+    budget = Budget("streams", 10, 8, 100, reserved=3, light_peer=2, light_ip=100)
+    for _ in range(7):
+        assert budget.acquire("greedy", "a", 1) is None
+    refused = budget.acquire("greedy", "a", 1)
+    assert refused is not None and "keeps its last 3" in refused
+    assert budget.acquire("newcomer", "b", 1) is None
+    assert budget.acquire("newcomer", "b", 1) is None
+    assert budget.acquire("newcomer", "b", 1) is not None  # it holds 2: no longer light
+    assert budget.acquire("another", "c", 1) is None
+    assert "at its limit" in (budget.acquire("late", "d", 1) or "")
+
+
+def test_eviction_takes_the_longest_idle_stream_of_the_greediest_address() -> None:
+    from collections import Counter
+
+    from p2p.blob.server import IdleStreams, _Slot
+
+    idle = IdleStreams()
+    evicted: list[str] = []
+    slots = {
+        "a-old": _Slot("p1", "a"),
+        "a-new": _Slot("p2", "a"),
+        "b": _Slot("p3", "b"),
+    }
+    idle.wait(slots["a-new"], 5.0, lambda: evicted.append("a-new"))
+    idle.wait(slots["a-old"], 1.0, lambda: evicted.append("a-old"))
+    idle.wait(slots["b"], 0.0, lambda: evicted.append("b"))
+    by_ip = Counter({"a": 6, "b": 2})
+    by_peer = Counter({"p1": 3, "p2": 3, "p3": 2})
+    victim = idle.victim(by_ip, by_peer, "c", "p9")
+    assert victim is not None and victim.slot is slots["a-old"]
+    # A newcomer from an address holding as much as the greediest evicts nobody there;
+    # the identity rule then applies (p1 holds 3, the newcomer 2 + 1).
+    victim = idle.victim(by_ip, by_peer, "a", "p3")
+    assert victim is None
+
+
+async def hold_idle_streams(host: Any, target: Served, count: int) -> list[Any]:
+    """``count`` streams that each ask one `have` (answered) and then sit idle."""
+    held = []
+    for _ in range(count):
+        stream = await open_stream(host, target)
+        reply = await first_event(stream, proto.HaveRequest(target.blob_id))
+        assert isinstance(reply, proto.HaveResponse)
+        held.append(stream)
+    return held
+
+
+async def test_a_newcomer_is_served_when_greedy_peers_hold_the_stream_budget(
+    tmp_path: Path,
+) -> None:
+    """64 identities x 16 idle streams held the whole 1,024-stream budget and every newcomer
+    got `busy`. Here, scaled down to 6 streams with 2 reserved: the greedy identity is
+    refused the reserve; a light one takes it; when all is taken, a newcomer's stream
+    evicts the greedy identity's longest-idle stream instead of being refused."""
+    limits = ServerLimits().with_(
+        max_streams=6,
+        reserved_streams=2,
+        max_streams_per_peer=6,
+        light_peer_streams=2,
+        # Every client here dials from 127.0.0.1: addresses do not tell them apart.
+        max_streams_per_ip=1000,
+        light_ip_streams=1000,
+    )
+    async with (
+        served(tmp_path, limits=limits) as target,
+        client(target) as greedy,
+        client(target) as light,
+        client(target) as newcomer,
+    ):
+        await hold_idle_streams(greedy, target, 4)
+        refused = await first_event(
+            await open_stream(greedy, target), proto.HaveRequest(target.blob_id)
+        )
+        assert isinstance(refused, proto.ErrorResponse)
+        assert refused.code == proto.ErrorCode.BUSY and "keeps its last" in refused.message
+        assert await wait_for(lambda: target.server.streams.used == 4, 10)
+        await hold_idle_streams(light, target, 2)
+        assert target.server.streams.used == 6
+        served_newcomer = await first_event(
+            await open_stream(newcomer, target), proto.HaveRequest(target.blob_id)
+        )
+        assert isinstance(served_newcomer, proto.HaveResponse)
+        assert target.server.evicted == 1
+        assert target.server.streams.by_peer[str(greedy.get_id())] == 3
+
+
+async def test_half_a_request_loses_its_stream_at_the_arrival_deadline(tmp_path: Path) -> None:
+    """Slowloris: a stream that sends the first bytes of a request header and then nothing
+    is reset at the request-arrival deadline (here 1 s), not held until the idle timeout
+    (60 s). Without the deadline nothing else ends it."""
+    limits = ServerLimits().with_(request_timeout=1.0)
+    async with served(tmp_path, limits=limits) as target, client(target) as loris:
+        stream = await open_stream(loris, target)
+        header = proto.ClientConnection().send_request(proto.HaveRequest(target.blob_id))
+        await stream.write(header[: len(header) // 2])
+        assert await wait_for(lambda: target.server.streams.used == 1, 10)
+        start = trio.current_time()
+        assert await wait_for(lambda: target.server.streams.used == 0, 5.0)
+        assert 0.9 < trio.current_time() - start < 5.0

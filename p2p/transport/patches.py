@@ -1,0 +1,281 @@
+"""Every place blobnet reaches into py-libp2p 0.8.1's private attributes, each with its reason.
+
+Theory of operation:
+1. Each patch is one function here that takes the object it patches (a swarm, a host, a
+   resource manager) and replaces an attribute on that instance only, never on
+   py-libp2p's classes: two hosts in one process (tests, a relay beside a node) patch
+   their own objects.
+2. Before replacing anything a patch looks the attribute up with ``_require``; a
+   py-libp2p that renamed or dropped it raises ``PatchTargetMissing`` at start-up
+   instead of silently running unpatched. ``TARGETS`` lists every (class, attribute)
+   a patch needs, and tests/p2p/test_patches.py fails when one disappears.
+3. A patch keeps py-libp2p's own behaviour around the part it changes (it wraps the
+   original and calls it), so a fix upstream makes the patch a no-op, not a conflict.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from libp2p.host.basic_host import BasicHost
+from libp2p.kad_dht.kad_dht import KadDHT
+from libp2p.kad_dht.provider_store import ProviderStore
+from libp2p.network.swarm import Swarm
+from libp2p.rcmgr.manager import ResourceManager
+
+
+class PatchTargetMissing(RuntimeError):
+    """py-libp2p no longer has an attribute blobnet patches (a local error: this
+    py-libp2p is not the one the patch was written for)."""
+
+
+# (class, attribute, why blobnet patches it). Each line is checked by the patches test.
+TARGETS: tuple[tuple[type, str, str], ...] = (
+    (
+        Swarm,
+        "upgrade_inbound_raw_conn",
+        "its clean-up awaits the raw close before releasing the pre-upgrade connection "
+        "scope, so a cancelled handshake leaks one resource-manager slot",
+    ),
+    (
+        Swarm,
+        "_dial_addr_single_attempt",
+        "same leak on a dial cancelled during its handshake",
+    ),
+    (
+        Swarm,
+        "_resource_manager",
+        "the manager whose open_connection the scope release records",
+    ),
+    (
+        ResourceManager,
+        "open_connection",
+        "records the scopes an upgrade opened, so a failed one releases them",
+    ),
+    (
+        Swarm,
+        "_handle_inbound_connection",
+        "py-libp2p's handler admits through a slot counter it never gives back; "
+        "p2p.transport.host.InboundGate replaces it",
+    ),
+    (
+        Swarm,
+        "_build_remote_multiaddr",
+        "the replacement inbound handler asks py-libp2p's connection gate as it would",
+    ),
+    (
+        Swarm,
+        "_select_connection",
+        "picks which of a peer's connections a new stream uses (one with the most "
+        "streams by default), so striped fetches choose their own",
+    ),
+    (
+        KadDHT,
+        "provider_store",
+        "py-libp2p stores every ADD_PROVIDER's addresses, without caps, for 48 h; "
+        "p2p.transport.providers decides what is kept",
+    ),
+    (
+        ProviderStore,
+        "add_provider",
+        "where an accepted ADD_PROVIDER is stored: the guard filters it first",
+    ),
+    (
+        ProviderStore,
+        "providers",
+        "the records by key and peer: the guard drops the ones it evicts",
+    ),
+    (
+        BasicHost,
+        "get_addrs",
+        "a NATed node hands out relay circuit addresses that addrs_factory would mangle",
+    ),
+)
+# Set at run time, so not in TARGETS: DCUtRProtocol registers itself on its host as
+# ``_dcutr_protocol`` and never leaves (tests/p2p/test_patches.py checks it on a running
+# one).
+DCUTR_ATTRIBUTE = "_dcutr_protocol"
+
+
+def _require(obj: Any, name: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise PatchTargetMissing(
+            f"py-libp2p's {type(obj).__name__} has no {name!r}: blobnet's patch of it "
+            "needs updating for this py-libp2p version"
+        ) from None
+
+
+# --- Connection scopes of failed upgrades --------------------------------------------------
+#
+# py-libp2p 0.8.1 (network/swarm.py, Swarm.upgrade_inbound_raw_conn) takes a pre-upgrade
+# connection scope from the resource manager, and on any failure runs a clean-up that
+# first awaits the muxed, secured and raw connections' close and only then closes the
+# scope. When the failure is a cancellation (the upgrade's caller cancelled it: our inbound
+# gate dropping a handshake, a dial abandoned mid-handshake), the first await in that
+# clean-up raises Cancelled again and ``pre_scope.close()`` never runs. Each such upgrade
+# keeps one of the manager's connection slots for the life of the process; after
+# ``max_connections`` of them every new connection is refused ("Connection denied by
+# resource manager (pre-upgrade admission)"). The dial path
+# (``_dial_addr_single_attempt``) has the same order in its BaseException handler.
+#
+# The patch records every connection scope opened while an upgrade runs (the task's
+# context variable below) and, when the upgrade ends in any exception, closes them all.
+# A scope's close is idempotent, so scopes py-libp2p did release are not released twice.
+# One case errs the other way: an upgrade cancelled inside ``add_conn`` after the swarm
+# registered its connection has that live connection's scope released early: an
+# undercount of one until it closes, never a slot lost for good.
+
+_UPGRADE_SCOPES: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "blobnet_upgrade_scopes", default=None
+)
+
+
+def release_scopes_of_failed_upgrades(network: Any) -> None:
+    """Make ``network``'s inbound upgrades and outbound dials give their resource-manager
+    connection scopes back when they fail or are cancelled (see above)."""
+    manager = _require(network, "_resource_manager")
+    if manager is None:
+        return
+    open_connection: Callable[..., Any] = _require(manager, "open_connection")
+
+    def recording_open_connection(*args: Any, **kwargs: Any) -> Any:
+        scope = open_connection(*args, **kwargs)
+        held = _UPGRADE_SCOPES.get()
+        if scope is not None and held is not None:
+            held.append(scope)
+        return scope
+
+    manager.open_connection = recording_open_connection
+    for name in ("upgrade_inbound_raw_conn", "_dial_addr_single_attempt"):
+        setattr(network, name, _releasing_scopes(_require(network, name)))
+
+
+def _releasing_scopes(original: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def upgrade(*args: Any, **kwargs: Any) -> Any:
+        held: list[Any] = []
+        token = _UPGRADE_SCOPES.set(held)
+        try:
+            return await original(*args, **kwargs)
+        except BaseException:
+            for scope in held:
+                close = getattr(scope, "close", None)
+                if close is not None:
+                    close()
+            raise
+        finally:
+            _UPGRADE_SCOPES.reset(token)
+
+    return upgrade
+
+
+def resource_manager(network: Any) -> Any:
+    """``network``'s resource manager (None if it has none): py-libp2p keeps it private."""
+    return _require(network, "_resource_manager")
+
+
+# --- The inbound handler -------------------------------------------------------------------
+
+
+def route_inbound(network: Any, handle: Callable[[Any, Any], Awaitable[None]]) -> Any:
+    """Send ``network``'s new inbound sockets to ``handle`` instead of py-libp2p's handler
+    (which admits through a slot counter it never gives back; p2p.transport.host's theory
+    of operation). Returns py-libp2p's handler, for connections that are not ours to gate."""
+    original = _require(network, "_handle_inbound_connection")
+    network._handle_inbound_connection = handle
+    return original
+
+
+def remote_multiaddr(network: Any, read_write_closer: Any) -> Any:
+    """The multiaddr py-libp2p's connection gate is asked about for an inbound socket."""
+    return _require(network, "_build_remote_multiaddr")(read_write_closer)
+
+
+# --- Provider records ----------------------------------------------------------------------
+
+
+def guard_provider_store(kad: Any, guard: Any, clock: Callable[[], float]) -> None:
+    """Pass every provider record ``kad`` would store through ``guard``
+    (p2p.transport.providers.ProviderGuard): py-libp2p 0.8.1 stores them all, every
+    address included, for 48 h. ``clock`` is the wall clock py-libp2p's records use."""
+    from libp2p.peer.peerinfo import PeerInfo
+
+    store = _require(kad, "provider_store")
+    original: Callable[[bytes, Any], None] = _require(store, "add_provider")
+    records: dict[bytes, dict[str, Any]] = _require(store, "providers")
+
+    def add_provider(key: bytes, provider: Any) -> None:
+        if not provider or not getattr(provider, "peer_id", None):
+            return
+        now = clock()
+        for gone_key, gone_peer in guard.expire(now):
+            records.get(gone_key, {}).pop(gone_peer, None)
+        decision = guard.admit(key, str(provider.peer_id), list(provider.addrs), now)
+        for drop_key, drop_peer in decision.drop:
+            held = records.get(drop_key)
+            if held is not None:
+                held.pop(drop_peer, None)
+                if not held:
+                    del records[drop_key]
+        if decision.addrs is None:
+            return
+        original(key, PeerInfo(provider.peer_id, decision.addrs))
+        if str(provider.peer_id) not in records.get(key, {}):
+            guard.forget(key, str(provider.peer_id))  # py-libp2p's own per-key cap said no
+
+    store.add_provider = add_provider
+
+
+# --- Connection choice ---------------------------------------------------------------------
+
+
+def wrap_select_connection(
+    swarm: Any, make: Callable[[Any], Callable[[list[Any], Any], Any]]
+) -> bool:
+    """Replace the swarm's choice of which of a peer's connections a new stream uses with
+    ``make(original)`` (py-libp2p 0.8.1's ``Swarm.new_stream`` calls ``_select_connection``;
+    by default the connection with the most streams, which piles every stream onto one TCP
+    connection). Wrapping only that keeps the rest of ``new_stream`` as py-libp2p does it.
+    Once per swarm; False if this py-libp2p has no such hook (streams then go where it
+    puts them)."""
+    original = getattr(swarm, "_select_connection", None)
+    if original is None or getattr(original, "_blobnet", False):
+        return original is not None
+    select = make(original)
+    select._blobnet = True  # type: ignore[attr-defined]
+    swarm._select_connection = select
+    return True
+
+
+# --- Advertised addresses ------------------------------------------------------------------
+
+
+def advertise_addrs(host: Any, extra: list[Any]) -> None:
+    """Make ``host.get_addrs()`` name ``extra`` multiaddrs too, after its own. Not through
+    py-libp2p's ``addrs_factory``: ``BasicHost.get_addrs`` (0.8.1, host/basic_host.py)
+    strips an address's first ``/p2p/`` component and appends ours, which turns
+    ``.../p2p/<relay>/p2p-circuit/p2p/<us>`` into the relay's bare address."""
+    own = _require(type(host), "get_addrs").__get__(host)
+
+    def get_addrs() -> list[Any]:
+        return [*own(), *extra]
+
+    host.get_addrs = get_addrs
+
+
+# --- DCUtR ---------------------------------------------------------------------------------
+
+
+def running_dcutr(host: Any) -> Any:
+    """The DCUtR service registered on ``host``, or None."""
+    return getattr(host, DCUTR_ATTRIBUTE, None)
+
+
+def forget_dcutr(host: Any, dcutr: Any) -> None:
+    """Take a stopped DCUtR service off its host: DCUtRProtocol registers itself there and
+    never leaves, and the next user (p2p.nat.punch) must not find a stopped one."""
+    if getattr(host, DCUTR_ATTRIBUTE, None) is dcutr:
+        delattr(host, DCUTR_ATTRIBUTE)
