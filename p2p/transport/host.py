@@ -160,6 +160,7 @@ class InboundGate:
         self.pending_per_ip: Counter[str] = Counter()
         self.established: dict[int, _Established] = {}
         self.established_per_ip: Counter[str] = Counter()
+        self.admitted = 0
         self.refused = 0
         self.dropped = 0
         self.evicted = 0
@@ -174,6 +175,7 @@ class InboundGate:
         if len(self.pending) >= self.max_pending:
             dropped = self._drop_oldest_pending()
         self._next += 1
+        self.admitted += 1
         token = self._next
         self.pending[token] = _Pending(ip, now, drop)
         self.pending_per_ip[ip] += 1
