@@ -31,6 +31,7 @@ from p2p.cli.common import (
     upload_rate,
     verbose_option,
 )
+from p2p.cli.fleet import Fleet, fleet_options
 from p2p.cli.nat import (
     NAT_DEFAULT_LISTEN,
     behind_nat,
@@ -70,14 +71,16 @@ async def _serve_until_signal(
     config: Any,
     on_ready: Callable[[Node, Reachable | None], None],
     nat: NatSetup,
+    fleet: Fleet,
 ) -> None:
     """Run a node until cancelled (``run_interruptible`` cancels it on SIGINT/SIGTERM),
-    reachable through ``nat``'s relays when it is behind NAT."""
+    reachable through ``nat``'s relays when it is behind NAT, with its local API."""
     from p2p.node.node import open_node
 
     async with (
         open_node(store, key=key, config=config) as node,
         behind_nat(node, nat.relays, nat.certificate, nat.assume_private) as reach,
+        fleet.running(node, reach, "serve"),
     ):
         warning = nat_warning(reach)
         if warning is not None:
@@ -104,14 +107,17 @@ def _run_server(
     config: Any,
     on_ready: Callable[[Node, Reachable | None], None],
     nat: NatSetup,
+    fleet: Fleet | None = None,
 ) -> None:
+    fleet = fleet or Fleet()
     try:
-        run_interruptible(lambda: _serve_until_signal(store, key, config, on_ready, nat))
+        run_interruptible(lambda: _serve_until_signal(store, key, config, on_ready, nat, fleet))
     except Interrupted as exc:
         click.echo(f"stopping on {exc.signal_name}", err=True)  # a server's normal end: exit 0
 
 
 @click.command()
+@fleet_options
 @listen_option
 @bootstrap_option
 @click.option("--no-dht", is_flag=True, help="Do not run the Kademlia DHT.")
@@ -137,6 +143,7 @@ def serve(
     assume_private: bool,
     as_json: bool,
     verbose: int,
+    fleet: Fleet,
 ) -> None:
     """Serve this store's blobs until SIGINT or SIGTERM.
 
@@ -163,7 +170,7 @@ def serve(
         else:
             click.echo(f"ready {node.peer_id} " + " ".join(addrs))
 
-    _run_server(store, key, config, ready, nat)
+    _run_server(store, key, config, ready, nat, fleet)
 
 
 @click.command()

@@ -1163,6 +1163,8 @@ class Download:
             failure = BadChunk(writes.bad_index)
         if isinstance(failure, BadChunk):
             log.warning("peer %s sent a corrupt chunk: banned for %s", peer, self.blob_id[:12])
+            if self.scores is not None:
+                self.scores.bad_chunk(peer)
             self.scheduler.on_bad_chunk(ticket.request_id, failure.index, now())
             self._penalize(peer)
             self._notify()

@@ -86,9 +86,17 @@ from p2p.blob.shell import (
 )
 from p2p.blob.swarm import PEX_DIAL_PARALLELISM, Listed, PexBook
 from p2p.blob.ticket import MAX_TICKET_ADDRS, Ticket, validate_peer_addr
-from p2p.errors import BadAddress, ListenFailed, PeerUnreachable, unwrap_single
-from p2p.fetch.downloader import ProgressCallback, download_blob
+from p2p.errors import (
+    BadAddress,
+    FetchFailed,
+    ListenFailed,
+    NoProviders,
+    PeerUnreachable,
+    unwrap_single,
+)
+from p2p.fetch.downloader import Progress, ProgressCallback, download_blob
 from p2p.fetch.scheduler import PeerScores, SchedulerConfig, StripeConfig
+from p2p.metrics import Metrics
 from p2p.transport.fast import connection_rtt
 from p2p.transport.host import build_host
 
@@ -284,6 +292,10 @@ class Node:
         self._background: trio.Nursery | None = None
         self._nat_up: trio.Event | None = None
         self._reprovide_now = trio.Event()
+        # What an operator sees (p2p.metrics, ``blob status``): counters owned by this node,
+        # and the latest progress of each fetch in flight, by blob ID.
+        self.metrics = Metrics()
+        self.transfers: dict[str, Progress] = {}
 
     # --- pubsub ----------------------------------------------------------------------
     async def subscribe(self, topic: str) -> Any:
@@ -708,13 +720,60 @@ class Node:
         are asked as well. With ``announce`` the blob is then provided on the DHT.
         Returns the blob ID.
         """
+        started = trio.current_time()
+        outcome = "failed"
+        counted: dict[str, int] = {}
         try:
-            blob_id = await self._fetch(ref, providers, progress, recursive)
-        except BaseExceptionGroup as group:
-            raise unwrap_single(group) from None
+            blob_id = await self._fetch_unwrapped(ref, providers, progress, counted, recursive)
+            outcome = "ok"
+        except (NoProviders, FetchFailed) as exc:
+            outcome = "not_found" if isinstance(exc, NoProviders) else "failed"
+            raise
+        except trio.Cancelled:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.metrics.fetch_ended(outcome, trio.current_time() - started)
+            for seen in counted:
+                self.transfers.pop(seen, None)
         if announce:
             await self._announce(blob_id)
         return blob_id
+
+    async def _fetch_unwrapped(
+        self,
+        ref: str,
+        providers: Sequence[str],
+        progress: ProgressCallback | None,
+        counted: dict[str, int],
+        recursive: bool,
+    ) -> str:
+        try:
+            return await self._fetch(ref, providers, self._counted(progress, counted), recursive)
+        except BaseExceptionGroup as group:
+            raise unwrap_single(group) from None
+
+    def _counted(
+        self, progress: ProgressCallback | None, counted: dict[str, int]
+    ) -> ProgressCallback:
+        """``progress``, and the received-bytes counter and ``transfers`` kept up to date
+        (``counted``: bytes already counted, by blob ID of this fetch)."""
+
+        def on_progress(update: Progress) -> None:
+            fetched = sum(update.new_bytes.values())
+            grown = fetched - counted.get(update.blob_id, 0)
+            counted.setdefault(update.blob_id, 0)
+            if grown > 0:
+                counted[update.blob_id] = fetched
+                self.metrics.bytes_received.labels(protocol="blob").inc(grown)
+            if update.finished:
+                self.transfers.pop(update.blob_id, None)
+            else:
+                self.transfers[update.blob_id] = update
+            if progress is not None:
+                progress(update)
+
+        return on_progress
 
     async def _fetch(
         self,
