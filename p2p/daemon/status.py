@@ -40,15 +40,19 @@ class DaemonInfo:
 
 
 class StoreCount:
-    """The store's blobs and bytes, counted at most every ``STORE_SCAN_INTERVAL``."""
+    """The store's blobs and bytes, counted at most every ``STORE_SCAN_INTERVAL``, and
+    again as soon as one of the node's fetches has ended."""
 
     def __init__(self) -> None:
         self._at = -STORE_SCAN_INTERVAL
+        self._fetches = 0
         self.blobs = 0
         self.bytes = 0
 
     def refresh(self, node: Node, now: float) -> StoreCount:
-        if now - self._at >= STORE_SCAN_INTERVAL:
+        fetches = sum(node.metrics.ended.values())
+        if now - self._at >= STORE_SCAN_INTERVAL or fetches != self._fetches:
+            self._fetches = fetches
             infos = node.store.list_blobs()
             self.blobs = sum(1 for i in infos if i.complete)
             self.bytes = sum(i.size for i in infos if i.complete)
