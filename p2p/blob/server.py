@@ -225,6 +225,9 @@ class BlobServer:
         self.swarm = SwarmBook()
         self._addrs_cache: dict[str, tuple[float, list[str]]] = {}
         self.host: Any = None
+        # Who may be served (p2p.node.admission.Gate: ``admitted(peer)`` and the refusal's
+        # ``message``); None: everyone.
+        self.gate: Any = None
 
     def install(self, host: Any) -> None:
         """Serve every protocol version (PROTOCOL.md section 1) on ``host``."""
@@ -252,6 +255,9 @@ class BlobServer:
             tentative = protocol_id == proto.PROTOCOL_ID_1_5
         except Exception:
             pass
+        if self.gate is not None and not self.gate.admitted(peer):
+            await self._fail(stream, error_frame(proto.ErrorCode.NOT_FOUND, self.gate.message))
+            return
         reason = self.streams.acquire(peer, ip, 1)
         if reason is not None:
             self.stats.busy_rejections += 1

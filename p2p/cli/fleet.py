@@ -1,5 +1,5 @@
 """What a serving command (``serve``) adds for an operator: the local API, ``--metrics``,
-and a summary when it stops.
+``--authority``, and a summary when it stops.
 
 ``fleet_options`` gathers those options into one ``Fleet`` value handed to the command, and
 ``Fleet.running`` runs them beside the node for as long as it serves.
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 if TYPE_CHECKING:
+    from identity import TrustStore
     from p2p.node.node import Node
 
 log = logging.getLogger("blobnet.serve")
@@ -31,7 +32,16 @@ METRICS_DEFAULT_HOST = "127.0.0.1"
 class Fleet:
     """A serving command's operator options."""
 
+    authorities: tuple[str, ...] = ()
     metrics: str | None = None
+
+    def trust(self) -> TrustStore | None:
+        """The authorities as a trust store (None: serve everyone)."""
+        if not self.authorities:
+            return None
+        from identity.cli import load_trust
+
+        return load_trust(self.authorities, None)
 
     @asynccontextmanager
     async def running(self, node: Node, reach: Any, role: str) -> AsyncIterator[None]:
@@ -39,7 +49,9 @@ class Fleet:
         from p2p.daemon.server import serve_api
         from p2p.daemon.status import DaemonInfo
 
-        info = DaemonInfo(role, reach=reach)
+        trust = node.config.admission
+        authorities = tuple(sorted(k.hex() for k in trust.authorities)) if trust else ()
+        info = DaemonInfo(role, reach=reach, authorities=authorities)
         started = time.monotonic()
         stop_http: Callable[[], None] | None = None
         try:
@@ -94,23 +106,32 @@ def summary(node: Node, seconds: float) -> str:
     fetched = node.metrics.ended["ok"]
     return (
         f"served {stats.chunks_sent} chunk(s), {stats.bytes_sent / 1e6:.1f} MB, "
-        f"{stats.busy_rejections} refused busy; "
+        f"{stats.busy_rejections} refused busy, "
+        f"{node.server.gate.refused if node.server.gate is not None else 0} refused unadmitted; "
         f"fetched {fetched} blob(s); up {seconds:.0f} s"
     )
 
 
 def fleet_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--metrics``, handed to ``command`` as ``fleet``."""
+    """``--authority`` and ``--metrics``, handed to ``command`` as ``fleet``."""
 
     @functools.wraps(command)
-    def wrapper(*args: Any, metrics: str | None, **kw: Any) -> Any:
+    def wrapper(*args: Any, authorities: tuple[str, ...], metrics: str | None, **kw: Any) -> Any:
         if metrics is not None:
             parse_metrics_addr(metrics)  # a usage error before anything starts
-        return command(*args, fleet=Fleet(metrics), **kw)
+        return command(*args, fleet=Fleet(tuple(authorities), metrics), **kw)
 
-    return click.option(
+    wrapper = click.option(
         "--metrics",
         "metrics",
         metavar="HOST:PORT",
         help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to 127.0.0.1).",
+    )(wrapper)
+    return click.option(
+        "--authority",
+        "authorities",
+        multiple=True,
+        metavar="KEY",
+        help="Serve blobs, names and status only to peers admitted by this authority (64 hex "
+        "digits or a .pub file; repeatable).",
     )(wrapper)

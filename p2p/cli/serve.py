@@ -161,6 +161,8 @@ def serve(
         not no_dht,
         verify_reads=verify_reads,
         upload_limit=upload_rate(upload_limit),
+        admission=fleet.trust(),
+        certificate=nat.certificate,
     )
 
     def ready(node: Node, reach: Reachable | None) -> None:

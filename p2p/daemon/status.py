@@ -150,6 +150,7 @@ def node_status(node: Node, info: DaemonInfo, store_count: StoreCount) -> dict[s
             "bytes_sent": node.server.stats.bytes_sent,
             "streams": dict(node.server.streams_per_peer),
             "refusals": node.server.stats.busy_rejections,
+            "refusals_unadmitted": 0 if node.server.gate is None else node.server.gate.refused,
         },
         "names": names_served(node),
         "dht_peers": dht_size(node),
@@ -202,7 +203,8 @@ class NodeCollector(Collector):
         )
         refused.add_metric(["busy"], stats.busy_rejections)
         refused.add_metric(["tentative_declined"], stats.tentative_declined)
-        refused.add_metric(["unadmitted"], getattr(node.server, "unadmitted", 0))
+        gate = node.server.gate
+        refused.add_metric(["unadmitted"], 0 if gate is None else gate.refused)
         yield refused
         conns = connections(node)
         kinds = GaugeMetricFamily(

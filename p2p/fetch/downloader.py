@@ -268,6 +268,14 @@ class StripedNetwork(Protocol):
     def connection_rtt(self, peer: str) -> float | None: ...
 
 
+@runtime_checkable
+class RefusalAware(Protocol):
+    """A network that wants to hear a provider's error answers (``p2p.node.node.Node``:
+    a provider that serves admitted peers only says so in its ``not_found``)."""
+
+    def refused(self, peer: str, message: str) -> None: ...
+
+
 async def fetch_manifest(
     network: Network,
     blob_id: str,
@@ -294,6 +302,8 @@ async def fetch_manifest(
                 reply = await _ask_manifest(network, blob_id, peer)
         else:
             reply = await _ask_manifest(network, blob_id, peer)
+        if isinstance(reply, proto.ErrorResponse) and isinstance(network, RefusalAware):
+            network.refused(peer, reply.message)
         manifest = _checked_manifest(blob_id, peer, reply, unanswered)
         if client is not None and manifest is not None and manifest.num_chunks > 0:
             assert probes is not None

@@ -72,7 +72,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
 
 from blobstore import BlobNotFound, Store
-from identity import MachineKey, load_or_create_key
+from identity import MachineKey, TrustStore, load_or_create_key
 from p2p.blob import protocol as proto
 from p2p.blob.server import BlobServer
 from p2p.blob.shell import (
@@ -97,6 +97,7 @@ from p2p.errors import (
 from p2p.fetch.downloader import Progress, ProgressCallback, download_blob
 from p2p.fetch.scheduler import PeerScores, SchedulerConfig, StripeConfig
 from p2p.metrics import Metrics
+from p2p.node.admission import UNADMITTED, install_gate, open_answer, present
 from p2p.transport.fast import connection_rtt
 from p2p.transport.host import build_host
 
@@ -117,6 +118,8 @@ NEW_BLOB_POLL = 10.0
 MAX_CONNECTED_CANDIDATES = 32
 # Children of a collection fetched at once.
 COLLECTION_PARALLELISM = 4
+# Admission refusals remembered (p2p.node.admission): one line per provider that said no.
+MAX_REFUSALS = 256
 # The multihash code of BLAKE3-256 (0x1e, length 0x20) prefixes blob IDs as DHT keys.
 DHT_KEY_PREFIX = "1e20"
 # Connections a fetch may stripe one provider's streams over (p2p.fetch.scheduler.StripeConfig).
@@ -243,6 +246,9 @@ class NodeConfig:
     # peers only unless run with --open-circuits).
     certificate: bytes | None = None
     punch_timeout: float = 30.0  # p2p.nat.punch.DEFAULT_PUNCH_TIMEOUT
+    # Serve blobs, names and status only to peers admitted by one of these authorities
+    # (p2p.node.admission); None: serve everyone.
+    admission: TrustStore | None = None
 
 
 class Node:
@@ -296,6 +302,10 @@ class Node:
         # and the latest progress of each fetch in flight, by blob ID.
         self.metrics = Metrics()
         self.transfers: dict[str, Progress] = {}
+        # Providers that serve admitted peers only and refused us, with their one line
+        # (p2p.node.admission rule 3), and an event set when one more did.
+        self.refusals: dict[str, str] = {}
+        self._refusal = trio.Event()
 
     # --- pubsub ----------------------------------------------------------------------
     async def subscribe(self, topic: str) -> Any:
@@ -384,6 +394,9 @@ class Node:
             self._lanes_wanted.discard(peer)
         if info.addrs:
             self._dialled[peer] = info.addrs[0]
+        if self.config.certificate is not None:
+            # Once per connection, to nodes that serve admitted peers only (admission rule 2).
+            await present(self.host, peer, self.config.certificate)
         if self.dht is not None:
             try:
                 # Bounded: a full routing-table bucket makes py-libp2p ping its oldest peer.
@@ -728,6 +741,9 @@ class Node:
             outcome = "ok"
         except (NoProviders, FetchFailed) as exc:
             outcome = "not_found" if isinstance(exc, NoProviders) else "failed"
+            reasons = self._refusals(providers)
+            if reasons:
+                raise type(exc)(f"{exc}; " + "; ".join(reasons)) from None
             raise
         except trio.Cancelled:
             outcome = "cancelled"
@@ -752,6 +768,34 @@ class Node:
             return await self._fetch(ref, providers, self._counted(progress, counted), recursive)
         except BaseExceptionGroup as group:
             raise unwrap_single(group) from None
+
+    def refused(self, peer: str, message: str) -> None:
+        """A provider answered an error (p2p.fetch.downloader.RefusalAware): remember an
+        admission refusal (bounded: one line per peer, MAX_REFUSALS peers)."""
+        if not message.startswith(UNADMITTED):
+            return
+        if peer not in self.refusals and len(self.refusals) >= MAX_REFUSALS:
+            del self.refusals[next(iter(self.refusals))]
+        self.refusals[peer] = message
+        self._refusal.set()
+        self._refusal = trio.Event()
+
+    def _refusals(self, providers: Sequence[str]) -> list[str]:
+        """Why named providers refused us, if they did (admission rule 3): the one thing
+        a user who forgot --certificate needs to read."""
+        named = [a.rsplit("/p2p/", 1)[-1] for a in providers if "/p2p/" in a]
+        return [f"{p} refused us: {self.refusals[p]}" for p in named if p in self.refusals]
+
+    async def _end_when_all_refuse(self, dials: _Dials, blob_id: str) -> None:
+        """Without a DHT to find others, a fetch whose every provider refused us for want
+        of admission is over: say so now rather than after the discovery timeout."""
+        if self.dht is not None:
+            return
+        while True:
+            await self._refusal.wait()
+            peers = set(self.connected_peers()) | set(dials.peers)
+            if dials.pending == 0 and peers and peers <= set(self.refusals):
+                raise NoProviders(f"no provider of {blob_id} would serve us")
 
     def _counted(
         self, progress: ProgressCallback | None, counted: dict[str, int]
@@ -819,6 +863,7 @@ class Node:
             for addr in dict.fromkeys(addrs):
                 dials.pending += 1
                 nursery.start_soon(self._dial_into, addr, dials)
+            nursery.start_soon(self._end_when_all_refuse, dials, blob_id)
             await self._fetch_one(blob_id, dials, progress)
             entries = (
                 await trio.to_thread.run_sync(self.store.collection_entries, blob_id)
@@ -1120,6 +1165,10 @@ async def open_node(
             raise ListenFailed(
                 f"could not listen on {', '.join(config.listen)} (address in use or not local?)"
             )
+        if config.admission is not None:
+            server.gate = install_gate(host, config.admission)  # before anything is served
+        else:
+            open_answer(host)
         if config.upload:
             server.install(host)  # every protocol version the server speaks
         kad = KadDHT(host, DHTMode.SERVER) if config.dht else None
@@ -1134,7 +1183,7 @@ async def open_node(
 
             # Liars banned by earlier processes on this store start distrusted here too.
             await trio.to_thread.run_sync(peer_memory.load, store, node.scores, trio.current_time())
-            names.install(node)
+            names.install(node).admitted = None if server.gate is None else server.gate.admitted
             nursery.start_soon(names.run_names, node)
             for addr in config.bootstrap:
                 try:
