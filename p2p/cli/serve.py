@@ -31,6 +31,7 @@ from p2p.cli.common import (
     upload_rate,
     verbose_option,
 )
+from p2p.cli.config import config_options, to_toml
 from p2p.cli.fleet import Fleet, fleet_options
 from p2p.cli.nat import (
     NAT_DEFAULT_LISTEN,
@@ -118,6 +119,7 @@ def _run_server(
 
 @click.command()
 @fleet_options
+@config_options
 @listen_option
 @bootstrap_option
 @click.option("--no-dht", is_flag=True, help="Do not run the Kademlia DHT.")
@@ -143,6 +145,7 @@ def serve(
     assume_private: bool,
     as_json: bool,
     verbose: int,
+    print_config: bool,
     fleet: Fleet,
 ) -> None:
     """Serve this store's blobs until SIGINT or SIGTERM.
@@ -152,6 +155,9 @@ def serve(
     With --relay, a node that the relay cannot dial back (behind NAT) reserves a slot
     there and its ready line names its circuit address instead.
     """
+    if print_config:
+        click.echo(to_toml(ctx.params), nl=False)
+        return
     setup_logging(verbose)
     nat = NatSetup(relays, certificate_path, assume_private)
     store, key = _serve_checks(ctx, bootstrap)
