@@ -25,10 +25,26 @@ class _DropLibraries(logging.Filter):
 
 
 _FILTER = _DropLibraries()
+# Whether the program chose (``quiet_libraries`` was called): then nodes leave it alone.
+_chosen = False
 
 
 def quiet_libraries(quiet: bool = True) -> None:
-    """Drop (``quiet``) or show the quiet libraries' records that reach ``lastResort``."""
+    """Drop (``quiet``) or show the quiet libraries' records that reach ``lastResort``:
+    the program's choice, which nodes then leave alone."""
+    global _chosen
+    _chosen = True
+    _apply(quiet)
+
+
+def quiet_unless_chosen() -> None:
+    """What a node does when it starts: quiet, unless the program chose otherwise (the
+    CLI's -vv; an embedding program that called ``quiet_libraries(False)``)."""
+    if not _chosen:
+        _apply(True)
+
+
+def _apply(quiet: bool) -> None:
     handler = logging.lastResort
     if handler is None:
         return

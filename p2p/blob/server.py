@@ -63,6 +63,7 @@ from blobstore import (
 )
 from p2p.blob import protocol as proto
 from p2p.blob.pacing import Pacer
+from p2p.blob.served import ServedLog
 from p2p.blob.shell import StreamLost, close_quietly, read_some, reset_quietly, write_all
 from p2p.blob.swarm import FELLOW_WINDOW, SwarmBook, fetching_board, listing
 from p2p.transport.fast import fast_stream_of
@@ -225,6 +226,8 @@ class BlobServer:
         self.swarm = SwarmBook()
         self._addrs_cache: dict[str, tuple[float, list[str]]] = {}
         self.host: Any = None
+        # One log line per blob a peer fetched (p2p.blob.served), at INFO (-v).
+        self.served = ServedLog()
         # Who may be served (p2p.node.admission.Gate: ``admitted(peer)`` and the refusal's
         # ``message``); None: everyone.
         self.gate: Any = None
@@ -263,6 +266,7 @@ class BlobServer:
             self.stats.busy_rejections += 1
             await self._refuse(stream, reason)
             return
+        self.served.begin(peer)
         try:
             conn = proto.ServerConnection(
                 max_pipelined=max_pipelined,
@@ -279,6 +283,8 @@ class BlobServer:
             await reset_quietly(stream)
         finally:
             self.streams.release(peer, ip, 1)
+            for line in self.served.end(peer):
+                log.info("%s", line)
 
     async def _refuse(self, stream: Any, reason: str) -> None:
         """Answer a stream over the stream budget: its first request gets `busy`, then the
@@ -571,6 +577,7 @@ class BlobServer:
         size: int,
     ) -> None:
         missing: list[int] = []
+        peer = str(stream.muxed_conn.peer_id)
         verified = self._verified_bits(request.blob_id, manifest.num_chunks)
         # Our fast path seals the payload before write() returns, so one buffer serves
         # every chunk; py-libp2p's own stack gets a copy per slice, as bytes.
@@ -606,6 +613,7 @@ class BlobServer:
                     await self._send(stream, frame, copy=copy_out)
                     self.stats.chunks_sent += 1
                     self.stats.bytes_sent += length
+                    self.served.sent(peer, request.blob_id, length, trio.current_time())
         finally:
             reader.close()
         await self._send(stream, conn.send_response(proto.End(tuple(missing))))

@@ -354,6 +354,7 @@ def get(
                 # for chunks it stays a little (p2p.blob.swarm rule 5), so the tail of the
                 # swarm is not left to the seeder alone.
                 scheduler=SchedulerConfig(linger_while_asked=not no_upload),
+                dht_server=False,  # gone in a moment: servers must not keep it in their tables
             )
             bar = ProgressBar(enabled=not no_progress and not as_json and sys.stderr.isatty())
             seed = None if seed_for is None else Seeding(seed_for, bar, finish)

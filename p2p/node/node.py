@@ -96,8 +96,10 @@ from p2p.errors import (
 )
 from p2p.fetch.downloader import Progress, ProgressCallback, download_blob
 from p2p.fetch.scheduler import PeerScores, SchedulerConfig, StripeConfig
+from p2p.logs import quiet_unless_chosen
 from p2p.metrics import Metrics
 from p2p.node.admission import UNADMITTED, install_gate, open_answer, present
+from p2p.node.dht_hygiene import forget_clients_on_disconnect
 from p2p.transport.fast import connection_rtt
 from p2p.transport.host import build_host
 
@@ -249,6 +251,10 @@ class NodeConfig:
     # Serve blobs, names and status only to peers admitted by one of these authorities
     # (p2p.node.admission); None: serve everyone.
     admission: TrustStore | None = None
+    # Answer DHT queries and ask to be in others' routing tables (Kademlia server mode).
+    # A short-lived node (one `blob get`) runs in client mode: it queries the DHT but no
+    # server keeps it in its table after it is gone (p2p.node.dht_hygiene).
+    dht_server: bool = True
 
 
 class Node:
@@ -735,9 +741,9 @@ class Node:
         """
         started = trio.current_time()
         outcome = "failed"
-        counted: dict[str, int] = {}
+        tally = _Tally()
         try:
-            blob_id = await self._fetch_unwrapped(ref, providers, progress, counted, recursive)
+            blob_id = await self._fetch_unwrapped(ref, providers, progress, tally, recursive)
             outcome = "ok"
         except (NoProviders, FetchFailed) as exc:
             outcome = "not_found" if isinstance(exc, NoProviders) else "failed"
@@ -749,9 +755,12 @@ class Node:
             outcome = "cancelled"
             raise
         finally:
-            self.metrics.fetch_ended(outcome, trio.current_time() - started)
-            for seen in counted:
+            seconds = trio.current_time() - started
+            self.metrics.fetch_ended(outcome, seconds)
+            for seen in tally.last:
                 self.transfers.pop(seen, None)
+            for line in tally.lines(outcome, seconds):
+                log.info("%s", line)
         if announce:
             await self._announce(blob_id)
         return blob_id
@@ -761,11 +770,11 @@ class Node:
         ref: str,
         providers: Sequence[str],
         progress: ProgressCallback | None,
-        counted: dict[str, int],
+        tally: _Tally,
         recursive: bool,
     ) -> str:
         try:
-            return await self._fetch(ref, providers, self._counted(progress, counted), recursive)
+            return await self._fetch(ref, providers, self._counted(progress, tally), recursive)
         except BaseExceptionGroup as group:
             raise unwrap_single(group) from None
 
@@ -797,18 +806,16 @@ class Node:
             if dials.pending == 0 and peers and peers <= set(self.refusals):
                 raise NoProviders(f"no provider of {blob_id} would serve us")
 
-    def _counted(
-        self, progress: ProgressCallback | None, counted: dict[str, int]
-    ) -> ProgressCallback:
-        """``progress``, and the received-bytes counter and ``transfers`` kept up to date
-        (``counted``: bytes already counted, by blob ID of this fetch)."""
+    def _counted(self, progress: ProgressCallback | None, tally: _Tally) -> ProgressCallback:
+        """``progress``, and the received-bytes counter, ``transfers`` and ``tally`` kept
+        up to date."""
 
         def on_progress(update: Progress) -> None:
             fetched = sum(update.new_bytes.values())
-            grown = fetched - counted.get(update.blob_id, 0)
-            counted.setdefault(update.blob_id, 0)
+            previous = tally.last.get(update.blob_id)
+            grown = fetched - (sum(previous.new_bytes.values()) if previous else 0)
+            tally.last[update.blob_id] = update
             if grown > 0:
-                counted[update.blob_id] = fetched
                 self.metrics.bytes_received.labels(protocol="blob").inc(grown)
             if update.finished:
                 self.transfers.pop(update.blob_id, None)
@@ -1098,6 +1105,29 @@ class Node:
         await trio.to_thread.run_sync(self.store.export, blob_id, Path(dest))
 
 
+class _Tally:
+    """What one fetch received, by blob: the latest progress of each (its log lines)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, Progress] = {}
+
+    def lines(self, outcome: str, seconds: float) -> list[str]:
+        """One line per blob fetched (at INFO, ``-v``): peers, bytes, time, outcome."""
+        out = []
+        for blob_id, progress in self.last.items():
+            peers = ", ".join(
+                f"{peer} ({count} B)" for peer, count in progress.new_bytes.items() if count
+            )
+            out.append(
+                f"fetched {blob_id[:12]}: {sum(progress.new_bytes.values())} bytes "
+                f"from {peers or 'nobody'} in {progress.elapsed:.2f} s "
+                f"({outcome if not progress.finished else 'ok'})"
+            )
+        if not out and outcome != "ok":
+            out.append(f"fetch ended {outcome} after {seconds:.2f} s, nothing received")
+        return out
+
+
 class _Dials:
     """The named providers of one fetch, dialled at once (``Node._dial_into``)."""
 
@@ -1146,6 +1176,7 @@ async def open_node(
         config = NodeConfig(
             listen=tuple(listen), bootstrap=tuple(bootstrap), dht=dht, fast=fast, pubsub=pubsub
         )
+    quiet_unless_chosen()  # py-libp2p's routine churn is not the embedding program's
     if not isinstance(store, Store):
         store = await trio.to_thread.run_sync(_open_store, store)
     key_pair = _key_pair(key, Path(key_path) if key_path is not None else None)
@@ -1171,7 +1202,10 @@ async def open_node(
             open_answer(host)
         if config.upload:
             server.install(host)  # every protocol version the server speaks
-        kad = KadDHT(host, DHTMode.SERVER) if config.dht else None
+        mode = DHTMode.SERVER if config.dht_server else DHTMode.CLIENT
+        kad = KadDHT(host, mode) if config.dht else None
+        if kad is not None and config.dht_server:
+            forget_clients_on_disconnect(host, kad)
         floodsub: Any = _make_pubsub(host) if config.pubsub else None
         async with _maybe_service(kad), _maybe_service(floodsub), trio.open_nursery() as nursery:
             if floodsub is not None:
