@@ -31,6 +31,7 @@ SERVE_KEYS = {
     "no_dht": "no_dht",
     "verify_reads": "verify_reads",
     "upload_limit": "upload_limit",
+    "download_limit": "download_limit",
     "relay": "relays",
     "certificate": "certificate_path",
     "assume_private": "assume_private",

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from p2p.blob.pacing import MIN_UPLOAD_LIMIT
+
 if TYPE_CHECKING:
     from identity import TrustStore
     from p2p.node.node import Node
@@ -34,6 +36,11 @@ class Fleet:
 
     authorities: tuple[str, ...] = ()
     metrics: str | None = None
+    download_limit: float | None = None  # MB/s, as given
+
+    def download_rate(self) -> float | None:
+        """Bytes per second for NodeConfig.download_limit."""
+        return None if self.download_limit is None else self.download_limit * 1e6
 
     def trust(self) -> TrustStore | None:
         """The authorities as a trust store (None: serve everyone)."""
@@ -113,13 +120,29 @@ def summary(node: Node, seconds: float) -> str:
 
 
 def fleet_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--authority`` and ``--metrics``, handed to ``command`` as ``fleet``."""
+    """``--authority``, ``--metrics`` and ``--download-limit``, handed to ``command`` as
+    ``fleet``."""
 
     @functools.wraps(command)
-    def wrapper(*args: Any, authorities: tuple[str, ...], metrics: str | None, **kw: Any) -> Any:
+    def wrapper(
+        *args: Any,
+        authorities: tuple[str, ...],
+        metrics: str | None,
+        download_limit: float | None,
+        **kw: Any,
+    ) -> Any:
         if metrics is not None:
             parse_metrics_addr(metrics)  # a usage error before anything starts
-        return command(*args, fleet=Fleet(tuple(authorities), metrics), **kw)
+        return command(*args, fleet=Fleet(tuple(authorities), metrics, download_limit), **kw)
+
+    wrapper = click.option(
+        "--download-limit",
+        "download_limit",
+        type=click.FloatRange(min=MIN_UPLOAD_LIMIT / 1e6),
+        metavar="MB/S",
+        help="Receive at most this many MB/s in this node's fetches, all together (default: "
+        "no limit).",
+    )(wrapper)
 
     wrapper = click.option(
         "--metrics",

@@ -169,6 +169,7 @@ def serve(
         upload_limit=upload_rate(upload_limit),
         admission=fleet.trust(),
         certificate=nat.certificate,
+        download_limit=fleet.download_rate(),
     )
 
     def ready(node: Node, reach: Reachable | None) -> None:

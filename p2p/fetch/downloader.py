@@ -89,6 +89,7 @@ from blobstore import (
 )
 from p2p.blob import protocol as proto
 from p2p.blob.buffers import ChunkBuffers
+from p2p.blob.pacing import Pacer
 from p2p.blob.shell import BlobClient, ProtocolRefused, StreamLost, open_optimistic, reset_quietly
 from p2p.blob.swarm import LINGER_MAX, LINGER_QUIET, FetchingBoard, fetching_board
 from p2p.errors import FetchFailed, NoProviders
@@ -266,6 +267,15 @@ class StripedNetwork(Protocol):
     def connection_count(self, peer: str) -> int: ...
 
     def connection_rtt(self, peer: str) -> float | None: ...
+
+
+@runtime_checkable
+class PacedNetwork(Protocol):
+    """A network whose fetches share a download limit (``p2p.node.node.Node``): a token
+    bucket (p2p.blob.pacing) that each arriving chunk draws on before the next is read, so
+    TCP's flow control slows the senders."""
+
+    download_pacer: Pacer | None
 
 
 @runtime_checkable
@@ -624,6 +634,7 @@ class Download:
         self.network = network
         self.probes = probes
         self.scores = scores
+        self.pacer = network.download_pacer if isinstance(network, PacedNetwork) else None
         self.store = store
         self.manifest = manifest
         self.blob_id = manifest.blob_id
@@ -1250,6 +1261,8 @@ class Download:
         stream receives the next one meanwhile. Raising leaves the buffer to the caller."""
         if writes.bad_index is not None:
             raise BadChunk(writes.bad_index)  # this peer already sent a corrupt chunk
+        if self.pacer is not None:
+            await trio.sleep(self.pacer.delay(len(data), trio.current_time()))
         if not self.scheduler.expects(ticket.request_id, index):
             # The request was released meanwhile (its peer banned or dropped on another
             # stream); the protocol core already checked the index against the request.

@@ -74,6 +74,7 @@ from multiaddr import Multiaddr
 from blobstore import BlobNotFound, Store
 from identity import MachineKey, TrustStore, load_or_create_key
 from p2p.blob import protocol as proto
+from p2p.blob.pacing import Pacer
 from p2p.blob.server import BlobServer
 from p2p.blob.shell import (
     MULTISTREAM,
@@ -237,6 +238,9 @@ class NodeConfig:
     # Bytes per second this node's server sends at most, to all peers together (p2p.blob.pacing;
     # at least p2p.blob.pacing.MIN_UPLOAD_LIMIT). None: as fast as the link goes.
     upload_limit: float | None = None
+    # Bytes per second this node's fetches receive at most, all together (a token bucket
+    # that each arriving chunk draws on before the next is read). None: no limit.
+    download_limit: float | None = None
     # Ask a fetch's providers which other peers fetch the same blob and fetch from them
     # too (p2p.blob.swarm; issue 21).
     peer_exchange: bool = True
@@ -311,6 +315,12 @@ class Node:
         # Providers that serve admitted peers only and refused us, with their one line
         # (p2p.node.admission rule 3), and an event set when one more did.
         self.refusals: dict[str, str] = {}
+        # p2p.fetch.downloader.PacedNetwork: what NodeConfig.download_limit allows.
+        self.download_pacer = (
+            None
+            if config.download_limit is None
+            else Pacer(config.download_limit, trio.current_time())
+        )
         self._refusal = trio.Event()
 
     # --- pubsub ----------------------------------------------------------------------

@@ -83,3 +83,17 @@ def test_get_and_status_use_the_running_daemon(cluster: Cluster, tmp_path: Path)
     print(f"1 MiB get wall time: via daemon {warm_wall:.2f} s, own node {own_wall:.2f} s")
     missing = run_blob(cluster.store("b"), cluster.key("b"), "status", check=False)
     assert missing.returncode == 3 and "no node is serving" in missing.stderr
+
+
+def test_a_download_limit_paces_the_daemons_fetches(cluster: Cluster, tmp_path: Path) -> None:
+    """serve --download-limit caps what its fetches receive: 5 MiB at 2 MB/s takes at
+    least 1.6 s (a 1 MiB burst and one chunk taken on credit, then the rate), where
+    unpaced it takes a few tens of ms here."""
+    size = 5 << 20
+    blob_id = cluster.put_here("a", random_file(tmp_path / "w.bin", size, seed=4))
+    source = cluster.serve("a")
+    cluster.serve("b", "--download-limit", "2")
+    got = cluster.get("b", blob_id, "--peer", source.addr)
+    assert got["via"] == "daemon" and got["peers"][source.peer_id]["bytes"] == size
+    floor = (size - (2 << 20)) / 2e6
+    assert floor * 0.95 <= got["seconds"] < 30, got

@@ -20,11 +20,12 @@ def test_the_file_gives_defaults_and_flags_win(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text(
         '[serve]\nlisten = ["/ip4/127.0.0.1/tcp/4001"]\nupload-limit = 50\n'
-        'metrics = "127.0.0.1:9464"\nno_dht = true\n'
+        'metrics = "127.0.0.1:9464"\nno_dht = true\ndownload-limit = 20\n'
     )
     merged = _serve(tmp_path, "--config", str(config), "--print-config")
     assert 'listen = ["/ip4/127.0.0.1/tcp/4001"]' in merged
     assert "upload-limit = 50.0" in merged and "no-dht = true" in merged
+    assert "download-limit = 20.0" in merged
     flagged = _serve(
         tmp_path, "--config", str(config), "--print-config",
         "--upload-limit", "7", "--listen", "/ip4/127.0.0.1/tcp/5001",
