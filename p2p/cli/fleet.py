@@ -51,14 +51,16 @@ class Fleet:
         return load_trust(self.authorities, None)
 
     @asynccontextmanager
-    async def running(self, node: Node, reach: Any, role: str) -> AsyncIterator[None]:
+    async def running(
+        self, node: Node, reach: Any, role: str, relay: Any = None
+    ) -> AsyncIterator[None]:
         """The local API and the metrics endpoint beside ``node``; the summary at the end."""
         from p2p.daemon.server import serve_api
         from p2p.daemon.status import DaemonInfo
 
         trust = node.config.admission
         authorities = tuple(sorted(k.hex() for k in trust.authorities)) if trust else ()
-        info = DaemonInfo(role, reach=reach, authorities=authorities)
+        info = DaemonInfo(role, reach=reach, authorities=authorities, relay=relay)
         started = time.monotonic()
         stop_http: Callable[[], None] | None = None
         try:

@@ -56,7 +56,7 @@ class Daemon:
         self.node = node
         self.info = info
         self.store_count = StoreCount()
-        node.metrics.registry.register(NodeCollector(node, self.store_count))
+        node.metrics.registry.register(NodeCollector(node, self.store_count, info))
         self._clients = 0
 
     def status(self) -> dict[str, Any]:

@@ -36,6 +36,7 @@ class DaemonInfo:
     started_at: float = field(default_factory=time.time)
     reach: Any = None  # p2p.nat.punch.Reachable, when relays were asked
     authorities: tuple[str, ...] = ()
+    relay: Any = None  # p2p.nat.relay.AdmittedRelay, on a relay: its byte count
     extra: dict[str, Callable[[], Any]] = field(default_factory=dict)
 
 
@@ -154,6 +155,7 @@ def node_status(node: Node, info: DaemonInfo, store_count: StoreCount) -> dict[s
         },
         "names": names_served(node),
         "dht_peers": dht_size(node),
+        "relayed_bytes": None if info.relay is None else info.relay.relayed_bytes,
         "bad_chunks_by_peer": dict(node.scores.bad_chunks),
     }
     for key, read in info.extra.items():
@@ -178,9 +180,10 @@ def trio_now() -> float:
 class NodeCollector(Collector):
     """The metrics read from the node when scraped (p2p.metrics rule 3)."""
 
-    def __init__(self, node: Node, store_count: StoreCount) -> None:
+    def __init__(self, node: Node, store_count: StoreCount, info: DaemonInfo) -> None:
         self.node = node
         self.store_count = store_count
+        self.info = info
 
     def collect(self) -> Iterator[Any]:
         node = self.node
@@ -226,7 +229,7 @@ class NodeCollector(Collector):
         relay = CounterMetricFamily(
             "blobnet_relay_bytes", "Bytes this node relayed for others (a relay only)."
         )
-        relay.add_metric([], getattr(node, "relayed_bytes", 0))
+        relay.add_metric([], 0 if self.info.relay is None else self.info.relay.relayed_bytes)
         yield relay
         count = self.store_count.refresh(node, trio_now())
         store_bytes = GaugeMetricFamily("blobnet_store_bytes", "Bytes of complete blobs held.")

@@ -97,3 +97,25 @@ def test_a_download_limit_paces_the_daemons_fetches(cluster: Cluster, tmp_path: 
     assert got["via"] == "daemon" and got["peers"][source.peer_id]["bytes"] == size
     floor = (size - (2 << 20)) / 2e6
     assert floor * 0.95 <= got["seconds"] < 30, got
+
+
+def test_a_relay_answers_status_and_metrics(cluster: Cluster) -> None:
+    """`blob relay` runs the local API too: its role, and the bytes it relayed as a metric."""
+    from identity import Authority, MachineKey
+    from identity.signer import SoftwareSigner
+
+    from .conftest import LISTEN, NodeProcess, blob_cmd
+
+    authority = Authority(SoftwareSigner(MachineKey.generate()))
+    (cluster.root / "relay").mkdir(parents=True, exist_ok=True)
+    cmd = blob_cmd(
+        cluster.store("relay"), cluster.key("relay"), "relay", "--json", "--no-dht",
+        "--listen", LISTEN, "--authority", authority.public_key_bytes.hex(),
+    )  # fmt: skip
+    relay = NodeProcess(cmd, "relay", cluster.root / "relay" / "relay.log")
+    cluster.nodes.append(relay)
+    daemon = connect(cluster.store("relay"))
+    assert daemon is not None
+    status = daemon.status()
+    assert status["role"] == "relay" and status["relayed_bytes"] == 0
+    assert "blobnet_relay_bytes_total 0.0" in daemon.metrics()
