@@ -119,3 +119,19 @@ def test_a_relay_answers_status_and_metrics(cluster: Cluster) -> None:
     status = daemon.status()
     assert status["role"] == "relay" and status["relayed_bytes"] == 0
     assert "blobnet_relay_bytes_total 0.0" in daemon.metrics()
+
+
+def test_a_plain_program_attaches_to_the_daemon(cluster: Cluster, tmp_path: Path) -> None:
+    """open_blocking on a store that a serve runs on drives that daemon (same peer ID, no
+    second node); on a store without one it is a BlockingNode of its own."""
+    from p2p.daemon.attach import AttachedNode, open_blocking
+    from p2p.node.blocking import BlockingNode
+
+    blob_id = cluster.put_here("a", random_file(tmp_path / "w.bin", 64 * 1024, seed=6))
+    source = cluster.serve("a")
+    daemon = cluster.serve("b")
+    with open_blocking(cluster.store("b")) as node:
+        assert isinstance(node, AttachedNode) and node.peer_id == daemon.peer_id
+        assert node.fetch(blob_id, providers=[source.addr]) == blob_id
+        assert node.store.has(blob_id)
+    assert isinstance(open_blocking(tmp_path / "elsewhere"), BlockingNode)
