@@ -258,9 +258,6 @@ class BlobServer:
             tentative = protocol_id == proto.PROTOCOL_ID_1_5
         except Exception:
             pass
-        if self.gate is not None and not self.gate.admitted(peer):
-            await self._fail(stream, error_frame(proto.ErrorCode.NOT_FOUND, self.gate.message))
-            return
         reason = self.streams.acquire(peer, ip, 1)
         if reason is not None:
             self.stats.busy_rejections += 1
@@ -268,6 +265,10 @@ class BlobServer:
             return
         self.served.begin(peer)
         try:
+            if self.gate is not None and not self.gate.admitted(peer):
+                # Within the stream budget: a flood of unadmitted streams is bounded too.
+                await self._fail(stream, error_frame(proto.ErrorCode.NOT_FOUND, self.gate.message))
+                return
             conn = proto.ServerConnection(
                 max_pipelined=max_pipelined,
                 peer_exchange=peer_exchange,
