@@ -120,7 +120,7 @@ def node_status(node: Node, info: DaemonInfo, store_count: StoreCount) -> dict[s
     if node.advertised:
         reachability = "relayed"
     conns = connections(node)
-    count = store_count.refresh(node, trio_now())
+    count = store_count.refresh(node, _monotonic())
     transfers = [
         {
             "id": blob_id,
@@ -173,7 +173,7 @@ def names_served(node: Node) -> list[dict[str, Any]]:
     return [{"name": r.name, "id": r.blob_id, "seq": r.seq} for r in records[:MAX_LISTED]]
 
 
-def trio_now() -> float:
+def _monotonic() -> float:
     return time.monotonic()
 
 
@@ -231,7 +231,7 @@ class NodeCollector(Collector):
         )
         relay.add_metric([], 0 if self.info.relay is None else self.info.relay.relayed_bytes)
         yield relay
-        count = self.store_count.refresh(node, trio_now())
+        count = self.store_count.refresh(node, _monotonic())
         store_bytes = GaugeMetricFamily("blobnet_store_bytes", "Bytes of complete blobs held.")
         store_bytes.add_metric([], count.bytes)
         yield store_bytes
