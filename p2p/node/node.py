@@ -1175,16 +1175,23 @@ async def open_node(
     dht: bool = True,
     fast: bool = True,
     pubsub: bool = False,
+    dht_server: bool = True,
     config: NodeConfig | None = None,
 ) -> AsyncIterator[Node]:
     """Run a node for the duration of the ``async with`` block.
 
     ``key``/``key_path``: the machine identity (a fresh ephemeral key if neither is given).
     ``bootstrap``: DHT bootstrap peers, dialled at start (a failed one is logged).
+    ``dht_server``: False for a short-lived node (NodeConfig.dht_server).
     """
     if config is None:
         config = NodeConfig(
-            listen=tuple(listen), bootstrap=tuple(bootstrap), dht=dht, fast=fast, pubsub=pubsub
+            listen=tuple(listen),
+            bootstrap=tuple(bootstrap),
+            dht=dht,
+            fast=fast,
+            pubsub=pubsub,
+            dht_server=dht_server,
         )
     quiet_unless_chosen()  # py-libp2p's routine churn is not the embedding program's
     if not isinstance(store, Store):

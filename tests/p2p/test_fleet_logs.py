@@ -21,7 +21,9 @@ GETS = 3  # each a fresh peer ID; the goal's 50 differ only in count
 BLOCKING_FETCH = """
 import sys
 from p2p import BlockingNode
-with BlockingNode(sys.argv[1], listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[sys.argv[2]]) as node:
+with BlockingNode(
+    sys.argv[1], listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[sys.argv[2]], dht_server=False
+) as node:
     node.fetch(sys.argv[3])
 """
 
@@ -55,6 +57,7 @@ def test_short_lived_clients_leave_no_trace_and_transfers_are_logged(
     )  # fmt: skip
     assert blocking.returncode == 0, blocking.stderr
     assert blocking.stderr == ""
+    assert wait_until(lambda: daemon.status()["dht_peers"] == 0, 10), daemon.status()
 
     server.stop()
     log = server.log_path.read_text()
