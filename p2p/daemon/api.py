@@ -34,7 +34,10 @@ MAX_PROVIDERS = 64
 MAX_EVENT_BYTES = 16 * 1024 * 1024
 # sun_path holds 108 bytes with its NUL: a longer socket path cannot be bound or dialled.
 MAX_SOCKET_PATH = 107
-OPS = ("hello", "status", "metrics", "fetch", "announce")
+OPS = ("hello", "status", "metrics", "fetch", "announce", "resolve")
+# A resolve waits for peers and the DHT at most this long (blob resolve --wait's ceiling).
+MAX_RESOLVE_WAIT = 600.0
+MAX_AUTHORITIES = 64
 ERROR_CODES = ("bad_request", "unsupported_version", "busy", "internal")
 
 
@@ -100,6 +103,36 @@ def fetch_args(request: Request) -> tuple[str, list[str], bool]:
     if len(providers) > MAX_PROVIDERS:
         raise ApiError("bad_request", f"at most {MAX_PROVIDERS} providers")
     return blob_id, providers, bool(request.args.get("recursive", True))
+
+
+def resolve_args(request: Request) -> tuple[str, float, list[bytes], list[str], bool]:
+    """``resolve``'s (reference, wait, authority keys, peers to dial first, use the DHT)."""
+    ref = request.args.get("ref")
+    if not isinstance(ref, str) or len(ref) > MAX_REQUEST_BYTES // 4:
+        raise ApiError("bad_request", "ref must be a PUBLISHER/NAME string")
+    wait = request.args.get("wait_s", 5.0)
+    if not isinstance(wait, int | float) or not 0 < wait <= MAX_RESOLVE_WAIT:
+        raise ApiError(
+            "bad_request", f"wait_s must be a number of seconds up to {MAX_RESOLVE_WAIT:g}"
+        )
+    authorities = request.args.get("authorities", [])
+    try:
+        keys = [bytes.fromhex(a) for a in authorities]
+    except (TypeError, ValueError):
+        keys = []
+    if (
+        not isinstance(authorities, list)
+        or len(keys) != len(authorities)
+        or any(len(k) != 32 for k in keys)
+        or len(keys) > MAX_AUTHORITIES
+    ):
+        raise ApiError("bad_request", "authorities must be a list of 64-hex-digit keys")
+    peers = request.args.get("peers", [])
+    if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
+        raise ApiError("bad_request", "peers must be a list of multiaddr strings")
+    if len(peers) > MAX_PROVIDERS:
+        raise ApiError("bad_request", f"at most {MAX_PROVIDERS} peers")
+    return ref, float(wait), keys, peers, bool(request.args.get("dht", True))
 
 
 def error_event(exc: BaseException) -> dict[str, Any]:

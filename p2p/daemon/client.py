@@ -13,10 +13,13 @@ import json
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2p.daemon import api
 from p2p.errors import P2PError
+
+if TYPE_CHECKING:
+    from p2p.names.record import NameRecord
 
 # Connecting to a local socket takes microseconds; a daemon too loaded to accept within
 # a second is treated as absent and the command runs on its own.
@@ -37,6 +40,26 @@ class DaemonRefused(P2PError):
         super().__init__(message)
         self.code = code
         self.exit_code = exit_code
+
+
+class DaemonFailure(Exception):
+    """An operation failed in the daemon; the subclass for each exit status carries it as
+    the ``blob`` program's error boundary expects (a class attribute)."""
+
+    exit_code = 1
+
+
+_FAILURES: dict[int, type[DaemonFailure]] = {}
+
+
+def as_command_error(exc: DaemonRefused) -> Exception:
+    """The daemon's error as the command would have raised it: its message, its exit
+    status."""
+    kind = _FAILURES.get(exc.exit_code)
+    if kind is None:
+        kind = type(f"DaemonFailure{exc.exit_code}", (DaemonFailure,), {"exit_code": exc.exit_code})
+        _FAILURES[exc.exit_code] = kind
+    return kind(str(exc))
 
 
 class DaemonClient:
@@ -92,6 +115,24 @@ class DaemonClient:
 
     def metrics(self) -> str:
         return str(self.request("metrics")["text"])
+
+    def resolve(
+        self,
+        ref: str,
+        *,
+        wait_s: float = 5.0,
+        authorities: Sequence[bytes] = (),
+        peers: Sequence[str] = (),
+        dht: bool = True,
+    ) -> NameRecord:
+        """The record the daemon resolved ``ref`` to (it verified it)."""
+        from p2p.names.record import NameRecord
+
+        result = self.request(
+            "resolve", ref=ref, wait_s=wait_s, authorities=[k.hex() for k in authorities],
+            peers=list(peers), dht=dht,
+        )  # fmt: skip
+        return NameRecord.decode(bytes.fromhex(str(result["record"])))
 
     def fetch(
         self,

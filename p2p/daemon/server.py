@@ -93,12 +93,31 @@ class Daemon:
         elif request.op == "metrics":
             text = await trio.to_thread.run_sync(self.node.metrics.render)
             result = {"text": text.decode()}
+        elif request.op == "resolve":
+            result = await self._resolve(request)
         elif request.op == "announce":
             blob_id, _providers, _recursive = api.fetch_args(request)
             result = {"id": blob_id, "provided": await self.node.provide(blob_id)}
         else:
             result = await self._fetch(stream, request)
         await _send(stream, {"event": "result", **result})
+
+    async def _resolve(self, request: api.Request) -> dict[str, Any]:
+        """The newest valid record for a name, found by the daemon's node (its peers, its
+        DHT table, the store's record cache), as ``blob resolve`` would."""
+        from identity import TrustStore
+        from p2p.errors import P2PError
+        from p2p.names import service as names
+
+        ref, wait_s, keys, peers, use_dht = api.resolve_args(request)
+        for addr in peers:
+            try:
+                await self.node.connect(addr)
+            except P2PError as exc:
+                log.info("resolve: %s", exc)
+        trust = TrustStore(frozenset(keys)) if keys else None
+        record = await names.resolve(self.node, ref, trust=trust, wait_s=wait_s, use_dht=use_dht)
+        return {"id": record.blob_id, "record": record.encode().hex()}
 
     async def _fetch(self, stream: trio.SocketStream, request: api.Request) -> dict[str, Any]:
         blob_id, providers, recursive = api.fetch_args(request)

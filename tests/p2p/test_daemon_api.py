@@ -135,3 +135,26 @@ def test_a_plain_program_attaches_to_the_daemon(cluster: Cluster, tmp_path: Path
         assert node.fetch(blob_id, providers=[source.addr]) == blob_id
         assert node.store.has(blob_id)
     assert isinstance(open_blocking(tmp_path / "elsewhere"), BlockingNode)
+
+
+def test_resolve_runs_in_the_daemon(cluster: Cluster, tmp_path: Path) -> None:
+    """blob resolve on a store a serve runs on asks that daemon ("via": "daemon"), which
+    dials the named peer and finds the record there; an unknown name is exit 3 as
+    without a daemon."""
+    blob_id = cluster.put_here("a", random_file(tmp_path / "w.bin", 4096, seed=8))
+    published = run_blob(
+        cluster.store("a"), cluster.key("a"), "publish", "run/w", blob_id, "--no-dht", "--json"
+    )
+    ref = json.loads(published.stdout)["ref"]
+    source = cluster.serve("a")
+    cluster.serve("b")
+    done = run_blob(
+        cluster.store("b"), cluster.key("b"), "resolve", ref, "--peer", source.addr, "--json"
+    )
+    record = json.loads(done.stdout)
+    assert record["via"] == "daemon" and record["id"] == blob_id
+    missing = run_blob(
+        cluster.store("b"), cluster.key("b"), "resolve", f"{source.peer_id}/nope",
+        "--wait", "0.5", check=False,
+    )  # fmt: skip
+    assert missing.returncode == 3, missing.stderr
