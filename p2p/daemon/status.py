@@ -156,7 +156,7 @@ def node_status(node: Node, info: DaemonInfo, store_count: StoreCount) -> dict[s
         "names": names_served(node),
         "dht_peers": dht_size(node),
         "relayed_bytes": None if info.relay is None else info.relay.relayed_bytes,
-        "bad_chunks_by_peer": dict(node.scores.bad_chunks),
+        "bad_chunks_by_peer": dict(node.bad_chunks),
     }
     for key, read in info.extra.items():
         status[key] = read()
@@ -197,7 +197,7 @@ class NodeCollector(Collector):
             "blobnet_chunks_failed_verification",
             "Chunks received that failed their BLAKE3 hash (the sender is banned).",
         )
-        bad.add_metric([], node.scores.bad_chunks_total)
+        bad.add_metric([], node.bad_chunks_total)
         yield bad
         refused = CounterMetricFamily(
             "blobnet_server_refusals",

@@ -279,6 +279,14 @@ class PacedNetwork(Protocol):
 
 
 @runtime_checkable
+class BadDataAware(Protocol):
+    """A network that counts chunks failing verification, by sender (``p2p.node.node.Node``:
+    its metrics and status)."""
+
+    def bad_chunk(self, peer: str) -> None: ...
+
+
+@runtime_checkable
 class RefusalAware(Protocol):
     """A network that wants to hear a provider's error answers (``p2p.node.node.Node``:
     a provider that serves admitted peers only says so in its ``not_found``)."""
@@ -1184,8 +1192,8 @@ class Download:
             failure = BadChunk(writes.bad_index)
         if isinstance(failure, BadChunk):
             log.warning("peer %s sent a corrupt chunk: banned for %s", peer, self.blob_id[:12])
-            if self.scores is not None:
-                self.scores.bad_chunk(peer)
+            if isinstance(self.network, BadDataAware):
+                self.network.bad_chunk(peer)
             self.scheduler.on_bad_chunk(ticket.request_id, failure.index, now())
             self._penalize(peer)
             self._notify()

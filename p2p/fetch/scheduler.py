@@ -1636,17 +1636,6 @@ class PeerScores:
     def __init__(self, config: ScoreConfig = ScoreConfig()) -> None:
         self._cfg = config
         self._scores: dict[str, tuple[float, float]] = {}  # peer -> (score, at time)
-        # Chunks that failed their hash, in all and by the latest peers that sent one
-        # (``blob status`` names them; at most ``max_peers`` remembered).
-        self.bad_chunks_total = 0
-        self.bad_chunks: dict[str, int] = {}
-
-    def bad_chunk(self, peer: str) -> None:
-        """``peer`` sent a chunk that failed its hash (counted for the operator)."""
-        self.bad_chunks_total += 1
-        self.bad_chunks[peer] = self.bad_chunks.pop(peer, 0) + 1
-        if len(self.bad_chunks) > self._cfg.max_peers:
-            del self.bad_chunks[next(iter(self.bad_chunks))]
 
     def penalize(self, peer: str, now: float, amount: float = 1.0) -> None:
         self._scores[peer] = (self.score(peer, now) + amount, now)

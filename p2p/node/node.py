@@ -123,6 +123,8 @@ MAX_CONNECTED_CANDIDATES = 32
 COLLECTION_PARALLELISM = 4
 # Admission refusals remembered (p2p.node.admission): one line per provider that said no.
 MAX_REFUSALS = 256
+# Senders of bad chunks named in status (the total is counted beyond them).
+MAX_BAD_PEERS = 1024
 # The multihash code of BLAKE3-256 (0x1e, length 0x20) prefixes blob IDs as DHT keys.
 DHT_KEY_PREFIX = "1e20"
 # Connections a fetch may stripe one provider's streams over (p2p.fetch.scheduler.StripeConfig).
@@ -315,6 +317,10 @@ class Node:
         # Providers that serve admitted peers only and refused us, with their one line
         # (p2p.node.admission rule 3), and an event set when one more did.
         self.refusals: dict[str, str] = {}
+        # Chunks received that failed their hash, in all and by the latest senders
+        # (p2p.fetch.downloader.BadDataAware; at most MAX_BAD_PEERS named).
+        self.bad_chunks_total = 0
+        self.bad_chunks: dict[str, int] = {}
         # p2p.fetch.downloader.PacedNetwork: what NodeConfig.download_limit allows.
         self.download_pacer = (
             None
@@ -787,6 +793,13 @@ class Node:
             return await self._fetch(ref, providers, self._counted(progress, tally), recursive)
         except BaseExceptionGroup as group:
             raise unwrap_single(group) from None
+
+    def bad_chunk(self, peer: str) -> None:
+        """``peer`` sent a chunk that failed its hash (the download bans it)."""
+        self.bad_chunks_total += 1
+        self.bad_chunks[peer] = self.bad_chunks.pop(peer, 0) + 1
+        if len(self.bad_chunks) > MAX_BAD_PEERS:
+            del self.bad_chunks[next(iter(self.bad_chunks))]
 
     def refused(self, peer: str, message: str) -> None:
         """A provider answered an error (p2p.fetch.downloader.RefusalAware): remember an
