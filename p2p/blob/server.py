@@ -72,6 +72,7 @@ from blobstore import (
 )
 from p2p.blob import protocol as proto
 from p2p.blob.pacing import Pacer
+from p2p.blob.served import ServedLog
 from p2p.blob.shell import StreamLost, close_quietly, read_some, reset_quietly, write_all
 from p2p.blob.swarm import FELLOW_WINDOW, FetchingBoard, SwarmBook, listing
 from p2p.transport.fast import fast_stream_of
@@ -380,6 +381,11 @@ class BlobServer:
         self.swarm = SwarmBook()
         self._addrs_cache: dict[str, tuple[float, list[str]]] = {}
         self.host: Any = None
+        # One log line per blob a peer fetched (p2p.blob.served), at INFO (-v).
+        self.served = ServedLog()
+        # Who may be served (p2p.node.admission.Gate: ``admitted(peer)`` and the refusal's
+        # ``message``); None: everyone.
+        self.gate: Any = None
 
     def install(self, host: Any) -> None:
         """Serve every protocol version (PROTOCOL.md section 1) on ``host``."""
@@ -411,7 +417,12 @@ class BlobServer:
             await self._refuse(stream, reason)
             return
         slot = _Slot(peer, ip)
+        self.served.begin(peer)
         try:
+            if self.gate is not None and not self.gate.admitted(peer):
+                # Within the stream budget: a flood of unadmitted streams is bounded too.
+                await self._fail(stream, error_frame(proto.ErrorCode.NOT_FOUND, self.gate.message))
+                return
             conn = proto.ServerConnection(version)
             await self._serve(stream, conn, slot)
         except Exception:
@@ -422,6 +433,8 @@ class BlobServer:
         finally:
             self.idle.working(slot)
             self._release(slot)
+            for line in self.served.end(peer):
+                log.info("%s", line)
 
     def _release(self, slot: _Slot) -> None:
         if slot.held:
@@ -732,6 +745,7 @@ class BlobServer:
         size: int,
     ) -> None:
         missing: list[int] = []
+        peer = str(stream.muxed_conn.peer_id)
         verified = self._verified_bits(request.blob_id, manifest.num_chunks)
         # Our fast path seals the payload before write() returns, so one buffer serves
         # every chunk; py-libp2p's own stack gets a copy per slice, as bytes.
@@ -767,6 +781,7 @@ class BlobServer:
                     await self._send(stream, frame, copy=copy_out)
                     self.stats.chunks_sent += 1
                     self.stats.bytes_sent += length
+                    self.served.sent(peer, request.blob_id, length, trio.current_time())
         finally:
             reader.close()
         await self._send(stream, conn.send_response(proto.End(tuple(missing))))

@@ -34,6 +34,7 @@ from p2p.cli import local as local_cli
 from p2p.cli import names as names_cli
 from p2p.cli import relay as relay_cli
 from p2p.cli import serve as serve_cli
+from p2p.cli import status as status_cli
 from p2p.errors import unwrap_single
 
 # Documented exit codes (README "Exit codes"); the packages' error classes use these values.
@@ -201,6 +202,7 @@ for family in (serve_cli.serve, serve_cli.share, get_cli.get, *local_cli.COMMAND
     cli.add_command(family)
 names_cli.register(cli)
 cli.add_command(relay_cli.relay)
+cli.add_command(status_cli.status)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,9 +58,8 @@ def key_path_of(ctx: click.Context) -> Path:
 
 
 def setup_logging(verbose: int) -> None:
-    """Logging for commands that run a node. libp2p is imported first: its import sets
-    its own logger's level, which would undo ours."""
-    import libp2p  # noqa: F401
+    """Logging for commands that run a node (py-libp2p's loggers: p2p.logs)."""
+    from p2p.logs import quiet_libraries
 
     # Warnings (an unreachable bootstrap peer, a banned provider) only with -v: by default
     # a command's outcome is its one result or error line.
@@ -68,10 +67,9 @@ def setup_logging(verbose: int) -> None:
     logging.basicConfig(
         level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    if verbose < 2:
-        # py-libp2p logs routine DHT and connection churn (a peer without the DHT, a
-        # stream reset) at WARNING and ERROR; -vv shows it.
-        logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    # py-libp2p logs routine DHT and connection churn (a peer without the DHT, a stream
+    # reset) at WARNING and ERROR; -vv shows it.
+    quiet_libraries(verbose < 2)
 
 
 listen_option = click.option(

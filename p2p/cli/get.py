@@ -45,6 +45,7 @@ from p2p.cli.nat import (
     get_nat_options,
     load_certificate,
 )
+from p2p.cli.status import fetch_via_daemon
 
 if TYPE_CHECKING:
     from identity import MachineKey
@@ -198,6 +199,11 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
     help="How long hole punching to one NATed provider may take (a failing punch waits "
     "it out; one that works takes a few round trips).",
 )
+@click.option(
+    "--no-daemon",
+    is_flag=True,
+    help="Fetch with a node of this command's own even when a `blob serve` runs on the store.",
+)
 @json_option
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @verbose_option
@@ -221,6 +227,7 @@ def get(
     via_relay: bool,
     certificate_path: Path | None,
     punch_timeout: float,
+    no_daemon: bool,
     as_json: bool,
     no_progress: bool,
     verbose: int,
@@ -315,6 +322,13 @@ def get(
         if not _locally_complete(store, blob_id, include):
             named = [*peers, *ticket_addrs]
             use_dht = bool(bootstrap) and not no_dht
+            # A `blob serve` on this store fetches on its warm connections and DHT table.
+            own_node = no_daemon or include or seed_for is not None or via_relay or certificate
+            bar_on = not no_progress and not as_json and sys.stderr.isatty()
+            by_daemon = None if own_node else fetch_via_daemon(store, blob_id, named, bar_on)
+            if by_daemon is not None:
+                finish(by_daemon, True)
+                return
             if not named and not use_dht:
                 raise click.UsageError(
                     f"{blob_id[:12]} is not complete in this store, and nothing says where to "
@@ -340,6 +354,7 @@ def get(
                 # for chunks it stays a little (p2p.blob.swarm rule 5), so the tail of the
                 # swarm is not left to the seeder alone.
                 scheduler=SchedulerConfig(linger_while_asked=not no_upload),
+                dht_server=False,  # gone in a moment: servers must not keep it in their tables
             )
             bar = ProgressBar(enabled=not no_progress and not as_json and sys.stderr.isatty())
             seed = None if seed_for is None else Seeding(seed_for, bar, finish)

@@ -259,7 +259,12 @@ def resolve(
     async def job(node: Node) -> NameRecord:
         return await names.resolve(node, target, trust=trust, wait_s=wait_s)
 
-    record = _run_node(
+    keys = () if trust is None or revoked_path is not None else tuple(trust.authorities)
+    daemon_ok = not listen and (trust is None or revoked_path is None)
+    by_daemon = (
+        resolve_via_daemon(ctx, ref, wait_s, keys, peers, dht=not no_dht) if daemon_ok else None
+    )
+    record = by_daemon or _run_node(
         ctx,
         peers=peers,
         bootstrap=bootstrap,
@@ -268,7 +273,8 @@ def resolve(
         verbose=verbose,
         job=job,
     )
-    click.echo(json.dumps(record.to_json()) if as_json else _describe(record))
+    via = {"via": "daemon"} if by_daemon is not None else {}
+    click.echo(json.dumps({**record.to_json(), **via}) if as_json else _describe(record))
 
 
 @click.command()
@@ -332,7 +338,9 @@ def resolve_name(
     async def job(node: Node) -> NameRecord:
         return await names.resolve(node, target)
 
-    record = _run_node(
+    record = (
+        None if listen else resolve_via_daemon(ctx, ref, 5.0, (), peers, dht=bool(bootstrap))
+    ) or _run_node(
         ctx,
         peers=peers,
         bootstrap=bootstrap,
@@ -343,6 +351,30 @@ def resolve_name(
     )
     click.echo(f"{ref} is {record.blob_id} (seq {record.seq})", err=True)
     return record.blob_id
+
+
+def resolve_via_daemon(
+    ctx: click.Context,
+    ref: str,
+    wait_s: float,
+    authorities: Sequence[bytes],
+    peers: Sequence[str],
+    *,
+    dht: bool,
+) -> NameRecord | None:
+    """The record a `blob serve` on this store resolves ``ref`` to (on its warm peers and
+    DHT table, p2p/daemon/API.md), or None when no daemon serves the store."""
+    from p2p.daemon.client import DaemonRefused, as_command_error, connect
+
+    for addr in peers:
+        validate_peer_addr(addr, error=BadAddress)
+    client = connect(Path(_root(ctx)["store_root"]))
+    if client is None:
+        return None
+    try:
+        return client.resolve(ref, wait_s=wait_s, authorities=authorities, peers=peers, dht=dht)
+    except DaemonRefused as exc:
+        raise as_command_error(exc) from None
 
 
 COMMANDS: list[click.Command] = [publish, resolve, catalog]

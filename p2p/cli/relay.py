@@ -110,6 +110,7 @@ def relay(
     Listen on a public address (e.g. --listen /ip4/0.0.0.0/tcp/4001). Prints one ready
     line: the relay's peer ID and the addresses to give nodes as their --relay.
     """
+    from p2p.cli.fleet import Fleet
     from p2p.nat import relay as r
 
     setup_logging(verbose)
@@ -134,6 +135,7 @@ def relay(
             r.relay_service(
                 node.host, trust=trust, limits=limits, open_connect=open_circuits
             ) as service,
+            Fleet().running(node, None, "relay", relay=service),  # local API: status, metrics
         ):
             addrs = dialable_addrs(node.addrs)
             if as_json:

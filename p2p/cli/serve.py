@@ -31,6 +31,8 @@ from p2p.cli.common import (
     upload_rate,
     verbose_option,
 )
+from p2p.cli.config import config_options, to_toml
+from p2p.cli.fleet import Fleet, fleet_options
 from p2p.cli.nat import (
     NAT_DEFAULT_LISTEN,
     behind_nat,
@@ -70,14 +72,16 @@ async def _serve_until_signal(
     config: Any,
     on_ready: Callable[[Node, Reachable | None], None],
     nat: NatSetup,
+    fleet: Fleet,
 ) -> None:
     """Run a node until cancelled (``run_interruptible`` cancels it on SIGINT/SIGTERM),
-    reachable through ``nat``'s relays when it is behind NAT."""
+    reachable through ``nat``'s relays when it is behind NAT, with its local API."""
     from p2p.node.node import open_node
 
     async with (
         open_node(store, key=key, config=config) as node,
         behind_nat(node, nat.relays, nat.certificate, nat.assume_private) as reach,
+        fleet.running(node, reach, "serve"),
     ):
         warning = nat_warning(reach)
         if warning is not None:
@@ -104,14 +108,18 @@ def _run_server(
     config: Any,
     on_ready: Callable[[Node, Reachable | None], None],
     nat: NatSetup,
+    fleet: Fleet | None = None,
 ) -> None:
+    fleet = fleet or Fleet()
     try:
-        run_interruptible(lambda: _serve_until_signal(store, key, config, on_ready, nat))
+        run_interruptible(lambda: _serve_until_signal(store, key, config, on_ready, nat, fleet))
     except Interrupted as exc:
         click.echo(f"stopping on {exc.signal_name}", err=True)  # a server's normal end: exit 0
 
 
 @click.command()
+@fleet_options
+@config_options
 @listen_option
 @bootstrap_option
 @click.option("--no-dht", is_flag=True, help="Do not run the Kademlia DHT.")
@@ -137,6 +145,8 @@ def serve(
     assume_private: bool,
     as_json: bool,
     verbose: int,
+    print_config: bool,
+    fleet: Fleet,
 ) -> None:
     """Serve this store's blobs until SIGINT or SIGTERM.
 
@@ -145,6 +155,9 @@ def serve(
     With --relay, a node that the relay cannot dial back (behind NAT) reserves a slot
     there and its ready line names its circuit address instead.
     """
+    if print_config:
+        click.echo(to_toml(ctx.params), nl=False)
+        return
     setup_logging(verbose)
     nat = NatSetup(relays, certificate_path, assume_private)
     store, key = _serve_checks(ctx, bootstrap)
@@ -154,6 +167,9 @@ def serve(
         not no_dht,
         verify_reads=verify_reads,
         upload_limit=upload_rate(upload_limit),
+        admission=fleet.trust(),
+        certificate=nat.certificate,
+        download_limit=fleet.download_rate(),
     )
 
     def ready(node: Node, reach: Reachable | None) -> None:
@@ -163,7 +179,7 @@ def serve(
         else:
             click.echo(f"ready {node.peer_id} " + " ".join(addrs))
 
-    _run_server(store, key, config, ready, nat)
+    _run_server(store, key, config, ready, nat, fleet)
 
 
 @click.command()

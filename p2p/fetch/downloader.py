@@ -89,6 +89,7 @@ from blobstore import (
 )
 from p2p.blob import protocol as proto
 from p2p.blob.buffers import ChunkBuffers
+from p2p.blob.pacing import Pacer
 from p2p.blob.shell import BlobClient, ProtocolRefused, StreamLost, open_optimistic, reset_quietly
 from p2p.blob.swarm import LINGER_MAX, LINGER_QUIET, FetchingBoard
 from p2p.errors import FetchFailed, NoProviders
@@ -267,6 +268,31 @@ class StripedNetwork(Protocol):
     def connection_rtt(self, peer: str) -> float | None: ...
 
 
+@runtime_checkable
+class PacedNetwork(Protocol):
+    """A network whose fetches share a download limit (``p2p.node.node.Node``): a token
+    bucket (p2p.blob.pacing) that each arriving chunk draws on before the next is read, so
+    TCP's flow control slows the senders."""
+
+    download_pacer: Pacer | None
+
+
+@runtime_checkable
+class BadDataAware(Protocol):
+    """A network that counts chunks failing verification, by sender (``p2p.node.node.Node``:
+    its metrics and status)."""
+
+    def bad_chunk(self, peer: str) -> None: ...
+
+
+@runtime_checkable
+class RefusalAware(Protocol):
+    """A network that wants to hear a provider's error answers (``p2p.node.node.Node``:
+    a provider that serves admitted peers only says so in its ``not_found``)."""
+
+    def refused(self, peer: str, message: str) -> None: ...
+
+
 async def fetch_manifest(
     network: Network,
     blob_id: str,
@@ -293,6 +319,8 @@ async def fetch_manifest(
                 reply = await _ask_manifest(network, blob_id, peer)
         else:
             reply = await _ask_manifest(network, blob_id, peer)
+        if isinstance(reply, proto.ErrorResponse) and isinstance(network, RefusalAware):
+            network.refused(peer, reply.message)
         manifest = _checked_manifest(blob_id, peer, reply, unanswered)
         if client is not None and manifest is not None and manifest.num_chunks > 0:
             assert probes is not None
@@ -614,6 +642,7 @@ class Download:
         self.network = network
         self.probes = probes
         self.scores = scores
+        self.pacer = network.download_pacer if isinstance(network, PacedNetwork) else None
         self.store = store
         self.manifest = manifest
         self.blob_id = manifest.blob_id
@@ -1166,6 +1195,8 @@ class Download:
             failure = BadChunk(writes.bad_index)
         if isinstance(failure, BadChunk):
             log.warning("peer %s sent a corrupt chunk: banned for %s", peer, self.blob_id[:12])
+            if isinstance(self.network, BadDataAware):
+                self.network.bad_chunk(peer)
             self.scheduler.on_bad_chunk(ticket.request_id, failure.index, now())
             self._penalize(peer)
             self._notify()
@@ -1241,6 +1272,8 @@ class Download:
         stream receives the next one meanwhile. Raising leaves the buffer to the caller."""
         if writes.bad_index is not None:
             raise BadChunk(writes.bad_index)  # this peer already sent a corrupt chunk
+        if self.pacer is not None:
+            await trio.sleep(self.pacer.delay(len(data), trio.current_time()))
         if not self.scheduler.expects(ticket.request_id, index):
             # The request was released meanwhile (its peer banned or dropped on another
             # stream); the protocol core already checked the index against the request.

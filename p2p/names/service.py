@@ -271,9 +271,14 @@ class NameService:
         self.own_publisher = node.peer_id
         self._active = 0
         self.pushes = PushLimiter()
+        # Who may ask (p2p.node.admission); None: everyone.
+        self.admitted: Callable[[str], bool] | None = None
 
     # --- serving -----------------------------------------------------------------------
     async def handle_stream(self, stream: Any) -> None:
+        if self.admitted is not None and not self.admitted(_remote_peer(stream)):
+            await reset_quietly(stream)  # a node that serves admitted peers only
+            return
         if self._active >= MAX_CONCURRENT_REQUESTS:
             await reset_quietly(stream)
             return

@@ -417,6 +417,9 @@ class PunchJobs:
         self._jobs: dict[str, _Job] = {}
         self.failures: list[str] = []  # one line per failed punch, oldest first
         self.relayed: list[str] = []  # the same for punches that fell back to the relay
+        # For the operator's metrics: tries started, and those that ended direct.
+        self.attempts = 0
+        self.successes = 0
 
     def _forget_old(self, now: float) -> None:
         for addr, job in list(self._jobs.items()):
@@ -456,6 +459,7 @@ class PunchJobs:
             if len(self._jobs) >= MAX_PUNCH_JOBS:
                 return Punch(addr=addr, reason=f"{MAX_PUNCH_JOBS} hole punches already running")
             job = self._jobs[addr] = _Job()
+            self.attempts += 1
 
             async def run(job: _Job = job) -> None:
                 try:
@@ -470,6 +474,7 @@ class PunchJobs:
                     if job.punch is None:  # cancelled: the node is closing
                         job.punch = Punch(addr=addr, reason="hole punch cancelled")
                     else:
+                        self.successes += job.punch.path == "direct"
                         seen = {"failed": self.failures, "relayed": self.relayed}
                         lines = seen.get(job.punch.path)
                         if lines is not None and job.punch.reason not in lines:

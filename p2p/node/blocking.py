@@ -54,6 +54,8 @@ class BlockingNode:
     key file (created on first use; a fresh ephemeral key if None). ``listen``: addresses
     to accept peers on. ``bootstrap``: DHT peers dialled at start. ``dht``: run the
     Kademlia DHT. ``fast``: blobnet's fast Noise + yamux path (False: stock py-libp2p).
+    ``dht_server``: False for a short-lived script that only fetches: it queries the DHT
+    as a client, and servers do not keep it in their routing tables once it is gone.
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class BlockingNode:
         bootstrap: Sequence[str] = (),
         dht: bool = True,
         fast: bool = True,
+        dht_server: bool = True,
     ) -> None:
         self._store_root = Path(store_root).expanduser()
         self._kwargs: dict[str, Any] = {
@@ -73,6 +76,7 @@ class BlockingNode:
             "bootstrap": tuple(bootstrap),
             "dht": dht,
             "fast": fast,
+            "dht_server": dht_server,
         }
         self._node: Node | None = None
         self._token: trio.lowlevel.TrioToken | None = None

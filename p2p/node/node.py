@@ -72,8 +72,9 @@ from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
 
 from blobstore import BlobNotFound, Store
-from identity import MachineKey, load_or_create_key
+from identity import MachineKey, TrustStore, load_or_create_key
 from p2p.blob import protocol as proto
+from p2p.blob.pacing import Pacer
 from p2p.blob.server import BlobServer, ServerLimits
 from p2p.blob.shell import (
     MULTISTREAM,
@@ -86,11 +87,22 @@ from p2p.blob.shell import (
 )
 from p2p.blob.swarm import PEX_DIAL_PARALLELISM, Listed, PexBook
 from p2p.blob.ticket import MAX_TICKET_ADDRS, Ticket, validate_peer_addr
-from p2p.errors import BadAddress, ListenFailed, PeerUnreachable, unwrap_single
-from p2p.fetch.downloader import ProgressCallback, download_blob
+from p2p.errors import (
+    BadAddress,
+    FetchFailed,
+    ListenFailed,
+    NoProviders,
+    PeerUnreachable,
+    unwrap_single,
+)
+from p2p.fetch.downloader import Progress, ProgressCallback, download_blob
 from p2p.fetch.scheduler import SchedulerConfig
 from p2p.fetch.scores import PeerScores
 from p2p.fetch.striping import StripeConfig
+from p2p.logs import quiet_unless_chosen
+from p2p.metrics import Metrics
+from p2p.node.admission import UNADMITTED, install_gate, open_answer, present
+from p2p.node.dht_hygiene import forget_clients_on_disconnect
 from p2p.transport import patches
 from p2p.transport.fast import connection_rtt
 from p2p.transport.host import build_host
@@ -113,6 +125,10 @@ NEW_BLOB_POLL = 10.0
 MAX_CONNECTED_CANDIDATES = 32
 # Children of a collection fetched at once.
 COLLECTION_PARALLELISM = 4
+# Admission refusals remembered (p2p.node.admission): one line per provider that said no.
+MAX_REFUSALS = 256
+# Senders of bad chunks named in status (the total is counted beyond them).
+MAX_BAD_PEERS = 1024
 # The multihash code of BLAKE3-256 (0x1e, length 0x20) prefixes blob IDs as DHT keys.
 DHT_KEY_PREFIX = "1e20"
 # Connections a fetch may stripe one provider's streams over (p2p.fetch.scheduler.StripeConfig).
@@ -217,6 +233,9 @@ class NodeConfig:
     # Bytes per second this node's server sends at most, to all peers together (p2p.blob.pacing;
     # at least p2p.blob.pacing.MIN_UPLOAD_LIMIT). None: as fast as the link goes.
     upload_limit: float | None = None
+    # Bytes per second this node's fetches receive at most, all together (a token bucket
+    # that each arriving chunk draws on before the next is read). None: no limit.
+    download_limit: float | None = None
     # Ask a fetch's providers which other peers fetch the same blob and fetch from them
     # too (p2p.blob.swarm).
     peer_exchange: bool = True
@@ -232,6 +251,13 @@ class NodeConfig:
     server_limits: ServerLimits = field(default_factory=ServerLimits)
     # What other peers may store in this node's DHT provider records (p2p.transport.providers).
     provider_limits: ProviderLimits = field(default_factory=ProviderLimits)
+    # Serve blobs, names and status only to peers admitted by one of these authorities
+    # (p2p.node.admission); None: serve everyone.
+    admission: TrustStore | None = None
+    # Answer DHT queries and ask to be in others' routing tables (Kademlia server mode).
+    # A short-lived node (one `blob get`) runs in client mode: it queries the DHT but no
+    # server keeps it in its table after it is gone (p2p.node.dht_hygiene).
+    dht_server: bool = True
 
 
 class Node:
@@ -281,6 +307,24 @@ class Node:
         self._background: trio.Nursery | None = None
         self._nat_up: trio.Event | None = None
         self._reprovide_now = trio.Event()
+        # What an operator sees (p2p.metrics, ``blob status``): counters owned by this node,
+        # and the latest progress of each fetch in flight, by blob ID.
+        self.metrics = Metrics()
+        self.transfers: dict[str, Progress] = {}
+        # Providers that serve admitted peers only and refused us, with their one line
+        # (p2p.node.admission rule 3), and an event set when one more did.
+        self.refusals: dict[str, str] = {}
+        # Chunks received that failed their hash, in all and by the latest senders
+        # (p2p.fetch.downloader.BadDataAware; at most MAX_BAD_PEERS named).
+        self.bad_chunks_total = 0
+        self.bad_chunks: dict[str, int] = {}
+        # p2p.fetch.downloader.PacedNetwork: what NodeConfig.download_limit allows.
+        self.download_pacer = (
+            None
+            if config.download_limit is None
+            else Pacer(config.download_limit, trio.current_time())
+        )
+        self._refusal = trio.Event()
 
     # --- pubsub ----------------------------------------------------------------------
     async def subscribe(self, topic: str) -> Any:
@@ -369,6 +413,9 @@ class Node:
             self._lanes_wanted.discard(peer)
         if info.addrs:
             self._dialled[peer] = info.addrs[0]
+        if self.config.certificate is not None:
+            # Once per connection, to nodes that serve admitted peers only (admission rule 2).
+            await present(self.host, peer, self.config.certificate)
         if self.dht is not None:
             try:
                 # Bounded: a full routing-table bucket makes py-libp2p ping its oldest peer.
@@ -705,13 +752,99 @@ class Node:
         are asked as well. With ``announce`` the blob is then provided on the DHT.
         Returns the blob ID.
         """
+        started = trio.current_time()
+        outcome = "failed"
+        tally = _Tally()
         try:
-            blob_id = await self._fetch(ref, providers, progress, recursive)
-        except BaseExceptionGroup as group:
-            raise unwrap_single(group) from None
+            blob_id = await self._fetch_unwrapped(ref, providers, progress, tally, recursive)
+            outcome = "ok"
+        except (NoProviders, FetchFailed) as exc:
+            outcome = "not_found" if isinstance(exc, NoProviders) else "failed"
+            reasons = self._refusals(providers)
+            if reasons:
+                raise type(exc)(f"{exc}; " + "; ".join(reasons)) from None
+            raise
+        except trio.Cancelled:
+            outcome = "cancelled"
+            raise
+        finally:
+            seconds = trio.current_time() - started
+            self.metrics.fetch_ended(outcome, seconds)
+            for seen in tally.last:
+                self.transfers.pop(seen, None)
+            for line in tally.lines(outcome, seconds):
+                log.info("%s", line)
         if announce:
             await self._announce(blob_id)
         return blob_id
+
+    async def _fetch_unwrapped(
+        self,
+        ref: str,
+        providers: Sequence[str],
+        progress: ProgressCallback | None,
+        tally: _Tally,
+        recursive: bool,
+    ) -> str:
+        try:
+            return await self._fetch(ref, providers, self._counted(progress, tally), recursive)
+        except BaseExceptionGroup as group:
+            raise unwrap_single(group) from None
+
+    def bad_chunk(self, peer: str) -> None:
+        """``peer`` sent a chunk that failed its hash (the download bans it)."""
+        self.bad_chunks_total += 1
+        self.bad_chunks[peer] = self.bad_chunks.pop(peer, 0) + 1
+        if len(self.bad_chunks) > MAX_BAD_PEERS:
+            del self.bad_chunks[next(iter(self.bad_chunks))]
+
+    def refused(self, peer: str, message: str) -> None:
+        """A provider answered an error (p2p.fetch.downloader.RefusalAware): remember an
+        admission refusal (bounded: one line per peer, MAX_REFUSALS peers)."""
+        if not message.startswith(UNADMITTED):
+            return
+        if peer not in self.refusals and len(self.refusals) >= MAX_REFUSALS:
+            del self.refusals[next(iter(self.refusals))]
+        self.refusals[peer] = message
+        self._refusal.set()
+        self._refusal = trio.Event()
+
+    def _refusals(self, providers: Sequence[str]) -> list[str]:
+        """Why named providers refused us, if they did (admission rule 3): the one thing
+        a user who forgot --certificate needs to read."""
+        named = [a.rsplit("/p2p/", 1)[-1] for a in providers if "/p2p/" in a]
+        return [f"{p} refused us: {self.refusals[p]}" for p in named if p in self.refusals]
+
+    async def _end_when_all_refuse(self, dials: _Dials, blob_id: str) -> None:
+        """Without a DHT to find others, a fetch whose every provider refused us for want
+        of admission is over: say so now rather than after the discovery timeout."""
+        if self.dht is not None:
+            return
+        while True:
+            await self._refusal.wait()
+            peers = set(self.connected_peers()) | set(dials.peers)
+            if dials.pending == 0 and peers and peers <= set(self.refusals):
+                raise NoProviders(f"no provider of {blob_id} would serve us")
+
+    def _counted(self, progress: ProgressCallback | None, tally: _Tally) -> ProgressCallback:
+        """``progress``, and the received-bytes counter, ``transfers`` and ``tally`` kept
+        up to date."""
+
+        def on_progress(update: Progress) -> None:
+            fetched = sum(update.new_bytes.values())
+            previous = tally.last.get(update.blob_id)
+            grown = fetched - (sum(previous.new_bytes.values()) if previous else 0)
+            tally.last[update.blob_id] = update
+            if grown > 0:
+                self.metrics.bytes_received.labels(protocol="blob").inc(grown)
+            if update.finished:
+                self.transfers.pop(update.blob_id, None)
+            else:
+                self.transfers[update.blob_id] = update
+            if progress is not None:
+                progress(update)
+
+        return on_progress
 
     async def _fetch(
         self,
@@ -757,6 +890,7 @@ class Node:
             for addr in dict.fromkeys(addrs):
                 dials.pending += 1
                 nursery.start_soon(self._dial_into, addr, dials)
+            nursery.start_soon(self._end_when_all_refuse, dials, blob_id)
             await self._fetch_one(blob_id, dials, progress)
             entries = (
                 await trio.to_thread.run_sync(self.store.collection_entries, blob_id)
@@ -992,6 +1126,29 @@ class Node:
         await trio.to_thread.run_sync(self.store.export, blob_id, Path(dest))
 
 
+class _Tally:
+    """What one fetch received, by blob: the latest progress of each (its log lines)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, Progress] = {}
+
+    def lines(self, outcome: str, seconds: float) -> list[str]:
+        """One line per blob fetched (at INFO, ``-v``): peers, bytes, time, outcome."""
+        out = []
+        for blob_id, progress in self.last.items():
+            peers = ", ".join(
+                f"{peer} ({count} B)" for peer, count in progress.new_bytes.items() if count
+            )
+            out.append(
+                f"fetched {blob_id[:12]}: {sum(progress.new_bytes.values())} bytes "
+                f"from {peers or 'nobody'} in {progress.elapsed:.2f} s "
+                f"({outcome if not progress.finished else 'ok'})"
+            )
+        if not out and outcome != "ok":
+            out.append(f"fetch ended {outcome} after {seconds:.2f} s, nothing received")
+        return out
+
+
 class _Dials:
     """The named providers of one fetch, dialled at once (``Node._dial_into``)."""
 
@@ -1029,17 +1186,25 @@ async def open_node(
     dht: bool = True,
     fast: bool = True,
     pubsub: bool = False,
+    dht_server: bool = True,
     config: NodeConfig | None = None,
 ) -> AsyncIterator[Node]:
     """Run a node for the duration of the ``async with`` block.
 
     ``key``/``key_path``: the machine identity (a fresh ephemeral key if neither is given).
     ``bootstrap``: DHT bootstrap peers, dialled at start (a failed one is logged).
+    ``dht_server``: False for a short-lived node (NodeConfig.dht_server).
     """
     if config is None:
         config = NodeConfig(
-            listen=tuple(listen), bootstrap=tuple(bootstrap), dht=dht, fast=fast, pubsub=pubsub
+            listen=tuple(listen),
+            bootstrap=tuple(bootstrap),
+            dht=dht,
+            fast=fast,
+            pubsub=pubsub,
+            dht_server=dht_server,
         )
+    quiet_unless_chosen()  # py-libp2p's routine churn is not the embedding program's
     if not isinstance(store, Store):
         store = await trio.to_thread.run_sync(_open_store, store)
     key_pair = _key_pair(key, Path(key_path) if key_path is not None else None)
@@ -1064,11 +1229,18 @@ async def open_node(
             raise ListenFailed(
                 f"could not listen on {', '.join(config.listen)} (address in use or not local?)"
             )
+        if config.admission is not None:
+            server.gate = install_gate(host, config.admission)  # before anything is served
+        else:
+            open_answer(host)
         if config.upload:
             server.install(host)  # every protocol version the server speaks
-        kad = KadDHT(host, DHTMode.SERVER) if config.dht else None
+        mode = DHTMode.SERVER if config.dht_server else DHTMode.CLIENT
+        kad = KadDHT(host, mode) if config.dht else None
         if kad is not None:
             install_provider_guard(kad, config.provider_limits, local=str(host.get_id()))
+            if config.dht_server:
+                forget_clients_on_disconnect(host, kad)
         floodsub: Any = _make_pubsub(host) if config.pubsub else None
         async with _maybe_service(kad), _maybe_service(floodsub), trio.open_nursery() as nursery:
             if floodsub is not None:
@@ -1080,7 +1252,7 @@ async def open_node(
 
             # Liars banned by earlier processes on this store start distrusted here too.
             await trio.to_thread.run_sync(peer_memory.load, store, node.scores, trio.current_time())
-            names.install(node)
+            names.install(node).admitted = None if server.gate is None else server.gate.admitted
             nursery.start_soon(names.run_names, node)
             for addr in config.bootstrap:
                 try:

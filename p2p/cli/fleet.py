@@ -1,0 +1,162 @@
+"""What a serving command (``serve``) adds for an operator: the local API, ``--metrics``,
+``--authority``, and a summary when it stops.
+
+``fleet_options`` gathers those options into one ``Fleet`` value handed to the command, and
+``Fleet.running`` runs them beside the node for as long as it serves.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from p2p.blob.pacing import MIN_UPLOAD_LIMIT
+
+if TYPE_CHECKING:
+    from identity import TrustStore
+    from p2p.node.node import Node
+
+log = logging.getLogger("blobnet.serve")
+
+# --metrics without a host part listens on loopback: metrics name peers' counts and
+# sizes, and exposing them is the operator's choice (--metrics 0.0.0.0:9464).
+METRICS_DEFAULT_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """A serving command's operator options."""
+
+    authorities: tuple[str, ...] = ()
+    metrics: str | None = None
+    download_limit: float | None = None  # MB/s, as given
+
+    def download_rate(self) -> float | None:
+        """Bytes per second for NodeConfig.download_limit."""
+        return None if self.download_limit is None else self.download_limit * 1e6
+
+    def trust(self) -> TrustStore | None:
+        """The authorities as a trust store (None: serve everyone)."""
+        if not self.authorities:
+            return None
+        from identity.cli import load_trust
+
+        return load_trust(self.authorities, None)
+
+    @asynccontextmanager
+    async def running(
+        self, node: Node, reach: Any, role: str, relay: Any = None
+    ) -> AsyncIterator[None]:
+        """The local API and the metrics endpoint beside ``node``; the summary at the end."""
+        from p2p.daemon.server import serve_api
+        from p2p.daemon.status import DaemonInfo
+
+        trust = node.config.admission
+        authorities = tuple(sorted(k.hex() for k in trust.authorities)) if trust else ()
+        info = DaemonInfo(role, reach=reach, authorities=authorities, relay=relay)
+        started = time.monotonic()
+        stop_http: Callable[[], None] | None = None
+        try:
+            async with serve_api(node, info):
+                if self.metrics is not None:
+                    stop_http = serve_metrics(node, self.metrics)
+                yield
+        finally:
+            if stop_http is not None:
+                stop_http()
+            click.echo(summary(node, time.monotonic() - started), err=True)
+
+
+def parse_metrics_addr(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``:PORT`` (loopback) or ``PORT``; click.BadParameter otherwise."""
+    host, _, port = value.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise click.BadParameter(f"{value!r} is not HOST:PORT", param_hint="--metrics")
+    return host.strip("[]") or METRICS_DEFAULT_HOST, number
+
+
+def serve_metrics(node: Node, addr: str) -> Callable[[], None]:
+    """Serve ``node``'s metrics at ``http://ADDR/metrics`` (a thread of prometheus-client's
+    own HTTP server); the function returned stops it."""
+    from prometheus_client import start_http_server
+
+    host, port = parse_metrics_addr(addr)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=node.metrics.registry)
+    except OSError as exc:
+        from p2p.errors import ListenFailed
+
+        raise ListenFailed(f"could not serve metrics on {addr}: {exc.strerror}") from None
+    bound = server.server_address
+    click.echo(f"metrics at http://{bound[0]!s}:{bound[1]}/metrics", err=True)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return stop
+
+
+def summary(node: Node, seconds: float) -> str:
+    """The line ``serve`` prints when it stops."""
+    stats = node.server.stats
+    fetched = node.metrics.ended["ok"]
+    return (
+        f"served {stats.chunks_sent} chunk(s), {stats.bytes_sent / 1e6:.1f} MB, "
+        f"{stats.busy_rejections} refused busy, "
+        f"{node.server.gate.refused if node.server.gate is not None else 0} refused unadmitted; "
+        f"fetched {fetched} blob(s); up {seconds:.0f} s"
+    )
+
+
+def fleet_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--authority``, ``--metrics`` and ``--download-limit``, handed to ``command`` as
+    ``fleet``."""
+
+    @functools.wraps(command)
+    def wrapper(
+        *args: Any,
+        authorities: tuple[str, ...],
+        metrics: str | None,
+        download_limit: float | None,
+        **kw: Any,
+    ) -> Any:
+        if metrics is not None:
+            parse_metrics_addr(metrics)  # a usage error before anything starts
+        return command(*args, fleet=Fleet(tuple(authorities), metrics, download_limit), **kw)
+
+    wrapper = click.option(
+        "--download-limit",
+        "download_limit",
+        type=click.FloatRange(min=MIN_UPLOAD_LIMIT / 1e6),
+        metavar="MB/S",
+        help="Receive at most this many MB/s in this node's fetches, all together (default: "
+        "no limit).",
+    )(wrapper)
+
+    wrapper = click.option(
+        "--metrics",
+        "metrics",
+        metavar="HOST:PORT",
+        help="Serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to 127.0.0.1).",
+    )(wrapper)
+    return click.option(
+        "--authority",
+        "authorities",
+        multiple=True,
+        metavar="KEY",
+        help="Serve blobs, names and status only to peers admitted by this authority (64 hex "
+        "digits or a .pub file; repeatable).",
+    )(wrapper)

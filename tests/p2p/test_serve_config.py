@@ -1,0 +1,58 @@
+"""``blob serve``'s TOML configuration: the file gives defaults, flags win, mistakes are
+usage errors that name the file and the key (read through ``--print-config``, which exits
+before any node starts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.blob_cli import blob_here
+
+
+def _serve(tmp_path: Path, *args: str, code: int = 0) -> str:
+    done = blob_here(["--store", str(tmp_path / "store"), "serve", *args], code=code)
+    return done.stdout if code == 0 else done.stderr
+
+
+def test_the_file_gives_defaults_and_flags_win(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(
+        '[serve]\nlisten = ["/ip4/127.0.0.1/tcp/4001"]\nupload-limit = 50\n'
+        'metrics = "127.0.0.1:9464"\nno_dht = true\ndownload-limit = 20\n'
+    )
+    merged = _serve(tmp_path, "--config", str(config), "--print-config")
+    assert 'listen = ["/ip4/127.0.0.1/tcp/4001"]' in merged
+    assert "upload-limit = 50.0" in merged and "no-dht = true" in merged
+    assert "download-limit = 20.0" in merged
+    flagged = _serve(
+        tmp_path, "--config", str(config), "--print-config",
+        "--upload-limit", "7", "--listen", "/ip4/127.0.0.1/tcp/5001",
+    )  # fmt: skip
+    assert "upload-limit = 7.0" in flagged
+    assert 'listen = ["/ip4/127.0.0.1/tcp/5001"]' in flagged
+    assert 'metrics = "127.0.0.1:9464"' in flagged  # kept from the file
+
+
+def test_the_default_file_is_read_from_xdg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "xdg" / "blobnet").mkdir(parents=True)
+    (tmp_path / "xdg" / "blobnet" / "config.toml").write_text('[serve]\nmetrics = ":9000"\n')
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    assert 'metrics = ":9000"' in _serve(tmp_path, "--print-config")
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ('[serve]\nlisten = "/ip4/127.0.0.1/tcp/1"\n', "serve.listen takes a list"),
+        ("[serve]\nuplod-limit = 5\n", "unknown key serve.uplod-limit"),
+        ("[server]\n", "unknown table(s) server"),
+        ("[serve\n", "not valid TOML"),
+    ],
+)
+def test_mistakes_in_the_file_are_usage_errors(tmp_path: Path, text: str, said: str) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(text)
+    err = _serve(tmp_path, "--config", str(config), "--print-config", code=2)
+    assert said in err and str(config) in err
