@@ -199,7 +199,7 @@ def advertise(host: Any, extra: list[str]) -> None:
     which turns ``.../p2p/<relay>/p2p-circuit/p2p/<us>`` into the relay's bare address."""
     import multiaddr
 
-    own = type(host).get_addrs.__get__(host)
+    own = host.get_addrs  # the node's, which names each interface for a wildcard
     added = [multiaddr.Multiaddr(a) for a in extra]
 
     def get_addrs() -> list[Any]:

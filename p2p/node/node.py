@@ -1061,6 +1061,7 @@ async def open_node(
             raise ListenFailed(
                 f"could not listen on {', '.join(config.listen)} (address in use or not local?)"
             )
+        _advertise_interfaces(host)
         if config.upload:
             server.install(host)  # every protocol version the server speaks
         kad = KadDHT(host, DHTMode.SERVER) if config.dht else None
@@ -1110,6 +1111,24 @@ def _listen_addr(text: str) -> Multiaddr:
         return Multiaddr(text)
     except Exception as exc:  # multiaddr raises many unrelated types for bad text
         raise BadAddress(f"bad listen address {text!r}: {exc}") from None
+
+
+def _advertise_interfaces(host: Any) -> None:
+    """Make ``host.get_addrs()`` name each interface's address in place of a wildcard
+    listen address (``/ip4/0.0.0.0/...``). Identify tells every peer we connect to what
+    ``get_addrs`` returns, and a seeder's ``peers`` answers (p2p.blob.swarm rule 2) list
+    those addresses to our fellow fetchers: a wildcard address is dialable by nobody, so
+    fetchers listening on every interface (``blob get``'s default with a remote peer)
+    were never listed and never fetched from each other. DHT provider records name the
+    same addresses."""
+    from p2p.transport.addresses import dialable_addrs
+
+    own = host.get_addrs
+
+    def get_addrs() -> list[Multiaddr]:
+        return [Multiaddr(a) for a in dialable_addrs([str(a) for a in own()])]
+
+    host.get_addrs = get_addrs
 
 
 def _check_port_free(addr: Multiaddr) -> None:
