@@ -958,9 +958,8 @@ class Store:
                 raise
         try:
             partial._load_and_reverify(data_existed)
-            missing = sum(manifest.chunk_span(i)[1] for i in partial.missing())
             with os_errors("checking free space"):
-                self._check_space(missing, f"download blob {blob_id[:12]}")
+                self._check_space(self.space_to_finish(manifest), f"download blob {blob_id[:12]}")
         except BaseException:
             partial._release()
             raise
@@ -1282,6 +1281,20 @@ class Store:
                     )
                 )
         return rows
+
+    def space_to_finish(self, manifest: Manifest) -> int:
+        """Disk space a download of ``manifest`` still has to claim: its size, less what
+        its partial's data file already occupies. Not less the verified chunks only: the
+        blocks of chunks written but not yet marked verified (after a disk-full stop, when
+        the bitmap itself could not be written) take space too, and writing them again
+        claims none, so counting them as missing would refuse the very retry that the
+        freed space allows."""
+        with os_errors(f"checking the partial blob {manifest.blob_id[:12]}"):
+            try:
+                st = os.stat(self._partial_dir(manifest.blob_id) / "data")
+            except FileNotFoundError:
+                return manifest.size
+        return max(0, manifest.size - min(manifest.size, st.st_blocks * 512))
 
     def free_bytes(self) -> int:
         """Bytes available to this user on the store's file system."""

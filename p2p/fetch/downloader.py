@@ -1377,7 +1377,7 @@ async def _download(
         manifest = await _manifest_from_network(
             network, blob_id, candidates, asked, more_providers, discovery_timeout, probes
         )
-    missing_bytes = await trio.to_thread.run_sync(_missing_bytes, store, manifest)
+    missing_bytes = await trio.to_thread.run_sync(store.space_to_finish, manifest)
     free = await trio.to_thread.run_sync(store.free_bytes)
     if free < missing_bytes:
         raise NoSpace(
@@ -1427,19 +1427,6 @@ async def _linger(board: FetchingBoard, blob_id: str) -> None:
         if now >= deadline or last is None or now - last >= LINGER_QUIET:
             return
         await trio.sleep(min(deadline, last + LINGER_QUIET) - now)
-
-
-def _missing_bytes(store: Store, manifest: Manifest) -> int:
-    """Bytes still to fetch: all of them, less the chunks a partial blob already holds."""
-    if manifest.blob_id not in store.partial_ids():
-        return manifest.size
-    bitmap = store.chunk_bitmap(manifest.blob_id)
-    held = sum(
-        manifest.chunk_span(i)[1]
-        for i in range(manifest.num_chunks)
-        if bitmap[i // 8] >> (i % 8) & 1
-    )
-    return manifest.size - held
 
 
 async def _local_manifest(store: Store, blob_id: str) -> Manifest | None:
