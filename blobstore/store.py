@@ -926,7 +926,8 @@ class Store:
             if lock_fd is None:
                 raise PartialBusy(
                     f"blob {blob_id[:12]} is being written by {lock_holder(pdir / 'lock')}; "
-                    "wait for it or stop that process"
+                    "wait for it or stop that process",
+                    blob_id,
                 )
             data_fd = -1
             try:
@@ -964,6 +965,21 @@ class Store:
             partial._release()
             raise
         return partial
+
+    def partial_writer(self, blob_id: str) -> str | None:
+        """Who writes ``blob_id``'s partial now ('process 1234'), or None when nobody
+        does (no partial, or one whose writer has finished or died)."""
+        lock = self._partial_dir(blob_id) / "lock"
+        if not lock.exists():
+            return None
+        try:
+            fd = lock_path(lock)
+        except OSError:  # the partial went (published or removed) meanwhile
+            return None
+        if fd is None:
+            return lock_holder(lock)
+        os.close(fd)
+        return None
 
     def _forget_partial(self, partial: PartialBlob) -> None:
         with self._mutex:

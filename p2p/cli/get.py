@@ -50,6 +50,17 @@ if TYPE_CHECKING:
     from identity import MachineKey
     from p2p.fetch.downloader import Progress
     from p2p.node.node import Node
+# A second fetch of a blob into one store waits for the process already fetching it, and
+# gives up only when that process has verified nothing new for this long: a fetch that
+# progresses is worth waiting for however long it takes, a stuck one is not.
+WRITER_STALL_TIMEOUT = 120.0
+# How often a waiting fetch looks at the writer's lock and bitmap (a flock probe and a
+# small file read), and how often it says what it waits for.
+WRITER_POLL_S = 0.2
+WRITER_NOTE_EVERY = 10.0
+# Waits for other writers one get makes before it gives up: a collection's files may each
+# be fetched by another process, and a writer can finish one file and start the next.
+MAX_WRITER_WAITS = 256
 # --seed-for's ceiling: a day; a longer-lived seeder is `blob serve`.
 MAX_SEED_SECONDS = 86400.0
 # A punch longer than this is not going to work (py-libp2p's DCUtR gives up after 25 s).
@@ -312,6 +323,7 @@ def get(
                 "repairing it from the named peers",
                 err=True,
             )
+        _wait_for_writer(store, blob_id)
         if not _locally_complete(store, blob_id, include):
             named = [*peers, *ticket_addrs]
             use_dht = bool(bootstrap) and not no_dht
@@ -344,10 +356,24 @@ def get(
             bar = ProgressBar(enabled=not no_progress and not as_json and sys.stderr.isatty())
             seed = None if seed_for is None else Seeding(seed_for, bar, finish)
             try:
-                stats = _fetch(
-                    store, key, config, blob_id, named, include, bar, verbose, started_at, seed
-                )
-                fetched = True
+                for waits in range(MAX_WRITER_WAITS + 1):
+                    try:
+                        stats = _fetch(
+                            store, key, config, blob_id, named, include, bar, verbose,
+                            started_at, seed,
+                        )  # fmt: skip
+                        fetched = True
+                        break
+                    except BaseException as exc:
+                        # Another process fetches this blob (or one of the collection's
+                        # files) into this store: wait for it, then take what it got (or,
+                        # if it died, go on from its partial).
+                        busy = _busy_blob(exc)
+                        if busy is None or waits == MAX_WRITER_WAITS:
+                            raise
+                        _wait_for_writer(store, busy)
+                        if _locally_complete(store, blob_id, include):
+                            break
             except Interrupted as exc:
                 if seed is None or not seed.started:
                     raise
@@ -366,6 +392,59 @@ def get(
                 err=True,
             )
         finish(stats, fetched)
+
+
+def _busy_blob(exc: BaseException) -> str | None:
+    """The blob another process is writing, if that is what ``exc`` (or the one error in
+    a group of them) says."""
+    from blobstore.errors import PartialBusy
+    from p2p.errors import unwrap_single
+
+    error = unwrap_single(exc) if isinstance(exc, BaseExceptionGroup) else exc
+    return error.blob_id if isinstance(error, PartialBusy) else None
+
+
+def _wait_for_writer(store: Store, blob_id: str) -> None:
+    """While another process writes ``blob_id``'s partial into this store, wait (saying
+    so on stderr now and then); return when it has finished or died. A writer that
+    verifies nothing new for WRITER_STALL_TIMEOUT is reported instead (exit 5)."""
+    from blobstore import bitmap
+    from blobstore.errors import PartialBusy, StoreError
+
+    writer = store.partial_writer(blob_id)
+    if writer is None:
+        return
+
+    def held() -> tuple[int, int]:
+        try:
+            bits = store.chunk_bitmap(blob_id)
+            return bitmap.count_bits(bits), store.manifest(blob_id).num_chunks
+        except StoreError:
+            return 0, 0
+
+    count, total = held()
+    changed = said = time.monotonic()
+    click.echo(
+        f"blob: waiting for {writer}, which is fetching {blob_id[:12]} into this store "
+        f"({count} of {total} chunks so far)",
+        err=True,
+    )
+    while writer is not None:
+        time.sleep(WRITER_POLL_S)
+        now = time.monotonic()
+        latest, total = held()
+        if latest != count:
+            count, changed = latest, now
+        elif now - changed > WRITER_STALL_TIMEOUT:
+            raise PartialBusy(
+                f"blob {blob_id[:12]} is being written by {writer}, which has verified no "
+                f"chunk for {WRITER_STALL_TIMEOUT:.0f} s; stop that process and fetch again",
+                blob_id,
+            )
+        if now - said >= WRITER_NOTE_EVERY:
+            said = now
+            click.echo(f"blob: still waiting for {writer} ({count} of {total} chunks)", err=True)
+        writer = store.partial_writer(blob_id)
 
 
 def _get_tensors(
