@@ -877,7 +877,10 @@ class Store:
                 return "; the store's copy was replaced meanwhile: read it again"
         except StoreError as exc:
             return f"; could not quarantine it ({exc})"
-        return f"; quarantined it: fetch it again (blob get {blob_id} --peer ...) or put it again"
+        return (
+            f"; quarantined it: fetch it again (blob get {blob_id} --peer ...) or put it "
+            "again; links to it (blob export, get --link) dangle until then"
+        )
 
     def _quarantined_may_be_collection(self, blob_id: str) -> bool:
         """Whether a quarantined blob could be a collection (so gc cannot know what it
@@ -1387,12 +1390,12 @@ class Store:
                 continue  # a malformed collection pins nothing but itself
         return keep
 
-    def gc(self, grace_seconds: float = DEFAULT_GC_GRACE) -> list[str]:
+    def gc(self, grace_seconds: float = DEFAULT_GC_GRACE, *, dry_run: bool = False) -> list[str]:
         """Delete untagged blobs and idle partials older than ``grace_seconds``.
 
-        Returns the removed IDs. Never touches a tagged or leased blob (or a child of a
-        tagged or leased collection), a partial another writer holds, or anything younger
-        than the grace.
+        Returns the removed IDs (with ``dry_run``, those it would remove, removing none).
+        Never touches a tagged or leased blob (or a child of a tagged or leased
+        collection), a partial another writer holds, or anything younger than the grace.
 
         The store lock is held only while deciding and renaming: what goes is renamed into
         ``tmp/`` (one rename each, however large the file) and deleted after the lock is
@@ -1404,19 +1407,23 @@ class Store:
         removed: list[str] = []
         doomed: list[str] = []  # paths in tmp/, deleted once the lock is released
         with os_errors("collecting garbage"):
-            sweep_temp_dir(self.tmp_dir)
+            if not dry_run:
+                sweep_temp_dir(self.tmp_dir)
             with self._store_lock():
                 keep = self._protected()
                 for blob_id in self._complete_ids():
                     data_path = self._data_path(blob_id)
                     if blob_id in keep or now - data_path.stat().st_mtime < grace_seconds:
                         continue
+                    removed.append(blob_id)
+                    if dry_run:
+                        continue
                     doomed.append(self._to_trash(data_path))
                     self._manifest_path(blob_id).unlink(missing_ok=True)
-                    removed.append(blob_id)
                     with self._mutex:
                         self._manifests.pop(blob_id, None)
-                self._remove_orphan_manifests()
+                if not dry_run:
+                    self._remove_orphan_manifests()
                 for entry in os.scandir(self._partial):
                     if entry.name in keep:
                         continue
@@ -1430,7 +1437,8 @@ class Store:
                         )
                         if now - newest < grace_seconds:
                             continue
-                        doomed.append(self._to_trash(Path(entry.path)))
+                        if not dry_run:
+                            doomed.append(self._to_trash(Path(entry.path)))
                         if _is_id(entry.name):
                             removed.append(entry.name)
                     finally:
@@ -1440,7 +1448,8 @@ class Store:
                         continue  # pinned, or a repair download is using it
                     newest = max((e.stat().st_mtime for e in os.scandir(entry.path)), default=0.0)
                     if now - newest >= grace_seconds:
-                        doomed.append(self._to_trash(Path(entry.path)))
+                        if not dry_run:
+                            doomed.append(self._to_trash(Path(entry.path)))
                         if _is_id(entry.name):
                             removed.append(entry.name)
             for path in doomed:
