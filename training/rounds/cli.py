@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import sys
 import tempfile
 import time
@@ -85,7 +86,9 @@ def _progress(quiet: bool) -> Any:
         return None
 
     def on_step(step: int, bits: int) -> None:
-        click.echo(f"step {step}: loss bits {bits:08x}", err=True)
+        # The exact bits are the commitment's (--json); a person reads the loss.
+        (loss,) = struct.unpack("<f", bits.to_bytes(4, "little"))
+        click.echo(f"step {step}: loss {loss:.4f}", err=True)
 
     return on_step
 
@@ -342,6 +345,13 @@ def run_command(
         check_name(publish_as)  # refuse a bad name before any training
     recipe = Recipe.decode(_read(recipe_path, "recipe", 1 << 16))
     resolved = determinism.resolve_device(device)  # refuse before any fetch or load
+    if cert_path is None:
+        click.echo(
+            "blob train run: warning: no --cert, so the round's attestation carries no "
+            "admission certificate and `blob train check` will reject it; give --cert FILE "
+            "(from `blob admit`) for a round others can accept",
+            err=True,
+        )
     store = _store(ctx)
     ids = (
         [_resolve(store, base_ref), _resolve(store, records_ref)]
