@@ -71,6 +71,9 @@ def setup_logging(verbose: int) -> None:
         # py-libp2p logs routine DHT and connection churn (a peer without the DHT, a
         # stream reset) at WARNING and ERROR; -vv shows it.
         logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    else:
+        # Its import stops its logger propagating; -vv shows it through ours.
+        logging.getLogger("libp2p").propagate = True
 
 
 listen_option = click.option(
