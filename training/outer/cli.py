@@ -144,7 +144,8 @@ def _run_options(f: Any) -> Any:
         click.option(
             "--inner-steps",
             type=click.IntRange(1, 100_000),
-            required=True,
+            default=_DEFAULTS.inner_steps,
+            show_default=True,
             help="Inner AdamW steps per round (H).",
         ),
         click.option(

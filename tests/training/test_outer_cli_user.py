@@ -1,4 +1,6 @@
-"""``outer verify --authority`` takes what ``outer run --workdir O`` leaves: O/authority.pub,
+"""The outer loop's commands as a new user types them.
+
+``outer verify --authority`` takes what ``outer run --workdir O`` leaves: O/authority.pub,
 or the authority's key file itself (its public half). It used to take only 64 hex digits
 or a .pub file, exit 2 on O/authority.key, and echo the first 80 characters of the private
 key file in its error. No error of it shows a file's contents."""
@@ -33,3 +35,13 @@ def test_verify_takes_the_authority_key_file_and_never_echoes_a_file(tmp_path: P
     code, said = _verify(store, str(notes))
     assert code == 2, said
     assert str(notes) in said and "secret notes" not in said, said
+
+
+def test_outer_run_needs_no_inner_steps(tmp_path: Path) -> None:
+    """The README's `blob outer run --workers 3 --rounds 3` stopped at "Missing option
+    '--inner-steps'". A bad --publish name is refused after the options are read and
+    before any worker starts, so this runs nothing."""
+    argv = ["--store", str(tmp_path / "s"), "outer", "run", "--workers", "3", "--rounds", "3"]
+    done = blob_here([*argv, "--publish", "not a name!"])
+    assert done.returncode == 2
+    assert "inner-steps" not in done.stderr and "name" in done.stderr, done.stderr
