@@ -191,9 +191,9 @@ def test_input_commands(tmp_path: Path) -> None:
     store, key = tmp_path / "s", tmp_path / "k"
     text = tmp_path / "corpus.txt"
     text.write_bytes(b"hello records")
-    out = json.loads(
-        _here(store, key, "train", "records", str(text), "--seq-len", "8", "--json").stdout
-    )
+    records = ("train", "records", str(text), "--seq-len", "8", "--tag", "corpus")
+    out = json.loads(_here(store, key, *records, "--json").stdout)
+    assert Store.open(store).resolve("corpus") == out["id"]  # --tag names (and pins) it
     data = Store.open(store).path(out["id"]).read_bytes()
     assert data == make_records([b"hello records"], 8)
     assert decode_records(data).count == out["records"] == 2
@@ -208,11 +208,12 @@ def test_input_commands(tmp_path: Path) -> None:
 
     obj = {"store_root": store, "key_path": key}
     runs = [
-        CliRunner().invoke(train_group, ["init-model", "--size", "tiny", "--seed", "4"], obj=obj)
-        for _ in range(2)
+        CliRunner().invoke(train_group, ["init-model", "--seed", "4", "--tag", tag], obj=obj)
+        for tag in ("base", "base-again")
     ]
     assert [r.exit_code for r in runs] == [0, 0], runs[0].output
     first = runs[0].output.strip()
+    assert Store.open(store).resolve("base") == first
     assert runs[1].output.strip() == first  # the same model, the same collection ID
     entries = {e.path for e in Store.open(store).read_collection(first)}
     assert entries == {"config.json", "model.safetensors"}

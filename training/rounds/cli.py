@@ -98,6 +98,19 @@ def train_group() -> None:
     """Deterministic LoRA training rounds: run, replay, check."""
 
 
+_tag_option = click.option(
+    "--tag", "tag_name", metavar="NAME", help="Tag the result (pins it; a name for --base etc.)."
+)
+
+
+def _check_tag(name: str | None) -> None:
+    """A bad tag name is refused before any work."""
+    if name is not None:
+        from blobstore.store import check_tag_name
+
+        check_tag_name(name)
+
+
 @train_group.command("init-model")
 @click.option("--size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True)
 @click.option(
@@ -116,6 +129,7 @@ def train_group() -> None:
     help="Text file(s) to train the tokenizer of --arch gpt2/llama on.",
 )
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
+@_tag_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def init_model(
@@ -124,9 +138,11 @@ def init_model(
     arch: str,
     corpus_paths: tuple[Path, ...],
     seed: int,
+    tag_name: str | None,
     as_json: bool,
 ) -> None:
     """Make a base model locally (nothing downloaded) and put it in the store."""
+    _check_tag(tag_name)
     store = _store(ctx)
     with tempfile.TemporaryDirectory(prefix="blobnet-model-") as tmp:
         if arch == "tiny-llama":
@@ -148,6 +164,8 @@ def init_model(
             build_model_dir(arch, Path(tmp), texts, seed=seed)
             params = sum(p.numel() for p in load_base_model(Path(tmp)).parameters())
         blob_id = store.put_dir(Path(tmp))
+    if tag_name is not None:
+        store.tag(tag_name, blob_id)
     if as_json:
         _echo_json({"id": blob_id, "arch": arch, "seed": seed, "parameters": params})
     else:
@@ -164,14 +182,21 @@ def init_model(
     help="Tokenise with this base model collection's tokenizer.json (default: byte-level, "
     "for the built-in tiny models).",
 )
+@_tag_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def records_command(
-    ctx: click.Context, files: tuple[Path, ...], seq_len: int, base_ref: str | None, as_json: bool
+    ctx: click.Context,
+    files: tuple[Path, ...],
+    seq_len: int,
+    base_ref: str | None,
+    tag_name: str | None,
+    as_json: bool,
 ) -> None:
     """Tokenise FILEs into one records blob; prints its ID."""
     from training.records import decode_records, make_records
 
+    _check_tag(tag_name)
     store = _store(ctx)
     contents = [_read(f, "input", MAX_RECORDS_INPUT) for f in files]
     if base_ref is None:
@@ -179,6 +204,8 @@ def records_command(
     else:
         data = _tokenizer_records(store, store.resolve(base_ref), contents, seq_len)
     blob_id = store.put_bytes(data)
+    if tag_name is not None:
+        store.tag(tag_name, blob_id)
     if as_json:
         count = decode_records(data).count
         _echo_json({"id": blob_id, "seq_len": seq_len, "records": count})
