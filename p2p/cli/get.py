@@ -129,13 +129,13 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
         return ticket.blob_id, ticket.addrs
     try:
         return store.resolve(ref), ()
-    except BlobNotFound:
-        pass
+    except BlobNotFound as exc:
+        local = exc  # says why (a prefix too short, no such tag)
     try:
         return parse_blob_id(ref), ()
     except BadBlobId:
         raise BlobNotFound(
-            f"{ref!r} is not in the local store; to fetch it, give its full 64-hex ID or a ticket"
+            f"{local}; to fetch it from elsewhere, give its full 64-hex ID or a ticket"
         ) from None
 
 
@@ -156,6 +156,9 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
     "/ip4/0.0.0.0/tcp/0).",
 )
 @click.option("--no-dht", is_flag=True, help="Do not use the DHT even with --bootstrap.")
+@click.option(
+    "--force", is_flag=True, help="With -o: replace an existing file that holds other data."
+)
 @click.option("--tag", "tag_name", metavar="NAME", help="Tag what was fetched (pins it).")
 @click.option(
     "--include",
@@ -221,6 +224,7 @@ def get(
     bootstrap: Sequence[str],
     listen: Sequence[str],
     no_dht: bool,
+    force: bool,
     tag_name: str | None,
     include: Sequence[str],
     tensors: Sequence[str],
@@ -283,6 +287,8 @@ def get(
     else:
         blob_id, ticket_addrs = _resolve_ref(store, ref)
     assert blob_id is not None
+    if output is not None and not tensors and not link and not force:
+        _check_not_overwriting(store, blob_id, output)
     stats: dict[str, Any] = {"source": "local"}
     if tensors:
         _get_tensors(ctx, store, blob_id, [*peers, *ticket_addrs], tensors, output, listen, as_json)
@@ -392,6 +398,42 @@ def get(
                 err=True,
             )
         finish(stats, fetched)
+
+
+# Bytes compared at a time when -o names an existing file.
+COMPARE_BLOCK = 1 << 20
+
+
+def _check_not_overwriting(store: Store, blob_id: str, output: Path) -> None:
+    """``-o`` onto an existing file replaces it only with the same bytes (a re-run) or
+    with --force: a typo in -o once silently destroyed an unrelated file. A directory is
+    the export's to refuse; an existing file is compared only when the blob is here
+    (otherwise nothing is fetched before the refusal)."""
+    from blobstore.errors import StoreError
+
+    path = output.expanduser()
+    if not (path.is_file() or path.is_symlink()):
+        return
+    here = store.has(blob_id) and not store.is_collection(blob_id)
+    if here and _same_bytes(store.path(blob_id), path):
+        return
+    raise StoreError(
+        f"{output} already exists and does not hold {blob_id[:12]}; give --force to replace "
+        "it, or another -o"
+    )
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    try:
+        if a.stat().st_size != b.stat().st_size:
+            return False
+        with a.open("rb") as fa, b.open("rb") as fb:
+            while block := fa.read(COMPARE_BLOCK):
+                if block != fb.read(len(block)):
+                    return False
+    except OSError:
+        return False
+    return True
 
 
 def _busy_blob(exc: BaseException) -> str | None:

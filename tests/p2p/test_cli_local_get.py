@@ -1,0 +1,44 @@
+"""`blob get` of a blob already in the store, as a user types it: no node, one line for
+each mistake."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.p2p.conftest import blob_here
+
+
+def _put(tmp_path: Path, data: bytes) -> tuple[Path, Path, str]:
+    store, key = tmp_path / "store", tmp_path / "key"
+    (tmp_path / "weights.bin").write_bytes(data)
+    done = blob_here(store, key, "put", str(tmp_path / "weights.bin"), "--json")
+    return store, key, json.loads(done.stdout)[0]["id"]
+
+
+def test_get_o_does_not_overwrite_an_unrelated_file(tmp_path: Path) -> None:
+    """`get -o FILE` silently replaced whatever FILE held (a directory was refused): it
+    replaces it only with the same bytes (a re-run) or with --force."""
+    store, key, blob_id = _put(tmp_path, b"checkpoint bytes" * 1000)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a week of notes")
+    refused = blob_here(store, key, "get", blob_id, "-o", str(notes))
+    assert refused.returncode == 5, refused.stderr
+    assert "--force" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    assert notes.read_text() == "a week of notes"
+
+    again = tmp_path / "copy.bin"
+    assert blob_here(store, key, "get", blob_id, "-o", str(again)).returncode == 0
+    assert blob_here(store, key, "get", blob_id, "-o", str(again)).returncode == 0  # same bytes
+    forced = blob_here(store, key, "get", blob_id, "-o", str(notes), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert notes.read_bytes() == b"checkpoint bytes" * 1000
+
+
+def test_a_short_prefix_is_told_prefixes_need_eight(tmp_path: Path) -> None:
+    """A 6-character prefix of a local blob was reported "not in the local store"."""
+    store, key, blob_id = _put(tmp_path, b"x")
+    done = blob_here(store, key, "get", blob_id[:6])
+    assert done.returncode == 3
+    assert "at least 8" in done.stderr, done.stderr
+    assert blob_here(store, key, "get", blob_id[:8]).returncode == 0
