@@ -161,9 +161,22 @@ def run_interruptible(work: Callable[[], Awaitable[T]]) -> T:
 
 
 def load_key(key_path: Path) -> MachineKey:
-    from identity import load_or_create_key
+    """The machine key at ``key_path``, made on first use, and then said so: a new key is
+    a new identity. Only the default path may be made with its directory: anywhere else a
+    missing directory is more likely a typo in --key than a wish for a second identity."""
+    from identity import KeyNotFound, ensure_key
+    from p2p.cli.app import default_key_path
 
-    return load_or_create_key(key_path)
+    path = key_path.expanduser()
+    if not path.exists() and not path.parent.is_dir() and path != default_key_path():
+        raise KeyNotFound(
+            f"no key file at {key_path}, and its directory {path.parent} does not exist "
+            "(a typo in --key?); a new key is made only in an existing directory"
+        )
+    key, created = ensure_key(path)
+    if created:
+        click.echo(f"blob: created a new machine key {key_path} (peer ID {key.peer_id})", err=True)
+    return key
 
 
 def check_peer_addrs(addrs: Sequence[str], option: str) -> None:

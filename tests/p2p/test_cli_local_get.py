@@ -42,3 +42,22 @@ def test_a_short_prefix_is_told_prefixes_need_eight(tmp_path: Path) -> None:
     assert done.returncode == 3
     assert "at least 8" in done.stderr, done.stderr
     assert blob_here(store, key, "get", blob_id[:8]).returncode == 0
+
+
+def test_a_key_in_a_directory_that_does_not_exist_is_a_typo_not_a_new_identity(
+    tmp_path: Path,
+) -> None:
+    """A typo in --key silently made a new identity (and the directories for it): a key is
+    now made only in an existing directory, and a new one is announced."""
+    from identity import MachineKey
+
+    nobody = f"/ip4/127.0.0.1/tcp/9/p2p/{MachineKey.generate().peer_id}"
+    store = tmp_path / "store"
+    typo = tmp_path / "kyes" / "machine.key"
+    done = blob_here(store, typo, "get", "ab" * 32, "--peer", nobody, "--no-dht")
+    assert done.returncode == 3, done.stderr
+    assert "typo" in done.stderr and not typo.parent.exists()
+
+    fresh = tmp_path / "new.key"
+    done = blob_here(store, fresh, "get", "ab" * 32, "--peer", nobody, "--no-dht")
+    assert "created a new machine key" in done.stderr and fresh.exists()
