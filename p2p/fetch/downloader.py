@@ -1529,11 +1529,23 @@ async def _run(
             stalled_since = stalled_since or trio.current_time()
             if trio.current_time() - stalled_since >= discovery_timeout:
                 banned = sorted(scheduler.banned_peers())
+                # Who left: a provider that died or lost its connection mid-fetch.
+                gone = sorted(
+                    peer
+                    for peer, stats in scheduler.peer_stats().items()
+                    if (stats.dropped or not stats.connected) and not stats.banned
+                )
                 raise FetchFailed(
                     f"{len(scheduler.missing())} of {download.manifest.num_chunks} chunks of "
                     f"{download.blob_id[:12]} could not be fetched from "
                     f"{len(download.peers_seen)} peer(s)"
                     + (f"; banned for bad data: {', '.join(banned)}" if banned else "")
+                    + (
+                        f"; disconnected or stopped answering mid-fetch: {', '.join(gone)} "
+                        "(what arrived is kept: fetch again to resume)"
+                        if gone
+                        else ""
+                    )
                 )
         nursery.cancel_scope.cancel()
 

@@ -1,7 +1,8 @@
 """Two ``blob get`` of one blob into one store, as every local rank or job fetching the
 same checkpoint does: the second waits for the first (saying so) and returns the blob,
 and takes over from the partial if the first dies. It used to exit 5 within a second,
-"being written by process N", whatever BLOBNET_LOCK_TIMEOUT said."""
+"being written by process N", whatever BLOBNET_LOCK_TIMEOUT said. And a fetch whose only
+provider dies says that it went."""
 
 from __future__ import annotations
 
@@ -71,3 +72,23 @@ def test_second_get_takes_over_when_the_first_dies(
     out2, err2 = second.communicate(timeout=90)
     assert second.returncode == 0, said + err2
     assert last_json(out2)["id"] == blob_id
+
+
+def test_a_provider_that_dies_mid_fetch_is_named_as_gone(
+    cluster: Cluster, seeded: tuple[str, str]
+) -> None:
+    """A provider killed mid-fetch ended in "79 of 128 chunks could not be fetched from
+    1 peer(s)", which read like missing data: the error says the peer went, and that what
+    arrived is kept."""
+    blob_id, peer = seeded
+    cmd = blob_cmd(
+        cluster.store("job"), cluster.key("job"), "get", blob_id, "--peer", peer,
+        "--discovery-timeout", "1",
+    )  # fmt: skip
+    get = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    data = cluster.store("job") / "partial" / blob_id / "data"
+    assert wait_until(lambda: data.exists() and data.stat().st_blocks > 0, 60)
+    cluster.nodes[0].kill()
+    _out, err = get.communicate(timeout=60)
+    assert get.returncode == 6, err
+    assert "disconnected or stopped answering" in err and "resume" in err, err
