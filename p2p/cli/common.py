@@ -57,22 +57,21 @@ def key_path_of(ctx: click.Context) -> Path:
 
 
 def setup_logging(verbose: int) -> None:
-    """Logging for commands that run a node. libp2p is imported first: its import sets
-    its own logger's level, which would undo ours."""
-    import libp2p  # noqa: F401
-
+    """Logging for commands that may run a node. py-libp2p is not imported here (it takes
+    half a second, and a get served from the local store needs none of it): its records
+    reach nothing unless asked (p2p.node.node gives its logger a NullHandler), and with
+    -vv it is imported first, since its import stops its logger propagating."""
     # Warnings (an unreachable bootstrap peer, a banned provider) only with -v: by default
     # a command's outcome is its one result or error line.
     level = logging.ERROR if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(
         level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    if verbose < 2:
+    if verbose >= 2:
         # py-libp2p logs routine DHT and connection churn (a peer without the DHT, a
-        # stream reset) at WARNING and ERROR; -vv shows it.
-        logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-    else:
-        # Its import stops its logger propagating; -vv shows it through ours.
+        # stream reset) at WARNING and ERROR; -vv shows it, through our handler.
+        import libp2p  # noqa: F401
+
         logging.getLogger("libp2p").propagate = True
 
 

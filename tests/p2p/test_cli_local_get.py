@@ -4,6 +4,8 @@ each mistake."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.p2p.conftest import blob_here
@@ -61,3 +63,24 @@ def test_a_key_in_a_directory_that_does_not_exist_is_a_typo_not_a_new_identity(
     fresh = tmp_path / "new.key"
     done = blob_here(store, fresh, "get", "ab" * 32, "--peer", nobody, "--no-dht")
     assert "created a new machine key" in done.stderr and fresh.exists()
+
+
+# `blob`, reporting at exit whether py-libp2p was imported.
+_REPORTS_LIBP2P = (
+    "import atexit, sys\n"
+    "atexit.register(lambda: print('libp2p' in sys.modules, file=sys.stderr))\n"
+    "from p2p.cli import main\n"
+    "main()\n"
+)
+
+
+def test_a_local_hit_does_not_import_the_network(tmp_path: Path) -> None:
+    """`blob get ID` of a blob in the store took half a second more than it needed,
+    importing py-libp2p (for its logger) before looking in the store."""
+    store, key, blob_id = _put(tmp_path, b"here already")
+    argv = ["--store", str(store), "--key", str(key), "get", blob_id]
+    done = subprocess.run(
+        [sys.executable, "-c", _REPORTS_LIBP2P, *argv], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "False", done.stderr
