@@ -159,10 +159,11 @@ def run_interruptible(work: Callable[[], Awaitable[T]]) -> T:
         raise
 
 
-def load_key(key_path: Path) -> MachineKey:
-    """The machine key at ``key_path``, made on first use, and then said so: a new key is
-    a new identity. Only the default path may be made with its directory: anywhere else a
-    missing directory is more likely a typo in --key than a wish for a second identity."""
+def load_key(key_path: Path, *, announce: bool = False) -> MachineKey:
+    """The machine key at ``key_path``, made on first use (and, with ``announce``, said so:
+    for a server a new key is a new identity others see). Only the default path may be
+    made with its directory: anywhere else a missing directory is more likely a typo in
+    --key than a wish for a second identity."""
     from identity import KeyNotFound, ensure_key
     from p2p.cli.app import default_key_path
 
@@ -173,7 +174,7 @@ def load_key(key_path: Path) -> MachineKey:
             "(a typo in --key?); a new key is made only in an existing directory"
         )
     key, created = ensure_key(path)
-    if created:
+    if created and announce:
         click.echo(f"blob: created a new machine key {key_path} (peer ID {key.peer_id})", err=True)
     return key
 
