@@ -299,9 +299,19 @@ def get(
         fetched = False
 
         def finish(stats: dict[str, Any], fetched: bool) -> None:
-            """Tag, write -o and print the result line."""
-            if tag_name is not None:
-                store.tag(tag_name, blob_id)
+            """Tag, write -o and print the result line. Links into the store are pinned
+            as `blob export` pins them, when --tag names no pin of the user's own."""
+            pin = tag_name
+            if link and pin is None and output is not None:
+                from blobstore.export import export_tag
+
+                pin = export_tag(output)
+                click.echo(
+                    f"blob: links pinned by tag {pin} (blob untag {pin} once you remove {output})",
+                    err=True,
+                )
+            if pin is not None:
+                store.tag(pin, blob_id)
             if output is not None:
                 # What was just fetched was verified chunk by chunk on arrival: no second
                 # hash.
@@ -316,7 +326,7 @@ def get(
                 )
             if as_json:
                 where = str(output) if output else None
-                click.echo(json.dumps({"id": blob_id, "path": where, "tag": tag_name, **stats}))
+                click.echo(json.dumps({"id": blob_id, "path": where, "tag": pin, **stats}))
             else:
                 click.echo(f"{blob_id}  {output if output else store.path(blob_id)}")
             sys.stdout.flush()

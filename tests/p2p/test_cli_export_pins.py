@@ -79,3 +79,14 @@ def test_export_of_a_collection_held_in_part_exports_what_is_here(tmp_path: Path
     wanted = blob_here(store, key, "export", coll, str(tmp_path / "cfg"), "--include", "*.json")
     assert wanted.returncode == 3
     assert "config.json" in wanted.stderr and "no complete blob" not in wanted.stderr
+
+
+def test_gc_leaves_get_links_whole(tmp_path: Path) -> None:
+    """`get -o DIR --link` without --tag made the same dangling links after gc."""
+    store, key = tmp_path / "store", tmp_path / "key"
+    coll, _files = _put(store, key, _model(tmp_path))
+    out = tmp_path / "linked"
+    done = blob_here(store, key, "get", coll, "-o", str(out), "--link")
+    assert done.returncode == 0, done.stderr
+    assert blob_here(store, key, "gc", "--grace", "0").returncode == 0
+    assert all(link.resolve().exists() for link in out.iterdir())
