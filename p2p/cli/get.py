@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from identity import MachineKey
     from p2p.fetch.downloader import Progress
     from p2p.node.node import Node
+
 # A second fetch of a blob into one store waits for the process already fetching it, and
 # gives up only when that process has verified nothing new for this long: a fetch that
 # progresses is worth waiting for however long it takes, a stuck one is not.
@@ -416,7 +417,7 @@ COMPARE_BLOCK = 1 << 20
 
 def _check_not_overwriting(store: Store, blob_id: str, output: Path) -> None:
     """``-o`` onto an existing file replaces it only with the same bytes (a re-run) or
-    with --force: a typo in -o once silently destroyed an unrelated file. A directory is
+    with --force, so that a typo in -o cannot destroy an unrelated file. A directory is
     the export's to refuse; an existing file is compared only when the blob is here
     (otherwise nothing is fetched before the refusal)."""
     from blobstore.errors import StoreError

@@ -1134,10 +1134,10 @@ def _advertise_interfaces(host: Any) -> None:
     """Make ``host.get_addrs()`` name each interface's address in place of a wildcard
     listen address (``/ip4/0.0.0.0/...``). Identify tells every peer we connect to what
     ``get_addrs`` returns, and a seeder's ``peers`` answers (p2p.blob.swarm rule 2) list
-    those addresses to our fellow fetchers: a wildcard address is dialable by nobody, so
-    fetchers listening on every interface (``blob get``'s default with a remote peer)
-    were never listed and never fetched from each other. DHT provider records name the
-    same addresses."""
+    those addresses to our fellow fetchers. A wildcard address is dialable by nobody and
+    is not listed, so without this, fetchers listening on every interface (``blob get``'s
+    default with a remote peer) would never learn of each other. DHT provider records
+    name the same addresses."""
     from p2p.transport.addresses import dialable_addrs
 
     own = host.get_addrs
