@@ -159,22 +159,23 @@ def run_interruptible(work: Callable[[], Awaitable[T]]) -> T:
         raise
 
 
-def load_key(key_path: Path, *, announce: bool = False) -> MachineKey:
-    """The machine key at ``key_path``, made on first use (and, with ``announce``, said so:
-    for a server a new key is a new identity others see). Only the default path may be
-    made with its directory: anywhere else a missing directory is more likely a typo in
-    --key than a wish for a second identity."""
+def load_key(key_path: Path, *, server: bool = False) -> MachineKey:
+    """The machine key at ``key_path``, made on first use. For a ``server`` a key is an
+    identity others see: a new one is said, and it is made only at the default path or in
+    a directory that exists (elsewhere a missing directory is more likely a typo in --key
+    than a wish for a second identity). A one-shot get's identity is nobody's concern."""
     from identity import KeyNotFound, ensure_key
     from p2p.cli.app import default_key_path
 
     path = key_path.expanduser()
-    if not path.exists() and not path.parent.is_dir() and path != default_key_path():
+    missing_dir = not path.exists() and not path.parent.is_dir()
+    if server and missing_dir and path != default_key_path():
         raise KeyNotFound(
             f"no key file at {key_path}, and its directory {path.parent} does not exist "
             "(a typo in --key?); a new key is made only in an existing directory"
         )
     key, created = ensure_key(path)
-    if created and announce:
+    if created and server:
         click.echo(f"blob: created a new machine key {key_path} (peer ID {key.peer_id})", err=True)
     return key
 

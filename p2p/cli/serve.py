@@ -93,7 +93,7 @@ def _serve_checks(ctx: click.Context, bootstrap: Sequence[str]) -> tuple[Store, 
     check_peer_addrs(bootstrap, "--bootstrap")
     store = store_of(ctx)
     key_path = key_path_of(ctx)
-    key = load_key(key_path, announce=True)
+    key = load_key(key_path, server=True)
     check_not_self(bootstrap, key.peer_id, key_path)
     _claim_key(ctx, key_path, key.peer_id)
     return store, key

@@ -46,24 +46,20 @@ def test_a_short_prefix_is_told_prefixes_need_eight(tmp_path: Path) -> None:
     assert blob_here(store, key, "get", blob_id[:8]).returncode == 0
 
 
-def test_a_key_in_a_directory_that_does_not_exist_is_a_typo_not_a_new_identity(
-    tmp_path: Path,
-) -> None:
-    """A typo in --key silently made a new identity (and the directories for it): a key is
-    now made only in an existing directory, and a server announces a new one."""
-    from identity import MachineKey
-
-    nobody = f"/ip4/127.0.0.1/tcp/9/p2p/{MachineKey.generate().peer_id}"
+def test_a_server_key_in_a_directory_that_does_not_exist_is_a_typo(tmp_path: Path) -> None:
+    """A typo in a server's --key silently made a new identity (and the directories for
+    it): a server makes a key only in an existing directory, and announces a new one."""
     store = tmp_path / "store"
+    # Not an address of this machine: a server that gets past its key stops there.
+    serve = ("serve", "--no-dht", "--listen", "/ip4/203.0.113.1/tcp/0")
     typo = tmp_path / "kyes" / "machine.key"
-    done = blob_here(store, typo, "get", "ab" * 32, "--peer", nobody, "--no-dht")
+    done = blob_here(store, typo, *serve)
     assert done.returncode == 3, done.stderr
     assert "typo" in done.stderr and not typo.parent.exists()
 
-    # A server's new key is a new identity others see: it is announced.
     fresh = tmp_path / "new.key"
-    done = blob_here(store, fresh, "serve", "--no-dht", "--listen", "/ip4/203.0.113.1/tcp/0")
-    assert done.returncode != 0  # not an address of this machine: it stops there
+    done = blob_here(store, fresh, *serve)
+    assert done.returncode != 0
     assert "created a new machine key" in done.stderr and fresh.exists()
 
 
