@@ -29,7 +29,8 @@ verified chunk at 200 ms <= 1.5 s + start-up.
 
 ``--swarm N`` adds issue 21's fan-out row: a seeder with a 100 Mbit/s uplink and N
 workers on 1 Gbit/s links (one-way delays 20-40 ms), every `blob get` started at once and
-given only the seeder; the time until every worker holds the blob (its `blob get` report's
+given only the seeder, with a user's options (no --listen: each listens on every
+interface); the time until every worker holds the blob (its `blob get` report's
 `done_at`; it may linger after that to serve fellows, p2p.blob.swarm rule 5) and until the last
 exits, against one transfer at the seeder's uplink, and the bytes the seeder sent against
 the blob's size. Every `blob get` waits at a barrier after
@@ -297,7 +298,9 @@ def _swarm(work: Path, workers: int, size_mib: int, runs: int) -> dict[str, Any]
     for run in range(runs):
         run_dir = work / f"swarm-{run}"
         run_dir.mkdir()
-        got = fan_out(run_dir, workers, size, timeout=_fetch_timeout(size) * workers)
+        got = fan_out(
+            run_dir, workers, size, timeout=_fetch_timeout(size) * workers, default_listen=True
+        )
         done.append(got)
         cpu = _median([float(r.report.get("cpu_s") or 0.0) for r in got.results])
         hold = "-" if got.all_hold_s is None else f"{got.all_hold_s:.2f}"

@@ -95,9 +95,13 @@ class BlobExists(StoreError):
 
 
 class PartialBusy(StoreError):
-    """Another process or handle is writing this partial blob."""
+    """Another process or handle is writing this partial blob (``blob_id``, when known)."""
 
     exit_code = ExitCode.LOCAL_IO
+
+    def __init__(self, message: str, blob_id: str | None = None) -> None:
+        super().__init__(message)
+        self.blob_id = blob_id
 
 
 class FileChanged(StoreError):

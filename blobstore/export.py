@@ -4,7 +4,8 @@
 A linked export is a directory whose files are symlinks to the store's read-only blob
 files, so ``transformers``' ``from_pretrained(DIR)`` or ``safetensors`` memory-map the
 verified bytes in place: nothing is copied or hashed again. The links live as long as the
-blobs do; tag what you export (``blob get --tag``) so ``blob gc`` keeps it.
+blobs do, so ``blob export`` pins what it links with a tag (``export_tag``, or one the user
+names) that ``blob gc`` respects and ``blob untag`` removes with the export.
 
 Like ``Store.export``, the directory is built under a temporary name beside ``dest`` and
 renamed into place, so a half-made export is never visible under ``dest``.
@@ -69,7 +70,15 @@ def export_files(store: Store, files: Sequence[tuple[str, str]], dest: Path, *, 
         # A decoded collection's paths are checked already; a caller's list may not be, and
         # an absolute or ".." path would be written outside ``dest`` (BadCollection).
         check_relpath(path)
-    sources = {path: store.path(blob_id) for path, blob_id in files}  # BlobNotFound first
+    sources = {}
+    for path, blob_id in files:  # BlobNotFound before anything is written
+        try:
+            sources[path] = store.path(blob_id)
+        except BlobNotFound:
+            raise BlobNotFound(
+                f"{path} (blob {blob_id[:12]}) is not in this store; fetch it first "
+                f"(blob get COLLECTION --include {path!r})"
+            ) from None
     if link and _same_links(dest, sources):
         return  # the same export again: nothing to do
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
@@ -110,6 +119,27 @@ def _same_links(dest: Path, sources: dict[str, Path]) -> bool:
         found[name].is_symlink() and found[name].resolve() == sources[name].resolve()
         for name in sources
     )
+
+
+def present_entries(
+    store: Store, files: Sequence[tuple[str, str]]
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """``files`` split into those complete in ``store`` and the paths of the others (a
+    collection fetched with ``--include`` holds only some of its files)."""
+    present = [(path, blob_id) for path, blob_id in files if store.has(blob_id)]
+    missing = [path for path, blob_id in files if not store.has(blob_id)]
+    return present, missing
+
+
+def export_tag(dest: Path) -> str:
+    """The tag that pins a linked export at ``dest``: its name, and a digest of its
+    absolute path so that two exports of one name elsewhere do not share (and unpin)
+    one tag."""
+    import hashlib
+
+    where = str(dest.expanduser().absolute())
+    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in dest.name)[:40]
+    return f"export-{name or 'dir'}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
 
 
 def link_file(store: Store, blob_id: str, dest: Path) -> None:

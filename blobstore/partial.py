@@ -13,7 +13,10 @@ Ordering rules (the crash safety lives here, see also the invariants in
    bit never claims bytes that were not durable when the bit was written.
 3. On open, every chunk the persisted bitmap marks is hashed again and dropped if it
    fails: the bitmap is a hint, the hashes are the truth. A crash, a torn sector or a
-   bit flip can cost a re-download but never yields a wrong blob.
+   bit flip can cost a re-download but never yields a wrong blob. Chunks that hold data
+   the bitmap does not mark (written before a crash or a full disk kept the bitmap from
+   being written) are hashed too, when the data file holds more than the marked chunks,
+   and kept if they verify.
 4. Publication fsyncs ``data``, makes it read-only and hard-links it into ``blobs/``
    (the store's publish path), then removes the partial directory.
 
@@ -146,17 +149,52 @@ class PartialBlob:
             self._dirty = data_existed
         dropped = []
         for i in bm.set_indices(persisted, n):
-            offset, length = self.manifest.chunk_span(i)
-            data = read_span(self._data_fd, offset, length)
-            if len(data) == length and blake3(data).digest() == self.manifest.chunk_hash(i):
+            if self._chunk_verifies(i):
                 bm.set_bit(self._bits, i)
             else:
                 dropped.append(i)
+        adopted = 0
+        for i in self._unmarked_with_data(persisted) if data_existed else ():
+            if self._chunk_verifies(i):
+                bm.set_bit(self._bits, i)
+                adopted += 1
         self._count = bm.count_bits(self._bits)
-        if dropped:
+        if dropped or adopted:
             self._dirty = True
         self.flush()
         return dropped
+
+    def _chunk_verifies(self, i: int) -> bool:
+        offset, length = self.manifest.chunk_span(i)
+        data = read_span(self._data_fd, offset, length)
+        return len(data) == length and blake3(data).digest() == self.manifest.chunk_hash(i)
+
+    def _unmarked_with_data(self, marked: bytearray) -> list[int]:
+        """Chunks the bitmap does not mark whose range of the data file holds data (rule
+        3), found with SEEK_DATA; none when the file occupies no more than the marked
+        chunks do (the common case), or where the file system cannot say."""
+        n = self.manifest.num_chunks
+        chunk = self.manifest.chunk_size
+        marked_bytes = sum(self.manifest.chunk_span(i)[1] for i in bm.set_indices(marked, n))
+        if os.fstat(self._data_fd).st_blocks * 512 <= marked_bytes + chunk:
+            return []
+        found: list[int] = []
+        offset, size = 0, self.manifest.size
+        while offset < size:
+            try:
+                start = os.lseek(self._data_fd, offset, os.SEEK_DATA)
+                end = os.lseek(self._data_fd, start, os.SEEK_HOLE)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # no data past offset
+                    break
+                return []  # SEEK_DATA unsupported here
+            found.extend(
+                i
+                for i in range(start // chunk, min(n, -(-end // chunk)))
+                if not bm.get_bit(marked, i) and (not found or i > found[-1])
+            )
+            offset = max(end, start + 1)
+        return found
 
     def __enter__(self) -> PartialBlob:
         return self

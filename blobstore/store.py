@@ -877,7 +877,10 @@ class Store:
                 return "; the store's copy was replaced meanwhile: read it again"
         except StoreError as exc:
             return f"; could not quarantine it ({exc})"
-        return f"; quarantined it: fetch it again (blob get {blob_id} --peer ...) or put it again"
+        return (
+            f"; quarantined it: fetch it again (blob get {blob_id} --peer ...) or put it "
+            "again; links to it (blob export, get --link) dangle until then"
+        )
 
     def _quarantined_may_be_collection(self, blob_id: str) -> bool:
         """Whether a quarantined blob could be a collection (so gc cannot know what it
@@ -926,7 +929,8 @@ class Store:
             if lock_fd is None:
                 raise PartialBusy(
                     f"blob {blob_id[:12]} is being written by {lock_holder(pdir / 'lock')}; "
-                    "wait for it or stop that process"
+                    "wait for it or stop that process",
+                    blob_id,
                 )
             data_fd = -1
             try:
@@ -958,13 +962,27 @@ class Store:
                 raise
         try:
             partial._load_and_reverify(data_existed)
-            missing = sum(manifest.chunk_span(i)[1] for i in partial.missing())
             with os_errors("checking free space"):
-                self._check_space(missing, f"download blob {blob_id[:12]}")
+                self._check_space(self.space_to_finish(manifest), f"download blob {blob_id[:12]}")
         except BaseException:
             partial._release()
             raise
         return partial
+
+    def partial_writer(self, blob_id: str) -> str | None:
+        """Who writes ``blob_id``'s partial now ('process 1234'), or None when nobody
+        does (no partial, or one whose writer has finished or died)."""
+        lock = self._partial_dir(blob_id) / "lock"
+        if not lock.exists():
+            return None
+        try:
+            fd = lock_path(lock)
+        except OSError:  # the partial went (published or removed) meanwhile
+            return None
+        if fd is None:
+            return lock_holder(lock)
+        os.close(fd)
+        return None
 
     def _forget_partial(self, partial: PartialBlob) -> None:
         with self._mutex:
@@ -1283,6 +1301,20 @@ class Store:
                 )
         return rows
 
+    def space_to_finish(self, manifest: Manifest) -> int:
+        """Disk space a download of ``manifest`` still has to claim: its size, less what
+        its partial's data file already occupies. Not less the verified chunks only: the
+        blocks of chunks written but not yet marked verified (after a disk-full stop, when
+        the bitmap itself could not be written) take space too, and writing them again
+        claims none, so counting them as missing would refuse the very retry that the
+        freed space allows."""
+        with os_errors(f"checking the partial blob {manifest.blob_id[:12]}"):
+            try:
+                st = os.stat(self._partial_dir(manifest.blob_id) / "data")
+            except FileNotFoundError:
+                return manifest.size
+        return max(0, manifest.size - min(manifest.size, st.st_blocks * 512))
+
     def free_bytes(self) -> int:
         """Bytes available to this user on the store's file system."""
         with os_errors("checking free space"):
@@ -1358,12 +1390,12 @@ class Store:
                 continue  # a malformed collection pins nothing but itself
         return keep
 
-    def gc(self, grace_seconds: float = DEFAULT_GC_GRACE) -> list[str]:
+    def gc(self, grace_seconds: float = DEFAULT_GC_GRACE, *, dry_run: bool = False) -> list[str]:
         """Delete untagged blobs and idle partials older than ``grace_seconds``.
 
-        Returns the removed IDs. Never touches a tagged or leased blob (or a child of a
-        tagged or leased collection), a partial another writer holds, or anything younger
-        than the grace.
+        Returns the removed IDs (with ``dry_run``, those it would remove, removing none).
+        Never touches a tagged or leased blob (or a child of a tagged or leased
+        collection), a partial another writer holds, or anything younger than the grace.
 
         The store lock is held only while deciding and renaming: what goes is renamed into
         ``tmp/`` (one rename each, however large the file) and deleted after the lock is
@@ -1375,19 +1407,23 @@ class Store:
         removed: list[str] = []
         doomed: list[str] = []  # paths in tmp/, deleted once the lock is released
         with os_errors("collecting garbage"):
-            sweep_temp_dir(self.tmp_dir)
+            if not dry_run:
+                sweep_temp_dir(self.tmp_dir)
             with self._store_lock():
                 keep = self._protected()
                 for blob_id in self._complete_ids():
                     data_path = self._data_path(blob_id)
                     if blob_id in keep or now - data_path.stat().st_mtime < grace_seconds:
                         continue
+                    removed.append(blob_id)
+                    if dry_run:
+                        continue
                     doomed.append(self._to_trash(data_path))
                     self._manifest_path(blob_id).unlink(missing_ok=True)
-                    removed.append(blob_id)
                     with self._mutex:
                         self._manifests.pop(blob_id, None)
-                self._remove_orphan_manifests()
+                if not dry_run:
+                    self._remove_orphan_manifests()
                 for entry in os.scandir(self._partial):
                     if entry.name in keep:
                         continue
@@ -1401,7 +1437,8 @@ class Store:
                         )
                         if now - newest < grace_seconds:
                             continue
-                        doomed.append(self._to_trash(Path(entry.path)))
+                        if not dry_run:
+                            doomed.append(self._to_trash(Path(entry.path)))
                         if _is_id(entry.name):
                             removed.append(entry.name)
                     finally:
@@ -1411,7 +1448,8 @@ class Store:
                         continue  # pinned, or a repair download is using it
                     newest = max((e.stat().st_mtime for e in os.scandir(entry.path)), default=0.0)
                     if now - newest >= grace_seconds:
-                        doomed.append(self._to_trash(Path(entry.path)))
+                        if not dry_run:
+                            doomed.append(self._to_trash(Path(entry.path)))
                         if _is_id(entry.name):
                             removed.append(entry.name)
             for path in doomed:

@@ -185,11 +185,15 @@ class BlobNode:
         peers: list[str],
         *extra: str,
         barrier: Barrier | None = None,
+        default_listen: bool = False,
     ) -> Getting:
         """Start ``blob get`` (returns at once; :meth:`Getting.wait` for the result); with
-        ``barrier``, it waits there after its imports."""
+        ``barrier``, it waits there after its imports. It listens on its host's testbed
+        address, or with ``default_listen`` where a user's ``blob get`` listens (every
+        interface, since the peers it names are remote)."""
         argv = ["get", blob_id, "--json", "--no-dht", "--no-progress"]
-        argv += ["--listen", f"/ip4/{tb.addr(self.host)}/tcp/0"]
+        if not default_listen:
+            argv += ["--listen", f"/ip4/{tb.addr(self.host)}/tcp/0"]
         for peer in peers:
             argv += ["--peer", peer]
         self.root.mkdir(parents=True, exist_ok=True)

@@ -77,9 +77,11 @@ def fan_out(
     timeout: float = 600.0,
     extra_get_args: tuple[str, ...] = (),
     gate: bool = True,
+    default_listen: bool = False,
 ) -> FanOut:
     """Run one fan-out in ``work`` (a fresh testbed; the blob is made and put here).
-    ``gate``: start every fetcher at a barrier and let them go together (above)."""
+    ``gate``: start every fetcher at a barrier and let them go together (above).
+    ``default_listen``: each ``blob get`` is told no ``--listen`` (a user's command line)."""
     data = work / "fanout.bin"
     write_random_file(data, size, seed=21)
     seeder = BlobNode(work / "seeder", "seed")
@@ -95,7 +97,14 @@ def fan_out(
             started = time.monotonic()
             started_wall = time.time()
             gettings = [
-                n.start_get(tb, blob_id, [served.addr], *extra_get_args, barrier=barrier)
+                n.start_get(
+                    tb,
+                    blob_id,
+                    [served.addr],
+                    *extra_get_args,
+                    barrier=barrier,
+                    default_listen=default_listen,
+                )
                 for n in nodes
             ]
             if barrier is not None:

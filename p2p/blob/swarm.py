@@ -9,7 +9,9 @@ Theory of operation
 2. A ``peers`` request (``/blobnet/blob/1.2.0``, PROTOCOL.md section 5.3) is answered
    with the most recently seen of them, the asker left out, each with its dialable
    listen addresses from the server's peerstore (what identify told it), peers with
-   none left out, at most ``MAX_PEERS_LISTED``.
+   none left out, at most ``MAX_PEERS_LISTED``. A wildcard address is not dialable and
+   not listed: a node listening on every interface tells identify each interface's
+   address instead (``p2p.node.node``).
 3. A fetcher (``p2p.node.node.Node``) asks each provider of a download ``peers`` at most once
    per ``PEX_INTERVAL`` (per source, doubling up to ``PEX_MAX_INTERVAL`` while its answers
    name nobody new), dials at most ``MAX_SWARM_DIALS`` of the peers it learns per download

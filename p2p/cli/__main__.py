@@ -1,5 +1,5 @@
 """``python -m p2p.cli``: the ``blob`` command."""
 
-from p2p.cli.app import main
+from p2p.cli import main
 
 main()

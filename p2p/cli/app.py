@@ -19,7 +19,9 @@ with no traceback. Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -208,6 +210,10 @@ cli.add_command(status_cli.status)
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``blob`` console script."""
     try:
+        if threading.current_thread() is threading.main_thread():
+            # From here on Ctrl-C is a KeyboardInterrupt this boundary turns into exit 130
+            # (p2p.cli.main held it quiet while the commands loaded).
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         result = cli.main(args=argv, prog_name="blob", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)

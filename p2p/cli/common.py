@@ -58,7 +58,10 @@ def key_path_of(ctx: click.Context) -> Path:
 
 
 def setup_logging(verbose: int) -> None:
-    """Logging for commands that run a node (py-libp2p's loggers: p2p.logs)."""
+    """Logging for commands that may run a node. py-libp2p is not imported here (it takes
+    half a second, and a get served from the local store needs none of it): its records
+    are dropped unless asked (p2p.logs), and with -vv it is imported first, since its
+    import stops its logger propagating."""
     from p2p.logs import quiet_libraries
 
     # Warnings (an unreachable bootstrap peer, a banned provider) only with -v: by default
@@ -68,8 +71,12 @@ def setup_logging(verbose: int) -> None:
         level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     # py-libp2p logs routine DHT and connection churn (a peer without the DHT, a stream
-    # reset) at WARNING and ERROR; -vv shows it.
+    # reset) at WARNING and ERROR; -vv shows it, through our handler.
     quiet_libraries(verbose < 2)
+    if verbose >= 2:
+        import libp2p  # noqa: F401
+
+        logging.getLogger("libp2p").propagate = True
 
 
 listen_option = click.option(
@@ -153,10 +160,25 @@ def run_interruptible(work: Callable[[], Awaitable[T]]) -> T:
         raise
 
 
-def load_key(key_path: Path) -> MachineKey:
-    from identity import load_or_create_key
+def load_key(key_path: Path, *, server: bool = False) -> MachineKey:
+    """The machine key at ``key_path``, made on first use. For a ``server`` a key is an
+    identity others see: a new one is said, and it is made only at the default path or in
+    a directory that exists (elsewhere a missing directory is more likely a typo in --key
+    than a wish for a second identity). A one-shot get's identity is nobody's concern."""
+    from identity import KeyNotFound, ensure_key
+    from p2p.cli.app import default_key_path
 
-    return load_or_create_key(key_path)
+    path = key_path.expanduser()
+    missing_dir = not path.exists() and not path.parent.is_dir()
+    if server and missing_dir and path != default_key_path():
+        raise KeyNotFound(
+            f"no key file at {key_path}, and its directory {path.parent} does not exist "
+            "(a typo in --key?); a new key is made only in an existing directory"
+        )
+    key, created = ensure_key(path)
+    if created and server:
+        click.echo(f"blob: created a new machine key {key_path} (peer ID {key.peer_id})", err=True)
+    return key
 
 
 def check_peer_addrs(addrs: Sequence[str], option: str) -> None:

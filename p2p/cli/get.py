@@ -51,6 +51,18 @@ if TYPE_CHECKING:
     from identity import MachineKey
     from p2p.fetch.downloader import Progress
     from p2p.node.node import Node
+
+# A second fetch of a blob into one store waits for the process already fetching it, and
+# gives up only when that process has verified nothing new for this long: a fetch that
+# progresses is worth waiting for however long it takes, a stuck one is not.
+WRITER_STALL_TIMEOUT = 120.0
+# How often a waiting fetch looks at the writer's lock and bitmap (a flock probe and a
+# small file read), and how often it says what it waits for.
+WRITER_POLL_S = 0.2
+WRITER_NOTE_EVERY = 10.0
+# Waits for other writers one get makes before it gives up: a collection's files may each
+# be fetched by another process, and a writer can finish one file and start the next.
+MAX_WRITER_WAITS = 256
 # --seed-for's ceiling: a day; a longer-lived seeder is `blob serve`.
 MAX_SEED_SECONDS = 86400.0
 # A punch longer than this is not going to work (py-libp2p's DCUtR gives up after 25 s).
@@ -119,13 +131,13 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
         return ticket.blob_id, ticket.addrs
     try:
         return store.resolve(ref), ()
-    except BlobNotFound:
-        pass
+    except BlobNotFound as exc:
+        local = exc  # says why (a prefix too short, no such tag)
     try:
         return parse_blob_id(ref), ()
     except BadBlobId:
         raise BlobNotFound(
-            f"{ref!r} is not in the local store; to fetch it, give its full 64-hex ID or a ticket"
+            f"{local}; to fetch it from elsewhere, give its full 64-hex ID or a ticket"
         ) from None
 
 
@@ -146,6 +158,9 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
     "/ip4/0.0.0.0/tcp/0).",
 )
 @click.option("--no-dht", is_flag=True, help="Do not use the DHT even with --bootstrap.")
+@click.option(
+    "--force", is_flag=True, help="With -o: replace an existing file that holds other data."
+)
 @click.option("--tag", "tag_name", metavar="NAME", help="Tag what was fetched (pins it).")
 @click.option(
     "--include",
@@ -216,6 +231,7 @@ def get(
     bootstrap: Sequence[str],
     listen: Sequence[str],
     no_dht: bool,
+    force: bool,
     tag_name: str | None,
     include: Sequence[str],
     tensors: Sequence[str],
@@ -279,6 +295,8 @@ def get(
     else:
         blob_id, ticket_addrs = _resolve_ref(store, ref)
     assert blob_id is not None
+    if output is not None and not tensors and not link and not force:
+        _check_not_overwriting(store, blob_id, output)
     stats: dict[str, Any] = {"source": "local"}
     if tensors:
         _get_tensors(ctx, store, blob_id, [*peers, *ticket_addrs], tensors, output, listen, as_json)
@@ -289,9 +307,19 @@ def get(
         fetched = False
 
         def finish(stats: dict[str, Any], fetched: bool) -> None:
-            """Tag, write -o and print the result line."""
-            if tag_name is not None:
-                store.tag(tag_name, blob_id)
+            """Tag, write -o and print the result line. Links into the store are pinned
+            as `blob export` pins them, when --tag names no pin of the user's own."""
+            pin = tag_name
+            if link and pin is None and output is not None:
+                from blobstore.export import export_tag
+
+                pin = export_tag(output)
+                click.echo(
+                    f"blob: links pinned by tag {pin} (blob untag {pin} once you remove {output})",
+                    err=True,
+                )
+            if pin is not None:
+                store.tag(pin, blob_id)
             if output is not None:
                 # What was just fetched was verified chunk by chunk on arrival: no second
                 # hash.
@@ -306,7 +334,7 @@ def get(
                 )
             if as_json:
                 where = str(output) if output else None
-                click.echo(json.dumps({"id": blob_id, "path": where, "tag": tag_name, **stats}))
+                click.echo(json.dumps({"id": blob_id, "path": where, "tag": pin, **stats}))
             else:
                 click.echo(f"{blob_id}  {output if output else store.path(blob_id)}")
             sys.stdout.flush()
@@ -319,6 +347,7 @@ def get(
                 "repairing it from the named peers",
                 err=True,
             )
+        _wait_for_writer(store, blob_id)
         if not _locally_complete(store, blob_id, include):
             named = [*peers, *ticket_addrs]
             use_dht = bool(bootstrap) and not no_dht
@@ -359,10 +388,24 @@ def get(
             bar = ProgressBar(enabled=not no_progress and not as_json and sys.stderr.isatty())
             seed = None if seed_for is None else Seeding(seed_for, bar, finish)
             try:
-                stats = _fetch(
-                    store, key, config, blob_id, named, include, bar, verbose, started_at, seed
-                )
-                fetched = True
+                for waits in range(MAX_WRITER_WAITS + 1):
+                    try:
+                        stats = _fetch(
+                            store, key, config, blob_id, named, include, bar, verbose,
+                            started_at, seed,
+                        )  # fmt: skip
+                        fetched = True
+                        break
+                    except BaseException as exc:
+                        # Another process fetches this blob (or one of the collection's
+                        # files) into this store: wait for it, then take what it got (or,
+                        # if it died, go on from its partial).
+                        busy = _busy_blob(exc)
+                        if busy is None or waits == MAX_WRITER_WAITS:
+                            raise
+                        _wait_for_writer(store, busy)
+                        if _locally_complete(store, blob_id, include):
+                            break
             except Interrupted as exc:
                 if seed is None or not seed.started:
                     raise
@@ -381,6 +424,95 @@ def get(
                 err=True,
             )
         finish(stats, fetched)
+
+
+# Bytes compared at a time when -o names an existing file.
+COMPARE_BLOCK = 1 << 20
+
+
+def _check_not_overwriting(store: Store, blob_id: str, output: Path) -> None:
+    """``-o`` onto an existing file replaces it only with the same bytes (a re-run) or
+    with --force, so that a typo in -o cannot destroy an unrelated file. A directory is
+    the export's to refuse; an existing file is compared only when the blob is here
+    (otherwise nothing is fetched before the refusal)."""
+    from blobstore.errors import StoreError
+
+    path = output.expanduser()
+    if not (path.is_file() or path.is_symlink()):
+        return
+    here = store.has(blob_id) and not store.is_collection(blob_id)
+    if here and _same_bytes(store.path(blob_id), path):
+        return
+    raise StoreError(
+        f"{output} already exists and does not hold {blob_id[:12]}; give --force to replace "
+        "it, or another -o"
+    )
+
+
+def _same_bytes(a: Path, b: Path) -> bool:
+    try:
+        if a.stat().st_size != b.stat().st_size:
+            return False
+        with a.open("rb") as fa, b.open("rb") as fb:
+            while block := fa.read(COMPARE_BLOCK):
+                if block != fb.read(len(block)):
+                    return False
+    except OSError:
+        return False
+    return True
+
+
+def _busy_blob(exc: BaseException) -> str | None:
+    """The blob another process is writing, if that is what ``exc`` (or the one error in
+    a group of them) says."""
+    from blobstore.errors import PartialBusy
+    from p2p.errors import unwrap_single
+
+    error = unwrap_single(exc) if isinstance(exc, BaseExceptionGroup) else exc
+    return error.blob_id if isinstance(error, PartialBusy) else None
+
+
+def _wait_for_writer(store: Store, blob_id: str) -> None:
+    """While another process writes ``blob_id``'s partial into this store, wait (saying
+    so on stderr now and then); return when it has finished or died. A writer that
+    verifies nothing new for WRITER_STALL_TIMEOUT is reported instead (exit 5)."""
+    from blobstore import bitmap
+    from blobstore.errors import PartialBusy, StoreError
+
+    writer = store.partial_writer(blob_id)
+    if writer is None:
+        return
+
+    def held() -> tuple[int, int]:
+        try:
+            bits = store.chunk_bitmap(blob_id)
+            return bitmap.count_bits(bits), store.manifest(blob_id).num_chunks
+        except StoreError:
+            return 0, 0
+
+    count, total = held()
+    changed = said = time.monotonic()
+    click.echo(
+        f"blob: waiting for {writer}, which is fetching {blob_id[:12]} into this store "
+        f"({count} of {total} chunks so far)",
+        err=True,
+    )
+    while writer is not None:
+        time.sleep(WRITER_POLL_S)
+        now = time.monotonic()
+        latest, total = held()
+        if latest != count:
+            count, changed = latest, now
+        elif now - changed > WRITER_STALL_TIMEOUT:
+            raise PartialBusy(
+                f"blob {blob_id[:12]} is being written by {writer}, which has verified no "
+                f"chunk for {WRITER_STALL_TIMEOUT:.0f} s; stop that process and fetch again",
+                blob_id,
+            )
+        if now - said >= WRITER_NOTE_EVERY:
+            said = now
+            click.echo(f"blob: still waiting for {writer} ({count} of {total} chunks)", err=True)
+        writer = store.partial_writer(blob_id)
 
 
 def _get_tensors(

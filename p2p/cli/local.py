@@ -33,20 +33,77 @@ if TYPE_CHECKING:
 @click.option(
     "--include", "include", multiple=True, metavar="GLOB", help="Only matching files (fnmatch)."
 )
+@click.option(
+    "--tag",
+    "tag_name",
+    metavar="NAME",
+    help="Pin what the links point at with this tag (default: export-<DEST's name>-<hash of "
+    "its path>); blob untag it when you remove DEST.",
+)
 @json_option
 @click.pass_context
 def export_cmd(
-    ctx: click.Context, ref: str, dest: Path, copy: bool, include: Sequence[str], as_json: bool
+    ctx: click.Context,
+    ref: str,
+    dest: Path,
+    copy: bool,
+    include: Sequence[str],
+    tag_name: str | None,
+    as_json: bool,
 ) -> None:
     """Write a blob from the store to DEST without copying it: symlinks to the store's
     read-only files (a collection becomes a directory of them), which
-    transformers' from_pretrained(DEST) and safetensors load as they are."""
+    transformers' from_pretrained(DEST) and safetensors load as they are. The links are
+    pinned by a tag, so blob gc never leaves them dangling; of a collection fetched in
+    part (get --include), the files that are here are exported."""
+    from blobstore.export import export_files, export_tag, present_entries, select_entries
+    from blobstore.store import check_tag_name
+
     check_output(dest)
+    if tag_name is not None:
+        check_tag_name(tag_name)
     store = store_of(ctx)
     blob_id = store.resolve(ref)
-    write_output(store, blob_id, dest, include, link=not copy)
+    pin = None if copy else (tag_name or export_tag(dest))
+    # The lease keeps gc off the blobs between the links' making and the tag's.
+    with store.lease([blob_id]):
+        missing: list[str] = []
+        if store.is_collection(blob_id):
+            files = select_entries(store, blob_id, include)
+            present, missing = present_entries(store, files)
+            if missing and include:
+                export_files(store, files, dest, link=not copy)  # names the first missing
+            if missing and not present:
+                raise BlobNotFound(
+                    f"none of the files of collection {blob_id[:12]} is in this store "
+                    f"(it lists {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})"
+                )
+            export_files(store, present, dest, link=not copy)
+        else:
+            write_output(store, blob_id, dest, include, link=not copy)
+        if pin is not None:
+            store.tag(pin, blob_id)
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        click.echo(
+            f"blob: note: {len(missing)} file(s) of {blob_id[:12]} are not in this store and "
+            f"were left out: {shown}",
+            err=True,
+        )
+    if pin is not None and not as_json:
+        click.echo(f"blob: pinned by tag {pin} (blob untag {pin} once you remove {dest})", err=True)
     if as_json:
-        click.echo(json.dumps({"id": blob_id, "path": str(dest), "linked": not copy}))
+        click.echo(
+            json.dumps(
+                {
+                    "id": blob_id,
+                    "path": str(dest),
+                    "linked": not copy,
+                    "tag": pin,
+                    "missing": missing,
+                }
+            )
+        )
     else:
         click.echo(f"{blob_id}  {dest}")
 

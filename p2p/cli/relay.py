@@ -116,7 +116,7 @@ def relay(
     setup_logging(verbose)
     trust = load_trust(authorities, revoked_path)
     store = store_of(ctx)
-    key = load_key(key_path_of(ctx))
+    key = load_key(key_path_of(ctx), server=True)
     limits = r.control_limits(
         max_bytes=max_circuit_bytes or r.CIRCUIT_MAX_BYTES,
         max_seconds=max_circuit_seconds or r.CIRCUIT_MAX_SECONDS,

@@ -97,9 +97,35 @@ def _serve_checks(ctx: click.Context, bootstrap: Sequence[str]) -> tuple[Store, 
     check_peer_addrs(bootstrap, "--bootstrap")
     store = store_of(ctx)
     key_path = key_path_of(ctx)
-    key = load_key(key_path)
+    key = load_key(key_path, server=True)
     check_not_self(bootstrap, key.peer_id, key_path)
+    _claim_key(ctx, key_path, key.peer_id)
     return store, key
+
+
+def _claim_key(ctx: click.Context, key_path: Path, peer_id: str) -> None:
+    """Hold an exclusive flock on the key file while serving, and warn when another
+    server holds it: two servers with one key are one peer ID at two addresses, and peers
+    that reach one of them cannot tell which blobs the other holds."""
+    import fcntl
+    import os
+
+    try:
+        fd = os.open(key_path.expanduser(), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        click.echo(
+            f"blob: warning: another server on this machine already runs with key {key_path} "
+            f"(peer ID {peer_id}); give each server its own --key",
+            err=True,
+        )
+        return
+    # Released when the process ends; the fd lives as long as the command's context.
+    ctx.call_on_close(lambda: os.close(fd))
 
 
 def _run_server(

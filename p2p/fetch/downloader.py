@@ -1419,7 +1419,7 @@ async def _download(
         manifest = await _manifest_from_network(
             network, blob_id, candidates, asked, more_providers, discovery_timeout, probes
         )
-    missing_bytes = await trio.to_thread.run_sync(_missing_bytes, store, manifest)
+    missing_bytes = await trio.to_thread.run_sync(store.space_to_finish, manifest)
     free = await trio.to_thread.run_sync(store.free_bytes)
     if free < missing_bytes:
         raise NoSpace(
@@ -1469,19 +1469,6 @@ async def _linger(board: FetchingBoard, blob_id: str) -> None:
         if now >= deadline or last is None or now - last >= LINGER_QUIET:
             return
         await trio.sleep(min(deadline, last + LINGER_QUIET) - now)
-
-
-def _missing_bytes(store: Store, manifest: Manifest) -> int:
-    """Bytes still to fetch: all of them, less the chunks a partial blob already holds."""
-    if manifest.blob_id not in store.partial_ids():
-        return manifest.size
-    bitmap = store.chunk_bitmap(manifest.blob_id)
-    held = sum(
-        manifest.chunk_span(i)[1]
-        for i in range(manifest.num_chunks)
-        if bitmap[i // 8] >> (i % 8) & 1
-    )
-    return manifest.size - held
 
 
 async def _local_manifest(store: Store, blob_id: str) -> Manifest | None:
@@ -1584,11 +1571,23 @@ async def _run(
             stalled_since = stalled_since or trio.current_time()
             if trio.current_time() - stalled_since >= discovery_timeout:
                 banned = sorted(scheduler.banned_peers())
+                # Who left: a provider that died or lost its connection mid-fetch.
+                gone = sorted(
+                    peer
+                    for peer, stats in scheduler.peer_stats().items()
+                    if (stats.dropped or not stats.connected) and not stats.banned
+                )
                 raise FetchFailed(
                     f"{len(scheduler.missing())} of {download.manifest.num_chunks} chunks of "
                     f"{download.blob_id[:12]} could not be fetched from "
                     f"{len(download.peers_seen)} peer(s)"
                     + (f"; banned for bad data: {', '.join(banned)}" if banned else "")
+                    + (
+                        f"; disconnected or stopped answering mid-fetch: {', '.join(gone)} "
+                        "(what arrived is kept: fetch again to resume)"
+                        if gone
+                        else ""
+                    )
                 )
         nursery.cancel_scope.cancel()
 

@@ -20,6 +20,11 @@ and is read back through ``PartialBlob.read_chunk``, which checks it again: no u
 byte reaches a tensor. The chunks stay in the partial blob, so a later full ``blob get``
 resumes from them instead of fetching them again (``blob gc`` removes an abandoned one).
 A complete local blob is read from the store directly, with no node needed.
+
+4. Of a sharded model's collection, the files the model's ``*.safetensors.index.json``
+   names for the tensors (its ``weight_map``) are read first, so only their headers are
+   fetched; the others are read only if a tensor is not where the index says (an index is
+   a hint: every tensor still comes from a header that says where it is).
 """
 
 from __future__ import annotations
@@ -78,6 +83,11 @@ MAX_EXTENT_PRODUCT = 1 << 48
 # than that loses the rest of the job to the next one.
 REQUEST_GRACE = 15.0
 MIN_RATE_BYTES_PER_S = 1024 * 1024
+# A sharded model's index of tensors (rule 4). Hugging Face's name for it ends so; an index
+# larger than this is not read (a model of a million tensors has an index of ~100 MB, and
+# the headers then cost no more).
+INDEX_SUFFIX = ".safetensors.index.json"
+MAX_INDEX_BYTES = 32 * 1024 * 1024
 
 
 class BadSafetensors(Exception):
@@ -342,6 +352,7 @@ async def _from_collection(
     """The tensors from whichever ``*.safetensors`` files of collection ``blob_id`` hold
     them: each file's header is read (its first chunks only) until every name is found."""
     entries = await trio.to_thread.run_sync(store.read_collection, blob_id)
+    entries = await _index_first(store, network, entries, names, peers)
     result = TensorFetch({}, {}, {}, 0, 0)
     for entry in entries:
         missing = [n for n in names if n not in result.tensors]
@@ -358,6 +369,35 @@ async def _from_collection(
             f"no safetensors file of collection {blob_id[:12]} has tensor {missing[0]!r}"
         )
     return result
+
+
+async def _index_first(
+    store: Store, network: Any, entries: list[Any], names: Sequence[str], peers: Sequence[str]
+) -> list[Any]:
+    """``entries`` with the files that the collection's index names for ``names`` first
+    (rule 4); as they were when there is no usable index."""
+    index = next((e for e in entries if e.path.endswith(INDEX_SUFFIX)), None)
+    if index is None or index.size > MAX_INDEX_BYTES:
+        return entries
+    try:
+        async with _open_source(store, network, index.blob_id, peers) as source:
+            await source.ensure(range(source.manifest.num_chunks))
+            raw = await source.read(0, source.manifest.size)
+    except (BlobNotFound, NoProviders, FetchFailed):
+        return entries  # not to be had: the headers say the same, one by one
+    try:
+        weight_map = json.loads(raw)["weight_map"]
+    except (ValueError, TypeError, KeyError):
+        return entries  # not an index after all: every header is read
+    if not isinstance(weight_map, dict):
+        return entries
+    folder = index.path.rpartition("/")[0]
+    named = {
+        f"{folder}/{weight_map[n]}" if folder else weight_map[n]
+        for n in names
+        if isinstance(weight_map.get(n), str)
+    }
+    return [e for e in entries if e.path in named] + [e for e in entries if e.path not in named]
 
 
 @asynccontextmanager

@@ -508,7 +508,10 @@ async def reserve(host: IHost, relay_addr: str, *, certificate: bytes | None = N
         raise RelayError(f"relay {info.peer_id} broke off the reservation: {exc!r}") from None
     status = StatusCode(resp.status) if resp.HasField("status") else StatusCode.UNUSED
     if status != StatusCode.OK:
-        raise RelayRefused(f"relay {info.peer_id} refused a reservation: {status.name}")
+        raise RelayRefused(
+            f"relay {info.peer_id} refused a reservation: {status.name}"
+            + ("" if certificate is not None else _refusal_hint(StatusCode.PERMISSION_DENIED))
+        )
     addrs = [str(multiaddr.Multiaddr(a)) for a in resp.reservation.addrs] or [relay_addr]
     me = str(host.get_id())
     return Reservation(
@@ -518,6 +521,17 @@ async def reserve(host: IHost, relay_addr: str, *, certificate: bytes | None = N
         max_bytes=int(resp.limit.data) if resp.HasField("limit") else 0,
         max_seconds=int(resp.limit.duration) if resp.HasField("limit") else 0,
     )
+
+
+def _refusal_hint(status: StatusCode) -> str:
+    """What to do about a relay's refusal, where the user can do something: a reservation
+    refused to a peer that showed no certificate, or a circuit refused for want of one."""
+    if status == StatusCode.PERMISSION_DENIED:
+        return (
+            " (it serves admitted peers only: give --certificate FILE, an admission "
+            "certificate from the relay's authority for this machine's key)"
+        )
+    return ""
 
 
 def parse_circuit_addr(addr: str) -> tuple[str, str]:
@@ -561,6 +575,7 @@ async def dial_via_relay(host: IHost, addr: str) -> Circuit:
         await stream.reset()
         raise RelayRefused(
             f"relay {relay_info.peer_id} would not connect us to {target}: {status.name}"
+            + _refusal_hint(status)
         )
     circuit = multiaddr.Multiaddr(f"/p2p/{relay_info.peer_id}/p2p-circuit/p2p/{target}")
     raw = RawConnection(

@@ -113,6 +113,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
+def _quiet_libraries() -> None:
+    """Library loggers stay quiet unless asked (DESIGN section 11). py-libp2p's import
+    leaves its logger with no handler and not propagating, so Python's last-resort
+    handler printed its routine warnings (a failed dial, a DHT peer in its negative
+    cache: dozens a minute) on the stderr of every program that embeds a node. A
+    NullHandler ends that; ``LIBP2P_DEBUG`` (py-libp2p's own handlers) and ``blob -vv``
+    (which lets them propagate) still show them. Ours are a library's too: a program
+    that configures logging sees them, one that does not is not written to."""
+    for name in ("libp2p", "p2p"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            logger.addHandler(logging.NullHandler())
+
+
+_quiet_libraries()
+
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 # Provider records expire on DHT peers; refresh well inside go-libp2p's 22 h lifetime.
 DEFAULT_REPROVIDE_INTERVAL = 3600.0
@@ -1233,6 +1250,7 @@ async def open_node(
             server.gate = install_gate(host, config.admission)  # before anything is served
         else:
             open_answer(host)
+        patches.advertise_interfaces(host)
         if config.upload:
             server.install(host)  # every protocol version the server speaks
         mode = DHTMode.SERVER if config.dht_server else DHTMode.CLIENT

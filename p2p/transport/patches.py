@@ -257,11 +257,33 @@ def advertise_addrs(host: Any, extra: list[Any]) -> None:
     """Make ``host.get_addrs()`` name ``extra`` multiaddrs too, after its own. Not through
     py-libp2p's ``addrs_factory``: ``BasicHost.get_addrs`` (0.8.1, host/basic_host.py)
     strips an address's first ``/p2p/`` component and appends ours, which turns
-    ``.../p2p/<relay>/p2p-circuit/p2p/<us>`` into the relay's bare address."""
-    own = _require(type(host), "get_addrs").__get__(host)
+    ``.../p2p/<relay>/p2p-circuit/p2p/<us>`` into the relay's bare address. Built on the
+    host's addresses as the node already shaped them (``advertise_interfaces``)."""
+    _require(type(host), "get_addrs")
+    own = host.get_addrs
 
     def get_addrs() -> list[Any]:
         return [*own(), *extra]
+
+    host.get_addrs = get_addrs
+
+
+def advertise_interfaces(host: Any) -> None:
+    """Make ``host.get_addrs()`` name each interface's address in place of a wildcard
+    listen address (``/ip4/0.0.0.0/...``). Identify tells every peer we connect to what
+    ``get_addrs`` returns, and a seeder's ``peers`` answers (p2p.blob.swarm rule 2) list
+    those addresses to our fellow fetchers. A wildcard address is dialable by nobody and
+    is not listed, so without this, fetchers listening on every interface (``blob get``'s
+    default with a remote peer) would never learn of each other. DHT provider records
+    name the same addresses."""
+    from multiaddr import Multiaddr
+
+    from p2p.transport.addresses import dialable_addrs
+
+    own = _require(type(host), "get_addrs").__get__(host)
+
+    def get_addrs() -> list[Any]:
+        return [Multiaddr(a) for a in dialable_addrs([str(a) for a in own()])]
 
     host.get_addrs = get_addrs
 

@@ -159,3 +159,23 @@ def test_tag_fault_leaves_old_tag(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
             store.tag("t", b)
         assert store.tags() in ({"t": a}, {"t": b})
         assert os.listdir(store.root / "tmp") == []
+
+
+def test_chunks_written_but_never_marked_are_kept(tmp_path: Path) -> None:
+    """The disk filled after chunks were written but before the bitmap naming them could
+    be (writing it needs space too): the partial reopened with none of them verified and
+    fetched them all again. Chunks holding data are hashed on reopen and kept if they
+    verify; one that does not is left to fetch."""
+    data = os.urandom(8 * C)
+    m = Manifest.of_bytes(data, C)
+    store = Store.open(tmp_path / "s")
+    with store.begin_partial(m) as p:
+        for i in (1, 2, 5):
+            p.write_chunk(i, data[i * C : (i + 1) * C])
+    pdir = tmp_path / "s" / "partial" / m.blob_id
+    (pdir / "bitmap").write_bytes(b"\x00")  # the bitmap as it was before any chunk came
+    with open(pdir / "data", "r+b") as f:  # and chunk 5's bytes rotted meanwhile
+        f.seek(5 * C + 7)
+        f.write(b"\x00")
+    with store.begin_partial(m) as p:
+        assert p.missing() == [0, 3, 4, 5, 6, 7]

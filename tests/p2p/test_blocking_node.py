@@ -1,8 +1,11 @@
 """BlockingNode after its node thread died: the next call says so, in the network layer's
-own error type, instead of surfacing a trio internal."""
+own error type, instead of surfacing a trio internal; and a program that embeds one gets
+no library warnings on its stderr."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,3 +77,33 @@ def test_a_training_script_shares_fetches_by_tag_and_takes_one_tensor(tmp_path: 
         assert b.store.path(note_id).read_bytes() == b"step 1000 done"
         with pytest.raises(BlobNotFound):
             b.fetch("no-such-tag")
+
+
+# A program that embeds a node, as the README's BlockingNode example does: it configures
+# no logging of its own.
+_EMBEDDING_SCRIPT = """
+import sys
+from identity import MachineKey
+from p2p import BlockingNode
+
+nobody = f"/ip4/127.0.0.1/tcp/9/p2p/{MachineKey.generate().peer_id}"
+with BlockingNode(sys.argv[1], listen=["/ip4/127.0.0.1/tcp/0"], dht=False) as node:
+    try:
+        node.fetch("0" * 64, providers=[nobody])
+    except Exception as exc:
+        print(type(exc).__name__)
+"""
+
+
+def test_an_embedding_program_gets_no_library_warnings(tmp_path: Path) -> None:
+    """py-libp2p's warnings (a failed dial, a DHT peer in its negative cache) reached the
+    stderr of every program that embeds a node, 17-33 lines for the README's example,
+    through Python's last-resort handler: the error it raised is the whole story."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EMBEDDING_SCRIPT, str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() in ("NoProviders", "PeerUnreachable"), done.stderr
+    assert done.stderr == ""

@@ -182,3 +182,16 @@ def test_get_with_a_named_peer_repairs_a_rotten_local_copy(
     assert out.read_bytes() == original.read_bytes()
     verify, _ = here(cluster, "b", "verify", blob_id)
     assert verify.returncode == 0, verify.stderr
+
+
+def test_a_second_server_with_the_same_key_is_warned(cluster: Cluster) -> None:
+    """Two `blob serve` with one key ran side by side without a word: one peer ID at two
+    addresses, each holding different blobs. The second now says so."""
+    cluster.serve("a")
+    cmd = blob_cmd(cluster.store("b"), cluster.key("a"), "serve", "--json", "--no-dht")
+    second = NodeProcess([*cmd, "--listen", "/ip4/127.0.0.1/tcp/0"], "b", cluster.root / "b.log")
+    cluster.nodes.append(second)
+    log = (cluster.root / "b.log").read_text()
+    assert "another server on this machine already runs with key" in log, log
+    first_log = "".join(p.read_text() for p in (cluster.root / "a").glob("node-*.log"))
+    assert "already runs" not in first_log

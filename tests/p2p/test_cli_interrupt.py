@@ -8,6 +8,7 @@ signal receiver (p2p.cli.common.run_interruptible), which cancels the work in or
 
 from __future__ import annotations
 
+import functools
 import queue
 import signal
 import subprocess
@@ -138,3 +139,30 @@ def test_ctrl_c_at_many_points_of_a_real_fetch(cluster: Cluster, tmp_path: Path)
     run_blob(interrupted, key, "get", blob_id, "--peer", a.addr, "--no-progress")
     digest = blake3.blake3(Store.open(interrupted).path(blob_id).read_bytes()).hexdigest()
     assert digest == blake3.blake3(source.read_bytes()).hexdigest()
+
+
+def _loaded(pid: int, library: str) -> bool:
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return True  # gone: let the caller see how it ended
+
+
+# Ctrl-C at the same moment of start-up a few times: the first imports of a run are slower.
+IMPORT_TRIES = 3
+
+
+def test_ctrl_c_while_blob_is_still_importing_is_one_line(tmp_path: Path) -> None:
+    """A Ctrl-C in the first second of `blob get` on a loaded machine, while the commands
+    were still being imported, printed a KeyboardInterrupt traceback (5 of 8 tries),
+    though it exited 130. The signal is sent once the store's hashing library is loaded
+    (/proc/PID/maps), in the middle of those imports."""
+    cmd = blob_cmd(tmp_path / "store", tmp_path / "key", "get", "0" * 64, "--peer", "x")
+    for _ in range(IMPORT_TRIES):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert wait_until(functools.partial(_loaded, proc.pid, "blake3"), 30, interval=0.002)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130, err
+        assert "Traceback" not in err, err
+        assert err.strip().splitlines() == ["Interrupted."], err

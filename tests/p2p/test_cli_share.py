@@ -24,15 +24,21 @@ TENSOR_SHAPE = (512, 512)  # 1 MiB of float32: one default chunk, give or take t
 
 
 def make_sharded_model(root: Path) -> Path:
-    """Three safetensors shards of four 1 MiB tensors each, and a config."""
+    """Three safetensors shards of four 1 MiB tensors each, their index (which shard holds
+    which tensor, as Hugging Face writes it) and a config."""
     rng = np.random.default_rng(0)
     root.mkdir()
+    weight_map = {}
     for shard in (1, 2, 3):
         tensors = {
             f"layer{shard}.{name}": rng.standard_normal(TENSOR_SHAPE, dtype=np.float32)
             for name in ("a", "b", "c", "d")
         }
-        save_file(tensors, str(root / f"model-0000{shard}-of-00003.safetensors"))
+        file = f"model-0000{shard}-of-00003.safetensors"
+        save_file(tensors, str(root / file))
+        weight_map.update(dict.fromkeys(tensors, file))
+    index = {"metadata": {"total_size": 12 << 20}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
     (root / "config.json").write_text(json.dumps({"layers": 3}))
     return root
 
@@ -124,6 +130,13 @@ def _fetch_parts(cluster: Cluster, tmp_path: Path, model: Path, info: dict[str, 
     expected = load_file(str(model / "model-00003-of-00003.safetensors"))["layer3.c"]
     assert np.array_equal(np.load(tmp_path / "c.npy"), expected)
     assert not fetched.has(shard3)  # the rest of the shard never came
+
+    # Into a store holding nothing: the index names the shard, so no other shard's header
+    # is fetched (each shard's header was read in turn, first to last).
+    empty = cluster.store("c")
+    run_blob(empty, cluster.key("c"), "get", info["ticket"], "--tensor", "layer3.c", "--json")
+    others = {child_id(store, collection, f"model-0000{k}") for k in (1, 2)}
+    assert not others & set(Store.open(empty).partial_ids())
 
 
 def test_linked_export_loads_with_from_pretrained(cluster: Cluster, tmp_path: Path) -> None:

@@ -19,6 +19,8 @@ ID = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
 def test_manifest_examples_match_blobstore() -> None:
     empty = Manifest.of_bytes(b"", 1 << 20)
     assert f"`{empty.encode().hex()}`" in SPEC
+    # The length the text gives is the example's own (it once said 33 beside 30 bytes).
+    assert f"has the {len(empty.encode())}-byte manifest\n`{empty.encode().hex()}`" in SPEC
     assert f"`{empty.blob_id}`" in SPEC
     hello = Manifest.of_bytes(b"hello", 65536)
     digest = blake3(b"hello").hexdigest()
@@ -26,6 +28,17 @@ def test_manifest_examples_match_blobstore() -> None:
     assert f"`{hello.encode()[:-32].hex()}`" in SPEC
     assert f"`{digest}`" in SPEC
     assert f"`{hello.blob_id}`" in SPEC
+
+
+def test_the_fellow_count_bound_is_the_wires_and_says_what_a_server_reaches() -> None:
+    """5.3 (a server remembers 64 peers per blob) and 5.5 (f up to 64) read as a
+    contradiction: with 64 or more other fetchers blobnet's server says 63. The spec says
+    which bound wins and why a server may stay below it."""
+    from p2p.blob.swarm import MAX_SWARM_PEERS
+
+    section = SPEC[SPEC.index("### 5.5") : SPEC.index("### 5.6")]
+    assert protocol.MAX_FELLOWS_COUNTED == MAX_SWARM_PEERS == 64
+    assert "wins" in section and f"says {MAX_SWARM_PEERS - 1}" in section
 
 
 def test_collection_example_matches_blobstore() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -65,6 +66,18 @@ def test_no_cuda_and_no_device_cpu_refuses(tmp_path: Path) -> None:
     assert "CUDA is not available" in proc.stderr and "--device cpu" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "s").exists()  # refused before the store was opened
+
+
+def test_a_run_without_a_certificate_says_check_will_reject_it(tmp_path: Path) -> None:
+    """`train run` without --cert made a round that `train check` always rejects, and said
+    nothing: it warns first (here the inputs are then not found, exit 3)."""
+    pytest.importorskip("torch")
+    recipe = tmp_path / "r.msgpack"
+    recipe.write_bytes(Recipe().encode())
+    args = ["--base", "0" * 64, "--records", "1" * 64, "--recipe", str(recipe), "--seed", "1"]
+    run = ("train", "run", *args, "--device", "cpu")
+    proc = _here(tmp_path / "s", tmp_path / "k", *run, code=3)
+    assert "no --cert" in proc.stderr and "train check` will reject it" in proc.stderr
 
 
 @pytest.mark.slow
@@ -131,7 +144,6 @@ def _two_processes_same_digest_replay_and_check(
         "--device",
         "cpu",
         "--json",
-        "-q",
         "--cert",
         str(tmp_path / "alice.cert"),
         "--publish",
@@ -143,6 +155,8 @@ def _two_processes_same_digest_replay_and_check(
     outs = [p.communicate(timeout=TIMEOUT) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     results = [json.loads(out) for out, _ in outs]
+    # Progress shows each step's loss as a number; its exact bits are in the JSON.
+    assert re.search(r"^step 0: loss \d+\.\d{4}$", outs[0][1], re.M), outs[0][1][-500:]
     digests = {r["commitment"]["digest"] for r in results}
     assert len(digests) == 1, "two processes reached different digests"
     assert results[0]["commitment"]["kernel_class_id"] == kc
@@ -177,9 +191,9 @@ def test_input_commands(tmp_path: Path) -> None:
     store, key = tmp_path / "s", tmp_path / "k"
     text = tmp_path / "corpus.txt"
     text.write_bytes(b"hello records")
-    out = json.loads(
-        _here(store, key, "train", "records", str(text), "--seq-len", "8", "--json").stdout
-    )
+    records = ("train", "records", str(text), "--seq-len", "8", "--tag", "corpus")
+    out = json.loads(_here(store, key, *records, "--json").stdout)
+    assert Store.open(store).resolve("corpus") == out["id"]  # --tag names (and pins) it
     data = Store.open(store).path(out["id"]).read_bytes()
     assert data == make_records([b"hello records"], 8)
     assert decode_records(data).count == out["records"] == 2
@@ -194,11 +208,12 @@ def test_input_commands(tmp_path: Path) -> None:
 
     obj = {"store_root": store, "key_path": key}
     runs = [
-        CliRunner().invoke(train_group, ["init-model", "--size", "tiny", "--seed", "4"], obj=obj)
-        for _ in range(2)
+        CliRunner().invoke(train_group, ["init-model", "--seed", "4", "--tag", tag], obj=obj)
+        for tag in ("base", "base-again")
     ]
     assert [r.exit_code for r in runs] == [0, 0], runs[0].output
     first = runs[0].output.strip()
+    assert Store.open(store).resolve("base") == first
     assert runs[1].output.strip() == first  # the same model, the same collection ID
     entries = {e.path for e in Store.open(store).read_collection(first)}
     assert entries == {"config.json", "model.safetensors"}

@@ -144,7 +144,8 @@ def _run_options(f: Any) -> Any:
         click.option(
             "--inner-steps",
             type=click.IntRange(1, 100_000),
-            required=True,
+            default=_DEFAULTS.inner_steps,
+            show_default=True,
             help="Inner AdamW steps per round (H).",
         ),
         click.option(
@@ -205,27 +206,47 @@ def _params(run_id: str, **kw: Any) -> Any:
         raise click.UsageError(str(exc)) from None
 
 
+# A .pub file is one line; anything longer is not one (and is not read whole).
+MAX_PUBLIC_KEY_FILE = 4096
+
+
 def _authority(value: str) -> bytes:
-    """An authority public key: 64 hex digits or the path of a ``.pub`` file."""
+    """An authority public key: 64 hex digits, the path of a ``.pub`` file, or the path
+    of the authority's key file (its public half: ``outer run --workdir`` writes
+    ``authority.key``). An error names the file, never its contents (a key file's bytes
+    are secret)."""
     from pathlib import Path
 
-    from identity import BadPublicKey, parse_public_key
+    from identity import BadPublicKey, IdentityError, load_key_file, parse_public_key
 
     try:
         return parse_public_key(value)
     except BadPublicKey:
         pass
     try:
-        text = Path(value).read_text(errors="replace")
+        with open(value, "rb") as handle:
+            data = handle.read(MAX_PUBLIC_KEY_FILE + 1)
     except OSError:
         raise click.BadParameter(
-            f"{value!r} is neither a public key (64 hex) nor a readable .pub file",
+            f"{value!r} is neither a public key (64 hex digits) nor a readable file",
             param_hint="--authority",
         ) from None
+    if data.startswith(b"blobnet-key"):
+        try:
+            return load_key_file(Path(value)).public_key_bytes
+        except IdentityError as exc:
+            raise click.BadParameter(
+                f"{value} is a key file that cannot be read: {exc}", param_hint="--authority"
+            ) from None
     try:
-        return parse_public_key(text.strip())
-    except BadPublicKey as exc:
-        raise click.BadParameter(f"{value}: {exc}", param_hint="--authority") from None
+        if len(data) > MAX_PUBLIC_KEY_FILE:
+            raise BadPublicKey("too long")
+        return parse_public_key(data.decode("ascii"))
+    except (BadPublicKey, UnicodeDecodeError):
+        raise click.BadParameter(
+            f"{value} holds no public key (a .pub file is one line of 64 hex digits)",
+            param_hint="--authority",
+        ) from None
 
 
 @outer_group.command("worker")
@@ -401,7 +422,8 @@ def run_command(
         click.echo(
             f"run {run_id}: {params.workers} workers x {params.rounds} rounds x "
             f"{params.inner_steps} inner steps; initial state {plan.initial[:16]}; "
-            f"workdir {root}",
+            f"workdir {root}; authority {plan.authority} (verify with "
+            f"--authority {root / 'authority.pub'})",
             err=True,
         )
         extra = ("--publish", publish_as) if publish_as is not None else ()

@@ -151,6 +151,8 @@ def prepare_run(workdir: Path, params: RunParams, *, slots: int | None = None) -
     workdir.mkdir(parents=True, exist_ok=True)
     authority_key = create_key_file(workdir / "authority.key")
     authority = Authority(SoftwareSigner(authority_key))
+    # Beside the key: what `outer verify --authority` takes.
+    (workdir / "authority.pub").write_text(format_public_key(authority.public_key_bytes) + "\n")
     kernel_class = outer_kernel_class()
     now = int(time.time())
     plans = []

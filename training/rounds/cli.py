@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import sys
 import tempfile
 import time
@@ -86,7 +87,9 @@ def _progress(quiet: bool) -> Any:
         return None
 
     def on_step(step: int, bits: int) -> None:
-        click.echo(f"step {step}: loss bits {bits:08x}", err=True)
+        # The exact bits are the commitment's (--json); a person reads the loss.
+        (loss,) = struct.unpack("<f", bits.to_bytes(4, "little"))
+        click.echo(f"step {step}: loss {loss:.4f}", err=True)
 
     return on_step
 
@@ -94,6 +97,19 @@ def _progress(quiet: bool) -> Any:
 @click.group("train")
 def train_group() -> None:
     """Deterministic LoRA training rounds: run, replay, check."""
+
+
+_tag_option = click.option(
+    "--tag", "tag_name", metavar="NAME", help="Tag the result (pins it; a name for --base etc.)."
+)
+
+
+def _check_tag(name: str | None) -> None:
+    """A bad tag name is refused before any work."""
+    if name is not None:
+        from blobstore.store import check_tag_name
+
+        check_tag_name(name)
 
 
 @train_group.command("init-model")
@@ -114,6 +130,7 @@ def train_group() -> None:
     help="Text file(s) to train the tokenizer of --arch gpt2/llama on.",
 )
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
+@_tag_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def init_model(
@@ -122,9 +139,11 @@ def init_model(
     arch: str,
     corpus_paths: tuple[Path, ...],
     seed: int,
+    tag_name: str | None,
     as_json: bool,
 ) -> None:
     """Make a base model locally (nothing downloaded) and put it in the store."""
+    _check_tag(tag_name)
     store = _store(ctx)
     with tempfile.TemporaryDirectory(prefix="blobnet-model-") as tmp:
         if arch == "tiny-llama":
@@ -146,6 +165,8 @@ def init_model(
             build_model_dir(arch, Path(tmp), texts, seed=seed)
             params = sum(p.numel() for p in load_base_model(Path(tmp)).parameters())
         blob_id = store.put_dir(Path(tmp))
+    if tag_name is not None:
+        store.tag(tag_name, blob_id)
     if as_json:
         _echo_json({"id": blob_id, "arch": arch, "seed": seed, "parameters": params})
     else:
@@ -162,14 +183,21 @@ def init_model(
     help="Tokenise with this base model collection's tokenizer.json (default: byte-level, "
     "for the built-in tiny models).",
 )
+@_tag_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def records_command(
-    ctx: click.Context, files: tuple[Path, ...], seq_len: int, base_ref: str | None, as_json: bool
+    ctx: click.Context,
+    files: tuple[Path, ...],
+    seq_len: int,
+    base_ref: str | None,
+    tag_name: str | None,
+    as_json: bool,
 ) -> None:
     """Tokenise FILEs into one records blob; prints its ID."""
     from training.records import decode_records, make_records
 
+    _check_tag(tag_name)
     store = _store(ctx)
     contents = [_read(f, "input", MAX_RECORDS_INPUT) for f in files]
     if base_ref is None:
@@ -177,6 +205,8 @@ def records_command(
     else:
         data = _tokenizer_records(store, store.resolve(base_ref), contents, seq_len)
     blob_id = store.put_bytes(data)
+    if tag_name is not None:
+        store.tag(tag_name, blob_id)
     if as_json:
         count = decode_records(data).count
         _echo_json({"id": blob_id, "seq_len": seq_len, "records": count})
@@ -343,6 +373,13 @@ def run_command(
         check_name(publish_as)  # refuse a bad name before any training
     recipe = Recipe.decode(_read(recipe_path, "recipe", 1 << 16))
     resolved = determinism.resolve_device(device)  # refuse before any fetch or load
+    if cert_path is None:
+        click.echo(
+            "blob train run: warning: no --cert, so the round's attestation carries no "
+            "admission certificate and `blob train check` will reject it; give --cert FILE "
+            "(from `blob admit`) for a round others can accept",
+            err=True,
+        )
     store = _store(ctx)
     ids = (
         [_resolve(store, base_ref), _resolve(store, records_ref)]
