@@ -1,11 +1,11 @@
 """Benchmark: SparseLoCo-compressed DiLoCo vs dense DiLoCo vs synchronous data parallel.
 
 K simulated workers (one process, torch on one thread) train the tiny Llama on shards of a
-synthetic corpus with learnable structure (training.outer.synthetic_tokens). The three
+synthetic corpus with learnable structure (training.outer.loop.synthetic_tokens). The three
 modes see the same data and do the same number of inner steps:
 
   (a) sparseloco: DiLoCo whose pseudo-gradients go through the top-k 2-bit codec with
-      error feedback (training.codec);
+      error feedback (training.outer.codec);
   (b) diloco: dense float32 pseudo-gradients, Nesterov outer SGD (lr 0.7, momentum 0.9);
   (c) ddp: one AdamW step per step of every worker, gradients averaged (batch K x B).
 
@@ -35,7 +35,7 @@ the best dense DiLoCo at >= 146x fewer bytes than dense fp32, at two settings:
 update, garbage at the clip norm, the negated honest sum at the clip norm, a copy of an
 honest payload in its own envelope, an empty update, and an honest update amplified to the
 clip norm (which no rule can tell from honest), each against the same run without it under
-the same aggregation (training.outer_aggregate); goal: never more than 1% worse:
+the same aggregation (training.outer.aggregate); goal: never more than 1% worse:
 
     .venv/bin/python bench/outer.py --byzantine --rounds 40
 
@@ -60,7 +60,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from training.outer import SimConfig, SimResult, simulate  # noqa: E402
+from training.outer.loop import SimConfig, SimResult, simulate  # noqa: E402
 
 LOSS_GOAL = 0.05  # (a) within 5% of (b)
 BYTES_GOAL = 100.0  # (a) >= 100x fewer bytes than a dense fp32 pseudo-gradient
@@ -329,8 +329,8 @@ def _attacks(config: SimConfig) -> dict[str, Any]:
     round's honest updates (the strongest thing a worker that sees them can send)."""
     import numpy as np
 
-    from training.codec import CodecParams, decode, encode, encode_dense
-    from training.outer_aggregate import CLIP_FACTOR
+    from training.outer.aggregate import CLIP_FACTOR
+    from training.outer.codec import CodecParams, decode, encode, encode_dense
 
     codec = CodecParams(chunk=config.chunk, k=config.k)
     rng = np.random.default_rng([config.seed, 18])
@@ -454,7 +454,8 @@ def _byzantine(args: argparse.Namespace) -> dict[str, Any]:
 
 def _net(args: argparse.Namespace) -> dict[str, Any]:
     """``blob outer run``: wire bytes per worker per round, from the workers' sockets."""
-    from training.outer_net import RunParams, default_workdir, prepare_run, run_local, summarise
+    from training.outer.launch import default_workdir, prepare_run, run_local, summarise
+    from training.outer.params import RunParams
 
     params = RunParams(
         run_id="bench",
@@ -506,8 +507,9 @@ def _churn(args: argparse.Namespace) -> dict[str, Any]:
     """N local runs of 3 workers with one paused past the deadline: forks and bad exits."""
     import tempfile
 
-    from training.outer_churn import ChurnPlan, churn_run
-    from training.outer_net import RunParams, prepare_run
+    from training.outer.churn import ChurnPlan, churn_run
+    from training.outer.launch import prepare_run
+    from training.outer.params import RunParams
 
     params = RunParams(
         run_id="churn", workers=3, rounds=4, inner_steps=2, deadline=4.0, proposer_timeout=2.0

@@ -6,7 +6,7 @@
     .venv/bin/python bench/outer_net.py --nat-runs 3 [--nat symmetric] [--via-relay]  (root)
 
 Runs ``blob outer run``'s K worker processes on 127.0.0.1 and reads what each worker's TCP
-sockets moved per round (``training.outer_wire``: announcements, closures, attestations,
+sockets moved per round (``p2p.transport.meter``: announcements, closures, attestations,
 verdicts, blob fetches and handshakes, framing and encryption included). Each figure is
 given against the update blob and against the floor of an all-to-all exchange, where
 every worker sends its update to and fetches one from each of the K - 1 others:
@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from training.outer_net import RunParams, default_workdir, prepare_run, run_local, summarise
+    from training.outer.launch import default_workdir, prepare_run, run_local, summarise
+    from training.outer.params import RunParams
 
     params = RunParams(
         run_id="bench-net",
@@ -88,8 +89,9 @@ def wan_churn(args: argparse.Namespace) -> dict[str, Any]:
 
     from bench.wan import THREE_CONTINENTS, Testbed
     from bench.wan.testbed import unavailable_reason
-    from training.outer_churn import ChurnPlan, churn_run
-    from training.outer_net import RunParams, prepare_run
+    from training.outer.churn import ChurnPlan, churn_run
+    from training.outer.launch import prepare_run
+    from training.outer.params import RunParams
 
     reason = unavailable_reason()
     if reason is not None:

@@ -7,7 +7,7 @@ steps are interleaved so machine load hits all alike:
 * plain: no audit;
 * audited: every step under the auditor a round uses (``make_round_auditor``: the
   dispatcher regime for CPU rounds on a machine without an accelerator, else the python
-  regime; training.audit, point 5), with the CPU kernel set (or the CUDA one with
+  regime; training.rounds.audit, point 5), with the CPU kernel set (or the CUDA one with
   ``--device cuda``). Its fallthrough kernels are installed once per round; here they are
   installed around each of its steps, outside the timed part (the install time is
   reported), so the other sessions run without them;
@@ -72,10 +72,11 @@ def bench(size: str, steps: int, device_name: str, threads: int) -> dict[str, An
     """One size's interleaved plain/audited steps; None if the loss bits differ."""
     import os
 
-    from training import audit, determinism, kernel_class, trainer
+    from training import determinism, kernel_class
     from training.model import make_tiny_llama
-    from training.recipe import Recipe
     from training.records import make_records
+    from training.rounds import audit, trainer
+    from training.rounds.recipe import Recipe
 
     device = determinism.resolve_device(device_name)
     determinism.enter(device, threads)

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 _WARM = (
     "import json, sys\n"
-    "import training.cli, training.round, training.trainer  # torch, transformers, peft\n"
+    "import training.rounds.cli, training.rounds.round, training.rounds.trainer\n"  # torch, peft
     "from transformers import AutoModelForCausalLM  # noqa: F401 (loaded lazily otherwise)\n"
     "from p2p.cli import main\n"
     "main(json.loads(sys.stdin.readline()))\n"

@@ -29,7 +29,8 @@ from bench.wan.blobnodes import _readline
 from bench.wan.measure import REPO_ROOT, python_env
 from bench.wan.testbed import stop_processes
 from identity.keyfile import create_key_file
-from training.outer_net import RunParams, prepare_run, worker_argv, worker_env
+from training.outer.launch import prepare_run, worker_argv, worker_env
+from training.outer.params import RunParams
 
 RELAY_PORT = 4001
 HUB_PORT = 4002

@@ -1,4 +1,4 @@
-"""The dispatcher regime (training.audit, point 5): CPU rounds run audited ops without
+"""The dispatcher regime (training.rounds.audit, point 5): CPU rounds run audited ops without
 Python and still refuse, on any step and at any depth, what the audited set lacks."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from training import audit, determinism, trainer  # noqa: E402
+from training import determinism  # noqa: E402
 from training.errors import AuditViolation  # noqa: E402
 from training.model import make_tiny_llama  # noqa: E402
-from training.recipe import Recipe  # noqa: E402
 from training.records import Records, make_records  # noqa: E402
+from training.rounds import audit, trainer  # noqa: E402
+from training.rounds.recipe import Recipe  # noqa: E402
 
 RECIPE = Recipe(steps=4, batch_size=2, seq_len=16)
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from training.codec import (
+from training.outer.codec import (
     MAGIC,
     CodecError,
     CodecParams,
@@ -145,7 +145,7 @@ SUBPROCESS_SCRIPT = textwrap.dedent(
     import hashlib, sys
     import numpy as np, torch
     torch.set_num_threads(int(sys.argv[1]))
-    from training.codec import CodecParams, ErrorFeedback
+    from training.outer.codec import CodecParams, ErrorFeedback
     rng = np.random.default_rng(7)
     shapes = {"model.embed": (300, 64), "model.norm": (64,), "lm_head": (100, 333)}
     feedback = ErrorFeedback(CodecParams(chunk=4096, k=32))
@@ -495,7 +495,7 @@ def test_short_chunks_keep_the_density_of_a_full_one() -> None:
 def test_tiny_llama_update_is_146x_smaller_than_dense() -> None:
     """The issue 18 goal's byte half, on the tiny Llama's shapes at the simulation's
     default codec (k 80 of 4096), with the names sent by digest as on the wire."""
-    from training.outer import SimConfig
+    from training.outer.loop import SimConfig
 
     shapes = {"embed": (260, 64), "lm_head": (260, 64), "norm": (64,)}
     for layer in range(2):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from training.codec import CodecError, CodecParams, ErrorFeedback
-from training.outer import (
+from training.outer.codec import CodecError, CodecParams, ErrorFeedback
+from training.outer.loop import (
     OuterConfig,
     OuterError,
     OuterState,

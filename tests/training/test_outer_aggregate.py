@@ -1,4 +1,4 @@
-"""Bounded, robust aggregation (training.outer_aggregate): a byzantine worker's update
+"""Bounded, robust aggregation (training.outer.aggregate): a byzantine worker's update
 (huge, garbage that decodes, a copy under a second key, a stale one) is excluded with its
 reason and the honest result is bit-identical to the run without it; memory does not grow
 with the number of workers."""
@@ -10,9 +10,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from training.codec import CodecParams, decode, encode, encode_dense
-from training.outer import OuterConfig, OuterState, state_root
-from training.outer_aggregate import (
+from training.outer.aggregate import (
     AGREEMENT_MARGIN,
     CLIP_FACTOR,
     MIN_AGREEMENT,
@@ -21,6 +19,8 @@ from training.outer_aggregate import (
     unwrap_update,
     wrap_update,
 )
+from training.outer.codec import CodecParams, decode, encode, encode_dense
+from training.outer.loop import OuterConfig, OuterState, state_root
 
 CODEC = CodecParams(chunk=256, k=16)
 CONFIG = OuterConfig(lr=0.7, momentum=0.9)

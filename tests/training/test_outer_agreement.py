@@ -1,4 +1,4 @@
-"""Round closures (training.outer_agreement): validity, fork choice, and the story of a run
+"""Round closures (training.outer.agreement): validity, fork choice, and the story of a run
 on a fake clock: a paused proposer is replaced and its worker catches up, proposers that
 disagree or equivocate still leave every worker on one tip."""
 
@@ -18,7 +18,7 @@ from identity import (
     TrustStore,
     sign_attestation,
 )
-from training.outer_agreement import (
+from training.outer.agreement import (
     CLOSURE_WINDOW,
     Apply,
     CatchUp,
@@ -38,7 +38,7 @@ from training.outer_agreement import (
     proposer_order,
     sign_closure,
 )
-from training.outer_messages import UPDATE_KIND, Refused
+from training.outer.messages import UPDATE_KIND, Refused
 
 NOW = 1_700_000_000
 KC = "cpu-test"

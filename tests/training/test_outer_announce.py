@@ -4,7 +4,7 @@ back-off, for as long as they are not connected."""
 
 from __future__ import annotations
 
-from training.outer_announce import MAX_ADDRS_PER_PEER, MAX_PEERS, Announcer, PeerDialer
+from training.outer.announce import MAX_ADDRS_PER_PEER, MAX_PEERS, Announcer, PeerDialer
 
 
 def test_resends_back_off_and_a_change_restarts_them() -> None:

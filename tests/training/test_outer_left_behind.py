@@ -1,5 +1,5 @@
 """A worker stopped until the others have finished and left (point 6 of
-training.outer_worker) must stop with an error, not close the remaining rounds alone.
+training.outer.worker) must stop with an error, not close the remaining rounds alone.
 Before the fix it proposed every remaining round alone (1 update included each): at once
 when it had heard none of the others' closures, else once their blobs were dropped as
 unavailable; having heard no final root to compare, it could exit 0 "agreed" on a rival
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from training.outer_churn import ChurnPlan, churn_run
-from training.outer_net import RunParams, prepare_run
+from training.outer.churn import ChurnPlan, churn_run
+from training.outer.launch import prepare_run
+from training.outer.params import RunParams
 
 pytestmark = [
     pytest.mark.slow,

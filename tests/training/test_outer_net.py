@@ -29,12 +29,13 @@ from identity import (
     sign_attestation,
 )
 from p2p.node import open_node
-from training.codec import encode
-from training.outer import state_root
-from training.outer_aggregate import aggregate, wrap_update
-from training.outer_agreement import decode_closure
-from training.outer_churn import ChurnPlan, ChurnResult, churn_run
-from training.outer_messages import (
+from training.outer.aggregate import aggregate, wrap_update
+from training.outer.agreement import decode_closure
+from training.outer.churn import ChurnPlan, ChurnResult, churn_run
+from training.outer.codec import encode
+from training.outer.launch import RunPlan, prepare_run, worker_env
+from training.outer.loop import state_root
+from training.outer.messages import (
     UPDATE_KIND,
     ClosureAnnouncement,
     UpdateAnnouncement,
@@ -42,9 +43,9 @@ from training.outer_messages import (
     encode_message,
     topic,
 )
-from training.outer_milestones import decode_milestone_record, sign_milestone
-from training.outer_net import RunParams, RunPlan, prepare_run, worker_env
-from training.state_blob import decode_state
+from training.outer.milestones import decode_milestone_record, sign_milestone
+from training.outer.params import RunParams
+from training.outer.state_blob import decode_state
 
 pytestmark = [
     pytest.mark.slow,

@@ -19,8 +19,8 @@ from identity import (
     TrustStore,
     sign_attestation,
 )
-from training.outer import OuterState, state_root
-from training.outer_messages import (
+from training.outer.loop import OuterState, state_root
+from training.outer.messages import (
     MAX_MESSAGE_SIZE,
     STATE_KIND,
     UPDATE_KIND,
@@ -41,7 +41,7 @@ from training.outer_messages import (
     encode_message,
     topic,
 )
-from training.state_blob import BadStateBlob, decode_state, encode_state
+from training.outer.state_blob import BadStateBlob, decode_state, encode_state
 
 NOW = 1_700_000_000
 KC = "cpu-test"

@@ -10,9 +10,9 @@ import blake3
 import pytest
 
 from identity import Authority, MachineKey, SoftwareSigner, TrustStore
-from training.outer import initial_state, model_params, state_root
-from training.outer_net import RunParams, Trainer
-from training.outer_replay import (
+from training.outer.loop import initial_state, model_params, state_root
+from training.outer.params import RunParams
+from training.outer.replay import (
     MATCH,
     BadCommitment,
     BadVerdict,
@@ -27,6 +27,7 @@ from training.outer_replay import (
     sampled,
     sign_verdict,
 )
+from training.outer.trainer import Trainer
 
 PARAMS = RunParams(run_id="replay", workers=3, rounds=2, inner_steps=2)
 AUTHOR = "12D3KooWAuthor"
@@ -37,7 +38,7 @@ def _root(i: int) -> str:
 
 
 def _commit(trainer: Trainer, state_round: int, root: str, trained: object) -> UpdateCommitment:
-    from training.outer_net import Trained
+    from training.outer.trainer import Trained
 
     assert isinstance(trained, Trained)
     return UpdateCommitment(

@@ -11,9 +11,10 @@ import pytest
 
 from blobstore import Store
 from identity import TrustStore, parse_public_key
-from training.outer_churn import ChurnPlan, churn_run
-from training.outer_milestones import list_milestones, verify_run
-from training.outer_net import RunParams, prepare_run
+from training.outer.churn import ChurnPlan, churn_run
+from training.outer.launch import prepare_run
+from training.outer.milestones import list_milestones, verify_run
+from training.outer.params import RunParams
 
 pytestmark = [pytest.mark.slow]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from training.outer import SimConfig, simulate
+from training.outer.loop import SimConfig, simulate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,7 +85,7 @@ def test_cli_simulate_json() -> None:
 def test_cli_rejects_bad_chunk() -> None:
     from click.testing import CliRunner
 
-    from training.outer_cli import outer_group
+    from training.outer.cli import outer_group
 
     result = CliRunner().invoke(outer_group, ["simulate", "--chunk", "1000"])
     assert result.exit_code == 2
@@ -93,12 +93,12 @@ def test_cli_rejects_bad_chunk() -> None:
 
 
 def test_robust_aggregation_matches_the_mean_and_shrugs_off_a_byzantine_worker() -> None:
-    """The simulation aggregates as the network does (training.outer_aggregate) when asked:
+    """The simulation aggregates as the network does (training.outer.aggregate) when asked:
     with honest workers only it reaches the plain mean's bits (same order, weight 1), and a
     byzantine worker sending the negated sum of the honest updates is excluded every round
     by the direction rule, leaving the run bit-identical to the one without it (issue 18's
     goal: no worse than 1%)."""
-    from training.codec import CodecParams, encode
+    from training.outer.codec import CodecParams, encode
 
     config = SimConfig(**{**SMALL.__dict__, "workers": 3})
     plain = simulate(config)

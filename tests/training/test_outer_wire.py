@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from training.outer_wire import WireMeter
+from p2p.transport.meter import WireMeter
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_INFO is Linux")
 

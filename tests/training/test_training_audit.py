@@ -6,8 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from training import audit, determinism  # noqa: E402
+from training import determinism  # noqa: E402
 from training.errors import AuditViolation, DeviceUnavailable, NoKernelSet  # noqa: E402
+from training.rounds import audit  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,8 @@ import pytest
 from blobstore import Store
 from identity import Authority, MachineKey, SoftwareSigner, create_key_file, format_public_key
 from tests.blob_cli import blob_here, go, start_warm
-from training.recipe import Recipe
 from training.records import decode_records, make_records
+from training.rounds.recipe import Recipe
 
 TIMEOUT = 110
 
@@ -190,7 +190,7 @@ def test_input_commands(tmp_path: Path) -> None:
     # transformers' import (5-15 s) once more for a command that only builds a model.
     from click.testing import CliRunner
 
-    from training.cli import train_group
+    from training.rounds.cli import train_group
 
     obj = {"store_root": store, "key_path": key}
     runs = [
@@ -212,7 +212,7 @@ def test_an_output_in_a_missing_directory_is_one_line_before_any_work(tmp_path: 
 
     from blobstore.errors import PathNotFound
     from identity import KeyFileIOError
-    from training.cli import train_group
+    from training.rounds.cli import train_group
 
     obj = {"store_root": tmp_path / "s", "key_path": tmp_path / "k"}
     missing = tmp_path / "no" / "such"

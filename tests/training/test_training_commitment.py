@@ -10,10 +10,10 @@ from typing import Any
 import msgpack
 import pytest
 
-from training.commitment import Commitment, RoundRecord, pack
 from training.errors import BadRoundRecord
 from training.kernel_class import KERNEL_CLASS_SCHEMA, KernelClass
-from training.recipe import Recipe, recipe_hash
+from training.rounds.commitment import Commitment, RoundRecord, pack
+from training.rounds.recipe import Recipe, recipe_hash
 
 KC = KernelClass.from_fields(
     {"schema": KERNEL_CLASS_SCHEMA, "device": "cpu", "cpu_capability": "AVX2", "threads": 1}
@@ -84,8 +84,9 @@ def test_decode_rejects_non_canonical_and_malformed() -> None:
 
 def test_light_modules_do_not_import_torch() -> None:
     code = (
-        "import sys, training, training.cli, training.round, training.commitment, "
-        "training.recipe, training.records, training.net\n"
+        "import sys, training, training.rounds.cli, training.rounds.round, "
+        "training.rounds.commitment, "
+        "training.rounds.recipe, training.records, training.rounds.inputs\n"
         "assert 'torch' not in sys.modules and 'peft' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -17,11 +17,11 @@ from identity import (
     TrustStore,
     sign_attestation,
 )
-from training.commitment import REPLAY_KIND, ROUND_KIND, Commitment, RoundRecord
 from training.errors import EvidenceRejected
 from training.kernel_class import KERNEL_CLASS_SCHEMA, KernelClass
-from training.recipe import Recipe, recipe_hash
-from training.round import check_evidence
+from training.rounds.commitment import REPLAY_KIND, ROUND_KIND, Commitment, RoundRecord
+from training.rounds.recipe import Recipe, recipe_hash
+from training.rounds.round import check_evidence
 
 NOW = 1_800_000_000
 KC = KernelClass.from_fields(

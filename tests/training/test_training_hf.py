@@ -33,11 +33,11 @@ from identity import (  # noqa: E402
     sign_attestation,
 )
 from training import determinism, kernel_class  # noqa: E402
-from training.commitment import ROUND_KIND  # noqa: E402
 from training.errors import AuditViolation, BadRecords, EvidenceRejected  # noqa: E402
 from training.hf_model import ARCH_TARGETS, build_model_dir  # noqa: E402
-from training.recipe import Recipe  # noqa: E402
-from training.round import RoundInputs, RoundResult, check_evidence, execute, run_round  # noqa: E402
+from training.rounds.commitment import ROUND_KIND  # noqa: E402
+from training.rounds.recipe import Recipe  # noqa: E402
+from training.rounds.round import RoundInputs, RoundResult, check_evidence, execute, run_round  # noqa: E402
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog, and the dog sleeps on. ",
@@ -91,7 +91,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 
 
 def _world(tmp: Path, replayer: subprocess.Popen[str]) -> World:
-    from training.cli import train_group
+    from training.rounds.cli import train_group
 
     store = Store.open(tmp / "store")
     determinism.enter("cpu", threads=1)
@@ -140,7 +140,8 @@ def _world(tmp: Path, replayer: subprocess.Popen[str]) -> World:
 # here; the round IDs come on stdin, one line.
 _REPLAY = """
 import sys
-import training.cli, training.round, training.trainer  # torch, transformers, peft
+# torch, transformers, peft:
+import training.rounds.cli, training.rounds.round, training.rounds.trainer
 from transformers import AutoModelForCausalLM  # loaded lazily otherwise
 from p2p.cli import main
 store, key, cert, out = sys.argv[1:5]
@@ -202,9 +203,9 @@ def test_records_of_another_tokenizer_are_refused(world: World) -> None:
 
 
 def test_gpt2_needs_its_audited_ops_and_unaudited_ones_stay_refused(world: World) -> None:
-    from training import audit, trainer
     from training.model import load_base_model
     from training.records import decode_records
+    from training.rounds import audit, trainer
 
     gpt2 = world.archs["gpt2"]
     world.store.export(gpt2.base, world.tmp / "gpt2-export")
@@ -219,7 +220,7 @@ def test_gpt2_needs_its_audited_ops_and_unaudited_ones_stay_refused(world: World
 
 def test_init_model_builds_a_sharded_directory_with_its_tokenizer(world: World) -> None:
     """`blob train init-model --arch llama --corpus FILE`: the same inputs, the same ID."""
-    from training.cli import train_group
+    from training.rounds.cli import train_group
 
     corpus = world.tmp / "corpus.txt"
     obj = {"store_root": world.tmp / "store", "key_path": world.bob_key}

@@ -46,7 +46,7 @@ import pytest
 from blobstore import Store
 from identity import AdmissionCertificate, SoftwareSigner, load_key_file, sign_attestation
 from tests.blob_cli import blob_here, go, start_warm
-from training.commitment import ROUND_KIND, RoundRecord
+from training.rounds.commitment import ROUND_KIND, RoundRecord
 
 # Each command that trains imports torch + transformers + peft: 5-20 s on a loaded machine.
 TIMEOUT = 180.0

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from training.errors import BadRecipe
-from training.recipe import Recipe, recipe_hash
+from training.rounds.recipe import Recipe, recipe_hash
 
 
 def test_round_trip_and_target_order_is_canonical() -> None:

@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 from blobstore import Store  # noqa: E402
 from identity import Authority, MachineKey, SoftwareSigner, create_key_file  # noqa: E402
 from training.model import make_tiny_llama, save_base_model  # noqa: E402
-from training.recipe import Recipe  # noqa: E402
 from training.records import make_records  # noqa: E402
+from training.rounds.recipe import Recipe  # noqa: E402
 
 RECIPE = Recipe(steps=200, batch_size=4, seq_len=16)
 
@@ -147,7 +147,7 @@ def test_corrupt_base_file_and_round_record_are_named(
     inputs: tuple[Path, str, str], tmp_path: Path
 ) -> None:
     from training.errors import CorruptInput
-    from training.round import RoundInputs, execute, load_record
+    from training.rounds.round import RoundInputs, execute, load_record
 
     _, base, records = inputs
     store = _copy_store(inputs, tmp_path / "store")
@@ -165,7 +165,7 @@ def test_corrupt_base_file_and_round_record_are_named(
 def test_gpu_check_refuses_at_once_without_cuda(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from training import gpu_check
+    from training.rounds import gpu_check
 
     assert gpu_check.main(["--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -15,13 +15,13 @@ torch = pytest.importorskip("torch")
 from blobstore import Store  # noqa: E402
 from identity import MachineKey, SoftwareSigner  # noqa: E402
 from training import determinism  # noqa: E402
-from training.commitment import REPLAY_KIND, Commitment, RoundRecord  # noqa: E402
 from training.errors import DeviceUnavailable, ReplayMismatch  # noqa: E402
 from training.kernel_class import KernelClass  # noqa: E402
 from training.model import load_base_model, make_tiny_llama, save_base_model  # noqa: E402
-from training.recipe import Recipe  # noqa: E402
 from training.records import make_records  # noqa: E402
-from training.round import RoundInputs, execute, replay_round, run_round  # noqa: E402
+from training.rounds.commitment import REPLAY_KIND, Commitment, RoundRecord  # noqa: E402
+from training.rounds.recipe import Recipe  # noqa: E402
+from training.rounds.round import RoundInputs, execute, replay_round, run_round  # noqa: E402
 
 TEXT = b"the quick brown fox jumps over the lazy dog. " * 12
 RECIPE = Recipe(steps=4, batch_size=4, seq_len=32)
@@ -152,8 +152,8 @@ def test_adapter_loads_with_peft_and_gives_the_same_logits(
 
     from peft import PeftModel
 
-    from training import trainer
     from training.records import decode_records
+    from training.rounds import trainer
 
     records = decode_records(world.store.path(world.records_id).read_bytes())
     session = trainer.prepare(make_tiny_llama("tiny", seed=0), RECIPE, SEED, "cpu")
