@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,9 @@ class RunParams:
     # finished worker lingers for a missing final root and how long one with nobody
     # connected waits before it stops (training.outer.worker points 3 and 6).
     fetch_floor: float = 10.0
+    # The outer optimiser (None: MODE_DEFAULTS["sparseloco"]); a run spec may set them.
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -93,7 +97,9 @@ class RunParams:
 
     def outer_config(self) -> OuterConfig:
         mode = MODE_DEFAULTS[OUTER_MODE]
-        return OuterConfig(lr=mode["outer_lr"], momentum=mode["outer_momentum"])
+        lr = mode["outer_lr"] if self.outer_lr is None else self.outer_lr
+        momentum = mode["outer_momentum"] if self.outer_momentum is None else self.outer_momentum
+        return OuterConfig(lr=lr, momentum=momentum)
 
     @property
     def ef_decay(self) -> float:
@@ -132,15 +138,20 @@ class WorkerConfig:
     relays: tuple[str, ...] = ()
     assume_private: bool = False
     relayed_fetch: bool = False
+    # Builds the worker's trainer (and replay's, per replayed update) from the params and
+    # the shard; None: the built-in tiny model on synthetic data (training.outer.trainer).
+    make_trainer: Callable[[RunParams, int], Any] | None = None
 
 
-def outer_kernel_class() -> str:
-    """The kernel class ID this process's workers run under (CPU, one thread)."""
+def outer_kernel_class(device: str = "cpu", threads: int = 1) -> str:
+    """The kernel class ID this process's workers run under: deterministic mode on
+    ``device`` with ``threads`` torch threads (refused, never a fallback, where the device
+    is missing)."""
     from training import determinism
     from training.kernel_class import detect
 
-    determinism.enter("cpu", threads=1)
-    return detect("cpu").id
+    determinism.enter(device, threads=threads)
+    return detect(device).id
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -54,7 +54,7 @@ Nothing here reads a clock or does I/O; :func:`replay` runs torch (in a worker t
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +77,7 @@ from training.errors import TrainingError
 if TYPE_CHECKING:
     from training.outer.loop import OuterState
     from training.outer.params import RunParams
+    from training.outer.trainer import Trainer
 
 REPLAY_KIND = "blobnet/outer-replay"
 COMMITMENT_DOMAIN = b"blobnet/outer-update-commitment/v1"
@@ -408,7 +409,12 @@ def check_claims(
 
 
 def replay(
-    params: RunParams, c: UpdateCommitment, inner: bytes, start: OuterState, update: bytes
+    params: RunParams,
+    c: UpdateCommitment,
+    inner: bytes,
+    start: OuterState,
+    update: bytes,
+    make_trainer: Callable[[RunParams, int], Trainer] | None = None,
 ) -> str:
     """Rule 3: recompute ``c``'s update from S_r (``start``) and the inner state, and
     compare with ``update`` (the included blob's bytes): :data:`MATCH` or
@@ -419,7 +425,7 @@ def replay(
         return f"{MISMATCH}: codec settings are not the run's"
     if c.steps != params.inner_steps or c.batch != params.batch:
         return f"{MISMATCH}: inner steps or batch size are not the run's"
-    trainer = Trainer(params, c.shard)
+    trainer = (make_trainer or Trainer)(params, c.shard)
     rows = c.row_array()
     if int(rows.max()) >= trainer.tokens.shape[0]:
         return f"{MISMATCH}: a batch row is outside the shard"

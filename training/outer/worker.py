@@ -900,7 +900,10 @@ class Worker:
             return UNAVAILABLE
         inner = await trio.to_thread.run_sync(self._load, c.inner)
         update = await trio.to_thread.run_sync(self._load, sample.blob)
-        return await trio.to_thread.run_sync(lambda: replay(self.params, c, inner, start, update))
+        make = self.config.make_trainer
+        return await trio.to_thread.run_sync(
+            lambda: replay(self.params, c, inner, start, update, make)
+        )
 
     def _everyone(self) -> list[str]:
         return [
@@ -1290,7 +1293,8 @@ class Worker:
             nursery.start_soon(self._dial_loop)
             nursery.start_soon(self._meter_loop)
             self.run_nursery = nursery
-            trainer = await trio.to_thread.run_sync(Trainer, self.params, self.config.shard)
+            make = self.config.make_trainer or Trainer
+            trainer = await trio.to_thread.run_sync(make, self.params, self.config.shard)
             self.kernel_class = trainer.kernel_class
             if self.certificate.kernel_class != self.kernel_class:
                 raise OuterNetError(
