@@ -54,6 +54,7 @@ class BlockingNode:
     key file (created on first use; a fresh ephemeral key if None). ``listen``: addresses
     to accept peers on. ``bootstrap``: DHT peers dialled at start. ``dht``: run the
     Kademlia DHT. ``fast``: blobnet's fast Noise + yamux path (False: stock py-libp2p).
+    ``pubsub``: join gossip topics (an outer-loop worker, ``training.outer.api``, needs it).
     """
 
     def __init__(
@@ -65,14 +66,17 @@ class BlockingNode:
         bootstrap: Sequence[str] = (),
         dht: bool = True,
         fast: bool = True,
+        pubsub: bool = False,
     ) -> None:
         self._store_root = Path(store_root).expanduser()
+        self.key_path = Path(key_path) if key_path is not None else None
         self._kwargs: dict[str, Any] = {
             "key_path": key_path,
             "listen": tuple(listen),
             "bootstrap": tuple(bootstrap),
             "dht": dht,
             "fast": fast,
+            "pubsub": pubsub,
         }
         self._node: Node | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -146,6 +150,11 @@ class BlockingNode:
             raise NodeStopped(f"the blobnet node stopped: {self._stopped}")
         if self._node is None or self._token is None:
             raise NodeNotRunning("BlockingNode is not running: use it in a with block")
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``await fn(*args, **kwargs)`` in the node's loop and return its result (for
+        libraries that run their own tasks on the node, such as an outer-loop worker)."""
+        return self._call(fn, *args, **kwargs)
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._check_alive()

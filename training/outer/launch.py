@@ -112,7 +112,8 @@ async def run_worker(config: WorkerConfig) -> dict[str, Any]:
         if config.publish is not None and result["rounds"]:
             record = await node.publish_name(config.publish, result["rounds"][-1]["state_blob"])
             result["name"] = record.to_json()
-            write_json(config.result_path, result)
+            if config.result_path is not None:
+                write_json(config.result_path, result)
         return result
 
 

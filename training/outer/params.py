@@ -117,7 +117,7 @@ class WorkerConfig:
     key_path: Path
     cert_path: Path
     authorities: tuple[bytes, ...]
-    result_path: Path
+    result_path: Path | None
     initial: str | None = None
     join: bool = False
     bootstrap: tuple[str, ...] = ()
@@ -141,6 +141,10 @@ class WorkerConfig:
     # Builds the worker's trainer (and replay's, per replayed update) from the params and
     # the shard; None: the built-in tiny model on synthetic data (training.outer.trainer).
     make_trainer: Callable[[RunParams, int], Any] | None = None
+    # Scores a candidate update before this worker proposes a closure naming it:
+    # (S_r, root, author, update blob bytes) -> "" or the reason to leave it out
+    # (training.outer.api point 4, the scored level).
+    score: Callable[[Any, str, str, bytes], str] | None = None
 
 
 def outer_kernel_class(device: str = "cpu", threads: int = 1) -> str:

@@ -1050,6 +1050,17 @@ class Worker:
             updates[peer] = (candidate.blob, candidate.attestation)
             operators.add(candidate.operator)
             blobs.add(candidate.blob)
+        score = self.config.score
+        if score is not None:  # the scored level (training.outer.api point 4)
+            for peer, (blob, _) in sorted(updates.items()):
+                data = await trio.to_thread.run_sync(self._load, blob)
+                reason = await trio.to_thread.run_sync(score, state, root, peer, data)
+                if reason:
+                    _say(self.label, f"round {state.round}: left out {peer[-6:]}: {reason}")
+                    self.refused_updates.append(
+                        {"round": state.round, "peer": peer, "blob": blob, "reason": reason}
+                    )
+                    del updates[peer]
         included = select_for_closure(updates)
         entries = [(x.peer, x.blob) for x in included]
         agg = await trio.to_thread.run_sync(
@@ -1352,5 +1363,6 @@ class Worker:
             "wire_sent": self.meter.sample()[0] - wire_start[0],
             "wire_received": self.meter.totals()[1] - wire_start[1],
         }
-        write_json(self.config.result_path, result)
+        if self.config.result_path is not None:
+            write_json(self.config.result_path, result)
         return result
