@@ -106,7 +106,7 @@ def worker_main(config_path: str) -> None:
     )
 
 
-def _init_spec(tmp: Path, plan: Any, level: str) -> str:
+def _init_spec(tmp: Path, plan: Any, level: str, workers: int = 3) -> str:
     from click.testing import CliRunner
     from safetensors.torch import save_file
 
@@ -127,7 +127,7 @@ def _init_spec(tmp: Path, plan: Any, level: str) -> str:
             "--authority",
             plan.authority,
             "--workers",
-            "3",
+            str(workers),
             "--inner-steps",
             str(H),
             "--deadline",
@@ -255,5 +255,125 @@ def test_a_mismatched_model_is_refused_before_step_0(tmp_path: Path) -> None:
             OuterLoop(n, spec=spec, model=TinyLM(), certificate=w0.cert, rounds=1)
 
 
+def rank_main(config_path: str) -> None:
+    """One rank of a worker that is a torch.distributed group (gloo, CPU): DDP replicas,
+    rank 0 the run's peer."""
+    import os
+
+    import torch.distributed as dist
+
+    from p2p import BlockingNode
+    from training import determinism
+    from training.outer.api import OuterLoop
+
+    cfg = json.loads(Path(config_path).read_text())
+    rank = cfg["rank"]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+    determinism.enter("cpu", threads=1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(rank)  # replicas start apart: join() must make them equal
+    model = TinyLM()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.from_numpy(task_rows(200 + rank, 128))
+    node = None
+    if rank == 0:
+        node = BlockingNode(
+            cfg["store"],
+            key_path=cfg["key"],
+            listen=["/ip4/127.0.0.1/tcp/0"],
+            dht=False,
+            pubsub=True,
+        ).start()
+    try:
+        loop = OuterLoop(
+            node,
+            spec=cfg["spec"],
+            model=model,
+            certificate=cfg["cert"],
+            rounds=2,
+            group=dist.group.WORLD,
+        )
+        loop.join()
+        joined = [p.detach().clone() for p in model.parameters()]
+        for _ in range(100 * H):  # bounded: 2 rounds of H steps
+            loss = loss_fn(ddp, data[torch.randint(0, data.shape[0], (8,))])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loop.step(float(loss))
+            if loop.finished:
+                break
+        loop.close()
+    finally:
+        if node is not None:
+            node.close()
+    out = {
+        "joined": [p.numpy().tolist() for p in joined],
+        "model": {n: p.detach().numpy().tolist() for n, p in model.named_parameters()},
+        "result": loop.result,
+    }
+    Path(cfg["out"]).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_worker_that_is_a_two_rank_gloo_group(tmp_path: Path) -> None:
+    """Two CPU ranks over gloo are one worker (one peer identity, rank 0's); they start
+    from different random inits and end with the same parameters, the run's final state."""
+    import socket
+
+    from blobstore import Store
+    from training.outer.launch import prepare_run, worker_env
+    from training.outer.params import RunParams
+    from training.outer.state_blob import decode_state
+
+    plan = prepare_run(tmp_path / "run", RunParams("api", workers=1, rounds=2, inner_steps=H))
+    spec = _init_spec(tmp_path, plan, "bounded", workers=1)
+    w0 = plan.workers[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    try:
+        for rank in (0, 1):
+            cfg = {
+                "rank": rank,
+                "port": port,
+                "store": str(w0.store),
+                "key": str(w0.key),
+                "cert": str(w0.cert),
+                "spec": spec,
+                "out": str(tmp_path / f"rank{rank}.json"),
+            }
+            (tmp_path / f"rank{rank}.cfg").write_text(json.dumps(cfg))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--rank", str(tmp_path / f"rank{rank}.cfg")],
+                    env=worker_env(),
+                    stdout=sys.stderr,
+                )
+            )
+        for proc in procs:
+            assert proc.wait(timeout=RUN_TIMEOUT) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert outs[0]["joined"] == outs[1]["joined"]
+    assert outs[0]["model"] == outs[1]["model"]
+    result = outs[0]["result"]
+    assert result["final_round"] == 2 and outs[1]["result"] is None
+    tip = decode_state(Store.open(w0.store).path(result["rounds"][-1]["state_blob"]).read_bytes())
+    for name, value in tip.params.items():
+        assert np.array_equal(np.asarray(outs[1]["model"][name], dtype=np.float32), value), name
+
+
 if __name__ == "__main__":
-    worker_main(sys.argv[1])
+    if sys.argv[1] == "--rank":
+        rank_main(sys.argv[2])
+    else:
+        worker_main(sys.argv[1])

@@ -48,6 +48,12 @@ Theory of operation
 5. **Bounds.** Every wait of the hand-off is bounded (:data:`HANDOFF_WAIT`); the worker's
    own waits are its own (``training.outer.worker``). A loop closed while the worker waits
    ends the worker with an error, not a hang.
+6. **A worker that is a torch.distributed group** of replicas (DDP within a node): rank 0
+   holds the node and is the run's one peer; every rank counts its steps, and at each
+   round's end (and at join) rank 0's parameters, which hold the applied state, are
+   broadcast over the group, with whether the run finished. Every rank is left with the
+   same state. A model sharded over the group (FSDP) is not handled: its shards would have
+   to be gathered to rank 0 and scattered back.
 """
 
 from __future__ import annotations
@@ -301,6 +307,7 @@ class _Core:
         eval_fn: Any,
         eval_rows: Any,
         bootstrap: Sequence[str] = (),
+        level: str | None = None,
     ) -> None:
         from training.kernel_class import detect
         from training.outer.runs import params_from_spec
@@ -308,7 +315,8 @@ class _Core:
         shapes = {n: tuple(p.shape) for n, p in _trainable(model).items()}
         check_model(spec, shapes)
         self.level = "scored" if eval_fn is not None else "bounded"
-        check_level(spec, self.level)
+        if level is None:  # the group's rank 0 offers the level; other ranks follow it
+            check_level(spec, self.level)
         self.spec = spec
         self.bootstrap = tuple(bootstrap)
         self.params = params_from_spec(spec, rounds=rounds)
@@ -416,6 +424,25 @@ async def _run_worker(
     return result
 
 
+def _share_spec(spec: RunSpec | None, group: Any) -> RunSpec:
+    """Point 6: rank 0's spec, to every rank of the group (checked there like any spec)."""
+    import torch.distributed as dist
+
+    from training.outer.spec import decode_body
+
+    box = [None if spec is None else msgpack_body(spec)]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    assert isinstance(box[0], bytes)
+    return decode_body(box[0])
+
+
+def msgpack_body(spec: RunSpec) -> bytes:
+    import msgpack
+
+    data: bytes = msgpack.packb(spec.body(), use_bin_type=True)
+    return data
+
+
 def _load_spec(store: Any, ref: str) -> RunSpec:
     from training.outer.runs import read_spec
 
@@ -433,6 +460,8 @@ class OuterLoop:
     ``scored`` level; ``bootstrap``: peers of the run (multiaddrs) to fetch S_0 from and
     dial; ``result_path``: where the worker writes its result JSON.
     ``inner_optimizer`` is accepted for symmetry with other wrappers and never touched.
+    ``group``: the ``torch.distributed`` group this worker's replicas form (point 6); its
+    ranks other than 0 pass ``node=None``.
     """
 
     def __init__(
@@ -448,18 +477,30 @@ class OuterLoop:
         eval_data: Any = None,
         bootstrap: Sequence[str] = (),
         result_path: str | Path | None = None,
+        group: Any = None,
     ) -> None:
-        if node.key_path is None:
+        self._group = group
+        self._rank = 0
+        if group is not None:
+            import torch.distributed as dist
+
+            self._rank = dist.get_rank(group)
+        if self._rank == 0 and (node is None or node.key_path is None):
             raise OuterLoopError("the node needs a machine key file (BlockingNode key_path)")
-        store = node.store
-        rows = _eval_rows(store, eval_data) if eval_fn is not None else None
+        store = node.store if self._rank == 0 else None
+        run_spec = _load_spec(store, spec) if self._rank == 0 else None
+        if group is not None:
+            run_spec = _share_spec(run_spec, group)
+        assert run_spec is not None
+        rows = _eval_rows(store, eval_data) if eval_fn is not None and self._rank == 0 else None
         self._core = _Core(
-            spec=_load_spec(store, spec),
+            spec=run_spec,
             model=model,
             rounds=rounds,
-            eval_fn=eval_fn,
+            eval_fn=eval_fn if self._rank == 0 else None,
             eval_rows=rows,
             bootstrap=bootstrap,
+            level=None if self._rank == 0 else "group",
         )
         self._node = node
         self._cert = Path(certificate)
@@ -494,6 +535,14 @@ class OuterLoop:
 
     def join(self, timeout: float = JOIN_WAIT) -> None:
         """Start the worker and copy the run's state into the model (S_0, or the tip)."""
+        if self._rank != 0:
+            self._sync()  # point 6: rank 0's adopted state, to every rank
+            return
+        self._start(timeout)
+        if self._group is not None:
+            self._sync()
+
+    def _start(self, timeout: float) -> None:
         from identity import load_key_file
 
         key = load_key_file(self._node.key_path)
@@ -518,6 +567,13 @@ class OuterLoop:
         At the H-th: send the update, wait for the round's closure and copy the new state
         into the model; True then. ``finished`` turns true after the worker's last round."""
         core = self._core
+        if self._rank != 0:
+            core.steps += 1
+            if core.steps < core.params.inner_steps:
+                return False
+            core.steps = 0
+            self._sync()
+            return True
         if not core.count(loss):
             return False
         core.send()
@@ -525,7 +581,22 @@ class OuterLoop:
         core.rounds_applied += 1
         if core.finished and self._thread is not None:
             self._thread.join(timeout=60)
+        if self._group is not None:
+            self._sync()
         return True
+
+    def _sync(self) -> None:
+        """Point 6: rank 0's parameters (the applied state) and ``finished`` to every rank."""
+        import torch
+        import torch.distributed as dist
+
+        src = dist.get_global_rank(self._group, 0)
+        with torch.no_grad():
+            for _, p in sorted(_trainable(self._core.model).items()):
+                dist.broadcast(p.data, src=src, group=self._group)
+            flag = torch.tensor([int(self._core.finished)], dtype=torch.int64)
+            dist.broadcast(flag, src=src, group=self._group)
+        self._core.finished = bool(flag.item())
 
     def close(self) -> None:
         self._core.handoff.close()
