@@ -219,6 +219,15 @@ def test_three_workers_own_model_and_loop_scored_level(tmp_path: Path) -> None:
         obj={"store_root": plan.workers[0].store, "key_path": plan.workers[0].key},
     )
     assert verified.exit_code == 0, verified.output
+    # Every applied update's commitment says it was scored, and the spec's minimum holds.
+    levels = CliRunner().invoke(
+        outer_group,
+        ["levels", "api", "--json"],
+        obj={"store_root": plan.workers[0].store, "key_path": plan.workers[0].key},
+    )
+    assert levels.exit_code == 0, levels.output
+    report = json.loads(levels.output)
+    assert {e["level"] for r in report["rounds"].values() for e in r} == {"scored"}
 
 
 def _first_addr(path: Path, proc: subprocess.Popen[bytes], wait: Any) -> str:

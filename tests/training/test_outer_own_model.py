@@ -180,6 +180,8 @@ def test_hf_directory_init_two_cli_workers_export_equals_the_tip(tmp_path: Path)
     for name, value in tip.params.items():
         assert np.array_equal(got[name], value), name
     assert (out / "tokenizer.json").exists()
+    levels = json.loads(_blob(w0.store, w0.key, "outer", "levels", spec, "--json"))
+    assert {e["level"] for r in levels["rounds"].values() for e in r} == {"replayed"}
     start = decode_state(Store.open(w0.store).path(signed.spec.initial).read_bytes())
     assert any(not np.array_equal(start.params[n], tip.params[n]) for n in tip.params)
 
@@ -222,6 +224,34 @@ def test_a_mismatched_model_and_a_weaker_level_are_refused_in_one_line() -> None
     check_level(spec, "replayed")
     with pytest.raises(LevelRefused, match="requires verification level 'replayed'"):
         check_level(spec, "scored")
+
+
+def test_a_commitment_names_its_level_and_a_replayable_one_is_unchanged() -> None:
+    """A replayable update's commitment bytes carry no level field (they are what they
+    were before levels existed); a bounded one names its level and round-trips."""
+    import dataclasses
+
+    from training.outer.replay import UpdateCommitment, decode_commitment
+
+    c = UpdateCommitment(
+        "r",
+        0,
+        "a" * 64,
+        "peer",
+        0,
+        1,
+        1,
+        b"\0" * 4,
+        b"\0" * 4,
+        4096,
+        80,
+        "b" * 64,
+        "c" * 64,
+        "d" * 64,
+    )
+    assert b"level" not in c.encode()
+    bounded = dataclasses.replace(c, level="bounded")
+    assert decode_commitment(bounded.encode()).level == "bounded"
 
 
 def test_cli_init_refuses_a_missing_model(tmp_path: Path) -> None:

@@ -264,6 +264,7 @@ class _Scorer:
         import torch
 
         load_state(self.model, params)
+        self.model.eval()  # no dropout: a score must not draw from the user's generator
         with torch.no_grad():
             return float(self.eval_fn(self.model, batch))
 
@@ -389,6 +390,8 @@ class _Core:
             bootstrap=self.bootstrap,
             make_trainer=lambda params, shard: trainer,
             score=trainer.scorer,
+            level=self.level,
+            min_level=self.spec.level,
         )
 
     def worker_done(self, result: dict[str, Any] | None, error: str | None) -> None:

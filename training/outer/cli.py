@@ -365,6 +365,8 @@ def worker_command(
         listen = NAT_DEFAULT_LISTEN[0] if relays else "/ip4/127.0.0.1/tcp/0"
     obj = ctx.ensure_object(dict)
     make_trainer = None
+    level = "replayed"  # the built-in trainer's updates replay
+    min_level = "bounded"
     if spec_ref is not None:
         from training.outer.runs import prepare_spec_worker
 
@@ -378,7 +380,8 @@ def worker_command(
             rounds=run["rounds"],
             bootstrap=bootstrap,
         )
-        params, make_trainer = prepared.params, prepared.make_trainer
+        params, make_trainer, level = prepared.params, prepared.make_trainer, prepared.level
+        min_level = prepared.spec.level
         run_id = params.run_id
         initial = initial if join else prepared.spec.initial
         authorities = authorities or prepared.spec.authorities
@@ -416,6 +419,8 @@ def worker_command(
         assume_private=assume_private,
         relayed_fetch=via_relay,
         make_trainer=make_trainer,
+        level=level,
+        min_level=min_level,
     )
     result = trio.run(run_worker, config)
     if not result["agreed"]:
@@ -737,3 +742,34 @@ def export_command(ctx: click.Context, /, run_ref: str, output: Path_, round_: i
 
     r, blob = export_run(_store(ctx), run_ref, output, round_=round_)
     click.echo(f"round {r} state {blob[:16]} -> {output}", err=True)
+
+
+@outer_group.command("levels")
+@click.argument("run_ref", metavar="RUN")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+def levels_command(ctx: click.Context, /, run_ref: str, as_json: bool) -> None:
+    """Check the verification level of every update RUN applied (by its spec ID, tag or run
+    ID) against the spec's minimum, from this store; exit 1 on any below it or unknown."""
+    from training.outer.levels import check_levels
+    from training.outer.params import OuterRunFailed
+    from training.outer.runs import read_spec
+
+    store = _store(ctx)
+    spec = read_spec(store, run_ref)[1].spec
+    report = check_levels(store, spec.run, spec.level)
+    if as_json:
+        json.dump(report.to_json(), sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        for r, entries in sorted(report.rounds.items()):
+            levels = ", ".join(f"{e['peer'][-8:]} {e['level']}" for e in entries)
+            click.echo(f"round {r:>4}  {levels}")
+        for failure in report.failures:
+            click.echo(f"FAILED {failure}")
+    if not report.ok:
+        raise OuterRunFailed(
+            f"run {spec.run}: {len(report.failures)} update(s) below {spec.level!r} or unknown"
+            if report.failures
+            else f"run {spec.run}: no closures in this store"
+        )

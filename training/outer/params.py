@@ -145,6 +145,12 @@ class WorkerConfig:
     # (S_r, root, author, update blob bytes) -> "" or the reason to leave it out
     # (training.outer.api point 4, the scored level).
     score: Callable[[Any, str, str, bytes], str] | None = None
+    # The verification level this worker offers, named in each update's commitment
+    # (training.outer.spec point 3): the built-in trainer's updates replay.
+    level: str = "replayed"
+    # The least level an update may offer to be named in a closure this worker proposes
+    # (the run spec's minimum; "bounded": every update).
+    min_level: str = "bounded"
 
 
 def outer_kernel_class(device: str = "cpu", threads: int = 1) -> str:

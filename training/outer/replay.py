@@ -85,6 +85,8 @@ VERDICT_DOMAIN = b"blobnet/outer-replay-verdict/v1"
 SAMPLE_DOMAIN = b"blobnet/outer-sample/v1"
 REPLAYER_DOMAIN = b"blobnet/outer-replayer/v1"
 COMMITMENT_VERSION = 1
+# The levels a commitment may name (training.outer.spec.LEVELS, weakest first).
+COMMITTED_LEVELS = ("bounded", "scored", "replayed")
 INNER_VERSION = 1
 MATCH = "match"
 UNAVAILABLE = "unavailable"
@@ -137,9 +139,12 @@ class UpdateCommitment:
     inner: str  # blob ID of the inner state before the round
     inner_end: str  # BLAKE3 (hex) of the inner state after the round
     update: str  # the update blob
+    # The verification level the author's worker offered (training.outer.spec point 3):
+    # written only when it is not "replayed", so a replayable update's bytes are as before.
+    level: str = "replayed"
 
     def fields(self) -> dict[str, Any]:
-        return {
+        out = {
             "v": COMMITMENT_VERSION,
             "run": self.run,
             "round": self.round,
@@ -155,6 +160,9 @@ class UpdateCommitment:
             "inner_end": self.inner_end,
             "update": self.update,
         }
+        if self.level != "replayed":
+            out["level"] = self.level
+        return out
 
     def encode(self) -> bytes:
         data: bytes = msgpack.packb(self.fields(), use_bin_type=True)
@@ -213,7 +221,10 @@ def decode_commitment(data: bytes) -> UpdateCommitment:
         _hex64(obj["inner"], "inner"),
         _hex64(obj["inner_end"], "inner_end"),
         _hex64(obj["update"], "update"),
+        obj.get("level", "replayed"),
     )
+    if c.level not in COMMITTED_LEVELS:
+        raise BadCommitment("commitment names an unknown verification level")
     if msgpack.packb(c.fields(), use_bin_type=True) != bytes(data):
         raise BadCommitment("commitment is not in canonical form")
     return c

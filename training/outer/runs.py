@@ -242,8 +242,13 @@ class SpecTrainer:
         model = None
         if self.base_dir is not None:
             from training.model import load_base_model
+            from training.outer.trainer import TORCH_RNG_LOCK
 
-            model = load_base_model(self.base_dir)
+            # load_base_model's fork_rng restores torch's generator on the way out: in a
+            # replay's thread that rewound the dropout draws of the training running
+            # beside it (an honest round-1 update then failed its replay).
+            with TORCH_RNG_LOCK:
+                model = load_base_model(self.base_dir)
         return Trainer(
             params,
             shard,

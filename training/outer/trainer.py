@@ -4,6 +4,7 @@ round's training hands the update commitment."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,11 @@ from training.outer.loop import (
     synthetic_tokens,
 )
 from training.outer.params import RunParams, outer_kernel_class
+
+# One per process, as torch's default generator is (see Trainer.train_rows). Whatever
+# seeds, draws from, or saves and restores that generator (fork_rng in
+# training.model.load_base_model) holds it.
+TORCH_RNG_LOCK = threading.Lock()
 
 
 class Trainer:
@@ -49,7 +55,8 @@ class Trainer:
         self.pad_id = pad_id
         self.kernel_class = outer_kernel_class(device, threads)
         if model is None:
-            model = make_tiny_llama(params.model_size, seed=params.seed)
+            with TORCH_RNG_LOCK:  # a seeded init, beside another thread's training
+                model = make_tiny_llama(params.model_size, seed=params.seed)
         self.model = model.to(device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
@@ -105,15 +112,19 @@ class Trainer:
         from training.outer.aggregate import wrap_update
 
         torch.set_num_threads(self.threads)  # per OS thread under OpenMP: set where it runs
-        # Dropout and other random ops draw from a generator seeded by what the commitment
-        # names (start root and author), so a replay in a fresh process draws the same.
-        torch.manual_seed(round_seed(root, author))
-        load_params(self.model, state.params)
         batches = [torch.from_numpy(self.tokens[r]).to(self.device) for r in rows]
-        if self.pad_id is None:
-            losses = run_inner_steps(self.model, self.optimizer, batches)
-        else:
-            losses = _padded_steps(self.model, self.optimizer, batches, self.pad_id)
+        # Dropout and other random ops draw from torch's one process-wide generator, seeded
+        # by what the commitment names (start root and author) so a replay in another
+        # process draws the same; the lock keeps a replay and the next round's training,
+        # each in its own thread, from drawing from it in turns (a replay of an honest
+        # GPT-2 update mismatched that way).
+        with TORCH_RNG_LOCK:
+            torch.manual_seed(round_seed(root, author))
+            load_params(self.model, state.params)
+            if self.pad_id is None:
+                losses = run_inner_steps(self.model, self.optimizer, batches)
+            else:
+                losses = _padded_steps(self.model, self.optimizer, batches, self.pad_id)
         payload = make_update(state.params, model_params(self.model), self.feedback)
         update = wrap_update(payload, round_=state.round, start_root=root, author=author)
         return update, losses, self.inner_state()

@@ -698,6 +698,12 @@ class Worker:
                 )
                 await self._catch_up(checked)
                 return
+        # The commitments name each update's verification level; kept beside the closure
+        # so `blob outer levels` can check them from this store (a missing one is only
+        # reported there: the state does not depend on it).
+        for x in c.included:
+            commitment = Attestation.decode(x.attestation).subjects[2]
+            await self._fetch(commitment, self._providers(checked, [x.peer]), FETCH_STALL)
         state, root_before = self.state, self.root
         agg = await trio.to_thread.run_sync(
             lambda: aggregate(
@@ -983,6 +989,7 @@ class Worker:
             inner,
             inner_digest(trained.inner_after),
             blob,
+            self.config.level,
         )
         commitment_blob = await self.node.add_bytes(commitment.encode())
         attestation = sign_attestation(
@@ -1003,6 +1010,25 @@ class Worker:
             self.params.run_id, state.round, blob, attestation, tuple(self.node.reachable_addrs)
         )
         await self._announce("update", encode_message(message))
+
+    async def _level_refusal(self, peer: str, attestation: bytes) -> str:
+        """Why an update's commitment keeps it out of this run's closures ('' if it does
+        not): unavailable, malformed, or offering less than the run's minimum level."""
+        from training.outer.spec import LEVELS
+
+        commitment = Attestation.decode(attestation).subjects[2]
+        providers = [*self.dialer.addrs(peer), *self._everyone()]
+        if not await self._fetch(commitment, providers, self._fetch_bound()):
+            return "its commitment is unavailable"
+        try:
+            data = await trio.to_thread.run_sync(self._load, commitment)
+            level = decode_commitment(data).level
+        except (BadCommitment, OSError) as exc:
+            return f"bad commitment: {exc}"
+        least = self.config.min_level
+        if LEVELS.index(level) < LEVELS.index(least):
+            return f"offers verification level {level!r}; the run requires {least!r}"
+        return ""
 
     def _slot(self) -> float | None:
         """Rule 2: when this worker proposes for its current round (None: not yet known)."""
@@ -1050,6 +1076,13 @@ class Worker:
             updates[peer] = (candidate.blob, candidate.attestation)
             operators.add(candidate.operator)
             blobs.add(candidate.blob)
+        for peer, (blob, attestation) in sorted(updates.items()):
+            reason = await self._level_refusal(peer, attestation)
+            if reason:
+                self.refused_updates.append(
+                    {"round": state.round, "peer": peer, "blob": blob, "reason": reason}
+                )
+                del updates[peer]
         score = self.config.score
         if score is not None:  # the scored level (training.outer.api point 4)
             for peer, (blob, _) in sorted(updates.items()):
