@@ -86,6 +86,9 @@ async def run_worker(config: WorkerConfig) -> dict[str, Any]:
 
     if config.initial is None and not config.join:
         raise OuterNetError("a worker needs the initial state blob ID (--initial) or --join")
+    from training.outer.memory import limit_heap_growth
+
+    limit_heap_growth()  # flat RSS over a long run (training.outer.memory)
     if config.publish is not None:
         from p2p.names import check_name
 

@@ -63,6 +63,7 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
 
 from __future__ import annotations
 
+import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -680,6 +681,9 @@ class Worker:
             if int(name.split("-")[1]) < state.round - 2:
                 self.announcer.drop(name)  # the rounds whose sample it was are settled
         self.fetch_nursery = None  # the driver cancels the old round's fetches
+        # Our closures of rounds before this state lost (or were adopted and popped): each
+        # held a whole state; should one win later, _apply recomputes it.
+        self.proposed = {d: v for d, v in self.proposed.items() if v[0].state.round > state.round}
         self._handle(self.ledger.open_round(state.round, root, time.time()))
 
     async def _apply(self, checked: CheckedClosure) -> None:
@@ -1393,6 +1397,8 @@ class Worker:
             "equivocations": [list(e) for e in self.book.equivocations],
             "agreed": all(v == self.root for v in heard.values()),
             "malformed_messages": self.ledger.malformed,
+            # This process's peak resident memory (Linux reports KiB): what a worker costs.
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "wire_sent": self.meter.sample()[0] - wire_start[0],
             "wire_received": self.meter.totals()[1] - wire_start[1],
         }
