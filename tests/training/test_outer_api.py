@@ -92,8 +92,8 @@ def worker_main(config_path: str) -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            losses.append(float(loss))
-            loop.step(float(loss))
+            losses.append(loss.item())
+            loop.step(loss.item())
             if loop.finished:
                 break
         else:
@@ -149,6 +149,7 @@ def _init_spec(tmp: Path, plan: Any, level: str, workers: int = 3) -> str:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.timeout(300)  # worker processes that each import torch: 40-70 s seen at load 7
 def test_three_workers_own_model_and_loop_scored_level(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
@@ -310,7 +311,7 @@ def rank_main(config_path: str) -> None:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            loop.step(float(loss))
+            loop.step(loss.item())
             if loop.finished:
                 break
         loop.close()
@@ -328,6 +329,7 @@ def rank_main(config_path: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.timeout(300)  # worker processes that each import torch: 40-70 s seen at load 7
 def test_a_worker_that_is_a_two_rank_gloo_group(tmp_path: Path) -> None:
     """Two CPU ranks over gloo are one worker (one peer identity, rank 0's); they start
     from different random inits and end with the same parameters, the run's final state."""
@@ -379,6 +381,76 @@ def test_a_worker_that_is_a_two_rank_gloo_group(tmp_path: Path) -> None:
     tip = decode_state(Store.open(w0.store).path(result["rounds"][-1]["state_blob"]).read_bytes())
     for name, value in tip.params.items():
         assert np.array_equal(np.asarray(outs[1]["model"][name], dtype=np.float32), value), name
+
+
+def test_a_bfloat16_model_sends_a_float32_update_and_takes_the_state_in_place() -> None:
+    """bfloat16 parameters: the state is read as float32, copied back in place (cast), and
+    the pseudo-gradient is float32 against the float32 state."""
+    from training.outer.api import LoopTrainer, _Handoff, load_state, model_state
+    from training.outer.loop import OuterState, decode_update
+    from training.outer.params import RunParams
+
+    model = TinyLM().to(torch.bfloat16)
+    ids = {n: id(p) for n, p in model.named_parameters()}
+    state = {n: v.astype(np.float32) + 0.5 for n, v in model_state(model).items()}
+    assert all(v.dtype == np.float32 for v in state.values())
+    load_state(model, state)
+    assert {n: id(p) for n, p in model.named_parameters()} == ids
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    params = RunParams("bf", workers=1, rounds=1, inner_steps=1, chunk=1024, k=64)
+    trainer = LoopTrainer(params, model, _Handoff(), "kc", None)
+    start = OuterState(0, state, {n: np.zeros_like(v) for n, v in state.items()})
+    with torch.no_grad():
+        model.out.bias.add_(1.0)
+    trained = trainer.make(start, "a" * 64, "peer", [1.0])
+    from training.outer.aggregate import unwrap_update
+
+    grad = decode_update(unwrap_update(trained.update).payload, start)
+    assert all(g.dtype == np.float32 for g in grad.values())
+    assert float(np.abs(grad["out.bias"]).sum()) > 0
+
+
+def test_the_trio_face_runs_a_one_worker_run(tmp_path: Path) -> None:
+    """open_outer_loop on a trio Node: join, H steps per round, the final state in the
+    model and the worker's result, all in one trio program."""
+    import trio
+
+    from identity import load_key_file
+    from p2p import open_node
+    from training.outer.api import open_outer_loop
+    from training.outer.launch import prepare_run
+    from training.outer.params import RunParams
+
+    plan = prepare_run(tmp_path / "run", RunParams("api", workers=1, rounds=1, inner_steps=H))
+    spec = _init_spec(tmp_path, plan, "bounded", workers=1)
+    w0 = plan.workers[0]
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.from_numpy(task_rows(3, 64))
+
+    async def main() -> dict[str, Any] | None:
+        key = load_key_file(w0.key)
+        async with (
+            open_node(
+                w0.store, key=key, listen=["/ip4/127.0.0.1/tcp/0"], dht=False, pubsub=True
+            ) as node,
+            open_outer_loop(
+                node, key=key, spec=spec, model=model, certificate=w0.cert, rounds=1
+            ) as loop,
+        ):
+            await loop.join()
+            for _ in range(10 * H):  # bounded: one round of H steps
+                loss = loss_fn(model, data[:8])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                await loop.step(loss.item())
+                if loop.finished:
+                    break
+            return loop.result
+
+    result = trio.run(main)
+    assert result is not None and result["final_round"] == 1
 
 
 if __name__ == "__main__":

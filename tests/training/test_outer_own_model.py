@@ -90,6 +90,7 @@ def _worker(plan: Any, i: int, spec: str, bootstrap: list[str]) -> subprocess.Po
     return subprocess.Popen(argv, env=worker_env(), stdout=sys.stderr)
 
 
+@pytest.mark.timeout(300)  # worker processes that each import torch: 40-70 s seen at load 7
 def test_hf_directory_init_two_cli_workers_export_equals_the_tip(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM

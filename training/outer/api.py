@@ -64,6 +64,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -338,6 +339,11 @@ class _Core:
         self.finished = False
         self.rounds_applied = 0
         self.result: dict[str, Any] | None = None
+        self.join = False
+        # Per round: (seconds of the user's H steps, seconds step() waited for the round
+        # to close), for utilisation figures.
+        self.timings: list[tuple[float, float]] = []
+        self.adopted_at = 0.0
 
     def adopt(self, timeout: float) -> bool:
         """Take the next posted state into the model; False when the run finished."""
@@ -347,6 +353,7 @@ class _Core:
             return False
         self.state, self.root = got
         load_state(self.model, self.state.params)
+        self.adopted_at = time.monotonic()
         with self.handoff.cond:
             # The worker's final state, taken: this worker's rounds are over.
             self.finished = self.handoff.finished and self.handoff.taken
@@ -365,10 +372,17 @@ class _Core:
             self.losses.append(float(loss))
         return self.steps >= self.params.inner_steps
 
-    def send(self) -> None:
+    def send(self) -> tuple[float, float]:
+        """Post the round's update; returns when the round's steps began and when the
+        update was posted (monotonic)."""
         assert self.state is not None
         trained = self.trainer.make(self.state, self.root, self.author, self.losses)
         self.handoff.post_trained(trained)
+        return self.adopted_at, time.monotonic()
+
+    def timed(self, marks: tuple[float, float]) -> None:
+        began, sent = marks
+        self.timings.append((sent - began, time.monotonic() - sent))
 
     def config(
         self, store_root: Path, key_path: Path, cert_path: Path, result_path: Path | None
@@ -386,7 +400,8 @@ class _Core:
             cert_path=cert_path,
             authorities=tuple(parse_public_key(a) for a in self.spec.authorities),
             result_path=result_path,
-            initial=self.spec.initial,
+            initial=None if self.join else self.spec.initial,
+            join=self.join,
             bootstrap=self.bootstrap,
             make_trainer=lambda params, shard: trainer,
             score=trainer.scorer,
@@ -406,7 +421,10 @@ async def _run_worker(
 ) -> dict[str, Any]:
     """The worker's task in the node's loop (point 1)."""
     from identity import AdmissionCertificate, TrustStore
+    from training.outer.memory import limit_heap_growth
     from training.outer.worker import Worker
+
+    limit_heap_growth()  # flat RSS over a long run (training.outer.memory)
 
     store_root = Path(node.store.root)  # only for the config; the node holds the store
     config = core.config(store_root, Path("-"), cert_path, result_path)
@@ -463,6 +481,7 @@ class OuterLoop:
     ``scored`` level; ``bootstrap``: peers of the run (multiaddrs) to fetch S_0 from and
     dial; ``result_path``: where the worker writes its result JSON.
     ``inner_optimizer`` is accepted for symmetry with other wrappers and never touched.
+    ``late``: join a run already under way (catch up from its tip, not S_0).
     ``group``: the ``torch.distributed`` group this worker's replicas form (point 6); its
     ranks other than 0 pass ``node=None``.
     """
@@ -481,6 +500,7 @@ class OuterLoop:
         bootstrap: Sequence[str] = (),
         result_path: str | Path | None = None,
         group: Any = None,
+        late: bool = False,
     ) -> None:
         self._group = group
         self._rank = 0
@@ -505,6 +525,7 @@ class OuterLoop:
             bootstrap=bootstrap,
             level=None if self._rank == 0 else "group",
         )
+        self._core.join = late
         self._node = node
         self._cert = Path(certificate)
         self._result_path = Path(result_path) if result_path is not None else None
@@ -529,6 +550,12 @@ class OuterLoop:
     def result(self) -> dict[str, Any] | None:
         """The worker's result (rounds, roots, verdicts) once it finished."""
         return self._core.result
+
+    @property
+    def timings(self) -> list[tuple[float, float]]:
+        """Per round this loop took part in: (seconds of its H steps, seconds step() waited
+        for the round's closure)."""
+        return self._core.timings
 
     def __enter__(self) -> OuterLoop:
         return self
@@ -579,8 +606,9 @@ class OuterLoop:
             return True
         if not core.count(loss):
             return False
-        core.send()
+        sent = core.send()
         core.adopt(HANDOFF_WAIT)
+        core.timed(sent)
         core.rounds_applied += 1
         if core.finished and self._thread is not None:
             self._thread.join(timeout=60)
@@ -651,7 +679,10 @@ class AsyncOuterLoop:
                 core.worker_done(result, None)
 
         self._nursery.start_soon(main)
-        if not await trio.to_thread.run_sync(core.adopt, JOIN_WAIT, cancellable=True):
+        if not await trio.to_thread.run_sync(
+            partial(core.adopt, JOIN_WAIT),
+            abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-stubs predate it (trio 0.23)
+        ):
             raise OuterLoopError(f"run {core.spec.run} ended before this worker joined")
 
     async def step(self, loss: float | None = None) -> bool:
@@ -660,8 +691,12 @@ class AsyncOuterLoop:
         core = self._core
         if not core.count(loss):
             return False
-        core.send()
-        await trio.to_thread.run_sync(core.adopt, HANDOFF_WAIT, cancellable=True)
+        sent = core.send()
+        await trio.to_thread.run_sync(
+            partial(core.adopt, HANDOFF_WAIT),
+            abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-stubs predate it (trio 0.23)
+        )
+        core.timed(sent)
         core.rounds_applied += 1
         return True
 
