@@ -32,11 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from training.errors import BadModel
-from training.records import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
+from training.errors import BadModel, BadRecords
+from training.records import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, Records
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
+
+    from blobstore import Store
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -241,3 +243,33 @@ def load_base_model(directory: Path) -> Any:
         raise BadModel(f"the weights do not match {CONFIG_NAME}: {what}")
     model.eval()
     return model
+
+
+def base_tokenizer_id(store: Store, base_id: str) -> str | None:
+    """The blob ID of the base collection's ``tokenizer.json`` (None: it has none)."""
+    for entry in store.read_collection(base_id):
+        if entry.path == TOKENIZER_NAME:
+            return entry.blob_id
+    return None
+
+
+def check_records_fit(records: Records, tokenizer_id: str | None, vocab_size: int) -> None:
+    """``BadRecords`` unless ``records`` were made for this base: by its tokenizer.json
+    (or byte-level for a base whose vocabulary holds the 260 byte tokens)."""
+    if records.tokenizer_id is None and tokenizer_id is not None:
+        raise BadRecords(
+            f"the records are byte-level, but the base model has its own {TOKENIZER_NAME} "
+            f"({tokenizer_id}); make records with `blob train records --base BASE`"
+        )
+    if records.tokenizer_id is not None and records.tokenizer_id != tokenizer_id:
+        theirs = tokenizer_id or f"none (the base has no {TOKENIZER_NAME})"
+        raise BadRecords(
+            f"the records were tokenised with tokenizer {records.tokenizer_id}, but the "
+            f"base model's {TOKENIZER_NAME} is {theirs}; make records with "
+            "`blob train records --base BASE`"
+        )
+    if records.vocab_size > vocab_size:
+        raise BadRecords(
+            f"the records use a vocabulary of {records.vocab_size} tokens, larger than the "
+            f"base model's {vocab_size}; make records with `blob train records --base BASE`"
+        )

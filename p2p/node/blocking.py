@@ -56,6 +56,7 @@ class BlockingNode:
     Kademlia DHT. ``fast``: blobnet's fast Noise + yamux path (False: stock py-libp2p).
     ``dht_server``: False for a short-lived script that only fetches: it queries the DHT
     as a client, and servers do not keep it in their routing tables once it is gone.
+    ``pubsub``: join gossip topics (an outer-loop worker, ``training.outer.api``, needs it).
     """
 
     def __init__(
@@ -68,8 +69,10 @@ class BlockingNode:
         dht: bool = True,
         fast: bool = True,
         dht_server: bool = True,
+        pubsub: bool = False,
     ) -> None:
         self._store_root = Path(store_root).expanduser()
+        self.key_path = Path(key_path) if key_path is not None else None
         self._kwargs: dict[str, Any] = {
             "key_path": key_path,
             "listen": tuple(listen),
@@ -77,6 +80,7 @@ class BlockingNode:
             "dht": dht,
             "fast": fast,
             "dht_server": dht_server,
+            "pubsub": pubsub,
         }
         self._node: Node | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -150,6 +154,11 @@ class BlockingNode:
             raise NodeStopped(f"the blobnet node stopped: {self._stopped}")
         if self._node is None or self._token is None:
             raise NodeNotRunning("BlockingNode is not running: use it in a with block")
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``await fn(*args, **kwargs)`` in the node's loop and return its result (for
+        libraries that run their own tasks on the node, such as an outer-loop worker)."""
+        return self._call(fn, *args, **kwargs)
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._check_alive()

@@ -19,6 +19,8 @@ from p2p.cli.nat import NAT_DEFAULT_LISTEN, check_relays, relay_options
 from training.outer.loop import MODES, SimConfig, SimResult
 
 _DEFAULTS = SimConfig()
+# H for `outer run` and a worker without a spec when not given: the README's quick demo.
+DEFAULT_INNER_STEPS = 20
 
 
 @click.group("outer")
@@ -135,18 +137,23 @@ def _run_options(f: Any) -> Any:
         click.option(
             "--workers",
             type=click.IntRange(1, 64),  # p2p.node.gossip.MAX_RUN_WORKERS
-            required=True,
-            help="K: a round closes early once updates from K workers are in.",
+            default=None,
+            help="K: a round closes early once updates from K workers are in [required "
+            "without --spec; `outer run`: 3].",
         ),
         click.option(
-            "--rounds", type=click.IntRange(0, 100_000), required=True, help="Outer rounds."
+            "--rounds",
+            type=click.IntRange(0, 100_000),
+            default=None,
+            help="Outer rounds [required without --spec; `outer run`: 3]; with --spec, leave "
+            "after this many rounds.",
         ),
         click.option(
             "--inner-steps",
             type=click.IntRange(1, 100_000),
-            default=_DEFAULTS.inner_steps,
+            default=DEFAULT_INNER_STEPS,
             show_default=True,
-            help="Inner AdamW steps per round (H).",
+            help="Inner AdamW steps per round (H; a spec fixes its own).",
         ),
         click.option(
             "--deadline",
@@ -200,6 +207,10 @@ def _run_options(f: Any) -> Any:
 def _params(run_id: str, **kw: Any) -> Any:
     from training.outer.params import RunParams
 
+    for name in ("workers", "rounds"):
+        if kw[name] is None:
+            raise click.UsageError(f"--{name} is required (or give the run's --spec)")
+
     try:
         return RunParams(run_id=run_id, **kw)
     except ValueError as exc:
@@ -250,15 +261,35 @@ def _authority(value: str) -> bytes:
 
 
 @outer_group.command("worker")
-@click.option("--run", "run_id", required=True, help="Run ID (names the pubsub topic).")
-@click.option("--shard", type=click.IntRange(0, 1 << 20), required=True, help="Data shard.")
+@click.option("--spec", "spec_ref", default=None, help="The run's spec (ID, tag or run ID).")
+@click.option("--data", "data_ref", default=None, help="Records blob to train on (with --spec).")
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="Where the model trains (refused, never a fallback, where it is missing).",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(1, 256),
+    default=1,
+    show_default=True,
+    help="torch threads (part of the kernel class).",
+)
+@click.option("--run", "run_id", default=None, help="Run ID (names the pubsub topic).")
+@click.option(
+    "--shard",
+    type=click.IntRange(0, 1 << 20),
+    default=None,
+    help="Data shard [default with --spec: drawn from the peer ID].",
+)
 @_run_options
 @click.option(
     "--authority",
     "authorities",
     multiple=True,
-    required=True,
-    help="Trusted authority public key (hex or .pub file; repeatable).",
+    help="Trusted authority public key (hex or .pub file; repeatable; default: the spec's).",
 )
 @click.option(
     "--cert",
@@ -285,8 +316,8 @@ def _authority(value: str) -> bytes:
     "--result",
     "result_path",
     type=click.Path(path_type=Path_, dir_okay=False),
-    required=True,
-    help="Where to write this worker's result JSON.",
+    default=None,
+    help="Where to write this worker's result JSON [default: outer-RUN-result.json].",
 )
 @click.option(
     "--addr-file",
@@ -314,8 +345,12 @@ def _authority(value: str) -> bytes:
 def worker_command(
     ctx: click.Context,
     /,
-    run_id: str,
-    shard: int,
+    spec_ref: str | None,
+    data_ref: str | None,
+    device: str,
+    threads: int,
+    run_id: str | None,
+    shard: int | None,
     authorities: tuple[str, ...],
     cert_path: Path_,
     initial: str | None,
@@ -325,7 +360,7 @@ def worker_command(
     relays: tuple[str, ...],
     assume_private: bool,
     via_relay: bool,
-    result_path: Path_,
+    result_path: Path_ | None,
     addr_file: Path_ | None,
     start_timeout: float,
     stall_round: int | None,
@@ -333,29 +368,64 @@ def worker_command(
     publish_as: str | None,
     **run: Any,
 ) -> None:
-    """Run one worker of a decentralised outer-loop run (one per machine)."""
+    """Run one worker of a decentralised outer-loop run (one per machine).
+
+    With --spec the run (model, codec, optimiser, K, authorities) comes from its spec and
+    the model trains on --data (records tokenised with the base's own tokenizer by
+    `blob train records --base`); --rounds then says when to leave. Without it, the
+    built-in tiny model trains on synthetic data."""
     import trio
 
     from blobstore import parse_blob_id
     from training.outer.launch import run_worker
     from training.outer.params import WorkerConfig
 
-    if initial is None and not join:
-        raise click.UsageError("give the initial state (--initial BLOB_ID) or --join")
-    if initial is not None:
-        initial = parse_blob_id(initial)
     check_relays(relays)
     if listen is None:
         listen = NAT_DEFAULT_LISTEN[0] if relays else "/ip4/127.0.0.1/tcp/0"
     obj = ctx.ensure_object(dict)
+    make_trainer = None
+    level = "replayed"  # the built-in trainer's updates replay
+    min_level = "bounded"
+    if spec_ref is not None:
+        from training.outer.runs import prepare_spec_worker
+
+        prepared = prepare_spec_worker(
+            Path_(obj["store_root"]),
+            Path_(obj["key_path"]),
+            spec_ref,
+            data_ref,
+            device=device,
+            threads=threads,
+            rounds=run["rounds"],
+            bootstrap=bootstrap,
+        )
+        params, make_trainer, level = prepared.params, prepared.make_trainer, prepared.level
+        min_level = prepared.spec.level
+        run_id = params.run_id
+        initial = initial if join else prepared.spec.initial
+        authorities = authorities or prepared.spec.authorities
+        shard = prepared.shard if shard is None else shard
+    else:
+        if run_id is None or shard is None:
+            raise click.UsageError("give the run's --spec, or --run and --shard")
+        if data_ref is not None or device != "cpu" or threads != 1:
+            raise click.UsageError("--data, --device and --threads need the run's --spec")
+        params = _params(run_id, **run)
+    if not authorities:
+        raise click.UsageError("give the run's --authority (or its --spec)")
+    if initial is None and not join:
+        raise click.UsageError("give the initial state (--initial BLOB_ID) or --join")
+    if initial is not None:
+        initial = parse_blob_id(initial)
     config = WorkerConfig(
-        params=_params(run_id, **run),
+        params=params,
         shard=shard,
         store_root=Path_(obj["store_root"]),
         key_path=Path_(obj["key_path"]),
         cert_path=cert_path,
         authorities=tuple(_authority(a) for a in authorities),
-        result_path=result_path,
+        result_path=result_path or Path_(f"outer-{run_id}-result.json"),
         initial=initial,
         join=join,
         bootstrap=bootstrap,
@@ -368,6 +438,9 @@ def worker_command(
         relays=relays,
         assume_private=assume_private,
         relayed_fetch=via_relay,
+        make_trainer=make_trainer,
+        level=level,
+        min_level=min_level,
     )
     result = trio.run(run_worker, config)
     if not result["agreed"]:
@@ -414,6 +487,11 @@ def run_command(
         from p2p.names.service import check_name
 
         check_name(publish_as)  # refused before any worker starts
+    run = {
+        **run,
+        "workers": run["workers"] or 3,
+        "rounds": 3 if run["rounds"] is None else run["rounds"],
+    }
     params = _params(run_id, **run)
     bound = timeout or 180 + params.rounds * (params.deadline + 60)
     with default_workdir() as tmp:
@@ -541,4 +619,178 @@ def verify_command(
             f"run {run_id}: {len(report.failures)} check(s) failed"
             if report.failures
             else f"run {run_id}: nothing to verify in this store"
+        )
+
+
+# --- the user's own model: a run spec and its export -------------------------------------
+
+
+@outer_group.command("init")
+@click.option(
+    "--model",
+    "model_ref",
+    required=True,
+    help="Hugging Face model directory, safetensors state dict, or a model collection ID.",
+)
+@click.option("--run", "run_id", required=True, help="Run ID (names the pubsub topic).")
+@click.option(
+    "--authority",
+    "authorities",
+    multiple=True,
+    required=True,
+    help="Authority whose admission certificates count (hex or .pub file; repeatable).",
+)
+@click.option(
+    "--min-verification",
+    "level",
+    type=click.Choice(["bounded", "scored", "replayed"]),
+    default="bounded",
+    show_default=True,
+    help="The least verification an update may offer.",
+)
+@click.option("--workers", type=click.IntRange(1, 64), required=True, help="K per round.")
+@click.option(
+    "--rounds",
+    type=click.IntRange(0, 100_000),
+    default=0,
+    show_default=True,
+    help="Planned rounds (0: open-ended; each worker says when it leaves).",
+)
+@click.option(
+    "--inner-steps",
+    type=click.IntRange(1, 100_000),
+    default=DEFAULT_INNER_STEPS,
+    show_default=True,
+    help="Inner steps per round (H).",
+)
+@click.option("--outer-lr", type=float, default=3.0, show_default=True)
+@click.option("--momentum", "outer_momentum", type=float, default=0.0, show_default=True)
+@click.option("--chunk", type=int, default=4096, show_default=True, help="Codec chunk.")
+@click.option("--k", "k", type=int, default=80, show_default=True, help="Values kept per chunk.")
+@click.option("--batch", type=click.IntRange(1, 4096), default=8, show_default=True)
+@click.option("--inner-lr", type=float, default=2e-3, show_default=True)
+@click.option("--deadline", type=click.FloatRange(0.1, 86_400), default=8.0, show_default=True)
+@click.option(
+    "--proposer-timeout", type=click.FloatRange(0.1, 86_400), default=3.0, show_default=True
+)
+@click.option("--replay-rate", type=click.FloatRange(0, 1), default=0.25, show_default=True)
+@click.option("--data", "data_ref", default=None, help="The run's records blob (replay needs it).")
+@click.option("--json", "as_json", is_flag=True, help="Print the spec as JSON.")
+@click.pass_context
+def init_command(
+    ctx: click.Context,
+    /,
+    model_ref: str,
+    run_id: str,
+    authorities: tuple[str, ...],
+    data_ref: str | None,
+    as_json: bool,
+    **options: Any,
+) -> None:
+    """Make a run from your model: its initial state, and a signed run spec naming it
+    (the spec's blob ID is what workers join by). Prints the spec ID."""
+    import tempfile
+
+    from identity import SoftwareSigner, format_public_key, load_or_create_key
+    from training.outer.codec import CodecParams
+    from training.outer.messages import check_run_id
+    from training.outer.runs import init_run
+
+    try:
+        check_run_id(run_id)
+        CodecParams(chunk=options["chunk"], k=options["k"])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    store = _store(ctx)
+    obj = ctx.ensure_object(dict)
+    signer = SoftwareSigner(load_or_create_key(Path_(obj["key_path"])))
+    keys = tuple(format_public_key(_authority(a)) for a in authorities)
+    data = store.tags().get(data_ref, data_ref) if data_ref else ""
+    if data and not store.has(data):
+        raise click.ClickException(f"records {data_ref} are not in this store")
+    with tempfile.TemporaryDirectory(prefix="blob-outer-init-") as tmp:
+        source = Path_(model_ref)
+        if not source.exists():
+            blob = store.tags().get(model_ref, model_ref)
+            known = len(blob) == 64 and all(c in "0123456789abcdef" for c in blob)
+            if not known or not store.has(blob) or not store.is_collection(blob):
+                raise click.ClickException(f"{model_ref}: no such directory, file or collection")
+            source = Path_(tmp) / "model"
+            store.export(blob, source)
+        spec_id, spec = init_run(
+            store,
+            signer,
+            source,
+            run_id=run_id,
+            authorities=keys,
+            options={**options, "data": data},
+        )
+    if as_json:
+        body = spec.body()
+        body["tensors"] = len(spec.tensors)
+        json.dump({"spec": spec_id, **body, "parameters": spec.parameters}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    click.echo(
+        f"run {run_id}: {len(spec.tensors)} tensors, {spec.parameters} parameters, initial "
+        f"state {spec.initial[:16]}, minimum verification {spec.level}",
+        err=True,
+    )
+    click.echo(spec_id)
+
+
+@outer_group.command("export")
+@click.argument("run_ref", metavar="RUN")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path_, file_okay=False),
+    required=True,
+    help="Directory to write (from_pretrained loads it).",
+)
+@click.option(
+    "--round",
+    "round_",
+    type=click.IntRange(0, None),
+    default=None,
+    help="The state after this many rounds [default: the newest held].",
+)
+@click.pass_context
+def export_command(ctx: click.Context, /, run_ref: str, output: Path_, round_: int | None) -> None:
+    """Write a run's state (by its spec ID, tag or run ID) as a model directory with the
+    base's config and tokenizer."""
+    from training.outer.runs import export_run
+
+    r, blob = export_run(_store(ctx), run_ref, output, round_=round_)
+    click.echo(f"round {r} state {blob[:16]} -> {output}", err=True)
+
+
+@outer_group.command("levels")
+@click.argument("run_ref", metavar="RUN")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.pass_context
+def levels_command(ctx: click.Context, /, run_ref: str, as_json: bool) -> None:
+    """Check the verification level of every update RUN applied (by its spec ID, tag or run
+    ID) against the spec's minimum, from this store; exit 1 on any below it or unknown."""
+    from training.outer.levels import check_levels
+    from training.outer.params import OuterRunFailed
+    from training.outer.runs import read_spec
+
+    store = _store(ctx)
+    spec = read_spec(store, run_ref)[1].spec
+    report = check_levels(store, spec.run, spec.level)
+    if as_json:
+        json.dump(report.to_json(), sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        for r, entries in sorted(report.rounds.items()):
+            levels = ", ".join(f"{e['peer'][-8:]} {e['level']}" for e in entries)
+            click.echo(f"round {r:>4}  {levels}")
+        for failure in report.failures:
+            click.echo(f"FAILED {failure}")
+    if not report.ok:
+        raise OuterRunFailed(
+            f"run {spec.run}: {len(report.failures)} update(s) below {spec.level!r} or unknown"
+            if report.failures
+            else f"run {spec.run}: no closures in this store"
         )

@@ -86,6 +86,9 @@ async def run_worker(config: WorkerConfig) -> dict[str, Any]:
 
     if config.initial is None and not config.join:
         raise OuterNetError("a worker needs the initial state blob ID (--initial) or --join")
+    from training.outer.memory import limit_heap_growth
+
+    limit_heap_growth()  # flat RSS over a long run (training.outer.memory)
     if config.publish is not None:
         from p2p.names.service import check_name
 
@@ -112,7 +115,8 @@ async def run_worker(config: WorkerConfig) -> dict[str, Any]:
         if config.publish is not None and result["rounds"]:
             record = await node.publish_name(config.publish, result["rounds"][-1]["state_blob"])
             result["name"] = record.to_json()
-            write_json(config.result_path, result)
+            if config.result_path is not None:
+                write_json(config.result_path, result)
         return result
 
 

@@ -10,6 +10,7 @@ blob ID (``training.outer.state_blob``): nobody re-derives a random init.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,9 @@ class RunParams:
     # finished worker lingers for a missing final root and how long one with nobody
     # connected waits before it stops (training.outer.worker points 3 and 6).
     fetch_floor: float = 10.0
+    # The outer optimiser (None: MODE_DEFAULTS["sparseloco"]); a run spec may set them.
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -96,7 +100,9 @@ class RunParams:
 
     def outer_config(self) -> OuterConfig:
         mode = MODE_DEFAULTS[OUTER_MODE]
-        return OuterConfig(lr=mode["outer_lr"], momentum=mode["outer_momentum"])
+        lr = mode["outer_lr"] if self.outer_lr is None else self.outer_lr
+        momentum = mode["outer_momentum"] if self.outer_momentum is None else self.outer_momentum
+        return OuterConfig(lr=lr, momentum=momentum)
 
     @property
     def ef_decay(self) -> float:
@@ -114,7 +120,7 @@ class WorkerConfig:
     key_path: Path
     cert_path: Path
     authorities: tuple[bytes, ...]
-    result_path: Path
+    result_path: Path | None
     initial: str | None = None
     join: bool = False
     bootstrap: tuple[str, ...] = ()
@@ -135,15 +141,30 @@ class WorkerConfig:
     relays: tuple[str, ...] = ()
     assume_private: bool = False
     relayed_fetch: bool = False
+    # Builds the worker's trainer (and replay's, per replayed update) from the params and
+    # the shard; None: the built-in tiny model on synthetic data (training.outer.trainer).
+    make_trainer: Callable[[RunParams, int], Any] | None = None
+    # Scores a candidate update before this worker proposes a closure naming it:
+    # (S_r, root, author, update blob bytes) -> "" or the reason to leave it out
+    # (training.outer.api point 4, the scored level).
+    score: Callable[[Any, str, str, bytes], str] | None = None
+    # The verification level this worker offers, named in each update's commitment
+    # (training.outer.spec point 3): the built-in trainer's updates replay.
+    level: str = "replayed"
+    # The least level an update may offer to be named in a closure this worker proposes
+    # (the run spec's minimum; "bounded": every update).
+    min_level: str = "bounded"
 
 
-def outer_kernel_class() -> str:
-    """The kernel class ID this process's workers run under (CPU, one thread)."""
+def outer_kernel_class(device: str = "cpu", threads: int = 1) -> str:
+    """The kernel class ID this process's workers run under: deterministic mode on
+    ``device`` with ``threads`` torch threads (refused, never a fallback, where the device
+    is missing)."""
     from training import determinism
     from training.kernel_class import detect
 
-    determinism.enter("cpu", threads=1)
-    return detect("cpu").id
+    determinism.enter(device, threads=threads)
+    return detect(device).id
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -54,7 +54,7 @@ Nothing here reads a clock or does I/O; :func:`replay` runs torch (in a worker t
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +78,7 @@ from training.errors import TrainingError
 if TYPE_CHECKING:
     from training.outer.loop import OuterState
     from training.outer.params import RunParams
+    from training.outer.trainer import Trainer
 
 REPLAY_KIND = "blobnet/outer-replay"
 COMMITMENT_DOMAIN = b"blobnet/outer-update-commitment/v1"
@@ -85,6 +86,8 @@ VERDICT_DOMAIN = b"blobnet/outer-replay-verdict/v1"
 SAMPLE_DOMAIN = b"blobnet/outer-sample/v1"
 REPLAYER_DOMAIN = b"blobnet/outer-replayer/v1"
 COMMITMENT_VERSION = 1
+# The levels a commitment may name (training.outer.spec.LEVELS, weakest first).
+COMMITTED_LEVELS = ("bounded", "scored", "replayed")
 INNER_VERSION = 1
 MATCH = "match"
 UNAVAILABLE = "unavailable"
@@ -137,9 +140,12 @@ class UpdateCommitment:
     inner: str  # blob ID of the inner state before the round
     inner_end: str  # BLAKE3 (hex) of the inner state after the round
     update: str  # the update blob
+    # The verification level the author's worker offered (training.outer.spec point 3):
+    # written only when it is not "replayed", so a replayable update's bytes are as before.
+    level: str = "replayed"
 
     def fields(self) -> dict[str, Any]:
-        return {
+        out = {
             "v": COMMITMENT_VERSION,
             "run": self.run,
             "round": self.round,
@@ -155,6 +161,9 @@ class UpdateCommitment:
             "inner_end": self.inner_end,
             "update": self.update,
         }
+        if self.level != "replayed":
+            out["level"] = self.level
+        return out
 
     def encode(self) -> bytes:
         data: bytes = encode_canonical(self.fields())
@@ -213,7 +222,10 @@ def decode_commitment(data: bytes) -> UpdateCommitment:
         _hex64(obj["inner"], "inner"),
         _hex64(obj["inner_end"], "inner_end"),
         _hex64(obj["update"], "update"),
+        obj.get("level", "replayed"),
     )
+    if c.level not in COMMITTED_LEVELS:
+        raise BadCommitment("commitment names an unknown verification level")
     if encode_canonical(c.fields()) != bytes(data):
         raise BadCommitment("commitment is not in canonical form")
     return c
@@ -407,7 +419,12 @@ def check_claims(
 
 
 def replay(
-    params: RunParams, c: UpdateCommitment, inner: bytes, start: OuterState, update: bytes
+    params: RunParams,
+    c: UpdateCommitment,
+    inner: bytes,
+    start: OuterState,
+    update: bytes,
+    make_trainer: Callable[[RunParams, int], Trainer] | None = None,
 ) -> str:
     """Rule 3: recompute ``c``'s update from S_r (``start``) and the inner state, and
     compare with ``update`` (the included blob's bytes): :data:`MATCH` or
@@ -418,7 +435,7 @@ def replay(
         return f"{MISMATCH}: codec settings are not the run's"
     if c.steps != params.inner_steps or c.batch != params.batch:
         return f"{MISMATCH}: inner steps or batch size are not the run's"
-    trainer = Trainer(params, c.shard)
+    trainer = (make_trainer or Trainer)(params, c.shard)
     rows = c.row_array()
     if int(rows.max()) >= trainer.tokens.shape[0]:
         return f"{MISMATCH}: a batch row is outside the shard"

@@ -4,6 +4,7 @@ round's training hands the update commitment."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,19 +21,43 @@ from training.outer.loop import (
 )
 from training.outer.params import RunParams, outer_kernel_class
 
+# One per process, as torch's default generator is (see Trainer.train_rows). Whatever
+# seeds, draws from, or saves and restores that generator (fork_rng in
+# training.model.load_base_model) holds it.
+TORCH_RNG_LOCK = threading.Lock()
+
 
 class Trainer:
     """A worker's torch side: model, inner AdamW (local across rounds, as in DiLoCo),
     shard, batch sampler and error-feedback residual. Every method runs in one thread."""
 
-    def __init__(self, params: RunParams, shard: int) -> None:
+    def __init__(
+        self,
+        params: RunParams,
+        shard: int,
+        *,
+        model: Any = None,
+        tokens: np.ndarray[Any, np.dtype[np.int64]] | None = None,
+        device: str = "cpu",
+        threads: int = 1,
+        pad_id: int | None = None,
+    ) -> None:
+        """``model`` (a causal LM taking ``input_ids`` and ``labels``) and ``tokens`` (rows
+        of token IDs) default to the built-in tiny Llama and synthetic shard; ``pad_id``
+        (tokenizer records pad past the vocabulary) is left out of the loss and read as 0."""
         import torch
 
         from training.model import make_tiny_llama
 
         self.params = params
-        self.kernel_class = outer_kernel_class()
-        self.model = make_tiny_llama(params.model_size, seed=params.seed)
+        self.device = device
+        self.threads = threads
+        self.pad_id = pad_id
+        self.kernel_class = outer_kernel_class(device, threads)
+        if model is None:
+            with TORCH_RNG_LOCK:  # a seeded init, beside another thread's training
+                model = make_tiny_llama(params.model_size, seed=params.seed)
+        self.model = model.to(device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=params.inner_lr,
@@ -41,9 +66,11 @@ class Trainer:
             foreach=False,
             fused=False,
         )
-        self.tokens = synthetic_tokens(
-            params.shard_seed(shard), params.shard_sequences, params.seq_len
-        )
+        if tokens is None:
+            tokens = synthetic_tokens(
+                params.shard_seed(shard), params.shard_sequences, params.seq_len
+            )
+        self.tokens = tokens
         self.rng = np.random.default_rng([params.seed, shard])
         # Names and shapes travel once per run, in the state blob; updates carry a digest.
         self.feedback = ErrorFeedback(params.codec(), decay=params.ef_decay, schema_ref=True)
@@ -84,10 +111,20 @@ class Trainer:
 
         from training.outer.aggregate import wrap_update
 
-        torch.set_num_threads(1)  # per OS thread under OpenMP: set in the thread that runs
-        load_params(self.model, state.params)
-        batches = [torch.from_numpy(self.tokens[r]) for r in rows]
-        losses = run_inner_steps(self.model, self.optimizer, batches)
+        torch.set_num_threads(self.threads)  # per OS thread under OpenMP: set where it runs
+        batches = [torch.from_numpy(self.tokens[r]).to(self.device) for r in rows]
+        # Dropout and other random ops draw from torch's one process-wide generator, seeded
+        # by what the commitment names (start root and author) so a replay in another
+        # process draws the same; the lock keeps a replay and the next round's training,
+        # each in its own thread, from drawing from it in turns (a replay of an honest
+        # GPT-2 update mismatched that way).
+        with TORCH_RNG_LOCK:
+            torch.manual_seed(round_seed(root, author))
+            load_params(self.model, state.params)
+            if self.pad_id is None:
+                losses = run_inner_steps(self.model, self.optimizer, batches)
+            else:
+                losses = _padded_steps(self.model, self.optimizer, batches, self.pad_id)
         payload = make_update(state.params, model_params(self.model), self.feedback)
         update = wrap_update(payload, round_=state.round, start_root=root, author=author)
         return update, losses, self.inner_state()
@@ -105,7 +142,7 @@ class Trainer:
                 continue
             opt.append(
                 tuple(  # type: ignore[arg-type]
-                    entry[key].detach().numpy().astype("<f4").tobytes()
+                    entry[key].detach().cpu().numpy().astype("<f4").tobytes()
                     for key in ("step", "exp_avg", "exp_avg_sq")
                 )
             )
@@ -144,3 +181,35 @@ class Trained:
     rows: np.ndarray[Any, np.dtype[np.int64]]
     inner_before: bytes
     inner_after: bytes
+
+
+def round_seed(root: str, author: str) -> int:
+    """The torch seed of one worker's inner steps from root ``root``."""
+    import blake3
+
+    digest = blake3.blake3(b"blobnet/outer-inner-seed\x00" + bytes.fromhex(root) + author.encode())
+    return int.from_bytes(digest.digest()[:8], "little") >> 1
+
+
+# Labels the HF loss ignores (padding), as in training.rounds.trainer.
+IGNORE_INDEX = -100
+
+
+def _padded_steps(model: Any, optimizer: Any, batches: list[Any], pad_id: int) -> list[float]:
+    """``run_inner_steps`` on records that pad: padding is no label and reads as id 0."""
+    import torch
+
+    losses: list[float] = []
+    model.train()
+    for batch in batches:
+        padding = batch == pad_id
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(
+            input_ids=batch.masked_fill(padding, 0), labels=batch.masked_fill(padding, IGNORE_INDEX)
+        ).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
+        optimizer.step()
+        losses.append(float(loss.item()))
+    model.eval()
+    return losses

@@ -63,6 +63,7 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
 
 from __future__ import annotations
 
+import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -680,6 +681,9 @@ class Worker:
             if int(name.split("-")[1]) < state.round - 2:
                 self.announcer.drop(name)  # the rounds whose sample it was are settled
         self.fetch_nursery = None  # the driver cancels the old round's fetches
+        # Our closures of rounds before this state lost (or were adopted and popped): each
+        # held a whole state; should one win later, _apply recomputes it.
+        self.proposed = {d: v for d, v in self.proposed.items() if v[0].state.round > state.round}
         self._handle(self.ledger.open_round(state.round, root, time.time()))
 
     async def _apply(self, checked: CheckedClosure) -> None:
@@ -698,6 +702,12 @@ class Worker:
                 )
                 await self._catch_up(checked)
                 return
+        # The commitments name each update's verification level; kept beside the closure
+        # so `blob outer levels` can check them from this store (a missing one is only
+        # reported there: the state does not depend on it).
+        for x in c.included:
+            commitment = Attestation.decode(x.attestation).subjects[2]
+            await self._fetch(commitment, self._providers(checked, [x.peer]), FETCH_STALL)
         state, root_before = self.state, self.root
         agg = await trio.to_thread.run_sync(
             lambda: aggregate(
@@ -900,7 +910,10 @@ class Worker:
             return UNAVAILABLE
         inner = await trio.to_thread.run_sync(self._load, c.inner)
         update = await trio.to_thread.run_sync(self._load, sample.blob)
-        return await trio.to_thread.run_sync(lambda: replay(self.params, c, inner, start, update))
+        make = self.config.make_trainer
+        return await trio.to_thread.run_sync(
+            lambda: replay(self.params, c, inner, start, update, make)
+        )
 
     def _everyone(self) -> list[str]:
         return [
@@ -980,6 +993,7 @@ class Worker:
             inner,
             inner_digest(trained.inner_after),
             blob,
+            self.config.level,
         )
         commitment_blob = await self.node.add_bytes(commitment.encode())
         attestation = sign_attestation(
@@ -1000,6 +1014,25 @@ class Worker:
             self.params.run_id, state.round, blob, attestation, tuple(self.node.reachable_addrs)
         )
         await self._announce("update", encode_message(message))
+
+    async def _level_refusal(self, peer: str, attestation: bytes) -> str:
+        """Why an update's commitment keeps it out of this run's closures ('' if it does
+        not): unavailable, malformed, or offering less than the run's minimum level."""
+        from training.outer.spec import LEVELS
+
+        commitment = Attestation.decode(attestation).subjects[2]
+        providers = [*self.dialer.addrs(peer), *self._everyone()]
+        if not await self._fetch(commitment, providers, self._fetch_bound()):
+            return "its commitment is unavailable"
+        try:
+            data = await trio.to_thread.run_sync(self._load, commitment)
+            level = decode_commitment(data).level
+        except (BadCommitment, OSError) as exc:
+            return f"bad commitment: {exc}"
+        least = self.config.min_level
+        if LEVELS.index(level) < LEVELS.index(least):
+            return f"offers verification level {level!r}; the run requires {least!r}"
+        return ""
 
     def _slot(self) -> float | None:
         """Rule 2: when this worker proposes for its current round (None: not yet known)."""
@@ -1047,6 +1080,24 @@ class Worker:
             updates[peer] = (candidate.blob, candidate.attestation)
             operators.add(candidate.operator)
             blobs.add(candidate.blob)
+        for peer, (blob, attestation) in sorted(updates.items()):
+            reason = await self._level_refusal(peer, attestation)
+            if reason:
+                self.refused_updates.append(
+                    {"round": state.round, "peer": peer, "blob": blob, "reason": reason}
+                )
+                del updates[peer]
+        score = self.config.score
+        if score is not None:  # the scored level (training.outer.api point 4)
+            for peer, (blob, _) in sorted(updates.items()):
+                data = await trio.to_thread.run_sync(self._load, blob)
+                reason = await trio.to_thread.run_sync(score, state, root, peer, data)
+                if reason:
+                    _say(self.label, f"round {state.round}: left out {peer[-6:]}: {reason}")
+                    self.refused_updates.append(
+                        {"round": state.round, "peer": peer, "blob": blob, "reason": reason}
+                    )
+                    del updates[peer]
         included = select_for_closure(updates)
         entries = [(x.peer, x.blob) for x in included]
         agg = await trio.to_thread.run_sync(
@@ -1290,7 +1341,8 @@ class Worker:
             nursery.start_soon(self._dial_loop)
             nursery.start_soon(self._meter_loop)
             self.run_nursery = nursery
-            trainer = await trio.to_thread.run_sync(Trainer, self.params, self.config.shard)
+            make = self.config.make_trainer or Trainer
+            trainer = await trio.to_thread.run_sync(make, self.params, self.config.shard)
             self.kernel_class = trainer.kernel_class
             if self.certificate.kernel_class != self.kernel_class:
                 raise OuterNetError(
@@ -1345,8 +1397,11 @@ class Worker:
             "equivocations": [list(e) for e in self.book.equivocations],
             "agreed": all(v == self.root for v in heard.values()),
             "malformed_messages": self.ledger.malformed,
+            # This process's peak resident memory (Linux reports KiB): what a worker costs.
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "wire_sent": self.meter.sample()[0] - wire_start[0],
             "wire_received": self.meter.totals()[1] - wire_start[1],
         }
-        write_json(self.config.result_path, result)
+        if self.config.result_path is not None:
+            write_json(self.config.result_path, result)
         return result

@@ -65,8 +65,14 @@ from training.errors import (
     ReplayMismatch,
 )
 from training.kernel_class import KernelClass
-from training.model import CONFIG_NAME, INDEX_NAME, TOKENIZER_NAME, WEIGHTS_NAME
-from training.records import HEADER_SIZE_V2, MAX_TOKENS, Records, decode_records
+from training.model import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    base_tokenizer_id,
+    check_records_fit,
+)
+from training.records import HEADER_SIZE_V2, MAX_TOKENS, decode_records
 from training.rounds.commitment import (
     MAX_RECORD_SIZE,
     REPLAY_KIND,
@@ -122,36 +128,6 @@ def _load_base(store: Store, base_id: str, workdir: Path) -> Any:
     target = workdir / "base"
     store.export(base_id, target)
     return load_base_model(target)
-
-
-def base_tokenizer_id(store: Store, base_id: str) -> str | None:
-    """The blob ID of the base collection's ``tokenizer.json`` (None: it has none)."""
-    for entry in store.read_collection(base_id):
-        if entry.path == TOKENIZER_NAME:
-            return entry.blob_id
-    return None
-
-
-def check_records_fit(records: Records, tokenizer_id: str | None, vocab_size: int) -> None:
-    """``BadRecords`` unless ``records`` were made for this base: by its tokenizer.json
-    (or byte-level for a base whose vocabulary holds the 260 byte tokens)."""
-    if records.tokenizer_id is None and tokenizer_id is not None:
-        raise BadRecords(
-            f"the records are byte-level, but the base model has its own {TOKENIZER_NAME} "
-            f"({tokenizer_id}); make records with `blob train records --base BASE`"
-        )
-    if records.tokenizer_id is not None and records.tokenizer_id != tokenizer_id:
-        theirs = tokenizer_id or f"none (the base has no {TOKENIZER_NAME})"
-        raise BadRecords(
-            f"the records were tokenised with tokenizer {records.tokenizer_id}, but the "
-            f"base model's {TOKENIZER_NAME} is {theirs}; make records with "
-            "`blob train records --base BASE`"
-        )
-    if records.vocab_size > vocab_size:
-        raise BadRecords(
-            f"the records use a vocabulary of {records.vocab_size} tokens, larger than the "
-            f"base model's {vocab_size}; make records with `blob train records --base BASE`"
-        )
 
 
 def verify_local(store: Store, blob_id: str, what: str) -> None:

@@ -1,0 +1,460 @@
+"""The outer loop as a library around a user's own model and loop (training.outer.api).
+
+The model class is defined here (a plain torch module, not a transformers model), with its
+own loss, data and AdamW. Three worker processes run it through ``OuterLoop`` over
+``BlockingNode`` on 127.0.0.1 with real stores, at the ``scored`` level; one of them trains
+on the wrong task, and the proposers leave its updates out by the loss they would cause.
+This file is also the worker program (``python test_outer_api.py CONFIG``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+VOCAB = 32
+SEQ = 16
+H = 5
+# A bound that only stops a hang: three processes import torch on 2 vCPUs.
+RUN_TIMEOUT = 240
+
+
+class TinyLM(nn.Module):
+    """A next-token model: embedding, one hidden layer, logits."""
+
+    def __init__(self, dim: int = 32, hidden: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.hidden = nn.Linear(dim, hidden)
+        self.out = nn.Linear(hidden, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(self.emb(x))))
+
+
+def loss_fn(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+
+
+def task_rows(seed: int, n: int, shift: int = 1) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Rows where each token is the previous plus ``shift`` (mod VOCAB)."""
+    start = np.random.default_rng(seed).integers(0, VOCAB, size=(n, 1))
+    return (start + shift * np.arange(SEQ)[None, :]) % VOCAB
+
+
+def worker_main(config_path: str) -> None:
+    """One worker: the user's loop, wrapped (the shape the README shows)."""
+    from p2p import BlockingNode
+    from training import determinism
+    from training.outer.api import OuterLoop
+
+    cfg = json.loads(Path(config_path).read_text())
+    determinism.enter("cpu", threads=1)  # the kernel class its certificate names
+    torch.manual_seed(cfg["index"])
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.from_numpy(task_rows(100 + cfg["index"], 256, shift=cfg["shift"]))
+    evaluation = task_rows(7, 64)
+    losses: list[float] = []
+    with (
+        BlockingNode(
+            cfg["store"],
+            key_path=cfg["key"],
+            listen=["/ip4/127.0.0.1/tcp/0"],
+            dht=False,
+            pubsub=True,
+        ) as node,
+        OuterLoop(
+            node,
+            spec=cfg["spec"],
+            model=model,
+            inner_optimizer=opt,
+            certificate=cfg["cert"],
+            rounds=2,
+            eval_fn=loss_fn,
+            eval_data=evaluation,
+            bootstrap=cfg["bootstrap"],
+        ) as loop,
+    ):
+        Path(cfg["addrs"]).write_text(json.dumps(node.addrs))
+        loop.join()
+        for _ in range(100 * H):  # bounded: the run has 2 rounds of H steps
+            batch = data[torch.randint(0, data.shape[0], (8,))]
+            loss = loss_fn(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            loop.step(loss.item())
+            if loop.finished:
+                break
+        else:
+            raise AssertionError("the run did not finish within 100 rounds' steps")
+        result = loop.result
+        assert result is not None
+    final = {n: p.detach().numpy().tolist() for n, p in model.named_parameters()}
+    Path(cfg["out"]).write_text(
+        json.dumps({"losses": losses, "result": result, "level": loop.level, "model": final})
+    )
+
+
+def _init_spec(tmp: Path, plan: Any, level: str, workers: int = 3) -> str:
+    from click.testing import CliRunner
+    from safetensors.torch import save_file
+
+    from training.outer.cli import outer_group
+
+    torch.manual_seed(0)
+    state = tmp / "initial.safetensors"
+    save_file({n: p.detach().contiguous() for n, p in TinyLM().named_parameters()}, str(state))
+    w0 = plan.workers[0]
+    made = CliRunner().invoke(
+        outer_group,
+        [
+            "init",
+            "--model",
+            str(state),
+            "--run",
+            "api",
+            "--authority",
+            plan.authority,
+            "--workers",
+            str(workers),
+            "--inner-steps",
+            str(H),
+            "--deadline",
+            "6",
+            "--proposer-timeout",
+            "1",
+            "--min-verification",
+            level,
+            "--chunk",
+            "1024",
+            "--k",
+            "64",
+        ],
+        obj={"store_root": w0.store, "key_path": w0.key},
+    )
+    assert made.exit_code == 0, made.output
+    return made.output.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.timeout(300)  # worker processes that each import torch: 40-70 s seen at load 7
+def test_three_workers_own_model_and_loop_scored_level(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from blobstore import Store
+    from training.outer.cli import outer_group
+    from training.outer.launch import prepare_run, worker_env
+    from training.outer.params import RunParams
+
+    plan = prepare_run(tmp_path / "run", RunParams("api", workers=3, rounds=2, inner_steps=H))
+    spec = _init_spec(tmp_path, plan, "scored")
+    spec_bytes = Store.open(plan.workers[0].store).path(spec).read_bytes()
+    procs: list[subprocess.Popen[bytes]] = []
+    bootstrap: list[str] = []
+    try:
+        for i, w in enumerate(plan.workers):
+            Store.open(w.store).put_bytes(spec_bytes)  # the user fetched the spec by its ID
+            cfg = {
+                "index": i,
+                "store": str(w.store),
+                "key": str(w.key),
+                "cert": str(w.cert),
+                "spec": spec,
+                "bootstrap": bootstrap,
+                "addrs": str(w.dir / "addrs.json"),
+                "out": str(w.dir / "out.json"),
+                "shift": 7 if i == 2 else 1,
+            }
+            (w.dir / "cfg.json").write_text(json.dumps(cfg))
+            proc = subprocess.Popen(
+                [sys.executable, __file__, str(w.dir / "cfg.json")],
+                env=worker_env(),
+                stdout=sys.stderr,
+            )
+            procs.append(proc)
+            if not bootstrap:
+                from training.outer.launch import wait_for_addrs
+
+                bootstrap = [_first_addr(w.dir / "addrs.json", proc, wait_for_addrs)]
+        for proc in procs:
+            assert proc.wait(timeout=RUN_TIMEOUT) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    outs = [json.loads((w.dir / "out.json").read_text()) for w in plan.workers]
+    results = [o["result"] for o in outs]
+    assert {r["final_root"] for r in results} == {results[0]["final_root"]}
+    assert all(r["final_round"] == 2 for r in results)
+    assert all(o["level"] == "scored" for o in outs)
+    # Every worker's model holds the final state: the same parameters everywhere.
+    assert outs[0]["model"] == outs[1]["model"] == outs[2]["model"]
+    # The worker on the wrong task is left out by its score; the honest two are included.
+    wrong = results[2]["peer_id"]
+    for record in results[0]["rounds"]:
+        included = {x["peer"] for x in record["included"]}
+        assert wrong not in included
+        assert len(included) == 2
+    reasons = [u["reason"] for r in results for u in r["refused_updates"] if u["peer"] == wrong]
+    assert reasons and all(x.startswith("scored worse") for x in reasons)
+    # The loss falls for the honest workers' loops.
+    for out in outs[:2]:
+        first, last = np.mean(out["losses"][:H]), np.mean(out["losses"][-H:])
+        assert last < first - 0.2, (first, last)
+    verified = CliRunner().invoke(
+        outer_group,
+        ["verify", "api", "--authority", plan.authority],
+        obj={"store_root": plan.workers[0].store, "key_path": plan.workers[0].key},
+    )
+    assert verified.exit_code == 0, verified.output
+    # Every applied update's commitment says it was scored, and the spec's minimum holds.
+    levels = CliRunner().invoke(
+        outer_group,
+        ["levels", "api", "--json"],
+        obj={"store_root": plan.workers[0].store, "key_path": plan.workers[0].key},
+    )
+    assert levels.exit_code == 0, levels.output
+    report = json.loads(levels.output)
+    assert {e["level"] for r in report["rounds"].values() for e in r} == {"scored"}
+
+
+def _first_addr(path: Path, proc: subprocess.Popen[bytes], wait: Any) -> str:
+    import time
+
+    give_up = time.monotonic() + RUN_TIMEOUT
+    while time.monotonic() < give_up:
+        if path.exists() and path.read_text():
+            addrs: list[str] = json.loads(path.read_text())
+            return addrs[0]
+        assert proc.poll() is None, "the first worker exited before listening"
+        time.sleep(0.1)
+    raise AssertionError("the first worker did not listen in time")
+
+
+def test_a_mismatched_model_is_refused_before_step_0(tmp_path: Path) -> None:
+    """A model whose parameters differ from the spec's is refused when the loop is made,
+    in one line, before the node does anything for the run."""
+    from p2p import BlockingNode
+    from training.outer.api import OuterLoop
+    from training.outer.launch import prepare_run
+    from training.outer.params import RunParams
+    from training.outer.spec import LevelRefused, ModelMismatch
+
+    plan = prepare_run(tmp_path / "run", RunParams("api", workers=1, rounds=1, inner_steps=H))
+    spec = _init_spec(tmp_path, plan, "scored")
+    w0 = plan.workers[0]
+    with BlockingNode(w0.store, key_path=w0.key, listen=["/ip4/127.0.0.1/tcp/0"], dht=False) as n:
+        said = r"parameter 'hidden.bias' has shape \(48,\), the spec says \(32,\)"
+        with pytest.raises(ModelMismatch, match=said) as exc:
+            OuterLoop(n, spec=spec, model=TinyLM(hidden=48), certificate=w0.cert, rounds=1)
+        assert "\n" not in str(exc.value)
+        with pytest.raises(LevelRefused, match="requires verification level 'scored'"):
+            OuterLoop(n, spec=spec, model=TinyLM(), certificate=w0.cert, rounds=1)
+
+
+def rank_main(config_path: str) -> None:
+    """One rank of a worker that is a torch.distributed group (gloo, CPU): DDP replicas,
+    rank 0 the run's peer."""
+    import os
+
+    import torch.distributed as dist
+
+    from p2p import BlockingNode
+    from training import determinism
+    from training.outer.api import OuterLoop
+
+    cfg = json.loads(Path(config_path).read_text())
+    rank = cfg["rank"]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+    determinism.enter("cpu", threads=1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(rank)  # replicas start apart: join() must make them equal
+    model = TinyLM()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.from_numpy(task_rows(200 + rank, 128))
+    node = None
+    if rank == 0:
+        node = BlockingNode(
+            cfg["store"],
+            key_path=cfg["key"],
+            listen=["/ip4/127.0.0.1/tcp/0"],
+            dht=False,
+            pubsub=True,
+        ).start()
+    try:
+        loop = OuterLoop(
+            node,
+            spec=cfg["spec"],
+            model=model,
+            certificate=cfg["cert"],
+            rounds=2,
+            group=dist.group.WORLD,
+        )
+        loop.join()
+        joined = [p.detach().clone() for p in model.parameters()]
+        for _ in range(100 * H):  # bounded: 2 rounds of H steps
+            loss = loss_fn(ddp, data[torch.randint(0, data.shape[0], (8,))])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loop.step(loss.item())
+            if loop.finished:
+                break
+        loop.close()
+    finally:
+        if node is not None:
+            node.close()
+    out = {
+        "joined": [p.numpy().tolist() for p in joined],
+        "model": {n: p.detach().numpy().tolist() for n, p in model.named_parameters()},
+        "result": loop.result,
+    }
+    Path(cfg["out"]).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.timeout(300)  # worker processes that each import torch: 40-70 s seen at load 7
+def test_a_worker_that_is_a_two_rank_gloo_group(tmp_path: Path) -> None:
+    """Two CPU ranks over gloo are one worker (one peer identity, rank 0's); they start
+    from different random inits and end with the same parameters, the run's final state."""
+    import socket
+
+    from blobstore import Store
+    from training.outer.launch import prepare_run, worker_env
+    from training.outer.params import RunParams
+    from training.outer.state_blob import decode_state
+
+    plan = prepare_run(tmp_path / "run", RunParams("api", workers=1, rounds=2, inner_steps=H))
+    spec = _init_spec(tmp_path, plan, "bounded", workers=1)
+    w0 = plan.workers[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    try:
+        for rank in (0, 1):
+            cfg = {
+                "rank": rank,
+                "port": port,
+                "store": str(w0.store),
+                "key": str(w0.key),
+                "cert": str(w0.cert),
+                "spec": spec,
+                "out": str(tmp_path / f"rank{rank}.json"),
+            }
+            (tmp_path / f"rank{rank}.cfg").write_text(json.dumps(cfg))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--rank", str(tmp_path / f"rank{rank}.cfg")],
+                    env=worker_env(),
+                    stdout=sys.stderr,
+                )
+            )
+        for proc in procs:
+            assert proc.wait(timeout=RUN_TIMEOUT) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert outs[0]["joined"] == outs[1]["joined"]
+    assert outs[0]["model"] == outs[1]["model"]
+    result = outs[0]["result"]
+    assert result["final_round"] == 2 and outs[1]["result"] is None
+    tip = decode_state(Store.open(w0.store).path(result["rounds"][-1]["state_blob"]).read_bytes())
+    for name, value in tip.params.items():
+        assert np.array_equal(np.asarray(outs[1]["model"][name], dtype=np.float32), value), name
+
+
+def test_a_bfloat16_model_sends_a_float32_update_and_takes_the_state_in_place() -> None:
+    """bfloat16 parameters: the state is read as float32, copied back in place (cast), and
+    the pseudo-gradient is float32 against the float32 state."""
+    from training.outer.api import LoopTrainer, _Handoff, load_state, model_state
+    from training.outer.loop import OuterState, decode_update
+    from training.outer.params import RunParams
+
+    model = TinyLM().to(torch.bfloat16)
+    ids = {n: id(p) for n, p in model.named_parameters()}
+    state = {n: v.astype(np.float32) + 0.5 for n, v in model_state(model).items()}
+    assert all(v.dtype == np.float32 for v in state.values())
+    load_state(model, state)
+    assert {n: id(p) for n, p in model.named_parameters()} == ids
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    params = RunParams("bf", workers=1, rounds=1, inner_steps=1, chunk=1024, k=64)
+    trainer = LoopTrainer(params, model, _Handoff(), "kc", None)
+    start = OuterState(0, state, {n: np.zeros_like(v) for n, v in state.items()})
+    with torch.no_grad():
+        model.out.bias.add_(1.0)
+    trained = trainer.make(start, "a" * 64, "peer", [1.0])
+    from training.outer.aggregate import unwrap_update
+
+    grad = decode_update(unwrap_update(trained.update).payload, start)
+    assert all(g.dtype == np.float32 for g in grad.values())
+    assert float(np.abs(grad["out.bias"]).sum()) > 0
+
+
+def test_the_trio_face_runs_a_one_worker_run(tmp_path: Path) -> None:
+    """open_outer_loop on a trio Node: join, H steps per round, the final state in the
+    model and the worker's result, all in one trio program."""
+    import trio
+
+    from identity import load_key_file
+    from p2p import open_node
+    from training.outer.api import open_outer_loop
+    from training.outer.launch import prepare_run
+    from training.outer.params import RunParams
+
+    plan = prepare_run(tmp_path / "run", RunParams("api", workers=1, rounds=1, inner_steps=H))
+    spec = _init_spec(tmp_path, plan, "bounded", workers=1)
+    w0 = plan.workers[0]
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.from_numpy(task_rows(3, 64))
+
+    async def main() -> dict[str, Any] | None:
+        key = load_key_file(w0.key)
+        async with (
+            open_node(
+                w0.store, key=key, listen=["/ip4/127.0.0.1/tcp/0"], dht=False, pubsub=True
+            ) as node,
+            open_outer_loop(
+                node, key=key, spec=spec, model=model, certificate=w0.cert, rounds=1
+            ) as loop,
+        ):
+            await loop.join()
+            for _ in range(10 * H):  # bounded: one round of H steps
+                loss = loss_fn(model, data[:8])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                await loop.step(loss.item())
+                if loop.finished:
+                    break
+            return loop.result
+
+    result = trio.run(main)
+    assert result is not None and result["final_round"] == 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--rank":
+        rank_main(sys.argv[2])
+    else:
+        worker_main(sys.argv[1])

@@ -1,0 +1,736 @@
+"""The outer loop as a library around the user's own model and training loop.
+
+::
+
+    model = MyModel(); opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    with (
+        BlockingNode(store, key_path=KEY, bootstrap=[...], pubsub=True, dht=False) as node,
+        OuterLoop(node, spec=SPEC_ID, model=model, certificate=CERT, rounds=10) as loop,
+    ):
+        loop.join()                  # adopt the run's state (S_0, or the tip when joining)
+        for batch in loader:
+            loss_fn(model(batch)).backward(); opt.step(); opt.zero_grad()
+            loop.step()              # every H steps: update out, closure agreed, applied
+            if loop.finished:
+                break
+
+From trio, ``async with open_outer_loop(node, key=KEY, spec=..., ...) as loop`` with
+``await loop.join()`` and ``await loop.step()``.
+
+Theory of operation
+-------------------
+1. **Two threads, one hand-off.** The worker (``training.outer.worker``: gossip, agreement,
+   aggregation, replay verdicts) runs as a task in the node's trio loop; the user's loop
+   runs in the user's thread. They meet in a :class:`_Handoff`: for each round the worker
+   posts the state S_r it starts from and waits for an update; the user's ``step()``
+   counts inner steps and at the H-th builds the update from S_r (pseudo-gradient
+   S_r - model in float32, SparseLoCo with error feedback), posts it, and waits for the
+   next state, which it copies into the model's parameters in place. When the worker
+   leaves (its rounds are done) it posts the final state and ``finished`` turns true.
+2. **The user's things stay the user's.** Parameters stay on their device and dtype
+   (float32 or bfloat16; CPU or CUDA: the CUDA path is this same code, tested on CPU);
+   the inner optimizer is never touched (DiLoCo keeps it across rounds); torch threads are
+   as the user set them. The outer state (parameters, momentum, residual) stays in host
+   memory as float32. A bfloat16 model's pseudo-gradient includes the rounding of S_r to
+   bfloat16; error feedback carries it to the next round.
+3. **Refused before step 0**, in one line: a model whose trainable parameters differ from
+   the spec's names and shapes; a worker offering less verification than the spec's
+   minimum; a certificate for another kernel class than this process's.
+4. **Verification levels** (``training.outer.spec`` point 3). ``bounded``: the library
+   does not drive the loop, so nothing is replayed; every update is held to the norm and
+   direction rules of ``training.outer.aggregate``. ``scored``: with ``eval_fn(model,
+   batch) -> loss`` and evaluation rows (an int64 array or a records blob), the proposer
+   of each closure scores every candidate update by the loss change it makes alone on
+   :data:`SCORE_ROWS` rows drawn from the round's root (Templar's Gauntlet), on a copy of
+   the model, and leaves out an update that makes the loss worse, with that reason.
+   ``replayed`` is offered by workers the library drives (``blob outer worker --spec
+   --data``): a sample of their updates is recomputed from the rows they commit to.
+5. **Bounds.** Every wait of the hand-off is bounded (:data:`HANDOFF_WAIT`); the worker's
+   own waits are its own (``training.outer.worker``). A loop closed while the worker waits
+   ends the worker with an error, not a hang.
+6. **A worker that is a torch.distributed group** of replicas (DDP within a node): rank 0
+   holds the node and is the run's one peer; every rank counts its steps, and at each
+   round's end (and at join) rank 0's parameters, which hold the applied state, are
+   broadcast over the group, with whether the run finished. Every rank is left with the
+   same state. A model sharded over the group (FSDP) is not handled: its shards would have
+   to be gathered to rank 0 and scattered back.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import blake3
+import numpy as np
+
+from blobstore.canonical import encode as encode_canonical
+from blobstore.errors import ExitCode
+from training.errors import TrainingError
+from training.outer.spec import RunSpec, check_level, check_model
+
+if TYPE_CHECKING:
+    import torch
+
+    from identity import MachineKey
+    from training.outer.codec import F32
+    from training.outer.loop import OuterState
+    from training.outer.params import RunParams
+    from training.outer.trainer import Trained
+
+# The longest the worker waits for the user's H inner steps, and the user's step() for
+# the round to close: a day covers a 70B model's round on slow links; past it the
+# other side is taken for dead.
+HANDOFF_WAIT = 24 * 3600.0
+# Rows an update is scored on (point 4): enough that one row's noise does not decide, few
+# enough that scoring K updates costs a proposer about K small forward passes.
+SCORE_ROWS = 8
+# How long join() waits for the worker to hold a state: its start barrier (all K workers
+# present) plus fetching S_0 or the tip.
+JOIN_WAIT = 600.0
+
+
+class OuterLoopError(TrainingError):
+    """The outer loop cannot go on (the worker failed, the run ended, a bound passed)."""
+
+    exit_code = ExitCode.REJECTED
+
+
+class _Closed(Exception):
+    pass
+
+
+class _Handoff:
+    """Point 1: the state the worker posts and the update the user posts, under one lock."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.state: tuple[OuterState, str] | None = None
+        self.taken = True  # the posted state was taken by the user
+        self.trained: Trained | None = None
+        self.finished = False
+        self.error: str | None = None
+        self.closed = False
+
+    def post_state(self, state: OuterState, root: str) -> None:
+        with self.cond:
+            self.state, self.taken = (state, root), False
+            self.cond.notify_all()
+
+    def wait_state(self, timeout: float) -> tuple[OuterState, str] | None:
+        """The next state not yet taken (None: the run finished)."""
+        give_up = time.monotonic() + timeout
+        with self.cond:
+            while self.taken and not self.finished and self.error is None:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise OuterLoopError(f"no outer state within {timeout:.0f}s")
+                self.cond.wait(left)
+            if self.error is not None:
+                raise OuterLoopError(f"the outer-loop worker stopped: {self.error}")
+            if self.taken:
+                return None
+            assert self.state is not None
+            self.taken = True
+            return self.state
+
+    def post_trained(self, trained: Trained) -> None:
+        with self.cond:
+            self.trained = trained
+            self.cond.notify_all()
+
+    def wait_trained(self, timeout: float) -> Trained:
+        give_up = time.monotonic() + timeout
+        with self.cond:
+            while self.trained is None:
+                if self.closed:
+                    raise _Closed
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise OuterLoopError(f"the user's loop sent no update within {timeout:.0f}s")
+                self.cond.wait(left)
+            trained, self.trained = self.trained, None
+            return trained
+
+    def end(self, error: str | None, final: tuple[OuterState, str] | None = None) -> None:
+        """The worker left: its final state (if any) is the last one posted."""
+        with self.cond:
+            if final is not None:
+                self.state, self.taken = final, False
+            self.finished = True
+            self.error = error
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+
+def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def model_state(model: torch.nn.Module) -> dict[str, F32]:
+    """The model's trainable parameters as float32 host arrays (any dtype, any device)."""
+    import torch
+
+    return {
+        n: p.detach().to("cpu", torch.float32).numpy().copy() for n, p in _trainable(model).items()
+    }
+
+
+def load_state(model: torch.nn.Module, params: dict[str, F32]) -> None:
+    """Copy ``params`` into the model's parameters in place (cast to their dtype/device)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in _trainable(model).items():
+            p.copy_(torch.from_numpy(params[name]))
+
+
+class LoopTrainer:
+    """The worker's trainer for a loop the library does not drive (point 1): ``train``
+    runs in a worker thread of the node's loop and waits for the user's update."""
+
+    def __init__(
+        self,
+        params: RunParams,
+        model: torch.nn.Module,
+        handoff: _Handoff,
+        kernel_class: str,
+        scorer: _Scorer | None,
+    ) -> None:
+        from training.outer.codec import ErrorFeedback
+
+        self.params = params
+        self.model = model
+        self.handoff = handoff
+        self.kernel_class = kernel_class
+        self.scorer = scorer
+        self.feedback = ErrorFeedback(params.codec(), decay=params.ef_decay, schema_ref=True)
+        self.names = list(_trainable(model))
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(p.shape) for n, p in _trainable(self.model).items()}
+
+    def train(self, state: OuterState, root: str, author: str, *, cheat: bool = False) -> Trained:
+        self.handoff.post_state(state, root)
+        try:
+            return self.handoff.wait_trained(HANDOFF_WAIT)
+        except _Closed:
+            raise OuterLoopError("the training loop was closed mid-round") from None
+
+    def make(self, state: OuterState, root: str, author: str, losses: list[float]) -> Trained:
+        """The user's side of a round's end: the update from S_r to the model now."""
+        from training.outer.aggregate import wrap_update
+        from training.outer.loop import make_update
+        from training.outer.replay import encode_inner
+        from training.outer.trainer import Trained
+
+        before = encode_inner([None] * len(self.names), self.feedback.residual)
+        payload = make_update(state.params, model_state(self.model), self.feedback)
+        update = wrap_update(payload, round_=state.round, start_root=root, author=author)
+        after = encode_inner([None] * len(self.names), self.feedback.residual)
+        # A loop the library does not drive commits to no rows (zeros): its updates are
+        # never sampled for replay (the run's replay rate is 0 below the replayed level).
+        rows = np.zeros((self.params.inner_steps, self.params.batch), dtype=np.int64)
+        padded = (losses + [float("nan")] * self.params.inner_steps)[: self.params.inner_steps]
+        return Trained(update, padded, rows, before, after)
+
+
+@dataclass
+class _Scorer:
+    """Point 4: the loss change one update makes alone on rows drawn from the round's root."""
+
+    model: torch.nn.Module
+    eval_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+    rows: np.ndarray[Any, np.dtype[np.int64]]
+    params: RunParams
+    device: Any
+
+    def batch(self, root: str) -> torch.Tensor:
+        import torch
+
+        seed = int.from_bytes(blake3.blake3(bytes.fromhex(root)).digest()[:8], "little")
+        pick = np.random.default_rng(seed).integers(0, self.rows.shape[0], size=SCORE_ROWS)
+        return torch.from_numpy(self.rows[pick]).to(self.device)
+
+    def loss(self, params: dict[str, F32], batch: torch.Tensor) -> float:
+        import torch
+
+        load_state(self.model, params)
+        self.model.eval()  # no dropout: a score must not draw from the user's generator
+        with torch.no_grad():
+            return float(self.eval_fn(self.model, batch))
+
+    def __call__(self, state: OuterState, root: str, peer: str, update: bytes) -> str:
+        """'' if the update alone does not make the loss worse, else the reason."""
+        from training.outer.aggregate import unwrap_update
+        from training.outer.codec import CodecError
+        from training.outer.loop import apply_round, decode_update
+
+        try:
+            grad = decode_update(unwrap_update(update).payload, state)
+        except CodecError as exc:
+            return f"unscorable: {exc}"
+        batch = self.batch(root)
+        before = self.loss(state.params, batch)
+        after = self.loss(
+            apply_round(state, {peer: grad}, self.params.outer_config()).params, batch
+        )
+        if not after <= before:
+            return f"scored worse: eval loss {before:.4f} -> {after:.4f} on the round's rows"
+        return ""
+
+
+def _eval_rows(node_store: Any, eval_data: Any) -> np.ndarray[Any, np.dtype[np.int64]]:
+    if isinstance(eval_data, np.ndarray):
+        return eval_data.astype(np.int64)
+    from training.records import decode_records
+
+    return decode_records(node_store.path(eval_data).read_bytes()).tokens
+
+
+class _Core:
+    """What the blocking and trio faces share: checks, the hand-off, the user's side."""
+
+    def __init__(
+        self,
+        *,
+        spec: RunSpec,
+        model: torch.nn.Module,
+        rounds: int | None,
+        eval_fn: Any,
+        eval_rows: Any,
+        bootstrap: Sequence[str] = (),
+        level: str | None = None,
+    ) -> None:
+        from training.kernel_class import detect
+        from training.outer.runs import params_from_spec
+
+        shapes = {n: tuple(p.shape) for n, p in _trainable(model).items()}
+        check_model(spec, shapes)
+        self.level = "scored" if eval_fn is not None else "bounded"
+        if level is None:  # the group's rank 0 offers the level; other ranks follow it
+            check_level(spec, self.level)
+        self.spec = spec
+        self.bootstrap = tuple(bootstrap)
+        self.params = params_from_spec(spec, rounds=rounds)
+        self.model = model
+        first = next(iter(model.parameters()))
+        self.device = first.device
+        self.kernel_class = detect(self.device.type).id
+        self.handoff = _Handoff()
+        scorer = None
+        if eval_fn is not None:
+            scorer = _Scorer(copy.deepcopy(model), eval_fn, eval_rows, self.params, self.device)
+        self.trainer = LoopTrainer(self.params, model, self.handoff, self.kernel_class, scorer)
+        self.state: OuterState | None = None
+        self.root = ""
+        self.author = ""
+        self.steps = 0
+        self.losses: list[float] = []
+        self.finished = False
+        self.rounds_applied = 0
+        self.result: dict[str, Any] | None = None
+        self.join = False
+        # Per round: (seconds of the user's H steps, seconds step() waited for the round
+        # to close), for utilisation figures.
+        self.timings: list[tuple[float, float]] = []
+        self.adopted_at = 0.0
+
+    def adopt(self, timeout: float) -> bool:
+        """Take the next posted state into the model; False when the run finished."""
+        got = self.handoff.wait_state(timeout)
+        if got is None:
+            self.finished = True
+            return False
+        self.state, self.root = got
+        load_state(self.model, self.state.params)
+        self.adopted_at = time.monotonic()
+        with self.handoff.cond:
+            # The worker's final state, taken: this worker's rounds are over.
+            self.finished = self.handoff.finished and self.handoff.taken
+        self.steps = 0
+        self.losses = []
+        return True
+
+    def count(self, loss: float | None) -> bool:
+        """One inner step done; True when it was the H-th (the round's update is due)."""
+        if self.finished:
+            raise OuterLoopError(f"run {self.spec.run}: this worker's rounds are over")
+        if self.state is None:
+            raise OuterLoopError("call join() before the first step()")
+        self.steps += 1
+        if loss is not None:
+            self.losses.append(float(loss))
+        return self.steps >= self.params.inner_steps
+
+    def send(self) -> tuple[float, float]:
+        """Post the round's update; returns when the round's steps began and when the
+        update was posted (monotonic)."""
+        assert self.state is not None
+        trained = self.trainer.make(self.state, self.root, self.author, self.losses)
+        self.handoff.post_trained(trained)
+        return self.adopted_at, time.monotonic()
+
+    def timed(self, marks: tuple[float, float]) -> None:
+        began, sent = marks
+        self.timings.append((sent - began, time.monotonic() - sent))
+
+    def config(
+        self, store_root: Path, key_path: Path, cert_path: Path, result_path: Path | None
+    ) -> Any:
+        """The worker's configuration: S_0 and the run's peers from ``bootstrap``."""
+        from identity import parse_public_key
+        from training.outer.params import WorkerConfig
+
+        trainer = self.trainer
+        return WorkerConfig(
+            params=self.params,
+            shard=0,
+            store_root=store_root,
+            key_path=key_path,
+            cert_path=cert_path,
+            authorities=tuple(parse_public_key(a) for a in self.spec.authorities),
+            result_path=result_path,
+            initial=None if self.join else self.spec.initial,
+            join=self.join,
+            bootstrap=self.bootstrap,
+            make_trainer=lambda params, shard: trainer,
+            score=trainer.scorer,
+            level=self.level,
+            min_level=self.spec.level,
+        )
+
+    def worker_done(self, result: dict[str, Any] | None, error: str | None) -> None:
+        self.result = result
+        # The final state: the tip the worker ends on, for the user's model.
+        final = None if result is None else result.pop("final_state", None)
+        self.handoff.end(error, final)
+
+
+async def _run_worker(
+    core: _Core, node: Any, key: MachineKey, cert_path: Path, result_path: Path | None
+) -> dict[str, Any]:
+    """The worker's task in the node's loop (point 1)."""
+    from identity import AdmissionCertificate, TrustStore
+    from training.outer.memory import limit_heap_growth
+    from training.outer.worker import Worker
+
+    limit_heap_growth()  # flat RSS over a long run (training.outer.memory)
+
+    store_root = Path(node.store.root)  # only for the config; the node holds the store
+    config = core.config(store_root, Path("-"), cert_path, result_path)
+    import trio
+
+    raw = await trio.to_thread.run_sync(cert_path.read_bytes)
+    certificate = AdmissionCertificate.decode(raw)
+    trust = TrustStore(frozenset(config.authorities))
+    if certificate.kernel_class != core.kernel_class:
+        raise OuterLoopError(
+            f"this process's kernel class is {core.kernel_class}, but its certificate admits "
+            f"{certificate.kernel_class}; get a certificate for this one"
+        )
+    worker = Worker(config, node, key, certificate, trust)
+    result = await worker.run()
+    if worker.state is not None:
+        result["final_state"] = (worker.state, worker.root)
+    return result
+
+
+def _share_spec(spec: RunSpec | None, group: Any) -> RunSpec:
+    """Point 6: rank 0's spec, to every rank of the group (checked there like any spec)."""
+    import torch.distributed as dist
+
+    from training.outer.spec import decode_body
+
+    box = [None if spec is None else msgpack_body(spec)]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    assert isinstance(box[0], bytes)
+    return decode_body(box[0])
+
+
+def msgpack_body(spec: RunSpec) -> bytes:
+    """The spec's canonical body, as ranks exchange it."""
+    return encode_canonical(spec.body())
+
+
+def _load_spec(store: Any, ref: str) -> RunSpec:
+    from training.outer.runs import read_spec
+
+    return read_spec(store, ref)[1].spec
+
+
+class OuterLoop:
+    """The blocking face (module doc): a worker of the run ``spec`` around ``model``.
+
+    ``node``: a started ``p2p.BlockingNode`` made with ``pubsub=True`` and the machine key
+    ``key_path`` its certificate admits; ``spec``: the run spec's ID (or tag) in the node's
+    store (fetch it first to join by ID from peers); ``certificate``: the admission
+    certificate file; ``rounds``: rounds to take part in (an open-ended run needs it);
+    ``eval_fn`` and ``eval_data`` (an int64 row array or a records blob ID) offer the
+    ``scored`` level; ``bootstrap``: peers of the run (multiaddrs) to fetch S_0 from and
+    dial; ``result_path``: where the worker writes its result JSON.
+    ``inner_optimizer`` is accepted for symmetry with other wrappers and never touched.
+    ``late``: join a run already under way (catch up from its tip, not S_0).
+    ``group``: the ``torch.distributed`` group this worker's replicas form (point 6); its
+    ranks other than 0 pass ``node=None``.
+    """
+
+    def __init__(
+        self,
+        node: Any,
+        *,
+        spec: str,
+        model: torch.nn.Module,
+        certificate: str | Path,
+        inner_optimizer: Any = None,
+        rounds: int | None = None,
+        eval_fn: Callable[[Any, Any], Any] | None = None,
+        eval_data: Any = None,
+        bootstrap: Sequence[str] = (),
+        result_path: str | Path | None = None,
+        group: Any = None,
+        late: bool = False,
+    ) -> None:
+        self._group = group
+        self._rank = 0
+        if group is not None:
+            import torch.distributed as dist
+
+            self._rank = dist.get_rank(group)
+        if self._rank == 0 and (node is None or node.key_path is None):
+            raise OuterLoopError("the node needs a machine key file (BlockingNode key_path)")
+        store = node.store if self._rank == 0 else None
+        run_spec = _load_spec(store, spec) if self._rank == 0 else None
+        if group is not None:
+            run_spec = _share_spec(run_spec, group)
+        assert run_spec is not None
+        rows = _eval_rows(store, eval_data) if eval_fn is not None and self._rank == 0 else None
+        self._core = _Core(
+            spec=run_spec,
+            model=model,
+            rounds=rounds,
+            eval_fn=eval_fn if self._rank == 0 else None,
+            eval_rows=rows,
+            bootstrap=bootstrap,
+            level=None if self._rank == 0 else "group",
+        )
+        self._core.join = late
+        self._node = node
+        self._cert = Path(certificate)
+        self._result_path = Path(result_path) if result_path is not None else None
+        self._thread: threading.Thread | None = None
+        self.inner_optimizer = inner_optimizer
+
+    @property
+    def level(self) -> str:
+        return self._core.level
+
+    @property
+    def round(self) -> int:
+        """The round the model's current state starts (its number of applied rounds)."""
+        state = self._core.state
+        return -1 if state is None else state.round
+
+    @property
+    def finished(self) -> bool:
+        return self._core.finished
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        """The worker's result (rounds, roots, verdicts) once it finished."""
+        return self._core.result
+
+    @property
+    def timings(self) -> list[tuple[float, float]]:
+        """Per round this loop took part in: (seconds of its H steps, seconds step() waited
+        for the round's closure)."""
+        return self._core.timings
+
+    def __enter__(self) -> OuterLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def join(self, timeout: float = JOIN_WAIT) -> None:
+        """Start the worker and copy the run's state into the model (S_0, or the tip)."""
+        if self._rank != 0:
+            self._sync()  # point 6: rank 0's adopted state, to every rank
+            return
+        self._start(timeout)
+        if self._group is not None:
+            self._sync()
+
+    def _start(self, timeout: float) -> None:
+        from identity import load_key_file
+
+        key = load_key_file(self._node.key_path)
+        self._core.author = key.peer_id
+        core, node, cert, out = self._core, self._node, self._cert, self._result_path
+
+        def main() -> None:
+            try:
+                result = node.call(_run_worker, core, node.node, key, cert, out)
+            except BaseException as exc:  # reported to the user's thread by the hand-off
+                core.worker_done(None, f"{type(exc).__name__}: {exc}")
+            else:
+                core.worker_done(result, None)
+
+        self._thread = threading.Thread(target=main, name="blobnet-outer", daemon=True)
+        self._thread.start()
+        if not core.adopt(timeout):
+            raise OuterLoopError(f"run {core.spec.run} ended before this worker joined")
+
+    def step(self, loss: float | None = None) -> bool:
+        """After each inner step (``loss``: optional, recorded as the round's mean loss).
+        At the H-th: send the update, wait for the round's closure and copy the new state
+        into the model; True then. ``finished`` turns true after the worker's last round."""
+        core = self._core
+        if self._rank != 0:
+            core.steps += 1
+            if core.steps < core.params.inner_steps:
+                return False
+            core.steps = 0
+            self._sync()
+            return True
+        if not core.count(loss):
+            return False
+        sent = core.send()
+        core.adopt(HANDOFF_WAIT)
+        core.timed(sent)
+        core.rounds_applied += 1
+        if core.finished and self._thread is not None:
+            self._thread.join(timeout=60)
+        if self._group is not None:
+            self._sync()
+        return True
+
+    def _sync(self) -> None:
+        """Point 6: rank 0's parameters (the applied state) and ``finished`` to every rank."""
+        import torch
+        import torch.distributed as dist
+
+        src = dist.get_global_rank(self._group, 0)
+        with torch.no_grad():
+            for _, p in sorted(_trainable(self._core.model).items()):
+                dist.broadcast(p.data, src=src, group=self._group)
+            flag = torch.tensor([int(self._core.finished)], dtype=torch.int64)
+            dist.broadcast(flag, src=src, group=self._group)
+        self._core.finished = bool(flag.item())
+
+    def close(self) -> None:
+        self._core.handoff.close()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+
+class AsyncOuterLoop:
+    """The trio face: ``await join()`` and ``await step()`` (see :func:`open_outer_loop`)."""
+
+    def __init__(
+        self,
+        core: _Core,
+        nursery: Any,
+        node: Any,
+        key: MachineKey,
+        cert: Path,
+        result_path: Path | None,
+    ) -> None:
+        self._core = core
+        self._nursery = nursery
+        self._node = node
+        self._key = key
+        self._cert = cert
+        self._result_path = result_path
+
+    @property
+    def finished(self) -> bool:
+        return self._core.finished
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        return self._core.result
+
+    async def join(self) -> None:
+        import trio
+
+        core = self._core
+        core.author = self._key.peer_id
+
+        async def main() -> None:
+            try:
+                result = await _run_worker(
+                    core, self._node, self._key, self._cert, self._result_path
+                )
+            except Exception as exc:  # reported to the user's task by the hand-off
+                core.worker_done(None, f"{type(exc).__name__}: {exc}")
+            else:
+                core.worker_done(result, None)
+
+        self._nursery.start_soon(main)
+        if not await trio.to_thread.run_sync(
+            partial(core.adopt, JOIN_WAIT),
+            abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-stubs predate it (trio 0.23)
+        ):
+            raise OuterLoopError(f"run {core.spec.run} ended before this worker joined")
+
+    async def step(self, loss: float | None = None) -> bool:
+        import trio
+
+        core = self._core
+        if not core.count(loss):
+            return False
+        sent = core.send()
+        await trio.to_thread.run_sync(
+            partial(core.adopt, HANDOFF_WAIT),
+            abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-stubs predate it (trio 0.23)
+        )
+        core.timed(sent)
+        core.rounds_applied += 1
+        return True
+
+
+@asynccontextmanager
+async def open_outer_loop(
+    node: Any,
+    *,
+    key: MachineKey,
+    spec: str,
+    model: torch.nn.Module,
+    certificate: str | Path,
+    rounds: int | None = None,
+    eval_fn: Callable[[Any, Any], Any] | None = None,
+    eval_data: Any = None,
+    bootstrap: Sequence[str] = (),
+    result_path: str | Path | None = None,
+) -> AsyncIterator[AsyncOuterLoop]:
+    """The trio face of :class:`OuterLoop` on a ``p2p.Node`` opened with ``pubsub=True``
+    and ``key`` (its machine key)."""
+    import trio
+
+    rows = _eval_rows(node.store, eval_data) if eval_fn is not None else None
+    core = _Core(
+        spec=_load_spec(node.store, spec),
+        model=model,
+        rounds=rounds,
+        eval_fn=eval_fn,
+        eval_rows=rows,
+        bootstrap=bootstrap,
+    )
+    out = Path(result_path) if result_path is not None else None
+    async with trio.open_nursery() as nursery:
+        try:
+            yield AsyncOuterLoop(core, nursery, node, key, Path(certificate), out)
+        finally:
+            core.handoff.close()

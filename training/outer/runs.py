@@ -1,0 +1,344 @@
+"""Making a run from the user's model (``blob outer init``), writing a round's state back
+as a model directory (``blob outer export``), and what a worker builds from a spec.
+
+1. ``init`` reads the initial weights from a Hugging Face directory (built by transformers'
+   own classes from ``config.json``, every tensor from its safetensors files, sharded or
+   not: ``training.model.load_base_model``) or from one safetensors state dict; the
+   run's parameters are the model's trainable parameters, tied copies once, as float32.
+   It stores the initial state blob, the directory as a collection (the spec's ``base``),
+   and the signed spec (``training.outer.spec``), tagged ``outer-<run>-spec``.
+2. ``export`` takes a run by its spec ID (or a tag naming it) and writes the state of a
+   round this store holds (default: the newest tagged ``outer-<run>-state-<round>``) as
+   ``model.safetensors`` beside the base's config and tokenizer: ``from_pretrained`` loads
+   it and ties what the config ties. The directory appears whole or not at all (written
+   beside it, synced, then renamed into place).
+3. A worker given a spec builds its trainer (``training.outer.trainer.Trainer``) from the
+   base collection and a records blob, on the device and thread count it is told; the
+   kernel class that names comes from ``training.kernel_class``, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from blobstore.errors import ExitCode
+from training.errors import TrainingError
+from training.outer.spec import BadSpec, RunSpec, SignedSpec, decode_spec
+
+if TYPE_CHECKING:
+    from blobstore import Store
+    from training.outer.codec import F32
+    from training.outer.params import RunParams
+    from training.outer.trainer import Trainer
+
+# Weight files a base directory's copy in an export leaves out: the state's weights replace
+# them (an index naming shards that are not there would make from_pretrained fail).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+class RunNotFound(TrainingError):
+    """The user named a run, round or model this store does not hold."""
+
+    exit_code = ExitCode.USAGE
+
+
+def load_initial(source: Path) -> dict[str, F32]:
+    """Point 1: the initial parameters (name -> float32 array) of a directory or file."""
+    if source.is_dir():
+        from training.model import load_base_model
+
+        model = load_base_model(source)
+        return {
+            name: p.detach().to("cpu").float().numpy().copy()
+            for name, p in model.named_parameters()
+            if p.requires_grad
+        }
+    if not source.is_file():
+        raise RunNotFound(f"{source}: no such model directory or safetensors file")
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        tensors = load_file(str(source))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise RunNotFound(f"{source} is not a readable safetensors state dict: {exc}") from None
+    out = {}
+    for name, value in sorted(tensors.items()):
+        if not np.issubdtype(value.dtype, np.floating):
+            raise RunNotFound(f"{source}: tensor {name!r} is {value.dtype}, not floating point")
+        out[name] = np.ascontiguousarray(value, dtype=np.float32)
+    return out
+
+
+def init_run(
+    store: Store,
+    signer: Any,
+    source: Path,
+    *,
+    run_id: str,
+    authorities: Sequence[str],
+    options: dict[str, Any],
+) -> tuple[str, RunSpec]:
+    """Point 1: store the initial state, the base and the signed spec; (spec ID, spec)."""
+    from training.outer.loop import initial_state, state_root
+    from training.outer.spec import encode_spec
+    from training.outer.state_blob import encode_state
+
+    params = load_initial(source)
+    state = initial_state(params)
+    initial = store.put_bytes(encode_state(state))
+    base = store.put_dir(source) if source.is_dir() else ""
+    spec = RunSpec(
+        run=run_id,
+        initial=initial,
+        root=state_root(state),
+        tensors=tuple((n, tuple(v.shape)) for n, v in sorted(params.items())),
+        authorities=tuple(authorities),
+        base=base,
+        **options,
+    )
+    spec_id = store.put_bytes(encode_spec(spec, signer))
+    store.tag(spec_tag(run_id), spec_id)
+    return spec_id, spec
+
+
+def spec_tag(run_id: str) -> str:
+    from training.outer.milestones import tag
+
+    return tag(run_id, "spec")
+
+
+def read_spec(store: Store, ref: str) -> tuple[str, SignedSpec]:
+    """A spec this store holds, by blob ID, tag, or run ID (its ``outer-<run>-spec`` tag)."""
+    from blobstore import StoreError
+
+    tags = store.tags()
+    blob = tags.get(ref) or tags.get(spec_tag(ref)) or ref
+    try:
+        data = store.path(blob).read_bytes()
+    except (StoreError, OSError, ValueError):
+        raise RunNotFound(f"no run spec {ref!r} in this store (a spec ID, tag or run ID)") from None
+    try:
+        return blob, decode_spec(data)
+    except BadSpec as exc:
+        raise RunNotFound(f"{ref}: {exc}") from None
+
+
+def params_from_spec(spec: RunSpec, *, rounds: int | None = None) -> RunParams:
+    """The worker's RunParams for ``spec``; ``rounds`` (a worker's --rounds) caps an
+    open-ended run."""
+    from training.outer.params import RunParams
+
+    planned = spec.rounds if rounds is None else rounds
+    if planned < 1:
+        raise RunNotFound(f"run {spec.run} is open-ended: say how many rounds to take part in")
+    return RunParams(
+        run_id=spec.run,
+        workers=spec.workers,
+        rounds=planned,
+        inner_steps=spec.inner_steps,
+        deadline=spec.deadline,
+        proposer_timeout=spec.proposer_timeout,
+        seed=spec.seed,
+        batch=spec.batch,
+        inner_lr=spec.inner_lr,
+        chunk=spec.chunk,
+        k=spec.k,
+        replay_rate=spec.replay_rate if spec.level == "replayed" else 0.0,
+        outer_lr=spec.outer_lr,
+        outer_momentum=spec.outer_momentum,
+    )
+
+
+def state_tags(store: Store, run_id: str) -> dict[int, str]:
+    """Round -> state blob this store holds for the run (the worker's tags)."""
+    from training.outer.milestones import tag
+
+    prefix = tag(run_id, "state") + "-"
+    out = {}
+    for name, blob in store.tags().items():
+        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+            out[int(name[len(prefix) :])] = blob
+    return out
+
+
+def export_run(store: Store, ref: str, dest: Path, *, round_: int | None = None) -> tuple[int, str]:
+    """Point 2: write round ``round_``'s state (default: the newest held) to ``dest``;
+    returns (round, state blob)."""
+    from training.outer.state_blob import decode_state
+
+    _, signed = read_spec(store, ref)
+    spec = signed.spec
+    held = state_tags(store, spec.run)
+    held.setdefault(0, spec.initial)
+    r = max(held) if round_ is None else round_
+    if r not in held:
+        raise RunNotFound(f"run {spec.run}: no state of round {r} here (held: {sorted(held)})")
+    state = decode_state(store.path(held[r]).read_bytes(), expected=spec.shapes())
+    if dest.exists() and any(dest.iterdir()):
+        raise RunNotFound(f"{dest} exists and is not empty")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        if spec.base:
+            base = tmp / "base"
+            store.export(spec.base, base)
+            for path in sorted(base.rglob("*")):
+                rel = path.relative_to(base)
+                if path.is_dir() or path.name in _WEIGHT_INDEXES:
+                    continue
+                if path.suffix in _WEIGHT_SUFFIXES:
+                    continue
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, tmp / rel)
+            shutil.rmtree(base)
+        _write_weights(tmp / "model.safetensors", state.params)
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        if dest.exists():
+            dest.rmdir()
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return r, held[r]
+
+
+def _write_weights(path: Path, params: dict[str, F32]) -> None:
+    from safetensors.numpy import save_file
+
+    # One metadata key: safetensors writes several in a per-process order (research/train.md).
+    save_file({n: np.ascontiguousarray(v) for n, v in params.items()}, str(path), {"format": "pt"})
+
+
+@dataclass(frozen=True)
+class SpecTrainer:
+    """Point 3: builds a worker's trainer for a spec's model on given records, device and
+    threads (the worker calls it once, replay once per replayed update)."""
+
+    spec: RunSpec
+    base_dir: Path | None
+    tokens: Any  # int64 (rows, seq_len)
+    device: str = "cpu"
+    threads: int = 1
+    pad_id: int | None = None
+
+    def __call__(self, params: RunParams, shard: int) -> Trainer:
+        from training.outer.trainer import Trainer
+
+        model = None
+        if self.base_dir is not None:
+            from training.model import load_base_model
+            from training.outer.trainer import TORCH_RNG_LOCK
+
+            # load_base_model's fork_rng restores torch's generator on the way out: in a
+            # replay's thread that rewound the dropout draws of the training running
+            # beside it (an honest round-1 update then failed its replay).
+            with TORCH_RNG_LOCK:
+                model = load_base_model(self.base_dir)
+        return Trainer(
+            params,
+            shard,
+            model=model,
+            tokens=self.tokens,
+            device=self.device,
+            threads=self.threads,
+            pad_id=self.pad_id,
+        )
+
+
+TrainerFactory = Callable[["RunParams", int], "Trainer"]
+
+
+@dataclass(frozen=True)
+class SpecWorker:
+    spec: RunSpec
+    params: RunParams
+    shard: int
+    level: str
+    make_trainer: SpecTrainer
+
+
+def prepare_spec_worker(
+    store_root: Path,
+    key_path: Path,
+    spec_ref: str,
+    data_ref: str | None,
+    *,
+    device: str,
+    threads: int,
+    rounds: int | None,
+    bootstrap: Sequence[str] = (),
+) -> SpecWorker:
+    """Point 3: fetch what a spec names (from ``bootstrap`` peers where this store lacks
+    it), check the verification level this worker offers, and build its trainer factory.
+    A worker whose records are the spec's offers ``replayed``; any other data, ``bounded``."""
+    import blake3
+
+    from blobstore import Store
+    from identity import load_or_create_key
+    from training.outer.spec import check_level
+    from training.records import decode_records
+
+    store = Store.open(store_root)
+    wanted = [spec_ref] if _is_blob_id(spec_ref) and not store.has(spec_ref) else []
+    if wanted and bootstrap:
+        _fetch_all(store_root, wanted, bootstrap)
+    _, signed = read_spec(store, spec_ref)
+    spec = signed.spec
+    data = data_ref or spec.data
+    if not data:
+        raise RunNotFound(f"run {spec.run} names no records: give --data RECORDS")
+    data = store.tags().get(data, data)
+    missing = [b for b in (spec.initial, spec.base, data) if b and not store.has(b)]
+    if missing:
+        if not bootstrap:
+            raise RunNotFound(f"this store lacks {missing[0]} and no --bootstrap peer was given")
+        _fetch_all(store_root, missing, bootstrap)
+    level = "replayed" if spec.data and data == spec.data else "bounded"
+    check_level(spec, level)
+    records = decode_records(store.path(data).read_bytes())
+    base_dir = None
+    if spec.base:
+        base_dir = store_root.parent / f".outer-base-{spec.base[:16]}"
+        if not base_dir.exists():
+            tmp = Path(tempfile.mkdtemp(prefix=".outer-base-", dir=store_root.parent))
+            store.export(spec.base, tmp / "dir")
+            os.replace(tmp / "dir", base_dir)
+            tmp.rmdir()
+    params = params_from_spec(spec, rounds=rounds)
+    peer = load_or_create_key(key_path).peer_id
+    shard = int.from_bytes(blake3.blake3(peer.encode()).digest()[:4], "little") % (1 << 20)
+    if base_dir is not None:
+        from training.model import base_tokenizer_id, check_records_fit, read_config
+
+        vocab = int(read_config(base_dir)["vocab_size"])
+        check_records_fit(records, base_tokenizer_id(store, spec.base), vocab)
+    factory = SpecTrainer(spec, base_dir, records.tokens, device, threads, records.pad_id)
+    return SpecWorker(spec, params, shard, level, factory)
+
+
+def _is_blob_id(ref: str) -> bool:
+    return len(ref) == 64 and all(c in "0123456789abcdef" for c in ref)
+
+
+def _fetch_all(store_root: Path, blobs: Sequence[str], bootstrap: Sequence[str]) -> None:
+    from p2p import BlockingNode
+
+    with BlockingNode(store_root, listen=["/ip4/127.0.0.1/tcp/0"], dht=False) as node:
+        for blob in blobs:
+            node.fetch(blob, providers=list(bootstrap))

@@ -1,0 +1,235 @@
+"""The run spec: everything that defines an outer-loop run, as one signed blob.
+
+Theory of operation
+-------------------
+1. **What it names.** A spec fixes what every worker of a run must agree on before
+   round 0: the run ID, the initial state (its state blob and root, ``state_blob``), the
+   parameter names and shapes, the codec (chunk, k), the outer optimiser (learning rate,
+   momentum, error-feedback decay), the inner steps H, the batch rows per step, K (the
+   updates a round waits for), the planned rounds (0: open-ended, each worker says when it
+   leaves), the round deadline and proposer timeout, the replay rate, the authorities whose
+   admission certificates count, and the least verification level an update may offer.
+   Where the run was made from a Hugging Face directory, the spec names that directory's
+   collection blob (``base``: config, tokenizer and the initial weights) so a worker can
+   build the model and ``blob outer export`` can write one back; where the run's data is
+   shared, it names the records blob (``data``), which replay needs.
+2. **Encoding.** The body is a canonical msgpack map (these keys, sorted; a decoder
+   re-encodes and refuses anything that differs). The blob is a msgpack map
+   ``{"v", "body", "key", "sig"}``: ``sig`` is the maker's Ed25519 signature over
+   ``SPEC_DOMAIN || body`` and ``key`` its public key. The spec's ID is the blob's ID, so a
+   worker given the ID knows it holds exactly the spec its peers hold; the signature says
+   who made it (an operator trusts a spec by its maker, or by its ID from a trusted place).
+3. **Verification levels**, weakest first (:data:`LEVELS`): ``bounded`` (norm and direction
+   bounds only: what every update gets, ``training.outer.aggregate``), ``scored`` (as well,
+   the loss change each included update makes on rows drawn from the round's root), and
+   ``replayed`` (as well, a sample of updates recomputed from the rows they commit to on a
+   deterministic kernel class, ``training.outer.replay``). A worker that offers less than
+   the spec's minimum is refused before it trains (:func:`check_level`).
+4. **Refusing a model.** A model whose trainable parameters differ from the spec's names
+   and shapes is refused before step 0, with one line naming the first difference
+   (:func:`check_model`).
+
+Nothing here does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import blake3
+import msgpack
+
+from blobstore.canonical import encode as encode_canonical
+from blobstore.errors import ExitCode
+from training.errors import TrainingError
+
+SPEC_VERSION = 1
+SPEC_DOMAIN = b"blobnet/outer-spec/v1\x00"
+LEVELS = ("bounded", "scored", "replayed")
+# A spec lists every parameter tensor; a model of more tensors than the state blob holds
+# (training.outer.codec.MAX_TENSORS) could not be a run anyway. This bounds the blob before
+# it is parsed: 4096 tensors with 200-byte names and 8 dims is under 2 MiB.
+MAX_SPEC_SIZE = 4 << 20
+
+
+class BadSpec(TrainingError):
+    """Bytes that are not a valid signed run spec (whoever handed us the ID's fault)."""
+
+    exit_code = ExitCode.BAD_DATA
+
+
+class ModelMismatch(TrainingError):
+    """The user's model does not have the spec's parameters (the user's mistake)."""
+
+    exit_code = ExitCode.USAGE
+
+
+class LevelRefused(TrainingError):
+    """A worker offers less verification than the run's spec requires."""
+
+    exit_code = ExitCode.USAGE
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run's definition (point 1). ``tensors``: (name, shape) in name order."""
+
+    run: str
+    initial: str
+    root: str
+    tensors: tuple[tuple[str, tuple[int, ...]], ...]
+    inner_steps: int
+    workers: int
+    authorities: tuple[str, ...]
+    level: str = "bounded"
+    rounds: int = 0
+    chunk: int = 4096
+    k: int = 80
+    outer_lr: float = 3.0
+    outer_momentum: float = 0.0
+    ef_decay: float = 1.0
+    batch: int = 8
+    inner_lr: float = 2e-3
+    deadline: float = 8.0
+    proposer_timeout: float = 3.0
+    replay_rate: float = 0.25
+    seed: int = 0
+    base: str = ""
+    data: str = ""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise ValueError(f"verification level must be one of {', '.join(LEVELS)}")
+        if self.inner_steps < 1 or self.workers < 1 or self.rounds < 0 or self.batch < 1:
+            raise ValueError("inner steps, workers and batch must be >= 1, rounds >= 0")
+        if not self.tensors:
+            raise ValueError("a run spec names at least one parameter")
+        if not self.authorities:
+            raise ValueError("a run spec names at least one authority")
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.tensors)
+
+    @property
+    def parameters(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.tensors)
+
+    def body(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"v": SPEC_VERSION}
+        for f in fields(self):
+            if f.name == "extra":
+                continue
+            value = getattr(self, f.name)
+            if f.name == "tensors":
+                value = [[name, list(shape)] for name, shape in value]
+            elif f.name == "authorities":
+                value = list(value)
+            out[f.name] = value
+        return dict(sorted(out.items()))
+
+
+def _pack(obj: Any) -> bytes:
+    data: bytes = encode_canonical(obj)
+    return data
+
+
+def encode_spec(spec: RunSpec, signer: Any) -> bytes:
+    """The signed spec blob (point 2); ``signer`` is an ``identity.Signer``."""
+    body = _pack(spec.body())
+    decode_body(body)  # our own spec must parse: a bug otherwise
+    sig = signer.sign(SPEC_DOMAIN + body)
+    return _pack({"v": SPEC_VERSION, "body": body, "key": signer.public_key_bytes, "sig": sig})
+
+
+def spec_digest(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+def decode_body(body: bytes) -> RunSpec:
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise BadSpec(f"run spec body is not msgpack: {exc}") from None
+    if not isinstance(obj, dict) or obj.get("v") != SPEC_VERSION:
+        raise BadSpec("not a run spec of a known version")
+    names = {f.name for f in fields(RunSpec)} - {"extra"}
+    if set(obj) != names | {"v"}:
+        raise BadSpec("run spec has missing or unknown fields")
+    try:
+        tensors = tuple((str(n), tuple(int(d) for d in s)) for n, s in obj["tensors"])
+        kw = {n: obj[n] for n in names}
+        kw["tensors"] = tensors
+        kw["authorities"] = tuple(obj["authorities"])
+        spec = RunSpec(**kw)
+    except (TypeError, ValueError) as exc:
+        raise BadSpec(f"run spec is malformed: {exc}") from None
+    if _pack(spec.body()) != body:
+        raise BadSpec("run spec body is not in canonical form")
+    return spec
+
+
+@dataclass(frozen=True)
+class SignedSpec:
+    spec: RunSpec
+    maker: bytes  # the maker's Ed25519 public key
+
+
+def decode_spec(data: bytes) -> SignedSpec:
+    """Parse and check a spec blob (point 2); raises :class:`BadSpec` only."""
+    from identity import verify_signature
+
+    if len(data) > MAX_SPEC_SIZE:
+        raise BadSpec(f"run spec is larger than {MAX_SPEC_SIZE} bytes")
+    try:
+        outer = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise BadSpec(f"not a run spec blob: {exc}") from None
+    if not isinstance(outer, dict) or set(outer) != {"v", "body", "key", "sig"}:
+        raise BadSpec("not a run spec blob")
+    body, key, sig = outer["body"], outer["key"], outer["sig"]
+    if not all(isinstance(x, bytes) for x in (body, key, sig)) or len(key) != 32:
+        raise BadSpec("run spec blob fields have the wrong types")
+    if not verify_signature(key, SPEC_DOMAIN + body, sig):
+        raise BadSpec("run spec signature does not verify")
+    return SignedSpec(decode_body(body), key)
+
+
+def check_model(spec: RunSpec, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """Point 4: raise :class:`ModelMismatch` naming the first difference, in one line."""
+    want = spec.shapes()
+    for name in sorted(want):
+        if name not in shapes:
+            raise ModelMismatch(
+                f"the model does not match run {spec.run}: it has no parameter {name!r} "
+                f"(the spec's {len(want)} parameters come from its initial state)"
+            )
+        if tuple(shapes[name]) != want[name]:
+            raise ModelMismatch(
+                f"the model does not match run {spec.run}: parameter {name!r} has shape "
+                f"{tuple(shapes[name])}, the spec says {want[name]}"
+            )
+    extra = sorted(set(shapes) - set(want))
+    if extra:
+        raise ModelMismatch(
+            f"the model does not match run {spec.run}: parameter {extra[0]!r} is not in the "
+            f"spec ({len(extra)} extra)"
+        )
+
+
+def check_level(spec: RunSpec, offered: str) -> None:
+    """Point 3: refuse a worker that offers less verification than the spec's minimum."""
+    if offered not in LEVELS:
+        raise LevelRefused(f"unknown verification level {offered!r}; one of {', '.join(LEVELS)}")
+    if LEVELS.index(offered) < LEVELS.index(spec.level):
+        need = {
+            "replayed": "a step_fn and a records blob (the library drives the inner steps)",
+            "scored": "an eval_fn and an evaluation records blob",
+        }[spec.level]
+        raise LevelRefused(
+            f"run {spec.run} requires verification level {spec.level!r}, this worker offers "
+            f"{offered!r}: give {need}"
+        )
