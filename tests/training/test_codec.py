@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -560,3 +561,29 @@ def test_crafted_rice_streams() -> None:
     # A stream longer than any valid one is refused before it is unpacked.
     with pytest.raises(CodecError, match="header allows"):
         decode(with_stream(b"\x00" * 10_000 + bytes([0b11101])))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda rng: rng.standard_normal((24, 4096)),
+        lambda rng: np.round(rng.standard_normal((24, 4096)) * 2),  # ties at the threshold
+        lambda rng: np.zeros((24, 4096)),  # every value ties
+        lambda rng: np.where(rng.random((24, 4096)) < 0.01, 1e6, 1.0),  # a few giants
+        lambda rng: rng.standard_normal((24, 4096)) * np.linspace(1e-30, 1e30, 4096),
+    ],
+    ids=["normal", "ties", "zeros", "giants", "scales"],
+)
+@pytest.mark.parametrize("k", [1, 80, 128])
+def test_the_candidate_selection_keeps_what_a_partition_keeps(make: Any, k: int) -> None:
+    """The fast top-k (a bound from strided group maxima, then a partition of the values
+    above it only) selects exactly the values, ties included, that partitioning each
+    whole chunk selects: the bytes of an update do not depend on which path ran."""
+    from training.outer.codec import _select_by_candidates, _select_by_partition
+
+    mags = np.abs(make(np.random.default_rng(k))).astype(np.float32)
+    groups = 1 << (k - 1).bit_length()
+    fast = _select_by_candidates(mags, k, groups)
+    slow = _select_by_partition(mags, np.full(mags.shape[0], k, dtype=np.int64), k)
+    assert np.array_equal(fast[0], slow[0]) and np.array_equal(fast[1], slow[1])
+    assert np.bincount(fast[0], minlength=mags.shape[0]).tolist() == [k] * mags.shape[0]

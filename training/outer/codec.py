@@ -289,21 +289,16 @@ def _compress_block(
         mags = np.full(n_chunks * chunk, -1.0, dtype=np.float32)
         np.abs(flat, out=mags[:numel])
     mags2 = mags.reshape(n_chunks, chunk)
-    # k-th largest magnitude per chunk (a value, so independent of partition's order). A
-    # short last chunk keeping m < k takes its own m-th largest (a real value, m <= n).
-    kth = chunk - params.k
-    thresh = np.partition(mags2, kth, axis=1)[:, kth : kth + 1]
-    if counts[-1] != params.k:
-        last_kth = chunk - int(counts[-1])
-        thresh[-1, 0] = np.partition(mags2[-1], last_kth)[last_kth]
-    keep = mags2 >= thresh
-    # Ties at the threshold beyond what a chunk keeps: the lowest indices equal to it win.
-    extra = keep.sum(axis=1) - counts
-    for row in np.flatnonzero(extra):
-        equal = mags2[row] == thresh[row, 0]
-        need = int(counts[row]) - int((mags2[row] > thresh[row, 0]).sum())
-        keep[row] = (mags2[row] > thresh[row, 0]) | (equal & (np.cumsum(equal) <= need))
-    rows, cols = np.nonzero(keep)  # row-major: ascending positions
+    groups = 1 << (params.k - 1).bit_length()  # the smallest power of two >= k
+    full = n_chunks if numel == n_chunks * chunk else n_chunks - 1  # chunks keeping k
+    if chunk >= 4 * groups and full:
+        rows, cols = _select_by_candidates(mags2[:full], params.k, groups)
+        if full < n_chunks:  # the short last chunk
+            last_rows, last_cols = _select_by_partition(mags2[full:], counts[full:], params.k)
+            rows = np.concatenate((rows, last_rows + full))
+            cols = np.concatenate((cols, last_cols))
+    else:
+        rows, cols = _select_by_partition(mags2, counts, params.k)
     positions = rows.astype(np.int64) * chunk + cols.astype(np.int64)
     kept = flat[positions]
     # Rank within each chunk by (-|v|, position); the first ceil(m/2) form the high group.
@@ -325,6 +320,62 @@ def _compress_block(
     scales_out[:] = scales.astype(np.float32)
     codes = ((kept < 0).astype(np.uint8) | (high.astype(np.uint8) << 1)).astype(np.uint8)
     return positions, codes
+
+
+def _select_by_partition(
+    mags2: F32, counts: npt.NDArray[np.int64], k: int
+) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """Rule 2's selection in every chunk (row) of ``mags2``, by a partition of each row:
+    (rows, cols) of the kept values, row-major (ascending positions)."""
+    chunk = mags2.shape[1]
+    # k-th largest magnitude per chunk (a value, so independent of partition's order). A
+    # short last chunk keeping m < k takes its own m-th largest (a real value, m <= n).
+    kth = chunk - k
+    thresh = np.partition(mags2, kth, axis=1)[:, kth : kth + 1]
+    if counts[-1] != k:
+        last_kth = chunk - int(counts[-1])
+        thresh[-1, 0] = np.partition(mags2[-1], last_kth)[last_kth]
+    keep = mags2 >= thresh
+    # Ties at the threshold beyond what a chunk keeps: the lowest indices equal to it win.
+    extra = keep.sum(axis=1) - counts
+    for row in np.flatnonzero(extra):
+        equal = mags2[row] == thresh[row, 0]
+        need = int(counts[row]) - int((mags2[row] > thresh[row, 0]).sum())
+        keep[row] = (mags2[row] > thresh[row, 0]) | (equal & (np.cumsum(equal) <= need))
+    rows, cols = np.nonzero(keep)
+    return rows, cols
+
+
+def _select_by_candidates(
+    mags2: F32, k: int, groups: int
+) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """The same selection as :func:`_select_by_partition` for full chunks keeping ``k``,
+    without partitioning whole chunks. Each chunk is cut into ``groups >= k`` disjoint
+    strided groups; the k-th largest of their maxima is a lower bound of the chunk's k-th
+    largest value (k groups hold a value at least that large), so every value the chunk
+    keeps is among those at least that bound: a few percent of the chunk, which alone are
+    partitioned. Same threshold, same ties rule, same output."""
+    n_rows, chunk = mags2.shape
+    maxima = mags2.reshape(n_rows, chunk // groups, groups).max(axis=1)
+    bound = np.partition(maxima, groups - k, axis=1)[:, groups - k]
+    rows, cols = np.nonzero(mags2 >= bound[:, None])  # row-major
+    values = mags2[rows, cols]
+    per_row = np.bincount(rows, minlength=n_rows)
+    starts = np.cumsum(per_row) - per_row
+    slot = np.arange(rows.size) - np.repeat(starts, per_row)
+    width = int(per_row.max())
+    candidates = np.full((n_rows, width), -1.0, dtype=np.float32)
+    candidates[rows, slot] = values
+    thresh = np.partition(candidates, width - k, axis=1)[:, width - k]
+    above = values > thresh[rows]
+    equal = values == thresh[rows]
+    # Ties at the threshold: the lowest indices equal to it win (candidates are in
+    # ascending position order within a row).
+    need = k - np.bincount(rows[above], minlength=n_rows)
+    tie_rank = np.cumsum(equal) - 1
+    tie_start = np.concatenate(([0], np.cumsum(np.bincount(rows[equal], minlength=n_rows))))[:-1]
+    keep = above | (equal & (tie_rank - tie_start[rows] < need[rows]))
+    return rows[keep], cols[keep]
 
 
 def dequantised(sparse: SparseTensor, params: CodecParams) -> F32:
