@@ -128,6 +128,10 @@ PEER_RETRY_PAUSES = (1.0, 3.0, 9.0)
 # past CONTROL_TIMEOUT (seen in the fan-out bench, behind a 2 Mbit/s uplink), and that
 # is no reason to give up on it.
 MANIFEST_RETRY_PAUSES = (1.0, 3.0)
+# What a peer that sent no manifest did, when it sent no answer at all (else its busy reason).
+NO_ANSWER = "no answer"
+# Busy peers named one by one in a fetch's error; the rest are counted (a line, not a page).
+MAX_REASONS_SAID = 3
 # A provider that sent bad data in an earlier download (PeerScores) starts this much later
 # than the others: if they can serve the blob, it never gets a request; if they cannot,
 # it still may (its bad chunks are refused one by one, as ever).
@@ -297,12 +301,13 @@ async def fetch_manifest(
     network: Network,
     blob_id: str,
     peer: str,
-    unanswered: set[str] | None = None,
+    unanswered: dict[str, str] | None = None,
     *,
     probes: HaveProbes | None = None,
 ) -> Manifest | None:
     """Ask one peer for the manifest; None if it has none or it does not match the ID.
-    A peer that did not answer (timeout, lost stream, busy) is added to ``unanswered``.
+    A peer that did not answer (timeout, lost stream, busy) is added to ``unanswered``,
+    with what happened (``no_answer``, or the server's own busy reason).
     With ``probes``, the first peer a fetch asks is asked for the first chunk too, on the
     same stream (`_ask_speculating`); the stream goes to ``probes`` for that peer's task."""
     client = None
@@ -339,13 +344,15 @@ def _checked_manifest(
     blob_id: str,
     peer: str,
     reply: bytes | proto.ErrorResponse | None,
-    unanswered: set[str] | None,
+    unanswered: dict[str, str] | None,
 ) -> Manifest | None:
-    if reply is None or (
-        isinstance(reply, proto.ErrorResponse) and reply.code == proto.ErrorCode.BUSY
-    ):
+    if reply is None:
         if unanswered is not None:
-            unanswered.add(peer)
+            unanswered[peer] = NO_ANSWER
+        return None
+    if isinstance(reply, proto.ErrorResponse) and reply.code == proto.ErrorCode.BUSY:
+        if unanswered is not None:
+            unanswered[peer] = f"busy: {reply.message}"
         return None
     if isinstance(reply, proto.ErrorResponse):
         return None
@@ -1491,14 +1498,14 @@ async def _manifest_from_network(
     within ``discovery_timeout``; up to MANIFEST_FANOUT are asked at once, and each is
     asked ``have`` at the same time (``probes``)."""
     found: list[Manifest] = []
-    unanswered: set[str] = set()
+    unanswered: dict[str, str] = {}
     fanout = trio.Semaphore(MANIFEST_FANOUT)
     deadline = trio.current_time() + discovery_timeout
 
     async with trio.open_nursery() as nursery:
 
         async def ask(peer: str, retries: tuple[float, ...] = MANIFEST_RETRY_PAUSES) -> None:
-            unanswered.discard(peer)
+            unanswered.pop(peer, None)
             try:
                 manifest = await fetch_manifest(network, blob_id, peer, unanswered, probes=probes)
             finally:
@@ -1540,11 +1547,23 @@ async def _manifest_from_network(
         raise NoProviders(f"no provider found for {blob_id}")
     if unanswered:
         raise NoProviders(
-            f"none of {len(asked)} peer(s) asked sent the manifest of {blob_id}: "
-            f"{len(unanswered)} did not answer within {CONTROL_TIMEOUT:g} s, "
-            f"{1 + len(MANIFEST_RETRY_PAUSES)} times each"
+            f"none of {len(asked)} peer(s) asked sent the manifest of {blob_id} "
+            f"({1 + len(MANIFEST_RETRY_PAUSES)} tries each): " + _unanswered_summary(unanswered)
         )
     raise NoProviders(f"none of {len(asked)} peer(s) asked holds {blob_id}")
+
+
+def _unanswered_summary(unanswered: dict[str, str]) -> str:
+    """What the peers that sent no manifest did, by their last answer: those that never
+    answered within CONTROL_TIMEOUT, and each busy one with the server's own reason (a
+    saturated server answers at once; "did not answer" would misstate the wait)."""
+    silent = sum(1 for why in unanswered.values() if why == NO_ANSWER)
+    busy = sorted((peer, why) for peer, why in unanswered.items() if why != NO_ANSWER)
+    parts = [f"{silent} did not answer within {CONTROL_TIMEOUT:g} s"] if silent else []
+    parts += [f"{peer} was {why}" for peer, why in busy[:MAX_REASONS_SAID]]
+    if len(busy) > MAX_REASONS_SAID:
+        parts.append(f"{len(busy) - MAX_REASONS_SAID} more were busy")
+    return "; ".join(parts)
 
 
 async def _run(

@@ -33,6 +33,10 @@ Rules:
    ``<store>/locks/names`` (the store's private lock directory: no other user can take
    it) and first reads the saved file: a record there that is as new or newer than this
    process's is adopted, not overwritten.
+6. A name's rank survives a restart: a name this node asked for has an empty marker file
+   ``<store>/names/asked/<64 hex>`` (written through the same helper, deleted with the
+   record), and :meth:`NameCache.load` reads the markers before the records, so a flood
+   pushed before or after a restart still cannot evict a name this node resolved.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ MAX_RECORDS_PER_PUBLISHER = 256
 # (rule 3): a publisher that wants its name kept republishes it (a new seq) within a week.
 MAX_HOLD_S = 7 * 24 * 3600
 NAMES_DIR = "names"
+ASKED_DIR = "asked"  # inside NAMES_DIR: one empty marker per name this node asked for
 _FILE_MODE = 0o644
 NAMES_LOCK = "names"  # in the store's locks/ directory
 # Another process holds the names lock only for one small durable write (milliseconds);
@@ -243,6 +248,22 @@ class NameCache:
         assert self.directory is not None
         return self.directory / key.hex()
 
+    def _asked_path(self, key: bytes) -> Path:
+        assert self.directory is not None
+        return self.directory / ASKED_DIR / key.hex()
+
+    def persist_asked(self, key: bytes) -> None:
+        """Save that this node asked for ``key`` (rule 6), if it did and it is not saved
+        yet. Blocking: run it in a thread."""
+        if self.directory is None or self.tmp_dir is None or key not in self._asked:
+            return
+        marker = self._asked_path(key)
+        if marker.exists():
+            return
+        with os_errors(f"saving the rank of name record {key.hex()[:12]}"):
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            write_file_atomic(marker, b"", tmp_dir=self.tmp_dir, replace=True, mode=_FILE_MODE)
+
     def persist(self, key: bytes, *, now: float) -> None:
         """Write the current record for ``key`` durably (rule 4), unless the saved file
         already holds it or a newer one (another process wrote it; it is adopted).
@@ -268,6 +289,7 @@ class NameCache:
                     replace=True,
                     mode=_FILE_MODE,
                 )
+        self.persist_asked(key)
 
     @contextlib.contextmanager
     def _process_lock(self) -> Iterator[None]:
@@ -293,8 +315,18 @@ class NameCache:
     def _unlink(self, key: bytes) -> None:
         if self.directory is None:
             return
-        with contextlib.suppress(OSError):
-            os.unlink(self._path(key))
+        for path in (self._path(key), self._asked_path(key)):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def _saved_asked(self) -> set[str]:
+        """The file names of the records this node asked for, by their markers (rule 6)."""
+        assert self.directory is not None
+        try:
+            with os.scandir(self.directory / ASKED_DIR) as entries:
+                return {e.name for e in entries if e.is_file(follow_symlinks=False)}
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
 
     def load(self, *, now: float, own_publisher: str | None = None) -> int:
         """Read the records saved under ``directory`` (rule 1), also those another
@@ -311,8 +343,11 @@ class NameCache:
             except FileNotFoundError:
                 return 0
             self._dir_stamp = stamp
+            asked = self._saved_asked()
             loaded: dict[str, tuple[int, int, int]] = {}
             for entry in entries[: self.max_records * 2]:
+                if entry.name == ASKED_DIR:
+                    continue
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
@@ -321,7 +356,9 @@ class NameCache:
                 if self._loaded.get(entry.name) == seen and self._holds(entry.name, now):
                     loaded[entry.name] = seen
                     continue
-                offer = self._offer_file(Path(entry.path), now, own_publisher)
+                offer = self._offer_file(
+                    Path(entry.path), now, own_publisher, asked=entry.name in asked
+                )
                 if offer.accepted:
                     loaded[entry.name] = seen
                 if offer.changed:
@@ -359,13 +396,15 @@ class NameCache:
         if path.exists():
             self._offer_file(path, now, own_publisher)
 
-    def _offer_file(self, path: Path, now: float, own_publisher: str | None) -> Offer:
+    def _offer_file(
+        self, path: Path, now: float, own_publisher: str | None, *, asked: bool = False
+    ) -> Offer:
         record = self._load_one(path, now)
         if record is None or record.key.hex() != path.name:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             return Offer(accepted=False, changed=False, reason="unusable file")
-        return self.offer(record, now=now, own=record.publisher == own_publisher)
+        return self.offer(record, now=now, own=record.publisher == own_publisher, asked=asked)
 
     def _load_one(self, path: Path, now: float) -> NameRecord | None:
         try:

@@ -384,6 +384,9 @@ class NameService:
                 dht.value_store.put(
                     dht_key(record.publisher, record.name).encode(), record.encode()
                 )
+        elif asked and offer.accepted:
+            # The held record, now asked for: its rank is saved as the record would be.
+            await trio.to_thread.run_sync(self.cache.persist_asked, record.key)
         return offer.accepted, offer.reason, offer.changed
 
 

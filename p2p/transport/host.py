@@ -38,6 +38,12 @@ made and closed over a node's life. blobnet replaces that handler with ``Inbound
    releases it anyway), so cancelling is only the backstop, ``HANDSHAKE_ABORT_GRACE``
    later. After any handshake ends, done or not, the manager's connection count is what
    it was before, plus one for each connection that was established.
+5. A socket whose peer has already closed it (its end of file is waiting: a non-blocking
+   peek reads nothing) is closed at once, before the gate or a handshake. After a flood
+   stops, the kernel keeps handing over the flooders' closed connections for seconds
+   (the full accept queue, and closes retransmitted into it); each took a handshake
+   attempt, and while the queue stays full a new peer's SYN is dropped and retried a
+   second later, then three.
 Identities are free, so the gate counts by source address (an IPv6 source by its /64,
 since one host gets a whole /64), never by peer ID.
 """
@@ -47,6 +53,7 @@ from __future__ import annotations
 import importlib
 import ipaddress
 import logging
+import socket
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -164,6 +171,7 @@ class InboundGate:
         self.refused = 0
         self.dropped = 0
         self.evicted = 0
+        self.gone = 0  # sockets closed by their peer before they reached the gate (rule 5)
 
     def admit(self, ip: str, now: float, drop: Callable[[], None]) -> Admission:
         """Admit a new socket from ``ip`` into the handshake phase, or refuse it. ``drop``
@@ -287,6 +295,10 @@ def install_inbound_gate(
             assert original is not None
             await original(read_write_closer, maddr)
             return
+        if peer_gone(read_write_closer):
+            gate.gone += 1
+            await _close_quietly(read_write_closer)
+            return
         ip = remote_address_key(read_write_closer)
         now = trio.current_time()
         # The backstop only (rule 4): py-libp2p's own timeout ends a silent handshake first.
@@ -341,6 +353,33 @@ def install_inbound_gate(
 
     original = patches.route_inbound(network, handle)
     return gate
+
+
+def peer_gone(read_write_closer: Any) -> bool:
+    """Whether an inbound socket's peer has closed it already (rule 5): a non-blocking
+    peek reads end of file, or the connection was reset. False when there is nothing to
+    read yet, or no socket to ask."""
+    stream = getattr(read_write_closer, "stream", None)
+    sock = getattr(stream, "socket", None)
+    if sock is None:
+        return False
+    try:
+        fd = sock.fileno()
+    except OSError:
+        return False
+    if fd < 0:
+        return False
+    # A stdlib socket over the same descriptor, detached after the peek (not a dup:
+    # one syscall is the point).
+    probe = socket.socket(fileno=fd)
+    try:
+        return probe.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True  # reset by its peer: as gone
+    finally:
+        probe.detach()
 
 
 def _abort_socket(read_write_closer: Any) -> None:
@@ -452,6 +491,7 @@ def build_host(
     if getattr(network, "_resource_manager", resource_manager) is None:
         raise HostConfigError("libp2p silently dropped the resource manager")
     patches.release_scopes_of_failed_upgrades(network)
+    patches.start_dials_together()
     install_inbound_gate(host, gate, handshake_timeout=handshake_timeout)
     return host
 

@@ -14,6 +14,7 @@ host builder serves a relay, so one test runs the relay service on it.
 from __future__ import annotations
 
 import functools
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -228,3 +229,63 @@ async def test_the_relays_host_gives_slots_back(tmp_path: Path) -> None:
             SETTLE,
             f"resource manager holds {resource_connections(node.host)}, baseline {baseline}",
         )
+
+
+async def test_a_socket_its_peer_closed_is_known_gone_before_any_handshake() -> None:
+    """After a burst of silent sockets stops, the kernel keeps handing over the flooders'
+    closed connections for seconds (a full accept queue, closes retransmitted into it);
+    each took a full handshake attempt, and while the queue stayed full a new peer's SYN
+    was dropped and retried a second later: a legit get after the bursts took 10 s."""
+    from p2p.transport.host import peer_gone
+
+    accepted: list[trio.SocketStream] = []
+    arrived = trio.Event()
+
+    async def keep(stream: trio.SocketStream) -> None:
+        accepted.append(stream)
+        arrived.set()
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, host="127.0.0.1"), keep, 0
+        )
+        port = listeners[0].socket.getsockname()[1]
+        quiet = await trio.open_tcp_stream("127.0.0.1", port)
+        await arrived.wait()
+        assert not peer_gone(TrioTCPStream(accepted[0]))  # silent, but there
+        arrived = trio.Event()
+        leaving = await trio.open_tcp_stream("127.0.0.1", port)
+        await leaving.aclose()
+        await arrived.wait()
+        gone = TrioTCPStream(accepted[1])
+        await wait_for(lambda: peer_gone(gone), SETTLE, "a closed peer not seen gone")
+        await quiet.send_all(b"/multistream/1.0.0\n")
+        assert not peer_gone(TrioTCPStream(accepted[0]))  # talking
+        await quiet.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_closed_sockets_skip_the_gate_and_the_handshake(tmp_path: Path) -> None:
+    """Sockets closed by their peer before the host took them are closed at once (rule
+    5), not admitted for a handshake that can only read end of file."""
+    gate = InboundGate()
+    async with served_host(tmp_path, gate) as server:
+        baseline = resource_connections(server)
+        # Blocking stdlib sockets, so the host's accept loop cannot run before they close
+        # (after a flood they were closed long before the host took them).
+        for _ in range(CLOSED_SOCKETS):
+            socket.create_connection(("127.0.0.1", port_of(server))).close()
+        await wait_for(
+            lambda: gate.gone + gate.admitted >= CLOSED_SOCKETS,
+            SETTLE,
+            f"{gate.gone + gate.admitted} of {CLOSED_SOCKETS} closed sockets reached the gate",
+        )
+        assert gate.gone == CLOSED_SOCKETS
+        assert gate.admitted == 0
+        await settled(server, gate, baseline)
+        await fetch_manifest(server)
+
+
+# Sockets connected and closed before the host accepts them.
+CLOSED_SOCKETS = 10

@@ -33,9 +33,20 @@ def answering(manifest: bytes) -> FakeStream:
     return FakeStream(serve)
 
 
+BUDGET_TAKEN = "streams: the server is at its limit of 256"
+
+
+def busy() -> FakeStream:
+    def serve(server: proto.ServerConnection, request: proto.Request) -> tuple[bytes, bool]:
+        return server.send_response(proto.ErrorResponse(proto.ErrorCode.BUSY, BUDGET_TAKEN)), False
+
+    return FakeStream(serve)
+
+
 class Network:
     """Peers by name: "silent" ones never open a stream, "silent-once" ones only the first
-    time, "liar" ones send a manifest that does not match the ID, "good" ones answer."""
+    time, "liar" ones send a manifest that does not match the ID, "busy" ones answer at
+    once that their stream budget is taken, "good" ones answer."""
 
     def __init__(self, kinds: dict[str, str]) -> None:
         self.kinds = kinds
@@ -46,6 +57,8 @@ class Network:
         kind = self.kinds[peer]
         if kind == "silent" or (kind == "silent-once" and self.opened.count(peer) == 1):
             await trio.sleep_forever()
+        if kind == "busy":
+            return busy()
         if kind == "liar":
             other = Manifest.of_bytes(b"something else", chunk_size=CHUNK)
             return answering(other.encode())
@@ -122,7 +135,19 @@ async def test_a_peer_that_never_answers_is_asked_a_bounded_number_of_times(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     network = Network({"silent": "silent", "liar": "liar"})
-    with pytest.raises(NoProviders, match="1 did not answer within 15 s, 3 times each"):
+    with pytest.raises(NoProviders, match=r"\(3 tries each\): 1 did not answer within 15 s$"):
         await fetch(network, ["silent", "liar"])
     assert network.opened.count("silent") == 1 + len(downloader.MANIFEST_RETRY_PAUSES)
     assert network.opened.count("liar") == 1  # an answer, even a wrong one, is not retried
+
+
+async def test_a_busy_peer_is_said_to_be_busy(autojump_clock: trio.abc.Clock) -> None:
+    """A saturated server answers at once that its stream budget is taken; the fetch used
+    to say it "did not answer within 15 s", sending the user after a network fault."""
+    network = Network({"saturated": "busy", "silent": "silent"})
+    with pytest.raises(NoProviders) as caught:
+        await fetch(network, ["saturated", "silent"])
+    message = str(caught.value)
+    assert f"saturated was busy: {BUDGET_TAKEN}" in message
+    assert "1 did not answer within 15 s" in message
+    assert network.opened.count("saturated") == 1 + len(downloader.MANIFEST_RETRY_PAUSES)

@@ -81,3 +81,41 @@ def test_a_record_that_never_expires_is_held_a_week(tmp_path: Path) -> None:
     assert cache.offer(fresh, now=NOW).accepted
     mine = SoftwareSigner(MachineKey.generate())
     assert cache.offer(record(mine, "mine", time=NOW - MAX_HOLD_S - 1), now=NOW, own=True).accepted
+
+
+def test_a_name_asked_for_keeps_its_rank_after_a_restart(tmp_path: Path) -> None:
+    """A name this node resolved outranks pushed records, but the rank lived in memory
+    only: after a restart its records loaded as pushed ones, their publisher was the one
+    holding the most, and a flood of small free publishers evicted them first."""
+    cache = small_cache(tmp_path)
+    resolved_by = SoftwareSigner(MachineKey.generate())
+    resolved = [record(resolved_by, f"run-{i}/adapter") for i in range(16)]
+    for rec in resolved:
+        assert cache.offer(rec, now=NOW, asked=True).accepted
+        cache.persist(rec.key, now=NOW)
+    reopened = small_cache(tmp_path)
+    reopened.load(now=NOW)
+    small_flooders = [SoftwareSigner(MachineKey.generate()) for _ in range(12)]
+    for n, signer in enumerate(small_flooders):
+        for i in range(8):
+            pushed = record(signer, f"flood-{n}-{i}")
+            if reopened.offer(pushed, now=NOW).changed:
+                reopened.persist(pushed.key, now=NOW)
+    assert len(reopened) == 64
+    assert all(reopened.get(rec.key) is not None for rec in resolved)
+    again = small_cache(tmp_path)
+    again.load(now=NOW)
+    assert all(again.get(rec.key) is not None for rec in resolved)
+
+
+def test_a_held_name_asked_for_later_is_saved_as_asked(tmp_path: Path) -> None:
+    cache = small_cache(tmp_path)
+    pushed = record(SoftwareSigner(MachineKey.generate()), "run-1/adapter")
+    cache.offer(pushed, now=NOW)
+    cache.persist(pushed.key, now=NOW)
+    assert not cache.offer(pushed, now=NOW, asked=True).changed
+    cache.persist_asked(pushed.key)
+    assert (tmp_path / "names" / "asked" / pushed.key.hex()).is_file()
+    reopened = small_cache(tmp_path)
+    reopened.load(now=NOW)
+    assert reopened.get(pushed.key) == pushed

@@ -62,3 +62,47 @@ async def test_a_running_dcutr_is_found_on_its_host_and_forgotten() -> None:
         async with nat_services(host) as dcutr:
             assert patches.running_dcutr(host) is dcutr
         assert patches.running_dcutr(host) is None
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [(module, name) for module, name, _ in patches.MODULE_TARGETS],
+    ids=[f"{module.__name__}.{name}" for module, name, _ in patches.MODULE_TARGETS],
+)
+def test_patched_module_attribute_exists(module: Any, name: str) -> None:
+    assert hasattr(module, name), f"py-libp2p's {module.__name__} lost {name}"
+
+
+# dial_peer's wait after its last dial was py-libp2p's 250 ms; what is left is scheduling.
+DIAL_RETURN_SLACK = 0.1
+
+
+async def test_a_connect_returns_when_its_dial_is_done() -> None:
+    """py-libp2p's dial_peer waited 250 ms after every dial it started, also after one
+    that had succeeded: each connect (a `blob get`'s first dial among them) took at
+    least 0.25 s, a loopback one 0.251 s every time."""
+    import trio
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    from multiaddr import Multiaddr
+
+    server = build_host(create_new_key_pair(), fast=False)
+    client = build_host(create_new_key_pair(), fast=False)
+    network: Any = client.get_network()
+    dial = network._dial_with_retry
+    dialled: list[float] = []
+
+    async def timed_dial(*args: Any, **kwargs: Any) -> Any:
+        conn = await dial(*args, **kwargs)
+        dialled.append(trio.current_time())
+        return conn
+
+    network._dial_with_retry = timed_dial
+    async with server.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        addr = f"{server.get_addrs()[0]}"
+        if "/p2p/" not in addr:
+            addr += f"/p2p/{server.get_id()}"
+        async with client.run(listen_addrs=[]):
+            await client.connect(info_from_p2p_addr(Multiaddr(addr)))
+            returned = trio.current_time()
+    assert len(dialled) == 1
+    assert returned - dialled[0] < DIAL_RETURN_SLACK
