@@ -491,7 +491,6 @@ def build_host(
     if getattr(network, "_resource_manager", resource_manager) is None:
         raise HostConfigError("libp2p silently dropped the resource manager")
     patches.release_scopes_of_failed_upgrades(network)
-    patches.start_dials_together()
     install_inbound_gate(host, gate, handshake_timeout=handshake_timeout)
     return host
 

@@ -22,7 +22,6 @@ from typing import Any
 from libp2p.host.basic_host import BasicHost
 from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.kad_dht.provider_store import ProviderStore
-from libp2p.network import swarm as swarm_module
 from libp2p.network.swarm import Swarm
 from libp2p.rcmgr.manager import ResourceManager
 
@@ -92,15 +91,6 @@ TARGETS: tuple[tuple[type, str, str], ...] = (
         BasicHost,
         "get_addrs",
         "a NATed node hands out relay circuit addresses that addrs_factory would mangle",
-    ),
-)
-# Module attributes (module, attribute, why), checked as TARGETS are.
-MODULE_TARGETS: tuple[tuple[Any, str, str], ...] = (
-    (
-        swarm_module,
-        "_HAPPY_EYEBALLS_DELAY",
-        "dial_peer waits it out after every dial it starts, success or not: 250 ms on "
-        "every connect (start_dials_together)",
     ),
 )
 # Set at run time, so not in TARGETS: DCUtRProtocol registers itself on its host as
@@ -180,29 +170,6 @@ def _releasing_scopes(original: Callable[..., Awaitable[Any]]) -> Callable[..., 
             _UPGRADE_SCOPES.reset(token)
 
     return upgrade
-
-
-# --- Dials ---------------------------------------------------------------------------------
-#
-# py-libp2p 0.8.1's Swarm.dial_peer picks at most one address per transport class (a
-# blobnet peer: one TCP address, perhaps one relay circuit) and starts their dials one by
-# one, each after ``move_on_after(_HAPPY_EYEBALLS_DELAY): await failed_event.wait()``. Only
-# a failure sets that event, so after a dial that succeeds in a millisecond it still waits
-# the whole 250 ms, also after the last address: every connect (a `blob get`'s first dial
-# to its provider among them) took at least 250 ms, a loopback one 0.251 s every time. And
-# the head start spares nothing: a success does not stop the loop, so the next address
-# is dialled anyway once the wait is over. With no delay the (at most two) dials start
-# together and dial_peer returns when they end: the same connections, 250 ms sooner.
-# The delay is a module constant read at each dial, not an attribute of the swarm, so this
-# one patch is process-wide (theory, rule 1); every host blobnet builds wants it.
-HAPPY_EYEBALLS_DELAY = 0.0
-
-
-def start_dials_together() -> None:
-    """Make py-libp2p's dial_peer start its dials at once instead of waiting 250 ms after
-    each (see above). Idempotent."""
-    _require(swarm_module, "_HAPPY_EYEBALLS_DELAY")
-    swarm_module._HAPPY_EYEBALLS_DELAY = HAPPY_EYEBALLS_DELAY
 
 
 def resource_manager(network: Any) -> Any:
