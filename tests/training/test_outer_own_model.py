@@ -274,3 +274,23 @@ def test_cli_init_refuses_a_missing_model(tmp_path: Path) -> None:
         obj={"store_root": tmp_path / "store", "key_path": tmp_path / "k.key"},
     )
     assert result.exit_code != 0 and "no such directory" in result.output
+
+
+def test_a_spec_envelope_in_another_spelling_is_refused() -> None:
+    """One spec, one blob ID: the signed envelope is canonical like its body, so the same
+    signed spec re-encoded (keys in another order) is refused."""
+    import msgpack
+
+    from identity import MachineKey, SoftwareSigner
+    from training.outer.spec import BadSpec, RunSpec, decode_spec, encode_spec
+
+    spec = RunSpec(
+        run="r", initial="00" * 32, root="00" * 32, tensors=(("w", (2, 2)),),
+        inner_steps=2, workers=2, authorities=("aa" * 32,),
+    )  # fmt: skip
+    data = encode_spec(spec, SoftwareSigner(MachineKey.generate()))
+    assert decode_spec(data).spec == spec
+    outer = msgpack.unpackb(data, raw=False)
+    reordered = msgpack.packb(dict(reversed(list(outer.items()))), use_bin_type=True)
+    with pytest.raises(BadSpec, match="canonical"):
+        decode_spec(reordered)

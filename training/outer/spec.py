@@ -43,6 +43,7 @@ import blake3
 import msgpack
 
 from blobstore.canonical import encode as encode_canonical
+from blobstore.canonical import require_canonical
 from blobstore.errors import ExitCode
 from training.errors import TrainingError
 
@@ -195,7 +196,11 @@ def decode_spec(data: bytes) -> SignedSpec:
         raise BadSpec("run spec blob fields have the wrong types")
     if not verify_signature(key, SPEC_DOMAIN + body, sig):
         raise BadSpec("run spec signature does not verify")
-    return SignedSpec(decode_body(body), key)
+    spec = decode_body(body)
+    # One spelling per spec, so one blob ID per spec: the envelope is canonical too.
+    canonical = _pack({"v": outer["v"], "body": body, "key": key, "sig": sig})
+    require_canonical(data, canonical, what="run spec", error=BadSpec)
+    return SignedSpec(spec, key)
 
 
 def check_model(spec: RunSpec, shapes: Mapping[str, tuple[int, ...]]) -> None:
