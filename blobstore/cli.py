@@ -463,17 +463,19 @@ def rm_cmd(ctx: click.Context, refs: tuple[str, ...], as_json: bool) -> None:
     metavar="SECONDS",
     help="Keep untagged blobs touched within this many seconds.",
 )
+@click.option("--dry-run", is_flag=True, help="List what would be deleted; delete nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
-def gc_cmd(ctx: click.Context, grace: float, as_json: bool) -> None:
+def gc_cmd(ctx: click.Context, grace: float, dry_run: bool, as_json: bool) -> None:
     """Delete untagged blobs and abandoned partials older than the grace period."""
-    removed = _open_store(ctx).gc(grace)
+    removed = _open_store(ctx).gc(grace, dry_run=dry_run)
     if as_json:
-        _emit_json({"removed": removed})
+        _emit_json({"would_remove" if dry_run else "removed": removed})
         return
+    verb = "would remove" if dry_run else "removed"
     for blob_id in removed:
-        click.echo(f"removed {blob_id}")
-    click.echo(f"gc: removed {len(removed)} blob(s)", err=True)
+        click.echo(f"{verb} {blob_id}")
+    click.echo(f"gc: {verb} {len(removed)} blob(s)", err=True)
 
 
 @click.command("verify")

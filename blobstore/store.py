@@ -1358,12 +1358,12 @@ class Store:
                 continue  # a malformed collection pins nothing but itself
         return keep
 
-    def gc(self, grace_seconds: float = DEFAULT_GC_GRACE) -> list[str]:
+    def gc(self, grace_seconds: float = DEFAULT_GC_GRACE, *, dry_run: bool = False) -> list[str]:
         """Delete untagged blobs and idle partials older than ``grace_seconds``.
 
-        Returns the removed IDs. Never touches a tagged or leased blob (or a child of a
-        tagged or leased collection), a partial another writer holds, or anything younger
-        than the grace.
+        Returns the removed IDs (with ``dry_run``, those it would remove, removing
+        nothing). Never touches a tagged or leased blob (or a child of a tagged or leased
+        collection), a partial another writer holds, or anything younger than the grace.
 
         The store lock is held only while deciding and renaming: what goes is renamed into
         ``tmp/`` (one rename each, however large the file) and deleted after the lock is
@@ -1375,19 +1375,23 @@ class Store:
         removed: list[str] = []
         doomed: list[str] = []  # paths in tmp/, deleted once the lock is released
         with os_errors("collecting garbage"):
-            sweep_temp_dir(self.tmp_dir)
+            if not dry_run:
+                sweep_temp_dir(self.tmp_dir)
             with self._store_lock():
                 keep = self._protected()
                 for blob_id in self._complete_ids():
                     data_path = self._data_path(blob_id)
                     if blob_id in keep or now - data_path.stat().st_mtime < grace_seconds:
                         continue
+                    removed.append(blob_id)
+                    if dry_run:
+                        continue
                     doomed.append(self._to_trash(data_path))
                     self._manifest_path(blob_id).unlink(missing_ok=True)
-                    removed.append(blob_id)
                     with self._mutex:
                         self._manifests.pop(blob_id, None)
-                self._remove_orphan_manifests()
+                if not dry_run:
+                    self._remove_orphan_manifests()
                 for entry in os.scandir(self._partial):
                     if entry.name in keep:
                         continue
@@ -1401,7 +1405,8 @@ class Store:
                         )
                         if now - newest < grace_seconds:
                             continue
-                        doomed.append(self._to_trash(Path(entry.path)))
+                        if not dry_run:
+                            doomed.append(self._to_trash(Path(entry.path)))
                         if _is_id(entry.name):
                             removed.append(entry.name)
                     finally:
@@ -1411,7 +1416,8 @@ class Store:
                         continue  # pinned, or a repair download is using it
                     newest = max((e.stat().st_mtime for e in os.scandir(entry.path)), default=0.0)
                     if now - newest >= grace_seconds:
-                        doomed.append(self._to_trash(Path(entry.path)))
+                        if not dry_run:
+                            doomed.append(self._to_trash(Path(entry.path)))
                         if _is_id(entry.name):
                             removed.append(entry.name)
             for path in doomed:
