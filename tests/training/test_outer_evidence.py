@@ -28,13 +28,20 @@ from identity import (
 )
 from tests.blob_cli import blob_here
 from training.outer.aggregate import aggregate, wrap_update
-from training.outer.agreement import Closure, Included, check_closure, sign_closure
+from training.outer.agreement import (
+    Closure,
+    Included,
+    check_closure,
+    decode_closure,
+    sign_closure,
+)
 from training.outer.codec import CodecParams, encode
 from training.outer.loop import OuterState, state_root
 from training.outer.messages import (
     UPDATE_KIND,
     ClosureAnnouncement,
     VerdictAnnouncement,
+    decode_message,
     encode_message,
 )
 from training.outer.milestones import (
@@ -263,4 +270,29 @@ def test_milestones_exits_1_on_an_invalid_entry(store: Store) -> None:
         True,
         False,
         True,
+    ]
+
+
+def test_rounds_caught_up_over_rest_on_the_closure_and_are_listed(store: Store) -> None:
+    """A worker paused after round 0 wakes to find rounds 1 and 2 closed and adopts closure
+    2's state: it keeps closure 2 and an anchor on the state, and signs no milestone for
+    rounds it did not recompute. Verify accepts that, names the catch-up among its
+    anchors, and still wants the rounds it did apply."""
+    closure_2 = decode_message(store.path(store.tags()[tag(RUN, "closure", 2)]).read_bytes())
+    assert isinstance(closure_2, ClosureAnnouncement)
+    for name in list(run_tags(store, RUN)):
+        if (
+            name != tag(RUN, "start")
+            and not name.endswith(("-0", "closure-2"))
+            and (f"{tag(RUN, 'verdict', 0)}-" not in name)
+        ):
+            store.untag(name)
+    store.tag(tag(RUN, "anchor", 3), decode_closure(closure_2.body).state_blob)
+    report = verify_run(store, RUN, TRUST)
+    assert report.ok, report.failures
+    assert report.checked_rounds == [0, 2]
+    assert any(a.startswith("caught up at round 2") for a in report.anchors)
+    store.untag(tag(RUN, "milestone", 0))
+    assert failures(store) == [
+        "no valid milestone is kept: nothing signed says how many rounds the run has"
     ]
