@@ -452,8 +452,9 @@ def study_table(rows: list[dict[str, Any]]) -> list[str]:
                 else "-"
             )
             mark = " (tuned dense)" if point == best else ""
+            shown_point = point.replace("decay 1.0, ", "") if point.startswith("diloco") else point
             table.append(
-                f"| {label} | {point}{mark} | {losses} | **{medians[point]:.4f}** | {gap} | "
+                f"| {label} | {shown_point}{mark} | {losses} | **{medians[point]:.4f}** | {gap} | "
                 f"{shown} |"
             )
     return table
