@@ -324,6 +324,186 @@ def _grid(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+# --study point keys: the grid's outer knobs, the codec's, and loop.SimConfig.ablation.
+STUDY_KEYS = {
+    "lr": "outer_lr",
+    "mu": "outer_momentum",
+    "decay": "ef_decay",
+    "k": "k",
+    "chunk": "chunk",
+    "ablation": "ablation",
+}
+
+
+def parse_points(spec: str) -> list[tuple[str, dict[str, Any]]]:
+    """``"diloco:lr=1,mu=0;sparseloco:lr=2,decay=0.9,k=64"`` -> [(mode, SimConfig fields)];
+    knobs not named stay at no outer momentum and error-feedback decay 1."""
+    points = []
+    for item in filter(None, (p.strip() for p in spec.split(";"))):
+        mode, _, knobs = item.partition(":")
+        point: dict[str, Any] = {"outer_momentum": 0.0, "ef_decay": 1.0}
+        for kv in filter(None, knobs.split(",")):
+            key, _, value = kv.partition("=")
+            field_ = STUDY_KEYS[key.strip()]
+            point[field_] = (
+                value if field_ == "ablation" else int(value) if field_ in ("k", "chunk")
+                else float(value)
+            )  # fmt: skip
+        if "outer_lr" not in point:
+            raise SystemExit(f"study point {item!r} names no lr")
+        points.append((mode.strip(), point))
+    return points
+
+
+def _study_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(row[k] for k in ("mode", "workers", "inner_steps", "rounds", "seed", "point"))
+
+
+def _point_label(mode: str, point: dict[str, Any]) -> str:
+    short = {v: k for k, v in STUDY_KEYS.items()}
+    knobs = [f"{short[k]} {v}" for k, v in sorted(point.items()) if k in short and v != ""]
+    return f"{mode} " + ", ".join(knobs)
+
+
+def _study(args: argparse.Namespace) -> dict[str, Any]:
+    """Each point at each seed, one single-threaded run at a time; the JSON at
+    ``--study-out`` is rewritten after every run (a stopped study keeps what it finished,
+    and a rerun skips it), then the table of medians (``study_table``)."""
+    import os
+
+    path: Path = args.study_out
+    rows: list[dict[str, Any]] = json.loads(path.read_text())["runs"] if path.exists() else []
+    done = {_study_key(r) for r in rows}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    for mode, point in parse_points(args.study):
+        for seed in seeds:
+            row = {
+                "mode": mode,
+                "workers": args.workers,
+                "inner_steps": args.inner_steps,
+                "rounds": args.rounds,
+                "seed": seed,
+                "point": _point_label(mode, point),
+            }
+            if _study_key(row) in done:
+                continue
+            config = SimConfig(
+                mode=mode,
+                workers=args.workers,
+                rounds=args.rounds,
+                inner_steps=args.inner_steps,
+                seed=seed,
+                threads=1,
+                **{"chunk": args.chunk, "k": args.k, **point},
+            )
+            result = _grid_run(config)
+            rows.append({**row, **point, "k": config.k, "chunk": config.chunk, **result})
+            done.add(_study_key(row))
+            print(f"  {row['point']} seed {seed}: {result['loss']:.4f}", file=sys.stderr)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(json.dumps({"runs": rows}, indent=1, default=str) + "\n")
+            os.replace(tmp, path)
+    table = study_table(rows)
+    print("\n".join(table))
+    return {"runs": rows, "table": table}
+
+
+def study_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Per setting: each point's held-out loss per seed and median, and its gap to the
+    dense DiLoCo point with the lowest median (tuned on the same grid): the median over
+    seeds of the per-seed gap, and the gap of the medians."""
+    from statistics import median
+
+    table = [
+        "| setting | point | held-out loss per seed | median | gap vs tuned dense "
+        "(median of per-seed, of medians) | bytes vs fp32 |",
+        "|---|---|---|---|---|---|",
+    ]
+    settings = sorted({(r["workers"], r["inner_steps"], r["rounds"]) for r in rows})
+    for workers, steps, rounds in settings:
+        mine = [r for r in rows if (r["workers"], r["inner_steps"], r["rounds"]) == (
+            workers, steps, rounds)]  # fmt: skip
+        by_point: dict[str, dict[int, dict[str, Any]]] = {}
+        for r in mine:
+            by_point.setdefault(r["point"], {})[r["seed"]] = r
+        medians = {p: median(x["loss"] for x in s.values()) for p, s in by_point.items()}
+        dense = [p for p in by_point if p.startswith("diloco")]
+        best = min(dense, key=medians.__getitem__) if dense else None
+        label = f"{workers} workers x {steps} steps x {rounds} rounds"
+        for point in sorted(by_point, key=medians.__getitem__):
+            seeds = by_point[point]
+            losses = ", ".join(
+                f"s{seed} " + ("diverged" if r["loss"] == float("inf") else f"{r['loss']:.4f}")
+                for seed, r in sorted(seeds.items())
+            )
+            gap = "-"
+            if best is not None:
+                ref = by_point[best]
+                per_seed = [r["loss"] / ref[s]["loss"] - 1 for s, r in seeds.items() if s in ref]
+                of_medians = medians[point] / medians[best] - 1
+                gap = f"{median(per_seed) * 100:+.2f}%, {of_medians * 100:+.2f}%"
+            ratios = [r["x"] for r in seeds.values() if r.get("x")]
+            shown = (
+                "ablation (dense bytes)"
+                if "ablation" in point
+                else f"{min(ratios):.0f}x"
+                if ratios
+                else "-"
+            )
+            mark = " (tuned dense)" if point == best else ""
+            shown_point = point.replace("decay 1.0, ", "") if point.startswith("diloco") else point
+            table.append(
+                f"| {label} | {shown_point}{mark} | {losses} | **{medians[point]:.4f}** | {gap} | "
+                f"{shown} |"
+            )
+    return table
+
+
+def _evidence(args: argparse.Namespace) -> dict[str, Any]:
+    """Bytes per round of a finished run's evidence in one worker's store (what ``blob outer
+    verify`` needs and ``blob gc`` keeps: training.outer.milestones rule 2), next to the
+    size of one state blob (which may go)."""
+    import re
+    from statistics import mean
+
+    from blobstore import Store
+
+    store = Store.open(args.evidence)
+    run = re.escape(args.run_id)
+    kinds = {"updates": "update blobs", "closure": "closures", "milestone": "milestones"}
+    rows: dict[str, list[int]] = {
+        k: [] for k in ("update blobs", "update collections", "closures", "milestones", "verdicts")
+    }
+    rounds, states = set(), []
+    for name, blob in store.tags().items():
+        size = store.manifest(blob).size
+        if re.fullmatch(rf"outer-{run}-(state-\d+|start)", name):
+            states.append(size)
+        m = re.fullmatch(rf"outer-{run}-(updates|closure|milestone|verdict)-(\d+)(-.*)?", name)
+        if m is None:
+            continue
+        rounds.add(int(m.group(2)))
+        if m.group(1) == "updates":
+            rows["update collections"].append(size)
+            children = store.read_collection(blob)
+            rows["update blobs"].extend(store.manifest(e.blob_id).size for e in children)
+        else:
+            rows[kinds.get(m.group(1), "verdicts")].append(size)
+    n = max(len(rounds), 1)
+    per_round = {
+        k: {"count": len(v), "bytes_per_round": sum(v) / n, "each": round(mean(v)) if v else 0}
+        for k, v in rows.items()
+    }
+    total = sum(sum(v) for v in rows.values()) / n
+    for k, v in per_round.items():
+        print(f"{k:>18}: {v['bytes_per_round']:>8.0f} B per round ({v['count']} of {v['each']} B)")
+    print(f"{'evidence':>18}: {total:>8.0f} B per round over {n} rounds; one state blob "
+          f"{max(states, default=0)} B")  # fmt: skip
+    return {"rounds": n, "per_round": per_round, "evidence_bytes_per_round": total,
+            "state_blob_bytes": max(states, default=0)}  # fmt: skip
+
+
 def _attacks(config: SimConfig) -> dict[str, Any]:
     """Issue 18's byzantine worker, one kind per run: each makes its payload from the
     round's honest updates (the strongest thing a worker that sees them can send)."""
@@ -579,8 +759,39 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--outer-lr", type=float, default=None)
     parser.add_argument("--outer-momentum", type=float, default=None)
+    parser.add_argument(
+        "--study",
+        default="",
+        metavar="POINTS",
+        help='points at every --seeds seed, e.g. "diloco:lr=1,mu=0;sparseloco:lr=2,decay=0.9"',
+    )
+    parser.add_argument("--seeds", default="0,1,2", help="the study's seeds")
+    parser.add_argument(
+        "--evidence", type=Path, default=None, metavar="STORE", help="a run's evidence bytes"
+    )
+    parser.add_argument("--run-id", default="local", help="the run --evidence measures")
+    parser.add_argument(
+        "--study-out",
+        type=Path,
+        default=REPO / "bench" / "results" / "outer-study.json",
+        help="the study's runs (resumed: points already in it are not rerun)",
+    )
+    parser.add_argument(
+        "--study-table", nargs="*", default=None, metavar="JSON", help="print a study's table"
+    )
     args = parser.parse_args(argv)
-    special = {"grid": _grid, "net": _net, "churn": _churn, "byzantine": _byzantine}
+    if args.study_table:
+        rows = [r for f in args.study_table for r in json.loads(Path(f).read_text())["runs"]]
+        print("\n".join(study_table(rows)))
+        return 0
+    special = {
+        "grid": _grid,
+        "net": _net,
+        "churn": _churn,
+        "byzantine": _byzantine,
+        "study": _study,
+        "evidence": _evidence,
+    }
     for name, run in special.items():
         if getattr(args, name):
             figures = run(args)

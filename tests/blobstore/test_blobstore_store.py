@@ -427,6 +427,21 @@ def test_gc_grace_and_tags(store: Store) -> None:
     assert store.list_blobs() == []
 
 
+def test_gc_dry_run_lists_what_gc_deletes_and_deletes_nothing(store: Store) -> None:
+    """``blob gc --dry-run`` is how a user sees what forgetting a run would free; a dry
+    run that deleted, or listed other blobs than gc then takes, would mislead them."""
+    old = store.put_bytes(b"old", chunk_size=C)
+    idle = Manifest.of_bytes(os.urandom(C), C)
+    store.begin_partial(idle).close()
+    store.put_bytes(b"young", chunk_size=C)
+    age(store.path(old), 7200)
+    age(store.root / "partial" / idle.blob_id, 7200)
+    listed = store.gc(3600, dry_run=True)
+    assert listed == sorted([old, idle.blob_id])
+    assert store.has(old) and store.partial_ids() == [idle.blob_id]
+    assert store.gc(3600) == listed
+
+
 def test_gc_partials(store: Store) -> None:
     held = Manifest.of_bytes(os.urandom(C), C)
     idle = Manifest.of_bytes(os.urandom(C), C)

@@ -100,3 +100,29 @@ def test_the_first_grid_is_still_reachable(
     }
     assert {c.ef_decay for c in sparse} == {1.0}
     assert capsys.readouterr().out.count("Nesterov momentum (0.0, 0.9)") == 2
+
+
+def test_the_study_runs_every_point_at_every_seed_once_and_reports_medians(
+    bench: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--study: the seeds' median decides the tuned dense point, each point's gap is the
+    median of its per-seed gaps, and a rerun skips what the JSON already holds (a study
+    stopped by its time bound resumes instead of starting over)."""
+    seen = _fake_runs(bench, monkeypatch)
+    points = "diloco:lr=1,mu=0;diloco:lr=0.7,mu=0.9;sparseloco:lr=2,decay=0.9,k=64"
+    argv = ["--study", points, "--seeds", "0,1,2", "--rounds", "4", "--inner-steps", "3"]
+    out = tmp_path / "study.json"
+    argv += ["--study-out", str(out), "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    assert len(seen) == 9
+    assert {(c.mode, c.seed) for c in seen} == {
+        (m, s) for m in ("diloco", "sparseloco") for s in (0, 1, 2)
+    } and {c.k for c in seen if c.mode == "sparseloco"} == {64}
+    assert bench.main(argv) == 0
+    assert len(seen) == 9  # nothing rerun
+    table = capsys.readouterr().out
+    # The fake gives dense lr 1 / mu 0 loss 1.0 and the sparse point 1.0: both gaps 0.
+    assert "diloco lr 1.0, mu 0.0 (tuned dense) | s0 1.0000, s1 1.0000, s2 1.0000" in table
+    assert "| sparseloco decay 0.9, k 64, lr 2.0, mu 0.0 |" in table
+    assert "+0.00%, +0.00% | 157x |" in table
+    assert len(json.loads(out.read_text())["runs"]) == 9

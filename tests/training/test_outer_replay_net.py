@@ -74,6 +74,6 @@ def test_an_update_that_does_not_match_its_commitment_is_caught_and_excluded(
     verified = [v for m in milestones for v in m["verified"]]
     assert any(v["author"] == p[2] and v["outcome"].startswith("mismatch") for v in verified)
     assert all(v["outcome"] == "match" for v in verified if v["author"] != p[2]), verified
-    report = verify_run(store, params.run_id, trust, params.outer_config())
+    report = verify_run(store, params.run_id, trust)
     assert report.ok, report.failures
     assert report.checked_rounds == list(range(params.rounds))

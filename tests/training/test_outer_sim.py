@@ -114,3 +114,22 @@ def test_robust_aggregation_matches_the_mean_and_shrugs_off_a_byzantine_worker()
     attacked = simulate(config, adversary=negated)
     assert attacked.state_roots == clean.state_roots
     assert attacked.excluded == [["sim-byzantine: disagrees with the round's updates"]] * 2
+
+
+def test_the_research_ablations_send_what_they_say() -> None:
+    """bench/outer.py --study's codec ablations: "exact-values" sends the kept values
+    themselves (sent plus residual is exactly what was to be sent), "sender-mean" divides
+    each coordinate by the workers that sent it, not by all of them."""
+    import numpy as np
+
+    from training.outer.codec import CodecParams, decode
+    from training.outer.loop import _ExactValues, _sender_mean
+
+    grad = {"w": np.random.default_rng(0).standard_normal(512).astype(np.float32)}
+    feedback = _ExactValues(CodecParams(chunk=256, k=8))
+    sent = decode(feedback.step(grad)).tensors["w"]
+    assert np.count_nonzero(sent) == 16
+    assert np.array_equal(sent + feedback.residual["w"], grad["w"])
+    a = {"w": np.array([2.0, 0.0, 4.0], dtype=np.float32)}
+    b = {"w": np.array([0.0, 0.0, 2.0], dtype=np.float32)}
+    assert _sender_mean({"a": a, "b": b})["w"].tolist() == [2.0, 0.0, 3.0]

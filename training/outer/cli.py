@@ -555,16 +555,25 @@ def milestones_command(
     ctx: click.Context, /, run_id: str, authorities: tuple[str, ...], as_json: bool
 ) -> None:
     """List the signed per-round milestones of RUN kept in this store, with the replay
-    verdicts on each round's sampled updates (included vs verified)."""
+    verdicts on each round's sampled updates (included vs verified); exit 1 if any is
+    invalid."""
     from identity import TrustStore
-    from training.outer.milestones import list_milestones
+    from training.outer.milestones import invalid_entries, list_milestones
+    from training.outer.params import OuterRunFailed
 
     trust = TrustStore(frozenset(_authority(a) for a in authorities)) if authorities else None
     entries = list_milestones(_store(ctx), run_id, trust)
+    invalid = invalid_entries(entries)
     if as_json:
         json.dump(entries, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
-        return
+    else:
+        _show_milestones(run_id, entries)
+    if invalid:
+        raise OuterRunFailed(f"run {run_id}: {invalid} invalid milestone(s) or verdict(s)")
+
+
+def _show_milestones(run_id: str, entries: list[dict[str, Any]]) -> None:
     if not entries:
         click.echo(f"no milestones of run {run_id} in this store")
     for e in entries:
@@ -596,15 +605,15 @@ def milestones_command(
 def verify_command(
     ctx: click.Context, /, run_id: str, authorities: tuple[str, ...], as_json: bool
 ) -> None:
-    """Re-check RUN's closures, results and milestones from the blobs in this store; exit 1
-    if any fails."""
+    """Re-check RUN's closures, results, milestones and verdicts from the blobs in this
+    store, every round from its start to the last round its milestones sign; exit 1 if
+    any is missing or fails."""
     from identity import TrustStore
     from training.outer.milestones import verify_run
-    from training.outer.params import OuterRunFailed, RunParams
+    from training.outer.params import OuterRunFailed
 
     trust = TrustStore(frozenset(_authority(a) for a in authorities))
-    config = RunParams(run_id=run_id, workers=1, rounds=0, inner_steps=1).outer_config()
-    report = verify_run(_store(ctx), run_id, trust, config)
+    report = verify_run(_store(ctx), run_id, trust)
     if as_json:
         json.dump(report.to_json(), sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
@@ -620,6 +629,34 @@ def verify_command(
             if report.failures
             else f"run {run_id}: nothing to verify in this store"
         )
+
+
+@outer_group.command("forget")
+@click.argument("run_id", metavar="RUN")
+@click.option("--dry-run", is_flag=True, help="Say what would be untagged; untag nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the tags as JSON.")
+@click.pass_context
+def forget_command(ctx: click.Context, /, run_id: str, dry_run: bool, as_json: bool) -> None:
+    """Untag everything of RUN in this store (start, closures, milestones, verdicts, the
+    updates they name, states), so the next ``blob gc`` deletes it: after this, RUN can no
+    longer be verified from this store. ``blob gc --dry-run`` shows what would go."""
+    from training.outer.milestones import run_tags
+
+    store = _store(ctx)
+    tags = run_tags(store, run_id)
+    if not dry_run:
+        for name in tags:
+            store.untag(name)
+    if as_json:
+        click.echo(json.dumps({"untagged": tags, "dry_run": dry_run}, indent=2, sort_keys=True))
+        return
+    for name, blob in tags.items():
+        click.echo(f"{'would untag' if dry_run else 'untagged'} {name} {blob[:16]}")
+    click.echo(
+        f"run {run_id}: {len(tags)} tag(s) {'would be ' if dry_run else ''}removed; "
+        "`blob gc --dry-run` lists what gc would now delete",
+        err=True,
+    )
 
 
 # --- the user's own model: a run spec and its export -------------------------------------

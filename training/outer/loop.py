@@ -44,6 +44,7 @@ from training.outer.codec import (
     F32,
     CodecParams,
     ErrorFeedback,
+    compress_tensor,
     decode,
     encode_dense,
 )
@@ -325,16 +326,15 @@ def synthetic_tokens(seed: int, sequences: int, seq_len: int) -> npt.NDArray[np.
 # Outer hyper-parameters per mode. Dense DiLoCo uses the paper's Nesterov SGD (lr 0.7,
 # momentum 0.9). SparseLoCo, as in its paper, drops the outer momentum: the workers'
 # error-feedback residuals carry what momentum would, and plain SGD applies the sparse mean.
-# Swept on the tiny Llama, 4 workers, k 48 / chunk 4096 (100 rounds x 5 steps, held-out
-# loss at the end): lr 3 / no momentum / EF decay 1 -> 0.501; lr 5 -> 0.543; Nesterov
-# lr 0.4 / 0.9 -> 0.908; dense DiLoCo 0.654. With decay 0.95 (the paper's) and lr 2 it
-# tracked lr 3 / decay 1 closely over 20 rounds x 10 steps. With Rice-coded positions and
-# k 80 (30 rounds, 4 workers): 5 inner steps, lr 3 / decay 1 -> 0.814 (lr 2: 0.984, lr 5:
-# 0.972, lr 8: 2.04, decay 0.95 / lr 2 at k 48: 0.994); 20 inner steps, lr 2 -> 0.520,
-# lr 3 -> 0.528, lr 1 -> 0.545. bench/outer.py --grid tunes lr and momentum per setting.
+# Its decay is what decides the gap to dense (bench/outer.py --study, tiny Llama, 4 workers,
+# k 80 of 4096, median of 3 seeds; bench/figures/outer-study.md): at 20 inner steps x 30
+# rounds, lr 3 / decay 0.9 is +0.9% (median per-seed gap) against dense DiLoCo tuned on lr
+# {0.7, 1} x momentum {0, 0.9}; decay 1 (classic error feedback, the old default) +6.9%,
+# decay 0.95 +2.7%, decay 0.8 +1.6%, lr 2 / 0.9 +2.2%, lr 4 / 0.9 +1.1%. At 50 inner steps
+# lr 3 / decay 0.9 is -0.4%.
 MODE_DEFAULTS: dict[str, dict[str, float]] = {
     "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "ef_decay": 1.0},
-    "sparseloco": {"outer_lr": 3.0, "outer_momentum": 0.0, "ef_decay": 1.0},
+    "sparseloco": {"outer_lr": 3.0, "outer_momentum": 0.0, "ef_decay": 0.9},
     "ddp": {"outer_lr": 0.0, "outer_momentum": 0.0, "ef_decay": 1.0},
 }
 
@@ -366,6 +366,11 @@ class SimConfig:
     # Aggregate as the network does (training.outer.aggregate: envelopes, bounds, copies,
     # direction) instead of the plain mean; implied by a byzantine worker.
     robust: bool = False
+    # Research only (bench/outer.py --study; no wire format carries these): "exact-values"
+    # sends the kept top-k values unquantised (what the 2-bit codes cost), "sender-mean"
+    # averages each coordinate over the workers that sent it instead of over all K (what
+    # the outer optimiser sees of values only one worker kept). "" is the codec as shipped.
+    ablation: str = ""
 
 
 @dataclass
@@ -502,9 +507,12 @@ def simulate(
     models = [make_tiny_llama(cfg.model_size, seed=cfg.seed) for _ in range(cfg.workers)]
     optimizers = [_adamw(m, cfg) for m in models]
     codec = CodecParams(chunk=cfg.chunk, k=cfg.k)
+    if cfg.ablation not in ABLATIONS:
+        raise OuterError(f"unknown ablation {cfg.ablation!r}; choose one of {ABLATIONS}")
+    feedback_class = _ExactValues if cfg.ablation == "exact-values" else ErrorFeedback
     feedbacks = [
         # Names and shapes by schema digest, as on the wire (training.outer.launch.Trainer).
-        ErrorFeedback(codec, decay=cfg.ef_decay, schema_ref=True)
+        feedback_class(codec, decay=cfg.ef_decay, schema_ref=True)
         if cfg.mode == "sparseloco"
         else None
         for _ in range(cfg.workers)
@@ -525,6 +533,8 @@ def simulate(
             updates[f"sim-worker-{w:03d}"] = decode_update(blob, state)
         if cfg.robust or adversary is not None:
             state = _robust_round(state, payloads, updates, outer, adversary, result)
+        elif cfg.ablation == "sender-mean":
+            state = outer_step(state, _sender_mean(updates), outer)
         else:
             state = apply_round(state, updates, outer)
         load_params(reference, state.params)
@@ -537,6 +547,42 @@ def simulate(
             progress(r + 1, result)
     result.wall_seconds = time.perf_counter() - started
     return result
+
+
+ABLATIONS = ("", "exact-values", "sender-mean")
+
+
+class _ExactValues(ErrorFeedback):
+    """Error feedback that sends the kept values themselves, not their 2-bit codes (a
+    dense encoding of the sparse tensor: the bytes it reports are not the codec's)."""
+
+    def step(self, grads: Mapping[str, Any]) -> bytes:
+        sent: dict[str, F32] = {}
+        for name in _sorted(grads):
+            grad = np.asarray(grads[name], dtype=np.float32)
+            previous = self.residual.get(name)
+            accumulated = grad.copy() if previous is None else previous * self.decay + grad
+            kept = compress_tensor(accumulated, self.params).positions
+            out = np.zeros(accumulated.size, dtype=np.float32)
+            out[kept] = accumulated.reshape(-1)[kept]
+            accumulated.reshape(-1)[kept] = 0.0
+            self.residual[name] = accumulated
+            sent[name] = out.reshape(accumulated.shape)
+        return encode_dense(sent)
+
+
+def _sender_mean(updates: Mapping[str, Mapping[str, F32]]) -> dict[str, F32]:
+    """Each coordinate's mean over the updates that are non-zero there (0 where none is)."""
+    peers = sorted(updates)
+    out: dict[str, F32] = {}
+    for name in _sorted(updates[peers[0]]):
+        total = np.zeros_like(updates[peers[0]][name])
+        count = np.zeros_like(total)
+        for peer in peers:
+            total += updates[peer][name]
+            count += updates[peer][name] != 0
+        out[name] = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
+    return out
 
 
 def _robust_round(

@@ -5,39 +5,58 @@ Theory of operation
 -------------------
 1. After a worker applies (or proposes) round r's closure it signs a **milestone**: the
    run, the round, the closure's digest, the start and result roots, the included
-   ``(peer, blob)`` pairs (those the aggregation admitted) and the excluded ones with their
-   reasons. Every honest worker that applied the closure computes the same milestone, so
-   milestones from distinct admitted operators over one digest are the evidence a payment
-   rail releases on (DESIGN 8's two-operator rule; the rail is out of scope). Kind
-   :data:`MILESTONE_KIND`, digest = BLAKE3 of the canonical body, subjects
-   ``[closure digest as hex, result root]``. None is signed for a round the worker
-   skipped by catching up: it did not recompute it.
-2. A worker keeps, tagged in its store, ``outer-<run>-start`` (the state it started from),
-   and per round ``outer-<run>-closure-<r>`` and ``outer-<run>-milestone-<r>``; update blobs
-   stay in the store. :func:`verify_run` re-checks from these alone: each closure's
-   signatures (against the run's authorities), the chain (each closure starts from the
-   previous result), each result recomputed from the start state and the named update
-   blobs (``training.outer.aggregate``), and each milestone's signature and body against
-   that recomputation. Any failure is reported; none may be skipped silently.
+   ``(peer, blob)`` pairs (those the aggregation admitted), the excluded ones with their
+   reasons, and the run's **terms** (:class:`RunTerms`: how many rounds the run has, its
+   replay rate and its outer optimiser), the same for every worker of the run. Every
+   honest worker that applied the closure computes the same milestone, so milestones from
+   distinct admitted operators over one digest are the evidence a payment rail releases on
+   (DESIGN 8's two-operator rule; the rail is out of scope). Kind :data:`MILESTONE_KIND`,
+   digest = BLAKE3 of the canonical body, subjects ``[closure digest as hex, result
+   root]``. None is signed for a round the worker skipped by catching up: it did not
+   recompute it.
+2. A worker keeps, tagged in its store (:func:`keep_round`), ``outer-<run>-start`` (the
+   state it started from), and per round ``outer-<run>-closure-<r>``,
+   ``outer-<run>-milestone-<r>`` and ``outer-<run>-updates-<r>``: a collection blob naming
+   every update blob the closure names, so ``blob gc`` keeps them (a tagged collection
+   pins its children) for as long as the run is kept. ``blob outer forget`` untags all of
+   a run's tags (:func:`run_tags`) and so hands its evidence to gc; the state blobs of old
+   rounds are not evidence (each round is recomputed from the start state) and are
+   untagged as the run goes.
 3. **Verified.** A sampled update's replay verdict (``training.outer.replay``) arrives a
    round after its milestone, so it is its own signed record: every verdict a worker
    made or accepted is kept as a blob, tagged ``outer-<run>-verdict-<r>-<author>``.
    :func:`list_milestones` lists them per round beside the included updates (included vs
-   verified); :func:`verify_run` checks each one's signature and that it judges an update
-   the round's closure named.
+   verified).
+4. :func:`verify_run` re-checks a run from these alone, and any gap is a failure:
+   (a) the run's terms come from its milestones' signed bodies, so its length is fixed by
+   signatures: every round from the start state's to the last one the terms name must
+   have its closure and its milestone (a missing or invalid one is named; deleting the
+   last rounds is a missing round, not a shorter run); (b) each closure's signature
+   (against the run's authorities) and the chain (each closure starts from the previous
+   result); (c) each result recomputed from the start state and the named update blobs
+   (``training.outer.aggregate``) with the terms' optimiser, and each milestone's
+   signature and body against that recomputation; (d) every update the round's sample
+   drew (``replay.sampled`` and ``replay.replayer_for`` from the closure's result) has a
+   valid verdict, signed by its assigned replayer, on the blob the closure named.
+   A round the worker caught up over (its closure kept, an ``outer-<run>-anchor-<r+1>``
+   tag on the adopted state, no milestone) rests on the closure's signature alone; the
+   report lists each such round among its anchors, and the rounds before it that this
+   worker never saw need no closure.
 """
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
-import msgpack
 
-from blobstore import Store, StoreError
+from blobstore import CollectionEntry, Store, StoreError
+from blobstore.canonical import encode as encode_canonical
+from blobstore.collection import encode_collection
 from identity import (
     AdmissionCertificate,
     Rejected,
@@ -57,12 +76,21 @@ from training.outer.messages import (
     VerdictAnnouncement,
     decode_message,
 )
-from training.outer.replay import REPLAY_KIND, BadVerdict, Verdict, check_verdict
+from training.outer.replay import (
+    REPLAY_KIND,
+    BadVerdict,
+    Verdict,
+    check_verdict,
+    replayer_for,
+    sampled,
+)
 from training.outer.state_blob import BadStateBlob, decode_state
 
 MILESTONE_KIND = "blobnet/outer-milestone"
 MILESTONE_DOMAIN = b"blobnet/outer-milestone/v1"
-MILESTONE_VERSION = 1
+# Version 2 added the run's terms (rule 1): a milestone of version 1 does not say how long
+# its run is, so nothing signed would show a truncated run.
+MILESTONE_VERSION = 2
 # A milestone lists at most MAX_INCLUDED (64) workers with peer IDs, blob IDs and short
 # reasons, plus its attestation (about 1 KiB): 64 KiB bounds one with room to spare.
 MAX_MILESTONE_SIZE = 64 * 1024
@@ -70,6 +98,24 @@ MAX_MILESTONE_SIZE = 64 * 1024
 
 class BadMilestone(Exception):
     """Bytes that are not a canonical milestone record."""
+
+
+@dataclass(frozen=True)
+class RunTerms:
+    """What every worker of a run is given identically and :func:`verify_run` needs: the
+    run has rounds ``0 .. rounds - 1``, samples updates for replay at ``replay_rate`` and
+    takes outer steps with ``outer`` (rule 1)."""
+
+    rounds: int
+    replay_rate: float
+    outer_lr: float
+    outer_momentum: float
+
+    def fields(self) -> list[Any]:
+        return [self.rounds, self.replay_rate, self.outer_lr, self.outer_momentum]
+
+    def outer(self) -> OuterConfig:
+        return OuterConfig(lr=self.outer_lr, momentum=self.outer_momentum)
 
 
 @dataclass(frozen=True)
@@ -81,6 +127,7 @@ class Milestone:
     result_root: str
     included: tuple[tuple[str, str], ...]  # (peer, blob)
     excluded: tuple[tuple[str, str, str], ...]  # (peer, blob, reason)
+    terms: RunTerms
 
     def fields(self) -> dict[str, Any]:
         return {
@@ -92,10 +139,11 @@ class Milestone:
             "result": self.result_root,
             "included": [list(x) for x in self.included],
             "excluded": [list(x) for x in self.excluded],
+            "terms": self.terms.fields(),
         }
 
     def body(self) -> bytes:
-        data: bytes = msgpack.packb(self.fields(), use_bin_type=True)
+        data: bytes = encode_canonical(self.fields())
         return data
 
     def digest(self) -> bytes:
@@ -105,10 +153,12 @@ class Milestone:
     def to_json(self) -> dict[str, Any]:
         out = self.fields()
         out.pop("v")
+        out["terms"] = dict(zip(("rounds", "replay_rate", "outer_lr", "outer_momentum"),
+                                out["terms"], strict=True))  # fmt: skip
         return out
 
 
-def milestone_for(checked: CheckedClosure, agg: Aggregate) -> Milestone:
+def milestone_for(checked: CheckedClosure, agg: Aggregate, terms: RunTerms) -> Milestone:
     c = checked.closure
     return Milestone(
         c.run,
@@ -118,6 +168,7 @@ def milestone_for(checked: CheckedClosure, agg: Aggregate) -> Milestone:
         state_root(agg.state),
         tuple((p, b) for p, b, _ in agg.admitted),
         tuple((e.peer, e.blob, e.reason) for e in agg.excluded),
+        terms,
     )
 
 
@@ -139,8 +190,8 @@ def sign_milestone(
         time=time,
         certificate=certificate,
     )
-    record: bytes = msgpack.packb(
-        {"body": milestone.body(), "attestation": attestation.encode()}, use_bin_type=True
+    record: bytes = encode_canonical(
+        {"body": milestone.body(), "attestation": attestation.encode()}
     )
     return record
 
@@ -149,7 +200,10 @@ def _milestone_from_body(body: bytes) -> Milestone:
     obj = decode_msgpack_map(
         body, max_size=MAX_MILESTONE_SIZE, what="milestone", error=BadMilestone
     )
+    if obj.get("v") != MILESTONE_VERSION:
+        raise BadMilestone(f"milestone version {obj.get('v')!r} is not {MILESTONE_VERSION}")
     try:
+        rounds, rate, lr, momentum = obj["terms"]
         m = Milestone(
             obj["run"],
             obj["round"],
@@ -158,6 +212,7 @@ def _milestone_from_body(body: bytes) -> Milestone:
             obj["result"],
             tuple((str(p), str(b)) for p, b in obj["included"]),
             tuple((str(p), str(b), str(r)) for p, b, r in obj["excluded"]),
+            RunTerms(int(rounds), float(rate), float(lr), float(momentum)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise BadMilestone(f"milestone has a malformed field: {exc}") from None
@@ -200,6 +255,38 @@ def tag(run: str, what: str, round_: int | None = None) -> str:
     return f"outer-{run}-{what}" + ("" if round_ is None else f"-{round_}")
 
 
+# The tags a run's workers make (rule 2), after ``outer-<run>-``; a peer ID has no '-', so
+# run "a" never claims run "a-verdict-1"'s tags.
+_RUN_TAG = re.compile(r"(start|end|(closure|milestone|updates|anchor|state)-\d+|verdict-\d+-[^-]+)")
+
+
+def run_tags(store: Store, run: str) -> dict[str, str]:
+    """Every tag of ``run`` in ``store`` (name -> blob): what ``blob outer forget`` drops."""
+    prefix = f"outer-{run}-"
+    return {
+        name: blob
+        for name, blob in store.tags().items()
+        if name.startswith(prefix) and _RUN_TAG.fullmatch(name[len(prefix) :])
+    }
+
+
+def keep_round(
+    store: Store, checked: CheckedClosure, *, closure_blob: str, milestone_blob: str
+) -> None:
+    """Rule 2: pin what :func:`verify_run` needs of a round this worker applied: its closure
+    and milestone blobs, and (in a collection blob) every update blob the closure names."""
+    c = checked.closure
+    entries = [
+        CollectionEntry(f"{i:03d}-{x.peer}", x.blob, store.manifest(x.blob).size)
+        for i, x in enumerate(c.included)
+    ]
+    with store.lease() as lease:  # no gc between publishing the collection and tagging it
+        updates = store.put_bytes(encode_collection(entries), lease=lease)
+        store.tag(tag(c.run, "updates", c.round), updates)
+    store.tag(tag(c.run, "milestone", c.round), milestone_blob)
+    store.tag(tag(c.run, "closure", c.round), closure_blob)
+
+
 def _rounds(store: Store, run: str, what: str) -> dict[int, str]:
     prefix = tag(run, what) + "-"
     out = {}
@@ -215,7 +302,7 @@ def _verdicts(store: Store, run: str) -> dict[int, list[tuple[str, str]]]:
     out: dict[int, list[tuple[str, str]]] = {}
     for name, blob in store.tags().items():
         round_, _, author = name[len(prefix) :].partition("-")
-        if name.startswith(prefix) and round_.isdigit() and author:
+        if name.startswith(prefix) and round_.isdigit() and author and "-" not in author:
             out.setdefault(int(round_), []).append((author, blob))
     return out
 
@@ -278,12 +365,20 @@ def list_milestones(
     return out
 
 
+def invalid_entries(entries: list[dict[str, Any]]) -> int:
+    """How many milestones and verdicts of a :func:`list_milestones` listing are invalid."""
+    return sum("error" in e for e in entries) + sum(
+        "error" in v for e in entries for v in e["verified"]
+    )
+
+
 @dataclass
 class Report:
     run: str
     checked_rounds: list[int] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     anchors: list[str] = field(default_factory=list)
+    rounds: int | None = None  # the run's length, from its milestones' terms (rule 4a)
 
     @property
     def ok(self) -> bool:
@@ -293,21 +388,48 @@ class Report:
         return {
             "run": self.run,
             "ok": self.ok,
+            "rounds": self.rounds,
             "anchors": self.anchors,
             "checked_rounds": self.checked_rounds,
             "failures": self.failures,
         }
 
 
+def _terms(
+    store: Store, milestones: dict[int, str], trust: TrustStore, report: Report
+) -> RunTerms | None:
+    """Rule 4a: the run's terms, which every valid milestone must state alike."""
+    found: dict[RunTerms, int] = {}
+    for r, blob in sorted(milestones.items()):
+        try:
+            milestone, _signer = check_milestone(store.path(blob).read_bytes(), trust=trust)
+        except (BadMilestone, StoreError, OSError):
+            continue  # named in its round's check
+        found.setdefault(milestone.terms, r)
+    if not found:
+        report.failures.append(
+            "no valid milestone is kept: nothing signed says how many rounds the run has"
+        )
+        return None
+    if len(found) > 1:
+        report.failures.append(
+            "milestones disagree on the run's terms (rounds "
+            + ", ".join(f"{r}: {t.fields()}" for t, r in found.items())
+            + ")"
+        )
+        return None
+    return next(iter(found))
+
+
 def verify_run(
     store: Store,
     run: str,
     trust: TrustStore,
-    config: OuterConfig,
     *,
     progress: Callable[[str], None] | None = None,
 ) -> Report:
-    """Rule 2 of the module: re-check a run's closures, results and milestones."""
+    """Rule 4 of the module: re-check a run's closures, results, milestones and verdicts,
+    from its start to the end its milestones sign."""
     report = Report(run)
     tags = store.tags()
     start_tag = tag(run, "start")
@@ -329,13 +451,25 @@ def verify_run(
     milestones = _rounds(store, run, "milestone")
     verdicts = _verdicts(store, run)
     anchors = _rounds(store, run, "anchor")  # states this worker caught up to
-    for r in sorted(closures):
-        if r < state.round:
-            continue
-        caught_up = r != state.round and r + 1 in anchors
-        if r != state.round and not caught_up:
-            report.failures.append(f"round {state.round}: no closure kept (next is round {r})")
-            return report
+    terms = _terms(store, milestones, trust, report)
+    if terms is None:
+        return report
+    report.rounds = terms.rounds
+    report.anchors.append(f"the run has rounds 0..{terms.rounds - 1} (its milestones' terms)")
+    # A closure kept with an anchor on its result and no milestone: a round caught up over.
+    caught_up = {r for r in closures if r + 1 in anchors and r not in milestones}
+    for r in range(state.round, terms.rounds):
+        later = [x for x in closures if x >= r]
+        if r not in closures and not (later and min(later) in caught_up):
+            report.failures.append(f"round {r}: no closure kept")
+        elif r in closures and r not in caught_up and r not in milestones:
+            report.failures.append(f"round {r}: no milestone kept")
+    for r in sorted(x for x in closures if x >= terms.rounds):
+        report.failures.append(f"round {r}: a closure past the run's last round")
+    config = terms.outer()
+    for r in sorted(x for x in closures if state.round <= x < terms.rounds):
+        if r != state.round and r not in caught_up:
+            return report  # the chain is broken where a closure is missing (named above)
         try:
             msg = decode_message(load(closures[r]))
             if not isinstance(msg, ClosureAnnouncement):
@@ -348,7 +482,7 @@ def verify_run(
             report.failures.append(f"round {r}: closure: {exc}")
             return report
         c = checked.closure
-        if caught_up:
+        if r in caught_up:
             # The worker skipped rounds by catching up to this closure's result: from here
             # its state rests on the closure's signature, not on a recomputation.
             try:
@@ -384,20 +518,55 @@ def verify_run(
         if r in milestones:
             try:
                 milestone, _signer = check_milestone(load(milestones[r]), trust=trust)
-                if milestone != milestone_for(checked, agg):
+                if milestone != milestone_for(checked, agg, terms):
                     raise BadMilestone("milestone does not match the recomputed round")
             except (BadMilestone, StoreError, OSError) as exc:
                 report.failures.append(f"round {r}: milestone: {exc}")
-        named = {(x.peer, x.blob) for x in c.included}
-        for author, vblob in verdicts.get(r, []):
-            try:
-                msg, _replayer = check_verdict_record(load(vblob), run=run, trust=trust)
-                if msg.round != r or msg.author != author or (author, msg.update) not in named:
-                    raise BadMilestone("verdict judges an update the closure did not name")
-            except (BadMilestone, StoreError, OSError) as exc:
-                report.failures.append(f"round {r}: verdict on {author[-8:]}: {exc}")
+        _check_verdicts(r, checked, agg, terms, verdicts.get(r, []), load, trust, report)
         if progress is not None:
             progress(f"round {r}: ok, root {new_root[:16]}")
         report.checked_rounds.append(r)
         state, root = agg.state, new_root
     return report
+
+
+def _check_verdicts(
+    r: int,
+    checked: CheckedClosure,
+    agg: Aggregate,
+    terms: RunTerms,
+    kept: list[tuple[str, str]],
+    load: Callable[[str], bytes],
+    trust: TrustStore,
+    report: Report,
+) -> None:
+    """Rule 4d: each kept verdict is valid and judges an update the closure named, and
+    every update the round's sample drew has one, from its assigned replayer."""
+    c = checked.closure
+    named = {(x.peer, x.blob) for x in c.included}
+    by_peer = dict(zip(c.peers(), checked.operators, strict=True))
+    operators = {p: by_peer[p] for p, _, _ in agg.admitted}
+    judged: dict[str, str] = {}  # author -> the replayer who signed the verdict
+    for author, vblob in kept:
+        try:
+            msg, signer = check_verdict_record(load(vblob), run=c.run, trust=trust)
+            if msg.round != r or msg.author != author or (author, msg.update) not in named:
+                raise BadMilestone("verdict judges an update the closure did not name")
+            judged[author] = signer
+        except (BadMilestone, StoreError, OSError) as exc:
+            report.failures.append(f"round {r}: verdict on {author[-8:]}: {exc}")
+    for peer, _blob, _ in agg.admitted:
+        due = replayer_for(c.result_root, peer, operators)
+        if due is None or not sampled(c.result_root, peer, terms.replay_rate):
+            continue
+        if peer not in judged:
+            if all(a != peer for a, _ in kept):
+                report.failures.append(
+                    f"round {r}: no verdict kept on {peer[-8:]}'s sampled update "
+                    f"(its replayer is {due[-8:]})"
+                )
+        elif judged[peer] != due:
+            report.failures.append(
+                f"round {r}: the verdict on {peer[-8:]} is signed by {judged[peer][-8:]}, "
+                f"not its replayer {due[-8:]}"
+            )

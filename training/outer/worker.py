@@ -46,7 +46,9 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
    left out of the next closure it makes.
 5. Disk: the state blobs of the last ``KEEP_STATES`` rounds stay tagged
    ``outer/<run>/state/<round>``; older ones are untagged, so ``blob gc`` collects them.
-   Each applied closure is kept as a blob (tagged) for ``blob outer verify``.
+   Each applied closure is kept as a blob (tagged), with its milestone and a collection
+   of the update blobs it names (``training.outer.milestones`` rule 2), so ``blob gc``
+   leaves ``blob outer verify`` what it needs until ``blob outer forget``.
 6. Never alone: a worker stopped past the others' last round and linger (45 s in the
    setting of ``bench/outer.py --churn``) wakes to find them gone. Closing the
    remaining rounds alone (at once if it had heard none of their closures, else once
@@ -125,7 +127,7 @@ from training.outer.messages import (
     encode_message,
     topic,
 )
-from training.outer.milestones import milestone_for, sign_milestone, tag
+from training.outer.milestones import RunTerms, keep_round, milestone_for, sign_milestone, tag
 from training.outer.params import OuterNetError, WorkerConfig, write_json
 from training.outer.replay import (
     UNAVAILABLE,
@@ -627,14 +629,16 @@ class Worker:
         if agg is not None:
             milestone = sign_milestone(
                 self.signer,
-                milestone_for(checked, agg),
+                milestone_for(checked, agg, self._terms()),
                 kernel_class=self.kernel_class,
                 certificate=self.certificate,
                 time=int(time.time()),
             )
             record.milestone_blob = await self.node.add_bytes(milestone)
             await trio.to_thread.run_sync(
-                store.tag, tag(self.params.run_id, "milestone", c.round), record.milestone_blob
+                lambda: keep_round(
+                    store, checked, closure_blob=closure_blob, milestone_blob=record.milestone_blob
+                )
             )
         elif not (self.config.join and self.joined_at is None):
             await trio.to_thread.run_sync(
@@ -668,6 +672,11 @@ class Worker:
             f"{c.proposer[-6:]}: {len(record.included)} included, "
             f"{len(record.excluded)} excluded, root {root[:16]}",
         )
+
+    def _terms(self) -> RunTerms:
+        """What this run's milestones sign of its parameters (outer_milestones rule 1)."""
+        outer = self.params.outer_config()
+        return RunTerms(self.params.rounds, self.params.replay_rate, outer.lr, outer.momentum)
 
     def _enter(self, state: OuterState, root: str) -> None:
         """Make ``state`` current: a new round of updates, fetches and announcements."""

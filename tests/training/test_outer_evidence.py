@@ -1,0 +1,298 @@
+"""A run's evidence (training.outer.milestones): ``blob outer verify`` fails on any gap from
+the start to the end the milestones sign, and ``blob gc`` leaves verify what it needs until
+``blob outer forget``.
+
+A three-round run of three workers (three operators) is kept in a store in this process, as
+a worker keeps it (``keep_round``), with every update sampled for replay; no sockets, no
+torch. Each test then removes what a store's owner could remove with ``blob untag`` and
+checks that verify names it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blobstore import Store
+from identity import (
+    AdmissionCertificate,
+    Authority,
+    MachineKey,
+    SoftwareSigner,
+    TrustStore,
+    format_public_key,
+    sign_attestation,
+)
+from tests.blob_cli import blob_here
+from training.outer.aggregate import aggregate, wrap_update
+from training.outer.agreement import (
+    Closure,
+    Included,
+    check_closure,
+    decode_closure,
+    sign_closure,
+)
+from training.outer.codec import CodecParams, encode
+from training.outer.loop import OuterState, state_root
+from training.outer.messages import (
+    UPDATE_KIND,
+    ClosureAnnouncement,
+    VerdictAnnouncement,
+    decode_message,
+    encode_message,
+)
+from training.outer.milestones import (
+    RunTerms,
+    keep_round,
+    list_milestones,
+    milestone_for,
+    run_tags,
+    sign_milestone,
+    tag,
+    verify_run,
+)
+from training.outer.replay import Verdict, replayer_for, sampled, sign_verdict
+from training.outer.state_blob import encode_state
+
+NOW = 1_700_000_000
+KC = "cpu-test"
+RUN = "evidence"
+ROUNDS = 3
+CODEC = CodecParams(chunk=256, k=16)
+# Every update sampled (rate 1), so every round has a verdict per admitted update.
+TERMS = RunTerms(rounds=ROUNDS, replay_rate=1.0, outer_lr=0.7, outer_momentum=0.9)
+AUTHORITY = Authority(SoftwareSigner(MachineKey.generate()))
+TRUST = TrustStore(frozenset({AUTHORITY.public_key_bytes}))
+
+
+@dataclasses.dataclass
+class Machine:
+    key: MachineKey
+    cert: AdmissionCertificate
+
+    @property
+    def peer(self) -> str:
+        return self.key.peer_id
+
+    @property
+    def signer(self) -> SoftwareSigner:
+        return SoftwareSigner(self.key)
+
+
+def machine(operator: str) -> Machine:
+    key = MachineKey.generate()
+    cert = AUTHORITY.admit(
+        key.peer_id,
+        operator=operator,
+        kernel_class=KC,
+        not_before=0,
+        not_after=NOW + 10**6,
+        serial=1,
+    )
+    return Machine(key, cert)
+
+
+WORKERS = sorted((machine(f"op-{i}") for i in range(3)), key=lambda m: m.peer)
+BY_PEER = {m.peer: m for m in WORKERS}
+
+
+def keep_run(store: Store) -> list[dict[str, str]]:
+    """Three rounds as worker 0 keeps them: start state, and per round the update blobs,
+    closure, milestone (``keep_round``) and the replay verdicts. Returns, per round, the
+    blob each author's update was."""
+    rng = np.random.default_rng(7)
+    params = {"w": rng.standard_normal((32, 64)).astype(np.float32)}
+    state = OuterState(0, params, {"w": np.zeros_like(params["w"])})
+    store.tag(tag(RUN, "start"), store.put_bytes(encode_state(state)))
+    me = WORKERS[0]
+    rounds = []
+    for r in range(ROUNDS):
+        root = state_root(state)
+        included, blobs = [], {}
+        for m in WORKERS:
+            # A direction every worker shares plus its own noise, as honest updates are.
+            shared = np.random.default_rng(1000 + r).standard_normal((32, 64))
+            grad = {"w": ((shared + rng.standard_normal((32, 64))) * 1e-2).astype(np.float32)}
+            blob = store.put_bytes(
+                wrap_update(encode(grad, CODEC), round_=r, start_root=root, author=m.peer)
+            )
+            attestation = sign_attestation(
+                m.signer,
+                kind=UPDATE_KIND,
+                digest=bytes.fromhex(blob),
+                kernel_class=KC,
+                subjects=[blob, root, "c0" * 32],
+                time=NOW,
+                certificate=m.cert,
+            )
+            included.append(Included(m.peer, blob, attestation.encode()))
+            blobs[m.peer] = blob
+
+        def load(blob: str) -> bytes:
+            return store.path(blob).read_bytes()
+
+        agg = aggregate(state, list(blobs.items()), load, TERMS.outer(), start_root=root)
+        result = state_root(agg.state)
+        closure = Closure(
+            RUN, r, root, me.peer, tuple(included), result, store.put_bytes(encode_state(agg.state))
+        )
+        body, attestation = sign_closure(
+            me.signer, closure, kernel_class=KC, certificate=me.cert, time=NOW
+        )
+        checked = check_closure(body, attestation, run=RUN, trust=TRUST, now=NOW)
+        milestone = sign_milestone(
+            me.signer, milestone_for(checked, agg, TERMS), kernel_class=KC,
+            certificate=me.cert, time=NOW,
+        )  # fmt: skip
+        keep_round(
+            store,
+            checked,
+            closure_blob=store.put_bytes(
+                encode_message(ClosureAnnouncement(RUN, body, attestation, ()))
+            ),
+            milestone_blob=store.put_bytes(milestone),
+        )
+        assert [p for p, _, _ in agg.admitted] == sorted(blobs)  # nobody excluded
+        operators = {m.peer: m.cert.operator for m in WORKERS}
+        for author, blob in blobs.items():
+            assert sampled(result, author, TERMS.replay_rate)
+            replayer = BY_PEER[replayer_for(result, author, operators) or ""]
+            verdict = Verdict(RUN, r, author, blob, "c0" * 32, "match")
+            signed = sign_verdict(
+                replayer.signer, verdict, kernel_class=KC, certificate=replayer.cert, time=NOW
+            )
+            message = VerdictAnnouncement(RUN, r, author, blob, "c0" * 32, "match", signed)
+            store.tag(
+                f"{tag(RUN, 'verdict', r)}-{author}", store.put_bytes(encode_message(message))
+            )
+        rounds.append(blobs)
+        state = agg.state
+    return rounds
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    s = Store.open(tmp_path / "store")
+    keep_run(s)
+    return s
+
+
+def failures(store: Store) -> list[str]:
+    report = verify_run(store, RUN, TRUST)
+    assert not report.ok
+    return report.failures
+
+
+def test_a_kept_run_verifies_every_round_to_its_signed_end(store: Store) -> None:
+    report = verify_run(store, RUN, TRUST)
+    assert report.ok, report.failures
+    assert report.checked_rounds == [0, 1, 2]
+    assert report.rounds == ROUNDS
+
+
+@pytest.mark.parametrize("rounds", [[1], [0, 1, 2]], ids=["one", "all"])
+def test_a_deleted_milestone_fails_verify(store: Store, rounds: list[int]) -> None:
+    """Guards against verify passing a run whose milestones were untagged: it checked a
+    milestone only when it found one."""
+    for r in rounds:
+        store.untag(tag(RUN, "milestone", r))
+    if len(rounds) == 1:
+        assert failures(store) == ["round 1: no milestone kept"]
+    else:
+        assert failures(store) == [
+            "no valid milestone is kept: nothing signed says how many rounds the run has"
+        ]
+
+
+def test_a_deleted_verdict_fails_verify(store: Store) -> None:
+    """Guards against verify passing a run whose verdicts on sampled updates were
+    untagged: it checked the verdicts it found, and never asked which were due."""
+    author = WORKERS[2].peer
+    store.untag(f"{tag(RUN, 'verdict', 1)}-{author}")
+    (failure,) = failures(store)
+    assert failure.startswith(f"round 1: no verdict kept on {author[-8:]}'s sampled update")
+    for name in [n for n in store.tags() if n.startswith(tag(RUN, "verdict"))]:
+        store.untag(name)
+    assert len(failures(store)) == ROUNDS * len(WORKERS)
+
+
+def test_deleting_the_last_rounds_is_a_gap_not_a_shorter_run(store: Store) -> None:
+    """Guards against verify passing a truncated run ("rounds checked: 2"): the run's
+    length is in every signed milestone, so the last closure is due however many of the
+    last rounds' records are gone."""
+    store.untag(tag(RUN, "closure", 2))
+    assert failures(store) == ["round 2: no closure kept"]
+    store.untag(tag(RUN, "milestone", 2))
+    store.untag(tag(RUN, "closure", 1))
+    assert failures(store) == ["round 1: no closure kept", "round 2: no closure kept"]
+
+
+def test_gc_keeps_what_verify_needs_until_the_run_is_forgotten(store: Store) -> None:
+    """Guards against gc deleting a finished run's update blobs (untagged, so gone after
+    the grace period) and verify then failing on "an update blob is missing". Forgetting
+    the run hands everything of it to gc, which --dry-run shows first."""
+    assert store.gc(grace_seconds=0) != []  # the old states went: they are not evidence
+    assert verify_run(store, RUN, TRUST).ok
+    root = str(store.root)
+    shown = blob_here(["--store", root, "outer", "forget", RUN, "--dry-run", "--json"], 0)
+    assert set(json.loads(shown.stdout)["untagged"]) == set(run_tags(store, RUN))
+    assert store.gc(grace_seconds=0) == []  # a dry run untags nothing
+    blob_here(["--store", root, "outer", "forget", RUN], 0)
+    assert run_tags(store, RUN) == {}
+    would = json.loads(
+        blob_here(["--store", root, "gc", "--grace", "0", "--dry-run", "--json"], 0).stdout
+    )
+    assert store.gc(grace_seconds=0) == sorted(would["would_remove"])
+    assert store.blob_ids() == []
+    assert failures(store) == [f"no {tag(RUN, 'start')} tag: this store holds no run {RUN!r}"]
+
+
+def test_run_tags_are_the_runs_own(store: Store) -> None:
+    """``forget a`` must not untag run ``a-verdict-1``'s tags, whose names start alike."""
+    other = store.put_bytes(b"another run's closure")
+    store.tag("outer-evidence-verdict-1-closure-0", other)
+    store.tag("outer-evidence-x-start", other)
+    assert other not in run_tags(store, RUN).values()
+
+
+def test_milestones_exits_1_on_an_invalid_entry(store: Store) -> None:
+    """Guards against ``blob outer milestones`` printing INVALID and exiting 0."""
+    root = str(store.root)
+    authority = format_public_key(AUTHORITY.public_key_bytes)
+    argv = ["--store", root, "outer", "milestones", RUN, "--authority", authority]
+    assert "INVALID" not in blob_here(argv, 0).stdout
+    store.tag(tag(RUN, "milestone", 1), store.put_bytes(b"not a milestone"))
+    assert "round    1  INVALID" in blob_here(argv, 1).stdout
+    assert [e.get("error") is None for e in list_milestones(store, RUN, TRUST)] == [
+        True,
+        False,
+        True,
+    ]
+
+
+def test_rounds_caught_up_over_rest_on_the_closure_and_are_listed(store: Store) -> None:
+    """A worker paused after round 0 wakes to find rounds 1 and 2 closed and adopts closure
+    2's state: it keeps closure 2 and an anchor on the state, and signs no milestone for
+    rounds it did not recompute. Verify accepts that, names the catch-up among its
+    anchors, and still wants the rounds it did apply."""
+    closure_2 = decode_message(store.path(store.tags()[tag(RUN, "closure", 2)]).read_bytes())
+    assert isinstance(closure_2, ClosureAnnouncement)
+    for name in list(run_tags(store, RUN)):
+        if (
+            name != tag(RUN, "start")
+            and not name.endswith(("-0", "closure-2"))
+            and (f"{tag(RUN, 'verdict', 0)}-" not in name)
+        ):
+            store.untag(name)
+    store.tag(tag(RUN, "anchor", 3), decode_closure(closure_2.body).state_blob)
+    report = verify_run(store, RUN, TRUST)
+    assert report.ok, report.failures
+    assert report.checked_rounds == [0, 2]
+    assert any(a.startswith("caught up at round 2") for a in report.anchors)
+    store.untag(tag(RUN, "milestone", 0))
+    assert failures(store) == [
+        "no valid milestone is kept: nothing signed says how many rounds the run has"
+    ]
