@@ -229,6 +229,29 @@ def test_three_workers_own_model_and_loop_scored_level(tmp_path: Path) -> None:
     assert levels.exit_code == 0, levels.output
     report = json.loads(levels.output)
     assert {e["level"] for r in report["rounds"].values() for e in r} == {"scored"}
+    # Verify holds a spec'd run to the spec's minimum: under a spec asking for replayed
+    # updates, the same scored run fails verification, naming the level.
+    from dataclasses import replace
+
+    from blobstore import Store
+    from identity import MachineKey, SoftwareSigner
+    from training.outer.runs import read_spec, spec_tag
+    from training.outer.spec import encode_spec
+
+    store = Store.open(plan.workers[0].store)
+    _, signed = read_spec(store, "api")
+    stricter = replace(signed.spec, level="replayed")
+    store.tag(
+        spec_tag("api"),
+        store.put_bytes(encode_spec(stricter, SoftwareSigner(MachineKey.generate()))),
+    )
+    refused = CliRunner().invoke(
+        outer_group,
+        ["verify", "api", "--authority", plan.authority],
+        obj={"store_root": plan.workers[0].store, "key_path": plan.workers[0].key},
+    )
+    assert refused.exit_code != 0
+    assert "FAILED level:" in refused.output, refused.output
 
 
 def _first_addr(path: Path, proc: subprocess.Popen[bytes], wait: Any) -> str:

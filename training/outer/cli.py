@@ -609,11 +609,24 @@ def verify_command(
     store, every round from its start to the last round its milestones sign; exit 1 if
     any is missing or fails."""
     from identity import TrustStore
+    from training.outer.levels import check_levels
     from training.outer.milestones import verify_run
     from training.outer.params import OuterRunFailed
+    from training.outer.runs import RunNotFound, read_spec
 
     trust = TrustStore(frozenset(_authority(a) for a in authorities))
-    report = verify_run(_store(ctx), run_id, trust)
+    store = _store(ctx)
+    report = verify_run(store, run_id, trust)
+    # A run made from a spec (outer init): every applied update offered at least the
+    # verification level the spec asks for (training.outer.levels).
+    try:
+        _, signed = read_spec(store, run_id)
+    except RunNotFound:
+        pass
+    else:
+        levels = check_levels(store, run_id, signed.spec.level)
+        report.anchors.append(f"verification: each update at least {signed.spec.level}")
+        report.failures.extend(f"level: {failure}" for failure in levels.failures)
     if as_json:
         json.dump(report.to_json(), sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")

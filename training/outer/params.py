@@ -75,9 +75,11 @@ class RunParams:
     # finished worker lingers for a missing final root and how long one with nobody
     # connected waits before it stops (training.outer.worker points 3 and 6).
     fetch_floor: float = 10.0
-    # The outer optimiser (None: MODE_DEFAULTS["sparseloco"]); a run spec may set them.
+    # The outer optimiser and the error feedback's decay (None: MODE_DEFAULTS["sparseloco"]);
+    # a run spec sets them.
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    feedback_decay: float | None = None
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -106,6 +108,8 @@ class RunParams:
 
     @property
     def ef_decay(self) -> float:
+        if self.feedback_decay is not None:
+            return self.feedback_decay
         return MODE_DEFAULTS[OUTER_MODE]["ef_decay"]
 
     def shard_seed(self, shard: int) -> int:

@@ -156,6 +156,7 @@ def params_from_spec(spec: RunSpec, *, rounds: int | None = None) -> RunParams:
         replay_rate=spec.replay_rate if spec.level == "replayed" else 0.0,
         outer_lr=spec.outer_lr,
         outer_momentum=spec.outer_momentum,
+        feedback_decay=spec.ef_decay,
     )
 
 

@@ -46,6 +46,7 @@ from blobstore.canonical import encode as encode_canonical
 from blobstore.canonical import require_canonical
 from blobstore.errors import ExitCode
 from training.errors import TrainingError
+from training.outer.loop import MODE_DEFAULTS
 
 SPEC_VERSION = 1
 SPEC_DOMAIN = b"blobnet/outer-spec/v1\x00"
@@ -91,7 +92,7 @@ class RunSpec:
     k: int = 80
     outer_lr: float = 3.0
     outer_momentum: float = 0.0
-    ef_decay: float = 1.0
+    ef_decay: float = MODE_DEFAULTS["sparseloco"]["ef_decay"]
     batch: int = 8
     inner_lr: float = 2e-3
     deadline: float = 8.0
