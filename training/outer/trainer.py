@@ -53,7 +53,8 @@ class Trainer:
         self.device = device
         self.threads = threads
         self.pad_id = pad_id
-        self.kernel_class = outer_kernel_class(device, threads)
+        with TORCH_RNG_LOCK:  # entering deterministic mode reseeds torch's one generator
+            self.kernel_class = outer_kernel_class(device, threads)
         if model is None:
             with TORCH_RNG_LOCK:  # a seeded init, beside another thread's training
                 model = make_tiny_llama(params.model_size, seed=params.seed)
