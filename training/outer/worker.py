@@ -711,12 +711,15 @@ class Worker:
                 )
                 await self._catch_up(checked)
                 return
-        # The commitments name each update's verification level; kept beside the closure
-        # so `blob outer levels` can check them from this store (a missing one is only
-        # reported there: the state does not depend on it).
-        for x in c.included:
-            commitment = Attestation.decode(x.attestation).subjects[2]
-            await self._fetch(commitment, self._providers(checked, [x.peer]), FETCH_STALL)
+        # In a run that asks more than bounded updates, the commitments name each update's
+        # verification level; kept beside the closure so `blob outer levels` and verify can
+        # check them from this store (a missing one is only reported there: the state does
+        # not depend on it). A bounded run needs none of them, and fetches none: an
+        # update whose commitment nobody serves would stall every apply.
+        if self.config.min_level != "bounded":
+            for x in c.included:
+                commitment = Attestation.decode(x.attestation).subjects[2]
+                await self._fetch(commitment, self._providers(checked, [x.peer]), FETCH_STALL)
         state, root_before = self.state, self.root
         agg = await trio.to_thread.run_sync(
             lambda: aggregate(
@@ -1089,7 +1092,10 @@ class Worker:
             updates[peer] = (candidate.blob, candidate.attestation)
             operators.add(candidate.operator)
             blobs.add(candidate.blob)
-        for peer, (blob, attestation) in sorted(updates.items()):
+        # Levels: only a run that asks more than bounded updates reads their commitments
+        # (each read is a fetch a proposal waits on).
+        leveled = updates if self.config.min_level != "bounded" else {}
+        for peer, (blob, attestation) in sorted(leveled.items()):
             reason = await self._level_refusal(peer, attestation)
             if reason:
                 self.refused_updates.append(
