@@ -188,7 +188,9 @@ async def greedy_identity(srv: Server, source: str, gets: int, stats: dict[str, 
                 await host.connect(info)
 
                 async def unread() -> None:
-                    stream = await host.new_stream(info.peer_id, [TProtocol(proto.PROTOCOL_ID)])
+                    stream = await host.new_stream(
+                        info.peer_id, [TProtocol(proto.Version.V1_0.protocol_id)]
+                    )
                     await stream.write(request)
                     stats["gets"] += 1
 
