@@ -136,6 +136,9 @@ def legit_get(srv: Server, root: Path, tag: str) -> tuple[bool, float]:
     )  # fmt: skip
     seconds = time.monotonic() - start
     shutil.rmtree(store, ignore_errors=True)
+    if done.returncode != 0 or os.environ.get("FLOODS_SHOW_GETS"):
+        said = f"{done.stdout.strip()[-1500:]} {done.stderr.strip()[-800:]}"
+        print(f"  get {tag}: rc {done.returncode}; {said}")
     return done.returncode == 0, seconds
 
 
