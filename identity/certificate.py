@@ -77,7 +77,7 @@ _FIELDS = (
 _HARDWARE_FIELDS = (*_FIELDS[:-1], "machine_kind", "ak", "ek", "sig")
 
 
-def _iso(t: float) -> str:
+def iso_time(t: float) -> str:
     try:
         return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     except (OverflowError, OSError, ValueError):
@@ -385,13 +385,13 @@ def verify_certificate(
     if now < cert.not_before:
         raise CertificateRejected(
             Reason.NOT_YET_VALID,
-            f"{cert.describe()} is not valid before {_iso(cert.not_before)} "
-            f"(now {_iso(now)}); check the clocks",
+            f"{cert.describe()} is not valid before {iso_time(cert.not_before)} "
+            f"(now {iso_time(now)}); check the clocks",
         )
     if now >= cert.not_after:
         raise CertificateRejected(
             Reason.EXPIRED,
-            f"{cert.describe()} expired at {_iso(cert.not_after)} (now {_iso(now)}); "
+            f"{cert.describe()} expired at {iso_time(cert.not_after)} (now {iso_time(now)}); "
             "ask the authority for a new one",
         )
     if peer_id is not None and cert.peer_id != peer_id:

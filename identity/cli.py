@@ -34,7 +34,7 @@ from .certificate import (
     Authority,
     RevocationList,
     TrustStore,
-    _iso,
+    iso_time,
 )
 from .errors import (
     BadPublicKey,
@@ -271,24 +271,35 @@ def authority_new(output: Path, encrypt: bool, as_json: bool) -> None:
         )
 
 
-@click.command("admit")
-@click.argument("peer_id")
-@click.option("--operator", required=True, help="Who runs the machine (a person or org).")
-@click.option("--kernel-class", required=True, help="The machine's kernel class.")
-@click.option(
+# What an admission names, shared by `blob admit` and `blob tpm admit`.
+operator_option = click.option(
+    "--operator", required=True, help="Who runs the machine (a person or org)."
+)
+kernel_class_option = click.option(
+    "--kernel-class", required=True, help="The machine's kernel class."
+)
+authority_key_option = click.option(
     "--authority",
     "authority_path",
     required=True,
     type=click.Path(path_type=Path, dir_okay=False),
     help="Authority private key file (from `blob authority new`).",
 )
-@click.option(
+days_option = click.option(
     "--days",
     type=click.IntRange(min=1, max=3650),
     default=DEFAULT_VALID_DAYS,
     show_default=True,
     help="Validity in days from now.",
 )
+
+
+@click.command("admit")
+@click.argument("peer_id")
+@operator_option
+@kernel_class_option
+@authority_key_option
+@days_option
 @click.option(
     "--serial",
     type=click.IntRange(min=0, max=(1 << 64) - 1),
@@ -334,7 +345,7 @@ def admit_command(
     else:
         click.echo(
             f"admitted {peer_id} (operator {operator!r}, kernel class {kernel_class!r}) "
-            f"until {_iso(cert.not_after)}, serial {cert.serial}: {output}"
+            f"until {iso_time(cert.not_after)}, serial {cert.serial}: {output}"
         )
 
 

@@ -16,15 +16,18 @@ from pathlib import Path
 import click
 
 from .._files import PUBLIC_FILE_MODE, write_file
-from ..certificate import Authority, HardwareRoot, _iso
+from ..certificate import Authority, HardwareRoot, iso_time
 from ..cli import (
     CLOCK_SKEW_ALLOWANCE_S,
-    DEFAULT_VALID_DAYS,
     MAX_REVOCATION_LIST_SIZE,
+    authority_key_option,
+    days_option,
     echo_json,
     fields_error,
+    kernel_class_option,
     load_key,
     machine_key,
+    operator_option,
     read_input,
 )
 from ..errors import BadTpmData, NotFound
@@ -127,13 +130,7 @@ def tpm_bind(ctx: click.Context, tcti: str | None, output: Path, as_json: bool) 
     type=click.Path(path_type=Path, dir_okay=False),
     help="A TPM manufacturer's CA certificate (PEM or DER) the EK must chain to (repeatable).",
 )
-@click.option(
-    "--authority",
-    "authority_path",
-    required=True,
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="Authority private key file.",
-)
+@authority_key_option
 @click.option(
     "--registry",
     "registry_path",
@@ -200,7 +197,7 @@ def tpm_challenge(
     else:
         click.echo(
             f"evidence of {machine.peer_id} checked; challenge {output} expires "
-            f"{_iso(challenge.expires)}"
+            f"{iso_time(challenge.expires)}"
         )
 
 
@@ -241,15 +238,9 @@ def _append_revocation(path: Path, admitted: Admitted) -> None:
 
 @tpm_group.command("admit")
 @click.argument("answer_path", metavar="ANSWER", type=click.Path(path_type=Path))
-@click.option("--operator", required=True, help="Who runs the machine (a person or org).")
-@click.option("--kernel-class", required=True, help="The machine's kernel class.")
-@click.option(
-    "--authority",
-    "authority_path",
-    required=True,
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="Authority private key file.",
-)
+@operator_option
+@kernel_class_option
+@authority_key_option
 @click.option(
     "--registry",
     "registry_path",
@@ -257,13 +248,7 @@ def _append_revocation(path: Path, admitted: Admitted) -> None:
     type=click.Path(path_type=Path, dir_okay=False),
     help="The authority's TPM registry (the one the challenge was issued with).",
 )
-@click.option(
-    "--days",
-    type=click.IntRange(min=1, max=3650),
-    default=DEFAULT_VALID_DAYS,
-    show_default=True,
-    help="Validity in days from now.",
-)
+@days_option
 @click.option(
     "--replace",
     is_flag=True,
@@ -338,7 +323,7 @@ def tpm_admit(
     else:
         click.echo(
             f"admitted {cert.peer_id} on its TPM (operator {operator!r}, kernel class "
-            f"{kernel_class!r}) until {_iso(cert.not_after)}, serial {cert.serial}: {output}"
+            f"{kernel_class!r}) until {iso_time(cert.not_after)}, serial {cert.serial}: {output}"
         )
         if replaced is not None:
             click.echo(
