@@ -56,3 +56,16 @@ def _apply(quiet: bool) -> None:
     for lib in QUIET_LIBRARIES:
         if quiet:
             logging.getLogger(lib).setLevel(logging.CRITICAL)
+
+
+def no_handler_of_our_own() -> None:
+    """What a node does on import: py-libp2p's logger and ours get a NullHandler, so a
+    program that embeds a node and configures no logging is not written to (the
+    last-resort handler would print py-libp2p's routine churn, dozens of lines a
+    minute). With ``quiet_libraries`` this covers either import order. ``LIBP2P_DEBUG``
+    (py-libp2p's own handlers) and ``blob -vv`` (which lets them propagate) still show
+    them; a program that configures logging sees ours."""
+    for name in ("libp2p", "p2p"):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            logger.addHandler(logging.NullHandler())

@@ -99,7 +99,7 @@ from p2p.fetch.downloader import Progress, ProgressCallback, download_blob
 from p2p.fetch.scheduler import SchedulerConfig
 from p2p.fetch.scores import PeerScores
 from p2p.fetch.striping import StripeConfig
-from p2p.logs import quiet_unless_chosen
+from p2p.logs import no_handler_of_our_own, quiet_unless_chosen
 from p2p.metrics import Metrics
 from p2p.node.admission import UNADMITTED, install_gate, open_answer, present
 from p2p.node.dht_hygiene import forget_clients_on_disconnect
@@ -114,21 +114,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _quiet_libraries() -> None:
-    """Library loggers stay quiet unless asked (DESIGN section 11). py-libp2p's import
-    leaves its logger with no handler and not propagating, so Python's last-resort
-    handler printed its routine warnings (a failed dial, a DHT peer in its negative
-    cache: dozens a minute) on the stderr of every program that embeds a node. A
-    NullHandler ends that; ``LIBP2P_DEBUG`` (py-libp2p's own handlers) and ``blob -vv``
-    (which lets them propagate) still show them. Ours are a library's too: a program
-    that configures logging sees them, one that does not is not written to."""
-    for name in ("libp2p", "p2p"):
-        logger = logging.getLogger(name)
-        if not logger.handlers:
-            logger.addHandler(logging.NullHandler())
-
-
-_quiet_libraries()
+no_handler_of_our_own()
 
 DEFAULT_LISTEN = ("/ip4/127.0.0.1/tcp/0",)
 # Provider records expire on DHT peers; refresh well inside go-libp2p's 22 h lifetime.
