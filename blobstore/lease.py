@@ -32,7 +32,7 @@ from blobstore.durable import os_errors, try_lock_fd, write_all
 from blobstore.manifest import parse_blob_id
 
 if TYPE_CHECKING:
-    from blobstore.store import Store
+    from blobstore.layout import StoreBase
 
 LEASE_PREFIX = "lease-"
 MAX_LEASE_FILE = 128 * 1024 * 1024
@@ -44,7 +44,7 @@ readable, so it protects nothing extra and costs gc nothing."""
 class Lease:
     """Get one from :meth:`Store.lease`; release it (or leave the ``with`` block)."""
 
-    def __init__(self, store: Store, path: Path, fd: int) -> None:
+    def __init__(self, store: StoreBase, path: Path, fd: int) -> None:
         self._store = store
         self.path = path
         self._fd: int | None = fd
@@ -85,7 +85,7 @@ class Lease:
         self.release()
 
 
-def create_lease(store: Store, locks_dir: Path, blob_ids: Iterable[str]) -> Lease:
+def create_lease(store: StoreBase, locks_dir: Path, blob_ids: Iterable[str]) -> Lease:
     """A new lease file, locked, naming ``blob_ids`` (see the module docstring)."""
     ids = [parse_blob_id(i) for i in dict.fromkeys(blob_ids)]
     with os_errors("taking a gc lease"), store._store_lock():

@@ -51,7 +51,7 @@ from blobstore.errors import ChunkUnavailable, CorruptChunk, StoreError
 from blobstore.manifest import Manifest
 
 if TYPE_CHECKING:
-    from blobstore.store import Store
+    from blobstore.writing import WriteOps
 
 
 # O_DIRECT needs offsets, lengths and buffer addresses aligned to the device's logical
@@ -117,7 +117,7 @@ class PartialBlob:
     """
 
     def __init__(
-        self, store: Store, manifest: Manifest, directory: Path, lock_fd: int, data_fd: int
+        self, store: WriteOps, manifest: Manifest, directory: Path, lock_fd: int, data_fd: int
     ) -> None:
         self.manifest = manifest
         self.blob_id = manifest.blob_id

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHILD = r"""
 import os, random, signal, sys
 sys.path.insert(0, sys.argv[1])
-import blobstore.store as sm
+import blobstore.writing as sm
 from blobstore import Manifest, Store
 
 repo, mode, root, src, kill_at, seed = sys.argv[1:7]

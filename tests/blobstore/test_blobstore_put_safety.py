@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import blobstore.store as store_mod
+import blobstore.writing as writing_mod
 from blobstore import FileChanged, Store, StoreError
 
 C = 64 * 1024
@@ -67,7 +67,7 @@ def test_put_refuses_a_file_that_changes_while_it_is_read(
 ) -> None:
     """The writer touches the file after the first buffer is hashed: refused, exit 5,
     nothing stored, the user's file left where it was."""
-    monkeypatch.setattr(store_mod, "IO_BUFFER_SIZE", C)  # several reads of a small file
+    monkeypatch.setattr(writing_mod, "IO_BUFFER_SIZE", C)  # several reads of a small file
     src = tmp_path / "checkpoint.bin"
     src.write_bytes(os.urandom(4 * C))
     old = src.stat().st_mtime - HOUR_AGO  # so a rewrite within one clock tick still shows
@@ -109,13 +109,13 @@ def test_a_move_written_after_its_last_check_is_given_back(
     old = src.stat().st_mtime - HOUR_AGO
     os.utime(src, (old, old))
     os.chmod(src, 0o640)
-    real_link = store_mod.link_or_rename
+    real_link = writing_mod.link_or_rename
 
     def late_writer(source: Path, target: Path, *, replace: bool) -> bool:
         os.pwrite(writer, b"late step", 0)
         return real_link(source, target, replace=replace)
 
-    monkeypatch.setattr(store_mod, "link_or_rename", late_writer)
+    monkeypatch.setattr(writing_mod, "link_or_rename", late_writer)
     writer = os.open(src, os.O_WRONLY)  # the training job's descriptor, still open
     try:
         with pytest.raises(FileChanged, match="written while it was being moved"):
@@ -136,7 +136,7 @@ def test_a_move_written_late_with_a_new_file_in_its_place_keeps_both(
     src.write_bytes(os.urandom(4 * C))
     old = src.stat().st_mtime - HOUR_AGO
     os.utime(src, (old, old))
-    real_link = store_mod.link_or_rename
+    real_link = writing_mod.link_or_rename
 
     def late_writer_and_new_file(source: Path, target: Path, *, replace: bool) -> bool:
         os.pwrite(writer, b"late step", 0)
@@ -144,7 +144,7 @@ def test_a_move_written_late_with_a_new_file_in_its_place_keeps_both(
         source.write_bytes(b"the next checkpoint")
         return linked
 
-    monkeypatch.setattr(store_mod, "link_or_rename", late_writer_and_new_file)
+    monkeypatch.setattr(writing_mod, "link_or_rename", late_writer_and_new_file)
     writer = os.open(src, os.O_WRONLY)
     try:
         with pytest.raises(FileChanged, match="moved bytes are kept in"):

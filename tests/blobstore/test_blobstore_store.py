@@ -11,6 +11,7 @@ import msgpack
 import pytest
 from blake3 import blake3
 
+import blobstore.removal as removal_mod
 import blobstore.store as store_mod
 from blobstore import (
     AmbiguousPrefix,
@@ -464,19 +465,19 @@ def test_gc_deletes_outside_the_store_lock_and_a_killed_gcs_trash_is_swept(
     age(store.path(old), 7200)
     other = Store.open(store.root, lock_timeout=0.5)
     put_while_deleting: list[str] = []
-    real_delete = store_mod.delete_trash
+    real_delete = removal_mod.delete_trash
 
     def delete(path: str) -> None:
         put_while_deleting.append(other.put_bytes(b"arrives during the delete", chunk_size=C))
         real_delete(path)
 
-    monkeypatch.setattr(store_mod, "delete_trash", delete)
+    monkeypatch.setattr(removal_mod, "delete_trash", delete)
     assert store.gc(3600) == [old]
     assert len(put_while_deleting) == 1 and store.has(put_while_deleting[0])
     assert not store.has(old) and os.listdir(store.tmp_dir) == []
 
     # Killed between rename and delete: the trash (a partial's directory) stays in tmp/.
-    monkeypatch.setattr(store_mod, "delete_trash", lambda path: None)
+    monkeypatch.setattr(removal_mod, "delete_trash", lambda path: None)
     store.begin_partial(Manifest.of_bytes(os.urandom(C), C)).close()
     assert len(store.gc(0)) == 2
     assert len(os.listdir(store.tmp_dir)) == 2
