@@ -1,0 +1,504 @@
+"""A node's fetches: where providers come from, and how one blob or collection is fetched.
+
+1. Providers come from (a) peers the caller names (multiaddrs or a ticket), dialled at
+   once, each joining the fetch as soon as it is connected; (b) peers already connected,
+   asked ``have``; (c) the DHT, searched in the background while the transfer runs. No
+   step waits on a fixed delay.
+2. The fetched blob is leased from the start, and a collection's children with it, so gc
+   takes nothing a long fetch already has.
+3. A local copy is hashed before it counts as done (``verify_local``): a rotten one is
+   quarantined and fetched again from its good chunks.
+4. Peer exchange (p2p.blob.swarm): providers are asked ``peers`` about once a second, and
+   the fellows they name are dialled (bounded) and join as partial providers.
+5. A provider known only by circuit addresses is hole-punched to before it joins; one
+   reachable only through a relay is not fetched from unless ``relayed_fetch``.
+6. Without a DHT, a fetch whose every provider refused us for want of admission ends at
+   once, with each refusal's line.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import trio
+from libp2p.peer.id import ID
+
+from blobstore import BlobNotFound, Store
+from p2p.blob.pacing import Pacer
+from p2p.blob.server import BlobServer
+from p2p.blob.swarm import PEX_DIAL_PARALLELISM, PexBook
+from p2p.blob.ticket import Ticket
+from p2p.errors import (
+    BadAddress,
+    FetchFailed,
+    NoProviders,
+    PeerUnreachable,
+    unwrap_single,
+)
+from p2p.fetch.downloader import Progress, ProgressCallback, download_blob
+from p2p.fetch.scheduler import SchedulerConfig
+from p2p.fetch.scores import PeerScores
+from p2p.metrics import Metrics
+from p2p.node.admission import UNADMITTED
+from p2p.node.connections import Connections
+from p2p.node.providing import Providing
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger(__name__)
+
+# Connected peers asked "have" for each fetch; beyond this, rely on the DHT.
+MAX_CONNECTED_CANDIDATES = 32
+# Children of a collection fetched at once.
+COLLECTION_PARALLELISM = 4
+# Admission refusals remembered (p2p.node.admission): one line per provider that said no.
+MAX_REFUSALS = 256
+# Senders of bad chunks named in status (the total is counted beyond them).
+MAX_BAD_PEERS = 1024
+# With peer exchange on, requests to a peer hold at most ~1 s of its rate and 4 MiB before
+# it is measured (SchedulerConfig.max_request_seconds): a 100 Mbit/s seeder shared by four
+# fetchers is then asked for ~3 MiB at a time by each, not 16 MiB twice over, and the rest
+# comes from whichever fellow has it by then.
+SWARM_REQUEST_SECONDS = 0.25
+SWARM_UNMEASURED_BATCH_BYTES = 2 * 1024 * 1024
+# Peer exchange stops looking once, this long into a fetch, no manifest has been found, no
+# dial or question is in flight and nobody named a fellow: otherwise its open channel keeps
+# the provider search waiting out --discovery-timeout when every named peer said not_found.
+PEX_QUIET_GRACE = 3.0
+# NATed providers found on the DHT that one fetch punches to (each costs a relay dial and
+# DCUtR's rounds; p2p.nat.punch.MAX_PUNCHES is the same cap for named ones), and relays tried
+# per provider (its circuit addresses name one per relay).
+MAX_DHT_PUNCHES = 16
+MAX_RELAYS_PER_PROVIDER = 4
+
+
+class Fetching(Connections, Providing):
+    """Fetches (see :mod:`p2p.node.fetching`); a base of :class:`p2p.node.node.Node`,
+    which sets these attributes."""
+
+    store: Store
+    server: BlobServer
+    scores: PeerScores
+    metrics: Metrics
+    transfers: dict[str, Progress]
+    refusals: dict[str, str]
+    bad_chunks_total: int
+    bad_chunks: dict[str, int]
+    download_pacer: Pacer | None
+    _refusal: trio.Event
+
+    async def fetch(
+        self,
+        ref: str,
+        *,
+        providers: Sequence[str] = (),
+        progress: ProgressCallback | None = None,
+        recursive: bool = True,
+        announce: bool = True,
+    ) -> str:
+        """Fetch a blob (by ID or ticket) and, for a collection, its children.
+
+        ``providers`` are multiaddrs ending in ``/p2p/<id>``; connected peers and the DHT
+        are asked as well. With ``announce`` the blob is then provided on the DHT.
+        Returns the blob ID.
+        """
+        started = trio.current_time()
+        outcome = "failed"
+        tally = _Tally()
+        try:
+            blob_id = await self._fetch_unwrapped(ref, providers, progress, tally, recursive)
+            outcome = "ok"
+        except (NoProviders, FetchFailed) as exc:
+            outcome = "not_found" if isinstance(exc, NoProviders) else "failed"
+            reasons = self._refusals(providers)
+            if reasons:
+                raise type(exc)(f"{exc}; " + "; ".join(reasons)) from None
+            raise
+        except trio.Cancelled:
+            outcome = "cancelled"
+            raise
+        finally:
+            seconds = trio.current_time() - started
+            self.metrics.fetch_ended(outcome, seconds)
+            for seen in tally.last:
+                self.transfers.pop(seen, None)
+            for line in tally.lines(outcome, seconds):
+                log.info("%s", line)
+        if announce:
+            await self._announce(blob_id)
+        return blob_id
+
+    async def _fetch_unwrapped(
+        self,
+        ref: str,
+        providers: Sequence[str],
+        progress: ProgressCallback | None,
+        tally: _Tally,
+        recursive: bool,
+    ) -> str:
+        try:
+            return await self._fetch(ref, providers, self._counted(progress, tally), recursive)
+        except BaseExceptionGroup as group:
+            raise unwrap_single(group) from None
+
+    def bad_chunk(self, peer: str) -> None:
+        """``peer`` sent a chunk that failed its hash (the download bans it)."""
+        self.bad_chunks_total += 1
+        self.bad_chunks[peer] = self.bad_chunks.pop(peer, 0) + 1
+        if len(self.bad_chunks) > MAX_BAD_PEERS:
+            del self.bad_chunks[next(iter(self.bad_chunks))]
+
+    def refused(self, peer: str, message: str) -> None:
+        """A provider answered an error (p2p.fetch.downloader.RefusalAware): remember an
+        admission refusal (bounded: one line per peer, MAX_REFUSALS peers)."""
+        if not message.startswith(UNADMITTED):
+            return
+        if peer not in self.refusals and len(self.refusals) >= MAX_REFUSALS:
+            del self.refusals[next(iter(self.refusals))]
+        self.refusals[peer] = message
+        self._refusal.set()
+        self._refusal = trio.Event()
+
+    def _refusals(self, providers: Sequence[str]) -> list[str]:
+        """Why named providers refused us, if they did (admission rule 3): the one thing
+        a user who forgot --certificate needs to read."""
+        named = [a.rsplit("/p2p/", 1)[-1] for a in providers if "/p2p/" in a]
+        return [f"{p} refused us: {self.refusals[p]}" for p in named if p in self.refusals]
+
+    async def _end_when_all_refuse(self, dials: _Dials, blob_id: str) -> None:
+        """Without a DHT to find others, a fetch whose every provider refused us for want
+        of admission is over: say so now rather than after the discovery timeout."""
+        if self.dht is not None:
+            return
+        while True:
+            await self._refusal.wait()
+            peers = set(self.connected_peers()) | set(dials.peers)
+            if dials.pending == 0 and peers and peers <= set(self.refusals):
+                raise NoProviders(f"no provider of {blob_id} would serve us")
+
+    def _counted(self, progress: ProgressCallback | None, tally: _Tally) -> ProgressCallback:
+        """``progress``, and the received-bytes counter, ``transfers`` and ``tally`` kept
+        up to date."""
+
+        def on_progress(update: Progress) -> None:
+            fetched = sum(update.new_bytes.values())
+            previous = tally.last.get(update.blob_id)
+            grown = fetched - (sum(previous.new_bytes.values()) if previous else 0)
+            tally.last[update.blob_id] = update
+            if grown > 0:
+                self.metrics.bytes_received.labels(protocol="blob").inc(grown)
+            if update.finished:
+                self.transfers.pop(update.blob_id, None)
+            else:
+                self.transfers[update.blob_id] = update
+            if progress is not None:
+                progress(update)
+
+        return on_progress
+
+    async def _fetch(
+        self,
+        ref: str,
+        providers: Sequence[str],
+        progress: ProgressCallback | None,
+        recursive: bool,
+    ) -> str:
+        addrs = list(providers)
+        from p2p.names import service as names
+
+        if names.is_name_ref(ref):
+            ref = (await names.resolve(self, ref)).blob_id
+        if ref.startswith("blob1"):
+            ticket = Ticket.decode(ref)
+            blob_id = ticket.blob_id
+            addrs.extend(ticket.addrs)
+        else:
+            from blobstore import parse_blob_id
+
+            blob_id = parse_blob_id(ref)
+        dials = _Dials()
+        # The lease keeps gc off the parent and, once it is here, its children, however long
+        # the fetch runs (gc's grace period alone would not).
+        lease = await trio.to_thread.run_sync(self.store.lease, [blob_id])
+        try:
+            await self._fetch_leased(blob_id, addrs, dials, progress, recursive)
+        finally:
+            await trio.to_thread.run_sync(lease.release)
+        return blob_id
+
+    async def _fetch_leased(
+        self,
+        blob_id: str,
+        addrs: list[str],
+        dials: _Dials,
+        progress: ProgressCallback | None,
+        recursive: bool,
+    ) -> None:
+        async with trio.open_nursery() as nursery:
+            # Named providers are dialled at once and each joins the fetch as soon as it
+            # is connected: one that accepts TCP and never handshakes delays nobody.
+            for addr in dict.fromkeys(addrs):
+                dials.pending += 1
+                nursery.start_soon(self._dial_into, addr, dials)
+            nursery.start_soon(self._end_when_all_refuse, dials, blob_id)
+            await self._fetch_one(blob_id, dials, progress)
+            entries = (
+                await trio.to_thread.run_sync(self.store.collection_entries, blob_id)
+                if recursive
+                else None
+            )
+            if entries is not None:
+                limiter = trio.CapacityLimiter(COLLECTION_PARALLELISM)
+
+                async def child(child_id: str) -> None:
+                    async with limiter:
+                        await self._fetch_one(child_id, dials, progress)
+
+                async with trio.open_nursery() as children:
+                    # Identical files (two empty ones, say) share one blob: fetch it once.
+                    for child_id in dict.fromkeys(entry.blob_id for entry in entries):
+                        children.start_soon(child, child_id)
+            nursery.cancel_scope.cancel()
+
+    async def _dial_into(self, addr: str, dials: _Dials) -> None:
+        try:
+            dials.add(await self.connect(addr, lanes=True))
+        except PeerUnreachable as exc:
+            log.info("%s", exc)
+            dials.errors.append(str(exc))
+        finally:
+            dials.pending -= 1
+            dials.wake()
+
+    async def _fetch_one(
+        self, blob_id: str, dials: _Dials, progress: ProgressCallback | None
+    ) -> None:
+        if await trio.to_thread.run_sync(self._intact, blob_id):
+            return
+        send, receive = trio.open_memory_channel[str](256)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._feed_dialled, dials, send.clone())
+            if self.config.peer_exchange:
+                nursery.start_soon(self._exchange, blob_id, dials, send.clone())
+            nursery.start_soon(self._discover, blob_id, set(dials.peers), send)
+            await download_blob(
+                self,
+                self.store,
+                blob_id,
+                providers=list(dials.peers),
+                more_providers=receive,
+                progress=progress,
+                config=self._scheduler_config(),
+                discovery_timeout=self.config.discovery_timeout,
+                stripe_config=self.config.stripe,
+                scores=self.scores,
+                own_peer=self.peer_id,
+                board=self.server.board,
+            )
+            nursery.cancel_scope.cancel()
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        config = self.config.scheduler
+        if not self.config.peer_exchange:
+            return config
+        return replace(
+            config,
+            max_request_seconds=config.max_request_seconds or SWARM_REQUEST_SECONDS,
+            unmeasured_batch_bytes=config.unmeasured_batch_bytes or SWARM_UNMEASURED_BATCH_BYTES,
+            defer_to_partial_holders=True,
+        )
+
+    async def _exchange(
+        self, blob_id: str, dials: _Dials, send: trio.MemorySendChannel[str]
+    ) -> None:
+        """Peer exchange for one fetch (p2p.blob.swarm): ask its providers ``peers`` (each at
+        most once per PEX_INTERVAL, backing off: `PexBook`), dial the new fellows they name
+        (bounded), and hand each one reached to the download."""
+        book = PexBook(self.peer_id)
+        dialling = trio.Semaphore(PEX_DIAL_PARALLELISM)
+
+        async def dial(peer: str, addrs: tuple[str, ...]) -> None:
+            async with dialling:
+                if not await self.dial_listed(peer, addrs):
+                    return
+            book.add_source(peer)
+            try:
+                await send.send(peer)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the download is over
+
+        async def ask(source: str) -> None:
+            fresh = book.to_dial(await self.ask_peers(source, blob_id))
+            for peer, addrs in fresh:
+                nursery.start_soon(dial, peer, addrs)
+            book.answered(source, len(fresh))
+
+        started = trio.current_time()
+        async with send, trio.open_nursery() as nursery:
+            while True:
+                for peer in dials.peers:
+                    book.add_source(peer)
+                now = trio.current_time()
+                if (
+                    now - started >= PEX_QUIET_GRACE
+                    and dials.pending == 0
+                    and not nursery.child_tasks
+                    and not await trio.to_thread.run_sync(self._manifest_known, blob_id)
+                ):
+                    return  # nothing anywhere: let the search end now
+                for source in book.due(now):
+                    nursery.start_soon(ask, source)
+                # A named provider that connects is asked at once.
+                with trio.move_on_after(max(book.next_wake(now) - now, 0.05)):
+                    await dials.changed.wait()
+
+    def _manifest_known(self, blob_id: str) -> bool:
+        try:
+            self.store.manifest(blob_id)
+        except BlobNotFound:
+            return False
+        return True
+
+    def _intact(self, blob_id: str) -> bool:
+        """Whether the store holds ``blob_id`` whole and sound. With ``verify_local`` a
+        local copy is hashed first: a rotten one is quarantined (``Store.verify``) and the
+        fetch goes on, from its good chunks, rather than trusting it."""
+        if not self.store.has(blob_id):
+            return False
+        if not self.config.verify_local:
+            return True
+        bad = self.store.verify(blob_id)
+        if bad:
+            log.warning(
+                "local copy of %s is damaged (%d chunk(s)): quarantined, fetching it again",
+                blob_id[:12],
+                len(bad),
+            )
+        return not bad
+
+    async def _feed_dialled(self, dials: _Dials, send: trio.MemorySendChannel[str]) -> None:
+        """Hand the download each named provider as its dial succeeds, until all ended."""
+        async with send:
+            sent = len(dials.peers)  # those already connected went in as providers
+            while True:
+                for peer in dials.peers[sent:]:
+                    await send.send(peer)
+                sent = len(dials.peers)
+                if dials.pending == 0:
+                    return
+                await dials.changed.wait()
+
+    async def _discover(
+        self, blob_id: str, seen: set[str], send: trio.MemorySendChannel[str]
+    ) -> None:
+        """Feed candidate providers: connected peers at once, then the DHT's answers,
+        asked again with growing pauses (a provider may announce itself late) until the
+        discovery timeout."""
+        async with send:
+            for peer in self.connected_peers()[:MAX_CONNECTED_CANDIDATES]:
+                if peer not in seen and self._may_fetch_from(peer):
+                    seen.add(peer)
+                    await send.send(peer)
+            if self.dht is None:
+                return
+            pause = 0.25
+            # A NATed provider may first be found by a record from before its reservation
+            # (its own addresses only), then by one naming its circuit: punch it then.
+            punched: set[str] = set()
+            async with trio.open_nursery() as punching:
+                with trio.move_on_after(self.config.discovery_timeout):
+                    while True:
+                        for peer in await self.find_providers(blob_id):
+                            circuits = [] if peer in punched else self._circuit_addrs(peer)
+                            if circuits and len(punched) < MAX_DHT_PUNCHES:
+                                punched.add(peer)
+                                seen.add(peer)
+                                punching.start_soon(self._punch_into, circuits, send.clone())
+                            elif peer not in seen and self._may_fetch_from(peer):
+                                seen.add(peer)
+                                await send.send(peer)
+                        await trio.sleep(pause)
+                        pause = min(pause * 2, 4.0)
+
+    def _may_fetch_from(self, peer: str) -> bool:
+        """Whether a provider candidate may be asked for blobs now: not while the only
+        connection to it runs through a relay (a punch still in flight keeps it open),
+        unless ``relayed_fetch``; else the blob would cross the relay. Once the punch
+        lands, a later discovery pass (or a retry) offers the peer again."""
+        if self.config.relayed_fetch or peer not in self.connected_peers():
+            return True
+        from p2p.nat.relay import direct_connection
+
+        return direct_connection(self.host, ID.from_base58(peer)) is not None
+
+    def _circuit_addrs(self, peer: str) -> list[str]:
+        """Circuit addresses a provider (found on the DHT) is known by, if we are not
+        connected to it: a NATed provider is reachable only through them."""
+        if peer in self.connected_peers():
+            return []
+        try:
+            addrs = [str(a) for a in self.host.get_peerstore().addrs(ID.from_base58(peer))]
+        except Exception:  # no addresses known
+            return []
+        return [a for a in addrs if "/p2p-circuit" in a and a.endswith(f"/p2p/{peer}")]
+
+    async def _punch_into(self, circuits: list[str], send: trio.MemorySendChannel[str]) -> None:
+        """Reach a NATed provider through the first of its relays that works and hand it
+        to the download; a failure is in ``self.punches.failures``."""
+        async with send:
+            for addr in circuits[:MAX_RELAYS_PER_PROVIDER]:
+                try:
+                    peer = await self.connect(addr)
+                except (PeerUnreachable, BadAddress) as exc:
+                    log.info("%s", exc)
+                    continue
+                try:
+                    await send.send(peer)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # the download is over
+                return
+
+
+class _Tally:
+    """What one fetch received, by blob: the latest progress of each (its log lines)."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, Progress] = {}
+
+    def lines(self, outcome: str, seconds: float) -> list[str]:
+        """One line per blob fetched (at INFO, ``-v``): peers, bytes, time, outcome."""
+        out = []
+        for blob_id, progress in self.last.items():
+            peers = ", ".join(
+                f"{peer} ({count} B)" for peer, count in progress.new_bytes.items() if count
+            )
+            out.append(
+                f"fetched {blob_id[:12]}: {sum(progress.new_bytes.values())} bytes "
+                f"from {peers or 'nobody'} in {progress.elapsed:.2f} s "
+                f"({outcome if not progress.finished else 'ok'})"
+            )
+        if not out and outcome != "ok":
+            out.append(f"fetch ended {outcome} after {seconds:.2f} s, nothing received")
+        return out
+
+
+class _Dials:
+    """The named providers of one fetch, dialled at once (``Node._dial_into``)."""
+
+    def __init__(self) -> None:
+        self.peers: list[str] = []  # connected, in the order they answered
+        self.errors: list[str] = []
+        self.pending = 0
+        self.changed = trio.Event()
+
+    def add(self, peer: str) -> None:
+        if peer not in self.peers:
+            self.peers.append(peer)
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
