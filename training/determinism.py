@@ -12,6 +12,10 @@ Invariants (see research/train.md for the measurements behind them):
    no kernel class can pin (``training.kernel_class.REFUSED_ENV``) are refused here.
 3. Rounds run eager (no torch.compile): the audit sees aten ops, and an audited round is
    an eager round anyway.
+
+torch is imported inside the functions that use it: ``blob --help`` imports this module
+(through ``training.rounds.cli``), and torch takes seconds to import and is absent
+without the ``train`` extra.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import random
 
 from training.errors import DeviceUnavailable
+from training.kernel_class import check_environment
 
 DEVICES = ("cuda", "cpu")
 DEFAULT_DEVICE = "cuda"
@@ -31,7 +36,7 @@ MAX_THREADS = 256
 
 def resolve_device(device: str | None) -> str:
     """The device a round runs on; refuses when CUDA is absent and "cpu" was not named."""
-    import torch
+    import torch  # heavy: see the module doc
 
     chosen = DEFAULT_DEVICE if device is None else device
     if chosen not in DEVICES:
@@ -48,12 +53,10 @@ def enter(device: str, threads: int = DEFAULT_THREADS, seed: int = 0) -> None:
     """Put this process in deterministic mode for ``device``; idempotent."""
     if not 1 <= threads <= MAX_THREADS:
         raise DeviceUnavailable(f"thread count {threads} is outside 1..{MAX_THREADS}")
-    from training.kernel_class import check_environment
-
     check_environment()  # settings no kernel class can pin are refused first
     # Must be in the environment before the first cuBLAS handle is created.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-    import torch
+    import torch  # heavy: see the module doc
 
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(threads)
@@ -77,7 +80,7 @@ def enter(device: str, threads: int = DEFAULT_THREADS, seed: int = 0) -> None:
 
 def seed_all(seed: int) -> None:
     """Seed Python's and torch's generators (every device) with ``seed``."""
-    import torch
+    import torch  # heavy: see the module doc
 
     random.seed(seed)
     torch.manual_seed(seed)

@@ -16,6 +16,11 @@ toy sizes. A directory holds exactly what a user's model directory holds:
 Every file is a pure function of (architecture, seed, corpus, sizes) on one machine, so
 the same inputs give the same collection ID. Seeded initialisation is not portable
 across CPU ISAs (research/train.md section 1): build once, ship the blob.
+
+torch, transformers, tokenizers and safetensors' torch half are imported inside the
+functions that build: the helpers here that read a directory's config serve commands
+(``blob train records --base``, round checks) that must run without the ``train`` extra,
+and those libraries take seconds to import.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ MAX_CORPUS_BYTES = 64 << 20
 
 
 def _config(arch: str, vocab: int, special: dict[str, int], overrides: dict[str, Any]) -> Any:
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig  # heavy: see the module doc
 
     common = {"vocab_size": vocab, "bos_token_id": special["bos"], "use_cache": False}
     common["eos_token_id"] = special["eos"]
@@ -62,6 +67,7 @@ def _config(arch: str, vocab: int, special: dict[str, int], overrides: dict[str,
 def train_tokenizer(arch: str, texts: Sequence[str], vocab_size: int = DEFAULT_VOCAB) -> Any:
     """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts``; returns it and the
     ids of its BOS and EOS tokens."""
+    # heavy: see the module doc
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     specials = ["<|endoftext|>"] if arch == "gpt2" else ["<s>", "</s>"]
@@ -87,7 +93,7 @@ def write_model_dir(
     model: Any, tokenizer: Any, directory: Path, shard_bytes: int = DEFAULT_SHARD_BYTES
 ) -> None:
     """Write ``model`` and ``tokenizer`` as a sharded HF directory (module doc)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # heavy (torch): see the module doc
 
     directory.mkdir(parents=True, exist_ok=True)
     tied = getattr(model, "_tied_weights_keys", None) or {}
@@ -130,6 +136,7 @@ def build_model_dir(
 ) -> None:
     """Train a tokenizer on ``corpus``, build ``arch`` at toy size from ``seed`` and write
     both to ``directory``; ``overrides`` are config fields (e.g. the activation)."""
+    # heavy: see the module doc
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging

@@ -48,6 +48,10 @@ Considered and not folded, because they change no result: affinity and waiting
 Limit: an environment variable is read as the process sees it when the class is
 detected; one changed in-process after a library already read it is recorded but had no
 effect (set them before starting Python, as every CLI user does).
+
+torch is imported inside the functions that read it: ``blob --help`` imports this module
+(through ``training.rounds.cli``), and torch takes seconds to import and is absent
+without the ``train`` extra.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ import platform
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +175,7 @@ class KernelClass:
 
 
 def _config_line(pattern: str) -> str:
-    import torch
+    import torch  # heavy: see the module doc
 
     match = re.search(pattern, torch.__config__.show())
     return match.group(1).strip() if match else "none"
@@ -260,15 +265,13 @@ def _loaded_openmp() -> str:
 def _flush_denormal() -> int:
     """1 if this thread flushes subnormal floats to zero (FTZ/DAZ), probed by arithmetic:
     torch offers a setter (``set_flush_denormal``) and no getter."""
-    import torch
+    import torch  # heavy: see the module doc
 
     tiny = torch.tensor([1e-40], dtype=torch.float32)  # subnormal in float32
     return int(bool((tiny * 1.0).item() == 0.0))
 
 
 def _version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(dist)
     except PackageNotFoundError:
@@ -277,7 +280,7 @@ def _version(dist: str) -> str:
 
 def settings_fields() -> dict[str, str | int]:
     """The in-process switches that change math (module doc), as read now."""
-    import torch
+    import torch  # heavy: see the module doc
 
     mkldnn = torch.backends.mkldnn
     einsum = torch.backends.opt_einsum
@@ -301,7 +304,7 @@ def settings_fields() -> dict[str, str | int]:
 
 def detect(device: str) -> KernelClass:
     """The kernel class of this process for ``device`` ("cpu" or "cuda")."""
-    import torch
+    import torch  # heavy: see the module doc
 
     fields: dict[str, str | int] = {
         "schema": KERNEL_CLASS_SCHEMA,

@@ -21,7 +21,9 @@ canonical so that the same model always gives the same collection ID:
 Seeded initialisation is not portable across CPU ISAs (research/train.md section 1): a
 base model is made once and shipped as a blob; a verifier never re-derives it.
 
-torch and transformers are imported inside the functions, so importing this module is cheap.
+torch, transformers and safetensors' torch half are imported inside the functions that
+use them: ``training.rounds.round`` imports this module for ``blob train check``, which
+must run without the ``train`` extra, and those libraries take seconds to import.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ def make_tiny_llama(size: str = "tiny", seed: int = 0) -> LlamaForCausalLM:
 
     Eager attention: it is the most auditable path, and the same on every device.
     """
+    # heavy: see the module doc
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -119,7 +122,7 @@ def canonical_config_json(config_dict: dict[str, Any]) -> bytes:
 
 def save_base_model(model: LlamaForCausalLM, directory: Path) -> None:
     """Write ``config.json`` and ``model.safetensors`` (both canonical) into ``directory``."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # heavy (torch): see the module doc
 
     directory.mkdir(parents=True, exist_ok=True)
     config_dict = model.config.to_dict()
@@ -130,6 +133,7 @@ def save_base_model(model: LlamaForCausalLM, directory: Path) -> None:
 
 def causal_lm_types() -> frozenset[str]:
     """The ``model_type`` values transformers builds a causal LM for."""
+    # heavy: see the module doc
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -199,6 +203,7 @@ def load_base_model(directory: Path) -> Any:
     is not a tied copy of a loaded one, is an error rather than a silently re-initialised
     weight.
     """
+    # heavy: see the module doc
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

@@ -41,6 +41,10 @@ tokenizer made them and a round refuses records made for another base::
     20     4     record count
     24     32    BLAKE3 blob ID of the tokenizer.json, raw
     56     ...   count * seq_len tokens, little-endian
+
+``tokenizers`` is imported inside the one function that uses it: the byte-level records
+and the decoder serve commands that run without the ``train`` extra, and it is slow to
+import.
 """
 
 from __future__ import annotations
@@ -145,7 +149,7 @@ def make_tokenizer_records(
     eos_id: int | None,
 ) -> bytes:
     """The canonical ``BNRECv2`` records of ``files`` tokenised by ``tokenizer_json``."""
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # heavy: see the module doc
 
     if not 2 <= seq_len <= MAX_SEQ_LEN:
         raise BadRecords(f"seq_len {seq_len} is outside 2..{MAX_SEQ_LEN}")

@@ -91,6 +91,10 @@ Theory of operation:
    schemas nest tensors at most in a list) without pytree, and ``__torch_dispatch__`` is
    not wrapped in dynamo's disable guard (``_should_skip_dynamo``: rounds never compile).
    ``bench/round.py`` measures both regimes against a plain step.
+
+torch (and the trainer, which imports torch and peft) is imported inside the functions
+that use it: ``training.rounds.round`` imports this module for ``blob train check``,
+which must run without the ``train`` extra, and torch takes seconds to import.
 """
 
 from __future__ import annotations
@@ -98,14 +102,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from training import determinism, kernel_class
 from training.errors import AuditViolation, NoKernelSet
-from training.rounds.recipe import DEFAULT_TARGETS
+from training.hf_model import ARCH_TARGETS, build_model_dir, model_eos
+from training.model import load_base_model, make_tiny_llama, read_config
+from training.records import make_records, make_tokenizer_records
+from training.rounds.recipe import DEFAULT_TARGETS, Recipe
 
 if TYPE_CHECKING:
     import torch
@@ -154,7 +163,7 @@ def check_placement(model: Any, device: str) -> None:
     """Refuse a model that holds a parameter or buffer off ``device``, or any tensor
     attribute on meta (point 3: a CPU kernel reads a meta tensor without complaint).
     Another tensor attribute may be elsewhere: one that computes is seen by its op."""
-    import torch
+    import torch  # heavy: see the module doc
 
     for module_name, module in model.named_modules():
         tensors = [
@@ -199,7 +208,7 @@ def make_round_auditor(device: str, allowed: frozenset[str]) -> Any:
 
 def accelerator_present() -> bool:
     """Whether torch can make tensors on a device other than CPU and meta here."""
-    import torch
+    import torch  # heavy: see the module doc
 
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is not None and accelerator.is_available():
@@ -209,7 +218,7 @@ def accelerator_present() -> bool:
 
 def op_overload(name: str) -> Any:
     """The ``OpOverload`` of ``aten::mm.default``; ``LookupError`` if torch has none."""
-    import torch
+    import torch  # heavy: see the module doc
 
     namespace, _, rest = name.partition("::")
     op, _, overload = rest.partition(".")
@@ -265,7 +274,7 @@ def install_fallthrough(ops: frozenset[str], device: str) -> Iterator[None]:
 
 
 def _register(ops: frozenset[str], device: str) -> list[Any]:
-    import torch
+    import torch  # heavy: see the module doc
 
     libraries: dict[str, Any] = {}
     try:
@@ -311,6 +320,7 @@ def _auditor_class() -> type:
 
 
 def _define_auditor() -> type:
+    # heavy: see the module doc
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -455,14 +465,7 @@ def build_kernel_set(family: str, steps: int = 3) -> dict[str, Any]:
     family's device in deterministic mode. Passes repeat with the ops found so far
     falling through until one finds no new op (module doc, point 5a).
     """
-    import tempfile
-
-    from training import determinism, kernel_class
-    from training.hf_model import ARCH_TARGETS, build_model_dir, model_eos
-    from training.model import load_base_model, make_tiny_llama, read_config
-    from training.records import make_records, make_tokenizer_records
-    from training.rounds import trainer
-    from training.rounds.recipe import Recipe
+    from training.rounds import trainer  # torch and peft: see the module doc
 
     device = determinism.resolve_device(family)
     determinism.enter(device)

@@ -1,7 +1,9 @@
 """``blob train ...``: make base models, records and recipes; run, replay and check rounds.
 
-Loaded through the ``blobnet.cli`` entry point only when a train command is asked for;
-torch, transformers and peft are imported inside the commands that train.
+Loaded through the ``blobnet.cli`` entry point when a train command is asked for, and by
+``blob --help``. So the modules that import numpy (0.1 to 0.3 s; torch, transformers and
+peft come later still, inside them) or libp2p (seconds) are imported inside the commands
+that use them; everything else is imported here.
 """
 
 from __future__ import annotations
@@ -17,11 +19,21 @@ from typing import Any
 
 import click
 
-from blobstore import Store
+from blobstore import Store, parse_blob_id
 from blobstore.errors import ExitCode
-from identity import PUBLIC_FILE_MODE, write_file
+from blobstore.export import check_output
+from blobstore.store import check_tag_name
+from identity import (
+    PUBLIC_FILE_MODE,
+    AdmissionCertificate,
+    ensure_key,
+    machine_signer,
+    write_file,
+)
 from identity.cli import load_trust, trust_options
-from training.errors import TrainingError
+from training import determinism, kernel_class
+from training.errors import BadModel, EvidenceRejected, TrainingError
+from training.rounds.inputs import fetch_missing
 
 PASSPHRASE_ENV = "BLOBNET_PASSPHRASE"
 # Attestations and certificates are a few KiB; these bound what a command reads.
@@ -50,8 +62,6 @@ def _key_path(ctx: click.Context) -> Path:
 
 
 def _signer(ctx: click.Context) -> Any:
-    from identity import ensure_key, machine_signer
-
     path = _key_path(ctx)
     key, created = ensure_key(path, os.environ.get(PASSPHRASE_ENV) or None)
     if created:
@@ -73,8 +83,6 @@ def _read(path: Path, what: str, limit: int) -> bytes:
 def _certificate(path: Path | None) -> Any:
     if path is None:
         return None
-    from identity import AdmissionCertificate
-
     return AdmissionCertificate.decode(_read(path, "certificate", MAX_CERT_FILE))
 
 
@@ -107,8 +115,6 @@ _tag_option = click.option(
 def _check_tag(name: str | None) -> None:
     """A bad tag name is refused before any work."""
     if name is not None:
-        from blobstore.store import check_tag_name
-
         check_tag_name(name)
 
 
@@ -147,12 +153,14 @@ def init_model(
     store = _store(ctx)
     with tempfile.TemporaryDirectory(prefix="blobnet-model-") as tmp:
         if arch == "tiny-llama":
+            # numpy and, inside, torch: only for the command that builds a model.
             from training.model import make_tiny_llama, save_base_model
 
             model = make_tiny_llama(size, seed)
             params = sum(p.numel() for p in model.parameters())
             save_base_model(model, Path(tmp))
         else:
+            # numpy and, inside, torch and transformers: only for this command.
             from training.hf_model import MAX_CORPUS_BYTES, build_model_dir
             from training.model import load_base_model
 
@@ -195,7 +203,7 @@ def records_command(
     as_json: bool,
 ) -> None:
     """Tokenise FILEs into one records blob; prints its ID."""
-    from training.records import decode_records, make_records
+    from training.records import decode_records, make_records  # numpy: this command only
 
     _check_tag(tag_name)
     store = _store(ctx)
@@ -215,7 +223,7 @@ def records_command(
 
 
 def _tokenizer_records(store: Store, base_id: str, contents: list[bytes], seq_len: int) -> bytes:
-    from training.errors import BadModel
+    # These import numpy: only `blob train records --base` pays for them.
     from training.hf_model import config_bytes_to_dict, model_eos
     from training.model import CONFIG_NAME, MAX_CONFIG_SIZE, TOKENIZER_NAME
     from training.records import MAX_TOKENIZER_SIZE, make_tokenizer_records
@@ -269,7 +277,7 @@ def recipe_command(
     as_json: bool,
 ) -> None:
     """Write a recipe file (the defaults, with any option given changed)."""
-    from training.rounds.recipe import Recipe
+    from training.rounds.recipe import Recipe  # numpy: this command only
 
     given: dict[str, Any] = {
         "lr": lr,
@@ -297,8 +305,6 @@ def recipe_command(
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def kernel_class_command(device: str | None, threads: int, as_json: bool) -> None:
     """Print this machine's kernel class ID (what an admission certificate names)."""
-    from training import determinism, kernel_class
-
     resolved = determinism.resolve_device(device)
     determinism.enter(resolved, threads)
     kc = kernel_class.detect(resolved)
@@ -361,14 +367,12 @@ def run_command(
     as_json: bool,
 ) -> None:
     """Run a round: fetch inputs, train, publish adapter and round record."""
-    from blobstore import parse_blob_id
-    from training import determinism
-    from training.rounds.inputs import fetch_missing
+    # numpy (and torch, once the round trains): only the commands that run rounds.
     from training.rounds.recipe import Recipe
-    from training.rounds.round import RoundInputs, run_round
+    from training.rounds.round import RoundInputs, check_certificate, run_round
 
     if publish_as is not None:
-        from p2p.names.service import check_name
+        from p2p.names.service import check_name  # libp2p: only when a name is published
 
         check_name(publish_as)  # refuse a bad name before any training
     recipe = Recipe.decode(_read(recipe_path, "recipe", 1 << 16))
@@ -390,11 +394,8 @@ def run_command(
     certificate = _certificate(cert_path)
     if certificate is not None:
         # A certificate for another key or kernel class is refused before any fetch.
-        from training.kernel_class import detect
-        from training.rounds.round import check_certificate
-
         determinism.enter(resolved, threads, seed)
-        check_certificate(certificate, signer, detect(resolved).id)
+        check_certificate(certificate, signer, kernel_class.detect(resolved).id)
     fetch_missing(store, ids, peers, key_path=_key_path(ctx))
     result = run_round(
         store,
@@ -409,7 +410,7 @@ def run_command(
     c = result.commitment
     published = None
     if publish_as is not None:
-        from p2p.names.service import publish_in_store
+        from p2p.names.service import publish_in_store  # libp2p: only when a name is published
 
         published = publish_in_store(store, signer, publish_as, c.adapter_id, now=time.time())
     if as_json:
@@ -451,14 +452,10 @@ def replay_command(
     as_json: bool,
 ) -> None:
     """Re-run a round; exit 0 and attest only on the identical digest."""
-    from blobstore import parse_blob_id
-    from training import determinism
-    from training.rounds.inputs import fetch_missing
+    # numpy (and torch, once the round trains): only the commands that run rounds.
     from training.rounds.round import check_certificate, load_record, replay_round, required_inputs
 
     if output is not None:
-        from blobstore.export import check_output
-
         check_output(output)  # a missing directory, before the fetch and the whole replay
     store = _store(ctx)
     round_id = parse_blob_id(round_ref) if peers else _resolve(store, round_ref)
@@ -523,8 +520,7 @@ def check_command(
     With software keys this shows that two admitted operators signed the digest, not that
     the replay ran (a key in a file can sign anything); --require-hardware accepts only
     attestations co-signed by a TPM-resident key the authority admitted (`blob tpm`)."""
-    from training.errors import EvidenceRejected
-    from training.rounds.round import check_evidence, load_record
+    from training.rounds.round import check_evidence, load_record  # numpy: this command only
 
     store = _store(ctx)
     record = load_record(store, _resolve(store, round_ref))

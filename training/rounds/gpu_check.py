@@ -36,6 +36,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from blobstore import Store
+from identity import Authority, MachineKey, SoftwareSigner, create_key_file
+from identity import format_public_key as fmt
+from training.hf_model import ARCH_TARGETS, build_model_dir
+from training.rounds.audit import kernel_set_path
+from training.rounds.recipe import Recipe
+
 # Each child imports torch + transformers + peft and trains a few steps.
 CHILD_TIMEOUT_S = 300
 CORPUS = (
@@ -60,13 +69,6 @@ def _blob(store: Path, key: Path, *args: str) -> list[str]:
 
 def run_check(out: Path, steps: int, keep_kernel_set: bool, device: str = "cuda") -> dict[str, Any]:
     """Steps 2-4 of the module doc; raises RuntimeError naming the step that failed."""
-    from blobstore import Store
-    from identity import Authority, MachineKey, SoftwareSigner, create_key_file
-    from identity import format_public_key as fmt
-    from training.hf_model import ARCH_TARGETS, build_model_dir
-    from training.rounds.audit import kernel_set_path
-    from training.rounds.recipe import Recipe
-
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("BLOBNET_PASSPHRASE", None)
     report: dict[str, Any] = {}
@@ -210,8 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-kernel-set", action="store_true")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ns = parser.parse_args(argv)
-    import torch
-
     if ns.device == "cuda" and not torch.cuda.is_available():
         print(
             "gpu_check: error: CUDA is not available on this machine; run this on one "

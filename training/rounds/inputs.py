@@ -41,7 +41,7 @@ def fetch_missing(
             f"round input {missing[0]} is not in the store; name a peer that has it "
             "(--peer MULTIADDR) or put it locally"
         )
-    from p2p import BlockingNode
+    from p2p import BlockingNode  # libp2p: see the module doc
 
     # The peers are named, so no DHT: a one-shot fetcher has nothing to look up or announce.
     with BlockingNode(

@@ -31,6 +31,9 @@ Theory of operation:
    its certificate records (identity.attestation, rules 1-3). What this proves with
    software keys: two admitted operators signed the digest, not that a replay ran
    (identity.kinds says why and what hardware signers add).
+
+The trainer (torch and peft) is imported inside the functions that train: checking a
+round's evidence (``blob train check``) runs without the ``train`` extra.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from identity import (
     sign_attestation,
     verify_attestation,
 )
-from training import determinism
+from training import determinism, kernel_class
 from training.errors import (
     AuditViolation,
     BadModel,
@@ -71,8 +74,10 @@ from training.model import (
     WEIGHTS_NAME,
     base_tokenizer_id,
     check_records_fit,
+    load_base_model,
 )
 from training.records import HEADER_SIZE_V2, MAX_TOKENS, decode_records
+from training.rounds import audit
 from training.rounds.commitment import (
     MAX_RECORD_SIZE,
     REPLAY_KIND,
@@ -112,8 +117,6 @@ class ReplayResult:
 
 
 def _load_base(store: Store, base_id: str, workdir: Path) -> Any:
-    from training.model import load_base_model
-
     if not store.is_collection(base_id):
         raise BadModel(
             f"base {base_id} is not a collection (a model directory: {CONFIG_NAME} and "
@@ -182,8 +185,7 @@ def execute(
             raise BlobNotFound(f"round input {blob_id} is not in the store; fetch it (--peer)")
     verify_inputs(store, inputs.base_id, inputs.records_id)
     determinism.enter(resolved, threads, inputs.seed)
-    from training import kernel_class
-    from training.rounds import audit, trainer
+    from training.rounds import trainer  # torch and peft: see the module doc
 
     kc = kernel_class.detect(resolved)
     if expect is not None and kc != expect.kernel_class:

@@ -34,10 +34,12 @@ import blake3
 import numpy as np
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from transformers.pytorch_utils import Conv1D
 
 from training.determinism import seed_all
 from training.errors import AuditViolation, BadRecipe, BadRecords
 from training.records import PAD_ID, Records, decode_records
+from training.rounds.audit import check_placement
 from training.rounds.recipe import Recipe
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -65,8 +67,6 @@ def check_targets(base: torch.nn.Module, targets: tuple[str, ...]) -> bool:
     only after loading); returns whether the targets are GPT-2 ``Conv1D`` layers (weights
     stored transposed: peft's ``fan_in_fan_out``). Matching is peft's: a module name equal
     to the target or ending in ``.<target>``."""
-    from transformers.pytorch_utils import Conv1D
-
     found: dict[str, set[str]] = {t: set() for t in targets}
     trainable: set[str] = set()
     for name, module in base.named_modules():
@@ -183,8 +183,6 @@ def run_steps(
     every step, and is installed (its dispatcher-regime kernels) for the whole run."""
     if auditor is None:
         return _run_steps(session, records, None, on_step)
-    from training.rounds.audit import check_placement
-
     check_placement(session.model, session.device)
     with auditor.installed():
         return _run_steps(session, records, auditor, on_step)
