@@ -88,7 +88,7 @@ def progress_bar(total: int, desc: str, enabled: bool) -> Iterator[Callable[[int
     if not enabled or total < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
         yield None
         return
-    from tqdm import tqdm
+    from tqdm import tqdm  # about 0.1 s to import: only a command that draws a bar pays it
 
     bar = tqdm(
         total=total,

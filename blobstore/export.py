@@ -14,6 +14,7 @@ renamed into place, so a half-made export is never visible under ``dest``.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import os
 import secrets
 import shutil
@@ -135,8 +136,6 @@ def export_tag(dest: Path) -> str:
     """The tag that pins a linked export at ``dest``: its name, and a digest of its
     absolute path so that two exports of one name elsewhere do not share (and unpin)
     one tag."""
-    import hashlib
-
     where = str(dest.expanduser().absolute())
     name = "".join(c if c.isalnum() or c in "._-" else "-" for c in dest.name)[:40]
     return f"export-{name or 'dir'}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"

@@ -191,7 +191,8 @@ def register(group: click.Group) -> None:
     group.add_command(authority_group)
     group.add_command(admit_command)
     group.add_command(attest_group)
-    from .tpm.cli import tpm_group  # it imports this module's helpers
+    # Here, not at the top: identity.tpm.cli imports this module's helpers (a cycle).
+    from .tpm.cli import tpm_group
 
     group.add_command(tpm_group)
 

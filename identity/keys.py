@@ -59,6 +59,7 @@ class MachineKey:
 
     def libp2p_keypair(self) -> KeyPair:
         """The same key as a py-libp2p ``KeyPair``, for ``new_host(key_pair=...)``."""
+        # libp2p: about a second to import, and most commands never need it (module doc).
         from libp2p.crypto.ed25519 import Ed25519PrivateKey
         from libp2p.crypto.keys import KeyPair
 

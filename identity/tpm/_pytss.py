@@ -18,7 +18,7 @@ def pytss() -> Any:
     # libtss2 logs every TPM error response to stderr (an absent NV index, which we probe
     # on purpose, included): errors reach the user through our messages instead.
     os.environ.setdefault("TSS2_LOG", "all+NONE")
-    try:
+    try:  # here, not at the top: the tpm extra is optional (module doc)
         import tpm2_pytss
         from tpm2_pytss import utils
     except ImportError as exc:

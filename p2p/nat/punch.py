@@ -37,8 +37,11 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import multiaddr
 import trio
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
 
 from blobstore.errors import ExitCode
 from p2p.blob.ticket import TICKET_PREFIX, Ticket
@@ -58,6 +61,7 @@ from p2p.nat.relay import (
     present_certificate,
     reserve,
 )
+from p2p.transport import patches
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +134,6 @@ class NatFetch:
 
 @asynccontextmanager
 async def _dcutr(host: Any) -> AsyncIterator[Any]:
-    from p2p.transport import patches
-
     existing = patches.running_dcutr(host)
     if existing is not None:
         yield existing
@@ -172,8 +174,6 @@ async def check_reachability(host: Any, relay: ID) -> Reachability:
     one. Measured on the testbed: a host behind NAT asking to be dialled at its public
     IP, port 9 (nothing listens; the NAT drops it anyway) is answered OK; asking with its
     own (private) listen address it is answered E_DIAL_REFUSED. It never says private."""
-    from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
-
     ports = _listen_ports(host)
     if not ports:
         return Reachability(None, "no TCP listen address to be dialled back on")
@@ -198,10 +198,6 @@ def advertise(host: Any, extra: list[str]) -> None:
     tickets) name ``extra`` addresses too, after its own.
 
     (p2p.transport.patches.advertise_addrs says why not through ``addrs_factory``.)"""
-    import multiaddr
-
-    from p2p.transport import patches
-
     patches.advertise_addrs(host, [multiaddr.Multiaddr(a) for a in extra])
 
 
@@ -286,9 +282,6 @@ async def reachable(
 
 
 def _peer_info(addr: str) -> Any:
-    import multiaddr
-    from libp2p.peer.peerinfo import info_from_p2p_addr
-
     return info_from_p2p_addr(multiaddr.Multiaddr(addr))
 
 

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import trio
 
-from blobstore import Store
+from blobstore import BadBlobId, BlobNotFound, Store, parse_blob_id
 from p2p.blob.ticket import MAX_TICKET_ADDRS, Ticket
 from p2p.errors import P2PError
 from p2p.fetch.downloader import ProgressCallback
+from p2p.fetch.tensors import fetch_tensors
 from p2p.node.node import DEFAULT_LISTEN, Node, open_node
 from p2p.transport.addresses import dialable_addrs
 
@@ -258,8 +259,6 @@ class BlockingNode:
     def _local_ref(self, ref: str) -> str | None:
         """The blob ID a tag or prefix names in the store; None for a ticket or a full
         ID the store does not know (those go to the network as they are)."""
-        from blobstore import BadBlobId, BlobNotFound, parse_blob_id
-
         if ref.startswith("blob1"):
             return None
         try:
@@ -288,14 +287,10 @@ class BlockingNode:
         verified against the manifest; they stay in the store's partial blob). A complete
         local blob is read from the store. ``providers``: multiaddrs to fetch from, as for
         :meth:`fetch`, besides connected peers."""
-        from p2p.fetch.tensors import fetch_tensors
-
         blob_id = self._local_ref(ref)
         peers = [self.connect(addr) for addr in providers]
         if blob_id is None:
             if ref.startswith("blob1"):
-                from p2p.blob.ticket import Ticket
-
                 ticket = Ticket.decode(ref)
                 blob_id = ticket.blob_id
                 peers += [self.connect(addr) for addr in ticket.addrs]

@@ -41,12 +41,13 @@ from p2p.blob.swarm import Listed
 from p2p.blob.ticket import validate_peer_addr
 from p2p.errors import BadAddress, PeerUnreachable
 from p2p.fetch.striping import StripeConfig
+from p2p.nat.punch import PunchJobs
+from p2p.nat.relay import nat_services, parse_circuit_addr
 from p2p.node.admission import present
 from p2p.transport import patches
 from p2p.transport.fast import connection_rtt
 
 if TYPE_CHECKING:
-    from p2p.nat.punch import PunchJobs
     from p2p.node.node import NodeConfig
 
 log = logging.getLogger(__name__)
@@ -176,8 +177,6 @@ class Connections:
         return str(info.peer_id)
 
     async def _connect_circuit(self, addr: str) -> str:
-        from p2p.nat.relay import parse_circuit_addr
-
         try:
             parse_circuit_addr(addr)
         except ValueError as exc:
@@ -208,8 +207,6 @@ class Connections:
         await self._nat_up.wait()
 
     async def _hold_nat_services(self, up: trio.Event) -> None:
-        from p2p.nat.relay import nat_services
-
         try:
             async with nat_services(self.host):
                 up.set()

@@ -115,6 +115,8 @@ async def dial_named(node: Any, addrs: Sequence[str]) -> Dialled:
     """Dial every address at once through ``node.connect`` and return as soon as one
     answers (the others are left to the fetch, which dials its providers itself: a peer
     that accepts TCP and never handshakes delays nobody) or all have failed."""
+    # libp2p (seconds): this module's checks run before any node, on commands that may
+    # never start one; by the time a dial runs, a node has imported it already.
     import p2p.node.node
 
     timeout = getattr(p2p.node.node, "DIAL_TIMEOUT", None)  # for the message only

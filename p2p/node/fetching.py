@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import trio
 from libp2p.peer.id import ID
 
-from blobstore import BlobNotFound, Store
+from blobstore import BlobNotFound, Store, parse_blob_id
 from p2p.blob.pacing import Pacer
 from p2p.blob.server import BlobServer
 from p2p.blob.swarm import PEX_DIAL_PARALLELISM, PexBook
@@ -42,6 +42,8 @@ from p2p.fetch.downloader import Progress, ProgressCallback, download_blob
 from p2p.fetch.scheduler import SchedulerConfig
 from p2p.fetch.scores import PeerScores
 from p2p.metrics import Metrics
+from p2p.names import service as names
+from p2p.nat.relay import direct_connection
 from p2p.node.admission import UNADMITTED
 from p2p.node.connections import Connections
 from p2p.node.providing import Providing
@@ -208,8 +210,6 @@ class Fetching(Connections, Providing):
         recursive: bool,
     ) -> str:
         addrs = list(providers)
-        from p2p.names import service as names
-
         if names.is_name_ref(ref):
             ref = (await names.resolve(self, ref)).blob_id
         if ref.startswith("blob1"):
@@ -217,8 +217,6 @@ class Fetching(Connections, Providing):
             blob_id = ticket.blob_id
             addrs.extend(ticket.addrs)
         else:
-            from blobstore import parse_blob_id
-
             blob_id = parse_blob_id(ref)
         dials = _Dials()
         # The lease keeps gc off the parent and, once it is here, its children, however long
@@ -431,8 +429,6 @@ class Fetching(Connections, Providing):
         lands, a later discovery pass (or a retry) offers the peer again."""
         if self.config.relayed_fetch or peer not in self.connected_peers():
             return True
-        from p2p.nat.relay import direct_connection
-
         return direct_connection(self.host, ID.from_base58(peer)) is not None
 
     def _circuit_addrs(self, peer: str) -> list[str]:

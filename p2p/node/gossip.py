@@ -74,6 +74,8 @@ def make_pubsub(host: Any) -> Any:
     """The pubsub service a node runs over ``host``: gossipsub, its router running as a
     child service of the pubsub (so the node's one service context starts and stops both).
     """
+    # libp2p (seconds): training.outer.params imports this module's MAX_RUN_WORKERS on
+    # `blob --help`; only a node that runs pubsub needs the router.
     from libp2p.pubsub import pubsub as pubsub_module
     from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
     from libp2p.pubsub.pubsub import Pubsub

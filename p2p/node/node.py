@@ -72,12 +72,15 @@ from p2p.blob.pacing import Pacer
 from p2p.blob.server import BlobServer, ServerLimits
 from p2p.blob.ticket import MAX_TICKET_ADDRS, Ticket
 from p2p.errors import BadAddress, ListenFailed, PeerUnreachable
+from p2p.fetch import peer_memory
 from p2p.fetch.downloader import Progress
 from p2p.fetch.scheduler import SchedulerConfig
 from p2p.fetch.scores import PeerScores
 from p2p.fetch.striping import StripeConfig
 from p2p.logs import no_handler_of_our_own, quiet_unless_chosen
 from p2p.metrics import Metrics
+from p2p.names import service as names
+from p2p.nat.punch import PunchJobs
 from p2p.node.admission import install_gate, open_answer
 from p2p.node.connections import (
     BLOB_PROPOSAL,
@@ -88,8 +91,11 @@ from p2p.node.connections import (
 )
 from p2p.node.dht_hygiene import forget_clients_on_disconnect
 from p2p.node.fetching import Fetching
+from p2p.node.gossip import make_pubsub
 from p2p.node.providing import DHT_KEY_PREFIX, NEW_BLOB_POLL, dht_key
 from p2p.transport import patches
+from p2p.transport.addresses import dialable_addrs
+from p2p.transport.fast.upgrade import on_tcp_dialled
 from p2p.transport.host import build_host
 from p2p.transport.providers import ProviderLimits, install_provider_guard
 
@@ -198,14 +204,10 @@ class Node(Fetching):
         # (StripeConfig.early_lanes), beside its Noise handshake rather than after it.
         self._lanes_wanted: set[str] = set()
         self._early_lanes: dict[str, trio.Event] = {}  # peer -> those lanes are dialled
-        from p2p.transport.fast.upgrade import on_tcp_dialled
-
         on_tcp_dialled(host, self._on_tcp_dialled)
         # Behind NAT: the circuit addresses this node hands out once it holds
         # reservations (``set_advertised``; None: its own listen addresses).
         self.advertised: list[str] | None = None
-        from p2p.nat.punch import PunchJobs
-
         self.punches = PunchJobs()
         # Peers reached by hole punching or through a relay: no second connection can be
         # dialled to them (their NAT drops unasked SYNs), so fetches do not stripe them.
@@ -253,8 +255,6 @@ class Node(Fetching):
     def addrs(self) -> list[str]:
         """Addresses other nodes can dial, each ending in ``/p2p/<peer id>`` (a wildcard
         listen address appears as each interface's address)."""
-        from p2p.transport.addresses import dialable_addrs
-
         out = []
         for addr in self.host.get_addrs():
             text = str(addr)
@@ -305,14 +305,10 @@ class Node(Fetching):
     async def publish_name(self, name: str, blob_id: str, **options: Any) -> NameRecord:
         """Sign ``<this peer ID>/name -> blob_id`` and spread it (see
         :func:`p2p.names.service.publish_name` for ``signer``, ``seq``, ``expiry_s``...)."""
-        from p2p.names import service as names
-
         return await names.publish_name(self, name, blob_id, **options)
 
     async def resolve(self, ref: str, **options: Any) -> NameRecord:
         """The newest valid record for ``PUBLISHER/NAME`` (:func:`p2p.names.service.resolve`)."""
-        from p2p.names import service as names
-
         return await names.resolve(self, ref, **options)
 
     async def export(self, blob_id: str, dest: str | os.PathLike[str]) -> None:
@@ -400,9 +396,6 @@ async def open_node(
                 await floodsub.wait_until_ready()
             node = Node(store, host, server, kad, config, floodsub)
             node._background = nursery
-            from p2p.fetch import peer_memory
-            from p2p.names import service as names
-
             # Liars banned by earlier processes on this store start distrusted here too.
             await trio.to_thread.run_sync(peer_memory.load, store, node.scores, trio.current_time())
             names.install(node).admitted = None if server.gate is None else server.gate.admitted
@@ -459,8 +452,6 @@ def _open_store(root: str | os.PathLike[str]) -> Store:
 
 
 def _make_pubsub(host: Any) -> Any:
-    from p2p.node.gossip import make_pubsub
-
     return make_pubsub(host)
 
 
