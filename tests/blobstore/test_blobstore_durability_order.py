@@ -1,7 +1,7 @@
-"""The order of durable steps, checked call by call (issue 16's mutation list).
+"""The order of durable steps, checked call by call.
 
-A crash test cannot see a missing fsync on a machine that does not lose power, so the
-fault tests passed with the data fsync before the bitmap write deleted. Here every
+A crash test cannot see a missing fsync on a machine that does not lose power: the fault
+tests pass with the data fsync before the bitmap write deleted. Here every
 write, fsync and rename the store makes is recorded with the inode it touched, and the
 rules of :mod:`blobstore.partial` and :mod:`blobstore.store` are checked on the trace:
 

@@ -1,7 +1,8 @@
 """Export: the same content twice is a success, and a fresh fetch is not hashed twice.
 
-Issue 14: ``blob get ID -o DIR`` failed the second time ("already exists", exit 5), and
-``-o`` after a fetch copied and re-hashed for 6 s what had just been verified.
+``blob get ID -o DIR`` run twice succeeds both times (no "already exists", exit 5), and
+``-o`` right after a fetch does not copy and re-hash (seconds per GiB) what was just
+verified.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from blobstore import Manifest, Store, StoreError
 C = 64 * 1024
 Check = Callable[[Path], None]
 
-# The syscalls the store's write paths use, grouped as the issue names them.
+# The syscalls the store's write paths use, by kind of fault.
 KINDS = {
     "write": ("write", "pwrite"),
     "fsync": ("fsync",),

@@ -1,8 +1,8 @@
 """gc against running gets and puts: leases protect what an operation still needs.
 
-Issue 16 item 7: ``gc --grace 0`` in a loop during ``blob get COLL -o out`` deleted the
-published parent and children and the get exited 3; under the default grace a fetch that
-outlasts an hour would do the same. Here gc runs (from another Store object, so through
+Without leases, ``gc --grace 0`` in a loop during ``blob get COLL -o out`` deletes the
+published parent and children and the get exits 3; under the default grace a fetch that
+outlasts an hour meets the same fate. Here gc runs (from another Store object, so through
 its own file descriptors, as another process would) between every step of a collection
 fetch and of a ``put`` of a directory, and nothing the operation needs disappears.
 """

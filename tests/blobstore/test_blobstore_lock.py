@@ -1,9 +1,9 @@
 """Who may touch a store: file modes, the store lock, and how long anyone waits for it.
 
-Issue 16 item 4: the lock was a 0644 file at the store's root, and a read-only
-descriptor is enough to flock a file, so any local user could make the owner's
-``blob put`` hang forever. Now the lock is a 0600 file inside ``locks/`` (0700), the wait
-is bounded (:data:`blobstore.STORE_LOCK_TIMEOUT`) and ends in StoreBusy, exit 5, naming
+A read-only descriptor is enough to flock a file, so a lock file that other users can
+open (a 0644 file at the store's root) lets any local user make the owner's ``blob put``
+hang forever. So the lock is a 0600 file inside ``locks/`` (0700), the wait is bounded
+(:data:`blobstore.STORE_LOCK_TIMEOUT`) and ends in StoreBusy, exit 5, naming
 the holder's PID. Modes are set explicitly, so a permissive umask changes nothing.
 """
 
@@ -146,7 +146,7 @@ SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
     os.geteuid() != 0 or SYSTEM_PYTHON is None, reason="needs root to act as another user"
 )
 def test_another_user_can_read_a_shared_store_but_not_lock_it() -> None:
-    """As the issue's attacker did: another account opens each lock to flock it. The
+    """The attack: another account opens each lock to flock it. The
     same account can read a blob, so the locks are refused by their modes, not because
     the store is out of its reach."""
     assert SYSTEM_PYTHON is not None

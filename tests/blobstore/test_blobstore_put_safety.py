@@ -1,7 +1,7 @@
 """What ``put`` refuses so that a blob always matches something the user meant to share.
 
-Issue 16: ``blob put DIR`` followed symlinks to files outside DIR and served them, and a
-``put`` of a file being modified published a blob that matched no state of the file.
+``blob put DIR`` must not follow symlinks to files outside DIR (and so serve them), and a
+``put`` of a file being modified must not publish a blob that matches no state of the file.
 """
 
 from __future__ import annotations

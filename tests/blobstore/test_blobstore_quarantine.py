@@ -1,12 +1,12 @@
 """Bit rot found on read quarantines the blob; publishing the same ID again repairs it.
 
-Issue 16 items 5 and 6, store side. Before: a flipped byte in a provider's blob file
-was served silently and stayed advertised as complete, and a re-``put`` of the original
-exited 0 while ``verify`` still failed. Now whoever finds a chunk that fails its hash
-(``verify``, a verifying read, a server's ``--verify-reads``) moves the blob to
-``quarantine/``: ``has`` is False, listings show it as quarantined, reads refuse it. A
-``put`` of the same content, or a fetched partial published for the ID, repairs it, and a
-fetch starts from the rotten copy so only the bad chunks cross the network.
+The store side of rot: a flipped byte in a provider's blob file must neither be served
+silently nor stay advertised as complete, and a re-``put`` of the original must really
+repair it. Whoever finds a chunk that fails its hash (``verify``, a verifying read, a
+server's ``--verify-reads``) moves the blob to ``quarantine/``: ``has`` is False,
+listings show it as quarantined, reads refuse it. A ``put`` of the same content, or a
+fetched partial published for the ID, repairs it, and a fetch starts from the rotten copy
+so only the bad chunks cross the network.
 """
 
 from __future__ import annotations

@@ -103,8 +103,9 @@ def sealed(plain: bytes) -> bytes:
 
 
 async def test_a_listener_that_never_answers_the_proposal_ends_the_connection() -> None:
-    """Before the optimistic muxer, such a listener failed the dial within the negotiation
-    timeout; now the session ends within it, with a reason that names the muxer."""
+    """With the muxer proposed optimistically, such a listener still costs no more than
+    the negotiation timeout: the session ends within it, with a reason that names the
+    muxer."""
     ours, theirs = trio.socket.socketpair()
     conn = make_conn(ours, expect=ECHO, echo_timeout=0.3)
     with trio.fail_after(10):

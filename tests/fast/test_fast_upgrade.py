@@ -1,4 +1,4 @@
-"""Negotiating Noise and yamux as the dialler (issue 15 item 4): multistream-select's
+"""Negotiating Noise and yamux as the dialler in fewer round trips: multistream-select's
 header and the one proposal leave in a single write, and a listener that answers anything
 else is refused. Over our Noise the dialler does not wait for the answer at all: Noise's
 first message follows the proposal in the same write, and the answer is checked before

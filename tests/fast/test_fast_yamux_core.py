@@ -311,7 +311,7 @@ def test_session_budget_limits_growth_across_streams() -> None:
 
 
 def test_sessions_sharing_a_pool_stay_within_its_one_budget() -> None:
-    """Issue 15 item 3: a fetch striped over several connections (one session each) may
+    """A fetch striped over several connections (one session each) may
     not buffer a session budget per connection; the pool bounds them together."""
     pool = WindowPool(limit=1024 * 1024)
     sessions = [

@@ -443,7 +443,7 @@ def manifest_answer(body: bytes) -> bytes:
 
 
 async def test_an_optimistic_stream_checks_the_echo_before_the_first_response() -> None:
-    """Issue 15 item 4: the protocol is proposed and the first request sent without
+    """The protocol is proposed and the first request sent without
     waiting; the client reads the peer's echo of the proposal, then the response."""
     from p2p.blob.shell import OptimisticStream
     from p2p.node.node import BLOB_PROPOSAL

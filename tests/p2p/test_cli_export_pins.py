@@ -1,7 +1,7 @@
 """``blob export`` makes links into the store; ``blob gc`` must not leave them dangling.
 
-An export of an untagged collection used to be undone by the next ``gc --grace 0``: the
-links pointed at files gc had deleted. An export now pins what it links with a tag (named
+Unpinned, an export of an untagged collection is undone by the next ``gc --grace 0``: its
+links point at files gc deleted. So an export pins what it links with a tag (named
 in its output; ``blob untag`` removes it with the export), ``gc --dry-run`` lists what
 would go without removing it, and an export of a collection fetched in part exports the
 files that are here (naming the others) instead of failing on a file nobody asked for."""

@@ -16,7 +16,7 @@ import pytest
 
 from .conftest import Cluster, NodeProcess, blob_cmd, blob_here, random_file, run_blob
 
-# Half the 30 s of --discovery-timeout that these failures used to wait out; generous
+# Half of a 30 s --discovery-timeout, which these failures must not wait out; generous
 # for a loaded 2-vCPU machine, where starting a `blob` process alone can take 4 s.
 FAST = 15.0
 UNKNOWN = "ab" * 32
@@ -160,8 +160,8 @@ def test_serve_on_the_wildcard_address_prints_dialable_ones(
 def test_get_with_a_named_peer_repairs_a_rotten_local_copy(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    """A damaged local copy used to be exported as it was (exit 4) although a good peer was
-    named: `get --peer GOOD` now finds the rot, quarantines the copy and fetches it again."""
+    """A damaged local copy is not exported as it is (exit 4) when a good peer is named:
+    `get --peer GOOD` finds the rot, quarantines the copy and fetches it again."""
     from blobstore import Store
 
     original = random_file(tmp_path / "w.bin", 300_000)

@@ -1,10 +1,10 @@
 """Ctrl-C during `blob get` is always exit 130 and one line.
 
-It used to end, now and then, in trio.TrioInternalError: trio's default SIGINT handling
-raises KeyboardInterrupt inside whichever task is running, and when that task was a
-chunk write between queueing its job and waiting for it, the writer thread later woke a
-task that had already exited. The networked commands now take SIGINT through a trio
-signal receiver (p2p.cli.common.run_interruptible), which cancels the work in order."""
+Never trio.TrioInternalError: trio's default SIGINT handling raises KeyboardInterrupt
+inside whichever task is running, and when that task is a chunk write between queueing
+its job and waiting for it, the writer thread later wakes a task that has already
+exited. So the networked commands take SIGINT through a trio signal receiver
+(p2p.cli.common.run_interruptible), which cancels the work in order."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``blob serve --relay`` and ``blob get`` of a ticket that names only a circuit address,
-as real processes over 127.0.0.1 (issue 20's CLI; the NAT testbed has the real NATs, see
+as real processes over 127.0.0.1 (the NAT commands; the NAT testbed has the real NATs, see
 tests/wan/test_nat_cli_fetch.py).
 
 A provider told to act as if private (``--assume-private``) reserves on an admitting
@@ -125,7 +125,7 @@ def test_nat_and_seeding_mistakes_are_one_line_errors(
 def test_get_seed_for_serves_what_it_fetched_until_ctrl_c_ends_it_with_exit_0(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    """Issue 21: a fetcher that stays (``--seed-for``) serves the swarm's tail: with the
+    """A fetcher that stays (``--seed-for``) serves the swarm's tail: with the
     original provider gone, a third node fetches from it; Ctrl-C during seeding is a
     server's normal end (exit 0), its result line already out."""
     import json

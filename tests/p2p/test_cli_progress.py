@@ -1,6 +1,6 @@
 """The progress bar of a resumed fetch starts at the bytes already held, and its rate
-counts only the bytes fetched in this run (it used to start from zero, so the held half
-of the blob looked like it arrived in the first instant)."""
+counts only the bytes fetched in this run (from zero, the held half of the blob would look
+as if it arrived in the first instant)."""
 
 from __future__ import annotations
 

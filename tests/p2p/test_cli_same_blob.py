@@ -1,7 +1,7 @@
 """Two ``blob get`` of one blob into one store, as every local rank or job fetching the
 same checkpoint does: the second waits for the first (saying so) and returns the blob,
-and takes over from the partial if the first dies. It used to exit 5 within a second,
-"being written by process N", whatever BLOBNET_LOCK_TIMEOUT said. And a fetch whose only
+and takes over from the partial if the first dies; it does not exit 5 within a second,
+"being written by process N", whatever BLOBNET_LOCK_TIMEOUT says. And a fetch whose only
 provider dies says that it went."""
 
 from __future__ import annotations

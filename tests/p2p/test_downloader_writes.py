@@ -208,7 +208,7 @@ class Recording:
 async def test_a_get_that_never_answers_is_ended_by_its_deadline(
     tmp_path: Path, virtual_clock: trio.abc.Clock
 ) -> None:
-    """Regression guard (issue 16's mutation list): without the request deadline a
+    """Regression guard: without the request deadline a
     provider's stalled `get` holds its chunks forever and the fetch never ends."""
     store = Store.open(tmp_path / "s")
     network = Recording({"only": frozenset()}, stall_first_get="only")
@@ -226,7 +226,7 @@ async def test_a_get_that_never_answers_is_ended_by_its_deadline(
 async def test_a_peer_that_lied_is_remembered_by_the_next_download(
     tmp_path: Path, virtual_clock: trio.abc.Clock
 ) -> None:
-    """Issue 16: a liar banned in one download gets no `get` in the next one while an
+    """A liar banned in one download gets no `get` in the next one while an
     honest provider can serve it; the memory decays (PeerScores)."""
     scores = downloader.PeerScores()
     every_chunk = frozenset(range(MANIFEST.num_chunks))
@@ -252,8 +252,8 @@ async def test_a_peer_that_lied_is_remembered_by_the_next_download(
 async def test_the_first_chunk_comes_two_round_trips_after_the_start(
     tmp_path: Path, virtual_clock: trio.abc.Clock
 ) -> None:
-    """Issue 15 item 4: `have` goes out beside `manifest`, so the first `get` leaves
-    after one round trip and its first chunk lands after the second (it was three)."""
+    """`have` goes out beside `manifest`, so the first `get` leaves after one round trip
+    and its first chunk lands after the second (not the third)."""
     rtt = 1.0
     network = Recording({"far": frozenset()}, rtt=rtt)
     store = Store.open(tmp_path / "s")

@@ -1,5 +1,5 @@
 """A far provider's bulk lanes are dialled as soon as the first connection's TCP connect
-shows the path is long (issue 15 item 4): the fetcher knows the RTT a round trip before
+shows the path is long: the fetcher knows the RTT a round trip before
 that connection's Noise handshake ends, and the lanes, dialled then, are up a round trip
 before the fetch would have dialled them itself. The fetch then waits for them and dials
 no more.

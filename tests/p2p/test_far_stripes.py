@@ -1,4 +1,4 @@
-"""A provider across an ocean (issue 15): its extra connections are dialled beside the
+"""A provider across an ocean: its extra connections are dialled beside the
 manifest request, not after it (p2p.fetch.downloader.HaveProbes), and its bulk streams carry
 pipelined requests (p2p.fetch.downloader rule 10): the next `get` is at the server before the
 current answer ends, so a lane does not idle a round trip between two requests. A provider
@@ -222,7 +222,7 @@ async def test_a_provider_that_speaks_only_1_0_0_is_served_one_request_at_a_time
 async def test_the_first_chunk_is_asked_with_the_manifest(
     tmp_path: Path, virtual_clock: trio.abc.Clock
 ) -> None:
-    """Issue 15 item 4: the first provider asked gets the manifest request and a `get` of
+    """The first provider asked gets the manifest request and a `get` of
     the first chunk together, on one pipelined stream, a round trip before the manifest
     could say what to ask; the answer is read (and verified) once the manifest is in, and
     that chunk is asked of nobody again."""

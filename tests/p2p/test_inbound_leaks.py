@@ -121,7 +121,7 @@ async def silent_burst(port: int, addresses: int, per_address: int, hold: float)
 
 async def test_handshakes_the_gate_drops_give_their_slots_back(tmp_path: Path) -> None:
     """Sockets beyond the gate's pending table are dropped mid-handshake (here 8 pending at
-    most, 240 sockets from 12 addresses): each used to leak one slot for good."""
+    most, 240 sockets from 12 addresses): none may keep its slot for good."""
     gate = InboundGate(max_pending=8, max_pending_per_ip=4)
     async with served_host(tmp_path, gate) as server:
         baseline = resource_connections(server)
@@ -206,7 +206,7 @@ async def test_dials_abandoned_mid_handshake_give_their_slots_back() -> None:
 
 async def test_the_relays_host_gives_slots_back(tmp_path: Path) -> None:
     """``blob relay`` runs the relay service on a node's host, with the default gate and
-    handshake deadline: the issue's burst (600 silent sockets from 40 addresses, most
+    handshake deadline: a burst (600 silent sockets from 40 addresses, most
     dropped by the gate) and half-done handshakes leave its count at its baseline."""
     from p2p.nat.relay import relay_service
     from p2p.node.node import open_node

@@ -121,8 +121,8 @@ async def test_no_good_answer_is_no_providers(autojump_clock: trio.abc.Clock) ->
 
 async def test_a_peer_that_did_not_answer_is_asked_again(autojump_clock: trio.abc.Clock) -> None:
     """A seeder whose uplink another fetch fills can hold a newcomer's answer past the
-    timeout (the fan-out bench saw it): with it the only provider, the fetch used to end
-    with "none of 1 peer(s) asked holds" although the peer holds it."""
+    timeout (the fan-out bench shows it): with it the only provider, the fetch must not
+    end with "none of 1 peer(s) asked holds" although the peer holds it."""
     network = Network({"busy-seeder": "silent-once"})
     start = trio.current_time()
     manifest = await fetch(network, ["busy-seeder"])

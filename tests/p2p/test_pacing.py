@@ -1,4 +1,4 @@
-"""An upload limit (issue 21: "an option to limit or switch off upload"): the server's
+"""An upload limit (`--upload-limit`; `--no-upload` switches upload off): the server's
 token bucket keeps what it sends within rate x time + one burst, and a real node with a
 limit takes at least as long to serve a blob as the limit says."""
 

@@ -1,4 +1,4 @@
-"""Issue 16, scenario 19: a peer that lied is remembered beyond one download, and beyond one
+"""A peer that lied is remembered beyond one download, and beyond one
 process (each `blob get` is its own), with decay; the saved file is untrusted input."""
 
 from __future__ import annotations

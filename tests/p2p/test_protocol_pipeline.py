@@ -1,4 +1,4 @@
-"""``/blobnet/blob/1.1.0`` pipelining in the sans-IO core (issue 14, protocol spec): a client
+"""``/blobnet/blob/1.1.0`` pipelining in the sans-IO core (PROTOCOL.md): a client
 may have up to MAX_PIPELINED_REQUESTS requests outstanding, the server answers in order,
 and 1.0.0 still calls pipelining a violation."""
 

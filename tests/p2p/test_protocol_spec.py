@@ -1,4 +1,4 @@
-"""PROTOCOL.md is the whole contract (issue 14): the manifest and collection encodings and
+"""PROTOCOL.md is the whole contract: the manifest and collection encodings and
 the constants it states must be what blobstore and the protocol core really do."""
 
 from __future__ import annotations

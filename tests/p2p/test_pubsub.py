@@ -37,7 +37,8 @@ async def _until_heard(sender: Any, topic: str, subs: dict[str, Any], data: byte
 
 async def test_message_crosses_the_mesh_after_the_first_node_dies(tmp_path: Path) -> None:
     """The first node is what everyone bootstrapped to; with it gone, the others still hear
-    each other, relayed through the mesh (floodsub around a hub lost them: issue 17)."""
+    each other, relayed through the mesh (a star around the hub, as floodsub makes it,
+    would lose them)."""
     first_addrs: list[str] = []
     started, stop, stopped = trio.Event(), trio.Event(), trio.Event()
 

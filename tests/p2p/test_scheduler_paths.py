@@ -289,7 +289,7 @@ def simulate(
 
 
 def test_two_far_providers_both_stay_busy() -> None:
-    """Issue 15 item 3: at 150 and 200 ms, requests sized to rate x RTT keep both
+    """At 150 and 200 ms, requests sized to rate x RTT keep both
     providers sending most of the time; two fixed requests in flight leave them idle
     for a third to a half of it."""
     peers = {"us": (100e6, 0.15), "eu": (100e6, 0.2)}

@@ -1,4 +1,4 @@
-"""Peer exchange, sans-IO (issue 21): the `peers` message of /blobnet/blob/1.2.0, the
+"""Peer exchange, sans-IO: the `peers` message of /blobnet/blob/1.2.0, the
 server's bounded, expiring book of who asked for a blob, the fetcher's bounded dialling,
 and the scheduler's spreading of a sole seeder's chunks over fetchers."""
 

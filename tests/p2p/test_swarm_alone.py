@@ -1,7 +1,7 @@
-"""A seeder says who else fetches from it (issue 15 against issue 21): /blobnet/blob/1.4.0's
+"""A seeder says who else fetches from it: /blobnet/blob/1.4.0's
 `status` answer counts the other peers that asked the server about the blob lately. A
-fetcher its seeder calls alone, knowing no fellow, drops the swarm's opening caps there: a
-lone fetch across a continent lost a quarter of its rate to them. Until the seeder has
+fetcher its seeder calls alone, knowing no fellow, drops the swarm's opening caps there: they
+would cost a lone fetch across a continent a quarter of its rate. Until the seeder has
 said so twice, it is owed at most an eighth of the blob (the first of fetchers started
 together hears "alone" once). The first answer that counts anyone puts the caps back, and
 so does the first fellow the fetcher learns of."""

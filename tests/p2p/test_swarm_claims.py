@@ -1,4 +1,4 @@
-"""Chunks in flight are visible to fellows (issue 21): /blobnet/blob/1.3.0's `status` says
+"""Chunks in flight are visible to fellows: /blobnet/blob/1.3.0's `status` says
 which chunks a peer holds and which it is fetching now; a fetcher leaves a fellow's chunks
 in flight to the fellow instead of asking the seeder for them too, and fetchers that know
 each other split the chunks nobody holds among themselves (the swarm partition), so each

@@ -1,6 +1,6 @@
 """A fetcher serves what it holds unless told not to (`blob get --no-upload`,
 ``NodeConfig(upload=False)``): a node that fetched a blob with upload off answers nobody;
-and what it holds is found through the seeder for a model directory too (issue 21 item 4).
+and what it holds is found through the seeder for a model directory too.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ async def test_a_fetcher_serves_what_it_fetched_only_with_upload_on(
 async def test_a_models_files_come_from_a_fellow_that_the_slow_seeder_names(
     tmp_path: Path,
 ) -> None:
-    """Issue 21 item 4: swarming works for a collection (a model directory) as for one
+    """Swarming works for a collection (a model directory) as for one
     blob. The seeder's upload is limited to 2 MB/s; a first worker fetched the model
     from it; a late worker told only the seeder learns of the first from it (peer
     exchange, per child blob) and takes most of the files from the first worker."""

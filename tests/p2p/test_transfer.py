@@ -208,7 +208,7 @@ def test_unknown_blob_is_a_clear_network_error(cluster: Cluster, tmp_path: Path)
 def test_interrupted_fetch_exits_130_and_keeps_what_verified(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    """Regression guard: Ctrl-C used to cancel the final flush, losing verified chunks."""
+    """Regression guard: Ctrl-C must not cancel the final flush, losing verified chunks."""
     import signal
     import subprocess
 
@@ -260,7 +260,8 @@ def test_collection_with_many_and_identical_files(cluster: Cluster, tmp_path: Pa
 def test_provider_with_failing_disk_stays_up_and_others_finish(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    """Regression guard: an OSError escaping a stream handler used to stop the whole node."""
+    """Regression guard: an OSError escaping a stream handler must not stop the whole
+    node."""
     source = random_file(tmp_path / "ckpt.bin", 8 * MiB)
     for name in ("sick", "good"):
         blob_id = cluster.put(name, source)
@@ -295,7 +296,7 @@ def test_listen_failures_are_one_line_errors(cluster: Cluster, tmp_path: Path) -
 
 
 def test_provider_that_fails_once_is_tried_again(cluster: Cluster, tmp_path: Path) -> None:
-    """Regression guard: one failed `have` used to drop the only provider for good."""
+    """Regression guard: one failed `have` must not drop the only provider for good."""
     source = random_file(tmp_path / "ckpt.bin", 4 * MiB)
     blob_id = cluster.put("flaky", source)
     flaky = cluster.hostile("flaky", "flaky")
@@ -317,7 +318,7 @@ def _established_at(port: int) -> int:
 async def test_a_fetch_stripes_one_provider_over_several_tcp_connections(
     cluster: Cluster, tmp_path: Path, mode: str
 ) -> None:
-    """Issue 15 item 2: one provider's chunk requests spread over several libp2p
+    """One provider's chunk requests spread over several libp2p
     connections, each its own TCP connection, counted on the server's side. The growth
     policy is told to grow at once (a loopback never needs it: see StripeConfig).
     ``old``: a provider that speaks only 1.0.0 refuses the bulk streams' 1.1.0 proposal
@@ -370,8 +371,8 @@ async def test_a_fetch_stripes_one_provider_over_several_tcp_connections(
 async def test_a_rotten_local_copy_is_repaired_from_a_peer_not_trusted(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    """Issue 16 hole 6: a fetch named a good peer while the local copy had rotted; it
-    must not take the local copy as done. It is quarantined and only its bad chunk is
+    """A fetch names a good peer while the local copy has rotted; it must not take the
+    local copy as done. It is quarantined and only its bad chunk is
     fetched again."""
     import os
 
@@ -400,8 +401,8 @@ async def test_a_rotten_local_copy_is_repaired_from_a_peer_not_trusted(
 async def test_a_provider_that_never_handshakes_does_not_hold_up_the_fetch(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    """Issue 16: a named provider that accepts TCP and never answers the handshake used to
-    hold the whole fetch for the 15 s dial timeout; the others now start at once."""
+    """A named provider that accepts TCP and never answers the handshake must not hold the
+    whole fetch for the 15 s dial timeout: the others start at once."""
     import socket
     import time
 

@@ -1,4 +1,4 @@
-"""A first chunk the seeder may decline (issue 15 against issue 21): a fetcher's first
+"""A first chunk the seeder may decline (fewer round trips against swarming): a fetcher's first
 request carries its manifest request and a `get` of chunk 0 together, a round trip before
 the manifest could say what to ask. In a swarm each of N fetchers would so take chunk 0
 from the seeder, the one chunk it then sends N times; so a swarming fetcher asks it as a

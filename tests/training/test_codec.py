@@ -427,7 +427,8 @@ def test_mutated_updates_raise_only_codec_error(
 
 
 def test_schema_reference_drops_names_and_shapes_and_checks_them() -> None:
-    """Issue 17: tensor names and shapes were 23% of each update, re-sent every round."""
+    """Tensor names and shapes (23% of an update sent in full) go by reference to a schema
+    both sides hold, and are checked against it."""
     rng = np.random.default_rng(3)
     tensors = {
         f"model.layers.{i}.self_attn.q_proj.weight": rng.standard_normal((64, 64)).astype(
@@ -465,8 +466,9 @@ def _bits_per_kept(data: bytes, params: CodecParams, numel: int) -> float:
 
 
 def test_rice_positions_cost_a_third_less_and_decode_the_same() -> None:
-    """Issue 18: 12-bit indices were about 15.3 bits per kept value with codes and scales;
-    the Rice layout is within a bit of the entropy of the kept set and decodes the same."""
+    """Rice-coded positions: fixed 12-bit indices cost about 15.3 bits per kept value with
+    codes and scales; the Rice layout is within a bit of the entropy of the kept set and
+    decodes the same."""
     rng = np.random.default_rng(11)
     values = rng.standard_normal(16 * 4096).astype(np.float32)
     rice, fixed = CodecParams(4096, 64), CodecParams(4096, 64, rice=False)
@@ -494,7 +496,7 @@ def test_short_chunks_keep_the_density_of_a_full_one() -> None:
 
 
 def test_tiny_llama_update_is_146x_smaller_than_dense() -> None:
-    """The issue 18 goal's byte half, on the tiny Llama's shapes at the simulation's
+    """An update is 146x smaller than dense, on the tiny Llama's shapes at the simulation's
     default codec (k 80 of 4096), with the names sent by digest as on the wire."""
     from training.outer.loop import SimConfig
 

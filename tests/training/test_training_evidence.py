@@ -208,7 +208,8 @@ def test_unknown_authority_rejects(setup: Setup) -> None:
 
 
 def test_a_second_round_result_is_not_a_replay(setup: Setup) -> None:
-    """What `blob attest sign --kind round-result` used to make vouches for nothing."""
+    """A `round-result` attestation signed by hand (`blob attest sign --kind round-result`)
+    by a second operator vouches for nothing: it says "I ran it", not "I replayed it"."""
     alice, bob = setup.machine("alice"), setup.machine("bob")
     record = _record(alice)
     by_hand = _attest(bob, record.commitment, kind=ROUND_KIND)

@@ -1,7 +1,8 @@
 """Every setting known to change CPU math is folded into the kernel class or refused.
 
-Issue 19: ``MKL_ENABLE_INSTRUCTIONS=AVX2`` changed loss bits from step 4 under an unchanged
-kernel-class ID, so a replay "differed first at step 4" instead of being refused. Each
+A setting such as ``MKL_ENABLE_INSTRUCTIONS=AVX2`` changes loss bits (from step 4) without
+touching anything else the kernel class reads, so unless it is folded in, a replay
+"differs first at step 4" instead of being refused. Each
 setting below must change the class ID (two machines that differ in it never vouch for
 each other) or refuse the round. Detection only: nothing here trains.
 """
@@ -19,7 +20,7 @@ import pytest
 from training.errors import UnsafeSetting
 from training.kernel_class import KernelClass, check_environment, env_fields
 
-# The issue's list and the rest of what torch's math libraries read (MKL, oneDNN, ATen,
+# What torch's math libraries read (MKL, oneDNN, ATen,
 # OpenMP, OpenBLAS, the loader); written out here so that dropping one from the module
 # fails this test rather than silently shrinking it.
 FOLDED_ENV = [

@@ -124,8 +124,8 @@ def _copy_store(inputs: tuple[Path, str, str], dest: Path) -> Store:
 def test_corrupt_local_records_are_named_not_blamed_on_the_round(
     inputs: tuple[Path, str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 19: one flipped byte in the replayer's records gave "replay differs first at
-    step 22". Now the run stops before training, naming the local blob, exit 4."""
+    """One flipped byte in the replayer's records must not surface as "replay differs first
+    at step 22": the run stops before training, naming the local blob, exit 4."""
     from p2p.cli.app import main
 
     _, base, records = inputs

@@ -1,4 +1,4 @@
-"""A provider on a 20 Mbit/s link beside one on 1 Gbit/s (issue 15): asking both must not
+"""A provider on a 20 Mbit/s link beside one on 1 Gbit/s: asking both must not
 make the fetch slower than asking the fast one alone. Real `blob serve` and `blob get`
 processes on the emulated WAN."""
 

@@ -1,5 +1,5 @@
 """`blob serve` and `blob get` as real processes on the emulated three-continent WAN with
-0.1% loss (issue 15): providers in eu and us, a fetcher in asia. A fetch from both arrives
+0.1% loss: providers in eu and us, a fetcher in asia. A fetch from both arrives
 byte-identical through the loss; a provider killed mid-fetch on the 200 ms path leaves
 the fetch to finish from the other. The two share one testbed and its providers (the
 kill comes last: it takes eu away)."""

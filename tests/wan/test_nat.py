@@ -1,4 +1,4 @@
-"""NAT hosts on the testbed (for issue 20): a host behind an endpoint-independent NAT
+"""NAT hosts on the testbed (what the NAT tests stand on): a host behind an endpoint-independent NAT
 keeps one public port for one socket whatever it talks to, so two such hosts can open a
 TCP connection to each other by simultaneous open (hole punching); a symmetric NAT gives
 every connection a fresh port, so the same attempt fails; nobody can connect in to a

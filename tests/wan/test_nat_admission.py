@@ -1,4 +1,4 @@
-"""A blobnet relay serves admitted peers only, and only for signalling (issue 20, item 2).
+"""A blobnet relay serves admitted peers only, and only for signalling.
 
 Three real libp2p hosts in one process over TCP on 127.0.0.1: a relay trusting one
 authority, and two peers. A reservation needs a valid admission certificate for the very

@@ -1,4 +1,4 @@
-"""Issue 20 as a user meets it: real ``blob relay``, ``blob share --relay`` / ``blob serve
+"""NAT traversal as a user meets it: real ``blob relay``, ``blob share --relay`` / ``blob serve
 --relay`` and ``blob get`` processes on NATed testbed hosts, 80 ms RTT between any two.
 
 The story: home (behind an endpoint-independent NAT) shares a blob with ``--relay``: the

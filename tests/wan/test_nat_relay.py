@@ -1,4 +1,4 @@
-"""Peers behind NAT on the testbed (issue 20): a public relay, providers and fetchers
+"""Peers behind NAT on the testbed: a public relay, providers and fetchers
 behind endpoint-independent (EIM) and symmetric NATs, 80 ms RTT between any two hosts.
 
 The story: a NATed provider reserves a slot on the relay and is reachable only at its
