@@ -17,18 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blobstore import bitmap as bm
-from blobstore.durable import (
-    fsync_dir,
-    os_errors,
-    write_file_atomic,
-)
-from blobstore.errors import (
-    AmbiguousPrefix,
-    BadBlobId,
-    BadTagName,
-    BlobNotFound,
-    StoreCorrupt,
-)
+from blobstore.durable import fsync_dir, os_errors, write_file_atomic
+from blobstore.errors import AmbiguousPrefix, BadBlobId, BadTagName, BlobNotFound, StoreCorrupt
 from blobstore.layout import is_blob_id
 from blobstore.manifest import parse_blob_id
 from blobstore.reading import ReadOps

@@ -25,17 +25,8 @@ from typing import Literal
 from blake3 import blake3
 
 from blobstore.collection import CollectionEntry
-from blobstore.durable import (
-    fsync_dir,
-    os_errors,
-    write_all,
-)
-from blobstore.errors import (
-    BlobNotFound,
-    CorruptChunk,
-    PathNotFound,
-    StoreError,
-)
+from blobstore.durable import fsync_dir, os_errors, write_all
+from blobstore.errors import BlobNotFound, CorruptChunk, PathNotFound, StoreError
 from blobstore.layout import IO_BUFFER_SIZE, Progress, read_full, same_file
 from blobstore.partial import read_span
 from blobstore.reading import ReadOps

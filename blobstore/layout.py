@@ -22,20 +22,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from blobstore.durable import (
-    os_errors,
-    try_lock_fd,
-)
-from blobstore.errors import (
-    BadBlobId,
-    NoSpace,
-    StoreBusy,
-)
+from blobstore.durable import os_errors, try_lock_fd
+from blobstore.errors import BadBlobId, NoSpace, StoreBusy
 from blobstore.lease import Lease, create_lease
-from blobstore.manifest import (
-    Manifest,
-    parse_blob_id,
-)
+from blobstore.manifest import Manifest, parse_blob_id
 from blobstore.partial import PartialBlob
 
 Progress = Callable[[int], None]

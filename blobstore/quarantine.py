@@ -19,16 +19,8 @@ import shutil
 import time
 from pathlib import Path
 
-from blobstore.durable import (
-    fsync_dir,
-    os_errors,
-    translate_os_error,
-    write_file_atomic,
-)
-from blobstore.errors import (
-    BlobQuarantined,
-    StoreError,
-)
+from blobstore.durable import fsync_dir, os_errors, translate_os_error, write_file_atomic
+from blobstore.errors import BlobQuarantined, StoreError
 from blobstore.layout import StoreBase, is_blob_id, same_file
 from blobstore.manifest import parse_blob_id
 

@@ -38,11 +38,7 @@ from blobstore.errors import (
     StoreCorrupt,
 )
 from blobstore.layout import IO_BUFFER_SIZE, read_full
-from blobstore.manifest import (
-    MAX_MANIFEST_SIZE,
-    Manifest,
-    parse_blob_id,
-)
+from blobstore.manifest import MAX_MANIFEST_SIZE, Manifest, parse_blob_id
 from blobstore.partial import load_bitmap, read_span
 from blobstore.quarantine import QuarantineOps
 from blobstore.reader import ChunkReader

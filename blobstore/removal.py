@@ -21,10 +21,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from blobstore.catalog import CatalogOps
-from blobstore.collection import (
-    COLLECTION_MAGIC,
-    looks_like_collection,
-)
+from blobstore.collection import COLLECTION_MAGIC, looks_like_collection
 from blobstore.durable import (
     TRASH_PREFIX,
     delete_trash,
@@ -34,13 +31,7 @@ from blobstore.durable import (
     os_errors,
     sweep_temp_dir,
 )
-from blobstore.errors import (
-    BlobNotFound,
-    CorruptChunk,
-    PartialBusy,
-    StoreCorrupt,
-    StoreError,
-)
+from blobstore.errors import BlobNotFound, CorruptChunk, PartialBusy, StoreCorrupt, StoreError
 from blobstore.layout import MANIFEST_SUFFIX, is_blob_id
 from blobstore.lease import live_leased_ids
 from blobstore.manifest import parse_blob_id

@@ -108,13 +108,7 @@ import stat
 from pathlib import Path
 
 from blobstore.catalog import MIN_PREFIX, TAG_NAME_RE, BlobInfo, check_tag_name
-from blobstore.durable import (
-    fsync_dir,
-    lock_path,
-    os_errors,
-    sweep_temp_dir,
-    write_file_atomic,
-)
+from blobstore.durable import fsync_dir, lock_path, os_errors, sweep_temp_dir, write_file_atomic
 from blobstore.errors import StoreError
 from blobstore.exporting import ExportLink, ExportOps
 from blobstore.layout import (

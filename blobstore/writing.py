@@ -25,10 +25,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from blobstore.collection import (
-    CollectionEntry,
-    encode_collection,
-)
+from blobstore.collection import CollectionEntry, encode_collection
 from blobstore.durable import (
     TempFile,
     claim_lock,
@@ -40,20 +37,10 @@ from blobstore.durable import (
     write_all,
     write_file_atomic,
 )
-from blobstore.errors import (
-    BlobExists,
-    FileChanged,
-    PartialBusy,
-    PathNotFound,
-    StoreError,
-)
+from blobstore.errors import BlobExists, FileChanged, PartialBusy, PathNotFound, StoreError
 from blobstore.layout import IO_BUFFER_SIZE, Progress, read_full, same_file
 from blobstore.lease import Lease
-from blobstore.manifest import (
-    DEFAULT_CHUNK_SIZE,
-    Manifest,
-    check_chunk_size,
-)
+from blobstore.manifest import DEFAULT_CHUNK_SIZE, Manifest, check_chunk_size
 from blobstore.partial import PartialBlob
 from blobstore.reading import ReadOps
 

@@ -31,13 +31,7 @@ from p2p.blob.pacing import Pacer
 from p2p.blob.server import BlobServer
 from p2p.blob.swarm import PEX_DIAL_PARALLELISM, PexBook
 from p2p.blob.ticket import Ticket
-from p2p.errors import (
-    BadAddress,
-    FetchFailed,
-    NoProviders,
-    PeerUnreachable,
-    unwrap_single,
-)
+from p2p.errors import BadAddress, FetchFailed, NoProviders, PeerUnreachable, unwrap_single
 from p2p.fetch.downloader import Progress, ProgressCallback, download_blob
 from p2p.fetch.scheduler import SchedulerConfig
 from p2p.fetch.scores import PeerScores
