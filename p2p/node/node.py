@@ -47,6 +47,11 @@ name are dialled (bounded) and join the fetch as partial providers. The node ser
 blob protocol while it fetches (``NodeConfig.upload``, paced by ``upload_limit``), so
 fellows fetch from it in turn. Striped providers: a stream that names no connection goes on
 the first one, the control lane (``_control_connection``; p2p.fetch.downloader rule 9).
+
+Where the code is: :class:`Node` (this module, with ``open_node``, which starts and stops
+everything, and the names and pubsub glue) is built from :mod:`p2p.node.connections`
+(dials, punches, blob streams, lanes), :mod:`p2p.node.providing` (DHT provider records)
+and :mod:`p2p.node.fetching` (where providers come from, peer exchange, one fetch).
 """
 
 from __future__ import annotations
