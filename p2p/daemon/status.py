@@ -37,6 +37,7 @@ class DaemonInfo:
     reach: Any = None  # p2p.nat.punch.Reachable, when relays were asked
     authorities: tuple[str, ...] = ()
     relay: Any = None  # p2p.nat.relay.AdmittedRelay, on a relay: its byte count
+    api_addr: str | None = None  # the local API's TCP listener (serve --api-listen)
     extra: dict[str, Callable[[], Any]] = field(default_factory=dict)
 
 
@@ -156,6 +157,7 @@ def node_status(node: Node, info: DaemonInfo, store_count: StoreCount) -> dict[s
         "names": names_served(node),
         "dht_peers": dht_size(node),
         "relayed_bytes": None if info.relay is None else info.relay.relayed_bytes,
+        "api_tcp": info.api_addr,
         "bad_chunks_by_peer": dict(node.bad_chunks),
     }
     for key, read in info.extra.items():
