@@ -216,8 +216,8 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(report)
             blob_id, size, is_dir = await trio.to_thread.run_sync(put)
+            provided = await self.node.provide(blob_id)  # up to 30 s: progress goes on
             nursery.cancel_scope.cancel()
-        provided = await self.node.provide(blob_id)
         return {
             "id": blob_id, "path": str(path), "size": size, "collection": is_dir,
             "tag": args.tag, "provided": provided, "via": "daemon",
