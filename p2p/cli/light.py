@@ -67,6 +67,8 @@ COMMANDS: dict[str, tuple[dict[str, str], int, int]] = {
 }  # fmt: skip
 # blobstore.cli.PROGRESS_MIN_BYTES: a smaller put ends before a bar is worth drawing.
 PROGRESS_MIN_BYTES = 32 * 1024 * 1024
+# What every Ed25519 peer ID (a publisher's) starts with, in base58.
+PEER_ID_PREFIX = "12D3KooW"
 MAX_WAIT_S = 600.0  # blob resolve --wait's range
 MIN_WAIT_S = 0.1
 
@@ -266,7 +268,9 @@ class Bar:
 def _get(session: Session, line: Line, as_json: bool) -> int:
     ref = line.args[0]
     peers = line.many("--peer")
-    if "/" in ref and not ref.startswith("blob1"):
+    if "/" in ref:
+        if not ref.startswith(PEER_ID_PREFIX):
+            raise NotHere  # not a name, nor an ID, tag or ticket: the full get says so
         # PUBLISHER/NAME: resolved by the daemon, as `blob get` resolves it.
         found = session.request(
             "resolve", ref=ref, wait_s=5.0, peers=peers, dht=bool(line.many("--bootstrap"))

@@ -122,3 +122,48 @@ def test_the_tcp_api_wants_the_token(cluster: Cluster, tmp_path: Path) -> None:
         cluster.store("x"), cluster.key("x"), "serve", "--api-listen", "0.0.0.0:0", check=False
     )
     assert refused.returncode == ExitCode.USAGE and "loopback" in refused.stderr
+
+
+class _ObservedHost:
+    """A host as py-libp2p shapes it: ``get_addrs`` (the class's) adds what identify
+    observers confirmed to the transport addresses; the node patches the instance's."""
+
+    def __init__(self, transport: list[str], confirmed: list[str]) -> None:
+        self.transport = transport
+        self.confirmed = confirmed
+        self.get_addrs = lambda: [f"{a}/p2p/12D3KooWx" for a in transport]  # the node's patch
+
+    def get_transport_addrs(self) -> list[str]:
+        return self.transport
+
+    def get_addrs(self) -> list[str]:
+        return [f"{a}/p2p/12D3KooWx" for a in (*self.transport, *self.confirmed)]
+
+
+def test_status_shows_what_peers_observed_and_the_reachability_it_implies() -> None:
+    """Observed addresses are the host's confirmed identify observations (not our own
+    listen addresses, not the instance's patched list); seen at an address we listen on
+    means public, seen only elsewhere means a NAT rewrote it, nothing seen says nothing."""
+    from p2p.daemon.status import observed_addrs, observed_reachability
+
+    listen = ["/ip4/10.0.0.5/tcp/4001"]
+    natted = _ObservedHost(listen, ["/ip4/203.0.113.7/tcp/61000"])
+    assert observed_addrs(natted) == ["/ip4/203.0.113.7/tcp/61000"]
+    assert observed_reachability(listen, observed_addrs(natted)) == "behind_nat"
+    direct = _ObservedHost(["/ip4/0.0.0.0/tcp/4001"], ["/ip4/198.51.100.2/tcp/4001"])
+    assert observed_reachability(["/ip4/198.51.100.2/tcp/4001"], observed_addrs(direct)) == (
+        "public"
+    )
+    assert observed_addrs(_ObservedHost(listen, [])) == []
+    assert observed_reachability(listen, []) is None
+    from p2p.cli.light import render
+
+    doc = {
+        "peer_id": "p", "role": "serve", "version": "0", "uptime_s": 1, "listen_addrs": listen,
+        "addrs": listen, "reachability": "behind_nat", "observed_addrs": observed_addrs(natted),
+        "store": {"root": "/s", "blobs": 0, "bytes": 0}, "dht_peers": 0, "connections": [],
+        "connections_direct": 0, "connections_relayed": 0, "transfers": [], "names": [],
+        "serving": {"bytes_sent": 0, "streams": {}, "refusals": 0}, "bad_chunks_by_peer": {},
+    }  # fmt: skip
+    text = render(doc)
+    assert "observed   /ip4/203.0.113.7/tcp/61000" in text and "reach      behind_nat" in text
