@@ -167,3 +167,18 @@ def test_status_shows_what_peers_observed_and_the_reachability_it_implies() -> N
     }  # fmt: skip
     text = render(doc)
     assert "observed   /ip4/203.0.113.7/tcp/61000" in text and "reach      behind_nat" in text
+
+
+def test_get_download_limit_caps_that_one_get(cluster: Cluster, tmp_path: Path) -> None:
+    """get --download-limit paces a single get as serve's paces a daemon: 5 MiB at 2 MB/s
+    takes at least 1.6 s (a 1 MiB burst and one chunk on credit, then the rate), where
+    unpaced it takes a few tens of ms here. A daemon on the store is passed by: its cap is
+    node-wide."""
+    size = 5 << 20
+    blob_id = cluster.put_here("a", random_file(tmp_path / "w.bin", size, seed=13))
+    source = cluster.serve("a")
+    cluster.serve("b")
+    got = cluster.get("b", blob_id, "--peer", source.addr, "--download-limit", "2")
+    assert "via" not in got and got["peers"][source.peer_id]["bytes"] == size, got
+    floor = (size - (2 << 20)) / 2e6
+    assert floor * 0.95 <= got["seconds"] < 30, got
