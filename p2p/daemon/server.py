@@ -155,6 +155,7 @@ class Daemon:
     async def _dial(self, peers: list[str]) -> None:
         from p2p.errors import P2PError
 
+        _check_addrs(peers)
         for addr in peers:
             try:
                 await self.node.connect(addr)
@@ -279,6 +280,7 @@ class Daemon:
 
     async def _fetch(self, stream: trio.SocketStream, request: api.Request) -> dict[str, Any]:
         ref, providers, recursive = api.fetch_args(request)
+        _check_addrs(providers)
         blob_id, ticket_addrs = await self._blob_ref(ref)
         providers = [*providers, *ticket_addrs]
         store = self.node.store
@@ -334,6 +336,19 @@ class Daemon:
         if not recursive or not store.is_collection(blob_id):
             return True
         return all(store.has(e.blob_id) for e in store.read_collection(blob_id))
+
+
+def _check_addrs(addrs: list[str]) -> None:
+    """A malformed peer address is the client's mistake, said as the command says it
+    (exit 2), before anything is dialled."""
+    from p2p.blob.ticket import validate_peer_addr
+    from p2p.errors import BadAddress
+
+    for addr in addrs:
+        try:
+            validate_peer_addr(addr, error=BadAddress)
+        except BadAddress as exc:
+            raise api.ApiError("bad_request", str(exc), api.EXIT_USAGE) from None
 
 
 def _size_of(path: Path) -> int:

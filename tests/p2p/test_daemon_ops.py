@@ -86,6 +86,8 @@ def test_put_publish_and_catalog_run_in_the_daemon(cluster: Cluster, tmp_path: P
     missing = run_blob(store, key, "put", str(tmp_path / "nope.bin"), check=False)
     assert missing.returncode == ExitCode.NOT_FOUND, missing.stderr
     assert missing.stderr.startswith("blob: error: no such file"), missing.stderr
+    malformed = run_blob(store, key, "get", "ab" * 32, "--peer", "/ip4/1.2.3.4/tcp/1", check=False)
+    assert malformed.returncode == ExitCode.USAGE and "lacks /p2p/" in malformed.stderr
 
 
 def test_the_tcp_api_wants_the_token(cluster: Cluster, tmp_path: Path) -> None:
