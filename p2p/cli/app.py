@@ -37,15 +37,10 @@ from p2p.cli import names as names_cli
 from p2p.cli import relay as relay_cli
 from p2p.cli import serve as serve_cli
 from p2p.cli import status as status_cli
+from p2p.cli.light import default_store_root
 from p2p.errors import unwrap_single
 
 # Documented exit codes (README "Exit codes"); the packages' error classes use these values.
-
-
-def default_store_root() -> Path:
-    """``$XDG_DATA_HOME/blobnet/store`` (``~/.local/share/blobnet/store`` by default)."""
-    data_home = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(data_home) / "blobnet" / "store"
 
 
 def default_key_path() -> Path:
@@ -173,6 +168,23 @@ def _unavailable(name: str, exc: ImportError) -> click.Command:
     default=None,
     help="Machine key file (env BLOBNET_KEY; default $XDG_CONFIG_HOME/blobnet/machine.key).",
 )
+@click.option(
+    "--api",
+    "api_addr",
+    envvar="BLOBNET_API",
+    metavar="IP:PORT",
+    default=None,
+    help="Reach the daemon's local API on TCP here (serve --api-listen) instead of the "
+    "store's socket (env BLOBNET_API).",
+)
+@click.option(
+    "--api-token",
+    "api_token",
+    envvar="BLOBNET_API_TOKEN",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="The token file for --api (env BLOBNET_API_TOKEN; default STORE/api.token).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (any command).")
 @click.option("-v", "--verbose", count=True, help="More logging on stderr (network commands).")
 @click.version_option(package_name="blobnet")
@@ -181,6 +193,8 @@ def cli(
     ctx: click.Context,
     store_root: Path | None,
     key_path: Path | None,
+    api_addr: str | None,
+    api_token: Path | None,
     as_json: bool,
     verbose: int,
 ) -> None:
@@ -188,6 +202,8 @@ def cli(
     obj = ctx.ensure_object(dict)
     obj["store_root"] = store_root or default_store_root()
     obj["key_path"] = key_path or default_key_path()
+    obj["api_addr"] = api_addr
+    obj["api_token"] = api_token
     obj["as_json"] = as_json
     given = zip(_GLOBAL_FLAG_PARAMS, (as_json, verbose), strict=True)
     flags = {name: value for name, value in given if value}

@@ -33,6 +33,7 @@ from p2p.transport.addresses import dialable_addrs
 
 if TYPE_CHECKING:
     from identity import MachineKey
+    from p2p.daemon.client import DaemonClient
     from p2p.node.node import Node
 
 # libp2p takes seconds to import, so p2p.node.node is imported inside the commands that run a
@@ -50,6 +51,15 @@ def own_cpu_seconds() -> float:
 
 def store_of(ctx: click.Context) -> Store:
     return Store.open(ctx.find_root().obj["store_root"])
+
+
+def daemon_of(ctx: click.Context) -> DaemonClient | None:
+    """A client of the daemon serving the command's store (or at ``blob --api``), or None
+    when none answers."""
+    from p2p.daemon.client import connect
+
+    obj = ctx.find_root().obj
+    return connect(Path(obj["store_root"]), obj.get("api_addr"), obj.get("api_token"))
 
 
 def key_path_of(ctx: click.Context) -> Path:

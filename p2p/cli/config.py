@@ -37,6 +37,8 @@ SERVE_KEYS = {
     "assume_private": "assume_private",
     "authority": "authorities",
     "metrics": "metrics",
+    "api_listen": "api_listen",
+    "api_allow_remote": "api_allow_remote",
 }
 # A configuration file is a few hundred bytes; anything far larger is not one.
 MAX_CONFIG_BYTES = 1 << 20

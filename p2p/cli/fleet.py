@@ -1,5 +1,6 @@
-"""What a serving command (``serve``) adds for an operator: the local API, ``--metrics``,
-``--authority``, and a summary when it stops.
+"""What a serving command (``serve``) adds for an operator: the local API (and, with
+``--api-listen``, its TCP listener), ``--metrics``, ``--authority``, and a summary when it
+stops.
 
 ``fleet_options`` gathers those options into one ``Fleet`` value handed to the command, and
 ``Fleet.running`` runs them beside the node for as long as it serves.
@@ -8,6 +9,7 @@
 from __future__ import annotations
 
 import functools
+import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +30,9 @@ log = logging.getLogger("blobnet.serve")
 # --metrics without a host part listens on loopback: metrics name peers' counts and
 # sizes, and exposing them is the operator's choice (--metrics 0.0.0.0:9464).
 METRICS_DEFAULT_HOST = "127.0.0.1"
+# --api-listen's too: anyone who can reach it and holds the token drives the node (puts
+# files from this machine, fetches, publishes), and the token crosses the wire in clear.
+API_DEFAULT_HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class Fleet:
     authorities: tuple[str, ...] = ()
     metrics: str | None = None
     download_limit: float | None = None  # MB/s, as given
+    api_listen: tuple[str, int] | None = None
 
     def download_rate(self) -> float | None:
         """Bytes per second for NodeConfig.download_limit."""
@@ -64,7 +70,13 @@ class Fleet:
         started = time.monotonic()
         stop_http: Callable[[], None] | None = None
         try:
-            async with serve_api(node, info):
+            async with serve_api(node, info, self.api_listen):
+                if info.api_addr is not None:
+                    click.echo(
+                        f"local API at tcp {info.api_addr} (token in "
+                        f"{node.store.root / 'api.token'}; blob --api {info.api_addr})",
+                        err=True,
+                    )
                 if self.metrics is not None:
                     stop_http = serve_metrics(node, self.metrics)
                 yield
@@ -84,6 +96,36 @@ def parse_metrics_addr(value: str) -> tuple[str, int]:
     if not 0 <= number <= 65535:
         raise click.BadParameter(f"{value!r} is not HOST:PORT", param_hint="--metrics")
     return host.strip("[]") or METRICS_DEFAULT_HOST, number
+
+
+def parse_api_listen(value: str, allow_remote: bool) -> tuple[str, int]:
+    """``--api-listen HOST:PORT``: loopback only, unless ``--api-allow-remote`` (then a
+    warning); click.BadParameter otherwise."""
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]") or API_DEFAULT_HOST
+    try:
+        number = int(port)
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not IP:PORT (a numeric address)", param_hint="--api-listen"
+        ) from None
+    if not 0 <= number <= 65535:
+        raise click.BadParameter(f"{value!r}: no such port", param_hint="--api-listen")
+    if not ip.is_loopback:
+        if not allow_remote:
+            raise click.BadParameter(
+                f"{host} is not a loopback address: whoever reaches it and holds the token "
+                "drives this node, and the token travels in clear (give --api-allow-remote "
+                "if that is what you want)",
+                param_hint="--api-listen",
+            )
+        click.echo(
+            f"blob: warning: the local API listens on {host}, beyond this machine; its token "
+            "travels unencrypted",
+            err=True,
+        )
+    return host, number
 
 
 def serve_metrics(node: Node, addr: str) -> Callable[[], None]:
@@ -122,8 +164,8 @@ def summary(node: Node, seconds: float) -> str:
 
 
 def fleet_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--authority``, ``--metrics`` and ``--download-limit``, handed to ``command`` as
-    ``fleet``."""
+    """``--authority``, ``--metrics``, ``--download-limit`` and ``--api-listen``, handed to
+    ``command`` as ``fleet``."""
 
     @functools.wraps(command)
     def wrapper(
@@ -131,11 +173,31 @@ def fleet_options(command: Callable[..., Any]) -> Callable[..., Any]:
         authorities: tuple[str, ...],
         metrics: str | None,
         download_limit: float | None,
+        api_listen: str | None,
+        api_allow_remote: bool,
         **kw: Any,
     ) -> Any:
         if metrics is not None:
             parse_metrics_addr(metrics)  # a usage error before anything starts
-        return command(*args, fleet=Fleet(tuple(authorities), metrics, download_limit), **kw)
+        if api_allow_remote and api_listen is None:
+            raise click.UsageError("--api-allow-remote widens --api-listen: give that too")
+        tcp = None if api_listen is None else parse_api_listen(api_listen, api_allow_remote)
+        fleet = Fleet(tuple(authorities), metrics, download_limit, tcp)
+        return command(*args, fleet=fleet, **kw)
+
+    wrapper = click.option(
+        "--api-allow-remote",
+        "api_allow_remote",
+        is_flag=True,
+        help="Let --api-listen take a non-loopback address (the token travels in clear).",
+    )(wrapper)
+    wrapper = click.option(
+        "--api-listen",
+        "api_listen",
+        metavar="IP:PORT",
+        help="Also serve the local API on TCP here (loopback; port 0: any), for clients "
+        "with the token in STORE/api.token (blob --api IP:PORT).",
+    )(wrapper)
 
     wrapper = click.option(
         "--download-limit",

@@ -22,11 +22,13 @@ import trio
 from blobstore import BadBlobId, BlobNotFound, Store, parse_blob_id
 from blobstore.export import check_output
 from blobstore.store import check_tag_name
+from p2p.blob.pacing import MIN_UPLOAD_LIMIT
 from p2p.blob.ticket import Ticket
 from p2p.cli.common import (
     Interrupted,
     bootstrap_option,
     check_peer_addrs,
+    daemon_of,
     fetch_listen,
     json_option,
     key_path_of,
@@ -197,6 +199,14 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
 )
 @upload_limit_option
 @click.option(
+    "--download-limit",
+    "download_limit",
+    type=click.FloatRange(min=MIN_UPLOAD_LIMIT / 1e6),
+    metavar="MB/S",
+    help="Receive at most this many MB/s (fetches with a node of this command's own: a "
+    "`blob serve`'s cap is its --download-limit).",
+)
+@click.option(
     "--seed-for",
     type=click.FloatRange(min=0, max=MAX_SEED_SECONDS),
     default=None,
@@ -239,6 +249,7 @@ def get(
     discovery_timeout: float,
     no_upload: bool,
     upload_limit: float | None,
+    download_limit: float | None,
     seed_for: float | None,
     via_relay: bool,
     certificate_path: Path | None,
@@ -352,9 +363,13 @@ def get(
             named = [*peers, *ticket_addrs]
             use_dht = bool(bootstrap) and not no_dht
             # A `blob serve` on this store fetches on its warm connections and DHT table.
-            own_node = no_daemon or include or seed_for is not None or via_relay or certificate
+            own_node = (
+                no_daemon or include or seed_for is not None or via_relay or certificate
+            ) or download_limit is not None
             bar_on = not no_progress and not as_json and sys.stderr.isatty()
-            by_daemon = None if own_node else fetch_via_daemon(store, blob_id, named, bar_on)
+            by_daemon = (
+                None if own_node else fetch_via_daemon(daemon_of(ctx), blob_id, named, bar_on)
+            )
             if by_daemon is not None:
                 finish(by_daemon, True)
                 return
@@ -376,6 +391,7 @@ def get(
                 discovery_timeout=discovery_timeout,
                 upload=not no_upload,
                 upload_limit=upload_rate(upload_limit),
+                download_limit=None if download_limit is None else download_limit * 1e6,
                 relayed_fetch=via_relay,
                 certificate=certificate,
                 punch_timeout=punch_timeout,

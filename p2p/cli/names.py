@@ -1,8 +1,10 @@
 """The catalog commands of ``blob``: ``publish NAME ID``, ``resolve PUBLISHER/NAME`` and
-``catalog PUBLISHER``. Each runs a short-lived node with the machine key (so the
-publisher is this machine's peer ID) over the store, dials the peers it is given, does
-its one job and exits; records it publishes or resolves stay in the store's record
-cache, which a ``blob serve`` on the same store answers from.
+``catalog PUBLISHER``. On a store that a ``blob serve`` runs on, each is done by that
+daemon (its key, its warm peers and DHT table; the JSON says ``"via": "daemon"``), unless
+``--listen`` asks for a node of the command's own. Otherwise each runs a short-lived node
+with the machine key (so the publisher is this machine's peer ID) over the store, dials
+the peers it is given, does its one job and exits; records it publishes or resolves stay
+in the store's record cache, which a ``blob serve`` on the same store answers from.
 
 Errors keep the README's exit codes: 2 a malformed name or reference, 3 no such blob or
 no valid record, 4 a malformed certificate, 6 the network.
@@ -23,7 +25,14 @@ import click
 from blobstore import BlobNotFound, Store
 from identity.cli import load_trust, make_trust_options
 from p2p.blob.ticket import validate_peer_addr
-from p2p.cli.common import bootstrap_option, listen_option, run_interruptible, verbose_option
+from p2p.cli.common import (
+    bootstrap_option,
+    daemon_of,
+    listen_option,
+    run_interruptible,
+    verbose_option,
+)
+from p2p.cli.light import describe
 from p2p.errors import BadAddress
 from p2p.names.record import NameRecord, check_name, parse_ref
 
@@ -127,8 +136,7 @@ def _run_node(
 
 
 def _describe(record: NameRecord) -> str:
-    expiry = "" if record.expires is None else f", expires {record.expires}"
-    return f"{record.blob_id}  {record.ref}  seq {record.seq}{expiry}"
+    return describe(record.to_json())
 
 
 def _read_certificate(path: Path) -> AdmissionCertificate:
@@ -202,22 +210,34 @@ def publish(
             node, name, blob_id, seq=seq, expiry_s=expires_in, certificate=certificate
         )
 
-    spread = _run_node(
-        ctx,
-        peers=peers,
-        bootstrap=bootstrap,
-        listen=listen,
-        no_dht=no_dht,
-        verbose=verbose,
-        job=job,
-    )
+    for addr in peers:
+        validate_peer_addr(addr, error=BadAddress)
+    request = {
+        "name": name, "ref": blob_id, "peers": list(peers), "dht": not no_dht, "seq": seq,
+        "expires_in_s": expires_in,
+        "certificate": None if certificate is None else certificate.encode().hex(),
+    }  # fmt: skip
+    by_daemon = None if listen else _via_daemon(ctx, "publish", request)
+    if by_daemon is not None:
+        shown = by_daemon
+    else:
+        spread = _run_node(
+            ctx,
+            peers=peers,
+            bootstrap=bootstrap,
+            listen=listen,
+            no_dht=no_dht,
+            verbose=verbose,
+            job=job,
+        )
+        shown = spread.to_json()
     if as_json:
-        click.echo(json.dumps(spread.to_json()))
+        click.echo(json.dumps(shown))
         return
-    click.echo(_describe(spread.record))
-    where = f"pushed to {len(spread.pushed)} peer(s), DHT {'yes' if spread.dht_stored else 'no'}"
-    click.echo(f"published: {where}", err=True)
-    if not spread.pushed and not spread.dht_stored:
+    click.echo(describe(shown))
+    pushed, stored = len(shown["pushed_to"]), bool(shown["dht"])
+    click.echo(f"published: pushed to {pushed} peer(s), DHT {'yes' if stored else 'no'}", err=True)
+    if not pushed and not stored:
         click.echo(
             "note: no peer took the record; it is kept in this store, and `blob serve` "
             "on this store spreads and answers for it",
@@ -301,22 +321,32 @@ def catalog(
     async def job(node: Node) -> list[NameRecord]:
         return await names.catalog(node, publisher, trust=trust)
 
-    records = _run_node(
-        ctx,
-        peers=peers,
-        bootstrap=bootstrap,
-        listen=listen,
-        no_dht=True,
-        verbose=verbose,
-        job=job,
-    )
+    for addr in peers:
+        validate_peer_addr(addr, error=BadAddress)
+    keys = () if trust is None or revoked_path is not None else tuple(trust.authorities)
+    daemon_ok = not listen and (trust is None or revoked_path is None)
+    request = {"publisher": publisher, "authorities": [k.hex() for k in keys], "peers": peers}
+    by_daemon = _via_daemon(ctx, "catalog", request) if daemon_ok else None
+    if by_daemon is not None:
+        shown = [{**r, "via": "daemon"} for r in by_daemon["records"]]
+    else:
+        records = _run_node(
+            ctx,
+            peers=peers,
+            bootstrap=bootstrap,
+            listen=listen,
+            no_dht=True,
+            verbose=verbose,
+            job=job,
+        )
+        shown = [r.to_json() for r in records]
     if as_json:
-        click.echo(json.dumps([r.to_json() for r in records]))
+        click.echo(json.dumps(shown))
         return
     now = time.time()
-    for record in records:
-        left = "" if record.expires is None else f"  ({int(record.expires - now)} s left)"
-        click.echo(f"{record.name}  {record.blob_id}  seq {record.seq}{left}")
+    for record in shown:
+        left = "" if record["expires"] is None else f"  ({int(record['expires'] - now)} s left)"
+        click.echo(f"{record['name']}  {record['id']}  seq {record['seq']}{left}")
 
 
 def resolve_name(
@@ -364,17 +394,34 @@ def resolve_via_daemon(
 ) -> NameRecord | None:
     """The record a `blob serve` on this store resolves ``ref`` to (on its warm peers and
     DHT table, p2p/daemon/API.md), or None when no daemon serves the store."""
-    from p2p.daemon.client import DaemonRefused, as_command_error, connect
+    from p2p.daemon.client import DaemonRefused, as_command_error
 
     for addr in peers:
         validate_peer_addr(addr, error=BadAddress)
-    client = connect(Path(_root(ctx)["store_root"]))
+    client = daemon_of(ctx)
     if client is None:
         return None
     try:
         return client.resolve(ref, wait_s=wait_s, authorities=authorities, peers=peers, dht=dht)
     except DaemonRefused as exc:
         raise as_command_error(exc) from None
+
+
+def _via_daemon(ctx: click.Context, op: str, request: dict[str, Any]) -> dict[str, Any] | None:
+    """``op`` done by the daemon serving this store (p2p/daemon/API.md), its result; None
+    when no daemon serves it."""
+    from p2p.daemon.client import DaemonRefused, as_command_error
+
+    client = daemon_of(ctx)
+    if client is None:
+        return None
+    args = {k: v for k, v in request.items() if v is not None}
+    try:
+        result = client.request(op, **args)
+    except DaemonRefused as exc:
+        raise as_command_error(exc) from None
+    result.pop("event", None)
+    return result
 
 
 COMMANDS: list[click.Command] = [publish, resolve, catalog]

@@ -10,9 +10,17 @@ Rules
    another API version or an unknown op gets an ``error`` event with a code saying so.
 3. An ``error`` event says whose fault it was: ``code`` ``bad_request`` (the client's),
    ``unsupported_version``, ``busy`` (the daemon's limits), ``internal`` (the daemon's
-   bug), or the name of the blobnet error the operation raised (``NoProviders``,
-   ``FetchFailed``, ...) with that error's exit status, so a thin client exits as the
-   command would have without a daemon.
+   bug), ``unauthorized`` (a TCP request without the right token), or the name of the
+   blobnet error the operation raised (``NoProviders``, ``FetchFailed``, ...) with that
+   error's exit status, so a thin client exits as the command would have without a daemon.
+4. The Unix socket needs no token: its mode lets only the store's owner connect. The TCP
+   listener (``serve --api-listen``, loopback unless forced) takes a request only with the
+   ``token`` held in ``<store>/api.token`` (mode 0600, so again only the owner can read
+   it), compared in constant time.
+5. This module and ``client`` import nothing beyond the standard library: ``blob get`` and
+   friends on a store a daemon serves load only them (p2p.cli.light), so the exit statuses
+   below are the values of blobstore.errors.ExitCode (a test holds them equal) rather than
+   an import of it, which would load the whole store package (~60 ms).
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blobstore.errors import ExitCode
-
 API_VERSION = 1
 SOCKET_NAME = "api.sock"
+# The TCP listener's token (rule 4): 32 random bytes as hex, a new one each time it starts.
+TOKEN_NAME = "api.token"
+TOKEN_MODE = 0o600
+TOKEN_BYTES = 32
 # The socket file's mode: only the store's owner may drive its daemon.
 SOCKET_MODE = 0o600
 # A request names a blob and at most MAX_PROVIDERS addresses of a few hundred bytes each.
@@ -36,11 +46,17 @@ MAX_PROVIDERS = 64
 MAX_EVENT_BYTES = 16 * 1024 * 1024
 # sun_path holds 108 bytes with its NUL: a longer socket path cannot be bound or dialled.
 MAX_SOCKET_PATH = 107
-OPS = ("hello", "status", "metrics", "fetch", "announce", "resolve")
+OPS = ("hello", "status", "metrics", "fetch", "announce", "resolve", "put", "publish", "catalog")
 # A resolve waits for peers and the DHT at most this long (blob resolve --wait's ceiling).
 MAX_RESOLVE_WAIT = 600.0
 MAX_AUTHORITIES = 64
-ERROR_CODES = ("bad_request", "unsupported_version", "busy", "internal")
+ERROR_CODES = ("bad_request", "unsupported_version", "busy", "internal", "unauthorized")
+# blobstore.errors.ExitCode's values (rule 5).
+EXIT_REJECTED = 1
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_NETWORK = 6
+EXIT_INTERRUPTED = 130
 
 
 def socket_path(store_root: Path) -> Path:
@@ -48,10 +64,15 @@ def socket_path(store_root: Path) -> Path:
     return Path(store_root) / SOCKET_NAME
 
 
+def token_path(store_root: Path) -> Path:
+    """Where the daemon of the store at ``store_root`` keeps its TCP listener's token."""
+    return Path(store_root) / TOKEN_NAME
+
+
 class ApiError(Exception):
     """A request the daemon refused: ``code`` (rule 3) and a one-line ``message``."""
 
-    def __init__(self, code: str, message: str, exit_code: int = ExitCode.REJECTED) -> None:
+    def __init__(self, code: str, message: str, exit_code: int = EXIT_REJECTED) -> None:
         super().__init__(message)
         self.code = code
         self.exit_code = exit_code
@@ -61,9 +82,11 @@ class ApiError(Exception):
 class Request:
     op: str
     args: dict[str, Any] = field(default_factory=dict)
+    token: str | None = None
 
     def encode(self) -> bytes:
-        return encode_line({"api": API_VERSION, "op": self.op, **self.args})
+        token = {} if self.token is None else {"token": self.token}
+        return encode_line({"api": API_VERSION, "op": self.op, **token, **self.args})
 
 
 def encode_line(obj: dict[str, Any]) -> bytes:
@@ -88,23 +111,111 @@ def decode_request(line: bytes) -> Request:
     op = obj.pop("op", None)
     if op not in OPS:
         raise ApiError("bad_request", f"unknown op {op!r} (known: {', '.join(OPS)})")
-    return Request(op, obj)
+    token = obj.pop("token", None)
+    return Request(op, obj, token if isinstance(token, str) else None)
 
 
 def fetch_args(request: Request) -> tuple[str, list[str], bool]:
-    """``fetch``'s (blob ID, provider addresses, recursive), checked."""
-    from blobstore import BadBlobId, parse_blob_id
+    """``fetch``'s (blob reference, provider addresses, recursive), checked. The reference
+    is the ``id`` (64 hex digits), or else the ``ref`` the daemon resolves in its store: an
+    ID, a prefix of 8+ hex digits, a tag or a ticket."""
+    if "id" in request.args or "ref" not in request.args:
+        from blobstore import BadBlobId, parse_blob_id
 
+        try:
+            ref = parse_blob_id(str(request.args.get("id", "")))
+        except BadBlobId as exc:
+            raise ApiError("bad_request", str(exc)) from None
+    else:
+        ref = _string(request, "ref")
+    providers = _addrs(request, "providers")
+    return ref, providers, bool(request.args.get("recursive", True))
+
+
+def _string(request: Request, name: str, *, required: bool = True) -> str:
+    """A string argument, bounded (a reference, a name, a path)."""
+    value = request.args.get(name)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str) or not value or len(value) > MAX_REQUEST_BYTES // 4:
+        raise ApiError("bad_request", f"{name} must be a non-empty string")
+    return value
+
+
+def _addrs(request: Request, name: str) -> list[str]:
+    addrs = request.args.get(name, [])
+    if not isinstance(addrs, list) or not all(isinstance(p, str) for p in addrs):
+        raise ApiError("bad_request", f"{name} must be a list of multiaddr strings")
+    if len(addrs) > MAX_PROVIDERS:
+        raise ApiError("bad_request", f"at most {MAX_PROVIDERS} {name}")
+    return addrs
+
+
+def _optional_int(request: Request, name: str) -> int | None:
+    value = request.args.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 63:
+        raise ApiError("bad_request", f"{name} must be a whole number", EXIT_USAGE)
+    return value
+
+
+@dataclass(frozen=True)
+class PutArgs:
+    """``put``: a file or directory the daemon reads (an absolute path on its machine)."""
+
+    path: str
+    tag: str | None
+    chunk_size: str | None
+    move: bool
+    follow_symlinks: bool
+
+
+def put_args(request: Request) -> PutArgs:
+    path = _string(request, "path")
+    if not path.startswith("/"):
+        raise ApiError("bad_request", "path must be absolute (the daemon has its own cwd)")
+    tag = _string(request, "tag", required=False) or None
+    chunk = request.args.get("chunk_size")
+    if chunk is not None and not isinstance(chunk, str | int):
+        raise ApiError("bad_request", "chunk_size must be a size (4MiB, 65536)", EXIT_USAGE)
+    return PutArgs(
+        path, tag, None if chunk is None else str(chunk), bool(request.args.get("move")),
+        bool(request.args.get("follow_symlinks")),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PublishArgs:
+    """``publish``: NAME -> the blob ``ref`` names in the daemon's store."""
+
+    name: str
+    ref: str
+    seq: int | None
+    expires_in_s: int | None
+    certificate: bytes | None
+    peers: list[str]
+    dht: bool
+
+
+def publish_args(request: Request) -> PublishArgs:
+    certificate = request.args.get("certificate")
     try:
-        blob_id = parse_blob_id(str(request.args.get("id", "")))
-    except BadBlobId as exc:
-        raise ApiError("bad_request", str(exc)) from None
-    providers = request.args.get("providers", [])
-    if not isinstance(providers, list) or not all(isinstance(p, str) for p in providers):
-        raise ApiError("bad_request", "providers must be a list of multiaddr strings")
-    if len(providers) > MAX_PROVIDERS:
-        raise ApiError("bad_request", f"at most {MAX_PROVIDERS} providers")
-    return blob_id, providers, bool(request.args.get("recursive", True))
+        cert = None if certificate is None else bytes.fromhex(certificate)
+    except (TypeError, ValueError):
+        raise ApiError("bad_request", "certificate must be hex") from None
+    expires = _optional_int(request, "expires_in_s")
+    if expires == 0:
+        raise ApiError("bad_request", "expires_in_s must be at least 1", EXIT_USAGE)
+    return PublishArgs(
+        _string(request, "name"), _string(request, "ref"), _optional_int(request, "seq"),
+        expires, cert, _addrs(request, "peers"), bool(request.args.get("dht", True)),
+    )  # fmt: skip
+
+
+def catalog_args(request: Request) -> tuple[str, list[bytes], list[str]]:
+    """``catalog``'s (publisher, authority keys, peers to dial first)."""
+    return _string(request, "publisher"), _authorities(request), _addrs(request, "peers")
 
 
 def resolve_args(request: Request) -> tuple[str, float, list[bytes], list[str], bool]:
@@ -117,6 +228,12 @@ def resolve_args(request: Request) -> tuple[str, float, list[bytes], list[str], 
         raise ApiError(
             "bad_request", f"wait_s must be a number of seconds up to {MAX_RESOLVE_WAIT:g}"
         )
+    keys = _authorities(request)
+    peers = _addrs(request, "peers")
+    return ref, float(wait), keys, peers, bool(request.args.get("dht", True))
+
+
+def _authorities(request: Request) -> list[bytes]:
     authorities = request.args.get("authorities", [])
     try:
         keys = [bytes.fromhex(a) for a in authorities]
@@ -129,18 +246,13 @@ def resolve_args(request: Request) -> tuple[str, float, list[bytes], list[str], 
         or len(keys) > MAX_AUTHORITIES
     ):
         raise ApiError("bad_request", "authorities must be a list of 64-hex-digit keys")
-    peers = request.args.get("peers", [])
-    if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
-        raise ApiError("bad_request", "peers must be a list of multiaddr strings")
-    if len(peers) > MAX_PROVIDERS:
-        raise ApiError("bad_request", f"at most {MAX_PROVIDERS} peers")
-    return ref, float(wait), keys, peers, bool(request.args.get("dht", True))
+    return keys
 
 
 def error_event(exc: BaseException) -> dict[str, Any]:
     """The ``error`` event for what an operation raised (rule 3)."""
     if isinstance(exc, ApiError):
-        return {"event": "error", "code": exc.code, "message": str(exc), "exit_code": 1}
+        return {"event": "error", "code": exc.code, "message": str(exc), "exit_code": exc.exit_code}
     code = getattr(type(exc), "exit_code", None)
     if isinstance(code, int):
         return {

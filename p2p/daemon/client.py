@@ -1,26 +1,37 @@
-"""A blocking client of the local API (``API.md``): what ``blob get`` and ``blob status``
-use when a daemon runs on their store.
+"""A blocking client of the local API (``API.md``): what ``blob get``, ``put``,
+``publish``, ``resolve``, ``catalog`` and ``status`` use when a daemon runs on their store.
 
 ``connect`` answers None when no daemon listens there (no socket file, or one a killed
 daemon left), so callers go on without one; once connected, a daemon that stops
 mid-request is a ``DaemonGone`` error, never a hang: progress events arrive every 0.2 s,
 so a read that waits ``IDLE_TIMEOUT`` means the daemon is gone.
+
+Where: the store's Unix socket, or, given an ``Endpoint`` with a TCP address (``blob
+--api HOST:PORT``, env ``BLOBNET_API``), that listener, with the token read from
+``--api-token FILE`` (env ``BLOBNET_API_TOKEN``; default the store's ``api.token``).
+
+Like ``api``, this module imports only the standard library (api rule 5).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from blobstore.errors import ExitCode
 from p2p.daemon import api
-from p2p.errors import P2PError
 
 if TYPE_CHECKING:
     from p2p.names.record import NameRecord
+
+API_ENV = "BLOBNET_API"
+TOKEN_ENV = "BLOBNET_API_TOKEN"
+# A token file holds 64 hex digits and a newline; anything much longer is not one.
+MAX_TOKEN_FILE = 1024
 
 # Connecting to a local socket takes microseconds; a daemon too loaded to accept within
 # a second is treated as absent and the command runs on its own.
@@ -30,24 +41,81 @@ IDLE_TIMEOUT = 30.0
 READ_SIZE = 64 * 1024
 
 
-class DaemonGone(P2PError):
-    """The daemon stopped answering in the middle of a request."""
+class DaemonGone(Exception):
+    """The daemon stopped answering in the middle of a request (a network failure, as the
+    command's own node would have had: exit 6)."""
+
+    exit_code = api.EXIT_NETWORK
 
 
-class DaemonRefused(P2PError):
+class DaemonRefused(Exception):
     """The daemon answered a request with an error; ``code`` names it (API.md)."""
 
     def __init__(self, code: str, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.code = code
-        self.exit_code = ExitCode(exit_code)
+        self.exit_code = exit_code
+
+
+class BadEndpoint(Exception):
+    """``--api`` or ``--api-token`` names nothing usable (the user's to fix: exit 2)."""
+
+    exit_code = api.EXIT_USAGE
 
 
 class DaemonFailure(Exception):
     """An operation failed in the daemon; the subclass for each exit status carries it as
     the ``blob`` program's error boundary expects (a class attribute)."""
 
-    exit_code = ExitCode.REJECTED
+    exit_code = api.EXIT_REJECTED
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a daemon's API is: a Unix socket ``path``, or a TCP ``host``:``port`` with
+    the ``token`` it wants."""
+
+    path: Path | None = None
+    host: str = ""
+    port: int = 0
+    token: str | None = None
+
+    def describe(self) -> str:
+        return str(self.path) if self.path is not None else f"{self.host}:{self.port}"
+
+
+def parse_api_addr(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6), or BadEndpoint."""
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BadEndpoint(f"--api {value!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def read_token(path: Path) -> str:
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read(MAX_TOKEN_FILE + 1)
+    except OSError as exc:
+        raise BadEndpoint(f"cannot read the API token {path}: {exc.strerror or exc}") from None
+    token = text.decode(errors="replace").strip()
+    if len(text) > MAX_TOKEN_FILE or not token:
+        raise BadEndpoint(f"{path} does not hold an API token")
+    return token
+
+
+def endpoint(
+    store_root: Path, api_addr: str | None = None, token_file: Path | None = None
+) -> Endpoint:
+    """Where the daemon of ``store_root`` would listen: the TCP address given (or in
+    ``$BLOBNET_API``) with its token, else the store's socket."""
+    addr = api_addr or os.environ.get(API_ENV) or None
+    if addr is None:
+        return Endpoint(path=api.socket_path(store_root))
+    host, port = parse_api_addr(addr)
+    token_path = token_file or Path(os.environ.get(TOKEN_ENV) or api.token_path(store_root))
+    return Endpoint(host=host, port=port, token=read_token(Path(token_path).expanduser()))
 
 
 _FAILURES: dict[int, type[DaemonFailure]] = {}
@@ -64,15 +132,16 @@ def as_command_error(exc: DaemonRefused) -> Exception:
 
 
 class DaemonClient:
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, where: Endpoint | Path) -> None:
+        self.where = where if isinstance(where, Endpoint) else Endpoint(path=where)
+        self.path = self.where.describe()
 
     def request(
         self, op: str, on_event: Callable[[dict[str, Any]], None] | None = None, **args: Any
     ) -> dict[str, Any]:
         """Send one request; every ``progress`` event goes to ``on_event``; the ``result``
         event is returned and an ``error`` event raised as DaemonRefused."""
-        for event in self._events(api.Request(op, args)):
+        for event in self._events(api.Request(op, args, self.where.token)):
             kind = event.get("event")
             if kind == "progress":
                 if on_event is not None:
@@ -87,11 +156,25 @@ class DaemonClient:
                 return event
         raise DaemonGone(f"the daemon at {self.path} closed the connection without a result")
 
-    def _events(self, request: api.Request) -> Iterator[dict[str, Any]]:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def open(self) -> socket.socket:
+        """A connection to the daemon; OSError when none listens there."""
+        where = self.where
+        if where.path is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(CONNECT_TIMEOUT)
+                sock.connect(str(where.path))
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+        return socket.create_connection((where.host, where.port), timeout=CONNECT_TIMEOUT)
+
+    def _events(
+        self, request: api.Request, sock: socket.socket | None = None
+    ) -> Iterator[dict[str, Any]]:
+        sock = sock or self.open()
         try:
-            sock.settimeout(CONNECT_TIMEOUT)
-            sock.connect(str(self.path))
             sock.settimeout(IDLE_TIMEOUT)
             sock.sendall(request.encode())
             reader = api.LineReader(api.MAX_EVENT_BYTES)
@@ -144,14 +227,22 @@ class DaemonClient:
         return self.request("fetch", on_progress, id=blob_id, providers=list(providers))
 
 
-def connect(store_root: Path) -> DaemonClient | None:
-    """A client of the daemon serving ``store_root``, or None when none answers there."""
-    path = api.socket_path(store_root)
-    if not path.exists():
+def connect(
+    store_root: Path, api_addr: str | None = None, token_file: Path | None = None
+) -> DaemonClient | None:
+    """A client of the daemon serving ``store_root`` (or at ``api_addr``, see
+    ``endpoint``), or None when none answers there. A TCP daemon that refuses the token is
+    an error (DaemonRefused), not an absent daemon: the user asked for that one."""
+    where = endpoint(Path(store_root), api_addr, token_file)
+    if where.path is not None and not where.path.exists():
         return None
-    client = DaemonClient(path)
+    client = DaemonClient(where)
     try:
         client.request("hello")
-    except (OSError, DaemonGone, DaemonRefused):
+    except (OSError, DaemonGone):
+        return None
+    except DaemonRefused:
+        if where.path is None:
+            raise
         return None
     return client

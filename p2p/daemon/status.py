@@ -37,6 +37,7 @@ class DaemonInfo:
     reach: Any = None  # p2p.nat.punch.Reachable, when relays were asked
     authorities: tuple[str, ...] = ()
     relay: Any = None  # p2p.nat.relay.AdmittedRelay, on a relay: its byte count
+    api_addr: str | None = None  # the local API's TCP listener (serve --api-listen)
     extra: dict[str, Callable[[], Any]] = field(default_factory=dict)
 
 
@@ -85,6 +86,35 @@ def connections(node: Node) -> list[dict[str, Any]]:
     return out
 
 
+def observed_addrs(host: Any) -> list[str]:
+    """Our addresses as peers see them: what their identify told us, once py-libp2p has
+    it from enough distinct observers to add it to the host's own addresses (its
+    ObservedAddrManager's threshold). Read from the host class's ``get_addrs``, since the
+    node replaces the instance's (p2p.transport.patches.advertise_interfaces), less the
+    addresses we listen on. Loopback observations never count (py-libp2p drops them)."""
+    try:
+        own = {str(a) for a in host.get_transport_addrs()}
+        seen = [str(a).split("/p2p/")[0] for a in type(host).get_addrs(host)]
+    except Exception:  # py-libp2p's host changed shape: no observations, no crash
+        return []
+    return [a for a in dict.fromkeys(seen) if a not in own][:MAX_LISTED]
+
+
+def observed_reachability(listen: list[str], observed: list[str]) -> str | None:
+    """What the observations say of reachability: ``public`` when a peer saw us at an
+    address we listen on (no translation between), ``behind_nat`` when peers see us
+    only elsewhere (a NAT rewrote the address), None without observations."""
+    if not observed:
+        return None
+    ours = {_ip_port(a) for a in listen}
+    return "public" if any(_ip_port(a) in ours for a in observed) else "behind_nat"
+
+
+def _ip_port(addr: str) -> tuple[str, str]:
+    parts = addr.split("/")
+    return (parts[2], parts[4]) if len(parts) > 4 else (addr, "")
+
+
 def dht_size(node: Node) -> int:
     table = getattr(node.dht, "routing_table", None)
     if table is None:
@@ -119,6 +149,11 @@ def node_status(node: Node, info: DaemonInfo, store_count: StoreCount) -> dict[s
         reachability = "unknown"
     if node.advertised:
         reachability = "relayed"
+    listen = [str(a).split("/p2p/")[0] for a in node.host.get_addrs()]
+    observed = observed_addrs(node.host)
+    seen_as = observed_reachability(listen, observed)
+    if reachability == "unknown" and seen_as is not None:
+        reachability = seen_as
     conns = connections(node)
     count = store_count.refresh(node, _monotonic())
     transfers = [
@@ -140,6 +175,8 @@ def node_status(node: Node, info: DaemonInfo, store_count: StoreCount) -> dict[s
         "addrs": node.reachable_addrs,
         "reachability": reachability,
         "reachability_detail": None if reach is None else reach.reachability.detail,
+        "observed_addrs": observed,
+        "observed_reachability": seen_as,
         "connections": conns,
         "connections_direct": sum(1 for c in conns if c["kind"] == "direct"),
         "connections_relayed": sum(1 for c in conns if c["kind"] == "relayed"),
@@ -156,6 +193,7 @@ def node_status(node: Node, info: DaemonInfo, store_count: StoreCount) -> dict[s
         "names": names_served(node),
         "dht_peers": dht_size(node),
         "relayed_bytes": None if info.relay is None else info.relay.relayed_bytes,
+        "api_tcp": info.api_addr,
         "bad_chunks_by_peer": dict(node.bad_chunks),
     }
     for key, read in info.extra.items():

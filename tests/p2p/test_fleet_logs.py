@@ -16,7 +16,7 @@ from .conftest import Cluster, random_file, run_blob, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-GETS = 3  # each a fresh peer ID; the goal's 50 differ only in count
+GETS = 3  # each a fresh peer ID; bench/short_lived_clients.py runs the goal's 50
 
 BLOCKING_FETCH = """
 import sys
