@@ -79,8 +79,8 @@ from blobstore import StoreError
 from identity import (
     AdmissionCertificate,
     Attestation,
-    MachineKey,
-    SoftwareSigner,
+    HardwareSigner,
+    Signer,
     TrustStore,
     sign_attestation,
 )
@@ -123,11 +123,23 @@ from training.outer.messages import (
     UpdateAnnouncement,
     VerdictAnnouncement,
     VerdictHeard,
+    check_hardware,
     decode_message,
     encode_message,
     topic,
 )
-from training.outer.milestones import RunTerms, keep_round, milestone_for, sign_milestone, tag
+from training.outer.milestones import (
+    RunTerms,
+    absent_workers,
+    catch_up_for,
+    closure_hardware,
+    keep_catch_up,
+    keep_round,
+    milestone_for,
+    sign_catch_up,
+    sign_milestone,
+    tag,
+)
 from training.outer.params import OuterNetError, WorkerConfig, write_json
 from training.outer.replay import (
     UNAVAILABLE,
@@ -192,6 +204,11 @@ def _say(label: str, text: str) -> None:
     print(f"outer[{label}] {stamp} {text}", file=sys.stderr, flush=True)
 
 
+def _names(workers: Sequence[tuple[str, str]]) -> str:
+    """Workers as a log names them: operator and short peer ID, from (peer, operator)."""
+    return ", ".join(f"{operator} {peer[-6:]}" for peer, operator in workers)
+
+
 @dataclass
 class RoundRecord:
     """What a worker did for one round (the result file's ``rounds``)."""
@@ -247,25 +264,51 @@ class _Sampled:
     replayer: str
 
 
+def check_signer(signer: Signer, certificate: AdmissionCertificate, require_hardware: bool) -> None:
+    """Refuse, before the run, a signer whose attestations the run would refuse: on a
+    TPM-bound machine the certificate must record its AK (else every attestation would be
+    refused as unproven), and a run that requires hardware needs a hardware signer."""
+    hardware = isinstance(signer, HardwareSigner)
+    if isinstance(signer, HardwareSigner) and certificate.ak != signer.ak:
+        raise OuterNetError(
+            "this machine key is TPM-bound, but its certificate does not record that TPM's "
+            "attestation key; admit the machine on its TPM (`blob tpm challenge` / `blob tpm "
+            "admit`)"
+        )
+    if require_hardware and not hardware:
+        raise OuterNetError(
+            "this run requires hardware-signed attestations, and this machine key is not "
+            "TPM-bound; bind it (`blob tpm bind`) and admit it on its TPM"
+        )
+
+
 class Worker:
     def __init__(
         self,
         config: WorkerConfig,
         node: Node,
-        key: MachineKey,
+        signer: Signer,
         certificate: AdmissionCertificate,
         trust: TrustStore,
     ) -> None:
+        """``signer``: the machine key's signer (``identity.machine_signer``), so that on a
+        TPM-bound machine every update, closure, verdict, milestone and catch-up record
+        carries the AK's co-signature."""
+        if signer.peer_id != node.peer_id:
+            raise OuterNetError(f"the signer is {signer.peer_id}, not the node's {node.peer_id}")
+        check_signer(signer, certificate, config.require_hardware)
         self.config = config
         self.params = config.params
         self.node = node
-        self.signer = SoftwareSigner(key)
+        self.signer = signer
         self.certificate = certificate
         self.trust = trust
         self.peer = node.peer_id
         self.label = f"{config.shard} {self.peer[-6:]}"
         self.topic = topic(self.params.run_id)
-        self.ledger = Ledger(self.params.run_id, self.peer, trust)
+        self.ledger = Ledger(
+            self.params.run_id, self.peer, trust, require_hardware=config.require_hardware
+        )
         self.book = ClosureBook()
         self.closure_addrs: dict[bytes, tuple[str, ...]] = {}
         self.announcer = Announcer()
@@ -309,6 +352,9 @@ class Worker:
         self.banned: dict[str, str] = {}  # operator -> reason
         self.false_accusations: list[dict[str, Any]] = []
         self.wire_mark = (0, 0)
+        # The closures adopted for the last rounds (round -> closure): a milestone names
+        # the workers the previous round's closure named and its own does not.
+        self.adopted: dict[int, CheckedClosure] = {}
 
     # --- messages in and out ---------------------------------------------------------
     async def _receive_loop(self, sub: Any) -> None:
@@ -362,6 +408,8 @@ class Worker:
                 trust=self.trust,
                 now=time.time(),
             )
+            if self.config.require_hardware:
+                closure_hardware(checked)  # messages rule 7
         except Refused as refused:
             if len(self.refused_closures) < 64:
                 self.refused_closures.append({"peer": event.peer, "reason": refused.reason})
@@ -626,10 +674,11 @@ class Worker:
             del self.records[old]  # a dead branch (we caught up to another chain)
         self.records[c.round] = record
         store = self.node.store
+        parent = self.adopted.get(c.round - 1)  # absent_workers checks it is the parent
         if agg is not None:
             milestone = sign_milestone(
                 self.signer,
-                milestone_for(checked, agg, self._terms()),
+                milestone_for(checked, agg, self._terms(), parent),
                 kernel_class=self.kernel_class,
                 certificate=self.certificate,
                 time=int(time.time()),
@@ -641,8 +690,20 @@ class Worker:
                 )
             )
         elif not (self.config.join and self.joined_at is None):
+            # Not recomputed: a signed catch-up record says so (outer_milestones rule 5).
+            since = self.state.round if self.state is not None else c.round
+            catch_up = sign_catch_up(
+                self.signer,
+                catch_up_for(checked, since),
+                kernel_class=self.kernel_class,
+                certificate=self.certificate,
+                time=int(time.time()),
+            )
+            catch_up_blob = await self.node.add_bytes(catch_up)
             await trio.to_thread.run_sync(
-                store.tag, tag(self.params.run_id, "anchor", state.round), state_blob
+                lambda: keep_catch_up(
+                    store, checked, closure_blob=closure_blob, record_blob=catch_up_blob
+                )
             )
         else:  # a joiner's first state: where its own account of the run starts
             await trio.to_thread.run_sync(store.tag, tag(self.params.run_id, "start"), state_blob)
@@ -672,6 +733,15 @@ class Worker:
             f"{c.proposer[-6:]}: {len(record.included)} included, "
             f"{len(record.excluded)} excluded, root {root[:16]}",
         )
+        absent = absent_workers(parent, checked)
+        if absent:
+            _say(
+                self.label,
+                f"round {c.round} closed without {_names(absent)}: in round {c.round - 1}'s "
+                "closure, no update of theirs in this one (left or missed the round)",
+            )
+        self.adopted = {r: x for r, x in self.adopted.items() if c.round - 2 < r < c.round}
+        self.adopted[c.round] = checked
 
     def _terms(self) -> RunTerms:
         """What this run's milestones sign of its parameters (outer_milestones rule 1)."""
@@ -944,7 +1014,9 @@ class Worker:
         verdict = Verdict(msg.run, msg.round, msg.author, msg.update, msg.commitment, msg.outcome)
         try:
             signed = check_verdict(verdict, msg.attestation, trust=self.trust, now=time.time())
-        except BadVerdict as exc:
+            if self.config.require_hardware:
+                check_hardware(signed, "verdict")  # messages rule 7
+        except (BadVerdict, Refused) as exc:
             _say(self.label, f"refused a verdict from {event.peer[-6:]}: {exc}")
             return
         if signed.signer_peer_id != event.peer:
@@ -1174,6 +1246,7 @@ class Worker:
     async def _drive(self, trainer: Trainer) -> None:
         rounds = self.params.rounds
         settled_since = trio.current_time()
+        said_settling = False
         while True:
             assert self.state is not None
             if await self._step():
@@ -1184,6 +1257,13 @@ class Worker:
                 settle = 2 * self.params.proposer_timeout + 2.0
                 if trio.current_time() - settled_since >= settle:
                     return
+                if not said_settling:
+                    said_settling = True
+                    _say(
+                        self.label,
+                        f"round {r - 1} was the last; waiting {settle:.0f}s for the workers "
+                        "to finish it (a better closure of it may still come)...",
+                    )
                 await self._wait_changed(settled_since + settle)
                 continue
             own = self.own
@@ -1261,11 +1341,23 @@ class Worker:
     # --- start, join, finish ---------------------------------------------------------
     async def _barrier(self) -> None:
         need = self.params.workers - 1
+        if len(self.ledger.present) < need and self.book.tip() is None:
+            _say(
+                self.label,
+                f"waiting for {need - len(self.ledger.present)} more of the run's "
+                f"{self.params.workers} workers to dial in (at most "
+                f"{self.config.start_timeout:.0f}s)...",
+            )
         with trio.move_on_after(self.config.start_timeout):
             while len(self.ledger.present) < need and self.book.tip() is None:
                 await self._wait_changed(trio.current_time() + 1.0)
             return
-        _say(self.label, f"start timeout: {len(self.ledger.present) + 1} workers present")
+        present = ", ".join(p[-6:] for p in sorted(self.ledger.present)) or "none"
+        _say(
+            self.label,
+            f"start timeout: {len(self.ledger.present) + 1} of {self.params.workers} workers "
+            f"present (others: {present}); starting without the rest",
+        )
 
     async def _initial(self) -> OuterState:
         initial = self.config.initial
@@ -1323,19 +1415,47 @@ class Worker:
         # Admitted by the aggregation in a round this worker applied: a byzantine worker
         # whose updates were all excluded is not waited for.
         ever = self.ever_admitted - {self.peer}
-        deadline = trio.current_time() + self._linger_bound()
+        linger = self._linger_bound()
+        deadline = trio.current_time() + linger
+        said: tuple[str, ...] = ()
         while trio.current_time() < deadline:
             waiting = (ever & set(self.node.connected_peers())) - set(
                 self.ledger.roots_heard(state.round)
             )
             # The last round's sample is replayed too (its verdicts complete the milestones).
-            if not waiting and not self._verdicts_pending(state.round - 1):
+            verdicts = self._verdicts_pending(state.round - 1)
+            if not waiting and not verdicts:
                 break
+            what = tuple(self._named(sorted(waiting))) + (("verdicts",) if verdicts else ())
+            if what != said:  # say what it waits for when that changes, not every second
+                said = what
+                final = f"the final roots of {', '.join(what[: len(waiting)])}" if waiting else ""
+                sample = f"the verdicts on round {state.round - 1}'s sample" if verdicts else ""
+                _say(
+                    self.label,
+                    f"finished round {state.round - 1}; waiting for "
+                    f"{' and '.join(x for x in (final, sample) if x)} (at most "
+                    f"{deadline - trio.current_time():.0f}s)...",
+                )
             await self._wait_changed(min(deadline, trio.current_time() + 1.0))
         else:
-            missing = sorted(p[-6:] for p in waiting)
-            _say(self.label, f"left without the final roots of {missing} or some verdicts")
+            missing = ", ".join(self._named(sorted(waiting))) or "none"
+            _say(
+                self.label,
+                f"leaving without the final roots of {missing}"
+                + (" or some verdicts" if self._verdicts_pending(state.round - 1) else ""),
+            )
+        _say(self.label, "done; exiting")
         await trio.sleep(1.0)
+
+    def _named(self, peers: Sequence[str]) -> list[str]:
+        """Peers as logs name them: operator (from the closures adopted) and short ID."""
+        operators = {
+            p: op
+            for checked in self.adopted.values()
+            for p, op in zip(checked.closure.peers(), checked.operators, strict=True)
+        }
+        return [f"{operators.get(p, 'worker')} {p[-6:]}" for p in peers]
 
     def _linger_bound(self) -> float:
         """How long a finished worker waits for the others' final roots (point 3)."""
