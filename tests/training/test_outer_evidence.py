@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from identity import (
     AdmissionCertificate,
     Authority,
     MachineKey,
+    Signer,
     SoftwareSigner,
     TrustStore,
     format_public_key,
@@ -46,10 +49,14 @@ from training.outer.messages import (
 )
 from training.outer.milestones import (
     RunTerms,
+    catch_up_for,
+    decode_milestone_record,
+    keep_catch_up,
     keep_round,
     list_milestones,
     milestone_for,
     run_tags,
+    sign_catch_up,
     sign_milestone,
     tag,
     verify_run,
@@ -72,14 +79,15 @@ TRUST = TrustStore(frozenset({AUTHORITY.public_key_bytes}))
 class Machine:
     key: MachineKey
     cert: AdmissionCertificate
+    hardware: Signer | None = None  # a TPM-bound machine's signer (identity.machine_signer)
 
     @property
     def peer(self) -> str:
         return self.key.peer_id
 
     @property
-    def signer(self) -> SoftwareSigner:
-        return SoftwareSigner(self.key)
+    def signer(self) -> Signer:
+        return self.hardware or SoftwareSigner(self.key)
 
 
 def machine(operator: str) -> Machine:
@@ -96,23 +104,34 @@ def machine(operator: str) -> Machine:
 
 
 WORKERS = sorted((machine(f"op-{i}") for i in range(3)), key=lambda m: m.peer)
-BY_PEER = {m.peer: m for m in WORKERS}
 
 
-def keep_run(store: Store) -> list[dict[str, str]]:
-    """Three rounds as worker 0 keeps them: start state, and per round the update blobs,
-    closure, milestone (``keep_round``) and the replay verdicts. Returns, per round, the
-    blob each author's update was."""
+def keep_run(
+    store: Store,
+    workers: Sequence[Machine] = WORKERS,
+    *,
+    left: Mapping[str, int] | None = None,
+    trust: TrustStore = TRUST,
+) -> list[dict[str, str]]:
+    """Three rounds as ``workers[0]`` keeps them: start state, and per round the update
+    blobs, closure, milestone (``keep_round``) and the replay verdicts; ``left``: peer ->
+    the round from which that worker sends no update. Returns, per round, the blob each
+    author's update was."""
     rng = np.random.default_rng(7)
     params = {"w": rng.standard_normal((32, 64)).astype(np.float32)}
     state = OuterState(0, params, {"w": np.zeros_like(params["w"])})
     store.tag(tag(RUN, "start"), store.put_bytes(encode_state(state)))
-    me = WORKERS[0]
+    me = workers[0]
+    by_peer = {m.peer: m for m in workers}
+    previous = None
     rounds = []
     for r in range(ROUNDS):
         root = state_root(state)
         included, blobs = [], {}
-        for m in WORKERS:
+        members = sorted(
+            (m for m in workers if r < (left or {}).get(m.peer, ROUNDS)), key=lambda m: m.peer
+        )
+        for m in members:
             # A direction every worker shares plus its own noise, as honest updates are.
             shared = np.random.default_rng(1000 + r).standard_normal((32, 64))
             grad = {"w": ((shared + rng.standard_normal((32, 64))) * 1e-2).astype(np.float32)}
@@ -142,11 +161,12 @@ def keep_run(store: Store) -> list[dict[str, str]]:
         body, attestation = sign_closure(
             me.signer, closure, kernel_class=KC, certificate=me.cert, time=NOW
         )
-        checked = check_closure(body, attestation, run=RUN, trust=TRUST, now=NOW)
+        checked = check_closure(body, attestation, run=RUN, trust=trust, now=NOW)
         milestone = sign_milestone(
-            me.signer, milestone_for(checked, agg, TERMS), kernel_class=KC,
+            me.signer, milestone_for(checked, agg, TERMS, previous), kernel_class=KC,
             certificate=me.cert, time=NOW,
         )  # fmt: skip
+        previous = checked
         keep_round(
             store,
             checked,
@@ -156,10 +176,10 @@ def keep_run(store: Store) -> list[dict[str, str]]:
             milestone_blob=store.put_bytes(milestone),
         )
         assert [p for p, _, _ in agg.admitted] == sorted(blobs)  # nobody excluded
-        operators = {m.peer: m.cert.operator for m in WORKERS}
+        operators = {m.peer: m.cert.operator for m in members}
         for author, blob in blobs.items():
             assert sampled(result, author, TERMS.replay_rate)
-            replayer = BY_PEER[replayer_for(result, author, operators) or ""]
+            replayer = by_peer[replayer_for(result, author, operators) or ""]
             verdict = Verdict(RUN, r, author, blob, "c0" * 32, "match")
             signed = sign_verdict(
                 replayer.signer, verdict, kernel_class=KC, certificate=replayer.cert, time=NOW
@@ -273,13 +293,17 @@ def test_milestones_exits_1_on_an_invalid_entry(store: Store) -> None:
     ]
 
 
-def test_rounds_caught_up_over_rest_on_the_closure_and_are_listed(store: Store) -> None:
-    """A worker paused after round 0 wakes to find rounds 1 and 2 closed and adopts closure
-    2's state: it keeps closure 2 and an anchor on the state, and signs no milestone for
-    rounds it did not recompute. Verify accepts that, names the catch-up among its
-    anchors, and still wants the rounds it did apply."""
-    closure_2 = decode_message(store.path(store.tags()[tag(RUN, "closure", 2)]).read_bytes())
-    assert isinstance(closure_2, ClosureAnnouncement)
+def catch_up_at_round_2(
+    store: Store, *, signer: Machine | None = None, since: int = 1, **forged: Any
+) -> None:
+    """A worker paused after round 0 wakes to find rounds 1 and 2 closed and adopts
+    closure 2's state, as the worker keeps that (``keep_catch_up``): closure 2, the adopted
+    state and its signed catch-up record (by ``signer``, with ``forged`` fields changed),
+    and no milestone for rounds it did not recompute."""
+    tags = store.tags()
+    msg = decode_message(store.path(tags[tag(RUN, "closure", 2)]).read_bytes())
+    assert isinstance(msg, ClosureAnnouncement)
+    checked = check_closure(msg.body, msg.attestation, run=RUN, trust=TRUST, now=NOW)
     for name in list(run_tags(store, RUN)):
         if (
             name != tag(RUN, "start")
@@ -287,12 +311,94 @@ def test_rounds_caught_up_over_rest_on_the_closure_and_are_listed(store: Store) 
             and (f"{tag(RUN, 'verdict', 0)}-" not in name)
         ):
             store.untag(name)
-    store.tag(tag(RUN, "anchor", 3), decode_closure(closure_2.body).state_blob)
+    me = signer or WORKERS[0]
+    catch_up = dataclasses.replace(catch_up_for(checked, since), **forged)
+    record = sign_catch_up(me.signer, catch_up, kernel_class=KC, certificate=me.cert, time=NOW)
+    keep_catch_up(
+        store,
+        checked,
+        closure_blob=tags[tag(RUN, "closure", 2)],
+        record_blob=store.put_bytes(record),
+    )
+
+
+def test_rounds_caught_up_over_rest_on_a_signed_catch_up_and_are_listed(store: Store) -> None:
+    """Verify accepts a signed catch-up: it names the catch-up among its anchors, needs no
+    closure for the round the record says the worker skipped, and still wants the rounds
+    it did apply."""
+    catch_up_at_round_2(store)
     report = verify_run(store, RUN, TRUST)
     assert report.ok, report.failures
     assert report.checked_rounds == [0, 2]
-    assert any(a.startswith("caught up at round 2") for a in report.anchors)
+    signer = WORKERS[0].peer[-8:]
+    assert any(a.startswith("caught up at round 2") and signer in a for a in report.anchors)
     store.untag(tag(RUN, "milestone", 0))
     assert failures(store) == [
         "no valid milestone is kept: nothing signed says how many rounds the run has"
     ]
+
+
+ROGUE = Authority(SoftwareSigner(MachineKey.generate()))
+
+
+def _unadmitted() -> Machine:
+    key = MachineKey.generate()
+    cert = ROGUE.admit(
+        key.peer_id, operator="mallory", kernel_class=KC, not_before=0, not_after=NOW + 10**6,
+        serial=7,
+    )  # fmt: skip
+    return Machine(key, cert)
+
+
+def test_an_unsigned_or_forged_catch_up_fails_verify_naming_its_round(store: Store) -> None:
+    """Guards against verify taking a round as caught up over (checked by the closure's
+    signature only, and the rounds before it excused from having closures) on the word of
+    a tag anyone can make: an anchor tag without a signed record, a record by a machine
+    the run's authority did not admit, one over another root, and one that claims fewer
+    skipped rounds than the store lacks each fail, naming the round."""
+    catch_up_at_round_2(store)
+    store.untag(tag(RUN, "catchup", 2))  # the anchor tag on the state alone
+    gap = "round 1: no closure kept"  # nothing signed excuses it
+    assert failures(store) == [
+        "round 2: caught up over without a signed catch-up record (an anchor tag alone is "
+        "not evidence)",
+        gap,
+    ]
+    catch_up_at_round_2(store, signer=_unadmitted())
+    failure, also = failures(store)
+    assert failure.startswith("round 2: catch-up record attestation: "), failure
+    assert "add its public key to the trusted authorities" in failure
+    assert also == gap
+    catch_up_at_round_2(store, result_root="ab" * 32)
+    assert failures(store) == ["round 2: the catch-up record names another closure, root or state"]
+    catch_up_at_round_2(store, since=2)  # "I skipped nothing": then round 1 is a gap
+    assert failures(store) == [gap]
+
+
+def test_a_worker_that_left_is_named_absent_in_the_signed_milestones(tmp_path: Path) -> None:
+    """Guards against a departed worker going unnamed: worker 2 sends nothing from round 1
+    on, so round 1's milestone names it (peer and operator) among the absent, signed, and
+    ``blob outer milestones`` shows it; verify recomputes the field, so a milestone that
+    leaves the absent worker out fails it. A version 2 record (before the field) still
+    verifies."""
+    store = Store.open(tmp_path / "store")
+    gone = WORKERS[2]
+    keep_run(store, left={gone.peer: 1})
+    assert verify_run(store, RUN, TRUST).ok
+    root = str(store.root)
+    listed = json.loads(
+        blob_here(["--store", root, "outer", "milestones", RUN, "--json"], 0).stdout
+    )
+    assert [m["absent"] for m in listed] == [[], [[gone.peer, gone.cert.operator]], []]
+    shown = blob_here(["--store", root, "outer", "milestones", RUN], 0).stdout
+    assert f"absent {gone.cert.operator} {gone.peer[-8:]}" in shown
+    me = WORKERS[0]
+    milestone, _ = decode_milestone_record(store.path(listed[1]["blob"]).read_bytes())
+    for forged, failure in (
+        (dataclasses.replace(milestone, absent=()), ["round 1: milestone: milestone does not "
+                                                     "match the recomputed round"]),
+        (dataclasses.replace(milestone, absent=None), []),
+    ):  # fmt: skip
+        record = sign_milestone(me.signer, forged, kernel_class=KC, certificate=me.cert, time=NOW)
+        store.tag(tag(RUN, "milestone", 1), store.put_bytes(record))
+        assert verify_run(store, RUN, TRUST).failures == failure

@@ -583,8 +583,7 @@ def milestones_command(
     entries = list_milestones(_store(ctx), run_id, trust)
     invalid = invalid_entries(entries)
     if as_json:
-        json.dump(entries, sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        click.echo(json.dumps(entries, indent=2, sort_keys=True))
     else:
         _show_milestones(run_id, entries)
     if invalid:
@@ -662,8 +661,7 @@ def verify_command(
         report.anchors.append(f"verification: each update at least {signed.spec.level}")
         report.failures.extend(f"level: {failure}" for failure in levels.failures)
     if as_json:
-        json.dump(report.to_json(), sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        click.echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
     else:
         for line in report.anchors:
             click.echo(line)
@@ -871,8 +869,7 @@ def levels_command(ctx: click.Context, /, run_ref: str, as_json: bool) -> None:
     spec = read_spec(store, run_ref)[1].spec
     report = check_levels(store, spec.run, spec.level)
     if as_json:
-        json.dump(report.to_json(), sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        click.echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
     else:
         for r, entries in sorted(report.rounds.items()):
             levels = ", ".join(f"{e['peer'][-8:]} {e['level']}" for e in entries)
