@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,11 @@ from identity import (
     Signer,
     SoftwareSigner,
     TrustStore,
+    create_key_file,
     format_public_key,
+    load_key_file,
+    machine_signer,
+    parse_public_key,
     sign_attestation,
 )
 from tests.blob_cli import blob_here
@@ -35,21 +40,27 @@ from training.outer.agreement import (
     Closure,
     Included,
     check_closure,
-    decode_closure,
     sign_closure,
 )
 from training.outer.codec import CodecParams, encode
 from training.outer.loop import OuterState, state_root
 from training.outer.messages import (
+    NOT_HARDWARE,
     UPDATE_KIND,
+    Candidate,
     ClosureAnnouncement,
+    Ledger,
+    Rejection,
+    UpdateAnnouncement,
     VerdictAnnouncement,
     decode_message,
     encode_message,
 )
 from training.outer.milestones import (
+    BadMilestone,
     RunTerms,
     catch_up_for,
+    check_milestone,
     decode_milestone_record,
     keep_catch_up,
     keep_round,
@@ -112,6 +123,7 @@ def keep_run(
     *,
     left: Mapping[str, int] | None = None,
     trust: TrustStore = TRUST,
+    now: int = NOW,
 ) -> list[dict[str, str]]:
     """Three rounds as ``workers[0]`` keeps them: start state, and per round the update
     blobs, closure, milestone (``keep_round``) and the replay verdicts; ``left``: peer ->
@@ -144,7 +156,7 @@ def keep_run(
                 digest=bytes.fromhex(blob),
                 kernel_class=KC,
                 subjects=[blob, root, "c0" * 32],
-                time=NOW,
+                time=now,
                 certificate=m.cert,
             )
             included.append(Included(m.peer, blob, attestation.encode()))
@@ -159,12 +171,12 @@ def keep_run(
             RUN, r, root, me.peer, tuple(included), result, store.put_bytes(encode_state(agg.state))
         )
         body, attestation = sign_closure(
-            me.signer, closure, kernel_class=KC, certificate=me.cert, time=NOW
+            me.signer, closure, kernel_class=KC, certificate=me.cert, time=now
         )
-        checked = check_closure(body, attestation, run=RUN, trust=trust, now=NOW)
+        checked = check_closure(body, attestation, run=RUN, trust=trust, now=now)
         milestone = sign_milestone(
             me.signer, milestone_for(checked, agg, TERMS, previous), kernel_class=KC,
-            certificate=me.cert, time=NOW,
+            certificate=me.cert, time=now,
         )  # fmt: skip
         previous = checked
         keep_round(
@@ -182,7 +194,7 @@ def keep_run(
             replayer = by_peer[replayer_for(result, author, operators) or ""]
             verdict = Verdict(RUN, r, author, blob, "c0" * 32, "match")
             signed = sign_verdict(
-                replayer.signer, verdict, kernel_class=KC, certificate=replayer.cert, time=NOW
+                replayer.signer, verdict, kernel_class=KC, certificate=replayer.cert, time=now
             )
             message = VerdictAnnouncement(RUN, r, author, blob, "c0" * 32, "match", signed)
             store.tag(
@@ -402,3 +414,153 @@ def test_a_worker_that_left_is_named_absent_in_the_signed_milestones(tmp_path: P
         record = sign_milestone(me.signer, forged, kernel_class=KC, certificate=me.cert, time=NOW)
         store.tag(tag(RUN, "milestone", 1), store.put_bytes(record))
         assert verify_run(store, RUN, TRUST).failures == failure
+
+
+# --- hardware: TPM-bound machines (swtpm) in a run that requires hardware ----------------
+
+
+@dataclasses.dataclass
+class Hardware:
+    """An authority with two machines admitted on their TPMs and one admitted in software."""
+
+    trust: TrustStore
+    authority: str  # its public key, hex
+    tpm_a: Machine
+    tpm_b: Machine
+    soft: Machine
+    a_key: Path
+
+
+def _cert(path: Path) -> AdmissionCertificate:
+    return AdmissionCertificate.decode(path.read_bytes())
+
+
+@pytest.fixture(scope="module")
+def hardware(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hardware]:
+    """Two swtpm processes (two machines' TPMs, EK certificates from one local CA), each
+    machine bound and admitted through ``blob tpm`` as the README says; skips, saying why,
+    where swtpm or tpm2-pytss is missing."""
+    from identity.tpm.swtpm import local_ca_certificates, missing_tools, running_swtpm
+
+    missing = missing_tools()
+    if missing is not None:
+        pytest.skip(f"TPM tests cannot run here: {missing}")
+    root = tmp_path_factory.mktemp("hardware")
+    akey, registry = root / "authority.key", root / "registry"
+    public = blob_here(["--key", str(akey), "authority", "new", "-o", str(akey)], 0).stdout.strip()
+    with running_swtpm(root / "a", root / "ca") as a, running_swtpm(root / "b", root / "ca") as b:
+        ca = [arg for path in local_ca_certificates(root / "ca") for arg in ("--ek-ca", str(path))]
+
+        def admitted(name: str, tcti: str | None) -> tuple[Machine, Path]:
+            key = root / name / "machine.key"
+            create_key_file(key)
+            k, cert = str(key), str(key.with_name("cert"))
+            if tcti is None:
+                peer = load_key_file(key).peer_id
+                blob_here(["admit", peer, "--operator", name, "--kernel-class", KC,
+                           "--authority", str(akey), "-o", cert], 0)  # fmt: skip
+                return Machine(load_key_file(key), _cert(Path(cert))), key
+            ev, ch, an = (str(key.with_name(x)) for x in ("evidence", "challenge", "answer"))
+            blob_here(["--key", k, "tpm", "bind", "--tcti", tcti, "-o", ev], 0)
+            blob_here(["--key", k, "tpm", "challenge", ev, *ca, "--authority", str(akey),
+                       "--registry", str(registry), "-o", ch], 0)  # fmt: skip
+            blob_here(["--key", k, "tpm", "answer", ch, "-o", an], 0)
+            blob_here(["--key", k, "tpm", "admit", an, "--operator", name, "--kernel-class", KC,
+                       "--authority", str(akey), "--registry", str(registry), "-o", cert],
+                      0)  # fmt: skip
+            machine_key = load_key_file(key)
+            signer = machine_signer(machine_key, key)
+            return Machine(machine_key, _cert(Path(cert)), signer), key
+
+        tpm_a, a_key = admitted("op-tpm-a", a.tcti)
+        tpm_b, _ = admitted("op-tpm-b", b.tcti)
+        soft, _ = admitted("op-soft", None)
+        trust = TrustStore(frozenset({parse_public_key(public)}))
+        yield Hardware(trust, public, tpm_a, tpm_b, soft, a_key)
+
+
+def test_tpm_signed_records_pass_require_hardware_and_software_ones_are_refused(
+    tmp_path: Path, hardware: Hardware
+) -> None:
+    """A run of two TPM-bound machines verifies with --require-hardware: every closure,
+    update, milestone and verdict carries the AK's co-signature (signer kind "tpm"). The
+    same run with one software-admitted machine verifies without it and fails with it,
+    naming the round and the software signer; a software-signed milestone is refused
+    where a TPM-signed one passes. Guards against require-hardware being a flag nobody
+    checks."""
+    hw = hardware
+    now = int(time.time())
+    tpm_run = Store.open(tmp_path / "tpm")
+    keep_run(tpm_run, sorted([hw.tpm_a, hw.tpm_b], key=lambda m: m.peer), trust=hw.trust, now=now)
+    report = verify_run(tpm_run, RUN, hw.trust, require_hardware=True)
+    assert report.ok, report.failures
+    assert {m["signer_kind"] for m in list_milestones(tpm_run, RUN, hw.trust)} == {"tpm"}
+    verify = ["outer", "verify", RUN, "--authority", hw.authority, "--require-hardware"]
+    blob_here(["--store", str(tpm_run.root), *verify], 0)
+
+    mixed = Store.open(tmp_path / "mixed")
+    keep_run(mixed, [hw.tpm_a, hw.soft], trust=hw.trust, now=now)
+    assert verify_run(mixed, RUN, hw.trust).ok
+    (failure,) = verify_run(mixed, RUN, hw.trust, require_hardware=True).failures
+    assert failure.startswith(
+        f"round 0: closure: not hardware-signed: update by {hw.soft.peer} was signed by a "
+        "'software' signer"
+    ), failure
+    assert "FAILED round 0: closure: not hardware-signed" in (
+        blob_here(["--store", str(mixed.root), *verify], 1).stdout
+    )
+
+    blob = list_milestones(tpm_run, RUN, hw.trust)[0]["blob"]
+    milestone, _ = decode_milestone_record(tpm_run.path(blob).read_bytes())
+    for m, kind in ((hw.tpm_b, "tpm"), (hw.soft, "software")):
+        record = sign_milestone(m.signer, milestone, kernel_class=KC, certificate=m.cert, time=now)
+        assert check_milestone(record, trust=hw.trust)[1] == m.peer
+        if kind == "tpm":
+            check_milestone(record, trust=hw.trust, require_hardware=True)
+        else:
+            with pytest.raises(BadMilestone, match="milestone attestation: not hardware-signed"):
+                check_milestone(record, trust=hw.trust, require_hardware=True)
+
+
+def test_a_worker_in_a_hardware_run_takes_only_tpm_signed_updates(hardware: Hardware) -> None:
+    """The worker's ledger (training.outer.messages rule 7): in a run that requires
+    hardware, the TPM-bound machine's update counts and the software one's is refused with
+    the reason "not hardware-signed" (both count in a run that does not); a machine that
+    is not TPM-bound, or whose certificate lacks its TPM's key, is refused before it
+    starts."""
+    from training.outer.params import OuterNetError
+    from training.outer.worker import check_signer
+
+    hw = hardware
+    now = int(time.time())
+    root = "ab" * 32
+
+    def announce(m: Machine) -> UpdateAnnouncement:
+        blob = "cd" * 32 if m is hw.soft else "ef" * 32
+        attestation = sign_attestation(
+            m.signer, kind=UPDATE_KIND, digest=bytes.fromhex(blob), kernel_class=KC,
+            subjects=[blob, root, "c0" * 32], time=now, certificate=m.cert,
+        )  # fmt: skip
+        return UpdateAnnouncement(RUN, 0, blob, attestation.encode(), ())
+
+    heard = {}
+    for require in (False, True):
+        ledger = Ledger(RUN, hw.tpm_a.peer, hw.trust, require_hardware=require)
+        ledger.open_round(0, root, now)
+        heard[require] = [
+            ledger.hear(encode_message(announce(m)), m.peer, now) for m in (hw.tpm_b, hw.soft)
+        ]
+    assert [type(e) for (e,) in heard[False]] == [Candidate, Candidate]
+    (tpm,), (soft,) = heard[True]
+    assert isinstance(tpm, Candidate) and tpm.peer == hw.tpm_b.peer
+    assert soft == Rejection(0, hw.soft.peer, "cd" * 32, NOT_HARDWARE)
+
+    check_signer(hw.tpm_a.signer, hw.tpm_a.cert, require_hardware=True)
+    with pytest.raises(OuterNetError, match="requires hardware-signed attestations"):
+        check_signer(hw.soft.signer, hw.soft.cert, require_hardware=True)
+    software_cert = hw.a_key.with_name("software-cert")
+    blob_here(["admit", hw.tpm_a.peer, "--operator", "op-tpm-a", "--kernel-class", KC,
+               "--authority", str(hw.a_key.parents[1] / "authority.key"), "-o",
+               str(software_cert)], 0)  # fmt: skip
+    with pytest.raises(OuterNetError, match="certificate does not record that TPM's"):
+        check_signer(hw.tpm_a.signer, _cert(software_cert), require_hardware=False)
