@@ -4,8 +4,11 @@ the start to the end the milestones sign, and ``blob gc`` leaves verify what it 
 
 A three-round run of three workers (three operators) is kept in a store in this process, as
 a worker keeps it (``keep_round``), with every update sampled for replay; no sockets, no
-torch. Each test then removes what a store's owner could remove with ``blob untag`` and
-checks that verify names it."""
+torch. Each test then removes what a store's owner could remove with ``blob untag``, or
+forges what it could forge (a catch-up, a milestone leaving out a departed worker), and
+checks that verify names it. The last tests run two machines on swtpm TPMs (skipping,
+saying why, where swtpm or tpm2-pytss is missing): a run that requires hardware takes their
+records and refuses a software signer's, in the worker's ledger and in verify."""
 
 from __future__ import annotations
 

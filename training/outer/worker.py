@@ -61,6 +61,14 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
    connections stay up, so the others do not stop while it is paused. The price: the
    last survivor of a run whose other workers all died stops too instead of finishing
    alone (it cannot tell them from a run that went on without it).
+7. Signing: everything the worker attests (updates, closures, verdicts, milestones,
+   catch-ups, its final root) goes through the signer it is given, the machine's
+   (``identity.machine_signer``): on a TPM-bound key each carries the AK's co-signature.
+   In a run that requires hardware it refuses, before it starts, a signer that is not
+   TPM-backed, and takes from others only TPM co-signed updates, closures and verdicts
+   (``training.outer.messages`` rule 7). A round it caught up over, not recomputing it,
+   it keeps with a signed catch-up record instead of a milestone
+   (``training.outer.milestones`` rule 5).
 """
 
 from __future__ import annotations
