@@ -76,9 +76,9 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import trio
@@ -170,6 +170,8 @@ from training.outer.trainer import Trainer
 
 if TYPE_CHECKING:
     from p2p.node.node import Node
+
+_T = TypeVar("_T")
 
 # A fetch attempt with no progress for this long is abandoned and tried again.
 FETCH_STALL = 20.0
@@ -276,14 +278,13 @@ def check_signer(signer: Signer, certificate: AdmissionCertificate, require_hard
     """Refuse, before the run, a signer whose attestations the run would refuse: on a
     TPM-bound machine the certificate must record its AK (else every attestation would be
     refused as unproven), and a run that requires hardware needs a hardware signer."""
-    hardware = isinstance(signer, HardwareSigner)
     if isinstance(signer, HardwareSigner) and certificate.ak != signer.ak:
         raise OuterNetError(
             "this machine key is TPM-bound, but its certificate does not record that TPM's "
             "attestation key; admit the machine on its TPM (`blob tpm challenge` / `blob tpm "
             "admit`)"
         )
-    if require_hardware and not hardware:
+    if require_hardware and not isinstance(signer, HardwareSigner):
         raise OuterNetError(
             "this run requires hardware-signed attestations, and this machine key is not "
             "TPM-bound; bind it (`blob tpm bind`) and admit it on its TPM"
@@ -363,6 +364,7 @@ class Worker:
         # The closures adopted for the last rounds (round -> closure): a milestone names
         # the workers the previous round's closure named and its own does not.
         self.adopted: dict[int, CheckedClosure] = {}
+        self.sign_lock = trio.Lock()  # one signature at a time (_sign)
 
     # --- messages in and out ---------------------------------------------------------
     async def _receive_loop(self, sub: Any) -> None:
@@ -684,12 +686,14 @@ class Worker:
         store = self.node.store
         parent = self.adopted.get(c.round - 1)  # absent_workers checks it is the parent
         if agg is not None:
-            milestone = sign_milestone(
-                self.signer,
-                milestone_for(checked, agg, self._terms(), parent),
-                kernel_class=self.kernel_class,
-                certificate=self.certificate,
-                time=int(time.time()),
+            milestone = await self._sign(
+                lambda: sign_milestone(
+                    self.signer,
+                    milestone_for(checked, agg, self._terms(), parent),
+                    kernel_class=self.kernel_class,
+                    certificate=self.certificate,
+                    time=int(time.time()),
+                )
             )
             record.milestone_blob = await self.node.add_bytes(milestone)
             await trio.to_thread.run_sync(
@@ -700,12 +704,14 @@ class Worker:
         elif not (self.config.join and self.joined_at is None):
             # Not recomputed: a signed catch-up record says so (outer_milestones rule 5).
             since = self.state.round if self.state is not None else c.round
-            catch_up = sign_catch_up(
-                self.signer,
-                catch_up_for(checked, since),
-                kernel_class=self.kernel_class,
-                certificate=self.certificate,
-                time=int(time.time()),
+            catch_up = await self._sign(
+                lambda: sign_catch_up(
+                    self.signer,
+                    catch_up_for(checked, since),
+                    kernel_class=self.kernel_class,
+                    certificate=self.certificate,
+                    time=int(time.time()),
+                )
             )
             catch_up_blob = await self.node.add_bytes(catch_up)
             await trio.to_thread.run_sync(
@@ -750,6 +756,13 @@ class Worker:
             )
         self.adopted = {r: x for r, x in self.adopted.items() if c.round - 2 < r < c.round}
         self.adopted[c.round] = checked
+
+    async def _sign(self, sign: Callable[[], _T]) -> _T:
+        """Sign off the event loop, one signature at a time: a TPM co-signature is a
+        round trip to the chip (a hardware TPM re-creates its AK for each, tens to hundreds
+        of milliseconds), and a TPM serves one session at a time."""
+        async with self.sign_lock:
+            return await trio.to_thread.run_sync(sign)
 
     def _terms(self) -> RunTerms:
         """What this run's milestones sign of its parameters (outer_milestones rule 1)."""
@@ -947,12 +960,14 @@ class Worker:
         self._record_verdict(verdict, self.peer)
         if verdict.mismatched:
             self._ban(sample, outcome)
-        attestation = sign_verdict(
-            self.signer,
-            verdict,
-            kernel_class=self.kernel_class,
-            certificate=self.certificate,
-            time=int(time.time()),
+        attestation = await self._sign(
+            lambda: sign_verdict(
+                self.signer,
+                verdict,
+                kernel_class=self.kernel_class,
+                certificate=self.certificate,
+                time=int(time.time()),
+            )
         )
         message = VerdictAnnouncement(
             verdict.run,
@@ -1088,15 +1103,17 @@ class Worker:
             self.config.level,
         )
         commitment_blob = await self.node.add_bytes(commitment.encode())
-        attestation = sign_attestation(
-            self.signer,
-            kind=UPDATE_KIND,
-            digest=bytes.fromhex(blob),
-            kernel_class=self.kernel_class,
-            subjects=[blob, root, commitment_blob],
-            time=int(time.time()),
-            certificate=self.certificate,
-        ).encode()
+        attestation = await self._sign(
+            lambda: sign_attestation(
+                self.signer,
+                kind=UPDATE_KIND,
+                digest=bytes.fromhex(blob),
+                kernel_class=self.kernel_class,
+                subjects=[blob, root, commitment_blob],
+                time=int(time.time()),
+                certificate=self.certificate,
+            ).encode()
+        )
         now = trio.current_time()
         size = len(trained.update)
         self.own = _Own(state.round, root, blob, attestation, trained.losses, size, now)
@@ -1207,12 +1224,14 @@ class Worker:
         closure = Closure(
             self.params.run_id, state.round, root, self.peer, included, state_root(agg.state), blob
         )
-        body, attestation = sign_closure(
-            self.signer,
-            closure,
-            kernel_class=self.kernel_class,
-            certificate=self.certificate,
-            time=int(time.time()),
+        body, attestation = await self._sign(
+            lambda: sign_closure(
+                self.signer,
+                closure,
+                kernel_class=self.kernel_class,
+                certificate=self.certificate,
+                time=int(time.time()),
+            )
         )
         try:
             checked = check_closure(
@@ -1402,14 +1421,16 @@ class Worker:
         assert self.state is not None
         state = self.state
         blob = self.records[max(self.records)].state_blob if self.records else self.start_blob
-        attestation = sign_attestation(
-            self.signer,
-            kind=STATE_KIND,
-            digest=bytes.fromhex(blob),
-            kernel_class=self.kernel_class,
-            subjects=[blob, self.root],
-            time=int(time.time()),
-            certificate=self.certificate,
+        attestation = await self._sign(
+            lambda: sign_attestation(
+                self.signer,
+                kind=STATE_KIND,
+                digest=bytes.fromhex(blob),
+                kernel_class=self.kernel_class,
+                subjects=[blob, self.root],
+                time=int(time.time()),
+                certificate=self.certificate,
+            )
         )
         message = StateAnnouncement(
             self.params.run_id,
@@ -1423,8 +1444,7 @@ class Worker:
         # Admitted by the aggregation in a round this worker applied: a byzantine worker
         # whose updates were all excluded is not waited for.
         ever = self.ever_admitted - {self.peer}
-        linger = self._linger_bound()
-        deadline = trio.current_time() + linger
+        deadline = trio.current_time() + self._linger_bound()
         said: tuple[str, ...] = ()
         while trio.current_time() < deadline:
             waiting = (ever & set(self.node.connected_peers())) - set(
