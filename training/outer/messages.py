@@ -532,7 +532,7 @@ class _Round:
 
 
 class Ledger:
-    """What one worker has heard on its run's topic (rules 1-6 of the module docstring)."""
+    """What one worker has heard on its run's topic (rules 1-7 of the module docstring)."""
 
     def __init__(
         self, run_id: str, own_peer: str, trust: TrustStore, *, require_hardware: bool = False
