@@ -42,7 +42,7 @@ from training.outer.messages import (
     encode_message,
     topic,
 )
-from training.outer.milestones import decode_milestone_record, sign_milestone
+from training.outer.milestones import decode_milestone_record, list_milestones, sign_milestone
 from training.outer.params import RunParams
 from training.outer.state_blob import decode_state
 
@@ -87,6 +87,14 @@ def test_three_workers_two_rounds_reach_the_same_state(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    # What the run waits for is said, not sat on in silence: the launcher starting the
+    # workers, a worker waiting for the others to dial in, and each worker, after the last
+    # round, waiting for the others to finish it before it exits.
+    said = proc.stderr.decode()
+    assert "starting 3 worker processes" in said
+    assert "more of the run's 3 workers to dial in" in said
+    assert said.count("round 1 was the last; waiting") == 3, said[-3000:]
+    assert said.count("done; exiting") == 3
     summary = json.loads(proc.stdout)
     assert summary["finished"] == 3
     assert summary["roots_agree"]
@@ -355,6 +363,12 @@ async def test_churn_and_byzantine_workers_leave_one_root(tmp_path: Path) -> Non
         if x["peer"] == p[4]
     ]
     assert copies and all(x["reason"].startswith("a copy") for x in copies)
+    # Worker 0 left after round 0: the round that closed without it names it, in worker
+    # 2's log and among the absent of its signed milestone for that round.
+    gone = [p[0], "operator-0"]
+    assert f"closed without operator-0 {p[0][-6:]}" in res.logs[2].read_text(errors="replace")
+    kept = list_milestones(Store.open(plan.workers[2].store), params.run_id)
+    assert any(gone in m["absent"] for m in kept), kept
 
 
 def recompute_closures(result: dict[str, Any], store: Store, params: RunParams) -> list[str]:

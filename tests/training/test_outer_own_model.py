@@ -212,6 +212,42 @@ def test_spec_round_trips_and_a_changed_byte_is_refused() -> None:
         decode_spec(data[:i] + b"S" + data[i + 1 :])
 
 
+def test_a_spec_that_requires_hardware_is_version_2_and_others_keep_their_bytes(
+    tmp_path: Path,
+) -> None:
+    """``outer init --require-hardware`` makes a version 2 body naming it; a spec without
+    it is spelled as before (version 1, no such key: existing spec IDs stand), and a
+    version 2 body saying false, a second spelling of a version 1 spec, is refused."""
+    import msgpack
+    from safetensors.numpy import save_file
+
+    from blobstore.canonical import encode as encode_canonical
+    from identity import MachineKey, SoftwareSigner
+    from training.outer.cli import outer_group
+    from training.outer.spec import SPEC_DOMAIN, BadSpec
+
+    signer = SoftwareSigner(MachineKey.generate())
+    plain = encode_canonical(_spec().body())
+    assert msgpack.unpackb(plain)["v"] == 1 and b"require_hardware" not in plain
+    data = encode_spec(_spec(require_hardware=True), signer)
+    assert decode_spec(data).spec.require_hardware
+    body = {**_spec().body(), "v": 2, "require_hardware": False}
+    raw = encode_canonical(body)
+    envelope = {"v": 1, "body": raw, "key": signer.public_key_bytes,
+                "sig": signer.sign(SPEC_DOMAIN + raw)}  # fmt: skip
+    with pytest.raises(BadSpec, match="canonical"):
+        decode_spec(encode_canonical(envelope))
+
+    save_file({"w": np.zeros((2, 3), np.float32)}, str(tmp_path / "w.safetensors"))
+    argv = ["init", "--model", str(tmp_path / "w.safetensors"), "--run", "hw", "--authority",
+            "c" * 64, "--workers", "2", "--require-hardware", "--json"]  # fmt: skip
+    obj = {"store_root": tmp_path / "store", "key_path": tmp_path / "k.key"}
+    result = CliRunner().invoke(outer_group, argv, obj=obj)
+    assert result.exit_code == 0, result.output
+    made = json.loads(result.stdout)
+    assert made["require_hardware"] is True and made["v"] == 2
+
+
 def test_a_mismatched_model_and_a_weaker_level_are_refused_in_one_line() -> None:
     spec = _spec(level="replayed")
     check_model(spec, {"w": (2, 3), "b": (3,)})

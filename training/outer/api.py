@@ -79,7 +79,7 @@ from training.outer.spec import RunSpec, check_level, check_model
 if TYPE_CHECKING:
     import torch
 
-    from identity import MachineKey
+    from identity import MachineKey, Signer
     from training.outer.codec import F32
     from training.outer.loop import OuterState
     from training.outer.params import RunParams
@@ -409,6 +409,7 @@ class _Core:
             score=trainer.scorer,
             level=self.level,
             min_level=self.spec.level,
+            require_hardware=self.spec.require_hardware,
         )
 
     def worker_done(self, result: dict[str, Any] | None, error: str | None) -> None:
@@ -419,7 +420,7 @@ class _Core:
 
 
 async def _run_worker(
-    core: _Core, node: Any, key: MachineKey, cert_path: Path, result_path: Path | None
+    core: _Core, node: Any, signer: Signer, cert_path: Path, result_path: Path | None
 ) -> dict[str, Any]:
     """The worker's task in the node's loop (point 1)."""
     from identity import AdmissionCertificate, TrustStore
@@ -440,7 +441,7 @@ async def _run_worker(
             f"this process's kernel class is {core.kernel_class}, but its certificate admits "
             f"{certificate.kernel_class}; get a certificate for this one"
         )
-    worker = Worker(config, node, key, certificate, trust)
+    worker = Worker(config, node, signer, certificate, trust)
     result = await worker.run()
     if worker.state is not None:
         result["final_state"] = (worker.state, worker.root)
@@ -573,15 +574,16 @@ class OuterLoop:
             self._sync()
 
     def _start(self, timeout: float) -> None:
-        from identity import load_key_file
+        from identity import load_key_file, machine_signer
 
         key = load_key_file(self._node.key_path)
+        signer = machine_signer(key, self._node.key_path)  # TPM-backed where bound
         self._core.author = key.peer_id
         core, node, cert, out = self._core, self._node, self._cert, self._result_path
 
         def main() -> None:
             try:
-                result = node.call(_run_worker, core, node.node, key, cert, out)
+                result = node.call(_run_worker, core, node.node, signer, cert, out)
             except BaseException as exc:  # reported to the user's thread by the hand-off
                 core.worker_done(None, f"{type(exc).__name__}: {exc}")
             else:
@@ -643,7 +645,7 @@ class AsyncOuterLoop:
         core: _Core,
         nursery: Any,
         node: Any,
-        key: MachineKey,
+        key: MachineKey | Signer,
         cert: Path,
         result_path: Path | None,
     ) -> None:
@@ -665,14 +667,16 @@ class AsyncOuterLoop:
     async def join(self) -> None:
         import trio
 
+        from identity import Signer, SoftwareSigner
+
         core = self._core
         core.author = self._key.peer_id
+        key = self._key
+        signer = key if isinstance(key, Signer) else SoftwareSigner(key)
 
         async def main() -> None:
             try:
-                result = await _run_worker(
-                    core, self._node, self._key, self._cert, self._result_path
-                )
+                result = await _run_worker(core, self._node, signer, self._cert, self._result_path)
             except Exception as exc:  # reported to the user's task by the hand-off
                 core.worker_done(None, f"{type(exc).__name__}: {exc}")
             else:
@@ -705,7 +709,7 @@ class AsyncOuterLoop:
 async def open_outer_loop(
     node: Any,
     *,
-    key: MachineKey,
+    key: MachineKey | Signer,
     spec: str,
     model: torch.nn.Module,
     certificate: str | Path,
@@ -716,7 +720,8 @@ async def open_outer_loop(
     result_path: str | Path | None = None,
 ) -> AsyncIterator[AsyncOuterLoop]:
     """The trio face of :class:`OuterLoop` on a ``p2p.Node`` opened with ``pubsub=True``
-    and ``key`` (its machine key)."""
+    and ``key`` (its machine key, or on a TPM-bound machine its
+    ``identity.machine_signer``, whose attestations then carry the AK's co-signature)."""
     import trio
 
     rows = _eval_rows(node.store, eval_data) if eval_fn is not None else None

@@ -298,6 +298,13 @@ def _authority(value: str) -> bytes:
     required=True,
     help="This machine's admission certificate.",
 )
+@click.option(
+    "--require-hardware",
+    is_flag=True,
+    help="Accept only updates, closures and verdicts co-signed by a TPM attestation key "
+    "their signer's certificate records (a spec that requires hardware implies it); this "
+    "machine's key must then be TPM-bound.",
+)
 @click.option("--initial", default=None, help="Blob ID of the run's initial global state.")
 @click.option("--join", is_flag=True, help="Join a running run at its next round.")
 @click.option("--bootstrap", multiple=True, help="Peer multiaddr to dial (repeatable).")
@@ -353,6 +360,7 @@ def worker_command(
     shard: int | None,
     authorities: tuple[str, ...],
     cert_path: Path_,
+    require_hardware: bool,
     initial: str | None,
     join: bool,
     bootstrap: tuple[str, ...],
@@ -402,6 +410,7 @@ def worker_command(
         )
         params, make_trainer, level = prepared.params, prepared.make_trainer, prepared.level
         min_level = prepared.spec.level
+        require_hardware = require_hardware or prepared.spec.require_hardware
         run_id = params.run_id
         initial = initial if join else prepared.spec.initial
         authorities = authorities or prepared.spec.authorities
@@ -441,6 +450,7 @@ def worker_command(
         make_trainer=make_trainer,
         level=level,
         min_level=min_level,
+        require_hardware=require_hardware,
     )
     result = trio.run(run_worker, config)
     if not result["agreed"]:
@@ -504,8 +514,18 @@ def run_command(
             f"--authority {root / 'authority.pub'})",
             err=True,
         )
+        click.echo(
+            f"starting {params.workers} worker processes (each loads torch, then waits for "
+            "the others to dial in)...",
+            err=True,
+        )
         extra = ("--publish", publish_as) if publish_as is not None else ()
         summary = summarise(run_local(plan, timeout=bound, extra=extra))
+        failed = [
+            f"worker {w.index} ({w.peer_id[-6:]})"
+            for w, result in zip(plan.workers, summary["results"], strict=False)
+            if result is None
+        ]
     if as_json:
         json.dump(summary, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
@@ -521,10 +541,8 @@ def run_command(
             )
         click.echo(f"workers finished: {summary['finished']}/{summary['workers']}")
         click.echo(f"final root: {summary['final_root'] or 'workers disagree'}")
-    if summary["finished"] != summary["workers"]:
-        raise OuterRunFailed(
-            f"{summary['workers'] - summary['finished']} worker(s) failed; see their stderr"
-        )
+    if failed:
+        raise OuterRunFailed(f"{', '.join(failed)} failed; see their stderr above")
     if not summary["roots_agree"]:
         raise _disagreed()
 
@@ -565,8 +583,7 @@ def milestones_command(
     entries = list_milestones(_store(ctx), run_id, trust)
     invalid = invalid_entries(entries)
     if as_json:
-        json.dump(entries, sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        click.echo(json.dumps(entries, indent=2, sort_keys=True))
     else:
         _show_milestones(run_id, entries)
     if invalid:
@@ -584,10 +601,13 @@ def _show_milestones(run_id: str, entries: list[dict[str, Any]]) -> None:
         verified = ", ".join(
             f"{v['author'][-8:]} {v.get('outcome', 'INVALID')}" for v in e["verified"]
         )
+        absent = ", ".join(f"{op} {p[-8:]}" for p, op in e.get("absent") or ())
         click.echo(
-            f"round {e['round']:>4}  signed by {e['signer'][-8:]}  root {e['result'][:16]}  "
-            f"included {len(e['included'])} ({included}), excluded {len(e['excluded'])}, "
-            f"replayed {len(e['verified'])}" + (f" ({verified})" if verified else "")
+            f"round {e['round']:>4}  signed by {e['signer'][-8:]} ({e['signer_kind']})  root "
+            f"{e['result'][:16]}  included {len(e['included'])} ({included}), excluded "
+            f"{len(e['excluded'])}, replayed {len(e['verified'])}"
+            + (f" ({verified})" if verified else "")
+            + (f", absent {absent}" if absent else "")
         )
 
 
@@ -600,14 +620,25 @@ def _show_milestones(run_id: str, entries: list[dict[str, Any]]) -> None:
     required=True,
     help="The run's authority public key (hex or .pub file; repeatable).",
 )
+@click.option(
+    "--require-hardware",
+    is_flag=True,
+    help="Refuse any closure, update, milestone, verdict or catch-up not co-signed by a TPM "
+    "attestation key (implied when the run's spec requires hardware).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.pass_context
 def verify_command(
-    ctx: click.Context, /, run_id: str, authorities: tuple[str, ...], as_json: bool
+    ctx: click.Context,
+    /,
+    run_id: str,
+    authorities: tuple[str, ...],
+    require_hardware: bool,
+    as_json: bool,
 ) -> None:
-    """Re-check RUN's closures, results, milestones and verdicts from the blobs in this
-    store, every round from its start to the last round its milestones sign; exit 1 if
-    any is missing or fails."""
+    """Re-check RUN's closures, results, milestones, verdicts and catch-ups from the blobs
+    in this store, every round from its start to the last round its milestones sign; exit
+    1 if any is missing or fails."""
     from identity import TrustStore
     from training.outer.levels import check_levels
     from training.outer.milestones import verify_run
@@ -616,20 +647,21 @@ def verify_command(
 
     trust = TrustStore(frozenset(_authority(a) for a in authorities))
     store = _store(ctx)
-    report = verify_run(store, run_id, trust)
-    # A run made from a spec (outer init) that asks more than bounded updates: every
-    # applied update offered at least the spec's level (training.outer.levels).
     try:
         _, signed = read_spec(store, run_id)
     except RunNotFound:
         signed = None
+    if signed is not None and signed.spec.require_hardware:
+        require_hardware = True
+    report = verify_run(store, run_id, trust, require_hardware=require_hardware)
+    # A run made from a spec (outer init) that asks more than bounded updates: every
+    # applied update offered at least the spec's level (training.outer.levels).
     if signed is not None and signed.spec.level != "bounded":
         levels = check_levels(store, run_id, signed.spec.level)
         report.anchors.append(f"verification: each update at least {signed.spec.level}")
         report.failures.extend(f"level: {failure}" for failure in levels.failures)
     if as_json:
-        json.dump(report.to_json(), sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        click.echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
     else:
         for line in report.anchors:
             click.echo(line)
@@ -725,6 +757,12 @@ def forget_command(ctx: click.Context, /, run_id: str, dry_run: bool, as_json: b
 )
 @click.option("--replay-rate", type=click.FloatRange(0, 1), default=0.25, show_default=True)
 @click.option("--data", "data_ref", default=None, help="The run's records blob (replay needs it).")
+@click.option(
+    "--require-hardware",
+    is_flag=True,
+    help="Workers accept, and verify passes, only attestations co-signed by a TPM "
+    "attestation key their signer's certificate records (every worker TPM-bound).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the spec as JSON.")
 @click.pass_context
 def init_command(
@@ -783,7 +821,8 @@ def init_command(
         return
     click.echo(
         f"run {run_id}: {len(spec.tensors)} tensors, {spec.parameters} parameters, initial "
-        f"state {spec.initial[:16]}, minimum verification {spec.level}",
+        f"state {spec.initial[:16]}, minimum verification {spec.level}"
+        + (", hardware-signed attestations only" if spec.require_hardware else ""),
         err=True,
     )
     click.echo(spec_id)
@@ -830,8 +869,7 @@ def levels_command(ctx: click.Context, /, run_ref: str, as_json: bool) -> None:
     spec = read_spec(store, run_ref)[1].spec
     report = check_levels(store, spec.run, spec.level)
     if as_json:
-        json.dump(report.to_json(), sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        click.echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
     else:
         for r, entries in sorted(report.rounds.items()):
             levels = ", ".join(f"{e['peer'][-8:]} {e['level']}" for e in entries)

@@ -38,6 +38,7 @@ from identity import (
     create_key_file,
     format_public_key,
     load_key_file,
+    machine_signer,
     verify_certificate,
 )
 from training.outer.loop import (
@@ -111,7 +112,10 @@ async def run_worker(config: WorkerConfig) -> dict[str, Any]:
     ):
         from training.outer.worker import Worker
 
-        result = await Worker(config, node, key, certificate, trust).run()
+        # TPM-backed where the key is bound (`blob tpm bind`): its attestations then carry
+        # the AK's co-signature.
+        signer = machine_signer(key, config.key_path)
+        result = await Worker(config, node, signer, certificate, trust).run()
         if config.publish is not None and result["rounds"]:
             record = await node.publish_name(config.publish, result["rounds"][-1]["state_blob"])
             result["name"] = record.to_json()

@@ -46,6 +46,14 @@ events out, with time as an argument. It owns these rules:
 6. State announcements give every worker the roots the others reached; a root for a
    state round that differs from the worker's own is a :class:`Disagreement`, reported
    once per (round, sender).
+7. In a run that requires hardware (``require_hardware``), an update or state
+   announcement counts only if a hardware signer made its attestation, and a hello only
+   with a certificate that records the sender's TPM attestation key; anything else is
+   refused as :data:`NOT_HARDWARE` (:func:`check_hardware`). ``verify_attestation``
+   believes a hardware signer kind only with the co-signature of the AK the certificate
+   records, so once an attestation verified against the run's trust store its kind is
+   evidence. The worker applies the same rule to closures (the proposer's attestation and
+   every update attestation they name) and to replay verdicts.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ from identity import (
     Rejected,
     TrustStore,
     decode_msgpack_map,
+    is_hardware_signer,
     verify_attestation,
     verify_certificate,
 )
@@ -96,6 +105,8 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 _TYPES = ("hello", "update", "state", "closure", "closure-ref", "verdict")
 # A verdict's outcome is a short text ("match", "mismatch: loss of step 0 differs").
 MAX_OUTCOME_LEN = 128
+# Rule 7's reason: the attestation's key is not vouched for by a TPM attestation key.
+NOT_HARDWARE = "not hardware-signed"
 
 
 class BadMessage(TrainingError):
@@ -403,12 +414,25 @@ def check_state(
     return attestation
 
 
-def check_hello(msg: Hello, *, sender: str, trust: TrustStore, now: float) -> None:
+def check_hello(msg: Hello, *, sender: str, trust: TrustStore, now: float) -> AdmissionCertificate:
     try:
         certificate = AdmissionCertificate.decode(msg.certificate)
         verify_certificate(certificate, trust=trust, now=now, peer_id=sender)
     except Rejected as exc:
         raise Refused(exc.reason.value, str(exc)) from None
+    return certificate
+
+
+def check_hardware(attestation: Attestation, what: str) -> None:
+    """Rule 7: refuse an attestation (already verified against the run's trust store)
+    that no hardware signer made."""
+    if not is_hardware_signer(attestation.signer_kind):
+        raise Refused(
+            NOT_HARDWARE,
+            f"{what} by {attestation.signer_peer_id} was signed by a "
+            f"{attestation.signer_kind!r} signer; this run accepts only attestations "
+            "co-signed by a TPM attestation key the signer's admission records",
+        )
 
 
 # --- the ledger ----------------------------------------------------------------------
@@ -508,12 +532,15 @@ class _Round:
 
 
 class Ledger:
-    """What one worker has heard on its run's topic (rules 1-6 of the module docstring)."""
+    """What one worker has heard on its run's topic (rules 1-7 of the module docstring)."""
 
-    def __init__(self, run_id: str, own_peer: str, trust: TrustStore) -> None:
+    def __init__(
+        self, run_id: str, own_peer: str, trust: TrustStore, *, require_hardware: bool = False
+    ) -> None:
         self.run_id = check_run_id(run_id)
         self.own_peer = own_peer
         self.trust = trust
+        self.require_hardware = require_hardware  # rule 7
         self.current = 0  # the lowest round still accepting updates
         self.rounds: dict[int, _Round] = {}
         self.present: set[str] = set()
@@ -541,9 +568,11 @@ class Ledger:
             return []
         if isinstance(msg, Hello):
             try:
-                check_hello(msg, sender=sender, trust=self.trust, now=now)
+                certificate = check_hello(msg, sender=sender, trust=self.trust, now=now)
             except Refused:
                 return []
+            if self.require_hardware and not certificate.hardware:
+                return []  # rule 7: not admitted on a TPM, so not one of this run's workers
             self.present.add(sender)
             return []
         if isinstance(msg, StateAnnouncement):
@@ -577,6 +606,8 @@ class Ledger:
             attestation = check_update(
                 msg, sender=sender, trust=self.trust, now=now, root=book.root
             )
+            if self.require_hardware:
+                check_hardware(attestation, "update")
             if sender in book.accepted:
                 raise Refused("equivocation", f"{sender} already announced another update")
         except Refused as refused:
@@ -634,7 +665,9 @@ class Ledger:
 
     def _hear_state(self, msg: StateAnnouncement, sender: str, now: float) -> list[Event]:
         try:
-            check_state(msg, sender=sender, trust=self.trust, now=now)
+            attestation = check_state(msg, sender=sender, trust=self.trust, now=now)
+            if self.require_hardware:
+                check_hardware(attestation, "state announcement")
         except Refused:
             return []
         self.present.add(sender)

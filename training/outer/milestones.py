@@ -6,14 +6,18 @@ Theory of operation
 1. After a worker applies (or proposes) round r's closure it signs a **milestone**: the
    run, the round, the closure's digest, the start and result roots, the included
    ``(peer, blob)`` pairs (those the aggregation admitted), the excluded ones with their
-   reasons, and the run's **terms** (:class:`RunTerms`: how many rounds the run has, its
-   replay rate and its outer optimiser), the same for every worker of the run. Every
+   reasons, the run's **terms** (:class:`RunTerms`: how many rounds the run has, its
+   replay rate and its outer optimiser), the same for every worker of the run, and the
+   **absent** workers (:func:`absent_workers`): ``(peer, operator)`` of each worker the
+   previous round's closure named whose update this closure does not name (it left, or
+   missed the round), so a departure is signed, not only logged. Every
    honest worker that applied the closure computes the same milestone, so milestones from
    distinct admitted operators over one digest are the evidence a payment rail releases on
    (DESIGN 8's two-operator rule; the rail is out of scope). Kind :data:`MILESTONE_KIND`,
    digest = BLAKE3 of the canonical body, subjects ``[closure digest as hex, result
    root]``. None is signed for a round the worker skipped by catching up: it did not
-   recompute it.
+   recompute it. Version 3 added ``absent``; a version 2 record (no ``absent``) still
+   decodes and verifies.
 2. A worker keeps, tagged in its store (:func:`keep_round`), ``outer-<run>-start`` (the
    state it started from), and per round ``outer-<run>-closure-<r>``,
    ``outer-<run>-milestone-<r>`` and ``outer-<run>-updates-<r>``: a collection blob naming
@@ -38,14 +42,25 @@ Theory of operation
    signature and body against that recomputation; (d) every update the round's sample
    drew (``replay.sampled`` and ``replay.replayer_for`` from the closure's result) has a
    valid verdict, signed by its assigned replayer, on the blob the closure named.
-   A round the worker caught up over (its closure kept, an ``outer-<run>-anchor-<r+1>``
-   tag on the adopted state, no milestone) rests on the closure's signature alone; the
-   report lists each such round among its anchors, and the rounds before it that this
-   worker never saw need no closure.
+5. **Catching up is signed.** A worker that adopts round r's result without recomputing
+   it (``training.outer.worker``'s catch-up) signs a **catch-up record**
+   (:class:`CatchUp`, kind :data:`CATCH_UP_KIND`): the run, the round, the closure's
+   digest, its result root and state blob, and ``since``, the state round it held before
+   (so it never saw the closures of rounds ``since .. r-1``). :func:`keep_catch_up` tags
+   the record ``outer-<run>-catchup-<r>`` and the adopted state
+   ``outer-<run>-anchor-<r+1>``. Verify accepts round r as caught up over (its closure's
+   signature, not a recomputation) only with a valid record, signed by an admitted
+   machine, naming that closure, root and state; only the rounds the record says it
+   skipped need no closure. An anchor tag without a record, or a record that does not
+   verify, fails verify naming the round: a tag is anyone's to make.
+6. **Hardware.** ``require_hardware`` (the run spec's, or ``blob outer verify
+   --require-hardware``) makes verify refuse every closure, update, milestone, verdict and
+   catch-up record that no hardware signer made (``training.outer.messages`` rule 7).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import struct
 from collections.abc import Callable
@@ -59,6 +74,7 @@ from blobstore.canonical import encode as encode_canonical
 from blobstore.collection import encode_collection
 from identity import (
     AdmissionCertificate,
+    Attestation,
     Rejected,
     Signer,
     TrustStore,
@@ -74,6 +90,7 @@ from training.outer.messages import (
     ClosureAnnouncement,
     Refused,
     VerdictAnnouncement,
+    check_hardware,
     decode_message,
 )
 from training.outer.replay import (
@@ -88,9 +105,16 @@ from training.outer.state_blob import BadStateBlob, decode_state
 
 MILESTONE_KIND = "blobnet/outer-milestone"
 MILESTONE_DOMAIN = b"blobnet/outer-milestone/v1"
-# Version 2 added the run's terms (rule 1): a milestone of version 1 does not say how long
-# its run is, so nothing signed would show a truncated run.
-MILESTONE_VERSION = 2
+# Version 3 names the absent workers (rule 1). Version 2 (the run's terms, no absent
+# workers) still decodes; version 1 does not say how long its run is, so nothing signed
+# would show a truncated run, and is refused.
+MILESTONE_VERSION = 3
+TERMS_MILESTONE_VERSION = 2
+CATCH_UP_KIND = "blobnet/outer-catch-up"
+CATCH_UP_DOMAIN = b"blobnet/outer-catch-up/v1"
+CATCH_UP_VERSION = 1
+# A catch-up record is a few IDs and its attestation (about 1 KiB with the certificate).
+MAX_CATCH_UP_SIZE = 16 * 1024
 # A milestone lists at most MAX_INCLUDED (64) workers with peer IDs, blob IDs and short
 # reasons, plus its attestation (about 1 KiB): 64 KiB bounds one with room to spare.
 MAX_MILESTONE_SIZE = 64 * 1024
@@ -128,10 +152,13 @@ class Milestone:
     included: tuple[tuple[str, str], ...]  # (peer, blob)
     excluded: tuple[tuple[str, str, str], ...]  # (peer, blob, reason)
     terms: RunTerms
+    # (peer, operator) of the workers the previous closure named and this one does not;
+    # None only in a version 2 record, which predates the field.
+    absent: tuple[tuple[str, str], ...] | None = ()
 
     def fields(self) -> dict[str, Any]:
-        return {
-            "v": MILESTONE_VERSION,
+        out = {
+            "v": MILESTONE_VERSION if self.absent is not None else TERMS_MILESTONE_VERSION,
             "run": self.run,
             "round": self.round,
             "closure": self.closure,
@@ -141,6 +168,9 @@ class Milestone:
             "excluded": [list(x) for x in self.excluded],
             "terms": self.terms.fields(),
         }
+        if self.absent is not None:
+            out["absent"] = [list(x) for x in self.absent]
+        return out
 
     def body(self) -> bytes:
         data: bytes = encode_canonical(self.fields())
@@ -158,7 +188,30 @@ class Milestone:
         return out
 
 
-def milestone_for(checked: CheckedClosure, agg: Aggregate, terms: RunTerms) -> Milestone:
+def absent_workers(
+    previous: CheckedClosure | None, checked: CheckedClosure
+) -> tuple[tuple[str, str], ...]:
+    """Rule 1: (peer, operator) of each worker ``previous`` (the closure of the round
+    before, whose result ``checked`` starts from) named and ``checked`` does not, by peer.
+    Nothing without that previous closure (round 0, or one this worker never held)."""
+    c = checked.closure
+    if previous is None or (previous.closure.round, previous.closure.result_root) != (
+        c.round - 1,
+        c.start_root,
+    ):
+        return ()
+    named = set(c.peers())
+    pairs = zip(previous.closure.peers(), previous.operators, strict=True)
+    return tuple(sorted((p, op) for p, op in pairs if p not in named))
+
+
+def milestone_for(
+    checked: CheckedClosure,
+    agg: Aggregate,
+    terms: RunTerms,
+    previous: CheckedClosure | None = None,
+) -> Milestone:
+    """Round ``checked``'s milestone; ``previous``: the closure of the round before."""
     c = checked.closure
     return Milestone(
         c.run,
@@ -169,6 +222,7 @@ def milestone_for(checked: CheckedClosure, agg: Aggregate, terms: RunTerms) -> M
         tuple((p, b) for p, b, _ in agg.admitted),
         tuple((e.peer, e.blob, e.reason) for e in agg.excluded),
         terms,
+        absent_workers(previous, checked),
     )
 
 
@@ -200,10 +254,14 @@ def _milestone_from_body(body: bytes) -> Milestone:
     obj = decode_msgpack_map(
         body, max_size=MAX_MILESTONE_SIZE, what="milestone", error=BadMilestone
     )
-    if obj.get("v") != MILESTONE_VERSION:
-        raise BadMilestone(f"milestone version {obj.get('v')!r} is not {MILESTONE_VERSION}")
+    version = obj.get("v")
+    if version not in (MILESTONE_VERSION, TERMS_MILESTONE_VERSION):
+        raise BadMilestone(f"milestone version {version!r} is not {MILESTONE_VERSION}")
     try:
         rounds, rate, lr, momentum = obj["terms"]
+        absent = None
+        if version == MILESTONE_VERSION:
+            absent = tuple((str(p), str(op)) for p, op in obj["absent"])
         m = Milestone(
             obj["run"],
             obj["round"],
@@ -213,6 +271,7 @@ def _milestone_from_body(body: bytes) -> Milestone:
             tuple((str(p), str(b)) for p, b in obj["included"]),
             tuple((str(p), str(b), str(r)) for p, b, r in obj["excluded"]),
             RunTerms(int(rounds), float(rate), float(lr), float(momentum)),
+            absent,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise BadMilestone(f"milestone has a malformed field: {exc}") from None
@@ -232,20 +291,153 @@ def decode_milestone_record(data: bytes) -> tuple[Milestone, bytes]:
     return _milestone_from_body(body), attestation
 
 
-def check_milestone(data: bytes, *, trust: TrustStore) -> tuple[Milestone, str]:
+def _verified(
+    attestation: bytes, *, kind: str, trust: TrustStore, require_hardware: bool, what: str
+) -> Attestation:
+    """A record's attestation checked against ``trust`` as of its signing time (and, with
+    ``require_hardware``, made by a hardware signer: rule 6); BadMilestone otherwise."""
+    try:
+        when = verify_attestation(attestation, kind=kind).time
+        signed = verify_attestation(attestation, trust=trust, now=when, kind=kind)
+        if require_hardware:
+            check_hardware(signed, what)
+    except (Rejected, Refused) as exc:
+        raise BadMilestone(f"{what} attestation: {exc}") from None
+    return signed
+
+
+def check_milestone(
+    data: bytes, *, trust: TrustStore, require_hardware: bool = False
+) -> tuple[Milestone, str]:
     """The milestone and its signer's peer ID, if its attestation verifies."""
     milestone, attestation = decode_milestone_record(data)
-    try:
-        # Certificates are checked as of when the milestone was signed.
-        when = verify_attestation(attestation, kind=MILESTONE_KIND).time
-        signed = verify_attestation(attestation, trust=trust, now=when, kind=MILESTONE_KIND)
-    except Rejected as exc:
-        raise BadMilestone(f"milestone attestation: {exc}") from None
+    signed = _verified(
+        attestation,
+        kind=MILESTONE_KIND,
+        trust=trust,
+        require_hardware=require_hardware,
+        what="milestone",
+    )
     if signed.digest != milestone.digest():
         raise BadMilestone("milestone attestation is over another body")
     if signed.subjects != (milestone.closure, milestone.result_root):
         raise BadMilestone("milestone attestation names another closure or root")
     return milestone, signed.signer_peer_id
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """Rule 5: a worker adopted round ``round``'s result (closure ``closure``, root
+    ``result_root``, state blob ``state_blob``) without recomputing it, having held state
+    round ``since``; it never saw the closures of rounds ``since .. round - 1``."""
+
+    run: str
+    round: int
+    closure: str  # the closure digest, hex
+    result_root: str
+    state_blob: str
+    since: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.since <= self.round:
+            raise ValueError("a catch-up's since round is between 0 and its round")
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "v": CATCH_UP_VERSION,
+            "run": self.run,
+            "round": self.round,
+            "closure": self.closure,
+            "result": self.result_root,
+            "state": self.state_blob,
+            "since": self.since,
+        }
+
+    def body(self) -> bytes:
+        data: bytes = encode_canonical(self.fields())
+        return data
+
+    def digest(self) -> bytes:
+        body = self.body()
+        return blake3.blake3(CATCH_UP_DOMAIN + struct.pack("<Q", len(body)) + body).digest()
+
+    def subjects(self) -> tuple[str, str, str]:
+        return (self.closure, self.result_root, self.state_blob)
+
+
+def catch_up_for(checked: CheckedClosure, since: int) -> CatchUp:
+    """The catch-up record of adopting ``checked``'s result from state round ``since``."""
+    c = checked.closure
+    return CatchUp(
+        c.run, c.round, checked.digest.hex(), c.result_root, c.state_blob, min(since, c.round)
+    )
+
+
+def sign_catch_up(
+    signer: Signer,
+    catch_up: CatchUp,
+    *,
+    kernel_class: str,
+    certificate: AdmissionCertificate,
+    time: int,
+) -> bytes:
+    """The catch-up record blob: the body and this worker's attestation over it."""
+    attestation = sign_attestation(
+        signer,
+        kind=CATCH_UP_KIND,
+        digest=catch_up.digest(),
+        kernel_class=kernel_class,
+        subjects=catch_up.subjects(),
+        time=time,
+        certificate=certificate,
+    )
+    record: bytes = encode_canonical({"body": catch_up.body(), "attestation": attestation.encode()})
+    return record
+
+
+def check_catch_up(
+    data: bytes, *, trust: TrustStore, require_hardware: bool = False
+) -> tuple[CatchUp, str]:
+    """A catch-up record and its signer's peer ID, if its attestation verifies (as of its
+    signing time, against ``trust``); :class:`BadMilestone` otherwise."""
+    what = "catch-up record"
+    obj = decode_msgpack_map(data, max_size=MAX_CATCH_UP_SIZE, what=what, error=BadMilestone)
+    body, attestation = obj.get("body"), obj.get("attestation")
+    if type(body) is not bytes or type(attestation) is not bytes or len(obj) != 2:
+        raise BadMilestone(f"{what} must be {{body, attestation}}")
+    fields = decode_msgpack_map(body, max_size=MAX_CATCH_UP_SIZE, what=what, error=BadMilestone)
+    if fields.get("v") != CATCH_UP_VERSION:
+        raise BadMilestone(f"{what} version {fields.get('v')!r} is not {CATCH_UP_VERSION}")
+    try:
+        catch_up = CatchUp(
+            str(fields["run"]),
+            int(fields["round"]),
+            str(fields["closure"]),
+            str(fields["result"]),
+            str(fields["state"]),
+            int(fields["since"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadMilestone(f"{what} has a malformed field: {exc}") from None
+    if catch_up.body() != body or encode_canonical(obj) != bytes(data):
+        raise BadMilestone(f"{what} is not in canonical form")
+    signed = _verified(
+        attestation, kind=CATCH_UP_KIND, trust=trust, require_hardware=require_hardware, what=what
+    )
+    if signed.digest != catch_up.digest():
+        raise BadMilestone(f"{what} attestation is over another body")
+    if signed.subjects != catch_up.subjects():
+        raise BadMilestone(f"{what} attestation names another closure, root or state")
+    return catch_up, signed.signer_peer_id
+
+
+def closure_hardware(checked: CheckedClosure) -> None:
+    """Rule 6 (and ``training.outer.messages`` rule 7) for a closure already checked
+    against the run's trust store: its proposer's attestation and every update attestation
+    it names come from hardware signers; :class:`Refused` otherwise."""
+    check_hardware(Attestation.decode(checked.attestation), "closure")
+    for x in checked.closure.included:
+        check_hardware(Attestation.decode(x.attestation), "update")
 
 
 # --- listing and verifying a run ------------------------------------------------------
@@ -257,7 +449,9 @@ def tag(run: str, what: str, round_: int | None = None) -> str:
 
 # The tags a run's workers make (rule 2), after ``outer-<run>-``; a peer ID has no '-', so
 # run "a" never claims run "a-verdict-1"'s tags.
-_RUN_TAG = re.compile(r"(start|end|(closure|milestone|updates|anchor|state)-\d+|verdict-\d+-[^-]+)")
+_RUN_TAG = re.compile(
+    r"(start|end|(closure|milestone|updates|anchor|catchup|state)-\d+|verdict-\d+-[^-]+)"
+)
 
 
 def run_tags(store: Store, run: str) -> dict[str, str]:
@@ -285,6 +479,32 @@ def keep_round(
         store.tag(tag(c.run, "updates", c.round), updates)
     store.tag(tag(c.run, "milestone", c.round), milestone_blob)
     store.tag(tag(c.run, "closure", c.round), closure_blob)
+    # Applied after all (a better closure of a round it had caught up over): that round's
+    # catch-up, of a dead branch, is no longer this worker's account of it.
+    _untag(store, tag(c.run, "catchup", c.round), tag(c.run, "anchor", c.round + 1))
+
+
+def keep_catch_up(
+    store: Store, checked: CheckedClosure, *, closure_blob: str, record_blob: str
+) -> None:
+    """Rule 5: pin a round this worker caught up over: its closure, its signed catch-up
+    record and the adopted state (the state verify goes on from). A milestone it signed
+    for that round before (of another closure, a dead branch) no longer holds."""
+    c = checked.closure
+    store.tag(tag(c.run, "anchor", c.round + 1), c.state_blob)
+    store.tag(tag(c.run, "catchup", c.round), record_blob)
+    store.tag(tag(c.run, "closure", c.round), closure_blob)
+    _untag(store, tag(c.run, "milestone", c.round), tag(c.run, "updates", c.round))
+
+
+def _untag(store: Store, *names: str) -> None:
+    tags = store.tags()
+    for name in names:
+        if name in tags:
+            try:
+                store.untag(name)
+            except StoreError:
+                pass  # gone meanwhile: what was asked
 
 
 def _rounds(store: Store, run: str, what: str) -> dict[int, str]:
@@ -308,10 +528,11 @@ def _verdicts(store: Store, run: str) -> dict[int, list[tuple[str, str]]]:
 
 
 def check_verdict_record(
-    data: bytes, *, run: str, trust: TrustStore | None
+    data: bytes, *, run: str, trust: TrustStore | None, require_hardware: bool = False
 ) -> tuple[VerdictAnnouncement, str]:
     """A kept verdict and its replayer's peer ID (signature checked against ``trust`` as
-    of signing time, if given); ``BadMilestone`` otherwise."""
+    of signing time, if given, and with ``require_hardware`` made by a hardware signer);
+    ``BadMilestone`` otherwise."""
     try:
         msg = decode_message(data)
     except BadMessage as exc:
@@ -323,8 +544,11 @@ def check_verdict_record(
         when = verify_attestation(msg.attestation, kind=REPLAY_KIND).time
         if trust is None:
             return msg, verify_attestation(msg.attestation, kind=REPLAY_KIND).signer_peer_id
-        return msg, check_verdict(verdict, msg.attestation, trust=trust, now=when).signer_peer_id
-    except (Rejected, BadVerdict) as exc:
+        signed = check_verdict(verdict, msg.attestation, trust=trust, now=when)
+        if require_hardware:
+            check_hardware(signed, "verdict")
+        return msg, signed.signer_peer_id
+    except (Rejected, BadVerdict, Refused) as exc:
         raise BadMilestone(f"verdict attestation: {exc}") from None
 
 
@@ -339,13 +563,11 @@ def list_milestones(
         data = store.path(blob).read_bytes()
         entry: dict[str, Any] = {"round": r, "blob": blob}
         try:
-            if trust is None:
-                milestone, attestation = decode_milestone_record(data)
-                entry["signer"] = verify_attestation(
-                    attestation, kind=MILESTONE_KIND
-                ).signer_peer_id
-            else:
-                milestone, entry["signer"] = check_milestone(data, trust=trust)
+            milestone, attestation = decode_milestone_record(data)
+            signed = verify_attestation(attestation, kind=MILESTONE_KIND)
+            if trust is not None:
+                check_milestone(data, trust=trust)
+            entry["signer"], entry["signer_kind"] = signed.signer_peer_id, signed.signer_kind
             entry.update(milestone.to_json())
         except (BadMilestone, Rejected) as exc:
             entry["error"] = str(exc)
@@ -427,9 +649,11 @@ def verify_run(
     trust: TrustStore,
     *,
     progress: Callable[[str], None] | None = None,
+    require_hardware: bool = False,
 ) -> Report:
-    """Rule 4 of the module: re-check a run's closures, results, milestones and verdicts,
-    from its start to the end its milestones sign."""
+    """Rules 4-6 of the module: re-check a run's closures, results, milestones, verdicts
+    and catch-ups, from its start to the end its milestones sign (``require_hardware``:
+    every one of them signed by a hardware signer)."""
     report = Report(run)
     tags = store.tags()
     start_tag = tag(run, "start")
@@ -447,46 +671,71 @@ def verify_run(
         return report
     root = state_root(state)
     report.anchors.append(f"started at round {state.round}, root {root}")
+    if require_hardware:
+        report.anchors.append("hardware: every record co-signed by a TPM attestation key")
     closures = _rounds(store, run, "closure")
     milestones = _rounds(store, run, "milestone")
     verdicts = _verdicts(store, run)
-    anchors = _rounds(store, run, "anchor")  # states this worker caught up to
     terms = _terms(store, milestones, trust, report)
     if terms is None:
         return report
     report.rounds = terms.rounds
     report.anchors.append(f"the run has rounds 0..{terms.rounds - 1} (its milestones' terms)")
-    # A closure kept with an anchor on its result and no milestone: a round caught up over.
-    caught_up = {r for r in closures if r + 1 in anchors and r not in milestones}
+    # Rule 5: a round kept with a catch-up record or an anchor on its result and no
+    # milestone was caught up over; only a valid signed record makes it so.
+    anchors = _rounds(store, run, "anchor")
+    records = _rounds(store, run, "catchup")
+    caught_up = {r for r in closures if (r + 1 in anchors or r in records) and r not in milestones}
+    catch_ups: dict[int, tuple[CatchUp, str]] = {}
+    for r in sorted(caught_up):
+        try:
+            if r not in records:
+                raise BadMilestone(
+                    "caught up over without a signed catch-up record (an anchor tag alone is "
+                    "not evidence)"
+                )
+            catch_ups[r] = check_catch_up(
+                load(records[r]), trust=trust, require_hardware=require_hardware
+            )
+            if (catch_ups[r][0].run, catch_ups[r][0].round) != (run, r):
+                raise BadMilestone("catch-up record is another run's or round's")
+        except (BadMilestone, StoreError, OSError) as exc:
+            catch_ups.pop(r, None)
+            report.failures.append(f"round {r}: {exc}")
     for r in range(state.round, terms.rounds):
-        later = [x for x in closures if x >= r]
-        if r not in closures and not (later and min(later) in caught_up):
+        skipped = any(cu.since <= r < x for x, (cu, _) in catch_ups.items())
+        if r not in closures and not skipped:
             report.failures.append(f"round {r}: no closure kept")
         elif r in closures and r not in caught_up and r not in milestones:
             report.failures.append(f"round {r}: no milestone kept")
     for r in sorted(x for x in closures if x >= terms.rounds):
         report.failures.append(f"round {r}: a closure past the run's last round")
     config = terms.outer()
+    previous = _previous_closure(store, closures, run, state.round, root, trust)
     for r in sorted(x for x in closures if state.round <= x < terms.rounds):
-        if r != state.round and r not in caught_up:
+        if r != state.round and r not in catch_ups:
             return report  # the chain is broken where a closure is missing (named above)
         try:
-            msg = decode_message(load(closures[r]))
-            if not isinstance(msg, ClosureAnnouncement):
-                raise Refused("not a closure announcement")
-            attestation_time = verify_attestation(msg.attestation).time
-            checked = check_closure(
-                msg.body, msg.attestation, run=run, trust=trust, now=attestation_time
-            )
+            checked = _check_kept_closure(load(closures[r]), run, trust)
+            if require_hardware:
+                closure_hardware(checked)
         except (BadMessage, Refused, Rejected, StoreError, OSError) as exc:
             report.failures.append(f"round {r}: closure: {exc}")
             return report
         c = checked.closure
         if r in caught_up:
+            if r not in catch_ups:
+                return report  # its record is missing or invalid (named above)
             # The worker skipped rounds by catching up to this closure's result: from here
             # its state rests on the closure's signature, not on a recomputation.
+            catch_up, signer = catch_ups[r]
+            if catch_up.subjects() != (checked.digest.hex(), c.result_root, c.state_blob):
+                report.failures.append(
+                    f"round {r}: the catch-up record names another closure, root or state"
+                )
+                return report
             try:
-                state = decode_state(load(anchors[r + 1]))
+                state = decode_state(load(c.state_blob))
             except (BadStateBlob, StoreError, OSError) as exc:
                 report.failures.append(f"round {r}: caught-up state: {exc}")
                 return report
@@ -494,8 +743,11 @@ def verify_run(
             if root != c.result_root or state.round != r + 1:
                 report.failures.append(f"round {r}: caught-up state is not the closure's result")
                 return report
-            report.anchors.append(f"caught up at round {r} to root {root} (signed, not recomputed)")
+            report.anchors.append(
+                f"caught up at round {r} to root {root} (signed by {signer[-8:]}, not recomputed)"
+            )
             report.checked_rounds.append(r)
+            previous = checked
             continue
         if c.start_root != root:
             report.failures.append(
@@ -517,17 +769,47 @@ def verify_run(
             return report
         if r in milestones:
             try:
-                milestone, _signer = check_milestone(load(milestones[r]), trust=trust)
-                if milestone != milestone_for(checked, agg, terms):
+                milestone, _signer = check_milestone(
+                    load(milestones[r]), trust=trust, require_hardware=require_hardware
+                )
+                expected = milestone_for(checked, agg, terms, previous)
+                if milestone.absent is None:  # version 2: no absent workers to compare
+                    expected = dataclasses.replace(expected, absent=None)
+                if milestone != expected:
                     raise BadMilestone("milestone does not match the recomputed round")
             except (BadMilestone, StoreError, OSError) as exc:
                 report.failures.append(f"round {r}: milestone: {exc}")
-        _check_verdicts(r, checked, agg, terms, verdicts.get(r, []), load, trust, report)
+        _check_verdicts(
+            r, checked, agg, terms, verdicts.get(r, []), load, trust, report, require_hardware
+        )
         if progress is not None:
             progress(f"round {r}: ok, root {new_root[:16]}")
         report.checked_rounds.append(r)
-        state, root = agg.state, new_root
+        state, root, previous = agg.state, new_root, checked
     return report
+
+
+def _check_kept_closure(data: bytes, run: str, trust: TrustStore) -> CheckedClosure:
+    """A kept closure announcement, checked as of its proposer's signing time."""
+    msg = decode_message(data)
+    if not isinstance(msg, ClosureAnnouncement):
+        raise Refused("not a closure announcement")
+    attestation_time = verify_attestation(msg.attestation).time
+    return check_closure(msg.body, msg.attestation, run=run, trust=trust, now=attestation_time)
+
+
+def _previous_closure(
+    store: Store, closures: dict[int, str], run: str, round_: int, root: str, trust: TrustStore
+) -> CheckedClosure | None:
+    """The closure whose result the start state is (a joiner's), if kept and valid: the
+    first milestone's absent workers are counted from it (rule 1)."""
+    if round_ - 1 not in closures:
+        return None
+    try:
+        checked = _check_kept_closure(store.path(closures[round_ - 1]).read_bytes(), run, trust)
+    except (BadMessage, Refused, Rejected, StoreError, OSError):
+        return None
+    return checked if checked.closure.result_root == root else None
 
 
 def _check_verdicts(
@@ -539,6 +821,7 @@ def _check_verdicts(
     load: Callable[[str], bytes],
     trust: TrustStore,
     report: Report,
+    require_hardware: bool = False,
 ) -> None:
     """Rule 4d: each kept verdict is valid and judges an update the closure named, and
     every update the round's sample drew has one, from its assigned replayer."""
@@ -549,7 +832,9 @@ def _check_verdicts(
     judged: dict[str, str] = {}  # author -> the replayer who signed the verdict
     for author, vblob in kept:
         try:
-            msg, signer = check_verdict_record(load(vblob), run=c.run, trust=trust)
+            msg, signer = check_verdict_record(
+                load(vblob), run=c.run, trust=trust, require_hardware=require_hardware
+            )
             if msg.round != r or msg.author != author or (author, msg.update) not in named:
                 raise BadMilestone("verdict judges an update the closure did not name")
             judged[author] = signer

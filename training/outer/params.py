@@ -158,6 +158,10 @@ class WorkerConfig:
     # The least level an update may offer to be named in a closure this worker proposes
     # (the run spec's minimum; "bounded": every update).
     min_level: str = "bounded"
+    # Accept only hardware-signed updates, closures, verdicts and final roots (the run
+    # spec's require_hardware; training.outer.messages rule 7). This worker's own key must
+    # then be TPM-bound and admitted on its TPM.
+    require_hardware: bool = False
 
 
 def outer_kernel_class(device: str = "cpu", threads: int = 1) -> str:

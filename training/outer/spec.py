@@ -8,17 +8,23 @@ Theory of operation
    momentum, error-feedback decay), the inner steps H, the batch rows per step, K (the
    updates a round waits for), the planned rounds (0: open-ended, each worker says when it
    leaves), the round deadline and proposer timeout, the replay rate, the authorities whose
-   admission certificates count, and the least verification level an update may offer.
+   admission certificates count, the least verification level an update may offer, and
+   whether the run requires hardware-signed attestations (``require_hardware``: every
+   update, closure, verdict and milestone co-signed by a TPM attestation key its signer's
+   admission records, ``identity.attestation`` rule 3).
    Where the run was made from a Hugging Face directory, the spec names that directory's
    collection blob (``base``: config, tokenizer and the initial weights) so a worker can
    build the model and ``blob outer export`` can write one back; where the run's data is
    shared, it names the records blob (``data``), which replay needs.
 2. **Encoding.** The body is a canonical msgpack map (these keys, sorted; a decoder
-   re-encodes and refuses anything that differs). The blob is a msgpack map
-   ``{"v", "body", "key", "sig"}``: ``sig`` is the maker's Ed25519 signature over
-   ``SPEC_DOMAIN || body`` and ``key`` its public key. The spec's ID is the blob's ID, so a
-   worker given the ID knows it holds exactly the spec its peers hold; the signature says
-   who made it (an operator trusts a spec by its maker, or by its ID from a trusted place).
+   re-encodes and refuses anything that differs). A spec that requires hardware is body
+   version 2, which adds ``require_hardware: true``; every other spec is version 1 without
+   that key, so one spec has one spelling and a spec made without the key keeps its ID.
+   The blob is a msgpack map ``{"v", "body", "key", "sig"}``: ``sig`` is the maker's
+   Ed25519 signature over ``SPEC_DOMAIN || body`` and ``key`` its public key. The spec's ID
+   is the blob's ID, so a worker given the ID knows it holds exactly the spec its peers
+   hold; the signature says who made it (an operator trusts a spec by its maker, or by
+   its ID from a trusted place).
 3. **Verification levels**, weakest first (:data:`LEVELS`): ``bounded`` (norm and direction
    bounds only: what every update gets, ``training.outer.aggregate``), ``scored`` (as well,
    the loss change each included update makes on rows drawn from the round's root), and
@@ -48,7 +54,8 @@ from blobstore.errors import ExitCode
 from training.errors import TrainingError
 from training.outer.loop import MODE_DEFAULTS
 
-SPEC_VERSION = 1
+SPEC_VERSION = 1  # the envelope's version, and the body's without require_hardware
+HARDWARE_SPEC_VERSION = 2  # a body with require_hardware: true (point 2)
 SPEC_DOMAIN = b"blobnet/outer-spec/v1\x00"
 LEVELS = ("bounded", "scored", "replayed")
 # A spec lists every parameter tensor; a model of more tensors than the state blob holds
@@ -101,6 +108,7 @@ class RunSpec:
     seed: int = 0
     base: str = ""
     data: str = ""
+    require_hardware: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +120,8 @@ class RunSpec:
             raise ValueError("a run spec names at least one parameter")
         if not self.authorities:
             raise ValueError("a run spec names at least one authority")
+        if type(self.require_hardware) is not bool:
+            raise ValueError("require_hardware must be true or false")
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return dict(self.tensors)
@@ -121,9 +131,11 @@ class RunSpec:
         return sum(math.prod(shape) for _, shape in self.tensors)
 
     def body(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"v": SPEC_VERSION}
+        out: dict[str, Any] = {
+            "v": HARDWARE_SPEC_VERSION if self.require_hardware else SPEC_VERSION
+        }
         for f in fields(self):
-            if f.name == "extra":
+            if f.name == "extra" or (f.name == "require_hardware" and not self.require_hardware):
                 continue
             value = getattr(self, f.name)
             if f.name == "tensors":
@@ -156,9 +168,11 @@ def decode_body(body: bytes) -> RunSpec:
         obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise BadSpec(f"run spec body is not msgpack: {exc}") from None
-    if not isinstance(obj, dict) or obj.get("v") != SPEC_VERSION:
+    if not isinstance(obj, dict) or obj.get("v") not in (SPEC_VERSION, HARDWARE_SPEC_VERSION):
         raise BadSpec("not a run spec of a known version")
     names = {f.name for f in fields(RunSpec)} - {"extra"}
+    if obj["v"] == SPEC_VERSION:
+        names -= {"require_hardware"}
     if set(obj) != names | {"v"}:
         raise BadSpec("run spec has missing or unknown fields")
     try:

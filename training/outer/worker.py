@@ -61,6 +61,14 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
    connections stay up, so the others do not stop while it is paused. The price: the
    last survivor of a run whose other workers all died stops too instead of finishing
    alone (it cannot tell them from a run that went on without it).
+7. Signing: everything the worker attests (updates, closures, verdicts, milestones,
+   catch-ups, its final root) goes through the signer it is given, the machine's
+   (``identity.machine_signer``): on a TPM-bound key each carries the AK's co-signature.
+   In a run that requires hardware it refuses, before it starts, a signer that is not
+   TPM-backed, and takes from others only TPM co-signed updates, closures and verdicts
+   (``training.outer.messages`` rule 7). A round it caught up over, not recomputing it,
+   it keeps with a signed catch-up record instead of a milestone
+   (``training.outer.milestones`` rule 5).
 """
 
 from __future__ import annotations
@@ -68,9 +76,9 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import trio
@@ -79,8 +87,8 @@ from blobstore import StoreError
 from identity import (
     AdmissionCertificate,
     Attestation,
-    MachineKey,
-    SoftwareSigner,
+    HardwareSigner,
+    Signer,
     TrustStore,
     sign_attestation,
 )
@@ -123,11 +131,23 @@ from training.outer.messages import (
     UpdateAnnouncement,
     VerdictAnnouncement,
     VerdictHeard,
+    check_hardware,
     decode_message,
     encode_message,
     topic,
 )
-from training.outer.milestones import RunTerms, keep_round, milestone_for, sign_milestone, tag
+from training.outer.milestones import (
+    RunTerms,
+    absent_workers,
+    catch_up_for,
+    closure_hardware,
+    keep_catch_up,
+    keep_round,
+    milestone_for,
+    sign_catch_up,
+    sign_milestone,
+    tag,
+)
 from training.outer.params import OuterNetError, WorkerConfig, write_json
 from training.outer.replay import (
     UNAVAILABLE,
@@ -150,6 +170,8 @@ from training.outer.trainer import Trainer
 
 if TYPE_CHECKING:
     from p2p.node.node import Node
+
+_T = TypeVar("_T")
 
 # A fetch attempt with no progress for this long is abandoned and tried again.
 FETCH_STALL = 20.0
@@ -190,6 +212,11 @@ PAUSE_GAP = 7.0
 def _say(label: str, text: str) -> None:
     stamp = time.strftime("%H:%M:%S") + f".{int(time.time() * 10) % 10}"
     print(f"outer[{label}] {stamp} {text}", file=sys.stderr, flush=True)
+
+
+def _names(workers: Sequence[tuple[str, str]]) -> str:
+    """Workers as a log names them: operator and short peer ID, from (peer, operator)."""
+    return ", ".join(f"{operator} {peer[-6:]}" for peer, operator in workers)
 
 
 @dataclass
@@ -247,25 +274,50 @@ class _Sampled:
     replayer: str
 
 
+def check_signer(signer: Signer, certificate: AdmissionCertificate, require_hardware: bool) -> None:
+    """Refuse, before the run, a signer whose attestations the run would refuse: on a
+    TPM-bound machine the certificate must record its AK (else every attestation would be
+    refused as unproven), and a run that requires hardware needs a hardware signer."""
+    if isinstance(signer, HardwareSigner) and certificate.ak != signer.ak:
+        raise OuterNetError(
+            "this machine key is TPM-bound, but its certificate does not record that TPM's "
+            "attestation key; admit the machine on its TPM (`blob tpm challenge` / `blob tpm "
+            "admit`)"
+        )
+    if require_hardware and not isinstance(signer, HardwareSigner):
+        raise OuterNetError(
+            "this run requires hardware-signed attestations, and this machine key is not "
+            "TPM-bound; bind it (`blob tpm bind`) and admit it on its TPM"
+        )
+
+
 class Worker:
     def __init__(
         self,
         config: WorkerConfig,
         node: Node,
-        key: MachineKey,
+        signer: Signer,
         certificate: AdmissionCertificate,
         trust: TrustStore,
     ) -> None:
+        """``signer``: the machine key's signer (``identity.machine_signer``), so that on a
+        TPM-bound machine every update, closure, verdict, milestone and catch-up record
+        carries the AK's co-signature."""
+        if signer.peer_id != node.peer_id:
+            raise OuterNetError(f"the signer is {signer.peer_id}, not the node's {node.peer_id}")
+        check_signer(signer, certificate, config.require_hardware)
         self.config = config
         self.params = config.params
         self.node = node
-        self.signer = SoftwareSigner(key)
+        self.signer = signer
         self.certificate = certificate
         self.trust = trust
         self.peer = node.peer_id
         self.label = f"{config.shard} {self.peer[-6:]}"
         self.topic = topic(self.params.run_id)
-        self.ledger = Ledger(self.params.run_id, self.peer, trust)
+        self.ledger = Ledger(
+            self.params.run_id, self.peer, trust, require_hardware=config.require_hardware
+        )
         self.book = ClosureBook()
         self.closure_addrs: dict[bytes, tuple[str, ...]] = {}
         self.announcer = Announcer()
@@ -309,6 +361,10 @@ class Worker:
         self.banned: dict[str, str] = {}  # operator -> reason
         self.false_accusations: list[dict[str, Any]] = []
         self.wire_mark = (0, 0)
+        # The closures adopted for the last rounds (round -> closure): a milestone names
+        # the workers the previous round's closure named and its own does not.
+        self.adopted: dict[int, CheckedClosure] = {}
+        self.sign_lock = trio.Lock()  # one signature at a time (_sign)
 
     # --- messages in and out ---------------------------------------------------------
     async def _receive_loop(self, sub: Any) -> None:
@@ -362,6 +418,8 @@ class Worker:
                 trust=self.trust,
                 now=time.time(),
             )
+            if self.config.require_hardware:
+                closure_hardware(checked)  # messages rule 7
         except Refused as refused:
             if len(self.refused_closures) < 64:
                 self.refused_closures.append({"peer": event.peer, "reason": refused.reason})
@@ -626,13 +684,16 @@ class Worker:
             del self.records[old]  # a dead branch (we caught up to another chain)
         self.records[c.round] = record
         store = self.node.store
+        parent = self.adopted.get(c.round - 1)  # absent_workers checks it is the parent
         if agg is not None:
-            milestone = sign_milestone(
-                self.signer,
-                milestone_for(checked, agg, self._terms()),
-                kernel_class=self.kernel_class,
-                certificate=self.certificate,
-                time=int(time.time()),
+            milestone = await self._sign(
+                lambda: sign_milestone(
+                    self.signer,
+                    milestone_for(checked, agg, self._terms(), parent),
+                    kernel_class=self.kernel_class,
+                    certificate=self.certificate,
+                    time=int(time.time()),
+                )
             )
             record.milestone_blob = await self.node.add_bytes(milestone)
             await trio.to_thread.run_sync(
@@ -641,8 +702,22 @@ class Worker:
                 )
             )
         elif not (self.config.join and self.joined_at is None):
+            # Not recomputed: a signed catch-up record says so (outer_milestones rule 5).
+            since = self.state.round if self.state is not None else c.round
+            catch_up = await self._sign(
+                lambda: sign_catch_up(
+                    self.signer,
+                    catch_up_for(checked, since),
+                    kernel_class=self.kernel_class,
+                    certificate=self.certificate,
+                    time=int(time.time()),
+                )
+            )
+            catch_up_blob = await self.node.add_bytes(catch_up)
             await trio.to_thread.run_sync(
-                store.tag, tag(self.params.run_id, "anchor", state.round), state_blob
+                lambda: keep_catch_up(
+                    store, checked, closure_blob=closure_blob, record_blob=catch_up_blob
+                )
             )
         else:  # a joiner's first state: where its own account of the run starts
             await trio.to_thread.run_sync(store.tag, tag(self.params.run_id, "start"), state_blob)
@@ -672,6 +747,22 @@ class Worker:
             f"{c.proposer[-6:]}: {len(record.included)} included, "
             f"{len(record.excluded)} excluded, root {root[:16]}",
         )
+        absent = absent_workers(parent, checked)
+        if absent:
+            _say(
+                self.label,
+                f"round {c.round} closed without {_names(absent)}: in round {c.round - 1}'s "
+                "closure, no update of theirs in this one (left or missed the round)",
+            )
+        self.adopted = {r: x for r, x in self.adopted.items() if c.round - 2 < r < c.round}
+        self.adopted[c.round] = checked
+
+    async def _sign(self, sign: Callable[[], _T]) -> _T:
+        """Sign off the event loop, one signature at a time: a TPM co-signature is a
+        round trip to the chip (a hardware TPM re-creates its AK for each, tens to hundreds
+        of milliseconds), and a TPM serves one session at a time."""
+        async with self.sign_lock:
+            return await trio.to_thread.run_sync(sign)
 
     def _terms(self) -> RunTerms:
         """What this run's milestones sign of its parameters (outer_milestones rule 1)."""
@@ -869,12 +960,14 @@ class Worker:
         self._record_verdict(verdict, self.peer)
         if verdict.mismatched:
             self._ban(sample, outcome)
-        attestation = sign_verdict(
-            self.signer,
-            verdict,
-            kernel_class=self.kernel_class,
-            certificate=self.certificate,
-            time=int(time.time()),
+        attestation = await self._sign(
+            lambda: sign_verdict(
+                self.signer,
+                verdict,
+                kernel_class=self.kernel_class,
+                certificate=self.certificate,
+                time=int(time.time()),
+            )
         )
         message = VerdictAnnouncement(
             verdict.run,
@@ -944,7 +1037,9 @@ class Worker:
         verdict = Verdict(msg.run, msg.round, msg.author, msg.update, msg.commitment, msg.outcome)
         try:
             signed = check_verdict(verdict, msg.attestation, trust=self.trust, now=time.time())
-        except BadVerdict as exc:
+            if self.config.require_hardware:
+                check_hardware(signed, "verdict")  # messages rule 7
+        except (BadVerdict, Refused) as exc:
             _say(self.label, f"refused a verdict from {event.peer[-6:]}: {exc}")
             return
         if signed.signer_peer_id != event.peer:
@@ -1008,15 +1103,17 @@ class Worker:
             self.config.level,
         )
         commitment_blob = await self.node.add_bytes(commitment.encode())
-        attestation = sign_attestation(
-            self.signer,
-            kind=UPDATE_KIND,
-            digest=bytes.fromhex(blob),
-            kernel_class=self.kernel_class,
-            subjects=[blob, root, commitment_blob],
-            time=int(time.time()),
-            certificate=self.certificate,
-        ).encode()
+        attestation = await self._sign(
+            lambda: sign_attestation(
+                self.signer,
+                kind=UPDATE_KIND,
+                digest=bytes.fromhex(blob),
+                kernel_class=self.kernel_class,
+                subjects=[blob, root, commitment_blob],
+                time=int(time.time()),
+                certificate=self.certificate,
+            ).encode()
+        )
         now = trio.current_time()
         size = len(trained.update)
         self.own = _Own(state.round, root, blob, attestation, trained.losses, size, now)
@@ -1127,12 +1224,14 @@ class Worker:
         closure = Closure(
             self.params.run_id, state.round, root, self.peer, included, state_root(agg.state), blob
         )
-        body, attestation = sign_closure(
-            self.signer,
-            closure,
-            kernel_class=self.kernel_class,
-            certificate=self.certificate,
-            time=int(time.time()),
+        body, attestation = await self._sign(
+            lambda: sign_closure(
+                self.signer,
+                closure,
+                kernel_class=self.kernel_class,
+                certificate=self.certificate,
+                time=int(time.time()),
+            )
         )
         try:
             checked = check_closure(
@@ -1174,6 +1273,7 @@ class Worker:
     async def _drive(self, trainer: Trainer) -> None:
         rounds = self.params.rounds
         settled_since = trio.current_time()
+        said_settling = False
         while True:
             assert self.state is not None
             if await self._step():
@@ -1184,6 +1284,13 @@ class Worker:
                 settle = 2 * self.params.proposer_timeout + 2.0
                 if trio.current_time() - settled_since >= settle:
                     return
+                if not said_settling:
+                    said_settling = True
+                    _say(
+                        self.label,
+                        f"round {r - 1} was the last; waiting {settle:.0f}s for the workers "
+                        "to finish it (a better closure of it may still come)...",
+                    )
                 await self._wait_changed(settled_since + settle)
                 continue
             own = self.own
@@ -1261,11 +1368,23 @@ class Worker:
     # --- start, join, finish ---------------------------------------------------------
     async def _barrier(self) -> None:
         need = self.params.workers - 1
+        if len(self.ledger.present) < need and self.book.tip() is None:
+            _say(
+                self.label,
+                f"waiting for {need - len(self.ledger.present)} more of the run's "
+                f"{self.params.workers} workers to dial in (at most "
+                f"{self.config.start_timeout:.0f}s)...",
+            )
         with trio.move_on_after(self.config.start_timeout):
             while len(self.ledger.present) < need and self.book.tip() is None:
                 await self._wait_changed(trio.current_time() + 1.0)
             return
-        _say(self.label, f"start timeout: {len(self.ledger.present) + 1} workers present")
+        present = ", ".join(p[-6:] for p in sorted(self.ledger.present)) or "none"
+        _say(
+            self.label,
+            f"start timeout: {len(self.ledger.present) + 1} of {self.params.workers} workers "
+            f"present (others: {present}); starting without the rest",
+        )
 
     async def _initial(self) -> OuterState:
         initial = self.config.initial
@@ -1302,14 +1421,16 @@ class Worker:
         assert self.state is not None
         state = self.state
         blob = self.records[max(self.records)].state_blob if self.records else self.start_blob
-        attestation = sign_attestation(
-            self.signer,
-            kind=STATE_KIND,
-            digest=bytes.fromhex(blob),
-            kernel_class=self.kernel_class,
-            subjects=[blob, self.root],
-            time=int(time.time()),
-            certificate=self.certificate,
+        attestation = await self._sign(
+            lambda: sign_attestation(
+                self.signer,
+                kind=STATE_KIND,
+                digest=bytes.fromhex(blob),
+                kernel_class=self.kernel_class,
+                subjects=[blob, self.root],
+                time=int(time.time()),
+                certificate=self.certificate,
+            )
         )
         message = StateAnnouncement(
             self.params.run_id,
@@ -1324,18 +1445,45 @@ class Worker:
         # whose updates were all excluded is not waited for.
         ever = self.ever_admitted - {self.peer}
         deadline = trio.current_time() + self._linger_bound()
+        said: tuple[str, ...] = ()
         while trio.current_time() < deadline:
             waiting = (ever & set(self.node.connected_peers())) - set(
                 self.ledger.roots_heard(state.round)
             )
             # The last round's sample is replayed too (its verdicts complete the milestones).
-            if not waiting and not self._verdicts_pending(state.round - 1):
+            verdicts = self._verdicts_pending(state.round - 1)
+            if not waiting and not verdicts:
                 break
+            what = tuple(self._named(sorted(waiting))) + (("verdicts",) if verdicts else ())
+            if what != said:  # say what it waits for when that changes, not every second
+                said = what
+                final = f"the final roots of {', '.join(what[: len(waiting)])}" if waiting else ""
+                sample = f"the verdicts on round {state.round - 1}'s sample" if verdicts else ""
+                _say(
+                    self.label,
+                    f"finished round {state.round - 1}; waiting for "
+                    f"{' and '.join(x for x in (final, sample) if x)} (at most "
+                    f"{deadline - trio.current_time():.0f}s)...",
+                )
             await self._wait_changed(min(deadline, trio.current_time() + 1.0))
         else:
-            missing = sorted(p[-6:] for p in waiting)
-            _say(self.label, f"left without the final roots of {missing} or some verdicts")
+            missing = ", ".join(self._named(sorted(waiting))) or "none"
+            _say(
+                self.label,
+                f"leaving without the final roots of {missing}"
+                + (" or some verdicts" if self._verdicts_pending(state.round - 1) else ""),
+            )
+        _say(self.label, "done; exiting")
         await trio.sleep(1.0)
+
+    def _named(self, peers: Sequence[str]) -> list[str]:
+        """Peers as logs name them: operator (from the closures adopted) and short ID."""
+        operators = {
+            p: op
+            for checked in self.adopted.values()
+            for p, op in zip(checked.closure.peers(), checked.operators, strict=True)
+        }
+        return [f"{operators.get(p, 'worker')} {p[-6:]}" for p in peers]
 
     def _linger_bound(self) -> float:
         """How long a finished worker waits for the others' final roots (point 3)."""
