@@ -9,7 +9,6 @@ command runs.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path as Path_
 from typing import Any
 
@@ -113,8 +112,7 @@ def simulate_command(
 
     result = simulate(config, progress=progress)
     if as_json:
-        json.dump(result.to_json(), sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        click.echo(json.dumps(result.to_json(), indent=2, sort_keys=True))
         return
     click.echo(f"mode {mode}: {workers} workers x {rounds} rounds x {inner_steps} inner steps")
     click.echo(f"held-out loss: {result.eval_loss[0]:.4f} -> {result.eval_loss[-1]:.4f}")
@@ -129,6 +127,44 @@ def simulate_command(
 
 
 # --- the decentralised run -----------------------------------------------------------
+
+
+# Options that `outer worker`/`outer run` (as run parameters) and `outer init` (into the spec)
+# take alike: declared once so their ranges, defaults and help cannot drift apart.
+_INNER_STEPS = click.option(
+    "--inner-steps",
+    type=click.IntRange(1, 100_000),
+    default=DEFAULT_INNER_STEPS,
+    show_default=True,
+    help="Inner steps per round (H; a worker given --spec takes the spec's).",
+)
+_DEADLINE = click.option(
+    "--deadline",
+    type=click.FloatRange(0.1, 86_400),
+    default=8.0,
+    show_default=True,
+    help="Seconds a round waits for updates after this worker's own.",
+)
+_PROPOSER_TIMEOUT = click.option(
+    "--proposer-timeout",
+    type=click.FloatRange(0.1, 86_400),
+    default=3.0,
+    show_default=True,
+    help="Seconds before the next worker in rank proposes a round's closure.",
+)
+_BATCH = click.option("--batch", type=click.IntRange(1, 4096), default=8, show_default=True)
+_INNER_LR = click.option("--inner-lr", type=float, default=2e-3, show_default=True)
+_CHUNK = click.option("--chunk", type=int, default=4096, show_default=True, help="Codec chunk.")
+_K = click.option(  # RunParams.k (not imported here: that module loads the node)
+    "--k", "k", type=int, default=80, show_default=True, help="Values kept per chunk."
+)
+_REPLAY_RATE = click.option(
+    "--replay-rate",
+    type=click.FloatRange(0.0, 1.0),
+    default=0.25,
+    show_default=True,
+    help="Share of each round's updates another worker replays to verify them.",
+)
 
 
 def _run_options(f: Any) -> Any:
@@ -148,48 +184,22 @@ def _run_options(f: Any) -> Any:
             help="Outer rounds [required without --spec; `outer run`: 3]; with --spec, leave "
             "after this many rounds.",
         ),
-        click.option(
-            "--inner-steps",
-            type=click.IntRange(1, 100_000),
-            default=DEFAULT_INNER_STEPS,
-            show_default=True,
-            help="Inner AdamW steps per round (H; a spec fixes its own).",
-        ),
-        click.option(
-            "--deadline",
-            type=click.FloatRange(0.1, 86_400),
-            default=8.0,
-            show_default=True,
-            help="Seconds a round waits for updates after this worker's own.",
-        ),
-        click.option(
-            "--proposer-timeout",
-            type=click.FloatRange(0.1, 86_400),
-            default=3.0,
-            show_default=True,
-            help="Seconds before the next worker in rank proposes a round's closure.",
-        ),
+        _INNER_STEPS,
+        _DEADLINE,
+        _PROPOSER_TIMEOUT,
         click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--batch", type=click.IntRange(1, 4096), default=8, show_default=True),
+        _BATCH,
         click.option("--seq-len", type=click.IntRange(2, 512), default=64, show_default=True),
-        click.option("--inner-lr", type=float, default=2e-3, show_default=True),
-        click.option("--chunk", type=int, default=4096, show_default=True),
-        click.option(  # RunParams.k (not imported here: that module loads the node)
-            "--k", "k", type=int, default=80, show_default=True, help="Values kept per chunk."
-        ),
+        _INNER_LR,
+        _CHUNK,
+        _K,
         click.option(
             "--model-size", type=click.Choice(["tiny", "small"]), default="tiny", show_default=True
         ),
         click.option(
             "--shard-sequences", type=click.IntRange(1, 1 << 20), default=512, show_default=True
         ),
-        click.option(
-            "--replay-rate",
-            type=click.FloatRange(0.0, 1.0),
-            default=0.25,
-            show_default=True,
-            help="Share of each round's updates another worker replays to verify them.",
-        ),
+        _REPLAY_RATE,
         click.option(
             "--fetch-floor",
             type=click.FloatRange(0.1, 86_400),
@@ -527,8 +537,7 @@ def run_command(
             if result is None
         ]
     if as_json:
-        json.dump(summary, sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        click.echo(json.dumps(summary, indent=2, sort_keys=True))
     else:
         click.echo(f"{'round':>5}  {'loss':>8}  {'bytes per worker':<24}  {'included':<10}  roots")
         for row in summary["rounds"]:
@@ -738,24 +747,16 @@ def forget_command(ctx: click.Context, /, run_id: str, dry_run: bool, as_json: b
     show_default=True,
     help="Planned rounds (0: open-ended; each worker says when it leaves).",
 )
-@click.option(
-    "--inner-steps",
-    type=click.IntRange(1, 100_000),
-    default=DEFAULT_INNER_STEPS,
-    show_default=True,
-    help="Inner steps per round (H).",
-)
+@_INNER_STEPS
 @click.option("--outer-lr", type=float, default=3.0, show_default=True)
 @click.option("--momentum", "outer_momentum", type=float, default=0.0, show_default=True)
-@click.option("--chunk", type=int, default=4096, show_default=True, help="Codec chunk.")
-@click.option("--k", "k", type=int, default=80, show_default=True, help="Values kept per chunk.")
-@click.option("--batch", type=click.IntRange(1, 4096), default=8, show_default=True)
-@click.option("--inner-lr", type=float, default=2e-3, show_default=True)
-@click.option("--deadline", type=click.FloatRange(0.1, 86_400), default=8.0, show_default=True)
-@click.option(
-    "--proposer-timeout", type=click.FloatRange(0.1, 86_400), default=3.0, show_default=True
-)
-@click.option("--replay-rate", type=click.FloatRange(0, 1), default=0.25, show_default=True)
+@_CHUNK
+@_K
+@_BATCH
+@_INNER_LR
+@_DEADLINE
+@_PROPOSER_TIMEOUT
+@_REPLAY_RATE
 @click.option("--data", "data_ref", default=None, help="The run's records blob (replay needs it).")
 @click.option(
     "--require-hardware",
@@ -816,8 +817,7 @@ def init_command(
     if as_json:
         body = spec.body()
         body["tensors"] = len(spec.tensors)
-        json.dump({"spec": spec_id, **body, "parameters": spec.parameters}, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        click.echo(json.dumps({"spec": spec_id, **body, "parameters": spec.parameters}, indent=2))
         return
     click.echo(
         f"run {run_id}: {len(spec.tensors)} tensors, {spec.parameters} parameters, initial "
