@@ -1,5 +1,5 @@
-"""The light commands stay light: ``blob --help`` and ``blob put`` import neither torch nor
-libp2p (seconds each on a loaded machine). Both are imported lazily, by the commands that
+"""The light commands stay light: ``blob --help`` and ``blob put`` import neither torch,
+libp2p nor numpy (seconds, or a third of one, each on a loaded machine). Both are imported lazily, by the commands that
 run a node or train; a module-level import of either anywhere on these paths fails here.
 And ``blob get`` on a store a daemon serves loads not even click, trio or the store
 (p2p.cli.light): an interpreter's start and a socket's round trip."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-HEAVY = ("torch", "libp2p")
+HEAVY = ("torch", "libp2p", "numpy")
 
 
 def imported_top_level(argv: list[str], cwd: Path) -> set[str]:

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from p2p.cli.nat import NAT_DEFAULT_LISTEN, check_relays, relay_options
-from training.outer.loop import MODES, SimConfig, SimResult
+from training.outer.simconfig import MODES, SimConfig, SimResult
 
 _DEFAULTS = SimConfig()
 # H for `outer run` and a worker without a spec when not given: the README's quick demo.
