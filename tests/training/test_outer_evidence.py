@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 
 from blobstore import Store
+from blobstore.canonical import decode_map
+from blobstore.canonical import encode as encode_canonical
 from identity import (
     AdmissionCertificate,
     Authority,
@@ -417,6 +419,22 @@ def test_a_worker_that_left_is_named_absent_in_the_signed_milestones(tmp_path: P
         record = sign_milestone(me.signer, forged, kernel_class=KC, certificate=me.cert, time=NOW)
         store.tag(tag(RUN, "milestone", 1), store.put_bytes(record))
         assert verify_run(store, RUN, TRUST).failures == failure
+
+
+def test_a_version_1_milestone_is_refused_saying_it_does_not_sign_the_runs_length(
+    tmp_path: Path,
+) -> None:
+    """Version 1 milestones carry no signed run terms, so nothing would show a run cut short:
+    decoding one fails, and the message says why rather than only naming a version."""
+    store = Store.open(tmp_path / "store")
+    keep_run(store)
+    listed = list_milestones(store, RUN)
+    record = decode_map(store.path(listed[0]["blob"]).read_bytes(), max_size=1 << 20, what="m")
+    body = decode_map(record["body"], max_size=1 << 20, what="body")
+    body = {k: v for k, v in body.items() if k not in ("terms", "absent")} | {"v": 1}
+    old = encode_canonical({"body": encode_canonical(body), "attestation": record["attestation"]})
+    with pytest.raises(BadMilestone, match="does not sign the run's length"):
+        decode_milestone_record(old)
 
 
 # --- hardware: TPM-bound machines (swtpm) in a run that requires hardware ----------------

@@ -255,6 +255,12 @@ def _milestone_from_body(body: bytes) -> Milestone:
         body, max_size=MAX_MILESTONE_SIZE, what="milestone", error=BadMilestone
     )
     version = obj.get("v")
+    if version == 1:
+        raise BadMilestone(
+            "milestone version 1 does not sign the run's length, so a truncated run could not "
+            "be told from a finished one: verify takes version 2 or later (a run made by this "
+            "release)"
+        )
     if version not in (MILESTONE_VERSION, TERMS_MILESTONE_VERSION):
         raise BadMilestone(f"milestone version {version!r} is not {MILESTONE_VERSION}")
     try:
