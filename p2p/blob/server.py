@@ -17,11 +17,14 @@ Theory of operation
 9. Room for newcomers. The last ``reserved_streams`` streams and ``reserved_send_bytes``
    bytes of each budget go only to a peer that holds little (under the ``light_*`` bounds,
    as an identity and as an address), so greedy peers filling the budget leave room for a
-   new one. When even the reserve is full, a light peer's new stream evicts the stream
-   idle longest (waiting for its next request) of the source address holding the most
-   streams, if that address holds more than the newcomer's (else of the identity holding
-   the most, if it holds more than the newcomer); a stream in the middle of a request or
-   response is never evicted (its own deadlines bound it).
+   new one. The send reserve asks for little of both budgets: a peer whose streams are
+   many holds little send buffer only until its requests are answered (unread `get`s
+   each pin a chunk), so it does not count as light for it. When even the reserve is
+   full, a light peer's new stream evicts the stream idle longest (waiting for its next
+   request) of the source address holding the most streams, if that address holds more
+   than the newcomer's (else of the identity holding the most, if it holds more than the
+   newcomer); a stream in the middle of a request or response is never evicted (its own
+   deadlines bound it).
 3. Waiting is bounded: an idle stream is closed after ``IDLE_TIMEOUT``; a request that
    has started must arrive whole within ``REQUEST_TIMEOUT``; every ``SEND_SLICE`` of a
    response must be written within ``SEND_TIMEOUT_BASE`` plus its size at
@@ -52,7 +55,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -212,19 +215,23 @@ class Budget:
         self.by_peer: Counter[str] = Counter()
         self.by_ip: Counter[str] = Counter()
 
-    def acquire(self, peer: str, ip: str, amount: int) -> str | None:
-        """Take ``amount``; None on success, else the reason it does not fit."""
+    def acquire(self, peer: str, ip: str, amount: int, *, heavy: str = "") -> str | None:
+        """Take ``amount``; None on success, else the reason it does not fit. ``heavy``:
+        what else the peer holds too much of (another budget's `heaviness`), which keeps it
+        out of the reserve however little it holds here."""
         if self.by_peer[peer] + amount > self.per_peer:
             return f"{self.name}: your peer holds {self.by_peer[peer]} of {self.per_peer}"
         if self.by_ip[ip] + amount > self.per_ip:
             return f"{self.name}: your address holds {self.by_ip[ip]} of {self.per_ip}"
         if self.used + amount > self.total:
             return f"{self.name}: the server is at its limit of {self.total}"
-        if self.used + amount > self.total - self.reserved and not self.light(peer, ip, amount):
+        if self.used + amount > self.total - self.reserved and (
+            heavy or not self.light(peer, ip, amount)
+        ):
             return (
                 f"{self.name}: the server keeps its last {self.reserved} for peers holding "
                 f"less than {self.light_peer} (your peer holds {self.by_peer[peer]}, "
-                f"your address {self.by_ip[ip]})"
+                f"your address {self.by_ip[ip]}{'; ' + heavy if heavy else ''})"
             )
         self.used += amount
         self.by_peer[peer] += amount
@@ -238,6 +245,14 @@ class Budget:
             and self.by_ip[ip] + amount <= self.light_ip
         )
 
+    def heaviness(self, peer: str, ip: str) -> str:
+        """What ``peer`` at ``ip`` holds beyond the light bounds here ("" if nothing)."""
+        if self.by_peer[peer] > self.light_peer:
+            return f"your peer holds {self.by_peer[peer]} {self.name}"
+        if self.by_ip[ip] > self.light_ip:
+            return f"your address holds {self.by_ip[ip]} {self.name}"
+        return ""
+
     def release(self, peer: str, ip: str, amount: int) -> None:
         self.used -= amount
         for counter, key in ((self.by_peer, peer), (self.by_ip, ip)):
@@ -246,9 +261,9 @@ class Budget:
                 del counter[key]
 
     @contextmanager
-    def hold(self, peer: str, ip: str, amount: int) -> Iterator[str | None]:
+    def hold(self, peer: str, ip: str, amount: int, *, heavy: str = "") -> Iterator[str | None]:
         """``acquire`` for a block: yields the refusal reason (None: held until exit)."""
-        reason = self.acquire(peer, ip, amount)
+        reason = self.acquire(peer, ip, amount, heavy=heavy)
         try:
             yield reason
         finally:
@@ -563,10 +578,15 @@ class BlobServer:
         """Send a whole-frame response (manifest, have) within the send budget. Frames up to
         MAX_HEADER_SIZE are not counted: the stream budget bounds them."""
         size = payload + HEADER_ROOM if payload > proto.MAX_HEADER_SIZE else 0
-        with self.send_bytes.hold(peer, ip, size) as refused:
+        with self._hold_send_bytes(peer, ip, size) as refused:
             if refused is not None:
                 raise _Busy(refused)
             await self._send(stream, conn.send_response(response))
+
+    def _hold_send_bytes(self, peer: str, ip: str, size: int) -> AbstractContextManager[str | None]:
+        """``send_bytes.hold``, with the send reserve kept from peers holding many streams
+        (theory, rule 9)."""
+        return self.send_bytes.hold(peer, ip, size, heavy=self.streams.heaviness(peer, ip))
 
     def _check_present(self, blob_id: str) -> None:
         """Raise BlobNotFound unless the blob (complete or partial) is in the store now:
@@ -730,7 +750,7 @@ class BlobServer:
                     code=proto.ErrorCode.BAD_REQUEST,
                 )
         size = HEADER_ROOM + min(manifest.chunk_size, manifest.size)
-        with self.send_bytes.hold(peer, ip, size) as refused:
+        with self._hold_send_bytes(peer, ip, size) as refused:
             if refused is not None:
                 raise _Busy(refused)
             await self._send_held_chunks(stream, conn, request, manifest, bitmap, size)
