@@ -43,7 +43,10 @@ Theory of operation
    from disk unhashed.) ``verify_reads`` hashes every read. A chunk that fails is never
    sent: the request is answered ``internal``, the blob is quarantined (the store's
    ``quarantine`` when it has one, else this server's own list), one warning is logged,
-   and every later request for it is ``not_found``.
+   and every later request for it is ``not_found``. A stream its peer ends (resets or
+   closes) soon after chunks went out, as a fetcher that found one bad does, gets its
+   last chunks hashed again, within a byte budget (p2p.blob.recheck), and a failure there
+   quarantines too.
 7. Each body is read into one buffer per request, right behind its header, and written from
    there in slices (no copy per chunk on the fast path).
 8. An upload limit (``upload_limit``, p2p.blob.pacing) paces chunks: each waits for its bytes'
@@ -53,7 +56,7 @@ Theory of operation
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
@@ -75,6 +78,7 @@ from blobstore import (
 )
 from p2p.blob import protocol as proto
 from p2p.blob.pacing import Pacer
+from p2p.blob.recheck import Rechecks, Sent
 from p2p.blob.served import ServedLog
 from p2p.blob.shell import StreamLost, close_quietly, read_some, reset_quietly, write_all
 from p2p.blob.swarm import FELLOW_WINDOW, FetchingBoard, SwarmBook, listing
@@ -338,6 +342,8 @@ class ServerStats:
     tentative_declined: int = 0
     protocol_errors: int = 0
     quarantined: int = 0
+    # Chunks hashed again after their stream's peer reset it (p2p.blob.recheck).
+    rechecked: int = 0
 
 
 def error_frame(code: proto.ErrorCode, message: str) -> bytes:
@@ -390,6 +396,10 @@ class BlobServer:
         self.quarantined: set[str] = set()
         # Chunks hashed once by this process (theory, rule 6), by blob ID.
         self.verified: dict[str, bytearray] = {}
+        # Which chunks to hash again when a peer resets a stream (theory, rule 6), and
+        # the last chunks each open stream sent, by id of the stream.
+        self.rechecks = Rechecks()
+        self._sent: dict[int, deque[Sent]] = {}
         self.refusing = 0
         self.stats = ServerStats()
         # Who asked for which blob lately (p2p.blob.swarm): answers 1.2.0's `peers`.
@@ -506,11 +516,14 @@ class BlobServer:
 
     async def _serve(self, stream: Any, conn: proto.ServerConnection, slot: _Slot) -> None:
         peer, ip = slot.peer, slot.ip
+        sent = self._sent[id(stream)] = deque(maxlen=self.rechecks.per_stream)
         try:
             while True:
                 request = await self._read_request(stream, conn, slot)
                 if request is None:
                     await close_quietly(stream)
+                    if conn.eof_received:
+                        await self._recheck(sent, peer)
                     return
                 self.stats.requests[type(request).__name__] += 1
                 self.swarm.seen(request.blob_id, peer, trio.current_time())
@@ -527,6 +540,29 @@ class BlobServer:
             # Idle, slow-reader and stalled-request cases send no frame (PROTOCOL.md 7.4).
             log.debug("stream from %s ended: %r", peer, exc)
             await reset_quietly(stream)
+            if isinstance(exc, StreamLost) and sent:
+                await self._recheck(sent, peer)
+        finally:
+            del self._sent[id(stream)]
+
+    async def _recheck(self, sent: deque[Sent], peer: str) -> None:
+        """Hash again the chunks ``peer`` may have dropped the stream over (theory, rule 6;
+        p2p.blob.recheck decides which, within its byte budget). Called whether the peer
+        closed or reset the stream: py-libp2p's yamux reports some resets as a close."""
+        for chunk in self.rechecks.due(sent, trio.current_time()):
+            if chunk.blob_id in self.quarantined:
+                continue
+            self.stats.rechecked += 1
+            try:
+                await trio.to_thread.run_sync(self._reverify, chunk)
+            except CorruptChunk as exc:
+                self._quarantine(chunk.blob_id, f"{exc} (hashed again after {peer} dropped it)")
+            except (StoreError, OSError) as exc:  # gone since: removed, or quarantined
+                log.debug("re-check of %s chunk %d skipped: %s", chunk.blob_id, chunk.index, exc)
+
+    def _reverify(self, chunk: Sent) -> None:
+        with self.store.open_reader(chunk.blob_id) as reader:
+            reader.read(chunk.index, verify=True)
 
     async def _read_request(
         self, stream: Any, conn: proto.ServerConnection, slot: _Slot
@@ -770,6 +806,7 @@ class BlobServer:
         # Our fast path seals the payload before write() returns, so one buffer serves
         # every chunk; py-libp2p's own stack gets a copy per slice, as bytes.
         copy_out = fast_stream_of(stream) is None
+        sent = self._sent.get(id(stream))
         buf = memoryview(bytearray(size))
         reader = await trio.to_thread.run_sync(self.store.open_reader, request.blob_id)
         try:
@@ -799,6 +836,8 @@ class BlobServer:
                     if self.pacer is not None:
                         await trio.sleep(self.pacer.delay(len(frame), trio.current_time()))
                     await self._send(stream, frame, copy=copy_out)
+                    if sent is not None:
+                        sent.append(Sent(request.blob_id, index, length, trio.current_time()))
                     self.stats.chunks_sent += 1
                     self.stats.bytes_sent += length
                     self.served.sent(peer, request.blob_id, length, trio.current_time())
