@@ -555,9 +555,11 @@ class BlobServer:
             self.stats.rechecked += 1
             try:
                 await trio.to_thread.run_sync(self._reverify, chunk)
+            except _NOT_HERE:  # removed or quarantined since (another stream found it)
+                continue
             except CorruptChunk as exc:
                 self._quarantine(chunk.blob_id, f"{exc} (hashed again after {peer} dropped it)")
-            except (StoreError, OSError) as exc:  # gone since: removed, or quarantined
+            except (StoreError, OSError) as exc:  # no longer held here, or a read error
                 log.debug("re-check of %s chunk %d skipped: %s", chunk.blob_id, chunk.index, exc)
 
     def _reverify(self, chunk: Sent) -> None:
