@@ -82,6 +82,23 @@ async def test_a_peer_resetting_after_good_chunks_quarantines_nothing(tmp_path: 
         assert store.has(blob_id)
 
 
+async def read_every_chunk(addr: str, blob_id: str, chunks: int) -> None:
+    """One `get` of every chunk of ``blob_id`` from the node at ``addr``, read to its end."""
+    host = build_host(create_new_key_pair(), fast=False)
+    async with host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        info = info_from_p2p_addr(Multiaddr(addr))
+        await host.connect(info)
+        stream = await host.new_stream(info.peer_id, [TProtocol(proto.Version.V1_0.protocol_id)])
+        conn = proto.ClientConnection()
+        await stream.write(conn.send_request(proto.GetRequest(blob_id, ((0, chunks),))))
+        with trio.fail_after(30):
+            while not isinstance(event := conn.next_event(), proto.End):
+                if event is None:
+                    conn.receive_data(await stream.read(1 << 20))
+        assert event.missing == ()
+        await stream.close()
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(180)
 def test_a_chunk_rotten_after_it_was_hashed_gets_the_blob_quarantined(
@@ -90,8 +107,8 @@ def test_a_chunk_rotten_after_it_was_hashed_gets_the_blob_quarantined(
     source = random_file(tmp_path / "model.bin", 4 * MiB)
     blob_id = cluster.put_here("seed", source)
     seed = cluster.serve("seed", "-v")
-    # A first fetch has the server hash every chunk (first reads) and keep them cached.
-    cluster.get("first", blob_id, "--peer", seed.addr)
+    # A first reader has the server hash every chunk (first reads) and keep them cached.
+    trio.run(read_every_chunk, seed.addr, blob_id, 4)
     data = Store.open(cluster.store("seed")).path(blob_id)
     data.chmod(0o644)
     with data.open("r+b") as f:  # through the page cache, as a later read sees it
@@ -99,7 +116,7 @@ def test_a_chunk_rotten_after_it_was_hashed_gets_the_blob_quarantined(
         f.write(b"\x00" * 64)
     done = run_blob(
         cluster.store("second"), cluster.key("second"), "get", blob_id, "--peer", seed.addr,
-        check=False,
+        "--discovery-timeout", "1", check=False,
     )  # fmt: skip
     assert done.returncode != 0, "the rotten chunk was not sent: nothing tested"
     assert "banned for bad data" in done.stderr
