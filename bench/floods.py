@@ -11,8 +11,8 @@ flooding address a 127.0.0.x of its own so the server sees other machines; the l
           holding 16 unread gets of 16 MiB chunks; a legit get during the flood, timed
           against the same get from the idle server.
   dht     4 identities x 10 ADD_PROVIDER messages naming themselves with 370,000
-          addresses each (under the 4 MiB frame cap), DHT on; server RSS after, and a
-          legit get.
+          addresses each (under py-libp2p's 4 MiB frame cap, over blobnet's 64 KiB
+          request limit), DHT on; server RSS after, and a legit get.
   names   4,176 valid, never-expiring name records from 17 free keys, pushed by 72 free
           identities (each under its per-minute rate) at the 4,096-name cache; then a new
           publisher's name.

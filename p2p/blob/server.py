@@ -17,11 +17,14 @@ Theory of operation
 9. Room for newcomers. The last ``reserved_streams`` streams and ``reserved_send_bytes``
    bytes of each budget go only to a peer that holds little (under the ``light_*`` bounds,
    as an identity and as an address), so greedy peers filling the budget leave room for a
-   new one. When even the reserve is full, a light peer's new stream evicts the stream
-   idle longest (waiting for its next request) of the source address holding the most
-   streams, if that address holds more than the newcomer's (else of the identity holding
-   the most, if it holds more than the newcomer); a stream in the middle of a request or
-   response is never evicted (its own deadlines bound it).
+   new one. The send reserve asks for little of both budgets: a peer whose streams are
+   many holds little send buffer only until its requests are answered (unread `get`s
+   each pin a chunk), so it does not count as light for it. When even the reserve is
+   full, a light peer's new stream evicts the stream idle longest (waiting for its next
+   request) of the source address holding the most streams, if that address holds more
+   than the newcomer's (else of the identity holding the most, if it holds more than the
+   newcomer); a stream in the middle of a request or response is never evicted (its own
+   deadlines bound it).
 3. Waiting is bounded: an idle stream is closed after ``IDLE_TIMEOUT``; a request that
    has started must arrive whole within ``REQUEST_TIMEOUT``; every ``SEND_SLICE`` of a
    response must be written within ``SEND_TIMEOUT_BASE`` plus its size at
@@ -40,7 +43,10 @@ Theory of operation
    from disk unhashed.) ``verify_reads`` hashes every read. A chunk that fails is never
    sent: the request is answered ``internal``, the blob is quarantined (the store's
    ``quarantine`` when it has one, else this server's own list), one warning is logged,
-   and every later request for it is ``not_found``.
+   and every later request for it is ``not_found``. A stream its peer ends (resets or
+   closes) soon after chunks went out, as a fetcher that found one bad does, gets its
+   last chunks hashed again, within a byte budget (p2p.blob.recheck), and a failure there
+   quarantines too.
 7. Each body is read into one buffer per request, right behind its header, and written from
    there in slices (no copy per chunk on the fast path).
 8. An upload limit (``upload_limit``, p2p.blob.pacing) paces chunks: each waits for its bytes'
@@ -50,9 +56,9 @@ Theory of operation
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -72,6 +78,7 @@ from blobstore import (
 )
 from p2p.blob import protocol as proto
 from p2p.blob.pacing import Pacer
+from p2p.blob.recheck import Rechecks, Sent
 from p2p.blob.served import ServedLog
 from p2p.blob.shell import StreamLost, close_quietly, read_some, reset_quietly, write_all
 from p2p.blob.swarm import FELLOW_WINDOW, FetchingBoard, SwarmBook, listing
@@ -212,19 +219,23 @@ class Budget:
         self.by_peer: Counter[str] = Counter()
         self.by_ip: Counter[str] = Counter()
 
-    def acquire(self, peer: str, ip: str, amount: int) -> str | None:
-        """Take ``amount``; None on success, else the reason it does not fit."""
+    def acquire(self, peer: str, ip: str, amount: int, *, heavy: str = "") -> str | None:
+        """Take ``amount``; None on success, else the reason it does not fit. ``heavy``:
+        what else the peer holds too much of (another budget's `heaviness`), which keeps it
+        out of the reserve however little it holds here."""
         if self.by_peer[peer] + amount > self.per_peer:
             return f"{self.name}: your peer holds {self.by_peer[peer]} of {self.per_peer}"
         if self.by_ip[ip] + amount > self.per_ip:
             return f"{self.name}: your address holds {self.by_ip[ip]} of {self.per_ip}"
         if self.used + amount > self.total:
             return f"{self.name}: the server is at its limit of {self.total}"
-        if self.used + amount > self.total - self.reserved and not self.light(peer, ip, amount):
+        if self.used + amount > self.total - self.reserved and (
+            heavy or not self.light(peer, ip, amount)
+        ):
             return (
                 f"{self.name}: the server keeps its last {self.reserved} for peers holding "
                 f"less than {self.light_peer} (your peer holds {self.by_peer[peer]}, "
-                f"your address {self.by_ip[ip]})"
+                f"your address {self.by_ip[ip]}{'; ' + heavy if heavy else ''})"
             )
         self.used += amount
         self.by_peer[peer] += amount
@@ -238,6 +249,14 @@ class Budget:
             and self.by_ip[ip] + amount <= self.light_ip
         )
 
+    def heaviness(self, peer: str, ip: str) -> str:
+        """What ``peer`` at ``ip`` holds beyond the light bounds here ("" if nothing)."""
+        if self.by_peer[peer] > self.light_peer:
+            return f"your peer holds {self.by_peer[peer]} {self.name}"
+        if self.by_ip[ip] > self.light_ip:
+            return f"your address holds {self.by_ip[ip]} {self.name}"
+        return ""
+
     def release(self, peer: str, ip: str, amount: int) -> None:
         self.used -= amount
         for counter, key in ((self.by_peer, peer), (self.by_ip, ip)):
@@ -246,9 +265,9 @@ class Budget:
                 del counter[key]
 
     @contextmanager
-    def hold(self, peer: str, ip: str, amount: int) -> Iterator[str | None]:
+    def hold(self, peer: str, ip: str, amount: int, *, heavy: str = "") -> Iterator[str | None]:
         """``acquire`` for a block: yields the refusal reason (None: held until exit)."""
-        reason = self.acquire(peer, ip, amount)
+        reason = self.acquire(peer, ip, amount, heavy=heavy)
         try:
             yield reason
         finally:
@@ -323,6 +342,8 @@ class ServerStats:
     tentative_declined: int = 0
     protocol_errors: int = 0
     quarantined: int = 0
+    # Chunks hashed again after their stream's peer reset it (p2p.blob.recheck).
+    rechecked: int = 0
 
 
 def error_frame(code: proto.ErrorCode, message: str) -> bytes:
@@ -375,6 +396,10 @@ class BlobServer:
         self.quarantined: set[str] = set()
         # Chunks hashed once by this process (theory, rule 6), by blob ID.
         self.verified: dict[str, bytearray] = {}
+        # Which chunks to hash again when a peer resets a stream (theory, rule 6), and
+        # the last chunks each open stream sent, by id of the stream.
+        self.rechecks = Rechecks()
+        self._sent: dict[int, deque[Sent]] = {}
         self.refusing = 0
         self.stats = ServerStats()
         # Who asked for which blob lately (p2p.blob.swarm): answers 1.2.0's `peers`.
@@ -491,11 +516,14 @@ class BlobServer:
 
     async def _serve(self, stream: Any, conn: proto.ServerConnection, slot: _Slot) -> None:
         peer, ip = slot.peer, slot.ip
+        sent = self._sent[id(stream)] = deque(maxlen=self.rechecks.per_stream)
         try:
             while True:
                 request = await self._read_request(stream, conn, slot)
                 if request is None:
                     await close_quietly(stream)
+                    if conn.eof_received:
+                        await self._recheck(sent, peer)
                     return
                 self.stats.requests[type(request).__name__] += 1
                 self.swarm.seen(request.blob_id, peer, trio.current_time())
@@ -512,6 +540,31 @@ class BlobServer:
             # Idle, slow-reader and stalled-request cases send no frame (PROTOCOL.md 7.4).
             log.debug("stream from %s ended: %r", peer, exc)
             await reset_quietly(stream)
+            if isinstance(exc, StreamLost) and sent:
+                await self._recheck(sent, peer)
+        finally:
+            del self._sent[id(stream)]
+
+    async def _recheck(self, sent: deque[Sent], peer: str) -> None:
+        """Hash again the chunks ``peer`` may have dropped the stream over (theory, rule 6;
+        p2p.blob.recheck decides which, within its byte budget). Called whether the peer
+        closed or reset the stream: py-libp2p's yamux reports some resets as a close."""
+        for chunk in self.rechecks.due(sent, trio.current_time()):
+            if chunk.blob_id in self.quarantined:
+                continue
+            self.stats.rechecked += 1
+            try:
+                await trio.to_thread.run_sync(self._reverify, chunk)
+            except _NOT_HERE:  # removed or quarantined since (another stream found it)
+                continue
+            except CorruptChunk as exc:
+                self._quarantine(chunk.blob_id, f"{exc} (hashed again after {peer} dropped it)")
+            except (StoreError, OSError) as exc:  # no longer held here, or a read error
+                log.debug("re-check of %s chunk %d skipped: %s", chunk.blob_id, chunk.index, exc)
+
+    def _reverify(self, chunk: Sent) -> None:
+        with self.store.open_reader(chunk.blob_id) as reader:
+            reader.read(chunk.index, verify=True)
 
     async def _read_request(
         self, stream: Any, conn: proto.ServerConnection, slot: _Slot
@@ -563,10 +616,15 @@ class BlobServer:
         """Send a whole-frame response (manifest, have) within the send budget. Frames up to
         MAX_HEADER_SIZE are not counted: the stream budget bounds them."""
         size = payload + HEADER_ROOM if payload > proto.MAX_HEADER_SIZE else 0
-        with self.send_bytes.hold(peer, ip, size) as refused:
+        with self._hold_send_bytes(peer, ip, size) as refused:
             if refused is not None:
                 raise _Busy(refused)
             await self._send(stream, conn.send_response(response))
+
+    def _hold_send_bytes(self, peer: str, ip: str, size: int) -> AbstractContextManager[str | None]:
+        """``send_bytes.hold``, with the send reserve kept from peers holding many streams
+        (theory, rule 9)."""
+        return self.send_bytes.hold(peer, ip, size, heavy=self.streams.heaviness(peer, ip))
 
     def _check_present(self, blob_id: str) -> None:
         """Raise BlobNotFound unless the blob (complete or partial) is in the store now:
@@ -730,7 +788,7 @@ class BlobServer:
                     code=proto.ErrorCode.BAD_REQUEST,
                 )
         size = HEADER_ROOM + min(manifest.chunk_size, manifest.size)
-        with self.send_bytes.hold(peer, ip, size) as refused:
+        with self._hold_send_bytes(peer, ip, size) as refused:
             if refused is not None:
                 raise _Busy(refused)
             await self._send_held_chunks(stream, conn, request, manifest, bitmap, size)
@@ -750,6 +808,7 @@ class BlobServer:
         # Our fast path seals the payload before write() returns, so one buffer serves
         # every chunk; py-libp2p's own stack gets a copy per slice, as bytes.
         copy_out = fast_stream_of(stream) is None
+        sent = self._sent.get(id(stream))
         buf = memoryview(bytearray(size))
         reader = await trio.to_thread.run_sync(self.store.open_reader, request.blob_id)
         try:
@@ -779,6 +838,8 @@ class BlobServer:
                     if self.pacer is not None:
                         await trio.sleep(self.pacer.delay(len(frame), trio.current_time()))
                     await self._send(stream, frame, copy=copy_out)
+                    if sent is not None:
+                        sent.append(Sent(request.blob_id, index, length, trio.current_time()))
                     self.stats.chunks_sent += 1
                     self.stats.bytes_sent += length
                     self.served.sent(peer, request.blob_id, length, trio.current_time())

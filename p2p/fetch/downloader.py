@@ -128,10 +128,24 @@ PEER_RETRY_PAUSES = (1.0, 3.0, 9.0)
 # past CONTROL_TIMEOUT (seen in the fan-out bench, behind a 2 Mbit/s uplink), and that
 # is no reason to give up on it.
 MANIFEST_RETRY_PAUSES = (1.0, 3.0)
-# What a peer that sent no manifest did, when it sent no answer at all (else its busy reason).
+# What a peer that sent no manifest did, when it let CONTROL_TIMEOUT pass without an answer
+# (else what it did say: busy, or a stream it closed or reset unanswered).
 NO_ANSWER = "no answer"
-# Busy peers named one by one in a fetch's error; the rest are counted (a line, not a page).
+# Peers that answered no manifest for another reason, named one by one in a fetch's error;
+# the rest are counted (a line, not a page).
 MAX_REASONS_SAID = 3
+# How much of a transport error one such reason quotes.
+MAX_REASON_CHARS = 120
+
+
+@dataclass(frozen=True)
+class _Unanswered:
+    """A manifest request that got no answer: ``why`` is NO_ANSWER after CONTROL_TIMEOUT,
+    else what the transport said (a stream closed or reset at once is no wait)."""
+
+    why: str
+
+
 # A provider that sent bad data in an earlier download (PeerScores) starts this much later
 # than the others: if they can serve the blob, it never gets a request; if they cannot,
 # it still may (its bad chunks are refused one by one, as ever).
@@ -343,16 +357,16 @@ async def fetch_manifest(
 def _checked_manifest(
     blob_id: str,
     peer: str,
-    reply: bytes | proto.ErrorResponse | None,
+    reply: bytes | proto.ErrorResponse | _Unanswered,
     unanswered: dict[str, str] | None,
 ) -> Manifest | None:
-    if reply is None:
+    if isinstance(reply, _Unanswered):
         if unanswered is not None:
-            unanswered[peer] = NO_ANSWER
+            unanswered[peer] = reply.why
         return None
     if isinstance(reply, proto.ErrorResponse) and reply.code == proto.ErrorCode.BUSY:
         if unanswered is not None:
-            unanswered[peer] = f"busy: {reply.message}"
+            unanswered[peer] = f"was busy: {reply.message}"
         return None
     if isinstance(reply, proto.ErrorResponse):
         return None
@@ -366,11 +380,22 @@ def _checked_manifest(
         return None
 
 
+def _unanswered(exc: Exception) -> _Unanswered:
+    """What a manifest request that ended in ``exc`` (a timeout or a transport error) says
+    in a fetch's error."""
+    if isinstance(exc, trio.TooSlowError):
+        return _Unanswered(NO_ANSWER)
+    said = f"{exc}"[:MAX_REASON_CHARS] or type(exc).__name__
+    if isinstance(exc, StreamLost):
+        return _Unanswered(f"closed or reset the stream unanswered ({said})")
+    return _Unanswered(f"could not be asked ({type(exc).__name__}: {said})")
+
+
 async def _ask_manifest(
     network: Network, blob_id: str, peer: str
-) -> bytes | proto.ErrorResponse | None:
-    """One manifest request; None if the peer did not answer it. A protocol breach is
-    raised (ProtocolError): that peer is not asked again."""
+) -> bytes | proto.ErrorResponse | _Unanswered:
+    """One manifest request; `_Unanswered` if the peer did not answer it. A protocol
+    breach is raised (ProtocolError): that peer is not asked again."""
     stream = None
     try:
         with trio.fail_after(CONTROL_TIMEOUT):
@@ -378,7 +403,7 @@ async def _ask_manifest(
             return await BlobClient(stream).manifest(blob_id)
     except (StreamLost, trio.TooSlowError, OSError) as exc:
         log.info("manifest from %s failed: %r", peer, exc)
-        return None
+        return _unanswered(exc)
     finally:
         if stream is not None:
             await reset_quietly(stream)
@@ -386,7 +411,7 @@ async def _ask_manifest(
 
 async def _ask_speculating(
     network: Network, blob_id: str, peer: str, tentative: bool = False
-) -> tuple[bytes | proto.ErrorResponse | None, BlobClient | None]:
+) -> tuple[bytes | proto.ErrorResponse | _Unanswered, BlobClient | None]:
     """The manifest request and a `get` of SPECULATIVE_CHUNK sent together on one
     ``/blobnet/blob/1.1.0`` stream (``tentative``: a `try_get` on a 1.5.0 one): the
     manifest's answer, and the client whose `get` is still to be read (None unless a
@@ -416,7 +441,7 @@ async def _ask_speculating(
             # A 1.0.0-only listener's reset can overtake its `na` (rule 10).
             raise ProtocolRefused(f"stream reset before the protocol echo: {exc}") from exc
         log.info("manifest from %s failed: %r", peer, exc)
-        return None, None
+        return _unanswered(exc), None
     finally:
         if client is not None:
             await reset_quietly(client.stream)
@@ -1554,15 +1579,16 @@ async def _manifest_from_network(
 
 
 def _unanswered_summary(unanswered: dict[str, str]) -> str:
-    """What the peers that sent no manifest did, by their last answer: those that never
-    answered within CONTROL_TIMEOUT, and each busy one with the server's own reason (a
-    saturated server answers at once; "did not answer" would misstate the wait)."""
+    """What the peers that sent no manifest did, by their last answer: those that let
+    CONTROL_TIMEOUT pass, each busy one with the server's own reason, and each that closed
+    or reset the stream with what the transport said (a saturated server answers at once,
+    and a reset comes at once: "did not answer within 15 s" would misstate the wait)."""
     silent = sum(1 for why in unanswered.values() if why == NO_ANSWER)
-    busy = sorted((peer, why) for peer, why in unanswered.items() if why != NO_ANSWER)
+    said = sorted((peer, why) for peer, why in unanswered.items() if why != NO_ANSWER)
     parts = [f"{silent} did not answer within {CONTROL_TIMEOUT:g} s"] if silent else []
-    parts += [f"{peer} was {why}" for peer, why in busy[:MAX_REASONS_SAID]]
-    if len(busy) > MAX_REASONS_SAID:
-        parts.append(f"{len(busy) - MAX_REASONS_SAID} more were busy")
+    parts += [f"{peer} {why}" for peer, why in said[:MAX_REASONS_SAID]]
+    if len(said) > MAX_REASONS_SAID:
+        parts.append(f"{len(said) - MAX_REASONS_SAID} more were busy or dropped the stream")
     return "; ".join(parts)
 
 

@@ -17,9 +17,11 @@ made and closed over a node's life. blobnet replaces that handler with ``Inbound
 1. A socket is *pending* from accept until its Noise + yamux handshake ends; it must end
    within ``HANDSHAKE_TIMEOUT``. At most ``MAX_PENDING_PER_IP`` pending sockets per source
    address (a further one is closed at once) and ``MAX_PENDING_HANDSHAKES`` in all; when
-   the global cap is reached the oldest pending socket of the address with the most pending
-   is dropped to make room. A real handshake takes milliseconds (a few round trips), so
-   the sockets dropped are the silent ones.
+   the global cap is reached the oldest pending socket of the address that opened the most
+   sockets lately (``OPENED_HALF_LIFE``; then, of the one with the most pending) is dropped
+   to make room. A real handshake takes milliseconds (a few round trips), so the sockets
+   dropped are the silent ones; and a flood from more addresses than the cap, each
+   holding one pending socket as a real peer does, is told apart by its reconnecting.
 2. An *established* inbound connection is counted against its source address until it
    closes (then its slot is free again). At ``MAX_CONNECTIONS_PER_IP`` from one address,
    or ``CONN_HIGH_WATERMARK`` in all, a new socket first evicts an idle connection (no
@@ -112,6 +114,12 @@ IDLE_EVICT_AGE = 2.0
 # deadline, normally unwinds within milliseconds; after this long it is cancelled (rule 4).
 HANDSHAKE_ABORT_GRACE = 1.0
 CONN_GRACE_PERIOD = 10.0
+# Sockets each address opened are counted with this half-life (the count halves every so
+# often): a flooder whose dropped sockets reconnect at once opens hundreds in that time, a
+# peer a few (one connection, and one per stripe of a fetch).
+OPENED_HALF_LIFE = 10.0
+# Addresses counted at most; past it the least active half is forgotten.
+MAX_OPENED_TRACKED = 4096
 
 
 log = logging.getLogger(__name__)
@@ -167,6 +175,9 @@ class InboundGate:
         self.pending_per_ip: Counter[str] = Counter()
         self.established: dict[int, _Established] = {}
         self.established_per_ip: Counter[str] = Counter()
+        # Sockets each address opened lately (rule 1), halved every OPENED_HALF_LIFE.
+        self.opened: Counter[str] = Counter()
+        self._halved_at: float | None = None
         self.admitted = 0
         self.refused = 0
         self.dropped = 0
@@ -176,6 +187,7 @@ class InboundGate:
     def admit(self, ip: str, now: float, drop: Callable[[], None]) -> Admission:
         """Admit a new socket from ``ip`` into the handshake phase, or refuse it. ``drop``
         aborts its handshake if the gate later needs the slot."""
+        self._count_opened(ip, now)
         if self.pending_per_ip[ip] >= self.max_pending_per_ip:
             self.refused += 1
             return Admission(None, f"{self.pending_per_ip[ip]} handshakes pending from {ip}")
@@ -189,8 +201,20 @@ class InboundGate:
         self.pending_per_ip[ip] += 1
         return Admission(token, dropped_pending=dropped)
 
+    def _count_opened(self, ip: str, now: float) -> None:
+        if self._halved_at is None:
+            self._halved_at = now
+        while now - self._halved_at >= OPENED_HALF_LIFE:
+            self._halved_at += OPENED_HALF_LIFE
+            self.opened = Counter({a: n // 2 for a, n in self.opened.items() if n > 1})
+            if not self.opened:
+                self._halved_at = now
+        self.opened[ip] += 1
+        if len(self.opened) > MAX_OPENED_TRACKED:
+            self.opened = Counter(dict(self.opened.most_common(MAX_OPENED_TRACKED // 2)))
+
     def _drop_oldest_pending(self) -> int:
-        top_ip = max(self.pending_per_ip, key=lambda a: self.pending_per_ip[a])
+        top_ip = max(self.pending_per_ip, key=lambda a: (self.opened[a], self.pending_per_ip[a]))
         token = min(
             (t for t, p in self.pending.items() if p.ip == top_ip),
             key=lambda t: self.pending[t].started,

@@ -78,6 +78,12 @@ TARGETS: tuple[tuple[type, str, str], ...] = (
         "p2p.transport.providers decides what is kept",
     ),
     (
+        KadDHT,
+        "handle_stream",
+        "py-libp2p reads a Kademlia request of up to 4 MiB and parses all of it (400,000 "
+        "addresses in one ADD_PROVIDER) before any cap applies; limit_kad_requests wraps it",
+    ),
+    (
         ProviderStore,
         "add_provider",
         "where an accepted ADD_PROVIDER is stored: the guard filters it first",
@@ -227,6 +233,85 @@ def guard_provider_store(kad: Any, guard: Any, clock: Callable[[], float]) -> No
             guard.forget(key, str(provider.peer_id))  # py-libp2p's own per-key cap said no
 
     store.add_provider = add_provider
+
+
+# --- Kademlia request size -----------------------------------------------------------------
+#
+# py-libp2p 0.8.1's KadDHT.handle_stream reads each varint-prefixed request of up to its
+# MAX_DHT_MESSAGE_SIZE (4 MiB) whole and hands it to protobuf, which builds one Python
+# object per address: an ADD_PROVIDER naming 400,000 addresses costs the handler hundreds
+# of MiB and seconds of CPU before the provider guard keeps 8 of them. The patch wraps
+# the stream each request is read from: once a request's length prefix is in and names
+# more than the limit, the read fails with py-libp2p's own MessageTooLarge (its handler
+# then resets the stream, as for its own limit), so the body is neither read nor parsed.
+
+# The largest inbound Kademlia request blobnet takes. What a peer sends us is a query (a
+# key and its signed peer record, a few KiB), an ADD_PROVIDER (its addresses: go-libp2p
+# sends a few dozen of ~30-100 bytes) or a PUT_VALUE of a name record (at most 5 KiB,
+# p2p.names.record's MAX_NAME_RECORD_SIZE): 64 KiB is over ten times the largest.
+MAX_KAD_REQUEST_BYTES = 64 * 1024
+
+
+def limit_kad_requests(kad: Any, max_bytes: int = MAX_KAD_REQUEST_BYTES) -> None:
+    """Refuse ``kad``'s inbound requests over ``max_bytes`` before they are read or parsed
+    (see above); registered again on its host where it serves now, and found by
+    py-libp2p's own mode switch (it registers ``self.handle_stream``)."""
+    from libp2p.kad_dht.common import PROTOCOL_ID as KAD_PROTOCOL_ID
+    from libp2p.kad_dht.kad_dht import DHTMode
+
+    original: Callable[[Any], Awaitable[None]] = _require(kad, "handle_stream")
+
+    async def handle_stream(stream: Any) -> None:
+        await original(_CappedKadStream(stream, max_bytes))
+
+    kad.handle_stream = handle_stream
+    if _require(kad, "mode") == DHTMode.SERVER:
+        _require(kad, "host").set_stream_handler(KAD_PROTOCOL_ID, handle_stream)
+
+
+class _CappedKadStream:
+    """A Kademlia stream whose reads follow the varint-prefixed framing and fail with
+    MessageTooLarge as soon as a prefix names more than ``max_bytes`` (sans-IO framing,
+    the stream's other methods passed through)."""
+
+    def __init__(self, stream: Any, max_bytes: int) -> None:
+        self._stream = stream
+        self._max = max_bytes
+        self._prefix = 0  # the length being decoded
+        self._shift = 0
+        self._body_left = 0  # bytes of the current request still to come
+        self.refused: int | None = None  # the length named by the refused prefix
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    async def read(self, n: int | None = None) -> bytes:
+        from libp2p.io.exceptions import MessageTooLarge
+
+        if self.refused is not None:
+            raise MessageTooLarge(f"Kademlia request of {self.refused} bytes refused")
+        data: bytes = await self._stream.read(n)
+        i = 0
+        while i < len(data):
+            if self._body_left:
+                taken = min(self._body_left, len(data) - i)
+                self._body_left -= taken
+                i += taken
+                continue
+            byte = data[i]
+            i += 1
+            self._prefix |= (byte & 0x7F) << self._shift
+            self._shift += 7
+            if byte & 0x80 and self._shift < 64:
+                continue
+            length, self._prefix, self._shift = self._prefix, 0, 0
+            if length > self._max:
+                self.refused = length
+                raise MessageTooLarge(
+                    f"Kademlia request of {length} bytes is over blobnet's {self._max}"
+                )
+            self._body_left = length
+        return data
 
 
 # --- Connection choice ---------------------------------------------------------------------

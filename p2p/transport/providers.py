@@ -244,11 +244,13 @@ def _size(key: bytes, addrs: list[Any]) -> int:
 
 
 def install_provider_guard(kad: Any, limits: ProviderLimits, *, local: str) -> ProviderGuard:
-    """Guard ``kad``'s provider store (its records carry wall-clock times)."""
+    """Guard ``kad``'s provider store (its records carry wall-clock times), and refuse its
+    oversized requests before they are parsed (the guard's caps apply only after)."""
     import time
 
-    from p2p.transport.patches import guard_provider_store
+    from p2p.transport.patches import guard_provider_store, limit_kad_requests
 
     guard = ProviderGuard(limits, local=local)
     guard_provider_store(kad, guard, time.time)
+    limit_kad_requests(kad)
     return guard

@@ -46,7 +46,8 @@ def busy() -> FakeStream:
 class Network:
     """Peers by name: "silent" ones never open a stream, "silent-once" ones only the first
     time, "liar" ones send a manifest that does not match the ID, "busy" ones answer at
-    once that their stream budget is taken, "good" ones answer."""
+    once that their stream budget is taken, "reset" ones end the stream at once unanswered,
+    "good" ones answer."""
 
     def __init__(self, kinds: dict[str, str]) -> None:
         self.kinds = kinds
@@ -59,6 +60,8 @@ class Network:
             await trio.sleep_forever()
         if kind == "busy":
             return busy()
+        if kind == "reset":
+            return FakeStream(lambda server, request: (b"", True))
         if kind == "liar":
             other = Manifest.of_bytes(b"something else", chunk_size=CHUNK)
             return answering(other.encode())
@@ -151,3 +154,18 @@ async def test_a_busy_peer_is_said_to_be_busy(autojump_clock: trio.abc.Clock) ->
     assert f"saturated was busy: {BUDGET_TAKEN}" in message
     assert "1 did not answer within 15 s" in message
     assert network.opened.count("saturated") == 1 + len(downloader.MANIFEST_RETRY_PAUSES)
+
+
+async def test_a_peer_that_ends_the_stream_at_once_is_not_said_to_be_silent(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A server that resets a stream it cannot take (its refusals are full) ends the request
+    at once: the fetch used to count it among those that "did not answer within 15 s",
+    sending the user to look for a network fault where no time passed."""
+    network = Network({"resetting": "reset", "silent": "silent"})
+    with pytest.raises(NoProviders) as caught:
+        await fetch(network, ["resetting", "silent"])
+    message = str(caught.value)
+    assert "1 did not answer within 15 s" in message  # only the silent one
+    assert "resetting closed or reset the stream unanswered (" in message
+    assert network.opened.count("resetting") == 1 + len(downloader.MANIFEST_RETRY_PAUSES)
