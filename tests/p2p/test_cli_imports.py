@@ -1,8 +1,8 @@
 """The light commands stay light: ``blob --help`` and ``blob put`` import neither torch,
-libp2p nor numpy (seconds, or a third of one, each on a loaded machine). Both are imported lazily, by the commands that
-run a node or train; a module-level import of either anywhere on these paths fails here.
-And ``blob get`` on a store a daemon serves loads not even click, trio or the store
-(p2p.cli.light): an interpreter's start and a socket's round trip."""
+libp2p nor numpy (seconds, or a third of one, each on a loaded machine). They are imported
+lazily, by the commands that run a node or train; a module-level import of any of them on
+these paths fails here. And ``blob get`` on a store a daemon serves loads not even click,
+trio or the store (p2p.cli.light): an interpreter's start and a socket's round trip."""
 
 from __future__ import annotations
 
