@@ -324,6 +324,8 @@ def _grid(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+SIZE_ORDER = {"tiny": 0, "small": 1}  # the study table's order of model sizes
+
 # --study point keys: the grid's outer knobs, the codec's, and loop.SimConfig.ablation.
 STUDY_KEYS = {
     "lr": "outer_lr",
@@ -356,7 +358,13 @@ def parse_points(spec: str) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _study_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(row[k] for k in ("mode", "workers", "inner_steps", "rounds", "seed", "point"))
+    fields = ("mode", "workers", "inner_steps", "rounds", "seed", "point")
+    return (model_of(row), *(row[k] for k in fields))
+
+
+def model_of(row: dict[str, Any]) -> str:
+    """A study row's model size (rows without one are the tiny model's)."""
+    return str(row.get("model_size", "tiny"))
 
 
 def _point_label(mode: str, point: dict[str, Any]) -> str:
@@ -378,6 +386,7 @@ def _study(args: argparse.Namespace) -> dict[str, Any]:
     for mode, point in parse_points(args.study):
         for seed in seeds:
             row = {
+                "model_size": args.model_size,
                 "mode": mode,
                 "workers": args.workers,
                 "inner_steps": args.inner_steps,
@@ -394,6 +403,7 @@ def _study(args: argparse.Namespace) -> dict[str, Any]:
                 inner_steps=args.inner_steps,
                 seed=seed,
                 threads=1,
+                model_size=args.model_size,
                 **{"chunk": args.chunk, "k": args.k, **point},
             )
             result = _grid_run(config)
@@ -420,17 +430,21 @@ def study_table(rows: list[dict[str, Any]]) -> list[str]:
         "(median of per-seed, of medians) | bytes vs fp32 |",
         "|---|---|---|---|---|---|",
     ]
-    settings = sorted({(r["workers"], r["inner_steps"], r["rounds"]) for r in rows})
-    for workers, steps, rounds in settings:
-        mine = [r for r in rows if (r["workers"], r["inner_steps"], r["rounds"]) == (
-            workers, steps, rounds)]  # fmt: skip
+
+    def setting(r: dict[str, Any]) -> tuple[int, str, int, int, int]:
+        model = model_of(r)
+        return (SIZE_ORDER.get(model, len(SIZE_ORDER)), model, r["workers"], r["inner_steps"],
+                r["rounds"])  # fmt: skip
+
+    for order, model, workers, steps, rounds in sorted({setting(r) for r in rows}):
+        mine = [r for r in rows if setting(r) == (order, model, workers, steps, rounds)]
         by_point: dict[str, dict[int, dict[str, Any]]] = {}
         for r in mine:
             by_point.setdefault(r["point"], {})[r["seed"]] = r
         medians = {p: median(x["loss"] for x in s.values()) for p, s in by_point.items()}
         dense = [p for p in by_point if p.startswith("diloco")]
         best = min(dense, key=medians.__getitem__) if dense else None
-        label = f"{workers} workers x {steps} steps x {rounds} rounds"
+        label = f"{model}, {workers} workers x {steps} steps x {rounds} rounds"
         for point in sorted(by_point, key=medians.__getitem__):
             seeds = by_point[point]
             losses = ", ".join(
@@ -766,6 +780,12 @@ def main(argv: list[str] | None = None) -> int:
         help='points at every --seeds seed, e.g. "diloco:lr=1,mu=0;sparseloco:lr=2,decay=0.9"',
     )
     parser.add_argument("--seeds", default="0,1,2", help="the study's seeds")
+    parser.add_argument(
+        "--model-size",
+        choices=("tiny", "small"),
+        default="tiny",
+        help="the study's model (training.model.SIZES: tiny ~0.12M, small ~3.7M parameters)",
+    )
     parser.add_argument(
         "--evidence", type=Path, default=None, metavar="STORE", help="a run's evidence bytes"
     )

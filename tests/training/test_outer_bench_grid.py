@@ -126,3 +126,27 @@ def test_the_study_runs_every_point_at_every_seed_once_and_reports_medians(
     assert "| sparseloco decay 0.9, k 64, lr 2.0, mu 0.0 |" in table
     assert "+0.00%, +0.00% | 157x |" in table
     assert len(json.loads(out.read_text())["runs"]) == 9
+
+
+def test_a_study_of_the_small_model_is_its_own_setting(
+    bench: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--model-size small reaches the simulation, does not count the tiny model's runs in
+    the same JSON as done, and gets its own rows and tuned dense point in the table (rows
+    written before the flag existed are the tiny model's)."""
+    seen = _fake_runs(bench, monkeypatch)
+    out = tmp_path / "study.json"
+    common = ["--study", "diloco:lr=1,mu=0;sparseloco:lr=2,decay=0.9", "--seeds", "0"]
+    common += ["--rounds", "2", "--inner-steps", "3", "--study-out", str(out)]
+    common += ["--out", str(tmp_path)]
+    assert bench.main(common) == 0
+    rows = json.loads(out.read_text())["runs"]
+    for row in rows:
+        del row["model_size"]  # as written before the flag
+    out.write_text(json.dumps({"runs": rows}))
+    assert bench.main([*common, "--model-size", "small"]) == 0
+    assert [c.model_size for c in seen] == ["tiny", "tiny", "small", "small"]
+    table = capsys.readouterr().out.split("| setting |")[-1]
+    for model in ("tiny", "small"):
+        assert table.count(f"| {model}, 4 workers x 3 steps x 2 rounds |") == 2
+        assert f"| {model}, 4 workers x 3 steps x 2 rounds | diloco lr 1.0, mu 0.0 (tuned" in table
