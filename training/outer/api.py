@@ -17,6 +17,13 @@
 From trio, ``async with open_outer_loop(node, key=KEY, spec=..., ...) as loop`` with
 ``await loop.join()`` and ``await loop.step()``.
 
+At the ``replayed`` level the library drives the inner steps itself (point 7)::
+
+    STEP = InnerStep("tinylm-next-token/v1", lambda model, batch: loss_of(model, batch))
+    with OuterLoop(node, spec=SPEC_ID, model=model, certificate=CERT, rounds=10,
+                   inner_step=STEP, data=RECORDS) as loop:
+        result = loop.run()          # every round: H steps on committed rows, replayable
+
 Theory of operation
 -------------------
 1. **Two threads, one hand-off.** The worker (``training.outer.worker``: gossip, agreement,
@@ -54,6 +61,20 @@ Theory of operation
    broadcast over the group, with whether the run finished. Every rank is left with the
    same state. A model sharded over the group (FSDP) is not handled: its shards would have
    to be gathered to rank 0 and scattered back.
+7. **The replayed level** (``inner_step`` and ``data``). Replay needs the rows, the inner
+   optimizer's state and the step itself, so the library runs the round: an
+   :class:`InnerStep` (a name and ``fn(model, batch) -> loss``) on batches of rows of the
+   records blob ``data``, drawn by the worker's sampler and written into its update's
+   commitment, with the library's own inner AdamW (the spec's ``inner_lr``, kept across
+   rounds; ``inner_optimizer`` is not used) and the causal-LM recipe's clipping
+   (``training.outer.trainer``). ``run()`` takes part in the worker's rounds and leaves the
+   final state in the model. The spec names the step (``RunSpec.step``); a worker whose
+   step has another name is refused before step 0. Other workers replay a sampled update
+   with *their own* function of that name on a fresh copy of *their own* model (made when
+   the loop is, before any training), so every worker of the run must run the same model
+   class and step function under that name, with the same buffers and frozen parameters;
+   an author whose function differs (a cheat or a bug) fails replay like any mismatch.
+   Records other than the spec's ``data`` offer ``bounded``. Not with a ``group``.
 """
 
 from __future__ import annotations
@@ -63,7 +84,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -95,6 +116,17 @@ SCORE_ROWS = 8
 # How long join() waits for the worker to hold a state: its start barrier (all K workers
 # present) plus fetching S_0 or the tip.
 JOIN_WAIT = 600.0
+
+
+@dataclass(frozen=True)
+class InnerStep:
+    """Point 7: the user's inner step, named as the run spec's ``step`` names it.
+    ``fn(model, batch) -> loss`` (a scalar tensor), ``batch`` an int64 tensor of rows
+    (batch x sequence length) of the run's records on the model's device; the library
+    calls ``backward()`` and the optimizer."""
+
+    name: str
+    fn: Callable[[Any, Any], Any]
 
 
 class OuterLoopError(TrainingError):
@@ -312,6 +344,9 @@ class _Core:
         eval_rows: Any,
         bootstrap: Sequence[str] = (),
         level: str | None = None,
+        inner_step: InnerStep | None = None,
+        records: tuple[str, Any] | None = None,
+        keep_states: int | None = None,
     ) -> None:
         from training.kernel_class import detect
         from training.outer.runs import params_from_spec
@@ -319,6 +354,15 @@ class _Core:
         shapes = {n: tuple(p.shape) for n, p in _trainable(model).items()}
         check_model(spec, shapes)
         self.level = "scored" if eval_fn is not None else "bounded"
+        self.driven: _DrivenTrainers | None = None
+        if inner_step is not None:
+            check_step(spec, inner_step)
+            assert records is not None
+            data, tokens = records
+            if data and data == spec.data:
+                self.level = "replayed"
+            self.driven = _DrivenTrainers(model, inner_step, tokens)
+        self.keep_states = keep_states
         if level is None:  # the group's rank 0 offers the level; other ranks follow it
             check_level(spec, self.level)
         self.spec = spec
@@ -394,9 +438,14 @@ class _Core:
         from training.outer.params import WorkerConfig
 
         trainer = self.trainer
-        return WorkerConfig(
+        make_trainer: Callable[[RunParams, int], Any] = lambda params, shard: trainer  # noqa: E731
+        shard = 0
+        if self.driven is not None:
+            make_trainer = self.driven
+            shard = peer_shard(self.author)
+        config = WorkerConfig(
             params=self.params,
-            shard=0,
+            shard=shard,
             store_root=store_root,
             key_path=key_path,
             cert_path=cert_path,
@@ -405,18 +454,74 @@ class _Core:
             initial=None if self.join else self.spec.initial,
             join=self.join,
             bootstrap=self.bootstrap,
-            make_trainer=lambda params, shard: trainer,
+            make_trainer=make_trainer,
             score=trainer.scorer,
             level=self.level,
             min_level=self.spec.level,
             require_hardware=self.spec.require_hardware,
         )
+        if self.keep_states is not None:
+            config = replace(config, keep_states=self.keep_states)
+        return config
 
     def worker_done(self, result: dict[str, Any] | None, error: str | None) -> None:
         self.result = result
         # The final state: the tip the worker ends on, for the user's model.
         final = None if result is None else result.pop("final_state", None)
         self.handoff.end(error, final)
+
+
+def check_step(spec: RunSpec, step: InnerStep) -> None:
+    """Point 7: refuse a step the spec does not name, before step 0."""
+    from training.outer.spec import LevelRefused
+
+    if not spec.step:
+        raise LevelRefused(
+            f"run {spec.run} names no inner step (its replays run the built-in causal-LM "
+            f"step): make the run with step={step.name!r} to drive it with InnerStep"
+        )
+    if step.name != spec.step:
+        raise LevelRefused(
+            f"run {spec.run} replays the inner step {spec.step!r}; this worker's InnerStep "
+            f"is {step.name!r}"
+        )
+
+
+def peer_shard(peer: str) -> int:
+    """A worker's shard (its sampler's stream) from its peer ID, as the CLI worker's."""
+    return int.from_bytes(blake3.blake3(peer.encode()).digest()[:4], "little") % (1 << 20)
+
+
+class _DrivenTrainers:
+    """Point 7: the worker's trainer trains the user's model; each replay's trains a
+    fresh copy of it as it was when the loop was made."""
+
+    def __init__(self, model: torch.nn.Module, step: InnerStep, tokens: Any) -> None:
+        import torch
+
+        self.model = model
+        self.template = copy.deepcopy(model)
+        self.step = step
+        self.tokens = tokens
+        self.device = next(iter(model.parameters())).device.type
+        self.threads = torch.get_num_threads()
+        self.lock = threading.Lock()
+        self.given = False
+
+    def __call__(self, params: RunParams, shard: int) -> Any:
+        from training.outer.trainer import Trainer
+
+        with self.lock:
+            model, self.given = (copy.deepcopy(self.template) if self.given else self.model), True
+        return Trainer(
+            params,
+            shard,
+            model=model,
+            tokens=self.tokens,
+            device=self.device,
+            threads=self.threads,
+            step_fn=self.step.fn,
+        )
 
 
 async def _run_worker(
@@ -465,6 +570,26 @@ def msgpack_body(spec: RunSpec) -> bytes:
     return encode_canonical(spec.body())
 
 
+def _records(store: Any, spec: RunSpec, data: str | None) -> tuple[str, Any]:
+    """Point 7: (records blob ID, its int64 rows) of ``data`` (default: the spec's)."""
+    from training.outer.runs import RunNotFound
+    from training.records import decode_records
+
+    ref = data or spec.data
+    if not ref:
+        raise RunNotFound(f"run {spec.run} names no records: give data=RECORDS")
+    from blobstore import StoreError
+
+    blob = store.tags().get(ref, ref)
+    try:
+        held = store.has(blob)
+    except (StoreError, ValueError):  # not a blob ID
+        held = False
+    if not held:
+        raise RunNotFound(f"this store lacks the records blob {ref}: fetch it first")
+    return blob, decode_records(store.path(blob).read_bytes()).tokens
+
+
 def _load_spec(store: Any, ref: str) -> RunSpec:
     from training.outer.runs import read_spec
 
@@ -485,6 +610,11 @@ class OuterLoop:
     ``late``: join a run already under way (catch up from its tip, not S_0).
     ``group``: the ``torch.distributed`` group this worker's replicas form (point 6); its
     ranks other than 0 pass ``node=None``.
+    ``inner_step`` (an :class:`InnerStep`) and ``data`` (a records blob ID or tag; default
+    the spec's): the library drives the inner steps and the worker offers ``replayed``
+    (point 7); call :meth:`run` instead of ``join()`` and ``step()``.
+    ``keep_states``: how many rounds' state blobs the worker's store keeps (older ones
+    are deleted; ``training.outer.worker`` point 5).
     """
 
     def __init__(
@@ -502,6 +632,9 @@ class OuterLoop:
         result_path: str | Path | None = None,
         group: Any = None,
         late: bool = False,
+        inner_step: InnerStep | None = None,
+        data: str | None = None,
+        keep_states: int | None = None,
     ) -> None:
         self._group = group
         self._rank = 0
@@ -517,6 +650,11 @@ class OuterLoop:
             run_spec = _share_spec(run_spec, group)
         assert run_spec is not None
         rows = _eval_rows(store, eval_data) if eval_fn is not None and self._rank == 0 else None
+        records = None
+        if inner_step is not None:
+            if group is not None:
+                raise OuterLoopError("a loop the library drives (inner_step) is one process")
+            records = _records(store, run_spec, data)
         self._core = _Core(
             spec=run_spec,
             model=model,
@@ -525,6 +663,9 @@ class OuterLoop:
             eval_rows=rows,
             bootstrap=bootstrap,
             level=None if self._rank == 0 else "group",
+            inner_step=inner_step,
+            records=records,
+            keep_states=keep_states,
         )
         self._core.join = late
         self._node = node
@@ -564,8 +705,32 @@ class OuterLoop:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def run(self, timeout: float = HANDOFF_WAIT) -> dict[str, Any]:
+        """Point 7: take part in the run's rounds, the library driving the inner steps;
+        returns the worker's result, with the final state in the model."""
+        core = self._core
+        if core.driven is None:
+            raise OuterLoopError("this loop's inner steps are the user's: join() and step()")
+        self._spawn()
+        assert self._thread is not None
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise OuterLoopError(f"run {core.spec.run} did not end within {timeout:.0f}s")
+        with core.handoff.cond:
+            error, final = core.handoff.error, core.handoff.state
+        if error is not None:
+            raise OuterLoopError(f"the outer-loop worker stopped: {error}")
+        if final is not None:
+            core.state, core.root = final
+            load_state(core.model, final[0].params)
+        core.finished = True
+        assert core.result is not None
+        return core.result
+
     def join(self, timeout: float = JOIN_WAIT) -> None:
         """Start the worker and copy the run's state into the model (S_0, or the tip)."""
+        if self._core.driven is not None:
+            raise OuterLoopError("the library drives this loop's inner steps: call run()")
         if self._rank != 0:
             self._sync()  # point 6: rank 0's adopted state, to every rank
             return
@@ -574,6 +739,11 @@ class OuterLoop:
             self._sync()
 
     def _start(self, timeout: float) -> None:
+        self._spawn()
+        if not self._core.adopt(timeout):
+            raise OuterLoopError(f"run {self._core.spec.run} ended before this worker joined")
+
+    def _spawn(self) -> None:
         from identity import load_key_file, machine_signer
 
         key = load_key_file(self._node.key_path)
@@ -591,14 +761,14 @@ class OuterLoop:
 
         self._thread = threading.Thread(target=main, name="blobnet-outer", daemon=True)
         self._thread.start()
-        if not core.adopt(timeout):
-            raise OuterLoopError(f"run {core.spec.run} ended before this worker joined")
 
     def step(self, loss: float | None = None) -> bool:
         """After each inner step (``loss``: optional, recorded as the round's mean loss).
         At the H-th: send the update, wait for the round's closure and copy the new state
         into the model; True then. ``finished`` turns true after the worker's last round."""
         core = self._core
+        if core.driven is not None:
+            raise OuterLoopError("the library drives this loop's inner steps: call run()")
         if self._rank != 0:
             core.steps += 1
             if core.steps < core.params.inner_steps:
