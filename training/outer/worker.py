@@ -192,6 +192,9 @@ MAX_PROVIDERS = 64
 # Verdicts kept for the result file: a sampled share of each round's updates, for rounds
 # of at most MAX_RUN_WORKERS (64) workers; beyond this they are acted on, not listed.
 MAX_VERDICTS = 4096
+# Verdicts heard on a round this worker has not applied yet (the replayer applied it and
+# replayed first): held until its sample is drawn; two rounds' samples of 64 workers.
+MAX_EARLY_VERDICTS = 128
 # Update attestations kept for expanding compact closures: two rounds of the largest run's
 # workers, with room for the re-announcements of a round that changed root.
 MAX_ATTESTATIONS = 1024
@@ -356,6 +359,7 @@ class Worker:
         # running, and operators whose cheat this worker confirmed.
         self.starts: dict[int, tuple[str, OuterState]] = {}
         self.awaited: dict[tuple[int, str], _Sampled] = {}
+        self.early_verdicts: list[VerdictHeard] = []  # on rounds not applied yet
         self.verdicts: list[dict[str, Any]] = []
         self.confirming: set[tuple[int, str]] = set()
         self.banned: dict[str, str] = {}  # operator -> reason
@@ -913,6 +917,10 @@ class Worker:
             self.awaited[(c.round, peer)] = sample
             if replayer == self.peer and self.run_nursery is not None:
                 self.run_nursery.start_soon(self._replay, sample, False)
+        early = [e for e in self.early_verdicts if e.verdict.round == c.round]
+        self.early_verdicts = [e for e in self.early_verdicts if e.verdict.round > c.round]
+        for event in early:
+            self._hear_verdict(event)
 
     def _verdict_wait(self) -> float:
         """How long a proposer waits for the previous round's verdicts (point 4)."""
@@ -1031,6 +1039,11 @@ class Worker:
         an update we applied; a mismatch is acted on once our own replay agrees."""
         msg = event.verdict
         sample = self.awaited.get((msg.round, msg.author))
+        ahead = self.state is not None and msg.round >= self.state.round
+        if sample is None and msg.run == self.params.run_id and ahead:
+            if len(self.early_verdicts) < MAX_EARLY_VERDICTS:
+                self.early_verdicts.append(event)  # heard again once the sample is drawn
+            return
         if msg.run != self.params.run_id or sample is None or sample.replayer != event.peer:
             return
         if (msg.update, msg.commitment) != (sample.blob, sample.commitment):
