@@ -59,8 +59,12 @@ Theory of operation
    holds the node and is the run's one peer; every rank counts its steps, and at each
    round's end (and at join) rank 0's parameters, which hold the applied state, are
    broadcast over the group, with whether the run finished. Every rank is left with the
-   same state. A model sharded over the group (FSDP) is not handled: its shards would have
-   to be gathered to rank 0 and scattered back.
+   same state. A model sharded over the group (FSDP2, ``torch.distributed.fsdp.fully_shard``,
+   whose parameters are DTensors on a mesh of the group's ranks) is gathered instead: at a
+   round's end every rank takes part in ``full_tensor()`` per parameter (in name order) so
+   rank 0 holds the whole model for the update, and the applied state is scattered back
+   from rank 0 (``distribute_tensor``), each rank keeping its shard. Memory on rank 0 is
+   then the whole model in float32 at the round's end, as for an unsharded worker.
 7. **The replayed level** (``inner_step`` and ``data``). Replay needs the rows, the inner
    optimizer's state and the step itself, so the library runs the round: an
    :class:`InnerStep` (a name and ``fn(model, batch) -> loss``) on batches of rows of the
@@ -87,7 +91,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import blake3
 import numpy as np
@@ -99,6 +103,7 @@ from training.outer.spec import RunSpec, check_level, check_model
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.tensor import DTensor
 
     from identity import MachineKey, Signer
     from training.outer.codec import F32
@@ -220,12 +225,32 @@ def model_state(model: torch.nn.Module) -> dict[str, F32]:
 
 
 def load_state(model: torch.nn.Module, params: dict[str, F32]) -> None:
-    """Copy ``params`` into the model's parameters in place (cast to their dtype/device)."""
+    """Copy ``params`` into the model's parameters in place (cast to their dtype/device);
+    sharded parameters are left to the group's scatter (point 6)."""
     import torch
 
     with torch.no_grad():
         for name, p in _trainable(model).items():
-            p.copy_(torch.from_numpy(params[name]))
+            if not _is_sharded(p):
+                p.copy_(torch.from_numpy(params[name]))
+
+
+def _is_sharded(p: Any) -> TypeGuard[DTensor]:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
+def gathered_state(model: torch.nn.Module) -> dict[str, F32]:
+    """Point 6: ``model_state`` of a model sharded over a group, whole; every rank of the
+    group calls it (one all-gather per sharded parameter, in name order)."""
+    import torch
+
+    out = {}
+    for name, p in sorted(_trainable(model).items()):
+        whole = p.full_tensor() if _is_sharded(p) else p
+        out[name] = whole.detach().to("cpu", torch.float32).numpy().copy()
+    return out
 
 
 class LoopTrainer:
@@ -260,15 +285,24 @@ class LoopTrainer:
         except _Closed:
             raise OuterLoopError("the training loop was closed mid-round") from None
 
-    def make(self, state: OuterState, root: str, author: str, losses: list[float]) -> Trained:
-        """The user's side of a round's end: the update from S_r to the model now."""
+    def make(
+        self,
+        state: OuterState,
+        root: str,
+        author: str,
+        losses: list[float],
+        current: dict[str, F32] | None = None,
+    ) -> Trained:
+        """The user's side of a round's end: the update from S_r to the model now
+        (``current``: its parameters, where the caller gathered them)."""
         from training.outer.aggregate import wrap_update
         from training.outer.loop import make_update
         from training.outer.replay import encode_inner
         from training.outer.trainer import Trained
 
         before = encode_inner([None] * len(self.names), self.feedback.residual)
-        payload = make_update(state.params, model_state(self.model), self.feedback)
+        now = model_state(self.model) if current is None else current
+        payload = make_update(state.params, now, self.feedback)
         update = wrap_update(payload, round_=state.round, start_root=root, author=author)
         after = encode_inner([None] * len(self.names), self.feedback.residual)
         # A loop the library does not drive commits to no rows (zeros): its updates are
@@ -418,11 +452,11 @@ class _Core:
             self.losses.append(float(loss))
         return self.steps >= self.params.inner_steps
 
-    def send(self) -> tuple[float, float]:
+    def send(self, current: dict[str, F32] | None = None) -> tuple[float, float]:
         """Post the round's update; returns when the round's steps began and when the
         update was posted (monotonic)."""
         assert self.state is not None
-        trained = self.trainer.make(self.state, self.root, self.author, self.losses)
+        trained = self.trainer.make(self.state, self.root, self.author, self.losses, current)
         self.handoff.post_trained(trained)
         return self.adopted_at, time.monotonic()
 
@@ -668,6 +702,11 @@ class OuterLoop:
             keep_states=keep_states,
         )
         self._core.join = late
+        self._sharded = any(_is_sharded(p) for p in _trainable(model).values())
+        if self._sharded and (group is None or eval_fn is not None):
+            raise OuterLoopError(
+                "a sharded (FSDP) model needs group= (its ranks gather it) and is not scored"
+            )
         self._node = node
         self._cert = Path(certificate)
         self._result_path = Path(result_path) if result_path is not None else None
@@ -774,11 +813,13 @@ class OuterLoop:
             if core.steps < core.params.inner_steps:
                 return False
             core.steps = 0
+            if self._sharded:
+                gathered_state(core.model)  # point 6: rank 0 gathers the whole model
             self._sync()
             return True
         if not core.count(loss):
             return False
-        sent = core.send()
+        sent = core.send(gathered_state(core.model) if self._sharded else None)
         core.adopt(HANDOFF_WAIT)
         core.timed(sent)
         core.rounds_applied += 1
@@ -792,11 +833,21 @@ class OuterLoop:
         """Point 6: rank 0's parameters (the applied state) and ``finished`` to every rank."""
         import torch
         import torch.distributed as dist
+        from torch.distributed.tensor import distribute_tensor
 
         src = dist.get_global_rank(self._group, 0)
+        state = self._core.state
         with torch.no_grad():
-            for _, p in sorted(_trainable(self._core.model).items()):
-                dist.broadcast(p.data, src=src, group=self._group)
+            for name, p in sorted(_trainable(self._core.model).items()):
+                if not _is_sharded(p):
+                    dist.broadcast(p.data, src=src, group=self._group)
+                    continue
+                whole = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+                if self._rank == 0:
+                    assert state is not None
+                    whole.copy_(torch.from_numpy(state.params[name]))
+                shard = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=0)
+                p.to_local().copy_(shard.to_local())
             flag = torch.tensor([int(self._core.finished)], dtype=torch.int64)
             dist.broadcast(flag, src=src, group=self._group)
         self._core.finished = bool(flag.item())
