@@ -36,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.wan
 SIZES = {
     # GPT-2 small: 124M parameters with tied embeddings.
     "124m": {"n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024},
+    # GPT-2's vocabulary and context at half its width and layers (~30M parameters, most
+    # in the embedding): what fits 4 workers in a 23 GiB machine (124M peaks at 6 GiB each).
+    "30m": {"n_embd": 384, "n_layer": 6, "n_head": 6, "vocab_size": 50257, "n_positions": 1024},
     "tiny": {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512, "n_positions": 128},
 }
 SEQ = 128
