@@ -78,7 +78,9 @@ Theory of operation
    the loop is, before any training), so every worker of the run must run the same model
    class and step function under that name, with the same buffers and frozen parameters;
    an author whose function differs (a cheat or a bug) fails replay like any mismatch.
-   Records other than the spec's ``data`` offer ``bounded``. Not with a ``group``.
+   Records other than the spec's ``data`` offer ``bounded``. Not with a ``group``; the
+   blocking face only (``open_outer_loop`` takes no ``inner_step``). The store must hold
+   the records blob (fetch it by ID first, as the spec).
 """
 
 from __future__ import annotations
