@@ -192,8 +192,8 @@ MAX_PROVIDERS = 64
 # Verdicts kept for the result file: a sampled share of each round's updates, for rounds
 # of at most MAX_RUN_WORKERS (64) workers; beyond this they are acted on, not listed.
 MAX_VERDICTS = 4096
-# Verdicts heard on a round this worker has not applied yet (the replayer applied it and
-# replayed first): held until its sample is drawn; two rounds' samples of 64 workers.
+# Verdicts heard on the round this worker has not applied yet (the replayer applied it and
+# replayed first): held until its sample is drawn; a round's sample of 64 workers, twice.
 MAX_EARLY_VERDICTS = 128
 # Update attestations kept for expanding compact closures: two rounds of the largest run's
 # workers, with room for the re-announcements of a round that changed root.
@@ -918,7 +918,7 @@ class Worker:
             if replayer == self.peer and self.run_nursery is not None:
                 self.run_nursery.start_soon(self._replay, sample, False)
         early = [e for e in self.early_verdicts if e.verdict.round == c.round]
-        self.early_verdicts = [e for e in self.early_verdicts if e.verdict.round > c.round]
+        self.early_verdicts = []
         for event in early:
             self._hear_verdict(event)
 
@@ -1039,7 +1039,9 @@ class Worker:
         an update we applied; a mismatch is acted on once our own replay agrees."""
         msg = event.verdict
         sample = self.awaited.get((msg.round, msg.author))
-        ahead = self.state is not None and msg.round >= self.state.round
+        # On the round we have not applied yet (another worker applied and replayed it
+        # first); later rounds' verdicts are not early but unfounded, and are not held.
+        ahead = self.state is not None and msg.round == self.state.round
         if sample is None and msg.run == self.params.run_id and ahead:
             if len(self.early_verdicts) < MAX_EARLY_VERDICTS:
                 self.early_verdicts.append(event)  # heard again once the sample is drawn
