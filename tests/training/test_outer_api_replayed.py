@@ -279,5 +279,20 @@ def test_the_step_field_is_optional_in_the_spec_bytes() -> None:
         decode_body(msgpack.packb(body))
 
 
+def test_the_cli_worker_refuses_a_spec_that_names_a_step(tmp_path: Path) -> None:
+    """Its model code is the user's: only the API, given the step, can train and replay it."""
+    from blobstore import Store
+    from training.outer.launch import prepare_run
+    from training.outer.params import RunParams
+    from training.outer.runs import RunNotFound, prepare_spec_worker
+
+    plan = prepare_run(tmp_path / "run", RunParams("replayed", workers=1, rounds=1, inner_steps=H))
+    records = Store.open(plan.workers[0].store).put_bytes(_records())
+    spec = _make_spec(tmp_path, plan, records)
+    w0 = plan.workers[0]
+    with pytest.raises(RunNotFound, match="take part through the Python API"):
+        prepare_spec_worker(w0.store, w0.key, spec, None, device="cpu", threads=1, rounds=1)
+
+
 if __name__ == "__main__":
     worker_main(sys.argv[1])
