@@ -94,6 +94,8 @@ def worker(cfg_path: str) -> None:
         Path(cfg["addrs"]).write_text(json.dumps(node.addrs))
         loop.join()
         for _ in range(cfg["rounds"] * cfg["inner_steps"] + 1):  # bounded
+            if loop.finished:  # a joiner that caught up with the run's last state
+                break
             batch = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
             loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
