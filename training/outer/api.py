@@ -142,6 +142,13 @@ class OuterLoopError(TrainingError):
     exit_code = ExitCode.REJECTED
 
 
+def _describe(exc: BaseException) -> str:
+    """One line for the user's thread: the one exception inside nested trio groups."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
+
+
 class _Closed(Exception):
     pass
 
@@ -796,7 +803,7 @@ class OuterLoop:
             try:
                 result = node.call(_run_worker, core, node.node, signer, cert, out)
             except BaseException as exc:  # reported to the user's thread by the hand-off
-                core.worker_done(None, f"{type(exc).__name__}: {exc}")
+                core.worker_done(None, _describe(exc))
             else:
                 core.worker_done(result, None)
 
@@ -901,7 +908,7 @@ class AsyncOuterLoop:
             try:
                 result = await _run_worker(core, self._node, signer, self._cert, self._result_path)
             except Exception as exc:  # reported to the user's task by the hand-off
-                core.worker_done(None, f"{type(exc).__name__}: {exc}")
+                core.worker_done(None, _describe(exc))
             else:
                 core.worker_done(result, None)
 
