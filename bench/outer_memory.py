@@ -8,7 +8,8 @@ per parameter, and its store's size on disk::
     .venv/bin/python bench/outer_memory.py --model-size small --rounds 3 --rounds 30
 
 The goal it is held to: peak RSS <= 36 bytes per float32 parameter + 1 GiB, the same at
-round 3 as at round 30, and disk bounded by the kept state blobs.
+round 3 as at round 30, and disk bounded by the kept state blobs (``store_by_kind_mib``:
+state blobs, inner-state blobs, other blobs, the rest of the store directory).
 """
 
 from __future__ import annotations
@@ -27,6 +28,37 @@ GOAL_BYTES_PER_PARAM = 36
 
 def _du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _breakdown(root: Path) -> dict[str, float]:
+    """MiB of a store by kind: state blobs, inner-state blobs, other blobs, the rest of the
+    directory (manifests, tags, partials)."""
+    import msgpack
+
+    from blobstore import Store
+    from training.outer.state_blob import BadStateBlob, decode_state
+
+    store = Store.open(root)
+    sizes = {"state": 0, "inner": 0, "other": 0}
+    for blob in store.blob_ids():
+        path = store.path(blob)
+        size = path.stat().st_size
+        data = path.read_bytes()
+        try:
+            decode_state(data)
+            sizes["state"] += size
+            continue
+        except BadStateBlob:
+            pass
+        try:
+            obj = msgpack.unpackb(data, raw=False)
+        except Exception:  # not msgpack: another kind of blob
+            obj = None
+        kind = "inner" if isinstance(obj, dict) and set(obj) == {"v", "opt", "ef"} else "other"
+        sizes[kind] += size
+    out = {k: round(v / (1 << 20), 1) for k, v in sizes.items()}
+    out["rest"] = round((_du(root) - sum(sizes.values())) / (1 << 20), 1)
+    return out
 
 
 def run(size: str, workers: int, rounds: int, inner_steps: int) -> dict[str, object]:
@@ -50,6 +82,7 @@ def run(size: str, workers: int, rounds: int, inner_steps: int) -> dict[str, obj
         results = run_local(plan, timeout=600 + rounds * 60)
         seconds = time.monotonic() - started
         disk = [_du(w.store) for w in plan.workers]
+        kinds = [_breakdown(w.store) for w in plan.workers]
     rows = []
     for i, result in enumerate(results):
         if result is None:
@@ -63,6 +96,7 @@ def run(size: str, workers: int, rounds: int, inner_steps: int) -> dict[str, obj
                 "bytes_per_param_over_1gib": round(max(0, rss - GIB) / params_count, 1),
                 "bytes_per_param": round(rss / params_count, 1),
                 "store_mib": round(disk[i] / (1 << 20), 1),
+                "store_by_kind_mib": kinds[i],
                 "final_round": result["final_round"],
             }
         )

@@ -17,6 +17,13 @@
 From trio, ``async with open_outer_loop(node, key=KEY, spec=..., ...) as loop`` with
 ``await loop.join()`` and ``await loop.step()``.
 
+At the ``replayed`` level the library drives the inner steps itself (point 7)::
+
+    STEP = InnerStep("tinylm-next-token/v1", lambda model, batch: loss_of(model, batch))
+    with OuterLoop(node, spec=SPEC_ID, model=model, certificate=CERT, rounds=10,
+                   inner_step=STEP, data=RECORDS) as loop:
+        result = loop.run()          # every round: H steps on committed rows, replayable
+
 Theory of operation
 -------------------
 1. **Two threads, one hand-off.** The worker (``training.outer.worker``: gossip, agreement,
@@ -52,8 +59,28 @@ Theory of operation
    holds the node and is the run's one peer; every rank counts its steps, and at each
    round's end (and at join) rank 0's parameters, which hold the applied state, are
    broadcast over the group, with whether the run finished. Every rank is left with the
-   same state. A model sharded over the group (FSDP) is not handled: its shards would have
-   to be gathered to rank 0 and scattered back.
+   same state. A model sharded over the group (FSDP2, ``torch.distributed.fsdp.fully_shard``,
+   whose parameters are DTensors on a mesh of the group's ranks) is gathered instead: at a
+   round's end every rank takes part in ``full_tensor()`` per parameter (in name order) so
+   rank 0 holds the whole model for the update, and the applied state is scattered back
+   from rank 0 (``distribute_tensor``), each rank keeping its shard. Memory on rank 0 is
+   then the whole model in float32 at the round's end, as for an unsharded worker.
+7. **The replayed level** (``inner_step`` and ``data``). Replay needs the rows, the inner
+   optimizer's state and the step itself, so the library runs the round: an
+   :class:`InnerStep` (a name and ``fn(model, batch) -> loss``) on batches of rows of the
+   records blob ``data``, drawn by the worker's sampler and written into its update's
+   commitment, with the library's own inner AdamW (the spec's ``inner_lr``, kept across
+   rounds; ``inner_optimizer`` is not used) and the causal-LM recipe's clipping
+   (``training.outer.trainer``). ``run()`` takes part in the worker's rounds and leaves the
+   final state in the model. The spec names the step (``RunSpec.step``); a worker whose
+   step has another name is refused before step 0. Other workers replay a sampled update
+   with *their own* function of that name on a fresh copy of *their own* model (made when
+   the loop is, before any training), so every worker of the run must run the same model
+   class and step function under that name, with the same buffers and frozen parameters;
+   an author whose function differs (a cheat or a bug) fails replay like any mismatch.
+   Records other than the spec's ``data`` offer ``bounded``. Not with a ``group``; the
+   blocking face only (``open_outer_loop`` takes no ``inner_step``). The store must hold
+   the records blob (fetch it by ID first, as the spec).
 """
 
 from __future__ import annotations
@@ -63,10 +90,10 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import blake3
 import numpy as np
@@ -78,6 +105,7 @@ from training.outer.spec import RunSpec, check_level, check_model
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed.tensor import DTensor
 
     from identity import MachineKey, Signer
     from training.outer.codec import F32
@@ -97,10 +125,28 @@ SCORE_ROWS = 8
 JOIN_WAIT = 600.0
 
 
+@dataclass(frozen=True)
+class InnerStep:
+    """Point 7: the user's inner step, named as the run spec's ``step`` names it.
+    ``fn(model, batch) -> loss`` (a scalar tensor), ``batch`` an int64 tensor of rows
+    (batch x sequence length) of the run's records on the model's device; the library
+    calls ``backward()`` and the optimizer."""
+
+    name: str
+    fn: Callable[[Any, Any], Any]
+
+
 class OuterLoopError(TrainingError):
     """The outer loop cannot go on (the worker failed, the run ended, a bound passed)."""
 
     exit_code = ExitCode.REJECTED
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for the user's thread: the one exception inside nested trio groups."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
 
 
 class _Closed(Exception):
@@ -188,12 +234,32 @@ def model_state(model: torch.nn.Module) -> dict[str, F32]:
 
 
 def load_state(model: torch.nn.Module, params: dict[str, F32]) -> None:
-    """Copy ``params`` into the model's parameters in place (cast to their dtype/device)."""
+    """Copy ``params`` into the model's parameters in place (cast to their dtype/device);
+    sharded parameters are left to the group's scatter (point 6)."""
     import torch
 
     with torch.no_grad():
         for name, p in _trainable(model).items():
-            p.copy_(torch.from_numpy(params[name]))
+            if not _is_sharded(p):
+                p.copy_(torch.from_numpy(params[name]))
+
+
+def _is_sharded(p: Any) -> TypeGuard[DTensor]:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
+def gathered_state(model: torch.nn.Module) -> dict[str, F32]:
+    """Point 6: ``model_state`` of a model sharded over a group, whole; every rank of the
+    group calls it (one all-gather per sharded parameter, in name order)."""
+    import torch
+
+    out = {}
+    for name, p in sorted(_trainable(model).items()):
+        whole = p.full_tensor() if _is_sharded(p) else p
+        out[name] = whole.detach().to("cpu", torch.float32).numpy().copy()
+    return out
 
 
 class LoopTrainer:
@@ -228,15 +294,24 @@ class LoopTrainer:
         except _Closed:
             raise OuterLoopError("the training loop was closed mid-round") from None
 
-    def make(self, state: OuterState, root: str, author: str, losses: list[float]) -> Trained:
-        """The user's side of a round's end: the update from S_r to the model now."""
+    def make(
+        self,
+        state: OuterState,
+        root: str,
+        author: str,
+        losses: list[float],
+        current: dict[str, F32] | None = None,
+    ) -> Trained:
+        """The user's side of a round's end: the update from S_r to the model now
+        (``current``: its parameters, where the caller gathered them)."""
         from training.outer.aggregate import wrap_update
         from training.outer.loop import make_update
         from training.outer.replay import encode_inner
         from training.outer.trainer import Trained
 
         before = encode_inner([None] * len(self.names), self.feedback.residual)
-        payload = make_update(state.params, model_state(self.model), self.feedback)
+        now = model_state(self.model) if current is None else current
+        payload = make_update(state.params, now, self.feedback)
         update = wrap_update(payload, round_=state.round, start_root=root, author=author)
         after = encode_inner([None] * len(self.names), self.feedback.residual)
         # A loop the library does not drive commits to no rows (zeros): its updates are
@@ -312,6 +387,9 @@ class _Core:
         eval_rows: Any,
         bootstrap: Sequence[str] = (),
         level: str | None = None,
+        inner_step: InnerStep | None = None,
+        records: tuple[str, Any] | None = None,
+        keep_states: int | None = None,
     ) -> None:
         from training.kernel_class import detect
         from training.outer.runs import params_from_spec
@@ -319,6 +397,15 @@ class _Core:
         shapes = {n: tuple(p.shape) for n, p in _trainable(model).items()}
         check_model(spec, shapes)
         self.level = "scored" if eval_fn is not None else "bounded"
+        self.driven: _DrivenTrainers | None = None
+        if inner_step is not None:
+            check_step(spec, inner_step)
+            assert records is not None
+            data, tokens = records
+            if data and data == spec.data:
+                self.level = "replayed"
+            self.driven = _DrivenTrainers(model, inner_step, tokens)
+        self.keep_states = keep_states
         if level is None:  # the group's rank 0 offers the level; other ranks follow it
             check_level(spec, self.level)
         self.spec = spec
@@ -374,11 +461,11 @@ class _Core:
             self.losses.append(float(loss))
         return self.steps >= self.params.inner_steps
 
-    def send(self) -> tuple[float, float]:
+    def send(self, current: dict[str, F32] | None = None) -> tuple[float, float]:
         """Post the round's update; returns when the round's steps began and when the
         update was posted (monotonic)."""
         assert self.state is not None
-        trained = self.trainer.make(self.state, self.root, self.author, self.losses)
+        trained = self.trainer.make(self.state, self.root, self.author, self.losses, current)
         self.handoff.post_trained(trained)
         return self.adopted_at, time.monotonic()
 
@@ -394,9 +481,14 @@ class _Core:
         from training.outer.params import WorkerConfig
 
         trainer = self.trainer
-        return WorkerConfig(
+        make_trainer: Callable[[RunParams, int], Any] = lambda params, shard: trainer  # noqa: E731
+        shard = 0
+        if self.driven is not None:
+            make_trainer = self.driven
+            shard = peer_shard(self.author)
+        config = WorkerConfig(
             params=self.params,
-            shard=0,
+            shard=shard,
             store_root=store_root,
             key_path=key_path,
             cert_path=cert_path,
@@ -405,18 +497,74 @@ class _Core:
             initial=None if self.join else self.spec.initial,
             join=self.join,
             bootstrap=self.bootstrap,
-            make_trainer=lambda params, shard: trainer,
+            make_trainer=make_trainer,
             score=trainer.scorer,
             level=self.level,
             min_level=self.spec.level,
             require_hardware=self.spec.require_hardware,
         )
+        if self.keep_states is not None:
+            config = replace(config, keep_states=self.keep_states)
+        return config
 
     def worker_done(self, result: dict[str, Any] | None, error: str | None) -> None:
         self.result = result
         # The final state: the tip the worker ends on, for the user's model.
         final = None if result is None else result.pop("final_state", None)
         self.handoff.end(error, final)
+
+
+def check_step(spec: RunSpec, step: InnerStep) -> None:
+    """Point 7: refuse a step the spec does not name, before step 0."""
+    from training.outer.spec import LevelRefused
+
+    if not spec.step:
+        raise LevelRefused(
+            f"run {spec.run} names no inner step (its replays run the built-in causal-LM "
+            f"step): make the run with step={step.name!r} to drive it with InnerStep"
+        )
+    if step.name != spec.step:
+        raise LevelRefused(
+            f"run {spec.run} replays the inner step {spec.step!r}; this worker's InnerStep "
+            f"is {step.name!r}"
+        )
+
+
+def peer_shard(peer: str) -> int:
+    """A worker's shard (its sampler's stream) from its peer ID, as the CLI worker's."""
+    return int.from_bytes(blake3.blake3(peer.encode()).digest()[:4], "little") % (1 << 20)
+
+
+class _DrivenTrainers:
+    """Point 7: the worker's trainer trains the user's model; each replay's trains a
+    fresh copy of it as it was when the loop was made."""
+
+    def __init__(self, model: torch.nn.Module, step: InnerStep, tokens: Any) -> None:
+        import torch
+
+        self.model = model
+        self.template = copy.deepcopy(model)
+        self.step = step
+        self.tokens = tokens
+        self.device = next(iter(model.parameters())).device.type
+        self.threads = torch.get_num_threads()
+        self.lock = threading.Lock()
+        self.given = False
+
+    def __call__(self, params: RunParams, shard: int) -> Any:
+        from training.outer.trainer import Trainer
+
+        with self.lock:
+            model, self.given = (copy.deepcopy(self.template) if self.given else self.model), True
+        return Trainer(
+            params,
+            shard,
+            model=model,
+            tokens=self.tokens,
+            device=self.device,
+            threads=self.threads,
+            step_fn=self.step.fn,
+        )
 
 
 async def _run_worker(
@@ -465,6 +613,26 @@ def msgpack_body(spec: RunSpec) -> bytes:
     return encode_canonical(spec.body())
 
 
+def _records(store: Any, spec: RunSpec, data: str | None) -> tuple[str, Any]:
+    """Point 7: (records blob ID, its int64 rows) of ``data`` (default: the spec's)."""
+    from training.outer.runs import RunNotFound
+    from training.records import decode_records
+
+    ref = data or spec.data
+    if not ref:
+        raise RunNotFound(f"run {spec.run} names no records: give data=RECORDS")
+    from blobstore import StoreError
+
+    blob = store.tags().get(ref, ref)
+    try:
+        held = store.has(blob)
+    except (StoreError, ValueError):  # not a blob ID
+        held = False
+    if not held:
+        raise RunNotFound(f"this store lacks the records blob {ref}: fetch it first")
+    return blob, decode_records(store.path(blob).read_bytes()).tokens
+
+
 def _load_spec(store: Any, ref: str) -> RunSpec:
     from training.outer.runs import read_spec
 
@@ -485,6 +653,11 @@ class OuterLoop:
     ``late``: join a run already under way (catch up from its tip, not S_0).
     ``group``: the ``torch.distributed`` group this worker's replicas form (point 6); its
     ranks other than 0 pass ``node=None``.
+    ``inner_step`` (an :class:`InnerStep`) and ``data`` (a records blob ID or tag; default
+    the spec's): the library drives the inner steps and the worker offers ``replayed``
+    (point 7); call :meth:`run` instead of ``join()`` and ``step()``.
+    ``keep_states``: how many rounds' state blobs the worker's store keeps (older ones
+    are deleted; ``training.outer.worker`` point 5).
     """
 
     def __init__(
@@ -502,6 +675,9 @@ class OuterLoop:
         result_path: str | Path | None = None,
         group: Any = None,
         late: bool = False,
+        inner_step: InnerStep | None = None,
+        data: str | None = None,
+        keep_states: int | None = None,
     ) -> None:
         self._group = group
         self._rank = 0
@@ -517,6 +693,11 @@ class OuterLoop:
             run_spec = _share_spec(run_spec, group)
         assert run_spec is not None
         rows = _eval_rows(store, eval_data) if eval_fn is not None and self._rank == 0 else None
+        records = None
+        if inner_step is not None:
+            if group is not None:
+                raise OuterLoopError("a loop the library drives (inner_step) is one process")
+            records = _records(store, run_spec, data)
         self._core = _Core(
             spec=run_spec,
             model=model,
@@ -525,8 +706,16 @@ class OuterLoop:
             eval_rows=rows,
             bootstrap=bootstrap,
             level=None if self._rank == 0 else "group",
+            inner_step=inner_step,
+            records=records,
+            keep_states=keep_states,
         )
         self._core.join = late
+        self._sharded = any(_is_sharded(p) for p in _trainable(model).values())
+        if self._sharded and (group is None or eval_fn is not None):
+            raise OuterLoopError(
+                "a sharded (FSDP) model needs group= (its ranks gather it) and is not scored"
+            )
         self._node = node
         self._cert = Path(certificate)
         self._result_path = Path(result_path) if result_path is not None else None
@@ -564,8 +753,32 @@ class OuterLoop:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def run(self, timeout: float = HANDOFF_WAIT) -> dict[str, Any]:
+        """Point 7: take part in the run's rounds, the library driving the inner steps;
+        returns the worker's result, with the final state in the model."""
+        core = self._core
+        if core.driven is None:
+            raise OuterLoopError("this loop's inner steps are the user's: join() and step()")
+        self._spawn()
+        assert self._thread is not None
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise OuterLoopError(f"run {core.spec.run} did not end within {timeout:.0f}s")
+        with core.handoff.cond:
+            error, final = core.handoff.error, core.handoff.state
+        if error is not None:
+            raise OuterLoopError(f"the outer-loop worker stopped: {error}")
+        if final is not None:
+            core.state, core.root = final
+            load_state(core.model, final[0].params)
+        core.finished = True
+        assert core.result is not None
+        return core.result
+
     def join(self, timeout: float = JOIN_WAIT) -> None:
         """Start the worker and copy the run's state into the model (S_0, or the tip)."""
+        if self._core.driven is not None:
+            raise OuterLoopError("the library drives this loop's inner steps: call run()")
         if self._rank != 0:
             self._sync()  # point 6: rank 0's adopted state, to every rank
             return
@@ -574,6 +787,11 @@ class OuterLoop:
             self._sync()
 
     def _start(self, timeout: float) -> None:
+        self._spawn()
+        if not self._core.adopt(timeout):
+            raise OuterLoopError(f"run {self._core.spec.run} ended before this worker joined")
+
+    def _spawn(self) -> None:
         from identity import load_key_file, machine_signer
 
         key = load_key_file(self._node.key_path)
@@ -585,30 +803,32 @@ class OuterLoop:
             try:
                 result = node.call(_run_worker, core, node.node, signer, cert, out)
             except BaseException as exc:  # reported to the user's thread by the hand-off
-                core.worker_done(None, f"{type(exc).__name__}: {exc}")
+                core.worker_done(None, _describe(exc))
             else:
                 core.worker_done(result, None)
 
         self._thread = threading.Thread(target=main, name="blobnet-outer", daemon=True)
         self._thread.start()
-        if not core.adopt(timeout):
-            raise OuterLoopError(f"run {core.spec.run} ended before this worker joined")
 
     def step(self, loss: float | None = None) -> bool:
         """After each inner step (``loss``: optional, recorded as the round's mean loss).
         At the H-th: send the update, wait for the round's closure and copy the new state
         into the model; True then. ``finished`` turns true after the worker's last round."""
         core = self._core
+        if core.driven is not None:
+            raise OuterLoopError("the library drives this loop's inner steps: call run()")
         if self._rank != 0:
             core.steps += 1
             if core.steps < core.params.inner_steps:
                 return False
             core.steps = 0
+            if self._sharded:
+                gathered_state(core.model)  # point 6: rank 0 gathers the whole model
             self._sync()
             return True
         if not core.count(loss):
             return False
-        sent = core.send()
+        sent = core.send(gathered_state(core.model) if self._sharded else None)
         core.adopt(HANDOFF_WAIT)
         core.timed(sent)
         core.rounds_applied += 1
@@ -622,11 +842,21 @@ class OuterLoop:
         """Point 6: rank 0's parameters (the applied state) and ``finished`` to every rank."""
         import torch
         import torch.distributed as dist
+        from torch.distributed.tensor import distribute_tensor
 
         src = dist.get_global_rank(self._group, 0)
+        state = self._core.state
         with torch.no_grad():
-            for _, p in sorted(_trainable(self._core.model).items()):
-                dist.broadcast(p.data, src=src, group=self._group)
+            for name, p in sorted(_trainable(self._core.model).items()):
+                if not _is_sharded(p):
+                    dist.broadcast(p.data, src=src, group=self._group)
+                    continue
+                whole = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+                if self._rank == 0:
+                    assert state is not None
+                    whole.copy_(torch.from_numpy(state.params[name]))
+                shard = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=0)
+                p.to_local().copy_(shard.to_local())
             flag = torch.tensor([int(self._core.finished)], dtype=torch.int64)
             dist.broadcast(flag, src=src, group=self._group)
         self._core.finished = bool(flag.item())
@@ -678,7 +908,7 @@ class AsyncOuterLoop:
             try:
                 result = await _run_worker(core, self._node, signer, self._cert, self._result_path)
             except Exception as exc:  # reported to the user's task by the hand-off
-                core.worker_done(None, f"{type(exc).__name__}: {exc}")
+                core.worker_done(None, _describe(exc))
             else:
                 core.worker_done(result, None)
 

@@ -162,6 +162,10 @@ class WorkerConfig:
     # spec's require_hardware; training.outer.messages rule 7). This worker's own key must
     # then be TPM-bound and admitted on its TPM.
     require_hardware: bool = False
+    # Rounds whose state blobs (and own inner-state blobs) the store keeps; older ones are
+    # deleted (training.outer.runs point 4). 3: the tip, and two rounds for a replay of
+    # the previous round's sample and a peer catching up from a slightly older state.
+    keep_states: int = 3
 
 
 def outer_kernel_class(device: str = "cpu", threads: int = 1) -> str:

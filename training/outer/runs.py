@@ -15,6 +15,16 @@ as a model directory (``blob outer export``), and what a worker builds from a sp
 3. A worker given a spec builds its trainer (``training.outer.trainer.Trainer``) from the
    base collection and a records blob, on the device and thread count it is told; the
    kernel class that names comes from ``training.kernel_class``, never a silent fallback.
+   A spec that names a step of the user's own (``RunSpec.step``) is refused here: only
+   the Python API, given that step, can train and replay it (``training.outer.api``).
+4. **Retention** (:class:`Retention`): a worker's store keeps what ``blob outer verify``
+   needs for the whole run (closures, milestones, verdicts, the updates they name, the
+   commitments, the start and anchor states: all tagged or in a tagged collection) and,
+   of the rest, only the recent: the state blobs of the last ``keep`` rounds, and its own
+   inner-state blobs (what a replayer of its update fetches) of the last ``keep`` rounds.
+   Older ones are deleted at once, not left for ``blob gc``, so a worker's disk is flat
+   over a long run. A blob is deleted only if no tag names it (:func:`drop_blob`): a state
+   that is also the run's start or an anchor stays.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -301,6 +311,11 @@ def prepare_spec_worker(
         _fetch_all(store_root, wanted, bootstrap)
     _, signed = read_spec(store, spec_ref)
     spec = signed.spec
+    if spec.step:
+        raise RunNotFound(
+            f"run {spec.run} trains with the inner step {spec.step!r}, the user's own code: "
+            "take part through the Python API (training.outer.api.OuterLoop, inner_step=)"
+        )
     data = data_ref or spec.data
     if not data:
         raise RunNotFound(f"run {spec.run} names no records: give --data RECORDS")
@@ -331,6 +346,51 @@ def prepare_spec_worker(
         check_records_fit(records, base_tokenizer_id(store, spec.base), vocab)
     factory = SpecTrainer(spec, base_dir, records.tokens, device, threads, records.pad_id)
     return SpecWorker(spec, params, shard, level, factory)
+
+
+@dataclass
+class Retention:
+    """Point 4, sans-IO: which state and inner-state blobs have fallen out of the last
+    ``keep`` rounds. The caller deletes what it is told with :func:`drop_blob`."""
+
+    keep: int
+    states: list[tuple[int, str, str]] = field(default_factory=list)  # round, tag, blob
+    inners: list[tuple[int, str]] = field(default_factory=list)  # round, blob
+
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise ValueError("a worker keeps at least one round's state (the tip)")
+
+    def state(self, round_: int, tag: str, blob: str) -> list[tuple[str, str]]:
+        """Round ``round_``'s state is ``blob`` under ``tag``: the (tag to untag, blob) to
+        drop; the tag is "" for a state ``tag`` named before (a branch left behind)."""
+        replaced = [("", b) for _, t, b in self.states if t == tag and b != blob]
+        self.states = [s for s in self.states if s[1] != tag] + [(round_, tag, blob)]
+        return replaced + [(t, b) for _, t, b in self._old(self.states)]
+
+    def inner(self, round_: int, blob: str) -> list[str]:
+        """This worker's inner state before round ``round_`` is ``blob``: blobs to drop."""
+        self.inners = [s for s in self.inners if s[1] != blob] + [(round_, blob)]
+        return [b for _, b in self._old(self.inners)]
+
+    def _old(self, held: list[Any]) -> list[Any]:
+        newest = max(r for r, *_ in held)
+        old = [x for x in held if x[0] <= newest - self.keep]
+        held[:] = [x for x in held if x[0] > newest - self.keep]
+        return old
+
+
+def drop_blob(store: Store, blob: str) -> bool:
+    """Point 4: delete ``blob`` unless a tag names it; True if it went."""
+    from blobstore import StoreError
+
+    if blob in set(store.tags().values()):
+        return False
+    try:
+        store.rm(blob)
+    except StoreError:  # gone already, or a writer holds it: gc's job then
+        return False
+    return True
 
 
 def _is_blob_id(ref: str) -> bool:

@@ -15,7 +15,11 @@ Theory of operation
    Where the run was made from a Hugging Face directory, the spec names that directory's
    collection blob (``base``: config, tokenizer and the initial weights) so a worker can
    build the model and ``blob outer export`` can write one back; where the run's data is
-   shared, it names the records blob (``data``), which replay needs.
+   shared, it names the records blob (``data``), which replay needs. A run whose model
+   and inner step are the user's own code names that step (``step``: the name of the
+   user's ``training.outer.api.InnerStep``): replay by other workers runs their step of
+   that name, so every worker must run the same function under it. Empty (and then not
+   written, so such specs keep their bytes): the built-in causal-LM step.
 2. **Encoding.** The body is a canonical msgpack map (these keys, sorted; a decoder
    re-encodes and refuses anything that differs). A spec that requires hardware is body
    version 2, which adds ``require_hardware: true``; every other spec is version 1 without
@@ -62,6 +66,10 @@ LEVELS = ("bounded", "scored", "replayed")
 # (training.outer.codec.MAX_TENSORS) could not be a run anyway. This bounds the blob before
 # it is parsed: 4096 tensors with 200-byte names and 8 dims is under 2 MiB.
 MAX_SPEC_SIZE = 4 << 20
+# A step name is a label ("tinylm-next-token/v1"), not code: 128 characters are plenty.
+MAX_STEP_NAME = 128
+# Body keys of either version written only when set.
+_OPTIONAL = frozenset({"step"})
 
 
 class BadSpec(TrainingError):
@@ -109,6 +117,7 @@ class RunSpec:
     base: str = ""
     data: str = ""
     require_hardware: bool = False
+    step: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -122,6 +131,8 @@ class RunSpec:
             raise ValueError("a run spec names at least one authority")
         if type(self.require_hardware) is not bool:
             raise ValueError("require_hardware must be true or false")
+        if type(self.step) is not str or len(self.step) > MAX_STEP_NAME:
+            raise ValueError(f"a step name is a string of at most {MAX_STEP_NAME} characters")
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return dict(self.tensors)
@@ -137,6 +148,8 @@ class RunSpec:
         for f in fields(self):
             if f.name == "extra" or (f.name == "require_hardware" and not self.require_hardware):
                 continue
+            if f.name in _OPTIONAL and not getattr(self, f.name):
+                continue  # written only when set: specs that do not use it keep their bytes
             value = getattr(self, f.name)
             if f.name == "tensors":
                 value = [[name, list(shape)] for name, shape in value]
@@ -173,11 +186,11 @@ def decode_body(body: bytes) -> RunSpec:
     names = {f.name for f in fields(RunSpec)} - {"extra"}
     if obj["v"] == SPEC_VERSION:
         names -= {"require_hardware"}
-    if set(obj) != names | {"v"}:
+    if not names - _OPTIONAL <= set(obj) - {"v"} <= names:
         raise BadSpec("run spec has missing or unknown fields")
     try:
         tensors = tuple((str(n), tuple(int(d) for d in s)) for n, s in obj["tensors"])
-        kw = {n: obj[n] for n in names}
+        kw = {n: obj[n] for n in names if n in obj}
         kw["tensors"] = tensors
         kw["authorities"] = tuple(obj["authorities"])
         spec = RunSpec(**kw)
@@ -246,7 +259,7 @@ def check_level(spec: RunSpec, offered: str) -> None:
         raise LevelRefused(f"unknown verification level {offered!r}; one of {', '.join(LEVELS)}")
     if LEVELS.index(offered) < LEVELS.index(spec.level):
         need = {
-            "replayed": "a step_fn and a records blob (the library drives the inner steps)",
+            "replayed": "an inner_step and the run's records (the library drives the inner steps)",
             "scored": "an eval_fn and an evaluation records blob",
         }[spec.level]
         raise LevelRefused(

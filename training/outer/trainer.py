@@ -41,10 +41,13 @@ class Trainer:
         device: str = "cpu",
         threads: int = 1,
         pad_id: int | None = None,
+        step_fn: Any = None,
     ) -> None:
         """``model`` (a causal LM taking ``input_ids`` and ``labels``) and ``tokens`` (rows
         of token IDs) default to the built-in tiny Llama and synthetic shard; ``pad_id``
-        (tokenizer records pad past the vocabulary) is left out of the loss and read as 0."""
+        (tokenizer records pad past the vocabulary) is left out of the loss and read as 0.
+        ``step_fn(model, batch) -> loss``: the user's loss on one batch of rows, in place
+        of the causal-LM loss (``training.outer.api``, the replayed level)."""
         import torch
 
         from training.model import make_tiny_llama
@@ -53,6 +56,7 @@ class Trainer:
         self.device = device
         self.threads = threads
         self.pad_id = pad_id
+        self.step_fn = step_fn
         with TORCH_RNG_LOCK:  # entering deterministic mode reseeds torch's one generator
             self.kernel_class = outer_kernel_class(device, threads)
         if model is None:
@@ -122,7 +126,9 @@ class Trainer:
         with TORCH_RNG_LOCK:
             torch.manual_seed(round_seed(root, author))
             load_params(self.model, state.params)
-            if self.pad_id is None:
+            if self.step_fn is not None:
+                losses = _user_steps(self.model, self.optimizer, batches, self.step_fn)
+            elif self.pad_id is None:
                 losses = run_inner_steps(self.model, self.optimizer, batches)
             else:
                 losses = _padded_steps(self.model, self.optimizer, batches, self.pad_id)
@@ -194,6 +200,23 @@ def round_seed(root: str, author: str) -> int:
 
 # Labels the HF loss ignores (padding), as in training.rounds.trainer.
 IGNORE_INDEX = -100
+
+
+def _user_steps(model: Any, optimizer: Any, batches: list[Any], step_fn: Any) -> list[float]:
+    """``run_inner_steps`` with the user's loss: ``step_fn(model, batch)`` per batch."""
+    import torch
+
+    losses: list[float] = []
+    model.train()
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = step_fn(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
+        optimizer.step()
+        losses.append(float(loss.item()))
+    model.eval()
+    return losses
 
 
 def _padded_steps(model: Any, optimizer: Any, batches: list[Any], pad_id: int) -> list[float]:

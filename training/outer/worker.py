@@ -44,8 +44,10 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
    out of every closure it proposes. A proposer waits (bounded by ``_verdict_wait``) for
    the verdicts on the previous round's sample before proposing, so a confirmed cheat is
    left out of the next closure it makes.
-5. Disk: the state blobs of the last ``KEEP_STATES`` rounds stay tagged
-   ``outer/<run>/state/<round>``; older ones are untagged, so ``blob gc`` collects them.
+5. Disk: the state blobs of the last ``keep_states`` rounds (``WorkerConfig``) stay tagged
+   ``outer/<run>/state/<round>``, its own inner-state blobs of those rounds stay; older
+   ones are untagged and deleted, and a replayer deletes an inner state it fetched once
+   replayed (``training.outer.runs`` point 4).
    Each applied closure is kept as a blob (tagged), with its milestone and a collection
    of the update blobs it names (``training.outer.milestones`` rule 2), so ``blob gc``
    leaves ``blob outer verify`` what it needs until ``blob outer forget``.
@@ -165,6 +167,7 @@ from training.outer.replay import (
     sampled,
     sign_verdict,
 )
+from training.outer.runs import Retention, drop_blob
 from training.outer.state_blob import BadStateBlob, decode_state, encode_state
 from training.outer.trainer import Trainer
 
@@ -177,9 +180,6 @@ _T = TypeVar("_T")
 FETCH_STALL = 20.0
 # A failed fetch is tried again after this pause.
 FETCH_RETRY = 0.5
-# State blobs kept tagged: the current one and the two before it (a sibling closure of
-# the last round may still win; older states are reachable through closures).
-KEEP_STATES = 3
 # Before proposing, the worker lets messages already on the wire (buffered while it was
 # busy or paused) reach its book, so it does not propose for a round already closed.
 GATHER = 0.3
@@ -192,6 +192,9 @@ MAX_PROVIDERS = 64
 # Verdicts kept for the result file: a sampled share of each round's updates, for rounds
 # of at most MAX_RUN_WORKERS (64) workers; beyond this they are acted on, not listed.
 MAX_VERDICTS = 4096
+# Verdicts heard on the round this worker has not applied yet (the replayer applied it and
+# replayed first): held until its sample is drawn; a round's sample of 64 workers, twice.
+MAX_EARLY_VERDICTS = 128
 # Update attestations kept for expanding compact closures: two rounds of the largest run's
 # workers, with room for the re-announcements of a round that changed root.
 MAX_ATTESTATIONS = 1024
@@ -332,7 +335,7 @@ class Worker:
         self.proposed: dict[bytes, tuple[Aggregate, str, int]] = {}
         self.records: dict[int, RoundRecord] = {}
         self.refused_closures: list[dict[str, Any]] = []
-        self.kept_states: list[tuple[int, str]] = []
+        self.retention = Retention(config.keep_states)
         self.dialer = PeerDialer()
         self.joined_at: int | None = None
         self.start_blob = ""
@@ -356,6 +359,7 @@ class Worker:
         # running, and operators whose cheat this worker confirmed.
         self.starts: dict[int, tuple[str, OuterState]] = {}
         self.awaited: dict[tuple[int, str], _Sampled] = {}
+        self.early_verdicts: list[VerdictHeard] = []  # on rounds not applied yet
         self.verdicts: list[dict[str, Any]] = []
         self.confirming: set[tuple[int, str]] = set()
         self.banned: dict[str, str] = {}  # operator -> reason
@@ -726,15 +730,13 @@ class Worker:
         await trio.to_thread.run_sync(
             store.tag, tag(self.params.run_id, "closure", c.round), closure_blob
         )
-        self.kept_states = [(r, n) for r, n in self.kept_states if n != name] + [
-            (state.round, name)
-        ]
-        while len(self.kept_states) > KEEP_STATES:
-            _, old_tag = self.kept_states.pop(0)
+        for old_tag, old_blob in self.retention.state(state.round, name, state_blob):
             try:
-                await trio.to_thread.run_sync(store.untag, old_tag)
+                if old_tag:
+                    await trio.to_thread.run_sync(store.untag, old_tag)
             except StoreError:
                 pass
+            await trio.to_thread.run_sync(drop_blob, store, old_blob)
         prior = self.state if self.root == c.start_root else None
         self._enter(state, root)
         if c.proposer != self.peer:
@@ -915,6 +917,10 @@ class Worker:
             self.awaited[(c.round, peer)] = sample
             if replayer == self.peer and self.run_nursery is not None:
                 self.run_nursery.start_soon(self._replay, sample, False)
+        early = [e for e in self.early_verdicts if e.verdict.round == c.round]
+        self.early_verdicts = []
+        for event in early:
+            self._hear_verdict(event)
 
     def _verdict_wait(self) -> float:
         """How long a proposer waits for the previous round's verdicts (point 4)."""
@@ -1011,9 +1017,12 @@ class Worker:
         )
         if claim:
             return f"mismatch: {claim}"
+        had_inner = await trio.to_thread.run_sync(self.node.store.has, c.inner)
         if not await self._fetch(c.inner, providers, bound):
             return UNAVAILABLE
         inner = await trio.to_thread.run_sync(self._load, c.inner)
+        if not had_inner:  # fetched for this replay only (a blob we held may be evidence)
+            await trio.to_thread.run_sync(drop_blob, self.node.store, c.inner)
         update = await trio.to_thread.run_sync(self._load, sample.blob)
         make = self.config.make_trainer
         return await trio.to_thread.run_sync(
@@ -1030,6 +1039,13 @@ class Worker:
         an update we applied; a mismatch is acted on once our own replay agrees."""
         msg = event.verdict
         sample = self.awaited.get((msg.round, msg.author))
+        # On the round we have not applied yet (another worker applied and replayed it
+        # first); later rounds' verdicts are not early but unfounded, and are not held.
+        ahead = self.state is not None and msg.round == self.state.round
+        if sample is None and msg.run == self.params.run_id and ahead:
+            if len(self.early_verdicts) < MAX_EARLY_VERDICTS:
+                self.early_verdicts.append(event)  # heard again once the sample is drawn
+            return
         if msg.run != self.params.run_id or sample is None or sample.replayer != event.peer:
             return
         if (msg.update, msg.commitment) != (sample.blob, sample.commitment):
@@ -1085,6 +1101,8 @@ class Worker:
         # What a replayer needs (training.outer.replay, rule 1): the inner state before
         # the round, and the commitment naming it, the rows, the losses and the update.
         inner = await self.node.add_bytes(trained.inner_before)
+        for old in self.retention.inner(state.round, inner):
+            await trio.to_thread.run_sync(drop_blob, self.node.store, old)
         commitment = UpdateCommitment(
             self.params.run_id,
             state.round,
