@@ -42,7 +42,7 @@ PROTOCOLS = ("blob", "names", "relay")
 FETCH_OUTCOMES = ("ok", "not_found", "failed", "cancelled")
 CONNECTION_KINDS = ("direct", "relayed", "lane")
 REFUSAL_REASONS = ("busy", "tentative_declined", "unadmitted")
-EXCLUSION_REASONS = ("bounds", "replay", "late", "invalid")
+EXCLUSION_REASONS = ("bounds", "replay", "late", "score", "invalid")
 REPLAY_VERDICTS = ("agree", "disagree", "error")
 # Fetch durations from a warm local fetch (tens of ms) to a large blob across continents.
 FETCH_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)

@@ -27,6 +27,7 @@ from identity import (
     load_key_file,
     sign_attestation,
 )
+from p2p.daemon.client import DaemonClient, DaemonGone, DaemonRefused
 from p2p.node.node import open_node
 from training.outer.aggregate import aggregate, wrap_update
 from training.outer.agreement import decode_closure
@@ -43,6 +44,7 @@ from training.outer.messages import (
     topic,
 )
 from training.outer.milestones import decode_milestone_record, list_milestones, sign_milestone
+from training.outer.observe import PHASES
 from training.outer.params import RunParams
 from training.outer.state_blob import decode_state
 
@@ -54,39 +56,75 @@ pytestmark = [
 
 def test_three_workers_two_rounds_reach_the_same_state(tmp_path: Path) -> None:
     work = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "p2p.cli",
-            "--store",
-            str(tmp_path / "unused"),
-            "outer",
-            "run",
-            "--workers",
-            "3",
-            "--rounds",
-            "2",
-            "--inner-steps",
-            "2",
-            "--deadline",
-            "10",
-            "--proposer-timeout",
-            "1",
-            "--workdir",
-            str(work),
-            "--timeout",
-            "200",
-            "--publish",
-            "run-3w/state",
-            "--json",
-        ],
-        capture_output=True,
-        timeout=230,
-        env=worker_env(),
-        check=False,
-    )
+    argv = [
+        sys.executable,
+        "-m",
+        "p2p.cli",
+        "--store",
+        str(tmp_path / "unused"),
+        "outer",
+        "run",
+        "--workers",
+        "3",
+        "--rounds",
+        "2",
+        "--inner-steps",
+        "2",
+        "--deadline",
+        "10",
+        "--proposer-timeout",
+        "1",
+        "--workdir",
+        str(work),
+        "--timeout",
+        "200",
+        "--publish",
+        "run-3w/state",
+        "--json",
+    ]
+    # While the run goes on, worker 0 answers `blob status` on its store's local API with
+    # its round and phase, and its metrics count the outer loop's rounds and updates.
+    out, err = tmp_path / "run.out", tmp_path / "run.err"
+    api_sock = work / "worker-0" / "store" / "api.sock"
+    watched: dict[str, Any] = {}
+    with out.open("wb") as o, err.open("wb") as e:
+        run = subprocess.Popen(argv, stdout=o, stderr=e, env=worker_env())
+        try:
+            give_up = time.monotonic() + 230
+            while run.poll() is None and time.monotonic() < give_up:
+                if api_sock.exists() and "metrics" not in watched:
+                    try:
+                        daemon = DaemonClient(api_sock)
+                        outer = daemon.status().get("outer") or {}
+                        if outer.get("round", -1) >= 1:
+                            watched.update(status=outer, metrics=daemon.metrics())
+                    except (DaemonGone, DaemonRefused, OSError):
+                        pass  # not listening yet, or just gone
+                time.sleep(0.25)
+            run.wait(timeout=max(1.0, give_up - time.monotonic()))
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    proc = subprocess.CompletedProcess(argv, run.returncode, out.read_bytes(), err.read_bytes())
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    assert "metrics" in watched, "worker 0's local API never showed a round >= 1"
+    assert watched["status"]["run"] == "local"
+    assert watched["status"]["phase"] in PHASES
+    assert watched["status"]["last_included"]["round"] == 0
+    assert isinstance(watched["status"]["heard"], list)  # this round's: none yet, maybe
+    counters = {
+        line.split()[0]: float(line.split()[1])
+        for line in watched["metrics"].splitlines()
+        if line.startswith("blobnet_outer_") and " " in line
+    }
+    assert counters["blobnet_outer_round"] >= 1
+    # Three updates in each adopted round (the gauge moves on once a round is adopted).
+    rounds_in = counters["blobnet_outer_round"]
+    included = counters["blobnet_outer_updates_included_total"]
+    assert 3 * rounds_in <= included <= 3 * (rounds_in + 1)
+    assert counters["blobnet_outer_compute_seconds_count"] >= 1
+    assert counters["blobnet_outer_communication_seconds_count"] >= 1
     # What the run waits for is said, not sat on in silence: the launcher starting the
     # workers, a worker waiting for the others to dial in, and each worker, after the last
     # round, waiting for the others to finish it before it exits.

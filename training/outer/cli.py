@@ -358,6 +358,13 @@ def _authority(value: str) -> bytes:
     default=None,
     help="At the end, name the final state <this peer ID>/NAME (signed; see blob resolve).",
 )
+@click.option(
+    "--metrics",
+    metavar="[HOST:]PORT",
+    default=None,
+    help="Serve Prometheus metrics (the outer loop's too) at http://HOST:PORT/metrics "
+    "(host default 127.0.0.1). `blob status` on this worker's store shows its round.",
+)
 @click.pass_context
 def worker_command(
     ctx: click.Context,
@@ -384,6 +391,7 @@ def worker_command(
     stall_round: int | None,
     cheat_from_round: int | None,
     publish_as: str | None,
+    metrics: str | None,
     **run: Any,
 ) -> None:
     """Run one worker of a decentralised outer-loop run (one per machine).
@@ -392,6 +400,10 @@ def worker_command(
     the model trains on --data (records tokenised with the base's own tokenizer by
     `blob train records --base`); --rounds then says when to leave. Without it, the
     built-in tiny model trains on synthetic data."""
+    if metrics is not None:
+        from p2p.cli.fleet import parse_metrics_addr
+
+        parse_metrics_addr(metrics)  # a malformed address is refused before any work
     import trio
 
     from blobstore import parse_blob_id
@@ -461,6 +473,7 @@ def worker_command(
         level=level,
         min_level=min_level,
         require_hardware=require_hardware,
+        metrics=metrics,
     )
     result = trio.run(run_worker, config)
     if not result["agreed"]:

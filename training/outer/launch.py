@@ -115,13 +115,33 @@ async def run_worker(config: WorkerConfig) -> dict[str, Any]:
         # TPM-backed where the key is bound (`blob tpm bind`): its attestations then carry
         # the AK's co-signature.
         signer = machine_signer(key, config.key_path)
-        result = await Worker(config, node, signer, certificate, trust).run()
+        worker = Worker(config, node, signer, certificate, trust)
+        result = await _observed(worker, node, config.metrics)
         if config.publish is not None and result["rounds"]:
             record = await node.publish_name(config.publish, result["rounds"][-1]["state_blob"])
             result["name"] = record.to_json()
             if config.result_path is not None:
                 write_json(config.result_path, result)
         return result
+
+
+async def _observed(worker: Any, node: Any, metrics: str | None) -> dict[str, Any]:
+    """Run ``worker`` with the node's local API on its store (``blob status`` shows the
+    worker's section, training.outer.observe) and, with ``metrics``, its metrics served."""
+    from p2p.cli.fleet import serve_metrics
+    from p2p.daemon.server import serve_api
+    from p2p.daemon.status import DaemonInfo
+
+    info = DaemonInfo("outer-worker")
+    info.extra["outer"] = worker.status
+    stop = serve_metrics(node, metrics) if metrics is not None else None
+    try:
+        async with serve_api(node, info):
+            result: dict[str, Any] = await worker.run()
+            return result
+    finally:
+        if stop is not None:
+            stop()
 
 
 # --- the local launcher --------------------------------------------------------------

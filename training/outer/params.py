@@ -166,6 +166,8 @@ class WorkerConfig:
     # deleted (training.outer.runs point 4). 3: the tip, and two rounds for a replay of
     # the previous round's sample and a peer catching up from a slightly older state.
     keep_states: int = 3
+    # Serve the node's metrics (p2p.metrics) at http://ADDR/metrics, as `serve --metrics`.
+    metrics: str | None = None
 
 
 def outer_kernel_class(device: str = "cpu", threads: int = 1) -> str:

@@ -150,6 +150,7 @@ from training.outer.milestones import (
     sign_milestone,
     tag,
 )
+from training.outer.observe import exclusion_label, verdict_label
 from training.outer.params import OuterNetError, WorkerConfig, write_json
 from training.outer.replay import (
     UNAVAILABLE,
@@ -368,6 +369,10 @@ class Worker:
         # The closures adopted for the last rounds (round -> closure): a milestone names
         # the workers the previous round's closure named and its own does not.
         self.adopted: dict[int, CheckedClosure] = {}
+        # What `blob status` and the metrics show (training.outer.observe).
+        self.metrics = node.metrics
+        self.phase = "joining"
+        self.last_included: dict[str, Any] | None = None  # our own update's last inclusion
         self.sign_lock = trio.Lock()  # one signature at a time (_sign)
 
     # --- messages in and out ---------------------------------------------------------
@@ -676,6 +681,7 @@ class Worker:
         self.pubsub_mark = (self.pubsub_bytes[0], self.pubsub_bytes[1])
         if agg is not None:
             self.ever_admitted.update(p for p, _, _ in agg.admitted)
+        self._observe_round(record)
         if agg is None:  # caught up: what the closure names, not recomputed here
             record.named = [{"peer": x.peer, "blob": x.blob} for x in c.included]
         own = self.own
@@ -771,6 +777,34 @@ class Worker:
         outer = self.params.outer_config()
         return RunTerms(self.params.rounds, self.params.replay_rate, outer.lr, outer.momentum)
 
+    def _observe_round(self, record: RoundRecord) -> None:
+        """The metrics of one adopted round, and our own update's inclusion (observe)."""
+        included = record.included or record.named
+        self.metrics.outer_included.inc(len(included))
+        refused = [u for u in self.refused_updates if u["round"] == record.round]
+        for excluded in [*record.excluded, *(refused if record.how == "proposed" else [])]:
+            self.metrics.outer_excluded.labels(reason=exclusion_label(excluded["reason"])).inc()
+        own = self.own
+        if own is not None and own.round == record.round and own.root == record.start_root:
+            # From our update being ready to the outer step applied: the round's
+            # communication (and waiting), as the anchors count it.
+            self.metrics.outer_comm.observe(max(0.0, trio.current_time() - own.announced_at))
+            if any(x["peer"] == self.peer for x in included):
+                self.last_included = {"round": record.round, "blob": own.blob}
+
+    def status(self) -> dict[str, Any]:
+        """The worker's section of ``blob status`` (training.outer.observe rule 2)."""
+        return {
+            "run": self.params.run_id,
+            "round": self.state_round(),
+            "rounds": self.params.rounds,
+            "phase": self.phase,
+            "root": self.root,
+            "last_included": self.last_included,
+            "heard": sorted(self.candidates),  # peers whose update for this round arrived
+            "excluded_operators": dict(self.banned),
+        }
+
     def _enter(self, state: OuterState, root: str) -> None:
         """Make ``state`` current: a new round of updates, fetches and announcements."""
         self.state = state
@@ -778,6 +812,7 @@ class Worker:
         self.candidates = {}
         self.fetched = {}
         self.round_started = trio.current_time()
+        self.metrics.outer_round.set(state.round)
         self.announcer.drop("update")
         for name in [n for n in self.announcer.entries if n.startswith("verdict-")]:
             if int(name.split("-")[1]) < state.round - 2:
@@ -963,6 +998,8 @@ class Worker:
                 # not evidence (rule 4 of outer_replay), and it is recorded.
                 self.false_accusations.append({**verdict.to_json(), "by": sample.replayer})
             return
+        label = verdict_label(outcome, mismatched=verdict.mismatched, unavailable=UNAVAILABLE)
+        self.metrics.replay_verdicts.labels(verdict=label).inc()
         self._record_verdict(verdict, self.peer)
         if verdict.mismatched:
             self._ban(sample, outcome)
@@ -1092,9 +1129,13 @@ class Worker:
             await trio.sleep_forever()
         cheat = self.config.cheat_from_round is not None
         cheat = cheat and state.round >= (self.config.cheat_from_round or 0)
+        self.phase = "training"
+        computing = time.monotonic()
         trained = await trio.to_thread.run_sync(
             lambda: trainer.train(state, root, self.peer, cheat=cheat)
         )
+        self.metrics.outer_compute.observe(time.monotonic() - computing)
+        self.phase = "waiting for updates"
         if (self.state, self.root) != (state, root):
             return  # the state moved on while we trained: this update is for nobody
         blob = await self.node.add_bytes(trained.update)
@@ -1437,6 +1478,7 @@ class Worker:
     async def _finish(self) -> None:
         """Announce the final root; wait (bounded) for those of the last round's workers."""
         assert self.state is not None
+        self.phase = "finishing"
         state = self.state
         blob = self.records[max(self.records)].state_blob if self.records else self.start_blob
         attestation = await self._sign(
@@ -1491,6 +1533,7 @@ class Worker:
                 f"leaving without the final roots of {missing}"
                 + (" or some verdicts" if self._verdicts_pending(state.round - 1) else ""),
             )
+        self.phase = "done"
         _say(self.label, "done; exiting")
         await trio.sleep(1.0)
 
