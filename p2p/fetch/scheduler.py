@@ -115,23 +115,57 @@ holders. A change in the set of usable partial peers (join, leave, ban, a large 
 change) costs O(num_chunks) at once and marks the heaps for one O(num_chunks * partial
 peers) rebuild at the next `next_request`. Small bitmap changes (a few chunks reported
 missing) are applied per chunk.
+
+Where the code is
+-----------------
+
+:class:`Scheduler` (this module: peers, requests, events, timers, inspection, and the
+invariant check) is built from one part per job, each a base class in its own module, from
+the bottom up: :mod:`p2p.fetch.sched_records` (the config, tickets, stats, per-peer and
+per-request records, named bounds, bitmap and partition-hash helpers),
+:mod:`p2p.fetch.sched_availability` (chunk state, rarity, claims, the swarm partition and
+the hand-out heaps: "Rarest first", "Swarm partition" and "Cost") and
+:mod:`p2p.fetch.sched_picking` (request sizing and pacing per peer, choosing chunks, the
+endgame, issuing tickets: "Rate-scaled batches", "Requests sized to the path", invariant 2).
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import math
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
-from p2p.blob.protocol import MAX_CHUNKS_PER_REQUEST, MAX_RANGES_PER_REQUEST
+from p2p.fetch.sched_picking import Picking
+from p2p.fetch.sched_records import (
+    _INFLIGHT,
+    _POOL,
+    _VERIFIED,
+    ALONE_ONCE_SHARE,
+    DEFER_RATE_FRACTION,
+    ENDGAME_MIN_PATIENCE_S,
+    ENDGAME_PATIENCE_RTTS,
+    MAX_PARTITION_CHUNKS,
+    PROTOCOL_MAX_CHUNKS_PER_REQUEST,
+    PROTOCOL_MAX_RANGES_PER_REQUEST,
+    STRIPED_REQUEST_RTTS,
+    SWARM_ENDGAME_PATIENCE_S,
+    PeerStats,
+    RequestTicket,
+    SchedulerConfig,
+    _Peer,
+    _Request,
+    _set_bits,
+    bitmap_of,
+)
 
 __all__ = [
+    "ALONE_ONCE_SHARE",
+    "DEFER_RATE_FRACTION",
     "ENDGAME_MIN_PATIENCE_S",
     "ENDGAME_PATIENCE_RTTS",
+    "MAX_PARTITION_CHUNKS",
     "PROTOCOL_MAX_CHUNKS_PER_REQUEST",
     "PROTOCOL_MAX_RANGES_PER_REQUEST",
+    "STRIPED_REQUEST_RTTS",
     "SWARM_ENDGAME_PATIENCE_S",
     "PeerStats",
     "RequestTicket",
@@ -140,324 +174,9 @@ __all__ = [
     "bitmap_of",
 ]
 
-# The wire protocol's hard limits on one `get` request: a config can never build a request
-# that a server would refuse as `too_large` / `bad_request`.
-PROTOCOL_MAX_CHUNKS_PER_REQUEST = MAX_CHUNKS_PER_REQUEST
-PROTOCOL_MAX_RANGES_PER_REQUEST = MAX_RANGES_PER_REQUEST
 
-_POOL = 0
-_INFLIGHT = 1
-_VERIFIED = 2
-
-# In a swarm a seeder duplicates a fellow's request in the endgame only once it is this
-# old: a fellow sends a chunk in well under a second, and the seeder's uplink is the
-# scarce link (each copy there costs every other fetcher).
-SWARM_ENDGAME_PATIENCE_S = 2.0
-# Any other endgame copy waits until the request it copies is late: out for longer than
-# ENDGAME_PATIENCE_RTTS round trips of its peer plus the time its peer's measured rate
-# needs for the chunks it still owes (each counted at the first chunk's length), and at
-# least ENDGAME_MIN_PATIENCE_S. Copied at once, a blob of one chunk (an outer-loop update)
-# fetched from two holders crossed the wire twice: 2.75x the update per round instead of
-# 2.16x (bench/outer_net.py --model-size small). A request on time needs no copy; a
-# stalled or slow one still gets one.
-ENDGAME_PATIENCE_RTTS = 2.0
-ENDGAME_MIN_PATIENCE_S = 0.1
-# A request to a striped provider holds this many round trips of one connection's share.
-STRIPED_REQUEST_RTTS = 3.0
-# A seeder defers to fellows at least this fraction of its rate: a fellow's rate is
-# measured on a few one-chunk requests (a round trip each), so a fellow on a link ten times
-# the seeder's can measure below it; one under a quarter of it would make us wait.
-DEFER_RATE_FRACTION = 0.25
-# A seeder that said only once that nobody else fetches from it (set_alone's ``once``) is
-# owed at most this fraction of the blob at a time: a fetcher that was first of several to
-# ask takes at most an eighth of the blob on that one answer (it took a 32 MiB blob nearly
-# whole, in 16 MiB requests). A lone fetch pays for it: eu->asia 256 MiB ran ~5% slower
-# than with no budget (bench/figures/wan-opening-caps.md), and a quarter was less safe.
-ALONE_ONCE_SHARE = 8
-# The swarm partition (see "Swarm partition") hashes every chunk once per fellow: ~2 us a
-# chunk here, so 65536 chunks (64 GiB at 1 MiB) cost ~0.15 s per fellow, once.
-MAX_PARTITION_CHUNKS = 1 << 16
-_M64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-
-
-def _mix(z: int) -> int:
-    """splitmix64's finaliser: a well-spread 64-bit hash of a 64-bit integer."""
-    z = (z + _GOLDEN) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return z ^ (z >> 31)
-
-
-def _name_hash(name: str) -> int:
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
-
-
-def _chunk_hashes(name: str, n: int) -> list[int]:
-    """The rendezvous weight of each of ``n`` chunks for peer ``name``."""
-    h = _name_hash(name)
-    return [_mix(h ^ (i * _GOLDEN & _M64)) for i in range(n)]
-
-
-# _BITS[b]: the positions of the set bits of byte b, LSB first (chunk i = byte i//8, bit i%8).
-_BITS: tuple[tuple[int, ...], ...] = tuple(
-    tuple(bit for bit in range(8) if b >> bit & 1) for b in range(256)
-)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Tunables of one download. All limits are checked on construction."""
-
-    # 16 chunks = 16 MiB at the default chunk size: long enough to amortise a request's
-    # round trip at ~50 MB/s per peer connection (research/perf.md), short enough that a
-    # released or endgame-duplicated batch is cheap to redo.
-    max_chunks_per_request: int = 16
-    # Live requests per peer follow its bandwidth-delay product (invariant 5 and "Requests
-    # sized to the path" below), between these bounds. Two at least keep a link busy while
-    # the next request's round trip is in flight (pipelining across streams). At most 12:
-    # each live request holds one server stream and a chunk-sized send buffer there, and
-    # a blobnet server allows 16 streams per peer (p2p.blob.server.MAX_STREAMS_PER_PEER),
-    # which leaves room for the control streams of a few downloads at once.
-    min_inflight_requests_per_peer: int = 2
-    max_inflight_requests_per_peer: int = 12
-    # Fixed part of every deadline: connection setup, a stream open and a disk-bound server
-    # reading its first chunk can each take seconds on a loaded host.
-    request_timeout_base: float = 10.0
-    # The slowest send rate worth waiting for: 256 KiB/s moves a 1 MiB chunk in 4 s. A peer
-    # slower than this is treated as stalled; the endgame covers merely slow ones.
-    min_rate_bytes_per_s: float = 256 * 1024
-    # One timeout can be a blip (GC pause, a lost connection that reconnects); three in a
-    # row means the peer is not serving us and keeps chunks hostage until each deadline.
-    max_failures_before_drop: int = 3
-    # One extra copy of each tail chunk is enough to route around one slow peer while
-    # bounding wasted bandwidth to the in-flight tail; 0 turns the endgame off.
-    endgame_duplicates: int = 1
-    # The protocol's cap on ranges per request (see PROTOCOL_MAX_RANGES_PER_REQUEST).
-    max_ranges_per_request: int = PROTOCOL_MAX_RANGES_PER_REQUEST
-    # Time constant of the rate average: ~2 s follows a peer whose link changes within a
-    # few requests without jumping on every burst of TCP delivery.
-    rate_time_constant_s: float = 2.0
-    # Swarming: a measured peer's request holds at most this many seconds of
-    # its rate, and an unmeasured peer's first requests at most this many bytes, so a slow
-    # sole seeder is never handed a large part of the blob at once: what it has not been
-    # asked for yet can still come from fellow fetchers. None: no such cap.
-    max_request_seconds: float | None = None
-    unmeasured_batch_bytes: int | None = None
-    # Swarming: a peer with every chunk is handed only chunks no usable partial peer holds
-    # while a partial peer at least as fast as it (or not measured yet) holds some pool
-    # chunk: a slow seeder then sends each chunk about once, and the fellow fetchers that
-    # hold a chunk hand it on. The endgame still duplicates tail chunks onto it.
-    defer_to_partial_holders: bool = False
-    # Swarming (with defer_to_partial_holders): live requests a peer with every chunk may
-    # hold before its rate is measured. Fetchers that all start on one seeder know nothing
-    # of each other for their first second (peer exchange takes a dial and two round
-    # trips); left alone, each would queue a dozen chunks there at once (six requests over
-    # four striped connections), most of them the same chunks as its fellows'. Two requests
-    # of `unmeasured_batch_bytes` keep a 100 Mbit/s seeder's link busy meanwhile.
-    swarm_unmeasured_inflight_requests: int = 2
-    # Swarming: once the blob is complete the fetch stays while fellows still ask this
-    # node for chunks (p2p.blob.swarm rule 5). For a one-shot `blob get`, whose node ends with
-    # the fetch; a long-lived node serves on after its fetch returns anyway, and would
-    # only wait longer for it.
-    linger_while_asked: bool = False
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_chunks_per_request <= PROTOCOL_MAX_CHUNKS_PER_REQUEST:
-            raise ValueError(
-                f"max_chunks_per_request must be in 1..{PROTOCOL_MAX_CHUNKS_PER_REQUEST}, "
-                f"not {self.max_chunks_per_request}"
-            )
-        if not 1 <= self.max_ranges_per_request <= PROTOCOL_MAX_RANGES_PER_REQUEST:
-            raise ValueError(
-                f"max_ranges_per_request must be in 1..{PROTOCOL_MAX_RANGES_PER_REQUEST}, "
-                f"not {self.max_ranges_per_request}"
-            )
-        if self.max_inflight_requests_per_peer < 1:
-            raise ValueError("max_inflight_requests_per_peer must be at least 1")
-        if self.min_inflight_requests_per_peer < 1:
-            raise ValueError("min_inflight_requests_per_peer must be at least 1")
-        if not self.request_timeout_base > 0:
-            raise ValueError("request_timeout_base must be positive")
-        if not self.min_rate_bytes_per_s > 0:
-            raise ValueError("min_rate_bytes_per_s must be positive")
-        if self.max_failures_before_drop < 1:
-            raise ValueError("max_failures_before_drop must be at least 1")
-        if self.endgame_duplicates < 0:
-            raise ValueError("endgame_duplicates must not be negative")
-        if not self.rate_time_constant_s > 0:
-            raise ValueError("rate_time_constant_s must be positive")
-        if self.max_request_seconds is not None and not self.max_request_seconds > 0:
-            raise ValueError("max_request_seconds must be positive")
-        if self.unmeasured_batch_bytes is not None and self.unmeasured_batch_bytes < 1:
-            raise ValueError("unmeasured_batch_bytes must be at least 1")
-        if self.swarm_unmeasured_inflight_requests < 1:
-            raise ValueError("swarm_unmeasured_inflight_requests must be at least 1")
-
-
-@dataclass(frozen=True)
-class RequestTicket:
-    """One `get` request to send: `ranges` are sorted, merged, half-open index ranges."""
-
-    request_id: int
-    peer: str
-    ranges: tuple[tuple[int, int], ...]
-    deadline: float
-    indices: frozenset[int]
-    # True when the ticket duplicates chunks in flight elsewhere (invariant 2).
-    endgame: bool = False
-
-
-@dataclass(frozen=True)
-class PeerStats:
-    """What one peer did for this download (for progress reports and logs)."""
-
-    bytes_received: int
-    chunks_received: int
-    rate_bytes_per_s: float  # 0.0 until measured
-    inflight: int  # live requests
-    banned: bool
-    dropped: bool
-    failures: int  # total failed requests
-    connected: bool = True
-    last_error: str | None = None
-    rtt_s: float | None = None  # smallest round trip measured
-    inflight_limit: int = 0  # live requests allowed now (rate x RTT, bounded)
-    connections: int = 1
-
-
-def bitmap_of(indices: Iterable[int], num_chunks: int) -> bytes:
-    """The have-bitmap (LSB-first, byte i//8 bit i%8) of `indices` out of `num_chunks`."""
-    bm = bytearray((num_chunks + 7) // 8)
-    for i in indices:
-        if not 0 <= i < num_chunks:
-            raise ValueError(f"chunk index {i} out of range 0..{num_chunks - 1}")
-        bm[i >> 3] |= 1 << (i & 7)
-    return bytes(bm)
-
-
-def _to_ranges(sorted_indices: list[int]) -> tuple[tuple[int, int], ...]:
-    ranges: list[tuple[int, int]] = []
-    start = prev = sorted_indices[0]
-    for i in sorted_indices[1:]:
-        if i != prev + 1:
-            ranges.append((start, prev + 1))
-            start = i
-        prev = i
-    ranges.append((start, prev + 1))
-    return tuple(ranges)
-
-
-def _set_bits(bm: bytes | bytearray) -> Iterator[int]:
-    for byte_index, b in enumerate(bm):
-        if b:
-            base = byte_index << 3
-            for bit in _BITS[b]:
-                yield base + bit
-
-
-@dataclass(eq=False)
-class _Peer:
-    name: str
-    bitmap: bytearray | None  # None: holds every chunk
-    connected: bool = True
-    banned: bool = False
-    dropped: bool = False
-    heap: list[int] = field(default_factory=list)  # pool keys, partial peers only
-    soon: bytearray | None = None  # chunks it is fetching now (claims; partial peers only)
-    soon_count: int = 0
-    beats: int | None = None  # chunks whose partition weight beats ours (bit i), cached
-    requests: dict[int, _Request] = field(default_factory=dict)
-    rate: float | None = None
-    mark: float = 0.0  # last time the rate average was advanced
-    unfolded_bytes: int = 0  # bytes that arrived at `mark` itself, not yet averaged
-    outstanding_bytes: int = 0  # bytes still owed on live requests
-    bytes_received: int = 0
-    chunks_received: int = 0
-    failures: int = 0
-    streak: int = 0  # failures in a row
-    last_error: str | None = None
-    rtt: float | None = None  # smallest round trip measured, seconds
-    connections: int = 1  # TCP connections the shell stripes this peer's streams over
-    depth: int = 1  # requests the shell keeps outstanding per stream (set_connections)
-    busy_limit: int | None = None  # live requests the server last took before saying busy
-    alone: bool = False  # a seeder that said nobody else fetches from it (set_alone)
-    alone_once: bool = False  # ... said so only once yet (set_alone)
-
-    @property
-    def usable(self) -> bool:
-        return self.connected and not self.banned and not self.dropped
-
-    def holds(self, i: int) -> bool:
-        bm = self.bitmap
-        return bm is None or bool(bm[i >> 3] >> (i & 7) & 1)
-
-
-@dataclass(eq=False)
-class _Request:
-    ticket: RequestTicket
-    peer: _Peer
-    issued_at: float
-    unreceived: set[int]
-
-
-class Scheduler:
+class Scheduler(Picking):
     """Chunk scheduling for one blob of `num_chunks` chunks; see the module docstring."""
-
-    def __init__(
-        self,
-        num_chunks: int,
-        chunk_length: Callable[[int], int],
-        verified: Iterable[int] = (),
-        config: SchedulerConfig = SchedulerConfig(),  # frozen: safe to share
-        start: int = 0,
-        own: str = "",
-    ) -> None:
-        if num_chunks < 0:
-            raise ValueError(f"num_chunks must not be negative, not {num_chunks}")
-        self._n = num_chunks
-        self._stride = max(num_chunks, 1)
-        # Equal rarity goes by index counted from `start` (wrapping): fetchers of one blob
-        # that start at different chunks take different chunks from a sole seeder first.
-        self._start = start % self._stride
-        self._chunk_length = chunk_length
-        self._cfg = config
-        self._state = bytearray(num_chunks)  # all _POOL
-        self._rarity = [0] * num_chunks
-        # Usable partial peers that claim each chunk (they said it is soon theirs).
-        self._claims = [0] * num_chunks
-        # The swarm partition: this fetcher's weights, and the chunks (bitmap) that
-        # belong to a fetching fellow, recomputed at each rebuild.
-        self._own_weights: list[int] | None = (
-            _chunk_hashes(own, num_chunks)
-            if own and config.defer_to_partial_holders and num_chunks <= MAX_PARTITION_CHUNKS
-            else None
-        )
-        self._elsewhere = bytes((num_chunks + 7) // 8)
-        self._verified_count = 0
-        for i in verified:
-            self._check_index(i)
-            if self._state[i] != _VERIFIED:
-                self._state[i] = _VERIFIED
-                self._verified_count += 1
-        self._pool_count = num_chunks - self._verified_count
-        # Pool chunks with no usable partial holder (rarity 0): fetchable only from a peer
-        # that has everything.
-        self._orphans = self._pool_count
-        self._full_usable = 0
-        # Keys are rarity * stride + position (index counted from `start`); every rarity
-        # is 0 here, so the sorted positions of pool chunks are already a heap.
-        self._full_heap = sorted(self._pos(i) for i in range(num_chunks) if self._state[i] == _POOL)
-        self._dirty = False
-        self._pushes = 0  # heap entries pushed since the last rebuild
-        self._inflight: dict[int, set[int]] = {}  # chunk -> live request ids still owing it
-        self._requests: dict[int, _Request] = {}
-        self._request_peer: dict[int, str] = {}  # every id ever issued -> its peer
-        self._deadlines: list[tuple[float, int]] = []
-        self._overdue: set[int] = set()
-        self._next_id = 1
-        self._peers: dict[str, _Peer] = {}
-        self._partials: dict[str, _Peer] = {}  # usable peers with a partial bitmap
 
     # ----------------------------------------------------------------- peers
 
@@ -523,10 +242,6 @@ class Scheduler:
         knows."""
         p = self._peer(peer)
         p.alone, p.alone_once = alone, alone and once
-
-    def _uncapped(self, p: _Peer) -> bool:
-        """The swarm's opening caps are off for `p` (see set_alone)."""
-        return p.alone and p.bitmap is None and not self._partials
 
     def inflight_limit(self, peer: str) -> int:
         """Live requests `peer` may hold now: enough to cover its rate x RTT (see the
@@ -832,10 +547,6 @@ class Scheduler:
 
     # ----------------------------------------------------------- internals
 
-    def _check_index(self, i: int) -> None:
-        if not 0 <= i < self._n:
-            raise ValueError(f"chunk index {i} out of range 0..{self._n - 1}")
-
     def _peer(self, name: str) -> _Peer:
         p = self._peers.get(name)
         if p is None:
@@ -847,464 +558,6 @@ class Scheduler:
         if name is None:
             raise ValueError(f"request {request_id} was never issued by this scheduler")
         return name
-
-    def _parse_bitmap(self, bitmap: bytes | None) -> bytearray | None:
-        if bitmap is None:
-            return None
-        n = self._n
-        if len(bitmap) != (n + 7) // 8:
-            raise ValueError(
-                f"have-bitmap is {len(bitmap)} bytes, a blob of {n} chunks needs "
-                f"{(n + 7) // 8} (a peer sending it is a protocol error)"
-            )
-        bm = bytearray(bitmap)
-        if n & 7:
-            bm[-1] &= (1 << (n & 7)) - 1
-        if int.from_bytes(bm, "little").bit_count() == n:
-            return None  # holds everything: share the full heap
-        return bm
-
-    def _parse_soon(self, soon: bytes | None, bitmap: bytearray | None) -> bytearray | None:
-        """A peer's soon-bitmap, less what it holds; None when it claims nothing."""
-        if soon is None or bitmap is None:
-            return None  # a peer with every chunk claims none
-        claims = self._parse_bitmap(soon)
-        if claims is None:
-            claims = bytearray(b"\xff" * len(bitmap))
-            if self._n & 7:
-                claims[-1] = (1 << (self._n & 7)) - 1
-        held = int.from_bytes(bitmap, "little")
-        bits = int.from_bytes(claims, "little") & ~held
-        if not bits:
-            return None
-        return bytearray(bits.to_bytes(len(bitmap), "little"))
-
-    def _set_soon_unused(self, p: _Peer, claims: bytearray | None) -> None:
-        """Set the claims of a peer whose holdings count nowhere (not usable yet)."""
-        p.soon = claims
-        p.soon_count = 0 if claims is None else int.from_bytes(claims, "little").bit_count()
-
-    def _replace_soon(self, p: _Peer, new: bytearray | None) -> None:
-        if not p.usable or p.bitmap is None:
-            self._set_soon_unused(p, new if p.bitmap is not None else None)
-            return
-        old = int.from_bytes(p.soon, "little") if p.soon is not None else 0
-        now = int.from_bytes(new, "little") if new is not None else 0
-        diff = old ^ now
-        fetching = p.soon_count > 0
-        self._set_soon_unused(p, new)
-        if self._own_weights is not None and fetching != (p.soon_count > 0):
-            self._dirty = True  # it joins or leaves the partition
-        claims = self._claims
-        state = self._state
-        while diff:
-            low = diff & -diff
-            i = low.bit_length() - 1
-            diff ^= low
-            before = claims[i]
-            claims[i] = before + (1 if now & low else -1)
-            if state[i] == _POOL and (before == 0) != (claims[i] == 0):
-                self._offer(i)
-
-    # Rarity and heap bookkeeping.
-
-    def _contribute(self, p: _Peer, sign: int) -> None:
-        """Add (+1) or remove (-1) a usable peer's holdings from the rarity counts (and a
-        partial peer's claims from the claim counts)."""
-        bm = p.bitmap
-        if bm is None:
-            self._full_usable += sign
-            return
-        if p.soon is not None:
-            claims = self._claims
-            for i in _set_bits(p.soon):
-                claims[i] += sign
-        if sign > 0:
-            self._partials[p.name] = p
-        else:
-            self._partials.pop(p.name, None)
-            p.heap = []
-        rarity = self._rarity
-        state = self._state
-        orphans = 0
-        for i in _set_bits(bm):
-            r = rarity[i]
-            rarity[i] = r + sign
-            if state[i] == _POOL and (r == 0 or r + sign == 0):
-                orphans -= sign
-        self._orphans += orphans
-        self._dirty = True
-
-    def _replace_bitmap(self, p: _Peer, new: bytearray | None) -> None:
-        old = p.bitmap
-        if not p.usable:
-            p.bitmap = new
-            return
-        if old is None and new is None:
-            return
-        if old is not None and new is not None:
-            diff = int.from_bytes(old, "little") ^ int.from_bytes(new, "little")
-            # Few changed chunks: update them one by one rather than rebuild every heap.
-            if diff.bit_count() <= max(64, self._n >> 6):
-                while diff:
-                    low = diff & -diff
-                    i = low.bit_length() - 1
-                    diff ^= low
-                    self._set_bit(p, i, bool(new[i >> 3] >> (i & 7) & 1))
-                return
-        self._contribute(p, -1)
-        p.bitmap = new
-        self._contribute(p, +1)
-
-    def _set_bit(self, p: _Peer, i: int, has: bool) -> None:
-        """Flip chunk i in usable partial peer p's bitmap, keeping rarity and heaps exact."""
-        bm = p.bitmap
-        assert bm is not None
-        if bool(bm[i >> 3] >> (i & 7) & 1) == has:
-            return
-        bm[i >> 3] ^= 1 << (i & 7)
-        r = self._rarity[i]
-        nr = r + (1 if has else -1)
-        self._rarity[i] = nr
-        if self._state[i] == _POOL:
-            if r == 0:
-                self._orphans -= 1
-            elif nr == 0:
-                self._orphans += 1
-            self._offer(i)
-
-    def _forget_chunks(self, p: _Peer, lacked: set[int]) -> None:
-        """The peer said it lacks these chunks: drop them from its bitmap."""
-        if p.bitmap is None:
-            n = self._n
-            bm = bytearray(b"\xff" * ((n + 7) // 8))
-            if n & 7:
-                bm[-1] = (1 << (n & 7)) - 1
-            for i in lacked:
-                bm[i >> 3] &= ~(1 << (i & 7)) & 0xFF
-            self._contribute(p, -1)
-            p.bitmap = bm
-            self._contribute(p, +1)
-            return
-        for i in lacked:
-            self._set_bit(p, i, False)
-
-    def _pos(self, i: int) -> int:
-        """Chunk i's place in the hand-out order among chunks of equal rarity."""
-        return (i - self._start) % self._stride
-
-    def _rank(self, i: int) -> int:
-        """Hand-out rank of pool chunk i: by rarity, an unclaimed chunk before a claimed
-        one (its claimer will have it soon, and can pass it on; a chunk of a fellow's
-        share of the partition counts as claimed)."""
-        return 2 * self._rarity[i] + (self._claims[i] > 0 or self._elsewhere[i >> 3] >> (i & 7) & 1)
-
-    def _partition(self) -> None:
-        """Recompute which chunks belong to a fetching fellow (see "Swarm partition")."""
-        own = self._own_weights
-        if own is None:
-            return
-        mask = 0
-        for q in self._partials.values():
-            if not q.soon_count:
-                continue
-            if q.beats is None:
-                theirs = _chunk_hashes(q.name, self._n)
-                q.beats = int.from_bytes(
-                    bitmap_of((i for i in range(self._n) if theirs[i] > own[i]), self._n),
-                    "little",
-                )
-            mask |= q.beats
-        self._elsewhere = mask.to_bytes((self._n + 7) // 8, "little")
-
-    def _key(self, i: int) -> int:
-        return self._rank(i) * self._stride + (i - self._start) % self._stride
-
-    def _offer(self, i: int) -> None:
-        """Push pool chunk i, at its current rarity, to every heap that may serve it."""
-        if self._dirty:
-            return  # the rebuild will place it
-        key = self._key(i)
-        heapq.heappush(self._full_heap, key)
-        pushes = 1
-        byte, bit = i >> 3, 1 << (i & 7)
-        for q in self._partials.values():
-            bm = q.bitmap
-            assert bm is not None
-            if bm[byte] & bit:
-                heapq.heappush(q.heap, key)
-                pushes += 1
-        self._pushes += pushes
-        # Lazy deletion leaves stale entries behind; rebuild once they could dominate.
-        if self._pushes > 2 * self._n + 64:
-            self._dirty = True
-
-    def _rebuild(self) -> None:
-        self._partition()
-        state = self._state
-        stride = self._stride
-        pool = [i for i in range(self._n) if state[i] == _POOL]
-        start = self._start
-        rank = {i: self._rank(i) for i in pool}
-        full = [rank[i] * stride + (i - start) % stride for i in pool]
-        heapq.heapify(full)
-        self._full_heap = full
-        for p in self._partials.values():
-            bm = p.bitmap
-            assert bm is not None
-            heap = [
-                rank[i] * stride + (i - start) % stride for i in pool if bm[i >> 3] >> (i & 7) & 1
-            ]
-            heapq.heapify(heap)
-            p.heap = heap
-        self._dirty = False
-        self._pushes = 0
-
-    def _fetchable_pool(self) -> int:
-        """Pool chunks that some usable peer holds."""
-        return self._pool_count if self._full_usable else self._pool_count - self._orphans
-
-    # Choosing chunks.
-
-    def _inflight_limit(self, p: _Peer) -> int:
-        cfg = self._cfg
-        cap = cfg.max_inflight_requests_per_peer
-        # A seeder shared with fellows (swarming, not alone) gets what its rate and the
-        # path hold (below), not a request per connection: every request queued there is
-        # seconds of a slow uplink that its other fetchers wait behind, and which they
-        # may have to take from it again (three fetchers of a 32 MiB blob from a 100
-        # Mbit/s seeder striped four ways: it sent 1.45-2.29x the blob, median 1.86).
-        shared_seeder = cfg.defer_to_partial_holders and p.bitmap is None and not self._uncapped(p)
-        if shared_seeder:
-            want = 1
-        elif p.connections > 1 and p.depth > 1:
-            # Pipelined stripes: the requests queued behind each connection's current one
-            # wait at the server for their turn, holding no stream and no send buffer there.
-            cap = max(cap, p.depth * p.connections)
-            want = p.depth * p.connections
-        else:
-            # Every connection carries a request, and half of them a second one (on a
-            # stream of its own) that covers the round trip between two requests.
-            want = p.connections + (p.connections + 1) // 2
-        floor = min(cfg.min_inflight_requests_per_peer, cap)
-        want = max(floor, want)
-        if p.rate is not None and p.rtt is not None and self._n:
-            # The bytes the path holds in flight, in requests of this peer's rate-scaled
-            # batch, plus one: the measured rate is what the requests in flight achieved,
-            # so the spare request is also how the limit finds a longer pipe.
-            request_bytes = max(1, self._rate_batch(p)[0] * self._chunk_length(0))
-            want = max(want, math.ceil(p.rate * p.rtt / request_bytes) + 1)
-        if p.busy_limit is not None:
-            want = min(want, p.busy_limit)
-        if (
-            cfg.defer_to_partial_holders
-            and p.bitmap is None
-            and p.rate is None
-            and not self._uncapped(p)
-        ):
-            want = min(want, cfg.swarm_unmeasured_inflight_requests)
-        return min(cap, want)
-
-    def _rate_batch(self, p: _Peer) -> tuple[int, list[_Peer], list[float], float]:
-        """The peer's batch scaled by its rate (and the usable peers, their rates, the
-        best rate, which the tail rule below needs too)."""
-        m = self._cfg.max_chunks_per_request
-        usable = [q for q in self._peers.values() if q.usable]
-        rates = [q.rate for q in usable if q.rate is not None]
-        best = max(rates, default=0.0)
-        if p.rate is None:
-            size = max(1, m // 4) if rates else m
-        elif best <= 0.0:
-            size = m
-        else:
-            size = max(1, min(m, math.ceil(m * p.rate / best)))
-        cfg = self._cfg
-        chunk = max(1, self._chunk_length(0)) if self._n else 1
-        if self._uncapped(p):
-            pass
-        elif p.rate is None and cfg.unmeasured_batch_bytes is not None:
-            size = min(size, max(1, cfg.unmeasured_batch_bytes // chunk))
-        elif p.rate is not None and cfg.max_request_seconds is not None:
-            size = min(size, max(1, math.ceil(p.rate * cfg.max_request_seconds / chunk)))
-        if p.rate is not None and p.rtt is not None and p.connections > 1:
-            # Striped: a request need cover only a few round trips of its connection's
-            # share of the rate. Full batches on every connection put most of a blob in
-            # flight at once (12 x 16 MiB), so the pool emptied early and a second
-            # provider's tail waited on the first one's queue.
-            per_conn = p.rate / p.connections * p.rtt * STRIPED_REQUEST_RTTS
-            size = min(size, max(2, math.ceil(per_conn / chunk)))
-        return size, usable, rates, best
-
-    def _batch_size(self, p: _Peer) -> int:
-        size, usable, rates, best = self._rate_batch(p)
-        fetchable = self._fetchable_pool()
-        if 0 < fetchable < size * 2:
-            # The tail of the pool: take only p's rate-weighted share of it next to the
-            # idle peers that may still want some (a partial peer's heap may hold stale
-            # entries, so this errs towards smaller shares). Unmeasured peers count as
-            # the best one.
-            def weight(q: _Peer) -> float:
-                return q.rate if q.rate is not None else (best if rates else 1.0)
-
-            mine = weight(p)
-            total = mine + sum(
-                weight(q)
-                for q in usable
-                if q is not p and not q.requests and (q.bitmap is None or q.heap)
-            )
-            if total > 0.0:
-                size = min(size, max(1, math.ceil(fetchable * mine / total)))
-        if p.connections > 1 and 0 < fetchable * self._chunk_length(0) < p.outstanding_bytes:
-            # A striped peer's last chunks: what is left of the pool is less than it owes
-            # already, so each of its connections gets an even part of it, not the first
-            # to ask all of it (one connection then ran on alone after the others were
-            # done, at a fraction of the link's rate).
-            size = min(size, max(1, math.ceil(fetchable / p.connections)))
-        return size
-
-    def _defers(self, p: _Peer) -> bool:
-        """Whether full peer ``p`` leaves chunks held or claimed by partial peers to them
-        (config ``defer_to_partial_holders``): some usable partial peer holding a pool
-        chunk, or claiming chunks, is at least ``DEFER_RATE_FRACTION`` as fast as ``p``,
-        or either is not measured yet."""
-        if not self._cfg.defer_to_partial_holders or p.bitmap is not None:
-            return False
-        return any(
-            (q.heap or q.soon_count)
-            and (q.rate is None or p.rate is None or q.rate >= p.rate * DEFER_RATE_FRACTION)
-            for q in self._partials.values()
-        )
-
-    def _pick_pool(self, p: _Peer, limit: int) -> list[int]:
-        heap = self._full_heap if p.bitmap is None else p.heap
-        orphans_only = self._defers(p)
-        bm = p.bitmap
-        state = self._state
-        stride = self._stride
-        max_ranges = self._cfg.max_ranges_per_request
-        picked: list[int] = []
-        chosen: set[int] = set()
-        ranges = 0
-        start = self._start
-        while heap and len(picked) < limit:
-            key = heap[0]
-            i = (key % stride + start) % stride
-            if (
-                state[i] != _POOL
-                or key // stride != self._rank(i)
-                or i in chosen
-                or (bm is not None and not bm[i >> 3] >> (i & 7) & 1)
-            ):
-                heapq.heappop(heap)  # stale entry
-                continue
-            if orphans_only and key >= stride:
-                break  # held or claimed by a partial peer: left to it (keys go by rank)
-            after = ranges + 1 - ((i - 1) in chosen) - ((i + 1) in chosen)
-            if after > max_ranges:
-                break  # leave it for the next request
-            heapq.heappop(heap)
-            picked.append(i)
-            chosen.add(i)
-            ranges = after
-        return picked
-
-    def _late_at(self, r: _Request) -> float:
-        """When ``r`` will have been out longer than its peer should need for it (see
-        ENDGAME_PATIENCE_RTTS)."""
-        q = r.peer
-        patience = ENDGAME_PATIENCE_RTTS * (q.rtt or 0.0)
-        if q.rate:
-            # Counted in whole chunks of the first one's length: idle workers ask this of
-            # every live request, and summing each chunk's span was ~2% of a 16-worker
-            # swarm fetcher's CPU (cProfile).
-            patience += len(r.unreceived) * self._chunk_length(0) / q.rate
-        return r.issued_at + max(ENDGAME_MIN_PATIENCE_S, patience)
-
-    def next_late_at(self, now: float) -> float | None:
-        """The soonest time after ``now`` at which a live request becomes late, so an
-        endgame copy of it may be handed out (None: none will, or the endgame has not
-        begun). An idle worker sleeps until then at most, not a whole idle period."""
-        if self._fetchable_pool():
-            return None
-        times = [t for r in self._requests.values() if (t := self._late_at(r)) > now]
-        return min(times, default=None)
-
-    def _pick_endgame(self, p: _Peer, limit: int, now: float) -> list[int]:
-        if self._cfg.endgame_duplicates <= 0:
-            return []
-        copies = 1 + self._cfg.endgame_duplicates
-        others = [r for r in self._requests.values() if r.peer is not p and now >= self._late_at(r)]
-        if self._cfg.defer_to_partial_holders and p.bitmap is None:
-            # A swarm's seeder copies a fellow's request only once it is overdue: the
-            # fellow's link is the fast one, and each copy costs the seeder's uplink.
-            others = [
-                r
-                for r in others
-                if r.peer.bitmap is None or now - r.issued_at >= SWARM_ENDGAME_PATIENCE_S
-            ]
-        # Oldest first: the request most likely stuck; then the slowest peer's.
-        others.sort(key=lambda r: (r.issued_at, r.peer.rate or 0.0, r.ticket.request_id))
-        max_ranges = self._cfg.max_ranges_per_request
-        picked: list[int] = []
-        chosen: set[int] = set()
-        ranges = 0
-        for req in others:
-            for i in sorted(req.unreceived):
-                if len(picked) >= limit:
-                    return picked
-                if (
-                    i in chosen
-                    or self._state[i] != _INFLIGHT
-                    or len(self._inflight[i]) >= copies
-                    or not p.holds(i)
-                ):
-                    continue
-                after = ranges + 1 - ((i - 1) in chosen) - ((i + 1) in chosen)
-                if after > max_ranges:
-                    return picked
-                picked.append(i)
-                chosen.add(i)
-                ranges = after
-        return picked
-
-    def _issue(self, p: _Peer, picked: list[int], now: float, endgame: bool) -> RequestTicket:
-        rid = self._next_id
-        self._next_id += 1
-        picked.sort()
-        nbytes = 0
-        state = self._state
-        for i in picked:
-            nbytes += self._chunk_length(i)
-            if state[i] == _POOL:
-                state[i] = _INFLIGHT
-                self._pool_count -= 1
-                if self._rarity[i] == 0:
-                    self._orphans -= 1
-            self._inflight.setdefault(i, set()).add(rid)
-        if not p.requests:
-            # The peer was idle: its rate clock starts now, not at its last chunk.
-            p.mark = now
-            p.unfolded_bytes = 0
-        deadline = (
-            now
-            + self._cfg.request_timeout_base
-            + (p.outstanding_bytes + nbytes) / self._cfg.min_rate_bytes_per_s
-        )
-        p.outstanding_bytes += nbytes
-        ticket = RequestTicket(
-            request_id=rid,
-            peer=p.name,
-            ranges=_to_ranges(picked),
-            deadline=deadline,
-            indices=frozenset(picked),
-            endgame=endgame,
-        )
-        req = _Request(ticket, p, now, set(picked))
-        self._requests[rid] = req
-        p.requests[rid] = req
-        self._request_peer[rid] = p.name
-        heapq.heappush(self._deadlines, (deadline, rid))
-        return ticket
 
     # Chunk and request state changes.
 
@@ -1358,22 +611,6 @@ class Scheduler:
         p.rate = 0.0
         p.last_error = reason
         self._release_all(p)
-
-    def _observe(self, p: _Peer, nbytes: int, now: float) -> None:
-        """Fold `nbytes` delivered at `now` into the peer's rate: a time-weighted EWMA of
-        bytes/s over the time the peer has had requests in flight."""
-        p.unfolded_bytes += nbytes
-        dt = now - p.mark
-        if dt <= 0.0:
-            return
-        sample = p.unfolded_bytes / dt
-        if p.rate is None:
-            p.rate = sample
-        else:
-            w = 1.0 - math.exp(-dt / self._cfg.rate_time_constant_s)
-            p.rate += w * (sample - p.rate)
-        p.unfolded_bytes = 0
-        p.mark = now
 
     def _check_invariants(self) -> None:
         """Recount every derived quantity from scratch (tests only: O(num_chunks))."""
