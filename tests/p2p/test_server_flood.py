@@ -1,5 +1,5 @@
-"""Issue 16's goal: under a flood of 1,000 silent sockets plus 64 identities with unread
-`get`s (and, item 2, 270 idle real connections), a legitimate 64 MiB fetch from the same
+"""Under a flood of 1,000 silent sockets plus 64 identities with unread
+`get`s (and 270 idle real connections), a legitimate 64 MiB fetch from the same
 `blob serve` process still completes, and the server's peak RSS stays under 1 GiB.
 
 The server is a real `blob serve` process over its own store; the fetch is a real

@@ -1,5 +1,6 @@
-"""The server's budgets, deadlines and honesty about what it holds (issue 16 items 1 and 5,
-issue 14's `blob rm` while serving, and the mutation list: the send deadline, plaintext).
+"""The server's budgets, deadlines and honesty about what it holds: send buffers and streams
+budgeted, a blob removed while serving is not found at once, the send deadline and a
+plaintext peer refused.
 
 An in-process ``BlobServer`` on a real host over TCP on 127.0.0.1 and a real store; the
 clients are py-libp2p hosts that speak the protocol by hand, so they can misbehave (open
@@ -164,7 +165,7 @@ async def wait_for(predicate: Any, seconds: float) -> bool:
     return False
 
 
-# --- Issue 16 item 1: send buffers and streams are budgeted ----------------------------
+# --- Send buffers and streams are budgeted ----------------------------------------------
 
 
 async def test_unread_gets_hold_at_most_the_peer_budget_and_get_busy(tmp_path: Path) -> None:
@@ -242,7 +243,7 @@ async def test_reader_that_stops_reading_loses_its_stream_at_the_send_deadline(
         await stream.reset()
 
 
-# --- Issue 16 item 5 and issue 14: the server never claims what it does not have ----------
+# --- The server never claims what it does not have -----------------------------------------
 
 
 def rot_on_disk(store: Store, blob_id: str, offset: int) -> None:
@@ -292,8 +293,8 @@ async def test_rotten_chunk_is_never_sent_and_quarantines_the_blob(
 
 
 async def test_blob_removed_by_another_process_is_not_found_at_once(tmp_path: Path) -> None:
-    """Issue 14: `blob rm` (another process, another Store object) while `blob serve` runs;
-    the server had the manifest cached and said it still had the blob."""
+    """`blob rm` (another process, another Store object) while `blob serve` runs: the
+    server must not answer from a cached manifest that it still has the blob."""
     async with served(tmp_path) as target, client(target) as fetcher:
         stream = await open_stream(fetcher, target)
         assert isinstance(

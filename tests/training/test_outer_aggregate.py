@@ -245,7 +245,7 @@ def test_dense_updates_aggregate_too_and_a_lone_update_is_bounded_by_the_model()
 
 
 def test_memory_does_not_grow_with_the_number_of_workers() -> None:
-    """Updates are decoded one at a time (issue 17: every peer's update was held decoded)."""
+    """Updates are decoded one at a time: memory does not hold every peer's update decoded."""
     s = state(size=1 << 18)  # 1 MiB of parameters
     model_bytes = 4 * sum(v.size for v in s.params.values())
 

@@ -1,5 +1,5 @@
-"""Announcements are re-sent on change, then with exponential back-off (issue 17: every
-announcement every second was 7x the update bytes); peers are dialled again, with
+"""Announcements are re-sent on change, then with exponential back-off (each announcement
+every second would cost 7x the update bytes); peers are dialled again, with
 back-off, for as long as they are not connected."""
 
 from __future__ import annotations

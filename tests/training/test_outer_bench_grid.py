@@ -1,4 +1,4 @@
-"""bench/outer.py --grid (issue 18): both methods tuned on grids of the same size and budget,
+"""bench/outer.py --grid: both methods tuned on grids of the same size and budget,
 each on its own second axis, with both axes named in the table and the JSON."""
 
 from __future__ import annotations

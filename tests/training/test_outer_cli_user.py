@@ -1,9 +1,8 @@
 """The outer loop's commands as a new user types them.
 
 ``outer verify --authority`` takes what ``outer run --workdir O`` leaves: O/authority.pub,
-or the authority's key file itself (its public half). It used to take only 64 hex digits
-or a .pub file, exit 2 on O/authority.key, and echo the first 80 characters of the private
-key file in its error. No error of it shows a file's contents."""
+or the authority's key file itself (its public half). No error of it shows a file's
+contents (a private key file's first characters least of all)."""
 
 from __future__ import annotations
 
@@ -45,3 +44,12 @@ def test_outer_run_needs_no_inner_steps(tmp_path: Path) -> None:
     done = blob_here([*argv, "--publish", "not a name!"])
     assert done.returncode == 2
     assert "inner-steps" not in done.stderr and "name" in done.stderr, done.stderr
+
+
+def test_a_worker_keeps_at_least_the_tip(tmp_path: Path) -> None:
+    """`outer worker --keep-states` bounds the store's state blobs; 0 would delete the tip
+    every round, so it is refused as the user's mistake before anything starts."""
+    argv = ["--store", str(tmp_path / "s"), "outer", "worker", "--keep-states", "0"]
+    done = blob_here(argv)
+    assert done.returncode == 2
+    assert "--keep-states" in done.stderr, done.stderr

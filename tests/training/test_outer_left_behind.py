@@ -25,8 +25,8 @@ pytestmark = [
 # About 35 s on an idle 2-vCPU box (59-78 s loaded, with a 10 s floor): torch's imports,
 # 2 short rounds, the others' linger for the stopped worker's final root (a fetch bound:
 # 3 x deadline + fetch_floor = 5 s), their exit, then its wait for a peer (a fetch bound).
-# Whether it heard round 1's closure or not, it stops a fetch bound after waking (it used to
-# retry a closure it heard for UNAVAILABLE_TRIES x 2 fetch bounds first: 128 s at a 2 s
+# Whether it heard round 1's closure or not, it stops a fetch bound after waking (not after
+# retrying a closure it heard for UNAVAILABLE_TRIES x 2 fetch bounds: 128 s at a 2 s
 # deadline).
 @pytest.mark.timeout(300)
 def test_a_worker_left_behind_stops_instead_of_closing_rounds_alone(tmp_path: Path) -> None:

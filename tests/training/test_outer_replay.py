@@ -1,4 +1,4 @@
-"""Sampled replay of outer-loop updates (issue 18 item 2): an honest update replays bit for
+"""Sampled replay of outer-loop updates: an honest update replays bit for
 bit from its commitment, one trained on other rows than it claims does not, and the
 sample and the replayer are fixed by the next root alone."""
 

@@ -1,4 +1,4 @@
-"""Sampled replay over real worker processes on 127.0.0.1 (issue 18 items 2 and 5): a
+"""Sampled replay over real worker processes on 127.0.0.1: a
 worker whose updates do not match their commitments is caught when a sampled update is
 replayed, and left out of the closures that follow, with its reason, while the honest
 workers agree on one root and every honest update replays bit for bit."""

@@ -96,8 +96,8 @@ def test_robust_aggregation_matches_the_mean_and_shrugs_off_a_byzantine_worker()
     """The simulation aggregates as the network does (training.outer.aggregate) when asked:
     with honest workers only it reaches the plain mean's bits (same order, weight 1), and a
     byzantine worker sending the negated sum of the honest updates is excluded every round
-    by the direction rule, leaving the run bit-identical to the one without it (issue 18's
-    goal: no worse than 1%)."""
+    by the direction rule, leaving the run bit-identical to the one without it (the bound
+    asked: no worse than 1%)."""
     from training.outer.codec import CodecParams, encode
 
     config = SimConfig(**{**SMALL.__dict__, "workers": 3})

@@ -1,5 +1,5 @@
-"""Bytes on the wire are counted at the sockets (issue 17: the bench counted only the
-update blobs, a seventh of the traffic)."""
+"""Bytes on the wire are counted at the sockets (the update blobs alone are a seventh of the
+traffic)."""
 
 from __future__ import annotations
 

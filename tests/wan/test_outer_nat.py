@@ -1,4 +1,4 @@
-"""Issue 20 item 5: the outer loop's workers behind NAT take part through the same path as
+"""The outer loop's workers behind NAT take part through the same path as
 ``blob serve --relay``.
 
 The story (``bench.wan.outer_nat``): a run of three ``blob outer worker`` processes on

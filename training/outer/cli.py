@@ -359,6 +359,14 @@ def _authority(value: str) -> bytes:
     help="At the end, name the final state <this peer ID>/NAME (signed; see blob resolve).",
 )
 @click.option(
+    "--keep-states",
+    type=click.IntRange(1, 1_000_000),
+    default=3,
+    show_default=True,
+    help="Rounds whose state blobs this worker's store keeps (older ones are deleted; "
+    "a run's evidence stays): the tip and two more serve replays and late catch-ups.",
+)
+@click.option(
     "--metrics",
     metavar="[HOST:]PORT",
     default=None,
@@ -391,6 +399,7 @@ def worker_command(
     stall_round: int | None,
     cheat_from_round: int | None,
     publish_as: str | None,
+    keep_states: int,
     metrics: str | None,
     **run: Any,
 ) -> None:
@@ -473,6 +482,7 @@ def worker_command(
         level=level,
         min_level=min_level,
         require_hardware=require_hardware,
+        keep_states=keep_states,
         metrics=metrics,
     )
     result = trio.run(run_worker, config)
