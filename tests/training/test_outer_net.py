@@ -113,6 +113,9 @@ def test_three_workers_two_rounds_reach_the_same_state(tmp_path: Path) -> None:
     assert watched["status"]["phase"] in PHASES
     assert watched["status"]["last_included"]["round"] == 0
     assert isinstance(watched["status"]["heard"], list)  # this round's: none yet, maybe
+    absent, held = watched["status"]["absent"], watched["status"]["round"]
+    assert held - 1 <= absent["round"] <= held  # the last adopted closure's round
+    assert absent["workers"] == []  # all three in every closure
     counters = {
         line.split()[0]: float(line.split()[1])
         for line in watched["metrics"].splitlines()

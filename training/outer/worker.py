@@ -373,6 +373,7 @@ class Worker:
         self.metrics = node.metrics
         self.phase = "joining"
         self.last_included: dict[str, Any] | None = None  # our own update's last inclusion
+        self.absent: dict[str, Any] = {"round": None, "workers": []}  # the last adopted round's
         self.sign_lock = trio.Lock()  # one signature at a time (_sign)
 
     # --- messages in and out ---------------------------------------------------------
@@ -756,6 +757,7 @@ class Worker:
             f"{len(record.excluded)} excluded, root {root[:16]}",
         )
         absent = absent_workers(parent, checked)
+        self.absent = {"round": c.round, "workers": [{"peer": p, "operator": o} for p, o in absent]}
         if absent:
             _say(
                 self.label,
@@ -802,6 +804,7 @@ class Worker:
             "root": self.root,
             "last_included": self.last_included,
             "heard": sorted(self.candidates),  # peers whose update for this round arrived
+            "absent": self.absent,  # named by the last round's parent closure, not by it
             "excluded_operators": dict(self.banned),
         }
 
