@@ -339,6 +339,9 @@ async def test_churn_and_byzantine_workers_leave_one_root(tmp_path: Path) -> Non
         kill=0,
         kill_after=0,
         join=True,
+        # Every state kept (the default keeps 3 rounds'): recompute_closures below replays
+        # every round from the state it started from.
+        extra={i: ["--keep-states", str(params.rounds + 1)] for i in range(4)},
     )
     stop = trio.Event()
     outcome: list[ChurnResult] = []
