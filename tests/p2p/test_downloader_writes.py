@@ -19,7 +19,7 @@ from blobstore import Manifest, NoSpace, PartialBlob, Store
 from p2p.blob import protocol as proto
 from p2p.blob.buffers import ChunkBuffers
 from p2p.errors import unwrap_single
-from p2p.fetch import downloader
+from p2p.fetch import download_parts, download_requests, downloader
 
 CHUNK = 64 * 1024
 DATA = os.urandom(40 * CHUNK + 123)  # 41 chunks: more than two 16-chunk requests
@@ -131,7 +131,7 @@ async def test_a_corrupt_chunk_bans_its_peer_and_the_other_completes_the_blob(
 ) -> None:
     # Hashed on the event loop as it arrives (few CPUs) or in the writer thread (many):
     # either way the store checks the digest against the manifest before writing.
-    monkeypatch.setattr(downloader, "HASH_ON_ARRIVAL", hash_on_arrival)
+    monkeypatch.setattr(download_requests, "HASH_ON_ARRIVAL", hash_on_arrival)
     pools = track_pools(monkeypatch)
     store = Store.open(tmp_path / "s")
     every_chunk = frozenset(range(MANIFEST.num_chunks))
@@ -281,5 +281,5 @@ def test_a_requests_round_trip_is_corrected_by_the_kernels_rtt(
     """The first `have` on a connection dialled without waiting for the muxer's answer
     takes two round trips; the scheduler and stripe growth must see one (a 100 ms path
     read as 200 ms is striped eight ways instead of four)."""
-    monkeypatch.setattr(downloader, "kernel_rtt", lambda stream: kernel)
+    monkeypatch.setattr(download_parts, "kernel_rtt", lambda stream: kernel)
     assert downloader.path_rtt(timed, object()) == pytest.approx(seen)
