@@ -11,6 +11,19 @@ joiner's time to its first included update. Anchors: Covenant-72B (146x fewer by
     .venv/bin/python bench/outer_api_124m.py --rounds 3 --inner-steps 20      # 124M, local
     .venv/bin/python bench/outer_api_124m.py --size tiny --rounds 3           # a smoke run
     sudo .venv/bin/python bench/outer_api_124m.py --wan [--wan-mbit 100]      # three continents
+    python3 bench/outer_api_124m.py --device cuda --dtype bfloat16 --batch 16 --seq 1024 \
+        --compute-seconds 60 --wan                                            # on one GPU
+    python3 bench/outer_api_124m.py --size tiny --workers 2 --no-joiner --rounds 2 \
+        --device cuda --dtype bfloat16 --lr 1e-3 --check                      # the CUDA check
+
+``--device cuda`` puts every worker's model on the one GPU (the workers share it, time
+sliced); ``--dtype bfloat16`` trains the model in bfloat16 while the outer state stays
+float32 in host memory. ``--compute-seconds S`` times a few inner steps first and picks H
+so each worker's round computes about S seconds with the others sharing the device.
+``--check`` makes the run a test: every worker ends on one final root, each worker's
+loss falls from its first round to its last, and ``blob outer verify`` passes on worker
+0's store; it exits 1 naming what failed. The tokens are Zipf-distributed (a skewed
+unigram the model learns within a round), so the loss has something to fall to.
 
 With ``--wan`` the workers run on the three-continent testbed (``bench/wan``: eu, us, asia at
 80/150/200 ms RTT, ``--wan-mbit`` each way, default 1000): worker i on host i mod 3, the
@@ -41,8 +54,13 @@ SIZES = {
     "30m": {"n_embd": 384, "n_layer": 6, "n_head": 6, "vocab_size": 50257, "n_positions": 1024},
     "tiny": {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512, "n_positions": 128},
 }
-SEQ = 128
-BATCH = 4
+# The steps timed (after WARMUP_STEPS) to pick H for --compute-seconds.
+WARMUP_STEPS = 3
+TIMED_STEPS = 8
+# --check: the loss must fall by LOSS_DROP from the mean of a worker's first FIRST_STEPS
+# steps to the mean of its last round's.
+LOSS_DROP = 0.2
+FIRST_STEPS = 5
 # Testbed hosts (bench.wan.three_continents) in the order workers are placed on them.
 HOSTS = ("eu", "us", "asia")
 # Bounds that only stop a hang.
@@ -58,20 +76,95 @@ def build(size: str) -> Any:
     return GPT2LMHeadModel(config)
 
 
+def setup(device: str, threads: int) -> None:
+    """The process settings a worker runs with, and so the kernel class its certificate
+    must admit (the launcher asks a child process set up the same way: kernel_class)."""
+    import torch
+
+    if device == "cpu":
+        from training import determinism
+
+        determinism.enter("cpu", threads=threads)
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device here")
+        torch.set_num_threads(threads)
+
+
+def kernel_class(device: str, threads: int) -> str:
+    """The kernel class ID of a worker process set up by :func:`setup` (a child process,
+    so the launcher's own settings cannot leak into it)."""
+    from training.outer.launch import worker_env
+
+    argv = [sys.executable, __file__, "--kernel-class-of", f"{device}:{threads}"]
+    out = subprocess.run(argv, env=worker_env(), capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"could not read the {device} kernel class: {out.stderr.strip()}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+def batches(size: str, batch: int, seq: int, seed: int) -> Any:
+    """Endless batches of Zipf-distributed tokens (a skewed unigram: learnable in a round)."""
+    import torch
+
+    vocab = SIZES[size]["vocab_size"]
+    weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.multinomial(weights, batch * seq, replacement=True, generator=gen).view(
+            batch, seq
+        )
+
+
+def make_model(cfg: dict[str, Any]) -> Any:
+    import torch
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg["dtype"]]
+    return build(cfg["size"]).to(device=cfg["device"], dtype=dtype)
+
+
+def train_step(model: Any, opt: Any, batch: Any) -> Any:
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def step_seconds(cfg: dict[str, Any]) -> float:
+    """Seconds of one inner step of this model alone on the device (the median of
+    TIMED_STEPS after WARMUP_STEPS)."""
+    import torch
+
+    setup(cfg["device"], cfg["threads"])
+    model = make_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    data = batches(cfg["size"], cfg["batch"], cfg["seq"], seed=99)
+    times = []
+    for i in range(WARMUP_STEPS + TIMED_STEPS):
+        began = time.perf_counter()
+        train_step(model, opt, next(data).to(cfg["device"])).item()  # item(): synchronised
+        if i >= WARMUP_STEPS:
+            times.append(time.perf_counter() - began)
+    del model, opt
+    if cfg["device"] == "cuda":
+        torch.cuda.empty_cache()  # the workers need the memory, not this process
+    return sorted(times)[len(times) // 2]
+
+
 def worker(cfg_path: str) -> None:
     import torch
 
     from p2p import BlockingNode
-    from training import determinism
     from training.outer.api import OuterLoop
 
     cfg = json.loads(Path(cfg_path).read_text())
-    # The kernel class the launcher's certificates admit (prepare_run: one thread).
-    determinism.enter("cpu", threads=1)
-    model = build(cfg["size"])
-    vocab = SIZES[cfg["size"]]["vocab_size"]
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    gen = torch.Generator().manual_seed(cfg["index"])
+    setup(cfg["device"], cfg["threads"])  # the kernel class the certificate admits
+    model = make_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    data = batches(cfg["size"], cfg["batch"], cfg["seq"], seed=cfg["index"])
+    losses: list[float] = []
+    applied: list[float] = []  # when each of its rounds' closures was applied (monotonic)
     started = time.monotonic()
     with (
         BlockingNode(
@@ -93,15 +186,14 @@ def worker(cfg_path: str) -> None:
     ):
         Path(cfg["addrs"]).write_text(json.dumps(node.addrs))
         loop.join()
+        joined = time.monotonic()
         for _ in range(cfg["rounds"] * cfg["inner_steps"] + 1):  # bounded
             if loop.finished:  # a joiner that caught up with the run's last state
                 break
-            batch = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
-            loss = model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            loop.step(loss.item())
+            loss = train_step(model, opt, next(data).to(cfg["device"])).item()
+            losses.append(loss)
+            if loop.step(loss):
+                applied.append(time.monotonic())
             if loop.finished:
                 break
         result = loop.result or {}
@@ -112,7 +204,11 @@ def worker(cfg_path: str) -> None:
                     "rounds": result.get("rounds", []),
                     "peer": result.get("peer_id"),
                     "started": started,
+                    "joined": joined,
+                    "applied": applied,
                     "peak_rss_bytes": result.get("peak_rss_bytes"),
+                    "final_root": result.get("final_root"),
+                    "losses": losses,
                 }
             )
         )
@@ -128,14 +224,37 @@ def main() -> None:
     parser.add_argument("--no-joiner", action="store_true", help="three workers only")
     parser.add_argument("--wan", action="store_true", help="on the three-continent testbed")
     parser.add_argument("--wan-mbit", type=float, default=1000.0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per inner step")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--lr", type=float, default=3e-4, help="the inner AdamW's")
+    parser.add_argument(
+        "--compute-seconds",
+        type=float,
+        default=None,
+        help="pick H for about this many seconds of compute per round (overrides --inner-steps)",
+    )
+    parser.add_argument("--check", action="store_true", help="fail unless the run is sound")
     parser.add_argument("--json-out", type=Path, default=None)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--kernel-class-of", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
         return
+    if args.kernel_class_of:
+        from training.kernel_class import detect
+
+        device, threads = args.kernel_class_of.split(":")
+        setup(device, int(threads))
+        print(detect(device).id)
+        return
+    if args.compute_seconds is not None:
+        _calibrate(args)
     if not args.wan:
-        _report(*_run(args, None), args)
+        _finish(*_run(args, None), args)
         return
     from bench.wan import Testbed
     from bench.wan.testbed import three_continents, unavailable_reason
@@ -144,13 +263,50 @@ def main() -> None:
     if reason is not None:
         raise SystemExit(f"WAN testbed unavailable: {reason}")
     with Testbed(three_continents(mbit=args.wan_mbit)) as tb:
-        outs, params = _run(args, tb)
+        outs, params, failures = _run(args, tb)
         uplinks = {h: int(v["uplink_bytes"]) for h, v in tb.stats()["hosts"].items()}
+    _finish(outs, params, failures, args, uplinks)
+
+
+def _calibrate(args: Any) -> None:
+    """Set ``args.inner_steps`` for about ``args.compute_seconds`` of compute per round:
+    one step timed alone, times the workers sharing the device (a GPU is time sliced
+    between them; on the CPU each worker has its own threads)."""
+    import math
+
+    cfg = {k: getattr(args, k) for k in ("size", "device", "dtype", "batch", "seq", "threads")}
+    cfg["lr"] = args.lr
+    alone = step_seconds(cfg)
+    sharing = args.workers if args.device == "cuda" else 1
+    args.inner_steps = max(1, math.ceil(args.compute_seconds / (alone * sharing)))
+    print(
+        f"calibrated: one inner step alone {alone * 1e3:.1f} ms; H = {args.inner_steps} "
+        f"for about {args.compute_seconds:g} s per round with {sharing} worker(s) sharing "
+        f"the {args.device}",
+        flush=True,
+    )
+
+
+def _finish(
+    outs: list[dict[str, Any]],
+    params: int,
+    failures: list[str],
+    args: Any,
+    uplinks: dict[str, int] | None = None,
+) -> None:
     _report(outs, params, args, uplinks)
+    if not args.check:
+        return
+    if failures:
+        for failure in failures:
+            print(f"CHECK FAILED: {failure}")
+        raise SystemExit(1)
+    print("CHECK PASSED: one final root, every loss fell, verify passed")
 
 
-def _run(args: Any, tb: Any) -> tuple[list[dict[str, Any]], int]:
-    """Init the run, start the workers (in the testbed's hosts with ``tb``), wait for all."""
+def _run(args: Any, tb: Any) -> tuple[list[dict[str, Any]], int, list[str]]:
+    """Init the run, start the workers (in the testbed's hosts with ``tb``), wait for all;
+    (their outputs, the parameter count, what --check found wrong)."""
     from safetensors.torch import save_file
 
     from blobstore import Store
@@ -167,6 +323,7 @@ def _run(args: Any, tb: Any) -> tuple[list[dict[str, Any]], int]:
             root / "run",
             RunParams("b124", args.workers, args.rounds, args.inner_steps),
             slots=args.workers + 1,
+            kernel_class=kernel_class(args.device, args.threads),
         )
         state = root / "initial.safetensors"
         save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(state))
@@ -194,6 +351,12 @@ def _run(args: Any, tb: Any) -> tuple[list[dict[str, Any]], int]:
             cfg = {
                 "index": i,
                 "size": args.size,
+                "device": args.device,
+                "dtype": args.dtype,
+                "batch": args.batch,
+                "seq": args.seq,
+                "threads": args.threads,
+                "lr": args.lr,
                 "store": str(w.store),
                 "key": str(w.key),
                 "cert": str(w.cert),
@@ -224,7 +387,43 @@ def _run(args: Any, tb: Any) -> tuple[list[dict[str, Any]], int]:
             json.loads((w.dir / "out.json").read_text()) if (w.dir / "out.json").exists() else {}
             for w in workers
         ]
-    return outs, params
+        failures = _check(outs, args, plan) if args.check else []
+    return outs, params, failures
+
+
+def _check(outs: list[dict[str, Any]], args: Any, plan: Any) -> list[str]:
+    """What is wrong with the finished run: roots, losses, ``blob outer verify``."""
+    from click.testing import CliRunner
+
+    from training.outer.cli import outer_group
+
+    failures = [f"worker {i} wrote no result" for i, out in enumerate(outs) if not out]
+    roots = {out.get("final_root") for out in outs if out}
+    if len(roots) != 1 or None in roots:
+        failures.append(f"the workers ended on {len(roots)} final roots: {sorted(map(str, roots))}")
+    h = args.inner_steps
+    for i, out in enumerate(outs[: args.workers]):  # a joiner may train one round only
+        losses = out.get("losses", [])
+        if len(losses) < 2 * h:
+            failures.append(f"worker {i} took {len(losses)} steps, fewer than two rounds")
+            continue
+        head = losses[:FIRST_STEPS]
+        first, last = sum(head) / len(head), sum(losses[-h:]) / h
+        if not last < first - LOSS_DROP:
+            failures.append(
+                f"worker {i}'s loss fell from {first:.3f} (its first {len(head)} steps) to "
+                f"{last:.3f} (its last round) only"
+            )
+    w0 = plan.workers[0]
+    verified = CliRunner().invoke(
+        outer_group,
+        ["verify", "b124", "--authority", plan.authority],
+        obj={"store_root": w0.store, "key_path": w0.key},
+    )
+    print(verified.output.rstrip())
+    if verified.exit_code != 0:
+        failures.append(f"blob outer verify exited {verified.exit_code}")
+    return failures
 
 
 def _in_round(round_: int, root: Path, procs: list[Any]) -> bool:
@@ -244,13 +443,15 @@ def _report(
     dense = 4 * params
     where = "127.0.0.1" if uplinks is None else f"three continents at {args.wan_mbit:g} Mbit/s"
     print(
-        f"{params / 1e6:.1f}M parameters, {args.inner_steps} inner steps, dense update "
+        f"{params / 1e6:.1f}M parameters, {args.inner_steps} inner steps of {args.batch}x"
+        f"{args.seq} tokens, {args.dtype} on {args.device}, dense update "
         f"{dense / 1e6:.1f} MB, {where}"
     )
     print(
         f"{'worker':>6} {'round':>5} {'compute_s':>9} {'comm_s':>7} {'util':>6} "
-        f"{'update_bytes':>12} {'vs_dense':>8} {'wire_sent':>10} {'wire_recv':>10}"
+        f"{'update_bytes':>12} {'vs_dense':>8} {'wire_sent':>10} {'wire_recv':>10} {'loss':>6}"
     )
+    h = args.inner_steps
     rows = []
     for i, out in enumerate(outs):
         if not out:
@@ -263,6 +464,8 @@ def _report(
             size = rec.get("update_bytes", 0)
             ratio = f"{dense / size:.0f}x" if size else "-"
             sent, recv = rec.get("wire_sent", 0), rec.get("wire_received", 0)
+            steps = out.get("losses", [])[r * h : (r + 1) * h]
+            loss = sum(steps) / len(steps) if steps else float("nan")
             rows.append(
                 {
                     "worker": i,
@@ -272,12 +475,13 @@ def _report(
                     "update_bytes": size,
                     "wire_sent": sent,
                     "wire_received": recv,
+                    "loss": loss,
                 }
             )
             print(
                 f"{i:>6} {rec.get('round', r):>5} {compute:>9.1f} {comm:>7.1f} "
                 f"{compute / (compute + comm):>6.1%} {size:>12} {ratio:>8} "
-                f"{sent / 1e3:>8.0f}kB {recv / 1e3:>8.0f}kB"
+                f"{sent / 1e3:>8.0f}kB {recv / 1e3:>8.0f}kB {loss:>6.3f}"
             )
         if out.get("peak_rss_bytes"):
             print(f"{i:>6} peak RSS {int(out['peak_rss_bytes']) / (1 << 30):.2f} GiB")
@@ -288,7 +492,18 @@ def _report(
         )
     if args.json_out is not None:
         args.json_out.write_text(
-            json.dumps({"parameters": params, "rows": rows, "uplinks": uplinks}, indent=1)
+            json.dumps(
+                {
+                    "parameters": params,
+                    "settings": {
+                        k: getattr(args, k)
+                        for k in ("size", "device", "dtype", "batch", "seq", "inner_steps")
+                    },
+                    "rows": rows,
+                    "uplinks": uplinks,
+                },
+                indent=1,
+            )
         )
     if len(outs) <= args.workers:
         return
@@ -306,6 +521,15 @@ def _report(
     )
     if first is None:
         print("joiner: no included update")
+        return
+    own = [rec["round"] for rec in joiner["rounds"] if rec.get("how") != "caught up"]
+    at = own.index(first["round"])
+    if at < len(joiner.get("applied", [])):
+        print(
+            f"joiner: first included update in round {first['round']}, applied "
+            f"{joiner['applied'][at] - joiner['started']:.1f} s after it started (it held "
+            f"the run's state {joiner['joined'] - joiner['started']:.1f} s after it started)"
+        )
     else:
         print(f"joiner: first included update in round {first['round']}")
 

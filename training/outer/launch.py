@@ -170,10 +170,17 @@ class RunPlan:
     workers: tuple[WorkerPlan, ...]
 
 
-def prepare_run(workdir: Path, params: RunParams, *, slots: int | None = None) -> RunPlan:
+def prepare_run(
+    workdir: Path,
+    params: RunParams,
+    *,
+    slots: int | None = None,
+    kernel_class: str | None = None,
+) -> RunPlan:
     """A temp authority, one key and certificate per worker slot (distinct operators), and
     the initial state blob in worker 0's store. ``slots`` (default K) may exceed K to admit
-    joiners."""
+    joiners. The certificates admit ``kernel_class`` (default: this process's, CPU and one
+    thread, as the built-in workers run)."""
     from training.model import make_tiny_llama
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -181,7 +188,8 @@ def prepare_run(workdir: Path, params: RunParams, *, slots: int | None = None) -
     authority = Authority(SoftwareSigner(authority_key))
     # Beside the key: what `outer verify --authority` takes.
     (workdir / "authority.pub").write_text(format_public_key(authority.public_key_bytes) + "\n")
-    kernel_class = outer_kernel_class()
+    if kernel_class is None:
+        kernel_class = outer_kernel_class()
     now = int(time.time())
     plans = []
     for i in range(params.workers if slots is None else slots):
