@@ -1,0 +1,251 @@
+"""What every part of a worker shares: its state, the record it keeps of each round, and
+what it shows (``blob status``, the metrics).
+
+:class:`WorkerState` is the base of :class:`training.outer.worker.Worker`; the theory of
+operation it serves is stated in :mod:`training.outer.worker`. Held here:
+
+1. The state, set up once by ``__init__`` (the worker's every part reads and changes these
+   attributes; none declares its own).
+2. Signing (point 7): one signature at a time, off the event loop.
+3. What an operator sees (``training.outer.observe``): the worker's ``blob status``
+   section and the metrics of each adopted round.
+4. :func:`check_signer`: a signer whose attestations the run would refuse is refused
+   before the run.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import trio
+
+from identity import AdmissionCertificate, HardwareSigner, Signer, TrustStore
+from p2p.transport.meter import WireMeter
+from training.outer.aggregate import Aggregate
+from training.outer.agreement import CheckedClosure, ClosureBook
+from training.outer.announce import Announcer, PeerDialer
+from training.outer.loop import OuterState
+from training.outer.messages import Candidate, Ledger, VerdictHeard, topic
+from training.outer.observe import exclusion_label
+from training.outer.params import OuterNetError, WorkerConfig
+from training.outer.runs import Retention
+
+if TYPE_CHECKING:
+    from p2p.node.node import Node
+
+_T = TypeVar("_T")
+
+
+def _say(label: str, text: str) -> None:
+    stamp = time.strftime("%H:%M:%S") + f".{int(time.time() * 10) % 10}"
+    print(f"outer[{label}] {stamp} {text}", file=sys.stderr, flush=True)
+
+
+def _names(workers: Sequence[tuple[str, str]]) -> str:
+    """Workers as a log names them: operator and short peer ID, from (peer, operator)."""
+    return ", ".join(f"{operator} {peer[-6:]}" for peer, operator in workers)
+
+
+@dataclass
+class RoundRecord:
+    """What a worker did for one round (the result file's ``rounds``)."""
+
+    round: int
+    start_root: str
+    root: str
+    state_blob: str
+    closure: str  # the closure's digest, hex
+    closure_blob: str
+    proposer: str
+    how: str  # "proposed", "applied" or "caught up"
+    included: list[dict[str, str]] = field(default_factory=list)
+    excluded: list[dict[str, str]] = field(default_factory=list)
+    rejected: list[dict[str, str]] = field(default_factory=list)
+    mean_loss: float = float("nan")
+    update_bytes: int = 0
+    state_bytes: int = 0
+    seconds: float = 0.0
+    # Payload bytes this worker's TCP sockets sent / received since the previous record
+    # (p2p.transport.meter): announcements, closures, attestations and blobs alike.
+    wire_sent: int = 0
+    wire_received: int = 0
+    milestone_blob: str = ""
+    pubsub_sent: int = 0  # announcement payloads published (own messages, once each)
+    pubsub_received: int = 0  # announcement payloads delivered to this worker
+    named: list[dict[str, str]] = field(default_factory=list)  # caught-up rounds only
+
+
+@dataclass
+class _Own:
+    """This worker's update for one (round, root)."""
+
+    round: int
+    root: str
+    blob: str
+    attestation: bytes
+    losses: list[float]
+    size: int
+    announced_at: float
+
+
+@dataclass(frozen=True)
+class _Sampled:
+    """One sampled update of a round this worker applied (point 4)."""
+
+    round: int
+    start_root: str
+    author: str
+    operator: str
+    blob: str
+    commitment: str
+    replayer: str
+
+
+def check_signer(signer: Signer, certificate: AdmissionCertificate, require_hardware: bool) -> None:
+    """Refuse, before the run, a signer whose attestations the run would refuse: on a
+    TPM-bound machine the certificate must record its AK (else every attestation would be
+    refused as unproven), and a run that requires hardware needs a hardware signer."""
+    if isinstance(signer, HardwareSigner) and certificate.ak != signer.ak:
+        raise OuterNetError(
+            "this machine key is TPM-bound, but its certificate does not record that TPM's "
+            "attestation key; admit the machine on its TPM (`blob tpm challenge` / `blob tpm "
+            "admit`)"
+        )
+    if require_hardware and not isinstance(signer, HardwareSigner):
+        raise OuterNetError(
+            "this run requires hardware-signed attestations, and this machine key is not "
+            "TPM-bound; bind it (`blob tpm bind`) and admit it on its TPM"
+        )
+
+
+class WorkerState:
+    """The state every part of :class:`~training.outer.worker.Worker` shares (set by
+    ``__init__``), signing, and what the worker shows."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        node: Node,
+        signer: Signer,
+        certificate: AdmissionCertificate,
+        trust: TrustStore,
+    ) -> None:
+        """``signer``: the machine key's signer (``identity.machine_signer``), so that on a
+        TPM-bound machine every update, closure, verdict, milestone and catch-up record
+        carries the AK's co-signature."""
+        if signer.peer_id != node.peer_id:
+            raise OuterNetError(f"the signer is {signer.peer_id}, not the node's {node.peer_id}")
+        check_signer(signer, certificate, config.require_hardware)
+        self.config = config
+        self.params = config.params
+        self.node = node
+        self.signer = signer
+        self.certificate = certificate
+        self.trust = trust
+        self.peer = node.peer_id
+        self.label = f"{config.shard} {self.peer[-6:]}"
+        self.topic = topic(self.params.run_id)
+        self.ledger = Ledger(
+            self.params.run_id, self.peer, trust, require_hardware=config.require_hardware
+        )
+        self.book = ClosureBook()
+        self.closure_addrs: dict[bytes, tuple[str, ...]] = {}
+        self.announcer = Announcer()
+        self.changed = trio.Event()
+        self.state: OuterState | None = None
+        self.root = ""
+        self.candidates: dict[str, Candidate] = {}
+        self.fetched: dict[str, str] = {}  # peer -> blob, for the current (round, root)
+        self.fetch_nursery: trio.Nursery | None = None
+        self.round_started = 0.0
+        self.own: _Own | None = None
+        self.proposed: dict[bytes, tuple[Aggregate, str, int]] = {}
+        self.records: dict[int, RoundRecord] = {}
+        self.refused_closures: list[dict[str, Any]] = []
+        self.retention = Retention(config.keep_states)
+        self.dialer = PeerDialer()
+        self.joined_at: int | None = None
+        self.start_blob = ""
+        self.kernel_class = ""
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.proposed_for: set[tuple[int, str]] = set()
+        self.refused_updates: list[dict[str, Any]] = []
+        self.meter = WireMeter()
+        self.inflight: dict[str, trio.Event] = {}
+        # Announcement payloads this worker published / was delivered (each once; gossipsub
+        # relays and control messages are not in these, only in the wire counts).
+        self.pubsub_bytes = [0, 0]
+        self.pubsub_mark = (0, 0)
+        self.unavailable: dict[bytes, int] = {}  # closure digest -> failed fetch rounds
+        self.ever_admitted: set[str] = set()  # peers whose updates we applied (point 3)
+        self.run_nursery: trio.Nursery | None = None
+        self.attestations: dict[tuple[str, str], tuple[int, bytes]] = {}
+        self.closure_fetches: set[str] = set()
+        # Replay (point 4): the states the last rounds started from (round -> (root,
+        # state)), the verdicts awaited per (round, author), those held, confirmations
+        # running, and operators whose cheat this worker confirmed.
+        self.starts: dict[int, tuple[str, OuterState]] = {}
+        self.awaited: dict[tuple[int, str], _Sampled] = {}
+        self.early_verdicts: list[VerdictHeard] = []  # on rounds not applied yet
+        self.verdicts: list[dict[str, Any]] = []
+        self.confirming: set[tuple[int, str]] = set()
+        self.banned: dict[str, str] = {}  # operator -> reason
+        self.false_accusations: list[dict[str, Any]] = []
+        self.wire_mark = (0, 0)
+        # The closures adopted for the last rounds (round -> closure): a milestone names
+        # the workers the previous round's closure named and its own does not.
+        self.adopted: dict[int, CheckedClosure] = {}
+        # What `blob status` and the metrics show (training.outer.observe).
+        self.metrics = node.metrics
+        self.phase = "joining"
+        self.last_included: dict[str, Any] | None = None  # our own update's last inclusion
+        self.absent: dict[str, Any] = {"round": None, "workers": []}  # the last adopted round's
+        self.sign_lock = trio.Lock()  # one signature at a time (_sign)
+
+    def state_round(self) -> int:
+        return -1 if self.state is None else self.state.round
+
+    async def _wait_changed(self, deadline: float) -> None:
+        with trio.move_on_at(deadline):
+            await self.changed.wait()
+        self.changed = trio.Event()
+
+    async def _sign(self, sign: Callable[[], _T]) -> _T:
+        """Sign off the event loop, one signature at a time: a TPM co-signature is a
+        round trip to the chip (a hardware TPM re-creates its AK for each, tens to hundreds
+        of milliseconds), and a TPM serves one session at a time."""
+        async with self.sign_lock:
+            return await trio.to_thread.run_sync(sign)
+
+    def _observe_round(self, record: RoundRecord) -> None:
+        """The metrics of one adopted round, and our own update's inclusion (observe)."""
+        included = record.included or record.named
+        self.metrics.outer_included.inc(len(included))
+        refused = [u for u in self.refused_updates if u["round"] == record.round]
+        for excluded in [*record.excluded, *(refused if record.how == "proposed" else [])]:
+            self.metrics.outer_excluded.labels(reason=exclusion_label(excluded["reason"])).inc()
+        own = self.own
+        if own is not None and own.round == record.round and own.root == record.start_root:
+            # From our update being ready to the outer step applied: the round's
+            # communication (and waiting), as the anchors count it.
+            self.metrics.outer_comm.observe(max(0.0, trio.current_time() - own.announced_at))
+            if any(x["peer"] == self.peer for x in included):
+                self.last_included = {"round": record.round, "blob": own.blob}
+
+    def status(self) -> dict[str, Any]:
+        """The worker's section of ``blob status`` (training.outer.observe rule 2)."""
+        return {
+            "run": self.params.run_id,
+            "round": self.state_round(),
+            "rounds": self.params.rounds,
+            "phase": self.phase,
+            "root": self.root,
+            "last_included": self.last_included,
+            "heard": sorted(self.candidates),  # peers whose update for this round arrived
+            "absent": self.absent,  # named by the last round's parent closure, not by it
+            "excluded_operators": dict(self.banned),
+        }
