@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,25 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serving import start_serve, stop_serve  # bench/serving.py, next to this file
+
 
 def blob(store: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "p2p.cli", "--store", str(store), "--key",
             str(store.parent / f"{store.name}.key"), *args]  # fmt: skip
-
-
-def serve(store: Path) -> tuple[subprocess.Popen[str], dict[str, object]]:
-    proc = subprocess.Popen(
-        blob(store, "serve", "--json", "--no-dht"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 60)
-    if not ready:
-        proc.kill()
-        raise SystemExit("serve did not become ready")
-    return proc, json.loads(proc.stdout.readline())
 
 
 def timed_get(store: Path, blob_id: str, addr: str, *extra: str) -> tuple[float, dict[str, object]]:
@@ -71,9 +58,9 @@ def main() -> None:
             blob(root / "a", "put", str(data), "--json"), capture_output=True, text=True, check=True
         )
         blob_id = json.loads(put.stdout)[0]["id"]
-        source, info = serve(root / "a")
-        daemon, _ = serve(root / "b")
-        addr = str(info["addrs"][0])  # type: ignore[index]
+        source, info = start_serve(blob(root / "a", "serve", "--json", "--no-dht"))
+        daemon, _ = start_serve(blob(root / "b", "serve", "--json", "--no-dht"))
+        addr = str(info["addrs"][0])
         try:
             timed_get(root / "b", blob_id, addr)  # warm B's connection to A
             via, own, fetch = [], [], []
@@ -87,8 +74,7 @@ def main() -> None:
                 own.append(wall)
         finally:
             for proc in (source, daemon):
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=30)
+                stop_serve(proc)
     figures = {
         "blob_bytes": 1 << 20,
         "runs": args.runs,

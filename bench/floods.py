@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import select
 import shutil
 import struct
 import subprocess
@@ -59,10 +58,13 @@ from multiaddr import Multiaddr
 from p2p.blob import protocol as proto
 from p2p.transport.host import build_host
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serving import start_serve, stop_serve  # bench/serving.py, next to this file
+
 MiB = 1024 * 1024
 CHUNK = 16 * MiB
 BLOB_SIZE = 64 * MiB
-READY_TIMEOUT = 60.0
 # --pin: the CPUs the server and the legit gets keep to (None: no pinning).
 NODE_CPUS: set[int] | None = None
 KAD = TProtocol("/ipfs/kad/1.0.0")
@@ -117,18 +119,9 @@ class Server:
         if not dht:
             args.append("--no-dht")
         self.log = (root / "serve.log").open("wb")
-        self.proc = subprocess.Popen(
-            blob(self.store, *args),
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            preexec_fn=_on_node_cpus,
+        self.proc, info = start_serve(
+            blob(self.store, *args), stderr=self.log, preexec_fn=_on_node_cpus
         )
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], READY_TIMEOUT)
-        info = json.loads(self.proc.stdout.readline()) if ready else None
-        if info is None:
-            raise SystemExit("blob serve did not start")
         self.addr = str(info["addrs"][0])
         self.port = int(self.addr.split("/")[4])
 
@@ -139,11 +132,7 @@ class Server:
         return float("nan")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_serve(self.proc)
         self.log.close()
 
 

@@ -18,14 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serving import start_serve, stop_serve  # bench/serving.py, next to this file
 
 BLOCKING_FETCH = """
 import sys
@@ -64,15 +66,10 @@ def main() -> None:
             check=True,
         )  # fmt: skip
         blob_id = json.loads(put.stdout)[0]["id"]
-        server = subprocess.Popen(
-            blob(server_store, "serve", "--json", "--listen", "/ip4/127.0.0.1/tcp/0"),
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        assert server.stdout is not None
-        if not select.select([server.stdout], [], [], 60)[0]:
-            server.kill()
-            raise SystemExit("serve did not become ready")
-        addr = json.loads(server.stdout.readline())["addrs"][0]
+        server, info = start_serve(
+            blob(server_store, "serve", "--json", "--listen", "/ip4/127.0.0.1/tcp/0")
+        )
+        addr = str(info["addrs"][0])
         walls: list[float] = []
         failures = 0
         try:
@@ -98,8 +95,7 @@ def main() -> None:
             blocking_s = time.perf_counter() - began
             peers_at_end = dht_peers(server_store)
         finally:
-            server.send_signal(signal.SIGTERM)
-            server.wait(timeout=30)
+            stop_serve(server)
     figures = {
         "gets": args.gets,
         "get_failures": failures,

@@ -21,7 +21,12 @@ Theory of operation
    (endgame) are never written at once: the second waits for the first and is kept only
    if the first failed.
 5. Providers may join at any time through a channel (DHT results, connected peers); a
-   provider that stalls past its deadline loses its ranges to the others.
+   provider that stalls past its deadline loses its ranges to the others. The providers
+   the caller named come through a channel of their own as their dials succeed, closed
+   once every dial has ended; while it is open neither the manifest phase nor the
+   transfer gives up (``discovery_timeout`` bounds the search for others, not a named
+   provider's dial, which its own timeout bounds): a named provider that holds the blob
+   but connects late must not lose to another's "not held".
 6. The partial blob is flushed (data fsync, then bitmap) every ``FLUSH_INTERVAL`` and at
    the end, so a killed fetcher resumes from what was verified; the blob is published by
    atomic rename once every chunk has verified.
@@ -505,9 +510,13 @@ async def download_blob(
     scores: PeerScores | None = None,
     own_peer: str = "",
     board: FetchingBoard | None = None,
+    named_providers: trio.MemoryReceiveChannel[str] | None = None,
 ) -> None:
     """Fetch ``blob_id`` into ``store`` (no-op if complete). Raises NoProviders, FetchFailed,
-    NoSpace. ``scores``: peers' records of bad data, read and added to (PeerScores).
+    NoSpace. ``more_providers``: candidates found while the fetch runs (discovery), taken
+    for ``discovery_timeout``. ``named_providers``: providers the caller named, each sent
+    once its dial succeeded, the channel closed once every dial has ended (rule 5).
+    ``scores``: peers' records of bad data, read and added to (PeerScores).
     ``own_peer``: this fetcher's peer ID, which picks where in the blob it starts.
     ``board``: where the download posts what it has in flight, for the node's server
     (the node owns it; None: a board of this download's own)."""
@@ -539,6 +548,7 @@ async def download_blob(
                 scores,
                 board,
                 own_peer,
+                named_providers,
             )
         finally:
             nursery.cancel_scope.cancel()
@@ -559,13 +569,21 @@ async def _download(
     scores: PeerScores | None,
     board: FetchingBoard,
     own_peer: str = "",
+    named: trio.MemoryReceiveChannel[str] | None = None,
 ) -> None:
     candidates = list(dict.fromkeys(providers))
     manifest = await _local_manifest(store, blob_id)
     asked: set[str] = set()
     if manifest is None:
         manifest = await _manifest_from_network(
-            network, blob_id, candidates, asked, more_providers, discovery_timeout, probes
+            network,
+            blob_id,
+            candidates,
+            asked,
+            more_providers,
+            discovery_timeout,
+            probes,
+            named=named,
         )
     missing_bytes = await trio.to_thread.run_sync(store.space_to_finish, manifest)
     free = await trio.to_thread.run_sync(store.free_bytes)
@@ -595,7 +613,7 @@ async def _download(
             )
             # What this download has in flight is what the node's server calls `soon`.
             with board.posting(blob_id, download.scheduler.in_flight):
-                await _run(download, candidates, more_providers, discovery_timeout)
+                await _run(download, candidates, more_providers, discovery_timeout, named)
         await download.flush()
         await trio.to_thread.run_sync(partial.publish)
         download._report(force=True)
@@ -634,10 +652,14 @@ async def _manifest_from_network(
     more: trio.MemoryReceiveChannel[str] | None,
     discovery_timeout: float,
     probes: HaveProbes | None = None,
+    *,
+    named: trio.MemoryReceiveChannel[str] | None = None,
 ) -> Manifest:
-    """The first valid manifest from the candidates, and from peers that discovery sends
-    within ``discovery_timeout``; up to MANIFEST_FANOUT are asked at once, and each is
-    asked ``have`` at the same time (``probes``)."""
+    """The first valid manifest from the candidates, from peers that discovery sends
+    within ``discovery_timeout``, and from the named providers whose dials succeed, however
+    long that takes (``named`` closes once every dial has ended: rule 5); up to
+    MANIFEST_FANOUT are asked at once, and each is asked ``have`` at the same time
+    (``probes``)."""
     found: list[Manifest] = []
     unanswered: dict[str, str] = {}
     fanout = trio.Semaphore(MANIFEST_FANOUT)
@@ -669,17 +691,22 @@ async def _manifest_from_network(
                     probes.start(peer)
                 nursery.start_soon(ask, peer)
 
-        async def listen(more: trio.MemoryReceiveChannel[str]) -> None:
+        async def listen(channel: trio.MemoryReceiveChannel[str]) -> None:
+            try:
+                async for peer in channel:
+                    candidates.append(peer)
+                    await start(peer)
+            except trio.ClosedResourceError:
+                pass
+
+        async def listen_until_deadline(more: trio.MemoryReceiveChannel[str]) -> None:
             with trio.move_on_at(deadline):
-                try:
-                    async for peer in more:
-                        candidates.append(peer)
-                        await start(peer)
-                except trio.ClosedResourceError:
-                    pass
+                await listen(more)
 
         if more is not None:
-            nursery.start_soon(listen, more)
+            nursery.start_soon(listen_until_deadline, more)
+        if named is not None:
+            nursery.start_soon(listen, named)
         for peer in list(candidates):
             await start(peer)
     if found:
@@ -716,19 +743,30 @@ async def _run(
     candidates: list[str],
     more: trio.MemoryReceiveChannel[str] | None,
     discovery_timeout: float,
+    named: trio.MemoryReceiveChannel[str] | None = None,
 ) -> None:
     scheduler = download.scheduler
+    dialling = named is not None  # a named provider may yet connect (rule 5)
+
+    async def join_named(named: trio.MemoryReceiveChannel[str]) -> None:
+        nonlocal dialling
+        await _join_late_providers(download, nursery, named)
+        dialling = False
+        download._notify()
+
     async with trio.open_nursery() as nursery:
         nursery.start_soon(download.flusher)
         for peer in candidates:
             download.add_provider(nursery, peer)
         if more is not None:
             nursery.start_soon(_join_late_providers, download, nursery, more)
+        if named is not None:
+            nursery.start_soon(join_named, named)
         stalled_since: float | None = None
         while not scheduler.done:
             await download._wait_change(0.5)
             download._report()
-            idle = download.peer_tasks == 0 or scheduler.stalled()
+            idle = not dialling and (download.peer_tasks == 0 or scheduler.stalled())
             if not idle:
                 stalled_since = None
                 continue

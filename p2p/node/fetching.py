@@ -1,7 +1,8 @@
 """A node's fetches: where providers come from, and how one blob or collection is fetched.
 
 1. Providers come from (a) peers the caller names (multiaddrs or a ticket), dialled at
-   once, each joining the fetch as soon as it is connected; (b) peers already connected,
+   once, each joining the fetch as soon as it is connected (the fetch waits for them
+   until their dials end, past its discovery timeout); (b) peers already connected,
    asked ``have``; (c) the DHT, searched in the background while the transfer runs. No
    step waits on a fixed delay.
 2. The fetched blob is leased from the start, and a collection's children with it, so gc
@@ -272,8 +273,11 @@ class Fetching(Connections, Providing):
         if await trio.to_thread.run_sync(self._intact, blob_id):
             return
         send, receive = trio.open_memory_channel[str](256)
+        # Named providers come apart from discovery's: the download waits for them past its
+        # discovery timeout, until their dials end (p2p.fetch.downloader rule 5).
+        send_named, receive_named = trio.open_memory_channel[str](256)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._feed_dialled, dials, send.clone())
+            nursery.start_soon(self._feed_dialled, dials, send_named)
             if self.config.peer_exchange:
                 nursery.start_soon(self._exchange, blob_id, dials, send.clone())
             nursery.start_soon(self._discover, blob_id, set(dials.peers), send)
@@ -283,6 +287,7 @@ class Fetching(Connections, Providing):
                 blob_id,
                 providers=list(dials.peers),
                 more_providers=receive,
+                named_providers=receive_named,
                 progress=progress,
                 config=self._scheduler_config(),
                 discovery_timeout=self.config.discovery_timeout,

@@ -1,5 +1,6 @@
 """The downloader asks several providers for the manifest at once: a stale provider record
-(a peer that never answers) must not delay the start of a fetch by its whole timeout.
+(a peer that never answers) must not delay the start of a fetch by its whole timeout; and
+a named provider still being dialled is waited for, past the discovery timeout.
 
 Runs on trio's autojump clock, so timeouts cost virtual time only, and over in-memory
 streams whose far end is a real sans-IO ServerConnection.
@@ -8,13 +9,15 @@ streams whose far end is a real sans-IO ServerConnection.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from fake_stream import FakeStream
 
-from blobstore import Manifest
+from blobstore import Manifest, Store
 from p2p.blob import protocol as proto
 from p2p.errors import NoProviders
 from p2p.fetch import downloader
@@ -33,6 +36,35 @@ def answering(manifest: bytes) -> FakeStream:
     return FakeStream(serve)
 
 
+def holding() -> FakeStream:
+    """A provider with the whole blob: manifest, ``have`` and chunks."""
+
+    def serve(server: proto.ServerConnection, request: proto.Request) -> tuple[bytes, bool]:
+        if isinstance(request, proto.ManifestRequest):
+            return server.send_response(proto.ManifestResponse(MANIFEST.encode())), False
+        n = MANIFEST.num_chunks
+        if isinstance(request, proto.HaveRequest):
+            bits = bytes([0xFF] * (n // 8) + [(1 << (n % 8)) - 1])
+            return server.send_response(proto.HaveResponse(n, bits)), False
+        assert isinstance(request, proto.GetRequest)
+        out = bytearray()
+        for start, stop in request.ranges:
+            for i in range(start, stop):
+                offset, length = MANIFEST.chunk_span(i)
+                out += server.send_chunk_header(i, length) + DATA[offset : offset + length]
+        return bytes(out + server.send_response(proto.End(()))), False
+
+    return FakeStream(serve)
+
+
+def not_held() -> FakeStream:
+    def serve(server: proto.ServerConnection, request: proto.Request) -> tuple[bytes, bool]:
+        error = proto.ErrorResponse(proto.ErrorCode.NOT_FOUND, "no such blob here")
+        return server.send_response(error), False
+
+    return FakeStream(serve)
+
+
 BUDGET_TAKEN = "streams: the server is at its limit of 256"
 
 
@@ -47,7 +79,8 @@ class Network:
     """Peers by name: "silent" ones never open a stream, "silent-once" ones only the first
     time, "liar" ones send a manifest that does not match the ID, "busy" ones answer at
     once that their stream budget is taken, "reset" ones end the stream at once unanswered,
-    "good" ones answer."""
+    "not-held" ones answer that they do not hold the blob, "good" ones answer (and serve
+    the blob's chunks)."""
 
     def __init__(self, kinds: dict[str, str]) -> None:
         self.kinds = kinds
@@ -62,10 +95,12 @@ class Network:
             return busy()
         if kind == "reset":
             return FakeStream(lambda server, request: (b"", True))
+        if kind == "not-held":
+            return not_held()
         if kind == "liar":
             other = Manifest.of_bytes(b"something else", chunk_size=CHUNK)
             return answering(other.encode())
-        return answering(MANIFEST.encode())
+        return holding()
 
 
 async def fetch(network: Network, candidates: list[str], more: Any = None) -> Manifest:
@@ -169,3 +204,45 @@ async def test_a_peer_that_ends_the_stream_at_once_is_not_said_to_be_silent(
     assert "1 did not answer within 15 s" in message  # only the silent one
     assert "resetting closed or reset the stream unanswered (" in message
     assert network.opened.count("resetting") == 1 + len(downloader.MANIFEST_RETRY_PAUSES)
+
+
+@pytest.fixture
+def virtual_clock() -> trio.testing.MockClock:
+    """Virtual time that jumps only after 100 ms of real idleness: the store's work runs in
+    real threads, and a jump while one runs would fire deadlines real time never reaches."""
+    return trio.testing.MockClock(autojump_threshold=0.1)
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["manifest", "transfer"])
+async def test_a_named_provider_that_connects_late_is_waited_for(
+    tmp_path: Path, virtual_clock: trio.abc.Clock, resumed: bool
+) -> None:
+    """Under load one named provider's dial outlasted the discovery timeout while the other
+    answered at once that it does not hold the blob: the fetch ended with "none of 1
+    peer(s) asked holds" (or, resuming from a partial blob, "could not be fetched")
+    although the late one held it. Only the dial's own timeout may end that wait."""
+    network = Network({"without": "not-held", "late": "good"})
+    store = Store.open(tmp_path / "s")
+    if resumed:
+        store.begin_partial(MANIFEST).close()
+    send, named = trio.open_memory_channel[str](1)
+    discovery_timeout = 10.0
+
+    async def dial_late() -> None:
+        async with send:
+            await trio.sleep(discovery_timeout + 5)  # DIAL_TIMEOUT is 15 s
+            await send.send("late")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(dial_late)
+        await downloader.download_blob(
+            network,
+            store,
+            BLOB_ID,
+            providers=["without"],
+            named_providers=named,
+            discovery_timeout=discovery_timeout,
+        )
+    assert store.path(BLOB_ID).read_bytes() == DATA
+    assert network.opened[0] == "without"
+    assert "late" in network.opened

@@ -235,18 +235,41 @@ def sign_milestone(
     time: int,
 ) -> bytes:
     """The milestone record blob: the body and this worker's attestation over it."""
-    attestation = sign_attestation(
+    return _signed_record(
         signer,
+        milestone.body(),
         kind=MILESTONE_KIND,
         digest=milestone.digest(),
+        subjects=(milestone.closure, milestone.result_root),
         kernel_class=kernel_class,
-        subjects=[milestone.closure, milestone.result_root],
+        certificate=certificate,
+        time=time,
+    )
+
+
+def _signed_record(
+    signer: Signer,
+    body: bytes,
+    *,
+    kind: str,
+    digest: bytes,
+    subjects: tuple[str, ...],
+    kernel_class: str,
+    certificate: AdmissionCertificate,
+    time: int,
+) -> bytes:
+    """A record blob of milestones.py's kinds: ``body`` and this worker's attestation of
+    ``kind`` over ``digest`` (the body's domain-separated hash), encoded canonically."""
+    attestation = sign_attestation(
+        signer,
+        kind=kind,
+        digest=digest,
+        kernel_class=kernel_class,
+        subjects=subjects,
         time=time,
         certificate=certificate,
     )
-    record: bytes = encode_canonical(
-        {"body": milestone.body(), "attestation": attestation.encode()}
-    )
+    record: bytes = encode_canonical({"body": body, "attestation": attestation.encode()})
     return record
 
 
@@ -388,17 +411,16 @@ def sign_catch_up(
     time: int,
 ) -> bytes:
     """The catch-up record blob: the body and this worker's attestation over it."""
-    attestation = sign_attestation(
+    return _signed_record(
         signer,
+        catch_up.body(),
         kind=CATCH_UP_KIND,
         digest=catch_up.digest(),
-        kernel_class=kernel_class,
         subjects=catch_up.subjects(),
-        time=time,
+        kernel_class=kernel_class,
         certificate=certificate,
+        time=time,
     )
-    record: bytes = encode_canonical({"body": catch_up.body(), "attestation": attestation.encode()})
-    return record
 
 
 def check_catch_up(
