@@ -4,7 +4,7 @@
 #
 #     bench/gpu_outer.sh check OUTDIR   # two workers, bfloat16 GPT-2 on the GPU, 2 rounds:
 #                                       # one final root, the loss falls, verify passes
-#     bench/gpu_outer.sh table OUTDIR   # the 124M table: 3 workers + a joiner at round 2,
+#     bench/gpu_outer.sh table OUTDIR   # the 124M table: 3 workers + a joiner at round 2, 4 rounds,
 #                                       # ~60 s of compute a round, on the three-continent
 #                                       # testbed where this machine can make it
 #
@@ -33,7 +33,7 @@ table)
         echo "running on 127.0.0.1 instead"
     fi
     timeout "$TABLE_LIMIT" "$python" bench/outer_api_124m.py --device cuda --dtype bfloat16 \
-        --batch 16 --seq 1024 --compute-seconds "${COMPUTE_SECONDS:-60}" \
+        --batch 16 --seq 1024 --compute-seconds "${COMPUTE_SECONDS:-62}" \
         --rounds "${ROUNDS:-4}" --joiner-round 2 $wan --json-out "$out/table.json" 2>&1 |
         tee "$out/table.log"
     ;;

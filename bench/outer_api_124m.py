@@ -91,16 +91,30 @@ def setup(device: str, threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def kernel_class(device: str, threads: int) -> str:
-    """The kernel class ID of a worker process set up by :func:`setup` (a child process,
-    so the launcher's own settings cannot leak into it)."""
+def kernel_class(cfg: dict[str, Any]) -> str:
+    """The kernel class ID a worker process reads: a child process does what a worker
+    does before its ``OuterLoop`` detects the class (set up, build the model on its
+    device: that loads the libraries the class records), so the launcher's own settings
+    cannot leak into it."""
     from training.outer.launch import worker_env
 
-    argv = [sys.executable, __file__, "--kernel-class-of", f"{device}:{threads}"]
+    argv = [sys.executable, __file__, "--kernel-class-of", json.dumps(cfg)]
     out = subprocess.run(argv, env=worker_env(), capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        raise SystemExit(f"could not read the {device} kernel class: {out.stderr.strip()}")
+        raise SystemExit(f"could not read the {cfg['device']} kernel class: {out.stderr.strip()}")
     return out.stdout.strip().splitlines()[-1]
+
+
+def worker_kernel_class(cfg: dict[str, Any]) -> str:
+    """What :func:`worker` does up to its ``OuterLoop``, then the class detected."""
+    import torch
+
+    from training.kernel_class import detect
+
+    setup(cfg["device"], cfg["threads"])
+    model = make_model(cfg)
+    torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    return detect(cfg["device"]).id
 
 
 def batches(size: str, batch: int, seq: int, seed: int) -> Any:
@@ -245,11 +259,7 @@ def main() -> None:
         worker(args.worker)
         return
     if args.kernel_class_of:
-        from training.kernel_class import detect
-
-        device, threads = args.kernel_class_of.split(":")
-        setup(device, int(threads))
-        print(detect(device).id)
+        print(worker_kernel_class(json.loads(args.kernel_class_of)))
         return
     if args.compute_seconds is not None:
         _calibrate(args)
@@ -274,9 +284,7 @@ def _calibrate(args: Any) -> None:
     between them; on the CPU each worker has its own threads)."""
     import math
 
-    cfg = {k: getattr(args, k) for k in ("size", "device", "dtype", "batch", "seq", "threads")}
-    cfg["lr"] = args.lr
-    alone = step_seconds(cfg)
+    alone = step_seconds(_settings(args))
     sharing = args.workers if args.device == "cuda" else 1
     args.inner_steps = max(1, math.ceil(args.compute_seconds / (alone * sharing)))
     print(
@@ -285,6 +293,12 @@ def _calibrate(args: Any) -> None:
         f"the {args.device}",
         flush=True,
     )
+
+
+def _settings(args: Any) -> dict[str, Any]:
+    """What every worker process is given of the model and its device."""
+    keys = ("size", "device", "dtype", "batch", "seq", "threads", "lr")
+    return {k: getattr(args, k) for k in keys}
 
 
 def _finish(
@@ -323,7 +337,7 @@ def _run(args: Any, tb: Any) -> tuple[list[dict[str, Any]], int, list[str]]:
             root / "run",
             RunParams("b124", args.workers, args.rounds, args.inner_steps),
             slots=args.workers + 1,
-            kernel_class=kernel_class(args.device, args.threads),
+            kernel_class=kernel_class(_settings(args)),
         )
         state = root / "initial.safetensors"
         save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(state))
@@ -349,14 +363,8 @@ def _run(args: Any, tb: Any) -> tuple[list[dict[str, Any]], int, list[str]]:
                     time.sleep(1)
             Store.open(w.store).put_bytes(spec_bytes)
             cfg = {
+                **_settings(args),
                 "index": i,
-                "size": args.size,
-                "device": args.device,
-                "dtype": args.dtype,
-                "batch": args.batch,
-                "seq": args.seq,
-                "threads": args.threads,
-                "lr": args.lr,
                 "store": str(w.store),
                 "key": str(w.key),
                 "cert": str(w.cert),

@@ -433,6 +433,7 @@ class _Core:
         # to close), for utilisation figures.
         self.timings: list[tuple[float, float]] = []
         self.adopted_at = 0.0
+        self.steps_done_at = 0.0
 
     def adopt(self, timeout: float) -> bool:
         """Take the next posted state into the model; False when the run finished."""
@@ -459,19 +460,25 @@ class _Core:
         self.steps += 1
         if loss is not None:
             self.losses.append(float(loss))
-        return self.steps >= self.params.inner_steps
+        if self.steps < self.params.inner_steps:
+            return False
+        self.steps_done_at = time.monotonic()
+        return True
 
     def send(self, current: dict[str, F32] | None = None) -> tuple[float, float]:
-        """Post the round's update; returns when the round's steps began and when the
-        update was posted (monotonic)."""
+        """Post the round's update; returns when the round's steps began and when its
+        H-th step ended (monotonic)."""
         assert self.state is not None
         trained = self.trainer.make(self.state, self.root, self.author, self.losses, current)
         self.handoff.post_trained(trained)
-        return self.adopted_at, time.monotonic()
+        return self.adopted_at, self.steps_done_at
 
     def timed(self, marks: tuple[float, float]) -> None:
-        began, sent = marks
-        self.timings.append((sent - began, time.monotonic() - sent))
+        """Record the round's (compute, communication) seconds: the H steps alone, then
+        everything from the H-th step's end until the next state is in the model (making
+        the update, the round's closure, the apply, the copy into the model)."""
+        began, done = marks
+        self.timings.append((done - began, time.monotonic() - done))
 
     def config(
         self, store_root: Path, key_path: Path, cert_path: Path, result_path: Path | None
@@ -743,8 +750,9 @@ class OuterLoop:
 
     @property
     def timings(self) -> list[tuple[float, float]]:
-        """Per round this loop took part in: (seconds of its H steps, seconds step() waited
-        for the round's closure)."""
+        """Per round this loop took part in: (seconds of its H steps, seconds from the
+        H-th step's end until the next state was in the model: the update made, the round
+        closed and applied)."""
         return self._core.timings
 
     def __enter__(self) -> OuterLoop:
