@@ -46,6 +46,34 @@ def test_nesterov_step_matches_hand_computation() -> None:
     )
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_blocked_step_has_the_bits_of_the_formula(
+    nesterov: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step runs block by block with in-place operations; every element still gets
+    the float32 result of the formula as written, blocks ending mid-tensor included, and
+    the state it starts from is left as it was."""
+    import training.outer.loop as loop
+
+    monkeypatch.setattr(loop, "STEP_BLOCK", 1000)
+    rng = np.random.default_rng(3)
+    shapes = {"w": (123, 77), "b": (5,)}
+    params = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    momentum = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    grad = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    before = {n: (params[n].copy(), momentum[n].copy()) for n in shapes}
+    config = OuterConfig(lr=0.7, momentum=0.9, nesterov=nesterov)
+    got = outer_step(OuterState(4, params, momentum), grad, config)
+    lr, mu = np.float32(0.7), np.float32(0.9)
+    for n in shapes:
+        buf = mu * momentum[n] + grad[n]
+        step = grad[n] + mu * buf if nesterov else buf
+        assert got.momentum[n].tobytes() == buf.tobytes()
+        assert got.params[n].tobytes() == (params[n] - lr * step).tobytes()
+        assert params[n].tobytes() == before[n][0].tobytes()
+        assert momentum[n].tobytes() == before[n][1].tobytes()
+
+
 def test_nesterov_step_agrees_with_torch_sgd() -> None:
     import torch
 

@@ -261,3 +261,42 @@ def test_memory_does_not_grow_with_the_number_of_workers() -> None:
     few, many = peak(3), peak(16)  # three or more: rule 4's sign votes are counted too
     assert many - few < model_bytes  # 14 more workers cost less than one model's worth
     assert many < 12 * model_bytes
+
+
+@pytest.mark.parametrize("room", [None, 0])
+def test_top_k_updates_aggregate_as_their_dense_decodings_do(
+    room: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The passes after the first read a top-k update at its kept positions only (from the
+    kept sparse form, or parsed again once the room for those is spent); the state, the
+    weights, the exclusions and the cosines are those of the same tensors sent dense,
+    bit for bit, with one update clipped and one outvoted so every pass counts."""
+    import training.outer.aggregate as agg_module
+
+    if room is not None:
+        monkeypatch.setattr(agg_module, "SPARSE_KEEP_SHARE", room)
+    s = state()
+    grads = {p: honest_grad(s, i) for i, p in enumerate(PEERS)}
+    grads[PEERS[0]] = {n: v * np.float32(CLIP_FACTOR * 1.5) for n, v in grads[PEERS[0]].items()}
+    grads[BYZ] = {n: -v * np.float32(1.2) for n, v in honest_grad(s, 99).items()}
+    extra = [f"12D3KooWhonest{i}" for i in range(3, 6)]
+    grads.update({p: honest_grad(s, i) for i, p in enumerate(extra, start=3)})
+
+    def blob(peer: str, dense: bool) -> bytes:
+        payload = encode(grads[peer], CODEC)
+        if dense:  # the same tensors, as the top-k encoding decodes them
+            payload = encode_dense(decode(payload).tensors)
+        return wrap_update(payload, round_=s.round, start_root=ROOT, author=peer)
+
+    sparse = run(s, {p: blob(p, False) for p in grads})
+    dense = run(s, {p: blob(p, True) for p in grads})
+    assert any(w < 1.0 for _, _, w in sparse.admitted)  # the clipped one
+    assert [e.peer for e in sparse.excluded] == [BYZ]  # the outvoted one
+    assert [(p, w) for p, _, w in sparse.admitted] == [(p, w) for p, _, w in dense.admitted]
+    assert [(e.peer, e.reason) for e in sparse.excluded] == [
+        (e.peer, e.reason) for e in dense.excluded
+    ]
+    assert sparse.agreement == dense.agreement
+    for name in s.params:
+        assert sparse.state.params[name].tobytes() == dense.state.params[name].tobytes()
+        assert sparse.state.momentum[name].tobytes() == dense.state.momentum[name].tobytes()

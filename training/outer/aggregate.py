@@ -57,11 +57,18 @@ float64 reduction over one array in a fixed layout, on one thread).
    agrees with the others enough (bounded by rules 3 and 4, not detected; replaying a
    sample of updates is the remedy). Measured (``bench/outer.py --byzantine``): the held-out
    loss with and without one byzantine worker, in the bench's figures.
-6. **Memory.** Passes over the named blobs, each decoding one update at a time: norms and
-   payload digests, then ``V += s_i``, then the dot products with V (again for each update
-   rule 4 removes), then ``S += w_i u_i`` over the admitted; peak memory is the state, one
-   decoded update and two accumulators, O(model) whatever the number of workers, plus rule
-   2's signature of 32 KiB a worker.
+6. **Memory and time.** Passes over the named blobs: norms and payload digests (each
+   update decoded dense, one at a time), then ``V += s_i``, then the dot products with V
+   (again for each update rule 4 removes), then ``S += w_i u_i`` over the admitted. A top-k
+   update is parsed once and kept in its sparse form (its kept positions, about 2% of the
+   model at the default k), and the later passes touch those positions only: its signs and
+   values are zero everywhere else, so the integers and float32 sums are the dense ones
+   bit for bit (a sum starts at +0.0 and is never -0.0, so adding the zeros it skips
+   changes nothing). The sparse forms kept take at most :data:`SPARSE_KEEP_SHARE` of the
+   state's float32 parameters' bytes; an update past that room, or a dense-scheme one, is
+   parsed again for each pass. Peak memory is the state, one decoded update, two
+   accumulators and that room, O(model) whatever the number of workers, plus rule 2's
+   signature of 32 KiB a worker.
 7. **Determinism.** The norms are numpy's float64 sum over squares of float32 values
    (which float64 holds exactly), in a fixed layout on one thread; rules 2 and 4 are
    integer arithmetic up to one final division; the float32 sum adds in ascending peer
@@ -74,12 +81,13 @@ import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import blake3
 import numpy as np
 import numpy.typing as npt
 
-from training.outer.codec import F32, CodecError, decode
+from training.outer.codec import F32, CodecError, Parsed, dequantised, parse
 from training.outer.loop import OuterConfig, OuterState, outer_step
 
 UPDATE_MAGIC = b"BNOU"
@@ -101,6 +109,10 @@ NEAR_COPY_COSINE = 0.9
 # O(model) accumulators); an even sample, exact for models of up to 2^15 parameters. At
 # 2% density it holds ~650 nonzeros: a cosine to within ~0.05, far from 0.9 either way.
 SKETCH_COORDS = 1 << 15
+# Point 6: the top-k updates' sparse forms kept between passes take at most this share of
+# the state's float32 parameters' bytes. At the default k (~2% kept, 9 bytes a position)
+# that holds about 25 workers' updates; the rest are parsed again for each pass.
+SPARSE_KEEP_SHARE = 0.5
 # Rule 4: honest cosines with the others' votes are of one order (0.3-0.5 measured); a
 # quarter of the round's median separates them from garbage (~0) and opposition (< 0)
 # with room for an honest worker on an unusual batch.
@@ -183,8 +195,8 @@ def _norm(tensors: dict[str, F32]) -> float:
     return math.sqrt(total)
 
 
-def _decode(data: bytes, state: OuterState, peer: str) -> dict[str, F32]:
-    """The update's tensors; :class:`CodecError` for a blob not made for this round by
+def _parse(data: bytes, state: OuterState, peer: str) -> Parsed:
+    """The update, parsed; :class:`CodecError` for a blob not made for this round by
     ``peer`` (rule 1) or not decodable against the state's shapes."""
     envelope = unwrap_update(data)
     if envelope.author != peer:
@@ -193,35 +205,80 @@ def _decode(data: bytes, state: OuterState, peer: str) -> dict[str, F32]:
         raise BadUpdate(f"stale: made for round {envelope.round}")
     shapes = state.shapes()
     limit = sum(math.prod(s) for s in shapes.values())
-    return decode(envelope.payload, max_elements=limit, expected=shapes).tensors
+    return parse(envelope.payload, max_elements=limit, expected=shapes)
+
+
+class _Updates:
+    """Point 6: each named update for the passes after the first, a top-k one from its
+    sparse form kept by :meth:`keep`, a dense one decoded again from ``load``."""
+
+    def __init__(self, state: OuterState, load: Callable[[str], bytes]) -> None:
+        self.state = state
+        self.load = load
+        self.sparse: dict[str, Parsed] = {}
+        self.room = int(SPARSE_KEEP_SHARE * 4 * sum(v.size for v in state.params.values()))
+
+    def keep(self, blob: str, parsed: Parsed) -> None:
+        if parsed.sparse is None:
+            return
+        size = sum(
+            t.positions.nbytes + t.codes.nbytes + t.scales.nbytes for t in parsed.sparse.values()
+        )
+        if size <= self.room:  # past the room, parsed again for each pass
+            self.room -= size
+            self.sparse[blob] = parsed
+
+    def get(self, peer: str, blob: str) -> Parsed:
+        kept = self.sparse.get(blob)
+        return kept if kept is not None else _parse(self.load(blob), self.state, peer)
+
+    def signs(self, peer: str, blob: str) -> dict[str, tuple[Any, npt.NDArray[np.int8]]]:
+        """name -> (where, signs): the update's signs at ``where`` (a flat index array of a
+        top-k update's kept positions, or ``...`` for all of a dense one's) and zero
+        elsewhere."""
+        parsed = self.get(peer, blob)
+        if parsed.sparse is None:
+            return {n: (..., _sign8(v).reshape(-1)) for n, v in parsed.tensors().items()}
+        assert parsed.params is not None
+        return {
+            n: (t.positions, _sign8(dequantised(t, parsed.params)))
+            for n, t in parsed.sparse.items()
+        }
+
+    def values(self, peer: str, blob: str) -> dict[str, tuple[Any, F32]]:
+        """name -> (where, values), as :meth:`signs`."""
+        parsed = self.get(peer, blob)
+        if parsed.sparse is None:
+            return {n: (..., v.reshape(-1)) for n, v in parsed.tensors().items()}
+        assert parsed.params is not None
+        return {n: (t.positions, dequantised(t, parsed.params)) for n, t in parsed.sparse.items()}
 
 
 def _weighted_sum(
-    state: OuterState,
-    admitted: Sequence[tuple[str, str, float]],
-    load: Callable[[str], bytes],
+    state: OuterState, admitted: Sequence[tuple[str, str, float]], updates: _Updates
 ) -> dict[str, F32]:
     """``sum of w_i u_i`` in ascending peer order, one decoded update at a time."""
     totals = {name: np.zeros(v.shape, dtype=np.float32) for name, v in state.params.items()}
     for peer, blob, weight in admitted:
-        tensors = _decode(load(blob), state, peer)
         w = np.float32(weight)
-        for name, total in totals.items():
-            total += tensors[name] if weight == 1.0 else w * tensors[name]
-        del tensors
+        for name, (where, values) in updates.values(peer, blob).items():
+            flat = totals[name].reshape(-1)  # a view: the totals are contiguous
+            flat[where] += values if weight == 1.0 else w * values
     return totals
 
 
-def _signs(tensors: dict[str, F32]) -> dict[str, npt.NDArray[np.int8]]:
-    return {n: np.sign(v).astype(np.int8) for n, v in tensors.items()}
+def _sign8(values: F32) -> npt.NDArray[np.int8]:
+    """``np.sign(values).astype(np.int8)`` for finite values (every decoded update's are),
+    in one byte per element throughout: two comparisons and a subtraction in place, where
+    the float sign and its cast cost two full float32 passes."""
+    positive = np.greater(values, 0).view(np.int8)
+    return np.subtract(positive, np.less(values, 0).view(np.int8), out=positive)
 
 
 def _sketch(tensors: dict[str, F32]) -> npt.NDArray[np.int8]:
     """Rule 2's signature of an update: its signs at SKETCH_COORDS evenly strided
     coordinates of the parameters in name order (all of them in a smaller model)."""
-    flat = np.concatenate(
-        [np.sign(tensors[n]).astype(np.int8).reshape(-1) for n in sorted(tensors, key=str.encode)]
-    )
+    flat = np.concatenate([_sign8(tensors[n]).reshape(-1) for n in sorted(tensors, key=str.encode)])
     stride = max(1, -(-flat.size // SKETCH_COORDS))
     return flat[::stride].copy()
 
@@ -243,19 +300,21 @@ def _near_copies(sketches: dict[str, npt.NDArray[np.int8]], norms: dict[str, flo
 
 
 def _cosines(
-    state: OuterState,
     candidates: Sequence[tuple[str, str, float]],
     votes: dict[str, npt.NDArray[np.int32]],
-    load: Callable[[str], bytes],
+    updates: _Updates,
 ) -> list[tuple[str, float]]:
     """Rule 4's cosine of each candidate's signs with the others' votes (``votes`` minus
     its own), in integers up to one final division."""
     votes_sq = sum(int(np.sum(v * v, dtype=np.int64)) for v in votes.values())
     out = []
     for peer, blob, _ in candidates:
-        signs = _signs(_decode(load(blob), state, peer))
-        dot = sum(int(np.sum(signs[n] * votes[n], dtype=np.int64)) for n in votes)  # <s_i, V>
-        own = sum(int(np.count_nonzero(signs[n])) for n in votes)  # <s_i, s_i>
+        signs = updates.signs(peer, blob)
+        dot = 0  # <s_i, V>
+        own = 0  # <s_i, s_i>
+        for name, (where, s) in signs.items():
+            dot += int(np.sum(s * votes[name].reshape(-1)[where], dtype=np.int64))
+            own += int(np.count_nonzero(s))
         others_sq = votes_sq - 2 * dot + own  # |V - s_i|^2
         out.append((peer, (dot - own) / math.sqrt(own * others_sq) if own and others_sq else 0.0))
     return out
@@ -264,20 +323,20 @@ def _cosines(
 def _disagreeing(
     state: OuterState,
     candidates: list[tuple[str, str, float]],
-    load: Callable[[str], bytes],
+    updates: _Updates,
 ) -> tuple[list[str], list[tuple[str, float]]]:
     """Rule 4: the candidates excluded for disagreeing, worst first, and the first
     measurement of every candidate's cosine."""
     # int32: a vote count is at most the number of workers.
     votes = {name: np.zeros(v.shape, dtype=np.int32) for name, v in state.params.items()}
     for peer, blob, _ in candidates:
-        for name, sign in _signs(_decode(load(blob), state, peer)).items():
-            votes[name] += sign
+        for name, (where, sign) in updates.signs(peer, blob).items():
+            votes[name].reshape(-1)[where] += sign
     first: list[tuple[str, float]] = []
     out: list[str] = []
     left = list(candidates)
     while len(left) >= MIN_FOR_DIRECTION and len(out) < len(candidates) // MAX_OUTVOTED:
-        cosines = _cosines(state, left, votes, load)
+        cosines = _cosines(left, votes, updates)
         first = first or cosines
         ranked = sorted(c for _, c in cosines)
         median = ranked[(len(ranked) - 1) // 2]
@@ -287,8 +346,8 @@ def _disagreeing(
             break
         out.append(worst)
         entry = next(e for e in left if e[0] == worst)
-        for name, sign in _signs(_decode(load(entry[1]), state, worst)).items():
-            votes[name] -= sign
+        for name, (where, sign) in updates.signs(worst, entry[1]).items():
+            votes[name].reshape(-1)[where] -= sign
         left.remove(entry)
     return out, first
 
@@ -309,13 +368,15 @@ def aggregate(
     payloads: dict[bytes, str] = {}
     sketches: dict[str, npt.NDArray[np.int8]] = {}
     param_norm = _norm(state.params)
+    updates = _Updates(state, load)
     for peer, blob in order:
         try:
             data = load(blob)
             envelope = unwrap_update(data)
             if start_root is not None and envelope.start_root != start_root:
                 raise BadUpdate("stale: made from another state root")
-            tensors = _decode(data, state, peer)
+            parsed = _parse(data, state, peer)
+            tensors = parsed.tensors()
             n = _norm(tensors)
             sketch = _sketch(tensors)
             del tensors
@@ -332,6 +393,7 @@ def aggregate(
             continue
         norms[peer] = n
         sketches[peer] = sketch
+        updates.keep(blob, parsed)
     blobs = dict(order)
     for peer in _near_copies(sketches, norms):
         excluded.append(Exclusion(peer, blobs[peer], "a near-copy of another update"))
@@ -356,14 +418,15 @@ def aggregate(
         return Aggregate(
             OuterState(state.round + 1, state.params, state.momentum), (), tuple(excluded), median
         )
-    against, agreement = _disagreeing(state, admitted, load)
+    against, agreement = _disagreeing(state, admitted, updates)
     for peer, blob, _ in admitted:
         if peer in against:
             excluded.append(Exclusion(peer, blob, "disagrees with the round's updates"))
     admitted = [a for a in admitted if a[0] not in against]
-    totals = _weighted_sum(state, admitted, load)
+    totals = _weighted_sum(state, admitted, updates)
     excluded.sort(key=lambda e: e.peer.encode())
     count = np.float32(len(admitted))
-    mean = {name: total / count for name, total in totals.items()}
-    following = outer_step(state, mean, config)
+    for total in totals.values():
+        total /= count  # the mean, in place: the sums are this function's own arrays
+    following = outer_step(state, totals, config)
     return Aggregate(following, tuple(admitted), tuple(excluded), median, tuple(agreement))

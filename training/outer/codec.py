@@ -808,6 +808,25 @@ def _parse_payload(
     return out
 
 
+@dataclass(frozen=True)
+class Parsed:
+    """A parsed and validated update, not yet made dense: a top-k one's ``sparse``
+    tensors (with its ``params``), or a dense one's ``dense`` tensors."""
+
+    scheme: int
+    params: CodecParams | None
+    sparse: dict[str, SparseTensor] | None
+    dense: dict[str, F32] | None
+
+    def tensors(self) -> dict[str, F32]:
+        """The dense float32 tensors (a top-k update's decompressed afresh)."""
+        if self.sparse is None:
+            assert self.dense is not None
+            return self.dense
+        assert self.params is not None
+        return decompress(self.sparse, self.params)
+
+
 def decode(
     data: bytes,
     *,
@@ -818,11 +837,21 @@ def decode(
 
     ``expected`` (name -> shape), when given, must match the update's tensors exactly.
     """
+    parsed = parse(data, max_elements=max_elements, expected=expected)
+    return Decoded(parsed.scheme, parsed.params, parsed.tensors())
+
+
+def parse(
+    data: bytes,
+    *,
+    max_elements: int = MAX_ELEMENTS,
+    expected: Mapping[str, tuple[int, ...]] | None = None,
+) -> Parsed:
+    """Parse and validate an update as :func:`decode` does, leaving a top-k one sparse."""
     reader = ByteReader(bytes(data), _truncated_update)
     scheme, params, shapes = _parse_header(reader, max_elements, expected)
     if params is not None:
-        sparse = _parse_payload(reader, params, shapes)
-        return Decoded(scheme, params, decompress(sparse, params))
+        return Parsed(scheme, params, _parse_payload(reader, params, shapes), None)
     size = sum(_payload_size(params, _numel(shape)) for _, shape in shapes)
     if size != reader.remaining():
         raise CodecError(f"update payload is {reader.remaining()} bytes; its header says {size}")
@@ -833,7 +862,7 @@ def decode(
         if not np.isfinite(values).all():
             raise CodecError(f"tensor {name!r} holds NaN or infinity")
         tensors[name] = values
-    return Decoded(scheme, params, tensors)
+    return Parsed(scheme, params, None, tensors)
 
 
 def decode_sparse(
