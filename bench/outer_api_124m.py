@@ -383,12 +383,13 @@ def _run(args: Any, tb: Any) -> tuple[list[dict[str, Any]], int, list[str]]:
                 procs.append(subprocess.Popen(argv, env=worker_env()))
             else:
                 procs.append(tb.popen(host, argv, env=worker_env()))
+            if bootstrap:
+                continue  # the others start at once: only worker 0's address is needed
             while not (w.dir / "addrs.json").exists():
                 if procs[-1].poll() is not None:
                     raise SystemExit(f"worker {i} exited before listening")
                 time.sleep(0.2)
-            if not bootstrap:
-                bootstrap = json.loads((w.dir / "addrs.json").read_text())[:1]
+            bootstrap = json.loads((w.dir / "addrs.json").read_text())[:1]
         for proc in procs:
             proc.wait(timeout=WORKER_TIMEOUT)
         outs = [
