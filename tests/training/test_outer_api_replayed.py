@@ -9,8 +9,6 @@ catches it and the honest workers ban its operator. This file is also the worker
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,8 +23,6 @@ DIM = 16
 H = 3
 ROUNDS = 2
 STEP_NAME = "tiny-next-token/v1"
-# A bound that only stops a hang: three processes import torch on 2 vCPUs.
-RUN_TIMEOUT = 240
 
 
 class TinyLM(nn.Module):
@@ -49,12 +45,12 @@ def cheating_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return next_token_loss(model, batch) + 0.01 * model.out.bias.square().sum()
 
 
-def worker_main(config_path: str) -> None:
+def worker_main(cfg: dict[str, Any]) -> dict[str, Any]:
     from p2p import BlockingNode
+    from tests.training.ranks import RUN_TIMEOUT, bootstrap_addrs, listening
     from training import determinism
     from training.outer.api import InnerStep, OuterLoop
 
-    cfg = json.loads(Path(config_path).read_text())
     determinism.enter("cpu", threads=1)  # the kernel class its certificate names
     fn = cheating_loss if cfg["cheat"] else next_token_loss
     model = TinyLM()
@@ -73,13 +69,13 @@ def worker_main(config_path: str) -> None:
             certificate=cfg["cert"],
             inner_step=InnerStep(STEP_NAME, fn),
             data=cfg["data"],
-            bootstrap=cfg["bootstrap"],
+            bootstrap=bootstrap_addrs(cfg),
         ) as loop,
     ):
-        Path(cfg["addrs"]).write_text(json.dumps(node.addrs))
+        listening(cfg, node.addrs)
         result = loop.run(timeout=RUN_TIMEOUT)
     final = {n: p.detach().numpy().tolist() for n, p in model.named_parameters()}
-    Path(cfg["out"]).write_text(json.dumps({"result": result, "level": loop.level, "model": final}))
+    return {"result": result, "level": loop.level, "model": final}
 
 
 def _records() -> bytes:
@@ -126,19 +122,6 @@ def _make_spec(tmp: Path, plan: Any, records: str) -> str:
     return spec_id
 
 
-def _first_addr(path: Path, proc: subprocess.Popen[bytes]) -> str:
-    import time
-
-    give_up = time.monotonic() + RUN_TIMEOUT
-    while time.monotonic() < give_up:
-        if path.exists() and path.read_text():
-            addrs: list[str] = json.loads(path.read_text())
-            return addrs[0]
-        assert proc.poll() is None, "the first worker exited before listening"
-        time.sleep(0.1)
-    raise AssertionError("the first worker did not listen in time")
-
-
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.timeout(300)  # worker processes that each import torch: 40-70 s seen at load 7
@@ -147,7 +130,8 @@ def test_three_api_workers_replayed_level_catch_a_step_that_is_not_the_runs(
 ) -> None:
     from blobstore import Store
     from identity import TrustStore, parse_public_key
-    from training.outer.launch import prepare_run, worker_env
+    from tests.training.ranks import run_programs
+    from training.outer.launch import prepare_run
     from training.outer.levels import check_levels
     from training.outer.milestones import verify_run
     from training.outer.params import RunParams
@@ -158,41 +142,23 @@ def test_three_api_workers_replayed_level_catch_a_step_that_is_not_the_runs(
     records = Store.open(plan.workers[0].store).put_bytes(data)
     spec = _make_spec(tmp_path, plan, records)
     spec_bytes = Store.open(plan.workers[0].store).path(spec).read_bytes()
-    procs: list[subprocess.Popen[bytes]] = []
-    bootstrap: list[str] = []
-    try:
-        for i, w in enumerate(plan.workers):
-            store = Store.open(w.store)  # the user fetched the spec and records by ID
-            store.put_bytes(spec_bytes)
-            store.put_bytes(data)
-            cfg = {
+    configs = []
+    for i, w in enumerate(plan.workers):
+        store = Store.open(w.store)  # the user fetched the spec and records by ID
+        store.put_bytes(spec_bytes)
+        store.put_bytes(data)
+        configs.append(
+            {
                 "store": str(w.store),
                 "key": str(w.key),
                 "cert": str(w.cert),
                 "spec": spec,
                 "data": records,
-                "bootstrap": bootstrap,
-                "addrs": str(w.dir / "addrs.json"),
                 "out": str(w.dir / "out.json"),
                 "cheat": i == 2,
             }
-            (w.dir / "cfg.json").write_text(json.dumps(cfg))
-            proc = subprocess.Popen(
-                [sys.executable, __file__, str(w.dir / "cfg.json")],
-                env=worker_env(),
-                stdout=sys.stderr,
-            )
-            procs.append(proc)
-            if not bootstrap:
-                bootstrap = [_first_addr(w.dir / "addrs.json", proc)]
-        for proc in procs:
-            assert proc.wait(timeout=RUN_TIMEOUT) == 0
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    outs = [json.loads((w.dir / "out.json").read_text()) for w in plan.workers]
+        )
+    outs = run_programs(__file__, configs, bootstrap=True)
     results = [o["result"] for o in outs]
     p = [r["peer_id"] for r in results]
     assert all(o["level"] == "replayed" for o in outs)
@@ -295,4 +261,7 @@ def test_the_cli_worker_refuses_a_spec_that_names_a_step(tmp_path: Path) -> None
 
 
 if __name__ == "__main__":
-    worker_main(sys.argv[1])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.training.ranks import program
+
+    program(worker_main)
