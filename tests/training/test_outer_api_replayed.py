@@ -4,8 +4,9 @@ over ``BlockingNode`` on 127.0.0.1 with real stores. The library drives the inne
 rows it commits to; every update is sampled (rate 1) and replayed by another worker with
 its own step of the spec's name. Worker 2's step function, registered under the same
 name, adds a term to its loss (its updates are not what the step computes): replay
-catches it and the honest workers ban its operator. This file is also the worker program
-(``python test_outer_api_replayed.py CONFIG``)."""
+catches it and the honest workers ban its operator. One round shows it (that a banned
+operator is left out of the rounds after is test_outer_replay_net's). This file is also
+the worker program (``python test_outer_api_replayed.py CONFIG``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from torch import nn
 VOCAB = 264  # the byte records' vocabulary (training.records) rounded up
 DIM = 16
 H = 3
-ROUNDS = 2
+ROUNDS = 1
 STEP_NAME = "tiny-next-token/v1"
 
 
@@ -165,22 +166,30 @@ def test_three_api_workers_replayed_level_catch_a_step_that_is_not_the_runs(
     honest = results[:2]
     assert honest[0]["final_root"] == honest[1]["final_root"]
     assert all(r["final_round"] == ROUNDS for r in honest)
-    # The cheat is caught: the assigned replayer's mismatch (and a confirmation by the
-    # other honest worker's own replay where it heard that verdict after applying the
-    # round); no honest operator is banned, whatever the cheater said of them.
-    banned = [set(r["banned"]) for r in honest]
-    assert all(b <= {"operator-2"} for b in banned), banned
-    assert any(b == {"operator-2"} for b in banned), [r["verdicts"] for r in honest]
+    # Its round-0 update was included (nothing shows a cheat before a replay), and then
+    # the cheat is caught by its first step's loss: the assigned replayer's mismatch (and a
+    # confirmation by the other honest worker's own replay where it heard that verdict
+    # after applying the round); no honest operator is banned, whatever the cheater said
+    # of them.
+    assert all(p[2] in {x["peer"] for x in r["rounds"][0]["included"]} for r in honest)
+    caught = "mismatch: loss of step 0 differs"
+    banned = [r["banned"] for r in honest]
+    assert all(set(b) <= {"operator-2"} for b in banned), banned
+    assert any(set(b) == {"operator-2"} for b in banned), [r["verdicts"] for r in honest]
+    assert all(why == f"failed replay of round 0 ({caught})" for b in banned for why in b.values())
     verdicts = [v for r in honest for v in r["verdicts"]]
     on_cheat = [v for v in verdicts if v["author"] == p[2]]
-    assert on_cheat and all(v["outcome"].startswith("mismatch") for v in on_cheat)
-    # An honest update replayed by an honest worker matches bit for bit.
-    by_honest = [v for v in verdicts if v["author"] != p[2] and v["replayer"] != p[2]]
-    assert by_honest and all(v["outcome"] == "match" for v in by_honest), by_honest
-    for result in honest:
-        last = result["rounds"][-1]
-        if last["proposer"] in p[:2]:  # an honest proposer after the ban left it out
-            assert {x["peer"] for x in last["included"]} == {p[0], p[1]}
+    assert on_cheat and all(v["outcome"] == caught for v in on_cheat), on_cheat
+    # Each honest update, replayed by an honest worker, matches bit for bit: as the verdict
+    # of its assigned replayer or, where the cheater was drawn to replay it (and says it
+    # mismatched), as the honest workers' confirming replays that answer the accusation.
+    accused = [a for r in honest for a in r["false_accusations"]]
+    assert all(a["by"] == p[2] for a in accused), accused
+    for author in p[:2]:
+        replays = [
+            v for v in [*verdicts, *accused] if v["author"] == author and v.get("replayer") != p[2]
+        ]
+        assert replays and all(v["outcome"] == "match" for v in replays), (author, verdicts)
     # The worker's model holds the final state.
     store = Store.open(plan.workers[0].store)
     tip = decode_state(store.path(honest[0]["rounds"][-1]["state_blob"]).read_bytes())
