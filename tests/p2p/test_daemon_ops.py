@@ -172,11 +172,11 @@ def test_status_shows_what_peers_observed_and_the_reachability_it_implies() -> N
 
 
 def test_get_download_limit_caps_that_one_get(cluster: Cluster, tmp_path: Path) -> None:
-    """get --download-limit paces a single get as serve's paces a daemon: 5 MiB at 2 MB/s
-    takes at least 1.6 s (a 1 MiB burst and one chunk on credit, then the rate), where
+    """get --download-limit paces a single get as serve's paces a daemon: 4 MiB at 2 MB/s
+    takes at least 1.05 s (a 1 MiB burst and one chunk on credit, then the rate), where
     unpaced it takes a few tens of ms here. A daemon on the store is passed by: its cap is
     node-wide."""
-    size = 5 << 20
+    size = 4 << 20
     blob_id = cluster.put_here("a", random_file(tmp_path / "w.bin", size, seed=13))
     source = cluster.serve("a")
     cluster.serve("b")

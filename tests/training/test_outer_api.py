@@ -9,7 +9,6 @@ This file is also the worker program (``python test_outer_api.py CONFIG``)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,6 @@ from torch import nn
 VOCAB = 32
 SEQ = 16
 H = 5
-# A bound that only stops a hang: three processes import torch on 2 vCPUs.
-RUN_TIMEOUT = 240
 
 
 class TinyLM(nn.Module):
@@ -50,13 +47,13 @@ def task_rows(seed: int, n: int, shift: int = 1) -> np.ndarray[Any, np.dtype[np.
     return (start + shift * np.arange(SEQ)[None, :]) % VOCAB
 
 
-def worker_main(config_path: str) -> None:
+def worker_main(cfg: dict[str, Any]) -> dict[str, Any]:
     """One worker: the user's loop, wrapped (the shape the README shows)."""
     from p2p import BlockingNode
+    from tests.training.ranks import bootstrap_addrs, listening
     from training import determinism
     from training.outer.api import OuterLoop
 
-    cfg = json.loads(Path(config_path).read_text())
     determinism.enter("cpu", threads=1)  # the kernel class its certificate names
     torch.manual_seed(cfg["index"])
     model = TinyLM()
@@ -81,10 +78,10 @@ def worker_main(config_path: str) -> None:
             rounds=2,
             eval_fn=loss_fn,
             eval_data=evaluation,
-            bootstrap=cfg["bootstrap"],
+            bootstrap=bootstrap_addrs(cfg),
         ) as loop,
     ):
-        Path(cfg["addrs"]).write_text(json.dumps(node.addrs))
+        listening(cfg, node.addrs)
         loop.join()
         for _ in range(100 * H):  # bounded: the run has 2 rounds of H steps
             batch = data[torch.randint(0, data.shape[0], (8,))]
@@ -101,12 +98,13 @@ def worker_main(config_path: str) -> None:
         result = loop.result
         assert result is not None
     final = {n: p.detach().numpy().tolist() for n, p in model.named_parameters()}
-    Path(cfg["out"]).write_text(
-        json.dumps({"losses": losses, "result": result, "level": loop.level, "model": final})
-    )
+    return {"losses": losses, "result": result, "level": loop.level, "model": final}
 
 
 def _init_spec(tmp: Path, plan: Any, level: str, workers: int = 3) -> str:
+    """``blob outer init`` for this file's model. A lone worker proposes at once, so its
+    proposer timeout only sets how long it waits after the last round (2 * t + 2 s) for a
+    better closure nobody can send: 0.1 s there, 1 s among three."""
     from click.testing import CliRunner
     from safetensors.torch import save_file
 
@@ -133,7 +131,7 @@ def _init_spec(tmp: Path, plan: Any, level: str, workers: int = 3) -> str:
             "--deadline",
             "6",
             "--proposer-timeout",
-            "1",
+            "1" if workers > 1 else "0.1",
             "--min-verification",
             level,
             "--chunk",
@@ -154,48 +152,29 @@ def test_three_workers_own_model_and_loop_scored_level(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
     from blobstore import Store
+    from tests.training.ranks import run_programs
     from training.outer.cli import outer_group
-    from training.outer.launch import prepare_run, worker_env
+    from training.outer.launch import prepare_run
     from training.outer.params import RunParams
 
     plan = prepare_run(tmp_path / "run", RunParams("api", workers=3, rounds=2, inner_steps=H))
     spec = _init_spec(tmp_path, plan, "scored")
     spec_bytes = Store.open(plan.workers[0].store).path(spec).read_bytes()
-    procs: list[subprocess.Popen[bytes]] = []
-    bootstrap: list[str] = []
-    try:
-        for i, w in enumerate(plan.workers):
-            Store.open(w.store).put_bytes(spec_bytes)  # the user fetched the spec by its ID
-            cfg = {
+    configs = []
+    for i, w in enumerate(plan.workers):
+        Store.open(w.store).put_bytes(spec_bytes)  # the user fetched the spec by its ID
+        configs.append(
+            {
                 "index": i,
                 "store": str(w.store),
                 "key": str(w.key),
                 "cert": str(w.cert),
                 "spec": spec,
-                "bootstrap": bootstrap,
-                "addrs": str(w.dir / "addrs.json"),
                 "out": str(w.dir / "out.json"),
                 "shift": 7 if i == 2 else 1,
             }
-            (w.dir / "cfg.json").write_text(json.dumps(cfg))
-            proc = subprocess.Popen(
-                [sys.executable, __file__, str(w.dir / "cfg.json")],
-                env=worker_env(),
-                stdout=sys.stderr,
-            )
-            procs.append(proc)
-            if not bootstrap:
-                from training.outer.launch import wait_for_addrs
-
-                bootstrap = [_first_addr(w.dir / "addrs.json", proc, wait_for_addrs)]
-        for proc in procs:
-            assert proc.wait(timeout=RUN_TIMEOUT) == 0
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    outs = [json.loads((w.dir / "out.json").read_text()) for w in plan.workers]
+        )
+    outs = run_programs(__file__, configs, bootstrap=True)
     results = [o["result"] for o in outs]
     assert {r["final_root"] for r in results} == {results[0]["final_root"]}
     assert all(r["final_round"] == 2 for r in results)
@@ -254,19 +233,6 @@ def test_three_workers_own_model_and_loop_scored_level(tmp_path: Path) -> None:
     assert "FAILED level:" in refused.output, refused.output
 
 
-def _first_addr(path: Path, proc: subprocess.Popen[bytes], wait: Any) -> str:
-    import time
-
-    give_up = time.monotonic() + RUN_TIMEOUT
-    while time.monotonic() < give_up:
-        if path.exists() and path.read_text():
-            addrs: list[str] = json.loads(path.read_text())
-            return addrs[0]
-        assert proc.poll() is None, "the first worker exited before listening"
-        time.sleep(0.1)
-    raise AssertionError("the first worker did not listen in time")
-
-
 def test_a_mismatched_model_is_refused_before_step_0(tmp_path: Path) -> None:
     """A model whose parameters differ from the spec's is refused when the loop is made,
     in one line, before the node does anything for the run."""
@@ -288,7 +254,7 @@ def test_a_mismatched_model_is_refused_before_step_0(tmp_path: Path) -> None:
             OuterLoop(n, spec=spec, model=TinyLM(), certificate=w0.cert, rounds=1)
 
 
-def rank_main(config_path: str) -> None:
+def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank of a worker that is a torch.distributed group (gloo, CPU): DDP replicas,
     rank 0 the run's peer."""
     import os
@@ -299,7 +265,6 @@ def rank_main(config_path: str) -> None:
     from training import determinism
     from training.outer.api import OuterLoop
 
-    cfg = json.loads(Path(config_path).read_text())
     rank = cfg["rank"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
     determinism.enter("cpu", threads=1)
@@ -346,8 +311,8 @@ def rank_main(config_path: str) -> None:
         "model": {n: p.detach().numpy().tolist() for n, p in model.named_parameters()},
         "result": loop.result,
     }
-    Path(cfg["out"]).write_text(json.dumps(out))
     dist.destroy_process_group()
+    return out
 
 
 @pytest.mark.slow
@@ -356,47 +321,29 @@ def rank_main(config_path: str) -> None:
 def test_a_worker_that_is_a_two_rank_gloo_group(tmp_path: Path) -> None:
     """Two CPU ranks over gloo are one worker (one peer identity, rank 0's); they start
     from different random inits and end with the same parameters, the run's final state."""
-    import socket
-
     from blobstore import Store
-    from training.outer.launch import prepare_run, worker_env
+    from tests.training.ranks import free_port, run_programs
+    from training.outer.launch import prepare_run
     from training.outer.params import RunParams
     from training.outer.state_blob import decode_state
 
     plan = prepare_run(tmp_path / "run", RunParams("api", workers=1, rounds=2, inner_steps=H))
     spec = _init_spec(tmp_path, plan, "bounded", workers=1)
     w0 = plan.workers[0]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    try:
-        for rank in (0, 1):
-            cfg = {
-                "rank": rank,
-                "port": port,
-                "store": str(w0.store),
-                "key": str(w0.key),
-                "cert": str(w0.cert),
-                "spec": spec,
-                "out": str(tmp_path / f"rank{rank}.json"),
-            }
-            (tmp_path / f"rank{rank}.cfg").write_text(json.dumps(cfg))
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, __file__, "--rank", str(tmp_path / f"rank{rank}.cfg")],
-                    env=worker_env(),
-                    stdout=sys.stderr,
-                )
-            )
-        for proc in procs:
-            assert proc.wait(timeout=RUN_TIMEOUT) == 0
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    port = free_port()
+    configs = [
+        {
+            "rank": rank,
+            "port": port,
+            "store": str(w0.store),
+            "key": str(w0.key),
+            "cert": str(w0.cert),
+            "spec": spec,
+            "out": str(tmp_path / f"rank{rank}.json"),
+        }
+        for rank in (0, 1)
+    ]
+    outs = run_programs(__file__, configs, args=["--rank"])
     assert outs[0]["joined"] == outs[1]["joined"]
     assert outs[0]["model"] == outs[1]["model"]
     result = outs[0]["result"]
@@ -477,7 +424,7 @@ def test_the_trio_face_runs_a_one_worker_run(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--rank":
-        rank_main(sys.argv[2])
-    else:
-        worker_main(sys.argv[1])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.training.ranks import program
+
+    program(rank_main if sys.argv[1] == "--rank" else worker_main)

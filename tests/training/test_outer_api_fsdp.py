@@ -5,8 +5,6 @@ the applied state back (training.outer.api point 6). This file is also the rank 
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,8 +16,6 @@ from torch import nn
 
 H = 2
 ROUNDS = 2
-# A bound that only stops a hang: two processes import torch on 2 vCPUs.
-RUN_TIMEOUT = 240
 
 
 class Net(nn.Module):
@@ -32,7 +28,7 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def rank_main(config_path: str) -> None:
+def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     import os
 
     import torch.distributed as dist
@@ -42,7 +38,6 @@ def rank_main(config_path: str) -> None:
     from training import determinism
     from training.outer.api import OuterLoop, gathered_state
 
-    cfg = json.loads(Path(config_path).read_text())
     rank = cfg["rank"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
     determinism.enter("cpu", threads=1)
@@ -84,8 +79,8 @@ def rank_main(config_path: str) -> None:
         "final": {n: v.tolist() for n, v in final.items()},
         "result": loop.result,
     }
-    Path(cfg["out"]).write_text(json.dumps(out))
     dist.destroy_process_group()
+    return out
 
 
 def _spec(tmp: Path, plan: Any) -> str:
@@ -112,7 +107,7 @@ def _spec(tmp: Path, plan: Any) -> str:
             "chunk": 64,
             "k": 16,
             "deadline": 2.0,
-            "proposer_timeout": 0.5,
+            "proposer_timeout": 0.1,  # one worker: it only stretches the wait after the last round
         },
     )
     return spec_id
@@ -124,47 +119,29 @@ def _spec(tmp: Path, plan: Any) -> str:
 def test_a_worker_whose_model_is_sharded_over_two_gloo_ranks(tmp_path: Path) -> None:
     """Guards against a sharded model's shards being taken for the whole model: the ranks
     start from different inits, join on S_0, and end holding (together) the run's tip."""
-    import socket
-
     from blobstore import Store
-    from training.outer.launch import prepare_run, worker_env
+    from tests.training.ranks import free_port, run_programs
+    from training.outer.launch import prepare_run
     from training.outer.params import RunParams
     from training.outer.state_blob import decode_state
 
     plan = prepare_run(tmp_path / "run", RunParams("fsdp", workers=1, rounds=1, inner_steps=H))
     spec = _spec(tmp_path, plan)
     w0 = plan.workers[0]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    try:
-        for rank in (0, 1):
-            cfg = {
-                "rank": rank,
-                "port": port,
-                "store": str(w0.store),
-                "key": str(w0.key),
-                "cert": str(w0.cert),
-                "spec": spec,
-                "out": str(tmp_path / f"rank{rank}.json"),
-            }
-            (tmp_path / f"rank{rank}.cfg").write_text(json.dumps(cfg))
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, __file__, str(tmp_path / f"rank{rank}.cfg")],
-                    env=worker_env(),
-                    stdout=sys.stderr,
-                )
-            )
-        for proc in procs:
-            assert proc.wait(timeout=RUN_TIMEOUT) == 0
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    outs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    port = free_port()
+    configs = [
+        {
+            "rank": rank,
+            "port": port,
+            "store": str(w0.store),
+            "key": str(w0.key),
+            "cert": str(w0.cert),
+            "spec": spec,
+            "out": str(tmp_path / f"rank{rank}.json"),
+        }
+        for rank in (0, 1)
+    ]
+    outs = run_programs(__file__, configs)
     store = Store.open(w0.store)
     from training.outer.runs import read_spec
 
@@ -183,4 +160,7 @@ def test_a_worker_whose_model_is_sharded_over_two_gloo_ranks(tmp_path: Path) -> 
 
 
 if __name__ == "__main__":
-    rank_main(sys.argv[1])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.training.ranks import program
+
+    program(rank_main)

@@ -4,13 +4,12 @@ over ``BlockingNode`` on 127.0.0.1 with real stores. The library drives the inne
 rows it commits to; every update is sampled (rate 1) and replayed by another worker with
 its own step of the spec's name. Worker 2's step function, registered under the same
 name, adds a term to its loss (its updates are not what the step computes): replay
-catches it and the honest workers ban its operator. This file is also the worker program
-(``python test_outer_api_replayed.py CONFIG``)."""
+catches it and the honest workers ban its operator. One round shows it (that a banned
+operator is left out of the rounds after is test_outer_replay_net's). This file is also
+the worker program (``python test_outer_api_replayed.py CONFIG``)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,8 @@ from torch import nn
 VOCAB = 264  # the byte records' vocabulary (training.records) rounded up
 DIM = 16
 H = 3
-ROUNDS = 2
+ROUNDS = 1
 STEP_NAME = "tiny-next-token/v1"
-# A bound that only stops a hang: three processes import torch on 2 vCPUs.
-RUN_TIMEOUT = 240
 
 
 class TinyLM(nn.Module):
@@ -49,12 +46,12 @@ def cheating_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return next_token_loss(model, batch) + 0.01 * model.out.bias.square().sum()
 
 
-def worker_main(config_path: str) -> None:
+def worker_main(cfg: dict[str, Any]) -> dict[str, Any]:
     from p2p import BlockingNode
+    from tests.training.ranks import RUN_TIMEOUT, bootstrap_addrs, listening
     from training import determinism
     from training.outer.api import InnerStep, OuterLoop
 
-    cfg = json.loads(Path(config_path).read_text())
     determinism.enter("cpu", threads=1)  # the kernel class its certificate names
     fn = cheating_loss if cfg["cheat"] else next_token_loss
     model = TinyLM()
@@ -73,13 +70,13 @@ def worker_main(config_path: str) -> None:
             certificate=cfg["cert"],
             inner_step=InnerStep(STEP_NAME, fn),
             data=cfg["data"],
-            bootstrap=cfg["bootstrap"],
+            bootstrap=bootstrap_addrs(cfg),
         ) as loop,
     ):
-        Path(cfg["addrs"]).write_text(json.dumps(node.addrs))
+        listening(cfg, node.addrs)
         result = loop.run(timeout=RUN_TIMEOUT)
     final = {n: p.detach().numpy().tolist() for n, p in model.named_parameters()}
-    Path(cfg["out"]).write_text(json.dumps({"result": result, "level": loop.level, "model": final}))
+    return {"result": result, "level": loop.level, "model": final}
 
 
 def _records() -> bytes:
@@ -126,19 +123,6 @@ def _make_spec(tmp: Path, plan: Any, records: str) -> str:
     return spec_id
 
 
-def _first_addr(path: Path, proc: subprocess.Popen[bytes]) -> str:
-    import time
-
-    give_up = time.monotonic() + RUN_TIMEOUT
-    while time.monotonic() < give_up:
-        if path.exists() and path.read_text():
-            addrs: list[str] = json.loads(path.read_text())
-            return addrs[0]
-        assert proc.poll() is None, "the first worker exited before listening"
-        time.sleep(0.1)
-    raise AssertionError("the first worker did not listen in time")
-
-
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.timeout(300)  # worker processes that each import torch: 40-70 s seen at load 7
@@ -147,7 +131,8 @@ def test_three_api_workers_replayed_level_catch_a_step_that_is_not_the_runs(
 ) -> None:
     from blobstore import Store
     from identity import TrustStore, parse_public_key
-    from training.outer.launch import prepare_run, worker_env
+    from tests.training.ranks import run_programs
+    from training.outer.launch import prepare_run
     from training.outer.levels import check_levels
     from training.outer.milestones import verify_run
     from training.outer.params import RunParams
@@ -158,63 +143,53 @@ def test_three_api_workers_replayed_level_catch_a_step_that_is_not_the_runs(
     records = Store.open(plan.workers[0].store).put_bytes(data)
     spec = _make_spec(tmp_path, plan, records)
     spec_bytes = Store.open(plan.workers[0].store).path(spec).read_bytes()
-    procs: list[subprocess.Popen[bytes]] = []
-    bootstrap: list[str] = []
-    try:
-        for i, w in enumerate(plan.workers):
-            store = Store.open(w.store)  # the user fetched the spec and records by ID
-            store.put_bytes(spec_bytes)
-            store.put_bytes(data)
-            cfg = {
+    configs = []
+    for i, w in enumerate(plan.workers):
+        store = Store.open(w.store)  # the user fetched the spec and records by ID
+        store.put_bytes(spec_bytes)
+        store.put_bytes(data)
+        configs.append(
+            {
                 "store": str(w.store),
                 "key": str(w.key),
                 "cert": str(w.cert),
                 "spec": spec,
                 "data": records,
-                "bootstrap": bootstrap,
-                "addrs": str(w.dir / "addrs.json"),
                 "out": str(w.dir / "out.json"),
                 "cheat": i == 2,
             }
-            (w.dir / "cfg.json").write_text(json.dumps(cfg))
-            proc = subprocess.Popen(
-                [sys.executable, __file__, str(w.dir / "cfg.json")],
-                env=worker_env(),
-                stdout=sys.stderr,
-            )
-            procs.append(proc)
-            if not bootstrap:
-                bootstrap = [_first_addr(w.dir / "addrs.json", proc)]
-        for proc in procs:
-            assert proc.wait(timeout=RUN_TIMEOUT) == 0
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    outs = [json.loads((w.dir / "out.json").read_text()) for w in plan.workers]
+        )
+    outs = run_programs(__file__, configs, bootstrap=True)
     results = [o["result"] for o in outs]
     p = [r["peer_id"] for r in results]
     assert all(o["level"] == "replayed" for o in outs)
     honest = results[:2]
     assert honest[0]["final_root"] == honest[1]["final_root"]
     assert all(r["final_round"] == ROUNDS for r in honest)
-    # The cheat is caught: the assigned replayer's mismatch (and a confirmation by the
-    # other honest worker's own replay where it heard that verdict after applying the
-    # round); no honest operator is banned, whatever the cheater said of them.
-    banned = [set(r["banned"]) for r in honest]
-    assert all(b <= {"operator-2"} for b in banned), banned
-    assert any(b == {"operator-2"} for b in banned), [r["verdicts"] for r in honest]
+    # Its round-0 update was included (nothing shows a cheat before a replay), and then
+    # the cheat is caught by its first step's loss: the assigned replayer's mismatch (and a
+    # confirmation by the other honest worker's own replay where it heard that verdict
+    # after applying the round); no honest operator is banned, whatever the cheater said
+    # of them.
+    assert all(p[2] in {x["peer"] for x in r["rounds"][0]["included"]} for r in honest)
+    caught = "mismatch: loss of step 0 differs"
+    banned = [r["banned"] for r in honest]
+    assert all(set(b) <= {"operator-2"} for b in banned), banned
+    assert any(set(b) == {"operator-2"} for b in banned), [r["verdicts"] for r in honest]
+    assert all(why == f"failed replay of round 0 ({caught})" for b in banned for why in b.values())
     verdicts = [v for r in honest for v in r["verdicts"]]
     on_cheat = [v for v in verdicts if v["author"] == p[2]]
-    assert on_cheat and all(v["outcome"].startswith("mismatch") for v in on_cheat)
-    # An honest update replayed by an honest worker matches bit for bit.
-    by_honest = [v for v in verdicts if v["author"] != p[2] and v["replayer"] != p[2]]
-    assert by_honest and all(v["outcome"] == "match" for v in by_honest), by_honest
-    for result in honest:
-        last = result["rounds"][-1]
-        if last["proposer"] in p[:2]:  # an honest proposer after the ban left it out
-            assert {x["peer"] for x in last["included"]} == {p[0], p[1]}
+    assert on_cheat and all(v["outcome"] == caught for v in on_cheat), on_cheat
+    # Each honest update, replayed by an honest worker, matches bit for bit: as the verdict
+    # of its assigned replayer or, where the cheater was drawn to replay it (and says it
+    # mismatched), as the honest workers' confirming replays that answer the accusation.
+    accused = [a for r in honest for a in r["false_accusations"]]
+    assert all(a["by"] == p[2] for a in accused), accused
+    for author in p[:2]:
+        replays = [
+            v for v in [*verdicts, *accused] if v["author"] == author and v.get("replayer") != p[2]
+        ]
+        assert replays and all(v["outcome"] == "match" for v in replays), (author, verdicts)
     # The worker's model holds the final state.
     store = Store.open(plan.workers[0].store)
     tip = decode_state(store.path(honest[0]["rounds"][-1]["state_blob"]).read_bytes())
@@ -295,4 +270,7 @@ def test_the_cli_worker_refuses_a_spec_that_names_a_step(tmp_path: Path) -> None
 
 
 if __name__ == "__main__":
-    worker_main(sys.argv[1])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.training.ranks import program
+
+    program(worker_main)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -210,11 +211,18 @@ def keep_run(
     return rounds
 
 
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The kept run, made once: ``store`` hands each test a copy of it to untag and forge."""
+    root = tmp_path_factory.mktemp("kept") / "store"
+    keep_run(Store.open(root))
+    return root
+
+
 @pytest.fixture
-def store(tmp_path: Path) -> Store:
-    s = Store.open(tmp_path / "store")
-    keep_run(s)
-    return s
+def store(tmp_path: Path, kept: Path) -> Store:
+    shutil.copytree(kept, tmp_path / "store")
+    return Store.open(tmp_path / "store")
 
 
 def failures(store: Store) -> list[str]:

@@ -5,6 +5,7 @@ pass vacuously."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -29,6 +30,7 @@ from identity import (
 )
 from p2p.daemon.client import DaemonClient, DaemonGone, DaemonRefused
 from p2p.node.node import open_node
+from tests.blob_cli import blob_here
 from training.outer.aggregate import aggregate, wrap_update
 from training.outer.agreement import decode_closure
 from training.outer.churn import ChurnPlan, ChurnResult, churn_run
@@ -91,8 +93,9 @@ def test_three_workers_two_rounds_reach_the_same_state(tmp_path: Path) -> None:
         run = subprocess.Popen(argv, stdout=o, stderr=e, env=worker_env())
         try:
             give_up = time.monotonic() + 230
-            while run.poll() is None and time.monotonic() < give_up:
-                if api_sock.exists() and "metrics" not in watched:
+            while run.poll() is None and "metrics" not in watched:
+                assert time.monotonic() < give_up, "the run did not end in time"
+                if api_sock.exists():
                     try:
                         daemon = DaemonClient(api_sock)
                         outer = daemon.status().get("outer") or {}
@@ -100,7 +103,8 @@ def test_three_workers_two_rounds_reach_the_same_state(tmp_path: Path) -> None:
                             watched.update(status=outer, metrics=daemon.metrics())
                     except (DaemonGone, DaemonRefused, OSError):
                         pass  # not listening yet, or just gone
-                time.sleep(0.25)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    run.wait(timeout=0.25)  # ends the wait the moment the run does
             run.wait(timeout=max(1.0, give_up - time.monotonic()))
         finally:
             if run.poll() is None:
@@ -184,12 +188,12 @@ def test_three_workers_two_rounds_reach_the_same_state(tmp_path: Path) -> None:
     # beside its authority's key; a forged milestone makes it fail.
     authority = str(work / "authority.pub")
 
-    def blob_cli(*args: str) -> subprocess.CompletedProcess[bytes]:
-        argv = [sys.executable, "-m", "p2p.cli", "--store", str(work / "worker-0" / "store")]
-        return subprocess.run([*argv, *args], capture_output=True, timeout=120, check=False)
+    def blob_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        """A local read of worker 0's store, in this process (no interpreter start)."""
+        return blob_here(["--store", str(work / "worker-0" / "store"), *args])
 
     ok = blob_cli("outer", "verify", "local", "--authority", authority, "--json")
-    assert ok.returncode == 0, ok.stdout.decode() + ok.stderr.decode()
+    assert ok.returncode == 0, ok.stdout + ok.stderr
     assert json.loads(ok.stdout)["checked_rounds"] == [0, 1]
     listed = json.loads(blob_cli("outer", "milestones", "local", "--json").stdout)
     assert [m["round"] for m in listed] == [0, 1]
@@ -207,8 +211,8 @@ def test_three_workers_two_rounds_reach_the_same_state(tmp_path: Path) -> None:
     )
     store.tag("outer-local-milestone-1", store.put_bytes(record))
     bad = blob_cli("outer", "verify", "local", "--authority", authority)
-    assert bad.returncode == 1, bad.stdout.decode() + bad.stderr.decode()
-    assert b"round 1: milestone" in bad.stdout
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "round 1: milestone" in bad.stdout
 
 
 # --- churn: the first worker killed, one paused past the deadline, a late joiner, and a
