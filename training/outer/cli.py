@@ -8,6 +8,7 @@ command runs.
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path as Path_
 from typing import Any
@@ -486,6 +487,10 @@ def worker_command(
         metrics=metrics,
     )
     result = trio.run(run_worker, config)
+    # The result is written (durably) and the node closed: what is left is the
+    # interpreter's exit, whose final collection over torch's and py-libp2p's objects
+    # took about 3 s a worker. Frozen objects are left to the process's end.
+    gc.freeze()
     if not result["agreed"]:
         raise _disagreed()
 
