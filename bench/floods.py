@@ -10,6 +10,9 @@ flooding address a 127.0.0.x of its own so the server sees other machines; the l
   greedy  1,000 silent sockets from 63 addresses plus 64 identities from 8 addresses, each
           holding 16 unread gets of 16 MiB chunks; a legit get during the flood, timed
           against the same get from the idle server.
+  greedy-only
+          the greedy identities alone, with no silent sockets: 64 identities from 8
+          addresses, each holding 16 unread gets (the 1,024-stream total), timed the same way.
   dht     4 identities x 10 ADD_PROVIDER messages naming themselves with 370,000
           addresses each (under py-libp2p's 4 MiB frame cap, over blobnet's 64 KiB
           request limit), DHT on; server RSS after, and a legit get.
@@ -21,7 +24,7 @@ Goals: a legit get within 5 s after a flood stops (and within 2x the idle server
 during the greedy flood), the server under 1 GiB RSS during the greedy flood and under
 512 MiB after the DHT flood.
 
-    .venv/bin/python bench/floods.py [--pin] [burst|greedy|dht|names ...]
+    .venv/bin/python bench/floods.py [--pin] [burst|greedy|greedy-only|dht|names ...]
 
 --pin stands the flooders on machines of their own: this process (every flooder) keeps to
 the last CPU, the server and the legit gets to the others, in the idle measurement as in
@@ -278,16 +281,19 @@ def burst() -> None:
         )
 
 
-def greedy() -> None:
+def greedy(silent: bool = True) -> None:
+    """The greedy identities, with the silent sockets on top unless ``silent`` is false."""
+    name = "greedy" if silent else "greedy-only"
     with server() as (srv, root):
         ok, idle = legit_get(srv, root, "idle")
-        print(f"greedy: idle server get {'ok' if ok else 'FAILED'} in {idle:.1f} s")
+        print(f"{name}: idle server get {'ok' if ok else 'FAILED'} in {idle:.1f} s")
         stats = {"gets": 0, "refused": 0, "settled": 0}
         result: dict[str, Any] = {}
 
         async def run() -> None:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(silent_sockets, srv.port, 63, 1000, 3600.0, 100)
+                if silent:
+                    nursery.start_soon(silent_sockets, srv.port, 63, 1000, 3600.0, 100)
                 for i in range(64):
                     nursery.start_soon(greedy_identity, srv, f"127.0.0.{10 + i % 8}", 16, stats)
                 with trio.fail_after(120):
@@ -299,13 +305,13 @@ def greedy() -> None:
 
         trio.run(run)
         print(
-            f"greedy: {stats['gets']} unread gets held by {64 - stats['refused']} identities; "
+            f"{name}: {stats['gets']} unread gets held by {64 - stats['refused']} identities; "
             f"get during the flood {'ok' if result['ok'] else 'FAILED'} in "
             f"{result['seconds']:.1f} s = {result['seconds'] / idle:.2f}x idle (goal: 2x); "
             f"server peak RSS {result['peak']:.0f} MiB (goal: < 1024)"
         )
         ok, after = legit_get(srv, root, "after")
-        print(f"greedy: get after the flood {'ok' if ok else 'FAILED'} in {after:.1f} s")
+        print(f"{name}: get after the flood {'ok' if ok else 'FAILED'} in {after:.1f} s")
 
 
 def dht() -> None:
@@ -417,7 +423,13 @@ def names() -> None:
         )
 
 
-SCENARIOS = {"burst": burst, "greedy": greedy, "dht": dht, "names": names}
+SCENARIOS = {
+    "burst": burst,
+    "greedy": greedy,
+    "greedy-only": functools.partial(greedy, silent=False),
+    "dht": dht,
+    "names": names,
+}
 
 
 if __name__ == "__main__":
