@@ -10,6 +10,12 @@ flooding address a 127.0.0.x of its own so the server sees other machines; the l
   greedy  1,000 silent sockets from 63 addresses plus 64 identities from 8 addresses, each
           holding 16 unread gets of 16 MiB chunks; a legit get during the flood, timed
           against the same get from the idle server.
+  greedy-only
+          the greedy identities alone, with no silent sockets: 64 identities from 8
+          addresses, each holding 16 unread gets (the 1,024-stream total), timed the same way.
+  silent  the greedy scenario's 1,000 silent sockets from 63 addresses alone, each reopened
+          when the server closes it: from 6 s to 14 s into the flood, the sockets opened a
+          second and the server's CPU time (of one CPU).
   dht     4 identities x 10 ADD_PROVIDER messages naming themselves with 370,000
           addresses each (under py-libp2p's 4 MiB frame cap, over blobnet's 64 KiB
           request limit), DHT on; server RSS after, and a legit get.
@@ -21,7 +27,7 @@ Goals: a legit get within 5 s after a flood stops (and within 2x the idle server
 during the greedy flood), the server under 1 GiB RSS during the greedy flood and under
 512 MiB after the DHT flood.
 
-    .venv/bin/python bench/floods.py [--pin] [burst|greedy|dht|names ...]
+    .venv/bin/python bench/floods.py [--pin] [burst|greedy|greedy-only|silent|dht|names ...]
 
 --pin stands the flooders on machines of their own: this process (every flooder) keeps to
 the last CPU, the server and the legit gets to the others, in the idle measurement as in
@@ -172,9 +178,17 @@ def flooder_host(source_ip: str) -> Any:
     return host
 
 
-async def silent_sockets(port: int, addresses: int, total: int, seconds: float, first: int) -> int:
+async def silent_sockets(
+    port: int,
+    addresses: int,
+    total: int,
+    seconds: float,
+    first: int,
+    count: list[int] | None = None,
+) -> int:
     """``total`` silent sockets spread over ``addresses`` source addresses, each reopened
-    when the server closes it, for ``seconds``. Returns how many were opened."""
+    when the server closes it, for ``seconds``. Returns how many were opened (and keeps
+    ``count[0]`` at it meanwhile)."""
     opened = 0
 
     async def one(source: str) -> None:
@@ -186,6 +200,8 @@ async def silent_sockets(port: int, addresses: int, total: int, seconds: float, 
                 await trio.sleep(0.2)
                 continue
             opened += 1
+            if count is not None:
+                count[0] = opened
             async with sock:
                 try:
                     while await sock.receive_some(4096):
@@ -278,16 +294,19 @@ def burst() -> None:
         )
 
 
-def greedy() -> None:
+def greedy(silent: bool = True) -> None:
+    """The greedy identities, with the silent sockets on top unless ``silent`` is false."""
+    name = "greedy" if silent else "greedy-only"
     with server() as (srv, root):
         ok, idle = legit_get(srv, root, "idle")
-        print(f"greedy: idle server get {'ok' if ok else 'FAILED'} in {idle:.1f} s")
+        print(f"{name}: idle server get {'ok' if ok else 'FAILED'} in {idle:.1f} s")
         stats = {"gets": 0, "refused": 0, "settled": 0}
         result: dict[str, Any] = {}
 
         async def run() -> None:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(silent_sockets, srv.port, 63, 1000, 3600.0, 100)
+                if silent:
+                    nursery.start_soon(silent_sockets, srv.port, 63, 1000, 3600.0, 100)
                 for i in range(64):
                     nursery.start_soon(greedy_identity, srv, f"127.0.0.{10 + i % 8}", 16, stats)
                 with trio.fail_after(120):
@@ -299,13 +318,40 @@ def greedy() -> None:
 
         trio.run(run)
         print(
-            f"greedy: {stats['gets']} unread gets held by {64 - stats['refused']} identities; "
+            f"{name}: {stats['gets']} unread gets held by {64 - stats['refused']} identities; "
             f"get during the flood {'ok' if result['ok'] else 'FAILED'} in "
             f"{result['seconds']:.1f} s = {result['seconds'] / idle:.2f}x idle (goal: 2x); "
             f"server peak RSS {result['peak']:.0f} MiB (goal: < 1024)"
         )
         ok, after = legit_get(srv, root, "after")
-        print(f"greedy: get after the flood {'ok' if ok else 'FAILED'} in {after:.1f} s")
+        print(f"{name}: get after the flood {'ok' if ok else 'FAILED'} in {after:.1f} s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def silent() -> None:
+    with server() as (srv, _root):
+        count = [0]
+
+        async def run() -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(silent_sockets, srv.port, 63, 1000, 3600.0, 100, count)
+                await trio.sleep(6.0)
+                cpu, opened, start = cpu_seconds(srv.proc.pid), count[0], time.monotonic()
+                await trio.sleep(8.0)
+                took = time.monotonic() - start
+                busy = (cpu_seconds(srv.proc.pid) - cpu) / took
+                print(
+                    f"silent: {opened} sockets opened in the first 6 s; from 6 s to 14 s "
+                    f"{(count[0] - opened) / took:.0f} a second, server CPU {busy:.0%}"
+                )
+                nursery.cancel_scope.cancel()
+
+        trio.run(run)
 
 
 def dht() -> None:
@@ -417,7 +463,14 @@ def names() -> None:
         )
 
 
-SCENARIOS = {"burst": burst, "greedy": greedy, "dht": dht, "names": names}
+SCENARIOS = {
+    "burst": burst,
+    "greedy": greedy,
+    "greedy-only": functools.partial(greedy, silent=False),
+    "silent": silent,
+    "dht": dht,
+    "names": names,
+}
 
 
 if __name__ == "__main__":
