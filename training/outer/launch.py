@@ -326,18 +326,19 @@ def wait_for_addrs(path: Path, proc: subprocess.Popen[bytes], timeout: float) ->
 def run_local(
     plan: RunPlan, *, timeout: float, extra: Sequence[str] = ()
 ) -> list[dict[str, Any] | None]:
-    """Start the K workers, each bootstrapping to every one started before it (``extra``:
-    more ``blob outer worker`` options for each), and wait for them (bounded); their
-    results (None for a worker that failed)."""
+    """Start the K workers (``extra``: more ``blob outer worker`` options for each): worker
+    0, then, once it listens, the others at once, each bootstrapping to worker 0 (the
+    announcements introduce them to each other), so their start-ups overlap; wait for them
+    (bounded); their results (None for a worker that failed)."""
     env = worker_env()
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        addrs: list[str] = []
-        for i in range(plan.params.workers):
+        first = subprocess.Popen(worker_argv(plan, 0, extra=extra), env=env, stdout=sys.stderr)
+        procs.append(first)
+        addrs = wait_for_addrs(plan.workers[0].addr_file, first, timeout=120)[:1]
+        for i in range(1, plan.params.workers):
             argv = worker_argv(plan, i, bootstrap=addrs, extra=extra)
-            proc = subprocess.Popen(argv, env=env, stdout=sys.stderr)
-            procs.append(proc)
-            addrs = addrs + wait_for_addrs(plan.workers[i].addr_file, proc, timeout=120)[:1]
+            procs.append(subprocess.Popen(argv, env=env, stdout=sys.stderr))
         give_up = time.monotonic() + timeout
         for proc in procs:
             try:
