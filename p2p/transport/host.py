@@ -46,16 +46,6 @@ made and closed over a node's life. blobnet replaces that handler with ``Inbound
    (the full accept queue, and closes retransmitted into it); each took a handshake
    attempt, and while the queue stays full a new peer's SYN is dropped and retried a
    second later, then three.
-6. Before any of that, each source address may start at most ``ATTEMPTS_PER_SECOND_PER_IP``
-   handshakes a second, after a burst of ``ATTEMPT_BURST_PER_IP``; a handshake that ends in
-   a connection gives its turn back, so the rate binds only sockets that never handshake
-   (many real peers behind one NAT connect as fast as they complete). A socket over its
-   address's rate is not closed (its flooder would reconnect at once, and the server spend
-   its time accepting and closing): it is held unread until its turn comes, at most
-   ``MAX_ATTEMPT_WAIT``; one whose turn lies further off is held that long and then closed
-   without a handshake. At most ``MAX_HELD_SOCKETS`` are held in all (a quarter of the
-   process's file limit if that is less); past it a socket over its rate is closed at once.
-   A real peer's connections (one, plus its stripes) fit in the burst and never wait.
 Identities are free, so the gate counts by source address (an IPv6 source by its /64,
 since one host gets a whole /64), never by peer ID.
 """
@@ -130,24 +120,6 @@ CONN_GRACE_PERIOD = 10.0
 OPENED_HALF_LIFE = 10.0
 # Addresses counted at most; past it the least active half is forgotten.
 MAX_OPENED_TRACKED = 4096
-# Handshakes that fail to connect, per source address and second (rule 6), after a burst.
-# A peer dials once, plus one connection per stripe of a fetch (MAX_CONNECTIONS_PER_PEER),
-# and redials after a failure seconds later; the burst fits two such peers dialling at
-# the same moment. A flooder's reconnecting silent sockets each cost the server an
-# accept, a handshake start and a close: unpaced, 1,000 of them from 63 addresses kept
-# one CPU busy (bench/figures/floods-greedy.md).
-ATTEMPTS_PER_SECOND_PER_IP = 1.0
-ATTEMPT_BURST_PER_IP = 16
-# How long a socket over its address's rate is held unread before it handshakes or, if
-# its turn is further off, is closed. While held, its flooder cannot reconnect: a flood of
-# S sockets costs S / MAX_ATTEMPT_WAIT closes a second, not as many as the server can
-# accept. A real dialler over its address's rate (past the burst) gives up sooner (blob
-# get after 15 s) and redials.
-MAX_ATTEMPT_WAIT = 30.0
-# Sockets held over their rate, in all: each is a file descriptor and a sleeping task,
-# no CPU. 2,048 hold a flood of 1,000 sockets with room; a quarter of the process's file
-# limit bounds it further, so held sockets never starve connections of descriptors.
-MAX_HELD_SOCKETS = 2048
 
 
 log = logging.getLogger(__name__)
@@ -168,29 +140,6 @@ class _Pending:
 class _Established:
     ip: str
     since: float
-
-
-@dataclass(frozen=True)
-class Pace:
-    """When a new socket may start its handshake (rule 6): after holding it unread for
-    ``wait`` seconds, then on to ``InboundGate.admit`` if ``go``, else closed. A ``wait``
-    above 0 holds a slot of the gate's ``held`` until ``InboundGate.unhold``."""
-
-    wait: float
-    go: bool
-
-
-def held_socket_cap(max_held: int = MAX_HELD_SOCKETS) -> int:
-    """``max_held``, or a quarter of the process's soft file limit if that is less."""
-    try:
-        import resource
-
-        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (ImportError, OSError, ValueError):
-        return max_held
-    if soft == resource.RLIM_INFINITY:
-        return max_held
-    return max(1, min(max_held, soft // 4))
 
 
 @dataclass(frozen=True)
@@ -215,25 +164,12 @@ class InboundGate:
         max_per_ip: int = MAX_CONNECTIONS_PER_IP,
         high_watermark: int = CONN_HIGH_WATERMARK,
         idle_evict_age: float = IDLE_EVICT_AGE,
-        attempts_per_second: float = ATTEMPTS_PER_SECOND_PER_IP,
-        attempt_burst: int = ATTEMPT_BURST_PER_IP,
-        max_attempt_wait: float = MAX_ATTEMPT_WAIT,
-        max_held: int | None = None,
     ) -> None:
         self.max_pending = max_pending
         self.max_pending_per_ip = max_pending_per_ip
         self.max_per_ip = max_per_ip
         self.high_watermark = high_watermark
         self.idle_evict_age = idle_evict_age
-        self.attempt_interval = 1.0 / attempts_per_second
-        self.attempt_burst = attempt_burst
-        self.max_attempt_wait = max_attempt_wait
-        self.max_held = held_socket_cap() if max_held is None else max_held
-        # Per address, when its next attempt would be on its rate (rule 6; a GCRA).
-        self._turn: dict[str, float] = {}
-        self.held = 0
-        self.paced = 0  # sockets held unread before their handshake
-        self.paced_out = 0  # ... and then closed without one
         self._next = 0
         self.pending: dict[int, _Pending] = {}
         self.pending_per_ip: Counter[str] = Counter()
@@ -247,40 +183,6 @@ class InboundGate:
         self.dropped = 0
         self.evicted = 0
         self.gone = 0  # sockets closed by their peer before they reached the gate (rule 5)
-
-    def pace(self, ip: str, now: float) -> Pace:
-        """When a new socket from ``ip`` may start its handshake (rule 6)."""
-        turn = max(self._turn.get(ip, now), now)
-        start = max(now, turn - (self.attempt_burst - 1) * self.attempt_interval)
-        wait = start - now
-        if wait <= 0:
-            self._turn[ip] = turn + self.attempt_interval
-            self._forget_turns(now)
-            return Pace(0.0, True)
-        if self.held >= self.max_held:
-            self.refused += 1
-            return Pace(0.0, False)
-        self.held += 1
-        self.paced += 1
-        if wait > self.max_attempt_wait:
-            self.paced_out += 1
-            return Pace(self.max_attempt_wait, False)
-        self._turn[ip] = turn + self.attempt_interval
-        return Pace(wait, True)
-
-    def unhold(self) -> None:
-        """A socket ``pace`` held (``wait`` above 0) is over its wait."""
-        self.held -= 1
-
-    def _forget_turns(self, now: float) -> None:
-        if len(self._turn) <= MAX_OPENED_TRACKED:
-            return
-        # An address whose turn has come is as if never seen; past that, keep the half
-        # furthest over its rate.
-        self._turn = {ip: t for ip, t in self._turn.items() if t > now}
-        if len(self._turn) > MAX_OPENED_TRACKED:
-            kept = sorted(self._turn.items(), key=lambda item: item[1])[-MAX_OPENED_TRACKED // 2 :]
-            self._turn = dict(kept)
 
     def admit(self, ip: str, now: float, drop: Callable[[], None]) -> Admission:
         """Admit a new socket from ``ip`` into the handshake phase, or refuse it. ``drop``
@@ -332,11 +234,6 @@ class InboundGate:
                 del self.pending_per_ip[pending.ip]
 
     def connected(self, key: int, ip: str, now: float) -> None:
-        """A handshake from ``ip`` ended in a connection: counted, and its turn given back
-        (rule 6)."""
-        turn = self._turn.get(ip)
-        if turn is not None:
-            self._turn[ip] = max(now, turn - self.attempt_interval)
         self.established[key] = _Established(ip, now)
         self.established_per_ip[ip] += 1
 
@@ -428,20 +325,6 @@ def install_inbound_gate(
             return
         ip = remote_address_key(read_write_closer)
         now = trio.current_time()
-        pace = gate.pace(ip, now)
-        if pace.wait > 0:
-            try:
-                await trio.sleep(pace.wait)
-            finally:
-                gate.unhold()
-            if pace.go and peer_gone(read_write_closer):
-                gate.gone += 1
-                pace = Pace(0.0, False)
-            now = trio.current_time()
-        if not pace.go:
-            log.debug("inbound from %s closed: over its rate of handshakes", ip)
-            await _close_quietly(read_write_closer)
-            return
         # The backstop only (rule 4): py-libp2p's own timeout ends a silent handshake first.
         scope = trio.CancelScope(deadline=now + handshake_timeout + HANDSHAKE_ABORT_GRACE)
 
