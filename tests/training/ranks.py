@@ -41,6 +41,25 @@ def free_port() -> int:
     return port
 
 
+def group_configs(worker: Any, spec: str, out_dir: Path, ranks: int = 2) -> list[dict[str, Any]]:
+    """One config per rank of a worker that is a torch.distributed group: the worker slot's
+    store, key and certificate (rank 0 is the run's peer), the spec, a free port for the
+    group and each rank's output file in ``out_dir``."""
+    port = free_port()
+    return [
+        {
+            "rank": rank,
+            "port": port,
+            "store": str(worker.store),
+            "key": str(worker.key),
+            "cert": str(worker.cert),
+            "spec": spec,
+            "out": str(out_dir / f"rank{rank}.json"),
+        }
+        for rank in range(ranks)
+    ]
+
+
 def _config_path(config: dict[str, Any]) -> Path:
     return Path(config["out"]).with_suffix(".cfg.json")
 

@@ -322,7 +322,7 @@ def test_a_worker_that_is_a_two_rank_gloo_group(tmp_path: Path) -> None:
     """Two CPU ranks over gloo are one worker (one peer identity, rank 0's); they start
     from different random inits and end with the same parameters, the run's final state."""
     from blobstore import Store
-    from tests.training.ranks import free_port, run_programs
+    from tests.training.ranks import group_configs, run_programs
     from training.outer.launch import prepare_run
     from training.outer.params import RunParams
     from training.outer.state_blob import decode_state
@@ -330,20 +330,7 @@ def test_a_worker_that_is_a_two_rank_gloo_group(tmp_path: Path) -> None:
     plan = prepare_run(tmp_path / "run", RunParams("api", workers=1, rounds=2, inner_steps=H))
     spec = _init_spec(tmp_path, plan, "bounded", workers=1)
     w0 = plan.workers[0]
-    port = free_port()
-    configs = [
-        {
-            "rank": rank,
-            "port": port,
-            "store": str(w0.store),
-            "key": str(w0.key),
-            "cert": str(w0.cert),
-            "spec": spec,
-            "out": str(tmp_path / f"rank{rank}.json"),
-        }
-        for rank in (0, 1)
-    ]
-    outs = run_programs(__file__, configs, args=["--rank"])
+    outs = run_programs(__file__, group_configs(w0, spec, tmp_path), args=["--rank"])
     assert outs[0]["joined"] == outs[1]["joined"]
     assert outs[0]["model"] == outs[1]["model"]
     result = outs[0]["result"]

@@ -120,7 +120,7 @@ def test_a_worker_whose_model_is_sharded_over_two_gloo_ranks(tmp_path: Path) -> 
     """Guards against a sharded model's shards being taken for the whole model: the ranks
     start from different inits, join on S_0, and end holding (together) the run's tip."""
     from blobstore import Store
-    from tests.training.ranks import free_port, run_programs
+    from tests.training.ranks import group_configs, run_programs
     from training.outer.launch import prepare_run
     from training.outer.params import RunParams
     from training.outer.state_blob import decode_state
@@ -128,20 +128,7 @@ def test_a_worker_whose_model_is_sharded_over_two_gloo_ranks(tmp_path: Path) -> 
     plan = prepare_run(tmp_path / "run", RunParams("fsdp", workers=1, rounds=1, inner_steps=H))
     spec = _spec(tmp_path, plan)
     w0 = plan.workers[0]
-    port = free_port()
-    configs = [
-        {
-            "rank": rank,
-            "port": port,
-            "store": str(w0.store),
-            "key": str(w0.key),
-            "cert": str(w0.cert),
-            "spec": spec,
-            "out": str(tmp_path / f"rank{rank}.json"),
-        }
-        for rank in (0, 1)
-    ]
-    outs = run_programs(__file__, configs)
+    outs = run_programs(__file__, group_configs(w0, spec, tmp_path))
     store = Store.open(w0.store)
     from training.outer.runs import read_spec
 
