@@ -388,3 +388,72 @@ def test_presence_needs_an_admitted_hello_and_own_and_foreign_runs_are_ignored()
     assert ledger.other_runs == 1
     ledger.open_round(0, ROOT, NOW)
     assert ledger.hear(update_msg(me), me.peer, NOW) == []  # our own echo
+
+
+def test_a_worker_new_to_us_is_sent_our_hello_at_once() -> None:
+    """Our hello may have gone out before another worker subscribed, and its start barrier
+    waits for it: the first message heard from a worker new to us re-sends our hello at
+    once (not after the announcer's back-off); more from it do not, nor anything once a
+    round has closed and the hello is dropped."""
+    import time
+    from types import SimpleNamespace
+
+    import trio
+    from libp2p.peer.id import ID
+
+    from training.outer.announce import Announcer
+    from training.outer.worker_gossip import WorkerGossip
+
+    def hello(m: Machine) -> bytes:
+        now = int(time.time())
+        cert = AUTHORITY.admit(
+            m.peer,
+            operator=m.peer[-6:],
+            kernel_class=KC,
+            not_before=0,
+            not_after=now + 3600,
+            serial=1,
+        )
+        return encode_message(Hello("run-1", cert.encode()))
+
+    me, friend, other = machine(), machine(), machine()
+    sent: list[bytes] = []
+
+    async def publish(data: bytes) -> None:
+        sent.append(data)
+
+    worker = SimpleNamespace(
+        ledger=Ledger("run-1", me.peer, TRUST),
+        announcer=Announcer(),
+        pubsub_bytes=[0, 0],
+        _handle=lambda events: None,
+        _publish=publish,
+    )
+    mine = hello(me)
+    worker.announcer.set("hello", mine, 0.0)
+
+    class Stop(Exception):
+        pass
+
+    def heard(*messages: tuple[Machine, bytes]) -> list[bytes]:
+        queue = [
+            SimpleNamespace(from_id=ID.from_base58(m.peer).to_bytes(), data=d) for m, d in messages
+        ]
+
+        async def get() -> SimpleNamespace:
+            if not queue:
+                raise Stop
+            return queue.pop(0)
+
+        sent.clear()
+        with pytest.raises(Stop):
+            trio.run(WorkerGossip._receive_loop, worker, SimpleNamespace(get=get))
+        return list(sent)
+
+    assert heard((friend, hello(friend)), (friend, hello(friend))) == [mine]
+    assert heard((other, b"\x00garbage")) == []  # not admitted: not a worker
+    assert heard((other, hello(other))) == [mine]
+    assert worker.ledger.present == {friend.peer, other.peer}
+    worker.announcer.drop("hello")
+    worker.ledger.present.clear()
+    assert heard((friend, hello(friend))) == []

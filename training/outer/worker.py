@@ -18,7 +18,10 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
    closures published meanwhile) and dials every missing peer at once; only a state fetch
    that fails drops every connection to dial afresh; fetches run as tasks of the
    round; the driver (``_drive``) does everything that changes the worker's state, so
-   nothing else ever sees a half-changed state.
+   nothing else ever sees a half-changed state. The hello (presence, for the start
+   barrier) stays announced until a round closes and is re-sent at once whenever a worker
+   is heard of for the first time: one that subscribed after it went out would otherwise
+   wait at the barrier for the first update announcement.
 2. The driver, in a loop: (a) if it holds no update for its current state and round,
    trains one (torch in a thread; messages keep flowing), unless the state changed
    meanwhile, then puts, attests and announces it; (b) asks ``next_step``: Apply (fetch the
@@ -364,7 +367,6 @@ class Worker(WorkerPropose):
             self.wire_mark = self.meter.sample()
             wire_start = self.wire_mark
             self.pubsub_mark = (self.pubsub_bytes[0], self.pubsub_bytes[1])
-            self.announcer.drop("hello")  # presence only matters for the start barrier
             assert self.state is not None
             initial_root = self.root
             _say(self.label, f"starting at round {self.state.round} (root {self.root[:16]})")

@@ -188,6 +188,8 @@ class WorkerAdopt(WorkerGossip):
         self.round_started = trio.current_time()
         self.metrics.outer_round.set(state.round)
         self.announcer.drop("update")
+        if self.records:  # a round closed: every worker is past the start barrier
+            self.announcer.drop("hello")
         for name in [n for n in self.announcer.entries if n.startswith("verdict-")]:
             if int(name.split("-")[1]) < state.round - 2:
                 self.announcer.drop(name)  # the rounds whose sample it was are settled

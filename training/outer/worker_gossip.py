@@ -55,7 +55,13 @@ class WorkerGossip(WorkerReplay):
             except Exception:  # a malformed source field: not a message we can judge
                 continue
             self.pubsub_bytes[1] += len(msg.data)
+            present = len(self.ledger.present)
             self._handle(self.ledger.hear(msg.data, sender, time.time()))
+            hello = self.announcer.entries.get("hello")
+            if hello is not None and len(self.ledger.present) > present:
+                # A worker new to us: our hello may have gone out before it subscribed,
+                # and its start barrier waits for it (re-sent at once, not after back-off).
+                await self._publish(hello.data)
 
     def _handle(self, events: list[Event]) -> None:
         for event in events:
