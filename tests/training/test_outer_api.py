@@ -367,6 +367,33 @@ def test_a_bfloat16_model_sends_a_float32_update_and_takes_the_state_in_place() 
     assert float(np.abs(grad["out.bias"]).sum()) > 0
 
 
+def test_a_loop_the_library_does_not_drive_commits_to_no_inner_state() -> None:
+    """Its updates are never replayed, so the error-feedback residual (the model's size)
+    is neither encoded nor stored: the commitment names one small, empty inner state."""
+    from training.outer.api import LoopTrainer, _Handoff, model_state
+    from training.outer.loop import OuterState
+    from training.outer.params import RunParams
+    from training.outer.replay import decode_inner
+
+    model = TinyLM()
+    state = model_state(model)
+    params = RunParams("ni", workers=1, rounds=2, inner_steps=1, chunk=1024, k=64)
+    trainer = LoopTrainer(params, model, _Handoff(), "kc", None)
+    start = OuterState(0, state, {n: np.zeros_like(v) for n, v in state.items()})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    trained = trainer.make(start, "a" * 64, "peer", [1.0])
+    residual = trainer.feedback.residual
+    assert sum(int(np.count_nonzero(r)) for r in residual.values()) > 0
+    assert trained.inner_before == trained.inner_after
+    model_bytes = 4 * sum(v.size for v in state.values())
+    assert len(trained.inner_before) < model_bytes // 100
+    sizes = [p.numel() for p in model.parameters()]
+    optimizer, ef = decode_inner(trained.inner_before, sizes, {})
+    assert optimizer == [None] * len(sizes) and ef == {}
+
+
 def test_the_trio_face_runs_a_one_worker_run(tmp_path: Path) -> None:
     """open_outer_loop on a trio Node: join, H steps per round, the final state in the
     model and the worker's result, all in one trio program."""

@@ -275,6 +275,7 @@ class LoopTrainer:
         scorer: _Scorer | None,
     ) -> None:
         from training.outer.codec import ErrorFeedback
+        from training.outer.replay import encode_inner
 
         self.params = params
         self.model = model
@@ -283,6 +284,7 @@ class LoopTrainer:
         self.scorer = scorer
         self.feedback = ErrorFeedback(params.codec(), decay=params.ef_decay, schema_ref=True)
         self.names = list(_trainable(model))
+        self.no_inner = encode_inner([None] * len(self.names), {})
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(p.shape) for n, p in _trainable(self.model).items()}
@@ -306,19 +308,18 @@ class LoopTrainer:
         (``current``: its parameters, where the caller gathered them)."""
         from training.outer.aggregate import wrap_update
         from training.outer.loop import make_update
-        from training.outer.replay import encode_inner
         from training.outer.trainer import Trained
 
-        before = encode_inner([None] * len(self.names), self.feedback.residual)
         now = model_state(self.model) if current is None else current
         payload = make_update(state.params, now, self.feedback)
         update = wrap_update(payload, round_=state.round, start_root=root, author=author)
-        after = encode_inner([None] * len(self.names), self.feedback.residual)
-        # A loop the library does not drive commits to no rows (zeros): its updates are
-        # never sampled for replay (the run's replay rate is 0 below the replayed level).
+        # A loop the library does not drive commits to no rows (zeros) and no inner state:
+        # its updates are never sampled for replay (the run's replay rate is 0 below the
+        # replayed level), and the residual is the model's size: encoding it twice,
+        # hashing it and storing it would be a round's largest cost after the apply.
         rows = np.zeros((self.params.inner_steps, self.params.batch), dtype=np.int64)
         padded = (losses + [float("nan")] * self.params.inner_steps)[: self.params.inner_steps]
-        return Trained(update, padded, rows, before, after)
+        return Trained(update, padded, rows, self.no_inner, self.no_inner)
 
 
 @dataclass
