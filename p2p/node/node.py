@@ -59,7 +59,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,7 +302,11 @@ class Node(Fetching):
         return blob_id
 
     async def add_bytes(self, data: bytes) -> str:
-        blob_id = await trio.to_thread.run_sync(self.store.put_bytes, data)
+        return await self.add_blocks([data])
+
+    async def add_blocks(self, blocks: Iterable[bytes | memoryview]) -> str:
+        """Store and announce the concatenation of ``blocks``, never joined in memory."""
+        blob_id = await trio.to_thread.run_sync(lambda: self.store.put_blocks(blocks))
         await self._announce(blob_id)
         return blob_id
 

@@ -55,12 +55,22 @@ def _name_key(name: str) -> bytes:
 
 def encode_state(state: OuterState) -> bytes:
     """Canonical bytes of ``state`` (parameters and momentum must share names and shapes)."""
+    return b"".join(state_blocks(state))
+
+
+def state_blocks(state: OuterState) -> list[bytes | memoryview]:
+    """:func:`encode_state` as blocks to concatenate: the header's bytes, then each
+    tensor's float32 values as a view of its array where it is already contiguous and
+    little-endian (a 124M state is 1 GB: put from the views, it is copied once, into the
+    store, and not twice more into one bytes object first)."""
     names = sorted(state.params, key=_name_key)
     if sorted(state.momentum, key=_name_key) != names:
         raise ValueError("parameters and momentum name different tensors")
     if not 0 <= state.round < MAX_ROUND:
         raise ValueError(f"round {state.round} is out of range")
-    parts = [_HEAD.pack(MAGIC, VERSION, DTYPE_FLOAT32, 0, state.round, len(names))]
+    parts: list[bytes | memoryview] = [
+        _HEAD.pack(MAGIC, VERSION, DTYPE_FLOAT32, 0, state.round, len(names))
+    ]
     for name in names:
         value = state.params[name]
         if value.dtype != np.float32 or state.momentum[name].shape != value.shape:
@@ -70,8 +80,14 @@ def encode_state(state: OuterState) -> bytes:
         parts.append(struct.pack(f"<{value.ndim}Q", *value.shape))
     for table in (state.params, state.momentum):
         for name in names:
-            parts.append(np.ascontiguousarray(table[name], dtype="<f4").tobytes())
-    return b"".join(parts)
+            values = np.ascontiguousarray(table[name], dtype="<f4").reshape(-1)
+            parts.append(values.view(np.uint8).data)
+    return parts
+
+
+def state_size(blocks: list[bytes | memoryview]) -> int:
+    """The blob's size in bytes, from :func:`state_blocks`."""
+    return sum(memoryview(b).nbytes for b in blocks)
 
 
 def _truncated(what: str) -> BadStateBlob:
