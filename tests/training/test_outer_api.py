@@ -394,6 +394,36 @@ def test_a_loop_the_library_does_not_drive_commits_to_no_inner_state() -> None:
     assert optimizer == [None] * len(sizes) and ef == {}
 
 
+def test_a_state_posted_ahead_is_taken_once_and_an_update_from_a_dropped_one_is_not_sent() -> None:
+    """The worker posts S_{r+1} ahead of adopting it, then again for its round: the user's
+    loop takes it once. Had the worker adopted another state instead, the update made
+    from the one posted ahead is for nobody: the round waits for one from its own."""
+    import threading
+
+    from training.outer.api import OuterLoopError, _Handoff
+    from training.outer.loop import OuterState
+
+    handoff = _Handoff()
+    ahead = OuterState(1, {}, {})
+    handoff.post_state(ahead, "r1")
+    assert handoff.wait_state(1.0) == (ahead, "r1")
+    handoff.post_state(ahead, "r1")  # the same state, now for its round
+    handoff.post_state(OuterState(1, {}, {}), "r1")  # or its equal (same root), adopted
+    with pytest.raises(OuterLoopError, match="no outer state"):
+        handoff.wait_state(0.2)
+    adopted = OuterState(1, {}, {})  # another closure's result won
+    handoff.post_state(adopted, "r1b")
+    assert handoff.wait_state(1.0) == (adopted, "r1b")
+    stale, fresh = object(), object()
+    handoff.post_trained(stale, "r1")  # type: ignore[arg-type]
+    later = threading.Timer(0.2, handoff.post_trained, (fresh, "r1b"))
+    later.start()
+    try:
+        assert handoff.wait_trained(5.0, "r1b") is fresh
+    finally:
+        later.cancel()
+
+
 def test_the_trio_face_runs_a_one_worker_run(tmp_path: Path) -> None:
     """open_outer_loop on a trio Node: join, H steps per round, the final state in the
     model and the worker's result, all in one trio program."""

@@ -32,7 +32,11 @@ Theory of operation
    posts the state S_r it starts from and waits for an update; the user's ``step()``
    counts inner steps and at the H-th builds the update from S_r (pseudo-gradient
    S_r - model in float32, SparseLoCo with error feedback), posts it, and waits for the
-   next state, which it copies into the model's parameters in place. When the worker
+   next state, which it copies into the model's parameters in place. The worker posts
+   S_{r+1} as soon as it has computed it and checked its root against the closure, ahead
+   of keeping its state blob and signing its milestone, which then overlap the user's
+   next steps; should that state not be adopted after all (its closure bad or beaten),
+   the update made from it is dropped and the adopted state posted. When the worker
    leaves (its rounds are done) it posts the final state and ``finished`` turns true.
 2. **The user's things stay the user's.** Parameters stay on their device and dtype
    (float32 or bfloat16; CPU or CUDA: the CUDA path is this same code, tested on CPU);
@@ -160,13 +164,17 @@ class _Handoff:
         self.cond = threading.Condition()
         self.state: tuple[OuterState, str] | None = None
         self.taken = True  # the posted state was taken by the user
-        self.trained: Trained | None = None
+        self.trained: tuple[Trained, str] | None = None
         self.finished = False
         self.error: str | None = None
         self.closed = False
 
     def post_state(self, state: OuterState, root: str) -> None:
+        """Offer ``state`` to the user's loop, once: a state of the root posted last (ahead
+        of its adoption, then for its round) is not taken twice."""
         with self.cond:
+            if self.state is not None and self.state[1] == root:
+                return
             self.state, self.taken = (state, root), False
             self.cond.notify_all()
 
@@ -187,23 +195,29 @@ class _Handoff:
             self.taken = True
             return self.state
 
-    def post_trained(self, trained: Trained) -> None:
+    def post_trained(self, trained: Trained, root: str) -> None:
+        """The user's update, made from the state of root ``root``."""
         with self.cond:
-            self.trained = trained
+            self.trained = (trained, root)
             self.cond.notify_all()
 
-    def wait_trained(self, timeout: float) -> Trained:
+    def wait_trained(self, timeout: float, root: str) -> Trained:
+        """The user's update from the state of root ``root``; one from another state (one
+        posted ahead that the worker did not adopt) is for nobody, and dropped."""
         give_up = time.monotonic() + timeout
         with self.cond:
-            while self.trained is None:
+            while True:
+                if self.trained is not None:
+                    (trained, made_from), self.trained = self.trained, None
+                    if made_from == root:
+                        return trained
+                    continue
                 if self.closed:
                     raise _Closed
                 left = give_up - time.monotonic()
                 if left <= 0:
                     raise OuterLoopError(f"the user's loop sent no update within {timeout:.0f}s")
                 self.cond.wait(left)
-            trained, self.trained = self.trained, None
-            return trained
 
     def end(self, error: str | None, final: tuple[OuterState, str] | None = None) -> None:
         """The worker left: its final state (if any) is the last one posted."""
@@ -289,10 +303,15 @@ class LoopTrainer:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(p.shape) for n, p in _trainable(self.model).items()}
 
+    def ready(self, state: OuterState, root: str) -> None:
+        """The worker's next state, ahead of its adoption (``WorkerState._offer``): the
+        user's loop may take it and start the round now."""
+        self.handoff.post_state(state, root)
+
     def train(self, state: OuterState, root: str, author: str, *, cheat: bool = False) -> Trained:
         self.handoff.post_state(state, root)
         try:
-            return self.handoff.wait_trained(HANDOFF_WAIT)
+            return self.handoff.wait_trained(HANDOFF_WAIT, root)
         except _Closed:
             raise OuterLoopError("the training loop was closed mid-round") from None
 
@@ -471,7 +490,7 @@ class _Core:
         H-th step ended (monotonic)."""
         assert self.state is not None
         trained = self.trainer.make(self.state, self.root, self.author, self.losses, current)
-        self.handoff.post_trained(trained)
+        self.handoff.post_trained(trained, self.root)
         return self.adopted_at, self.steps_done_at
 
     def timed(self, marks: tuple[float, float]) -> None:

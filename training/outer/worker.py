@@ -186,6 +186,7 @@ class Worker(WorkerPropose):
         while (self.state.round, self.root) == start:
             if await self._step():
                 return
+            self._speculate()
             slot = self._slot()
             if (
                 slot is not None
@@ -346,6 +347,7 @@ class Worker(WorkerPropose):
             make = self.config.make_trainer or Trainer
             trainer = await trio.to_thread.run_sync(make, self.params, self.config.shard)
             self.kernel_class = trainer.kernel_class
+            self.ready = getattr(trainer, "ready", None)
             if self.certificate.kernel_class != self.kernel_class:
                 raise OuterNetError(
                     f"this machine's kernel class is {self.kernel_class}, but its certificate "

@@ -9,6 +9,11 @@ from its state blob, and keeping the round adopted.
 3. An adopted round is kept: its closure as a tagged blob, with a signed milestone when
    recomputed, a signed catch-up record when caught up over, or, for a joiner's first
    state, the ``start`` tag; state blobs older than ``keep_states`` rounds are dropped.
+4. Ahead of the closure: once this worker's update is out, every worker's update is
+   fetched and another worker ranks first to propose, it aggregates those updates while
+   the proposer does the same (the aggregate is a pure function of the state and the
+   named blobs), so a closure naming exactly them is applied without aggregating again.
+   One such aggregate a round, and a second state is never made while it runs.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ import trio
 
 from blobstore import StoreError
 from identity import Attestation
-from training.outer.aggregate import Aggregate, aggregate
-from training.outer.agreement import CheckedClosure
+from training.outer.aggregate import Aggregate, aggregate, rooted
+from training.outer.agreement import CheckedClosure, proposer_order
 from training.outer.loop import OuterState, state_root
 from training.outer.messages import ClosureAnnouncement, encode_message
 from training.outer.milestones import (
@@ -37,10 +42,10 @@ from training.outer.milestones import (
     tag,
 )
 from training.outer.runs import drop_blob
-from training.outer.state_blob import BadStateBlob, decode_state, encode_state
+from training.outer.state_blob import BadStateBlob, decode_state, state_blocks, state_size
 from training.outer.worker_blobs import FETCH_STALL
 from training.outer.worker_gossip import WorkerGossip
-from training.outer.worker_state import RoundRecord, _names, _say
+from training.outer.worker_state import RoundRecord, _Ahead, _names, _say
 
 # Fetch bounds a closure's blobs may fail before the closure is dropped (rule 4 of
 # outer_agreement): long enough to outlast a worker's own pause or a peer's restart.
@@ -59,9 +64,11 @@ class WorkerAdopt(WorkerGossip):
         agg: Aggregate | None,
         state_blob: str,
         state_bytes: int,
+        *,
+        ahead: bool = False,
     ) -> None:
         c = checked.closure
-        root = state_root(state)
+        root = c.result_root  # each caller has checked ``state`` against it
         closure_blob = await self.node.add_bytes(
             encode_message(ClosureAnnouncement(c.run, checked.body, checked.attestation, ()))
         )
@@ -79,6 +86,7 @@ class WorkerAdopt(WorkerGossip):
             rejected=[x.to_json() for x in self.ledger.rejections(c.round)],
             state_bytes=state_bytes,
             seconds=trio.current_time() - self.round_started,
+            ahead=ahead,
         )
         sent, received = self.meter.sample()
         record.wire_sent = sent - self.wire_mark[0]
@@ -159,7 +167,8 @@ class WorkerAdopt(WorkerGossip):
             self._draw_sample(checked, agg, prior)
         _say(
             self.label,
-            f"round {c.round} closed ({how}): closure {checked.digest.hex()[:12]} by "
+            f"round {c.round} closed ({how}{', aggregated ahead' if ahead else ''}): "
+            f"closure {checked.digest.hex()[:12]} by "
             f"{c.proposer[-6:]}: {len(record.included)} included, "
             f"{len(record.excluded)} excluded, root {root[:16]}",
         )
@@ -224,22 +233,87 @@ class WorkerAdopt(WorkerGossip):
             for x in c.included:
                 commitment = Attestation.decode(x.attestation).subjects[2]
                 await self._fetch(commitment, self._providers(checked, [x.peer]), FETCH_STALL)
-        state, root_before = self.state, self.root
-        agg = await trio.to_thread.run_sync(
-            lambda: aggregate(
-                state, entries, self._load, self.params.outer_config(), start_root=root_before
-            )
-        )
-        root = state_root(agg.state)
+        agg, root, ahead = await self._aggregated(entries)
         if root != c.result_root:
             self._bad(checked, f"result root mismatch (we computed {root[:16]})")
             return
-        data = await trio.to_thread.run_sync(encode_state, agg.state)
-        blob = await self.node.add_bytes(data)
+        self._offer(agg.state, root)
+        blocks = state_blocks(agg.state)
+        blob = await self.node.add_blocks(blocks)
         if blob != c.state_blob:
             self._bad(checked, "state blob mismatch")
             return
-        await self._adopt(agg.state, checked, "applied", agg, blob, len(data))
+        await self._adopt(agg.state, checked, "applied", agg, blob, state_size(blocks), ahead=ahead)
+
+    async def _aggregated(self, entries: Sequence[tuple[str, str]]) -> tuple[Aggregate, str, bool]:
+        """The aggregate of ``entries`` on the current state, its root, and whether it was
+        computed ahead (point 4: used if it is of exactly these; else computed now, after
+        any still running, so one extra state at a time)."""
+        state, root = self.state, self.root
+        assert state is not None
+        ahead = self.ahead
+        if ahead is not None:
+            await ahead.done.wait()
+            result, ahead.result = ahead.result, None  # taken once; the round's mark stays
+            named = tuple(sorted(entries, key=lambda e: e[0].encode()))
+            if result is not None and (ahead.round, ahead.root, ahead.entries) == (
+                state.round,
+                root,
+                named,
+            ):
+                return (*result, True)
+            del result
+        agg, result_root = await trio.to_thread.run_sync(
+            lambda: rooted(
+                aggregate(state, entries, self._load, self.params.outer_config(), start_root=root)
+            )
+        )
+        return agg, result_root, False
+
+    def _speculate(self) -> None:
+        """Point 4: start this round's aggregate ahead of its closure, when it is due."""
+        state, root, own = self.state, self.root, self.own
+        nursery = self.run_nursery
+        if state is None or own is None or nursery is None:
+            return
+        if (own.round, own.root) != (state.round, root) or len(self.fetched) < self.params.workers:
+            return
+        if self.ahead is not None and (self.ahead.round, self.ahead.root) == (state.round, root):
+            return  # one a round
+        if proposer_order(root, [*self.candidates, self.peer])[0] == self.peer:
+            return  # we propose first, and _propose aggregates
+        entries = tuple(
+            sorted(
+                (
+                    (peer, blob)
+                    for peer, blob in self.fetched.items()
+                    if peer == self.peer
+                    or (peer in self.candidates and self.candidates[peer].blob == blob)
+                ),
+                key=lambda e: e[0].encode(),
+            )
+        )
+        if len(entries) < self.params.workers:
+            return
+        if self.ahead is not None and not self.ahead.done.is_set():
+            return  # an older round's still runs: one extra state at a time
+        self.ahead = ahead = _Ahead(state.round, root, entries, trio.Event())
+        nursery.start_soon(self._aggregate_ahead, ahead, state)
+
+    async def _aggregate_ahead(self, ahead: _Ahead, state: OuterState) -> None:
+        config = self.params.outer_config()
+        try:
+            ahead.result = await trio.to_thread.run_sync(
+                lambda: rooted(
+                    aggregate(state, ahead.entries, self._load, config, start_root=ahead.root)
+                )
+            )
+        except OSError:  # a blob gone: the apply, should it come, fetches and says so
+            ahead.result = None
+        finally:
+            if (self.state_round(), self.root) != (ahead.round, ahead.root):
+                ahead.result = None  # the state moved on meanwhile: for nobody
+            ahead.done.set()
 
     async def _catch_up(self, checked: CheckedClosure) -> None:
         c = checked.closure
@@ -254,7 +328,8 @@ class WorkerAdopt(WorkerGossip):
         except (BadStateBlob, OSError) as exc:
             self._bad(checked, f"bad state blob: {exc}")
             return
-        if state.round != c.round + 1 or state_root(state) != c.result_root:
+        root = await trio.to_thread.run_sync(state_root, state)
+        if state.round != c.round + 1 or root != c.result_root:
             self._bad(checked, "state blob is not the closure's result")
             return
         before = self.state.round if self.state is not None else None

@@ -16,7 +16,6 @@ import time
 import trio
 
 from identity import Attestation, sign_attestation
-from training.outer.aggregate import aggregate
 from training.outer.agreement import (
     Closure,
     check_closure,
@@ -26,7 +25,6 @@ from training.outer.agreement import (
     select_for_closure,
     sign_closure,
 )
-from training.outer.loop import state_root
 from training.outer.messages import (
     UPDATE_KIND,
     ClosureAnnouncement,
@@ -43,7 +41,7 @@ from training.outer.replay import (
     loss_bits,
 )
 from training.outer.runs import drop_blob
-from training.outer.state_blob import encode_state
+from training.outer.state_blob import state_blocks, state_size
 from training.outer.trainer import Trainer
 from training.outer.worker_adopt import WorkerAdopt
 from training.outer.worker_state import _Own, _say
@@ -200,18 +198,13 @@ class WorkerPropose(WorkerAdopt):
                     del updates[peer]
         included = select_for_closure(updates)
         entries = [(x.peer, x.blob) for x in included]
-        agg = await trio.to_thread.run_sync(
-            lambda: aggregate(
-                state, entries, self._load, self.params.outer_config(), start_root=root
-            )
-        )
+        agg, result, _ = await self._aggregated(entries)
         if (self.state, self.root) != (state, root):
             return
-        data = await trio.to_thread.run_sync(encode_state, agg.state)
-        blob = await self.node.add_bytes(data)
-        closure = Closure(
-            self.params.run_id, state.round, root, self.peer, included, state_root(agg.state), blob
-        )
+        self._offer(agg.state, result)
+        blocks = state_blocks(agg.state)
+        blob = await self.node.add_blocks(blocks)
+        closure = Closure(self.params.run_id, state.round, root, self.peer, included, result, blob)
         body, attestation = await self._sign(
             lambda: sign_closure(
                 self.signer,
@@ -228,7 +221,7 @@ class WorkerPropose(WorkerAdopt):
         except Refused as exc:  # our own closure: a bug, but one the run survives
             _say(self.label, f"BUG: our own closure is invalid ({exc}); not proposing")
             return
-        self.proposed[checked.digest] = (agg, blob, len(data))
+        self.proposed[checked.digest] = (agg, blob, state_size(blocks))
         self.book.add(checked)
         self.closure_addrs[checked.digest] = tuple(self.node.reachable_addrs)
         # The full closure is a blob others may fetch; what travels is its compact form.

@@ -77,6 +77,7 @@ class RoundRecord:
     pubsub_sent: int = 0  # announcement payloads published (own messages, once each)
     pubsub_received: int = 0  # announcement payloads delivered to this worker
     named: list[dict[str, str]] = field(default_factory=list)  # caught-up rounds only
+    ahead: bool = False  # applied from the aggregate computed ahead (worker_adopt point 4)
 
 
 @dataclass
@@ -90,6 +91,19 @@ class _Own:
     losses: list[float]
     size: int
     announced_at: float
+
+
+@dataclass
+class _Ahead:
+    """An apply started before its closure came (``WorkerAdopt._speculate``): the
+    aggregate of ``entries`` (peer, blob; ascending peer order) on the state of
+    ``(round, root)``, and that state's root, once ``done`` is set (None: it failed)."""
+
+    round: int
+    root: str
+    entries: tuple[tuple[str, str], ...]
+    done: trio.Event
+    result: tuple[Aggregate, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -205,9 +219,22 @@ class WorkerState:
         self.last_included: dict[str, Any] | None = None  # our own update's last inclusion
         self.absent: dict[str, Any] = {"round": None, "workers": []}  # the last adopted round's
         self.sign_lock = trio.Lock()  # one signature at a time (_sign)
+        # The trainer's ``ready(state, root)``, where it has one (training.outer.api):
+        # told each next state as soon as it is computed and its root checked.
+        self.ready: Callable[[OuterState, str], None] | None = None
+        self.ahead: _Ahead | None = None  # this round's apply, started early
 
     def state_round(self) -> int:
         return -1 if self.state is None else self.state.round
+
+    def _offer(self, state: OuterState, root: str) -> None:
+        """``state`` is computed and its root checked, and will be adopted unless its
+        closure turns out bad or loses: a trainer with ``ready`` starts the next round on
+        it while the state blob is kept and the milestone signed (its update is dropped
+        should another state be adopted instead). Not after the last round: the final
+        state goes to the trainer as the run's end."""
+        if self.ready is not None and state.round < self.params.rounds:
+            self.ready(state, root)
 
     async def _wait_changed(self, deadline: float) -> None:
         with trio.move_on_at(deadline):
