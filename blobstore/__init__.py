@@ -62,6 +62,7 @@ from blobstore.store import (
     FileModes,
     Store,
 )
+from blobstore.writing import blob_id_of
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -99,5 +100,6 @@ __all__ = [
     "StoreBusy",
     "StoreCorrupt",
     "StoreError",
+    "blob_id_of",
     "parse_blob_id",
 ]

@@ -92,6 +92,18 @@ class _ChunkWriter:
         return Manifest(size=self.size, chunk_size=self.chunk_size, hashes=bytes(self.hashes))
 
 
+def blob_id_of(
+    blocks: Iterable[bytes | bytearray | memoryview], *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> str:
+    """The ID :meth:`WriteOps.put_blocks` gives the concatenation of ``blocks``, computed
+    without a store: nothing is written."""
+    check_chunk_size(chunk_size)
+    writer = _ChunkWriter(None, chunk_size)
+    for block in blocks:
+        writer.feed(block)
+    return writer.finish().blob_id
+
+
 class WriteOps(ReadOps):
     """Puts, partial blobs and publication."""
 

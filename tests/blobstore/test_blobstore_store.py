@@ -28,6 +28,7 @@ from blobstore import (
     PathNotFound,
     Store,
     StoreError,
+    blob_id_of,
 )
 from blobstore.collection import decode_collection, encode_collection
 
@@ -64,6 +65,8 @@ def test_put_round_trips(store: Store, tmp_path: Path, size: int, check_consiste
     src.write_bytes(data)
     blocks = [data[i : i + 1000] for i in range(0, size, 1000)]  # sizes unaligned to chunks
     seen: list[int] = []
+    assert blob_id_of(iter(blocks), chunk_size=C) == expected
+    assert not store.has(expected)  # hashed, not stored
     assert store.put_path(src, chunk_size=C, progress=seen.append) == expected
     assert store.put_bytes(data, chunk_size=C) == expected
     assert store.put_blocks(iter(blocks), chunk_size=C) == expected

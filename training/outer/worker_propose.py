@@ -15,6 +15,7 @@ import time
 
 import trio
 
+from blobstore import blob_id_of
 from identity import Attestation, sign_attestation
 from training.outer.agreement import (
     Closure,
@@ -202,8 +203,11 @@ class WorkerPropose(WorkerAdopt):
         if (self.state, self.root) != (state, root):
             return
         self._offer(agg.state, result)
+        # The closure names the state blob by its ID, hashed here; the blob is stored
+        # after the closure is out (the others compute the state themselves, and a worker
+        # catching up retries a provider that does not hold it yet).
         blocks = state_blocks(agg.state)
-        blob = await self.node.add_blocks(blocks)
+        blob = await trio.to_thread.run_sync(lambda: blob_id_of(blocks))
         closure = Closure(self.params.run_id, state.round, root, self.peer, included, result, blob)
         body, attestation = await self._sign(
             lambda: sign_closure(
@@ -236,3 +240,5 @@ class WorkerPropose(WorkerAdopt):
             tuple(self.node.reachable_addrs),
         )
         await self._announce("closure", encode_message(message))
+        if await self.node.add_blocks(blocks) != blob:
+            raise AssertionError("the state blob's ID changed between hashing and storing")
