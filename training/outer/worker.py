@@ -25,11 +25,15 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
 2. The driver, in a loop: (a) if it holds no update for its current state and round,
    trains one (torch in a thread; messages keep flowing), unless the state changed
    meanwhile, then puts, attests and announces it; (b) asks ``next_step``: Apply (fetch the
-   tip's named updates it lacks, aggregate, check the result root and state blob ID),
-   CatchUp (fetch the tip's state blob, check round and root, adopt), or Stay; (c) on
-   Stay, proposes a closure when its slot comes (rule 2 of ``outer_agreement``): updates
-   of all K workers fetched, or the deadline after its own announcement passed, plus its
-   position in the round's rank order times the proposer timeout.
+   tip's named updates it lacks, aggregate, or take the aggregate made ahead of the
+   closure, ``worker_adopt`` point 4; check the result root, offer the state to a trainer
+   that takes it ahead, then store the state blob and check its ID), CatchUp (fetch the
+   tip's state blob, check round and root, adopt), or Stay; (c) on Stay, proposes a
+   closure when its slot comes (rule 2 of ``outer_agreement``): updates of all K workers
+   fetched, or the deadline after its own announcement passed, plus its position in the
+   round's rank order times the proposer timeout. The proposer offers its state as soon
+   as it is aggregated and names the state blob by its hashed ID, storing it after the
+   closure is out.
 3. After the last round it waits until the tip has not changed for a settle time (a better
    closure of the last round may still arrive, and rule 3 applies to it like any other),
    announces its final root, and waits (bounded by ``_linger_bound``), serving blobs, for
