@@ -46,13 +46,14 @@ def test_nesterov_step_matches_hand_computation() -> None:
     )
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_blocked_step_has_the_bits_of_the_formula(
-    nesterov: bool, monkeypatch: pytest.MonkeyPatch
+    nesterov: bool, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The step runs block by block with in-place operations; every element still gets
-    the float32 result of the formula as written, blocks ending mid-tensor included, and
-    the state it starts from is left as it was."""
+    """The step runs block by block with in-place operations, on one thread or several;
+    every element still gets the float32 result of the formula as written, blocks ending
+    mid-tensor included, and the state it starts from is left as it was."""
     import training.outer.loop as loop
 
     monkeypatch.setattr(loop, "STEP_BLOCK", 1000)
@@ -63,7 +64,7 @@ def test_blocked_step_has_the_bits_of_the_formula(
     grad = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
     before = {n: (params[n].copy(), momentum[n].copy()) for n in shapes}
     config = OuterConfig(lr=0.7, momentum=0.9, nesterov=nesterov)
-    got = outer_step(OuterState(4, params, momentum), grad, config)
+    got = outer_step(OuterState(4, params, momentum), grad, config, threads=threads)
     lr, mu = np.float32(0.7), np.float32(0.9)
     for n in shapes:
         buf = mu * momentum[n] + grad[n]
@@ -133,6 +134,23 @@ def test_state_root_changes_with_one_bit() -> None:
     )
     assert tensor_set_digest({"a": np.zeros(2, np.float32)}) != tensor_set_digest(
         {"b": np.zeros(2, np.float32)}
+    )
+
+
+def test_the_tensor_set_digest_is_pinned() -> None:
+    """State roots name rounds in signed closures and milestones: the digest's bytes are
+    a format. Pinned for tensors big-endian, not contiguous, empty, and large enough to
+    be hashed on several threads (read in place, not copied)."""
+    named = {
+        "x": np.arange(10, dtype=np.float32),
+        "y": np.ones((3, 4), np.float64).T,
+        "z": np.arange(5, dtype=">i4"),
+        "e": np.zeros((0, 3), np.float32),
+        "big": np.arange(3 << 20, dtype=np.float32) * np.float32(0.5),
+    }
+    assert (
+        tensor_set_digest(named).hex()
+        == "832f83e048e8e43b3559ba3b73b016a68649a93a3a750fe3794cef631d011735"
     )
 
 

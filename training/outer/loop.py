@@ -28,9 +28,11 @@ torch is imported inside functions; importing this module costs numpy and blake3
 from __future__ import annotations
 
 import math
+import os
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +68,10 @@ class OuterError(TrainingError):
 # outer_step's block: 64 Ki float32 elements (256 KiB) per operand, so a block's five
 # operations run in the CPU's cache and each array crosses memory once.
 STEP_BLOCK = 1 << 16
+# outer_step's threads: the step is elementwise, so its blocks may run on any thread in
+# any order with the same bits, and numpy lets go of the GIL for each block's operations.
+# At most 8: past that a 124M step is bound by memory bandwidth, not by cores.
+STEP_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,8 @@ def tensor_set_digest(named: Mapping[str, Any]) -> bytes:
     Sorted names; for each: name, dtype name, rank, dims and the raw little-endian bytes,
     every field length-prefixed with a u64 so no two tensor sets share an encoding.
     """
-    h = blake3.blake3()
+    # Large updates hash on several threads (BLAKE3's tree: the same digest on any number).
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     h.update(TENSORSET_DOMAIN)
     h.update(struct.pack("<Q", len(named)))
     for name in _sorted(named):
@@ -128,9 +135,9 @@ def tensor_set_digest(named: Mapping[str, Any]) -> bytes:
         h.update(struct.pack("<Q", len(raw_name)) + raw_name)
         h.update(struct.pack("<Q", len(dtype)) + dtype)
         h.update(struct.pack(f"<Q{little.ndim}Q", little.ndim, *little.shape))
-        raw = np.ascontiguousarray(little).tobytes()
-        h.update(struct.pack("<Q", len(raw)))
-        h.update(raw)
+        raw = np.ascontiguousarray(little).reshape(-1).view(np.uint8)  # a view, not a copy
+        h.update(struct.pack("<Q", raw.nbytes))
+        h.update(raw.data)
     return h.digest()
 
 
@@ -182,21 +189,28 @@ def average_updates(
     return out
 
 
-def outer_step(state: OuterState, grad: Mapping[str, F32], config: OuterConfig) -> OuterState:
+def outer_step(
+    state: OuterState,
+    grad: Mapping[str, F32],
+    config: OuterConfig,
+    *,
+    threads: int | None = None,
+) -> OuterState:
     """One SGD step with (Nesterov) momentum on the averaged pseudo-gradient.
 
     In float32, per element: ``buf = mu * m + g``, ``step = g + mu * buf`` (Nesterov; else
     ``buf``), ``p' = p - lr * step``. Two new arrays per tensor (the new momentum and the
     new parameters), written block by block (:data:`STEP_BLOCK` elements, through two
-    block-sized scratch arrays): at 124M parameters the step is memory-bound, and a
-    full-size temporary per operation would cost a pass over memory each. Each product and
-    sum is the same float32 operation as written above (IEEE addition and multiplication
-    commute exactly), so the bits are those of the formula."""
+    block-sized scratch arrays a thread): at 124M parameters the step is memory-bound, and
+    a full-size temporary per operation would cost a pass over memory each. Each product
+    and sum is the same float32 operation as written above (IEEE addition and
+    multiplication commute exactly), so the bits are those of the formula, on any number
+    of ``threads`` (default :data:`STEP_THREADS`)."""
     lr = np.float32(config.lr)
     mu = np.float32(config.momentum)
     params: dict[str, F32] = {}
     momentum: dict[str, F32] = {}
-    scratch = np.empty(STEP_BLOCK, dtype=np.float32)
+    blocks: list[tuple[F32, F32, F32, F32, F32, int, int]] = []
     for name in _sorted(state.params):
         p_in, m_in, g_in = state.params[name], state.momentum[name], grad[name]
         p_out = np.empty(p_in.shape, dtype=np.float32)
@@ -204,7 +218,13 @@ def outer_step(state: OuterState, grad: Mapping[str, F32], config: OuterConfig) 
         p, m, g = p_in.reshape(-1), m_in.reshape(-1), np.asarray(g_in).reshape(-1)
         pn, mn = p_out.reshape(-1), m_out.reshape(-1)
         for lo in range(0, p.size, STEP_BLOCK):
-            hi = min(lo + STEP_BLOCK, p.size)
+            blocks.append((p, m, g, pn, mn, lo, min(lo + STEP_BLOCK, p.size)))
+        params[name] = p_out
+        momentum[name] = m_out
+
+    def run(part: list[tuple[F32, F32, F32, F32, F32, int, int]]) -> None:
+        scratch = np.empty(STEP_BLOCK, dtype=np.float32)
+        for p, m, g, pn, mn, lo, hi in part:
             buf, step = mn[lo:hi], scratch[: hi - lo]
             np.multiply(m[lo:hi], mu, out=buf)
             buf += g[lo:hi]
@@ -215,8 +235,14 @@ def outer_step(state: OuterState, grad: Mapping[str, F32], config: OuterConfig) 
                 step[:] = buf
             step *= lr
             np.subtract(p[lo:hi], step, out=pn[lo:hi])
-        params[name] = p_out
-        momentum[name] = m_out
+
+    n = min(threads or STEP_THREADS, len(blocks))
+    if n <= 1:
+        run(blocks)
+    else:  # strided, so each thread gets a share of every tensor
+        with ThreadPoolExecutor(n) as pool:
+            for done in [pool.submit(run, blocks[i::n]) for i in range(n)]:
+                done.result()
     return OuterState(state.round + 1, params, momentum)
 
 
