@@ -480,3 +480,19 @@ def test_a_worker_new_to_us_is_sent_our_hello_at_once() -> None:
     worker.announcer.drop("hello")
     worker.ledger.present.clear()
     assert heard((friend, hello(friend))) == []
+
+
+def test_an_update_that_comes_after_its_round_closed_is_counted_for_the_next() -> None:
+    """Rule 2 of outer_agreement waits, in round r, for every worker whose update for r - 1
+    was heard, also one heard after r - 1 closed here (a joiner, or a worker slower than
+    the first K): the ledger keeps who, for admitted workers only and one round back."""
+    me, late, stranger = machine(), machine(), machine()
+    ledger = Ledger("run-1", me.peer, TRUST)
+    ledger.hear(encode_message(Hello("run-1", admit(late))), late.peer, NOW)
+    ledger.open_round(0, ROOT, NOW)
+    ledger.open_round(1, "ee" * 32, NOW)
+    assert ledger.hear(update_msg(late, round_=0), late.peer, NOW) == []
+    assert ledger.hear(update_msg(stranger, round_=0), stranger.peer, NOW) == []
+    assert ledger.late == {0: {late.peer}}
+    ledger.open_round(2, "ff" * 32, NOW)
+    assert ledger.late == {}

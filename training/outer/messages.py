@@ -550,6 +550,10 @@ class Ledger:
         self.malformed = 0
         self.other_runs = 0
         self.latest_state: StateHeard | None = None
+        # Admitted workers whose update for the round before the current one came after
+        # it closed here (rule 2 of outer_agreement counts them: a slow worker, or one that
+        # joined, is waited for in the next round). At most MAX_PENDING_PER_ROUND.
+        self.late: dict[int, set[str]] = {}
 
     def _round(self, r: int) -> _Round:
         return self.rounds.setdefault(r, _Round())
@@ -583,6 +587,11 @@ class Ledger:
             return [VerdictHeard(sender, msg)]
         if isinstance(msg, ClosureRefAnnouncement):
             return [ClosureRefHeard(sender, msg)]
+        if msg.round == self.current - 1 and sender in self.present:
+            late = self.late.setdefault(msg.round, set())
+            if len(late) < MAX_PENDING_PER_ROUND:
+                late.add(sender)
+            return []
         if msg.round < self.current or msg.round > self.current + ROUND_WINDOW:
             return []
         book = self._round(msg.round)
@@ -633,6 +642,7 @@ class Ledger:
         self.current = r
         for old in [k for k in self.rounds if k < r]:
             del self.rounds[old]
+        self.late = {k: v for k, v in self.late.items() if k == r - 1}
         book = self._round(r)
         if book.root is not None and book.root != root:
             # The worker moved to another state of the same round (it caught up to a

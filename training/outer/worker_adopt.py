@@ -190,6 +190,8 @@ class WorkerAdopt(WorkerGossip):
 
     def _enter(self, state: OuterState, root: str) -> None:
         """Make ``state`` current: a new round of updates, fetches and announcements."""
+        following = self.state is not None and state.round == self.state.round + 1
+        self.previous_senders = set(self.candidates) if following else set()
         self.state = state
         self.root = root
         self.candidates = {}
@@ -276,7 +278,8 @@ class WorkerAdopt(WorkerGossip):
         nursery = self.run_nursery
         if state is None or own is None or nursery is None:
             return
-        if (own.round, own.root) != (state.round, root) or len(self.fetched) < self.params.workers:
+        expected = self._expected()
+        if (own.round, own.root) != (state.round, root) or len(self.fetched) < expected:
             return
         if self.ahead is not None and (self.ahead.round, self.ahead.root) == (state.round, root):
             return  # one a round
@@ -293,7 +296,7 @@ class WorkerAdopt(WorkerGossip):
                 key=lambda e: e[0].encode(),
             )
         )
-        if len(entries) < self.params.workers:
+        if len(entries) < expected:
             return
         if self.ahead is not None and not self.ahead.done.is_set():
             return  # an older round's still runs: one extra state at a time

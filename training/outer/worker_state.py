@@ -223,9 +223,19 @@ class WorkerState:
         # told each next state as soon as it is computed and its root checked.
         self.ready: Callable[[OuterState, str], None] | None = None
         self.ahead: _Ahead | None = None  # this round's apply, started early
+        # Who sent an update for the previous round (rule 2 of outer_agreement: a round
+        # is ready when it holds updates from K workers or, if more, from all of them).
+        self.previous_senders: set[str] = set()
 
     def state_round(self) -> int:
         return -1 if self.state is None else self.state.round
+
+    def _expected(self) -> int:
+        """How many updates make this round ready before its deadline (rule 2 of
+        outer_agreement): K, or every worker heard of in the previous round if more (in
+        time for it, or late)."""
+        late = self.ledger.late.get(self.state_round() - 1, set())
+        return max(self.params.workers, len(self.previous_senders | late | {self.peer}))
 
     def _offer(self, state: OuterState, root: str) -> None:
         """``state`` is computed and its root checked, and will be adopted unless its
