@@ -64,7 +64,11 @@ class WorkerReplay(WorkerLinks):
         rate = self.params.replay_rate
         by_peer = {x.peer: (x, op) for x, op in zip(c.included, checked.operators, strict=True)}
         operators = {p: by_peer[p][1] for p, _, _ in agg.admitted}
-        self.starts[c.round] = (c.start_root, start)
+        # The start states replay needs (this round's and the last): in a run that samples
+        # none (replay rate 0, below the replayed level) none are kept, which at 124M
+        # parameters is 2 GB a worker would hold for nothing.
+        if rate > 0:
+            self.starts[c.round] = (c.start_root, start)
         for old in [r for r in self.starts if r < c.round - 1]:
             del self.starts[old]
         for key in [k for k in self.awaited if k[0] < c.round - 1]:
