@@ -175,8 +175,9 @@ def _run_options(f: Any) -> Any:
             "--workers",
             type=click.IntRange(1, 64),  # p2p.node.gossip.MAX_RUN_WORKERS
             default=None,
-            help="K: a round closes early once updates from K workers are in [required "
-            "without --spec; `outer run`: 3].",
+            help="K: a round closes early once updates from K workers (or, if more, from "
+            "every worker heard in the round before) are in [required without --spec; "
+            "`outer run`: 3].",
         ),
         click.option(
             "--rounds",
