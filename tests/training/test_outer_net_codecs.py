@@ -496,3 +496,32 @@ def test_an_update_that_comes_after_its_round_closed_is_counted_for_the_next() -
     assert ledger.late == {0: {late.peer}}
     ledger.open_round(2, "ff" * 32, NOW)
     assert ledger.late == {}
+
+
+def test_a_round_is_ready_early_on_updates_a_closure_could_name_only() -> None:
+    """What makes a round ready before its deadline counts the fetched updates a closure
+    could name: an admitted worker's copy of another's blob, a second key of one operator,
+    a banned operator's update or a blob its candidate does not name do not count, so they
+    cannot close a round before an honest worker's update is in."""
+    from types import SimpleNamespace
+
+    from training.outer.worker_state import WorkerState
+
+    def candidate(peer: str, blob: str, operator: str) -> Candidate:
+        return Candidate(0, peer, blob, (), operator)
+
+    worker = SimpleNamespace(
+        peer="me",
+        certificate=SimpleNamespace(operator="op-me"),
+        banned={"op-d": "failed replay"},
+        fetched={"me": "b1", "a": "b1", "b": "b2", "c": "b3", "d": "b4", "e": "b5", "f": "b6"},
+        candidates={
+            "a": candidate("a", "b1", "op-a"),  # a copy of our blob
+            "b": candidate("b", "b2", "op-b"),
+            "c": candidate("c", "b3", "op-b"),  # operator b's second key
+            "d": candidate("d", "b4", "op-d"),  # banned
+            "e": candidate("e", "b9", "op-e"),  # fetched another blob than announced
+            "f": candidate("f", "b6", "op-f"),
+        },
+    )
+    assert WorkerState._nameable(worker) == {"b": "b2", "f": "b6", "me": "b1"}  # type: ignore[arg-type]

@@ -21,8 +21,9 @@ named blobs (content-addressed, from anyone) and recompute R_{r+1}.
    proposes at ``ready + p * proposer_timeout`` (:func:`proposal_time`), where ``ready``
    is when it holds updates from all K workers (or, if more, from every worker whose
    update for round r - 1 it heard, itself included, in time or after that round closed:
-   a worker that joined a run of K is waited for from its second round on) or its round
-   deadline passed, unless it
+   a worker that joined a run of K is waited for from its second round on), counting
+   only updates a closure could name (rule 1: a copy or an operator's second key does not
+   count), or its round deadline passed, unless it
    already holds a valid closure for round r. A slot has no end: a worker that wakes from
    a long pause takes in what it heard before it looks at its slot, so it holds the
    others' closure and does not propose; a closure that still comes late loses to the

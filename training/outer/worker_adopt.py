@@ -278,26 +278,16 @@ class WorkerAdopt(WorkerGossip):
         nursery = self.run_nursery
         if state is None or own is None or nursery is None:
             return
-        expected = self._expected()
-        if (own.round, own.root) != (state.round, root) or len(self.fetched) < expected:
+        if (own.round, own.root) != (state.round, root):
             return
         if self.ahead is not None and (self.ahead.round, self.ahead.root) == (state.round, root):
             return  # one a round
+        nameable = self._nameable()
+        if len(nameable) < self._expected():
+            return
         if proposer_order(root, [*self.candidates, self.peer])[0] == self.peer:
             return  # we propose first, and _propose aggregates
-        entries = tuple(
-            sorted(
-                (
-                    (peer, blob)
-                    for peer, blob in self.fetched.items()
-                    if peer == self.peer
-                    or (peer in self.candidates and self.candidates[peer].blob == blob)
-                ),
-                key=lambda e: e[0].encode(),
-            )
-        )
-        if len(entries) < expected:
-            return
+        entries = tuple(nameable.items())
         if self.ahead is not None and not self.ahead.done.is_set():
             return  # an older round's still runs: one extra state at a time
         self.ahead = ahead = _Ahead(state.round, root, entries, trio.Event())

@@ -139,7 +139,7 @@ class WorkerPropose(WorkerAdopt):
         if own is None or (own.round, own.root) != (self.state_round(), self.root):
             return None
         ready = own.announced_at + self.params.deadline
-        if len(self.fetched) >= self._expected():
+        if len(self._nameable()) >= self._expected():
             ready = min(ready, trio.current_time())
         if self._verdicts_pending(own.round - 1):
             ready = max(ready, self.round_started + self._verdict_wait())

@@ -237,6 +237,32 @@ class WorkerState:
         late = self.ledger.late.get(self.state_round() - 1, set())
         return max(self.params.workers, len(self.previous_senders | late | {self.peer}))
 
+    def _nameable(self) -> dict[str, str]:
+        """The fetched updates (peer -> blob, ascending peer order) a closure could name
+        (rule 1 of outer_agreement): ours first, then the current candidates' in peer
+        order, a blob or an operator once, no banned operator. What makes a round ready
+        early counts these only, so a copy announced by an admitted worker does not close
+        a round before an honest worker's update is in."""
+        blobs: set[str] = set()
+        operators: set[str] = set()
+        out: dict[str, str] = {}
+        others = sorted((p for p in self.fetched if p != self.peer), key=lambda p: p.encode())
+        for peer in [self.peer, *others] if self.peer in self.fetched else others:
+            blob = self.fetched[peer]
+            candidate = self.candidates.get(peer)
+            if peer == self.peer:
+                operator = self.certificate.operator
+            elif candidate is not None and candidate.blob == blob:
+                operator = candidate.operator
+            else:
+                continue
+            if operator in self.banned or operator in operators or blob in blobs:
+                continue
+            blobs.add(blob)
+            operators.add(operator)
+            out[peer] = blob
+        return dict(sorted(out.items(), key=lambda e: e[0].encode()))
+
     def _offer(self, state: OuterState, root: str) -> None:
         """``state`` is computed and its root checked, and will be adopted unless its
         closure turns out bad or loses: a trainer with ``ready`` starts the next round on
