@@ -493,7 +493,8 @@ def test_an_update_that_comes_after_its_round_closed_is_counted_for_the_next() -
     ledger.open_round(1, "ee" * 32, NOW)
     assert ledger.hear(update_msg(late, round_=0), late.peer, NOW) == []
     assert ledger.hear(update_msg(stranger, round_=0), stranger.peer, NOW) == []
-    assert ledger.late == {0: {late.peer}}
+    assert ledger.late == {0: {late.peer: BLOB}}
+    assert ledger.operators[late.peer] == "op"
     ledger.open_round(2, "ff" * 32, NOW)
     assert ledger.late == {}
 
@@ -512,6 +513,7 @@ def test_a_round_is_ready_early_on_updates_a_closure_could_name_only() -> None:
 
     worker = SimpleNamespace(
         peer="me",
+        ledger=SimpleNamespace(operators={}, late={}),
         certificate=SimpleNamespace(operator="op-me"),
         banned={"op-d": "failed replay"},
         fetched={"me": "b1", "a": "b1", "b": "b2", "c": "b3", "d": "b4", "e": "b5", "f": "b6"},
@@ -524,4 +526,14 @@ def test_a_round_is_ready_early_on_updates_a_closure_could_name_only() -> None:
             "f": candidate("f", "b6", "op-f"),
         },
     )
+    worker._distinct = lambda updates: WorkerState._distinct(worker, updates)  # type: ignore[arg-type]
     assert WorkerState._nameable(worker) == {"b": "b2", "f": "b6", "me": "b1"}  # type: ignore[arg-type]
+    # Readiness waits for as many as the previous round had that a closure could name, and
+    # for an update that came after it closed, but a copy or a second key counts there no
+    # more than here: one copier does not make every round wait for its deadline.
+    worker.params = SimpleNamespace(workers=3)
+    worker.state_round = lambda: 5
+    worker.previous = {"me": "p1", "b": "p2", "f": "p3"}
+    worker.ledger.late = {4: {"g": "p1", "h": "p4", "i": "p5"}}  # g a copy, i op-b's key
+    worker.ledger.operators.update({"g": "op-g", "h": "op-h", "i": "op-b"})
+    assert WorkerState._expected(worker) == 4  # type: ignore[arg-type]

@@ -551,9 +551,11 @@ class Ledger:
         self.other_runs = 0
         self.latest_state: StateHeard | None = None
         # Admitted workers whose update for the round before the current one came after
-        # it closed here (rule 2 of outer_agreement counts them: a slow worker, or one that
-        # joined, is waited for in the next round). At most MAX_PENDING_PER_ROUND.
-        self.late: dict[int, set[str]] = {}
+        # it closed here, and its blob (rule 2 of outer_agreement counts them: a slow
+        # worker, or one that joined, is waited for in the next round). At most
+        # MAX_PENDING_PER_ROUND. And the operator of each admitted worker heard.
+        self.late: dict[int, dict[str, str]] = {}
+        self.operators: dict[str, str] = {}
 
     def _round(self, r: int) -> _Round:
         return self.rounds.setdefault(r, _Round())
@@ -578,6 +580,7 @@ class Ledger:
             if self.require_hardware and not certificate.hardware:
                 return []  # rule 7: not admitted on a TPM, so not one of this run's workers
             self.present.add(sender)
+            self.operators[sender] = certificate.operator
             return []
         if isinstance(msg, StateAnnouncement):
             return self._hear_state(msg, sender, now)
@@ -588,9 +591,9 @@ class Ledger:
         if isinstance(msg, ClosureRefAnnouncement):
             return [ClosureRefHeard(sender, msg)]
         if msg.round == self.current - 1 and sender in self.present:
-            late = self.late.setdefault(msg.round, set())
-            if len(late) < MAX_PENDING_PER_ROUND:
-                late.add(sender)
+            late = self.late.setdefault(msg.round, {})
+            if sender in late or len(late) < MAX_PENDING_PER_ROUND:
+                late[sender] = msg.blob
             return []
         if msg.round < self.current or msg.round > self.current + ROUND_WINDOW:
             return []
@@ -633,6 +636,7 @@ class Ledger:
         book.accepted[sender] = msg.blob
         self.present.add(sender)
         assert attestation.certificate is not None  # the trust store required one
+        self.operators[sender] = attestation.certificate.operator
         return Candidate(
             r, sender, msg.blob, msg.addrs, attestation.certificate.operator, msg.attestation
         )

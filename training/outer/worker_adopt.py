@@ -190,8 +190,13 @@ class WorkerAdopt(WorkerGossip):
 
     def _enter(self, state: OuterState, root: str) -> None:
         """Make ``state`` current: a new round of updates, fetches and announcements."""
-        following = self.state is not None and state.round == self.state.round + 1
-        self.previous_senders = set(self.candidates) if following else set()
+        self.previous = {}
+        if self.state is not None and state.round == self.state.round + 1:
+            sent = {peer: c.blob for peer, c in self.candidates.items()}
+            own = self.own
+            if own is not None and (own.round, own.root) == (self.state.round, self.root):
+                sent[self.peer] = own.blob
+            self.previous = self._distinct(sent)
         self.state = state
         self.root = root
         self.candidates = {}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -223,40 +223,54 @@ class WorkerState:
         # told each next state as soon as it is computed and its root checked.
         self.ready: Callable[[OuterState, str], None] | None = None
         self.ahead: _Ahead | None = None  # this round's apply, started early
-        # Who sent an update for the previous round (rule 2 of outer_agreement: a round
-        # is ready when it holds updates from K workers or, if more, from all of them).
-        self.previous_senders: set[str] = set()
+        # The previous round's updates a closure could name, peer -> blob (rule 2 of
+        # outer_agreement: a round is ready when it holds K or, if more, that many).
+        self.previous: dict[str, str] = {}
 
     def state_round(self) -> int:
         return -1 if self.state is None else self.state.round
 
     def _expected(self) -> int:
         """How many updates make this round ready before its deadline (rule 2 of
-        outer_agreement): K, or every worker heard of in the previous round if more (in
-        time for it, or late)."""
-        late = self.ledger.late.get(self.state_round() - 1, set())
-        return max(self.params.workers, len(self.previous_senders | late | {self.peer}))
+        outer_agreement): K, or the updates of the previous round a closure could have
+        named (in time for it, or late), with ours, if more."""
+        late = self.ledger.late.get(self.state_round() - 1, {})
+        heard = {**late, **self.previous}
+        heard.setdefault(self.peer, "")
+        return max(self.params.workers, len(self._distinct(heard)))
 
     def _nameable(self) -> dict[str, str]:
-        """The fetched updates (peer -> blob, ascending peer order) a closure could name
-        (rule 1 of outer_agreement): ours first, then the current candidates' in peer
-        order, a blob or an operator once, no banned operator. What makes a round ready
-        early counts these only, so a copy announced by an admitted worker does not close
-        a round before an honest worker's update is in."""
+        """The fetched updates a closure could name (:meth:`_distinct`): what makes a
+        round ready early counts these only, so a copy announced by an admitted worker
+        does not close a round before an honest worker's update is in."""
+        held = {
+            peer: blob
+            for peer, blob in self.fetched.items()
+            if peer == self.peer or (peer in self.candidates and self.candidates[peer].blob == blob)
+        }
+        return self._distinct(held)
+
+    def _distinct(self, updates: Mapping[str, str]) -> dict[str, str]:
+        """Of ``updates`` (peer -> blob; "" for one not known yet), those a closure could
+        name together (rule 1 of outer_agreement), in ascending peer order: ours first,
+        then the others' in peer order, a blob or an operator once, no banned operator,
+        none of a peer whose operator is unknown."""
         blobs: set[str] = set()
         operators: set[str] = set()
         out: dict[str, str] = {}
-        others = sorted((p for p in self.fetched if p != self.peer), key=lambda p: p.encode())
-        for peer in [self.peer, *others] if self.peer in self.fetched else others:
-            blob = self.fetched[peer]
+        others = sorted((p for p in updates if p != self.peer), key=lambda p: p.encode())
+        for peer in [self.peer, *others] if self.peer in updates else others:
+            blob = updates[peer]
             candidate = self.candidates.get(peer)
             if peer == self.peer:
-                operator = self.certificate.operator
-            elif candidate is not None and candidate.blob == blob:
+                operator: str | None = self.certificate.operator
+            elif candidate is not None:
                 operator = candidate.operator
             else:
+                operator = self.ledger.operators.get(peer)
+            if operator is None or operator in self.banned or operator in operators:
                 continue
-            if operator in self.banned or operator in operators or blob in blobs:
+            if blob and blob in blobs:
                 continue
             blobs.add(blob)
             operators.add(operator)
