@@ -54,6 +54,8 @@ MAX_CONNECTED_CANDIDATES = 32
 COLLECTION_PARALLELISM = 4
 # Admission refusals remembered (p2p.node.admission): one line per provider that said no.
 MAX_REFUSALS = 256
+# Named providers' dial failures a "no provider" error lists (one line, not a page).
+MAX_DIAL_ERRORS_SHOWN = 3
 # Senders of bad chunks named in status (the total is counted beyond them).
 MAX_BAD_PEERS = 1024
 # With peer exchange on, requests to a peer hold at most ~1 s of its rate and 4 MiB before
@@ -219,6 +221,13 @@ class Fetching(Connections, Providing):
         lease = await trio.to_thread.run_sync(self.store.lease, [blob_id])
         try:
             await self._fetch_leased(blob_id, addrs, dials, progress, recursive)
+        except BaseExceptionGroup as group:
+            leaf = unwrap_single(group)
+            if not isinstance(leaf, NoProviders) or not dials.errors:
+                raise
+            # A named provider that could not be reached may be the one that holds it.
+            unreached = "; ".join(dials.errors[:MAX_DIAL_ERRORS_SHOWN])
+            raise NoProviders(f"{leaf}; not reached: {unreached}") from None
         finally:
             await trio.to_thread.run_sync(lease.release)
         return blob_id

@@ -107,3 +107,22 @@ def test_an_embedding_program_gets_no_library_warnings(tmp_path: Path) -> None:
     )
     assert done.stdout.strip() in ("NoProviders", "PeerUnreachable"), done.stderr
     assert done.stderr == ""
+
+
+def test_no_provider_names_the_named_provider_it_could_not_reach(tmp_path: Path) -> None:
+    """Two providers named: one reached that does not hold the blob, one not reached. The
+    error says both, since the one not reached may be the one that holds it."""
+    from identity import MachineKey
+    from p2p import NoProviders
+
+    listen = ["/ip4/127.0.0.1/tcp/0"]
+    nobody = f"/ip4/127.0.0.1/tcp/9/p2p/{MachineKey.generate().peer_id}"  # discard: closed
+    with (
+        BlockingNode(tmp_path / "a", listen=listen, dht=False) as a,
+        BlockingNode(tmp_path / "b", listen=listen, dht=False) as b,
+        pytest.raises(NoProviders) as caught,
+    ):
+        b.fetch("0" * 64, providers=[*a.addrs, nobody])
+    message = str(caught.value)
+    assert message.startswith("none of 1 peer(s) asked holds " + "0" * 64), message
+    assert "; not reached: " in message and "tcp/9" in message, message
