@@ -270,12 +270,18 @@ class WorkerAdopt(WorkerGossip):
             ):
                 return (*result, True)
             del result
-        agg, result_root = await trio.to_thread.run_sync(
-            lambda: rooted(
-                aggregate(state, entries, self._load, self.params.outer_config(), start_root=root)
-            )
-        )
+        agg, result_root = await self._aggregate(state, root, entries)
         return agg, result_root, False
+
+    async def _aggregate(
+        self, state: OuterState, root: str, entries: Sequence[tuple[str, str]]
+    ) -> tuple[Aggregate, str]:
+        """The aggregate of ``entries`` on ``state`` (of root ``root``) and its root, in a
+        thread."""
+        config = self.params.outer_config()
+        return await trio.to_thread.run_sync(
+            lambda: rooted(aggregate(state, entries, self._load, config, start_root=root))
+        )
 
     def _speculate(self) -> None:
         """Point 4: start this round's aggregate ahead of its closure, when it is due."""
@@ -285,27 +291,22 @@ class WorkerAdopt(WorkerGossip):
             return
         if (own.round, own.root) != (state.round, root):
             return
-        if self.ahead is not None and (self.ahead.round, self.ahead.root) == (state.round, root):
-            return  # one a round
+        last = self.ahead  # one a round, and one extra state at a time
+        if last is not None and (
+            (last.round, last.root) == (state.round, root) or not last.done.is_set()
+        ):
+            return
         nameable = self._nameable()
         if len(nameable) < self._expected():
             return
         if proposer_order(root, [*self.candidates, self.peer])[0] == self.peer:
             return  # we propose first, and _propose aggregates
-        entries = tuple(nameable.items())
-        if self.ahead is not None and not self.ahead.done.is_set():
-            return  # an older round's still runs: one extra state at a time
-        self.ahead = ahead = _Ahead(state.round, root, entries, trio.Event())
+        self.ahead = ahead = _Ahead(state.round, root, tuple(nameable.items()), trio.Event())
         nursery.start_soon(self._aggregate_ahead, ahead, state)
 
     async def _aggregate_ahead(self, ahead: _Ahead, state: OuterState) -> None:
-        config = self.params.outer_config()
         try:
-            ahead.result = await trio.to_thread.run_sync(
-                lambda: rooted(
-                    aggregate(state, ahead.entries, self._load, config, start_root=ahead.root)
-                )
-            )
+            ahead.result = await self._aggregate(state, ahead.root, ahead.entries)
         except OSError:  # a blob gone: the apply, should it come, fetches and says so
             ahead.result = None
         finally:
