@@ -168,7 +168,7 @@ class Fetching(Connections, Providing):
         named = [a.rsplit("/p2p/", 1)[-1] for a in providers if "/p2p/" in a]
         return [f"{p} refused us: {self.refusals[p]}" for p in named if p in self.refusals]
 
-    async def _end_when_all_refuse(self, dials: _Dials, blob_id: str) -> None:
+    async def _end_when_all_refuse(self, dials: Dials, blob_id: str) -> None:
         """Without a DHT to find others, a fetch whose every provider refused us for want
         of admission is over: say so now rather than after the discovery timeout."""
         if self.dht is not None:
@@ -215,7 +215,7 @@ class Fetching(Connections, Providing):
             addrs.extend(ticket.addrs)
         else:
             blob_id = parse_blob_id(ref)
-        dials = _Dials()
+        dials = Dials()
         # The lease keeps gc off the parent and, once it is here, its children, however long
         # the fetch runs (gc's grace period alone would not).
         lease = await trio.to_thread.run_sync(self.store.lease, [blob_id])
@@ -236,7 +236,7 @@ class Fetching(Connections, Providing):
         self,
         blob_id: str,
         addrs: list[str],
-        dials: _Dials,
+        dials: Dials,
         progress: ProgressCallback | None,
         recursive: bool,
     ) -> None:
@@ -266,7 +266,7 @@ class Fetching(Connections, Providing):
                         children.start_soon(child, child_id)
             nursery.cancel_scope.cancel()
 
-    async def _dial_into(self, addr: str, dials: _Dials) -> None:
+    async def _dial_into(self, addr: str, dials: Dials) -> None:
         try:
             dials.add(await self.connect(addr, lanes=True))
         except PeerUnreachable as exc:
@@ -277,7 +277,7 @@ class Fetching(Connections, Providing):
             dials.wake()
 
     async def _fetch_one(
-        self, blob_id: str, dials: _Dials, progress: ProgressCallback | None
+        self, blob_id: str, dials: Dials, progress: ProgressCallback | None
     ) -> None:
         if await trio.to_thread.run_sync(self._intact, blob_id):
             return
@@ -285,8 +285,11 @@ class Fetching(Connections, Providing):
         # Named providers come apart from discovery's: the download waits for them past its
         # discovery timeout, until their dials end (p2p.fetch.downloader rule 5).
         send_named, receive_named = trio.open_memory_channel[str](256)
+        providers = list(dials.peers)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._feed_dialled, dials, send_named)
+            # From the count taken with ``providers``: a dial that ends before the feed's
+            # first step is then handed on, not taken for one of them.
+            nursery.start_soon(feed_dialled, dials, send_named, len(providers))
             if self.config.peer_exchange:
                 nursery.start_soon(self._exchange, blob_id, dials, send.clone())
             nursery.start_soon(self._discover, blob_id, set(dials.peers), send)
@@ -294,7 +297,7 @@ class Fetching(Connections, Providing):
                 self,
                 self.store,
                 blob_id,
-                providers=list(dials.peers),
+                providers=providers,
                 more_providers=receive,
                 named_providers=receive_named,
                 progress=progress,
@@ -319,7 +322,7 @@ class Fetching(Connections, Providing):
         )
 
     async def _exchange(
-        self, blob_id: str, dials: _Dials, send: trio.MemorySendChannel[str]
+        self, blob_id: str, dials: Dials, send: trio.MemorySendChannel[str]
     ) -> None:
         """Peer exchange for one fetch (p2p.blob.swarm): ask its providers ``peers`` (each at
         most once per PEX_INTERVAL, backing off: `PexBook`), dial the new fellows they name
@@ -385,18 +388,6 @@ class Fetching(Connections, Providing):
                 len(bad),
             )
         return not bad
-
-    async def _feed_dialled(self, dials: _Dials, send: trio.MemorySendChannel[str]) -> None:
-        """Hand the download each named provider as its dial succeeds, until all ended."""
-        async with send:
-            sent = len(dials.peers)  # those already connected went in as providers
-            while True:
-                for peer in dials.peers[sent:]:
-                    await send.send(peer)
-                sent = len(dials.peers)
-                if dials.pending == 0:
-                    return
-                await dials.changed.wait()
 
     async def _discover(
         self, blob_id: str, seen: set[str], send: trio.MemorySendChannel[str]
@@ -490,7 +481,7 @@ class _Tally:
         return out
 
 
-class _Dials:
+class Dials:
     """The named providers of one fetch, dialled at once (``Node._dial_into``)."""
 
     def __init__(self) -> None:
@@ -506,3 +497,16 @@ class _Dials:
     def wake(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
+
+
+async def feed_dialled(dials: Dials, send: trio.MemorySendChannel[str], sent: int) -> None:
+    """Hand a download each named provider as its dial succeeds, until all dials ended;
+    the first ``sent`` of ``dials.peers`` went in as its providers already."""
+    async with send:
+        while True:
+            while sent < len(dials.peers):  # a send is a checkpoint: more may come meanwhile
+                await send.send(dials.peers[sent])
+                sent += 1
+            if dials.pending == 0:
+                return
+            await dials.changed.wait()
