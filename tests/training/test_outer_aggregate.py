@@ -300,3 +300,36 @@ def test_top_k_updates_aggregate_as_their_dense_decodings_do(
     for name in s.params:
         assert sparse.state.params[name].tobytes() == dense.state.params[name].tobytes()
         assert sparse.state.momentum[name].tobytes() == dense.state.momentum[name].tobytes()
+
+
+def test_the_first_pass_reads_a_top_k_update_at_its_kept_positions_alike() -> None:
+    """Rules 2 and 3 measure a top-k update from its kept values, without decoding it
+    dense: its norm and its signature (signs at strided coordinates, a stride of 33 here)
+    are those of the same tensors sent dense, bit for bit. The chunks' scales spread over
+    decades, so a float64 sum over all the dense squares (zeros included) groups its terms
+    into other bits for some of the updates: the norm sums the nonzero values alike."""
+    from training.outer.aggregate import SKETCH_COORDS, _measured
+    from training.outer.codec import parse
+
+    s = state(size=1 << 20)
+    assert sum(v.size for v in s.params.values()) > 32 * SKETCH_COORDS
+    grouped_otherwise = 0
+    for seed in range(4):
+        spread = np.random.default_rng(seed)
+        grad = {
+            n: (v * np.exp(3 * spread.standard_normal(v.shape))).astype(np.float32)
+            for n, v in honest_grad(s, seed).items()
+        }
+        payload = encode(grad, CODEC)
+        sparse_norm, sparse_sketch = _measured(parse(payload))
+        dense = decode(payload).tensors
+        dense_norm, dense_sketch = _measured(parse(encode_dense(dense)))
+        assert sparse_norm == dense_norm
+        all_squares = sum(
+            float(np.sum(np.square(dense[n], dtype=np.float64))) for n in sorted(dense)
+        )
+        grouped_otherwise += sparse_norm != np.sqrt(all_squares)
+        assert abs(sparse_norm - np.sqrt(all_squares)) <= 1e-12 * sparse_norm
+        assert np.count_nonzero(sparse_sketch) > 0
+        assert sparse_sketch.tobytes() == dense_sketch.tobytes()
+    assert grouped_otherwise  # the case the nonzero-only sum is for

@@ -57,8 +57,9 @@ float64 reduction over one array in a fixed layout, on one thread).
    agrees with the others enough (bounded by rules 3 and 4, not detected; replaying a
    sample of updates is the remedy). Measured (``bench/outer.py --byzantine``): the held-out
    loss with and without one byzantine worker, in the bench's figures.
-6. **Memory and time.** Passes over the named blobs: norms and payload digests (each
-   update decoded dense, one at a time), then ``V += s_i``, then the dot products with V
+6. **Memory and time.** Passes over the named blobs: norms, signatures and payload
+   digests (a top-k update's from its kept values, a dense one's decoded, one at a time),
+   then ``V += s_i``, then the dot products with V
    (again for each update rule 4 removes), then ``S += w_i u_i`` over the admitted. A top-k
    update is parsed once and kept in its sparse form (its kept positions, about 2% of the
    model at the default k), and the later passes touch those positions only: its signs and
@@ -70,7 +71,10 @@ float64 reduction over one array in a fixed layout, on one thread).
    accumulators and that room, O(model) whatever the number of workers, plus rule 2's
    signature of 32 KiB a worker.
 7. **Determinism.** The norms are numpy's float64 sum over squares of float32 values
-   (which float64 holds exactly), in a fixed layout on one thread; rules 2 and 4 are
+   (which float64 holds exactly), in a fixed layout on one thread (NORM_BLOCK values at a
+   time): an update's over each tensor's nonzero values in position order, so a top-k
+   update's kept values and the same tensors sent dense give the same bits (the sum's
+   grouping follows the length of what it adds); rules 2 and 4 are
    integer arithmetic up to one final division; the float32 sum adds in ascending peer
    order.
 """
@@ -127,6 +131,9 @@ AGREEMENT_MARGIN = 0.03
 MAX_OUTVOTED = 3
 # Rule 4 needs a median of at least three to measure agreement against.
 MIN_FOR_DIRECTION = 3
+
+# The blocks a norm is summed in (rule 7): 512 KiB of float64, in a core's cache.
+NORM_BLOCK = 1 << 16
 
 _HEAD = struct.Struct("<4sBQ32sB")
 
@@ -189,9 +196,17 @@ class Aggregate:
 
 
 def _norm(tensors: dict[str, F32]) -> float:
+    """The L2 norm in float64: tensors in name order, each in NORM_BLOCK-element blocks
+    squared into one scratch array (a float64 copy of a 124M-parameter state would be
+    1 GB of memory to touch for one number)."""
+    scratch = np.empty(NORM_BLOCK, dtype=np.float64)
     total = 0.0
     for name in sorted(tensors, key=lambda n: n.encode()):
-        total += float(np.sum(np.square(tensors[name], dtype=np.float64)))
+        flat = tensors[name].reshape(-1)
+        for lo in range(0, flat.size, NORM_BLOCK):
+            block = scratch[: min(NORM_BLOCK, flat.size - lo)]
+            np.square(flat[lo : lo + NORM_BLOCK], out=block, dtype=np.float64)
+            total += float(np.sum(block))
     return math.sqrt(total)
 
 
@@ -273,6 +288,34 @@ def _sign8(values: F32) -> npt.NDArray[np.int8]:
     the float sign and its cast cost two full float32 passes."""
     positive = np.greater(values, 0).view(np.int8)
     return np.subtract(positive, np.less(values, 0).view(np.int8), out=positive)
+
+
+def _measured(parsed: Parsed) -> tuple[float, npt.NDArray[np.int8]]:
+    """Rule 3's norm and rule 2's signature of an update: a top-k one's from its kept
+    values alone (point 6), a dense one's from its tensors."""
+    if parsed.sparse is None:
+        tensors = parsed.tensors()
+        return _norm({n: _nonzero(v.reshape(-1)) for n, v in tensors.items()}), _sketch(tensors)
+    assert parsed.params is not None
+    values = {n: dequantised(t, parsed.params) for n, t in parsed.sparse.items()}
+    names = sorted(parsed.sparse, key=str.encode)
+    total = sum(math.prod(parsed.sparse[n].shape) for n in names)
+    stride = max(1, -(-total // SKETCH_COORDS))
+    sketch = np.zeros(-(-total // stride), dtype=np.int8)
+    offset = 0
+    for name in names:
+        where = parsed.sparse[name].positions + offset
+        sampled = where % stride == 0
+        sketch[where[sampled] // stride] = _sign8(values[name][sampled])
+        offset += math.prod(parsed.sparse[name].shape)
+    return _norm({n: _nonzero(v) for n, v in values.items()}), sketch
+
+
+def _nonzero(flat: F32) -> F32:
+    """The nonzero values of a flat array, in position order: what an update's norm sums
+    (rule 7), so that a top-k update's kept values and its dense decoding sum alike."""
+    kept: F32 = flat[flat != 0]
+    return kept
 
 
 def _sketch(tensors: dict[str, F32]) -> npt.NDArray[np.int8]:
@@ -376,10 +419,7 @@ def aggregate(
             if start_root is not None and envelope.start_root != start_root:
                 raise BadUpdate("stale: made from another state root")
             parsed = _parse(data, state, peer)
-            tensors = parsed.tensors()
-            n = _norm(tensors)
-            sketch = _sketch(tensors)
-            del tensors
+            n, sketch = _measured(parsed)
         except CodecError as exc:
             excluded.append(Exclusion(peer, blob, str(exc).split(":")[0] or "undecodable"))
             continue
