@@ -321,9 +321,9 @@ def test_the_first_pass_reads_a_top_k_update_at_its_kept_positions_alike() -> No
             for n, v in honest_grad(s, seed).items()
         }
         payload = encode(grad, CODEC)
-        sparse_norm, sparse_sketch = _measured(parse(payload))
+        sparse_norm, sparse_sketch, _ = _measured(parse(payload))
         dense = decode(payload).tensors
-        dense_norm, dense_sketch = _measured(parse(encode_dense(dense)))
+        dense_norm, dense_sketch, _ = _measured(parse(encode_dense(dense)))
         assert sparse_norm == dense_norm
         all_squares = sum(
             float(np.sum(np.square(dense[n], dtype=np.float64))) for n in sorted(dense)

@@ -59,10 +59,10 @@ float64 reduction over one array in a fixed layout, on one thread).
    loss with and without one byzantine worker, in the bench's figures.
 6. **Memory and time.** Passes over the named blobs: norms, signatures and payload
    digests (a top-k update's from its kept values, a dense one's decoded, one at a time),
-   then ``V += s_i``, then the dot products with V
-   (again for each update rule 4 removes), then ``S += w_i u_i`` over the admitted. A top-k
-   update is parsed once and kept in its sparse form (its kept positions, about 2% of the
-   model at the default k), and the later passes touch those positions only: its signs and
+   then ``V += s_i``, then the dot products with V (again for each update rule 4
+   removes), then ``S += w_i u_i`` over the admitted. A top-k update is parsed once and
+   kept in its sparse form with the values it stands for (its kept positions, about 2% of
+   the model at the default k), and the later passes touch those positions only: its signs and
    values are zero everywhere else, so the integers and float32 sums are the dense ones
    bit for bit (a sum starts at +0.0 and is never -0.0, so adding the zeros it skips
    changes nothing). The sparse forms kept take at most :data:`SPARSE_KEEP_SHARE` of the
@@ -114,8 +114,8 @@ NEAR_COPY_COSINE = 0.9
 # 2% density it holds ~650 nonzeros: a cosine to within ~0.05, far from 0.9 either way.
 SKETCH_COORDS = 1 << 15
 # Point 6: the top-k updates' sparse forms kept between passes take at most this share of
-# the state's float32 parameters' bytes. At the default k (~2% kept, 9 bytes a position)
-# that holds about 25 workers' updates; the rest are parsed again for each pass.
+# the state's float32 parameters' bytes. At the default k (~2% kept, 13 bytes a position
+# with its value) that holds about 19 workers' updates; the rest are parsed again for each pass.
 SPARSE_KEEP_SHARE = 0.5
 # Rule 4: honest cosines with the others' votes are of one order (0.3-0.5 measured); a
 # quarter of the round's median separates them from garbage (~0) and opposition (< 0)
@@ -225,48 +225,49 @@ def _parse(data: bytes, state: OuterState, peer: str) -> Parsed:
 
 class _Updates:
     """Point 6: each named update for the passes after the first, a top-k one from its
-    sparse form kept by :meth:`keep`, a dense one decoded again from ``load``."""
+    sparse form and kept values (:meth:`keep`), a dense one decoded again from ``load``."""
 
     def __init__(self, state: OuterState, load: Callable[[str], bytes]) -> None:
         self.state = state
         self.load = load
-        self.sparse: dict[str, Parsed] = {}
+        self.sparse: dict[str, tuple[Parsed, dict[str, F32]]] = {}
         self.room = int(SPARSE_KEEP_SHARE * 4 * sum(v.size for v in state.params.values()))
 
-    def keep(self, blob: str, parsed: Parsed) -> None:
-        if parsed.sparse is None:
+    def keep(self, blob: str, parsed: Parsed, values: dict[str, F32] | None) -> None:
+        """Keep a top-k update's sparse form and the values it stands for at its kept
+        positions (``values``: as :func:`_measured` returned them)."""
+        if parsed.sparse is None or values is None:
             return
         size = sum(
-            t.positions.nbytes + t.codes.nbytes + t.scales.nbytes for t in parsed.sparse.values()
+            t.positions.nbytes + t.codes.nbytes + t.scales.nbytes + values[n].nbytes
+            for n, t in parsed.sparse.items()
         )
         if size <= self.room:  # past the room, parsed again for each pass
             self.room -= size
-            self.sparse[blob] = parsed
+            self.sparse[blob] = (parsed, values)
 
-    def get(self, peer: str, blob: str) -> Parsed:
+    def _sparse(self, peer: str, blob: str) -> tuple[Parsed, dict[str, F32] | None]:
         kept = self.sparse.get(blob)
-        return kept if kept is not None else _parse(self.load(blob), self.state, peer)
+        if kept is not None:
+            return kept
+        parsed = _parse(self.load(blob), self.state, peer)
+        if parsed.sparse is None:
+            return parsed, None
+        assert parsed.params is not None
+        return parsed, {n: dequantised(t, parsed.params) for n, t in parsed.sparse.items()}
 
     def signs(self, peer: str, blob: str) -> dict[str, tuple[Any, npt.NDArray[np.int8]]]:
         """name -> (where, signs): the update's signs at ``where`` (a flat index array of a
         top-k update's kept positions, or ``...`` for all of a dense one's) and zero
         elsewhere."""
-        parsed = self.get(peer, blob)
-        if parsed.sparse is None:
-            return {n: (..., _sign8(v).reshape(-1)) for n, v in parsed.tensors().items()}
-        assert parsed.params is not None
-        return {
-            n: (t.positions, _sign8(dequantised(t, parsed.params)))
-            for n, t in parsed.sparse.items()
-        }
+        return {n: (where, _sign8(v)) for n, (where, v) in self.values(peer, blob).items()}
 
     def values(self, peer: str, blob: str) -> dict[str, tuple[Any, F32]]:
         """name -> (where, values), as :meth:`signs`."""
-        parsed = self.get(peer, blob)
-        if parsed.sparse is None:
+        parsed, values = self._sparse(peer, blob)
+        if parsed.sparse is None or values is None:
             return {n: (..., v.reshape(-1)) for n, v in parsed.tensors().items()}
-        assert parsed.params is not None
-        return {n: (t.positions, dequantised(t, parsed.params)) for n, t in parsed.sparse.items()}
+        return {n: (t.positions, values[n]) for n, t in parsed.sparse.items()}
 
 
 def _weighted_sum(
@@ -290,12 +291,15 @@ def _sign8(values: F32) -> npt.NDArray[np.int8]:
     return np.subtract(positive, np.less(values, 0).view(np.int8), out=positive)
 
 
-def _measured(parsed: Parsed) -> tuple[float, npt.NDArray[np.int8]]:
+def _measured(
+    parsed: Parsed,
+) -> tuple[float, npt.NDArray[np.int8], dict[str, F32] | None]:
     """Rule 3's norm and rule 2's signature of an update: a top-k one's from its kept
-    values alone (point 6), a dense one's from its tensors."""
+    values alone (point 6, which it returns too), a dense one's from its tensors."""
     if parsed.sparse is None:
         tensors = parsed.tensors()
-        return _norm({n: _nonzero(v.reshape(-1)) for n, v in tensors.items()}), _sketch(tensors)
+        norm = _norm({n: _nonzero(v.reshape(-1)) for n, v in tensors.items()})
+        return norm, _sketch(tensors), None
     assert parsed.params is not None
     values = {n: dequantised(t, parsed.params) for n, t in parsed.sparse.items()}
     names = sorted(parsed.sparse, key=str.encode)
@@ -308,7 +312,7 @@ def _measured(parsed: Parsed) -> tuple[float, npt.NDArray[np.int8]]:
         sampled = where % stride == 0
         sketch[where[sampled] // stride] = _sign8(values[name][sampled])
         offset += math.prod(parsed.sparse[name].shape)
-    return _norm({n: _nonzero(v) for n, v in values.items()}), sketch
+    return _norm({n: _nonzero(v) for n, v in values.items()}), sketch, values
 
 
 def _nonzero(flat: F32) -> F32:
@@ -419,7 +423,7 @@ def aggregate(
             if start_root is not None and envelope.start_root != start_root:
                 raise BadUpdate("stale: made from another state root")
             parsed = _parse(data, state, peer)
-            n, sketch = _measured(parsed)
+            n, sketch, values = _measured(parsed)
         except CodecError as exc:
             excluded.append(Exclusion(peer, blob, str(exc).split(":")[0] or "undecodable"))
             continue
@@ -433,7 +437,7 @@ def aggregate(
             continue
         norms[peer] = n
         sketches[peer] = sketch
-        updates.keep(blob, parsed)
+        updates.keep(blob, parsed, values)
     blobs = dict(order)
     for peer in _near_copies(sketches, norms):
         excluded.append(Exclusion(peer, blobs[peer], "a near-copy of another update"))
