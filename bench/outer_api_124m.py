@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -173,6 +174,8 @@ def worker(cfg_path: str) -> None:
     from training.outer.api import OuterLoop
 
     cfg = json.loads(Path(cfg_path).read_text())
+    if cfg.get("cpu") is not None:  # --pin: before any thread starts (they inherit it)
+        os.sched_setaffinity(0, {cfg["cpu"]})
     setup(cfg["device"], cfg["threads"])  # the kernel class the certificate admits
     model = make_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
@@ -250,6 +253,12 @@ def main() -> None:
         default=None,
         help="pick H for about this many seconds of compute per round (overrides --inner-steps)",
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="worker i on CPU i mod the CPU count, all its threads: with as many workers "
+        "as CPUs, each a one-core machine of its own",
+    )
     parser.add_argument("--check", action="store_true", help="fail unless the run is sound")
     parser.add_argument("--json-out", type=Path, default=None)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -276,6 +285,18 @@ def main() -> None:
         outs, params, failures = _run(args, tb)
         uplinks = {h: int(v["uplink_bytes"]) for h, v in tb.stats()["hosts"].items()}
     _finish(outs, params, failures, args, uplinks)
+
+
+def _phases(row: dict[str, Any]) -> str:
+    """Where a round's communication went (``RoundRecord.phases``); the rest of comm_s
+    made the update before them and loaded the state into the model after (the last
+    round's also holds its settle wait)."""
+    phases = row["phases"]
+    rest = row["comm_s"] - phases.get("applied", row["comm_s"])
+    return (
+        ", ".join(f"{p} {t:.1f}" for p, t in sorted(phases.items(), key=lambda pt: pt[1]))
+        + f"; the rest {rest:.1f} s"
+    )
 
 
 def _calibrate(args: Any) -> None:
@@ -365,6 +386,7 @@ def _run(args: Any, tb: Any) -> tuple[list[dict[str, Any]], int, list[str]]:
             cfg = {
                 **_settings(args),
                 "index": i,
+                "cpu": i % (os.cpu_count() or 1) if args.pin else None,
                 "store": str(w.store),
                 "key": str(w.key),
                 "cert": str(w.cert),
@@ -485,6 +507,7 @@ def _report(
                     "wire_sent": sent,
                     "wire_received": recv,
                     "loss": loss,
+                    "phases": rec.get("phases", {}),
                 }
             )
             print(
@@ -492,6 +515,9 @@ def _report(
                 f"{compute / (compute + comm):>6.1%} {size:>12} {ratio:>8} "
                 f"{sent / 1e3:>8.0f}kB {recv / 1e3:>8.0f}kB {loss:>6.3f}"
             )
+        for row in rows:
+            if row["worker"] == i and row["phases"]:
+                print(f"{'':>6} {row['round']:>5} s after the update: {_phases(row)}")
         if out.get("peak_rss_bytes"):
             print(f"{i:>6} peak RSS {int(out['peak_rss_bytes']) / (1 << 30):.2f} GiB")
     if uplinks is not None:

@@ -169,6 +169,18 @@ def test_three_workers_two_rounds_reach_the_same_state(tmp_path: Path) -> None:
     # The others aggregated the round's updates while the proposer did (worker_adopt point
     # 4), and applied its closure from that aggregate: the same state, blob and root.
     assert any(rec["ahead"] for res in results for rec in res["rounds"] if rec["how"] == "applied")
+    # Where each round's communication went, in the order it happens: the update out, the
+    # round's updates in (the proposer waits for them; another worker may get the closure
+    # first), the closure begun (the proposer) or checked (the others), the state offered.
+    for res in results:
+        for rec in res["rounds"]:
+            phases = rec["phases"]
+            if rec["how"] == "proposed":
+                order = [phases[p] for p in ("announced", "ready", "proposing", "applied")]
+            else:
+                order = [phases[p] for p in ("announced", "closure", "applied")]
+                assert phases["announced"] <= phases.get("ready", phases["announced"])
+            assert order[0] >= 0 and order == sorted(order), phases
 
     first = results[0]
     params = RunParams(**first["params"])

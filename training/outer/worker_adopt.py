@@ -87,6 +87,7 @@ class WorkerAdopt(WorkerGossip):
             state_bytes=state_bytes,
             seconds=trio.current_time() - self.round_started,
             ahead=ahead,
+            phases=self._phases(c.round),
         )
         sent, received = self.meter.sample()
         record.wire_sent = sent - self.wire_mark[0]
@@ -222,6 +223,7 @@ class WorkerAdopt(WorkerGossip):
             agg, blob, size = self.proposed.pop(checked.digest)
             await self._adopt(agg.state, checked, "proposed", agg, blob, size)
             return
+        self._mark("closure")
         entries = [(x.peer, x.blob) for x in c.included]
         for peer, blob in entries:
             if not await self._fetch_named(checked, blob, self._providers(checked, [peer])):

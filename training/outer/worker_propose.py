@@ -66,6 +66,7 @@ class WorkerPropose(WorkerAdopt):
             lambda: trainer.train(state, root, self.peer, cheat=cheat)
         )
         self.metrics.outer_compute.observe(time.monotonic() - computing)
+        self.marks, self.marked_round = {"trained": trio.current_time()}, state.round
         self.phase = "waiting for updates"
         if (self.state, self.root) != (state, root):
             return  # the state moved on while we trained: this update is for nobody
@@ -113,6 +114,7 @@ class WorkerPropose(WorkerAdopt):
             self.params.run_id, state.round, blob, attestation, tuple(self.node.reachable_addrs)
         )
         await self._announce("update", encode_message(message))
+        self._mark("announced")
 
     async def _level_refusal(self, peer: str, attestation: bytes) -> str:
         """Why an update's commitment keeps it out of this run's closures ('' if it does
@@ -141,6 +143,7 @@ class WorkerPropose(WorkerAdopt):
         ready = own.announced_at + self.params.deadline
         if len(self._nameable()) >= self._expected():
             ready = min(ready, trio.current_time())
+            self._mark("ready")
         if self._verdicts_pending(own.round - 1):
             ready = max(ready, self.round_started + self._verdict_wait())
         ranked = proposer_order(self.root, [*self.candidates, self.peer])
@@ -149,6 +152,7 @@ class WorkerPropose(WorkerAdopt):
     async def _propose(self) -> None:
         state, root, own = self.state, self.root, self.own
         assert state is not None and own is not None
+        self._mark("proposing")
         updates = {self.peer: (own.blob, own.attestation)}
         operators = {self.certificate.operator}
         blobs = {own.blob}

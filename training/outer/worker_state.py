@@ -78,6 +78,11 @@ class RoundRecord:
     pubsub_received: int = 0  # announcement payloads delivered to this worker
     named: list[dict[str, str]] = field(default_factory=list)  # caught-up rounds only
     ahead: bool = False  # applied from the aggregate computed ahead (worker_adopt point 4)
+    # Where the round's communication went: seconds from this worker's update handed over
+    # by its trainer to "announced", "ready" (the updates a closure waits for are in),
+    # "proposing" (its own closure begun) or "closure" (another's checked), and "applied"
+    # (the next state offered to the trainer). Rounds this worker sent an update in only.
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,6 +181,8 @@ class WorkerState:
         self.fetched: dict[str, str] = {}  # peer -> blob, for the current (round, root)
         self.fetch_nursery: trio.Nursery | None = None
         self.round_started = 0.0
+        self.marks: dict[str, float] = {}  # RoundRecord.phases of round marked_round, as times
+        self.marked_round = -1
         self.own: _Own | None = None
         self.proposed: dict[bytes, tuple[Aggregate, str, int]] = {}
         self.records: dict[int, RoundRecord] = {}
@@ -277,12 +284,26 @@ class WorkerState:
             out[peer] = blob
         return dict(sorted(out.items(), key=lambda e: e[0].encode()))
 
+    def _mark(self, phase: str) -> None:
+        """The first time the own round reached ``phase`` (``RoundRecord.phases``), while
+        this worker's state is still the round's start."""
+        if self.marks and self.state is not None and self.state.round == self.marked_round:
+            self.marks.setdefault(phase, trio.current_time())
+
+    def _phases(self, round_: int) -> dict[str, float]:
+        """``RoundRecord.phases`` of ``round_``: empty unless it is the marked round."""
+        began = self.marks.get("trained")
+        if self.marked_round != round_ or began is None:
+            return {}
+        return {p: round(t - began, 3) for p, t in self.marks.items() if p != "trained"}
+
     def _offer(self, state: OuterState, root: str) -> None:
         """``state`` is computed and its root checked, and will be adopted unless its
         closure turns out bad or loses: a trainer with ``ready`` starts the next round on
         it while the state blob is kept and the milestone signed (its update is dropped
         should another state be adopted instead). Not after the last round: the final
         state goes to the trainer as the run's end."""
+        self._mark("applied")
         if self.ready is not None and state.round < self.params.rounds:
             self.ready(state, root)
 
