@@ -105,12 +105,16 @@ def initial_state(params: Mapping[str, Any]) -> OuterState:
     return OuterState(0, copied, {n: np.zeros_like(v) for n, v in copied.items()})
 
 
-def _to_numpy(value: Any) -> F32:
+def _to_numpy(value: Any, *, copy: bool = True) -> F32:
+    """``value`` as a C-ordered float32 array: a copy of its own, or (``copy=False``, for
+    a caller that only reads it) a view where it already is one."""
     if hasattr(value, "detach"):
         value = value.detach().to("cpu").contiguous().numpy()
     array = np.asarray(value)
     if array.dtype != np.float32:
         raise OuterError(f"expected float32, got {array.dtype}")
+    if not copy:
+        return np.ascontiguousarray(array)
     return np.array(array, dtype=np.float32, order="C", copy=True)
 
 
@@ -160,7 +164,7 @@ def pseudo_gradient(start: Mapping[str, F32], end: Mapping[str, Any]) -> dict[st
         raise OuterError("start and end states name different parameters")
     out: dict[str, F32] = {}
     for name in _sorted(start):
-        finish = _to_numpy(end[name])
+        finish = _to_numpy(end[name], copy=False)  # read once, into the difference
         if finish.shape != start[name].shape:
             raise OuterError(f"parameter {name!r} changed shape during the round")
         out[name] = start[name] - finish
