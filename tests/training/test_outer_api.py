@@ -343,13 +343,13 @@ def test_a_worker_that_is_a_two_rank_gloo_group(tmp_path: Path) -> None:
 def test_a_bfloat16_model_sends_a_float32_update_and_takes_the_state_in_place() -> None:
     """bfloat16 parameters: the state is read as float32, copied back in place (cast), and
     the pseudo-gradient is float32 against the float32 state."""
-    from training.outer.api import LoopTrainer, _Handoff, load_state, model_state
+    from training.outer.api import LoopTrainer, _Handoff, load_state, model_views
     from training.outer.loop import OuterState, decode_update
     from training.outer.params import RunParams
 
     model = TinyLM().to(torch.bfloat16)
     ids = {n: id(p) for n, p in model.named_parameters()}
-    state = {n: v.astype(np.float32) + 0.5 for n, v in model_state(model).items()}
+    state = {n: v.astype(np.float32) + 0.5 for n, v in model_views(model).items()}
     assert all(v.dtype == np.float32 for v in state.values())
     load_state(model, state)
     assert {n: id(p) for n, p in model.named_parameters()} == ids
@@ -370,13 +370,13 @@ def test_a_bfloat16_model_sends_a_float32_update_and_takes_the_state_in_place() 
 def test_a_loop_the_library_does_not_drive_commits_to_no_inner_state() -> None:
     """Its updates are never replayed, so the error-feedback residual (the model's size)
     is neither encoded nor stored: the commitment names one small, empty inner state."""
-    from training.outer.api import LoopTrainer, _Handoff, model_state
+    from training.outer.api import LoopTrainer, _Handoff, model_views
     from training.outer.loop import OuterState
     from training.outer.params import RunParams
     from training.outer.replay import decode_inner
 
     model = TinyLM()
-    state = model_state(model)
+    state = {n: v.copy() for n, v in model_views(model).items()}  # the round's start
     params = RunParams("ni", workers=1, rounds=2, inner_steps=1, chunk=1024, k=64)
     trainer = LoopTrainer(params, model, _Handoff(), "kc", None)
     start = OuterState(0, state, {n: np.zeros_like(v) for n, v in state.items()})
@@ -472,3 +472,36 @@ if __name__ == "__main__":
     from tests.training.ranks import program
 
     program(rank_main if sys.argv[1] == "--rank" else worker_main)
+
+
+def test_making_an_update_reads_the_model_in_place() -> None:
+    """At the H-th step the update is made from the model's own parameters while the
+    user's loop waits: after the first round (which makes the error-feedback residual)
+    a round's update costs the pseudo-gradient and the encoding's blocks, not a copy of
+    the model besides (at 124M parameters each copy is 0.5 GB)."""
+    import tracemalloc
+
+    from training.outer.api import LoopTrainer, _Handoff
+    from training.outer.loop import OuterState
+    from training.outer.params import RunParams
+
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 256))
+    state = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    model_bytes = 4 * sum(v.size for v in state.values())
+    trainer = LoopTrainer(
+        RunParams("m", workers=1, rounds=3, inner_steps=1), model, _Handoff(), "kc", None
+    )
+    start = OuterState(0, state, {n: np.zeros_like(v) for n, v in state.items()})
+    peaks = []
+    for _ in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 1e-3)
+        tracemalloc.start()
+        try:
+            trainer.make(start, "a" * 64, "peer", [1.0])
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+    assert peaks[0] > 2 * model_bytes  # the residual, made in the first round
+    assert peaks[1] < 1.6 * model_bytes, peaks[1] / model_bytes

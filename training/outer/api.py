@@ -238,13 +238,18 @@ def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def model_state(model: torch.nn.Module) -> dict[str, F32]:
-    """The model's trainable parameters as float32 host arrays (any dtype, any device)."""
+def model_views(model: torch.nn.Module) -> dict[str, F32]:
+    """The model's trainable parameters as float32 host arrays (any dtype, any device):
+    views where a parameter already is a contiguous CPU float32 tensor, so for a caller
+    that reads them before the model next changes (``LoopTrainer.make``, inside the
+    user's ``step()``)."""
     import torch
 
-    return {
-        n: p.detach().to("cpu", torch.float32).numpy().copy() for n, p in _trainable(model).items()
-    }
+    out = {}
+    for name, p in _trainable(model).items():
+        t = p.detach().to("cpu", torch.float32)  # a new tensor unless already CPU float32
+        out[name] = t.contiguous().numpy()
+    return out
 
 
 def load_state(model: torch.nn.Module, params: dict[str, F32]) -> None:
@@ -265,8 +270,8 @@ def _is_sharded(p: Any) -> TypeGuard[DTensor]:
 
 
 def gathered_state(model: torch.nn.Module) -> dict[str, F32]:
-    """Point 6: ``model_state`` of a model sharded over a group, whole; every rank of the
-    group calls it (one all-gather per sharded parameter, in name order)."""
+    """Point 6: ``model_views`` of a model sharded over a group, whole (copies); every
+    rank of the group calls it (one all-gather per sharded parameter, in name order)."""
     import torch
 
     out = {}
@@ -329,7 +334,8 @@ class LoopTrainer:
         from training.outer.loop import make_update
         from training.outer.trainer import Trained
 
-        now = model_state(self.model) if current is None else current
+        # Read in place: the user's loop waits in step() until the update is made.
+        now = model_views(self.model) if current is None else current
         payload = make_update(state.params, now, self.feedback)
         update = wrap_update(payload, round_=state.round, start_root=root, author=author)
         # A loop the library does not drive commits to no rows (zeros) and no inner state:
