@@ -46,14 +46,16 @@ def test_nesterov_step_matches_hand_computation() -> None:
     )
 
 
+@pytest.mark.parametrize("spare", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_blocked_step_has_the_bits_of_the_formula(
-    nesterov: bool, threads: int, monkeypatch: pytest.MonkeyPatch
+    nesterov: bool, threads: int, spare: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The step runs block by block with in-place operations, on one thread or several;
     every element still gets the float32 result of the formula as written, blocks ending
-    mid-tensor included, and the state it starts from is left as it was."""
+    mid-tensor included, and the state it starts from is left as it was; and so with the
+    new momentum written over a spare gradient's arrays (each block kept first)."""
     import training.outer.loop as loop
 
     monkeypatch.setattr(loop, "STEP_BLOCK", 1000)
@@ -64,7 +66,12 @@ def test_blocked_step_has_the_bits_of_the_formula(
     grad = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
     before = {n: (params[n].copy(), momentum[n].copy()) for n in shapes}
     config = OuterConfig(lr=0.7, momentum=0.9, nesterov=nesterov)
-    got = outer_step(OuterState(4, params, momentum), grad, config, threads=threads)
+    given = {n: g.copy() for n, g in grad.items()}  # written over when spare
+    got = outer_step(
+        OuterState(4, params, momentum), given, config, threads=threads, grad_is_spare=spare
+    )
+    for n in shapes:  # a spare gradient's arrays become the momentum
+        assert (got.momentum[n] is given[n]) == spare
     lr, mu = np.float32(0.7), np.float32(0.9)
     for n in shapes:
         buf = mu * momentum[n] + grad[n]

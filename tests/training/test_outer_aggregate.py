@@ -333,3 +333,31 @@ def test_the_first_pass_reads_a_top_k_update_at_its_kept_positions_alike() -> No
         assert np.count_nonzero(sparse_sketch) > 0
         assert sparse_sketch.tobytes() == dense_sketch.tobytes()
     assert grouped_otherwise  # the case the nonzero-only sum is for
+
+
+def test_the_aggregate_holds_the_next_state_and_little_more() -> None:
+    """At the default density the aggregate's peak above its inputs is the next state
+    (parameters and momentum: twice the model's float32 bytes) and less than one more
+    model's worth (the updates' sparse forms, the passes' temporaries):
+    the mean's arrays become the new momentum rather than a third model-sized array
+    beside it (at 124M parameters 0.5 GB)."""
+    from training.outer.codec import CodecParams
+
+    s = state(size=1 << 22)  # 16 MiB: the threads' block-sized scratch arrays are small
+    model_bytes = 4 * sum(v.size for v in s.params.values())
+    default = CodecParams(chunk=4096, k=80)  # RunParams' default density, about 2%
+    blobs = {
+        p: wrap_update(
+            encode(honest_grad(s, i), default), round_=s.round, start_root=ROOT, author=p
+        )
+        for i, p in enumerate(PEERS)
+    }
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        result = run(s, blobs)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert len(result.admitted) == 3
+    assert peak < 2.6 * model_bytes, peak / model_bytes

@@ -472,7 +472,8 @@ def aggregate(
     count = np.float32(len(admitted))
     for total in totals.values():
         total /= count  # the mean, in place: the sums are this function's own arrays
-    following = outer_step(state, totals, config)
+    # The totals are this function's own: the new momentum is written over them.
+    following = outer_step(state, totals, config, grad_is_spare=True)
     return Aggregate(following, tuple(admitted), tuple(excluded), median, tuple(agreement))
 
 

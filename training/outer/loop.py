@@ -199,6 +199,7 @@ def outer_step(
     config: OuterConfig,
     *,
     threads: int | None = None,
+    grad_is_spare: bool = False,
 ) -> OuterState:
     """One SGD step with (Nesterov) momentum on the averaged pseudo-gradient.
 
@@ -209,7 +210,11 @@ def outer_step(
     a full-size temporary per operation would cost a pass over memory each. Each product
     and sum is the same float32 operation as written above (IEEE addition and
     multiplication commute exactly), so the bits are those of the formula, on any number
-    of ``threads`` (default :data:`STEP_THREADS`)."""
+    of ``threads`` (default :data:`STEP_THREADS`).
+
+    ``grad_is_spare``: ``grad``'s arrays are the caller's own (C-ordered float32, used for
+    nothing after): the new momentum is written over them, each block of ``g`` copied to a
+    third scratch array first, so the step's peak holds one model-sized array fewer."""
     lr = np.float32(config.lr)
     mu = np.float32(config.momentum)
     params: dict[str, F32] = {}
@@ -218,7 +223,12 @@ def outer_step(
     for name in _sorted(state.params):
         p_in, m_in, g_in = state.params[name], state.momentum[name], grad[name]
         p_out = np.empty(p_in.shape, dtype=np.float32)
-        m_out = np.empty(p_in.shape, dtype=np.float32)
+        if grad_is_spare:
+            if not (g_in.dtype == np.float32 and g_in.flags.c_contiguous and g_in.flags.writeable):
+                raise OuterError(f"gradient {name!r} cannot be written over")
+            m_out = g_in
+        else:
+            m_out = np.empty(p_in.shape, dtype=np.float32)
         p, m, g = p_in.reshape(-1), m_in.reshape(-1), np.asarray(g_in).reshape(-1)
         pn, mn = p_out.reshape(-1), m_out.reshape(-1)
         for lo in range(0, p.size, STEP_BLOCK):
@@ -228,13 +238,18 @@ def outer_step(
 
     def run(part: list[tuple[F32, F32, F32, F32, F32, int, int]]) -> None:
         scratch = np.empty(STEP_BLOCK, dtype=np.float32)
+        spare = np.empty(STEP_BLOCK, dtype=np.float32) if grad_is_spare else None
         for p, m, g, pn, mn, lo, hi in part:
+            gb = g[lo:hi]
+            if spare is not None:  # mn is g: keep the block before buf overwrites it
+                gb = spare[: hi - lo]
+                gb[...] = g[lo:hi]
             buf, step = mn[lo:hi], scratch[: hi - lo]
             np.multiply(m[lo:hi], mu, out=buf)
-            buf += g[lo:hi]
+            buf += gb
             if config.nesterov:
                 np.multiply(buf, mu, out=step)
-                step += g[lo:hi]
+                step += gb
             else:
                 step[:] = buf
             step *= lr
