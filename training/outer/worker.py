@@ -247,6 +247,18 @@ class Worker(WorkerPropose):
         except BadStateBlob as exc:
             raise OuterNetError(f"initial state {initial}: {exc}") from None
 
+    async def _begin(self, hello: Hello) -> None:
+        """Enter S_0, say hello and wait at the start barrier. Only ``self.state`` holds
+        S_0 from here: a frame that lives the whole run (``run``) keeps no state, or a
+        whole one (8 bytes a parameter) would stay resident past round 0."""
+        state = await self._initial()
+        self._enter(state, state_root(state))
+        # "Ready to train": torch loaded and S_0 held, so the start barrier only has to
+        # cover the spread of round times, and the others have served S_0 before their
+        # rounds (and byte counts) start.
+        await self._announce("hello", encode_message(hello))
+        await self._barrier()
+
     async def _join(self) -> None:
         """A late joiner or a restarted worker: catch up from the tip's state blob."""
         deadline = trio.current_time() + self.config.start_timeout
@@ -362,13 +374,7 @@ class Worker(WorkerPropose):
             if self.config.join:
                 await self._join()
             else:
-                state = await self._initial()
-                self._enter(state, state_root(state))
-                # "Ready to train": torch loaded and S_0 held, so the start barrier only
-                # has to cover the spread of round times, and the others have served S_0
-                # before their rounds (and byte counts) start.
-                await self._announce("hello", encode_message(hello))
-                await self._barrier()
+                await self._begin(hello)
             # Rounds are counted from here: fetching the initial state is not a round's.
             self.wire_mark = self.meter.sample()
             wire_start = self.wire_mark
