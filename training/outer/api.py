@@ -982,10 +982,13 @@ async def open_outer_loop(
     eval_data: Any = None,
     bootstrap: Sequence[str] = (),
     result_path: str | Path | None = None,
+    late: bool = False,
+    keep_states: int | None = None,
 ) -> AsyncIterator[AsyncOuterLoop]:
     """The trio face of :class:`OuterLoop` on a ``p2p.Node`` opened with ``pubsub=True``
     and ``key`` (its machine key, or on a TPM-bound machine its
-    ``identity.machine_signer``, whose attestations then carry the AK's co-signature)."""
+    ``identity.machine_signer``, whose attestations then carry the AK's co-signature).
+    The options are :class:`OuterLoop`'s, less ``group`` and the replayed level's."""
     import trio
 
     rows = _eval_rows(node.store, eval_data) if eval_fn is not None else None
@@ -996,7 +999,9 @@ async def open_outer_loop(
         eval_fn=eval_fn,
         eval_rows=rows,
         bootstrap=bootstrap,
+        keep_states=keep_states,
     )
+    core.join = late
     out = Path(result_path) if result_path is not None else None
     async with trio.open_nursery() as nursery:
         try:
