@@ -424,64 +424,12 @@ def test_a_state_posted_ahead_is_taken_once_and_an_update_from_a_dropped_one_is_
         later.cancel()
 
 
-def test_the_trio_face_runs_a_one_worker_run(tmp_path: Path) -> None:
+def test_the_trio_face_runs_a_one_worker_run_holding_one_state(tmp_path: Path) -> None:
     """open_outer_loop on a trio Node: join, H steps per round, the final state in the
-    model and the worker's result, all in one trio program."""
-    import trio
-
-    from identity import load_key_file
-    from p2p import open_node
-    from training.outer.api import open_outer_loop
-    from training.outer.launch import prepare_run
-    from training.outer.params import RunParams
-
-    plan = prepare_run(tmp_path / "run", RunParams("api", workers=1, rounds=1, inner_steps=H))
-    spec = _init_spec(tmp_path, plan, "bounded", workers=1)
-    w0 = plan.workers[0]
-    model = TinyLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    data = torch.from_numpy(task_rows(3, 64))
-
-    async def main() -> dict[str, Any] | None:
-        key = load_key_file(w0.key)
-        async with (
-            open_node(
-                w0.store, key=key, listen=["/ip4/127.0.0.1/tcp/0"], dht=False, pubsub=True
-            ) as node,
-            open_outer_loop(
-                node, key=key, spec=spec, model=model, certificate=w0.cert, rounds=1
-            ) as loop,
-        ):
-            await loop.join()
-            for _ in range(10 * H):  # bounded: one round of H steps
-                loss = loss_fn(model, data[:8])
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                await loop.step(loss.item())
-                if loop.finished:
-                    break
-            return loop.result
-
-    result = trio.run(main)
-    assert result is not None and result["final_round"] == 1
-
-
-def _states_alive(round_: int) -> int:
-    """How many ``OuterState`` objects of round ``round_`` this process still holds."""
-    import gc
-
-    from training.outer.loop import OuterState
-
-    gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, OuterState) and o.round == round_)
-
-
-def test_a_worker_lets_go_of_the_state_it_has_left(tmp_path: Path) -> None:
-    """A worker holds the state of its current round (parameters and momentum, 8 bytes a
-    parameter: 1 GB at 124M), and the next one only while it adopts it. Once round 1's
-    state is adopted, S_0 is held nowhere in the process, not even by a frame that lives
-    the whole run."""
+    model and the worker's result, all in one trio program. The worker holds the state of
+    its current round (parameters and momentum, 8 bytes a parameter: 1 GB at 124M), and
+    the next one only while it adopts it: once round 1's state is adopted, S_0 is held
+    nowhere in the process, not even by a frame that lives the whole run."""
     import trio
 
     from identity import load_key_file
@@ -496,9 +444,9 @@ def test_a_worker_lets_go_of_the_state_it_has_left(tmp_path: Path) -> None:
     model = TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.from_numpy(task_rows(3, 64))
-    seen: dict[str, int] = {}
+    held: dict[str, int] = {}
 
-    async def main() -> None:
+    async def main() -> dict[str, Any] | None:
         key = load_key_file(w0.key)
         async with (
             open_node(
@@ -509,28 +457,133 @@ def test_a_worker_lets_go_of_the_state_it_has_left(tmp_path: Path) -> None:
             ) as loop,
         ):
             await loop.join()
-            seen["held at round 0"] = _states_alive(0)
+            held["S_0 in round 0"] = _states_alive(0)
             for _ in range(20 * H):  # bounded: two rounds of H steps
                 loss = loss_fn(model, data[:8])
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-                if await loop.step(loss.item()) and "round 1" not in seen:
+                if await loop.step(loss.item()) and "S_0 in round 1" not in held:
                     # The worker may still be keeping round 1 (its blob, tags): it lets
                     # go of S_0 when it enters round 1, within this bound.
                     for _ in range(100):
                         if _states_alive(0) == 0 and _states_alive(1) > 0:
                             break
                         await trio.sleep(0.05)
-                    seen["round 1"] = _states_alive(1)
-                    seen["held at round 1"] = _states_alive(0)
+                    held["S_1 in round 1"] = _states_alive(1)
+                    held["S_0 in round 1"] = _states_alive(0)
                 if loop.finished:
                     break
+            return loop.result
+
+    result = trio.run(main)
+    assert result is not None and result["final_round"] == 2
+    assert held["S_0 in round 0"] >= 1 and held["S_1 in round 1"] >= 1  # the census sees them
+    assert held["S_0 in round 1"] == 0, held
+
+
+def test_a_joiner_says_hello_once_it_has_joined(tmp_path: Path) -> None:
+    """A worker joining a run under way (``late=True``) catches up from the tip, then says
+    hello. A joiner starts each round later than the others (it aggregates no round ahead),
+    so its first update may come after that round's closure: the others count such a late
+    update toward their next round's wait only from a worker they have heard as present.
+    Here a third node on the run's topic hears the joiner's hello while the run goes on."""
+    import trio
+
+    from blobstore import Store
+    from identity import load_key_file
+    from p2p import open_node
+    from training.outer.api import _load_spec, open_outer_loop
+    from training.outer.launch import prepare_run
+    from training.outer.messages import Hello, decode_message, topic
+    from training.outer.params import RunParams
+
+    plan = prepare_run(
+        tmp_path / "run", RunParams("api", workers=1, rounds=3, inner_steps=H), slots=2
+    )
+    spec = _init_spec(tmp_path, plan, "bounded", workers=1)
+    w0, w1 = plan.workers
+    Store.open(w1.store).put_bytes(Store.open(w0.store).path(spec).read_bytes())
+    run_topic = topic(_load_spec(Store.open(w0.store), spec).run)
+    joiner_peer = load_key_file(w1.key).peer_id
+    data = torch.from_numpy(task_rows(3, 64))
+    joined = trio.Event()
+    said: list[float] = []
+    listening = trio.CancelScope()
+
+    async def train(loop: Any, model: nn.Module, wait_for: trio.Event | None) -> None:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(40 * H):  # bounded: at most three rounds of H steps
+            loss = loss_fn(model, data[:8])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            applied = await loop.step(loss.item())
+            if loop.finished:
+                return
+            if applied and wait_for is not None and not wait_for.is_set():
+                with trio.fail_after(60):  # round 0 closed: the joiner has a tip to join
+                    await wait_for.wait()
+
+    async def listen(sub: Any) -> None:
+        from libp2p.peer.id import ID
+
+        with listening:  # until the joiner's rounds are over
+            while True:
+                msg = await sub.get()
+                hello = isinstance(decode_message(msg.data), Hello)
+                if hello and ID(msg.from_id).to_base58() == joiner_peer:
+                    said.append(trio.current_time())
+                    return
+
+    async def main() -> None:
+        local = ["/ip4/127.0.0.1/tcp/0"]
+        k0, k1 = load_key_file(w0.key), load_key_file(w1.key)
+        m0, m1 = TinyLM(), TinyLM()
+        async with (
+            open_node(w0.store, key=k0, listen=local, dht=False, pubsub=True) as n0,
+            open_outer_loop(n0, key=k0, spec=spec, model=m0, certificate=w0.cert, rounds=3) as l0,
+            open_node(
+                tmp_path / "listener", listen=local, dht=False, pubsub=True, bootstrap=n0.addrs
+            ) as n2,
+            trio.open_nursery() as nursery,
+        ):
+            await l0.join()
+            nursery.start_soon(listen, await n2.subscribe(run_topic))
+            nursery.start_soon(train, l0, m0, joined)
+            async with (
+                open_node(
+                    w1.store, key=k1, listen=local, dht=False, pubsub=True, bootstrap=n0.addrs
+                ) as n1,
+                open_outer_loop(
+                    n1,
+                    key=k1,
+                    spec=spec,
+                    model=m1,
+                    certificate=w1.cert,
+                    rounds=3,
+                    late=True,
+                    bootstrap=n0.addrs,
+                ) as l1,
+            ):
+                with trio.fail_after(60):
+                    await l1.join()
+                joined.set()
+                await train(l1, m1, None)  # to the run's end, beside worker 0
+                listening.cancel()
 
     trio.run(main)
-    assert seen["held at round 0"] >= 1  # the census sees a state it holds
-    assert seen["round 1"] >= 1
-    assert seen["held at round 1"] == 0, seen
+    assert said, "the listener never heard the joiner say hello"
+
+
+def _states_alive(round_: int) -> int:
+    """How many ``OuterState`` objects of round ``round_`` this process still holds."""
+    import gc
+
+    from training.outer.loop import OuterState
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, OuterState) and o.round == round_)
 
 
 if __name__ == "__main__":

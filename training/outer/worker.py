@@ -373,6 +373,11 @@ class Worker(WorkerPropose):
             _say(self.label, f"model ready (kernel class {self.kernel_class})")
             if self.config.join:
                 await self._join()
+                # Heard as present, its update of this round counts toward the next
+                # round's wait should it come after this round's closure (a late update,
+                # ``messages.Ledger``): a joiner starts each round later than the others (no
+                # aggregate ahead for it), and without this it could stay left out.
+                await self._announce("hello", encode_message(hello))
             else:
                 await self._begin(hello)
             # Rounds are counted from here: fetching the initial state is not a round's.
