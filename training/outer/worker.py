@@ -21,7 +21,9 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
    nothing else ever sees a half-changed state. The hello (presence, for the start
    barrier) stays announced until a round closes and is re-sent at once whenever a worker
    is heard of for the first time: one that subscribed after it went out would otherwise
-   wait at the barrier for the first update announcement.
+   wait at the barrier for the first update announcement. A joiner says hello once it
+   has joined: the others count a late update (one that comes after its round's closure)
+   toward the next round's wait only from a worker they hold present.
 2. The driver, in a loop: (a) if it holds no update for its current state and round,
    trains one (torch in a thread; messages keep flowing), unless the state changed
    meanwhile, then puts, attests and announces it; (b) asks ``next_step``: Apply (fetch the
