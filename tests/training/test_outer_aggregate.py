@@ -304,14 +304,18 @@ def test_top_k_updates_aggregate_as_their_dense_decodings_do(
 
 def test_the_first_pass_reads_a_top_k_update_at_its_kept_positions_alike() -> None:
     """Rules 2 and 3 measure a top-k update from its kept values, without decoding it
-    dense: its norm and its signature (signs at strided coordinates, a stride of 33 here)
+    dense: its norm and its signature (signs at strided coordinates, a stride of 34 here)
     are those of the same tensors sent dense, bit for bit. The chunks' scales spread over
     decades, so a float64 sum over all the dense squares (zeros included) groups its terms
     into other bits for some of the updates: the norm sums the nonzero values alike."""
     from training.outer.aggregate import SKETCH_COORDS, _measured
     from training.outer.codec import parse
 
-    s = state(size=1 << 20)
+    rng = np.random.default_rng(0)
+    shapes = {"a.weight": (16384, 64), "b.bias": (4099,), "c.weight": (331, 97)}
+    params = {n: rng.standard_normal(shape).astype(np.float32) for n, shape in shapes.items()}
+    s = OuterState(3, params, {n: np.zeros_like(v) for n, v in params.items()})
+    # Tensors that end off the stride: each later one's samples start within it.
     assert sum(v.size for v in s.params.values()) > 32 * SKETCH_COORDS
     grouped_otherwise = 0
     for seed in range(4):
@@ -332,6 +336,10 @@ def test_the_first_pass_reads_a_top_k_update_at_its_kept_positions_alike() -> No
         assert abs(sparse_norm - np.sqrt(all_squares)) <= 1e-12 * sparse_norm
         assert np.count_nonzero(sparse_sketch) > 0
         assert sparse_sketch.tobytes() == dense_sketch.tobytes()
+        # Both are the definition: the signs of the whole update at every stride-th place.
+        signs = np.concatenate([np.sign(dense[n]).reshape(-1) for n in sorted(dense)])
+        stride = -(-signs.size // SKETCH_COORDS)
+        assert dense_sketch.tobytes() == signs[::stride].astype(np.int8).tobytes()
     assert grouped_otherwise  # the case the nonzero-only sum is for
 
 

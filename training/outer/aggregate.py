@@ -296,23 +296,15 @@ def _measured(
 ) -> tuple[float, npt.NDArray[np.int8], dict[str, F32] | None]:
     """Rule 3's norm and rule 2's signature of an update: a top-k one's from its kept
     values alone (point 6, which it returns too), a dense one's from its tensors."""
+    values: dict[str, F32] | None = None
+    parts: dict[str, tuple[Any, F32, int]]
     if parsed.sparse is None:
-        tensors = parsed.tensors()
-        norm = _norm({n: _nonzero(v.reshape(-1)) for n, v in tensors.items()})
-        return norm, _sketch(tensors), None
-    assert parsed.params is not None
-    values = {n: dequantised(t, parsed.params) for n, t in parsed.sparse.items()}
-    names = sorted(parsed.sparse, key=str.encode)
-    total = sum(math.prod(parsed.sparse[n].shape) for n in names)
-    stride = max(1, -(-total // SKETCH_COORDS))
-    sketch = np.zeros(-(-total // stride), dtype=np.int8)
-    offset = 0
-    for name in names:
-        where = parsed.sparse[name].positions + offset
-        sampled = where % stride == 0
-        sketch[where[sampled] // stride] = _sign8(values[name][sampled])
-        offset += math.prod(parsed.sparse[name].shape)
-    return _norm({n: _nonzero(v) for n, v in values.items()}), sketch, values
+        parts = {n: (..., v.reshape(-1), v.size) for n, v in parsed.tensors().items()}
+    else:
+        assert parsed.params is not None
+        values = {n: dequantised(t, parsed.params) for n, t in parsed.sparse.items()}
+        parts = {n: (t.positions, values[n], math.prod(t.shape)) for n, t in parsed.sparse.items()}
+    return _norm({n: _nonzero(v) for n, (_, v, _) in parts.items()}), _sketch(parts), values
 
 
 def _nonzero(flat: F32) -> F32:
@@ -322,12 +314,28 @@ def _nonzero(flat: F32) -> F32:
     return kept
 
 
-def _sketch(tensors: dict[str, F32]) -> npt.NDArray[np.int8]:
+def _sketch(parts: dict[str, tuple[Any, F32, int]]) -> npt.NDArray[np.int8]:
     """Rule 2's signature of an update: its signs at SKETCH_COORDS evenly strided
-    coordinates of the parameters in name order (all of them in a smaller model)."""
-    flat = np.concatenate([_sign8(tensors[n]).reshape(-1) for n in sorted(tensors, key=str.encode)])
-    stride = max(1, -(-flat.size // SKETCH_COORDS))
-    return flat[::stride].copy()
+    coordinates of the parameters in name order (all of them in a smaller model).
+    ``parts``: name -> (where, values, size): a top-k update's values at its kept flat
+    positions (its signs are zero elsewhere), or ``...`` and all of a dense one's."""
+    names = sorted(parts, key=str.encode)
+    total = sum(parts[n][2] for n in names)
+    stride = max(1, -(-total // SKETCH_COORDS))
+    sketch = np.zeros(-(-total // stride), dtype=np.int8)
+    offset = 0
+    for name in names:
+        where, values, size = parts[name]
+        if where is ...:
+            sampled = values[-offset % stride :: stride]
+            first = -(-offset // stride)
+            sketch[first : first + sampled.size] = _sign8(sampled)
+        else:
+            at = where + offset
+            hit = at % stride == 0
+            sketch[at[hit] // stride] = _sign8(values[hit])
+        offset += size
+    return sketch
 
 
 def _near_copies(sketches: dict[str, npt.NDArray[np.int8]], norms: dict[str, float]) -> list[str]:
