@@ -22,8 +22,9 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
    barrier) stays announced until a round closes and is re-sent at once whenever a worker
    is heard of for the first time: one that subscribed after it went out would otherwise
    wait at the barrier for the first update announcement. A joiner says hello once it
-   has joined: the others count a late update (one that comes after its round's closure)
-   toward the next round's wait only from a worker they hold present.
+   has joined: the others count a late update (one that comes after its round's closure,
+   as a joiner's first ones do: it aggregates no round ahead) toward the next round's
+   wait only from a worker they hold present.
 2. The driver, in a loop: (a) if it holds no update for its current state and round,
    trains one (torch in a thread; messages keep flowing), unless the state changed
    meanwhile, then puts, attests and announces it; (b) asks ``next_step``: Apply (fetch the
@@ -261,8 +262,9 @@ class Worker(WorkerPropose):
         await self._announce("hello", encode_message(hello))
         await self._barrier()
 
-    async def _join(self) -> None:
-        """A late joiner or a restarted worker: catch up from the tip's state blob."""
+    async def _join(self, hello: Hello) -> None:
+        """A late joiner or a restarted worker: catch up from the tip's state blob, then
+        say hello (point 1: so that its late updates count)."""
         deadline = trio.current_time() + self.config.start_timeout
         while trio.current_time() < deadline:
             tip = self.book.tip()
@@ -272,6 +274,7 @@ class Worker(WorkerPropose):
                     self.joined_at = self.state.round
                     self.start_blob = self.records[max(self.records)].state_blob
                     _say(self.label, f"joined at round {self.state.round}")
+                    await self._announce("hello", encode_message(hello))
                     return
             await self._wait_changed(deadline)
         raise OuterNetError("joining: heard no usable closure from an admitted worker")
@@ -374,12 +377,7 @@ class Worker(WorkerPropose):
             self.shapes = trainer.shapes()
             _say(self.label, f"model ready (kernel class {self.kernel_class})")
             if self.config.join:
-                await self._join()
-                # Heard as present, its update of this round counts toward the next
-                # round's wait should it come after this round's closure (a late update,
-                # ``messages.Ledger``): a joiner starts each round later than the others (no
-                # aggregate ahead for it), and without this it could stay left out.
-                await self._announce("hello", encode_message(hello))
+                await self._join(hello)
             else:
                 await self._begin(hello)
             # Rounds are counted from here: fetching the initial state is not a round's.
