@@ -30,13 +30,16 @@ class ListenFailed(P2PError):
 
 
 class BadAddress(P2PError):
-    """A multiaddr or ticket given by the user is malformed."""
+    """A multiaddr given by the user is malformed: a usage error, as the README's table
+    has it (``get --peer`` and ``serve --listen`` alike)."""
 
-    exit_code = ExitCode.BAD_DATA
+    exit_code = ExitCode.USAGE
 
 
 class BadTicket(BadAddress):
-    """A ticket string is malformed."""
+    """A ticket string is malformed: bad data (a truncated or mistyped copy)."""
+
+    exit_code = ExitCode.BAD_DATA
 
 
 def unwrap_single(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -163,13 +163,13 @@ def tpm_challenge(
     as_json: bool,
 ) -> None:
     """Check a machine's TPM evidence and issue the credential-activation challenge."""
-    evidence = Evidence.decode(_read_bounded(evidence_path, "TPM evidence", MAX_EVIDENCE_SIZE))
-    cas = [
-        ca
-        for path in ek_ca_paths
-        for ca in parse_ek_cas(_read_bounded(path, "EK CA file", MAX_EK_CA_FILE_SIZE), str(path))
-    ]
+    # Every file is read before any is parsed: a missing one is named (exit 3) whatever
+    # the others hold.
+    evidence_data = _read_bounded(evidence_path, "TPM evidence", MAX_EVIDENCE_SIZE)
+    ca_files = [(_read_bounded(p, "EK CA file", MAX_EK_CA_FILE_SIZE), p) for p in ek_ca_paths]
     authority = load_key(authority_path)
+    evidence = Evidence.decode(evidence_data)
+    cas = [ca for data, path in ca_files for ca in parse_ek_cas(data, str(path))]
     now = time.time()
     machine = check_binding(evidence, cas, now=now)
     credential = secrets.token_bytes(CREDENTIAL_SIZE)
@@ -286,8 +286,9 @@ def tpm_admit(
         # A replaced certificate left off every revocation list would stay valid: two live
         # identities for one TPM.
         raise click.UsageError("--replace needs --revoked FILE, the list the replaced serial joins")
-    answer = Answer.decode(_read_bounded(answer_path, "TPM answer", MAX_ANSWER_SIZE))
-    authority = Authority(SoftwareSigner(load_key(authority_path)))
+    answer_data = _read_bounded(answer_path, "TPM answer", MAX_ANSWER_SIZE)
+    authority = Authority(SoftwareSigner(load_key(authority_path)))  # read before parsing
+    answer = Answer.decode(answer_data)
     now = int(time.time())
     serial = secrets.randbits(63)
     with open_registry(registry_path) as registry:

@@ -158,7 +158,7 @@ def validate_peer_addr(addr: str, *, error: type[Exception] = BadTicket) -> Mult
     try:
         maddr = Multiaddr(addr)
     except Exception as exc:  # multiaddr raises many unrelated types for bad text
-        raise error(f"bad peer address {addr!r}: {_plain_reason(exc)}") from None
+        raise error(f"bad peer address {addr!r}: {plain_reason(exc)}") from None
     if "p2p" not in [protocol.name for protocol in maddr.protocols()]:
         raise error(
             f"peer address {addr!r} lacks /p2p/<peer id> "
@@ -172,7 +172,7 @@ def validate_peer_addr(addr: str, *, error: type[Exception] = BadTicket) -> Mult
 _MULTIADDR_WRAPPER = re.compile(r"^Invalid MultiAddr '.*?': (?P<reason>.*?)(?: \(string: .*\))?$")
 
 
-def _plain_reason(exc: Exception) -> str:
+def plain_reason(exc: Exception) -> str:
     text = str(exc).replace("\n", " ")
     match = _MULTIADDR_WRAPPER.match(text)
     return match.group("reason") if match else text

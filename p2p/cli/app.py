@@ -232,7 +232,9 @@ def main(argv: list[str] | None = None) -> None:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         result = cli.main(args=argv, prog_name="blob", standalone_mode=False)
     except click.exceptions.Abort:
-        click.echo("Aborted.", err=True)
+        # click's word for a Ctrl-C it caught (during parsing, a prompt or plain code); the
+        # same word as every other moment of Ctrl-C.
+        click.echo("Interrupted.", err=True)
         sys.exit(ExitCode.INTERRUPTED)
     except click.UsageError as exc:
         # One line, like every other error; the command's --help has the rest.
@@ -240,8 +242,11 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"{where}: error: {exc.format_message()} (see `{where} --help`)", err=True)
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
+        # Not click's "Error: ...": the one line every error gets. A file that cannot be
+        # opened is local I/O (exit 5) in the README's table, not click's generic 1.
+        file_error = isinstance(exc, click.FileError)
+        click.echo(f"blob: error: {exc.format_message()}", err=True)
+        sys.exit(ExitCode.LOCAL_IO if file_error else exc.exit_code)
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
         sys.exit(ExitCode.INTERRUPTED)

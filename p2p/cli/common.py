@@ -22,9 +22,9 @@ import click
 import trio
 
 from blobstore import Store
-from blobstore.errors import ExitCode
+from blobstore.errors import ExitCode, PathNotFound
 from p2p.blob.pacing import MIN_UPLOAD_LIMIT
-from p2p.blob.ticket import validate_peer_addr
+from p2p.blob.ticket import plain_reason, validate_peer_addr
 from p2p.cli.nat import (
     NAT_DEFAULT_LISTEN,
 )
@@ -198,6 +198,35 @@ def check_peer_addrs(addrs: Sequence[str], option: str) -> None:
             validate_peer_addr(addr, error=BadAddress)
         except BadAddress as exc:
             raise click.BadParameter(str(exc), param_hint=option) from None
+
+
+def check_listen_addrs(addrs: Sequence[str], option: str = "--listen") -> None:
+    """A listen address that is no multiaddr (``127.0.0.1:4001``) is a usage error (exit 2),
+    found before a key is made or a node started."""
+    from multiaddr import Multiaddr
+
+    for addr in addrs:
+        try:
+            Multiaddr(addr)
+        except Exception as exc:  # multiaddr raises many unrelated types for bad text
+            raise click.BadParameter(
+                f"{addr!r} is not a multiaddr ({plain_reason(exc)}); the form is "
+                "/ip4/HOST/tcp/PORT",
+                param_hint=option,
+            ) from None
+
+
+class InputPath(click.Path):
+    """``click.Path(exists=True)`` for a file or directory the command reads: a missing one
+    is not found (exit 3, as ``put`` says it), not a usage error (click's own, exit 2)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(exists=True, **kwargs)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not os.path.lexists(os.fsdecode(value)):
+            raise PathNotFound(f"no such file or directory: {os.fsdecode(value)}")
+        return super().convert(value, param, ctx)
 
 
 def ready_addrs(node: Node) -> list[str]:

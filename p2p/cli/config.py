@@ -9,7 +9,8 @@ Rules
    ``default_map``), so an option given on the command line replaces the file's value,
    and global flags before the subcommand (``blob -v serve``) win over both.
 3. A file that cannot be read or parsed, an unknown table or key, or a value of the wrong
-   type is a usage error naming the file and the key, before anything starts.
+   type is a usage error naming the file and the key, before anything starts; a file
+   that does not exist is not found (exit 3).
 4. ``--print-config`` prints the merged result as TOML and exits: what the serve would
    run with, in the form the file takes.
 """
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+
+from blobstore.errors import PathNotFound
 
 # Config key -> the serve command's parameter name (rule 1).
 SERVE_KEYS = {
@@ -54,6 +57,8 @@ def read_config(path: Path) -> dict[str, Any]:
     try:
         with path.open("rb") as handle:
             raw = handle.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise PathNotFound(f"no configuration file at {path}") from None  # README: exit 3
     except OSError as exc:
         raise click.BadParameter(
             f"cannot read {path}: {exc.strerror}", param_hint="--config"

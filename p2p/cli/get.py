@@ -27,6 +27,7 @@ from p2p.blob.ticket import Ticket
 from p2p.cli.common import (
     Interrupted,
     bootstrap_option,
+    check_listen_addrs,
     check_peer_addrs,
     daemon_of,
     fetch_listen,
@@ -287,6 +288,7 @@ def get(
         check_output(output)
     check_peer_addrs(peers, "--peer")
     check_peer_addrs(bootstrap, "--bootstrap")
+    check_listen_addrs(listen)
     store = store_of(ctx)
     from p2p.names.record import is_name_ref
 

@@ -16,6 +16,7 @@ from blobstore.store import check_tag_name
 from p2p.blob.ticket import MAX_TICKET_ADDRS, Ticket
 from p2p.cli.common import (
     DEFAULT_LISTEN,
+    InputPath,
     Interrupted,
     bootstrap_option,
     check_peer_addrs,
@@ -209,7 +210,7 @@ def serve(
 
 
 @click.command()
-@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@click.argument("path", type=InputPath(path_type=Path))
 @click.option("--tag", "tag_name", metavar="NAME", help="Tag the shared blob.")
 @listen_option
 @bootstrap_option

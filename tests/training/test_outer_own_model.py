@@ -292,6 +292,7 @@ def test_a_commitment_names_its_level_and_a_replayable_one_is_unchanged() -> Non
 
 
 def test_cli_init_refuses_a_missing_model(tmp_path: Path) -> None:
+    from blobstore.errors import PathNotFound
     from training.outer.cli import outer_group
 
     result = CliRunner().invoke(
@@ -309,7 +310,9 @@ def test_cli_init_refuses_a_missing_model(tmp_path: Path) -> None:
         ],
         obj={"store_root": tmp_path / "store", "key_path": tmp_path / "k.key"},
     )
-    assert result.exit_code != 0 and "no such directory" in result.output
+    # A missing file: blob's line and exit 3 (README), not click's "Error:" and 1.
+    assert isinstance(result.exception, PathNotFound), result.output
+    assert result.exception.exit_code == 3 and "no such directory" in str(result.exception)
 
 
 def test_a_spec_envelope_in_another_spelling_is_refused() -> None:

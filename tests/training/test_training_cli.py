@@ -226,7 +226,7 @@ def test_an_output_in_a_missing_directory_is_one_line_before_any_work(tmp_path: 
     from click.testing import CliRunner
 
     from blobstore.errors import PathNotFound
-    from identity import KeyFileIOError
+    from identity import KeyFileIOError, MachineKey
     from training.rounds.cli import train_group
 
     obj = {"store_root": tmp_path / "s", "key_path": tmp_path / "k"}
@@ -234,9 +234,9 @@ def test_an_output_in_a_missing_directory_is_one_line_before_any_work(tmp_path: 
     recipe = CliRunner().invoke(train_group, ["recipe", "-o", str(missing)], obj=obj)
     assert isinstance(recipe.exception, KeyFileIOError), recipe.exception
     assert "directory" in str(recipe.exception) and recipe.exception.exit_code == 5
+    peer = f"/ip4/127.0.0.1/tcp/9/p2p/{MachineKey.generate().peer_id}"
     replay = CliRunner().invoke(
-        train_group, ["replay", "0" * 64, "--peer", "/ip4/127.0.0.1/tcp/9", "-o", str(missing)],
-        obj=obj,
-    )  # fmt: skip
+        train_group, ["replay", "0" * 64, "--peer", peer, "-o", str(missing)], obj=obj
+    )
     assert isinstance(replay.exception, PathNotFound), replay.exception
     assert not (tmp_path / "s").exists()  # refused before the store was even opened

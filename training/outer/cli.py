@@ -15,6 +15,9 @@ from typing import Any
 
 import click
 
+from identity import MAX_CERTIFICATE_SIZE, AdmissionCertificate
+from identity.cli import read_input
+from p2p.cli.common import check_listen_addrs, check_peer_addrs
 from p2p.cli.nat import NAT_DEFAULT_LISTEN, check_relays, relay_options
 from training.outer.simconfig import MODES, SimConfig, SimResult
 
@@ -240,7 +243,7 @@ def _authority(value: str) -> bytes:
     are secret)."""
     from pathlib import Path
 
-    from identity import BadPublicKey, IdentityError, load_key_file, parse_public_key
+    from identity import BadPublicKey, IdentityError, NotFound, load_key_file, parse_public_key
 
     try:
         return parse_public_key(value)
@@ -249,6 +252,10 @@ def _authority(value: str) -> bytes:
     try:
         with open(value, "rb") as handle:
             data = handle.read(MAX_PUBLIC_KEY_FILE + 1)
+    except FileNotFoundError:
+        raise NotFound(
+            f"--authority {value!r} is neither a public key (64 hex digits) nor a file"
+        ) from None
     except OSError:
         raise click.BadParameter(
             f"{value!r} is neither a public key (64 hex digits) nor a readable file",
@@ -415,6 +422,11 @@ def worker_command(
         from p2p.cli.fleet import parse_metrics_addr
 
         parse_metrics_addr(metrics)  # a malformed address is refused before any work
+    # So are the other mistakes of the command line: a malformed address (exit 2), a
+    # missing (3) or malformed (4) certificate.
+    check_peer_addrs(bootstrap, "--bootstrap")
+    check_listen_addrs([] if listen is None else [listen])
+    AdmissionCertificate.decode(read_input(cert_path, "certificate", MAX_CERTIFICATE_SIZE))
     import trio
 
     from blobstore import parse_blob_id
@@ -589,12 +601,9 @@ def run_command(
 
 
 def _store(ctx: click.Context) -> Any:
-    from blobstore import Store, StoreError
+    from blobstore import Store
 
-    try:
-        return Store.open(Path_(ctx.ensure_object(dict)["store_root"]))
-    except StoreError as exc:
-        raise click.ClickException(str(exc)) from None
+    return Store.open(Path_(ctx.ensure_object(dict)["store_root"]))
 
 
 @outer_group.command("milestones")
@@ -809,6 +818,7 @@ def init_command(
     (the spec's blob ID is what workers join by). Prints the spec ID."""
     import tempfile
 
+    from blobstore.errors import BlobNotFound, PathNotFound
     from identity import SoftwareSigner, format_public_key, load_or_create_key
     from training.outer.codec import CodecParams
     from training.outer.messages import check_run_id
@@ -825,14 +835,14 @@ def init_command(
     keys = tuple(format_public_key(_authority(a)) for a in authorities)
     data = store.tags().get(data_ref, data_ref) if data_ref else ""
     if data and not store.has(data):
-        raise click.ClickException(f"records {data_ref} are not in this store")
+        raise BlobNotFound(f"records {data_ref} are not in this store")
     with tempfile.TemporaryDirectory(prefix="blob-outer-init-") as tmp:
         source = Path_(model_ref)
         if not source.exists():
             blob = store.tags().get(model_ref, model_ref)
             known = len(blob) == 64 and all(c in "0123456789abcdef" for c in blob)
             if not known or not store.has(blob) or not store.is_collection(blob):
-                raise click.ClickException(f"{model_ref}: no such directory, file or collection")
+                raise PathNotFound(f"{model_ref}: no such directory, file or collection")
             source = Path_(tmp) / "model"
             store.export(blob, source)
         spec_id, spec = init_run(

@@ -26,11 +26,13 @@ from blobstore.store import check_tag_name
 from identity import (
     PUBLIC_FILE_MODE,
     AdmissionCertificate,
+    NotFound,
     ensure_key,
     machine_signer,
     write_file,
 )
 from identity.cli import load_trust, trust_options
+from p2p.cli.common import check_peer_addrs
 from training import determinism, kernel_class
 from training.errors import BadModel, EvidenceRejected, TrainingError
 from training.rounds.inputs import fetch_missing
@@ -74,7 +76,7 @@ def _read(path: Path, what: str, limit: int) -> bytes:
         with open(path, "rb") as f:
             data = f.read(limit + 1)
     except FileNotFoundError:
-        raise click.BadParameter(f"no {what} file at {path}") from None
+        raise NotFound(f"no {what} file at {path}") from None  # README: a missing file is 3
     if len(data) > limit:
         raise click.BadParameter(f"{what} file {path} is larger than {limit} bytes")
     return data
@@ -375,7 +377,9 @@ def run_command(
         from p2p.names.service import check_name  # libp2p: only when a name is published
 
         check_name(publish_as)  # refuse a bad name before any training
+    check_peer_addrs(peers, "--peer")
     recipe = Recipe.decode(_read(recipe_path, "recipe", 1 << 16))
+    certificate = _certificate(cert_path)
     resolved = determinism.resolve_device(device)  # refuse before any fetch or load
     if cert_path is None:
         click.echo(
@@ -391,7 +395,6 @@ def run_command(
         else [parse_blob_id(base_ref), parse_blob_id(records_ref)]
     )
     signer = _signer(ctx)
-    certificate = _certificate(cert_path)
     if certificate is not None:
         # A certificate for another key or kernel class is refused before any fetch.
         determinism.enter(resolved, threads, seed)
@@ -455,12 +458,13 @@ def replay_command(
     # numpy (and torch, once the round trains): only the commands that run rounds.
     from training.rounds.round import check_certificate, load_record, replay_round, required_inputs
 
+    check_peer_addrs(peers, "--peer")
     if output is not None:
         check_output(output)  # a missing directory, before the fetch and the whole replay
+    certificate = _certificate(cert_path)
     store = _store(ctx)
     round_id = parse_blob_id(round_ref) if peers else _resolve(store, round_ref)
     signer = _signer(ctx)
-    certificate = _certificate(cert_path)
     fetch_missing(store, [round_id], peers, key_path=_key_path(ctx))
     record = load_record(store, round_id)
     determinism.resolve_device(record.commitment.kernel_class.family)
@@ -522,9 +526,9 @@ def check_command(
     attestations co-signed by a TPM-resident key the authority admitted (`blob tpm`)."""
     from training.rounds.round import check_evidence, load_record  # numpy: this command only
 
+    trust = load_trust(authorities, revoked_path)  # the named files first (a missing one: 3)
     store = _store(ctx)
     record = load_record(store, _resolve(store, round_ref))
-    trust = load_trust(authorities, revoked_path)
     blobs = [_attestation_bytes(store, a) for a in attestations]
     try:
         evidence = check_evidence(
