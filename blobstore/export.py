@@ -84,6 +84,9 @@ def export_files(store: Store, files: Sequence[tuple[str, str]], dest: Path, *, 
         return  # the same export again: nothing to do
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise StoreError(f"{dest} already exists; give a new path or an empty directory")
+    if not link:
+        total = sum(store.manifest(blob_id).size for _path, blob_id in files)
+        store.check_export_space(dest.absolute().parent, total, f"export {len(files)} file(s)")
     staging = dest.absolute().parent / f".{dest.name}.blobnet-{secrets.token_hex(6)}"
     try:
         staging.mkdir()

@@ -1,11 +1,15 @@
 """Exporting a blob or a collection out of the store: a file, or a whole directory.
 
 1. What is written is built beside ``dest`` under a temporary name and renamed into place,
-   so a half-made export is never visible under ``dest``.
+   so a half-made export is never visible under ``dest``, and a failed one (no space, an
+   I/O error, Ctrl-C) leaves nothing behind.
 2. Bytes reach ``dest`` by reflink, hard link or copy (:data:`ExportLink`); with
    ``verify`` every chunk is hashed on the way (a rotten blob is quarantined).
 3. The blob and a collection's children are leased for the whole export.
 4. Exporting again where identical content already is writes nothing.
+5. Free space is checked on ``dest``'s file system, not the store's, before bytes are
+   copied: for the whole export at once when ``dest`` is on another file system (every
+   byte is then copied), else file by file when a clone or link turned out impossible.
 
 The partial and linked exports of ``blob export`` are :mod:`blobstore.export`.
 """
@@ -26,7 +30,7 @@ from blake3 import blake3
 
 from blobstore.collection import CollectionEntry
 from blobstore.durable import fsync_dir, os_errors, write_all
-from blobstore.errors import BlobNotFound, CorruptChunk, PathNotFound, StoreError
+from blobstore.errors import BlobNotFound, CorruptChunk, NoSpace, PathNotFound, StoreError
 from blobstore.layout import IO_BUFFER_SIZE, Progress, read_full, same_file
 from blobstore.partial import read_span
 from blobstore.reading import ReadOps
@@ -110,6 +114,7 @@ class ExportOps(ReadOps):
                         f"{dest} already exists with other content; give a new path or an "
                         "empty directory"
                     )
+            self.check_export_space(parent, sum(e.size for e in entries), f"export {blob_id[:12]}")
             staging = parent / f".{dest.name}.blobnet-{secrets.token_hex(6)}"
             done = 0
             try:
@@ -138,6 +143,7 @@ class ExportOps(ReadOps):
             if progress is not None:
                 progress(self.manifest(blob_id).size)
             return
+        self.check_export_space(parent, self.manifest(blob_id).size, f"export {blob_id[:12]}")
         staging = parent / f".{dest.name}.blobnet-{secrets.token_hex(6)}"
         try:
             with os_errors(f"exporting to {dest}"):
@@ -147,6 +153,15 @@ class ExportOps(ReadOps):
         except BaseException:
             staging.unlink(missing_ok=True)
             raise
+
+    def check_export_space(self, directory: Path, size: int, what: str) -> None:
+        """Rule 5, for a whole export of ``size`` bytes into ``directory``: NoSpace when it
+        is on another file system than the store's (where nothing can be cloned or linked,
+        so every byte is copied) and they do not fit there."""
+        with os_errors(f"checking {directory}"):
+            elsewhere = os.stat(directory).st_dev != os.stat(self.root).st_dev
+        if elsewhere:
+            check_free_space(directory, size, what)
 
     def _file_matches(self, blob_id: str, path: Path) -> bool:
         """Whether ``path`` is a regular file holding exactly the blob's bytes: the
@@ -209,11 +224,12 @@ class ExportOps(ReadOps):
                 if progress is not None:
                     progress(size)
                 return
-        else:
-            self._check_space(size, f"export blob {blob_id[:12]}")
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            if link != "copy" and size and _reflink(source, fd):
+            cloned = link != "copy" and size > 0 and _reflink(source, fd)
+            if not cloned:  # rule 5: the bytes are copied, so they must fit where they go
+                check_free_space(target.parent, size, f"export blob {blob_id[:12]}")
+            if cloned:
                 if verify:
                     self._hash_through(blob_id, progress)
             elif verify:
@@ -238,6 +254,20 @@ class ExportOps(ReadOps):
             done += len(piece)
             if progress is not None:
                 progress(done)
+
+
+def check_free_space(directory: Path, needed: int, what: str) -> None:
+    """NoSpace unless ``needed`` bytes are free to this user on ``directory``'s file system."""
+    with os_errors(f"checking free space under {directory}"):
+        st = os.statvfs(directory)
+    available = st.f_bavail * st.f_frsize
+    if needed > available:
+        raise NoSpace(
+            f"not enough disk space to {what}: need {needed} bytes, {available} available "
+            f"under {directory}",
+            needed=needed,
+            available=available,
+        )
 
 
 def _reflink(source: Path, fd: int) -> bool:
