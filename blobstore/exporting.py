@@ -139,7 +139,7 @@ class ExportOps(ReadOps):
             return
         if dest.is_dir():
             raise StoreError(f"{dest} is a directory; give a file path")
-        if self._file_matches(blob_id, dest):
+        if self.holds(blob_id, dest):
             if progress is not None:
                 progress(self.manifest(blob_id).size)
             return
@@ -163,9 +163,11 @@ class ExportOps(ReadOps):
         if elsewhere:
             check_free_space(directory, size, what)
 
-    def _file_matches(self, blob_id: str, path: Path) -> bool:
-        """Whether ``path`` is a regular file holding exactly the blob's bytes: the
-        store's own file (a hard link), or equal size and every chunk hashing right."""
+    def holds(self, blob_id: str, path: Path | str) -> bool:
+        """Whether ``path`` is a regular file (not a symlink) holding exactly the blob's
+        bytes, checked cheaply: its size against the manifest's first, then the store's
+        own file (a hard link), then every chunk's hash. The blob need not be complete
+        here: a partial blob's manifest is enough."""
         manifest = self.manifest(blob_id)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -194,9 +196,7 @@ class ExportOps(ReadOps):
                 found.add((Path(dirpath) / name).relative_to(dest).as_posix())
         if found != {e.path for e in entries}:
             return False
-        return all(
-            self._file_matches(e.blob_id, dest.joinpath(*e.path.split("/"))) for e in entries
-        )
+        return all(self.holds(e.blob_id, dest.joinpath(*e.path.split("/"))) for e in entries)
 
     def _export_file(
         self,

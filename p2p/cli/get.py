@@ -9,10 +9,11 @@ says which peer and why.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ import click
 import trio
 
 from blobstore import BadBlobId, BlobNotFound, Store, parse_blob_id
+from blobstore.errors import StoreError
 from blobstore.export import check_output
 from blobstore.store import check_tag_name
 from p2p.blob.pacing import MIN_UPLOAD_LIMIT
@@ -147,7 +149,11 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
 @click.command()
 @click.argument("ref")
 @click.option(
-    "-o", "--output", type=click.Path(path_type=Path), help="Write the blob (or directory) here."
+    "-o",
+    "--output",
+    type=click.Path(),
+    help="Write the blob (or a collection's directory) here; PATH/ (a trailing slash) is a "
+    "directory, which a one-file blob goes into under its name or ID.",
 )
 @click.option("--peer", "peers", multiple=True, metavar="MADDR", help="Provider (repeatable).")
 @bootstrap_option
@@ -237,7 +243,7 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
 def get(
     ctx: click.Context,
     ref: str,
-    output: Path | None,
+    output: str | None,
     peers: Sequence[str],
     bootstrap: Sequence[str],
     listen: Sequence[str],
@@ -270,6 +276,9 @@ def get(
     """
     setup_logging(verbose)
     started_at = time.time()
+    # -o DIR/ (a trailing slash) names a directory even when the blob is one file.
+    into_dir = output is not None and output.endswith("/")
+    out = None if output is None else Path(output)
     # Everything checkable without the network, first.
     if tag_name is not None:
         check_tag_name(tag_name)
@@ -282,10 +291,10 @@ def get(
     certificate = load_certificate(certificate_path)
     if tensors and (include or link):
         raise click.UsageError("--tensor takes a single safetensors blob: no --include or --link")
-    if link and output is None:
+    if link and out is None:
         raise click.UsageError("--link makes links at -o PATH: give -o")
-    if output is not None:
-        check_output(output)
+    if out is not None:
+        check_output(out)
     check_peer_addrs(peers, "--peer")
     check_peer_addrs(bootstrap, "--bootstrap")
     check_listen_addrs(listen)
@@ -308,11 +317,17 @@ def get(
     else:
         blob_id, ticket_addrs = _resolve_ref(store, ref)
     assert blob_id is not None
-    if output is not None and not tensors and not link and not force:
-        _check_not_overwriting(store, blob_id, output)
+    # -o onto an existing file: compared now when the blob's manifest is here (nothing is
+    # fetched before a refusal), else once the blob has arrived; `kept` when the file
+    # holds the blob's bytes already (nothing to write).
+    compare_later = out is not None and not tensors and not link and not force
+    kept = False
+    if compare_later and out is not None and not into_dir and _manifest_known(store, blob_id):
+        kept = _check_not_overwriting(store, blob_id, out, fetched=False)
+        compare_later = False
     stats: dict[str, Any] = {"source": "local"}
     if tensors:
-        _get_tensors(ctx, store, blob_id, [*peers, *ticket_addrs], tensors, output, listen, as_json)
+        _get_tensors(ctx, store, blob_id, [*peers, *ticket_addrs], tensors, out, listen, as_json)
         return
     # A lease keeps gc off what this get still needs (a collection's children included),
     # however long the fetch and the export take.
@@ -322,34 +337,41 @@ def get(
         def finish(stats: dict[str, Any], fetched: bool) -> None:
             """Tag, write -o and print the result line. Links into the store are pinned
             as `blob export` pins them, when --tag names no pin of the user's own."""
+            target = None if out is None else _target(store, blob_id, ref, out, into_dir)
             pin = tag_name
-            if link and pin is None and output is not None:
+            if link and pin is None and target is not None:
                 from blobstore.export import export_tag
 
-                pin = export_tag(output)
+                pin = export_tag(target)
                 click.echo(
-                    f"blob: links pinned by tag {pin} (blob untag {pin} once you remove {output})",
+                    f"blob: links pinned by tag {pin} (blob untag {pin} once you remove {target})",
                     err=True,
                 )
             if pin is not None:
                 store.tag(pin, blob_id)
-            if output is not None:
-                # What was just fetched was verified chunk by chunk on arrival: no second
-                # hash.
-                write_output(
-                    store,
-                    blob_id,
-                    output,
-                    include,
-                    link,
-                    show_progress=not as_json,
-                    verify=not fetched,
+            if out is not None and target is not None:
+                same = kept or (
+                    compare_later
+                    and _check_not_overwriting(store, blob_id, target, fetched=fetched)
                 )
+                if not same:
+                    # What was just fetched was verified chunk by chunk on arrival: no
+                    # second hash.
+                    with _directory_for(out, made=target != out):
+                        write_output(
+                            store,
+                            blob_id,
+                            target,
+                            include,
+                            link,
+                            show_progress=not as_json,
+                            verify=not fetched,
+                        )
             if as_json:
-                where = str(output) if output else None
+                where = str(target) if target else None
                 click.echo(json.dumps({"id": blob_id, "path": where, "tag": pin, **stats}))
             else:
-                click.echo(f"{blob_id}  {output if output else store.path(blob_id)}")
+                click.echo(f"{blob_id}  {target if target else store.path(blob_id)}")
             sys.stdout.flush()
 
         if (peers or ticket_addrs) and store.has(blob_id) and store.verify(blob_id):
@@ -444,40 +466,81 @@ def get(
         finish(stats, fetched)
 
 
-# Bytes compared at a time when -o names an existing file.
-COMPARE_BLOCK = 1 << 20
+def _manifest_known(store: Store, blob_id: str) -> bool:
+    """Whether the blob's manifest is here: the blob complete, or a partial of it."""
+    try:
+        store.manifest(blob_id)
+    except BlobNotFound:
+        return False
+    return True
 
 
-def _check_not_overwriting(store: Store, blob_id: str, output: Path) -> None:
-    """``-o`` onto an existing file replaces it only with the same bytes (a re-run) or
-    with --force, so that a typo in -o cannot destroy an unrelated file. A directory is
-    the export's to refuse; an existing file is compared only when the blob is here
-    (otherwise nothing is fetched before the refusal)."""
-    from blobstore.errors import StoreError
-
-    path = output.expanduser()
+def _check_not_overwriting(store: Store, blob_id: str, path: Path, *, fetched: bool) -> bool:
+    """``-o`` onto an existing file replaces it only with the same bytes (a re-run, or a
+    copy made by other means) or with --force, so that a typo in -o cannot destroy an
+    unrelated file. True when ``path`` holds the blob's bytes already (nothing to write):
+    compared by size first, then chunk by chunk against the manifest (``Store.holds``),
+    following a symlink. A directory, or a collection's output, is the export's to judge."""
+    path = path.expanduser()
     if not (path.is_file() or path.is_symlink()):
-        return
-    here = store.has(blob_id) and not store.is_collection(blob_id)
-    if here and _same_bytes(store.path(blob_id), path):
-        return
+        return False
+    if store.has(blob_id) and store.is_collection(blob_id):
+        return False
+    real = path.resolve()
+    if store.holds(blob_id, real):
+        return True
+    size = store.manifest(blob_id).size
+    if not real.is_file():
+        what = "is not a file"
+    else:
+        have = real.stat().st_size
+        what = (
+            f"holds other bytes than {blob_id[:12]} ({have} bytes; the blob is {size})"
+            if have != size
+            else f"holds other bytes than {blob_id[:12]} (the same size, {size} bytes)"
+        )
+    here = f" ({blob_id[:12]} is in the store now: -o elsewhere writes it)" if fetched else ""
     raise StoreError(
-        f"{output} already exists and does not hold {blob_id[:12]}; give --force to replace "
-        "it, or another -o"
+        f"{path} already exists and {what}; give --force to replace it, or another -o{here}"
     )
 
 
-def _same_bytes(a: Path, b: Path) -> bool:
+def _target(store: Store, blob_id: str, ref: str, out: Path, into_dir: bool) -> Path:
+    """Where -o writes: OUT itself, or for ``-o OUT/`` and a one-file blob OUT/NAME, NAME
+    being the last part of a published name, the tag, or else the blob ID (a collection
+    is the directory OUT itself)."""
+    if not into_dir or store.is_collection(blob_id):
+        return out
+    from p2p.names.record import is_name_ref
+
+    if is_name_ref(ref):
+        name = ref.rsplit("/", 1)[-1]  # a name's segments are plain file names
+    elif ref in store.tags():
+        name = ref  # a tag is a plain file name (blobstore.catalog.TAG_NAME_RE)
+    else:
+        name = blob_id
+    return out / name
+
+
+@contextlib.contextmanager
+def _directory_for(out: Path, *, made: bool) -> Iterator[None]:
+    """With ``made``, ``out`` is a directory a file is written into: created if missing,
+    and removed again if the write fails, so that a failed get leaves nothing."""
+    if not made:
+        yield
+        return
+    created = not out.exists()
     try:
-        if a.stat().st_size != b.stat().st_size:
-            return False
-        with a.open("rb") as fa, b.open("rb") as fb:
-            while block := fa.read(COMPARE_BLOCK):
-                if block != fb.read(len(block)):
-                    return False
-    except OSError:
-        return False
-    return True
+        out.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot make directory {out}: {exc.strerror or exc}") from None
+    try:
+        yield
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
 
 
 def _busy_blob(exc: BaseException) -> str | None:
@@ -495,7 +558,7 @@ def _wait_for_writer(store: Store, blob_id: str) -> None:
     so on stderr now and then); return when it has finished or died. A writer that
     verifies nothing new for WRITER_STALL_TIMEOUT is reported instead (exit 5)."""
     from blobstore import bitmap
-    from blobstore.errors import PartialBusy, StoreError
+    from blobstore.errors import PartialBusy
 
     writer = store.partial_writer(blob_id)
     if writer is None:
@@ -629,8 +692,6 @@ def _save_arrays(output: Path, arrays: dict[str, Any]) -> None:
         staging.replace(output)
     except OSError as exc:
         staging.unlink(missing_ok=True)
-        from blobstore.errors import StoreError
-
         raise StoreError(f"cannot write {output}: {exc.strerror or exc}") from None
 
 
