@@ -23,8 +23,9 @@ def pytss() -> Any:
         from tpm2_pytss import utils
     except ImportError as exc:
         raise TpmUnavailable(
-            f"tpm2-pytss cannot be loaded ({exc}); install the tpm extra "
-            "(`pip install 'blobnet[tpm]'`, which builds against the system's libtss2-dev)"
+            f"tpm2-pytss cannot be loaded ({exc}); install the tpm extra into this "
+            "checkout: `make tpm`, or `pip install -e '.[tpm]'` (it builds against the "
+            "system's tpm2-tss; Debian: libtss2-dev pkgconf)"
         ) from None
     names = {n: getattr(tpm2_pytss, n) for n in dir(tpm2_pytss) if not n.startswith("_")}
     return SimpleNamespace(**{**names, "utils": utils})

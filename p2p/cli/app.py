@@ -139,7 +139,10 @@ class CommandUnavailable(Exception):
 
 
 def _unavailable(name: str, exc: ImportError) -> click.Command:
-    message = f"`blob {name}` is unavailable: {exc} (install blobnet[train])"
+    message = (
+        f"`blob {name}` is unavailable: {exc} (install the train extra into this checkout: "
+        "`make install`, or `pip install -e '.[train]'`)"
+    )
 
     @click.command(
         name, context_settings={"ignore_unknown_options": True}, help=message, add_help_option=False

@@ -137,7 +137,8 @@ def test_without_tpm2_pytss_the_tpm_commands_say_what_is_missing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Where the tpm extra is not installed, a TPM operation is TpmUnavailable (exit 5)
-    naming the extra, not an ImportError traceback."""
+    naming the extra and how this checkout installs it (`pip install 'blobnet[tpm]'` asked
+    the registry for a package of that name), not an ImportError traceback."""
     import sys
 
     from identity import TpmUnavailable
@@ -149,6 +150,9 @@ def test_without_tpm2_pytss_the_tpm_commands_say_what_is_missing(
         with pytest.raises(TpmUnavailable, match=r"install the tpm extra") as info:
             device.bind(KEY, "swtpm:port=1")
         assert info.value.exit_code == 5
+        # blobnet is no registry's package: the checkout's own install, not a registry's.
+        assert "make tpm" in str(info.value) and "pip install -e '.[tpm]'" in str(info.value)
+        assert "blobnet[tpm]" not in str(info.value)
         assert _pytss.unavailable_reason() is not None
     finally:
         _pytss.pytss.cache_clear()
