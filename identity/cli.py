@@ -1,7 +1,7 @@
 """Identity commands of the ``blob`` program.
 
-``blob id``, ``blob authority new``, ``blob admit``, ``blob attest sign``,
-``blob attest verify`` and the ``blob tpm`` group (:mod:`identity.tpm.cli`). Errors are
+``blob id``, ``blob authority new``, ``blob admit``, ``blob cert show``, ``blob attest
+sign``, ``blob attest verify`` and the ``blob tpm`` group (:mod:`identity.tpm.cli`). Errors are
 the identity package's own, each with its ``exit_code``; ``blob attest verify`` prints its
 verdict and exits 0 (valid) or 1 (rejected, malformed included) so scripts can rely on the
 status alone.
@@ -35,6 +35,7 @@ from .certificate import (
     RevocationList,
     TrustStore,
     iso_time,
+    verify_certificate,
 )
 from .errors import (
     BadPublicKey,
@@ -191,6 +192,7 @@ def register(group: click.Group) -> None:
     group.add_command(authority_group)
     group.add_command(admit_command)
     group.add_command(attest_group)
+    group.add_command(cert_group)
     # Here, not at the top: identity.tpm.cli imports this module's helpers (a cycle).
     from .tpm.cli import tpm_group
 
@@ -483,3 +485,83 @@ def attest_verify(
             f"valid: {claims.describe()} (operator {cert.operator!r}, kernel class "
             f"{claims.kernel_class!r}, signer {claims.signer_kind}), digest {claims.digest.hex()}"
         )
+
+
+@click.group("cert")
+def cert_group() -> None:
+    """Admission certificates (from `blob admit` or `blob tpm admit`)."""
+
+
+@cert_group.command("show")
+@click.argument("file", type=click.Path(path_type=Path, dir_okay=False))
+@make_trust_options(
+    required=False,
+    authority_help="Also check the certificate against this authority public key: 64 hex "
+    "digits or a .pub file (repeatable); exit 1 if it is not valid now.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def cert_show(
+    ctx: click.Context,
+    file: Path,
+    authorities: tuple[str, ...],
+    revoked_path: Path | None,
+    as_json: bool,
+) -> None:
+    """Show an admission certificate: the machine it admits, its operator and kernel class,
+    where its attestation key lives (machine kind tpm: the AK and the TPM's EK hash), its
+    validity and its authority. With --authority, also whether it is valid now."""
+    if revoked_path is not None and not authorities:
+        raise click.UsageError("--revoked needs --authority: revocations count for a verifier")
+    trust = load_trust(authorities, revoked_path) if authorities else None
+    cert = AdmissionCertificate.decode(read_input(file, "certificate", MAX_CERTIFICATE_SIZE))
+    now = time.time()
+    window = (
+        "not yet valid"
+        if now < cert.not_before
+        else "expired"
+        if now >= cert.not_after
+        else "valid"
+    )
+    verdict: Rejected | None = None
+    if trust is not None:
+        try:
+            verify_certificate(cert, trust=trust, now=now)
+        except Rejected as exc:
+            verdict = exc
+    if as_json:
+        echo_json(
+            {
+                **cert.to_json(),
+                "file": str(file),
+                "not_before_utc": iso_time(cert.not_before),
+                "not_after_utc": iso_time(cert.not_after),
+                "window": window,
+                "checked": trust is not None,
+                "valid": None if trust is None else verdict is None,
+                "reason": None if verdict is None else verdict.reason.name.lower(),
+            }
+        )
+    else:
+        hardware = cert.machine_kind != "software"
+        rows = [
+            ("peer ID", cert.peer_id),
+            ("operator", repr(cert.operator)),
+            ("kernel class", cert.kernel_class),
+            ("machine kind", cert.machine_kind),
+            ("AK", cert.ak.hex() if hardware and cert.ak else "none (software key)"),
+            ("EK hash", cert.ek_hash.hex() if hardware and cert.ek_hash else "none"),
+            ("validity", f"{iso_time(cert.not_before)} to {iso_time(cert.not_after)} ({window})"),
+            ("serial", str(cert.serial)),
+            ("authority", f"{cert.authority.hex()} ({cert.authority_kind})"),
+        ]
+        if trust is None:
+            rows.append(("signature", "not checked (give --authority KEY)"))
+        elif verdict is None:
+            rows.append(("signature", "valid now for the authorities given"))
+        else:
+            rows.append(("signature", f"rejected ({verdict.reason.value}): {verdict}"))
+        for label, value in rows:
+            click.echo(f"{label + ':':<14}{value}")
+    if verdict is not None:
+        ctx.exit(ExitCode.REJECTED)

@@ -312,3 +312,48 @@ def test_real_blob_program(tmp_path: Path) -> None:
     assert "Traceback" not in refused.stderr
     assert refused.stderr.strip().count("\n") == 0
     assert f"chmod 600 {key_path}" in refused.stderr
+
+
+def test_cert_show_tells_what_a_certificate_records(tmp_path: Path) -> None:
+    """No command showed a certificate (machine kind, the AK, the EK hash, validity):
+    `blob cert show FILE [--json]` does, and with --authority says whether it is valid."""
+    import time
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from identity import HardwareRoot
+
+    auth = tmp_path / "authority.key"
+    public = ok(blob(tmp_path, "authority", "new", "-o", str(auth))).stdout.strip()
+    peer = json.loads(ok(blob(tmp_path, "id", "--json")).stdout)["peer_id"]
+    ak = (
+        ec.generate_private_key(ec.SECP256R1())
+        .public_key()
+        .public_bytes(serialization.Encoding.X962, serialization.PublicFormat.UncompressedPoint)
+    )
+    now = int(time.time())
+    cert = Authority(SoftwareSigner(load_key_file(auth))).admit(
+        peer, operator="alice", kernel_class="cpu-demo", not_before=now - 60,
+        not_after=now + 86400, serial=42, hardware=HardwareRoot(ak=ak, ek_hash=b"\x07" * 32),
+    )  # fmt: skip
+    path = tmp_path / "m.cert"
+    path.write_bytes(cert.encode())
+
+    shown = json.loads(ok(blob(tmp_path, "cert", "show", str(path), "--json")).stdout)
+    assert shown["machine_kind"] == "tpm" and shown["ak"] == ak.hex()
+    assert shown["ek_hash"] == "07" * 32 and shown["peer_id"] == peer
+    assert shown["window"] == "valid" and shown["not_after"] == now + 86400
+    assert shown["checked"] is False and shown["valid"] is None
+    text = ok(blob(tmp_path, "cert", "show", str(path))).stdout
+    assert "machine kind: tpm" in text and ak.hex() in text and "07" * 32 in text
+    assert "not checked" in text
+
+    checked = json.loads(
+        ok(blob(tmp_path, "cert", "show", str(path), "--authority", public, "--json")).stdout
+    )
+    assert checked["valid"] is True
+    stranger = format_public_key(MachineKey.generate().public_key_bytes)
+    refused = blob(tmp_path, "cert", "show", str(path), "--authority", stranger, "--json")
+    assert refused.returncode == 1
+    assert json.loads(refused.stdout)["reason"] == "unknown_authority"

@@ -133,6 +133,7 @@ def _valid(w: World) -> dict[str, dict[str, object]]:
         "attest verify": {"file": w.attestation, "authorities": w.auth_pub},
         "authority new": {"output": out},
         "cat": {"ref": w.blob},
+        "cert show": {"file": w.cert, "authorities": w.auth_pub},
         "catalog": {"publisher": w.peer, "peers": "/ip4/127.0.0.1/tcp/9/p2p/" + w.peer,
                     "authorities": w.auth_pub},
         "demo": {},
