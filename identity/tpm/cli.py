@@ -52,10 +52,9 @@ from .formats import (
     Evidence,
 )
 from .registry import open_registry
-from .signer import MachineBinding, binding_path, read_binding
+from .signer import TCTI_ENV, MachineBinding, binding_path, read_binding
 
 DEFAULT_TCTI = "device:/dev/tpmrm0"
-TCTI_ENV = "BLOBNET_TCTI"
 # Challenges live minutes; a longer one only widens the window a leaked one is useful.
 MAX_CHALLENGE_LIFETIME_S = 3600
 
@@ -66,6 +65,13 @@ _tcti_option = click.option(
     help=f"The TPM: device:/dev/tpmrm0 (default for bind), tabrmd, or swtpm:host=H,port=N "
     f"(${TCTI_ENV}).",
 )
+
+
+def _tcti_source(ctx: click.Context) -> str:
+    """Where the --tcti value came from, for the message when the TPM cannot be opened."""
+    if ctx.get_parameter_source("tcti") is click.core.ParameterSource.ENVIRONMENT:
+        return f"from ${TCTI_ENV}"
+    return "from --tcti"
 
 
 def _read_bounded(path: Path, what: str, limit: int) -> bytes:
@@ -98,9 +104,10 @@ def tpm_bind(ctx: click.Context, tcti: str | None, output: Path, as_json: bool) 
     now on carry the TPM attestation key's co-signature.
     """
     key, key_path, _created = machine_key(ctx)
+    source = _tcti_source(ctx) if tcti else f"the default; give --tcti or ${TCTI_ENV}"
     tcti = tcti or DEFAULT_TCTI
     started = time.perf_counter()
-    evidence, ak = device.bind(key, tcti)
+    evidence, ak = device.bind(key, tcti, source)
     elapsed = time.perf_counter() - started
     binding = MachineBinding(peer_id=key.peer_id, tcti=tcti, ak=ak)
     write_file(output, evidence.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
@@ -216,10 +223,16 @@ def tpm_answer(ctx: click.Context, challenge_path: Path, tcti: str | None, outpu
     """Activate the authority's credential in this machine's TPM and sign the answer."""
     challenge = Challenge.decode(_read_bounded(challenge_path, "TPM challenge", MAX_CHALLENGE_SIZE))
     key, key_path, _created = machine_key(ctx)
+    source = _tcti_source(ctx)
     if tcti is None:
         binding = read_binding(key_path)
         tcti = DEFAULT_TCTI if binding is None else binding.tcti
-    credential = device.activate(tcti, challenge)
+        source = (
+            f"the default; give --tcti or ${TCTI_ENV}"
+            if binding is None
+            else f"recorded in {binding_path(key_path)} by `blob tpm bind`"
+        )
+    credential = device.activate(tcti, challenge, source)
     answer = Answer.sign(key, challenge.nonce, credential)
     write_file(output, answer.encode(), mode=PUBLIC_FILE_MODE, overwrite=True)
     click.echo(f"answered the challenge for {key.peer_id}: {output}")

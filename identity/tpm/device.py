@@ -152,14 +152,15 @@ class Tpm:
 
 
 @contextlib.contextmanager
-def open_tpm(tcti: str) -> Iterator[Tpm]:
+def open_tpm(tcti: str, source: str = "from --tcti") -> Iterator[Tpm]:
     """The TPM named by a TCTI string: ``device:/dev/tpmrm0``, ``tabrmd``,
-    ``swtpm:host=127.0.0.1,port=N``..."""
+    ``swtpm:host=127.0.0.1,port=N``...; ``source`` says where that string came from, for
+    the message when the TPM cannot be opened."""
     t = pytss()
     try:
         ctx = t.ESAPI(tcti)
     except Exception as exc:  # TSS2_Exception or a TCTI loader error: one boundary
-        raise TpmUnavailable(f"cannot open the TPM at --tcti {tcti!r}: {exc}") from None
+        raise TpmUnavailable(f"cannot open the TPM at {tcti!r} ({source}): {exc}") from None
     tpm = Tpm(ctx, tcti)
     try:
         yield tpm
@@ -170,9 +171,9 @@ def open_tpm(tcti: str) -> Iterator[Tpm]:
         ctx.close()
 
 
-def bind(key: MachineKey, tcti: str) -> tuple[Evidence, bytes]:
+def bind(key: MachineKey, tcti: str, source: str = "from --tcti") -> tuple[Evidence, bytes]:
     """The evidence that the TPM's AK vouches for ``key``, and the AK's point."""
-    with open_tpm(tcti) as tpm:
+    with open_tpm(tcti, source) as tpm:
         _ek, ek_public, ek_cert = tpm.endorsement_key()
         chain = tpm.ek_chain()
         ak, ak_public = tpm.attestation_key()
@@ -188,16 +189,16 @@ def bind(key: MachineKey, tcti: str) -> tuple[Evidence, bytes]:
     return evidence, ak_point_of(ak_public)
 
 
-def activate(tcti: str, challenge: Challenge) -> bytes:
+def activate(tcti: str, challenge: Challenge, source: str = "from --tcti") -> bytes:
     """The credential of ``challenge``, recovered by this TPM (``TpmRefused`` if it cannot)."""
-    with open_tpm(tcti) as tpm:
+    with open_tpm(tcti, source) as tpm:
         ek, _ek_public, _cert = tpm.endorsement_key()
         ak, _ak_public = tpm.attestation_key()
         return tpm.activate(ak, ek, challenge)
 
 
-def ak_sign(tcti: str, message: bytes) -> tuple[bytes, bytes]:
+def ak_sign(tcti: str, message: bytes, source: str = "from --tcti") -> tuple[bytes, bytes]:
     """The AK's point and its signature of ``message``."""
-    with open_tpm(tcti) as tpm:
+    with open_tpm(tcti, source) as tpm:
         ak, ak_public = tpm.attestation_key()
         return ak_point_of(ak_public), tpm.sign(ak, message)

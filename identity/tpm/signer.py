@@ -6,14 +6,18 @@
 
 :func:`machine_signer` is how commands that attest pick their signer: a
 :class:`TpmSigner` when that file is there (its attestations carry the AK's co-signature),
-else the :class:`~identity.signer.SoftwareSigner`. A TpmSigner checks, on every
-co-signature, that the TPM it reaches still makes the recorded AK, so a moved key file or
-a changed ``--tcti`` fails loudly instead of signing with another TPM's key.
+else the :class:`~identity.signer.SoftwareSigner`. The TPM is reached at the file's
+``tcti``, or at ``$BLOBNET_TCTI`` when that is set (a TPM simulator or resource manager
+moved to another address), and an error that cannot reach it says which. A TpmSigner
+checks, on every co-signature, that the TPM it reaches still makes the recorded AK, so a
+moved key file or another address fails loudly instead of signing with another TPM's key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from .. import _codec
@@ -25,6 +29,9 @@ from ..signer import Signer, SoftwareSigner
 from . import device
 
 BINDING_SUFFIX = ".tpm"
+# Where a TPM is reached when the command line does not say: every TPM command's --tcti
+# default, and for a bound key the override of the address its binding records.
+TCTI_ENV = "BLOBNET_TCTI"
 BINDING_VERSION = 1
 # A TCTI string is a short name and a config (a device path, host and port).
 MAX_TCTI_LENGTH = 256
@@ -94,9 +101,19 @@ def read_binding(key_path: Path) -> MachineBinding | None:
 
 
 class TpmSigner:
-    """Signs with the Ed25519 machine key and co-signs with the TPM's AK."""
+    """Signs with the Ed25519 machine key and co-signs with the TPM's AK.
 
-    def __init__(self, key: MachineKey, binding: MachineBinding) -> None:
+    The TPM is reached at ``tcti`` when given, else at the binding's; ``source`` says where
+    that address came from, for the errors that name it."""
+
+    def __init__(
+        self,
+        key: MachineKey,
+        binding: MachineBinding,
+        *,
+        tcti: str | None = None,
+        source: str = "recorded in the key's TPM binding",
+    ) -> None:
         if binding.peer_id != key.peer_id:
             raise TpmRefused(
                 f"the TPM binding is for {binding.peer_id}, not this key's {key.peer_id}; "
@@ -104,6 +121,8 @@ class TpmSigner:
             )
         self._key = key
         self._binding = binding
+        self._tcti = tcti or binding.tcti
+        self._source = source
 
     @property
     def kind(self) -> str:
@@ -123,17 +142,17 @@ class TpmSigner:
 
     @property
     def tcti(self) -> str:
-        return self._binding.tcti
+        return self._tcti
 
     def sign(self, message: bytes) -> bytes:
         return self._key.sign(message)
 
     def cosign(self, message: bytes) -> bytes:
-        point, signature = device.ak_sign(self._binding.tcti, message)
+        point, signature = device.ak_sign(self._tcti, message, self._source)
         if point != self._binding.ak:
             raise TpmRefused(
-                f"the TPM at {self._binding.tcti!r} is not the one this key was bound to (its "
-                "attestation key differs); use the bound TPM or bind again"
+                f"the TPM at {self._tcti!r} ({self._source}) is not the one this key was "
+                "bound to (its attestation key differs); use the bound TPM or bind again"
             )
         return signature
 
@@ -141,9 +160,18 @@ class TpmSigner:
         return f"TpmSigner(peer_id={self.peer_id!r}, tcti={self.tcti!r})"
 
 
-def machine_signer(key: MachineKey, key_path: Path) -> Signer:
-    """The signer of the machine key at ``key_path``: TPM-backed when it is bound."""
+def machine_signer(
+    key: MachineKey, key_path: Path, *, environ: Mapping[str, str] = os.environ
+) -> Signer:
+    """The signer of the machine key at ``key_path``: TPM-backed when it is bound, reaching
+    the TPM at ``$BLOBNET_TCTI`` (from ``environ``) when set, else where the binding says."""
     binding = read_binding(key_path)
     if binding is None:
         return SoftwareSigner(key)
-    return TpmSigner(key, binding)
+    where = binding_path(key_path)
+    override = environ.get(TCTI_ENV) or None
+    if override is not None:
+        source = f"from ${TCTI_ENV}, which overrides the {binding.tcti!r} that {where} records"
+    else:
+        source = f"recorded in {where} by `blob tpm bind`; ${TCTI_ENV} overrides it"
+    return TpmSigner(key, binding, tcti=override, source=source)

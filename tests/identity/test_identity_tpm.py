@@ -520,3 +520,40 @@ def socket_closed_port() -> Iterator[int]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         yield sock.getsockname()[1]
+
+
+def test_a_bound_keys_tpm_address_is_the_bindings_or_blobnet_tcti_and_errors_say_which(
+    tmp_path: Path, tpms: Tpms, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a TPM-bound key, `attest sign` said "cannot open the TPM at --tcti '...'", a
+    flag it does not have (the address is KEY.tpm's), and ignored $BLOBNET_TCTI. The
+    variable now overrides the binding's address (the AK check still guards against
+    another TPM), and each error names where the address came from."""
+    from identity import load_key_file
+    from identity.tpm import binding_path, read_binding
+
+    key = machine_key(tmp_path, "m")
+    bind(key, tpms.a)
+    sign = ("attest", "sign", "--kind", "reviewed", "--digest", "ab" * 32, "--kernel-class",
+            "k", "-o", str(tmp_path / "a.att"))  # fmt: skip
+
+    monkeypatch.setenv("BLOBNET_TCTI", tpms.b.tcti)  # honoured: B is not the bound TPM
+    run = blob(key, *sign)
+    assert isinstance(run.error, TpmRefused), run
+    assert "$BLOBNET_TCTI" in str(run.error) and tpms.b.tcti in str(run.error)
+    monkeypatch.setenv("BLOBNET_TCTI", tpms.a.tcti)
+    ok(blob(key, *sign))
+
+    monkeypatch.delenv("BLOBNET_TCTI")
+    binding = read_binding(key)
+    assert binding is not None
+    with socket_closed_port() as port:
+        moved = f"swtpm:host=127.0.0.1,port={port}"
+        binding_path(key).unlink()
+        binding_path(key).write_bytes(dataclasses.replace(binding, tcti=moved).encode())
+        run = blob(key, *sign)
+    assert run.code == 5, run
+    said = str(run.error)
+    assert "cannot open the TPM" in said and moved in said and str(binding_path(key)) in said
+    assert "--tcti" not in said and "$BLOBNET_TCTI overrides it" in said
+    assert machine_signer(load_key_file(key), key, environ={}).tcti == moved
