@@ -27,7 +27,7 @@ class NoDaemon(Exception):
 @json_option
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
-    """What the node serving this store (``blob serve``) is doing: peer ID, addresses,
+    """What the node serving this store (`blob serve`) is doing: peer ID, addresses,
     reachability, connections, certificate, store use, transfers, names, DHT table."""
     store = store_of(ctx)
     client = daemon_of(ctx)

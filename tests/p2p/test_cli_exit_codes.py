@@ -8,6 +8,8 @@ malformed address (2), a value its option's type refuses (2), an option it does 
 path and address options are found by their type and name, and the test fails until
 :data:`VALID` says how to call it (so that each probe has one mistake only).
 
+Every group's, command's and option's help is plain text as well (no reST markup).
+
 Commands run in this process (``tests.blob_cli.blob_here``): every probe is refused before
 a node listens or a worker or a training step starts (a node given a malformed listen
 address stops at parsing it).
@@ -283,3 +285,30 @@ def test_every_command_answers_each_mistake_with_the_tables_code_and_one_line(
                 wrong.append(f"{probe.id}: the line does not say what was wrong: {said}")
     assert probed > 100
     assert not wrong, "\n".join(wrong)
+
+
+# What reST and Sphinx write that a terminal shows as it is.
+MARKUP = re.compile(r"``|:(?:func|mod|class|meth|attr|data):`")
+
+
+def test_help_text_is_plain_text() -> None:
+    """`blob status --help` and `blob outer forget --help` showed reST's ``double
+    backticks`` (their docstrings are the help): every group's, command's and option's
+    help is plain text."""
+    from p2p.cli.app import cli
+
+    marked: list[str] = []
+
+    def walk(command: click.Command, path: str) -> None:
+        texts = [command.help, command.short_help, command.epilog]
+        texts += [getattr(param, "help", None) for param in command.params]
+        marked.extend(f"{path}: {text!r:.120}" for text in texts if text and MARKUP.search(text))
+        if isinstance(command, click.Group):
+            ctx = click.Context(command)
+            for name in command.list_commands(ctx):
+                sub = command.get_command(ctx, name)
+                assert sub is not None
+                walk(sub, f"{path} {name}")
+
+    walk(cli, "blob")
+    assert not marked, "\n".join(marked)

@@ -730,8 +730,8 @@ def verify_command(
 @click.pass_context
 def forget_command(ctx: click.Context, /, run_id: str, dry_run: bool, as_json: bool) -> None:
     """Untag everything of RUN in this store (start, closures, milestones, verdicts, the
-    updates they name, states), so the next ``blob gc`` deletes it: after this, RUN can no
-    longer be verified from this store. ``blob gc --dry-run`` shows what would go."""
+    updates they name, states), so the next `blob gc` deletes it: after this, RUN can no
+    longer be verified from this store. `blob gc --dry-run` shows what would go."""
     from training.outer.milestones import run_tags
 
     store = _store(ctx)
