@@ -890,7 +890,15 @@ def export_command(ctx: click.Context, /, run_ref: str, output: Path_, round_: i
     from training.outer.runs import export_run
 
     r, blob = export_run(_store(ctx), run_ref, output, round_=round_)
-    click.echo(f"round {r} state {blob[:16]} -> {output}", err=True)
+    click.echo(f"{_state_after(r)}: state {blob[:16]} -> {output}", err=True)
+
+
+def _state_after(r: int) -> str:
+    """Which rounds' updates the state of round ``r`` holds (round r starts from it)."""
+    if r == 0:
+        return "the initial state (--round 0): no round's updates"
+    held = "round 0" if r == 1 else f"rounds 0 to {r - 1}"
+    return f"the state after {r} round(s) (--round {r}): the updates of {held} applied"
 
 
 @outer_group.command("levels")
@@ -902,10 +910,23 @@ def levels_command(ctx: click.Context, /, run_ref: str, as_json: bool) -> None:
     ID) against the spec's minimum, from this store; exit 1 on any below it or unknown."""
     from training.outer.levels import check_levels
     from training.outer.params import OuterRunFailed
-    from training.outer.runs import read_spec
+    from training.outer.runs import RunNotFound, read_spec
 
     store = _store(ctx)
-    spec = read_spec(store, run_ref)[1].spec
+    try:
+        spec = read_spec(store, run_ref)[1].spec
+    except RunNotFound:
+        from training.outer.milestones import run_tags
+
+        if not run_tags(store, run_ref):
+            raise
+        raise RunNotFound(
+            f"run {run_ref} has no run spec in this store: it ran without one (`blob outer "
+            "run`, or workers without --spec), and a spec's minimum verification level is "
+            "what each update is checked against. A run made with `blob outer init` (its "
+            f"workers started with --spec) has one; `blob outer verify {run_ref} --authority "
+            "KEY` checks a run without"
+        ) from None
     report = check_levels(store, spec.run, spec.level)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
