@@ -30,8 +30,11 @@ from training.outer.agreement import (
     check_closure,
     compact_body,
     decode_closure,
+    distinct,
     encode_closure,
     expand_body,
+    expected,
+    nameable,
     next_step,
     priority,
     proposal_time,
@@ -275,6 +278,56 @@ def test_next_step_applies_stays_or_catches_up() -> None:
     book2 = ClosureBook()
     book2.add(other)
     assert next_step(book2, 2, "cd" * 32) == CatchUp(other)
+
+
+def test_a_round_is_ready_early_on_updates_a_closure_could_name_only() -> None:
+    """What makes a round ready before its deadline counts the fetched updates a closure
+    could name: an admitted worker's copy of another's blob, a second key of one operator,
+    a banned operator's update or a blob its author did not announce do not count, so they
+    cannot close a round before an honest worker's update is in."""
+    operators = {"me": "op-me", "a": "op-a", "b": "op-b", "c": "op-b", "d": "op-d"}
+    operators.update({"e": "op-e", "f": "op-f"})
+    banned = {"op-d": "failed replay"}
+    fetched = {"me": "b1", "a": "b1", "b": "b2", "c": "b3", "d": "b4", "e": "b5", "f": "b6"}
+    announced = {
+        "a": "b1",  # a copy of our blob
+        "b": "b2",
+        "c": "b3",  # operator b's second key
+        "d": "b4",  # banned
+        "e": "b9",  # fetched another blob than announced
+        "f": "b6",
+    }
+    assert nameable(fetched, announced, me="me", operators=operators, banned=banned) == {
+        "b": "b2",
+        "f": "b6",
+        "me": "b1",
+    }
+    # Readiness waits for as many as the previous round had that a closure could name, and
+    # for an update that came after it closed, but a copy or a second key counts there no
+    # more than here: one copier does not make every round wait for its deadline.
+    previous = {"me": "p1", "b": "p2", "f": "p3"}
+    late = {"g": "p1", "h": "p4", "i": "p5"}  # g a copy, i op-b's key
+    operators.update({"g": "op-g", "h": "op-h", "i": "op-b"})
+    assert expected(3, previous, late, me="me", operators=operators, banned=banned) == 4
+    assert (
+        expected(5, previous, late, me="me", operators=operators, banned=banned) == 5
+    )  # K, when more than were heard
+
+
+def test_distinct_keeps_our_own_update_first_and_drops_unknown_operators() -> None:
+    """Of two updates of one operator (or one blob), the worker's own is the one kept,
+    whatever the peer order; a peer whose operator is unknown is not counted."""
+    operators = {"a": "op", "z": "op", "y": "op-y"}
+    got = distinct(
+        {"a": "b1", "z": "b2", "y": "b3", "x": "b4"}, me="z", operators=operators, banned=()
+    )
+    assert got == {"y": "b3", "z": "b2"}
+    assert list(got) == ["y", "z"]  # ascending peer order, ours among them
+    assert distinct({"a": "b1", "y": "b1"}, me="z", operators=operators, banned=()) == {"a": "b1"}
+    assert distinct({"a": "", "y": ""}, me="z", operators=operators, banned=()) == {
+        "a": "",
+        "y": "",
+    }
 
 
 def test_proposer_order_rotates_with_the_round() -> None:

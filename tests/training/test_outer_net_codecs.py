@@ -425,7 +425,7 @@ def test_a_worker_new_to_us_is_sent_our_hello_at_once() -> None:
     from libp2p.peer.id import ID
 
     from training.outer.announce import Announcer
-    from training.outer.worker_gossip import WorkerGossip
+    from training.outer.worker._stack_gossip import WorkerGossip
 
     def hello(m: Machine) -> bytes:
         now = int(time.time())
@@ -497,43 +497,3 @@ def test_an_update_that_comes_after_its_round_closed_is_counted_for_the_next() -
     assert ledger.operators[late.peer] == "op"
     ledger.open_round(2, "ff" * 32, NOW)
     assert ledger.late == {}
-
-
-def test_a_round_is_ready_early_on_updates_a_closure_could_name_only() -> None:
-    """What makes a round ready before its deadline counts the fetched updates a closure
-    could name: an admitted worker's copy of another's blob, a second key of one operator,
-    a banned operator's update or a blob its candidate does not name do not count, so they
-    cannot close a round before an honest worker's update is in."""
-    from types import SimpleNamespace
-
-    from training.outer.worker_state import WorkerState
-
-    def candidate(peer: str, blob: str, operator: str) -> Candidate:
-        return Candidate(0, peer, blob, (), operator)
-
-    worker = SimpleNamespace(
-        peer="me",
-        ledger=SimpleNamespace(operators={}, late={}),
-        certificate=SimpleNamespace(operator="op-me"),
-        banned={"op-d": "failed replay"},
-        fetched={"me": "b1", "a": "b1", "b": "b2", "c": "b3", "d": "b4", "e": "b5", "f": "b6"},
-        candidates={
-            "a": candidate("a", "b1", "op-a"),  # a copy of our blob
-            "b": candidate("b", "b2", "op-b"),
-            "c": candidate("c", "b3", "op-b"),  # operator b's second key
-            "d": candidate("d", "b4", "op-d"),  # banned
-            "e": candidate("e", "b9", "op-e"),  # fetched another blob than announced
-            "f": candidate("f", "b6", "op-f"),
-        },
-    )
-    worker._distinct = lambda updates: WorkerState._distinct(worker, updates)  # type: ignore[arg-type]
-    assert WorkerState._nameable(worker) == {"b": "b2", "f": "b6", "me": "b1"}  # type: ignore[arg-type]
-    # Readiness waits for as many as the previous round had that a closure could name, and
-    # for an update that came after it closed, but a copy or a second key counts there no
-    # more than here: one copier does not make every round wait for its deadline.
-    worker.params = SimpleNamespace(workers=3)
-    worker.state_round = lambda: 5
-    worker.previous = {"me": "p1", "b": "p2", "f": "p3"}
-    worker.ledger.late = {4: {"g": "p1", "h": "p4", "i": "p5"}}  # g a copy, i op-b's key
-    worker.ledger.operators.update({"g": "op-g", "h": "op-h", "i": "op-b"})
-    assert WorkerState._expected(worker) == 4  # type: ignore[arg-type]

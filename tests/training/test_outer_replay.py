@@ -137,7 +137,7 @@ def test_start_states_are_kept_for_replay_only_where_updates_are_sampled(rate: f
     are 2 GB it would hold for nothing."""
     from types import SimpleNamespace
 
-    from training.outer.worker_replay import WorkerReplay
+    from training.outer.worker._stack_replay import WorkerReplay
 
     worker = SimpleNamespace(
         params=dataclasses.replace(PARAMS, replay_rate=rate),

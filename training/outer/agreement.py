@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import itertools
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,6 +364,69 @@ def proposal_time(ready: float, position: int, proposer_timeout: float) -> float
 def priority(checked: CheckedClosure) -> tuple[bytes, bytes]:
     """Rule 3's order among closures of one round (lower is better)."""
     return rank(checked.closure.start_root, checked.closure.proposer), checked.digest
+
+
+def distinct(
+    updates: Mapping[str, str],
+    *,
+    me: str,
+    operators: Mapping[str, str],
+    banned: Container[str],
+) -> dict[str, str]:
+    """Of ``updates`` (peer -> blob; "" for one not known yet), those a closure could name
+    together (rule 1), in ascending peer order: ``me``'s first, then the others' in peer
+    order, a blob or an operator once, none of a ``banned`` operator, none of a peer whose
+    operator (``operators``: peer -> operator) is unknown."""
+    blobs: set[str] = set()
+    seen: set[str] = set()
+    out: dict[str, str] = {}
+    others = sorted((p for p in updates if p != me), key=lambda p: p.encode())
+    for peer in [me, *others] if me in updates else others:
+        blob = updates[peer]
+        operator = operators.get(peer)
+        if operator is None or operator in banned or operator in seen:
+            continue
+        if blob and blob in blobs:
+            continue
+        blobs.add(blob)
+        seen.add(operator)
+        out[peer] = blob
+    return dict(sorted(out.items(), key=lambda e: e[0].encode()))
+
+
+def nameable(
+    fetched: Mapping[str, str],
+    announced: Mapping[str, str],
+    *,
+    me: str,
+    operators: Mapping[str, str],
+    banned: Container[str],
+) -> dict[str, str]:
+    """The fetched updates (peer -> blob) a closure could name (:func:`distinct`): ``me``'s
+    and those whose blob is the one their author announced (``announced``: peer -> blob).
+    What makes a round ready early (rule 2) counts these only, so a copy announced by an
+    admitted worker does not close a round before an honest worker's update is in."""
+    held = {
+        peer: blob for peer, blob in fetched.items() if peer == me or announced.get(peer) == blob
+    }
+    return distinct(held, me=me, operators=operators, banned=banned)
+
+
+def expected(
+    workers: int,
+    previous: Mapping[str, str],
+    late: Mapping[str, str],
+    *,
+    me: str,
+    operators: Mapping[str, str],
+    banned: Container[str],
+) -> int:
+    """How many updates make a round ready before its deadline (rule 2): ``workers`` (K),
+    or, if more, the updates of the previous round a closure could have named, in time for
+    it (``previous``) or late (``late``), with ``me``'s (peer -> blob)."""
+    heard = {**late, **previous}
+    heard.setdefault(me, "")
+    return max(workers, len(distinct(heard, me=me, operators=operators, banned=banned)))
 
 
 # --- rule 3: fork choice ---------------------------------------------------------------

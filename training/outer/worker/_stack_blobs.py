@@ -21,7 +21,7 @@ from training.outer.aggregate import unwrap_update
 from training.outer.agreement import CheckedClosure
 from training.outer.codec import CodecError
 from training.outer.messages import Candidate
-from training.outer.worker_state import WorkerState, _say
+from training.outer.worker._stack_state import WorkerState, _say
 
 # A fetch attempt with no progress for this long is abandoned and tried again.
 FETCH_STALL = 20.0
@@ -33,7 +33,7 @@ MAX_PROVIDERS = 64
 
 
 class WorkerBlobs(WorkerState):
-    """Fetching blobs and reading them back (see :mod:`training.outer.worker_blobs`)."""
+    """Fetching blobs and reading them back (see :mod:`training.outer.worker._stack_blobs`)."""
 
     async def _fetch(self, blob: str, providers: Sequence[str], bound: float) -> bool:
         """Fetch ``blob`` into the store (verified chunk by chunk); False if not in time."""

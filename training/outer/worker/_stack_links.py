@@ -21,8 +21,8 @@ import trio
 
 from p2p.transport.meter import SAMPLE_INTERVAL
 from training.outer.params import OuterNetError
-from training.outer.worker_blobs import WorkerBlobs
-from training.outer.worker_state import _say
+from training.outer.worker._stack_blobs import WorkerBlobs
+from training.outer.worker._stack_state import _say
 
 # The dial loop looks for peers to dial this often (PeerDialer decides whom).
 DIAL_TICK = 0.5
@@ -36,7 +36,7 @@ PAUSE_GAP = 7.0
 
 
 class WorkerLinks(WorkerBlobs):
-    """Announcements out, dials, pauses, never alone (see :mod:`training.outer.worker_links`)."""
+    """Announcements out, dials, pauses, never alone (see :mod:`training.outer.worker._stack_links`)."""
 
     async def _publish(self, data: bytes) -> None:
         self.pubsub_bytes[0] += len(data)

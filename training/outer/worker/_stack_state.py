@@ -26,7 +26,7 @@ import trio
 from identity import AdmissionCertificate, HardwareSigner, Signer, TrustStore
 from p2p.transport.meter import WireMeter
 from training.outer.aggregate import Aggregate
-from training.outer.agreement import CheckedClosure, ClosureBook
+from training.outer.agreement import CheckedClosure, ClosureBook, distinct, expected, nameable
 from training.outer.announce import Announcer, PeerDialer
 from training.outer.loop import OuterState
 from training.outer.messages import Candidate, Ledger, VerdictHeard, topic
@@ -237,52 +237,33 @@ class WorkerState:
     def state_round(self) -> int:
         return -1 if self.state is None else self.state.round
 
-    def _expected(self) -> int:
-        """How many updates make this round ready before its deadline (rule 2 of
-        outer_agreement): K, or the updates of the previous round a closure could have
-        named (in time for it, or late), with ours, if more."""
-        late = self.ledger.late.get(self.state_round() - 1, {})
-        heard = {**late, **self.previous}
-        heard.setdefault(self.peer, "")
-        return max(self.params.workers, len(self._distinct(heard)))
-
-    def _nameable(self) -> dict[str, str]:
-        """The fetched updates a closure could name (:meth:`_distinct`): what makes a
-        round ready early counts these only, so a copy announced by an admitted worker
-        does not close a round before an honest worker's update is in."""
-        held = {
-            peer: blob
-            for peer, blob in self.fetched.items()
-            if peer == self.peer or (peer in self.candidates and self.candidates[peer].blob == blob)
-        }
-        return self._distinct(held)
+    def _operators(self) -> dict[str, str]:
+        """Each peer's operator as this worker knows it: its own, then a candidate's, then
+        the ledger's (from hellos and late updates)."""
+        operators = dict(self.ledger.operators)
+        operators.update((p, c.operator) for p, c in self.candidates.items())
+        operators[self.peer] = self.certificate.operator
+        return operators
 
     def _distinct(self, updates: Mapping[str, str]) -> dict[str, str]:
-        """Of ``updates`` (peer -> blob; "" for one not known yet), those a closure could
-        name together (rule 1 of outer_agreement), in ascending peer order: ours first,
-        then the others' in peer order, a blob or an operator once, no banned operator,
-        none of a peer whose operator is unknown."""
-        blobs: set[str] = set()
-        operators: set[str] = set()
-        out: dict[str, str] = {}
-        others = sorted((p for p in updates if p != self.peer), key=lambda p: p.encode())
-        for peer in [self.peer, *others] if self.peer in updates else others:
-            blob = updates[peer]
-            candidate = self.candidates.get(peer)
-            if peer == self.peer:
-                operator: str | None = self.certificate.operator
-            elif candidate is not None:
-                operator = candidate.operator
-            else:
-                operator = self.ledger.operators.get(peer)
-            if operator is None or operator in self.banned or operator in operators:
-                continue
-            if blob and blob in blobs:
-                continue
-            blobs.add(blob)
-            operators.add(operator)
-            out[peer] = blob
-        return dict(sorted(out.items(), key=lambda e: e[0].encode()))
+        return distinct(updates, me=self.peer, operators=self._operators(), banned=self.banned)
+
+    def _expected(self) -> int:
+        late = self.ledger.late.get(self.state_round() - 1, {})
+        return expected(
+            self.params.workers,
+            self.previous,
+            late,
+            me=self.peer,
+            operators=self._operators(),
+            banned=self.banned,
+        )
+
+    def _nameable(self) -> dict[str, str]:
+        announced = {p: c.blob for p, c in self.candidates.items()}
+        return nameable(
+            self.fetched, announced, me=self.peer, operators=self._operators(), banned=self.banned
+        )
 
     def _mark(self, phase: str) -> None:
         """The first time the own round reached ``phase`` (``RoundRecord.phases``), while

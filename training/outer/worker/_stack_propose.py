@@ -44,13 +44,13 @@ from training.outer.replay import (
 from training.outer.runs import drop_blob
 from training.outer.state_blob import state_blocks, state_size
 from training.outer.trainer import Trainer
-from training.outer.worker_adopt import WorkerAdopt
-from training.outer.worker_state import _Own, _say
+from training.outer.worker._stack_adopt import WorkerAdopt
+from training.outer.worker._stack_state import _Own, _say
 
 
 class WorkerPropose(WorkerAdopt):
     """Training this worker's update and proposing closures (see
-    :mod:`training.outer.worker_propose`)."""
+    :mod:`training.outer.worker._stack_propose`)."""
 
     async def _train(self, trainer: Trainer) -> None:
         state, root = self.state, self.root

@@ -43,9 +43,9 @@ from training.outer.milestones import (
 )
 from training.outer.runs import drop_blob
 from training.outer.state_blob import BadStateBlob, decode_state, state_blocks, state_size
-from training.outer.worker_blobs import FETCH_STALL
-from training.outer.worker_gossip import WorkerGossip
-from training.outer.worker_state import RoundRecord, _Ahead, _names, _say
+from training.outer.worker._stack_blobs import FETCH_STALL
+from training.outer.worker._stack_gossip import WorkerGossip
+from training.outer.worker._stack_state import RoundRecord, _Ahead, _names, _say
 
 # Fetch bounds a closure's blobs may fail before the closure is dropped (rule 4 of
 # outer_agreement): long enough to outlast a worker's own pause or a peer's restart.
@@ -54,7 +54,7 @@ UNAVAILABLE_TRIES = 4
 
 class WorkerAdopt(WorkerGossip):
     """Applying a closure, catching up, keeping the round (see
-    :mod:`training.outer.worker_adopt`)."""
+    :mod:`training.outer.worker._stack_adopt`)."""
 
     async def _adopt(
         self,

@@ -86,12 +86,12 @@ Where the code is
 -----------------
 This module holds :class:`Worker`'s driver (``_drive``, ``_step``, ``_round_loop``) and its
 start, join and finish (``run``). The rest is built from one part per job, each a base
-class in its own module, from the bottom up: :mod:`training.outer.worker_state` (the
-state, signing, ``blob status`` and metrics), :mod:`training.outer.worker_blobs` (fetches),
-:mod:`training.outer.worker_links` (announcements out, dials, pauses, never alone: points
-1 and 6), :mod:`training.outer.worker_replay` (point 4), :mod:`training.outer.worker_gossip`
-(the topic into the ledger and the closure book), :mod:`training.outer.worker_adopt`
-(apply, catch up, keep the round: points 2b and 5) and :mod:`training.outer.worker_propose`
+class in its own module, from the bottom up: :mod:`training.outer.worker._stack_state` (the
+state, signing, ``blob status`` and metrics), :mod:`training.outer.worker._stack_blobs` (fetches),
+:mod:`training.outer.worker._stack_links` (announcements out, dials, pauses, never alone: points
+1 and 6), :mod:`training.outer.worker._stack_replay` (point 4), :mod:`training.outer.worker._stack_gossip`
+(the topic into the ledger and the closure book), :mod:`training.outer.worker._stack_adopt`
+(apply, catch up, keep the round: points 2b and 5) and :mod:`training.outer.worker._stack_propose`
 (train and propose: points 2a and 2c).
 """
 
@@ -113,21 +113,21 @@ from training.outer.milestones import tag
 from training.outer.params import OuterNetError, write_json
 from training.outer.state_blob import BadStateBlob, decode_state
 from training.outer.trainer import Trainer
-from training.outer.worker_adopt import UNAVAILABLE_TRIES as UNAVAILABLE_TRIES
-from training.outer.worker_blobs import FETCH_RETRY as FETCH_RETRY
-from training.outer.worker_blobs import FETCH_STALL as FETCH_STALL
-from training.outer.worker_blobs import MAX_PROVIDERS as MAX_PROVIDERS
-from training.outer.worker_gossip import MAX_ATTESTATIONS as MAX_ATTESTATIONS
-from training.outer.worker_gossip import MAX_CLOSURE_FETCHES as MAX_CLOSURE_FETCHES
-from training.outer.worker_links import DIAL_TICK as DIAL_TICK
-from training.outer.worker_links import MAX_CONCURRENT_DIALS as MAX_CONCURRENT_DIALS
-from training.outer.worker_links import PAUSE_GAP as PAUSE_GAP
-from training.outer.worker_propose import WorkerPropose
-from training.outer.worker_replay import MAX_EARLY_VERDICTS as MAX_EARLY_VERDICTS
-from training.outer.worker_replay import MAX_VERDICTS as MAX_VERDICTS
-from training.outer.worker_state import RoundRecord as RoundRecord
-from training.outer.worker_state import _say
-from training.outer.worker_state import check_signer as check_signer
+from training.outer.worker._stack_adopt import UNAVAILABLE_TRIES as UNAVAILABLE_TRIES
+from training.outer.worker._stack_blobs import FETCH_RETRY as FETCH_RETRY
+from training.outer.worker._stack_blobs import FETCH_STALL as FETCH_STALL
+from training.outer.worker._stack_blobs import MAX_PROVIDERS as MAX_PROVIDERS
+from training.outer.worker._stack_gossip import MAX_ATTESTATIONS as MAX_ATTESTATIONS
+from training.outer.worker._stack_gossip import MAX_CLOSURE_FETCHES as MAX_CLOSURE_FETCHES
+from training.outer.worker._stack_links import DIAL_TICK as DIAL_TICK
+from training.outer.worker._stack_links import MAX_CONCURRENT_DIALS as MAX_CONCURRENT_DIALS
+from training.outer.worker._stack_links import PAUSE_GAP as PAUSE_GAP
+from training.outer.worker._stack_propose import WorkerPropose
+from training.outer.worker._stack_replay import MAX_EARLY_VERDICTS as MAX_EARLY_VERDICTS
+from training.outer.worker._stack_replay import MAX_VERDICTS as MAX_VERDICTS
+from training.outer.worker._stack_state import RoundRecord as RoundRecord
+from training.outer.worker._stack_state import _say
+from training.outer.worker._stack_state import check_signer as check_signer
 
 # Before proposing, the worker lets messages already on the wire (buffered while it was
 # busy or paused) reach its book, so it does not propose for a round already closed.

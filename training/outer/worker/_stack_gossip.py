@@ -31,8 +31,8 @@ from training.outer.messages import (
     decode_message,
 )
 from training.outer.milestones import closure_hardware
-from training.outer.worker_replay import WorkerReplay
-from training.outer.worker_state import _say
+from training.outer.worker._stack_replay import WorkerReplay
+from training.outer.worker._stack_state import _say
 
 # Update attestations kept for expanding compact closures: two rounds of the largest run's
 # workers, with room for the re-announcements of a round that changed root.
@@ -43,7 +43,7 @@ MAX_CLOSURE_FETCHES = 16
 
 
 class WorkerGossip(WorkerReplay):
-    """The run's topic into the ledger and the book (see :mod:`training.outer.worker_gossip`)."""
+    """The run's topic into the ledger and the book (see :mod:`training.outer.worker._stack_gossip`)."""
 
     async def _receive_loop(self, sub: Any) -> None:
         from libp2p.peer.id import ID

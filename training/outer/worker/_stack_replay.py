@@ -44,8 +44,8 @@ from training.outer.replay import (
     sign_verdict,
 )
 from training.outer.runs import drop_blob
-from training.outer.worker_links import WorkerLinks
-from training.outer.worker_state import _Sampled, _say
+from training.outer.worker._stack_links import WorkerLinks
+from training.outer.worker._stack_state import _Sampled, _say
 
 # Verdicts kept for the result file: a sampled share of each round's updates, for rounds
 # of at most MAX_RUN_WORKERS (64) workers; beyond this they are acted on, not listed.
@@ -56,7 +56,7 @@ MAX_EARLY_VERDICTS = 128
 
 
 class WorkerReplay(WorkerLinks):
-    """Samples, replays and verdicts (see :mod:`training.outer.worker_replay`)."""
+    """Samples, replays and verdicts (see :mod:`training.outer.worker._stack_replay`)."""
 
     def _draw_sample(self, checked: CheckedClosure, agg: Aggregate, start: OuterState) -> None:
         """Round r's sample, drawn from the root its closure produced; replay our share."""

@@ -1,0 +1,5 @@
+"""One worker of a decentralised outer-loop run."""
+
+from training.outer.worker.driver import Worker
+
+__all__ = ["Worker"]
