@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 import blake3
-import numpy as np
 import pytest
 
 from identity import Authority, MachineKey, SoftwareSigner, TrustStore
@@ -128,27 +127,3 @@ def test_an_honest_update_replays_bit_for_bit_and_a_cheat_does_not() -> None:
     c = _commit(trainer, 2, root, cheated)
     outcome = replay(PARAMS, c, cheated.inner_before, state, cheated.update)
     assert outcome == "mismatch: loss of step 0 differs"
-
-
-@pytest.mark.parametrize("rate", [0.0, 0.25])
-def test_start_states_are_kept_for_replay_only_where_updates_are_sampled(rate: float) -> None:
-    """A worker keeps the states its last two rounds started from, which replaying a
-    sampled update needs, and none in a run that samples none: at 124M parameters those
-    are 2 GB it would hold for nothing."""
-    from types import SimpleNamespace
-
-    from training.outer.worker._stack_replay import WorkerReplay
-
-    worker = SimpleNamespace(
-        params=dataclasses.replace(PARAMS, replay_rate=rate),
-        starts={},
-        awaited={},
-        early_verdicts=[],
-    )
-    agg = SimpleNamespace(admitted=())
-    state = initial_state({"w": np.zeros(3, np.float32)})
-    for r in range(3):
-        closure = SimpleNamespace(round=r, start_root=f"{r:02x}" * 32, included=[], result_root="")
-        checked = SimpleNamespace(closure=closure, operators=[])
-        WorkerReplay._draw_sample(worker, checked, agg, state)  # type: ignore[arg-type]
-    assert sorted(worker.starts) == ([1, 2] if rate else [])

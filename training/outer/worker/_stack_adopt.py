@@ -43,9 +43,10 @@ from training.outer.milestones import (
 )
 from training.outer.runs import drop_blob
 from training.outer.state_blob import BadStateBlob, decode_state, state_blocks, state_size
-from training.outer.worker._stack_blobs import FETCH_STALL
 from training.outer.worker._stack_gossip import WorkerGossip
-from training.outer.worker._stack_state import RoundRecord, _Ahead, _names, _say
+from training.outer.worker._stack_state import RoundRecord, _Ahead
+from training.outer.worker.fetcher import FETCH_STALL
+from training.outer.worker.signals import names, say
 
 # Fetch bounds a closure's blobs may fail before the closure is dropped (rule 4 of
 # outer_agreement): long enough to outlast a worker's own pause or a peer's restart.
@@ -89,15 +90,10 @@ class WorkerAdopt(WorkerGossip):
             ahead=ahead,
             phases=self._phases(c.round),
         )
-        sent, received = self.meter.sample()
-        record.wire_sent = sent - self.wire_mark[0]
-        record.wire_received = received - self.wire_mark[1]
-        self.wire_mark = (sent, received)
-        record.pubsub_sent = self.pubsub_bytes[0] - self.pubsub_mark[0]
-        record.pubsub_received = self.pubsub_bytes[1] - self.pubsub_mark[1]
-        self.pubsub_mark = (self.pubsub_bytes[0], self.pubsub_bytes[1])
+        traffic = self.links.traffic()
+        record.wire_sent, record.wire_received, record.pubsub_sent, record.pubsub_received = traffic
         if agg is not None:
-            self.ever_admitted.update(p for p, _, _ in agg.admitted)
+            self.links.admitted(p for p, _, _ in agg.admitted)
         self._observe_round(record)
         if agg is None:  # caught up: what the closure names, not recomputed here
             record.named = [{"peer": x.peer, "blob": x.blob} for x in c.included]
@@ -113,11 +109,11 @@ class WorkerAdopt(WorkerGossip):
         store = self.node.store
         parent = self.adopted.get(c.round - 1)  # absent_workers checks it is the parent
         if agg is not None:
-            milestone = await self._sign(
+            milestone = await self.signing.sign(
                 lambda: sign_milestone(
-                    self.signer,
+                    self.signing.signer,
                     milestone_for(checked, agg, self._terms(), parent),
-                    kernel_class=self.kernel_class,
+                    kernel_class=self.signing.kernel_class,
                     certificate=self.certificate,
                     time=int(time.time()),
                 )
@@ -131,11 +127,11 @@ class WorkerAdopt(WorkerGossip):
         elif not (self.config.join and self.joined_at is None):
             # Not recomputed: a signed catch-up record says so (outer_milestones rule 5).
             since = self.state.round if self.state is not None else c.round
-            catch_up = await self._sign(
+            catch_up = await self.signing.sign(
                 lambda: sign_catch_up(
-                    self.signer,
+                    self.signing.signer,
                     catch_up_for(checked, since),
-                    kernel_class=self.kernel_class,
+                    kernel_class=self.signing.kernel_class,
                     certificate=self.certificate,
                     time=int(time.time()),
                 )
@@ -165,8 +161,8 @@ class WorkerAdopt(WorkerGossip):
         if c.proposer != self.peer:
             self.announcer.drop("closure")
         if agg is not None and prior is not None:
-            self._draw_sample(checked, agg, prior)
-        _say(
+            self.replays.draw_sample(checked, agg, prior, time.time())
+        say(
             self.label,
             f"round {c.round} closed ({how}{', aggregated ahead' if ahead else ''}): "
             f"closure {checked.digest.hex()[:12]} by "
@@ -176,9 +172,9 @@ class WorkerAdopt(WorkerGossip):
         absent = absent_workers(parent, checked)
         self.absent = {"round": c.round, "workers": [{"peer": p, "operator": o} for p, o in absent]}
         if absent:
-            _say(
+            say(
                 self.label,
-                f"round {c.round} closed without {_names(absent)}: in round {c.round - 1}'s "
+                f"round {c.round} closed without {names(absent)}: in round {c.round - 1}'s "
                 "closure, no update of theirs in this one (left or missed the round)",
             )
         self.adopted = {r: x for r, x in self.adopted.items() if c.round - 2 < r < c.round}
@@ -226,8 +222,8 @@ class WorkerAdopt(WorkerGossip):
         self._mark("closure")
         entries = [(x.peer, x.blob) for x in c.included]
         for peer, blob in entries:
-            if not await self._fetch_named(checked, blob, self._providers(checked, [peer])):
-                _say(
+            if not await self._fetch_named(checked, blob, self.fetcher.providers(checked, [peer])):
+                say(
                     self.label,
                     f"closure {checked.digest.hex()[:12]}: update {blob[:12]} unavailable",
                 )
@@ -241,7 +237,9 @@ class WorkerAdopt(WorkerGossip):
         if self.config.min_level != "bounded":
             for x in c.included:
                 commitment = Attestation.decode(x.attestation).subjects[2]
-                await self._fetch(commitment, self._providers(checked, [x.peer]), FETCH_STALL)
+                await self.fetcher.fetch(
+                    commitment, self.fetcher.providers(checked, [x.peer]), FETCH_STALL
+                )
         agg, root, ahead = await self._aggregated(entries)
         if root != c.result_root:
             self._bad(checked, f"result root mismatch (we computed {root[:16]})")
@@ -282,14 +280,13 @@ class WorkerAdopt(WorkerGossip):
         thread."""
         config = self.params.outer_config()
         return await trio.to_thread.run_sync(
-            lambda: rooted(aggregate(state, entries, self._load, config, start_root=root))
+            lambda: rooted(aggregate(state, entries, self.fetcher.load, config, start_root=root))
         )
 
     def _speculate(self) -> None:
         """Point 4: start this round's aggregate ahead of its closure, when it is due."""
         state, root, own = self.state, self.root, self.own
-        nursery = self.run_nursery
-        if state is None or own is None or nursery is None:
+        if state is None or own is None or not self.tasks.running:
             return
         if (own.round, own.root) != (state.round, root):
             return
@@ -304,7 +301,7 @@ class WorkerAdopt(WorkerGossip):
         if proposer_order(root, [*self.candidates, self.peer])[0] == self.peer:
             return  # we propose first, and _propose aggregates
         self.ahead = ahead = _Ahead(state.round, root, tuple(nameable.items()), trio.Event())
-        nursery.start_soon(self._aggregate_ahead, ahead, state)
+        self.tasks.start(self._aggregate_ahead, ahead, state)
 
     async def _aggregate_ahead(self, ahead: _Ahead, state: OuterState) -> None:
         try:
@@ -318,13 +315,13 @@ class WorkerAdopt(WorkerGossip):
 
     async def _catch_up(self, checked: CheckedClosure) -> None:
         c = checked.closure
-        providers = self._providers(checked, [c.proposer])
+        providers = self.fetcher.providers(checked, [c.proposer])
         if not await self._fetch_named(checked, c.state_blob, providers):
             self._unavailable(checked)
-            await self._redial()
+            await self.links.redial()
             return
         try:
-            data = await trio.to_thread.run_sync(self._load, c.state_blob)
+            data = await trio.to_thread.run_sync(self.fetcher.load, c.state_blob)
             state = await trio.to_thread.run_sync(lambda: decode_state(data, expected=self.shapes))
         except (BadStateBlob, OSError) as exc:
             self._bad(checked, f"bad state blob: {exc}")
@@ -335,7 +332,7 @@ class WorkerAdopt(WorkerGossip):
             return
         before = self.state.round if self.state is not None else None
         await self._adopt(state, checked, "caught up", None, c.state_blob, len(data))
-        _say(self.label, f"caught up from state round {before} to {state.round}")
+        say(self.label, f"caught up from state round {before} to {state.round}")
 
     async def _fetch_named(
         self, checked: CheckedClosure, blob: str, providers: Sequence[str]
@@ -343,10 +340,10 @@ class WorkerAdopt(WorkerGossip):
         """Fetch a blob a closure names. While alone (point 6) nobody can serve it: it
         waits for a peer first (stopping if none comes) instead of spending fetch bounds,
         UNAVAILABLE_TRIES of them, on a closure of a run that ended without it."""
-        if self._alone() and not await trio.to_thread.run_sync(self.node.store.has, blob):
+        if self.links.alone() and not await trio.to_thread.run_sync(self.node.store.has, blob):
             what = f"nobody to fetch closure {checked.digest.hex()[:12]}'s blobs from"
-            await self._waited_for_peers(checked.closure.round, what)
-        return await self._fetch(blob, providers, self._fetch_bound())
+            await self.links.waited_for_peers(checked.closure.round, what)
+        return await self.fetcher.fetch(blob, providers, self.fetcher.bound())
 
     def _unavailable(self, checked: CheckedClosure) -> None:
         """A closure whose blobs could not be fetched in time: the network's fault, or its
@@ -357,11 +354,11 @@ class WorkerAdopt(WorkerGossip):
         if tries >= UNAVAILABLE_TRIES:
             self._bad(checked, f"blobs unavailable after {tries} tries")
         else:
-            _say(self.label, f"closure {checked.digest.hex()[:12]}: blobs unavailable, retrying")
+            say(self.label, f"closure {checked.digest.hex()[:12]}: blobs unavailable, retrying")
 
     def _bad(self, checked: CheckedClosure, reason: str) -> None:
         self.book.mark_bad(checked.digest, reason)
         self.refused_closures.append(
             {"peer": checked.closure.proposer, "round": checked.closure.round, "reason": reason}
         )
-        _say(self.label, f"closure {checked.digest.hex()[:12]} is no tip: {reason}")
+        say(self.label, f"closure {checked.digest.hex()[:12]} is no tip: {reason}")

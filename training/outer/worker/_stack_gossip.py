@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import trio
 
@@ -31,8 +30,8 @@ from training.outer.messages import (
     decode_message,
 )
 from training.outer.milestones import closure_hardware
-from training.outer.worker._stack_replay import WorkerReplay
-from training.outer.worker._stack_state import _say
+from training.outer.worker._stack_state import WorkerState
+from training.outer.worker.signals import say
 
 # Update attestations kept for expanding compact closures: two rounds of the largest run's
 # workers, with room for the re-announcements of a round that changed root.
@@ -42,26 +41,8 @@ MAX_ATTESTATIONS = 1024
 MAX_CLOSURE_FETCHES = 16
 
 
-class WorkerGossip(WorkerReplay):
+class WorkerGossip(WorkerState):
     """The run's topic into the ledger and the book (see :mod:`training.outer.worker._stack_gossip`)."""
-
-    async def _receive_loop(self, sub: Any) -> None:
-        from libp2p.peer.id import ID
-
-        while True:
-            msg = await sub.get()
-            try:
-                sender = ID(msg.from_id).to_base58()
-            except Exception:  # a malformed source field: not a message we can judge
-                continue
-            self.pubsub_bytes[1] += len(msg.data)
-            present = len(self.ledger.present)
-            self._handle(self.ledger.hear(msg.data, sender, time.time()))
-            hello = self.announcer.entries.get("hello")
-            if hello is not None and len(self.ledger.present) > present:
-                # A worker new to us: our hello may have gone out before it subscribed,
-                # and its start barrier waits for it (re-sent at once, not after back-off).
-                await self._publish(hello.data)
 
     def _handle(self, events: list[Event]) -> None:
         for event in events:
@@ -77,7 +58,7 @@ class WorkerGossip(WorkerReplay):
                     if self.fetch_nursery is not None:
                         self.fetch_nursery.start_soon(self._fetch_update, event, self.root)
             elif isinstance(event, Rejection):
-                _say(
+                say(
                     self.label,
                     f"round {event.round}: rejected update {event.blob[:12]} from "
                     f"{event.peer}: {event.reason}",
@@ -89,9 +70,9 @@ class WorkerGossip(WorkerReplay):
             elif isinstance(event, StateHeard):
                 self.dialer.learn(event.peer, event.addrs, trio.current_time())
             elif isinstance(event, VerdictHeard):
-                self._hear_verdict(event)
+                self.replays.hear(event, self.state.round if self.state else None, time.time())
         if events:
-            self.changed.set()
+            self.changes.set()
 
     def _hear_closure(self, event: ClosureHeard) -> None:
         try:
@@ -107,13 +88,13 @@ class WorkerGossip(WorkerReplay):
         except Refused as refused:
             if len(self.refused_closures) < 64:
                 self.refused_closures.append({"peer": event.peer, "reason": refused.reason})
-                _say(self.label, f"refused a closure from {event.peer}: {refused}")
+                say(self.label, f"refused a closure from {event.peer}: {refused}")
             return
         if checked.closure.proposer != event.peer:
             return  # relayed under another sender's name: the proposer's own copy counts
         self.dialer.learn(event.peer, event.addrs, trio.current_time())
         if self.book.add(checked):
-            self.closure_addrs[checked.digest] = event.addrs
+            self.fetcher.learn_closure(checked, event.addrs)
 
     def _keep_attestation(self, round_: int, peer: str, blob: str, attestation: bytes) -> None:
         """Update attestations heard, by (peer, blob): compact closures name them by
@@ -144,18 +125,18 @@ class WorkerGossip(WorkerReplay):
         elif (
             msg.full not in self.closure_fetches
             and len(self.closure_fetches) < MAX_CLOSURE_FETCHES
-            and self.run_nursery is not None
+            and self.tasks.running
         ):
             self.closure_fetches.add(msg.full)
-            self.run_nursery.start_soon(self._fetch_closure, event)
+            self.tasks.start(self._fetch_closure, event)
 
     async def _fetch_closure(self, event: ClosureRefHeard) -> None:
         msg = event.message
         try:
-            providers = [*msg.addrs, *self._everyone()]
-            if not await self._fetch(msg.full, providers, self._fetch_bound()):
+            providers = [*msg.addrs, *self.fetcher.everyone()]
+            if not await self.fetcher.fetch(msg.full, providers, self.fetcher.bound()):
                 return
-            data = await trio.to_thread.run_sync(self._load, msg.full)
+            data = await trio.to_thread.run_sync(self.fetcher.load, msg.full)
             try:
                 full = decode_message(data)
                 same = isinstance(full, ClosureAnnouncement) and (
@@ -164,9 +145,9 @@ class WorkerGossip(WorkerReplay):
             except (BadMessage, BadClosure):
                 same = False
             if not same or not isinstance(full, ClosureAnnouncement):
-                _say(self.label, f"closure blob {msg.full[:12]} is not the announced closure")
+                say(self.label, f"closure blob {msg.full[:12]} is not the announced closure")
                 return
             self._hear_closure(ClosureHeard(event.peer, full.body, full.attestation, msg.addrs))
-            self.changed.set()
+            self.changes.set()
         finally:
             self.closure_fetches.discard(msg.full)

@@ -45,7 +45,8 @@ from training.outer.runs import drop_blob
 from training.outer.state_blob import state_blocks, state_size
 from training.outer.trainer import Trainer
 from training.outer.worker._stack_adopt import WorkerAdopt
-from training.outer.worker._stack_state import _Own, _say
+from training.outer.worker._stack_state import _Own
+from training.outer.worker.signals import say
 
 
 class WorkerPropose(WorkerAdopt):
@@ -56,7 +57,7 @@ class WorkerPropose(WorkerAdopt):
         state, root = self.state, self.root
         assert state is not None
         if self.config.stall_round == state.round:
-            _say(self.label, f"round {state.round}: stalling (test hook)")
+            say(self.label, f"round {state.round}: stalling (test hook)")
             await trio.sleep_forever()
         cheat = self.config.cheat_from_round is not None
         cheat = cheat and state.round >= (self.config.cheat_from_round or 0)
@@ -94,12 +95,12 @@ class WorkerPropose(WorkerAdopt):
             self.config.level,
         )
         commitment_blob = await self.node.add_bytes(commitment.encode())
-        attestation = await self._sign(
+        attestation = await self.signing.sign(
             lambda: sign_attestation(
-                self.signer,
+                self.signing.signer,
                 kind=UPDATE_KIND,
                 digest=bytes.fromhex(blob),
-                kernel_class=self.kernel_class,
+                kernel_class=self.signing.kernel_class,
                 subjects=[blob, root, commitment_blob],
                 time=int(time.time()),
                 certificate=self.certificate,
@@ -113,7 +114,7 @@ class WorkerPropose(WorkerAdopt):
         message = UpdateAnnouncement(
             self.params.run_id, state.round, blob, attestation, tuple(self.node.reachable_addrs)
         )
-        await self._announce("update", encode_message(message))
+        await self.links.announce("update", encode_message(message))
         self._mark("announced")
 
     async def _level_refusal(self, peer: str, attestation: bytes) -> str:
@@ -122,11 +123,11 @@ class WorkerPropose(WorkerAdopt):
         from training.outer.spec import LEVELS
 
         commitment = Attestation.decode(attestation).subjects[2]
-        providers = [*self.dialer.addrs(peer), *self._everyone()]
-        if not await self._fetch(commitment, providers, self._fetch_bound()):
+        providers = [*self.dialer.addrs(peer), *self.fetcher.everyone()]
+        if not await self.fetcher.fetch(commitment, providers, self.fetcher.bound()):
             return "its commitment is unavailable"
         try:
-            data = await trio.to_thread.run_sync(self._load, commitment)
+            data = await trio.to_thread.run_sync(self.fetcher.load, commitment)
             level = decode_commitment(data).level
         except (BadCommitment, OSError) as exc:
             return f"bad commitment: {exc}"
@@ -144,8 +145,8 @@ class WorkerPropose(WorkerAdopt):
         if len(self._nameable()) >= self._expected():
             ready = min(ready, trio.current_time())
             self._mark("ready")
-        if self._verdicts_pending(own.round - 1):
-            ready = max(ready, self.round_started + self._verdict_wait())
+        if self.replays.pending(own.round - 1):
+            ready = max(ready, self.round_started + self.replays.wait_bound())
         ranked = proposer_order(self.root, [*self.candidates, self.peer])
         return proposal_time(ready, ranked.index(self.peer), self.params.proposer_timeout)
 
@@ -164,13 +165,13 @@ class WorkerPropose(WorkerAdopt):
             # author of a blob named twice is in its envelope; an operator's first key
             # (in peer order) counts.
             reason = ""
-            if candidate.operator in self.banned:
-                reason = self.banned[candidate.operator]
+            if candidate.operator in self.replays.banned:
+                reason = self.replays.banned[candidate.operator]
             elif candidate.operator in operators:
                 reason = "one operator twice"
             elif candidate.blob in blobs:
                 reason = "a copy (blob already named)"
-            elif await trio.to_thread.run_sync(self._author, candidate.blob) != peer:
+            elif await trio.to_thread.run_sync(self.fetcher.author, candidate.blob) != peer:
                 reason = "a copy (the blob's envelope names another author)"
             if reason:
                 self.refused_updates.append(
@@ -193,10 +194,10 @@ class WorkerPropose(WorkerAdopt):
         score = self.config.score
         if score is not None:  # the scored level (training.outer.api point 4)
             for peer, (blob, _) in sorted(updates.items()):
-                data = await trio.to_thread.run_sync(self._load, blob)
+                data = await trio.to_thread.run_sync(self.fetcher.load, blob)
                 reason = await trio.to_thread.run_sync(score, state, root, peer, data)
                 if reason:
-                    _say(self.label, f"round {state.round}: left out {peer[-6:]}: {reason}")
+                    say(self.label, f"round {state.round}: left out {peer[-6:]}: {reason}")
                     self.refused_updates.append(
                         {"round": state.round, "peer": peer, "blob": blob, "reason": reason}
                     )
@@ -213,11 +214,11 @@ class WorkerPropose(WorkerAdopt):
         blocks = state_blocks(agg.state)
         blob = await trio.to_thread.run_sync(lambda: blob_id_of(blocks))
         closure = Closure(self.params.run_id, state.round, root, self.peer, included, result, blob)
-        body, attestation = await self._sign(
+        body, attestation = await self.signing.sign(
             lambda: sign_closure(
-                self.signer,
+                self.signing.signer,
                 closure,
-                kernel_class=self.kernel_class,
+                kernel_class=self.signing.kernel_class,
                 certificate=self.certificate,
                 time=int(time.time()),
             )
@@ -227,11 +228,11 @@ class WorkerPropose(WorkerAdopt):
                 body, attestation, run=self.params.run_id, trust=self.trust, now=time.time()
             )
         except Refused as exc:  # our own closure: a bug, but one the run survives
-            _say(self.label, f"BUG: our own closure is invalid ({exc}); not proposing")
+            say(self.label, f"BUG: our own closure is invalid ({exc}); not proposing")
             return
         self.proposed[checked.digest] = (agg, blob, state_size(blocks))
         self.book.add(checked)
-        self.closure_addrs[checked.digest] = tuple(self.node.reachable_addrs)
+        self.fetcher.learn_closure(checked, tuple(self.node.reachable_addrs))
         # The full closure is a blob others may fetch; what travels is its compact form.
         full = await self.node.add_bytes(
             encode_message(ClosureAnnouncement(self.params.run_id, body, attestation, ()))
@@ -243,6 +244,6 @@ class WorkerPropose(WorkerAdopt):
             full,
             tuple(self.node.reachable_addrs),
         )
-        await self._announce("closure", encode_message(message))
+        await self.links.announce("closure", encode_message(message))
         if await self.node.add_blocks(blocks) != blob:
             raise AssertionError("the state blob's ID changed between hashing and storing")

@@ -15,39 +15,32 @@ operation it serves is stated in :mod:`training.outer.worker`. Held here:
 
 from __future__ import annotations
 
-import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 
-from identity import AdmissionCertificate, HardwareSigner, Signer, TrustStore
+from identity import AdmissionCertificate, Signer, TrustStore
 from p2p.transport.meter import WireMeter
 from training.outer.aggregate import Aggregate
 from training.outer.agreement import CheckedClosure, ClosureBook, distinct, expected, nameable
 from training.outer.announce import Announcer, PeerDialer
 from training.outer.loop import OuterState
-from training.outer.messages import Candidate, Ledger, VerdictHeard, topic
+from training.outer.messages import Candidate, Ledger, topic
 from training.outer.observe import exclusion_label
 from training.outer.params import OuterNetError, WorkerConfig
 from training.outer.runs import Retention
+from training.outer.worker.fetcher import BlobFetcher, fetch_bound
+from training.outer.worker.links import Links
+from training.outer.worker.replays import Replays
+from training.outer.worker.signals import Changes, Tasks
+from training.outer.worker.signing import Signing, check_signer
 
 if TYPE_CHECKING:
     from p2p.node.node import Node
 
 _T = TypeVar("_T")
-
-
-def _say(label: str, text: str) -> None:
-    stamp = time.strftime("%H:%M:%S") + f".{int(time.time() * 10) % 10}"
-    print(f"outer[{label}] {stamp} {text}", file=sys.stderr, flush=True)
-
-
-def _names(workers: Sequence[tuple[str, str]]) -> str:
-    """Workers as a log names them: operator and short peer ID, from (peer, operator)."""
-    return ", ".join(f"{operator} {peer[-6:]}" for peer, operator in workers)
 
 
 @dataclass
@@ -111,36 +104,6 @@ class _Ahead:
     result: tuple[Aggregate, str] | None = None
 
 
-@dataclass(frozen=True)
-class _Sampled:
-    """One sampled update of a round this worker applied (point 4)."""
-
-    round: int
-    start_root: str
-    author: str
-    operator: str
-    blob: str
-    commitment: str
-    replayer: str
-
-
-def check_signer(signer: Signer, certificate: AdmissionCertificate, require_hardware: bool) -> None:
-    """Refuse, before the run, a signer whose attestations the run would refuse: on a
-    TPM-bound machine the certificate must record its AK (else every attestation would be
-    refused as unproven), and a run that requires hardware needs a hardware signer."""
-    if isinstance(signer, HardwareSigner) and certificate.ak != signer.ak:
-        raise OuterNetError(
-            "this machine key is TPM-bound, but its certificate does not record that TPM's "
-            "attestation key; admit the machine on its TPM (`blob tpm challenge` / `blob tpm "
-            "admit`)"
-        )
-    if require_hardware and not isinstance(signer, HardwareSigner):
-        raise OuterNetError(
-            "this run requires hardware-signed attestations, and this machine key is not "
-            "TPM-bound; bind it (`blob tpm bind`) and admit it on its TPM"
-        )
-
-
 class WorkerState:
     """The state every part of :class:`~training.outer.worker.Worker` shares (set by
     ``__init__``), signing, and what the worker shows."""
@@ -162,7 +125,6 @@ class WorkerState:
         self.config = config
         self.params = config.params
         self.node = node
-        self.signer = signer
         self.certificate = certificate
         self.trust = trust
         self.peer = node.peer_id
@@ -172,9 +134,10 @@ class WorkerState:
             self.params.run_id, self.peer, trust, require_hardware=config.require_hardware
         )
         self.book = ClosureBook()
-        self.closure_addrs: dict[bytes, tuple[str, ...]] = {}
         self.announcer = Announcer()
-        self.changed = trio.Event()
+        self.changes = Changes()
+        self.tasks = Tasks()
+        self.signing = Signing(signer, certificate)
         self.state: OuterState | None = None
         self.root = ""
         self.candidates: dict[str, Candidate] = {}
@@ -191,32 +154,35 @@ class WorkerState:
         self.dialer = PeerDialer()
         self.joined_at: int | None = None
         self.start_blob = ""
-        self.kernel_class = ""
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.proposed_for: set[tuple[int, str]] = set()
         self.refused_updates: list[dict[str, Any]] = []
         self.meter = WireMeter()
-        self.inflight: dict[str, trio.Event] = {}
-        # Announcement payloads this worker published / was delivered (each once; gossipsub
-        # relays and control messages are not in these, only in the wire counts).
-        self.pubsub_bytes = [0, 0]
-        self.pubsub_mark = (0, 0)
+        self.fetcher = BlobFetcher(node, self.params, self.dialer, self.label)
+        self.links = Links(
+            node,
+            self.topic,
+            self.announcer,
+            self.dialer,
+            self.meter,
+            self.changes,
+            alone_bound=fetch_bound(self.params),
+            label=self.label,
+        )
         self.unavailable: dict[bytes, int] = {}  # closure digest -> failed fetch rounds
-        self.ever_admitted: set[str] = set()  # peers whose updates we applied (point 3)
-        self.run_nursery: trio.Nursery | None = None
         self.attestations: dict[tuple[str, str], tuple[int, bytes]] = {}
         self.closure_fetches: set[str] = set()
-        # Replay (point 4): the states the last rounds started from (round -> (root,
-        # state)), the verdicts awaited per (round, author), those held, confirmations
-        # running, and operators whose cheat this worker confirmed.
-        self.starts: dict[int, tuple[str, OuterState]] = {}
-        self.awaited: dict[tuple[int, str], _Sampled] = {}
-        self.early_verdicts: list[VerdictHeard] = []  # on rounds not applied yet
-        self.verdicts: list[dict[str, Any]] = []
-        self.confirming: set[tuple[int, str]] = set()
-        self.banned: dict[str, str] = {}  # operator -> reason
-        self.false_accusations: list[dict[str, Any]] = []
-        self.wire_mark = (0, 0)
+        self.replays = Replays(
+            config,
+            node,
+            trust,
+            self.fetcher,
+            self.links,
+            self.signing,
+            self.changes,
+            self.tasks,
+            label=self.label,
+        )
         # The closures adopted for the last rounds (round -> closure): a milestone names
         # the workers the previous round's closure named and its own does not.
         self.adopted: dict[int, CheckedClosure] = {}
@@ -225,7 +191,6 @@ class WorkerState:
         self.phase = "joining"
         self.last_included: dict[str, Any] | None = None  # our own update's last inclusion
         self.absent: dict[str, Any] = {"round": None, "workers": []}  # the last adopted round's
-        self.sign_lock = trio.Lock()  # one signature at a time (_sign)
         # The trainer's ``ready(state, root)``, where it has one (training.outer.api):
         # told each next state as soon as it is computed and its root checked.
         self.ready: Callable[[OuterState, str], None] | None = None
@@ -246,7 +211,9 @@ class WorkerState:
         return operators
 
     def _distinct(self, updates: Mapping[str, str]) -> dict[str, str]:
-        return distinct(updates, me=self.peer, operators=self._operators(), banned=self.banned)
+        return distinct(
+            updates, me=self.peer, operators=self._operators(), banned=self.replays.banned
+        )
 
     def _expected(self) -> int:
         late = self.ledger.late.get(self.state_round() - 1, {})
@@ -256,14 +223,24 @@ class WorkerState:
             late,
             me=self.peer,
             operators=self._operators(),
-            banned=self.banned,
+            banned=self.replays.banned,
         )
 
     def _nameable(self) -> dict[str, str]:
         announced = {p: c.blob for p, c in self.candidates.items()}
         return nameable(
-            self.fetched, announced, me=self.peer, operators=self._operators(), banned=self.banned
+            self.fetched,
+            announced,
+            me=self.peer,
+            operators=self._operators(),
+            banned=self.replays.banned,
         )
+
+    async def _fetch_update(self, candidate: Candidate, root: str) -> None:
+        fetched = await self.fetcher.fetch(candidate.blob, candidate.addrs, float("inf"))
+        if fetched and root == self.root:
+            self.fetched[candidate.peer] = candidate.blob
+            self.changes.set()
 
     def _mark(self, phase: str) -> None:
         """The first time the own round reached ``phase`` (``RoundRecord.phases``), while
@@ -287,18 +264,6 @@ class WorkerState:
         self._mark("applied")
         if self.ready is not None and state.round < self.params.rounds:
             self.ready(state, root)
-
-    async def _wait_changed(self, deadline: float) -> None:
-        with trio.move_on_at(deadline):
-            await self.changed.wait()
-        self.changed = trio.Event()
-
-    async def _sign(self, sign: Callable[[], _T]) -> _T:
-        """Sign off the event loop, one signature at a time: a TPM co-signature is a
-        round trip to the chip (a hardware TPM re-creates its AK for each, tens to hundreds
-        of milliseconds), and a TPM serves one session at a time."""
-        async with self.sign_lock:
-            return await trio.to_thread.run_sync(sign)
 
     def _observe_round(self, record: RoundRecord) -> None:
         """The metrics of one adopted round, and our own update's inclusion (observe)."""
@@ -326,5 +291,5 @@ class WorkerState:
             "last_included": self.last_included,
             "heard": sorted(self.candidates),  # peers whose update for this round arrived
             "absent": self.absent,  # named by the last round's parent closure, not by it
-            "excluded_operators": dict(self.banned),
+            "excluded_operators": dict(self.replays.banned),
         }

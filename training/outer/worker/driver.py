@@ -114,20 +114,11 @@ from training.outer.params import OuterNetError, write_json
 from training.outer.state_blob import BadStateBlob, decode_state
 from training.outer.trainer import Trainer
 from training.outer.worker._stack_adopt import UNAVAILABLE_TRIES as UNAVAILABLE_TRIES
-from training.outer.worker._stack_blobs import FETCH_RETRY as FETCH_RETRY
-from training.outer.worker._stack_blobs import FETCH_STALL as FETCH_STALL
-from training.outer.worker._stack_blobs import MAX_PROVIDERS as MAX_PROVIDERS
 from training.outer.worker._stack_gossip import MAX_ATTESTATIONS as MAX_ATTESTATIONS
 from training.outer.worker._stack_gossip import MAX_CLOSURE_FETCHES as MAX_CLOSURE_FETCHES
-from training.outer.worker._stack_links import DIAL_TICK as DIAL_TICK
-from training.outer.worker._stack_links import MAX_CONCURRENT_DIALS as MAX_CONCURRENT_DIALS
-from training.outer.worker._stack_links import PAUSE_GAP as PAUSE_GAP
 from training.outer.worker._stack_propose import WorkerPropose
-from training.outer.worker._stack_replay import MAX_EARLY_VERDICTS as MAX_EARLY_VERDICTS
-from training.outer.worker._stack_replay import MAX_VERDICTS as MAX_VERDICTS
 from training.outer.worker._stack_state import RoundRecord as RoundRecord
-from training.outer.worker._stack_state import _say
-from training.outer.worker._stack_state import check_signer as check_signer
+from training.outer.worker.signals import say
 
 # Before proposing, the worker lets messages already on the wire (buffered while it was
 # busy or paused) reach its book, so it does not propose for a round already closed.
@@ -167,12 +158,12 @@ class Worker(WorkerPropose):
                     return
                 if not said_settling:
                     said_settling = True
-                    _say(
+                    say(
                         self.label,
                         f"round {r - 1} was the last; waiting {settle:.0f}s for the workers "
                         "to finish it (a better closure of it may still come)...",
                     )
-                await self._wait_changed(settled_since + settle)
+                await self.changes.wait(settled_since + settle)
                 continue
             own = self.own
             async with trio.open_nursery() as fetches:
@@ -206,19 +197,19 @@ class Worker(WorkerPropose):
                 if await self._step():
                     return
                 if not self.book.has_round(*start):
-                    if await self._waited_for_peers(start[0]):
+                    if await self.links.waited_for_peers(start[0]):
                         continue  # time passed: the tip may have moved
                     self.proposed_for.add(start)  # at most one closure per (round, root)
                     await self._propose()
                 continue
             now = trio.current_time()
-            await self._wait_changed(slot if slot is not None and slot > now else now + 1.0)
+            await self.changes.wait(slot if slot is not None and slot > now else now + 1.0)
 
     # --- start, join, finish ---------------------------------------------------------
     async def _barrier(self) -> None:
         need = self.params.workers - 1
         if len(self.ledger.present) < need and self.book.tip() is None:
-            _say(
+            say(
                 self.label,
                 f"waiting for {need - len(self.ledger.present)} more of the run's "
                 f"{self.params.workers} workers to dial in (at most "
@@ -226,10 +217,10 @@ class Worker(WorkerPropose):
             )
         with trio.move_on_after(self.config.start_timeout):
             while len(self.ledger.present) < need and self.book.tip() is None:
-                await self._wait_changed(trio.current_time() + 1.0)
+                await self.changes.wait(trio.current_time() + 1.0)
             return
         present = ", ".join(p[-6:] for p in sorted(self.ledger.present)) or "none"
-        _say(
+        say(
             self.label,
             f"start timeout: {len(self.ledger.present) + 1} of {self.params.workers} workers "
             f"present (others: {present}); starting without the rest",
@@ -239,9 +230,9 @@ class Worker(WorkerPropose):
         initial = self.config.initial
         assert initial is not None
         self.start_blob = initial
-        if not await self._fetch(initial, self.config.bootstrap, self.config.start_timeout):
+        if not await self.fetcher.fetch(initial, self.config.bootstrap, self.config.start_timeout):
             raise OuterNetError(f"could not fetch the initial state {initial} in time")
-        data = await trio.to_thread.run_sync(self._load, initial)
+        data = await trio.to_thread.run_sync(self.fetcher.load, initial)
         await trio.to_thread.run_sync(
             self.node.store.tag, tag(self.params.run_id, "start"), initial
         )
@@ -259,7 +250,7 @@ class Worker(WorkerPropose):
         # "Ready to train": torch loaded and S_0 held, so the start barrier only has to
         # cover the spread of round times, and the others have served S_0 before their
         # rounds (and byte counts) start.
-        await self._announce("hello", encode_message(hello))
+        await self.links.announce("hello", encode_message(hello))
         await self._barrier()
 
     async def _join(self, hello: Hello) -> None:
@@ -273,10 +264,10 @@ class Worker(WorkerPropose):
                 if self.state is not None:
                     self.joined_at = self.state.round
                     self.start_blob = self.records[max(self.records)].state_blob
-                    _say(self.label, f"joined at round {self.state.round}")
-                    await self._announce("hello", encode_message(hello))
+                    say(self.label, f"joined at round {self.state.round}")
+                    await self.links.announce("hello", encode_message(hello))
                     return
-            await self._wait_changed(deadline)
+            await self.changes.wait(deadline)
         raise OuterNetError("joining: heard no usable closure from an admitted worker")
 
     async def _finish(self) -> None:
@@ -285,12 +276,12 @@ class Worker(WorkerPropose):
         self.phase = "finishing"
         state = self.state
         blob = self.records[max(self.records)].state_blob if self.records else self.start_blob
-        attestation = await self._sign(
+        attestation = await self.signing.sign(
             lambda: sign_attestation(
-                self.signer,
+                self.signing.signer,
                 kind=STATE_KIND,
                 digest=bytes.fromhex(blob),
-                kernel_class=self.kernel_class,
+                kernel_class=self.signing.kernel_class,
                 subjects=[blob, self.root],
                 time=int(time.time()),
                 certificate=self.certificate,
@@ -304,18 +295,18 @@ class Worker(WorkerPropose):
             attestation.encode(),
             tuple(self.node.reachable_addrs),
         )
-        await self._announce("state", encode_message(message))
+        await self.links.announce("state", encode_message(message))
         # Admitted by the aggregation in a round this worker applied: a byzantine worker
         # whose updates were all excluded is not waited for.
-        ever = self.ever_admitted - {self.peer}
-        deadline = trio.current_time() + self._linger_bound()
+        ever = self.links.ever_admitted - {self.peer}
+        deadline = trio.current_time() + self.fetcher.bound()
         said: tuple[str, ...] = ()
         while trio.current_time() < deadline:
             waiting = (ever & set(self.node.connected_peers())) - set(
                 self.ledger.roots_heard(state.round)
             )
             # The last round's sample is replayed too (its verdicts complete the milestones).
-            verdicts = self._verdicts_pending(state.round - 1)
+            verdicts = self.replays.pending(state.round - 1)
             if not waiting and not verdicts:
                 break
             what = tuple(self._named(sorted(waiting))) + (("verdicts",) if verdicts else ())
@@ -323,22 +314,22 @@ class Worker(WorkerPropose):
                 said = what
                 final = f"the final roots of {', '.join(what[: len(waiting)])}" if waiting else ""
                 sample = f"the verdicts on round {state.round - 1}'s sample" if verdicts else ""
-                _say(
+                say(
                     self.label,
                     f"finished round {state.round - 1}; waiting for "
                     f"{' and '.join(x for x in (final, sample) if x)} (at most "
                     f"{deadline - trio.current_time():.0f}s)...",
                 )
-            await self._wait_changed(min(deadline, trio.current_time() + 1.0))
+            await self.changes.wait(min(deadline, trio.current_time() + 1.0))
         else:
             missing = ", ".join(self._named(sorted(waiting))) or "none"
-            _say(
+            say(
                 self.label,
                 f"leaving without the final roots of {missing}"
-                + (" or some verdicts" if self._verdicts_pending(state.round - 1) else ""),
+                + (" or some verdicts" if self.replays.pending(state.round - 1) else ""),
             )
         self.phase = "done"
-        _say(self.label, "done; exiting")
+        say(self.label, "done; exiting")
         await trio.sleep(1.0)
 
     def _named(self, peers: Sequence[str]) -> list[str]:
@@ -360,33 +351,31 @@ class Worker(WorkerPropose):
         for addr in self.config.bootstrap:
             self.dialer.learn(addr.rsplit("/p2p/", 1)[-1], [addr], trio.current_time())
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._receive_loop, sub)
-            nursery.start_soon(self._announce_loop)
-            nursery.start_soon(self._dial_loop)
-            nursery.start_soon(self._meter_loop)
-            self.run_nursery = nursery
+            nursery.start_soon(self.links.receive_loop, sub, self.ledger, self._handle)
+            nursery.start_soon(self.links.announce_loop)
+            nursery.start_soon(self.links.dial_loop)
+            nursery.start_soon(self.links.meter_loop)
+            self.tasks.open(nursery)
             make = self.config.make_trainer or Trainer
             trainer = await trio.to_thread.run_sync(make, self.params, self.config.shard)
-            self.kernel_class = trainer.kernel_class
+            kernel_class = self.signing.kernel_class = trainer.kernel_class
             self.ready = getattr(trainer, "ready", None)
-            if self.certificate.kernel_class != self.kernel_class:
+            if self.certificate.kernel_class != kernel_class:
                 raise OuterNetError(
-                    f"this machine's kernel class is {self.kernel_class}, but its certificate "
+                    f"this machine's kernel class is {kernel_class}, but its certificate "
                     f"admits {self.certificate.kernel_class}; get a certificate for this one"
                 )
             self.shapes = trainer.shapes()
-            _say(self.label, f"model ready (kernel class {self.kernel_class})")
+            say(self.label, f"model ready (kernel class {kernel_class})")
             if self.config.join:
                 await self._join(hello)
             else:
                 await self._begin(hello)
             # Rounds are counted from here: fetching the initial state is not a round's.
-            self.wire_mark = self.meter.sample()
-            wire_start = self.wire_mark
-            self.pubsub_mark = (self.pubsub_bytes[0], self.pubsub_bytes[1])
+            wire_start = self.links.mark()
             assert self.state is not None
             initial_root = self.root
-            _say(self.label, f"starting at round {self.state.round} (root {self.root[:16]})")
+            say(self.label, f"starting at round {self.state.round} (root {self.root[:16]})")
             await self._drive(trainer)
             await self._finish()
             nursery.cancel_scope.cancel()
@@ -399,7 +388,7 @@ class Worker(WorkerPropose):
             "peer_id": self.peer,
             "shard": self.config.shard,
             "operator": self.certificate.operator,
-            "kernel_class": self.kernel_class,
+            "kernel_class": self.signing.kernel_class,
             "joined_at": self.joined_at,
             "initial_root": initial_root,
             "start_state_blob": self.start_blob,
@@ -409,9 +398,9 @@ class Worker(WorkerPropose):
             "final_roots_heard": heard,
             "refused_closures": self.refused_closures,
             "refused_updates": self.refused_updates[:256],
-            "verdicts": self.verdicts,
-            "banned": self.banned,
-            "false_accusations": self.false_accusations,
+            "verdicts": self.replays.verdicts,
+            "banned": self.replays.banned,
+            "false_accusations": self.replays.false_accusations,
             "equivocations": [list(e) for e in self.book.equivocations],
             "agreed": all(v == self.root for v in heard.values()),
             "malformed_messages": self.ledger.malformed,

@@ -9,15 +9,19 @@ hearing the others', and excluding an operator whose cheat this worker's replay 
    else the accusation is recorded as false.
 3. Every verdict kept is also a tagged blob beside the milestones (outer_milestones
    rule 3).
+4. The states the last two rounds started from are kept for replay, and none in a run
+   that samples none (at 124M parameters the two are 2 GB a worker would hold for nothing).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from identity import Attestation
+from identity import Attestation, TrustStore
 from training.outer.aggregate import Aggregate
 from training.outer.agreement import CheckedClosure
 from training.outer.loop import OuterState
@@ -30,6 +34,7 @@ from training.outer.messages import (
 )
 from training.outer.milestones import tag
 from training.outer.observe import verdict_label
+from training.outer.params import WorkerConfig
 from training.outer.replay import (
     UNAVAILABLE,
     BadCommitment,
@@ -44,8 +49,13 @@ from training.outer.replay import (
     sign_verdict,
 )
 from training.outer.runs import drop_blob
-from training.outer.worker._stack_links import WorkerLinks
-from training.outer.worker._stack_state import _Sampled, _say
+from training.outer.worker.fetcher import BlobFetcher
+from training.outer.worker.links import Links
+from training.outer.worker.signals import Changes, Tasks, say
+from training.outer.worker.signing import Signing
+
+if TYPE_CHECKING:
+    from p2p.node.node import Node
 
 # Verdicts kept for the result file: a sampled share of each round's updates, for rounds
 # of at most MAX_RUN_WORKERS (64) workers; beyond this they are acted on, not listed.
@@ -55,18 +65,66 @@ MAX_VERDICTS = 4096
 MAX_EARLY_VERDICTS = 128
 
 
-class WorkerReplay(WorkerLinks):
-    """Samples, replays and verdicts (see :mod:`training.outer.worker._stack_replay`)."""
+@dataclass(frozen=True)
+class Sample:
+    """One sampled update of a round this worker applied."""
 
-    def _draw_sample(self, checked: CheckedClosure, agg: Aggregate, start: OuterState) -> None:
-        """Round r's sample, drawn from the root its closure produced; replay our share."""
+    round: int
+    start_root: str
+    author: str
+    operator: str
+    blob: str
+    commitment: str
+    replayer: str
+
+
+class Replays:
+    """Samples, replays and verdicts of one worker (see the module's rules)."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        node: Node,
+        trust: TrustStore,
+        fetcher: BlobFetcher,
+        links: Links,
+        signing: Signing,
+        changes: Changes,
+        tasks: Tasks,
+        *,
+        label: str,
+    ) -> None:
+        self.config = config
+        self.params = config.params
+        self.node = node
+        self.peer = node.peer_id
+        self.trust = trust
+        self.fetcher = fetcher
+        self.links = links
+        self.signing = signing
+        self.changes = changes
+        self.tasks = tasks
+        self.label = label
+        self.metrics = node.metrics
+        # Round -> (its start root, its start state), for the last two rounds (rule 4).
+        self.starts: dict[int, tuple[str, OuterState]] = {}
+        self.awaited: dict[tuple[int, str], Sample] = {}  # (round, author) -> its sample
+        self.early_verdicts: list[VerdictHeard] = []  # on the round not applied yet
+        self.verdicts: list[dict[str, Any]] = []  # kept, the first per (round, author)
+        self.confirming: set[tuple[int, str]] = set()  # our replays of a heard mismatch
+        self.banned: dict[str, str] = {}  # operator -> reason (its cheat confirmed here)
+        self.false_accusations: list[dict[str, Any]] = []
+
+    def draw_sample(
+        self, checked: CheckedClosure, agg: Aggregate, start: OuterState, now: float
+    ) -> None:
+        """Round r's sample, drawn from the root its closure produced (``agg`` applied on
+        ``start``); replay our share, and hear again the verdicts held for it (``now``:
+        the wall clock their certificates are checked at)."""
         c = checked.closure
         rate = self.params.replay_rate
         by_peer = {x.peer: (x, op) for x, op in zip(c.included, checked.operators, strict=True)}
         operators = {p: by_peer[p][1] for p, _, _ in agg.admitted}
-        # The start states replay needs (this round's and the last): in a run that samples
-        # none (replay rate 0, below the replayed level) none are kept, which at 124M
-        # parameters is 2 GB a worker would hold for nothing.
         if rate > 0:
             self.starts[c.round] = (c.start_root, start)
         for old in [r for r in self.starts if r < c.round - 1]:
@@ -79,35 +137,35 @@ class WorkerReplay(WorkerLinks):
                 continue
             included, operator = by_peer[peer]
             subjects = Attestation.decode(included.attestation).subjects
-            sample = _Sampled(c.round, c.start_root, peer, operator, blob, subjects[2], replayer)
+            sample = Sample(c.round, c.start_root, peer, operator, blob, subjects[2], replayer)
             self.awaited[(c.round, peer)] = sample
-            if replayer == self.peer and self.run_nursery is not None:
-                self.run_nursery.start_soon(self._replay, sample, False)
+            if replayer == self.peer:
+                self.tasks.start(self.replay, sample, False)
         early = [e for e in self.early_verdicts if e.verdict.round == c.round]
         self.early_verdicts = []
         for event in early:
-            self._hear_verdict(event)
+            self.hear(event, c.round + 1, now)
 
-    def _verdict_wait(self) -> float:
+    def wait_bound(self) -> float:
         """How long a proposer waits for the previous round's verdicts (point 4)."""
         return 2 * self.params.deadline
 
-    def _verdicts_pending(self, round_: int) -> bool:
+    def pending(self, round_: int) -> bool:
         """Verdicts on round ``round_``'s sample not yet held, or confirmations running."""
         held = {(v["round"], v["author"]) for v in self.verdicts}
         return any(
             key[0] == round_ and (key not in held or key in self.confirming) for key in self.awaited
         ) or any(key[0] == round_ for key in self.confirming)
 
-    async def _replay(self, sample: _Sampled, confirm: bool) -> None:
+    async def replay(self, sample: Sample, confirm: bool) -> None:
         """Replay one sampled update; announce the verdict (or, confirming another's
         mismatch, only act on it)."""
         key = (sample.round, sample.author)
         try:
-            outcome = await self._replay_outcome(sample)
+            outcome = await self._outcome(sample)
         finally:
             self.confirming.discard(key)
-            self.changed.set()
+            self.changes.set()
         verdict = Verdict(
             self.params.run_id,
             sample.round,
@@ -116,7 +174,7 @@ class WorkerReplay(WorkerLinks):
             sample.commitment,
             outcome,
         )
-        _say(
+        say(
             self.label,
             f"round {sample.round}: replayed {sample.author[-6:]}'s update "
             f"{'(confirming) ' if confirm else ''}-> {outcome}",
@@ -131,15 +189,16 @@ class WorkerReplay(WorkerLinks):
             return
         label = verdict_label(outcome, mismatched=verdict.mismatched, unavailable=UNAVAILABLE)
         self.metrics.replay_verdicts.labels(verdict=label).inc()
-        self._record_verdict(verdict, self.peer)
+        self._record(verdict, self.peer)
         if verdict.mismatched:
             self._ban(sample, outcome)
-        attestation = await self._sign(
+        s = self.signing
+        attestation = await s.sign(
             lambda: sign_verdict(
-                self.signer,
+                s.signer,
                 verdict,
-                kernel_class=self.kernel_class,
-                certificate=self.certificate,
+                kernel_class=s.kernel_class,
+                certificate=s.certificate,
                 time=int(time.time()),
             )
         )
@@ -152,26 +211,29 @@ class WorkerReplay(WorkerLinks):
             verdict.outcome,
             attestation,
         )
-        await self._announce(f"verdict-{sample.round}-{sample.author}", encode_message(message))
-        await self._keep_verdict(message)
+        await self.links.announce(
+            f"verdict-{sample.round}-{sample.author}", encode_message(message)
+        )
+        await self._keep(message)
 
-    async def _keep_verdict(self, message: VerdictAnnouncement) -> None:
-        """Keep a verdict as a tagged blob beside the milestones (outer_milestones rule 3)."""
+    async def _keep(self, message: VerdictAnnouncement) -> None:
+        """Keep a verdict as a tagged blob beside the milestones (rule 3)."""
         blob = await self.node.add_bytes(encode_message(message))
         name = tag(self.params.run_id, "verdict", message.round) + f"-{message.author}"
         await trio.to_thread.run_sync(self.node.store.tag, name, blob)
 
-    async def _replay_outcome(self, sample: _Sampled) -> str:
+    async def _outcome(self, sample: Sample) -> str:
         held = self.starts.get(sample.round)
         if held is None or held[0] != sample.start_root:
             return UNAVAILABLE  # not expected: we drew the sample from a state we held
         start = held[1]
-        providers = [*self.dialer.addrs(sample.author), *self._everyone()]
-        bound = self._fetch_bound()
-        if not await self._fetch(sample.commitment, providers, bound):
+        fetcher = self.fetcher
+        providers = [*fetcher.dialer.addrs(sample.author), *fetcher.everyone()]
+        bound = fetcher.bound()
+        if not await fetcher.fetch(sample.commitment, providers, bound):
             return UNAVAILABLE
         try:
-            data = await trio.to_thread.run_sync(self._load, sample.commitment)
+            data = await trio.to_thread.run_sync(fetcher.load, sample.commitment)
             c = decode_commitment(data)
         except BadCommitment as exc:
             return f"mismatch: {exc}"
@@ -186,25 +248,27 @@ class WorkerReplay(WorkerLinks):
         if claim:
             return f"mismatch: {claim}"
         had_inner = await trio.to_thread.run_sync(self.node.store.has, c.inner)
-        if not await self._fetch(c.inner, providers, bound):
+        if not await fetcher.fetch(c.inner, providers, bound):
             return UNAVAILABLE
-        inner = await trio.to_thread.run_sync(self._load, c.inner)
+        inner = await trio.to_thread.run_sync(fetcher.load, c.inner)
         if not had_inner:  # fetched for this replay only (a blob we held may be evidence)
             await trio.to_thread.run_sync(drop_blob, self.node.store, c.inner)
-        update = await trio.to_thread.run_sync(self._load, sample.blob)
+        update = await trio.to_thread.run_sync(fetcher.load, sample.blob)
         make = self.config.make_trainer
         return await trio.to_thread.run_sync(
             lambda: replay(self.params, c, inner, start, update, make)
         )
 
-    def _hear_verdict(self, event: VerdictHeard) -> None:
-        """A verdict from another worker: it counts if it is the assigned replayer's, on
-        an update we applied; a mismatch is acted on once our own replay agrees."""
+    def hear(self, event: VerdictHeard, current_round: int | None, now: float) -> None:
+        """A verdict from another worker, heard while this worker's state is of
+        ``current_round`` (None: before its first): it counts if it is the assigned
+        replayer's, on an update we applied; a mismatch is acted on once our own replay
+        agrees. ``now``: the wall clock its certificate is checked at."""
         msg = event.verdict
         sample = self.awaited.get((msg.round, msg.author))
         # On the round we have not applied yet (another worker applied and replayed it
         # first); later rounds' verdicts are not early but unfounded, and are not held.
-        ahead = self.state is not None and msg.round == self.state.round
+        ahead = msg.round == current_round
         if sample is None and msg.run == self.params.run_id and ahead:
             if len(self.early_verdicts) < MAX_EARLY_VERDICTS:
                 self.early_verdicts.append(event)  # heard again once the sample is drawn
@@ -215,33 +279,32 @@ class WorkerReplay(WorkerLinks):
             return
         verdict = Verdict(msg.run, msg.round, msg.author, msg.update, msg.commitment, msg.outcome)
         try:
-            signed = check_verdict(verdict, msg.attestation, trust=self.trust, now=time.time())
+            signed = check_verdict(verdict, msg.attestation, trust=self.trust, now=now)
             if self.config.require_hardware:
                 check_hardware(signed, "verdict")  # messages rule 7
         except (BadVerdict, Refused) as exc:
-            _say(self.label, f"refused a verdict from {event.peer[-6:]}: {exc}")
+            say(self.label, f"refused a verdict from {event.peer[-6:]}: {exc}")
             return
         if signed.signer_peer_id != event.peer:
             return
-        if not self._record_verdict(verdict, event.peer):
+        if not self._record(verdict, event.peer):
             return
-        if self.run_nursery is not None:
-            self.run_nursery.start_soon(self._keep_verdict, msg)
+        self.tasks.start(self._keep, msg)
         key = (msg.round, msg.author)
-        if verdict.mismatched and key not in self.confirming and self.run_nursery is not None:
+        if verdict.mismatched and key not in self.confirming and self.tasks.running:
             self.confirming.add(key)
-            self.run_nursery.start_soon(self._replay, sample, True)
+            self.tasks.start(self.replay, sample, True)
 
-    def _record_verdict(self, verdict: Verdict, replayer: str) -> bool:
+    def _record(self, verdict: Verdict, replayer: str) -> bool:
         """Keep a verdict (the first per round and author); True if it is new."""
         if any((v["round"], v["author"]) == (verdict.round, verdict.author) for v in self.verdicts):
             return False
         if len(self.verdicts) < MAX_VERDICTS:
             self.verdicts.append({**verdict.to_json(), "replayer": replayer})
-        self.changed.set()
+        self.changes.set()
         return True
 
-    def _ban(self, sample: _Sampled, outcome: str) -> None:
+    def _ban(self, sample: Sample, outcome: str) -> None:
         if sample.operator not in self.banned:
             self.banned[sample.operator] = f"failed replay of round {sample.round} ({outcome})"
-            _say(self.label, f"operator {sample.operator} excluded: {self.banned[sample.operator]}")
+            say(self.label, f"operator {sample.operator} excluded: {self.banned[sample.operator]}")

@@ -1,0 +1,95 @@
+"""What the tests of a worker's parts (``training.outer.worker``) build them from, without
+a worker: a node that is a real store and metrics, keys admitted by a test authority, and
+a worker's configuration.
+
+Import as ``tests.training.worker_parts``. The node here is the part of
+``p2p.node.node.Node`` the parts ask for (its peer ID, store, metrics, adding bytes,
+publishing, who is connected), with no network behind it: publishes are recorded."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from blobstore import Store
+from identity import (
+    AdmissionCertificate,
+    Authority,
+    MachineKey,
+    SoftwareSigner,
+    TrustStore,
+)
+from p2p.metrics import Metrics
+from training.outer.params import RunParams, WorkerConfig
+
+KC = "cpu-test"
+AUTHORITY = Authority(SoftwareSigner(MachineKey.generate()))
+TRUST = TrustStore(frozenset({AUTHORITY.public_key_bytes}))
+PARAMS = RunParams("run-1", workers=3, rounds=4, inner_steps=1)
+
+
+@dataclasses.dataclass
+class Machine:
+    """A machine key admitted by ``AUTHORITY`` (operator: ``op-`` and its short ID)."""
+
+    key: MachineKey
+    cert: AdmissionCertificate
+
+    @property
+    def peer(self) -> str:
+        return self.key.peer_id
+
+    @property
+    def signer(self) -> SoftwareSigner:
+        return SoftwareSigner(self.key)
+
+
+def machine(operator: str | None = None) -> Machine:
+    key = MachineKey.generate()
+    now = int(time.time())
+    cert = AUTHORITY.admit(
+        key.peer_id,
+        operator=operator or f"op-{key.peer_id[-6:]}",
+        kernel_class=KC,
+        not_before=0,
+        not_after=now + 3600,
+        serial=1,
+    )
+    return Machine(key, cert)
+
+
+class Node:
+    """A node without a network: a real store, metrics, and publishes recorded."""
+
+    def __init__(self, root: Path, peer: str) -> None:
+        self.peer_id = peer
+        self.store = Store.open(root)
+        self.metrics = Metrics()
+        self.published: list[bytes] = []
+        self.connected: list[str] = []
+        self.reachable_addrs = ["/ip4/127.0.0.1/tcp/1/p2p/" + peer]
+
+    async def add_bytes(self, data: bytes) -> str:
+        return self.store.put_bytes(data)
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        self.published.append(data)
+
+    def connected_peers(self) -> list[str]:
+        return list(self.connected)
+
+
+def config(tmp_path: Path, params: RunParams = PARAMS, **changes: Any) -> WorkerConfig:
+    """A worker's configuration (its files need not exist: the parts read none)."""
+    return WorkerConfig(
+        params=params,
+        shard=0,
+        store_root=tmp_path / "store",
+        key_path=tmp_path / "machine.key",
+        cert_path=tmp_path / "machine.cert",
+        authorities=(AUTHORITY.public_key_bytes,),
+        result_path=None,
+        **changes,
+    )
