@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import blake3
+
 from blobstore import Store
 from identity import (
     AdmissionCertificate,
@@ -20,8 +22,11 @@ from identity import (
     MachineKey,
     SoftwareSigner,
     TrustStore,
+    sign_attestation,
 )
 from p2p.metrics import Metrics
+from training.outer.agreement import CheckedClosure, Closure, Included, check_closure, sign_closure
+from training.outer.messages import UPDATE_KIND
 from training.outer.params import RunParams, WorkerConfig
 
 KC = "cpu-test"
@@ -93,3 +98,36 @@ def config(tmp_path: Path, params: RunParams = PARAMS, **changes: Any) -> Worker
         result_path=None,
         **changes,
     )
+
+
+def update(m: Machine, round_: int, root: str) -> Included:
+    """``m``'s update for ``round_`` from ``root`` (a made-up blob), attested."""
+    blob = blake3.blake3(f"{m.peer}/{round_}/{root}".encode()).hexdigest()
+    attestation = sign_attestation(
+        m.signer,
+        kind=UPDATE_KIND,
+        digest=bytes.fromhex(blob),
+        kernel_class=KC,
+        subjects=[blob, root, "c0" * 32],  # a commitment blob (never fetched here)
+        time=int(time.time()),
+        certificate=m.cert,
+    )
+    return Included(m.peer, blob, attestation.encode())
+
+
+def close(
+    proposer: Machine, round_: int, root: str, included: list[Included], run: str = PARAMS.run_id
+) -> CheckedClosure:
+    """``proposer``'s closure of ``round_`` naming ``included`` (a made-up result)."""
+    entries = tuple(sorted(included, key=lambda x: x.peer))
+    result = blake3.blake3((root + "".join(x.blob for x in entries)).encode()).hexdigest()
+    state = blake3.blake3(result.encode()).hexdigest()
+    closure = Closure(run, round_, root, proposer.peer, entries, result, state)
+    body, attestation = sign_closure(
+        proposer.signer,
+        closure,
+        kernel_class=KC,
+        certificate=proposer.cert,
+        time=int(time.time()),
+    )
+    return check_closure(body, attestation, run=run, trust=TRUST, now=time.time())

@@ -43,8 +43,7 @@ from training.outer.milestones import (
 )
 from training.outer.runs import drop_blob
 from training.outer.state_blob import BadStateBlob, decode_state, state_blocks, state_size
-from training.outer.worker._stack_gossip import WorkerGossip
-from training.outer.worker._stack_state import RoundRecord, _Ahead
+from training.outer.worker._stack_state import RoundRecord, WorkerState, _Ahead
 from training.outer.worker.fetcher import FETCH_STALL
 from training.outer.worker.signals import names, say
 
@@ -53,7 +52,7 @@ from training.outer.worker.signals import names, say
 UNAVAILABLE_TRIES = 4
 
 
-class WorkerAdopt(WorkerGossip):
+class WorkerAdopt(WorkerState):
     """Applying a closure, catching up, keeping the round (see
     :mod:`training.outer.worker._stack_adopt`)."""
 
@@ -242,13 +241,13 @@ class WorkerAdopt(WorkerGossip):
                 )
         agg, root, ahead = await self._aggregated(entries)
         if root != c.result_root:
-            self._bad(checked, f"result root mismatch (we computed {root[:16]})")
+            self.closures.mark_bad(checked, f"result root mismatch (we computed {root[:16]})")
             return
         self._offer(agg.state, root)
         blocks = state_blocks(agg.state)
         blob = await self.node.add_blocks(blocks)
         if blob != c.state_blob:
-            self._bad(checked, "state blob mismatch")
+            self.closures.mark_bad(checked, "state blob mismatch")
             return
         await self._adopt(agg.state, checked, "applied", agg, blob, state_size(blocks), ahead=ahead)
 
@@ -324,11 +323,11 @@ class WorkerAdopt(WorkerGossip):
             data = await trio.to_thread.run_sync(self.fetcher.load, c.state_blob)
             state = await trio.to_thread.run_sync(lambda: decode_state(data, expected=self.shapes))
         except (BadStateBlob, OSError) as exc:
-            self._bad(checked, f"bad state blob: {exc}")
+            self.closures.mark_bad(checked, f"bad state blob: {exc}")
             return
         root = await trio.to_thread.run_sync(state_root, state)
         if state.round != c.round + 1 or root != c.result_root:
-            self._bad(checked, "state blob is not the closure's result")
+            self.closures.mark_bad(checked, "state blob is not the closure's result")
             return
         before = self.state.round if self.state is not None else None
         await self._adopt(state, checked, "caught up", None, c.state_blob, len(data))
@@ -352,13 +351,6 @@ class WorkerAdopt(WorkerGossip):
         tries = self.unavailable.get(checked.digest, 0) + 1
         self.unavailable[checked.digest] = tries
         if tries >= UNAVAILABLE_TRIES:
-            self._bad(checked, f"blobs unavailable after {tries} tries")
+            self.closures.mark_bad(checked, f"blobs unavailable after {tries} tries")
         else:
             say(self.label, f"closure {checked.digest.hex()[:12]}: blobs unavailable, retrying")
-
-    def _bad(self, checked: CheckedClosure, reason: str) -> None:
-        self.book.mark_bad(checked.digest, reason)
-        self.refused_closures.append(
-            {"peer": checked.closure.proposer, "round": checked.closure.round, "reason": reason}
-        )
-        say(self.label, f"closure {checked.digest.hex()[:12]} is no tip: {reason}")

@@ -109,7 +109,7 @@ class WorkerPropose(WorkerAdopt):
         now = trio.current_time()
         size = len(trained.update)
         self.own = _Own(state.round, root, blob, attestation, trained.losses, size, now)
-        self._keep_attestation(state.round, self.peer, blob, attestation)
+        self.closures.keep_attestation(state.round, self.peer, blob, attestation)
         self.fetched[self.peer] = blob
         message = UpdateAnnouncement(
             self.params.run_id, state.round, blob, attestation, tuple(self.node.reachable_addrs)

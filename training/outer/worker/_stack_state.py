@@ -15,6 +15,7 @@ operation it serves is stated in :mod:`training.outer.worker`. Held here:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -27,14 +28,25 @@ from training.outer.aggregate import Aggregate
 from training.outer.agreement import CheckedClosure, ClosureBook, distinct, expected, nameable
 from training.outer.announce import Announcer, PeerDialer
 from training.outer.loop import OuterState
-from training.outer.messages import Candidate, Ledger, topic
+from training.outer.messages import (
+    Candidate,
+    ClosureHeard,
+    ClosureRefHeard,
+    Event,
+    Ledger,
+    Rejection,
+    StateHeard,
+    VerdictHeard,
+    topic,
+)
 from training.outer.observe import exclusion_label
 from training.outer.params import OuterNetError, WorkerConfig
 from training.outer.runs import Retention
+from training.outer.worker.closures import Closures
 from training.outer.worker.fetcher import BlobFetcher, fetch_bound
 from training.outer.worker.links import Links
 from training.outer.worker.replays import Replays
-from training.outer.worker.signals import Changes, Tasks
+from training.outer.worker.signals import Changes, Tasks, say
 from training.outer.worker.signing import Signing, check_signer
 
 if TYPE_CHECKING:
@@ -149,7 +161,6 @@ class WorkerState:
         self.own: _Own | None = None
         self.proposed: dict[bytes, tuple[Aggregate, str, int]] = {}
         self.records: dict[int, RoundRecord] = {}
-        self.refused_closures: list[dict[str, Any]] = []
         self.retention = Retention(config.keep_states)
         self.dialer = PeerDialer()
         self.joined_at: int | None = None
@@ -170,8 +181,16 @@ class WorkerState:
             label=self.label,
         )
         self.unavailable: dict[bytes, int] = {}  # closure digest -> failed fetch rounds
-        self.attestations: dict[tuple[str, str], tuple[int, bytes]] = {}
-        self.closure_fetches: set[str] = set()
+        self.closures = Closures(
+            self.params.run_id,
+            trust,
+            self.book,
+            self.fetcher,
+            self.changes,
+            self.tasks,
+            require_hardware=config.require_hardware,
+            label=self.label,
+        )
         self.replays = Replays(
             config,
             node,
@@ -240,6 +259,41 @@ class WorkerState:
         fetched = await self.fetcher.fetch(candidate.blob, candidate.addrs, float("inf"))
         if fetched and root == self.root:
             self.fetched[candidate.peer] = candidate.blob
+            self.changes.set()
+
+    def _handle(self, events: list[Event]) -> None:
+        """What the topic brought: updates of the current round to fetch, closures into
+        the book, addresses to dial, verdicts."""
+        now = time.time()
+        for event in events:
+            if isinstance(event, Candidate):
+                self.dialer.learn(event.peer, event.addrs, trio.current_time())
+                self.closures.keep_attestation(
+                    event.round, event.peer, event.blob, event.attestation
+                )
+                if (
+                    self.state is not None
+                    and event.round == self.state.round
+                    and event.peer not in self.candidates
+                ):
+                    self.candidates[event.peer] = event
+                    if self.fetch_nursery is not None:
+                        self.fetch_nursery.start_soon(self._fetch_update, event, self.root)
+            elif isinstance(event, Rejection):
+                say(
+                    self.label,
+                    f"round {event.round}: rejected update {event.blob[:12]} from "
+                    f"{event.peer}: {event.reason}",
+                )
+            elif isinstance(event, ClosureHeard):
+                self.closures.hear(event, now)
+            elif isinstance(event, ClosureRefHeard):
+                self.closures.hear_compact(event, now)
+            elif isinstance(event, StateHeard):
+                self.dialer.learn(event.peer, event.addrs, trio.current_time())
+            elif isinstance(event, VerdictHeard):
+                self.replays.hear(event, self.state.round if self.state else None, now)
+        if events:
             self.changes.set()
 
     def _mark(self, phase: str) -> None:

@@ -114,8 +114,6 @@ from training.outer.params import OuterNetError, write_json
 from training.outer.state_blob import BadStateBlob, decode_state
 from training.outer.trainer import Trainer
 from training.outer.worker._stack_adopt import UNAVAILABLE_TRIES as UNAVAILABLE_TRIES
-from training.outer.worker._stack_gossip import MAX_ATTESTATIONS as MAX_ATTESTATIONS
-from training.outer.worker._stack_gossip import MAX_CLOSURE_FETCHES as MAX_CLOSURE_FETCHES
 from training.outer.worker._stack_propose import WorkerPropose
 from training.outer.worker._stack_state import RoundRecord as RoundRecord
 from training.outer.worker.signals import say
@@ -396,7 +394,7 @@ class Worker(WorkerPropose):
             "final_round": self.state.round,
             "final_root": self.root,
             "final_roots_heard": heard,
-            "refused_closures": self.refused_closures,
+            "refused_closures": self.closures.refused,
             "refused_updates": self.refused_updates[:256],
             "verdicts": self.replays.verdicts,
             "banned": self.replays.banned,
