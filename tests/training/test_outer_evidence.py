@@ -558,7 +558,7 @@ def test_a_worker_in_a_hardware_run_takes_only_tpm_signed_updates(hardware: Hard
     is not TPM-bound, or whose certificate lacks its TPM's key, is refused before it
     starts."""
     from training.outer.params import OuterNetError
-    from training.outer.worker import check_signer
+    from training.outer.worker.signing import check_signer
 
     hw = hardware
     now = int(time.time())

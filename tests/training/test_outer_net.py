@@ -166,8 +166,8 @@ def test_three_workers_two_rounds_reach_the_same_state(tmp_path: Path) -> None:
         assert len({res["rounds"][r]["closure"] for res in results}) == 1
         assert len({res["rounds"][r]["state_blob"] for res in results}) == 1
         assert sum(res["rounds"][r]["how"] == "proposed" for res in results) == 1
-    # The others aggregated the round's updates while the proposer did (worker_adopt point
-    # 4), and applied its closure from that aggregate: the same state, blob and root.
+    # The others aggregated the round's updates while the proposer did (aggregator rule
+    # 2), and applied its closure from that aggregate: the same state, blob and root.
     assert any(rec["ahead"] for res in results for rec in res["rounds"] if rec["how"] == "applied")
     # Where each round's communication went, in the order it happens: the update out, the
     # round's updates in (the proposer waits for them; another worker may get the closure

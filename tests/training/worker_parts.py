@@ -116,12 +116,21 @@ def update(m: Machine, round_: int, root: str) -> Included:
 
 
 def close(
-    proposer: Machine, round_: int, root: str, included: list[Included], run: str = PARAMS.run_id
+    proposer: Machine,
+    round_: int,
+    root: str,
+    included: list[Included],
+    run: str = PARAMS.run_id,
+    *,
+    result: str | None = None,
+    state_blob: str | None = None,
 ) -> CheckedClosure:
-    """``proposer``'s closure of ``round_`` naming ``included`` (a made-up result)."""
+    """``proposer``'s closure of ``round_`` naming ``included`` (a made-up result root and
+    state blob where none is given)."""
     entries = tuple(sorted(included, key=lambda x: x.peer))
-    result = blake3.blake3((root + "".join(x.blob for x in entries)).encode()).hexdigest()
-    state = blake3.blake3(result.encode()).hexdigest()
+    made_up = blake3.blake3((root + "".join(x.blob for x in entries)).encode()).hexdigest()
+    result = result or made_up
+    state = state_blob or blake3.blake3(result.encode()).hexdigest()
     closure = Closure(run, round_, root, proposer.peer, entries, result, state)
     body, attestation = sign_closure(
         proposer.signer,

@@ -432,6 +432,7 @@ def worker_command(
     from blobstore import parse_blob_id
     from training.outer.launch import run_worker
     from training.outer.params import WorkerConfig
+    from training.outer.worker.faults import Faults
 
     check_relays(relays)
     if listen is None:
@@ -486,8 +487,6 @@ def worker_command(
         listen=listen,
         addr_file=addr_file,
         start_timeout=start_timeout,
-        stall_round=stall_round,
-        cheat_from_round=cheat_from_round,
         publish=publish_as,
         relays=relays,
         assume_private=assume_private,
@@ -499,7 +498,8 @@ def worker_command(
         keep_states=keep_states,
         metrics=metrics,
     )
-    result = trio.run(run_worker, config)
+    faults = Faults(stall_round=stall_round, cheat_from_round=cheat_from_round)
+    result = trio.run(run_worker, config, faults)
     # The result is written (durably) and the node closed: what is left is the
     # interpreter's exit, whose final collection over torch's and py-libp2p's objects
     # took about 3 s a worker. Frozen objects are left to the process's end.

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -58,6 +58,9 @@ from training.outer.params import (
 )
 from training.outer.state_blob import encode_state
 
+if TYPE_CHECKING:
+    from training.outer.worker.faults import Faults
+
 
 def _load_identity(
     config: WorkerConfig,
@@ -81,8 +84,9 @@ def _load_identity(
     return key, certificate, trust
 
 
-async def run_worker(config: WorkerConfig) -> dict[str, Any]:
-    """Run one worker to the end of the run; returns (and writes) its result."""
+async def run_worker(config: WorkerConfig, faults: Faults | None = None) -> dict[str, Any]:
+    """Run one worker to the end of the run; returns (and writes) its result. ``faults``:
+    what a test injects (none in a run)."""
     from p2p.node.node import open_node
 
     if config.initial is None and not config.join:
@@ -111,11 +115,12 @@ async def run_worker(config: WorkerConfig) -> dict[str, Any]:
         behind_nat(node, config.relays, certificate.encode(), config.assume_private),
     ):
         from training.outer.worker import Worker
+        from training.outer.worker.faults import NO_FAULTS
 
         # TPM-backed where the key is bound (`blob tpm bind`): its attestations then carry
         # the AK's co-signature.
         signer = machine_signer(key, config.key_path)
-        worker = Worker(config, node, signer, certificate, trust)
+        worker = Worker(config, node, signer, certificate, trust, faults or NO_FAULTS)
         result = await _observed(worker, node, config.metrics)
         if config.publish is not None and result["rounds"]:
             record = await node.publish_name(config.publish, result["rounds"][-1]["state_blob"])

@@ -131,12 +131,6 @@ class WorkerConfig:
     listen: str = "/ip4/127.0.0.1/tcp/0"
     addr_file: Path | None = None
     start_timeout: float = DEFAULT_START_TIMEOUT
-    # Test hook: sleep before training in this round (so a test can kill the worker in a
-    # known place mid-round).
-    stall_round: int | None = None
-    # Test hook: from this round on, train on other batch rows than the commitment names
-    # (an update that does not match its commitment; replay must catch it).
-    cheat_from_round: int | None = None
     # Name the final state blob <this peer ID>/NAME at the end (p2p/names/NAMES.md).
     publish: str | None = None
     # Behind NAT: relays to reserve on when no relay can dial this worker back

@@ -6,8 +6,12 @@
 2. A compact closure (outer_agreement rule 5) is expanded from the update attestations
    held (at most ``MAX_ATTESTATIONS``, for the rounds a closure may still name), else its
    full blob is fetched (at most ``MAX_CLOSURE_FETCHES`` at once) and must match it.
-3. A closure whose result this worker could not recompute, or whose blobs could not be
-   fetched in time, is no tip (:meth:`Closures.mark_bad`), and listed with its reason.
+3. A closure whose result this worker could not recompute is no tip
+   (:meth:`Closures.mark_bad`), and listed with its reason.
+4. A closure whose blobs could not be fetched in time (the network's fault, or its
+   proposer's) stays the tip for ``UNAVAILABLE_TRIES`` fetch bounds, so this worker does
+   not propose a rival closure and fork; only then is it no tip (rule 4 of
+   outer_agreement).
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ MAX_ATTESTATIONS = 1024
 # Full closures fetched at once (for compact ones we could not expand): a handful of
 # siblings per round (outer_agreement.MAX_CLOSURES_PER_ROUND) is all a run has.
 MAX_CLOSURE_FETCHES = 16
+# Fetch bounds a closure's blobs may fail before the closure is dropped (rule 4): long
+# enough to outlast a worker's own pause or a peer's restart.
+UNAVAILABLE_TRIES = 4
 # Refused closures heard that the result file lists (a peer may send any number).
 MAX_REFUSED = 64
 
@@ -75,6 +82,7 @@ class Closures:
         self.attestations: dict[tuple[str, str], tuple[int, bytes]] = {}
         self.fetching: set[str] = set()  # full closure blobs being fetched
         self.refused: list[dict[str, Any]] = []  # closures refused or marked bad, and why
+        self.unavailable: dict[bytes, int] = {}  # closure digest -> failed fetch bounds
 
     def hear(self, event: ClosureHeard, now: float) -> None:
         """A closure heard (rule 1); ``now``: the wall clock its certificates are checked
@@ -161,3 +169,12 @@ class Closures:
             {"peer": checked.closure.proposer, "round": checked.closure.round, "reason": reason}
         )
         say(self.label, f"closure {checked.digest.hex()[:12]} is no tip: {reason}")
+
+    def unavailable_once(self, checked: CheckedClosure) -> None:
+        """Rule 4: ``checked``'s blobs could not be fetched within one fetch bound."""
+        tries = self.unavailable.get(checked.digest, 0) + 1
+        self.unavailable[checked.digest] = tries
+        if tries >= UNAVAILABLE_TRIES:
+            self.mark_bad(checked, f"blobs unavailable after {tries} tries")
+        else:
+            say(self.label, f"closure {checked.digest.hex()[:12]}: blobs unavailable, retrying")

@@ -1,136 +1,300 @@
-"""One worker of a decentralised outer-loop run: the trio shell around the sans-IO cores.
+"""The worker: the owner of its parts and the driver of its rounds (the theory of
+operation is :mod:`training.outer.worker`'s).
 
-Theory of operation
--------------------
-The decisions are made elsewhere, as pure functions of what the worker has heard:
-which update announcements count (``training.outer.messages.Ledger``), which closure is
-the tip and what to do about it (``training.outer.agreement``), how the named updates
-become the next state (``training.outer.aggregate``) and when to re-send an announcement
-(``training.outer.announce``). This module moves bytes between them and the node:
-
-1. Tasks: one reads the run's gossipsub topic into the ledger and the closure book; one
-   re-publishes announcements with back-off; one dials every admitted peer it has heard
-   of and is not connected to, for the whole run, with back-off
-   (``training.outer.announce.PeerDialer``), so the TCP connections form a mesh whoever
-   bootstrapped to whom, and a worker back from a pause finds the living peers even if
-   its bootstrap peers are dead; one samples the sockets' byte counts and notices a pause
-   (the monotonic clock jumped): it keeps its live connections (dropping them lost the
-   closures published meanwhile) and dials every missing peer at once; only a state fetch
-   that fails drops every connection to dial afresh; fetches run as tasks of the
-   round; the driver (``_drive``) does everything that changes the worker's state, so
-   nothing else ever sees a half-changed state. The hello (presence, for the start
-   barrier) stays announced until a round closes and is re-sent at once whenever a worker
-   is heard of for the first time: one that subscribed after it went out would otherwise
-   wait at the barrier for the first update announcement. A joiner says hello once it
-   has joined: the others count a late update (one that comes after its round's closure,
-   as a joiner's first ones do: it aggregates no round ahead) toward the next round's
-   wait only from a worker they hold present.
-2. The driver, in a loop: (a) if it holds no update for its current state and round,
-   trains one (torch in a thread; messages keep flowing), unless the state changed
-   meanwhile, then puts, attests and announces it; (b) asks ``next_step``: Apply (fetch the
-   tip's named updates it lacks, aggregate, or take the aggregate made ahead of the
-   closure, ``worker_adopt`` point 4; check the result root, offer the state to a trainer
-   that takes it ahead, then store the state blob and check its ID), CatchUp (fetch the
-   tip's state blob, check round and root, adopt), or Stay; (c) on Stay, proposes a
-   closure when its slot comes (rule 2 of ``outer_agreement``): updates of all K workers
-   fetched, or the deadline after its own announcement passed, plus its position in the
-   round's rank order times the proposer timeout. The proposer offers its state as soon
-   as it is aggregated and names the state blob by its hashed ID, storing it after the
-   closure is out.
-3. After the last round it waits until the tip has not changed for a settle time (a better
-   closure of the last round may still arrive, and rule 3 applies to it like any other),
-   announces its final root, and waits (bounded by ``_linger_bound``), serving blobs, for
-   the final roots of every worker whose update it ever applied and is still connected to
-   (a worker back from a pause that outlasted the others' last rounds needs someone to
-   catch up from; a dead one has no connection and is not waited for) and for the
-   verdicts on the last round's sample; then it writes its result. Its tasks are
-   cancelled before the node closes, so shutdown is clean; a peer's death is a fetch that
-   fails and is retried elsewhere, never an error.
-4. Replay (``training.outer.replay``): with each update the worker stores its inner state
-   and a commitment, named in its update attestation. After applying round r it draws
-   round r's sample from the new root; for each sampled update it is the replayer of, it
-   replays it (a task of the run, torch in a thread) and announces a signed verdict. A
-   mismatch it heard counts once its own replay agrees; then that operator's updates stay
-   out of every closure it proposes. A proposer waits (bounded by ``_verdict_wait``) for
-   the verdicts on the previous round's sample before proposing, so a confirmed cheat is
-   left out of the next closure it makes.
-5. Disk: the state blobs of the last ``keep_states`` rounds (``WorkerConfig``) stay tagged
-   ``outer/<run>/state/<round>``, its own inner-state blobs of those rounds stay; older
-   ones are untagged and deleted, and a replayer deletes an inner state it fetched once
-   replayed (``training.outer.runs`` point 4).
-   Each applied closure is kept as a blob (tagged), with its milestone and a collection
-   of the update blobs it names (``training.outer.milestones`` rule 2), so ``blob gc``
-   leaves ``blob outer verify`` what it needs until ``blob outer forget``.
-6. Never alone: a worker stopped past the others' last round and linger (45 s in the
-   setting of ``bench/outer.py --churn``) wakes to find them gone. Closing the
-   remaining rounds alone (at once if it had heard none of their closures, else once
-   their blobs were dropped as unavailable, rule 4 of outer_agreement) and exiting 0 on a
-   rival root, "agreed" because it heard no final root to compare, would be a silent
-   fork. So a worker that trained with others proposes, and fetches the blobs a closure names,
-   only while connected to an admitted peer; with none for ``_alone_bound`` it stops
-   with an error (a closure it heard whose blobs nobody left can serve no longer costs
-   it ``UNAVAILABLE_TRIES`` fetch bounds first). A SIGSTOPped peer's TCP
-   connections stay up, so the others do not stop while it is paused. The price: the
-   last survivor of a run whose other workers all died stops too instead of finishing
-   alone (it cannot tell them from a run that went on without it).
-7. Signing: everything the worker attests (updates, closures, verdicts, milestones,
-   catch-ups, its final root) goes through the signer it is given, the machine's
-   (``identity.machine_signer``): on a TPM-bound key each carries the AK's co-signature.
-   In a run that requires hardware it refuses, before it starts, a signer that is not
-   TPM-backed, and takes from others only TPM co-signed updates, closures and verdicts
-   (``training.outer.messages`` rule 7). A round it caught up over, not recomputing it,
-   it keeps with a signed catch-up record instead of a milestone
-   (``training.outer.milestones`` rule 5).
-
-Where the code is
------------------
-This module holds :class:`Worker`'s driver (``_drive``, ``_step``, ``_round_loop``) and its
-start, join and finish (``run``). The rest is built from one part per job, each a base
-class in its own module, from the bottom up: :mod:`training.outer.worker._stack_state` (the
-state, signing, ``blob status`` and metrics), :mod:`training.outer.worker._stack_blobs` (fetches),
-:mod:`training.outer.worker._stack_links` (announcements out, dials, pauses, never alone: points
-1 and 6), :mod:`training.outer.worker._stack_replay` (point 4), :mod:`training.outer.worker._stack_gossip`
-(the topic into the ledger and the closure book), :mod:`training.outer.worker._stack_adopt`
-(apply, catch up, keep the round: points 2b and 5) and :mod:`training.outer.worker._stack_propose`
-(train and propose: points 2a and 2c).
+The :class:`Worker` holds the round's state (``state``, ``root``, ``candidates``,
+``fetched``, ``own``) and changes it in one place, the driver (``_drive``): nothing else
+ever sees a half-changed state. It owns the parts that do the rest, each with its own
+state and rules: :class:`~training.outer.worker.links.Links` (the topic, dials, pauses,
+never alone), :class:`~training.outer.worker.fetcher.BlobFetcher`,
+:class:`~training.outer.worker.closures.Closures` (closures heard into the book),
+:class:`~training.outer.worker.replays.Replays`,
+:class:`~training.outer.worker.aggregator.Aggregator`,
+:class:`~training.outer.worker.proposer.Proposer` (its updates and closures) and
+:class:`~training.outer.worker.keeper.Keeper` (the rounds adopted, in the result and the
+store), around the sans-IO cores (``messages.Ledger``, ``agreement.ClosureBook``,
+``announce.Announcer`` and ``PeerDialer``).
 """
 
 from __future__ import annotations
 
 import resource
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import trio
 
-from identity import sign_attestation
-from training.outer.agreement import Apply, CatchUp
+from identity import AdmissionCertificate, Attestation, Signer, TrustStore, sign_attestation
+from p2p.transport.meter import WireMeter
+from training.outer.aggregate import Aggregate
+from training.outer.agreement import (
+    Apply,
+    CatchUp,
+    CheckedClosure,
+    ClosureBook,
+    distinct,
+    expected,
+    nameable,
+    next_step,
+    proposal_time,
+    proposer_order,
+)
+from training.outer.announce import Announcer, PeerDialer
 from training.outer.loop import OuterState, state_root
-from training.outer.messages import STATE_KIND, Hello, StateAnnouncement, encode_message
-from training.outer.milestones import tag
-from training.outer.params import OuterNetError, write_json
-from training.outer.state_blob import BadStateBlob, decode_state
+from training.outer.messages import (
+    STATE_KIND,
+    Candidate,
+    ClosureAnnouncement,
+    ClosureHeard,
+    ClosureRefHeard,
+    Event,
+    Hello,
+    Ledger,
+    Rejection,
+    StateAnnouncement,
+    StateHeard,
+    VerdictHeard,
+    encode_message,
+    topic,
+)
+from training.outer.milestones import absent_workers, tag
+from training.outer.observe import exclusion_label
+from training.outer.params import OuterNetError, WorkerConfig, write_json
+from training.outer.runs import Retention
+from training.outer.state_blob import BadStateBlob, decode_state, state_blocks, state_size
 from training.outer.trainer import Trainer
-from training.outer.worker._stack_adopt import UNAVAILABLE_TRIES as UNAVAILABLE_TRIES
-from training.outer.worker._stack_propose import WorkerPropose
-from training.outer.worker._stack_state import RoundRecord as RoundRecord
-from training.outer.worker.signals import say
+from training.outer.worker.aggregator import Aggregator
+from training.outer.worker.closures import Closures
+from training.outer.worker.faults import NO_FAULTS, Faults
+from training.outer.worker.fetcher import FETCH_STALL, BlobFetcher, fetch_bound
+from training.outer.worker.keeper import Keeper
+from training.outer.worker.links import Links
+from training.outer.worker.proposer import Proposer
+from training.outer.worker.records import Own, RoundRecord
+from training.outer.worker.replays import Replays
+from training.outer.worker.signals import Changes, Tasks, names, say
+from training.outer.worker.signing import Signing, check_signer
+
+if TYPE_CHECKING:
+    from p2p.node.node import Node
 
 # Before proposing, the worker lets messages already on the wire (buffered while it was
 # busy or paused) reach its book, so it does not propose for a round already closed.
 GATHER = 0.3
 
 
-class Worker(WorkerPropose):
-    """One worker of a run (see the theory of operation above)."""
+class Worker:
+    """One worker of a run (see the module and the theory of operation)."""
 
-    # --- the driver -------------------------------------------------------------------
+    def __init__(
+        self,
+        config: WorkerConfig,
+        node: Node,
+        signer: Signer,
+        certificate: AdmissionCertificate,
+        trust: TrustStore,
+        faults: Faults = NO_FAULTS,
+    ) -> None:
+        """``signer``: the machine key's signer (``identity.machine_signer``), so that on a
+        TPM-bound machine every update, closure, verdict, milestone and catch-up record
+        carries the AK's co-signature. ``faults``: what a test injects (none in a run)."""
+        if signer.peer_id != node.peer_id:
+            raise OuterNetError(f"the signer is {signer.peer_id}, not the node's {node.peer_id}")
+        check_signer(signer, certificate, config.require_hardware)
+        self.config = config
+        self.params = params = config.params
+        self.node = node
+        self.certificate = certificate
+        self.trust = trust
+        self.faults = faults
+        self.peer = node.peer_id
+        self.label = label = f"{config.shard} {self.peer[-6:]}"
+        self.metrics = node.metrics
+        # The sans-IO cores.
+        self.ledger = Ledger(
+            params.run_id, self.peer, trust, require_hardware=config.require_hardware
+        )
+        self.book = ClosureBook()
+        self.announcer = Announcer()
+        self.dialer = PeerDialer()
+        self.meter = WireMeter()
+        # The parts.
+        self.changes = changes = Changes()
+        self.tasks = tasks = Tasks()
+        self.signing = signing = Signing(signer, certificate)
+        self.fetcher = fetcher = BlobFetcher(node, params, self.dialer, label)
+        self.links = links = Links(
+            node,
+            topic(params.run_id),
+            self.announcer,
+            self.dialer,
+            self.meter,
+            changes,
+            alone_bound=fetch_bound(params),
+            label=label,
+        )
+        self.closures = Closures(
+            params.run_id,
+            trust,
+            self.book,
+            fetcher,
+            changes,
+            tasks,
+            require_hardware=config.require_hardware,
+            label=label,
+        )
+        self.replays = Replays(
+            config, node, trust, fetcher, links, signing, changes, tasks, label=label
+        )
+        self.aggregator = Aggregator(params.outer_config(), fetcher.load, tasks)
+        retention = Retention(config.keep_states)
+        self.keeper = Keeper(params, node, signing, retention)
+        self.proposer = Proposer(
+            config, node, trust, self.book, fetcher, links, signing, retention, label=label
+        )
+        # The round's state, changed by the driver only.
+        self.state: OuterState | None = None
+        self.root = ""
+        self.candidates: dict[str, Candidate] = {}
+        self.fetched: dict[str, str] = {}  # peer -> blob, for the current (round, root)
+        self.own: Own | None = None
+        # The previous round's updates a closure could name, peer -> blob (rule 2 of
+        # outer_agreement: a round is ready when it holds K or, if more, that many).
+        self.previous: dict[str, str] = {}
+        self.round_started = 0.0
+        self.marks: dict[str, float] = {}  # RoundRecord.phases of round marked_round, as times
+        self.marked_round = -1
+        self.fetch_nursery: trio.Nursery | None = None  # the round's update fetches
+        self.proposed_for: set[tuple[int, str]] = set()  # at most one closure each
+        # The run.
+        self.joined_at: int | None = None
+        self.start_blob = ""
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        # The trainer's ``ready(state, root)``, where it has one (training.outer.api):
+        # told each next state as soon as it is computed and its root checked.
+        self.ready: Callable[[OuterState, str], None] | None = None
+        # What `blob status` and the metrics show (training.outer.observe).
+        self.phase = "joining"
+        self.last_included: dict[str, Any] | None = None  # our own update's last inclusion
+        self.absent: dict[str, Any] = {"round": None, "workers": []}  # the last adopted round's
+
+    def state_round(self) -> int:
+        return -1 if self.state is None else self.state.round
+
+    # --- what the topic brings ---------------------------------------------------------
+    def _handle(self, events: list[Event]) -> None:
+        """Updates of the current round to fetch, closures into the book, addresses to
+        dial, verdicts."""
+        now = time.time()
+        for event in events:
+            if isinstance(event, Candidate):
+                self.dialer.learn(event.peer, event.addrs, trio.current_time())
+                self.closures.keep_attestation(
+                    event.round, event.peer, event.blob, event.attestation
+                )
+                if (
+                    self.state is not None
+                    and event.round == self.state.round
+                    and event.peer not in self.candidates
+                ):
+                    self.candidates[event.peer] = event
+                    if self.fetch_nursery is not None:
+                        self.fetch_nursery.start_soon(self._fetch_update, event, self.root)
+            elif isinstance(event, Rejection):
+                say(
+                    self.label,
+                    f"round {event.round}: rejected update {event.blob[:12]} from "
+                    f"{event.peer}: {event.reason}",
+                )
+            elif isinstance(event, ClosureHeard):
+                self.closures.hear(event, now)
+            elif isinstance(event, ClosureRefHeard):
+                self.closures.hear_compact(event, now)
+            elif isinstance(event, StateHeard):
+                self.dialer.learn(event.peer, event.addrs, trio.current_time())
+            elif isinstance(event, VerdictHeard):
+                self.replays.hear(event, None if self.state is None else self.state.round, now)
+        if events:
+            self.changes.set()
+
+    async def _fetch_update(self, candidate: Candidate, root: str) -> None:
+        fetched = await self.fetcher.fetch(candidate.blob, candidate.addrs, float("inf"))
+        if fetched and root == self.root:
+            self.fetched[candidate.peer] = candidate.blob
+            self.changes.set()
+
+    # --- readiness (rule 2 of outer_agreement) -------------------------------------------
+    def _operators(self) -> dict[str, str]:
+        """Each peer's operator as this worker knows it: its own, then a candidate's, then
+        the ledger's (from hellos and late updates)."""
+        operators = dict(self.ledger.operators)
+        operators.update((p, c.operator) for p, c in self.candidates.items())
+        operators[self.peer] = self.certificate.operator
+        return operators
+
+    def _nameable(self) -> dict[str, str]:
+        announced = {p: c.blob for p, c in self.candidates.items()}
+        return nameable(
+            self.fetched,
+            announced,
+            me=self.peer,
+            operators=self._operators(),
+            banned=self.replays.banned,
+        )
+
+    def _expected(self) -> int:
+        return expected(
+            self.params.workers,
+            self.previous,
+            self.ledger.late.get(self.state_round() - 1, {}),
+            me=self.peer,
+            operators=self._operators(),
+            banned=self.replays.banned,
+        )
+
+    def _slot(self) -> float | None:
+        """When this worker proposes for its current round (None: not yet known)."""
+        own = self.own
+        if own is None or (own.round, own.root) != (self.state_round(), self.root):
+            return None
+        ready = own.announced_at + self.params.deadline
+        if len(self._nameable()) >= self._expected():
+            ready = min(ready, trio.current_time())
+            self._mark("ready")
+        if self.replays.pending(own.round - 1):
+            ready = max(ready, self.round_started + self.replays.wait_bound())
+        ranked = proposer_order(self.root, [*self.candidates, self.peer])
+        return proposal_time(ready, ranked.index(self.peer), self.params.proposer_timeout)
+
+    # --- the round's phases (RoundRecord.phases) and the trainer's next state ----------
+    def _mark(self, phase: str) -> None:
+        """The first time the own round reached ``phase``, while this worker's state is
+        still the round's start."""
+        if self.marks and self.state is not None and self.state.round == self.marked_round:
+            self.marks.setdefault(phase, trio.current_time())
+
+    def _phases(self, round_: int) -> dict[str, float]:
+        """``RoundRecord.phases`` of ``round_``: empty unless it is the marked round."""
+        began = self.marks.get("trained")
+        if self.marked_round != round_ or began is None:
+            return {}
+        return {p: round(t - began, 3) for p, t in self.marks.items() if p != "trained"}
+
+    def _offer(self, state: OuterState, root: str) -> None:
+        """``state`` is computed and its root checked, and will be adopted unless its
+        closure turns out bad or loses: a trainer with ``ready`` starts the next round on
+        it while the state blob is kept and the milestone signed (its update is dropped
+        should another state be adopted instead). Not after the last round: the final
+        state goes to the trainer as the run's end."""
+        self._mark("applied")
+        if self.ready is not None and state.round < self.params.rounds:
+            self.ready(state, root)
+
+    # --- the driver ---------------------------------------------------------------------
     async def _step(self) -> bool:
         """Act on the tip once; True if the state changed."""
-        from training.outer.agreement import next_step
-
         assert self.state is not None
         before = (self.state.round, self.root)
         step = next_step(self.book, self.state.round, self.root)
@@ -186,7 +350,7 @@ class Worker(WorkerPropose):
             slot = self._slot()
             if (
                 slot is not None
-                and self.config.cheat_from_round is None  # the test cheater never proposes
+                and self.faults.proposes
                 and start not in self.proposed_for
                 and not self.book.has_round(*start)
                 and trio.current_time() >= slot
@@ -202,6 +366,273 @@ class Worker(WorkerPropose):
                 continue
             now = trio.current_time()
             await self.changes.wait(slot if slot is not None and slot > now else now + 1.0)
+
+    # --- training and proposing (point 2a and 2c) ---------------------------------------
+    async def _train(self, trainer: Trainer) -> None:
+        """Train this worker's update for the current state and announce it, unless the
+        state moved on meanwhile (then it is for nobody)."""
+        state, root = self.state, self.root
+        assert state is not None
+        if self.faults.stalls(state.round):
+            say(self.label, f"round {state.round}: stalling (test hook)")
+            await trio.sleep_forever()
+        cheat = self.faults.cheats(state.round)
+        self.phase = "training"
+        computing = time.monotonic()
+        trained = await trio.to_thread.run_sync(
+            lambda: trainer.train(state, root, self.peer, cheat=cheat)
+        )
+        self.metrics.outer_compute.observe(time.monotonic() - computing)
+        self.marks, self.marked_round = {"trained": trio.current_time()}, state.round
+        self.phase = "waiting for updates"
+        if (self.state, self.root) != (state, root):
+            return
+        own, message = await self.proposer.commit(state, root, trained)
+        self.own = own
+        self.closures.keep_attestation(state.round, self.peer, own.blob, own.attestation)
+        self.fetched[self.peer] = own.blob
+        await self.links.announce("update", message)
+        self._mark("announced")
+
+    async def _propose(self) -> None:
+        state, root, own = self.state, self.root, self.own
+        assert state is not None and own is not None
+        self._mark("proposing")
+        included = await self.proposer.select(
+            state, root, own, self.candidates, self.fetched, self.replays.banned
+        )
+        agg, result, _ = await self.aggregator.aggregate(
+            state, root, [(x.peer, x.blob) for x in included]
+        )
+        if (self.state, self.root) != (state, root):
+            return
+        self._offer(agg.state, result)
+        await self.proposer.close(state, root, included, agg, result)
+
+    def _speculate(self) -> None:
+        """Start this round's aggregate ahead of its closure, when it is due (aggregator
+        rule 2): our update out, every update a closure could name fetched, and another
+        worker first to propose."""
+        state, root, own = self.state, self.root, self.own
+        if state is None or own is None or (own.round, own.root) != (state.round, root):
+            return
+        if not self.aggregator.may_start_ahead(state.round, root):
+            return
+        ready = self._nameable()
+        if len(ready) < self._expected():
+            return
+        if proposer_order(root, [*self.candidates, self.peer])[0] == self.peer:
+            return  # we propose first, and _propose aggregates
+        self.aggregator.start_ahead(state, root, tuple(ready.items()))
+
+    # --- adopting a state (points 2b and 5) -----------------------------------------------
+    async def _apply(self, checked: CheckedClosure) -> None:
+        """Recompute the tip from its named updates and adopt the result, if it is the
+        closure's (else the closure is no tip); a named update nobody serves makes it a
+        catch-up."""
+        c = checked.closure
+        assert self.state is not None
+        ours = self.proposer.taken(checked.digest)
+        if ours is not None:
+            agg, blob, size = ours
+            await self._adopt(agg.state, checked, "proposed", agg, blob, size)
+            return
+        self._mark("closure")
+        entries = [(x.peer, x.blob) for x in c.included]
+        for peer, blob in entries:
+            if not await self._fetch_named(checked, blob, self.fetcher.providers(checked, [peer])):
+                say(
+                    self.label,
+                    f"closure {checked.digest.hex()[:12]}: update {blob[:12]} unavailable",
+                )
+                await self._catch_up(checked)
+                return
+        # In a run that asks more than bounded updates, the commitments name each update's
+        # verification level; kept beside the closure so `blob outer levels` and verify can
+        # check them from this store (a missing one is only reported there: the state does
+        # not depend on it). A bounded run needs none of them, and fetches none: an
+        # update whose commitment nobody serves would stall every apply.
+        if self.config.min_level != "bounded":
+            for x in c.included:
+                commitment = Attestation.decode(x.attestation).subjects[2]
+                providers = self.fetcher.providers(checked, [x.peer])
+                await self.fetcher.fetch(commitment, providers, FETCH_STALL)
+        agg, root, ahead = await self.aggregator.aggregate(self.state, self.root, entries)
+        if root != c.result_root:
+            self.closures.mark_bad(checked, f"result root mismatch (we computed {root[:16]})")
+            return
+        self._offer(agg.state, root)
+        blocks = state_blocks(agg.state)
+        blob = await self.node.add_blocks(blocks)
+        if blob != c.state_blob:
+            self.closures.mark_bad(checked, "state blob mismatch")
+            return
+        await self._adopt(agg.state, checked, "applied", agg, blob, state_size(blocks), ahead=ahead)
+
+    async def _catch_up(self, checked: CheckedClosure) -> None:
+        """Fetch the tip's state blob, check its round and root, and adopt it."""
+        c = checked.closure
+        providers = self.fetcher.providers(checked, [c.proposer])
+        if not await self._fetch_named(checked, c.state_blob, providers):
+            self.closures.unavailable_once(checked)
+            await self.links.redial()
+            return
+        try:
+            data = await trio.to_thread.run_sync(self.fetcher.load, c.state_blob)
+            state = await trio.to_thread.run_sync(lambda: decode_state(data, expected=self.shapes))
+        except (BadStateBlob, OSError) as exc:
+            self.closures.mark_bad(checked, f"bad state blob: {exc}")
+            return
+        root = await trio.to_thread.run_sync(state_root, state)
+        if state.round != c.round + 1 or root != c.result_root:
+            self.closures.mark_bad(checked, "state blob is not the closure's result")
+            return
+        before = self.state.round if self.state is not None else None
+        await self._adopt(state, checked, "caught up", None, c.state_blob, len(data))
+        say(self.label, f"caught up from state round {before} to {state.round}")
+
+    async def _fetch_named(
+        self, checked: CheckedClosure, blob: str, providers: Sequence[str]
+    ) -> bool:
+        """Fetch a blob a closure names. While alone (point 6) nobody can serve it: it
+        waits for a peer first (stopping if none comes) instead of spending fetch bounds,
+        UNAVAILABLE_TRIES of them, on a closure of a run that ended without it."""
+        if self.links.alone() and not await trio.to_thread.run_sync(self.node.store.has, blob):
+            what = f"nobody to fetch closure {checked.digest.hex()[:12]}'s blobs from"
+            await self.links.waited_for_peers(checked.closure.round, what)
+        return await self.fetcher.fetch(blob, providers, self.fetcher.bound())
+
+    async def _adopt(
+        self,
+        state: OuterState,
+        checked: CheckedClosure,
+        how: str,
+        agg: Aggregate | None,
+        state_blob: str,
+        state_bytes: int,
+        *,
+        ahead: bool = False,
+    ) -> None:
+        """Make ``state``, the result of ``checked``, current: record and keep the round,
+        draw its replay sample, and say what closed it and who was absent."""
+        c = checked.closure
+        root = c.result_root  # each caller has checked ``state`` against it
+        closure_blob = await self.node.add_bytes(
+            encode_message(ClosureAnnouncement(c.run, checked.body, checked.attestation, ()))
+        )
+        record = RoundRecord(
+            c.round,
+            c.start_root,
+            root,
+            state_blob,
+            checked.digest.hex(),
+            closure_blob,
+            c.proposer,
+            how,
+            included=[{"peer": p, "blob": b} for p, b, _ in agg.admitted] if agg else [],
+            excluded=[e.to_json() for e in agg.excluded] if agg else [],
+            rejected=[x.to_json() for x in self.ledger.rejections(c.round)],
+            state_bytes=state_bytes,
+            seconds=trio.current_time() - self.round_started,
+            ahead=ahead,
+            phases=self._phases(c.round),
+        )
+        traffic = self.links.traffic()
+        record.wire_sent, record.wire_received, record.pubsub_sent, record.pubsub_received = traffic
+        if agg is not None:
+            self.links.admitted(p for p, _, _ in agg.admitted)
+        self._observe_round(record)
+        if agg is None:  # caught up: what the closure names, not recomputed here
+            record.named = [{"peer": x.peer, "blob": x.blob} for x in c.included]
+        own = self.own
+        if own is not None and own.round == c.round and own.root == c.start_root:
+            record.mean_loss = float(np.mean(own.losses))
+            record.update_bytes = own.size
+        self.keeper.record(record)
+        parent = self.keeper.adopted.get(c.round - 1)
+        first = self.config.join and self.joined_at is None  # a joiner's first state
+        since = None if first else (self.state.round if self.state is not None else c.round)
+        await self.keeper.keep(state, checked, agg, record, caught_up_from=since)
+        prior = self.state if self.root == c.start_root else None
+        self._enter(state, root)
+        if c.proposer != self.peer:
+            self.announcer.drop("closure")
+        if agg is not None and prior is not None:
+            self.replays.draw_sample(checked, agg, prior, time.time())
+        say(
+            self.label,
+            f"round {c.round} closed ({how}{', aggregated ahead' if ahead else ''}): "
+            f"closure {checked.digest.hex()[:12]} by "
+            f"{c.proposer[-6:]}: {len(record.included)} included, "
+            f"{len(record.excluded)} excluded, root {root[:16]}",
+        )
+        absent = absent_workers(parent, checked)
+        self.absent = {"round": c.round, "workers": [{"peer": p, "operator": o} for p, o in absent]}
+        if absent:
+            say(
+                self.label,
+                f"round {c.round} closed without {names(absent)}: in round {c.round - 1}'s "
+                "closure, no update of theirs in this one (left or missed the round)",
+            )
+        self.keeper.adopt(checked)
+
+    def _enter(self, state: OuterState, root: str) -> None:
+        """Make ``state`` current: a new round of updates, fetches and announcements."""
+        self.previous = {}
+        if self.state is not None and state.round == self.state.round + 1:
+            sent = {peer: c.blob for peer, c in self.candidates.items()}
+            own = self.own
+            if own is not None and (own.round, own.root) == (self.state.round, self.root):
+                sent[self.peer] = own.blob
+            self.previous = distinct(
+                sent, me=self.peer, operators=self._operators(), banned=self.replays.banned
+            )
+        self.state = state
+        self.root = root
+        self.candidates = {}
+        self.fetched = {}
+        self.round_started = trio.current_time()
+        self.metrics.outer_round.set(state.round)
+        self.aggregator.entered(state.round, root)
+        self.announcer.drop("update")
+        if self.keeper.records:  # a round closed: every worker is past the start barrier
+            self.announcer.drop("hello")
+        for name in [n for n in self.announcer.entries if n.startswith("verdict-")]:
+            if int(name.split("-")[1]) < state.round - 2:
+                self.announcer.drop(name)  # the rounds whose sample it was are settled
+        self.fetch_nursery = None  # the driver cancels the old round's fetches
+        self.proposer.entered(state.round)
+        self._handle(self.ledger.open_round(state.round, root, time.time()))
+
+    # --- what the worker shows (training.outer.observe) -------------------------------
+    def _observe_round(self, record: RoundRecord) -> None:
+        """The metrics of one adopted round, and our own update's inclusion."""
+        included = record.included or record.named
+        self.metrics.outer_included.inc(len(included))
+        refused = [u for u in self.proposer.refused if u["round"] == record.round]
+        for excluded in [*record.excluded, *(refused if record.how == "proposed" else [])]:
+            self.metrics.outer_excluded.labels(reason=exclusion_label(excluded["reason"])).inc()
+        own = self.own
+        if own is not None and own.round == record.round and own.root == record.start_root:
+            # From our update being ready to the outer step applied: the round's
+            # communication (and waiting), as the anchors count it.
+            self.metrics.outer_comm.observe(max(0.0, trio.current_time() - own.announced_at))
+            if any(x["peer"] == self.peer for x in included):
+                self.last_included = {"round": record.round, "blob": own.blob}
+
+    def status(self) -> dict[str, Any]:
+        """The worker's section of ``blob status`` (training.outer.observe rule 2)."""
+        return {
+            "run": self.params.run_id,
+            "round": self.state_round(),
+            "rounds": self.params.rounds,
+            "phase": self.phase,
+            "root": self.root,
+            "last_included": self.last_included,
+            "heard": sorted(self.candidates),  # peers whose update for this round arrived
+            "absent": self.absent,  # named by the last round's parent closure, not by it
+            "excluded_operators": dict(self.replays.banned),
+        }
 
     # --- start, join, finish ---------------------------------------------------------
     async def _barrier(self) -> None:
@@ -261,7 +692,7 @@ class Worker(WorkerPropose):
                 await self._catch_up(tip)
                 if self.state is not None:
                     self.joined_at = self.state.round
-                    self.start_blob = self.records[max(self.records)].state_blob
+                    self.start_blob = self.keeper.records[max(self.keeper.records)].state_blob
                     say(self.label, f"joined at round {self.state.round}")
                     await self.links.announce("hello", encode_message(hello))
                     return
@@ -273,7 +704,11 @@ class Worker(WorkerPropose):
         assert self.state is not None
         self.phase = "finishing"
         state = self.state
-        blob = self.records[max(self.records)].state_blob if self.records else self.start_blob
+        blob = (
+            self.keeper.records[max(self.keeper.records)].state_blob
+            if self.keeper.records
+            else self.start_blob
+        )
         attestation = await self.signing.sign(
             lambda: sign_attestation(
                 self.signing.signer,
@@ -334,13 +769,13 @@ class Worker(WorkerPropose):
         """Peers as logs name them: operator (from the closures adopted) and short ID."""
         operators = {
             p: op
-            for checked in self.adopted.values()
+            for checked in self.keeper.adopted.values()
             for p, op in zip(checked.closure.peers(), checked.operators, strict=True)
         }
         return [f"{operators.get(p, 'worker')} {p[-6:]}" for p in peers]
 
     async def run(self) -> dict[str, Any]:
-        sub = await self.node.subscribe(self.topic)
+        sub = await self.node.subscribe(self.links.topic)
         if self.config.addr_file is not None:
             write_json(
                 self.config.addr_file, {"peer_id": self.peer, "addrs": self.node.reachable_addrs}
@@ -379,7 +814,8 @@ class Worker(WorkerPropose):
             nursery.cancel_scope.cancel()
         assert self.state is not None
         heard = self.ledger.roots_heard(self.state.round)
-        rounds = [asdict(self.records[r]) for r in sorted(self.records)]
+        records = self.keeper.records
+        rounds = [asdict(records[r]) for r in sorted(records)]
         result = {
             "run": self.params.run_id,
             "params": asdict(self.params),
@@ -395,7 +831,7 @@ class Worker(WorkerPropose):
             "final_root": self.root,
             "final_roots_heard": heard,
             "refused_closures": self.closures.refused,
-            "refused_updates": self.refused_updates[:256],
+            "refused_updates": self.proposer.refused[:256],
             "verdicts": self.replays.verdicts,
             "banned": self.replays.banned,
             "false_accusations": self.replays.false_accusations,

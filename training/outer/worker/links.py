@@ -10,8 +10,8 @@ alone (points 1 and 6 of :mod:`training.outer.worker`).
 3. Every admitted peer heard of and not connected is dialled, with back-off
    (``PeerDialer``), at most ``MAX_CONCURRENT_DIALS`` at a time.
 4. A pause (the event loop did not run for ``PAUSE_GAP``) makes every missing peer due
-   at once and keeps live connections: dropping them all lost the closures the others
-   published meanwhile. Only :meth:`Links.redial` (after a state fetch that failed, which
+   at once and keeps live connections: the closures the others published meanwhile
+   arrive over them. Only :meth:`Links.redial` (after a state fetch that failed, which
    shows a connection that only looks alive) drops them all.
 5. Alone (trained with others, connected to none): the worker waits for a peer before it
    proposes or fetches a closure's blobs, and stops with an error after ``alone_bound``.
@@ -42,8 +42,8 @@ DIAL_TICK = 0.5
 # Dials of one tick run at once, at most this many (a dead host's dial waits its timeout).
 MAX_CONCURRENT_DIALS = 8
 # An event loop that did not run for this long was stopped (SIGSTOP, a suspended laptop).
-# A loaded 2-vCPU machine stalled a worker's loop for 5-6 s while torch was imported in a
-# thread (the GIL); a false alarm only costs a redial. Stops shorter than this are caught
+# A loaded 2-vCPU machine can stall a worker's loop for 5-6 s while torch is imported in
+# a thread (the GIL); a false alarm only costs a redial. Stops shorter than this are caught
 # by a fetch that fails (a catch-up then redials).
 PAUSE_GAP = 7.0
 
