@@ -66,9 +66,19 @@ async def test_an_aggregate_ahead_is_taken_for_exactly_its_updates() -> None:
     assert len(loads) == once  # not aggregated twice
     assert not aggregator.may_start_ahead(s.round, ROOT)  # still one a round
 
-    # Taken once; a closure naming other updates is computed afresh.
-    agg, root, ahead = await aggregator.aggregate(s, ROOT, entries[:2])
-    assert not ahead and root != expected[1]
+    # The next round: a closure naming other updates than those aggregated ahead is
+    # computed afresh.
+    s4 = state(4)
+    held.update(blobs(s4))
+    entries4 = [(p, b) for p, b in zip(PEERS, blobs(s4), strict=True)]
+    two = rooted(aggregate(s4, entries4[:2], held.__getitem__, CONFIG, start_root=ROOT))
+    aggregator.entered(s4.round, ROOT)
+    async with trio.open_nursery() as nursery:
+        tasks.open(nursery)
+        assert aggregator.may_start_ahead(s4.round, ROOT)
+        aggregator.start_ahead(s4, ROOT, tuple(entries4))
+        agg, root, ahead = await aggregator.aggregate(s4, ROOT, entries4[:2])
+    assert not ahead and root == two[1]
 
 
 async def test_an_aggregate_ahead_for_a_state_moved_on_from_is_for_nobody() -> None:

@@ -79,6 +79,9 @@ class Node:
     async def add_bytes(self, data: bytes) -> str:
         return self.store.put_bytes(data)
 
+    async def add_blocks(self, blocks: list[bytes | memoryview]) -> str:
+        return self.store.put_blocks(blocks)
+
     async def publish(self, topic: str, data: bytes) -> None:
         self.published.append(data)
 
