@@ -69,7 +69,7 @@ def _one(size: str, mode: str) -> dict[str, Any]:
     import numpy as np
 
     from training.outer.codec import CodecParams, ErrorFeedback, decode, encode
-    from training.outer.loop import SimConfig
+    from training.outer.simconfig import SimConfig
 
     shapes = MODELS[size]()
     numel = sum(int(np.prod(s)) for _, s in shapes)

@@ -60,7 +60,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from training.outer.loop import SimConfig, SimResult, simulate  # noqa: E402
+from training.outer.simconfig import SimConfig, SimResult  # noqa: E402
+from training.outer.simulate import simulate  # noqa: E402
 
 LOSS_GOAL = 0.05  # (a) within 5% of (b)
 BYTES_GOAL = 100.0  # (a) >= 100x fewer bytes than a dense fp32 pseudo-gradient
@@ -326,7 +327,7 @@ def _grid(args: argparse.Namespace) -> dict[str, Any]:
 
 SIZE_ORDER = {"tiny": 0, "small": 1}  # the study table's order of model sizes
 
-# --study point keys: the grid's outer knobs, the codec's, and loop.SimConfig.ablation.
+# --study point keys: the grid's outer knobs, the codec's, and simconfig.SimConfig.ablation.
 STUDY_KEYS = {
     "lr": "outer_lr",
     "mu": "outer_momentum",

@@ -498,7 +498,7 @@ def test_short_chunks_keep_the_density_of_a_full_one() -> None:
 def test_tiny_llama_update_is_146x_smaller_than_dense() -> None:
     """An update is 146x smaller than dense, on the tiny Llama's shapes at the simulation's
     default codec (k 80 of 4096), with the names sent by digest as on the wire."""
-    from training.outer.loop import SimConfig
+    from training.outer.simconfig import SimConfig
 
     shapes = {"embed": (260, 64), "lm_head": (260, 64), "norm": (64,)}
     for layer in range(2):

@@ -371,9 +371,9 @@ def test_a_loop_the_library_does_not_drive_commits_to_no_inner_state() -> None:
     """Its updates are never replayed, so the error-feedback residual (the model's size)
     is neither encoded nor stored: the commitment names one small, empty inner state."""
     from training.outer.api import LoopTrainer, _Handoff, model_views
+    from training.outer.inner import decode_inner
     from training.outer.loop import OuterState
     from training.outer.params import RunParams
-    from training.outer.replay import decode_inner
 
     model = TinyLM()
     state = {n: v.copy() for n, v in model_views(model).items()}  # the round's start

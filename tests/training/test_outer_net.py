@@ -140,6 +140,9 @@ def test_three_workers_two_rounds_reach_the_same_state(tmp_path: Path) -> None:
     assert "more of the run's 3 workers to dial in" in said
     assert said.count("round 1 was the last; waiting") == 3, said[-3000:]
     assert said.count("done; exiting") == 3
+    # What a finished worker waits for is said once, not again as each final root comes.
+    waits = [line.split("]")[0] for line in said.splitlines() if "; waiting for the final" in line]
+    assert len(waits) == len(set(waits)), said[-3000:]
     summary = json.loads(proc.stdout)
     assert summary["finished"] == 3
     assert summary["roots_agree"]

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from training.outer.loop import SimConfig, simulate
+from training.outer.simconfig import SimConfig
+from training.outer.simulate import simulate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,7 +124,7 @@ def test_the_research_ablations_send_what_they_say() -> None:
     import numpy as np
 
     from training.outer.codec import CodecParams, decode
-    from training.outer.loop import _ExactValues, _sender_mean
+    from training.outer.simulate import _ExactValues, _sender_mean
 
     grad = {"w": np.random.default_rng(0).standard_normal(512).astype(np.float32)}
     feedback = _ExactValues(CodecParams(chunk=256, k=8))

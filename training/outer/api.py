@@ -294,7 +294,7 @@ class LoopTrainer:
         scorer: _Scorer | None,
     ) -> None:
         from training.outer.codec import ErrorFeedback
-        from training.outer.replay import encode_inner
+        from training.outer.inner import encode_inner
 
         self.params = params
         self.model = model

@@ -1,6 +1,6 @@
 """``blob outer``: the DiLoCo outer loop's commands.
 
-``blob outer simulate`` runs K workers in one process (``training.outer.loop.simulate``);
+``blob outer simulate`` runs K workers in one process (``training.outer.simulate``);
 ``blob outer worker`` runs one worker of a decentralised run (``training.outer.launch``), and
 ``blob outer run`` runs K of them as processes on 127.0.0.1. torch is imported only when a
 command runs.
@@ -83,7 +83,7 @@ def simulate_command(
 ) -> None:
     """Run K simulated workers in this process and report held-out loss and bytes sent."""
     from training.outer.codec import CodecParams
-    from training.outer.loop import simulate
+    from training.outer.simulate import simulate
 
     try:
         CodecParams(chunk=chunk, k=k)

@@ -18,9 +18,9 @@ Theory of operation
    Every op is an elementwise numpy float32 op (no threads, no fused multiply-add, no
    reductions across elements), so the same inputs give the same bits on any worker.
    A round in which no update arrived leaves the state as it was, apart from the round.
-4. ``simulate`` runs K workers in one process (the benchmark and ``blob outer simulate``);
-   the real multi-process run reuses ``run_inner_steps``, ``make_update``, ``decode_update``
-   and ``apply_round`` unchanged.
+4. The in-process simulation (``training.outer.simulate``) and the real multi-process run
+   use ``run_inner_steps``, ``make_update``, ``decode_update`` and ``apply_round`` as they
+   are.
 
 torch is imported inside functions; importing this module costs numpy and blake3 only.
 """
@@ -30,8 +30,7 @@ from __future__ import annotations
 import math
 import os
 import struct
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,13 +43,10 @@ from blobstore.errors import ExitCode
 from training.errors import TrainingError
 from training.outer.codec import (
     F32,
-    CodecParams,
     ErrorFeedback,
-    compress_tensor,
     decode,
     encode_dense,
 )
-from training.outer.simconfig import MODES, SimConfig, SimResult
 
 if TYPE_CHECKING:
     import torch
@@ -95,13 +91,14 @@ class OuterState:
         return {name: tuple(int(d) for d in value.shape) for name, value in self.params.items()}
 
 
-def _sorted(names: Iterable[str]) -> list[str]:
+def sorted_names(names: Iterable[str]) -> list[str]:
+    """Tensor names in canonical order: by their UTF-8 bytes."""
     return sorted(names, key=lambda n: n.encode())
 
 
 def initial_state(params: Mapping[str, Any]) -> OuterState:
     """Round 0: copies of ``params`` (float32 arrays or tensors) and zero momentum."""
-    copied = {name: _to_numpy(params[name]) for name in _sorted(params)}
+    copied = {name: _to_numpy(params[name]) for name in sorted_names(params)}
     return OuterState(0, copied, {n: np.zeros_like(v) for n, v in copied.items()})
 
 
@@ -131,7 +128,7 @@ def tensor_set_digest(named: Mapping[str, Any]) -> bytes:
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
     h.update(TENSORSET_DOMAIN)
     h.update(struct.pack("<Q", len(named)))
-    for name in _sorted(named):
+    for name in sorted_names(named):
         array = np.asarray(named[name])
         little = array.astype(array.dtype.newbyteorder("<"), copy=False)
         raw_name = name.encode()
@@ -163,7 +160,7 @@ def pseudo_gradient(start: Mapping[str, F32], end: Mapping[str, Any]) -> dict[st
     if set(start) != set(end):
         raise OuterError("start and end states name different parameters")
     out: dict[str, F32] = {}
-    for name in _sorted(start):
+    for name in sorted_names(start):
         finish = _to_numpy(end[name], copy=False)  # read once, into the difference
         if finish.shape != start[name].shape:
             raise OuterError(f"parameter {name!r} changed shape during the round")
@@ -180,7 +177,7 @@ def average_updates(
     peers = sorted(updates)
     count = np.float32(len(peers))
     out: dict[str, F32] = {}
-    for name in _sorted(shapes):
+    for name in sorted_names(shapes):
         total = np.zeros(shapes[name], dtype=np.float32)
         for peer in peers:
             value = updates[peer].get(name)
@@ -220,7 +217,7 @@ def outer_step(
     params: dict[str, F32] = {}
     momentum: dict[str, F32] = {}
     blocks: list[tuple[F32, F32, F32, F32, F32, int, int]] = []
-    for name in _sorted(state.params):
+    for name in sorted_names(state.params):
         p_in, m_in, g_in = state.params[name], state.momentum[name], grad[name]
         p_out = np.empty(p_in.shape, dtype=np.float32)
         if grad_is_spare:
@@ -409,257 +406,3 @@ MODE_DEFAULTS: dict[str, dict[str, float]] = {
     "sparseloco": {"outer_lr": 3.0, "outer_momentum": 0.0, "ef_decay": 0.9},
     "ddp": {"outer_lr": 0.0, "outer_momentum": 0.0, "ef_decay": 1.0},
 }
-
-
-def _batches(
-    shard: npt.NDArray[np.int64], rng: np.random.Generator, batch: int, steps: int
-) -> Iterator[torch.Tensor]:
-    import torch
-
-    for _ in range(steps):
-        rows = rng.integers(0, shard.shape[0], size=batch)
-        yield torch.from_numpy(shard[rows])
-
-
-def eval_loss(model: torch.nn.Module, tokens: npt.NDArray[np.int64], batch: int = 32) -> float:
-    """Mean causal-LM loss over ``tokens`` rows (every row has the same length)."""
-    import torch
-
-    model.eval()
-    total = 0.0
-    with torch.no_grad():
-        for i in range(0, tokens.shape[0], batch):
-            rows = torch.from_numpy(tokens[i : i + batch])
-            total += float(model(input_ids=rows, labels=rows).loss.item()) * rows.shape[0]
-    return total / int(tokens.shape[0])
-
-
-def _adamw(model: torch.nn.Module, config: SimConfig) -> torch.optim.Optimizer:
-    import torch
-
-    return torch.optim.AdamW(
-        model.parameters(),
-        lr=config.inner_lr,
-        betas=(0.9, 0.95),
-        weight_decay=config.weight_decay,
-        foreach=False,
-        fused=False,
-    )
-
-
-# A byzantine worker in the simulation: given the round's start state, the honest
-# workers' codec payloads and their decoded updates (by peer), the payload it sends.
-Adversary = Callable[[OuterState, Mapping[str, bytes], Mapping[str, Mapping[str, F32]]], bytes]
-BYZANTINE_PEER = "sim-byzantine"
-
-
-def simulate(
-    config: SimConfig | None = None,
-    *,
-    progress: Callable[[int, SimResult], None] | None = None,
-    adversary: Adversary | None = None,
-    **overrides: Any,
-) -> SimResult:
-    """Run ``config.workers`` simulated workers for ``config.rounds`` rounds in-process.
-
-    ``mode`` "sparseloco" sends top-k 2-bit updates with error feedback, "diloco" dense
-    float32 updates, "ddp" is synchronous data parallel (one AdamW step per batch of every
-    worker, gradients averaged), with ``rounds * inner_steps`` steps and the same data.
-    ``progress(round, result)`` is called after each round. ``adversary``, if given, is one
-    more worker (``BYZANTINE_PEER``) whose payload each round it makes; the round is then
-    aggregated by ``training.outer.aggregate`` (as with ``robust``).
-    """
-    import torch
-
-    from training.model import make_tiny_llama
-
-    cfg = SimConfig(**{**(config or SimConfig()).__dict__, **overrides})
-    if cfg.mode not in MODES:
-        raise OuterError(f"unknown mode {cfg.mode!r}; choose one of {', '.join(MODES)}")
-    cfg = SimConfig(
-        **{
-            **cfg.__dict__,
-            **{k: v for k, v in MODE_DEFAULTS[cfg.mode].items() if cfg.__dict__[k] is None},
-        }
-    )
-    assert cfg.outer_lr is not None
-    assert cfg.outer_momentum is not None
-    assert cfg.ef_decay is not None
-    if cfg.workers < 1 or cfg.rounds < 0 or cfg.inner_steps < 1:
-        raise OuterError("workers and inner steps must be >= 1, rounds >= 0")
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
-    started = time.perf_counter()
-    result = SimResult(cfg)
-    shards = [
-        synthetic_tokens(cfg.seed * 1000 + 1 + w, cfg.shard_sequences, cfg.seq_len)
-        for w in range(cfg.workers)
-    ]
-    held_out = synthetic_tokens(cfg.seed * 1000, cfg.eval_sequences, cfg.seq_len)
-    rngs = [np.random.default_rng([cfg.seed, w]) for w in range(cfg.workers)]
-    reference = make_tiny_llama(cfg.model_size, seed=cfg.seed)
-    state = initial_state(model_params(reference))
-    result.params = sum(v.size for v in state.params.values())
-    result.dense_fp32_bytes = 4 * result.params
-    result.eval_loss.append(eval_loss(reference, held_out))
-    result.state_roots.append(state_root(state))
-
-    if cfg.mode == "ddp":
-        _simulate_ddp(cfg, result, reference, shards, held_out, rngs, progress)
-        result.wall_seconds = time.perf_counter() - started
-        return result
-
-    outer = OuterConfig(lr=cfg.outer_lr, momentum=cfg.outer_momentum)
-    models = [make_tiny_llama(cfg.model_size, seed=cfg.seed) for _ in range(cfg.workers)]
-    optimizers = [_adamw(m, cfg) for m in models]
-    codec = CodecParams(chunk=cfg.chunk, k=cfg.k)
-    if cfg.ablation not in ABLATIONS:
-        raise OuterError(f"unknown ablation {cfg.ablation!r}; choose one of {ABLATIONS}")
-    feedback_class = _ExactValues if cfg.ablation == "exact-values" else ErrorFeedback
-    feedbacks = [
-        # Names and shapes by schema digest, as on the wire (training.outer.launch.Trainer).
-        feedback_class(codec, decay=cfg.ef_decay, schema_ref=True)
-        if cfg.mode == "sparseloco"
-        else None
-        for _ in range(cfg.workers)
-    ]
-    for r in range(cfg.rounds):
-        t0 = time.perf_counter()
-        updates: dict[str, dict[str, F32]] = {}
-        payloads: dict[str, bytes] = {}
-        sizes: list[int] = []
-        losses: list[float] = []
-        for w in range(cfg.workers):
-            load_params(models[w], state.params)
-            batches = _batches(shards[w], rngs[w], cfg.batch, cfg.inner_steps)
-            losses.extend(run_inner_steps(models[w], optimizers[w], batches))
-            blob = make_update(state.params, model_params(models[w]), feedbacks[w])
-            sizes.append(len(blob))
-            payloads[f"sim-worker-{w:03d}"] = blob
-            updates[f"sim-worker-{w:03d}"] = decode_update(blob, state)
-        if cfg.robust or adversary is not None:
-            state = _robust_round(state, payloads, updates, outer, adversary, result)
-        elif cfg.ablation == "sender-mean":
-            state = outer_step(state, _sender_mean(updates), outer)
-        else:
-            state = apply_round(state, updates, outer)
-        load_params(reference, state.params)
-        result.eval_loss.append(eval_loss(reference, held_out))
-        result.train_loss.append(float(np.mean(losses)))
-        result.bytes_per_worker.append(max(sizes))
-        result.state_roots.append(state_root(state))
-        result.round_seconds.append(time.perf_counter() - t0)
-        if progress is not None:
-            progress(r + 1, result)
-    result.wall_seconds = time.perf_counter() - started
-    return result
-
-
-ABLATIONS = ("", "exact-values", "sender-mean")
-
-
-class _ExactValues(ErrorFeedback):
-    """Error feedback that sends the kept values themselves, not their 2-bit codes (a
-    dense encoding of the sparse tensor: the bytes it reports are not the codec's)."""
-
-    def step(self, grads: Mapping[str, Any]) -> bytes:
-        sent: dict[str, F32] = {}
-        for name in _sorted(grads):
-            grad = np.asarray(grads[name], dtype=np.float32)
-            previous = self.residual.get(name)
-            accumulated = grad.copy() if previous is None else previous * self.decay + grad
-            kept = compress_tensor(accumulated, self.params).positions
-            out = np.zeros(accumulated.size, dtype=np.float32)
-            out[kept] = accumulated.reshape(-1)[kept]
-            accumulated.reshape(-1)[kept] = 0.0
-            self.residual[name] = accumulated
-            sent[name] = out.reshape(accumulated.shape)
-        return encode_dense(sent)
-
-
-def _sender_mean(updates: Mapping[str, Mapping[str, F32]]) -> dict[str, F32]:
-    """Each coordinate's mean over the updates that are non-zero there (0 where none is)."""
-    peers = sorted(updates)
-    out: dict[str, F32] = {}
-    for name in _sorted(updates[peers[0]]):
-        total = np.zeros_like(updates[peers[0]][name])
-        count = np.zeros_like(total)
-        for peer in peers:
-            total += updates[peer][name]
-            count += updates[peer][name] != 0
-        out[name] = np.divide(total, count, out=np.zeros_like(total), where=count > 0)
-    return out
-
-
-def _robust_round(
-    state: OuterState,
-    payloads: Mapping[str, bytes],
-    updates: Mapping[str, Mapping[str, F32]],
-    outer: OuterConfig,
-    adversary: Adversary | None,
-    result: SimResult,
-) -> OuterState:
-    """One round aggregated as the network does: each payload in its envelope, plus the
-    adversary's, through ``training.outer.aggregate.aggregate``."""
-    from training.outer.aggregate import aggregate, wrap_update
-
-    root = state_root(state)
-    blobs = dict(payloads)
-    if adversary is not None:
-        blobs[BYZANTINE_PEER] = adversary(state, payloads, updates)
-    wrapped = {
-        peer: wrap_update(data, round_=state.round, start_root=root, author=peer)
-        for peer, data in blobs.items()
-    }
-    agg = aggregate(state, [(p, p) for p in wrapped], wrapped.__getitem__, outer, start_root=root)
-    result.excluded.append([f"{e.peer}: {e.reason}" for e in agg.excluded])
-    result.agreement.append([c for _, c in agg.agreement])
-    return agg.state
-
-
-def _simulate_ddp(
-    cfg: SimConfig,
-    result: SimResult,
-    model: torch.nn.Module,
-    shards: list[npt.NDArray[np.int64]],
-    held_out: npt.NDArray[np.int64],
-    rngs: list[np.random.Generator],
-    progress: Callable[[int, SimResult], None] | None,
-) -> None:
-    """Synchronous data parallel: each step averages the workers' gradients (all-reduce)."""
-    import torch
-
-    optimizer = _adamw(model, cfg)
-    params = [p for p in model.parameters() if p.requires_grad]
-    # What one worker puts on the wire per step: its dense float32 gradient.
-    per_step = len(
-        encode_dense({n: np.zeros(p.shape, np.float32) for n, p in model.named_parameters()})
-    )
-    for r in range(cfg.rounds):
-        t0 = time.perf_counter()
-        losses: list[float] = []
-        iters = [
-            _batches(shards[w], rngs[w], cfg.batch, cfg.inner_steps) for w in range(cfg.workers)
-        ]
-        model.train()
-        for _ in range(cfg.inner_steps):
-            optimizer.zero_grad(set_to_none=True)
-            grads = [torch.zeros_like(p) for p in params]
-            for w in range(cfg.workers):
-                batch = next(iters[w])
-                loss = model(input_ids=batch, labels=batch).loss
-                local = torch.autograd.grad(loss, params)
-                for acc, g in zip(grads, local, strict=True):
-                    acc.add_(g)
-                losses.append(float(loss.item()))
-            for p, acc in zip(params, grads, strict=True):
-                p.grad = acc / cfg.workers
-            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=False)
-            optimizer.step()
-        result.eval_loss.append(eval_loss(model, held_out))
-        result.train_loss.append(float(np.mean(losses)))
-        result.bytes_per_worker.append(per_step * cfg.inner_steps)
-        result.state_roots.append(state_root(initial_state(model_params(model))))
-        result.round_seconds.append(time.perf_counter() - t0)
-        if progress is not None:
-            progress(r + 1, result)

@@ -8,8 +8,8 @@ Theory of operation
    R_r, the author, its data shard, the inner steps and batch size, the batch rows it drew
    (uint32), each step's loss (float32 bits), the codec settings, the blob of its *inner
    state* before the round (the inner AdamW moments and the error-feedback residual,
-   :func:`encode_inner`), the BLAKE3 of its inner state after the round, and the update
-   blob. Its update attestation's subjects are ``[update blob, R_r, commitment blob]``, so
+   ``training.outer.inner``), the BLAKE3 of its inner state after the round, and the
+   update blob. Its update attestation's subjects are ``[update blob, R_r, commitment blob]``, so
    the closure that names the update names the commitment too, under the author's key.
 2. **Sample.** Round r's admitted updates are sampled with R_{r+1}, the root that round
    r's closure produced (:func:`sampled`): peer p's update is replayed iff
@@ -74,11 +74,12 @@ from identity import (
     verify_attestation,
 )
 from training.errors import TrainingError
+from training.outer.inner import BadInnerState
+from training.outer.trainer import Trainer
 
 if TYPE_CHECKING:
     from training.outer.loop import OuterState
     from training.outer.params import RunParams
-    from training.outer.trainer import Trainer
 
 REPLAY_KIND = "blobnet/outer-replay"
 COMMITMENT_DOMAIN = b"blobnet/outer-update-commitment/v1"
@@ -88,7 +89,6 @@ REPLAYER_DOMAIN = b"blobnet/outer-replayer/v1"
 COMMITMENT_VERSION = 1
 # The levels a commitment may name (training.outer.spec.LEVELS, weakest first).
 COMMITTED_LEVELS = ("bounded", "scored", "replayed")
-INNER_VERSION = 1
 MATCH = "match"
 UNAVAILABLE = "unavailable"
 MISMATCH = "mismatch"
@@ -106,12 +106,6 @@ _HEX = frozenset("0123456789abcdef")
 
 class BadCommitment(TrainingError):
     """Bytes that are not a canonical update commitment (the author's fault)."""
-
-    exit_code = ExitCode.BAD_DATA
-
-
-class BadInnerState(TrainingError):
-    """An inner-state blob that does not fit the model (the author's fault)."""
 
     exit_code = ExitCode.BAD_DATA
 
@@ -233,66 +227,6 @@ def decode_commitment(data: bytes) -> UpdateCommitment:
 
 def loss_bits(losses: Sequence[float]) -> bytes:
     return struct.pack(f"<{len(losses)}f", *losses)
-
-
-# --- the inner state -----------------------------------------------------------------
-
-
-def encode_inner(
-    optimizer: Sequence[tuple[bytes, bytes, bytes] | None], residual: Mapping[str, Any]
-) -> bytes:
-    """Canonical bytes of a worker's inner state: per model parameter (in the model's
-    order) AdamW's ``(step, exp_avg, exp_avg_sq)`` as float32 bytes or nothing before the
-    first step; the error-feedback residual by tensor name (sorted)."""
-    opt = [[] if x is None else list(x) for x in optimizer]
-    ef = [
-        [name, np.ascontiguousarray(residual[name], dtype="<f4").tobytes()]
-        for name in sorted(residual, key=lambda n: n.encode())
-    ]
-    data: bytes = encode_canonical({"v": INNER_VERSION, "opt": opt, "ef": ef})
-    return data
-
-
-def decode_inner(
-    data: bytes,
-    param_sizes: Sequence[int],
-    shapes: Mapping[str, tuple[int, ...]],
-) -> tuple[list[tuple[bytes, bytes, bytes] | None], dict[str, np.ndarray[Any, Any]]]:
-    """The inner state if it fits a model with these parameter sizes (in order) and
-    tensor shapes; :class:`BadInnerState` otherwise."""
-    total = sum(param_sizes)
-    limit = 3 * 4 * total + 4 * sum(int(np.prod(s)) for s in shapes.values()) + 65536
-    obj = decode_msgpack_map(data, max_size=limit, what="inner state", error=BadInnerState)
-    opt, ef = obj.get("opt"), obj.get("ef")
-    if obj.get("v") != INNER_VERSION or type(opt) is not list or type(ef) is not list:
-        raise BadInnerState("inner state must be {v, opt, ef}")
-    if len(opt) != len(param_sizes):
-        raise BadInnerState("inner state has another number of parameters than the model")
-    optimizer: list[tuple[bytes, bytes, bytes] | None] = []
-    for entry, size in zip(opt, param_sizes, strict=True):
-        if entry == []:
-            optimizer.append(None)
-            continue
-        if (
-            type(entry) is not list
-            or len(entry) != 3
-            or any(type(x) is not bytes for x in entry)
-            or [len(x) for x in entry] != [4, 4 * size, 4 * size]
-        ):
-            raise BadInnerState("inner state optimizer entry does not fit its parameter")
-        optimizer.append((entry[0], entry[1], entry[2]))
-    residual: dict[str, np.ndarray[Any, Any]] = {}
-    for entry in ef:
-        if type(entry) is not list or len(entry) != 2 or entry[0] not in shapes:
-            raise BadInnerState("inner state residual names an unknown tensor")
-        name, raw = entry
-        shape = shapes[name]
-        if type(raw) is not bytes or len(raw) != 4 * int(np.prod(shape)):
-            raise BadInnerState(f"inner state residual {name!r} does not fit its tensor")
-        residual[name] = np.frombuffer(raw, dtype="<f4").reshape(shape).astype(np.float32)
-    if residual and set(residual) != set(shapes):
-        raise BadInnerState("inner state residual lacks some tensors")
-    return optimizer, residual
 
 
 def inner_digest(data: bytes) -> str:
@@ -429,8 +363,6 @@ def replay(
     """Rule 3: recompute ``c``'s update from S_r (``start``) and the inner state, and
     compare with ``update`` (the included blob's bytes): :data:`MATCH` or
     ``mismatch: <the first thing that differs>``."""
-    from training.outer.trainer import Trainer
-
     if (c.chunk, c.k) != (params.chunk, params.k):
         return f"{MISMATCH}: codec settings are not the run's"
     if c.steps != params.inner_steps or c.batch != params.batch:

@@ -10,7 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from training.outer.aggregate import wrap_update
 from training.outer.codec import ErrorFeedback
+from training.outer.inner import decode_inner, encode_inner
 from training.outer.loop import (
     OuterState,
     load_params,
@@ -114,8 +116,6 @@ class Trainer:
         """H inner steps on these batch rows: (update blob, losses, inner state after)."""
         import torch
 
-        from training.outer.aggregate import wrap_update
-
         torch.set_num_threads(self.threads)  # per OS thread under OpenMP: set where it runs
         batches = [torch.from_numpy(self.tokens[r]).to(self.device) for r in rows]
         # Dropout and other random ops draw from torch's one process-wide generator, seeded
@@ -138,8 +138,6 @@ class Trainer:
 
     def inner_state(self) -> bytes:
         """The inner AdamW moments and the error-feedback residual, canonically encoded."""
-        from training.outer.replay import encode_inner
-
         state = self.optimizer.state_dict()["state"]
         opt: list[tuple[bytes, bytes, bytes] | None] = []
         for i, _ in enumerate(self.model.parameters()):
@@ -158,8 +156,6 @@ class Trainer:
     def load_inner(self, data: bytes) -> None:
         """Adopt an inner state (``inner_state``'s bytes); BadInnerState if it does not fit."""
         import torch
-
-        from training.outer.replay import decode_inner
 
         params = list(self.model.parameters())
         optimizer, residual = decode_inner(data, [p.numel() for p in params], self.shapes())

@@ -733,7 +733,7 @@ class Worker:
         # whose updates were all excluded is not waited for.
         ever = self.links.ever_admitted - {self.peer}
         deadline = trio.current_time() + self.fetcher.bound()
-        said: tuple[str, ...] = ()
+        said: set[str] = set()
         while trio.current_time() < deadline:
             waiting = (ever & set(self.node.connected_peers())) - set(
                 self.ledger.roots_heard(state.round)
@@ -743,8 +743,8 @@ class Worker:
             if not waiting and not verdicts:
                 break
             what = tuple(self._named(sorted(waiting))) + (("verdicts",) if verdicts else ())
-            if what != said:  # say what it waits for when that changes, not every second
-                said = what
+            if not said.issuperset(what):  # said once; again only for something new
+                said.update(what)
                 final = f"the final roots of {', '.join(what[: len(waiting)])}" if waiting else ""
                 sample = f"the verdicts on round {state.round - 1}'s sample" if verdicts else ""
                 say(
