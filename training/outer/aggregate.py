@@ -18,8 +18,9 @@ float64 reduction over one array in a fixed layout, on one thread).
    copies too: of two in-bound updates whose signs (at up to SKETCH_COORDS strided
    coordinates) agree with cosine >= NEAR_COPY_COSINE, the one with the larger norm is
    excluded. An honest update re-sent rescaled to the clip norm agrees with every honest
-   worker, so no other rule sees it, and admitted it applied that worker's coordinates
-   about three times each round (measured: +14% held-out loss at 40 rounds).
+   worker, so no other rule sees it, and admitted it would apply that worker's coordinates
+   about three times each round (its cost in held-out loss: the "amplified" rows of
+   ``bench/figures/outer-byzantine-40rounds.json``).
 3. **Bounds relative to the round.** For each update u_i, in ascending peer order, the L2
    norm n_i (float64). Excluded: ``n_i > MAX_PARAM_RATIO * ||params of S_r||`` (a step
    larger than the model itself is no pseudo-gradient), and, among the rest, with m the
@@ -55,8 +56,9 @@ float64 reduction over one array in a fixed layout, on one thread).
    admitted update can make the state non-finite. With fewer than three updates the
    MAX_PARAM_RATIO bound still holds. What this does not catch: an update in range that
    agrees with the others enough (bounded by rules 3 and 4, not detected; replaying a
-   sample of updates is the remedy). Measured (``bench/outer.py --byzantine``): the held-out
-   loss with and without one byzantine worker, in the bench's figures.
+   sample of updates is the remedy). The held-out loss with and without one byzantine
+   worker of each kind: ``bench/figures/outer-byzantine-40rounds.json`` (``bench/outer.py
+   --byzantine``).
 6. **Memory and time.** Passes over the named blobs: norms, signatures and payload
    digests (a top-k update's from its kept values, a dense one's decoded, one at a time),
    then ``V += s_i``, then the dot products with V (again for each update rule 4

@@ -389,18 +389,12 @@ def synthetic_tokens(seed: int, sequences: int, seq_len: int) -> npt.NDArray[np.
     return np.asarray(stream[:need], dtype=np.int64).reshape(sequences, seq_len)
 
 
-# --- in-process simulation -----------------------------------------------------------
-
-
 # Outer hyper-parameters per mode. Dense DiLoCo uses the paper's Nesterov SGD (lr 0.7,
 # momentum 0.9). SparseLoCo, as in its paper, drops the outer momentum: the workers'
 # error-feedback residuals carry what momentum would, and plain SGD applies the sparse mean.
-# Its decay is what decides the gap to dense (bench/outer.py --study, tiny Llama, 4 workers,
-# k 80 of 4096, median of 3 seeds; bench/figures/outer-study.md): at 20 inner steps x 30
-# rounds, lr 3 / decay 0.9 is +0.9% (median per-seed gap) against dense DiLoCo tuned on lr
-# {0.7, 1} x momentum {0, 0.9}; decay 1 (classic error feedback, the old default) +6.9%,
-# decay 0.95 +2.7%, decay 0.8 +1.6%, lr 2 / 0.9 +2.2%, lr 4 / 0.9 +1.1%. At 50 inner steps
-# lr 3 / decay 0.9 is -0.3% (decay 1: +22.8%).
+# Its decay decides the gap to dense; lr 3 / decay 0.9 is the setting the study chose
+# (bench/outer.py --study): its gap, and those of the settings it was chosen over, are in
+# bench/figures/outer-study.md.
 MODE_DEFAULTS: dict[str, dict[str, float]] = {
     "diloco": {"outer_lr": 0.7, "outer_momentum": 0.9, "ef_decay": 1.0},
     "sparseloco": {"outer_lr": 3.0, "outer_momentum": 0.0, "ef_decay": 0.9},
