@@ -343,7 +343,9 @@ def test_a_worker_that_is_a_two_rank_gloo_group(tmp_path: Path) -> None:
 def test_a_bfloat16_model_sends_a_float32_update_and_takes_the_state_in_place() -> None:
     """bfloat16 parameters: the state is read as float32, copied back in place (cast), and
     the pseudo-gradient is float32 against the float32 state."""
-    from training.outer.api import LoopTrainer, _Handoff, load_state, model_views
+    from training.outer.api.handoff import Handoff
+    from training.outer.api.model import load_state, model_views
+    from training.outer.api.user_trainer import LoopTrainer
     from training.outer.loop import OuterState, decode_update
     from training.outer.params import RunParams
 
@@ -355,7 +357,7 @@ def test_a_bfloat16_model_sends_a_float32_update_and_takes_the_state_in_place() 
     assert {n: id(p) for n, p in model.named_parameters()} == ids
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     params = RunParams("bf", workers=1, rounds=1, inner_steps=1, chunk=1024, k=64)
-    trainer = LoopTrainer(params, model, _Handoff(), "kc", None)
+    trainer = LoopTrainer(params, model, Handoff(), "kc", None)
     start = OuterState(0, state, {n: np.zeros_like(v) for n, v in state.items()})
     with torch.no_grad():
         model.out.bias.add_(1.0)
@@ -370,7 +372,9 @@ def test_a_bfloat16_model_sends_a_float32_update_and_takes_the_state_in_place() 
 def test_a_loop_the_library_does_not_drive_commits_to_no_inner_state() -> None:
     """Its updates are never replayed, so the error-feedback residual (the model's size)
     is neither encoded nor stored: the commitment names one small, empty inner state."""
-    from training.outer.api import LoopTrainer, _Handoff, model_views
+    from training.outer.api.handoff import Handoff
+    from training.outer.api.model import model_views
+    from training.outer.api.user_trainer import LoopTrainer
     from training.outer.inner import decode_inner
     from training.outer.loop import OuterState
     from training.outer.params import RunParams
@@ -378,7 +382,7 @@ def test_a_loop_the_library_does_not_drive_commits_to_no_inner_state() -> None:
     model = TinyLM()
     state = {n: v.copy() for n, v in model_views(model).items()}  # the round's start
     params = RunParams("ni", workers=1, rounds=2, inner_steps=1, chunk=1024, k=64)
-    trainer = LoopTrainer(params, model, _Handoff(), "kc", None)
+    trainer = LoopTrainer(params, model, Handoff(), "kc", None)
     start = OuterState(0, state, {n: np.zeros_like(v) for n, v in state.items()})
     with torch.no_grad():
         for p in model.parameters():
@@ -400,10 +404,10 @@ def test_a_state_posted_ahead_is_taken_once_and_an_update_from_a_dropped_one_is_
     from the one posted ahead is for nobody: the round waits for one from its own."""
     import threading
 
-    from training.outer.api import OuterLoopError, _Handoff
+    from training.outer.api.handoff import Handoff, OuterLoopError
     from training.outer.loop import OuterState
 
-    handoff = _Handoff()
+    handoff = Handoff()
     ahead = OuterState(1, {}, {})
     handoff.post_state(ahead, "r1")
     assert handoff.wait_state(1.0) == (ahead, "r1")
@@ -493,7 +497,8 @@ def test_a_joiner_says_hello_once_it_has_joined(tmp_path: Path) -> None:
     from blobstore import Store
     from identity import load_key_file
     from p2p import open_node
-    from training.outer.api import _load_spec, open_outer_loop
+    from training.outer.api import open_outer_loop
+    from training.outer.api.core import load_spec
     from training.outer.launch import prepare_run
     from training.outer.messages import Hello, decode_message, topic
     from training.outer.params import RunParams
@@ -504,7 +509,7 @@ def test_a_joiner_says_hello_once_it_has_joined(tmp_path: Path) -> None:
     spec = _init_spec(tmp_path, plan, "bounded", workers=1)
     w0, w1 = plan.workers
     Store.open(w1.store).put_bytes(Store.open(w0.store).path(spec).read_bytes())
-    run_topic = topic(_load_spec(Store.open(w0.store), spec).run)
+    run_topic = topic(load_spec(Store.open(w0.store), spec).run)
     joiner_peer = load_key_file(w1.key).peer_id
     data = torch.from_numpy(task_rows(3, 64))
     joined = trio.Event()
@@ -600,7 +605,8 @@ def test_making_an_update_reads_the_model_in_place() -> None:
     the model besides (at 124M parameters each copy is 0.5 GB)."""
     import tracemalloc
 
-    from training.outer.api import LoopTrainer, _Handoff
+    from training.outer.api.handoff import Handoff
+    from training.outer.api.user_trainer import LoopTrainer
     from training.outer.loop import OuterState
     from training.outer.params import RunParams
 
@@ -608,7 +614,7 @@ def test_making_an_update_reads_the_model_in_place() -> None:
     state = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
     model_bytes = 4 * sum(v.size for v in state.values())
     trainer = LoopTrainer(
-        RunParams("m", workers=1, rounds=3, inner_steps=1), model, _Handoff(), "kc", None
+        RunParams("m", workers=1, rounds=3, inner_steps=1), model, Handoff(), "kc", None
     )
     start = OuterState(0, state, {n: np.zeros_like(v) for n, v in state.items()})
     peaks = []

@@ -36,7 +36,8 @@ def rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
 
     from p2p import BlockingNode
     from training import determinism
-    from training.outer.api import OuterLoop, gathered_state
+    from training.outer.api import OuterLoop
+    from training.outer.api.model import gathered_state
 
     rank = cfg["rank"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))

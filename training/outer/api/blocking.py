@@ -1,0 +1,286 @@
+"""The blocking face of :mod:`training.outer.api`: :class:`OuterLoop`, for a plain
+training script, and a worker that is a ``torch.distributed`` group (point 6)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from blobstore.canonical import encode as encode_canonical
+from training.outer.api.core import JOIN_WAIT, Core, load_spec, run_worker
+from training.outer.api.driven import InnerStep
+from training.outer.api.handoff import HANDOFF_WAIT, OuterLoopError, describe
+from training.outer.api.model import gathered_state, is_sharded, load_state, trainable
+from training.outer.api.scoring import eval_rows
+from training.outer.spec import RunSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+def share_spec(spec: RunSpec | None, group: Any) -> RunSpec:
+    """Point 6: rank 0's spec, to every rank of the group (checked there like any spec)."""
+    import torch.distributed as dist
+
+    from training.outer.spec import decode_body
+
+    box = [None if spec is None else msgpack_body(spec)]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    assert isinstance(box[0], bytes)
+    return decode_body(box[0])
+
+
+def msgpack_body(spec: RunSpec) -> bytes:
+    """The spec's canonical body, as ranks exchange it."""
+    return encode_canonical(spec.body())
+
+
+def records_of(store: Any, spec: RunSpec, data: str | None) -> tuple[str, Any]:
+    """Point 7: (records blob ID, its int64 rows) of ``data`` (default: the spec's)."""
+    from training.outer.runs import RunNotFound
+    from training.records import decode_records
+
+    ref = data or spec.data
+    if not ref:
+        raise RunNotFound(f"run {spec.run} names no records: give data=RECORDS")
+    from blobstore import StoreError
+
+    blob = store.tags().get(ref, ref)
+    try:
+        held = store.has(blob)
+    except (StoreError, ValueError):  # not a blob ID
+        held = False
+    if not held:
+        raise RunNotFound(f"this store lacks the records blob {ref}: fetch it first")
+    return blob, decode_records(store.path(blob).read_bytes()).tokens
+
+
+class OuterLoop:
+    """The blocking face (module doc): a worker of the run ``spec`` around ``model``.
+
+    ``node``: a started ``p2p.BlockingNode`` made with ``pubsub=True`` and the machine key
+    ``key_path`` its certificate admits; ``spec``: the run spec's ID (or tag) in the node's
+    store (fetch it first to join by ID from peers); ``certificate``: the admission
+    certificate file; ``rounds``: rounds to take part in (an open-ended run needs it);
+    ``eval_fn`` and ``eval_data`` (an int64 row array or a records blob ID) offer the
+    ``scored`` level; ``bootstrap``: peers of the run (multiaddrs) to fetch S_0 from and
+    dial; ``result_path``: where the worker writes its result JSON.
+    ``inner_optimizer`` is accepted for symmetry with other wrappers and never touched.
+    ``late``: join a run already under way (catch up from its tip, not S_0).
+    ``group``: the ``torch.distributed`` group this worker's replicas form (point 6); its
+    ranks other than 0 pass ``node=None``.
+    ``inner_step`` (an :class:`InnerStep`) and ``data`` (a records blob ID or tag; default
+    the spec's): the library drives the inner steps and the worker offers ``replayed``
+    (point 7); call :meth:`run` instead of ``join()`` and ``step()``.
+    ``keep_states``: how many rounds' state blobs the worker's store keeps (older ones
+    are deleted; ``training.outer.worker`` point 5).
+    """
+
+    def __init__(
+        self,
+        node: Any,
+        *,
+        spec: str,
+        model: torch.nn.Module,
+        certificate: str | Path,
+        inner_optimizer: Any = None,
+        rounds: int | None = None,
+        eval_fn: Callable[[Any, Any], Any] | None = None,
+        eval_data: Any = None,
+        bootstrap: Sequence[str] = (),
+        result_path: str | Path | None = None,
+        group: Any = None,
+        late: bool = False,
+        inner_step: InnerStep | None = None,
+        data: str | None = None,
+        keep_states: int | None = None,
+    ) -> None:
+        self._group = group
+        self._rank = 0
+        if group is not None:
+            import torch.distributed as dist
+
+            self._rank = dist.get_rank(group)
+        if self._rank == 0 and (node is None or node.key_path is None):
+            raise OuterLoopError("the node needs a machine key file (BlockingNode key_path)")
+        store = node.store if self._rank == 0 else None
+        run_spec = load_spec(store, spec) if self._rank == 0 else None
+        if group is not None:
+            run_spec = share_spec(run_spec, group)
+        assert run_spec is not None
+        rows = eval_rows(store, eval_data) if eval_fn is not None and self._rank == 0 else None
+        records = None
+        if inner_step is not None:
+            if group is not None:
+                raise OuterLoopError("a loop the library drives (inner_step) is one process")
+            records = records_of(store, run_spec, data)
+        self._core = Core(
+            spec=run_spec,
+            model=model,
+            rounds=rounds,
+            eval_fn=eval_fn if self._rank == 0 else None,
+            eval_rows=rows,
+            bootstrap=bootstrap,
+            level=None if self._rank == 0 else "group",
+            inner_step=inner_step,
+            records=records,
+            keep_states=keep_states,
+        )
+        self._core.join = late
+        self._sharded = any(is_sharded(p) for p in trainable(model).values())
+        if self._sharded and (group is None or eval_fn is not None):
+            raise OuterLoopError(
+                "a sharded (FSDP) model needs group= (its ranks gather it) and is not scored"
+            )
+        self._node = node
+        self._cert = Path(certificate)
+        self._result_path = Path(result_path) if result_path is not None else None
+        self._thread: threading.Thread | None = None
+        self.inner_optimizer = inner_optimizer
+
+    @property
+    def level(self) -> str:
+        return self._core.level
+
+    @property
+    def round(self) -> int:
+        """The round the model's current state starts (its number of applied rounds)."""
+        state = self._core.state
+        return -1 if state is None else state.round
+
+    @property
+    def finished(self) -> bool:
+        return self._core.finished
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        """The worker's result (rounds, roots, verdicts) once it finished."""
+        return self._core.result
+
+    @property
+    def timings(self) -> list[tuple[float, float]]:
+        """Per round this loop took part in: (seconds of its H steps, seconds from the
+        H-th step's end until the next state was in the model: the update made, the round
+        closed and applied)."""
+        return self._core.timings
+
+    def __enter__(self) -> OuterLoop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, timeout: float = HANDOFF_WAIT) -> dict[str, Any]:
+        """Point 7: take part in the run's rounds, the library driving the inner steps;
+        returns the worker's result, with the final state in the model."""
+        core = self._core
+        if core.driven is None:
+            raise OuterLoopError("this loop's inner steps are the user's: join() and step()")
+        self._spawn()
+        assert self._thread is not None
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise OuterLoopError(f"run {core.spec.run} did not end within {timeout:.0f}s")
+        with core.handoff.cond:
+            error, final = core.handoff.error, core.handoff.state
+        if error is not None:
+            raise OuterLoopError(f"the outer-loop worker stopped: {error}")
+        if final is not None:
+            core.state, core.root = final
+            load_state(core.model, final[0].params)
+        core.finished = True
+        assert core.result is not None
+        return core.result
+
+    def join(self, timeout: float = JOIN_WAIT) -> None:
+        """Start the worker and copy the run's state into the model (S_0, or the tip)."""
+        if self._core.driven is not None:
+            raise OuterLoopError("the library drives this loop's inner steps: call run()")
+        if self._rank != 0:
+            self._sync()  # point 6: rank 0's adopted state, to every rank
+            return
+        self._start(timeout)
+        if self._group is not None:
+            self._sync()
+
+    def _start(self, timeout: float) -> None:
+        self._spawn()
+        if not self._core.adopt(timeout):
+            raise OuterLoopError(f"run {self._core.spec.run} ended before this worker joined")
+
+    def _spawn(self) -> None:
+        from identity import load_key_file, machine_signer
+
+        key = load_key_file(self._node.key_path)
+        signer = machine_signer(key, self._node.key_path)  # TPM-backed where bound
+        self._core.author = key.peer_id
+        core, node, cert, out = self._core, self._node, self._cert, self._result_path
+
+        def main() -> None:
+            try:
+                result = node.call(run_worker, core, node.node, signer, cert, out)
+            except BaseException as exc:  # reported to the user's thread by the hand-off
+                core.worker_done(None, describe(exc))
+            else:
+                core.worker_done(result, None)
+
+        self._thread = threading.Thread(target=main, name="blobnet-outer", daemon=True)
+        self._thread.start()
+
+    def step(self, loss: float | None = None) -> bool:
+        """After each inner step (``loss``: optional, recorded as the round's mean loss).
+        At the H-th: send the update, wait for the round's closure and copy the new state
+        into the model; True then. ``finished`` turns true after the worker's last round."""
+        core = self._core
+        if core.driven is not None:
+            raise OuterLoopError("the library drives this loop's inner steps: call run()")
+        if self._rank != 0:
+            core.steps += 1
+            if core.steps < core.params.inner_steps:
+                return False
+            core.steps = 0
+            if self._sharded:
+                gathered_state(core.model)  # point 6: rank 0 gathers the whole model
+            self._sync()
+            return True
+        if not core.count(loss):
+            return False
+        sent = core.send(gathered_state(core.model) if self._sharded else None)
+        core.adopt(HANDOFF_WAIT)
+        core.timed(sent)
+        core.rounds_applied += 1
+        if core.finished and self._thread is not None:
+            self._thread.join(timeout=60)
+        if self._group is not None:
+            self._sync()
+        return True
+
+    def _sync(self) -> None:
+        """Point 6: rank 0's parameters (the applied state) and ``finished`` to every rank."""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.tensor import distribute_tensor
+
+        src = dist.get_global_rank(self._group, 0)
+        state = self._core.state
+        with torch.no_grad():
+            for name, p in sorted(trainable(self._core.model).items()):
+                if not is_sharded(p):
+                    dist.broadcast(p.data, src=src, group=self._group)
+                    continue
+                whole = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+                if self._rank == 0:
+                    assert state is not None
+                    whole.copy_(torch.from_numpy(state.params[name]))
+                shard = distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=0)
+                p.to_local().copy_(shard.to_local())
+            flag = torch.tensor([int(self._core.finished)], dtype=torch.int64)
+            dist.broadcast(flag, src=src, group=self._group)
+        self._core.finished = bool(flag.item())
+
+    def close(self) -> None:
+        self._core.handoff.close()
+        if self._thread is not None:
+            self._thread.join(timeout=60)

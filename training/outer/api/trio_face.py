@@ -1,0 +1,127 @@
+"""The trio face of :mod:`training.outer.api`: ``async with open_outer_loop(...)``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from training.outer.api.core import JOIN_WAIT, Core, load_spec, run_worker
+from training.outer.api.handoff import HANDOFF_WAIT, OuterLoopError, describe
+from training.outer.api.scoring import eval_rows
+
+if TYPE_CHECKING:
+    import torch
+
+    from identity import MachineKey, Signer
+
+
+class AsyncOuterLoop:
+    """The trio face: ``await join()`` and ``await step()`` (see :func:`open_outer_loop`)."""
+
+    def __init__(
+        self,
+        core: Core,
+        nursery: Any,
+        node: Any,
+        key: MachineKey | Signer,
+        cert: Path,
+        result_path: Path | None,
+    ) -> None:
+        self._core = core
+        self._nursery = nursery
+        self._node = node
+        self._key = key
+        self._cert = cert
+        self._result_path = result_path
+
+    @property
+    def finished(self) -> bool:
+        return self._core.finished
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        return self._core.result
+
+    async def join(self) -> None:
+        import trio
+
+        from identity import Signer, SoftwareSigner
+
+        core = self._core
+        core.author = self._key.peer_id
+        key = self._key
+        signer = key if isinstance(key, Signer) else SoftwareSigner(key)
+
+        async def main() -> None:
+            try:
+                result = await run_worker(core, self._node, signer, self._cert, self._result_path)
+            except Exception as exc:  # reported to the user's task by the hand-off
+                core.worker_done(None, describe(exc))
+            else:
+                core.worker_done(result, None)
+
+        self._nursery.start_soon(main)
+        if not await trio.to_thread.run_sync(
+            partial(core.adopt, JOIN_WAIT),
+            abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-stubs predate it (trio 0.23)
+        ):
+            raise OuterLoopError(f"run {core.spec.run} ended before this worker joined")
+
+    async def step(self, loss: float | None = None) -> bool:
+        import trio
+
+        core = self._core
+        if not core.count(loss):
+            return False
+        sent = core.send()
+        await trio.to_thread.run_sync(
+            partial(core.adopt, HANDOFF_WAIT),
+            abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-stubs predate it (trio 0.23)
+        )
+        core.timed(sent)
+        core.rounds_applied += 1
+        return True
+
+
+@asynccontextmanager
+async def open_outer_loop(
+    node: Any,
+    *,
+    key: MachineKey | Signer,
+    spec: str,
+    model: torch.nn.Module,
+    certificate: str | Path,
+    rounds: int | None = None,
+    eval_fn: Callable[[Any, Any], Any] | None = None,
+    eval_data: Any = None,
+    bootstrap: Sequence[str] = (),
+    result_path: str | Path | None = None,
+    late: bool = False,
+    keep_states: int | None = None,
+) -> AsyncIterator[AsyncOuterLoop]:
+    """The trio face of :class:`OuterLoop` on a ``p2p.Node`` opened with ``pubsub=True``
+    and ``key`` (its machine key, or on a TPM-bound machine its
+    ``identity.machine_signer``, whose attestations then carry the AK's co-signature).
+    The options are :class:`OuterLoop`'s, less ``group`` and the replayed level's."""
+    import trio
+
+    rows = eval_rows(node.store, eval_data) if eval_fn is not None else None
+    core = Core(
+        spec=load_spec(node.store, spec),
+        model=model,
+        rounds=rounds,
+        eval_fn=eval_fn,
+        eval_rows=rows,
+        bootstrap=bootstrap,
+        keep_states=keep_states,
+    )
+    core.join = late
+    out = Path(result_path) if result_path is not None else None
+    async with trio.open_nursery() as nursery:
+        try:
+            yield AsyncOuterLoop(core, nursery, node, key, Path(certificate), out)
+        finally:
+            core.handoff.close()
