@@ -239,8 +239,9 @@ def test_a_mismatched_model_is_refused_before_step_0(tmp_path: Path) -> None:
     from p2p import BlockingNode
     from training.outer.api import OuterLoop
     from training.outer.launch import prepare_run
+    from training.outer.module_state import ModelMismatch
     from training.outer.params import RunParams
-    from training.outer.spec import LevelRefused, ModelMismatch
+    from training.outer.spec import LevelRefused
 
     plan = prepare_run(tmp_path / "run", RunParams("api", workers=1, rounds=1, inner_steps=H))
     spec = _init_spec(tmp_path, plan, "scored")
@@ -344,7 +345,7 @@ def test_a_bfloat16_model_sends_a_float32_update_and_takes_the_state_in_place() 
     """bfloat16 parameters: the state is read as float32, copied back in place (cast), and
     the pseudo-gradient is float32 against the float32 state."""
     from training.outer.api.handoff import Handoff
-    from training.outer.api.model import load_state, model_views
+    from training.outer.api.model import UserModel, load_state, model_views
     from training.outer.api.user_trainer import LoopTrainer
     from training.outer.loop import OuterState, decode_update
     from training.outer.params import RunParams
@@ -357,7 +358,7 @@ def test_a_bfloat16_model_sends_a_float32_update_and_takes_the_state_in_place() 
     assert {n: id(p) for n, p in model.named_parameters()} == ids
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     params = RunParams("bf", workers=1, rounds=1, inner_steps=1, chunk=1024, k=64)
-    trainer = LoopTrainer(params, model, Handoff(), "kc", None)
+    trainer = LoopTrainer(params, UserModel(model), Handoff(), None)
     start = OuterState(0, state, {n: np.zeros_like(v) for n, v in state.items()})
     with torch.no_grad():
         model.out.bias.add_(1.0)
@@ -373,7 +374,7 @@ def test_a_loop_the_library_does_not_drive_commits_to_no_inner_state() -> None:
     """Its updates are never replayed, so the error-feedback residual (the model's size)
     is neither encoded nor stored: the commitment names one small, empty inner state."""
     from training.outer.api.handoff import Handoff
-    from training.outer.api.model import model_views
+    from training.outer.api.model import UserModel, model_views
     from training.outer.api.user_trainer import LoopTrainer
     from training.outer.inner import decode_inner
     from training.outer.loop import OuterState
@@ -382,7 +383,7 @@ def test_a_loop_the_library_does_not_drive_commits_to_no_inner_state() -> None:
     model = TinyLM()
     state = {n: v.copy() for n, v in model_views(model).items()}  # the round's start
     params = RunParams("ni", workers=1, rounds=2, inner_steps=1, chunk=1024, k=64)
-    trainer = LoopTrainer(params, model, Handoff(), "kc", None)
+    trainer = LoopTrainer(params, UserModel(model), Handoff(), None)
     start = OuterState(0, state, {n: np.zeros_like(v) for n, v in state.items()})
     with torch.no_grad():
         for p in model.parameters():
@@ -509,7 +510,7 @@ def test_a_joiner_says_hello_once_it_has_joined(tmp_path: Path) -> None:
     spec = _init_spec(tmp_path, plan, "bounded", workers=1)
     w0, w1 = plan.workers
     Store.open(w1.store).put_bytes(Store.open(w0.store).path(spec).read_bytes())
-    run_topic = topic(load_spec(Store.open(w0.store), spec).run)
+    run_topic = topic(load_spec(Store.open(w0.store), spec)[1].run)
     joiner_peer = load_key_file(w1.key).peer_id
     data = torch.from_numpy(task_rows(3, 64))
     joined = trio.Event()
@@ -606,6 +607,7 @@ def test_making_an_update_reads_the_model_in_place() -> None:
     import tracemalloc
 
     from training.outer.api.handoff import Handoff
+    from training.outer.api.model import UserModel
     from training.outer.api.user_trainer import LoopTrainer
     from training.outer.loop import OuterState
     from training.outer.params import RunParams
@@ -614,7 +616,7 @@ def test_making_an_update_reads_the_model_in_place() -> None:
     state = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
     model_bytes = 4 * sum(v.size for v in state.values())
     trainer = LoopTrainer(
-        RunParams("m", workers=1, rounds=3, inner_steps=1), model, Handoff(), "kc", None
+        RunParams("m", workers=1, rounds=3, inner_steps=1), UserModel(model), Handoff(), None
     )
     start = OuterState(0, state, {n: np.zeros_like(v) for n, v in state.items()})
     peaks = []

@@ -112,7 +112,7 @@ def test_state_blob_rejects_malformed_headers_and_values() -> None:
     with pytest.raises(BadStateBlob, match="magic"):
         decode_state(b"XXXX" + data[4:])
     with pytest.raises(BadStateBlob, match="version"):
-        decode_state(data[:4] + b"\x02" + data[5:])
+        decode_state(data[:4] + b"\x03" + data[5:])
     # count 0 and an absurd count are refused before anything is allocated
     head = struct.Struct("<4sBBHQI")
     magic, version, dtype, reserved, round_, _count = head.unpack(data[: head.size])

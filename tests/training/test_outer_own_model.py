@@ -19,10 +19,10 @@ from click.testing import CliRunner
 
 from blobstore import Store
 from training.outer.launch import prepare_run, wait_for_addrs, worker_env
+from training.outer.module_state import Layout, ModelMismatch
 from training.outer.params import RunParams
 from training.outer.spec import (
     LevelRefused,
-    ModelMismatch,
     RunSpec,
     check_level,
     check_model,
@@ -250,14 +250,14 @@ def test_a_spec_that_requires_hardware_is_version_2_and_others_keep_their_bytes(
 
 def test_a_mismatched_model_and_a_weaker_level_are_refused_in_one_line() -> None:
     spec = _spec(level="replayed")
-    check_model(spec, {"w": (2, 3), "b": (3,)})
+    check_model(spec, Layout({"w": (2, 3), "b": (3,)}))
     with pytest.raises(ModelMismatch, match=r"parameter 'w' has shape \(3, 2\)") as exc:
-        check_model(spec, {"w": (3, 2), "b": (3,)})
+        check_model(spec, Layout({"w": (3, 2), "b": (3,)}))
     assert "\n" not in str(exc.value)
     with pytest.raises(ModelMismatch, match="has no parameter 'b'"):
-        check_model(spec, {"w": (2, 3)})
+        check_model(spec, Layout({"w": (2, 3)}))
     with pytest.raises(ModelMismatch, match="'x' is not in the spec"):
-        check_model(spec, {"w": (2, 3), "b": (3,), "x": (1,)})
+        check_model(spec, Layout({"w": (2, 3), "b": (3,), "x": (1,)}))
     check_level(spec, "replayed")
     with pytest.raises(LevelRefused, match="requires verification level 'replayed'"):
         check_level(spec, "scored")

@@ -8,9 +8,13 @@ equal inputs give equal bits everywhere (every op is float32 elementwise numpy, 
 float64 reduction over one array in a fixed layout, on one thread).
 
 1. **Envelope.** An update blob is :func:`wrap_update`: magic, the round, the start root
-   and the author's peer ID, then the codec payload. A blob whose envelope names another
-   round or root is *stale*; one whose author is not the peer the closure names it for is
-   *a copy* (someone re-signed another worker's blob); either is excluded.
+   and the author's peer ID, then the codec payload; for a model with floating buffers
+   (version 2), the payload's length first and the worker's buffers after it (u32 count,
+   then each buffer's float32 values in name order; the shapes are the state's). A blob
+   whose envelope names another round or root is *stale*; one whose author is not the
+   peer the closure names it for is *a copy* (someone re-signed another worker's blob);
+   either is excluded, and so is one whose buffers do not fit the state's or are not
+   finite.
 2. **Copies.** A payload byte-identical to that of an update earlier in ascending peer
    order (someone re-wrapped another worker's payload in their own envelope) is excluded;
    the payload counts once, so a copier changes nothing. (Which of the two authors did the
@@ -79,6 +83,11 @@ float64 reduction over one array in a fixed layout, on one thread).
    grouping follows the length of what it adds); rules 2 and 4 are
    integer arithmetic up to one final division; the float32 sum adds in ascending peer
    order.
+8. **Buffers.** The next state's buffers are the coordinate-wise median of the admitted
+   updates' (``training.outer.loop.median_buffers``): with at least three admitted, one
+   byzantine worker moves them no further than the honest values span; with none
+   admitted they stay as they were. They are a few values per channel beside the
+   parameters, so each update carries them whole and they are held until the median.
 """
 
 from __future__ import annotations
@@ -86,7 +95,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import blake3
@@ -94,10 +103,11 @@ import numpy as np
 import numpy.typing as npt
 
 from training.outer.codec import F32, CodecError, Parsed, dequantised, parse
-from training.outer.loop import OuterConfig, OuterState, outer_step, state_root
+from training.outer.loop import OuterConfig, OuterState, median_buffers, outer_step, state_root
 
 UPDATE_MAGIC = b"BNOU"
 UPDATE_VERSION = 1
+UPDATE_VERSION_BUFFERS = 2  # rule 1: the payload's length, then the worker's buffers
 # Peer IDs are base58 multihashes, about 52 characters; one byte of length bounds them.
 MAX_AUTHOR_LEN = 255
 # Rule 2's factors. A pseudo-gradient after H inner steps moves the parameters by a small
@@ -138,19 +148,39 @@ MIN_FOR_DIRECTION = 3
 NORM_BLOCK = 1 << 16
 
 _HEAD = struct.Struct("<4sBQ32sB")
+_PAYLOAD_LEN = struct.Struct("<Q")
+_COUNT = struct.Struct("<I")
 
 
 class BadUpdate(CodecError):
     """An update blob that is not a well-formed envelope around a codec payload."""
 
 
-def wrap_update(payload: bytes, *, round_: int, start_root: str, author: str) -> bytes:
-    """The update blob: envelope (rule 1) then the codec payload."""
+def wrap_update(
+    payload: bytes,
+    *,
+    round_: int,
+    start_root: str,
+    author: str,
+    buffers: dict[str, F32] | None = None,
+) -> bytes:
+    """The update blob: envelope (rule 1) then the codec payload, and ``buffers`` (the
+    worker's floating buffers, for a model that has some)."""
     raw = author.encode()
     if not 0 < len(raw) <= MAX_AUTHOR_LEN:
         raise ValueError(f"author {author!r} is not a peer ID")
-    head = _HEAD.pack(UPDATE_MAGIC, UPDATE_VERSION, round_, bytes.fromhex(start_root), len(raw))
-    return head + raw + payload
+    version = UPDATE_VERSION_BUFFERS if buffers else UPDATE_VERSION
+    head = _HEAD.pack(UPDATE_MAGIC, version, round_, bytes.fromhex(start_root), len(raw))
+    if not buffers:
+        return head + raw + payload
+    names = sorted(buffers, key=str.encode)
+    values = [np.ascontiguousarray(buffers[n], dtype="<f4") for n in names]
+    if not all(np.isfinite(v).all() for v in values):
+        raise ValueError("the model's buffers hold NaN or infinity")
+    tail = b"".join(v.tobytes() for v in values)
+    return b"".join(
+        [head, raw, _PAYLOAD_LEN.pack(len(payload)), payload, _COUNT.pack(len(values)), tail]
+    )
 
 
 @dataclass(frozen=True)
@@ -159,13 +189,38 @@ class Envelope:
     start_root: str
     author: str
     payload: bytes
+    buffers: bytes = b""  # rule 1's buffer section, undecoded (version 2 only)
+
+    def decoded_buffers(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, F32]:
+        """The buffers against the state's ``shapes`` (rule 1); :class:`BadUpdate` if they
+        do not fit exactly or are not finite."""
+        if not shapes:
+            if self.buffers:
+                raise BadUpdate("buffers: the update carries buffers the state has not")
+            return {}
+        names = sorted(shapes, key=str.encode)
+        sizes = [math.prod(shapes[n]) for n in names]
+        if len(self.buffers) != _COUNT.size + 4 * sum(sizes):
+            raise BadUpdate("buffers: the update's do not fit the state's")
+        (count,) = _COUNT.unpack_from(self.buffers)
+        if count != len(names):
+            raise BadUpdate("buffers: the update's do not fit the state's")
+        out: dict[str, F32] = {}
+        offset = _COUNT.size
+        for name, size in zip(names, sizes, strict=True):
+            raw = self.buffers[offset : offset + 4 * size]
+            out[name] = np.frombuffer(raw, dtype="<f4").astype(np.float32).reshape(shapes[name])
+            offset += 4 * size
+            if not np.isfinite(out[name]).all():
+                raise BadUpdate("buffers: the update's hold NaN or infinity")
+        return out
 
 
 def unwrap_update(data: bytes) -> Envelope:
     if len(data) < _HEAD.size:
         raise BadUpdate("update blob is shorter than its envelope")
     magic, version, round_, root, author_len = _HEAD.unpack_from(data)
-    if magic != UPDATE_MAGIC or version != UPDATE_VERSION:
+    if magic != UPDATE_MAGIC or version not in (UPDATE_VERSION, UPDATE_VERSION_BUFFERS):
         raise BadUpdate("not an outer-loop update blob (bad magic or version)")
     end = _HEAD.size + author_len
     if author_len == 0 or len(data) < end:
@@ -174,7 +229,18 @@ def unwrap_update(data: bytes) -> Envelope:
         author = data[_HEAD.size : end].decode("ascii")
     except UnicodeDecodeError:
         raise BadUpdate("update blob's author is not a peer ID") from None
-    return Envelope(int(round_), root.hex(), author, bytes(data[end:]))
+    if version == UPDATE_VERSION:
+        return Envelope(int(round_), root.hex(), author, bytes(data[end:]))
+    if len(data) < end + _PAYLOAD_LEN.size:
+        raise BadUpdate("update blob's payload length is truncated")
+    (length,) = _PAYLOAD_LEN.unpack_from(data, end)
+    start = end + _PAYLOAD_LEN.size
+    if length > len(data) - start:
+        raise BadUpdate("update blob's payload is truncated")
+    payload, buffers = bytes(data[start : start + length]), bytes(data[start + length :])
+    if not buffers:
+        raise BadUpdate("update blob's buffers are missing")
+    return Envelope(int(round_), root.hex(), author, payload, buffers)
 
 
 @dataclass(frozen=True)
@@ -426,6 +492,8 @@ def aggregate(
     sketches: dict[str, npt.NDArray[np.int8]] = {}
     param_norm = _norm(state.params)
     updates = _Updates(state, load)
+    buffer_shapes = {n: tuple(v.shape) for n, v in state.buffers.items()}
+    buffers: dict[str, dict[str, F32]] = {}
     for peer, blob in order:
         try:
             data = load(blob)
@@ -434,6 +502,7 @@ def aggregate(
                 raise BadUpdate("stale: made from another state root")
             parsed = _parse(data, state, peer)
             n, sketch, values = _measured(parsed)
+            held = envelope.decoded_buffers(buffer_shapes)
         except CodecError as exc:
             excluded.append(Exclusion(peer, blob, str(exc).split(":")[0] or "undecodable"))
             continue
@@ -447,6 +516,7 @@ def aggregate(
             continue
         norms[peer] = n
         sketches[peer] = sketch
+        buffers[peer] = held
         updates.keep(blob, parsed, values)
     blobs = dict(order)
     for peer in _near_copies(sketches, norms):
@@ -469,9 +539,8 @@ def aggregate(
     admitted = [(p, b, weights[p]) for p, b in order if p in weights]
     if not admitted:
         excluded.sort(key=lambda e: e.peer.encode())
-        return Aggregate(
-            OuterState(state.round + 1, state.params, state.momentum), (), tuple(excluded), median
-        )
+        unchanged = OuterState(state.round + 1, state.params, state.momentum, state.buffers)
+        return Aggregate(unchanged, (), tuple(excluded), median)
     against, agreement = _disagreeing(state, admitted, updates)
     for peer, blob, _ in admitted:
         if peer in against:
@@ -484,6 +553,9 @@ def aggregate(
         total /= count  # the mean, in place: the sums are this function's own arrays
     # The totals are this function's own: the new momentum is written over them.
     following = outer_step(state, totals, config, grad_is_spare=True)
+    if buffer_shapes:  # rule 8
+        held_by = [buffers[peer] for peer, _, _ in admitted]
+        following = replace(following, buffers=median_buffers(held_by, buffer_shapes))
     return Aggregate(following, tuple(admitted), tuple(excluded), median, tuple(agreement))
 
 

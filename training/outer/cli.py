@@ -758,8 +758,37 @@ def forget_command(ctx: click.Context, /, run_id: str, dry_run: bool, as_json: b
 @click.option(
     "--model",
     "model_ref",
-    required=True,
-    help="Hugging Face model directory, safetensors state dict, or a model collection ID.",
+    default=None,
+    help="Hugging Face model directory or a model collection ID (or a state file, as --state).",
+)
+@click.option(
+    "--state",
+    "state_file",
+    type=click.Path(path_type=Path_, dir_okay=False),
+    default=None,
+    help="Your model's whole state: a file training.outer.save_state(model, FILE) wrote, "
+    "or any safetensors state dict (floating tensors trainable, the rest fixed, unless "
+    "--buffer / --frozen say otherwise).",
+)
+@click.option(
+    "--buffer",
+    "buffer_globs",
+    multiple=True,
+    metavar="GLOB",
+    help="State dict names that are floating buffers (agreed each round, e.g. "
+    "'*.running_*'); repeatable.",
+)
+@click.option(
+    "--frozen",
+    "frozen_globs",
+    multiple=True,
+    metavar="GLOB",
+    help="State dict names that are frozen tensors (fixed by the initial state); repeatable.",
+)
+@click.option(
+    "--replace",
+    is_flag=True,
+    help="Point an existing run ID of this store at the new spec (else it is refused).",
 )
 @click.option("--run", "run_id", required=True, help="Run ID (names the pubsub topic).")
 @click.option(
@@ -807,15 +836,20 @@ def forget_command(ctx: click.Context, /, run_id: str, dry_run: bool, as_json: b
 def init_command(
     ctx: click.Context,
     /,
-    model_ref: str,
+    model_ref: str | None,
+    state_file: Path_ | None,
+    buffer_globs: tuple[str, ...],
+    frozen_globs: tuple[str, ...],
+    replace: bool,
     run_id: str,
     authorities: tuple[str, ...],
     data_ref: str | None,
     as_json: bool,
     **options: Any,
 ) -> None:
-    """Make a run from your model: its initial state, and a signed run spec naming it
-    (the spec's blob ID is what workers join by). Prints the spec ID."""
+    """Make a run from your model: its initial state (trainable parameters, buffers, fixed
+    tensors, tied names), and a signed run spec naming it (the spec's blob ID is what
+    workers join by). Prints the spec ID."""
     import tempfile
 
     from blobstore.errors import BlobNotFound, PathNotFound
@@ -836,9 +870,11 @@ def init_command(
     data = store.tags().get(data_ref, data_ref) if data_ref else ""
     if data and not store.has(data):
         raise BlobNotFound(f"records {data_ref} are not in this store")
+    if (model_ref is None) == (state_file is None):
+        raise click.UsageError("give one of --model DIR and --state FILE")
     with tempfile.TemporaryDirectory(prefix="blob-outer-init-") as tmp:
-        source = Path_(model_ref)
-        if not source.exists():
+        source = state_file or Path_(str(model_ref))
+        if model_ref is not None and not source.exists():
             blob = store.tags().get(model_ref, model_ref)
             known = len(blob) == 64 and all(c in "0123456789abcdef" for c in blob)
             if not known or not store.has(blob) or not store.is_collection(blob):
@@ -852,15 +888,24 @@ def init_command(
             run_id=run_id,
             authorities=keys,
             options={**options, "data": data},
+            buffers=buffer_globs,
+            frozen=frozen_globs,
+            replace=replace,
         )
     if as_json:
         body = spec.body()
         body["tensors"] = len(spec.tensors)
         click.echo(json.dumps({"spec": spec_id, **body, "parameters": spec.parameters}, indent=2))
         return
+    rest = [
+        f"{len(spec.buffers)} buffers" if spec.buffers else "",
+        f"{len(spec.fixed)} fixed tensors" if spec.fixed else "",
+        f"{len(spec.aliases)} tied names" if spec.aliases else "",
+    ]
     click.echo(
-        f"run {run_id}: {len(spec.tensors)} tensors, {spec.parameters} parameters, initial "
-        f"state {spec.initial[:16]}, minimum verification {spec.level}"
+        f"run {run_id}: {len(spec.tensors)} trainable tensors, {spec.parameters} parameters"
+        + "".join(f", {x}" for x in rest if x)
+        + f", initial state {spec.initial[:16]}, minimum verification {spec.level}"
         + (", hardware-signed attestations only" if spec.require_hardware else ""),
         err=True,
     )

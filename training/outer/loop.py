@@ -3,7 +3,8 @@
 Theory of operation
 -------------------
 1. A round starts from a global state: the parameters and the outer optimiser's momentum,
-   both float32 numpy arrays by name, plus the round number. Every worker holds the same
+   both float32 numpy arrays by name, the model's floating buffers where it has any
+   (``training.outer.module_state``), plus the round number. Every worker holds the same
    bits, so ``state_root`` (BLAKE3 over a canonical tensor encoding) is the same everywhere.
 2. Each worker loads the global parameters into its model, runs H inner steps on its shard
    with its own AdamW (whose state stays local across rounds, as in DiLoCo), and sends
@@ -17,6 +18,7 @@ Theory of operation
 
    Every op is an elementwise numpy float32 op (no threads, no fused multiply-add, no
    reductions across elements), so the same inputs give the same bits on any worker.
+   The buffers become the coordinate-wise median of the updates' (:func:`median_buffers`).
    A round in which no update arrived leaves the state as it was, apart from the round.
 4. The in-process simulation (``training.outer.simulate``) and the real multi-process run
    use ``run_inner_steps``, ``make_update``, ``decode_update`` and ``apply_round`` as they
@@ -30,9 +32,9 @@ from __future__ import annotations
 import math
 import os
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import blake3
@@ -81,11 +83,13 @@ class OuterConfig:
 
 @dataclass(frozen=True)
 class OuterState:
-    """The global state every worker agrees on at the start of round ``round``."""
+    """The global state every worker agrees on at the start of round ``round``;
+    ``buffers``: the model's floating buffers (none for most models)."""
 
     round: int
     params: dict[str, F32]
     momentum: dict[str, F32]
+    buffers: dict[str, F32] = field(default_factory=dict)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(int(d) for d in value.shape) for name, value in self.params.items()}
@@ -96,10 +100,15 @@ def sorted_names(names: Iterable[str]) -> list[str]:
     return sorted(names, key=lambda n: n.encode())
 
 
-def initial_state(params: Mapping[str, Any]) -> OuterState:
-    """Round 0: copies of ``params`` (float32 arrays or tensors) and zero momentum."""
+def initial_state(
+    params: Mapping[str, Any], buffers: Mapping[str, Any] | None = None
+) -> OuterState:
+    """Round 0: copies of ``params`` (float32 arrays or tensors) and zero momentum, and
+    copies of the model's floating ``buffers``."""
     copied = {name: _to_numpy(params[name]) for name in sorted_names(params)}
-    return OuterState(0, copied, {n: np.zeros_like(v) for n, v in copied.items()})
+    given = buffers or {}
+    held = {name: _to_numpy(given[name]) for name in sorted_names(given)}
+    return OuterState(0, copied, {n: np.zeros_like(v) for n, v in copied.items()}, held)
 
 
 def _to_numpy(value: Any, *, copy: bool = True) -> F32:
@@ -143,12 +152,16 @@ def tensor_set_digest(named: Mapping[str, Any]) -> bytes:
 
 
 def state_root(state: OuterState) -> str:
-    """64 hex digits naming the global state: round, parameters and momentum."""
+    """64 hex digits naming the global state: round, parameters and momentum, and the
+    buffers' digest after them where the state has buffers (a state without keeps the
+    root it always had; with, the input is 32 bytes longer, so the two never meet)."""
     h = blake3.blake3()
     h.update(STATE_DOMAIN)
     h.update(struct.pack("<Q", state.round))
     h.update(tensor_set_digest(state.params))
     h.update(tensor_set_digest(state.momentum))
+    if state.buffers:
+        h.update(tensor_set_digest(state.buffers))
     return h.hexdigest()
 
 
@@ -259,19 +272,47 @@ def outer_step(
         with ThreadPoolExecutor(n) as pool:
             for done in [pool.submit(run, blocks[i::n]) for i in range(n)]:
                 done.result()
-    return OuterState(state.round + 1, params, momentum)
+    return OuterState(state.round + 1, params, momentum, state.buffers)
+
+
+def median_buffers(
+    buffers: Sequence[Mapping[str, F32]], shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, F32]:
+    """Point 3: the coordinate-wise median of the updates' buffers (float32; of an even
+    count, half of each of the two middle values, added, which neither overflows nor
+    depends on the order). ``buffers`` must each name exactly ``shapes``."""
+    out: dict[str, F32] = {}
+    for name in sorted_names(shapes):
+        stack = np.stack([b[name] for b in buffers])
+        if stack.shape[1:] != tuple(shapes[name]) or stack.dtype != np.float32:
+            raise OuterError(f"buffer {name!r} is not float32 {shapes[name]} in every update")
+        stack.sort(axis=0)  # exact: sorting moves values, it computes none
+        n = stack.shape[0]
+        if n % 2:
+            out[name] = stack[n // 2].copy()
+        else:
+            half = np.float32(0.5)
+            out[name] = stack[n // 2 - 1] * half + stack[n // 2] * half
+    return out
 
 
 def apply_round(
     state: OuterState,
     updates: Mapping[str, Mapping[str, F32]],
     config: OuterConfig | None = None,
+    buffers: Mapping[str, Mapping[str, F32]] | None = None,
 ) -> OuterState:
-    """The next global state from the decoded updates (peer ID -> name -> array)."""
+    """The next global state from the decoded updates (peer ID -> name -> array) and, for
+    a state with buffers, each update's buffers (peer ID -> name -> array)."""
     if not updates:
-        return OuterState(state.round + 1, state.params, state.momentum)
+        return OuterState(state.round + 1, state.params, state.momentum, state.buffers)
     averaged = average_updates(updates, state.shapes())
-    return outer_step(state, averaged, config or OuterConfig())
+    stepped = outer_step(state, averaged, config or OuterConfig())
+    if not state.buffers:
+        return stepped
+    shapes = {n: tuple(v.shape) for n, v in state.buffers.items()}
+    held = [(buffers or {})[peer] for peer in sorted(updates)]
+    return replace(stepped, buffers=median_buffers(held, shapes))
 
 
 # --- a worker's side of a round ------------------------------------------------------

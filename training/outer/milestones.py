@@ -478,7 +478,8 @@ def tag(run: str, what: str, round_: int | None = None) -> str:
 # The tags a run's workers make (rule 2), after ``outer-<run>-``; a peer ID has no '-', so
 # run "a" never claims run "a-verdict-1"'s tags.
 _RUN_TAG = re.compile(
-    r"(start|end|(closure|milestone|updates|anchor|catchup|state)-\d+|verdict-\d+-[^-]+)"
+    r"(start|end|fixed|base|data|(closure|milestone|updates|anchor|catchup|state)-\d+"
+    r"|verdict-\d+-[^-]+)"
 )
 
 

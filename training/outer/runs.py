@@ -1,17 +1,22 @@
 """Making a run from the user's model (``blob outer init``), writing a round's state back
 as a model directory (``blob outer export``), and what a worker builds from a spec.
 
-1. ``init`` reads the initial weights from a Hugging Face directory (built by transformers'
-   own classes from ``config.json``, every tensor from its safetensors files, sharded or
-   not: ``training.model.load_base_model``) or from one safetensors state dict; the
-   run's parameters are the model's trainable parameters, tied copies once, as float32.
-   It stores the initial state blob, the directory as a collection (the spec's ``base``),
-   and the signed spec (``training.outer.spec``), tagged ``outer-<run>-spec``.
-2. ``export`` takes a run by its spec ID (or a tag naming it) and writes the state of a
-   round this store holds (default: the newest tagged ``outer-<run>-state-<round>``) as
-   ``model.safetensors`` beside the base's config and tokenizer: ``from_pretrained`` loads
-   it and ties what the config ties. The directory appears whole or not at all (written
-   beside it, synced, then renamed into place).
+1. ``init`` reads the model's whole state (``training.outer.module_state``: trainable
+   parameters, floating buffers, fixed tensors, tied names) from a module, a Hugging Face
+   directory (built by transformers' own classes from ``config.json``, every tensor from
+   its safetensors files, sharded or not: ``training.model.load_base_model``) or a state
+   file. It stores the initial state blob, the fixed tensors, the directory as a
+   collection (the spec's ``base``) and the signed spec (``training.outer.spec``), each
+   tagged with the run (``outer-<run>-spec``, ``-start``, ``-fixed``, ``-base``, and the
+   records as ``-data``), so ``blob gc`` keeps what the spec names. A run ID the store
+   already has is refused unless the caller says to replace it.
+2. ``export`` takes a run by its spec ID, a tag naming it or its run ID, and writes the
+   state of a round this store holds (default: the newest tagged
+   ``outer-<run>-state-<round>``) as ``model.safetensors``, the whole ``state_dict()``
+   (buffers, fixed tensors in their dtype, each tied name a copy), beside the base's
+   config and tokenizer: ``load_state_dict(strict=True)`` or ``from_pretrained`` loads it.
+   The directory appears whole or not at all (written beside it, synced, then renamed
+   into place).
 3. A worker given a spec builds its trainer (``training.outer.trainer.Trainer``) from the
    base collection and a records blob, on the device and thread count it is told; the
    kernel class that names comes from ``training.kernel_class``, never a silent fallback.
@@ -45,7 +50,8 @@ from training.outer.spec import BadSpec, RunSpec, SignedSpec, decode_spec
 
 if TYPE_CHECKING:
     from blobstore import Store
-    from training.outer.codec import F32
+    from training.outer.loop import OuterState
+    from training.outer.module_state import WholeState
     from training.outer.params import RunParams
     from training.outer.trainer import Trainer
 
@@ -61,64 +67,111 @@ class RunNotFound(TrainingError):
     exit_code = ExitCode.USAGE
 
 
-def load_initial(source: Path) -> dict[str, F32]:
-    """Point 1: the initial parameters (name -> float32 array) of a directory or file."""
+class RunExists(TrainingError):
+    """``init`` of a run ID this store already has a spec for (the user's choice to make)."""
+
+    exit_code = ExitCode.USAGE
+
+
+def load_initial(
+    source: Path | Any, *, buffers: Sequence[str] = (), frozen: Sequence[str] = ()
+) -> WholeState:
+    """Point 1: the initial whole state (``training.outer.module_state``) of a module, a
+    Hugging Face directory or a state file (``buffers`` and ``frozen``: patterns naming
+    the roles of a state dict saved without blobnet's metadata)."""
+    from training.outer.module_state import StateError, read_state_file, whole_state
+
+    if not isinstance(source, Path):
+        return whole_state(source)
     if source.is_dir():
         from training.model import load_base_model
 
-        model = load_base_model(source)
-        return {
-            name: p.detach().to("cpu").float().numpy().copy()
-            for name, p in model.named_parameters()
-            if p.requires_grad
-        }
+        if buffers or frozen:
+            raise RunNotFound("--buffer and --frozen are for a state dict file, not a directory")
+        return whole_state(load_base_model(source))
     if not source.is_file():
         raise RunNotFound(f"{source}: no such model directory or safetensors file")
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file
-
     try:
-        tensors = load_file(str(source))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise RunNotFound(f"{source} is not a readable safetensors state dict: {exc}") from None
-    out = {}
-    for name, value in sorted(tensors.items()):
-        if not np.issubdtype(value.dtype, np.floating):
-            raise RunNotFound(f"{source}: tensor {name!r} is {value.dtype}, not floating point")
-        out[name] = np.ascontiguousarray(value, dtype=np.float32)
-    return out
+        return read_state_file(source, buffers=buffers, frozen=frozen)
+    except StateError as exc:
+        raise RunNotFound(str(exc)) from None
 
 
 def init_run(
     store: Store,
     signer: Any,
-    source: Path,
+    source: Path | Any,
     *,
     run_id: str,
     authorities: Sequence[str],
     options: dict[str, Any],
+    buffers: Sequence[str] = (),
+    frozen: Sequence[str] = (),
+    replace: bool = False,
 ) -> tuple[str, RunSpec]:
-    """Point 1: store the initial state, the base and the signed spec; (spec ID, spec)."""
+    """Point 1: store the initial state, the fixed tensors, the base and the signed spec,
+    each tagged with the run; (spec ID, spec). ``source``: a module (its whole state), a
+    Hugging Face directory or a state file. A run ID this store already has a spec for is
+    refused unless ``replace``."""
     from training.outer.loop import initial_state, state_root
+    from training.outer.milestones import tag
+    from training.outer.module_state import encode_fixed
     from training.outer.spec import encode_spec
     from training.outer.state_blob import encode_state
 
-    params = load_initial(source)
-    state = initial_state(params)
+    held = store.tags().get(spec_tag(run_id))
+    if held is not None and not replace:
+        raise RunExists(
+            f"this store already has run {run_id!r} (spec {held[:16]}); choose another run ID, "
+            "or --replace to point the run ID at the new spec"
+        )
+    whole = load_initial(source, buffers=buffers, frozen=frozen)
+    state = initial_state(whole.trainable, whole.buffers)
     initial = store.put_bytes(encode_state(state))
-    base = store.put_dir(source) if source.is_dir() else ""
+    fixed_blob = store.put_bytes(encode_fixed(whole.fixed)) if whole.fixed else ""
+    base = store.put_dir(source) if isinstance(source, Path) and source.is_dir() else ""
+    layout = whole.layout()
     spec = RunSpec(
         run=run_id,
         initial=initial,
         root=state_root(state),
-        tensors=tuple((n, tuple(v.shape)) for n, v in sorted(params.items())),
+        tensors=tuple(sorted(layout.trainable.items())),
         authorities=tuple(authorities),
         base=base,
+        buffers=tuple(sorted(layout.buffers.items())),
+        fixed=tuple((n, d, shape) for n, (d, shape) in sorted(layout.fixed.items())),
+        fixed_blob=fixed_blob,
+        aliases=tuple(sorted(layout.aliases.items())),
         **options,
     )
     spec_id = store.put_bytes(encode_spec(spec, signer))
+    # The spec keeps what it names (blob gc leaves a run's makings while the run is kept).
+    for name, blob in (
+        ("start", initial),
+        ("fixed", fixed_blob),
+        ("base", base),
+        ("data", spec.data),
+    ):
+        if blob:
+            store.tag(tag(run_id, name), blob)
     store.tag(spec_tag(run_id), spec_id)
     return spec_id, spec
+
+
+def keep_spec_blob(store: Store, spec: RunSpec, blob: str) -> None:
+    """A joining worker's store keeps the spec it joined by (``blob``), tagged as ``init``
+    tags it, so every command takes the run ID there too, and keeps the base and records
+    the spec names where it holds them (the initial state is tagged when the worker
+    starts from it, the fixed tensors when fetched). A tag already naming another spec of
+    that run ID is left as it is."""
+    from training.outer.milestones import tag
+
+    tags = store.tags()
+    if spec_tag(spec.run) not in tags:
+        store.tag(spec_tag(spec.run), blob)
+    for name, held in ((tag(spec.run, "base"), spec.base), (tag(spec.run, "data"), spec.data)):
+        if held and name not in tags and store.has(held):
+            store.tag(name, held)
 
 
 def spec_tag(run_id: str) -> str:
@@ -194,7 +247,16 @@ def export_run(store: Store, ref: str, dest: Path, *, round_: int | None = None)
     r = max(held) if round_ is None else round_
     if r not in held:
         raise RunNotFound(f"run {spec.run}: no state of round {r} here (held: {sorted(held)})")
-    state = decode_state(store.path(held[r]).read_bytes(), expected=spec.shapes())
+    state = decode_state(
+        store.path(held[r]).read_bytes(), expected=spec.shapes(), buffers=dict(spec.buffers)
+    )
+    fixed: dict[str, Any] = {}
+    if spec.fixed_blob:
+        from training.outer.module_state import decode_fixed
+
+        if not store.has(spec.fixed_blob):
+            raise RunNotFound(f"run {spec.run}: its fixed tensors {spec.fixed_blob} are not here")
+        fixed = decode_fixed(store.path(spec.fixed_blob).read_bytes(), spec.layout().fixed)
     if dest.exists() and any(dest.iterdir()):
         raise RunNotFound(f"{dest} exists and is not empty")
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -212,7 +274,7 @@ def export_run(store: Store, ref: str, dest: Path, *, round_: int | None = None)
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, tmp / rel)
             shutil.rmtree(base)
-        _write_weights(tmp / "model.safetensors", state.params)
+        _write_weights(tmp / "model.safetensors", state, fixed, dict(spec.aliases))
         for path in tmp.rglob("*"):
             if path.is_file():
                 fd = os.open(path, os.O_RDONLY)
@@ -229,11 +291,25 @@ def export_run(store: Store, ref: str, dest: Path, *, round_: int | None = None)
     return r, held[r]
 
 
-def _write_weights(path: Path, params: dict[str, F32]) -> None:
-    from safetensors.numpy import save_file
+def _write_weights(
+    path: Path, state: OuterState, fixed: dict[str, Any], aliases: dict[str, str]
+) -> None:
+    """The whole ``state_dict()`` (point 2): parameters and buffers as float32, fixed
+    tensors in their own dtype, and each tied name as a copy of the tensor it names (a
+    safetensors file holds no shared tensors; ``load_state_dict(strict=True)`` wants every
+    name)."""
+    import torch
+    from safetensors.torch import save_file
 
+    tensors: dict[str, Any] = {
+        n: torch.from_numpy(np.ascontiguousarray(v)) for n, v in state.params.items()
+    }
+    tensors.update({n: torch.from_numpy(np.ascontiguousarray(v)) for n, v in state.buffers.items()})
+    tensors.update(fixed)
+    for alias, name in aliases.items():
+        tensors[alias] = tensors[name].clone()
     # One metadata key: safetensors writes several in a per-process order (research/train.md).
-    save_file({n: np.ascontiguousarray(v) for n, v in params.items()}, str(path), {"format": "pt"})
+    save_file({n: tensors[n].contiguous() for n in sorted(tensors)}, str(path), {"format": "pt"})
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,11 @@ Theory of operation
    user's ``training.outer.api.InnerStep``): replay by other workers runs their step of
    that name, so every worker must run the same function under it. Empty (and then not
    written, so such specs keep their bytes): the built-in causal-LM step.
+   The rest of the model's state (``training.outer.module_state``): ``buffers`` (floating
+   buffers, agreed each round, their initial values in the state blob), ``fixed`` (integer
+   buffers and frozen tensors: name, safetensors dtype and shape) with ``fixed_blob`` (a
+   safetensors file of their values), and ``aliases`` (tied names, alias -> name stored).
+   Each is written only when the model has one, so specs without keep their bytes.
 2. **Encoding.** The body is a canonical msgpack map (these keys, sorted; a decoder
    re-encodes and refuses anything that differs). A spec that requires hardware is body
    version 2, which adds ``require_hardware: true``; every other spec is version 1 without
@@ -35,9 +40,9 @@ Theory of operation
    ``replayed`` (as well, a sample of updates recomputed from the rows they commit to on a
    deterministic kernel class, ``training.outer.replay``). A worker that offers less than
    the spec's minimum is refused before it trains (:func:`check_level`).
-4. **Refusing a model.** A model whose trainable parameters differ from the spec's names
-   and shapes is refused before step 0, with one line naming the first difference
-   (:func:`check_model`).
+4. **Refusing a model.** A model whose state differs from the spec's (names, roles,
+   shapes, fixed dtypes, tied names) is refused before step 0, with one line naming the
+   first difference (:func:`check_model`).
 
 Nothing here does I/O or reads a clock.
 """
@@ -45,7 +50,6 @@ Nothing here does I/O or reads a clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -57,6 +61,7 @@ from blobstore.canonical import require_canonical
 from blobstore.errors import ExitCode
 from training.errors import TrainingError
 from training.outer.loop import MODE_DEFAULTS
+from training.outer.module_state import Layout, check_layout
 
 SPEC_VERSION = 1  # the envelope's version, and the body's without require_hardware
 HARDWARE_SPEC_VERSION = 2  # a body with require_hardware: true (point 2)
@@ -69,19 +74,13 @@ MAX_SPEC_SIZE = 4 << 20
 # A step name is a label ("tinylm-next-token/v1"), not code: 128 characters are plenty.
 MAX_STEP_NAME = 128
 # Body keys of either version written only when set.
-_OPTIONAL = frozenset({"step"})
+_OPTIONAL = frozenset({"step", "buffers", "fixed", "fixed_blob", "aliases"})
 
 
 class BadSpec(TrainingError):
     """Bytes that are not a valid signed run spec (whoever handed us the ID's fault)."""
 
     exit_code = ExitCode.BAD_DATA
-
-
-class ModelMismatch(TrainingError):
-    """The user's model does not have the spec's parameters (the user's mistake)."""
-
-    exit_code = ExitCode.USAGE
 
 
 class LevelRefused(TrainingError):
@@ -118,6 +117,10 @@ class RunSpec:
     data: str = ""
     require_hardware: bool = False
     step: str = ""
+    buffers: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    fixed: tuple[tuple[str, str, tuple[int, ...]], ...] = ()  # name, dtype, shape
+    fixed_blob: str = ""
+    aliases: tuple[tuple[str, str], ...] = ()  # alias, name stored
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -133,6 +136,24 @@ class RunSpec:
             raise ValueError("require_hardware must be true or false")
         if type(self.step) is not str or len(self.step) > MAX_STEP_NAME:
             raise ValueError(f"a step name is a string of at most {MAX_STEP_NAME} characters")
+        if bool(self.fixed) != bool(self.fixed_blob):
+            raise ValueError("fixed tensors and their blob come together")
+        names = [n for n, _ in self.tensors] + [n for n, _ in self.buffers]
+        names += [n for n, _, _ in self.fixed]
+        if len(set(names)) != len(names):
+            raise ValueError("a name has two roles in the spec's state")
+        for alias, target in self.aliases:
+            if alias in names or target not in names:
+                raise ValueError(f"alias {alias!r} must name a tensor of the state")
+
+    def layout(self) -> Layout:
+        """The model state this run holds (``training.outer.module_state`` point 1)."""
+        return Layout(
+            dict(self.tensors),
+            dict(self.buffers),
+            {n: (d, shape) for n, d, shape in self.fixed},
+            dict(self.aliases),
+        )
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return dict(self.tensors)
@@ -151,8 +172,12 @@ class RunSpec:
             if f.name in _OPTIONAL and not getattr(self, f.name):
                 continue  # written only when set: specs that do not use it keep their bytes
             value = getattr(self, f.name)
-            if f.name == "tensors":
+            if f.name in ("tensors", "buffers"):
                 value = [[name, list(shape)] for name, shape in value]
+            elif f.name == "fixed":
+                value = [[name, dtype, list(shape)] for name, dtype, shape in value]
+            elif f.name == "aliases":
+                value = [list(pair) for pair in value]
             elif f.name == "authorities":
                 value = list(value)
             out[f.name] = value
@@ -189,9 +214,13 @@ def decode_body(body: bytes) -> RunSpec:
     if not names - _OPTIONAL <= set(obj) - {"v"} <= names:
         raise BadSpec("run spec has missing or unknown fields")
     try:
-        tensors = tuple((str(n), tuple(int(d) for d in s)) for n, s in obj["tensors"])
         kw = {n: obj[n] for n in names if n in obj}
-        kw["tensors"] = tensors
+        kw["tensors"] = _shapes(obj["tensors"])
+        kw["buffers"] = _shapes(obj.get("buffers", []))
+        kw["fixed"] = tuple(
+            (str(n), str(d), tuple(int(x) for x in s)) for n, d, s in obj.get("fixed", [])
+        )
+        kw["aliases"] = tuple((str(a), str(t)) for a, t in obj.get("aliases", []))
         kw["authorities"] = tuple(obj["authorities"])
         spec = RunSpec(**kw)
     except (TypeError, ValueError) as exc:
@@ -199,6 +228,10 @@ def decode_body(body: bytes) -> RunSpec:
     if _pack(spec.body()) != body:
         raise BadSpec("run spec body is not in canonical form")
     return spec
+
+
+def _shapes(entries: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((str(n), tuple(int(d) for d in s)) for n, s in entries)
 
 
 @dataclass(frozen=True)
@@ -231,26 +264,9 @@ def decode_spec(data: bytes) -> SignedSpec:
     return SignedSpec(spec, key)
 
 
-def check_model(spec: RunSpec, shapes: Mapping[str, tuple[int, ...]]) -> None:
-    """Point 4: raise :class:`ModelMismatch` naming the first difference, in one line."""
-    want = spec.shapes()
-    for name in sorted(want):
-        if name not in shapes:
-            raise ModelMismatch(
-                f"the model does not match run {spec.run}: it has no parameter {name!r} "
-                f"(the spec's {len(want)} parameters come from its initial state)"
-            )
-        if tuple(shapes[name]) != want[name]:
-            raise ModelMismatch(
-                f"the model does not match run {spec.run}: parameter {name!r} has shape "
-                f"{tuple(shapes[name])}, the spec says {want[name]}"
-            )
-    extra = sorted(set(shapes) - set(want))
-    if extra:
-        raise ModelMismatch(
-            f"the model does not match run {spec.run}: parameter {extra[0]!r} is not in the "
-            f"spec ({len(extra)} extra)"
-        )
+def check_model(spec: RunSpec, layout: Layout) -> None:
+    """Point 4: raise ``ModelMismatch`` naming the first difference, in one line."""
+    check_layout(spec.layout(), layout, run=spec.run)
 
 
 def check_level(spec: RunSpec, offered: str) -> None:

@@ -14,9 +14,11 @@ Layout (integers little-endian)::
     the parameters' raw float32 bytes, tensor after tensor, same order
     the outer momentum's raw float32 bytes, same order and shapes
 
-and nothing after. The decoder checks every length against the named limits before it
-allocates, requires the exact total size, rejects NaN and infinity, and optionally the
-shapes a model expects.
+and nothing after; a state with floating buffers (``training.outer.module_state``) is
+version 2, which goes on with the buffers' count u32, their headers as above, and their
+raw float32 bytes, so a state without buffers keeps its version-1 bytes. The decoder
+checks every length against the named limits before it allocates, requires the exact
+total size, rejects NaN and infinity, and optionally the shapes a model expects.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from training.outer.loop import OuterState
 
 MAGIC = b"BNOS"
 VERSION = 1
+VERSION_BUFFERS = 2
 DTYPE_FLOAT32 = 1
 # Names, ranks and sizes are bounded as in the pseudo-gradient codec (MAX_TENSORS and the
 # rest, imported above): a state blob holds the same named tensors, twice.
@@ -41,6 +44,7 @@ DTYPE_FLOAT32 = 1
 MAX_ROUND = 1 << 32
 
 _HEAD = struct.Struct("<4sBBHQI")
+_COUNT = struct.Struct("<I")
 
 
 class BadStateBlob(TrainingError):
@@ -68,21 +72,42 @@ def state_blocks(state: OuterState) -> list[bytes | memoryview]:
         raise ValueError("parameters and momentum name different tensors")
     if not 0 <= state.round < MAX_ROUND:
         raise ValueError(f"round {state.round} is out of range")
+    version = VERSION_BUFFERS if state.buffers else VERSION
     parts: list[bytes | memoryview] = [
-        _HEAD.pack(MAGIC, VERSION, DTYPE_FLOAT32, 0, state.round, len(names))
+        _HEAD.pack(MAGIC, version, DTYPE_FLOAT32, 0, state.round, len(names))
     ]
     for name in names:
         value = state.params[name]
         if value.dtype != np.float32 or state.momentum[name].shape != value.shape:
             raise ValueError(f"tensor {name!r} is not float32 with matching momentum")
-        raw = name.encode()
-        parts.append(struct.pack(f"<H{len(raw)}sB", len(raw), raw, value.ndim))
-        parts.append(struct.pack(f"<{value.ndim}Q", *value.shape))
+        parts.extend(_header(name, value))
     for table in (state.params, state.momentum):
-        for name in names:
-            values = np.ascontiguousarray(table[name], dtype="<f4").reshape(-1)
-            parts.append(values.view(np.uint8).data)
+        parts.extend(_values(table, names))
+    if state.buffers:
+        buffers = sorted(state.buffers, key=_name_key)
+        parts.append(_COUNT.pack(len(buffers)))
+        for name in buffers:
+            if state.buffers[name].dtype != np.float32:
+                raise ValueError(f"buffer {name!r} is not float32")
+            parts.extend(_header(name, state.buffers[name]))
+        parts.extend(_values(state.buffers, buffers))
     return parts
+
+
+def _header(name: str, value: F32) -> list[bytes | memoryview]:
+    raw = name.encode()
+    return [
+        struct.pack(f"<H{len(raw)}sB", len(raw), raw, value.ndim),
+        struct.pack(f"<{value.ndim}Q", *value.shape),
+    ]
+
+
+def _values(table: Mapping[str, F32], names: list[str]) -> list[bytes | memoryview]:
+    out: list[bytes | memoryview] = []
+    for name in names:
+        values = np.ascontiguousarray(table[name], dtype="<f4").reshape(-1)
+        out.append(values.view(np.uint8).data)
+    return out
 
 
 def state_size(blocks: list[bytes | memoryview]) -> int:
@@ -95,21 +120,63 @@ def _truncated(what: str) -> BadStateBlob:
 
 
 def decode_state(
-    data: bytes, *, expected: Mapping[str, tuple[int, ...]] | None = None
+    data: bytes,
+    *,
+    expected: Mapping[str, tuple[int, ...]] | None = None,
+    buffers: Mapping[str, tuple[int, ...]] | None = None,
 ) -> OuterState:
-    """Strictly parse a state blob; ``expected`` (name -> shape) must then match exactly."""
+    """Strictly parse a state blob; ``expected`` (name -> shape) and ``buffers`` (the
+    floating buffers' name -> shape; empty: none) must then match exactly."""
     reader = ByteReader(bytes(data), _truncated)
     magic, version, dtype, reserved, round_, count = _HEAD.unpack(reader.take(_HEAD.size, "header"))
     if magic != MAGIC:
         raise BadStateBlob("not a global-state blob (bad magic)")
-    if version != VERSION or dtype != DTYPE_FLOAT32 or reserved != 0:
+    if version not in (VERSION, VERSION_BUFFERS) or dtype != DTYPE_FLOAT32 or reserved != 0:
         raise BadStateBlob(f"unsupported state blob version {version} / dtype {dtype}")
     if round_ >= MAX_ROUND:
         raise BadStateBlob(f"state blob round {round_} is out of range")
     if not 1 <= count <= MAX_TENSORS:
         raise BadStateBlob(f"state blob holds {count} tensors (1..{MAX_TENSORS} allowed)")
+    shapes, total = _headers(reader, count, 0)
+    tables: list[dict[str, F32]] = [{}, {}, {}]
+    buffer_shapes: list[tuple[str, tuple[int, ...]]] = []
+    if version == VERSION:
+        if reader.remaining() != 2 * 4 * total:
+            raise BadStateBlob(
+                f"state blob payload is {reader.remaining()} bytes; its header says {8 * total}"
+            )
+    else:
+        if reader.remaining() < 2 * 4 * total + _COUNT.size:
+            raise _truncated("buffers")
+        after = ByteReader(reader.data[reader.pos + 8 * total :], _truncated)
+        (held,) = _COUNT.unpack(after.take(_COUNT.size, "buffer count"))
+        if not 1 <= held <= MAX_TENSORS - count:
+            raise BadStateBlob(f"state blob holds {held} buffers (1..{MAX_TENSORS - count})")
+        buffer_shapes, extra = _headers(after, held, total)
+        if after.remaining() != 4 * extra:
+            raise BadStateBlob(
+                f"state blob buffers are {after.remaining()} bytes; their headers say {4 * extra}"
+            )
+        if {n for n, _ in buffer_shapes} & {n for n, _ in shapes}:
+            raise BadStateBlob("a buffer has a parameter's name")
+    if expected is not None and dict(shapes) != dict(expected):
+        raise BadStateBlob("state blob tensors do not match the model's names and shapes")
+    if buffers is not None and dict(buffer_shapes) != dict(buffers):
+        raise BadStateBlob("state blob buffers do not match the model's names and shapes")
+    for table in tables[:2]:
+        _read_values(reader, shapes, table)
+    if version == VERSION_BUFFERS:
+        _read_values(after, buffer_shapes, tables[2])
+    return OuterState(int(round_), tables[0], tables[1], tables[2])
+
+
+def _headers(
+    reader: ByteReader, count: int, total: int
+) -> tuple[list[tuple[str, tuple[int, ...]]], int]:
+    """``count`` tensor headers (names strictly increasing); (shapes, values in them), the
+    running ``total`` of values bounded by MAX_ELEMENTS."""
     shapes: list[tuple[str, tuple[int, ...]]] = []
-    total = 0
+    own = 0
     previous: bytes | None = None
     for _ in range(count):
         (name_len,) = struct.unpack("<H", reader.take(2, "name length"))
@@ -129,23 +196,19 @@ def decode_state(
         dims = struct.unpack(f"<{ndim}Q", reader.take(8 * ndim, "dims"))
         if any(d < 1 or d > MAX_ELEMENTS for d in dims):
             raise BadStateBlob(f"tensor {name!r} has a dimension out of range")
-        numel = math.prod(dims)
-        total += numel
-        if total > MAX_ELEMENTS:
+        own += math.prod(dims)
+        if total + own > MAX_ELEMENTS:
             raise BadStateBlob(f"state blob holds more than {MAX_ELEMENTS} values")
         shapes.append((name, tuple(int(d) for d in dims)))
-    if reader.remaining() != 2 * 4 * total:
-        raise BadStateBlob(
-            f"state blob payload is {reader.remaining()} bytes; its header says {8 * total}"
-        )
-    if expected is not None and dict(shapes) != dict(expected):
-        raise BadStateBlob("state blob tensors do not match the model's names and shapes")
-    tables: list[dict[str, F32]] = [{}, {}]
-    for table in tables:
-        for name, shape in shapes:
-            raw_values = reader.take(4 * math.prod(shape), "values")
-            values = np.frombuffer(raw_values, dtype="<f4").astype(np.float32).reshape(shape)
-            if not np.isfinite(values).all():
-                raise BadStateBlob(f"tensor {name!r} holds NaN or infinity")
-            table[name] = values
-    return OuterState(int(round_), tables[0], tables[1])
+    return shapes, own
+
+
+def _read_values(
+    reader: ByteReader, shapes: list[tuple[str, tuple[int, ...]]], table: dict[str, F32]
+) -> None:
+    for name, shape in shapes:
+        raw_values = reader.take(4 * math.prod(shape), "values")
+        values = np.frombuffer(raw_values, dtype="<f4").astype(np.float32).reshape(shape)
+        if not np.isfinite(values).all():
+            raise BadStateBlob(f"tensor {name!r} holds NaN or infinity")
+        table[name] = values

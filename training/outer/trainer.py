@@ -21,6 +21,7 @@ from training.outer.loop import (
     run_inner_steps,
     synthetic_tokens,
 )
+from training.outer.module_state import floating_buffers, load_into
 from training.outer.params import RunParams, outer_kernel_class
 
 # One per process, as torch's default generator is (see Trainer.train_rows). Whatever
@@ -44,12 +45,15 @@ class Trainer:
         threads: int = 1,
         pad_id: int | None = None,
         step_fn: Any = None,
+        reset: Any = None,
     ) -> None:
         """``model`` (a causal LM taking ``input_ids`` and ``labels``) and ``tokens`` (rows
         of token IDs) default to the built-in tiny Llama and synthetic shard; ``pad_id``
         (tokenizer records pad past the vocabulary) is left out of the loss and read as 0.
         ``step_fn(model, batch) -> loss``: the user's loss on one batch of rows, in place
-        of the causal-LM loss (``training.outer.api``, the replayed level)."""
+        of the causal-LM loss (``training.outer.api``, the replayed level). ``reset``:
+        the run's fixed tensors that are buffers, loaded with every state
+        (``training.outer.module_state`` point 1)."""
         import torch
 
         from training.model import make_tiny_llama
@@ -59,6 +63,7 @@ class Trainer:
         self.threads = threads
         self.pad_id = pad_id
         self.step_fn = step_fn
+        self.reset = dict(reset or {})
         with TORCH_RNG_LOCK:  # entering deterministic mode reseeds torch's one generator
             self.kernel_class = outer_kernel_class(device, threads)
         if model is None:
@@ -126,6 +131,7 @@ class Trainer:
         with TORCH_RNG_LOCK:
             torch.manual_seed(round_seed(root, author))
             load_params(self.model, state.params)
+            load_into(self.model, state.buffers, self.reset)
             if self.step_fn is not None:
                 losses = _user_steps(self.model, self.optimizer, batches, self.step_fn)
             elif self.pad_id is None:
@@ -133,7 +139,10 @@ class Trainer:
             else:
                 losses = _padded_steps(self.model, self.optimizer, batches, self.pad_id)
         payload = make_update(state.params, model_params(self.model), self.feedback)
-        update = wrap_update(payload, round_=state.round, start_root=root, author=author)
+        buffers = floating_buffers(self.model) if state.buffers else None
+        update = wrap_update(
+            payload, round_=state.round, start_root=root, author=author, buffers=buffers
+        )
         return update, losses, self.inner_state()
 
     def inner_state(self) -> bytes:

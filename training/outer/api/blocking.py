@@ -12,8 +12,8 @@ from blobstore.canonical import encode as encode_canonical
 from training.outer.api.core import JOIN_WAIT, Core, load_spec, run_worker
 from training.outer.api.driven import InnerStep
 from training.outer.api.handoff import HANDOFF_WAIT, OuterLoopError, describe
-from training.outer.api.model import gathered_state, is_sharded, load_state, trainable
-from training.outer.api.scoring import eval_rows
+from training.outer.api.model import gathered_state, is_sharded, trainable
+from training.outer.api.scoring import eval_data_of
 from training.outer.spec import RunSpec
 
 if TYPE_CHECKING:
@@ -106,11 +106,13 @@ class OuterLoop:
         if self._rank == 0 and (node is None or node.key_path is None):
             raise OuterLoopError("the node needs a machine key file (BlockingNode key_path)")
         store = node.store if self._rank == 0 else None
-        run_spec = load_spec(store, spec) if self._rank == 0 else None
+        spec_blob, run_spec = load_spec(store, spec) if self._rank == 0 else ("", None)
         if group is not None:
             run_spec = share_spec(run_spec, group)
         assert run_spec is not None
-        rows = eval_rows(store, eval_data) if eval_fn is not None and self._rank == 0 else None
+        evaluation = (
+            eval_data_of(store, eval_data) if eval_fn is not None and self._rank == 0 else None
+        )
         records = None
         if inner_step is not None:
             if group is not None:
@@ -118,10 +120,11 @@ class OuterLoop:
             records = records_of(store, run_spec, data)
         self._core = Core(
             spec=run_spec,
+            spec_blob=spec_blob,
             model=model,
             rounds=rounds,
             eval_fn=eval_fn if self._rank == 0 else None,
-            eval_rows=rows,
+            eval_data=evaluation,
             bootstrap=bootstrap,
             level=None if self._rank == 0 else "group",
             inner_step=inner_step,
@@ -189,7 +192,7 @@ class OuterLoop:
             raise OuterLoopError(f"the outer-loop worker stopped: {error}")
         if final is not None:
             core.state, core.root = final
-            load_state(core.model, final[0].params)
+            core.model.load(final[0])
         core.finished = True
         assert core.result is not None
         return core.result
@@ -242,12 +245,12 @@ class OuterLoop:
                 return False
             core.steps = 0
             if self._sharded:
-                gathered_state(core.model)  # point 6: rank 0 gathers the whole model
+                gathered_state(core.model.module)  # point 6: rank 0 gathers the whole model
             self._sync()
             return True
         if not core.count(loss):
             return False
-        sent = core.send(gathered_state(core.model) if self._sharded else None)
+        sent = core.send(gathered_state(core.model.module) if self._sharded else None)
         core.adopt(HANDOFF_WAIT)
         core.timed(sent)
         core.rounds_applied += 1
@@ -258,15 +261,21 @@ class OuterLoop:
         return True
 
     def _sync(self) -> None:
-        """Point 6: rank 0's parameters (the applied state) and ``finished`` to every rank."""
+        """Point 6: rank 0's whole model state (the applied state, with its buffers and the
+        run's fixed tensors) and ``finished`` to every rank."""
         import torch
         import torch.distributed as dist
         from torch.distributed.tensor import distribute_tensor
 
         src = dist.get_global_rank(self._group, 0)
         state = self._core.state
+        module = self._core.model.module
         with torch.no_grad():
-            for name, p in sorted(trainable(self._core.model).items()):
+            held = trainable(module)
+            for name, t in sorted(module.state_dict(keep_vars=True).items()):
+                if name not in held and not is_sharded(t):  # buffers and frozen tensors
+                    dist.broadcast(t.data, src=src, group=self._group)
+            for name, p in sorted(held.items()):
                 if not is_sharded(p):
                     dist.broadcast(p.data, src=src, group=self._group)
                     continue

@@ -3,7 +3,6 @@ step 0, the hand-off, the user's side of a round, and the worker's task."""
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -12,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from training.outer.api.driven import DrivenTrainers, InnerStep, check_step, peer_shard
 from training.outer.api.handoff import Handoff, OuterLoopError
-from training.outer.api.model import load_state, trainable
-from training.outer.api.scoring import Scorer
+from training.outer.api.model import UserModel
+from training.outer.api.scoring import EvalBatches, Scorer
 from training.outer.api.user_trainer import LoopTrainer
 from training.outer.spec import RunSpec, check_level, check_model
 
@@ -40,18 +39,18 @@ class Core:
         model: torch.nn.Module,
         rounds: int | None,
         eval_fn: Any,
-        eval_rows: Any,
+        eval_data: Any,
+        spec_blob: str = "",
         bootstrap: Sequence[str] = (),
         level: str | None = None,
         inner_step: InnerStep | None = None,
         records: tuple[str, Any] | None = None,
         keep_states: int | None = None,
     ) -> None:
-        from training.kernel_class import detect
+        from training.outer.module_state import layout_of
         from training.outer.runs import params_from_spec
 
-        shapes = {n: tuple(p.shape) for n, p in trainable(model).items()}
-        check_model(spec, shapes)
+        check_model(spec, layout_of(model))
         self.level = "scored" if eval_fn is not None else "bounded"
         self.driven: DrivenTrainers | None = None
         if inner_step is not None:
@@ -65,17 +64,20 @@ class Core:
         if level is None:  # the group's rank 0 offers the level; other ranks follow it
             check_level(spec, self.level)
         self.spec = spec
+        self.spec_blob = spec_blob
         self.bootstrap = tuple(bootstrap)
         self.params = params_from_spec(spec, rounds=rounds)
-        self.model = model
+        self.model = UserModel(model)
         first = next(iter(model.parameters()))
         self.device = first.device
-        self.kernel_class = detect(self.device.type).id
         self.handoff = Handoff()
         scorer = None
         if eval_fn is not None:
-            scorer = Scorer(copy.deepcopy(model), eval_fn, eval_rows, self.params, self.device)
-        self.trainer = LoopTrainer(self.params, model, self.handoff, self.kernel_class, scorer)
+            batches = EvalBatches(eval_data, self.params.batch, self.device)
+            scorer = Scorer(model, eval_fn, batches, self.params)
+        # Bounded and scored updates are never replayed, so this process's kernel class
+        # binds nothing: the worker attests the one its certificate names (point 3).
+        self.trainer = LoopTrainer(self.params, self.model, self.handoff, scorer)
         self.state: OuterState | None = None
         self.root = ""
         self.author = ""
@@ -98,7 +100,7 @@ class Core:
             self.finished = True
             return False
         self.state, self.root = got
-        load_state(self.model, self.state.params)
+        self.model.load(self.state)
         self.adopted_at = time.monotonic()
         with self.handoff.cond:
             # The worker's final state, taken: this worker's rounds are over.
@@ -170,6 +172,16 @@ class Core:
             config = replace(config, keep_states=self.keep_states)
         return config
 
+    def load_fixed(self, fixed: dict[str, Any]) -> None:
+        """The run's fixed tensors (``training.outer.module_state`` point 1), into the
+        user's model and every copy the library scores or replays on."""
+        self.model.load_fixed(fixed)
+        scorer = self.trainer.scorer
+        if scorer is not None:
+            scorer.model.load_fixed(fixed)
+        if self.driven is not None:
+            self.driven.load_fixed(fixed)
+
     def worker_done(self, result: dict[str, Any] | None, error: str | None) -> None:
         self.result = result
         # The final state: the tip the worker ends on, for the user's model.
@@ -194,11 +206,10 @@ async def run_worker(
     raw = await trio.to_thread.run_sync(cert_path.read_bytes)
     certificate = AdmissionCertificate.decode(raw)
     trust = TrustStore(frozenset(config.authorities))
-    if certificate.kernel_class != core.kernel_class:
-        raise OuterLoopError(
-            f"this process's kernel class is {core.kernel_class}, but its certificate admits "
-            f"{certificate.kernel_class}; get a certificate for this one"
-        )
+    core.trainer.kernel_class = certificate.kernel_class  # point 3: bounded and scored
+    await keep_spec(core, node)
+    if core.spec.fixed_blob:
+        core.load_fixed(await fetch_fixed(core, node))
     worker = Worker(config, node, signer, certificate, trust)
     result = await worker.run()
     if worker.state is not None:
@@ -206,7 +217,38 @@ async def run_worker(
     return result
 
 
-def load_spec(store: Any, ref: str) -> RunSpec:
+async def keep_spec(core: Core, node: Any) -> None:
+    """Tag the run's spec in this store, as ``blob outer init`` did in the maker's: the
+    commands that take a run ID find it, and ``blob gc`` keeps it."""
+    import trio
+
+    from training.outer.runs import keep_spec_blob
+
+    await trio.to_thread.run_sync(keep_spec_blob, node.store, core.spec, core.spec_blob)
+
+
+async def fetch_fixed(core: Core, node: Any) -> dict[str, Any]:
+    """The run's fixed tensors (the spec's ``fixed_blob``), fetched from the run's peers
+    where this store lacks them, checked against the spec, and tagged with the run."""
+    import trio
+
+    from training.outer.milestones import tag
+    from training.outer.module_state import decode_fixed
+
+    blob = core.spec.fixed_blob
+    if not await trio.to_thread.run_sync(node.store.has, blob):
+        with trio.move_on_after(JOIN_WAIT):
+            await node.fetch(blob, providers=list(core.bootstrap), announce=False)
+        if not await trio.to_thread.run_sync(node.store.has, blob):
+            raise OuterLoopError(f"could not fetch run {core.spec.run}'s fixed tensors {blob}")
+    await trio.to_thread.run_sync(node.store.tag, tag(core.spec.run, "fixed"), blob)
+    data = await trio.to_thread.run_sync(lambda: node.store.path(blob).read_bytes())
+    return decode_fixed(data, core.spec.layout().fixed)
+
+
+def load_spec(store: Any, ref: str) -> tuple[str, RunSpec]:
+    """(spec blob ID, spec) of a spec this store holds, by blob ID, tag or run ID."""
     from training.outer.runs import read_spec
 
-    return read_spec(store, ref)[1].spec
+    blob, signed = read_spec(store, ref)
+    return blob, signed.spec

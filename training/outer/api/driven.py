@@ -65,6 +65,16 @@ class DrivenTrainers:
         self.threads = torch.get_num_threads()
         self.lock = threading.Lock()
         self.given = False
+        self.reset: dict[str, Any] = {}  # the run's fixed tensors that are buffers
+
+    def load_fixed(self, fixed: dict[str, Any]) -> None:
+        """The run's fixed tensors into the copy replays start from (the user's model
+        takes them through :class:`~training.outer.api.model.UserModel`)."""
+        from training.outer.module_state import load_into
+
+        load_into(self.template, {}, fixed)
+        buffers = {name for name, _ in self.template.named_buffers()}
+        self.reset = {n: t for n, t in fixed.items() if n in buffers}
 
     def __call__(self, params: RunParams, shard: int) -> Any:
         from training.outer.trainer import Trainer
@@ -79,4 +89,5 @@ class DrivenTrainers:
             device=self.device,
             threads=self.threads,
             step_fn=self.step.fn,
+            reset=self.reset,
         )

@@ -1,16 +1,51 @@
 """The user's model as the run sees it (points 2 and 6 of :mod:`training.outer.api`): its
-trainable parameters as float32 host arrays, the state copied back in place, and a model
-sharded over a group gathered whole."""
+trainable parameters as float32 host arrays, the whole state (``training.outer.module_state``)
+copied back in place, and a model sharded over a group gathered whole."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeGuard
+
+from training.outer.module_state import floating_buffers, layout_of, load_into
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed.tensor import DTensor
 
     from training.outer.codec import F32
+    from training.outer.loop import OuterState
+
+
+class UserModel:
+    """The user's module and the run's fixed tensors it took at join: what the run reads
+    from it (trainable parameters, floating buffers) and writes into it (a whole state).
+
+    1. ``load`` writes a state's parameters (not the sharded ones: the group scatters
+       those), its buffers, and the run's integer buffers (reset with every state, so
+       ``num_batches_tracked`` is the same on every worker).
+    2. ``load_fixed`` writes every fixed tensor of the run once, when the worker joins:
+       frozen parameters made with another seed are the run's from then on."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.layout = layout_of(module)
+        self.reset: dict[str, Any] = {}  # the run's fixed tensors that are buffers
+
+    def views(self) -> dict[str, F32]:
+        return model_views(self.module)
+
+    def buffers(self) -> dict[str, F32]:
+        return floating_buffers(self.module) if self.layout.buffers else {}
+
+    def load(self, state: OuterState) -> None:
+        load_state(self.module, state.params)
+        load_into(self.module, state.buffers, self.reset)
+
+    def load_fixed(self, fixed: Mapping[str, Any]) -> None:
+        load_into(self.module, {}, fixed)
+        buffers = {name for name, _ in self.module.named_buffers()}
+        self.reset = {n: t for n, t in fixed.items() if n in buffers}
 
 
 def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

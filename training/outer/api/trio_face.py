@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from training.outer.api.core import JOIN_WAIT, Core, load_spec, run_worker
 from training.outer.api.handoff import HANDOFF_WAIT, OuterLoopError, describe
-from training.outer.api.scoring import eval_rows
+from training.outer.api.scoring import eval_data_of
 
 if TYPE_CHECKING:
     import torch
@@ -108,13 +108,15 @@ async def open_outer_loop(
     The options are :class:`OuterLoop`'s, less ``group`` and the replayed level's."""
     import trio
 
-    rows = eval_rows(node.store, eval_data) if eval_fn is not None else None
+    evaluation = eval_data_of(node.store, eval_data) if eval_fn is not None else None
+    spec_blob, run_spec = load_spec(node.store, spec)
     core = Core(
-        spec=load_spec(node.store, spec),
+        spec=run_spec,
+        spec_blob=spec_blob,
         model=model,
         rounds=rounds,
         eval_fn=eval_fn,
-        eval_rows=rows,
+        eval_data=evaluation,
         bootstrap=bootstrap,
         keep_states=keep_states,
     )

@@ -9,11 +9,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from training.outer.api.handoff import HANDOFF_WAIT, Closed, Handoff, OuterLoopError
-from training.outer.api.model import model_views, trainable
+from training.outer.api.model import UserModel
 
 if TYPE_CHECKING:
-    import torch
-
     from training.outer.api.scoring import Scorer
     from training.outer.codec import F32
     from training.outer.loop import OuterState
@@ -28,11 +26,14 @@ class LoopTrainer:
     def __init__(
         self,
         params: RunParams,
-        model: torch.nn.Module,
+        model: UserModel,
         handoff: Handoff,
-        kernel_class: str,
         scorer: Scorer | None,
+        kernel_class: str = "",
     ) -> None:
+        """``kernel_class``: what the worker's attestations name (the certificate's, set
+        before the worker starts: nothing of a loop the library does not drive is
+        replayed)."""
         from training.outer.codec import ErrorFeedback
         from training.outer.inner import encode_inner
 
@@ -42,11 +43,10 @@ class LoopTrainer:
         self.kernel_class = kernel_class
         self.scorer = scorer
         self.feedback = ErrorFeedback(params.codec(), decay=params.ef_decay, schema_ref=True)
-        self.names = list(trainable(model))
-        self.no_inner = encode_inner([None] * len(self.names), {})
+        self.no_inner = encode_inner([None] * len(self.model.layout.trainable), {})
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {n: tuple(p.shape) for n, p in trainable(self.model).items()}
+        return dict(self.model.layout.trainable)
 
     def ready(self, state: OuterState, root: str) -> None:
         """The worker's next state, ahead of its adoption (``WorkerState._offer``): the
@@ -75,9 +75,12 @@ class LoopTrainer:
         from training.outer.trainer import Trained
 
         # Read in place: the user's loop waits in step() until the update is made.
-        now = model_views(self.model) if current is None else current
+        now = self.model.views() if current is None else current
         payload = make_update(state.params, now, self.feedback)
-        update = wrap_update(payload, round_=state.round, start_root=root, author=author)
+        buffers = self.model.buffers() if state.buffers else None
+        update = wrap_update(
+            payload, round_=state.round, start_root=root, author=author, buffers=buffers
+        )
         # A loop the library does not drive commits to no rows (zeros) and no inner state:
         # its updates are never sampled for replay (the run's replay rate is 0 below the
         # replayed level), and the residual is the model's size: encoding it twice,
