@@ -162,8 +162,14 @@ def make_tokenizer_records(
     except Exception as exc:  # tokenizers raises its own untyped errors
         raise BadRecords(f"tokenizer.json is not a tokenizers file: {exc}") from None
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
-    if not 1 <= vocab < MAX_VOCAB or (eos_id is not None and not 0 <= eos_id < vocab):
-        raise BadRecords(f"tokenizer vocabulary {vocab} (EOS {eos_id}) is out of bounds")
+    if not 1 <= vocab < MAX_VOCAB:
+        raise BadRecords(f"tokenizer vocabulary {vocab} is out of bounds (1..{MAX_VOCAB - 1})")
+    if eos_id is not None and not 0 <= eos_id < vocab:
+        raise BadRecords(
+            f"the model's eos_token_id {eos_id} (config.json; GPT2Config's default is 50256) "
+            f"is outside the tokenizer's vocabulary of {vocab}: set eos_token_id in "
+            "config.json to the tokenizer's end-of-text token"
+        )
     stream: list[int] = []
     for index, data in enumerate(files):
         try:

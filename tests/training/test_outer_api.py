@@ -479,10 +479,13 @@ def test_the_trio_face_runs_a_one_worker_run_holding_one_state(tmp_path: Path) -
                     held["S_0 in round 1"] = _states_alive(0)
                 if loop.finished:
                     break
+            # The trio face says what the blocking one says.
+            held.update(level=loop.level == "bounded", round=loop.round, timed=len(loop.timings))
             return loop.result
 
     result = trio.run(main)
     assert result is not None and result["final_round"] == 2
+    assert held["level"] and held["round"] == 2 and held["timed"] == 2, held
     assert held["S_0 in round 0"] >= 1 and held["S_1 in round 1"] >= 1  # the census sees them
     assert held["S_0 in round 1"] == 0, held
 

@@ -112,3 +112,6 @@ def test_tokenizer_records_are_canonical_and_name_their_tokenizer() -> None:
         decode_records(bytes(beyond))
     with pytest.raises(BadRecords, match="not UTF-8"):
         make_tokenizer_records([b"\xff"], 8, tokenizer_json=tok, tokenizer_id=tok_id, eos_id=1)
+    # GPT2Config's default EOS with a small tokenizer: the message says where it came from.
+    with pytest.raises(BadRecords, match=r"eos_token_id 50256 \(config\.json"):
+        make_tokenizer_records([b"a"], 8, tokenizer_json=tok, tokenizer_id=tok_id, eos_id=50256)

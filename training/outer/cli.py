@@ -343,7 +343,7 @@ def _authority(value: str) -> bytes:
     "result_path",
     type=click.Path(path_type=Path_, dir_okay=False),
     default=None,
-    help="Where to write this worker's result JSON [default: outer-RUN-result.json].",
+    help="Where to write this worker's result JSON [default: STORE/outer/RUN-result.json].",
 )
 @click.option(
     "--addr-file",
@@ -432,6 +432,7 @@ def worker_command(
     from blobstore import parse_blob_id
     from training.outer.launch import run_worker
     from training.outer.params import WorkerConfig
+    from training.outer.runs import worker_files
     from training.outer.worker.faults import Faults
 
     check_relays(relays)
@@ -480,7 +481,7 @@ def worker_command(
         key_path=Path_(obj["key_path"]),
         cert_path=cert_path,
         authorities=tuple(_authority(a) for a in authorities),
-        result_path=result_path or Path_(f"outer-{run_id}-result.json"),
+        result_path=result_path or worker_files(Path_(obj["store_root"])) / f"{run_id}-result.json",
         initial=initial,
         join=join,
         bootstrap=bootstrap,
@@ -606,6 +607,19 @@ def _store(ctx: click.Context) -> Any:
     return Store.open(Path_(ctx.ensure_object(dict)["store_root"]))
 
 
+def _run_of(store: Any, ref: str) -> tuple[str, Any]:
+    """Every command's RUN: (run ID, signed spec or None) of a spec's blob ID, a tag
+    naming one, or a run ID (with or without a spec in this store: ``outer run`` makes
+    none)."""
+    from training.outer.runs import RunNotFound, read_spec
+
+    try:
+        _, signed = read_spec(store, ref)
+    except RunNotFound:
+        return ref, None
+    return signed.spec.run, signed
+
+
 @outer_group.command("milestones")
 @click.argument("run_id", metavar="RUN")
 @click.option(
@@ -627,7 +641,9 @@ def milestones_command(
     from training.outer.params import OuterRunFailed
 
     trust = TrustStore(frozenset(_authority(a) for a in authorities)) if authorities else None
-    entries = list_milestones(_store(ctx), run_id, trust)
+    store = _store(ctx)
+    run_id, _ = _run_of(store, run_id)
+    entries = list_milestones(store, run_id, trust)
     invalid = invalid_entries(entries)
     if as_json:
         click.echo(json.dumps(entries, indent=2, sort_keys=True))
@@ -690,14 +706,10 @@ def verify_command(
     from training.outer.levels import check_levels
     from training.outer.milestones import verify_run
     from training.outer.params import OuterRunFailed
-    from training.outer.runs import RunNotFound, read_spec
 
     trust = TrustStore(frozenset(_authority(a) for a in authorities))
     store = _store(ctx)
-    try:
-        _, signed = read_spec(store, run_id)
-    except RunNotFound:
-        signed = None
+    run_id, signed = _run_of(store, run_id)
     if signed is not None and signed.spec.require_hardware:
         require_hardware = True
     report = verify_run(store, run_id, trust, require_hardware=require_hardware)
@@ -735,6 +747,7 @@ def forget_command(ctx: click.Context, /, run_id: str, dry_run: bool, as_json: b
     from training.outer.milestones import run_tags
 
     store = _store(ctx)
+    run_id, _ = _run_of(store, run_id)
     tags = run_tags(store, run_id)
     if not dry_run:
         for name in tags:

@@ -903,23 +903,28 @@ class ErrorFeedback:
         return encode_sparse(sparse, self.params, schema_ref=self.schema_ref)
 
     def step_sparse(self, grads: Mapping[str, Any]) -> dict[str, SparseTensor]:
+        """As :meth:`step`, unencoded. Every input is checked (names, shapes, finite values)
+        before the residual changes, so a refused step leaves the residual as it was."""
         names = _sorted_names(grads)
         if self.residual and set(self.residual) != set(names):
             raise ValueError("error feedback: tensor names changed between rounds")
+        checked = {name: _checked_float32(grads[name], name) for name in names}
+        for name, grad in checked.items():
+            previous = self.residual.get(name)
+            if previous is not None and previous.shape != grad.shape:
+                raise ValueError(f"error feedback: shape of {name!r} changed")
         sparse: dict[str, SparseTensor] = {}
         for name in names:
             previous = self.residual.get(name)
             if previous is None:
-                accumulated = _as_float32(grads[name], name)  # a copy: the residual from now
+                # np.array keeps 0-d arrays 0-d: a copy of its own, the residual from now.
+                accumulated = np.array(checked[name], dtype=np.float32, order="C", copy=True)
             else:
-                grad = _checked_float32(grads[name], name)
-                if previous.shape != grad.shape:
-                    raise ValueError(f"error feedback: shape of {name!r} changed")
                 # In place, in float32: the same roundings as decay * residual + grad.
                 accumulated = previous
                 if self.decay != 1:
                     accumulated *= self.decay
-                accumulated += grad
+                accumulated += checked[name]
             entry = compress_tensor(accumulated, self.params)
             # What the receivers decode is nonzero only where a value was kept.
             flat = accumulated.reshape(-1)

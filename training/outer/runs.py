@@ -404,14 +404,20 @@ def prepare_spec_worker(
     level = "replayed" if spec.data and data == spec.data else "bounded"
     check_level(spec, level)
     records = decode_records(store.path(data).read_bytes())
+    keep_spec_blob(store, spec, read_spec(store, spec_ref)[0])
     base_dir = None
     if spec.base:
-        base_dir = store_root.parent / f".outer-base-{spec.base[:16]}"
+        base_dir = worker_files(store_root) / f"base-{spec.base[:16]}"
         if not base_dir.exists():
-            tmp = Path(tempfile.mkdtemp(prefix=".outer-base-", dir=store_root.parent))
-            store.export(spec.base, tmp / "dir")
-            os.replace(tmp / "dir", base_dir)
-            tmp.rmdir()
+            tmp = Path(tempfile.mkdtemp(prefix=".base-", dir=base_dir.parent))
+            try:
+                store.export(spec.base, tmp / "dir")
+                os.replace(tmp / "dir", base_dir)
+            except OSError:
+                if not base_dir.is_dir():  # not another worker of this store, done first
+                    raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     params = params_from_spec(spec, rounds=rounds)
     peer = load_or_create_key(key_path).peer_id
     shard = int.from_bytes(blake3.blake3(peer.encode()).digest()[:4], "little") % (1 << 20)
@@ -467,6 +473,18 @@ def drop_blob(store: Store, blob: str) -> bool:
     except StoreError:  # gone already, or a writer holds it: gc's job then
         return False
     return True
+
+
+def worker_files(store_root: Path) -> Path:
+    """Where a worker keeps its own files (the base model it unpacks, its result): inside
+    its store, so two workers whose stores share a directory never meet. The store is
+    made first where it is new (a new store's directory holds nothing else)."""
+    from blobstore import Store
+
+    Store.open(store_root)
+    path = store_root / "outer"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
 
 
 def _is_blob_id(ref: str) -> bool:

@@ -150,8 +150,7 @@ class OuterLoop:
     @property
     def round(self) -> int:
         """The round the model's current state starts (its number of applied rounds)."""
-        state = self._core.state
-        return -1 if state is None else state.round
+        return self._core.round
 
     @property
     def finished(self) -> bool:

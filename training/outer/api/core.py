@@ -93,6 +93,11 @@ class Core:
         self.adopted_at = 0.0
         self.steps_done_at = 0.0
 
+    @property
+    def round(self) -> int:
+        """The round the model's current state starts (-1 before join)."""
+        return -1 if self.state is None else self.state.round
+
     def adopt(self, timeout: float) -> bool:
         """Take the next posted state into the model; False when the run finished."""
         got = self.handoff.wait_state(timeout)

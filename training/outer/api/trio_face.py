@@ -38,12 +38,27 @@ class AsyncOuterLoop:
         self._result_path = result_path
 
     @property
+    def level(self) -> str:
+        """The verification level this worker offers (``bounded``, ``scored``)."""
+        return self._core.level
+
+    @property
+    def round(self) -> int:
+        """The round the model's current state starts (its number of applied rounds)."""
+        return self._core.round
+
+    @property
     def finished(self) -> bool:
         return self._core.finished
 
     @property
     def result(self) -> dict[str, Any] | None:
         return self._core.result
+
+    @property
+    def timings(self) -> list[tuple[float, float]]:
+        """As :attr:`OuterLoop.timings <training.outer.api.OuterLoop.timings>`."""
+        return self._core.timings
 
     async def join(self) -> None:
         import trio
