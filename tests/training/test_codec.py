@@ -211,6 +211,23 @@ def test_error_feedback_sends_what_was_dropped() -> None:
     assert final_error < 0.02
 
 
+def test_a_refused_step_leaves_the_residual_as_it_was() -> None:
+    """A NaN in a later tensor is refused before the residual changes, so the worker can
+    restore its weights and send the round again (or a later one) as if nothing happened."""
+    feedback = ErrorFeedback(CodecParams(chunk=16, k=2), decay=0.9)
+    rng = np.random.default_rng(0)
+    grads = {n: rng.normal(size=32).astype(np.float32) for n in ("a", "b", "c")}
+    feedback.step(grads)
+    before = {n: v.copy() for n, v in feedback.residual.items()}
+    poisoned = {**grads, "c": np.full(32, np.nan, np.float32)}
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        feedback.step(poisoned)
+    assert all(np.array_equal(feedback.residual[n], before[n]) for n in before)
+    again = ErrorFeedback(CodecParams(chunk=16, k=2), decay=0.9)
+    again.step(grads)
+    assert feedback.step(grads) == again.step(grads)  # the same bytes as if never refused
+
+
 def test_error_feedback_rejects_changed_tensors() -> None:
     feedback = ErrorFeedback(CodecParams(chunk=16, k=2))
     feedback.step({"a": np.ones(4, np.float32)})
