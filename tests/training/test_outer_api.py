@@ -181,9 +181,11 @@ def test_three_workers_own_model_and_loop_scored_level(tmp_path: Path) -> None:
     assert all(o["level"] == "scored" for o in outs)
     # Every worker's model holds the final state: the same parameters everywhere.
     assert outs[0]["model"] == outs[1]["model"] == outs[2]["model"]
-    # The worker on the wrong task is left out by its score; the honest two are included.
+    # The worker on the wrong task is left out by its score once its update makes the loss
+    # worse (from a random init, round 0's learns what both tasks share and lowers it);
+    # the honest two are included.
     wrong = results[2]["peer_id"]
-    for record in results[0]["rounds"]:
+    for record in results[0]["rounds"][1:]:
         included = {x["peer"] for x in record["included"]}
         assert wrong not in included
         assert len(included) == 2

@@ -17,7 +17,7 @@ import click
 
 from identity import MAX_CERTIFICATE_SIZE, AdmissionCertificate
 from identity.cli import read_input
-from p2p.cli.common import check_listen_addrs, check_peer_addrs
+from p2p.cli.common import InputPath, check_listen_addrs, check_peer_addrs
 from p2p.cli.nat import NAT_DEFAULT_LISTEN, check_relays, relay_options
 from training.outer.simconfig import MODES, SimConfig, SimResult
 
@@ -777,7 +777,7 @@ def forget_command(ctx: click.Context, /, run_id: str, dry_run: bool, as_json: b
 @click.option(
     "--state",
     "state_file",
-    type=click.Path(path_type=Path_, dir_okay=False),
+    type=InputPath(path_type=Path_, dir_okay=False),
     default=None,
     help="Your model's whole state: a file training.outer.save_state(model, FILE) wrote, "
     "or any safetensors state dict (floating tensors trainable, the rest fixed, unless "

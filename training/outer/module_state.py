@@ -53,9 +53,10 @@ from blobstore.errors import ExitCode
 from training.errors import TrainingError
 
 if TYPE_CHECKING:
+    import numpy.typing as npt
     import torch
 
-    from training.outer.codec import F32
+    F32 = npt.NDArray[np.float32]  # as training.outer.codec names it (a layer above)
 
 # The metadata key of a state file (point 2): a JSON object {"v": 1, "roles": {name: role},
 # "aliases": {alias: name}}.
