@@ -67,8 +67,11 @@ class OuterLoop:
     ``eval_fn`` and ``eval_data`` (an int64 row array or a records blob ID) offer the
     ``scored`` level; ``bootstrap``: peers of the run (multiaddrs) to fetch S_0 from and
     dial; ``result_path``: where the worker writes its result JSON.
-    ``inner_optimizer`` is accepted for symmetry with other wrappers and never touched.
+    ``inner_optimizer``: the user's optimizer, never stepped or changed by the loop: its
+    state goes into the worker's resume checkpoint each round (point 8).
     ``late``: join a run already under way (catch up from its tip, not S_0).
+    ``resume``: take this worker's checkpoint back from its store (its residual, the inner
+    optimizer's state) and join from the run's tip (point 8); a new worker without one.
     ``group``: the ``torch.distributed`` group this worker's replicas form (point 6); its
     ranks other than 0 pass ``node=None``.
     ``inner_step`` (an :class:`InnerStep`) and ``data`` (a records blob ID or tag; default
@@ -85,7 +88,7 @@ class OuterLoop:
         spec: str,
         model: torch.nn.Module,
         certificate: str | Path,
-        inner_optimizer: Any = None,
+        inner_optimizer: torch.optim.Optimizer | None = None,
         rounds: int | None = None,
         eval_fn: Callable[[Any, Any], Any] | None = None,
         eval_data: Any = None,
@@ -96,6 +99,7 @@ class OuterLoop:
         inner_step: InnerStep | None = None,
         data: str | None = None,
         keep_states: int | None = None,
+        resume: bool = False,
     ) -> None:
         self._group = group
         self._rank = 0
@@ -130,7 +134,14 @@ class OuterLoop:
             inner_step=inner_step,
             records=records,
             keep_states=keep_states,
+            optimizer=inner_optimizer if self._rank == 0 else None,
         )
+        if resume and (inner_step is not None or group is not None):
+            raise OuterLoopError(
+                "resume=True is for a loop whose steps are yours, in one process; a loop the "
+                "library drives resumes as `blob outer worker --resume` does"
+            )
+        self._resume = resume
         self._core.join = late
         self._sharded = any(is_sharded(p) for p in trainable(model).values())
         if self._sharded and (group is None or eval_fn is not None):
@@ -141,7 +152,6 @@ class OuterLoop:
         self._cert = Path(certificate)
         self._result_path = Path(result_path) if result_path is not None else None
         self._thread: threading.Thread | None = None
-        self.inner_optimizer = inner_optimizer
 
     @property
     def level(self) -> str:
@@ -218,6 +228,8 @@ class OuterLoop:
         key = load_key_file(self._node.key_path)
         signer = machine_signer(key, self._node.key_path)  # TPM-backed where bound
         self._core.author = key.peer_id
+        if self._resume:
+            self._core.resume_from(self._node.store)
         core, node, cert, out = self._core, self._node, self._cert, self._result_path
 
         def main() -> None:
@@ -250,6 +262,32 @@ class OuterLoop:
         if not core.count(loss):
             return False
         sent = core.send(gathered_state(core.model.module) if self._sharded else None)
+        if self._group is None:
+            core.keep(self._node.store)  # point 8, while the round is agreed
+        self._take_round(sent)
+        return True
+
+    def skip(self) -> bool:
+        """Send nothing this round (say the steps went wrong): wait for the round's result,
+        the others' updates applied, and copy it into the model; True then, as ``step()``
+        at the H-th. The error-feedback residual is left as it was."""
+        core = self._core
+        if core.driven is not None or self._group is not None:
+            raise OuterLoopError("skip() is for a loop whose steps are yours, in one process")
+        self._take_round(core.skip())
+        return True
+
+    def restore(self) -> None:
+        """Copy the round's start state back into the model (parameters, buffers and the
+        run's fixed buffers) and count this round's steps from 0 again: a round whose
+        steps went wrong starts over."""
+        core = self._core
+        if core.driven is not None or self._group is not None:
+            raise OuterLoopError("restore() is for a loop whose steps are yours, in one process")
+        core.restore()
+
+    def _take_round(self, sent: tuple[float, float]) -> None:
+        core = self._core
         core.adopt(HANDOFF_WAIT)
         core.timed(sent)
         core.rounds_applied += 1
@@ -257,7 +295,6 @@ class OuterLoop:
             self._thread.join(timeout=60)
         if self._group is not None:
             self._sync()
-        return True
 
     def _sync(self) -> None:
         """Point 6: rank 0's whole model state (the applied state, with its buffers and the

@@ -12,6 +12,12 @@ from typing import TYPE_CHECKING, Any
 from training.outer.api.driven import DrivenTrainers, InnerStep, check_step, peer_shard
 from training.outer.api.handoff import Handoff, OuterLoopError
 from training.outer.api.model import UserModel
+from training.outer.api.resume import (
+    check_optimizer,
+    load_optimizer,
+    read_checkpoint,
+    write_checkpoint,
+)
 from training.outer.api.scoring import EvalBatches, Scorer
 from training.outer.api.user_trainer import LoopTrainer
 from training.outer.spec import RunSpec, check_level, check_model
@@ -46,9 +52,14 @@ class Core:
         inner_step: InnerStep | None = None,
         records: tuple[str, Any] | None = None,
         keep_states: int | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         from training.outer.module_state import layout_of
         from training.outer.runs import params_from_spec
+
+        if optimizer is not None:
+            check_optimizer(optimizer)  # point 8: refused now, not at round 0's end
+        self.optimizer = optimizer
 
         check_model(spec, layout_of(model))
         self.level = "scored" if eval_fn is not None else "bounded"
@@ -135,6 +146,69 @@ class Core:
         trained = self.trainer.make(self.state, self.root, self.author, self.losses, current)
         self.handoff.post_trained(trained, self.root)
         return self.adopted_at, self.steps_done_at
+
+    def skip(self) -> tuple[float, float]:
+        """Point 8: this round sends nothing (the worker takes the round's result); returns
+        as :meth:`send`."""
+        if self.state is None:
+            raise OuterLoopError("call join() before skip()")
+        if self.finished:
+            raise OuterLoopError(f"run {self.spec.run}: this worker's rounds are over")
+        self.steps_done_at = time.monotonic()
+        self.handoff.post_trained(None, self.root)
+        return self.adopted_at, self.steps_done_at
+
+    def restore(self) -> None:
+        """Point 8: the round's start state back into the model, its steps from 0."""
+        if self.state is None:
+            raise OuterLoopError("call join() before restore()")
+        self.model.load(self.state)
+        self.steps = 0
+        self.losses = []
+
+    def keep(self, store: Any) -> None:
+        """Point 8: this worker's checkpoint of the update just sent (its residual, the
+        inner optimizer's state, the round), while the round is agreed."""
+        assert self.state is not None
+        write_checkpoint(
+            store,
+            run=self.spec.run,
+            peer=self.author,
+            round_=self.state.round,
+            residual=self.trainer.feedback.residual,
+            optimizer=self.optimizer,
+        )
+
+    def resume_from(self, store: Any) -> None:
+        """Point 8: take this worker's checkpoint back, and join from the run's tip; with
+        none in the store, start as a new worker (saying so)."""
+        import sys
+
+        saved = read_checkpoint(
+            store, run=self.spec.run, peer=self.author, shapes=self.model.layout.trainable
+        )
+        if saved is None:
+            print(
+                f"outer: no resume checkpoint of run {self.spec.run} in this store; "
+                "starting as a new worker",
+                file=sys.stderr,
+            )
+            return
+        if saved.optimizer is not None:
+            if self.optimizer is None:
+                raise OuterLoopError(
+                    "the resume checkpoint holds an inner optimizer's state: give the loop "
+                    "inner_optimizer= to take it back"
+                )
+            load_optimizer(self.optimizer, saved.optimizer, self.spec.run)
+        self.trainer.feedback.residual = saved.residual
+        self.join = True
+        print(
+            f"outer: resuming run {self.spec.run} after round {saved.round}'s update "
+            f"(residual{', inner optimizer' if saved.optimizer is not None else ''}); "
+            "joining from the run's tip",
+            file=sys.stderr,
+        )
 
     def timed(self, marks: tuple[float, float]) -> None:
         """Record the round's (compute, communication) seconds: the H steps alone, then

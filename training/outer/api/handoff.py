@@ -45,7 +45,7 @@ class Handoff:
         self.cond = threading.Condition()
         self.state: tuple[OuterState, str] | None = None
         self.taken = True  # the posted state was taken by the user
-        self.trained: tuple[Trained, str] | None = None
+        self.trained: tuple[Trained | None, str] | None = None
         self.finished = False
         self.error: str | None = None
         self.closed = False
@@ -76,15 +76,17 @@ class Handoff:
             self.taken = True
             return self.state
 
-    def post_trained(self, trained: Trained, root: str) -> None:
-        """The user's update, made from the state of root ``root``."""
+    def post_trained(self, trained: Trained | None, root: str) -> None:
+        """The user's update, made from the state of root ``root`` (None: this worker
+        sends nothing this round)."""
         with self.cond:
             self.trained = (trained, root)
             self.cond.notify_all()
 
-    def wait_trained(self, timeout: float, root: str) -> Trained:
-        """The user's update from the state of root ``root``; one from another state (one
-        posted ahead that the worker did not adopt) is for nobody, and dropped."""
+    def wait_trained(self, timeout: float, root: str) -> Trained | None:
+        """The user's update from the state of root ``root`` (None: none this round); one
+        from another state (one posted ahead that the worker did not adopt) is for nobody,
+        and dropped."""
         give_up = time.monotonic() + timeout
         with self.cond:
             while True:

@@ -29,7 +29,9 @@ class AsyncOuterLoop:
         key: MachineKey | Signer,
         cert: Path,
         result_path: Path | None,
+        resume: bool = False,
     ) -> None:
+        self._resume = resume
         self._core = core
         self._nursery = nursery
         self._node = node
@@ -69,6 +71,8 @@ class AsyncOuterLoop:
         core.author = self._key.peer_id
         key = self._key
         signer = key if isinstance(key, Signer) else SoftwareSigner(key)
+        if self._resume:
+            await trio.to_thread.run_sync(core.resume_from, self._node.store)
 
         async def main() -> None:
             try:
@@ -86,19 +90,36 @@ class AsyncOuterLoop:
             raise OuterLoopError(f"run {core.spec.run} ended before this worker joined")
 
     async def step(self, loss: float | None = None) -> bool:
+        """As :meth:`OuterLoop.step <training.outer.api.OuterLoop.step>`."""
         import trio
 
         core = self._core
         if not core.count(loss):
             return False
         sent = core.send()
+        await trio.to_thread.run_sync(core.keep, self._node.store)
+        await self._take_round(sent)
+        return True
+
+    async def skip(self) -> bool:
+        """As :meth:`OuterLoop.skip <training.outer.api.OuterLoop.skip>`."""
+        await self._take_round(self._core.skip())
+        return True
+
+    def restore(self) -> None:
+        """As :meth:`OuterLoop.restore <training.outer.api.OuterLoop.restore>`."""
+        self._core.restore()
+
+    async def _take_round(self, sent: tuple[float, float]) -> None:
+        import trio
+
+        core = self._core
         await trio.to_thread.run_sync(
             partial(core.adopt, HANDOFF_WAIT),
             abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-stubs predate it (trio 0.23)
         )
         core.timed(sent)
         core.rounds_applied += 1
-        return True
 
 
 @asynccontextmanager
@@ -116,6 +137,8 @@ async def open_outer_loop(
     result_path: str | Path | None = None,
     late: bool = False,
     keep_states: int | None = None,
+    inner_optimizer: torch.optim.Optimizer | None = None,
+    resume: bool = False,
 ) -> AsyncIterator[AsyncOuterLoop]:
     """The trio face of :class:`OuterLoop` on a ``p2p.Node`` opened with ``pubsub=True``
     and ``key`` (its machine key, or on a TPM-bound machine its
@@ -134,11 +157,12 @@ async def open_outer_loop(
         eval_data=evaluation,
         bootstrap=bootstrap,
         keep_states=keep_states,
+        optimizer=inner_optimizer,
     )
     core.join = late
     out = Path(result_path) if result_path is not None else None
     async with trio.open_nursery() as nursery:
         try:
-            yield AsyncOuterLoop(core, nursery, node, key, Path(certificate), out)
+            yield AsyncOuterLoop(core, nursery, node, key, Path(certificate), out, resume)
         finally:
             core.handoff.close()

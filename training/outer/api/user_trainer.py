@@ -53,7 +53,10 @@ class LoopTrainer:
         user's loop may take it and start the round now."""
         self.handoff.post_state(state, root)
 
-    def train(self, state: OuterState, root: str, author: str, *, cheat: bool = False) -> Trained:
+    def train(
+        self, state: OuterState, root: str, author: str, *, cheat: bool = False
+    ) -> Trained | None:
+        """The user's update for the round of ``state`` (None: the user skipped it)."""
         self.handoff.post_state(state, root)
         try:
             return self.handoff.wait_trained(HANDOFF_WAIT, root)
