@@ -1,16 +1,31 @@
-"""The decentralised DiLoCo / SparseLoCo outer loop (DESIGN section 9).
+"""The decentralised DiLoCo / SparseLoCo outer loop (DESIGN section 8).
 
-Modules, in import order (the layers contract in pyproject.toml holds them to it):
+Users start at ``training.outer.api`` (``OuterLoop``, ``open_outer_loop``) and
+:func:`save_state` (a model's whole state, for ``blob outer init --state``).
 
-- the sans-IO parts: ``codec`` (SparseLoCo's top-k, 2-bit codec and error feedback),
-  ``loop`` (outer optimiser, states, inner steps), ``aggregate`` (bounded, robust
-  aggregation), ``inner`` (a worker's inner state as bytes), ``state_blob``, ``messages``
-  (announcements, the update ledger), ``agreement`` (closures, proposer rotation, fork
-  choice), ``replay`` (sampled replay and verdicts), ``milestones`` (the per-round
-  evidence and ``verify_run``);
-- the worker: ``params`` (what every worker is given), ``trainer`` (its torch side),
-  ``announce`` (gossip and dialling of peers), ``worker`` (a room: the Worker, which
-  closes and agrees on rounds, and the parts it owns), ``launch`` (running a worker;
-  ``blob outer run``'s local launcher), ``simulate`` (the in-process simulation),
-  ``churn`` (workers that leave and join), ``cli`` (``blob outer``).
+Modules, from the bottom up (the layers contract in pyproject.toml holds them to it):
+
+- the sans-IO cores: ``codec`` (SparseLoCo's top-k, 2-bit codec and error feedback) and
+  ``module_state`` (a model's whole ``state_dict`` by role: trainable, buffers, fixed,
+  tied); ``loop`` (outer optimiser, states, inner steps); ``aggregate`` (bounded, robust
+  aggregation), ``messages`` (announcements, the update ledger), ``announce`` (when to
+  re-send), ``observe`` (what ``blob status`` and the metrics show), ``memory`` (the
+  allocator's bound), ``inner`` (a worker's inner state as bytes), ``simconfig`` (the
+  simulation's settings); ``params`` (what every worker is given), ``spec`` (the signed run
+  spec), ``state_blob`` (the global state as one canonical blob), ``agreement`` (closures,
+  proposer rotation, fork choice, readiness);
+- the evidence and the run's makings: ``trainer`` (a worker's torch side), ``replay``
+  (sampled replay and verdicts), ``milestones`` (the per-round evidence and
+  ``verify_run``), ``runs`` (``outer init`` and ``export``, what a spec'd worker builds,
+  retention);
+- the worker: ``worker`` (a room: the Worker, which closes and agrees on rounds, and the
+  parts it owns);
+- above it: ``launch`` (running a worker; ``blob outer run``'s local launcher),
+  ``simulate`` (the in-process simulation), ``levels`` (checking a run's updates against
+  its spec's level); ``api`` (a room: the library around the user's model and loop),
+  ``churn`` (workers that leave and join); ``cli`` (``blob outer``).
 """
+
+from training.outer.module_state import save_state
+
+__all__ = ["save_state"]

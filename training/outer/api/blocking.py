@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blobstore.canonical import encode as encode_canonical
-from training.outer.api.core import JOIN_WAIT, Core, load_spec, run_worker
+from training.outer.api.core import JOIN_WAIT, Core, load_spec, run_worker, wants_fetch
 from training.outer.api.driven import InnerStep
 from training.outer.api.handoff import HANDOFF_WAIT, OuterLoopError, describe
 from training.outer.api.model import gathered_state, is_sharded, trainable
@@ -61,8 +61,9 @@ class OuterLoop:
     """The blocking face (module doc): a worker of the run ``spec`` around ``model``.
 
     ``node``: a started ``p2p.BlockingNode`` made with ``pubsub=True`` and the machine key
-    ``key_path`` its certificate admits; ``spec``: the run spec's ID (or tag) in the node's
-    store (fetch it first to join by ID from peers); ``certificate``: the admission
+    ``key_path`` its certificate admits; ``spec``: the run spec's ID (fetched from the
+    ``bootstrap`` peers where the store lacks it), or a tag or run ID naming one in the
+    node's store; ``certificate``: the admission
     certificate file; ``rounds``: rounds to take part in (an open-ended run needs it);
     ``eval_fn`` and ``eval_data`` (an int64 row array or a records blob ID) offer the
     ``scored`` level; ``bootstrap``: peers of the run (multiaddrs) to fetch S_0 from and
@@ -110,6 +111,8 @@ class OuterLoop:
         if self._rank == 0 and (node is None or node.key_path is None):
             raise OuterLoopError("the node needs a machine key file (BlockingNode key_path)")
         store = node.store if self._rank == 0 else None
+        if self._rank == 0 and wants_fetch(store, spec, bootstrap):
+            node.fetch(spec, providers=list(bootstrap))  # a spec ID the store lacks
         spec_blob, run_spec = load_spec(store, spec) if self._rank == 0 else ("", None)
         if group is not None:
             run_spec = share_spec(run_spec, group)

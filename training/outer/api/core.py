@@ -325,6 +325,18 @@ async def fetch_fixed(core: Core, node: Any) -> dict[str, Any]:
     return decode_fixed(data, core.spec.layout().fixed)
 
 
+def wants_fetch(store: Any, ref: str, bootstrap: Sequence[str]) -> bool:
+    """A spec named by its blob ID that the store lacks, with peers to fetch it from."""
+    from blobstore import StoreError
+
+    if not bootstrap or len(ref) != 64 or ref in store.tags():
+        return False
+    try:
+        return not store.has(ref)
+    except (StoreError, ValueError):  # not a blob ID after all
+        return False
+
+
 def load_spec(store: Any, ref: str) -> tuple[str, RunSpec]:
     """(spec blob ID, spec) of a spec this store holds, by blob ID, tag or run ID."""
     from training.outer.runs import read_spec

@@ -8,7 +8,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from training.outer.api.core import JOIN_WAIT, Core, load_spec, run_worker
+from training.outer.api.core import JOIN_WAIT, Core, load_spec, run_worker, wants_fetch
 from training.outer.api.handoff import HANDOFF_WAIT, OuterLoopError, describe
 from training.outer.api.scoring import eval_data_of
 
@@ -147,6 +147,8 @@ async def open_outer_loop(
     import trio
 
     evaluation = eval_data_of(node.store, eval_data) if eval_fn is not None else None
+    if wants_fetch(node.store, spec, bootstrap):
+        await node.fetch(spec, providers=list(bootstrap))  # a spec ID the store lacks
     spec_blob, run_spec = load_spec(node.store, spec)
     core = Core(
         spec=run_spec,
