@@ -335,6 +335,8 @@ STUDY_KEYS = {
     "k": "k",
     "chunk": "chunk",
     "ablation": "ablation",
+    "overlap": "overlap",  # overlapped rounds (training.outer.simulate point 3)
+    "at": "overlap_at",
 }
 
 
@@ -349,7 +351,8 @@ def parse_points(spec: str) -> list[tuple[str, dict[str, Any]]]:
             key, _, value = kv.partition("=")
             field_ = STUDY_KEYS[key.strip()]
             point[field_] = (
-                value if field_ == "ablation" else int(value) if field_ in ("k", "chunk")
+                value if field_ == "ablation"
+                else int(value) if field_ in ("k", "chunk", "overlap")
                 else float(value)
             )  # fmt: skip
         if "outer_lr" not in point:
@@ -472,7 +475,28 @@ def study_table(rows: list[dict[str, Any]]) -> list[str]:
                 f"| {label} | {shown_point}{mark} | {losses} | **{medians[point]:.4f}** | {gap} | "
                 f"{shown} |"
             )
+        table.extend(_overlap_gaps(label, by_point))
     return table
+
+
+def _overlap_gaps(label: str, by_point: dict[str, dict[int, dict[str, Any]]]) -> list[str]:
+    """Each overlapped point's held-out loss against the same point blocking (the median
+    over seeds of the per-seed gap): what overlapping rounds costs in loss."""
+    from statistics import median
+
+    out = []
+    for point, seeds in sorted(by_point.items()):
+        if "overlap 1" not in point:
+            continue
+        blocking = ", ".join(
+            part for part in point.split(", ") if not part.startswith(("overlap", "at "))
+        )
+        ref = by_point.get(blocking)
+        if ref is None:
+            continue
+        gaps = [r["loss"] / ref[s]["loss"] - 1 for s, r in seeds.items() if s in ref]
+        out.append(f"| {label} | {point} against blocking | | | {median(gaps) * 100:+.2f}% | |")
+    return out
 
 
 def _evidence(args: argparse.Namespace) -> dict[str, Any]:

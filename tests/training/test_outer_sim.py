@@ -134,3 +134,33 @@ def test_the_research_ablations_send_what_they_say() -> None:
     a = {"w": np.array([2.0, 0.0, 4.0], dtype=np.float32)}
     b = {"w": np.array([0.0, 0.0, 2.0], dtype=np.float32)}
     assert _sender_mean({"a": a, "b": b})["w"].tolist() == [2.0, 0.0, 3.0]
+
+
+def test_overlapped_rounds_train_on_from_the_workers_own_state_then_take_the_runs() -> None:
+    """Overlap 1 (training.outer.simulate point 3): round 0 is the blocking one (nothing
+    to wait for yet); from round 1 each worker trains on from its own end of the round
+    before and moves by S_r - E_{r-1} when S_r arrives, so the states part ways from the
+    blocking run's, reproducibly; a correction at the round's start is the blocking run but
+    for float32 rounding (E + (S - E) is S only up to rounding)."""
+    import numpy as np
+    import torch
+
+    from training.outer.loop import shift_params
+
+    config = SimConfig(**{**SMALL.__dict__, "rounds": 3})
+    blocking = simulate(config)
+    overlapped = simulate(config, overlap=1, overlap_at=0.5)
+    assert overlapped.state_roots[:2] == blocking.state_roots[:2]
+    assert overlapped.state_roots[2] != blocking.state_roots[2]
+    assert overlapped.state_roots == simulate(config, overlap=1, overlap_at=0.5).state_roots
+    at_start = simulate(config, overlap=1, overlap_at=0.0)
+    assert at_start.eval_loss == pytest.approx(blocking.eval_loss, rel=1e-4)
+    assert all(np.isfinite(overlapped.eval_loss))
+    # The correction itself: theta <- theta + (S - E), elementwise in float32.
+    model = torch.nn.Linear(3, 2)
+    theta = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    end = {n: v - np.float32(0.25) for n, v in theta.items()}
+    state = {n: v + np.float32(1.0) for n, v in theta.items()}
+    shift_params(model, state, end)
+    for n, p in model.named_parameters():
+        assert np.array_equal(p.detach().numpy(), theta[n] + (state[n] - end[n]))

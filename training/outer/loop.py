@@ -339,6 +339,20 @@ def load_params(model: torch.nn.Module, params: Mapping[str, F32]) -> None:
             p.copy_(torch.from_numpy(params[name]))
 
 
+def shift_params(model: torch.nn.Module, state: Mapping[str, F32], end: Mapping[str, F32]) -> None:
+    """Overlap's correction: move the model's trainable parameters by ``state - end``
+    (float32, elementwise), keeping the local drift since ``end``: theta <- state + (theta -
+    end), written as theta += (state - end) so each element is one float32 subtraction and
+    one addition."""
+    import torch
+
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for name, p in named.items():
+            shift = np.subtract(state[name], end[name], dtype=np.float32)
+            p.add_(torch.from_numpy(shift).to(p.device, p.dtype))
+
+
 def run_inner_steps(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

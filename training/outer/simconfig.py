@@ -45,6 +45,12 @@ class SimConfig:
     # averages each coordinate over the workers that sent it instead of over all K (what
     # the outer optimiser sees of values only one worker kept). "" is the codec as shipped.
     ablation: str = ""
+    # Overlapped rounds (training.outer.simulate point 3): 0 blocks as the network's default
+    # does; 1 trains round r+1 from each worker's own state while round r is agreed.
+    overlap: int = 0
+    # With overlap, the share of a round's inner steps done before the previous round's
+    # state arrives (1.0: at its end, a whole round of communication hidden).
+    overlap_at: float = 1.0
 
 
 @dataclass

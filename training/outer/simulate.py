@@ -7,6 +7,13 @@ benchmark and ``blob outer simulate``.
    (``training.outer.aggregate``).
 2. ``mode`` "ddp" is synchronous data parallel with the same data and steps, the baseline;
    the ablations swap one part of SparseLoCo's aggregation (``ABLATIONS``).
+3. ``overlap`` 1 is the one-step-delayed outer step (DESIGN section 8, "Overlap"): a
+   worker does not wait for round r's result; it trains round r+1 on from its own end of
+   round r, E_r, and when S_{r+1} arrives (after ``overlap_at`` of the round's steps) it
+   moves its parameters by ``S_{r+1} - E_r``, keeping its local drift since the round
+   began: theta <- S_{r+1} + (theta - E_r). Its round-(r+1) update is then taken against
+   S_{r+1}, as a blocking worker's is, so the network's rounds, closures and aggregate are
+   unchanged.
 
 torch is imported inside functions.
 """
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,6 +43,7 @@ from training.outer.loop import (
     model_params,
     outer_step,
     run_inner_steps,
+    shift_params,
     sorted_names,
     state_root,
     synthetic_tokens,
@@ -157,6 +166,7 @@ def simulate(
         else None
         for _ in range(cfg.workers)
     ]
+    ends: list[dict[str, F32] | None] = [None] * cfg.workers  # point 3: each worker's E_r
     for r in range(cfg.rounds):
         t0 = time.perf_counter()
         updates: dict[str, dict[str, F32]] = {}
@@ -164,13 +174,23 @@ def simulate(
         sizes: list[int] = []
         losses: list[float] = []
         for w in range(cfg.workers):
-            load_params(models[w], state.params)
             batches = _batches(shards[w], rngs[w], cfg.batch, cfg.inner_steps)
-            losses.extend(run_inner_steps(models[w], optimizers[w], batches))
-            blob = make_update(state.params, model_params(models[w]), feedbacks[w])
+            previous = ends[w]
+            if previous is not None:  # point 3: on from E_{r-1}
+                ahead = min(cfg.inner_steps, round(cfg.overlap_at * cfg.inner_steps))
+                losses.extend(run_inner_steps(models[w], optimizers[w], islice(batches, ahead)))
+                shift_params(models[w], state.params, previous)
+                losses.extend(run_inner_steps(models[w], optimizers[w], batches))
+            else:
+                load_params(models[w], state.params)
+                losses.extend(run_inner_steps(models[w], optimizers[w], batches))
+            end = model_params(models[w])
+            blob = make_update(state.params, end, feedbacks[w])
             sizes.append(len(blob))
             payloads[f"sim-worker-{w:03d}"] = blob
             updates[f"sim-worker-{w:03d}"] = decode_update(blob, state)
+            if cfg.overlap:
+                ends[w] = end
         if cfg.robust or adversary is not None:
             state = _robust_round(state, payloads, updates, outer, adversary, result)
         elif cfg.ablation == "sender-mean":
