@@ -490,7 +490,7 @@ def _report(
             continue
         # The joiner's timings start at its first own round; its records at its catch-up.
         own = [rec for rec in out["rounds"] if rec.get("how") != "caught up"]
-        for r, (compute, comm) in enumerate(out["timings"]):
+        for r, (compute, comm, _overlapped) in enumerate(out["timings"]):
             rec = own[r] if r < len(own) else {}
             size = rec.get("update_bytes", 0)
             ratio = f"{dense / size:.0f}x" if size else "-"

@@ -5,7 +5,10 @@ from each process's own seed, tied weights), its spec made from the module's who
 processes over TCP on 127.0.0.1 with real stores. Every worker ends with the same full
 ``state_dict()``, the export loads with ``load_state_dict(strict=True)``, the held-out
 loss falls, and at the ``scored`` level a worker whose updates make the loss worse is left
-out while the run goes on.
+out while the run goes on. The ``bounded`` run overlaps its rounds (``--overlap 1``): each
+worker trains round r+1 while round r is agreed, and still ends on the run's one state
+(the README's own example, tests/training/test_readme_example.py, is a blocking bounded
+run of a model of the same kind).
 
 This file is also the worker program (``python test_outer_stranger.py CONFIG``)."""
 
@@ -39,6 +42,7 @@ def worker_main(cfg: dict[str, Any]) -> dict[str, Any]:
         y = (y + 1) % 4  # trains on the wrong labels: in bounds, and harmful
     held_out = images(99, 512)
     scored = cfg["level"] == "scored"
+    overlapped = cfg["level"] == "overlapped"
     with (
         BlockingNode(
             cfg["store"],
@@ -73,6 +77,9 @@ def worker_main(cfg: dict[str, Any]) -> dict[str, Any]:
         else:
             raise AssertionError("the run did not finish within 100 rounds' steps")
         result = loop.result
+        timings = [tuple(t) for t in loop.timings]
+    if overlapped:  # each round trained on while the one before was agreed
+        assert all(overlap > 0 for _, _, overlap in timings[1:]), timings
     return {
         "result": result,
         "state": state_lists(model),
@@ -114,7 +121,9 @@ def _init(tmp: Path, plan: Any, level: str) -> str:
             "--proposer-timeout",
             "1",
             "--min-verification",
-            level,
+            "scored" if level == "scored" else "bounded",
+            "--overlap",
+            "1" if level == "overlapped" else "0",
             "--chunk",
             "1024",
             "--k",
@@ -129,7 +138,7 @@ def _init(tmp: Path, plan: Any, level: str) -> str:
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.timeout(300)  # three worker processes that each import torch
-@pytest.mark.parametrize("level", ["bounded", "scored"])
+@pytest.mark.parametrize("level", ["overlapped", "scored"])
 def test_three_workers_of_a_strangers_model_end_on_one_whole_state(
     tmp_path: Path, level: str
 ) -> None:

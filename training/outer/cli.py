@@ -799,6 +799,14 @@ def forget_command(ctx: click.Context, /, run_id: str, dry_run: bool, as_json: b
     help="State dict names that are frozen tensors (fixed by the initial state); repeatable.",
 )
 @click.option(
+    "--overlap",
+    type=click.IntRange(0, 1),
+    default=0,
+    show_default=True,
+    help="Rounds a worker trains ahead of the state its next update is taken against (1: "
+    "the one-step-delayed outer step; the Python API's loops; 0 blocks).",
+)
+@click.option(
     "--replace",
     is_flag=True,
     help="Point an existing run ID of this store at the new spec (else it is refused).",

@@ -392,6 +392,11 @@ def prepare_spec_worker(
             f"run {spec.run} trains with the inner step {spec.step!r}, the user's own code: "
             "take part through the Python API (training.outer.api.OuterLoop, inner_step=)"
         )
+    if spec.overlap:
+        raise RunNotFound(
+            f"run {spec.run} overlaps rounds, which the CLI worker does not do yet: take part "
+            "through the Python API (training.outer.api.OuterLoop)"
+        )
     data = data_ref or spec.data
     if not data:
         raise RunNotFound(f"run {spec.run} names no records: give --data RECORDS")

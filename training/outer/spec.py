@@ -25,6 +25,8 @@ Theory of operation
    buffers and frozen tensors: name, safetensors dtype and shape) with ``fixed_blob`` (a
    safetensors file of their values), and ``aliases`` (tied names, alias -> name stored).
    Each is written only when the model has one, so specs without keep their bytes.
+   ``overlap`` (written only when not 0): how many rounds a worker trains ahead of the state
+   its next update is taken against (``training.outer.api`` point 9; 0 blocks).
 2. **Encoding.** The body is a canonical msgpack map (these keys, sorted; a decoder
    re-encodes and refuses anything that differs). A spec that requires hardware is body
    version 2, which adds ``require_hardware: true``; every other spec is version 1 without
@@ -74,7 +76,10 @@ MAX_SPEC_SIZE = 4 << 20
 # A step name is a label ("tinylm-next-token/v1"), not code: 128 characters are plenty.
 MAX_STEP_NAME = 128
 # Body keys of either version written only when set.
-_OPTIONAL = frozenset({"step", "buffers", "fixed", "fixed_blob", "aliases"})
+_OPTIONAL = frozenset({"step", "buffers", "fixed", "fixed_blob", "aliases", "overlap"})
+# Rounds a worker may train ahead of the state its next update is taken against
+# (training.outer.api point 9): one, the one-step-delayed outer step.
+MAX_OVERLAP = 1
 
 
 class BadSpec(TrainingError):
@@ -121,6 +126,7 @@ class RunSpec:
     fixed: tuple[tuple[str, str, tuple[int, ...]], ...] = ()  # name, dtype, shape
     fixed_blob: str = ""
     aliases: tuple[tuple[str, str], ...] = ()  # alias, name stored
+    overlap: int = 0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -136,6 +142,8 @@ class RunSpec:
             raise ValueError("require_hardware must be true or false")
         if type(self.step) is not str or len(self.step) > MAX_STEP_NAME:
             raise ValueError(f"a step name is a string of at most {MAX_STEP_NAME} characters")
+        if type(self.overlap) is not int or not 0 <= self.overlap <= MAX_OVERLAP:
+            raise ValueError(f"overlap must be 0..{MAX_OVERLAP} rounds")
         if bool(self.fixed) != bool(self.fixed_blob):
             raise ValueError("fixed tensors and their blob come together")
         names = [n for n, _ in self.tensors] + [n for n, _ in self.buffers]

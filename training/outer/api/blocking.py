@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blobstore.canonical import encode as encode_canonical
-from training.outer.api.core import JOIN_WAIT, Core, load_spec, run_worker, wants_fetch
+from training.outer.api.core import (
+    JOIN_WAIT,
+    Core,
+    RoundTiming,
+    load_spec,
+    run_worker,
+    wants_fetch,
+)
 from training.outer.api.driven import InnerStep
 from training.outer.api.handoff import HANDOFF_WAIT, OuterLoopError, describe
 from training.outer.api.model import gathered_state, is_sharded, trainable
@@ -139,6 +146,11 @@ class OuterLoop:
             keep_states=keep_states,
             optimizer=inner_optimizer if self._rank == 0 else None,
         )
+        if self._core.overlap and (inner_step is not None or group is not None):
+            raise OuterLoopError(
+                f"run {run_spec.run} overlaps rounds; that is built for a loop whose steps "
+                "are yours, in one process (not a library-driven loop or a group yet)"
+            )
         if resume and (inner_step is not None or group is not None):
             raise OuterLoopError(
                 "resume=True is for a loop whose steps are yours, in one process; a loop the "
@@ -175,10 +187,13 @@ class OuterLoop:
         return self._core.result
 
     @property
-    def timings(self) -> list[tuple[float, float]]:
-        """Per round this loop took part in: (seconds of its H steps, seconds from the
-        H-th step's end until the next state was in the model: the update made, the round
-        closed and applied)."""
+    def timings(self) -> list[RoundTiming]:
+        """Per round this loop took part in (point 9): ``compute``, the seconds of its H
+        steps; ``waited``, the seconds ``step()`` waited on the network (blocking: from the
+        H-th step's end until the next state was in the model; overlapped: only when the
+        state its update is taken against had not come by then); ``overlapped``, the
+        seconds of the round before's communication that ran during these steps.
+        Utilisation is compute / (compute + waited)."""
         return self._core.timings
 
     def __enter__(self) -> OuterLoop:
@@ -262,8 +277,20 @@ class OuterLoop:
                 gathered_state(core.model.module)  # point 6: rank 0 gathers the whole model
             self._sync()
             return True
+        core.poll()  # point 9: a state that came while the steps ran
+        if core.finished:
+            return True
         if not core.count(loss):
             return False
+        if core.overlap:
+            if core.in_flight:
+                core.wait_base()  # point 9: at most one round ahead
+                if core.finished:
+                    return True
+            core.send()
+            core.keep(self._node.store)
+            core.launch()
+            return True
         sent = core.send(gathered_state(core.model.module) if self._sharded else None)
         if self._group is None:
             core.keep(self._node.store)  # point 8, while the round is agreed
@@ -277,6 +304,8 @@ class OuterLoop:
         core = self._core
         if core.driven is not None or self._group is not None:
             raise OuterLoopError("skip() is for a loop whose steps are yours, in one process")
+        if core.in_flight:
+            core.wait_base()
         self._take_round(core.skip())
         return True
 

@@ -7,10 +7,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from training.outer.api.driven import DrivenTrainers, InnerStep, check_step, peer_shard
-from training.outer.api.handoff import Handoff, OuterLoopError
+from training.outer.api.handoff import HANDOFF_WAIT, Handoff, OuterLoopError
 from training.outer.api.model import UserModel
 from training.outer.api.resume import (
     check_optimizer,
@@ -29,6 +29,17 @@ if TYPE_CHECKING:
     from training.outer.codec import F32
     from training.outer.loop import OuterState
     from training.outer.params import RunParams
+
+
+class RoundTiming(NamedTuple):
+    """Point 9: one round of a loop, in seconds. Utilisation is compute / (compute +
+    waited); ``overlapped`` is the previous round's communication that ran while this
+    round's steps did (0 for blocking rounds)."""
+
+    compute: float
+    waited: float
+    overlapped: float
+
 
 # How long join() waits for the worker to hold a state: its start barrier (all K workers
 # present) plus fetching S_0 or the tip.
@@ -98,11 +109,20 @@ class Core:
         self.rounds_applied = 0
         self.result: dict[str, Any] | None = None
         self.join = False
-        # Per round: (seconds of the user's H steps, seconds step() waited for the round
-        # to close), for utilisation figures.
-        self.timings: list[tuple[float, float]] = []
+        # Per round this loop took part in (point 9): its compute, the seconds the user's
+        # loop waited, and the seconds of communication that overlapped compute.
+        self.timings: list[RoundTiming] = []
         self.adopted_at = 0.0
         self.steps_done_at = 0.0
+        # Point 9, overlapped rounds: what the model's drift is taken against (the end of
+        # the round sent, then each state moved to), whether a sent round's state is still
+        # to come, when it was sent, and the seconds waited in this round.
+        self.overlap = spec.overlap
+        self.base: tuple[dict[str, F32], dict[str, F32]] | None = None
+        self.in_flight = False
+        self.sent_at = 0.0
+        self.arrived_at = 0.0
+        self.waited = 0.0
 
     @property
     def round(self) -> int:
@@ -124,6 +144,64 @@ class Core:
         self.steps = 0
         self.losses = []
         return True
+
+    def poll(self) -> None:
+        """Point 9, at a step boundary: take a state that has come, never waiting."""
+        if self.overlap and self.base is not None:
+            got = self.handoff.poll_state()
+            if got is not None:
+                self.move_to(got)
+            elif self.handoff.finished:
+                self.finished = True
+
+    def move_to(self, got: tuple[OuterState, str]) -> None:
+        """Point 9: the model holds ``got``'s state plus its drift since the base; the
+        run's final state replaces it whole (the run's end holds no drift)."""
+        state, root = got
+        if self.in_flight:
+            self.arrived_at = time.monotonic()
+            self.in_flight = False
+        with self.handoff.cond:
+            final = self.handoff.finished and self.handoff.taken
+        assert self.base is not None
+        if final:
+            self.model.load(state)
+            self.finished = True
+        else:
+            self.model.shift(state, self.base)
+        self.state, self.root = state, root
+        self.base = (state.params, state.buffers)
+
+    def wait_base(self) -> None:
+        """Point 9: this round's update is due and the state it is taken against has not
+        come (the overlap allowed is used up): wait for it, counting the wait."""
+        began = time.monotonic()
+        got = self.handoff.wait_state(HANDOFF_WAIT)
+        if got is None:
+            self.finished = True
+        else:
+            self.move_to(got)
+        self.waited += time.monotonic() - began
+
+    def launch(self) -> None:
+        """Point 9: the round's update is out; train on from here at once."""
+        self.base = self.model.snapshot()
+        self.in_flight = True
+        now = time.monotonic()
+        self.timings.append(
+            RoundTiming(
+                compute=self.steps_done_at - self.adopted_at - self.waited,
+                waited=self.waited,
+                overlapped=max(0.0, min(self.arrived_at, self.steps_done_at) - self.sent_at)
+                if self.sent_at
+                else 0.0,
+            )
+        )
+        self.sent_at = self.adopted_at = now
+        self.arrived_at = 0.0
+        self.waited = 0.0
+        self.steps = 0
+        self.losses = []
 
     def count(self, loss: float | None) -> bool:
         """One inner step done; True when it was the H-th (the round's update is due)."""
@@ -211,11 +289,11 @@ class Core:
         )
 
     def timed(self, marks: tuple[float, float]) -> None:
-        """Record the round's (compute, communication) seconds: the H steps alone, then
-        everything from the H-th step's end until the next state is in the model (making
-        the update, the round's closure, the apply, the copy into the model)."""
+        """A blocking round's timing: the H steps alone, then everything from the H-th
+        step's end until the next state is in the model (making the update, the round's
+        closure, the apply, the copy into the model), all of it waited for."""
         began, done = marks
-        self.timings.append((done - began, time.monotonic() - done))
+        self.timings.append(RoundTiming(done - began, time.monotonic() - done, 0.0))
 
     def config(
         self, store_root: Path, key_path: Path, cert_path: Path, result_path: Path | None

@@ -76,6 +76,18 @@ class Handoff:
             self.taken = True
             return self.state
 
+    def poll_state(self) -> tuple[OuterState, str] | None:
+        """The next state if one is posted and not taken yet, without waiting (None: not
+        yet, or the run finished with nothing new)."""
+        with self.cond:
+            if self.error is not None:
+                raise OuterLoopError(f"the outer-loop worker stopped: {self.error}")
+            if self.taken:
+                return None
+            assert self.state is not None
+            self.taken = True
+            return self.state
+
     def post_trained(self, trained: Trained | None, root: str) -> None:
         """The user's update, made from the state of root ``root`` (None: this worker
         sends nothing this round)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeGuard
 
+import numpy as np
+
 from training.outer.module_state import floating_buffers, layout_of, load_into
 
 if TYPE_CHECKING:
@@ -41,6 +43,29 @@ class UserModel:
     def load(self, state: OuterState) -> None:
         load_state(self.module, state.params)
         load_into(self.module, state.buffers, self.reset)
+
+    def snapshot(self) -> tuple[dict[str, F32], dict[str, F32]]:
+        """Copies of the trainable parameters and floating buffers (float32): the end of a
+        round a worker trains on from (point 9)."""
+        return {n: v.copy() for n, v in self.views().items()}, self.buffers()
+
+    def shift(self, state: OuterState, base: tuple[Mapping[str, F32], Mapping[str, F32]]) -> None:
+        """Point 9's correction: the parameters and buffers move by ``state - base``
+        (float32, elementwise), so the model holds ``state`` plus its drift since ``base``;
+        the run's integer buffers are reset as with every state."""
+        import torch
+
+        params, buffers = base
+        with torch.no_grad():
+            for name, p in trainable(self.module).items():
+                if not is_sharded(p):
+                    shift = np.subtract(state.params[name], params[name], dtype=np.float32)
+                    p.add_(torch.from_numpy(shift).to(p.device, p.dtype))
+        moved = {
+            n: now + np.subtract(state.buffers[n], buffers[n], dtype=np.float32)
+            for n, now in self.buffers().items()
+        }
+        load_into(self.module, moved, self.reset)
 
     def load_fixed(self, fixed: Mapping[str, Any]) -> None:
         load_into(self.module, {}, fixed)

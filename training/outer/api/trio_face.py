@@ -8,7 +8,14 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from training.outer.api.core import JOIN_WAIT, Core, load_spec, run_worker, wants_fetch
+from training.outer.api.core import (
+    JOIN_WAIT,
+    Core,
+    RoundTiming,
+    load_spec,
+    run_worker,
+    wants_fetch,
+)
 from training.outer.api.handoff import HANDOFF_WAIT, OuterLoopError, describe
 from training.outer.api.scoring import eval_data_of
 
@@ -58,7 +65,7 @@ class AsyncOuterLoop:
         return self._core.result
 
     @property
-    def timings(self) -> list[tuple[float, float]]:
+    def timings(self) -> list[RoundTiming]:
         """As :attr:`OuterLoop.timings <training.outer.api.OuterLoop.timings>`."""
         return self._core.timings
 
@@ -94,8 +101,23 @@ class AsyncOuterLoop:
         import trio
 
         core = self._core
+        core.poll()  # point 9: a state that came while the steps ran
+        if core.finished:
+            return True
         if not core.count(loss):
             return False
+        if core.overlap:
+            if core.in_flight:
+                await trio.to_thread.run_sync(
+                    core.wait_base,
+                    abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-stubs predate it
+                )
+                if core.finished:
+                    return True
+            core.send()
+            await trio.to_thread.run_sync(core.keep, self._node.store)
+            core.launch()
+            return True
         sent = core.send()
         await trio.to_thread.run_sync(core.keep, self._node.store)
         await self._take_round(sent)
@@ -103,6 +125,10 @@ class AsyncOuterLoop:
 
     async def skip(self) -> bool:
         """As :meth:`OuterLoop.skip <training.outer.api.OuterLoop.skip>`."""
+        import trio
+
+        if self._core.in_flight:
+            await trio.to_thread.run_sync(self._core.wait_base)
         await self._take_round(self._core.skip())
         return True
 
