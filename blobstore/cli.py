@@ -24,6 +24,7 @@ from blobstore.collection import CollectionEntry
 from blobstore.errors import BadCollection, CorruptChunk, StoreCorrupt, StoreError
 from blobstore.manifest import DEFAULT_CHUNK_SIZE, check_chunk_size
 from blobstore.store import DEFAULT_GC_GRACE, BlobInfo, Store
+from clibase.options import json_option
 
 PROGRESS_MIN_BYTES = 32 * 1024 * 1024
 """Below this a put or get finishes in well under a second: no bar, no flicker."""
@@ -138,7 +139,7 @@ def _tree_size(path: Path) -> int:
     is_flag=True,
     help="In a directory, follow symbolic links (refused by default: they may point outside).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option()
 @click.pass_context
 def put_cmd(
     ctx: click.Context,
@@ -264,7 +265,7 @@ def _state(r: BlobInfo) -> str:
 
 
 @click.command("ls")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option()
 @click.pass_context
 def ls_cmd(ctx: click.Context, as_json: bool) -> None:
     """List the blobs in the store; a collection's files are listed under it."""
@@ -326,7 +327,7 @@ def _info_dict(r: BlobInfo) -> dict[str, Any]:
 
 @click.command("stat")
 @click.argument("ref")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option()
 @click.pass_context
 def stat_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
     """Show one blob: size, chunks, state, tags, path, collection entries."""
@@ -391,7 +392,7 @@ def stat_cmd(ctx: click.Context, ref: str, as_json: bool) -> None:
 @click.command("tag")
 @click.argument("name")
 @click.argument("ref")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option()
 @click.pass_context
 def tag_cmd(ctx: click.Context, name: str, ref: str, as_json: bool) -> None:
     """Point tag NAME at a blob (tags protect blobs from gc)."""
@@ -405,7 +406,7 @@ def tag_cmd(ctx: click.Context, name: str, ref: str, as_json: bool) -> None:
 
 @click.command("untag")
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option()
 @click.pass_context
 def untag_cmd(ctx: click.Context, name: str, as_json: bool) -> None:
     """Remove tag NAME (the blob stays until rm or gc)."""
@@ -418,7 +419,7 @@ def untag_cmd(ctx: click.Context, name: str, as_json: bool) -> None:
 
 @click.command("rm")
 @click.argument("refs", nargs=-1, required=True)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option()
 @click.pass_context
 def rm_cmd(ctx: click.Context, refs: tuple[str, ...], as_json: bool) -> None:
     """Remove blobs (and the tags that point at them)."""
@@ -444,7 +445,7 @@ def rm_cmd(ctx: click.Context, refs: tuple[str, ...], as_json: bool) -> None:
     help="Keep untagged blobs touched within this many seconds.",
 )
 @click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option()
 @click.pass_context
 def gc_cmd(ctx: click.Context, grace: float, dry_run: bool, as_json: bool) -> None:
     """Delete untagged blobs and abandoned partials older than the grace period."""
@@ -460,7 +461,7 @@ def gc_cmd(ctx: click.Context, grace: float, dry_run: bool, as_json: bool) -> No
 
 @click.command("verify")
 @click.argument("refs", nargs=-1)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option()
 @click.pass_context
 def verify_cmd(ctx: click.Context, refs: tuple[str, ...], as_json: bool) -> None:
     """Re-hash blobs (all by default); exit status 1 names each corrupt one."""
@@ -500,7 +501,7 @@ def verify_cmd(ctx: click.Context, refs: tuple[str, ...], as_json: bool) -> None
 
 @click.command("store-mode")
 @click.argument("mode", required=False, type=click.Choice(["private", "shared"]))
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option()
 @click.pass_context
 def store_mode_cmd(ctx: click.Context, mode: str | None, as_json: bool) -> None:
     """Show or set who may read the store: private (only you; the default) or shared

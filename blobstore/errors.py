@@ -1,27 +1,14 @@
 """The store's error types.
 
-Every class carries an ``exit_code`` (an :class:`ExitCode`: the ``blob`` program's
-documented exit status for it) and a message meant for a person: what happened, and what
-to do about it. ``OSError`` from the operating system is translated into these at one boundary
-(:func:`blobstore.durable.os_errors`), never passed through raw.
+Every class carries an ``exit_code`` (a :class:`clibase.exitcodes.ExitCode`: the ``blob``
+program's documented exit status for it) and a message meant for a person: what happened,
+and what to do about it. ``OSError`` from the operating system is translated into these at
+one boundary (:func:`blobstore.durable.os_errors`), never passed through raw.
 """
 
 from __future__ import annotations
 
-from enum import IntEnum
-
-
-class ExitCode(IntEnum):
-    """The ``blob`` program's exit statuses (README "Exit codes"), one for every package."""
-
-    OK = 0
-    REJECTED = 1  # a check said no: corruption found, evidence rejected, another digest
-    USAGE = 2  # bad option or argument, nowhere to fetch from, an unsafe setting
-    NOT_FOUND = 3  # unknown blob ID, prefix or tag, missing file or key
-    BAD_DATA = 4  # corrupt chunk, malformed manifest, ticket, certificate or key file
-    LOCAL_IO = 5  # disk full, permission denied, store busy
-    NETWORK = 6  # no provider, peer unreachable, transfer failed
-    INTERRUPTED = 130  # Ctrl-C or SIGTERM
+from clibase.exitcodes import ExitCode
 
 
 class StoreError(Exception):

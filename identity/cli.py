@@ -13,18 +13,15 @@ when stdin is a terminal.
 
 from __future__ import annotations
 
-import json
-import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import click
 
-from blobstore.errors import ExitCode
+from clibase.exitcodes import ExitCode
+from clibase.options import json_option
 
 from ._files import PUBLIC_FILE_MODE, write_file
 from .attestation import DIGEST_SIZE, MAX_ATTESTATION_SIZE, sign_attestation, verify_attestation
@@ -32,158 +29,39 @@ from .certificate import (
     MAX_CERTIFICATE_SIZE,
     AdmissionCertificate,
     Authority,
-    RevocationList,
-    TrustStore,
     iso_time,
     verify_certificate,
 )
+from .cli_common import (
+    CLOCK_SKEW_ALLOWANCE_S,
+    PASSPHRASE_ENV,
+    authority_key_option,
+    days_option,
+    echo_json,
+    env_passphrase,
+    fields_error,
+    kernel_class_option,
+    load_key,
+    load_trust,
+    machine_key,
+    make_trust_options,
+    operator_option,
+    read_input,
+    require_hardware_option,
+    trust_options,
+)
 from .errors import (
-    BadPublicKey,
-    BadRevocationList,
     KeyExists,
-    KeyFileIOError,
-    KeyNotFound,
-    NotFound,
-    PassphraseRequired,
     Rejected,
     ReservedKind,
 )
-from .keyfile import create_key_file, load_key_file
-from .keys import MachineKey, format_public_key, parse_public_key
+from .keyfile import create_key_file
+from .keys import format_public_key
 from .kinds import HARDWARE_SIGNER_KINDS, RESERVED_KINDS, RESERVED_PREFIX, is_reserved_kind
 from .peerid import parse_peer_id
 from .signer import SoftwareSigner
+from .tpm.cli import tpm_group
 from .tpm.signer import machine_signer
-
-PASSPHRASE_ENV = "BLOBNET_PASSPHRASE"
-DEFAULT_VALID_DAYS = 30
-# Certificates start this long before "now" so a verifier whose clock is a little behind
-# the authority's does not reject a fresh certificate as not yet valid.
-CLOCK_SKEW_ALLOWANCE_S = 300
-# Revocation lists are text, one entry a line; 16 MiB is ~300 000 peer IDs.
-MAX_REVOCATION_LIST_SIZE = 16 << 20
-
-
-def echo_json(obj: Any) -> None:
-    """Print ``obj`` as the indented JSON of every ``--json`` output."""
-    click.echo(json.dumps(obj, indent=2))
-
-
-def _env_passphrase() -> str | None:
-    return os.environ.get(PASSPHRASE_ENV) or None
-
-
-def load_key(path: Path) -> MachineKey:
-    """The key at ``path``, unlocked by $BLOBNET_PASSPHRASE or a prompt on a terminal."""
-    try:
-        return load_key_file(path, _env_passphrase())
-    except PassphraseRequired:
-        if not sys.stdin.isatty():
-            raise
-    passphrase: str = click.prompt(f"Passphrase for {path}", hide_input=True, err=True)
-    return load_key_file(path, passphrase)
-
-
-def _key_path(ctx: click.Context) -> Path:
-    path = ctx.ensure_object(dict).get("key_path")
-    if path is None:
-        raise click.UsageError("no machine key path: give --key FILE")
-    return Path(path)
-
-
-def machine_key(ctx: click.Context) -> tuple[MachineKey, Path, bool]:
-    """The machine key, created (and said so on stderr) on first use."""
-    path = _key_path(ctx)
-    try:
-        return load_key(path), path, False
-    except KeyNotFound:
-        pass
-    try:
-        key = create_key_file(path, _env_passphrase())
-    except KeyExists:  # created by another process in between
-        return load_key(path), path, False
-    click.echo(f"blob: created a new machine key {path} (peer ID {key.peer_id})", err=True)
-    return key, path, True
-
-
-def read_input(path: Path, what: str, max_size: int) -> bytes:
-    """At most ``max_size + 1`` bytes of the ``what`` file at ``path`` (the caller compares
-    the length with its limit); a missing file is :class:`NotFound`."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(max_size + 1)
-    except FileNotFoundError:
-        raise NotFound(f"no {what} file at {path}") from None
-    except OSError as exc:
-        raise KeyFileIOError(f"cannot read {what} file {path}: {exc.strerror}") from exc
-    return data
-
-
-def _authority_key(value: str) -> bytes:
-    """A public key given as 64 hex digits or as the path of a ``.pub`` file."""
-    try:
-        return parse_public_key(value)
-    except BadPublicKey:
-        pass
-    data = read_input(Path(value), "authority public key", 1024)
-    try:
-        return parse_public_key(data.decode("ascii", errors="replace"))
-    except BadPublicKey as exc:
-        raise BadPublicKey(f"{value}: {exc}") from None
-
-
-def make_trust_options(
-    *,
-    required: bool = True,
-    authority_help: str = "Trusted authority public key: 64 hex digits or a .pub file "
-    "(repeatable).",
-    revoked_help: str = "Revocation list: one certificate serial or peer ID a line.",
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The ``--authority`` (repeatable) and ``--revoked`` options of a command that
-    verifies certificates (values ``authorities`` and ``revoked_path``); pair with
-    :func:`load_trust`."""
-
-    def apply(command: Callable[..., Any]) -> Callable[..., Any]:
-        command = click.option(
-            "--revoked",
-            "revoked_path",
-            type=click.Path(path_type=Path, dir_okay=False),
-            default=None,
-            help=revoked_help,
-        )(command)
-        return click.option(
-            "--authority",
-            "authorities",
-            multiple=True,
-            required=required,
-            metavar="KEY",
-            help=authority_help,
-        )(command)
-
-    return apply
-
-
-trust_options = make_trust_options()
-"""The trust options of a command that needs at least one authority."""
-
-
-def load_trust(authorities: Iterable[str], revoked_path: Path | None) -> TrustStore:
-    """The trust store named by :func:`trust_options`' values."""
-    trusted = frozenset(_authority_key(a) for a in authorities)
-    revoked = RevocationList()
-    if revoked_path is not None:
-        raw = read_input(revoked_path, "revocation list", MAX_REVOCATION_LIST_SIZE)
-        if len(raw) > MAX_REVOCATION_LIST_SIZE:
-            raise BadRevocationList(f"{revoked_path} is larger than 16 MiB")
-        revoked = RevocationList.parse(
-            raw.decode("utf-8", errors="replace"), name=str(revoked_path)
-        )
-    return TrustStore(trusted, revoked)
-
-
-def fields_error(exc: ValueError) -> click.UsageError:
-    """A malformed field given on the command line, as click's usage error."""
-    return click.UsageError(str(exc))
 
 
 def register(group: click.Group) -> None:
@@ -193,14 +71,11 @@ def register(group: click.Group) -> None:
     group.add_command(admit_command)
     group.add_command(attest_group)
     group.add_command(cert_group)
-    # Here, not at the top: identity.tpm.cli imports this module's helpers (a cycle).
-    from .tpm.cli import tpm_group
-
     group.add_command(tpm_group)
 
 
 @click.command("id")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 @click.pass_context
 def id_command(ctx: click.Context, as_json: bool) -> None:
     """Show this machine's peer ID (creating its key on first use)."""
@@ -239,14 +114,14 @@ def authority_group() -> None:
 @click.option(
     "--encrypt", is_flag=True, help=f"Seal the key under a passphrase (${PASSPHRASE_ENV} or ask)."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 def authority_new(output: Path, encrypt: bool, as_json: bool) -> None:
     """Create an authority key and print its public key."""
     pub_path = output.with_name(output.name + ".pub")
     for p in (output, pub_path):
         if p.exists() or p.is_symlink():
             raise KeyExists(f"{p} already exists and is never overwritten; choose another path")
-    passphrase = _env_passphrase()
+    passphrase = env_passphrase()
     if encrypt and passphrase is None:
         if not sys.stdin.isatty():
             raise click.UsageError(f"--encrypt needs a terminal or ${PASSPHRASE_ENV}")
@@ -274,29 +149,6 @@ def authority_new(output: Path, encrypt: bool, as_json: bool) -> None:
         )
 
 
-# What an admission names, shared by `blob admit` and `blob tpm admit`.
-operator_option = click.option(
-    "--operator", required=True, help="Who runs the machine (a person or org)."
-)
-kernel_class_option = click.option(
-    "--kernel-class", required=True, help="The machine's kernel class."
-)
-authority_key_option = click.option(
-    "--authority",
-    "authority_path",
-    required=True,
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="Authority private key file (from `blob authority new`).",
-)
-days_option = click.option(
-    "--days",
-    type=click.IntRange(min=1, max=3650),
-    default=DEFAULT_VALID_DAYS,
-    show_default=True,
-    help="Validity in days from now.",
-)
-
-
 @click.command("admit")
 @click.argument("peer_id")
 @operator_option
@@ -316,7 +168,7 @@ days_option = click.option(
     type=click.Path(path_type=Path, dir_okay=False),
     help="Certificate file to write.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 def admit_command(
     peer_id: str,
     operator: str,
@@ -381,7 +233,7 @@ def attest_group() -> None:
     type=click.Path(path_type=Path, dir_okay=False),
     help="Attestation file to write.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 @click.pass_context
 def attest_sign(
     ctx: click.Context,
@@ -440,13 +292,11 @@ def attest_sign(
 @trust_options
 @click.option("--kind", default=None, help="Require this statement kind.")
 @click.option("--kernel-class", default=None, help="Require this kernel class.")
-@click.option(
-    "--require-hardware",
-    is_flag=True,
-    help="Accept only attestations co-signed by a TPM attestation key their certificate "
-    "records (other hardware kinds carry no evidence this verifier checks).",
+@require_hardware_option(
+    "Accept only attestations co-signed by a TPM attestation key their certificate "
+    "records (other hardware kinds carry no evidence this verifier checks)."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 @click.pass_context
 def attest_verify(
     ctx: click.Context,
@@ -499,7 +349,7 @@ def cert_group() -> None:
     authority_help="Also check the certificate against this authority public key: 64 hex "
     "digits or a .pub file (repeatable); exit 1 if it is not valid now.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 @click.pass_context
 def cert_show(
     ctx: click.Context,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 
-from blobstore.errors import ExitCode
+from clibase.exitcodes import ExitCode
 
 
 class IdentityError(Exception):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from blobstore.errors import ExitCode
+from clibase.exitcodes import ExitCode
 
 
 class TrainingError(Exception):

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import click
 
+from clibase.options import json_option
+
 from .._files import PUBLIC_FILE_MODE, write_file
 from ..certificate import Authority, HardwareRoot, iso_time
-from ..cli import (
+from ..cli_common import (
     CLOCK_SKEW_ALLOWANCE_S,
     MAX_REVOCATION_LIST_SIZE,
     authority_key_option,
@@ -95,7 +97,7 @@ def tpm_group() -> None:
     type=click.Path(path_type=Path, dir_okay=False),
     help="Evidence file to write (give it to the authority).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 @click.pass_context
 def tpm_bind(ctx: click.Context, tcti: str | None, output: Path, as_json: bool) -> None:
     """Have this machine's TPM vouch for its key; write the evidence for the authority.
@@ -159,7 +161,7 @@ def tpm_bind(ctx: click.Context, tcti: str | None, output: Path, as_json: bool) 
     type=click.Path(path_type=Path, dir_okay=False),
     help="Challenge file to write (give it to the machine).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 def tpm_challenge(
     evidence_path: Path,
     ek_ca_paths: tuple[Path, ...],
@@ -281,7 +283,7 @@ def _append_revocation(path: Path, admitted: Admitted) -> None:
     type=click.Path(path_type=Path, dir_okay=False),
     help="Certificate file to write.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 def tpm_admit(
     answer_path: Path,
     operator: str,

@@ -18,7 +18,6 @@ with no traceback. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -29,7 +28,8 @@ from typing import Any
 import click
 
 from blobstore import cli as blobstore_cli
-from blobstore.errors import ExitCode
+from clibase.exitcodes import ExitCode
+from clibase.options import json_option
 from identity import cli as identity_cli
 from p2p.cli import get as get_cli
 from p2p.cli import local as local_cli
@@ -37,16 +37,10 @@ from p2p.cli import names as names_cli
 from p2p.cli import relay as relay_cli
 from p2p.cli import serve as serve_cli
 from p2p.cli import status as status_cli
-from p2p.cli.light import default_store_root
+from p2p.cli.light import default_key_path, default_store_root
 from p2p.errors import unwrap_single
 
 # Documented exit codes (README "Exit codes"); the packages' error classes use these values.
-
-
-def default_key_path() -> Path:
-    """``$XDG_CONFIG_HOME/blobnet/machine.key`` (``~/.config/blobnet/machine.key``)."""
-    config_home = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-    return Path(config_home) / "blobnet" / "machine.key"
 
 
 # The options any command accepts after its name, whether or not it declares them: the
@@ -188,7 +182,7 @@ def _unavailable(name: str, exc: ImportError) -> click.Command:
     default=None,
     help="The token file for --api (env BLOBNET_API_TOKEN; default STORE/api.token).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (any command).")
+@json_option("Machine-readable output (any command).")
 @click.option("-v", "--verbose", count=True, help="More logging on stderr (network commands).")
 @click.version_option(package_name="blobnet")
 @click.pass_context

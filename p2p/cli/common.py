@@ -22,7 +22,8 @@ import click
 import trio
 
 from blobstore import Store
-from blobstore.errors import ExitCode, PathNotFound
+from blobstore.errors import PathNotFound
+from clibase.exitcodes import ExitCode
 from p2p.blob.pacing import MIN_UPLOAD_LIMIT
 from p2p.blob.ticket import plain_reason, validate_peer_addr
 from p2p.cli.nat import (
@@ -102,7 +103,6 @@ bootstrap_option = click.option(
 verbose_option = click.option(
     "-v", "--verbose", count=True, help="Warnings and progress notes on stderr (-vv: debug)."
 )
-json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 # MB/s on the command line (1e6 bytes), bytes/s in NodeConfig; p2p.blob.pacing's floor.
 upload_limit_option = click.option(
     "--upload-limit",
@@ -176,7 +176,7 @@ def load_key(key_path: Path, *, server: bool = False) -> MachineKey:
     a directory that exists (elsewhere a missing directory is more likely a typo in --key
     than a wish for a second identity). A one-shot get's identity is nobody's concern."""
     from identity import KeyNotFound, ensure_key
-    from p2p.cli.app import default_key_path
+    from p2p.cli.light import default_key_path
 
     path = key_path.expanduser()
     missing_dir = not path.exists() and not path.parent.is_dir()

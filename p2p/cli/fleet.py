@@ -52,7 +52,7 @@ class Fleet:
         """The authorities as a trust store (None: serve everyone)."""
         if not self.authorities:
             return None
-        from identity.cli import load_trust
+        from identity.cli_common import load_trust
 
         return load_trust(self.authorities, None)
 

@@ -24,6 +24,7 @@ from blobstore import BadBlobId, BlobNotFound, Store, parse_blob_id
 from blobstore.errors import StoreError
 from blobstore.export import check_output
 from blobstore.store import check_tag_name
+from clibase.options import json_option
 from p2p.blob.pacing import MIN_UPLOAD_LIMIT
 from p2p.blob.ticket import Ticket
 from p2p.cli.common import (
@@ -33,7 +34,6 @@ from p2p.cli.common import (
     check_peer_addrs,
     daemon_of,
     fetch_listen,
-    json_option,
     key_path_of,
     load_key,
     node_config,
@@ -236,7 +236,7 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
     is_flag=True,
     help="Fetch with a node of this command's own even when a `blob serve` runs on the store.",
 )
-@json_option
+@json_option()
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @verbose_option
 @click.pass_context

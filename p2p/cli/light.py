@@ -79,6 +79,12 @@ def default_store_root() -> Path:
     return Path(data_home) / "blobnet" / "store"
 
 
+def default_key_path() -> Path:
+    """``$XDG_CONFIG_HOME/blobnet/machine.key`` (``~/.config/blobnet/machine.key``)."""
+    config_home = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(config_home) / "blobnet" / "machine.key"
+
+
 @dataclass
 class Line:
     """A command line as this path reads it."""

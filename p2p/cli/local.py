@@ -14,10 +14,10 @@ import click
 
 from blobstore import BlobNotFound, parse_blob_id
 from blobstore.export import check_output
+from clibase.options import json_option
 from p2p.blob.ticket import Ticket
 from p2p.cli.common import (
     check_peer_addrs,
-    json_option,
     store_of,
     write_output,
 )
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     help="Pin what the links point at with this tag (default: export-<DEST's name>-<hash of "
     "its path>); blob untag it when you remove DEST.",
 )
-@json_option
+@json_option()
 @click.pass_context
 def export_cmd(
     ctx: click.Context,
@@ -118,7 +118,7 @@ def export_cmd(
     metavar="MADDR",
     help="Provider address ending in /p2p/<peer id> (repeatable).",
 )
-@json_option
+@json_option()
 @click.pass_context
 def ticket(ctx: click.Context, ref: str, addrs: Sequence[str], as_json: bool) -> None:
     """Print a ticket: the blob ID and provider addresses in one copyable string."""
@@ -138,7 +138,7 @@ def ticket(ctx: click.Context, ref: str, addrs: Sequence[str], as_json: bool) ->
 @click.command()
 @click.option("--size-mib", default=256, show_default=True, help="Checkpoint size.")
 @click.option("--keep", is_flag=True, help="Keep the temp stores and print where.")
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@json_option("Print the results as JSON.")
 def demo(size_mib: int, keep: bool, as_json: bool) -> None:
     """Three nodes as separate processes on 127.0.0.1: a generated safetensors checkpoint
     is put on node 1, fetched by node 2, then by node 3 from nodes 1 and 2 at once,

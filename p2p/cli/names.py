@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from blobstore import BlobNotFound, Store
-from identity.cli import load_trust, make_trust_options
+from clibase.options import json_option
+from identity.cli_common import load_trust, make_trust_options
 from p2p.blob.ticket import validate_peer_addr
 from p2p.cli.common import (
     bootstrap_option,
@@ -51,7 +52,6 @@ peer_option = click.option(
     help="Peer to dial first and ask (repeatable; /ip4/.../tcp/.../p2p/<id>).",
 )
 no_dht_option = click.option("--no-dht", is_flag=True, help="Do not use the Kademlia DHT.")
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
 
 def _node_options(*, dht: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -59,7 +59,7 @@ def _node_options(*, dht: bool) -> Callable[[Callable[..., Any]], Callable[..., 
     ``dht``), in the order ``--help`` lists them, and the click context."""
 
     def apply(command: Callable[..., Any]) -> Callable[..., Any]:
-        command = json_option(verbose_option(click.pass_context(command)))
+        command = json_option()(verbose_option(click.pass_context(command)))
         if dht:
             command = no_dht_option(command)
         return peer_option(bootstrap_option(listen_option(command)))

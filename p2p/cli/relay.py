@@ -21,11 +21,11 @@ from typing import Any
 import click
 import trio
 
-from identity.cli import load_trust, trust_options
+from clibase.options import json_option
+from identity.cli_common import load_trust, trust_options
 from p2p.cli.common import (
     DEFAULT_LISTEN,
     Interrupted,
-    json_option,
     key_path_of,
     listen_option,
     load_key,
@@ -88,7 +88,7 @@ def _positive(ctx: click.Context, param: click.Parameter, value: int | None) -> 
     "stay admitted-only).",
 )
 @click.option("--no-dht", is_flag=True, help="Do not run the Kademlia DHT.")
-@json_option
+@json_option()
 @verbose_option
 @click.pass_context
 def relay(

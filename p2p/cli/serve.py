@@ -13,6 +13,7 @@ import trio
 
 from blobstore import Store
 from blobstore.store import check_tag_name
+from clibase.options import json_option
 from p2p.blob.ticket import MAX_TICKET_ADDRS, Ticket
 from p2p.cli.common import (
     DEFAULT_LISTEN,
@@ -157,7 +158,7 @@ def _run_server(
 )
 @upload_limit_option
 @serve_nat_options
-@click.option("--json", "as_json", is_flag=True, help="Print the ready line as JSON.")
+@json_option("Print the ready line as JSON.")
 @verbose_option
 @click.pass_context
 def serve(
@@ -217,9 +218,7 @@ def serve(
 @click.option("--no-dht", is_flag=True, help="Do not run the Kademlia DHT.")
 @upload_limit_option
 @serve_nat_options
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print the ticket line as JSON (id, ticket, addrs)."
-)
+@json_option("Print the ticket line as JSON (id, ticket, addrs).")
 @verbose_option
 @click.pass_context
 def share(

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from blobstore.errors import ExitCode
-from p2p.cli.common import daemon_of, json_option, store_of
+from clibase.exitcodes import ExitCode
+from clibase.options import json_option
+from p2p.cli.common import daemon_of, store_of
 from p2p.cli.light import Bar, render
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ class NoDaemon(Exception):
 
 
 @click.command()
-@json_option
+@json_option()
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
     """What the node serving this store (`blob serve`) is doing: peer ID, addresses,

@@ -15,8 +15,9 @@ from typing import Any
 
 import click
 
+from clibase.options import json_option
 from identity import MAX_CERTIFICATE_SIZE, AdmissionCertificate
-from identity.cli import read_input
+from identity.cli_common import make_trust_options, read_input, require_hardware_option
 from p2p.cli.common import InputPath, check_listen_addrs, check_peer_addrs
 from p2p.cli.nat import NAT_DEFAULT_LISTEN, check_relays, relay_options
 from training.outer.simconfig import MODES, SimConfig, SimResult
@@ -65,7 +66,7 @@ def outer_group() -> None:
     show_default=True,
     help="torch threads (results are bit-reproducible for a fixed count).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@json_option()
 def simulate_command(
     mode: str,
     workers: int,
@@ -317,12 +318,10 @@ def _authority(value: str) -> bytes:
     required=True,
     help="This machine's admission certificate.",
 )
-@click.option(
-    "--require-hardware",
-    is_flag=True,
-    help="Accept only updates, closures and verdicts co-signed by a TPM attestation key "
+@require_hardware_option(
+    "Accept only updates, closures and verdicts co-signed by a TPM attestation key "
     "their signer's certificate records (a spec that requires hardware implies it); this "
-    "machine's key must then be TPM-bound.",
+    "machine's key must then be TPM-bound."
 )
 @click.option("--initial", default=None, help="Blob ID of the run's initial global state.")
 @click.option("--join", is_flag=True, help="Join a running run at its next round.")
@@ -532,7 +531,7 @@ def _disagreed() -> Exception:
     help="Keep keys, stores and results here (default: a temp dir, removed after).",
 )
 @click.option("--timeout", type=click.FloatRange(1, 86_400), default=None, help="Bound (s).")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@json_option("Print the summary as JSON.")
 def run_command(
     run_id: str,
     publish_as: str | None,
@@ -628,7 +627,7 @@ def _run_of(store: Any, ref: str) -> tuple[str, Any]:
     multiple=True,
     help="Check each milestone's signature against these authorities (hex or .pub).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the milestones as JSON.")
+@json_option("Print the milestones as JSON.")
 @click.pass_context
 def milestones_command(
     ctx: click.Context, /, run_id: str, authorities: tuple[str, ...], as_json: bool
@@ -676,20 +675,15 @@ def _show_milestones(run_id: str, entries: list[dict[str, Any]]) -> None:
 
 @outer_group.command("verify")
 @click.argument("run_id", metavar="RUN")
-@click.option(
-    "--authority",
-    "authorities",
-    multiple=True,
-    required=True,
-    help="The run's authority public key (hex or .pub file; repeatable).",
+@make_trust_options(
+    revoked=False,
+    authority_help="The run's authority public key (hex or .pub file; repeatable).",
 )
-@click.option(
-    "--require-hardware",
-    is_flag=True,
-    help="Refuse any closure, update, milestone, verdict or catch-up not co-signed by a TPM "
-    "attestation key (implied when the run's spec requires hardware).",
+@require_hardware_option(
+    "Refuse any closure, update, milestone, verdict or catch-up not co-signed by a TPM "
+    "attestation key (implied when the run's spec requires hardware)."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@json_option("Print the report as JSON.")
 @click.pass_context
 def verify_command(
     ctx: click.Context,
@@ -738,7 +732,7 @@ def verify_command(
 @outer_group.command("forget")
 @click.argument("run_id", metavar="RUN")
 @click.option("--dry-run", is_flag=True, help="Say what would be untagged; untag nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Print the tags as JSON.")
+@json_option("Print the tags as JSON.")
 @click.pass_context
 def forget_command(ctx: click.Context, /, run_id: str, dry_run: bool, as_json: bool) -> None:
     """Untag everything of RUN in this store (start, closures, milestones, verdicts, the
@@ -846,13 +840,11 @@ def forget_command(ctx: click.Context, /, run_id: str, dry_run: bool, as_json: b
 @_PROPOSER_TIMEOUT
 @_REPLAY_RATE
 @click.option("--data", "data_ref", default=None, help="The run's records blob (replay needs it).")
-@click.option(
-    "--require-hardware",
-    is_flag=True,
-    help="Workers accept, and verify passes, only attestations co-signed by a TPM "
-    "attestation key their signer's certificate records (every worker TPM-bound).",
+@require_hardware_option(
+    "Workers accept, and verify passes, only attestations co-signed by a TPM "
+    "attestation key their signer's certificate records (every worker TPM-bound)."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the spec as JSON.")
+@json_option("Print the spec as JSON.")
 @click.pass_context
 def init_command(
     ctx: click.Context,
@@ -969,7 +961,7 @@ def _state_after(r: int) -> str:
 
 @outer_group.command("levels")
 @click.argument("run_ref", metavar="RUN")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@json_option("Print the report as JSON.")
 @click.pass_context
 def levels_command(ctx: click.Context, /, run_ref: str, as_json: bool) -> None:
     """Check the verification level of every update RUN applied (by its spec ID, tag or run

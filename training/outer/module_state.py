@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from blobstore.errors import ExitCode
+from clibase.exitcodes import ExitCode
 from training.errors import TrainingError
 
 if TYPE_CHECKING:

@@ -62,7 +62,7 @@ import blake3
 import numpy as np
 
 from blobstore.canonical import encode as encode_canonical
-from blobstore.errors import ExitCode
+from clibase.exitcodes import ExitCode
 from identity import (
     AdmissionCertificate,
     Attestation,

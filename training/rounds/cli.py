@@ -20,9 +20,10 @@ from typing import Any
 import click
 
 from blobstore import Store, parse_blob_id
-from blobstore.errors import ExitCode
 from blobstore.export import check_output
 from blobstore.store import check_tag_name
+from clibase.exitcodes import ExitCode
+from clibase.options import json_option
 from identity import (
     PUBLIC_FILE_MODE,
     AdmissionCertificate,
@@ -31,7 +32,7 @@ from identity import (
     machine_signer,
     write_file,
 )
-from identity.cli import load_trust, trust_options
+from identity.cli_common import load_trust, require_hardware_option, trust_options
 from p2p.cli.common import check_peer_addrs
 from training import determinism, kernel_class
 from training.errors import BadModel, EvidenceRejected, TrainingError
@@ -139,7 +140,7 @@ def _check_tag(name: str | None) -> None:
 )
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True)
 @_tag_option
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 @click.pass_context
 def init_model(
     ctx: click.Context,
@@ -194,7 +195,7 @@ def init_model(
     "for the built-in tiny models).",
 )
 @_tag_option
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 @click.pass_context
 def records_command(
     ctx: click.Context,
@@ -265,7 +266,7 @@ def _tokenizer_records(store: Store, base_id: str, contents: list[bytes], seq_le
 @click.option("--steps", type=int, default=None)
 @click.option("--seq-len", type=int, default=None)
 @click.option("--target", "targets", multiple=True, help="Target module (repeatable).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 def recipe_command(
     output: Path,
     lr: float | None,
@@ -304,7 +305,7 @@ def recipe_command(
     "--device", type=click.Choice(["cuda", "cpu"]), default=None, help="Device (default cuda)."
 )
 @click.option("--threads", type=click.IntRange(1, 256), default=1, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 def kernel_class_command(device: str | None, threads: int, as_json: bool) -> None:
     """Print this machine's kernel class ID (what an admission certificate names)."""
     resolved = determinism.resolve_device(device)
@@ -352,7 +353,7 @@ _cert_option = click.option(
     default=None,
     help="Name the adapter <this peer ID>/NAME (a `blob serve` on this store spreads it).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 @click.pass_context
 def run_command(
     ctx: click.Context,
@@ -443,7 +444,7 @@ def _resolve(store: Store, ref: str) -> str:
     help="Also write the attestation to this file.",
 )
 @click.option("-q", "--quiet", is_flag=True, help="No per-step progress on stderr.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 @click.pass_context
 def replay_command(
     ctx: click.Context,
@@ -499,13 +500,11 @@ def replay_command(
 @click.argument("round_ref")
 @click.argument("attestations", nargs=-1, required=True)
 @trust_options
-@click.option(
-    "--require-hardware",
-    is_flag=True,
-    help="Accept only attestations co-signed by a TPM attestation key their admission "
-    "certificate records (`blob tpm`).",
+@require_hardware_option(
+    "Accept only attestations co-signed by a TPM attestation key their admission "
+    "certificate records (`blob tpm`)."
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option()
 @click.pass_context
 def check_command(
     ctx: click.Context,

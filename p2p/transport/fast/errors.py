@@ -7,7 +7,7 @@ the API (a bug). Both carry `exit_code` 6 (network), the project's code for netw
 
 from __future__ import annotations
 
-from blobstore.errors import ExitCode
+from clibase.exitcodes import ExitCode
 
 
 class FastPathError(Exception):

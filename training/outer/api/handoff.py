@@ -7,7 +7,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from blobstore.errors import ExitCode
+from clibase.exitcodes import ExitCode
 from training.errors import TrainingError
 
 if TYPE_CHECKING:
