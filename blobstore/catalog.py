@@ -19,9 +19,11 @@ from pathlib import Path
 from blobstore import bitmap as bm
 from blobstore.durable import fsync_dir, os_errors, write_file_atomic
 from blobstore.errors import AmbiguousPrefix, BadBlobId, BadTagName, BlobNotFound, StoreCorrupt
-from blobstore.layout import is_blob_id
+from blobstore.layout import FileModes, Layout, is_blob_id
 from blobstore.manifest import parse_blob_id
-from blobstore.reading import ReadOps
+from blobstore.quarantine import Quarantine
+from blobstore.reading import Reader
+from blobstore.store_lock import StoreLock
 
 MIN_PREFIX = 8
 """Shortest ID prefix accepted: 32 bits keeps accidental matches rare in a local store."""
@@ -58,25 +60,40 @@ def check_tag_name(name: str) -> None:
         raise BadTagName(f"bad tag name {name!r}: it would read as a blob ID prefix")
 
 
-class CatalogOps(ReadOps):
-    """Resolving references, tags and listings."""
+class Catalog:
+    """Resolving references, tags and listings of the store laid out as ``layout``."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        lock: StoreLock,
+        modes: FileModes,
+        *,
+        reader: Reader,
+        quarantine: Quarantine,
+    ) -> None:
+        self.layout = layout
+        self.lock = lock
+        self.modes = modes
+        self.reader = reader
+        self.quarantine = quarantine
 
     def resolve(self, ref: str) -> str:
         """A full ID, a unique prefix of 8+ hex characters, or a tag name -> blob ID."""
         if is_blob_id(ref):
-            if self.has(ref) or self._has_partial(ref) or self.quarantine_reason(ref):
+            if self.layout.has(ref) or self.layout.has_partial(ref) or self.quarantine.reason(ref):
                 return ref
             raise BlobNotFound(f"no blob {ref} in this store")
         with os_errors(f"looking up {ref!r}"):
-            tag_file = self._tags / ref
+            tag_file = self.layout.tags / ref
             if TAG_NAME_RE.fullmatch(ref) and tag_file.is_file():
-                return self._read_tag(tag_file)
+                return self.read_tag(tag_file)
             lowered = ref.lower()
             if len(ref) >= MIN_PREFIX and _HEX_RE.fullmatch(ref) and len(ref) < 64:
                 matches = sorted(
-                    {i for i in self._complete_ids(lowered[:2]) if i.startswith(lowered)}
-                    | {i for i in self.partial_ids() if i.startswith(lowered)}
-                    | {i for i in self.quarantined_ids() if i.startswith(lowered)}
+                    {i for i in self.layout.complete_ids(lowered[:2]) if i.startswith(lowered)}
+                    | {i for i in self.layout.partial_ids() if i.startswith(lowered)}
+                    | {i for i in self.layout.quarantined_ids() if i.startswith(lowered)}
                 )
                 if len(matches) == 1:
                     return matches[0]
@@ -93,7 +110,8 @@ class CatalogOps(ReadOps):
             )
         raise BlobNotFound(f"no blob or tag named {ref!r} in this store")
 
-    def _read_tag(self, path: Path) -> str:
+    def read_tag(self, path: Path) -> str:
+        """The ID in tag file ``path`` (StoreCorrupt if it holds none)."""
         text = path.read_text(errors="replace").strip()
         try:
             return parse_blob_id(text)
@@ -104,64 +122,46 @@ class CatalogOps(ReadOps):
         """Point tag ``name`` at ``blob_id`` (complete or partial), replacing any old one."""
         check_tag_name(name)
         parse_blob_id(blob_id)
-        with os_errors(f"tagging {blob_id[:12]} as {name}"), self._store_lock():
-            if not (self.has(blob_id) or self._has_partial(blob_id)):
+        with os_errors(f"tagging {blob_id[:12]} as {name}"), self.lock.hold():
+            if not (self.layout.has(blob_id) or self.layout.has_partial(blob_id)):
                 raise BlobNotFound(f"no blob {blob_id} in this store")
             write_file_atomic(
-                self._tags / name,
+                self.layout.tags / name,
                 f"{blob_id}\n".encode(),
-                tmp_dir=self.tmp_dir,
+                tmp_dir=self.layout.tmp,
                 replace=True,
                 mode=self.modes.file,
             )
 
     def untag(self, name: str) -> None:
         check_tag_name(name)
-        with os_errors(f"removing tag {name}"), self._store_lock():
+        with os_errors(f"removing tag {name}"), self.lock.hold():
             try:
-                (self._tags / name).unlink()
+                (self.layout.tags / name).unlink()
             except FileNotFoundError:
                 raise BlobNotFound(f"no tag named {name!r}") from None
-            fsync_dir(self._tags)
+            fsync_dir(self.layout.tags)
 
     def tags(self) -> dict[str, str]:
         """All tags: name -> blob ID (damaged tag files are skipped)."""
         out = {}
         with os_errors("reading tags"):
-            for entry in os.scandir(self._tags):
+            for entry in os.scandir(self.layout.tags):
                 if TAG_NAME_RE.fullmatch(entry.name) is None or not entry.is_file():
                     continue
                 try:
-                    out[entry.name] = self._read_tag(Path(entry.path))
+                    out[entry.name] = self.read_tag(Path(entry.path))
                 except (StoreCorrupt, FileNotFoundError):
                     continue
         return dict(sorted(out.items()))
-
-    def _complete_ids(self, shard: str | None = None) -> list[str]:
-        shards = [shard] if shard is not None else sorted(os.listdir(self._blobs))
-        ids: list[str] = []
-        for s in shards:
-            try:
-                names = os.listdir(self._blobs / s)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            ids.extend(n for n in names if is_blob_id(n) and n.startswith(s))
-        return sorted(ids)
-
-    def partial_ids(self) -> list[str]:
-        """IDs of partial blobs present (held by anyone or no one)."""
-        with os_errors("listing partial blobs"):
-            return sorted(
-                e.name
-                for e in os.scandir(self._partial)
-                if is_blob_id(e.name) and os.path.exists(os.path.join(e.path, "manifest"))
-            )
 
     def blob_ids(self) -> list[str]:
         """IDs of every complete, partial and quarantined blob, sorted (even ones with
         damaged files)."""
         with os_errors("listing blobs"):
-            return sorted({*self._complete_ids(), *self.partial_ids(), *self.quarantined_ids()})
+            layout = self.layout
+            held = (*layout.complete_ids(), *layout.partial_ids(), *layout.quarantined_ids())
+            return sorted(set(held))
 
     def list_blobs(self) -> list[BlobInfo]:
         """Every complete, partial and quarantined blob, sorted by ID (unreadable ones
@@ -171,12 +171,12 @@ class CatalogOps(ReadOps):
             by_blob.setdefault(blob_id, []).append(name)
         rows = []
         with os_errors("listing blobs"):
-            complete = set(self._complete_ids())
-            quarantined = set(self.quarantined_ids()) - complete
-            for blob_id in sorted({*complete, *self.partial_ids(), *quarantined}):
+            complete = set(self.layout.complete_ids())
+            quarantined = set(self.layout.quarantined_ids()) - complete
+            for blob_id in sorted({*complete, *self.layout.partial_ids(), *quarantined}):
                 try:
-                    manifest = self.manifest(blob_id)
-                    bits = self.chunk_bitmap(blob_id)
+                    manifest = self.reader.manifest(blob_id)
+                    bits = self.reader.chunk_bitmap(blob_id)
                 except (StoreCorrupt, BlobNotFound):
                     continue
                 rows.append(

@@ -31,9 +31,10 @@ from blake3 import blake3
 from blobstore.collection import CollectionEntry
 from blobstore.durable import fsync_dir, os_errors, write_all
 from blobstore.errors import BlobNotFound, CorruptChunk, NoSpace, PathNotFound, StoreError
-from blobstore.layout import IO_BUFFER_SIZE, Progress, read_full, same_file
+from blobstore.layout import IO_BUFFER_SIZE, Layout, Progress, read_full, same_file
+from blobstore.lease import Leases
 from blobstore.partial import read_span
-from blobstore.reading import ReadOps
+from blobstore.reading import Reader
 
 ExportLink = Literal["reflink", "hardlink", "copy"]
 _EXPORT_LINKS: tuple[ExportLink, ...] = ("reflink", "hardlink", "copy")
@@ -41,8 +42,18 @@ _FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
 _LINK_FALLBACK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP, errno.EACCES}
 
 
-class ExportOps(ReadOps):
-    """Writing blobs and collections out of the store."""
+class Exporter:
+    """Writing blobs and collections out of the store laid out as ``layout``.
+    ``read_only``: another user's store, which cannot be leased (``locks/`` is its
+    owner's alone)."""
+
+    def __init__(
+        self, layout: Layout, *, reader: Reader, leases: Leases, read_only: bool = False
+    ) -> None:
+        self.layout = layout
+        self.reader = reader
+        self.leases = leases
+        self.read_only = read_only
 
     def export(
         self,
@@ -75,12 +86,12 @@ class ExportOps(ReadOps):
         and renamed over it (an existing different file is replaced); a collection is
         built in a temp directory beside ``dest`` and renamed into place. The blob and a
         collection's children are leased for the whole export, so a concurrent gc
-        cannot delete them half way (see :meth:`lease`).
+        cannot delete them half way (see :mod:`blobstore.lease`).
         """
         if link not in _EXPORT_LINKS:
             raise ValueError(f"link must be one of {', '.join(_EXPORT_LINKS)}, not {link!r}")
         # Another user's shared store cannot be leased (locks/ is the owner's alone).
-        with contextlib.nullcontext() if self.read_only else self.lease([blob_id]):
+        with contextlib.nullcontext() if self.read_only else self.leases.take([blob_id]):
             self._export(blob_id, Path(dest), progress, verify, link)
 
     def _export(
@@ -94,10 +105,10 @@ class ExportOps(ReadOps):
         parent = dest.parent.absolute()
         if not parent.is_dir():
             raise PathNotFound(f"directory {parent} does not exist")
-        entries = self.collection_entries(blob_id)
+        entries = self.reader.collection_entries(blob_id)
         if entries is not None:
             for e in entries:
-                if not self.has(e.blob_id):
+                if not self.layout.has(e.blob_id):
                     raise BlobNotFound(
                         f"collection {blob_id[:12]} needs {e.path} (blob {e.blob_id}), "
                         "which is not complete in this store"
@@ -141,9 +152,10 @@ class ExportOps(ReadOps):
             raise StoreError(f"{dest} is a directory; give a file path")
         if self.holds(blob_id, dest):
             if progress is not None:
-                progress(self.manifest(blob_id).size)
+                progress(self.reader.manifest(blob_id).size)
             return
-        self.check_export_space(parent, self.manifest(blob_id).size, f"export {blob_id[:12]}")
+        size = self.reader.manifest(blob_id).size
+        self.check_export_space(parent, size, f"export {blob_id[:12]}")
         staging = parent / f".{dest.name}.blobnet-{secrets.token_hex(6)}"
         try:
             with os_errors(f"exporting to {dest}"):
@@ -159,7 +171,7 @@ class ExportOps(ReadOps):
         is on another file system than the store's (where nothing can be cloned or linked,
         so every byte is copied) and they do not fit there."""
         with os_errors(f"checking {directory}"):
-            elsewhere = os.stat(directory).st_dev != os.stat(self.root).st_dev
+            elsewhere = os.stat(directory).st_dev != os.stat(self.layout.root).st_dev
         if elsewhere:
             check_free_space(directory, size, what)
 
@@ -168,7 +180,7 @@ class ExportOps(ReadOps):
         bytes, checked cheaply: its size against the manifest's first, then the store's
         own file (a hard link), then every chunk's hash. The blob need not be complete
         here: a partial blob's manifest is enough."""
-        manifest = self.manifest(blob_id)
+        manifest = self.reader.manifest(blob_id)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
@@ -177,7 +189,7 @@ class ExportOps(ReadOps):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != manifest.size:
                 return False
-            if same_file(self._data_path(blob_id), st):
+            if same_file(self.layout.data_path(blob_id), st):
                 return True
             for i in range(manifest.num_chunks):
                 offset, length = manifest.chunk_span(i)
@@ -206,8 +218,8 @@ class ExportOps(ReadOps):
         verify: bool,
         link: ExportLink,
     ) -> None:
-        size = self.manifest(blob_id).size
-        source = self.path(blob_id)
+        size = self.reader.manifest(blob_id).size
+        source = self.reader.path(blob_id)
         if link == "hardlink":
             try:
                 os.link(source, target)
@@ -234,7 +246,7 @@ class ExportOps(ReadOps):
                     self._hash_through(blob_id, progress)
             elif verify:
                 done = 0
-                for piece in self.iter_verified(blob_id):
+                for piece in self.reader.iter_verified(blob_id):
                     write_all(fd, piece)
                     done += len(piece)
                     if progress is not None:
@@ -250,7 +262,7 @@ class ExportOps(ReadOps):
     def _hash_through(self, blob_id: str, progress: Progress | None) -> None:
         """Read and check every chunk of the stored blob (quarantining it if rotten)."""
         done = 0
-        for piece in self.iter_verified(blob_id):
+        for piece in self.reader.iter_verified(blob_id):
             done += len(piece)
             if progress is not None:
                 progress(done)

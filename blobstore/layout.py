@@ -1,32 +1,29 @@
-"""What every part of the store builds on: its paths, its lock, its free space.
+"""Where a store keeps what (the layout of :mod:`blobstore.store`), and the modes it gives it.
 
-:class:`StoreBase` is the base of :class:`blobstore.store.Store`; the layout, file modes
-and invariants it serves are stated in :mod:`blobstore.store` (its theory of operation).
-Held here:
+:class:`Layout` is a value: the store root and the paths under it, with the questions a
+path answers alone (is a blob complete, is a partial there, which IDs are listed). It holds
+no lock and caches nothing, so every part of the store may ask it anything at any time.
 
-1. Paths: ``blobs/<ab>/<id>`` and its ``.manifest``, ``partial/<id>/``.
-2. The store lock (invariant 5): one per store and process (threads queue on a mutex
-   first, and a thread holding it may take it again), waited for at most
-   ``lock_timeout`` seconds, then StoreBusy naming the holder's PID.
-3. Free space is checked before a copy claims it (NoSpace says how much is missing).
-4. Leases (invariant 6) are taken here, so every part can keep what it uses from gc.
+1. ``blobs/<ab>/<id>`` is a complete blob and ``blobs/<ab>/<id>.manifest`` its manifest;
+   ``partial/<id>/``, ``quarantine/<id>/``, ``tags/<name>``, ``tmp/`` and ``locks/`` hold
+   the rest (the table in :mod:`blobstore.store`).
+2. A listing names only entries whose name is a blob ID (and, for partial and quarantined
+   blobs, that still have a manifest): stray files are never taken for blobs.
+3. Directories are made with the store's modes exactly, whatever the umask.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import threading
-import time
-from collections.abc import Callable, Iterable, Iterator
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from blobstore.durable import os_errors, try_lock_fd
-from blobstore.errors import BadBlobId, NoSpace, StoreBusy
-from blobstore.lease import Lease, create_lease
-from blobstore.manifest import Manifest, parse_blob_id
-from blobstore.partial import PartialBlob
+from blobstore.durable import os_errors
+from blobstore.errors import BadBlobId, StoreError
+from blobstore.manifest import parse_blob_id
 
 Progress = Callable[[int], None]
 
@@ -34,6 +31,10 @@ IO_BUFFER_SIZE = 8 * 1024 * 1024
 """Bytes per read/write syscall when copying: large enough that syscall and Python
 overhead vanish next to hashing, small enough to stay in L2/L3-friendly territory and
 keep memory flat. Always a multiple of the chunk size (both are powers of two)."""
+
+MANIFEST_SUFFIX = ".manifest"
+DIRS = ("blobs", "partial", "tags", "tmp", "locks", "quarantine")
+PRIVATE_DIRS = ("tmp", "locks")  # 0700 whatever the store's mode
 
 
 @dataclass(frozen=True)
@@ -55,140 +56,111 @@ class FileModes:
 PRIVATE_MODES = FileModes(dir=0o700, blob=0o400, file=0o600)
 SHARED_MODES = FileModes(dir=0o755, blob=0o444, file=0o644)
 
-STORE_LOCK_TIMEOUT = 10.0
-"""Seconds to wait for the store lock before failing with StoreBusy (exit 5). The lock is
-held only around publishes, deletes, tag changes and one gc pass: milliseconds, seconds
-for gc of a very large store. Waiting longer means a stuck or hostile holder; say so
-rather than hang. Override with ``Store.open(lock_timeout=...)`` or the environment
-variable named by :data:`LOCK_TIMEOUT_ENV`."""
-LOCK_TIMEOUT_ENV = "BLOBNET_LOCK_TIMEOUT"
-_LOCK_POLL_MAX = 0.02  # seconds between tries at most: contention is short
-MANIFEST_SUFFIX = ".manifest"
 
+@dataclass(frozen=True)
+class Layout:
+    """The paths of the store rooted at ``root`` (rule 1) and what they say alone."""
 
-class StoreBase:
-    """The paths, modes and lock of a store (see :mod:`blobstore.layout`)."""
+    root: Path
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.tmp_dir = root / "tmp"
-        self._blobs = root / "blobs"
-        self._partial = root / "partial"
-        self._quarantine = root / "quarantine"
-        self._tags = root / "tags"
-        self._locks = root / "locks"
-        self._lock_file = self._locks / "store"
-        self.modes = PRIVATE_MODES
-        self.lock_timeout = STORE_LOCK_TIMEOUT
-        self.read_only = False  # another user's shared store: reads only
-        self._lock_mutex = threading.Lock()  # threads of this process queue here first
-        self._lock_owner: int | None = None  # thread holding the store lock (re-entry)
-        self._mutex = threading.Lock()
-        self._open_partials: dict[str, PartialBlob] = {}
-        self._manifests: dict[str, Manifest] = {}
+    @property
+    def tmp(self) -> Path:
+        return self.root / "tmp"
 
-    @contextlib.contextmanager
-    def _store_lock(self) -> Iterator[None]:
-        """Hold the store lock; StoreBusy (exit 5) after ``lock_timeout`` seconds.
+    @property
+    def blobs(self) -> Path:
+        return self.root / "blobs"
 
-        The lock file lives in ``locks/`` (0700) with mode 0600, so no other user can open
-        it, let alone flock it. The holder writes its PID into it, so a waiter that gives
-        up can say who holds it."""
-        if self._lock_owner == threading.get_ident():  # nested: e.g. quarantine during gc
-            yield
-            return
-        deadline = time.monotonic() + self.lock_timeout
-        if not self._lock_mutex.acquire(timeout=self.lock_timeout):
-            raise StoreBusy(
-                f"the store at {self.root} is busy: another thread of this process has held "
-                f"its lock for over {self.lock_timeout:g} s"
-            )
-        try:
-            fd = os.open(
-                self._lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
-            )
-            try:
-                delay = 0.001
-                while not try_lock_fd(fd):
-                    now = time.monotonic()
-                    if now >= deadline:
-                        raise StoreBusy(
-                            f"the store at {self.root} is busy: {_lock_holder(fd)} has held its "
-                            f"lock for over {self.lock_timeout:g} s; wait for it or stop it "
-                            f"(or raise {LOCK_TIMEOUT_ENV})"
-                        )
-                    time.sleep(min(delay, deadline - now))
-                    delay = min(delay * 2, _LOCK_POLL_MAX)
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-                self._lock_owner = threading.get_ident()
-                try:
-                    yield
-                finally:
-                    self._lock_owner = None
-            finally:
-                os.close(fd)
-        finally:
-            self._lock_mutex.release()
+    @property
+    def partial(self) -> Path:
+        return self.root / "partial"
 
-    def _mkdir_in_store(self, path: Path) -> None:
-        if not path.is_dir():
-            with contextlib.suppress(FileExistsError):
-                path.mkdir(mode=self.modes.dir)
-                os.chmod(path, self.modes.dir)  # exactly, whatever the umask
+    @property
+    def quarantine(self) -> Path:
+        return self.root / "quarantine"
 
-    def _data_path(self, blob_id: str) -> Path:
-        return self._blobs / blob_id[:2] / blob_id
+    @property
+    def tags(self) -> Path:
+        return self.root / "tags"
 
-    def _manifest_path(self, blob_id: str) -> Path:
-        return self._blobs / blob_id[:2] / (blob_id + MANIFEST_SUFFIX)
+    @property
+    def locks(self) -> Path:
+        return self.root / "locks"
 
-    def _partial_dir(self, blob_id: str) -> Path:
-        return self._partial / blob_id
+    def data_path(self, blob_id: str) -> Path:
+        return self.blobs / blob_id[:2] / blob_id
+
+    def manifest_path(self, blob_id: str) -> Path:
+        return self.blobs / blob_id[:2] / (blob_id + MANIFEST_SUFFIX)
+
+    def partial_dir(self, blob_id: str) -> Path:
+        return self.partial / blob_id
+
+    def quarantine_dir(self, blob_id: str) -> Path:
+        return self.quarantine / blob_id
 
     def has(self, blob_id: str) -> bool:
         """Whether the complete blob is in the store."""
         parse_blob_id(blob_id)
-        return self._data_path(blob_id).exists()
+        return self.data_path(blob_id).exists()
 
-    def _has_partial(self, blob_id: str) -> bool:
-        return (self._partial_dir(blob_id) / "manifest").exists()
+    def has_partial(self, blob_id: str) -> bool:
+        return (self.partial_dir(blob_id) / "manifest").exists()
 
-    def _check_space(self, needed: int, what: str) -> None:
-        available = self.free_bytes()
-        if needed > available:
-            raise NoSpace(
-                f"not enough disk space to {what}: need {needed} bytes, "
-                f"{available} available under {self.root}",
-                needed=needed,
-                available=available,
-            )
+    def make_dirs(self, modes: FileModes) -> None:
+        """Every directory of rule 1, with exactly its mode (``tmp/``, ``locks/``: 0700)."""
+        for name in DIRS:
+            _mkdir(self.root / name, 0o700 if name in PRIVATE_DIRS else modes.dir)
 
-    def free_bytes(self) -> int:
-        """Bytes available to this user on the store's file system."""
-        with os_errors("checking free space"):
-            st = os.statvfs(self.root)
-        return st.f_bavail * st.f_frsize
-
-    def space_to_finish(self, manifest: Manifest) -> int:
-        """Disk space a download of ``manifest`` still has to claim: its size, less what
-        its partial's data file already occupies. Not less the verified chunks only: the
-        blocks of chunks written but not yet marked verified (after a disk-full stop, when
-        the bitmap itself could not be written) take space too, and writing them again
-        claims none, so counting them as missing would refuse the very retry that the
-        freed space allows."""
-        with os_errors(f"checking the partial blob {manifest.blob_id[:12]}"):
+    def complete_ids(self, shard: str | None = None) -> list[str]:
+        """IDs of complete blobs (in one ``shard``, the IDs' first two characters)."""
+        shards = [shard] if shard is not None else sorted(os.listdir(self.blobs))
+        ids: list[str] = []
+        for s in shards:
             try:
-                st = os.stat(self._partial_dir(manifest.blob_id) / "data")
-            except FileNotFoundError:
-                return manifest.size
-        return max(0, manifest.size - min(manifest.size, st.st_blocks * 512))
+                names = os.listdir(self.blobs / s)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            ids.extend(n for n in names if is_blob_id(n) and n.startswith(s))
+        return sorted(ids)
 
-    def lease(self, blob_ids: Iterable[str] = ()) -> Lease:
-        """Protect ``blob_ids`` from gc until the lease is released, whatever the grace
-        period; a collection's children are protected with it. Use as a context manager;
-        :meth:`Lease.add` protects more. See :mod:`blobstore.lease`."""
-        return create_lease(self, self._locks, blob_ids)
+    def partial_ids(self) -> list[str]:
+        """IDs of partial blobs present (held by anyone or no one)."""
+        with os_errors("listing partial blobs"):
+            return _ids_with_manifest(self.partial)
+
+    def quarantined_ids(self) -> list[str]:
+        """IDs of quarantined blobs, sorted."""
+        with os_errors("listing quarantined blobs"):
+            return _ids_with_manifest(self.quarantine)
+
+
+def mkdir_in_store(path: Path, modes: FileModes) -> None:
+    """Make ``path`` (a directory of the store) with ``modes.dir``, if it is missing."""
+    if not path.is_dir():
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=modes.dir)
+            os.chmod(path, modes.dir)  # exactly, whatever the umask
+
+
+def _mkdir(path: Path, mode: int) -> None:
+    """Make a directory with exactly ``mode`` (umask aside), fixing an existing one."""
+    try:
+        path.mkdir(mode=mode)
+    except FileExistsError:
+        if not path.is_dir() or path.is_symlink():
+            raise StoreError(f"{path} should be a directory of the store") from None
+        if stat.S_IMODE(path.stat().st_mode) == mode:
+            return
+    os.chmod(path, mode)
+
+
+def _ids_with_manifest(directory: Path) -> list[str]:
+    return sorted(
+        e.name
+        for e in os.scandir(directory)
+        if is_blob_id(e.name) and os.path.exists(os.path.join(e.path, "manifest"))
+    )
 
 
 def read_full(fd: int, view: memoryview) -> int:
@@ -216,17 +188,3 @@ def is_blob_id(name: str) -> bool:
     except BadBlobId:
         return False
     return True
-
-
-def _lock_holder(fd: int) -> str:
-    """Who holds the lock, as far as its file says: 'process 1234' or 'another process'."""
-    try:
-        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
-    except OSError:
-        text = ""
-    if not text.isdigit():
-        return "another process"
-    pid = int(text)
-    if pid == os.getpid():
-        return f"this process ({pid})"
-    return f"process {pid}"

@@ -26,13 +26,10 @@ import secrets
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from blobstore.durable import os_errors, try_lock_fd, write_all
 from blobstore.manifest import parse_blob_id
-
-if TYPE_CHECKING:
-    from blobstore.layout import StoreBase
+from blobstore.store_lock import StoreLock
 
 LEASE_PREFIX = "lease-"
 MAX_LEASE_FILE = 128 * 1024 * 1024
@@ -44,11 +41,11 @@ readable, so it protects nothing extra and costs gc nothing."""
 class Lease:
     """Get one from :meth:`Store.lease`; release it (or leave the ``with`` block)."""
 
-    def __init__(self, store: StoreBase, path: Path, fd: int) -> None:
-        self._store = store
+    def __init__(self, lock: StoreLock, path: Path, fd: int, ids: Iterable[str] = ()) -> None:
+        self._lock = lock
         self.path = path
         self._fd: int | None = fd
-        self._ids: set[str] = set()
+        self._ids: set[str] = set(ids)
 
     @property
     def ids(self) -> frozenset[str]:
@@ -61,7 +58,7 @@ class Lease:
             return
         if self._fd is None:
             raise ValueError("lease already released")
-        with os_errors("extending a gc lease"), self._store._store_lock():
+        with os_errors("extending a gc lease"), self._lock.hold():
             write_all(self._fd, "".join(f"{i}\n" for i in new).encode())
         self._ids.update(new)
 
@@ -85,25 +82,36 @@ class Lease:
         self.release()
 
 
-def create_lease(store: StoreBase, locks_dir: Path, blob_ids: Iterable[str]) -> Lease:
-    """A new lease file, locked, naming ``blob_ids`` (see the module docstring)."""
-    ids = [parse_blob_id(i) for i in dict.fromkeys(blob_ids)]
-    with os_errors("taking a gc lease"), store._store_lock():
-        path = locks_dir / f"{LEASE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
-        fd = os.open(path, flags, 0o600)
-        try:
-            if not try_lock_fd(fd):  # a fresh file nobody else can open: cannot happen
-                raise OSError(f"could not lock the new lease {path}")
-            write_all(fd, "".join([f"pid {os.getpid()}\n", *(f"{i}\n" for i in ids)]).encode())
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            raise
-    lease = Lease(store, path, fd)
-    lease._ids.update(ids)
-    return lease
+class Leases:
+    """The leases of the store whose ``locks/`` is ``locks_dir``: taking one, and reading
+    which IDs the live ones name."""
+
+    def __init__(self, locks_dir: Path, lock: StoreLock) -> None:
+        self.locks_dir = locks_dir
+        self._lock = lock
+
+    def take(self, blob_ids: Iterable[str] = ()) -> Lease:
+        """A new lease file, locked, naming ``blob_ids`` (see the module docstring)."""
+        ids = [parse_blob_id(i) for i in dict.fromkeys(blob_ids)]
+        with os_errors("taking a gc lease"), self._lock.hold():
+            path = self.locks_dir / f"{LEASE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+            fd = os.open(path, flags, 0o600)
+            try:
+                if not try_lock_fd(fd):  # a fresh file nobody else can open: cannot happen
+                    raise OSError(f"could not lock the new lease {path}")
+                lines = [f"pid {os.getpid()}\n", *(f"{i}\n" for i in ids)]
+                write_all(fd, "".join(lines).encode())
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                raise
+        return Lease(self._lock, path, fd, ids)
+
+    def live_ids(self) -> set[str]:
+        """IDs named by live leases; deletes stale ones. Call with the store lock held."""
+        return live_leased_ids(self.locks_dir)
 
 
 def live_leased_ids(locks_dir: Path) -> set[str]:

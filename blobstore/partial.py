@@ -39,20 +39,17 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from blake3 import blake3
 
 from blobstore import bitmap as bm
 from blobstore.durable import os_errors, write_file_atomic
-from blobstore.errors import ChunkUnavailable, CorruptChunk, StoreError
+from blobstore.errors import ChunkUnavailable, CorruptChunk, PartialBusy, StoreError
+from blobstore.layout import FileModes
 from blobstore.manifest import Manifest
-
-if TYPE_CHECKING:
-    from blobstore.writing import WriteOps
-
 
 # O_DIRECT needs offsets, lengths and buffer addresses aligned to the device's logical
 # block; 4096 covers every common one (chunk sizes are powers of two >= 64 KiB).
@@ -114,14 +111,31 @@ class PartialBlob:
 
     Holds the partial's exclusive lock until :meth:`close` (or :meth:`publish`). One
     task writes it at a time; other threads may read its bitmap.
+
+    Made by the store's writer, which hands it what it owns: the partial's directory and
+    open files, where temp files go and the modes to give files, ``publish`` (called with
+    the lock held and the data synced: link the data into the published set) and
+    ``on_release`` (called once, when the lock is released).
     """
 
     def __init__(
-        self, store: WriteOps, manifest: Manifest, directory: Path, lock_fd: int, data_fd: int
+        self,
+        manifest: Manifest,
+        directory: Path,
+        lock_fd: int,
+        data_fd: int,
+        *,
+        tmp_dir: Path,
+        modes: FileModes,
+        publish: Callable[[PartialBlob, Path], None],
+        on_release: Callable[[PartialBlob], None],
     ) -> None:
         self.manifest = manifest
         self.blob_id = manifest.blob_id
-        self._store = store
+        self._tmp_dir = tmp_dir
+        self._modes = modes
+        self._publish = publish
+        self._on_release = on_release
         self._dir = directory
         self._lock_fd = lock_fd
         self._data_fd = data_fd
@@ -134,8 +148,8 @@ class PartialBlob:
         self._dirty = False
         self._closed = False
 
-    # Opening: called by Store.begin_partial with the lock held.
-    def _load_and_reverify(self, data_existed: bool) -> list[int]:
+    # Opening: called by the store's writer with the lock held.
+    def load_and_reverify(self, data_existed: bool) -> list[int]:
         """Adopt the persisted bitmap after re-hashing each chunk it marks.
 
         If the bitmap is missing or malformed but a data file was already there, every
@@ -318,9 +332,9 @@ class PartialBlob:
                     write_file_atomic(
                         self._dir / "bitmap",
                         snapshot,
-                        tmp_dir=self._store.tmp_dir,
+                        tmp_dir=self._tmp_dir,
                         replace=True,
-                        mode=self._store.modes.file,
+                        mode=self._modes.file,
                     )
             except BaseException:
                 with self._bits_lock:
@@ -338,12 +352,12 @@ class PartialBlob:
             )
         self.flush()
         with os_errors(f"publishing blob {self.blob_id[:12]}"):
-            os.fchmod(self._data_fd, self._store.modes.blob)
+            os.fchmod(self._data_fd, self._modes.blob)
             os.fsync(self._data_fd)
         try:
-            self._store._publish_partial(self, self._dir / "data")
+            self._publish(self, self._dir / "data")
         finally:
-            self._release()
+            self.release()
         return self.blob_id
 
     def close(self) -> None:
@@ -353,9 +367,10 @@ class PartialBlob:
         try:
             self.flush()
         finally:
-            self._release()
+            self.release()
 
-    def _release(self) -> None:
+    def release(self) -> None:
+        """Close the files and release the lock, flushing nothing. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -366,4 +381,31 @@ class PartialBlob:
             os.close(self._data_fd)
         finally:
             os.close(self._lock_fd)  # releases the flock
-            self._store._forget_partial(self)
+            self._on_release(self)
+
+
+class OpenPartials:
+    """The partial blobs this process holds open, by ID: a reader of a blob being written
+    here reads through the live partial (its bitmap is newer than the one on disk)."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._open: dict[str, PartialBlob] = {}
+
+    def get(self, blob_id: str) -> PartialBlob | None:
+        with self._mutex:
+            return self._open.get(blob_id)
+
+    def add(self, partial: PartialBlob) -> None:
+        """Register ``partial``; PartialBusy if one of its ID is open here already (its
+        flock excludes that, so it cannot happen)."""
+        with self._mutex:
+            if partial.blob_id in self._open:
+                raise PartialBusy(f"blob {partial.blob_id[:12]} is already open here")
+            self._open[partial.blob_id] = partial
+
+    def forget(self, partial: PartialBlob) -> None:
+        """Unregister ``partial`` (and only it: a newer one of the same ID stays)."""
+        with self._mutex:
+            if self._open.get(partial.blob_id) is partial:
+                del self._open[partial.blob_id]

@@ -21,14 +21,32 @@ from pathlib import Path
 
 from blobstore.durable import fsync_dir, os_errors, translate_os_error, write_file_atomic
 from blobstore.errors import BlobQuarantined, StoreError
-from blobstore.layout import StoreBase, is_blob_id, same_file
+from blobstore.layout import FileModes, Layout, mkdir_in_store, same_file
 from blobstore.manifest import parse_blob_id
+from blobstore.manifests import Manifests
+from blobstore.store_lock import StoreLock
 
 _MAX_REASON = 500  # characters of a quarantine reason kept: one line of an error message
 
 
-class QuarantineOps(StoreBase):
-    """Taking rotten blobs out of the published set, and repairing them."""
+class Quarantine:
+    """Taking rotten blobs of the store laid out as ``layout`` out of the published set,
+    and repairing them. ``read_only``: another user's store, where nothing may move."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        lock: StoreLock,
+        manifests: Manifests,
+        modes: FileModes,
+        *,
+        read_only: bool = False,
+    ) -> None:
+        self.layout = layout
+        self.lock = lock
+        self.manifests = manifests
+        self.modes = modes
+        self.read_only = read_only
 
     def quarantine(
         self, blob_id: str, reason: str, *, read_from: os.stat_result | None = None
@@ -36,7 +54,7 @@ class QuarantineOps(StoreBase):
         """Take a complete blob found rotten out of the published set.
 
         Its data and manifest move to ``quarantine/<id>/`` with ``reason``: from then on
-        :meth:`has` is False, it is not listed among complete blobs, readers and servers
+        ``has`` is False, it is not listed among complete blobs, readers and servers
         stop offering it, and reading it raises :class:`BlobQuarantined` (exit 4). Tags
         stay (the name still means that content). Publishing the ID again, by ``put`` of
         the same content or a fetched partial, repairs it and clears the quarantine; a
@@ -52,17 +70,17 @@ class QuarantineOps(StoreBase):
         parse_blob_id(blob_id)
         if self.read_only:
             raise StoreError(
-                f"blob {blob_id[:12]} is corrupt in {self.root}, which belongs to another "
+                f"blob {blob_id[:12]} is corrupt in {self.layout.root}, which belongs to another "
                 "user: ask its owner to run `blob verify` there"
             )
-        with os_errors(f"quarantining blob {blob_id[:12]}"), self._store_lock():
-            data_path = self._data_path(blob_id)
+        with os_errors(f"quarantining blob {blob_id[:12]}"), self.lock.hold():
+            data_path = self.layout.data_path(blob_id)
             if not data_path.exists():
                 return False
             if read_from is not None and not same_file(data_path, read_from):
                 return False  # the rotten file was replaced meanwhile (a repair)
-            qdir = self._quarantine / blob_id
-            self._mkdir_in_store(qdir)
+            qdir = self.layout.quarantine_dir(blob_id)
+            mkdir_in_store(qdir, self.modes)
             # The reason may quote a peer (its report of a bad chunk) and is printed in
             # error lines: one line of printable text, so no escape sequence rides along.
             words = " ".join(reason[:_MAX_REASON].split())
@@ -70,25 +88,24 @@ class QuarantineOps(StoreBase):
             write_file_atomic(
                 qdir / "reason",
                 f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {one_line}\n".encode(),
-                tmp_dir=self.tmp_dir,
+                tmp_dir=self.layout.tmp,
                 replace=True,
                 mode=self.modes.file,
             )
-            manifest_path = self._manifest_path(blob_id)
+            manifest_path = self.layout.manifest_path(blob_id)
             with contextlib.suppress(FileExistsError):
                 os.link(manifest_path, qdir / "manifest")  # before the data leaves
             os.replace(data_path, qdir / "data")  # unpublished from here on
             manifest_path.unlink(missing_ok=True)
             fsync_dir(qdir)
             fsync_dir(data_path.parent)
-            with self._mutex:
-                self._manifests.pop(blob_id, None)
+            self.manifests.forget(blob_id)
         return True
 
-    def quarantine_reason(self, blob_id: str) -> str | None:
+    def reason(self, blob_id: str) -> str | None:
         """Why the blob is quarantined ("<UTC time> <reason>"), or None if it is not."""
         parse_blob_id(blob_id)
-        qdir = self._quarantine / blob_id
+        qdir = self.layout.quarantine_dir(blob_id)
         try:
             return (qdir / "reason").read_text(errors="replace").strip() or "no reason recorded"
         except FileNotFoundError:
@@ -96,26 +113,17 @@ class QuarantineOps(StoreBase):
         except OSError as exc:
             raise translate_os_error(exc, f"reading the quarantine of {blob_id[:12]}") from exc
 
-    def quarantined_ids(self) -> list[str]:
-        """IDs of quarantined blobs, sorted."""
-        with os_errors("listing quarantined blobs"):
-            return sorted(
-                e.name
-                for e in os.scandir(self._quarantine)
-                if is_blob_id(e.name) and os.path.exists(os.path.join(e.path, "manifest"))
-            )
-
-    def _clear_quarantine(self, blob_id: str) -> None:
+    def clear(self, blob_id: str) -> None:
         """Store lock held: the ID is published again with verified bytes."""
-        qdir = self._quarantine / blob_id
+        qdir = self.layout.quarantine_dir(blob_id)
         if qdir.exists():
             shutil.rmtree(qdir, ignore_errors=True)
-            fsync_dir(self._quarantine)
+            fsync_dir(self.layout.quarantine)
 
-    def _seed_from_quarantine(self, blob_id: str, pdir: Path) -> None:
+    def seed_partial(self, blob_id: str, pdir: Path) -> None:
         """Store and partial locks held: a repair download starts from the rotten copy;
         the partial's reopen re-hashes every chunk and keeps only those that verify."""
-        qdata = self._quarantine / blob_id / "data"
+        qdata = self.layout.quarantine_dir(blob_id) / "data"
         if (pdir / "data").exists() or not qdata.exists():
             return
         if os.stat(qdata).st_nlink > 1:  # shared with a hard-linked export: not ours to
@@ -124,11 +132,12 @@ class QuarantineOps(StoreBase):
         os.rename(qdata, pdir / "data")
         fsync_dir(pdir)
 
-    def _quarantine_on_read(self, blob_id: str, what: str, read_from: os.stat_result) -> str:
+    def on_read(self, blob_id: str, what: str, read_from: os.stat_result) -> str:
         """Quarantine a complete blob whose read of the file ``read_from`` (its fstat)
         just failed its hash; the message tail."""
         try:
-            if not self.quarantine(blob_id, what, read_from=read_from) and self.has(blob_id):
+            moved = self.quarantine(blob_id, what, read_from=read_from)
+            if not moved and self.layout.has(blob_id):
                 return "; the store's copy was replaced meanwhile: read it again"
         except StoreError as exc:
             return f"; could not quarantine it ({exc})"
@@ -137,8 +146,9 @@ class QuarantineOps(StoreBase):
             "again; links to it (blob export, get --link) dangle until then"
         )
 
-    def _refuse_quarantined(self, blob_id: str) -> None:
-        reason = self.quarantine_reason(blob_id)
+    def refuse(self, blob_id: str) -> None:
+        """BlobQuarantined if the blob is quarantined (its reason in the message)."""
+        reason = self.reason(blob_id)
         if reason is not None:
             raise BlobQuarantined(
                 f"blob {blob_id} is quarantined as corrupt ({reason}); fetch it again "

@@ -20,7 +20,6 @@ import errno
 import os
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from blake3 import blake3
 
@@ -29,9 +28,6 @@ from blobstore.durable import os_errors
 from blobstore.errors import ChunkUnavailable, CorruptChunk
 from blobstore.manifest import Manifest
 from blobstore.partial import PartialBlob
-
-if TYPE_CHECKING:
-    from blobstore.store import Store
 
 # preadv flag: fail with EAGAIN rather than wait for the disk (Linux 4.14+).
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
@@ -61,10 +57,6 @@ class ChunkReader:
         self._on_corrupt = on_corrupt
         # Cleared when the file system refuses RWF_NOWAIT (tmpfs does), to stop asking.
         self._nowait = bool(_RWF_NOWAIT)
-
-    @classmethod
-    def open(cls, store: Store, blob_id: str) -> ChunkReader:
-        return store.open_reader(blob_id)
 
     def read(self, index: int, *, verify: bool = True) -> bytes:
         """Chunk ``index``; with ``verify`` it is hashed against the manifest again (the

@@ -1,18 +1,16 @@
-"""Reading a store: manifests, paths, chunk readers, verifying reads, collections.
+"""Reading a store: paths, chunk readers, verifying reads, collections.
 
 1. An ID names only matching bytes (invariant 3 of :mod:`blobstore.store`): every read
    here that returns bytes hashes them first, and a complete blob whose bytes fail is
    quarantined on the spot (:mod:`blobstore.quarantine`).
-2. Manifests of complete blobs are immutable, so a few are cached; those of partial and
-   quarantined blobs are read afresh each time.
-3. A manifest file larger than any valid manifest is refused before it is read.
+2. A blob this process is writing is read through its live partial (:class:`OpenPartials`),
+   whose bitmap is newer than the one on disk.
 
-The chunk reader itself is :mod:`blobstore.reader`.
+Manifests are :mod:`blobstore.manifests`; the chunk reader itself is :mod:`blobstore.reader`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -30,68 +28,48 @@ from blobstore.collection import (
 from blobstore.durable import os_errors
 from blobstore.errors import (
     BadCollection,
-    BadManifest,
     BlobNotFound,
     BlobQuarantined,
     ChunkUnavailable,
     CorruptChunk,
-    StoreCorrupt,
 )
-from blobstore.layout import IO_BUFFER_SIZE, read_full
-from blobstore.manifest import MAX_MANIFEST_SIZE, Manifest, parse_blob_id
-from blobstore.partial import load_bitmap, read_span
-from blobstore.quarantine import QuarantineOps
+from blobstore.layout import IO_BUFFER_SIZE, Layout, read_full
+from blobstore.manifest import Manifest
+from blobstore.manifests import Manifests
+from blobstore.partial import OpenPartials, load_bitmap, read_span
+from blobstore.quarantine import Quarantine
 from blobstore.reader import ChunkReader
 
-_MANIFEST_CACHE_SIZE = 256  # manifests are immutable; cache a few for chunk serving
 
+class Reader:
+    """Reads of the store laid out as ``layout``: paths, chunk readers, verification,
+    collections. ``io_buffer``: bytes per read of a whole blob (a power of two)."""
 
-class ReadOps(QuarantineOps):
-    """Manifests, paths, chunk readers, verification, collections."""
+    def __init__(
+        self,
+        layout: Layout,
+        manifests: Manifests,
+        partials: OpenPartials,
+        quarantine: Quarantine,
+        *,
+        io_buffer: int = IO_BUFFER_SIZE,
+    ) -> None:
+        self.layout = layout
+        self.manifests = manifests
+        self.partials = partials
+        self.quarantine = quarantine
+        self.io_buffer = io_buffer
 
     def manifest(self, blob_id: str) -> Manifest:
-        """The manifest of a complete or partial blob."""
-        parse_blob_id(blob_id)
-        with self._mutex:
-            cached = self._manifests.get(blob_id)
-        if cached is not None:
-            return cached
-        with os_errors(f"reading the manifest of {blob_id[:12]}"):
-            complete = True
-            try:
-                data = read_limited(self._manifest_path(blob_id), MAX_MANIFEST_SIZE)
-            except FileNotFoundError:
-                complete = False
-                data = self._read_other_manifest(blob_id)
-        try:
-            manifest = Manifest.decode(data)
-        except BadManifest as exc:
-            raise StoreCorrupt(f"stored manifest of {blob_id} is damaged ({exc})") from None
-        if manifest.blob_id != blob_id:
-            raise StoreCorrupt(f"stored manifest of {blob_id} does not match its ID")
-        if complete:
-            with self._mutex:
-                if len(self._manifests) >= _MANIFEST_CACHE_SIZE:
-                    self._manifests.pop(next(iter(self._manifests)))
-                self._manifests[blob_id] = manifest
-        return manifest
-
-    def _read_other_manifest(self, blob_id: str) -> bytes:
-        """The manifest of a partial or quarantined blob (not cached: they change)."""
-        for path in (
-            self._partial_dir(blob_id) / "manifest",
-            self._quarantine / blob_id / "manifest",
-        ):
-            with contextlib.suppress(FileNotFoundError):
-                return read_limited(path, MAX_MANIFEST_SIZE)
-        raise BlobNotFound(f"no blob {blob_id} in this store")
+        """The manifest of a complete, partial or quarantined blob."""
+        return self.manifests.get(blob_id)
 
     def path(self, blob_id: str) -> Path:
         """The read-only file holding exactly the complete blob's bytes (mmap it)."""
-        if not self.has(blob_id):
-            self._refuse_quarantined(blob_id)
+        if not self.layout.has(blob_id):
+            self.quarantine.refuse(blob_id)
             raise BlobNotFound(f"no complete blob {blob_id} in this store")
-        return self._data_path(blob_id)
+        return self.layout.data_path(blob_id)
 
     def read_chunk(self, blob_id: str, index: int) -> bytes:
         """Chunk ``index``, hashed again before it is returned (one read through
@@ -107,39 +85,38 @@ class ReadOps(QuarantineOps):
     def open_reader(self, blob_id: str) -> ChunkReader:
         """A :class:`~blobstore.reader.ChunkReader` over the blob's file, opened once."""
         manifest = self.manifest(blob_id)
-        with self._mutex:
-            live = self._open_partials.get(blob_id)
+        live = self.partials.get(blob_id)
         if live is not None:
             return ChunkReader(blob_id, manifest, fd=None, bits=None, live=live)
         with os_errors(f"opening {blob_id[:12]} for reading"):
-            complete = self.has(blob_id)
+            complete = self.layout.has(blob_id)
             if complete:
-                source, bits = self._data_path(blob_id), None
+                source, bits = self.layout.data_path(blob_id), None
             else:
-                bits = load_bitmap(self._partial_dir(blob_id) / "bitmap", manifest.num_chunks)
-                source = self._partial_dir(blob_id) / "data"
+                bits = load_bitmap(self.layout.partial_dir(blob_id) / "bitmap", manifest.num_chunks)
+                source = self.layout.partial_dir(blob_id) / "data"
             try:
                 fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:  # removed (or published) meanwhile
-                self._refuse_quarantined(blob_id)
+                self.quarantine.refuse(blob_id)
                 raise BlobNotFound(f"no blob {blob_id} in this store") from None
         opened = os.fstat(fd)
         on_corrupt = (
-            (lambda what: self._quarantine_on_read(blob_id, what, opened)) if complete else None
+            (lambda what: self.quarantine.on_read(blob_id, what, opened)) if complete else None
         )
         return ChunkReader(blob_id, manifest, fd=fd, bits=bits, live=None, on_corrupt=on_corrupt)
 
     def chunk_bitmap(self, blob_id: str) -> bytes:
         """Bit i set = chunk i held and verified (see :mod:`blobstore.bitmap`)."""
         manifest = self.manifest(blob_id)
-        if self.has(blob_id):
+        if self.layout.has(blob_id):
             return bm.full_bitmap(manifest.num_chunks)
-        with self._mutex:
-            live = self._open_partials.get(blob_id)
+        live = self.partials.get(blob_id)
         if live is not None:
             return live.bitmap
         with os_errors(f"reading the bitmap of {blob_id[:12]}"):
-            return bytes(load_bitmap(self._partial_dir(blob_id) / "bitmap", manifest.num_chunks))
+            bitmap = self.layout.partial_dir(blob_id) / "bitmap"
+            return bytes(load_bitmap(bitmap, manifest.num_chunks))
 
     def iter_verified(self, blob_id: str) -> Iterator[memoryview]:
         """The complete blob's bytes in large pieces, each chunk checked on the way.
@@ -150,7 +127,7 @@ class ReadOps(QuarantineOps):
         manifest = self.manifest(blob_id)
         path = self.path(blob_id)
         c = manifest.chunk_size
-        buf = memoryview(bytearray(max(IO_BUFFER_SIZE, c)))
+        buf = memoryview(bytearray(max(self.io_buffer, c)))
         with os_errors(f"reading blob {blob_id[:12]}"):
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -162,11 +139,11 @@ class ReadOps(QuarantineOps):
                     n = read_full(fd, buf[: min(len(buf), remaining)])
                 if n < min(len(buf), remaining):
                     what = f"blob {blob_id} is truncated on disk"
-                    raise CorruptChunk(what + self._quarantine_on_read(blob_id, what, read_from))
+                    raise CorruptChunk(what + self.quarantine.on_read(blob_id, what, read_from))
                 for off in range(0, n, c):
                     if blake3(buf[off : min(off + c, n)]).digest() != manifest.chunk_hash(index):
                         what = f"chunk {index} of blob {blob_id} is corrupt on disk"
-                        tail = self._quarantine_on_read(blob_id, what, read_from)
+                        tail = self.quarantine.on_read(blob_id, what, read_from)
                         raise CorruptChunk(what + tail)
                     index += 1
                 remaining -= n
@@ -178,22 +155,22 @@ class ReadOps(QuarantineOps):
         """Indices of chunks whose stored bytes fail their hash ([] = intact).
 
         A complete blob is checked whole and, if any chunk fails and ``quarantine`` is
-        set, quarantined (see :meth:`quarantine`; not in another user's store, which is
+        set, quarantined (see :meth:`Quarantine.quarantine`; not in another user's store, which is
         read-only here); a partial one, the chunks it marks
         verified; a quarantined one, its quarantined copy (or the partial seeded from it).
         Raises StoreCorrupt if the manifest itself is damaged.
         """
         manifest = self.manifest(blob_id)
         n = manifest.num_chunks
-        complete = self.has(blob_id)
-        qdata = self._quarantine / blob_id / "data"
+        complete = self.layout.has(blob_id)
+        qdata = self.layout.quarantine_dir(blob_id) / "data"
         if complete:
-            source = self._data_path(blob_id)
+            source = self.layout.data_path(blob_id)
             indices: Iterable[int] = range(n)
-        elif not self._has_partial(blob_id) and qdata.exists():
+        elif not self.layout.has_partial(blob_id) and qdata.exists():
             source, indices = qdata, range(n)
         else:
-            source = self._partial_dir(blob_id) / "data"
+            source = self.layout.partial_dir(blob_id) / "data"
             indices = bm.set_indices(self.chunk_bitmap(blob_id), n)
         whole = indices == range(n)
         bad = []
@@ -213,10 +190,10 @@ class ReadOps(QuarantineOps):
                     bad.append(max(n - 1, 0))  # trailing garbage past the last chunk
             finally:
                 os.close(fd)
-        if bad and complete and quarantine and not self.read_only:
+        if bad and complete and quarantine and not self.quarantine.read_only:
             shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
             reason = f"verify found {len(bad)} corrupt chunk(s): {shown}"
-            self.quarantine(blob_id, reason, read_from=read_from)
+            self.quarantine.quarantine(blob_id, reason, read_from=read_from)
         return bad
 
     def is_collection(self, blob_id: str) -> bool:
@@ -232,7 +209,7 @@ class ReadOps(QuarantineOps):
         it as anything else would surprise the user. ``blob cat`` gives its raw bytes.
         """
         manifest = self.manifest(blob_id)
-        if not self.has(blob_id) or manifest.size < len(COLLECTION_MAGIC):
+        if not self.layout.has(blob_id) or manifest.size < len(COLLECTION_MAGIC):
             return None
         with os_errors(f"reading blob {blob_id[:12]}"), open(self.path(blob_id), "rb") as f:
             head = f.read(len(COLLECTION_MAGIC))
@@ -254,15 +231,3 @@ class ReadOps(QuarantineOps):
             return decode_collection_pieces(self.iter_verified(blob_id), manifest.size)
         except BadCollection as exc:
             raise BadCollection(f"blob {blob_id[:12]} is a malformed collection: {exc}") from None
-
-
-def read_limited(path: Path, limit: int) -> bytes:
-    """The file's bytes, refusing one over ``limit`` before reading it. (``read(limit)``
-    would allocate ``limit`` bytes up front: 32 MiB for every manifest read.)"""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size > limit:
-            raise StoreCorrupt(f"{path} is larger than any valid manifest")
-        data = f.read()
-    if len(data) > limit:  # grew while being read
-        raise StoreCorrupt(f"{path} is larger than any valid manifest")
-    return data

@@ -90,13 +90,19 @@ Invariants
 Where the code is
 -----------------
 
-:class:`Store` (this module: opening, modes, the sweep on open) is built from one part
-per job, each a base class in its own module, from the bottom up:
-:mod:`blobstore.layout` (paths, the store lock, free space, leases),
-:mod:`blobstore.quarantine` (invariant 8), :mod:`blobstore.reading` (manifests, readers,
-verification, collections), :mod:`blobstore.writing` (puts, partials, publication:
-invariants 1 to 4), :mod:`blobstore.catalog` (IDs, prefixes, tags, listings),
-:mod:`blobstore.removal` (rm and gc: invariant 6) and :mod:`blobstore.exporting`.
+:class:`Store` (this module: opening, modes, the sweep on open) owns one part per job,
+each an object with its own state, built here from what it needs and tested alone:
+:class:`~blobstore.layout.Layout` (paths: what a path says alone),
+:class:`~blobstore.store_lock.StoreLock` (invariant 5), :class:`~blobstore.space.Space`,
+:class:`~blobstore.lease.Leases` (invariant 6), :class:`~blobstore.manifests.Manifests`
+(the manifest cache), :class:`~blobstore.partial.OpenPartials`,
+:class:`~blobstore.quarantine.Quarantine` (invariant 8),
+:class:`~blobstore.reading.Reader` (readers, verification, collections),
+:class:`~blobstore.writing.Writer` (puts, partials, publication: invariants 1 to 4),
+:class:`~blobstore.catalog.Catalog` (IDs, prefixes, tags, listings),
+:class:`~blobstore.removal.Collector` (rm and gc: invariant 6) and
+:class:`~blobstore.exporting.Exporter`. The store's public methods are its parts' own,
+named on :class:`Store` as attributes, so a method has one body and one signature.
 """
 
 from __future__ import annotations
@@ -107,38 +113,147 @@ import shutil
 import stat
 from pathlib import Path
 
-from blobstore.catalog import MIN_PREFIX, TAG_NAME_RE, BlobInfo, check_tag_name
+from blobstore.catalog import MIN_PREFIX, TAG_NAME_RE, BlobInfo, Catalog, check_tag_name
 from blobstore.durable import fsync_dir, lock_path, os_errors, sweep_temp_dir, write_file_atomic
 from blobstore.errors import StoreError
-from blobstore.exporting import ExportLink, ExportOps
+from blobstore.exporting import Exporter, ExportLink
 from blobstore.layout import (
+    DIRS,
     IO_BUFFER_SIZE,
-    LOCK_TIMEOUT_ENV,
     PRIVATE_MODES,
     SHARED_MODES,
-    STORE_LOCK_TIMEOUT,
     FileModes,
+    Layout,
     Progress,
 )
-from blobstore.lease import live_leased_ids
-from blobstore.manifest import HASH_SIZE
-from blobstore.removal import DEFAULT_GC_GRACE, RemovalOps
-from blobstore.writing import WriteOps
+from blobstore.lease import Leases
+from blobstore.manifest import HASH_SIZE, MIN_CHUNK_SIZE
+from blobstore.manifests import Manifests
+from blobstore.partial import OpenPartials
+from blobstore.quarantine import Quarantine
+from blobstore.reading import Reader
+from blobstore.removal import DEFAULT_GC_GRACE, Collector
+from blobstore.space import Space
+from blobstore.store_lock import LOCK_TIMEOUT_ENV, STORE_LOCK_TIMEOUT, StoreLock
+from blobstore.writing import Writer
 
 STORE_FORMAT = 1
 MARKER_NAME = "blobnet-store"
-_LAYOUT = ("blobs", "partial", "tags", "tmp", "locks", "quarantine")
-_PRIVATE_DIRS = ("tmp", "locks")  # 0700 whatever the store's mode
 SHARED_MARKER = "shared"
 """File at the root whose presence makes the store shared (see :class:`FileModes`)."""
 
 
-class Store(WriteOps, RemovalOps, ExportOps):
-    """A local blob store rooted at a directory. Create with :meth:`Store.open`."""
+class Store:
+    """A local blob store rooted at a directory. Create with :meth:`Store.open`.
+
+    ``modes``, ``lock_timeout``, ``read_only`` and ``io_buffer`` (bytes per read of a
+    whole file or blob: a power of two, at least the smallest chunk) are fixed for its
+    life; :meth:`open` finds the first three from the directory and the environment.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        modes: FileModes = PRIVATE_MODES,
+        lock_timeout: float = STORE_LOCK_TIMEOUT,
+        read_only: bool = False,
+        io_buffer: int = IO_BUFFER_SIZE,
+    ) -> None:
+        if io_buffer < MIN_CHUNK_SIZE or io_buffer & (io_buffer - 1):
+            raise ValueError(f"io_buffer must be a power of two of at least {MIN_CHUNK_SIZE}")
+        self.root = root
+        self.tmp_dir = root / "tmp"
+        self.modes = modes
+        self.read_only = read_only  # another user's shared store: reads only
+        self.layout = Layout(root)
+        self.lock = StoreLock(root, lock_timeout)
+        self.space = Space(self.layout)
+        self.leases = Leases(self.layout.locks, self.lock)
+        self.manifests = Manifests(self.layout)
+        self.partials = OpenPartials()
+        self.quarantined = Quarantine(
+            self.layout, self.lock, self.manifests, modes, read_only=read_only
+        )
+        self.reader = Reader(
+            self.layout, self.manifests, self.partials, self.quarantined, io_buffer=io_buffer
+        )
+        self.writer = Writer(
+            self.layout,
+            self.lock,
+            modes,
+            space=self.space,
+            manifests=self.manifests,
+            partials=self.partials,
+            quarantine=self.quarantined,
+            leases=self.leases,
+            io_buffer=io_buffer,
+        )
+        self.catalog = Catalog(
+            self.layout, self.lock, modes, reader=self.reader, quarantine=self.quarantined
+        )
+        self.collector = Collector(
+            self.layout,
+            self.lock,
+            catalog=self.catalog,
+            reader=self.reader,
+            manifests=self.manifests,
+            quarantine=self.quarantined,
+            leases=self.leases,
+        )
+        self.exporter = Exporter(
+            self.layout, reader=self.reader, leases=self.leases, read_only=read_only
+        )
+        # The public surface: each method is its part's own.
+        self.has = self.layout.has
+        self.partial_ids = self.layout.partial_ids
+        self.quarantined_ids = self.layout.quarantined_ids
+        self.free_bytes = self.space.free_bytes
+        self.space_to_finish = self.space.to_finish
+        self.lease = self.leases.take
+        self.quarantine = self.quarantined.quarantine
+        self.quarantine_reason = self.quarantined.reason
+        self.manifest = self.reader.manifest
+        self.path = self.reader.path
+        self.read_chunk = self.reader.read_chunk
+        self.open_reader = self.reader.open_reader
+        self.chunk_bitmap = self.reader.chunk_bitmap
+        self.iter_verified = self.reader.iter_verified
+        self.verify = self.reader.verify
+        self.is_collection = self.reader.is_collection
+        self.collection_entries = self.reader.collection_entries
+        self.read_collection = self.reader.read_collection
+        self.put_bytes = self.writer.put_bytes
+        self.put_blocks = self.writer.put_blocks
+        self.put_path = self.writer.put_path
+        self.put_dir = self.writer.put_dir
+        self.begin_partial = self.writer.begin_partial
+        self.partial_writer = self.writer.partial_writer
+        self.resolve = self.catalog.resolve
+        self.tag = self.catalog.tag
+        self.untag = self.catalog.untag
+        self.tags = self.catalog.tags
+        self.blob_ids = self.catalog.blob_ids
+        self.list_blobs = self.catalog.list_blobs
+        self.rm = self.collector.rm
+        self.gc = self.collector.gc
+        self.export = self.exporter.export
+        self.check_export_space = self.exporter.check_export_space
+        self.holds = self.exporter.holds
+
+    @property
+    def lock_timeout(self) -> float:
+        """Seconds a wait for the store lock lasts before StoreBusy."""
+        return self.lock.timeout
 
     @classmethod
     def open(
-        cls, root: Path | str, *, shared: bool | None = None, lock_timeout: float | None = None
+        cls,
+        root: Path | str,
+        *,
+        shared: bool | None = None,
+        lock_timeout: float | None = None,
+        io_buffer: int = IO_BUFFER_SIZE,
     ) -> Store:
         """Open (creating if needed) the store at ``root`` and sweep dead temp files.
 
@@ -147,7 +262,7 @@ class Store(WriteOps, RemovalOps, ExportOps):
         process writes the store: one already running keeps creating files with the
         modes it opened with. ``lock_timeout``:
         seconds to wait for the store lock (default :data:`STORE_LOCK_TIMEOUT`, or the
-        environment's :data:`LOCK_TIMEOUT_ENV`).
+        environment's :data:`LOCK_TIMEOUT_ENV`). ``io_buffer``: see :class:`Store`.
 
         Another user's shared store opens read-only (:attr:`read_only`): nothing is
         created, re-moded or swept, and whatever would write fails with exit 5.
@@ -156,12 +271,12 @@ class Store(WriteOps, RemovalOps, ExportOps):
         timeout = _lock_timeout(lock_timeout)
         with os_errors(f"opening the store at {root}"):
             if root.is_dir() and root.stat().st_uid != os.geteuid():
-                return cls._open_foreign(root, shared, timeout)
+                return cls._open_foreign(root, shared, timeout, io_buffer)
             created = not root.exists()
             root.mkdir(parents=True, exist_ok=True, mode=0o700)
             marker = root / MARKER_NAME
             if not marker.exists():
-                allowed = {*_LAYOUT, "lock", MARKER_NAME, SHARED_MARKER}
+                allowed = {*DIRS, "lock", MARKER_NAME, SHARED_MARKER}
                 foreign = {p.name for p in root.iterdir()} - allowed
                 if foreign:
                     raise StoreError(
@@ -173,11 +288,8 @@ class Store(WriteOps, RemovalOps, ExportOps):
             modes = SHARED_MODES if is_shared else PRIVATE_MODES
             if created or stat.S_IMODE(root.stat().st_mode) != modes.dir:
                 os.chmod(root, modes.dir)
-            for name in _LAYOUT:
-                _mkdir(root / name, 0o700 if name in _PRIVATE_DIRS else modes.dir)
-            store = cls(root)
-            store.modes = modes
-            store.lock_timeout = timeout
+            Layout(root).make_dirs(modes)
+            store = cls(root, modes=modes, lock_timeout=timeout, io_buffer=io_buffer)
             if not marker.exists():
                 write_file_atomic(
                     marker,
@@ -196,17 +308,16 @@ class Store(WriteOps, RemovalOps, ExportOps):
         return store
 
     @classmethod
-    def _open_foreign(cls, root: Path, shared: bool | None, timeout: float) -> Store:
+    def _open_foreign(
+        cls, root: Path, shared: bool | None, timeout: float, io_buffer: int
+    ) -> Store:
         if shared is not None:
             raise StoreError(f"only the owner of {root} can change who may read it")
         text = (root / MARKER_NAME).read_text(errors="replace").strip()
         if text != f"blobnet store format {STORE_FORMAT}":
             raise StoreError(f"{root} is not a blobnet store this version can read ({text!r})")
-        store = cls(root)
-        store.modes = SHARED_MODES if (root / SHARED_MARKER).exists() else PRIVATE_MODES
-        store.lock_timeout = timeout
-        store.read_only = True
-        return store
+        modes = SHARED_MODES if (root / SHARED_MARKER).exists() else PRIVATE_MODES
+        return cls(root, modes=modes, lock_timeout=timeout, read_only=True, io_buffer=io_buffer)
 
     def _set_shared(self, shared: bool) -> None:
         """Switch the store's mode: marker first, then every directory and file."""
@@ -247,10 +358,10 @@ class Store(WriteOps, RemovalOps, ExportOps):
     def _sweep(self) -> None:
         """Remove temp files, partial leftovers and leases that no live process holds."""
         sweep_temp_dir(self.tmp_dir)
-        with self._store_lock():
-            self._remove_orphan_manifests()
-            live_leased_ids(self._locks)
-            for entry in os.scandir(self._partial):
+        with self.lock.hold():
+            self.collector.remove_orphan_manifests()
+            self.leases.live_ids()
+            for entry in os.scandir(self.layout.partial):
                 fd = lock_path(Path(entry.path) / "lock")
                 if fd is None:
                     continue
@@ -275,18 +386,6 @@ def _lock_timeout(given: float | None) -> float:
     if not value >= 0:
         raise StoreError(f"{LOCK_TIMEOUT_ENV}={text!r} must be zero or more seconds")
     return value
-
-
-def _mkdir(path: Path, mode: int) -> None:
-    """Make a directory with exactly ``mode`` (umask aside), fixing an existing one."""
-    try:
-        path.mkdir(mode=mode)
-    except FileExistsError:
-        if not path.is_dir() or path.is_symlink():
-            raise StoreError(f"{path} should be a directory of the store") from None
-        if stat.S_IMODE(path.stat().st_mode) == mode:
-            return
-    os.chmod(path, mode)
 
 
 __all__ = [

@@ -38,11 +38,22 @@ from blobstore.durable import (
     write_file_atomic,
 )
 from blobstore.errors import BlobExists, FileChanged, PartialBusy, PathNotFound, StoreError
-from blobstore.layout import IO_BUFFER_SIZE, Progress, read_full, same_file
-from blobstore.lease import Lease
+from blobstore.layout import (
+    IO_BUFFER_SIZE,
+    FileModes,
+    Layout,
+    Progress,
+    mkdir_in_store,
+    read_full,
+    same_file,
+)
+from blobstore.lease import Lease, Leases
 from blobstore.manifest import DEFAULT_CHUNK_SIZE, Manifest, check_chunk_size
-from blobstore.partial import PartialBlob
-from blobstore.reading import ReadOps
+from blobstore.manifests import Manifests
+from blobstore.partial import OpenPartials, PartialBlob
+from blobstore.quarantine import Quarantine
+from blobstore.space import Space
+from blobstore.store_lock import StoreLock
 
 
 class _ChunkWriter:
@@ -95,7 +106,7 @@ class _ChunkWriter:
 def blob_id_of(
     blocks: Iterable[bytes | bytearray | memoryview], *, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> str:
-    """The ID :meth:`WriteOps.put_blocks` gives the concatenation of ``blocks``, computed
+    """The ID :meth:`Writer.put_blocks` gives the concatenation of ``blocks``, computed
     without a store: nothing is written."""
     check_chunk_size(chunk_size)
     writer = _ChunkWriter(None, chunk_size)
@@ -104,8 +115,32 @@ def blob_id_of(
     return writer.finish().blob_id
 
 
-class WriteOps(ReadOps):
-    """Puts, partial blobs and publication."""
+class Writer:
+    """Puts, partial blobs and publication into the store laid out as ``layout``.
+    ``io_buffer``: bytes per read of a file being put (a power of two)."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        lock: StoreLock,
+        modes: FileModes,
+        *,
+        space: Space,
+        manifests: Manifests,
+        partials: OpenPartials,
+        quarantine: Quarantine,
+        leases: Leases,
+        io_buffer: int = IO_BUFFER_SIZE,
+    ) -> None:
+        self.layout = layout
+        self.lock = lock
+        self.modes = modes
+        self.space = space
+        self.manifests = manifests
+        self.partials = partials
+        self.quarantine = quarantine
+        self.leases = leases
+        self.io_buffer = io_buffer
 
     def put_bytes(
         self,
@@ -130,7 +165,7 @@ class WriteOps(ReadOps):
     ) -> str:
         """Store the concatenation of ``blocks`` (any sizes); returns its blob ID."""
         check_chunk_size(chunk_size)
-        with os_errors("adding a blob to the store"), TempFile(self.tmp_dir) as tmp:
+        with os_errors("adding a blob to the store"), TempFile(self.layout.tmp) as tmp:
             writer = _ChunkWriter(tmp.fd, chunk_size)
             for block in blocks:
                 writer.feed(block)
@@ -183,12 +218,12 @@ class WriteOps(ReadOps):
                     raise StoreError(f"{path} is not a regular file")
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(src, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                if move and st.st_nlink == 1 and st.st_dev == os.stat(self.tmp_dir).st_dev:
+                if move and st.st_nlink == 1 and st.st_dev == os.stat(self.layout.tmp).st_dev:
                     return self._move_in(path, src, st, chunk_size, progress, lease)
-                self._check_space(st.st_size, f"copy {path} into the store")
-                with TempFile(self.tmp_dir) as tmp:
+                self.space.check(st.st_size, f"copy {path} into the store")
+                with TempFile(self.layout.tmp) as tmp:
                     writer = _ChunkWriter(tmp.fd, chunk_size)
-                    buf = memoryview(bytearray(max(IO_BUFFER_SIZE, chunk_size)))
+                    buf = memoryview(bytearray(max(self.io_buffer, chunk_size)))
                     while n := read_full(src, buf):
                         writer.feed(buf[:n])
                         if progress is not None:
@@ -212,7 +247,7 @@ class WriteOps(ReadOps):
     ) -> str:
         """Hash ``path`` in place, then link it into the store and unlink ``path``."""
         writer = _ChunkWriter(None, chunk_size)
-        buf = memoryview(bytearray(max(IO_BUFFER_SIZE, chunk_size)))
+        buf = memoryview(bytearray(max(self.io_buffer, chunk_size)))
         while n := read_full(src, buf):
             writer.feed(buf[:n])
             if progress is not None:
@@ -224,14 +259,14 @@ class WriteOps(ReadOps):
         os.fchmod(src, self.modes.blob)
         try:
             os.fsync(src)
-            with self._store_lock():
-                data_path = self._data_path(blob_id)
-                self._mkdir_in_store(data_path.parent)
+            with self.lock.hold():
+                data_path = self.layout.data_path(blob_id)
+                mkdir_in_store(data_path.parent, self.modes)
                 moved = self._publish_locked(
                     manifest, lambda: link_or_rename(path, data_path, replace=False), lease
                 )
         except BaseException:
-            published = same_file(self._data_path(blob_id), st)
+            published = same_file(self.layout.data_path(blob_id), st)
             if not published:  # give the user's file its mode back
                 with contextlib.suppress(OSError):
                     os.fchmod(src, old_mode)
@@ -247,22 +282,21 @@ class WriteOps(ReadOps):
         """A moved-in file was written between its last check and its link (a writer
         still had it open): the store's name for it would lie. Unpublish it, put the
         file back at ``path`` with its mode, and refuse (FileChanged)."""
-        data_path = self._data_path(blob_id)
-        with self._store_lock():
+        data_path = self.layout.data_path(blob_id)
+        with self.lock.hold():
             try:
                 os.link(data_path, path)
             except FileExistsError:  # a new file stands at ``path``: never drop the bytes
-                self.quarantine(blob_id, f"{path} was written while moved in")
+                self.quarantine.quarantine(blob_id, f"{path} was written while moved in")
                 raise FileChanged(
                     f"{path} was written while it was being moved into the store, and a new "
                     f"file now stands there; the moved bytes are kept in "
-                    f"{self._quarantine / blob_id / 'data'}"
+                    f"{self.layout.quarantine_dir(blob_id) / 'data'}"
                 ) from None
             data_path.unlink()
-            self._manifest_path(blob_id).unlink(missing_ok=True)
+            self.layout.manifest_path(blob_id).unlink(missing_ok=True)
             fsync_dir(data_path.parent)
-            with self._mutex:
-                self._manifests.pop(blob_id, None)
+            self.manifests.forget(blob_id)
         os.fchmod(src, old_mode)
         fsync_dir(path.parent.absolute())
         raise FileChanged(
@@ -272,16 +306,16 @@ class WriteOps(ReadOps):
 
     def _ensure_manifest(self, manifest: Manifest) -> bool:
         """Publish the manifest file if missing (store lock held). True if created."""
-        path = self._manifest_path(manifest.blob_id)
+        path = self.layout.manifest_path(manifest.blob_id)
         if path.exists():
             return False
         return write_file_atomic(
-            path, manifest.encode(), tmp_dir=self.tmp_dir, replace=False, mode=self.modes.blob
+            path, manifest.encode(), tmp_dir=self.layout.tmp, replace=False, mode=self.modes.blob
         )
 
     def _reuse_existing(self, manifest: Manifest) -> bool:
         """If the blob is already complete, refresh its mtime (GC grace); store lock held."""
-        data_path = self._data_path(manifest.blob_id)
+        data_path = self.layout.data_path(manifest.blob_id)
         if not data_path.exists():
             return False
         self._ensure_manifest(manifest)
@@ -299,11 +333,11 @@ class WriteOps(ReadOps):
         blob_id = manifest.blob_id
         if lease is not None:
             lease.add([blob_id])
-        data_path = self._data_path(blob_id)
-        self._mkdir_in_store(data_path.parent)
+        data_path = self.layout.data_path(blob_id)
+        mkdir_in_store(data_path.parent, self.modes)
         if self._reuse_existing(manifest):
             return False
-        manifest_path = self._manifest_path(blob_id)
+        manifest_path = self.layout.manifest_path(blob_id)
         had_manifest = manifest_path.exists()
         try:
             self._ensure_manifest(manifest)
@@ -313,16 +347,16 @@ class WriteOps(ReadOps):
             if not had_manifest and not data_path.exists():
                 manifest_path.unlink(missing_ok=True)
             raise
-        self._clear_quarantine(blob_id)  # good bytes again: the repair is done
+        self.quarantine.clear(blob_id)  # good bytes again: the repair is done
         return True
 
     def _publish_temp(self, tmp: TempFile, manifest: Manifest, lease: Lease | None) -> str:
         """Publish a fully written temp file as the blob ``manifest`` describes."""
         blob_id = manifest.blob_id
         tmp.sync(self.modes.blob)  # the slow fsync happens before taking the store lock
-        with self._store_lock():
-            data_path = self._data_path(blob_id)
-            self._mkdir_in_store(data_path.parent)
+        with self.lock.hold():
+            data_path = self.layout.data_path(blob_id)
+            mkdir_in_store(data_path.parent, self.modes)
             self._publish_locked(
                 manifest, lambda: link_or_rename(tmp.path, data_path, replace=False), lease
             )
@@ -333,32 +367,32 @@ class WriteOps(ReadOps):
         """Called by PartialBlob.publish with the partial's lock held and data synced."""
         manifest = partial.manifest
         blob_id = manifest.blob_id
-        with os_errors(f"publishing blob {blob_id[:12]}"), self._store_lock():
-            data_path = self._data_path(blob_id)
-            self._mkdir_in_store(data_path.parent)
+        with os_errors(f"publishing blob {blob_id[:12]}"), self.lock.hold():
+            data_path = self.layout.data_path(blob_id)
+            mkdir_in_store(data_path.parent, self.modes)
             try:
                 self._publish_locked(
                     manifest, lambda: link_or_rename(data, data_path, replace=False)
                 )
             finally:
                 if data_path.exists():  # published (even if a later fsync failed)
-                    shutil.rmtree(self._partial_dir(blob_id), ignore_errors=True)
-            fsync_dir(self._partial)
+                    shutil.rmtree(self.layout.partial_dir(blob_id), ignore_errors=True)
+            fsync_dir(self.layout.partial)
 
     def begin_partial(self, manifest: Manifest) -> PartialBlob:
         """Create or resume the partial blob for ``manifest`` (exclusive per blob)."""
         blob_id = manifest.blob_id
-        pdir = self._partial_dir(blob_id)
+        pdir = self.layout.partial_dir(blob_id)
         with os_errors(f"starting partial blob {blob_id[:12]}"):
-            with self._store_lock():
-                if self.has(blob_id):
+            with self.lock.hold():
+                if self.layout.has(blob_id):
                     raise BlobExists(f"blob {blob_id} is already complete in this store")
-                self._mkdir_in_store(pdir)
+                mkdir_in_store(pdir, self.modes)
                 lock_fd = lock_path(pdir / "lock")
                 if lock_fd is not None:
                     try:
                         claim_lock(lock_fd)
-                        self._seed_from_quarantine(blob_id, pdir)
+                        self.quarantine.seed_partial(blob_id, pdir)
                     except BaseException:
                         os.close(lock_fd)
                         raise
@@ -378,7 +412,7 @@ class WriteOps(ReadOps):
                     on_disk = None
                 if on_disk != encoded:
                     write_file_atomic(
-                        mpath, encoded, tmp_dir=self.tmp_dir, replace=True, mode=self.modes.file
+                        mpath, encoded, tmp_dir=self.layout.tmp, replace=True, mode=self.modes.file
                     )
                 data_fd = os.open(pdir / "data", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
                 if stat.S_IMODE(os.fstat(data_fd).st_mode) != self.modes.file:
@@ -386,29 +420,35 @@ class WriteOps(ReadOps):
                 data_existed = os.fstat(data_fd).st_size > 0
                 if os.fstat(data_fd).st_size != manifest.size:
                     os.ftruncate(data_fd, manifest.size)  # sparse: blocks come as chunks land
-                with self._mutex:
-                    if blob_id in self._open_partials:  # cannot happen: flock excludes
-                        raise PartialBusy(f"blob {blob_id[:12]} is already open here")
-                    partial = PartialBlob(self, manifest, pdir, lock_fd, data_fd)
-                    self._open_partials[blob_id] = partial
+                partial = PartialBlob(
+                    manifest,
+                    pdir,
+                    lock_fd,
+                    data_fd,
+                    tmp_dir=self.layout.tmp,
+                    modes=self.modes,
+                    publish=self._publish_partial,
+                    on_release=self.partials.forget,
+                )
+                self.partials.add(partial)
             except BaseException:
                 if data_fd >= 0:
                     os.close(data_fd)
                 os.close(lock_fd)
                 raise
         try:
-            partial._load_and_reverify(data_existed)
+            partial.load_and_reverify(data_existed)
             with os_errors("checking free space"):
-                self._check_space(self.space_to_finish(manifest), f"download blob {blob_id[:12]}")
+                self.space.check(self.space.to_finish(manifest), f"download blob {blob_id[:12]}")
         except BaseException:
-            partial._release()
+            partial.release()
             raise
         return partial
 
     def partial_writer(self, blob_id: str) -> str | None:
         """Who writes ``blob_id``'s partial now ('process 1234'), or None when nobody
         does (no partial, or one whose writer has finished or died)."""
-        lock = self._partial_dir(blob_id) / "lock"
+        lock = self.layout.partial_dir(blob_id) / "lock"
         if not lock.exists():
             return None
         try:
@@ -419,11 +459,6 @@ class WriteOps(ReadOps):
             return lock_holder(lock)
         os.close(fd)
         return None
-
-    def _forget_partial(self, partial: PartialBlob) -> None:
-        with self._mutex:
-            if self._open_partials.get(partial.blob_id) is partial:
-                del self._open_partials[partial.blob_id]
 
     def put_dir(
         self,
@@ -479,9 +514,9 @@ class WriteOps(ReadOps):
                     except UnicodeEncodeError:
                         raise StoreError(f"{full} has a name that is not UTF-8") from None
                     files.append((rel, full, full.stat().st_size))
-            self._check_space(sum(f[2] for f in files), f"copy {root} into the store")
+            self.space.check(sum(f[2] for f in files), f"copy {root} into the store")
         own_lease = lease is None
-        held = self.lease() if lease is None else lease
+        held = self.leases.take() if lease is None else lease
         try:
             entries = []
             done = 0
@@ -499,7 +534,7 @@ class WriteOps(ReadOps):
                     lease=held,
                     follow_symlinks=follow_symlinks,
                 )
-                size = self.manifest(blob_id).size
+                size = self.manifests.get(blob_id).size
                 entries.append(CollectionEntry(path=rel, blob_id=blob_id, size=size))
                 done += size
             return self.put_bytes(encode_collection(entries), chunk_size=chunk_size, lease=held)

@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from blake3 import blake3
 
 from blobstore import MIN_CHUNK_SIZE, Manifest, Store
+from blobstore.catalog import Catalog
+from blobstore.layout import IO_BUFFER_SIZE, PRIVATE_MODES, FileModes, Layout
+from blobstore.lease import Leases
+from blobstore.manifests import Manifests
+from blobstore.partial import OpenPartials
+from blobstore.quarantine import Quarantine
+from blobstore.reading import Reader
+from blobstore.space import Space
+from blobstore.store_lock import StoreLock
+from blobstore.writing import Writer
 
 C = MIN_CHUNK_SIZE  # 64 KiB keeps multi-chunk tests small and fast
 
@@ -60,3 +71,63 @@ Problems = Callable[[Path], list[str]]
 def store_problems() -> Problems:
     """The consistency check as a function returning its findings (for messages)."""
     return consistency_problems
+
+
+@dataclass
+class Parts:
+    """The store's parts built by hand over a laid-out directory, without a Store: each
+    part's test builds the one it tests from these (and may swap a collaborator)."""
+
+    layout: Layout
+    lock: StoreLock
+    modes: FileModes
+    space: Space
+    leases: Leases
+    manifests: Manifests
+    partials: OpenPartials
+    quarantine: Quarantine
+    reader: Reader
+
+    def writer(self, *, space: Space | None = None, io_buffer: int = IO_BUFFER_SIZE) -> Writer:
+        return Writer(
+            self.layout,
+            self.lock,
+            self.modes,
+            space=space or self.space,
+            manifests=self.manifests,
+            partials=self.partials,
+            quarantine=self.quarantine,
+            leases=self.leases,
+            io_buffer=io_buffer,
+        )
+
+    def catalog(self) -> Catalog:
+        return Catalog(
+            self.layout, self.lock, self.modes, reader=self.reader, quarantine=self.quarantine
+        )
+
+
+def make_parts(root: Path, modes: FileModes = PRIVATE_MODES) -> Parts:
+    root.mkdir(mode=0o700)
+    layout = Layout(root)
+    layout.make_dirs(modes)
+    lock = StoreLock(root, timeout=2.0)
+    manifests = Manifests(layout)
+    partials = OpenPartials()
+    quarantine = Quarantine(layout, lock, manifests, modes)
+    return Parts(
+        layout=layout,
+        lock=lock,
+        modes=modes,
+        space=Space(layout),
+        leases=Leases(layout.locks, lock),
+        manifests=manifests,
+        partials=partials,
+        quarantine=quarantine,
+        reader=Reader(layout, manifests, partials, quarantine),
+    )
+
+
+@pytest.fixture
+def parts(tmp_path: Path) -> Parts:
+    return make_parts(tmp_path / "parts")

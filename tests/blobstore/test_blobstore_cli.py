@@ -324,6 +324,6 @@ def test_put_refuses_symlinks_and_a_busy_store_exits_5(
     assert json.loads(r[1].ok())[0]["collection"] is True
     store = Store.open(store_dir)
     monkeypatch.setenv("BLOBNET_LOCK_TIMEOUT", "0.5")
-    with store._store_lock():
+    with store.lock.hold():
         r = batch(tmp_path, store_dir, ["ls"])
     r[0].error(5, f"busy: process {os.getpid()} has held")  # the holder, named

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from blobstore import Store, StoreError
+from blobstore import CorruptChunk, Store, StoreError
 
 C = 64 * 1024
 
@@ -86,16 +86,18 @@ def test_hardlink_export_shares_the_store_file(
 
 
 def test_export_without_verify_does_not_hash_again(
-    store: Store, collection: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store: Store, collection: str, tmp_path: Path
 ) -> None:
-    """After a fetch every chunk was checked on arrival: export copies, nothing more."""
+    """After a fetch every chunk was checked on arrival: export copies, nothing more. A
+    child rotten on disk shows it: copied as it is, not found, not quarantined (while a
+    verifying export finds it)."""
     entries = store.read_collection(collection)  # the listing itself is read and checked
-
-    def no_hashing(self: Store, blob_id: str) -> None:
-        raise AssertionError(f"re-hashed {blob_id[:12]} although verify=False")
-
-    monkeypatch.setattr(Store, "read_collection", lambda self, b: entries)
-    monkeypatch.setattr(Store, "iter_verified", no_hashing)
+    child = max(entries, key=lambda e: e.size)
+    stored = store.path(child.blob_id)
+    os.chmod(stored, 0o600)
+    with open(stored, "r+b") as f:
+        f.write(b"rot")
+    os.chmod(stored, 0o400)
     for link in ("copy", "reflink"):
         out = tmp_path / f"out-{link}"
         store.export(collection, out, link=link, verify=False)  # type: ignore[arg-type]
@@ -106,6 +108,10 @@ def test_export_without_verify_does_not_hash_again(
                 out.joinpath(*e.path.split("/")).stat().st_ino
                 != store.path(e.blob_id).stat().st_ino
             )
+    assert store.has(child.blob_id)  # never hashed, so never found rotten
+    with pytest.raises(CorruptChunk):
+        store.export(collection, tmp_path / "out-verified")
+    assert not store.has(child.blob_id)
 
 
 def test_default_export_is_an_independent_verified_file(store: Store, tmp_path: Path) -> None:

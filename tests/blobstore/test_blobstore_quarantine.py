@@ -44,7 +44,7 @@ def rotten(store: Store) -> tuple[str, bytes]:
 
 def assert_unpublished(store: Store, blob_id: str) -> None:
     assert not store.has(blob_id)
-    assert blob_id not in store._complete_ids()
+    assert blob_id not in store.layout.complete_ids()
     assert store.chunk_bitmap(blob_id) == bytes(len(store.chunk_bitmap(blob_id)))
     row = next(r for r in store.list_blobs() if r.blob_id == blob_id)
     assert (row.complete, row.quarantined, row.tags) == (False, True, ("model",))

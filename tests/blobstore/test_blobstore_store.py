@@ -31,6 +31,8 @@ from blobstore import (
     blob_id_of,
 )
 from blobstore.collection import decode_collection, encode_collection
+from blobstore.space import Space
+from tests.blobstore.conftest import Parts
 
 C = 64 * 1024
 SIZES = [0, 1, C - 1, C, C + 1, 9 * C + 123]
@@ -148,17 +150,15 @@ def test_put_path_errors(store: Store, tmp_path: Path) -> None:
         store.put_bytes(b"x", chunk_size=3000)
 
 
-def test_no_space_is_checked_before_copying(
-    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_no_space_is_checked_before_copying(parts: Parts, tmp_path: Path) -> None:
     src = tmp_path / "f"
     src.write_bytes(os.urandom(3 * C))
-    monkeypatch.setattr(Store, "free_bytes", lambda self: 1000)
+    writer = parts.writer(space=Space(parts.layout, free_bytes=lambda: 1000))
     with pytest.raises(NoSpace) as info:
-        store.put_path(src, chunk_size=C)
+        writer.put_path(src, chunk_size=C)
     assert (info.value.needed, info.value.available) == (3 * C, 1000)
     assert "need 196608 bytes, 1000 available" in str(info.value)
-    assert os.listdir(store.root / "tmp") == []
+    assert os.listdir(parts.layout.tmp) == []
 
 
 def test_enospc_becomes_no_space(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -315,13 +315,12 @@ def test_lost_bitmap_is_rebuilt_by_rehashing(store: Store) -> None:
         assert p.missing() == [1, 3]
 
 
-def test_partial_free_space_check(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_partial_free_space_check(parts: Parts) -> None:
     m = Manifest.of_bytes(os.urandom(3 * C), C)
-    monkeypatch.setattr(Store, "free_bytes", lambda self: C)
+    full = parts.writer(space=Space(parts.layout, free_bytes=lambda: C))
     with pytest.raises(NoSpace, match="need 196608"):
-        store.begin_partial(m)
-    monkeypatch.undo()
-    store.begin_partial(m).close()  # the lock was released by the failed attempt
+        full.begin_partial(m)
+    parts.writer().begin_partial(m).close()  # the lock was released by the failed attempt
 
 
 # ---------------------------------------------------------------- corruption
