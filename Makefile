@@ -55,6 +55,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/test_import_cycles.py
 
 typecheck: install
 	$(BIN)/mypy

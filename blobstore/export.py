@@ -21,9 +21,9 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from blobstore import BlobNotFound, Store
 from blobstore.collection import check_relpath
-from blobstore.errors import PathNotFound, StoreError
+from blobstore.errors import BlobNotFound, PathNotFound, StoreError
+from blobstore.store import Store
 
 
 class NothingMatches(BlobNotFound):

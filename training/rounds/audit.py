@@ -27,12 +27,12 @@ Theory of operation:
    (AdamW's step counter without ``capturable``, Python scalars wrapped by autograd), so
    it is allowed there. Known hole: torch lets a CPU kernel read a *meta* tensor next to
    CPU ones (``mm``, indexing: the result is CPU and its values are whatever memory
-   held). So before the first step ``check_placement`` refuses a model holding a tensor
-   off the round's device (parameters and buffers) or on meta (any tensor attribute of
-   a module), and in the dispatcher regime (point 5) no meta tensor can be made while
-   the round runs (its meta kernels are refusals). What remains: a meta tensor held
-   outside the model (a closure, a global) and, in the python regime, one made inside a
-   step by ``torch.tensor(..., device="meta")``, whose allocation no mode sees. Checking
+   held). So before the first step ``training.rounds.trainer.check_placement`` refuses a
+   model holding a tensor off the round's device (parameters and buffers) or on meta (any
+   tensor attribute of a module), and in the dispatcher regime (point 5) no meta tensor
+   can be made while the round runs (its meta kernels are refusals). What remains: a meta
+   tensor held outside the model (a closure, a global) and, in the python regime, one made
+   inside a step by ``torch.tensor(..., device="meta")``, whose allocation no mode sees. Checking
    every op's arguments, not just its results, would close it, at a cost per op.
 4. The set pins *ops*, not the concrete kernels behind them (one ``aten::mm`` is many
    MKL/cuBLAS paths); the kernel class pins those (ISA, GPU, library builds, threads).
@@ -157,27 +157,6 @@ def load_kernel_set(family: str) -> frozenset[str]:
     if not ok or not isinstance(ops, list) or not all(isinstance(o, str) for o in ops):
         raise NoKernelSet(f"{path} is not a kernel set file; rebuild it")
     return frozenset(ops)
-
-
-def check_placement(model: Any, device: str) -> None:
-    """Refuse a model that holds a parameter or buffer off ``device``, or any tensor
-    attribute on meta (point 3: a CPU kernel reads a meta tensor without complaint).
-    Another tensor attribute may be elsewhere: one that computes is seen by its op."""
-    import torch  # heavy: see the module doc
-
-    for module_name, module in model.named_modules():
-        tensors = [
-            *((n, t, True) for n, t in module.named_parameters(recurse=False)),
-            *((n, t, True) for n, t in module.named_buffers(recurse=False)),
-            *((n, t, False) for n, t in vars(module).items() if isinstance(t, torch.Tensor)),
-        ]
-        for name, tensor, registered in tensors:
-            where = tensor.device.type
-            if where == "meta" or (registered and where != device):
-                raise AuditViolation(
-                    f"round refused: model tensor {module_name or 'model'}.{name} is on "
-                    f"{where}, not on the round's device {device}"
-                )
 
 
 def op_name(func: Any) -> str:

@@ -39,7 +39,6 @@ from transformers.pytorch_utils import Conv1D
 from training.determinism import seed_all
 from training.errors import AuditViolation, BadRecipe, BadRecords
 from training.records import PAD_ID, Records, decode_records
-from training.rounds.audit import check_placement
 from training.rounds.recipe import Recipe
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -169,6 +168,26 @@ def batches(session: Session, records: Records) -> Iterator[tuple[torch.Tensor, 
             # there (causal attention never looks ahead to it; the loss ignores it).
             ids = ids.masked_fill(padding, 0)
         yield ids.to(session.device), labels.to(session.device)
+
+
+def check_placement(model: Any, device: str) -> None:
+    """Refuse a model that holds a parameter or buffer off ``device``, or any tensor
+    attribute on meta (training.rounds.audit, point 3: a CPU kernel reads a meta tensor
+    without complaint). Another tensor attribute may be elsewhere: one that computes is
+    seen by its op."""
+    for module_name, module in model.named_modules():
+        tensors = [
+            *((n, t, True) for n, t in module.named_parameters(recurse=False)),
+            *((n, t, True) for n, t in module.named_buffers(recurse=False)),
+            *((n, t, False) for n, t in vars(module).items() if isinstance(t, torch.Tensor)),
+        ]
+        for name, tensor, registered in tensors:
+            where = tensor.device.type
+            if where == "meta" or (registered and where != device):
+                raise AuditViolation(
+                    f"round refused: model tensor {module_name or 'model'}.{name} is on "
+                    f"{where}, not on the round's device {device}"
+                )
 
 
 def run_steps(
