@@ -55,9 +55,10 @@ def decode_map(
         )
     # msgpack raises a zoo of types for hostile input (ExtraData, FormatError, StackError,
     # ValueError, UnicodeDecodeError, TypeError for unhashable keys...): this is the one
-    # boundary where they all become the caller's error.
+    # boundary where they all become the caller's error. The message names the type only:
+    # the library's text may quote the bytes, and these lines can reach a peer or a log.
     except Exception as exc:
-        raise error(f"{what} is not valid msgpack: {exc}") from None
+        raise error(f"{what} is not valid msgpack ({type(exc).__name__})") from None
     if not isinstance(obj, dict):
         raise error(f"{what} must be a msgpack map, not {type(obj).__name__}")
     return obj

@@ -21,13 +21,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
-import msgpack
 from blake3 import blake3
 
-from blobstore.canonical import encode as encode_canonical
 from blobstore.errors import BadBlobId, BadManifest
+from blobstore.schema import Field, Schema
 
 HASH_SIZE = 32
 """BLAKE3-256 digest length in bytes."""
@@ -60,7 +58,6 @@ Checked before any decoding, so an oversized claim costs nothing."""
 MAX_BLOB_SIZE = MAX_CHUNKS * MAX_CHUNK_SIZE
 """Derived: the largest blob a manifest can describe (8 TiB)."""
 
-_KEYS = ("v", "size", "chunk", "hashes")
 _BLOB_ID_RE = re.compile(r"[0-9a-f]{64}")
 
 
@@ -88,6 +85,15 @@ def check_chunk_size(chunk_size: int) -> None:
 def num_chunks_for(size: int, chunk_size: int) -> int:
     """ceil(size / chunk_size)."""
     return -(-size // chunk_size)
+
+
+_MANIFEST = Schema(
+    "manifest",
+    Field("v", int, const=MANIFEST_VERSION),
+    Field("size", int),
+    Field("chunk", int, attr="chunk_size"),
+    Field("hashes", bytes),
+)
 
 
 @dataclass(frozen=True)
@@ -129,15 +135,7 @@ class Manifest:
 
     def encode(self) -> bytes:
         """The canonical msgpack bytes (the preimage of the blob ID)."""
-        out: bytes = encode_canonical(
-            {
-                "v": MANIFEST_VERSION,
-                "size": self.size,
-                "chunk": self.chunk_size,
-                "hashes": self.hashes,
-            }
-        )
-        return out
+        return _MANIFEST.encode(self)
 
     @classmethod
     def decode(cls, data: bytes) -> Manifest:
@@ -149,19 +147,7 @@ class Manifest:
             raise BadManifest(
                 f"manifest is {len(data)} bytes, over the limit of {MAX_MANIFEST_SIZE}"
             )
-        try:
-            obj: Any = msgpack.unpackb(data, raw=False, use_list=True, strict_map_key=True)
-        except Exception as exc:  # msgpack raises a zoo of types on garbage
-            raise BadManifest(f"manifest is not valid msgpack ({type(exc).__name__})") from None
-        if not isinstance(obj, dict) or tuple(obj) != _KEYS:
-            raise BadManifest(
-                f"manifest must be a map with exactly the keys {', '.join(_KEYS)} in that order"
-            )
-        if type(obj["v"]) is not int or obj["v"] != MANIFEST_VERSION:
-            raise BadManifest(
-                f"unsupported manifest version {obj['v']!r} (this build reads {MANIFEST_VERSION})"
-            )
-        manifest = cls(size=obj["size"], chunk_size=obj["chunk"], hashes=obj["hashes"])
+        manifest = cls(**_MANIFEST.decode(data, max_size=MAX_MANIFEST_SIZE, error=BadManifest))
         if manifest.encode() != data:
             raise BadManifest(
                 "manifest is not in canonical form (keys, order or integer encodings)"

@@ -41,6 +41,8 @@ import dataclasses
 from collections.abc import Collection, Iterable
 from typing import Any
 
+from blobstore.schema import Field, Schema, decode_map, select
+
 from . import _codec
 from .certificate import (
     MAX_CERTIFICATE_SIZE,
@@ -83,19 +85,49 @@ _BLOB_ID_LENGTH = 64
 # Fields, the subjects at 67 bytes each and an embedded certificate, with room to spare.
 MAX_ATTESTATION_SIZE = 1024 + MAX_SUBJECTS * (_BLOB_ID_LENGTH + 3) + MAX_CERTIFICATE_SIZE
 
-_FIELDS = (
-    "v",
-    "kind",
-    "digest",
-    "kernel_class",
-    "subjects",
-    "time",
-    "signer",
-    "signer_kind",
-    "cert",
-    "sig",
+
+def _embedded_certificate(raw: bytes) -> AdmissionCertificate:
+    try:
+        return AdmissionCertificate.decode(raw)
+    except BadCertificate as exc:
+        raise _codec.CodecError(f"embedded {exc}") from None
+
+
+_CLAIMS = (
+    Field("kind", str),
+    Field("digest", bytes),
+    Field("kernel_class", str),
+    Field("subjects", list, out=list, into=tuple),
+    Field("time", int),
+    Field("signer", str, attr="signer_peer_id"),
+    Field("signer_kind", str),
+    Field(
+        "cert",
+        bytes,
+        attr="certificate",
+        nullable=True,
+        out=AdmissionCertificate.encode,
+        into=_embedded_certificate,
+    ),
 )
-_HARDWARE_FIELDS = (*_FIELDS[:-1], "ak", "sig", "ak_sig")
+_SIG = Field("sig", bytes, attr="signature")
+_UNSIGNED = {
+    ATTESTATION_VERSION: Schema(
+        "attestation", Field("v", int, const=ATTESTATION_VERSION), *_CLAIMS
+    ),
+    HARDWARE_ATTESTATION_VERSION: Schema(
+        "attestation",
+        Field("v", int, const=HARDWARE_ATTESTATION_VERSION),
+        *_CLAIMS,
+        Field("ak", bytes, size=AK_POINT_SIZE),
+    ),
+}
+_SIGNED = {
+    ATTESTATION_VERSION: _UNSIGNED[ATTESTATION_VERSION].then(_SIG),
+    HARDWARE_ATTESTATION_VERSION: _UNSIGNED[HARDWARE_ATTESTATION_VERSION].then(
+        _SIG, Field("ak_sig", bytes, attr="ak_signature", size=AK_SIGNATURE_SIZE)
+    ),
+}
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -159,30 +191,10 @@ class Attestation:
             if type(sig) is not bytes or len(sig) != AK_SIGNATURE_SIZE:
                 raise _codec.CodecError(f"{what} AK signature must be {AK_SIGNATURE_SIZE} bytes")
 
-    def _unsigned_fields(self) -> dict[str, Any]:
-        fields = self._software_fields()
-        if self.ak is not None:
-            fields["v"] = HARDWARE_ATTESTATION_VERSION
-            fields["ak"] = self.ak
-        return fields
-
-    def _signature_fields(self) -> dict[str, Any]:
-        if self.ak is None:
-            return {"sig": self.signature}
-        return {"sig": self.signature, "ak_sig": self.ak_signature}
-
-    def _software_fields(self) -> dict[str, Any]:
-        return {
-            "v": ATTESTATION_VERSION,
-            "kind": self.kind,
-            "digest": self.digest,
-            "kernel_class": self.kernel_class,
-            "subjects": list(self.subjects),
-            "time": self.time,
-            "signer": self.signer_peer_id,
-            "signer_kind": self.signer_kind,
-            "cert": None if self.certificate is None else self.certificate.encode(),
-        }
+    @property
+    def version(self) -> int:
+        """1, or 2 when a TPM attestation key co-signs (``ak`` and ``ak_sig`` more)."""
+        return ATTESTATION_VERSION if self.ak is None else HARDWARE_ATTESTATION_VERSION
 
     def signed_message(self) -> bytes:
         """The exact bytes the signer signs (domain prefix, kind, unsigned encoding)."""
@@ -190,7 +202,7 @@ class Attestation:
             ATTESTATION_DOMAIN
             + self.kind.encode("ascii")
             + b"\n"
-            + _codec.encode(self._unsigned_fields())
+            + _UNSIGNED[self.version].encode(self)
         )
 
     def cosigned_message(self) -> bytes:
@@ -199,7 +211,7 @@ class Attestation:
 
     def encode(self) -> bytes:
         """Canonical bytes of the attestation, signatures included."""
-        return _codec.encode({**self._unsigned_fields(), **self._signature_fields()})
+        return _SIGNED[self.version].encode(self)
 
     @classmethod
     def decode(cls, data: bytes) -> Attestation:
@@ -209,44 +221,8 @@ class Attestation:
         """
         what = "attestation"
         try:
-            fields = _codec.decode_map(data, max_size=MAX_ATTESTATION_SIZE, what=what)
-            version = _codec.take(fields, "v", int, what=what)
-            if version == ATTESTATION_VERSION:
-                _codec.check_keys(fields, _FIELDS, what=what)
-                hardware: dict[str, Any] = {}
-            elif version == HARDWARE_ATTESTATION_VERSION:
-                _codec.check_keys(fields, _HARDWARE_FIELDS, what=what)
-                hardware = {
-                    "ak": _codec.take_bytes(fields, "ak", AK_POINT_SIZE, what=what),
-                    "ak_signature": _codec.take_bytes(
-                        fields, "ak_sig", AK_SIGNATURE_SIZE, what=what
-                    ),
-                }
-            else:
-                raise _codec.CodecError(f"{what} has unknown version {version}")
-            subjects = _codec.take(fields, "subjects", list, what=what)
-            raw_cert = fields["cert"]
-            if raw_cert is None:
-                certificate = None
-            elif type(raw_cert) is bytes:
-                try:
-                    certificate = AdmissionCertificate.decode(raw_cert)
-                except BadCertificate as exc:
-                    raise _codec.CodecError(f"embedded {exc}") from None
-            else:
-                raise _codec.CodecError(f"{what} field 'cert' must be bytes or nil")
-            attestation = cls(
-                kind=_codec.take(fields, "kind", str, what=what),
-                digest=_codec.take(fields, "digest", bytes, what=what),
-                kernel_class=_codec.take(fields, "kernel_class", str, what=what),
-                subjects=tuple(subjects),
-                time=_codec.take(fields, "time", int, what=what),
-                signer_peer_id=_codec.take(fields, "signer", str, what=what),
-                signer_kind=_codec.take(fields, "signer_kind", str, what=what),
-                certificate=certificate,
-                signature=_codec.take(fields, "sig", bytes, what=what),
-                **hardware,
-            )
+            fields = decode_map(data, max_size=MAX_ATTESTATION_SIZE, what=what)
+            attestation = cls(**select(fields, _SIGNED, key="v", what=what).read(fields))
             _codec.require_canonical(data, attestation.encode(), what=what)
         except _codec.CodecError as exc:
             raise BadAttestation(f"bad attestation: {exc}") from None

@@ -38,6 +38,8 @@ import dataclasses
 import datetime
 from typing import Any
 
+from blobstore.schema import Field, Schema, decode_map, select
+
 from . import _codec
 from .errors import (
     BadCertificate,
@@ -62,19 +64,30 @@ MAX_OPERATOR_LENGTH = 128
 MAX_KERNEL_CLASS_LENGTH = 128
 MAX_SIGNER_KIND_LENGTH = 32
 
-_FIELDS = (
-    "v",
-    "peer",
-    "operator",
-    "kernel_class",
-    "not_before",
-    "not_after",
-    "serial",
-    "authority",
-    "authority_kind",
-    "sig",
+_ADMISSION = (
+    Field("peer", str, attr="peer_id"),
+    Field("operator", str),
+    Field("kernel_class", str),
+    Field("not_before", int),
+    Field("not_after", int),
+    Field("serial", int),
+    Field("authority", bytes),
+    Field("authority_kind", str),
 )
-_HARDWARE_FIELDS = (*_FIELDS[:-1], "machine_kind", "ak", "ek", "sig")
+_UNSIGNED = {
+    CERTIFICATE_VERSION: Schema(
+        "certificate", Field("v", int, const=CERTIFICATE_VERSION), *_ADMISSION
+    ),
+    HARDWARE_CERTIFICATE_VERSION: Schema(
+        "certificate",
+        Field("v", int, const=HARDWARE_CERTIFICATE_VERSION),
+        *_ADMISSION,
+        Field("machine_kind", str),
+        Field("ak", bytes, size=AK_POINT_SIZE),
+        Field("ek", bytes, attr="ek_hash", size=EK_HASH_SIZE),
+    ),
+}
+_SIGNED = {v: schema.then(Field("sig", bytes, attr="signature")) for v, schema in _UNSIGNED.items()}
 
 
 def iso_time(t: float) -> str:
@@ -145,36 +158,18 @@ class AdmissionCertificate:
         """Whether the machine was admitted on a hardware root (its AK is recorded)."""
         return self.ak is not None
 
-    def _unsigned_fields(self) -> dict[str, Any]:
-        if self.hardware:
-            return {
-                **self._software_fields(HARDWARE_CERTIFICATE_VERSION),
-                "machine_kind": self.machine_kind,
-                "ak": self.ak,
-                "ek": self.ek_hash,
-            }
-        return self._software_fields(CERTIFICATE_VERSION)
-
-    def _software_fields(self, version: int) -> dict[str, Any]:
-        return {
-            "v": version,
-            "peer": self.peer_id,
-            "operator": self.operator,
-            "kernel_class": self.kernel_class,
-            "not_before": self.not_before,
-            "not_after": self.not_after,
-            "serial": self.serial,
-            "authority": self.authority,
-            "authority_kind": self.authority_kind,
-        }
+    @property
+    def version(self) -> int:
+        """1, or 2 for a machine admitted on a hardware root (three more fields)."""
+        return HARDWARE_CERTIFICATE_VERSION if self.hardware else CERTIFICATE_VERSION
 
     def signed_message(self) -> bytes:
         """The exact bytes the authority signs (domain prefix + unsigned encoding)."""
-        return CERTIFICATE_DOMAIN + _codec.encode(self._unsigned_fields())
+        return CERTIFICATE_DOMAIN + _UNSIGNED[self.version].encode(self)
 
     def encode(self) -> bytes:
         """Canonical bytes of the certificate, signature included."""
-        return _codec.encode({**self._unsigned_fields(), "sig": self.signature})
+        return _SIGNED[self.version].encode(self)
 
     @classmethod
     def decode(cls, data: bytes) -> AdmissionCertificate:
@@ -184,32 +179,8 @@ class AdmissionCertificate:
         """
         what = "certificate"
         try:
-            fields = _codec.decode_map(data, max_size=MAX_CERTIFICATE_SIZE, what=what)
-            version = _codec.take(fields, "v", int, what=what)
-            if version == CERTIFICATE_VERSION:
-                _codec.check_keys(fields, _FIELDS, what=what)
-                hardware: dict[str, Any] = {}
-            elif version == HARDWARE_CERTIFICATE_VERSION:
-                _codec.check_keys(fields, _HARDWARE_FIELDS, what=what)
-                hardware = {
-                    "machine_kind": _codec.take(fields, "machine_kind", str, what=what),
-                    "ak": _codec.take_bytes(fields, "ak", AK_POINT_SIZE, what=what),
-                    "ek_hash": _codec.take_bytes(fields, "ek", EK_HASH_SIZE, what=what),
-                }
-            else:
-                raise _codec.CodecError(f"{what} has unknown version {version}")
-            cert = cls(
-                peer_id=_codec.take(fields, "peer", str, what=what),
-                operator=_codec.take(fields, "operator", str, what=what),
-                kernel_class=_codec.take(fields, "kernel_class", str, what=what),
-                not_before=_codec.take(fields, "not_before", int, what=what),
-                not_after=_codec.take(fields, "not_after", int, what=what),
-                serial=_codec.take(fields, "serial", int, what=what),
-                authority=_codec.take(fields, "authority", bytes, what=what),
-                authority_kind=_codec.take(fields, "authority_kind", str, what=what),
-                signature=_codec.take(fields, "sig", bytes, what=what),
-                **hardware,
-            )
+            fields = decode_map(data, max_size=MAX_CERTIFICATE_SIZE, what=what)
+            cert = cls(**select(fields, _SIGNED, key="v", what=what).read(fields))
             _codec.require_canonical(data, cert.encode(), what=what)
         except _codec.CodecError as exc:
             raise BadCertificate(f"bad admission certificate: {exc}") from None

@@ -1,4 +1,5 @@
-"""The three messages of a TPM admission, as canonical msgpack maps (``identity._codec``).
+"""The three messages of a TPM admission, as canonical msgpack maps, each with one schema
+(:mod:`blobstore.schema`: its keys, their types, the version).
 
 1. :class:`Evidence` (machine to authority, from ``blob tpm bind``)::
 
@@ -29,7 +30,8 @@ Every input is bounded before it is parsed (constants below, with their reasons)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+
+from blobstore.schema import Field, Schema
 
 from .. import _codec
 from ..errors import BadPeerId, BadTpmData
@@ -55,9 +57,35 @@ MAX_EVIDENCE_SIZE = (1 + MAX_EK_CHAIN) * MAX_EK_CERT_SIZE + 2 * MAX_TPM_PUBLIC_S
 MAX_CHALLENGE_SIZE = 2 * MAX_CREDENTIAL_BLOB_SIZE + 1024
 MAX_ANSWER_SIZE = 1024
 
-_EVIDENCE_FIELDS = ("v", "peer", "ek_cert", "ek_chain", "ek_pub", "ak_pub", "binding")
-_CHALLENGE_FIELDS = ("v", "nonce", "expires", "evidence", "authority", "credential", "secret")
-_ANSWER_FIELDS = ("v", "nonce", "peer", "credential", "sig")
+_VERSION = Field("v", int, const=FORMAT_VERSION)
+_EVIDENCE = Schema(
+    "TPM evidence",
+    _VERSION,
+    Field("peer", str, attr="peer_id"),
+    Field("ek_cert", bytes),
+    Field("ek_chain", list, out=list, into=tuple),
+    Field("ek_pub", bytes, attr="ek_public"),
+    Field("ak_pub", bytes, attr="ak_public"),
+    Field("binding", bytes),
+)
+_CHALLENGE = Schema(
+    "TPM challenge",
+    _VERSION,
+    Field("nonce", bytes),
+    Field("expires", int),
+    Field("evidence", bytes, attr="evidence_hash"),
+    Field("authority", bytes),
+    Field("credential", bytes, attr="credential_blob"),
+    Field("secret", bytes, attr="encrypted_secret"),
+)
+_ANSWER_UNSIGNED = Schema(
+    "TPM answer",
+    _VERSION,
+    Field("nonce", bytes),
+    Field("peer", str, attr="peer_id"),
+    Field("credential", bytes),
+)
+_ANSWER = _ANSWER_UNSIGNED.then(Field("sig", bytes, attr="signature"))
 
 
 def _peer(value: str, what: str) -> None:
@@ -70,13 +98,6 @@ def _peer(value: str, what: str) -> None:
 def _bounded(value: bytes, limit: int, what: str) -> None:
     if type(value) is not bytes or not 0 < len(value) <= limit:
         raise _codec.CodecError(f"{what} must be 1 to {limit} bytes")
-
-
-def _version(fields: dict[str, Any], expected: tuple[str, ...], what: str) -> None:
-    version = _codec.take(fields, "v", int, what=what)
-    if version != FORMAT_VERSION:
-        raise _codec.CodecError(f"{what} has unknown version {version}")
-    _codec.check_keys(fields, expected, what=what)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,33 +125,13 @@ class Evidence:
         _bounded(self.binding, 64, f"{what} binding signature")
 
     def encode(self) -> bytes:
-        return _codec.encode(
-            {
-                "v": FORMAT_VERSION,
-                "peer": self.peer_id,
-                "ek_cert": self.ek_cert,
-                "ek_chain": list(self.ek_chain),
-                "ek_pub": self.ek_public,
-                "ak_pub": self.ak_public,
-                "binding": self.binding,
-            }
-        )
+        return _EVIDENCE.encode(self)
 
     @classmethod
     def decode(cls, data: bytes) -> Evidence:
-        what = "TPM evidence"
         try:
-            fields = _codec.decode_map(data, max_size=MAX_EVIDENCE_SIZE, what=what)
-            _version(fields, _EVIDENCE_FIELDS, what)
-            evidence = cls(
-                peer_id=_codec.take(fields, "peer", str, what=what),
-                ek_cert=_codec.take(fields, "ek_cert", bytes, what=what),
-                ek_chain=tuple(_codec.take(fields, "ek_chain", list, what=what)),
-                ek_public=_codec.take(fields, "ek_pub", bytes, what=what),
-                ak_public=_codec.take(fields, "ak_pub", bytes, what=what),
-                binding=_codec.take(fields, "binding", bytes, what=what),
-            )
-            _codec.require_canonical(data, evidence.encode(), what=what)
+            evidence = cls(**_EVIDENCE.decode(data, max_size=MAX_EVIDENCE_SIZE))
+            _codec.require_canonical(data, evidence.encode(), what=_EVIDENCE.what)
         except _codec.CodecError as exc:
             raise BadTpmData(f"bad TPM evidence: {exc}") from None
         return evidence
@@ -159,33 +160,13 @@ class Challenge:
         _bounded(self.encrypted_secret, MAX_CREDENTIAL_BLOB_SIZE, f"{what} secret")
 
     def encode(self) -> bytes:
-        return _codec.encode(
-            {
-                "v": FORMAT_VERSION,
-                "nonce": self.nonce,
-                "expires": self.expires,
-                "evidence": self.evidence_hash,
-                "authority": self.authority,
-                "credential": self.credential_blob,
-                "secret": self.encrypted_secret,
-            }
-        )
+        return _CHALLENGE.encode(self)
 
     @classmethod
     def decode(cls, data: bytes) -> Challenge:
-        what = "TPM challenge"
         try:
-            fields = _codec.decode_map(data, max_size=MAX_CHALLENGE_SIZE, what=what)
-            _version(fields, _CHALLENGE_FIELDS, what)
-            challenge = cls(
-                nonce=_codec.take(fields, "nonce", bytes, what=what),
-                expires=_codec.take(fields, "expires", int, what=what),
-                evidence_hash=_codec.take(fields, "evidence", bytes, what=what),
-                authority=_codec.take(fields, "authority", bytes, what=what),
-                credential_blob=_codec.take(fields, "credential", bytes, what=what),
-                encrypted_secret=_codec.take(fields, "secret", bytes, what=what),
-            )
-            _codec.require_canonical(data, challenge.encode(), what=what)
+            challenge = cls(**_CHALLENGE.decode(data, max_size=MAX_CHALLENGE_SIZE))
+            _codec.require_canonical(data, challenge.encode(), what=_CHALLENGE.what)
         except _codec.CodecError as exc:
             raise BadTpmData(f"bad TPM challenge: {exc}") from None
         return challenge
@@ -210,16 +191,8 @@ class Answer:
         if type(self.signature) is not bytes or len(self.signature) != ED25519_SIGNATURE_SIZE:
             raise _codec.CodecError(f"{what} signature must be {ED25519_SIGNATURE_SIZE} bytes")
 
-    def _unsigned(self) -> dict[str, Any]:
-        return {
-            "v": FORMAT_VERSION,
-            "nonce": self.nonce,
-            "peer": self.peer_id,
-            "credential": self.credential,
-        }
-
     def signed_message(self) -> bytes:
-        return ANSWER_DOMAIN + _codec.encode(self._unsigned())
+        return ANSWER_DOMAIN + _ANSWER_UNSIGNED.encode(self)
 
     @classmethod
     def sign(cls, key: MachineKey, nonce: bytes, credential: bytes) -> Answer:
@@ -231,21 +204,13 @@ class Answer:
         return verify_signature(public_key, self.signed_message(), self.signature)
 
     def encode(self) -> bytes:
-        return _codec.encode({**self._unsigned(), "sig": self.signature})
+        return _ANSWER.encode(self)
 
     @classmethod
     def decode(cls, data: bytes) -> Answer:
-        what = "TPM answer"
         try:
-            fields = _codec.decode_map(data, max_size=MAX_ANSWER_SIZE, what=what)
-            _version(fields, _ANSWER_FIELDS, what)
-            answer = cls(
-                nonce=_codec.take(fields, "nonce", bytes, what=what),
-                peer_id=_codec.take(fields, "peer", str, what=what),
-                credential=_codec.take(fields, "credential", bytes, what=what),
-                signature=_codec.take(fields, "sig", bytes, what=what),
-            )
-            _codec.require_canonical(data, answer.encode(), what=what)
+            answer = cls(**_ANSWER.decode(data, max_size=MAX_ANSWER_SIZE))
+            _codec.require_canonical(data, answer.encode(), what=_ANSWER.what)
         except _codec.CodecError as exc:
             raise BadTpmData(f"bad TPM answer: {exc}") from None
         return answer

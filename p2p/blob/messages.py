@@ -10,8 +10,7 @@ import dataclasses
 import enum
 from typing import Any, ClassVar, TypeAlias
 
-import msgpack
-
+from blobstore.canonical import decode_map
 from blobstore.canonical import encode as encode_canonical
 
 __all__ = [
@@ -713,13 +712,10 @@ def encode_chunk_header(index: int, length: int) -> bytes:
 
 
 def _unpack_map(header: bytes, keys_by_type: dict[str, tuple[str, ...]]) -> dict[str, Any]:
-    """Decode a header to a map with exactly the keys its ``t`` calls for."""
-    try:
-        obj = msgpack.unpackb(header, raw=False, strict_map_key=True, use_list=True)
-    except Exception as exc:  # msgpack raises ValueError subclasses, StackError, etc.
-        raise Invalid(f"header is not valid msgpack: {type(exc).__name__}") from None
-    if not isinstance(obj, dict):
-        raise Invalid("header must be a msgpack map")
+    """Decode a header to a map with exactly the keys its ``t`` calls for. The framing
+    bounded the header already (``max_response_header_size``), so its length is the limit
+    here; the one msgpack boundary and its exception policy are blobstore.canonical's."""
+    obj = decode_map(header, max_size=len(header), what="header", error=Invalid)
     kind = obj.get("t")
     if type(kind) is not str or kind not in keys_by_type:
         raise Invalid(f"unknown message type {kind!r}"[:200])

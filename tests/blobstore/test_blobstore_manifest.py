@@ -13,7 +13,6 @@ from blake3 import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import blobstore.manifest as manifest_mod
 from blobstore import (
     DEFAULT_CHUNK_SIZE,
     MAX_BLOB_SIZE,
@@ -132,7 +131,7 @@ def test_oversized_rejected_before_unpacking(monkeypatch: pytest.MonkeyPatch) ->
     def boom(*args: object, **kwargs: object) -> None:
         raise AssertionError("unpackb called on an oversized manifest")
 
-    monkeypatch.setattr(manifest_mod.msgpack, "unpackb", boom)
+    monkeypatch.setattr(msgpack, "unpackb", boom)
     with pytest.raises(BadManifest, match="over the limit"):
         Manifest.decode(b"\x84" + b"\x00" * MAX_MANIFEST_SIZE)
 
