@@ -48,6 +48,7 @@ from .cli_common import (
     operator_option,
     read_input,
     require_hardware_option,
+    scrypt_cost,
     trust_options,
 )
 from .errors import (
@@ -115,7 +116,8 @@ def authority_group() -> None:
     "--encrypt", is_flag=True, help=f"Seal the key under a passphrase (${PASSPHRASE_ENV} or ask)."
 )
 @json_option()
-def authority_new(output: Path, encrypt: bool, as_json: bool) -> None:
+@click.pass_context
+def authority_new(ctx: click.Context, output: Path, encrypt: bool, as_json: bool) -> None:
     """Create an authority key and print its public key."""
     pub_path = output.with_name(output.name + ".pub")
     for p in (output, pub_path):
@@ -128,7 +130,7 @@ def authority_new(output: Path, encrypt: bool, as_json: bool) -> None:
         passphrase = click.prompt(
             f"New passphrase for {output}", hide_input=True, confirmation_prompt=True, err=True
         )
-    key = create_key_file(output, passphrase)
+    key = create_key_file(output, passphrase, cost=scrypt_cost(ctx))
     public = format_public_key(key.public_key_bytes)
     write_file(pub_path, (public + "\n").encode(), mode=PUBLIC_FILE_MODE, overwrite=False)
     if as_json:

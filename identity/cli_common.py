@@ -26,7 +26,7 @@ from .errors import (
     NotFound,
     PassphraseRequired,
 )
-from .keyfile import create_key_file, load_key_file
+from .keyfile import ScryptCost, create_key_file, load_key_file
 from .keys import MachineKey, parse_public_key
 
 PASSPHRASE_ENV = "BLOBNET_PASSPHRASE"
@@ -59,6 +59,14 @@ def load_key(path: Path) -> MachineKey:
     return load_key_file(path, passphrase)
 
 
+def scrypt_cost(ctx: click.Context) -> ScryptCost:
+    """The scrypt cost of key files these commands seal: the root context's
+    ``scrypt_cost`` when its caller sets one (a test: a cheaper, still valid cost), else
+    the default."""
+    cost = ctx.ensure_object(dict).get("scrypt_cost")
+    return cost if isinstance(cost, ScryptCost) else ScryptCost()
+
+
 def _key_path(ctx: click.Context) -> Path:
     path = ctx.ensure_object(dict).get("key_path")
     if path is None:
@@ -74,7 +82,7 @@ def machine_key(ctx: click.Context) -> tuple[MachineKey, Path, bool]:
     except KeyNotFound:
         pass
     try:
-        key = create_key_file(path, env_passphrase())
+        key = create_key_file(path, env_passphrase(), cost=scrypt_cost(ctx))
     except KeyExists:  # created by another process in between
         return load_key(path), path, False
     click.echo(f"blob: created a new machine key {path} (peer ID {key.peer_id})", err=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import stat
 import unicodedata
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,26 @@ SCRYPT_P = 1
 _SCRYPT_LOG_N_RANGE = range(10, 21)
 _SCRYPT_R_RANGE = range(1, 33)
 _SCRYPT_P_RANGE = range(1, 17)
+
+
+@dataclass(frozen=True)
+class ScryptCost:
+    """The scrypt cost a new sealed key file is written with (and records): N = 2**log_n.
+    A cheaper one (tests) must still lie within the bounds every reader accepts."""
+
+    log_n: int = SCRYPT_LOG_N
+    r: int = SCRYPT_R
+    p: int = SCRYPT_P
+
+    def __post_init__(self) -> None:
+        if (
+            self.log_n not in _SCRYPT_LOG_N_RANGE
+            or self.r not in _SCRYPT_R_RANGE
+            or self.p not in _SCRYPT_P_RANGE
+        ):
+            raise ValueError(f"scrypt cost {self} is outside what key files may carry")
+
+
 _SCRYPT_MAX_MEMORY = 1 << 30
 SALT_SIZE = 16
 NONCE_SIZE = 12
@@ -76,8 +97,11 @@ def _derive(passphrase: str, salt: bytes, log_n: int, r: int, p: int) -> bytes:
     return Scrypt(salt=salt, length=32, n=1 << log_n, r=r, p=p).derive(secret)
 
 
-def encode_key_file(key: MachineKey, passphrase: str | None = None) -> bytes:
-    """The bytes of a key file holding ``key``, sealed under ``passphrase`` if given."""
+def encode_key_file(
+    key: MachineKey, passphrase: str | None = None, *, cost: ScryptCost = ScryptCost()
+) -> bytes:
+    """The bytes of a key file holding ``key``, sealed under ``passphrase`` if given (at
+    scrypt ``cost``)."""
     if passphrase is None:
         fields: dict[str, Any] = {
             "v": FORMAT_VERSION,
@@ -94,13 +118,13 @@ def encode_key_file(key: MachineKey, passphrase: str | None = None) -> bytes:
         "alg": "ed25519",
         "public": key.public_key_bytes,
         "kdf": "scrypt",
-        "log_n": SCRYPT_LOG_N,
-        "r": SCRYPT_R,
-        "p": SCRYPT_P,
+        "log_n": cost.log_n,
+        "r": cost.r,
+        "p": cost.p,
         "salt": salt,
         "nonce": nonce,
     }
-    kek = _derive(passphrase, salt, SCRYPT_LOG_N, SCRYPT_R, SCRYPT_P)
+    kek = _derive(passphrase, salt, cost.log_n, cost.r, cost.p)
     aad = MAGIC + _codec.encode(header)
     sealed = ChaCha20Poly1305(kek).encrypt(nonce, key.seed, aad)
     return MAGIC + _codec.encode({**header, "sealed": sealed})
@@ -221,7 +245,9 @@ def load_key_file(path: Path, passphrase: str | None = None) -> MachineKey:
     return decode_key_file(read_key_file_bytes(path), passphrase, name=str(path))
 
 
-def save_key_file(path: Path, key: MachineKey, passphrase: str | None = None) -> None:
+def save_key_file(
+    path: Path, key: MachineKey, passphrase: str | None = None, *, cost: ScryptCost = ScryptCost()
+) -> None:
     """Write ``key`` to a new key file (0600, missing directories 0700; KeyExists if present)."""
     path = Path(path)
     if path.exists() or path.is_symlink():
@@ -230,13 +256,16 @@ def save_key_file(path: Path, key: MachineKey, passphrase: str | None = None) ->
             "choose another path or move the old file away first"
         )
     make_private_dir(path.parent)
-    write_file(path, encode_key_file(key, passphrase), mode=PRIVATE_FILE_MODE, overwrite=False)
+    data = encode_key_file(key, passphrase, cost=cost)
+    write_file(path, data, mode=PRIVATE_FILE_MODE, overwrite=False)
 
 
-def create_key_file(path: Path, passphrase: str | None = None) -> MachineKey:
+def create_key_file(
+    path: Path, passphrase: str | None = None, *, cost: ScryptCost = ScryptCost()
+) -> MachineKey:
     """Generate a key and write it to a new key file (see :func:`save_key_file`)."""
     key = MachineKey.generate()
-    save_key_file(path, key, passphrase)
+    save_key_file(path, key, passphrase, cost=cost)
     return key
 
 

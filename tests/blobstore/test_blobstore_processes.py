@@ -25,16 +25,14 @@ REPO = Path(__file__).resolve().parents[2]
 CHILD = r"""
 import os, random, signal, sys
 sys.path.insert(0, sys.argv[1])
-import blobstore.writing as sm
 from blobstore import Manifest, Store
 
 repo, mode, root, src, kill_at, seed = sys.argv[1:7]
 kill_at = int(kill_at)
 C = 64 * 1024
-store = Store.open(root)
+# Small reads in the put modes: many small writes, more places to die.
+store = Store.open(root) if mode == "timed" else Store.open(root, io_buffer=C)
 data = open(src, "rb").read()
-if mode != "timed":
-    sm.IO_BUFFER_SIZE = C  # many small writes: more places to die
 count = 0
 
 def wrap(name):

@@ -63,11 +63,11 @@ def test_put_dir_refuses_a_symlinked_directory_and_a_loop(store: Store, tmp_path
 @pytest.mark.parametrize("move", [False, True], ids=["copy", "move"])
 @pytest.mark.parametrize("change", ["rewrite", "append"])
 def test_put_refuses_a_file_that_changes_while_it_is_read(
-    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, move: bool, change: str
+    store: Store, tmp_path: Path, move: bool, change: str
 ) -> None:
     """The writer touches the file after the first buffer is hashed: refused, exit 5,
     nothing stored, the user's file left where it was."""
-    monkeypatch.setattr(writing_mod, "IO_BUFFER_SIZE", C)  # several reads of a small file
+    store = Store.open(store.root, io_buffer=C)  # several reads of a small file
     src = tmp_path / "checkpoint.bin"
     src.write_bytes(os.urandom(4 * C))
     old = src.stat().st_mtime - HOUR_AGO  # so a rewrite within one clock tick still shows

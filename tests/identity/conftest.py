@@ -77,11 +77,3 @@ def pack_custom(
 def repack() -> Any:
     """:func:`pack_custom`, for test modules (which cannot import this conftest)."""
     return pack_custom
-
-
-@pytest.fixture
-def fast_scrypt(monkeypatch: pytest.MonkeyPatch) -> None:
-    """New key files use scrypt N=2**12 (the file records it), to keep tests quick."""
-    import identity.keyfile
-
-    monkeypatch.setattr(identity.keyfile, "SCRYPT_LOG_N", 12)

@@ -29,8 +29,11 @@ from identity import (
     sign_attestation,
 )
 from identity.cli import register
+from identity.keyfile import ScryptCost
 
 REPO = Path(__file__).resolve().parents[2]
+
+FAST = ScryptCost(log_n=12)  # new key files quick to seal; the file records the cost
 
 
 @click.group()
@@ -54,7 +57,10 @@ def blob(tmp: Path, *args: str, key: Path | None = None, passphrase: str | None 
     """Run ``blob --key KEY ARGS`` in-process, with ``blob``'s error-to-exit-status rule."""
     key = key if key is not None else tmp / "cfg" / "machine.key"
     result = CliRunner().invoke(
-        group, ["--key", str(key), *args], env={"BLOBNET_PASSPHRASE": passphrase}
+        group,
+        ["--key", str(key), *args],
+        env={"BLOBNET_PASSPHRASE": passphrase},
+        obj={"scrypt_cost": FAST},  # sealed keys stay quick to make and open
     )
     exc = result.exception
     if exc is None or isinstance(exc, SystemExit):
@@ -241,7 +247,6 @@ def test_bad_inputs_are_usage_errors(tmp_path: Path) -> None:
     assert not (tmp_path / "a.att").exists()
 
 
-@pytest.mark.usefixtures("fast_scrypt")
 def test_encrypted_authority_key(tmp_path: Path) -> None:
     auth = tmp_path / "authority.key"
     ok(blob(tmp_path, "authority", "new", "-o", str(auth), "--encrypt", passphrase="s3cret"))

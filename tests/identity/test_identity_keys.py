@@ -33,7 +33,9 @@ from identity import (
     verify_signature,
 )
 from identity._files import PRIVATE_FILE_MODE, write_file
-from identity.keyfile import encode_key_file
+from identity.keyfile import ScryptCost, encode_key_file
+
+FAST = ScryptCost(log_n=12)  # new key files quick to seal; the file records the cost
 
 
 @pytest.fixture(autouse=True)
@@ -146,10 +148,9 @@ def test_encrypted_key_round_trip_and_no_plaintext_seed(tmp_path: Path) -> None:
         load_key_file(path)
 
 
-@pytest.mark.usefixtures("fast_scrypt")
 def test_wrong_passphrase_is_a_clear_error_and_leaves_the_file(tmp_path: Path) -> None:
     path = tmp_path / "machine.key"
-    key = create_key_file(path, "correct horse")
+    key = create_key_file(path, "correct horse", cost=FAST)
     before = path.read_bytes()
     mtime = path.stat().st_mtime_ns
     with pytest.raises(WrongPassphrase, match="wrong passphrase") as info:
@@ -174,10 +175,9 @@ def test_damaged_unencrypted_key_is_detected(tmp_path: Path) -> None:
         load_key_file(path)
 
 
-@pytest.mark.usefixtures("fast_scrypt")
 def test_damaged_encrypted_key_is_detected(tmp_path: Path) -> None:
     path = tmp_path / "machine.key"
-    key = create_key_file(path, "pw")
+    key = create_key_file(path, "pw", cost=FAST)
     good = path.read_bytes()
     # the public key (associated data), then the last byte (the tag)
     for i in (good.index(key.public_key_bytes) + 3, len(good) - 1):
@@ -294,3 +294,15 @@ def test_without_hard_links_keys_are_still_never_overwritten(
     with pytest.raises(KeyExists):
         write_file(path, b"other", mode=PRIVATE_FILE_MODE, overwrite=False)
     assert load_key_file(path) == key
+
+
+def test_a_sealed_key_records_the_cost_it_was_given_within_the_readers_bounds(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "machine.key"
+    key = create_key_file(path, "pw", cost=FAST)
+    fields = msgpack.unpackb(path.read_bytes()[len(b"blobnet-key\n") :])
+    assert (fields["log_n"], fields["r"], fields["p"]) == (12, 8, 1)
+    assert load_key_file(path, "pw") == key
+    with pytest.raises(ValueError, match="outside what key files may carry"):
+        ScryptCost(log_n=21)  # a reader would refuse the file
