@@ -50,15 +50,12 @@ def test_nesterov_step_matches_hand_computation() -> None:
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_blocked_step_has_the_bits_of_the_formula(
-    nesterov: bool, threads: int, spare: bool, monkeypatch: pytest.MonkeyPatch
+    nesterov: bool, threads: int, spare: bool
 ) -> None:
     """The step runs block by block with in-place operations, on one thread or several;
     every element still gets the float32 result of the formula as written, blocks ending
     mid-tensor included, and the state it starts from is left as it was; and so with the
     new momentum written over a spare gradient's arrays (each block kept first)."""
-    import training.outer.loop as loop
-
-    monkeypatch.setattr(loop, "STEP_BLOCK", 1000)
     rng = np.random.default_rng(3)
     shapes = {"w": (123, 77), "b": (5,)}
     params = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
@@ -68,7 +65,12 @@ def test_blocked_step_has_the_bits_of_the_formula(
     config = OuterConfig(lr=0.7, momentum=0.9, nesterov=nesterov)
     given = {n: g.copy() for n, g in grad.items()}  # written over when spare
     got = outer_step(
-        OuterState(4, params, momentum), given, config, threads=threads, grad_is_spare=spare
+        OuterState(4, params, momentum),
+        given,
+        config,
+        threads=threads,
+        grad_is_spare=spare,
+        block=1000,  # blocks that end mid-tensor
     )
     for n in shapes:  # a spare gradient's arrays become the momentum
         assert (got.momentum[n] is given[n]) == spare

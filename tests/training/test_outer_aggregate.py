@@ -14,6 +14,7 @@ from training.outer.aggregate import (
     AGREEMENT_MARGIN,
     CLIP_FACTOR,
     MIN_AGREEMENT,
+    SPARSE_KEEP_SHARE,
     Aggregate,
     aggregate,
     unwrap_update,
@@ -76,11 +77,13 @@ def decoded_norm(blob: bytes) -> float:
     )
 
 
-def run(s: OuterState, blobs: dict[str, bytes]) -> Aggregate:
+def run(s: OuterState, blobs: dict[str, bytes], keep_share: float = SPARSE_KEEP_SHARE) -> Aggregate:
     """Aggregate ``blobs`` (peer -> the bytes named for it)."""
     store = {f"{peer}-blob": data for peer, data in blobs.items()}
     entries = [(peer, f"{peer}-blob") for peer in blobs]
-    return aggregate(s, entries, store.__getitem__, CONFIG, start_root=ROOT)
+    return aggregate(
+        s, entries, store.__getitem__, CONFIG, start_root=ROOT, sparse_keep_share=keep_share
+    )
 
 
 def byzantine_updates(s: OuterState) -> dict[str, bytes]:
@@ -265,16 +268,12 @@ def test_memory_does_not_grow_with_the_number_of_workers() -> None:
 
 @pytest.mark.parametrize("room", [None, 0])
 def test_top_k_updates_aggregate_as_their_dense_decodings_do(
-    room: float | None, monkeypatch: pytest.MonkeyPatch
+    room: float | None,
 ) -> None:
     """The passes after the first read a top-k update at its kept positions only (from the
     kept sparse form, or parsed again once the room for those is spent); the state, the
     weights, the exclusions and the cosines are those of the same tensors sent dense,
     bit for bit, with one update clipped and one outvoted so every pass counts."""
-    import training.outer.aggregate as agg_module
-
-    if room is not None:
-        monkeypatch.setattr(agg_module, "SPARSE_KEEP_SHARE", room)
     s = state()
     grads = {p: honest_grad(s, i) for i, p in enumerate(PEERS)}
     grads[PEERS[0]] = {n: v * np.float32(CLIP_FACTOR * 1.5) for n, v in grads[PEERS[0]].items()}
@@ -288,8 +287,9 @@ def test_top_k_updates_aggregate_as_their_dense_decodings_do(
             payload = encode_dense(decode(payload).tensors)
         return wrap_update(payload, round_=s.round, start_root=ROOT, author=peer)
 
-    sparse = run(s, {p: blob(p, False) for p in grads})
-    dense = run(s, {p: blob(p, True) for p in grads})
+    share = SPARSE_KEEP_SHARE if room is None else room
+    sparse = run(s, {p: blob(p, False) for p in grads}, keep_share=share)
+    dense = run(s, {p: blob(p, True) for p in grads}, keep_share=share)
     assert any(w < 1.0 for _, _, w in sparse.admitted)  # the clipped one
     assert [e.peer for e in sparse.excluded] == [BYZ]  # the outvoted one
     assert [(p, w) for p, _, w in sparse.admitted] == [(p, w) for p, _, w in dense.admitted]

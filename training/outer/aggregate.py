@@ -295,11 +295,11 @@ class _Updates:
     """Point 6: each named update for the passes after the first, a top-k one from its
     sparse form and kept values (:meth:`keep`), a dense one decoded again from ``load``."""
 
-    def __init__(self, state: OuterState, load: Callable[[str], bytes]) -> None:
+    def __init__(self, state: OuterState, load: Callable[[str], bytes], keep_share: float) -> None:
         self.state = state
         self.load = load
         self.sparse: dict[str, tuple[Parsed, dict[str, F32]]] = {}
-        self.room = int(SPARSE_KEEP_SHARE * 4 * sum(v.size for v in state.params.values()))
+        self.room = int(keep_share * 4 * sum(v.size for v in state.params.values()))
 
     def keep(self, blob: str, parsed: Parsed, values: dict[str, F32] | None) -> None:
         """Keep a top-k update's sparse form and the values it stands for at its kept
@@ -482,16 +482,18 @@ def aggregate(
     config: OuterConfig,
     *,
     start_root: str | None = None,
+    sparse_keep_share: float = SPARSE_KEEP_SHARE,
 ) -> Aggregate:
     """S_{r+1} from S_r and the named ``(peer, blob)`` updates (rules 1-7); ``load(blob)``
-    returns a blob's bytes. ``start_root`` (S_r's root) is checked against envelopes."""
+    returns a blob's bytes. ``start_root`` (S_r's root) is checked against envelopes.
+    ``sparse_keep_share``: see :data:`SPARSE_KEEP_SHARE` (point 6)."""
     order = sorted(entries, key=lambda e: e[0].encode())
     excluded: list[Exclusion] = []
     norms: dict[str, float] = {}
     payloads: dict[bytes, str] = {}
     sketches: dict[str, npt.NDArray[np.int8]] = {}
     param_norm = _norm(state.params)
-    updates = _Updates(state, load)
+    updates = _Updates(state, load, sparse_keep_share)
     buffer_shapes = {n: tuple(v.shape) for n, v in state.buffers.items()}
     buffers: dict[str, dict[str, F32]] = {}
     for peer, blob in order:

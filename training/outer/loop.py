@@ -210,12 +210,14 @@ def outer_step(
     *,
     threads: int | None = None,
     grad_is_spare: bool = False,
+    block: int = STEP_BLOCK,
 ) -> OuterState:
     """One SGD step with (Nesterov) momentum on the averaged pseudo-gradient.
 
     In float32, per element: ``buf = mu * m + g``, ``step = g + mu * buf`` (Nesterov; else
     ``buf``), ``p' = p - lr * step``. Two new arrays per tensor (the new momentum and the
-    new parameters), written block by block (:data:`STEP_BLOCK` elements, through two
+    new parameters), written block by block (``block`` elements, default :data:`STEP_BLOCK`,
+    through two
     block-sized scratch arrays a thread): at 124M parameters the step is memory-bound, and
     a full-size temporary per operation would cost a pass over memory each. Each product
     and sum is the same float32 operation as written above (IEEE addition and
@@ -241,14 +243,14 @@ def outer_step(
             m_out = np.empty(p_in.shape, dtype=np.float32)
         p, m, g = p_in.reshape(-1), m_in.reshape(-1), np.asarray(g_in).reshape(-1)
         pn, mn = p_out.reshape(-1), m_out.reshape(-1)
-        for lo in range(0, p.size, STEP_BLOCK):
-            blocks.append((p, m, g, pn, mn, lo, min(lo + STEP_BLOCK, p.size)))
+        for lo in range(0, p.size, block):
+            blocks.append((p, m, g, pn, mn, lo, min(lo + block, p.size)))
         params[name] = p_out
         momentum[name] = m_out
 
     def run(part: list[tuple[F32, F32, F32, F32, F32, int, int]]) -> None:
-        scratch = np.empty(STEP_BLOCK, dtype=np.float32)
-        spare = np.empty(STEP_BLOCK, dtype=np.float32) if grad_is_spare else None
+        scratch = np.empty(block, dtype=np.float32)
+        spare = np.empty(block, dtype=np.float32) if grad_is_spare else None
         for p, m, g, pn, mn, lo, hi in part:
             gb = g[lo:hi]
             if spare is not None:  # mn is g: keep the block before buf overwrites it
