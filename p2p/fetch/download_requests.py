@@ -296,7 +296,9 @@ class DownloadRequests(DownloadState):
             # The request was released meanwhile (its peer banned or dropped on another
             # stream); the protocol core already checked the index against the request.
             raise ObsoleteRequest
-        digest = blake3.blake3(data).digest() if HASH_ON_ARRIVAL else None
+        on_arrival = self.config.hash_on_arrival
+        hash_here = HASH_ON_ARRIVAL if on_arrival is None else on_arrival
+        digest = blake3.blake3(data).digest() if hash_here else None
         while (busy := self.writing.get(index)) is not None:
             await busy.wait()  # another stream's copy is being written (endgame)
         if self.partial.has_chunk(index):

@@ -132,6 +132,9 @@ class SchedulerConfig:
     # the fetch; a long-lived node serves on after its fetch returns anyway, and would
     # only wait longer for it.
     linger_while_asked: bool = False
+    # Hash each chunk on the event loop as it arrives (True) or in the writer threads
+    # (False); None: as p2p.fetch.download_parts.HASH_ON_ARRIVAL says for this machine.
+    hash_on_arrival: bool | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_chunks_per_request <= PROTOCOL_MAX_CHUNKS_PER_REQUEST:

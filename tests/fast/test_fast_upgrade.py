@@ -22,9 +22,13 @@ from libp2p.protocol_muxer.exceptions import MultiselectClientError
 from libp2p.security.security_multistream import SecurityMultistream
 from libp2p.utils import encode_delim
 
-from p2p.transport.fast import upgrade
 from p2p.transport.fast.noise import FastNoiseTransport
-from p2p.transport.fast.upgrade import AnsweredFirst, FastSecurityMultistream, select_pipelined
+from p2p.transport.fast.upgrade import (
+    SILENT_PEER_S,
+    AnsweredFirst,
+    FastSecurityMultistream,
+    select_pipelined,
+)
 from p2p.transport.host import build_host
 
 HEADER = encode_delim(b"/multistream/1.0.0")
@@ -127,10 +131,11 @@ async def test_a_listener_that_refuses_noise_fails_the_first_read(answer: bytes)
 # reachable after all. Real sockets on 127.0.0.1, both ends upgraded by our negotiator.
 
 
-def _security() -> tuple[FastSecurityMultistream, ID]:
+def _security(silent_peer_s: float = SILENT_PEER_S) -> tuple[FastSecurityMultistream, ID]:
     keys = create_new_key_pair()
     transport = FastNoiseTransport(keys)
-    return FastSecurityMultistream({NOISE: transport}), ID.from_pubkey(keys.public_key)
+    security = FastSecurityMultistream({NOISE: transport}, silent_peer_s=silent_peer_s)
+    return security, ID.from_pubkey(keys.public_key)
 
 
 @asynccontextmanager
@@ -164,11 +169,8 @@ async def _both(first: Any, second: Any) -> tuple[Any, Any]:
     return out[0], out[1]
 
 
-async def test_a_responder_dial_that_reached_a_listener_takes_the_diallers_role(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(upgrade, "SILENT_PEER_S", 0.2)
-    (ours, our_id), (theirs, their_id) = _security(), _security()
+async def test_a_responder_dial_that_reached_a_listener_takes_the_diallers_role() -> None:
+    (ours, our_id), (theirs, their_id) = _security(silent_peer_s=0.2), _security()
     async with _tcp_pair() as (dialled, accepted):
         mine, peers = await _both(
             lambda: ours.secure_inbound(dialled),  # told to answer on a socket it dialled

@@ -19,7 +19,8 @@ from blobstore import Manifest, NoSpace, PartialBlob, Store
 from p2p.blob import protocol as proto
 from p2p.blob.buffers import ChunkBuffers
 from p2p.errors import unwrap_single
-from p2p.fetch import download_parts, download_requests, downloader
+from p2p.fetch import download_parts, downloader
+from p2p.fetch.scheduler import SchedulerConfig
 
 CHUNK = 64 * 1024
 DATA = os.urandom(40 * CHUNK + 123)  # 41 chunks: more than two 16-chunk requests
@@ -71,7 +72,9 @@ def track_pools(monkeypatch: pytest.MonkeyPatch) -> list[ChunkBuffers]:
     return pools
 
 
-async def fetch(store: Store, network: Network) -> list[downloader.Progress]:
+async def fetch(
+    store: Store, network: Network, config: SchedulerConfig | None = None
+) -> list[downloader.Progress]:
     reports: list[downloader.Progress] = []
     try:
         with trio.fail_after(20):
@@ -81,6 +84,7 @@ async def fetch(store: Store, network: Network) -> list[downloader.Progress]:
                 MANIFEST.blob_id,
                 providers=list(network.flips),
                 progress=reports.append,
+                config=config,
             )
     except BaseExceptionGroup as group:
         raise unwrap_single(group) from None
@@ -131,11 +135,11 @@ async def test_a_corrupt_chunk_bans_its_peer_and_the_other_completes_the_blob(
 ) -> None:
     # Hashed on the event loop as it arrives (few CPUs) or in the writer thread (many):
     # either way the store checks the digest against the manifest before writing.
-    monkeypatch.setattr(download_requests, "HASH_ON_ARRIVAL", hash_on_arrival)
     pools = track_pools(monkeypatch)
     store = Store.open(tmp_path / "s")
     every_chunk = frozenset(range(MANIFEST.num_chunks))
-    reports = await fetch(store, Network({"liar": every_chunk, "honest": frozenset()}))
+    network = Network({"liar": every_chunk, "honest": frozenset()})
+    reports = await fetch(store, network, SchedulerConfig(hash_on_arrival=hash_on_arrival))
     assert store.path(MANIFEST.blob_id).read_bytes() == DATA
     assert store.verify(MANIFEST.blob_id) == []
     assert [pool.in_use for pool in pools] == [0]

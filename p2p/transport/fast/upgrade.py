@@ -77,18 +77,20 @@ async def select_pipelined(conn: Any, protocol: TProtocol) -> TProtocol:
     return protocol
 
 
-async def answer_or_dial(conn: Any, sock: Any, protocol: TProtocol) -> bool:
+async def answer_or_dial(
+    conn: Any, sock: Any, protocol: TProtocol, *, silent_s: float = SILENT_PEER_S
+) -> bool:
     """multistream-select on a socket we dialled but were told to answer on (the module
     docstring): send the header, read the peer's; then, if a proposal follows within
-    `SILENT_PEER_S`, answer it (False: we are the responder, as asked); if the peer stays
-    silent, it is a listener waiting for us (True: the caller proposes `protocol`, with
-    no header, and continues as the dialler)."""
+    ``silent_s`` (`SILENT_PEER_S`), answer it (False: we are the responder, as asked); if
+    the peer stays silent, it is a listener waiting for us (True: the caller proposes
+    `protocol`, with no header, and continues as the dialler)."""
     communicator = MultiselectCommunicator(conn)
     await communicator.write(MULTISTREAM)
     header = await communicator.read()
     if header != MULTISTREAM:
         raise RemoteProtocolError(f"peer sent {header[:64]!r} for multistream's header")
-    with trio.move_on_after(SILENT_PEER_S) as waiting:
+    with trio.move_on_after(silent_s) as waiting:
         await trio.lowlevel.wait_readable(sock)  # reads nothing: the answer below does
     if waiting.cancelled_caught:
         return True
@@ -149,9 +151,14 @@ class FastSecurityMultistream(SecurityMultistream):
     With another transport it proposes in one round trip (`select_pipelined`). Listening
     is unchanged, but for a dial made as the responder to a silent peer (the module
     docstring). ``on_dial`` (`on_tcp_dialled`) hears of each dial whose TCP connect has
-    completed, with the kernel's RTT of it, before Noise begins."""
+    completed, with the kernel's RTT of it, before Noise begins. ``silent_peer_s``: how long
+    such a responder dial waits for the peer's proposal (`SILENT_PEER_S`)."""
 
     on_dial: Callable[[ID, float | None], None] | None = None
+
+    def __init__(self, *args: Any, silent_peer_s: float = SILENT_PEER_S, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.silent_peer_s = silent_peer_s
 
     def _noise(self) -> FastNoiseTransport | None:
         offered = list(self.transports)
@@ -166,7 +173,7 @@ class FastSecurityMultistream(SecurityMultistream):
         protocol = next(iter(self.transports))
         try:
             with trio.fail_after(DEFAULT_NEGOTIATE_TIMEOUT):
-                dialling = await answer_or_dial(conn, sock, protocol)
+                dialling = await answer_or_dial(conn, sock, protocol, silent_s=self.silent_peer_s)
         except (trio.TooSlowError, MultiselectCommunicatorError, RemoteProtocolError) as exc:
             raise MultiselectError(f"Failed to negotiate a security protocol: {exc}") from exc
         if not dialling:
