@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
 import trio
+import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.io.trio import TrioTCPStream
 from libp2p.network.connection.raw_connection import RawConnection
@@ -102,7 +104,17 @@ def sealed(plain: bytes) -> bytes:
     return len(body).to_bytes(2, "big") + body
 
 
-async def test_a_listener_that_never_answers_the_proposal_ends_the_connection() -> None:
+@pytest.fixture
+def virtual_clock() -> trio.testing.MockClock:
+    """Virtual time for the connection's timers (the echo deadline, the uncork), jumping
+    only after 100 ms of real idleness: the sockets are real, and a jump while the kernel
+    still moves bytes between them would fire a deadline that real time never reaches."""
+    return trio.testing.MockClock(autojump_threshold=0.1)
+
+
+async def test_a_listener_that_never_answers_the_proposal_ends_the_connection(
+    virtual_clock: trio.testing.MockClock,
+) -> None:
     """With the muxer proposed optimistically, such a listener still costs no more than
     the negotiation timeout: the session ends within it, with a reason that names the
     muxer."""
@@ -119,15 +131,18 @@ async def test_a_listener_that_never_answers_the_proposal_ends_the_connection() 
     theirs.close()
 
 
-async def test_an_answered_proposal_outlives_the_echo_deadline() -> None:
+async def test_an_answered_proposal_outlives_the_echo_deadline(
+    virtual_clock: trio.testing.MockClock,
+) -> None:
     ours, theirs = trio.socket.socketpair()
     conn = make_conn(ours, expect=ECHO, echo_timeout=0.2)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(conn.start)
             await conn.event_started.wait()
+            deadline = trio.current_time() + 0.2  # the echo deadline, in virtual time
             await theirs.send(sealed(ECHO))
-            await trio.sleep(0.5)
+            await trio.sleep_until(deadline + 0.3)  # past it: its timer has run
             assert conn.dead_reason is None
             assert not conn.session.awaiting_echo
             nursery.cancel_scope.cancel()
@@ -153,7 +168,9 @@ def _corked(sock: trio.socket.SocketType) -> bool:
     return bool(sock.getsockopt(stdlib_socket.IPPROTO_TCP, stdlib_socket.TCP_CORK))
 
 
-async def test_a_young_connection_sends_its_small_frames_together() -> None:
+async def test_a_young_connection_sends_its_small_frames_together(
+    virtual_clock: trio.testing.MockClock,
+) -> None:
     """A new connection may send ~10 segments before its first ACK; its first frames are
     small and many, so they are corked for COALESCE_S and leave together: the first
     answers of a fetch at 200 ms came a round trip sooner (0.2 s, not 0.4 s)."""
@@ -172,13 +189,16 @@ async def test_a_young_connection_sends_its_small_frames_together() -> None:
 
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
+            corked_at = trio.current_time()
             await secure.send_wire(memoryview(b"x" * 100))
             assert _corked(ours)  # what follows within the window shares the segment
-            await trio.sleep(noise.COALESCE_S * 10)
+            await trio.sleep_until(corked_at + noise.COALESCE_S / 2)
+            assert _corked(ours)  # for the whole window (virtual time)
+            await trio.sleep_until(corked_at + noise.COALESCE_S * 2)
             assert not _corked(ours)  # and then it leaves
             nursery.start_soon(drain)
             await secure.send_wire(memoryview(b"y" * noise.COALESCE_BYTES))
-            await trio.sleep(noise.COALESCE_S * 10)
+            await trio.sleep(noise.COALESCE_S * 2)  # its window ends, virtual time
             await secure.send_wire(memoryview(b"z" * 100))
             assert not _corked(ours)  # no longer young: its window has grown
     ours.close()

@@ -241,8 +241,14 @@ async def test_idle_connections_make_room_for_a_new_peer(tmp_path: Path) -> None
             # The first client holds a stream open (a request in progress): not idle.
             busy = await clients[0].new_stream(server.get_id(), [PROTOCOL])
             await busy.write(b"\0")
-            await trio.sleep(0.5)
-            assert len(gate.established) == 3
+
+            def three_old_enough() -> bool:  # established, and idle long enough to go
+                now = trio.current_time()
+                ages = [now - conn.since for conn in gate.established.values()]
+                return len(ages) == 3 and min(ages) >= gate.idle_evict_age
+
+            with trio.fail_after(10):
+                await until(three_old_enough)
             reply = await fetch_manifest(server, deadline=10.0)
             assert isinstance(reply, bytes)
             assert gate.evicted == 1
