@@ -17,7 +17,12 @@
 - :func:`write_file`: the durable write (temp file, fsync, rename) of every file the
   identity and training commands write (keys never overwritten).
 - :func:`decode_msgpack_map`: the bounded, strict msgpack map parse every signed or
-  canonical format here starts from (training's records and messages use it too).
+  canonical format here starts from (training's records and messages use it too); the
+  certificate, attestation and TPM formats each declare one schema
+  (:mod:`blobstore.schema`) that encodes and decodes them.
+- Commands: :mod:`identity.cli` (``blob id``, ``authority``, ``admit``, ``attest``,
+  ``cert``) over :mod:`identity.tpm.cli`, both over :mod:`identity.cli_common`, which also
+  gives the commands above (p2p, training) their trust and ``--require-hardware`` options.
 """
 
 from __future__ import annotations
