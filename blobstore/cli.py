@@ -23,8 +23,8 @@ import click
 from blobstore.collection import CollectionEntry
 from blobstore.errors import BadCollection, CorruptChunk, StoreCorrupt, StoreError
 from blobstore.manifest import DEFAULT_CHUNK_SIZE, check_chunk_size
+from blobstore.options import json_option
 from blobstore.store import DEFAULT_GC_GRACE, BlobInfo, Store
-from clibase.options import json_option
 
 PROGRESS_MIN_BYTES = 32 * 1024 * 1024
 """Below this a put or get finishes in well under a second: no bar, no flicker."""

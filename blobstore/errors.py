@@ -1,6 +1,6 @@
 """The store's error types.
 
-Every class carries an ``exit_code`` (a :class:`clibase.exitcodes.ExitCode`: the ``blob``
+Every class carries an ``exit_code`` (a :class:`blobstore.exitcodes.ExitCode`: the ``blob``
 program's documented exit status for it) and a message meant for a person: what happened,
 and what to do about it. ``OSError`` from the operating system is translated into these at
 one boundary (:func:`blobstore.durable.os_errors`), never passed through raw.
@@ -8,7 +8,7 @@ one boundary (:func:`blobstore.durable.os_errors`), never passed through raw.
 
 from __future__ import annotations
 
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 
 
 class StoreError(Exception):

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import click
 
-from clibase.exitcodes import ExitCode
-from clibase.options import json_option
+from blobstore.exitcodes import ExitCode
+from blobstore.options import json_option
 
 from ._files import PUBLIC_FILE_MODE, write_file
 from .attestation import DIGEST_SIZE, MAX_ATTESTATION_SIZE, sign_attestation, verify_attestation

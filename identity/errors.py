@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 
 
 class IdentityError(Exception):

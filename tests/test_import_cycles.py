@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("clibase", "blobstore", "identity", "p2p", "training")
+PACKAGES = ("blobstore", "identity", "p2p", "training")
 
 # Cycles being removed in other branches now; each entry is the edge (importer, imported)
 # left out of the graph. The lead removes an entry when its cycle is gone (the test then

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 
 
 class TrainingError(Exception):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from clibase.options import json_option
+from blobstore.options import json_option
 
 from .._files import PUBLIC_FILE_MODE, write_file
 from ..certificate import Authority, HardwareRoot, iso_time

@@ -28,8 +28,8 @@ from typing import Any
 import click
 
 from blobstore import cli as blobstore_cli
-from clibase.exitcodes import ExitCode
-from clibase.options import json_option
+from blobstore.exitcodes import ExitCode
+from blobstore.options import json_option
 from identity import cli as identity_cli
 from p2p.cli import get as get_cli
 from p2p.cli import local as local_cli

@@ -23,7 +23,7 @@ import trio
 
 from blobstore import Store
 from blobstore.errors import PathNotFound
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from p2p.blob.pacing import MIN_UPLOAD_LIMIT
 from p2p.blob.ticket import plain_reason, validate_peer_addr
 from p2p.cli.nat import (

@@ -14,7 +14,7 @@ import click
 
 from blobstore import BlobNotFound, parse_blob_id
 from blobstore.export import check_output
-from clibase.options import json_option
+from blobstore.options import json_option
 from p2p.blob.ticket import Ticket
 from p2p.cli.common import (
     check_peer_addrs,

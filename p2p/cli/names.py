@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from blobstore import BlobNotFound, Store
-from clibase.options import json_option
+from blobstore.options import json_option
 from identity.cli_common import load_trust, make_trust_options
 from p2p.blob.ticket import validate_peer_addr
 from p2p.cli.common import (

@@ -21,7 +21,7 @@ from typing import Any
 import click
 import trio
 
-from clibase.options import json_option
+from blobstore.options import json_option
 from identity.cli_common import load_trust, trust_options
 from p2p.cli.common import (
     DEFAULT_LISTEN,

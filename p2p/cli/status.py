@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from clibase.exitcodes import ExitCode
-from clibase.options import json_option
+from blobstore.exitcodes import ExitCode
+from blobstore.options import json_option
 from p2p.cli.common import daemon_of, store_of
 from p2p.cli.light import Bar, render
 

@@ -19,7 +19,7 @@ Rules
    it), compared in constant time.
 5. This module and ``client`` import nothing beyond the standard library: ``blob get`` and
    friends on a store a daemon serves load only them (p2p.cli.light), so the exit statuses
-   below are the values of clibase.exitcodes.ExitCode (a test holds them equal) rather than
+   below are the values of blobstore.exitcodes.ExitCode (a test holds them equal) rather than
    an import of it, which would load the whole store package (~60 ms).
 """
 
@@ -51,7 +51,7 @@ OPS = ("hello", "status", "metrics", "fetch", "announce", "resolve", "put", "pub
 MAX_RESOLVE_WAIT = 600.0
 MAX_AUTHORITIES = 64
 ERROR_CODES = ("bad_request", "unsupported_version", "busy", "internal", "unauthorized")
-# clibase.exitcodes.ExitCode's values (rule 5).
+# blobstore.exitcodes.ExitCode's values (rule 5).
 EXIT_REJECTED = 1
 EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3

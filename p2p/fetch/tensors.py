@@ -42,7 +42,7 @@ import trio
 
 from blobstore import BlobExists, BlobNotFound, CorruptChunk, Manifest, Store
 from blobstore.collection import COLLECTION_MAGIC, MAX_COLLECTION_SIZE, looks_like_collection
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from p2p.blob import protocol as proto
 from p2p.blob.shell import BlobClient, StreamLost, reset_quietly
 from p2p.errors import FetchFailed, NoProviders

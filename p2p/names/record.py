@@ -43,7 +43,7 @@ from typing import Any
 from blake3 import blake3
 
 from blobstore.canonical import encode as encode_canonical
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from identity import (
     MAX_CERTIFICATE_SIZE,
     AdmissionCertificate,

@@ -43,7 +43,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
 
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from p2p.blob.ticket import TICKET_PREFIX, Ticket
 from p2p.fetch.downloader import Progress, ProgressCallback
 from p2p.nat.relay import (

@@ -72,7 +72,7 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
 
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from identity import MAX_CERTIFICATE_SIZE, TrustStore, verify_certificate
 from identity.errors import IdentityError
 from p2p.transport import patches

@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from p2p.blob.ticket import validate_peer_addr
 from p2p.errors import P2PError, PeerUnreachable
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from p2p.cli.light import parse
 from p2p.daemon import api
 from p2p.daemon.client import DaemonClient, DaemonRefused, Endpoint, connect

@@ -76,7 +76,7 @@ from typing import Any
 import blake3
 
 from blobstore.canonical import encode as encode_canonical
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from identity import (
     AdmissionCertificate,
     Attestation,

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from clibase.options import json_option
+from blobstore.options import json_option
 from identity import MAX_CERTIFICATE_SIZE, AdmissionCertificate
 from identity.cli_common import make_trust_options, read_input, require_hardware_option
 from p2p.cli.common import InputPath, check_listen_addrs, check_peer_addrs

@@ -75,7 +75,7 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from training.errors import TrainingError
 
 F32 = npt.NDArray[np.float32]

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from blobstore.canonical import encode as encode_canonical
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from identity import decode_msgpack_map
 from training.errors import TrainingError
 

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from blobstore.canonical import encode as encode_canonical
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from identity import (
     AdmissionCertificate,
     Attestation,

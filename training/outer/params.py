@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from blobstore.durable import write_file_atomic
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from p2p.node.gossip import MAX_RUN_WORKERS
 from training.errors import TrainingError
 from training.outer.codec import CodecParams

@@ -62,7 +62,7 @@ import blake3
 import numpy as np
 
 from blobstore.canonical import encode as encode_canonical
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from identity import (
     AdmissionCertificate,
     Attestation,

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from training.errors import TrainingError
 from training.outer.spec import BadSpec, RunSpec, SignedSpec, decode_spec
 

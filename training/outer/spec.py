@@ -60,7 +60,7 @@ import msgpack
 
 from blobstore.canonical import encode as encode_canonical
 from blobstore.canonical import require_canonical
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from training.errors import TrainingError
 from training.outer.loop import MODE_DEFAULTS
 from training.outer.module_state import Layout, check_layout

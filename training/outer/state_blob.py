@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from training.errors import TrainingError
 from training.outer.codec import F32, MAX_ELEMENTS, MAX_NAME_LEN, MAX_NDIM, MAX_TENSORS, ByteReader
 from training.outer.loop import OuterState

@@ -7,7 +7,7 @@ the API (a bug). Both carry `exit_code` 6 (network), the project's code for netw
 
 from __future__ import annotations
 
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 
 
 class FastPathError(Exception):

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from clibase.exitcodes import ExitCode
+from blobstore.exitcodes import ExitCode
 from training.errors import TrainingError
 
 if TYPE_CHECKING:
