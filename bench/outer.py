@@ -569,7 +569,9 @@ def _attacks(config: SimConfig) -> dict[str, Any]:
         most an update can bring before rule 3 down-weights it."""
         norms = sorted(norm(u) for u in updates.values())
         target = CLIP_FACTOR * norms[(len(norms) - 1) // 2]
-        got = norm(decode(pack(tensors)).tensors)
+        got = norm(
+            decode(pack(tensors), max_elements=sum(v.size for v in tensors.values())).tensors
+        )
         factor = np.float32(target / got) if got > 0 else np.float32(0)
         return pack({n: v * factor for n, v in tensors.items()})
 

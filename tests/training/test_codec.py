@@ -33,6 +33,8 @@ from training.outer.codec import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+# Every decode names its bound (codec.MAX_ELEMENTS): far above these tests' updates.
+BOUND = 1 << 24
 
 
 def reference_dequantised(
@@ -86,7 +88,7 @@ def test_round_trip_is_the_dequantised_top_k(
     k = max(1, round(k_frac * chunk))
     params = CodecParams(chunk=chunk, k=k, rice=rice)
     data = encode({"w": values}, params)
-    decoded = decode(data)
+    decoded = decode(data, max_elements=BOUND)
     assert decoded.params == params
     out = decoded.tensors["w"]
     assert out.shape == values.shape
@@ -112,7 +114,7 @@ def test_kept_positions_and_sizes() -> None:
     values = rng.standard_normal(5000).astype(np.float32)
     params = CodecParams(chunk=1024, k=8, rice=False)
     data = encode({"x": values}, params)
-    parsed_params, sparse = decode_sparse(data)
+    parsed_params, sparse = decode_sparse(data, max_elements=BOUND)
     assert parsed_params == params
     entry = sparse["x"]
     # 4 full chunks of 1024 and one of 904: 5 * 8 kept, the 8 largest of each chunk.
@@ -200,7 +202,7 @@ def test_error_feedback_sends_what_was_dropped() -> None:
             else np.zeros_like(total_in)
         )
         total_in += grad
-        sent = decode(feedback.step({"g": grad})).tensors["g"]
+        sent = decode(feedback.step({"g": grad}), max_elements=BOUND).tensors["g"]
         total_sent += sent
         # Conservation: everything sent plus the residual is everything put in.
         np.testing.assert_allclose(total_sent + feedback.residual["g"], total_in, atol=1e-3)
@@ -253,7 +255,7 @@ def test_dense_round_trip() -> None:
     rng = np.random.default_rng(4)
     tensors = {"b": rng.standard_normal((3, 5)).astype(np.float32), "a": np.float32(2.5)}
     data = encode_dense(tensors)
-    decoded = decode(data)
+    decoded = decode(data, max_elements=BOUND)
     assert decoded.params is None
     np.testing.assert_array_equal(decoded.tensors["b"], tensors["b"])
     assert decoded.tensors["a"].shape == ()
@@ -278,10 +280,10 @@ def test_every_truncation_and_trailing_byte_rejected(rice: bool) -> None:
     data, _ = _sample(rice=rice)
     for cut in range(len(data)):
         with pytest.raises(CodecError):
-            decode(data[:cut])
+            decode(data[:cut], max_elements=BOUND)
     for tail in (b"\x00", b"\x01", b"\x00" * 64):
         with pytest.raises(CodecError, match=r"header says|header allows|position stream"):
-            decode(data + tail)
+            decode(data + tail, max_elements=BOUND)
 
 
 def _with_fixed(data: bytes, **fields: int) -> bytes:
@@ -313,7 +315,7 @@ def _with_fixed(data: bytes, **fields: int) -> bytes:
 def test_bad_header_rejected(fields: dict[str, object], message: str) -> None:
     data, _ = _sample()
     with pytest.raises(CodecError, match=message):
-        decode(_with_fixed(data, **fields))  # type: ignore[arg-type]
+        decode(_with_fixed(data, **fields), max_elements=BOUND)  # type: ignore[arg-type]
 
 
 def _raw_update(entries: list[tuple[bytes, tuple[int, ...]]], payload: bytes) -> bytes:
@@ -325,27 +327,45 @@ def _raw_update(entries: list[tuple[bytes, tuple[int, ...]]], payload: bytes) ->
     return b"".join(parts) + payload
 
 
+def test_every_decode_names_its_bound() -> None:
+    """Guards against a default bound: a 328 KiB top-k update can name 2^31 values (8 GiB
+    dense), so no caller may decode without saying how many values its model holds, and
+    no bound may exceed the codec's ceiling."""
+    from training.outer.codec import MAX_ELEMENTS, parse
+
+    claims = _raw_update([(b"w", (1 << 31,))], b"")
+    for call in (decode, parse, decode_sparse):
+        with pytest.raises(TypeError, match="max_elements"):
+            call(claims)  # type: ignore[operator]
+        with pytest.raises(ValueError, match="outside"):
+            call(claims, max_elements=MAX_ELEMENTS + 1)  # type: ignore[operator]
+        with pytest.raises(CodecError, match="more than 1000 values"):
+            call(claims, max_elements=1000)  # type: ignore[operator]
+
+
 def test_huge_shapes_rejected_before_allocation() -> None:
     """A 40-byte blob claiming 2^80 values must fail on the header, not in numpy."""
     with pytest.raises(CodecError, match="more than"):
-        decode(_raw_update([(b"w", (1 << 40, 1 << 40))], b""))
+        decode(_raw_update([(b"w", (1 << 40, 1 << 40))], b""), max_elements=BOUND)
     with pytest.raises(CodecError, match="more than"):
         decode(_raw_update([(b"w", (1000,))], b""), max_elements=999)
     with pytest.raises(CodecError, match="dims"):
-        decode(_raw_update([(b"w", (1,) * 9)], b""))
+        decode(_raw_update([(b"w", (1,) * 9)], b""), max_elements=BOUND)
 
 
 def test_names_must_be_sorted_unique_utf8() -> None:
     with pytest.raises(CodecError, match="increasing"):
-        decode(_raw_update([(b"b", (0,)), (b"a", (0,))], b""))
+        decode(_raw_update([(b"b", (0,)), (b"a", (0,))], b""), max_elements=BOUND)
     with pytest.raises(CodecError, match="increasing"):
-        decode(_raw_update([(b"a", (0,)), (b"a", (0,))], b""))
+        decode(_raw_update([(b"a", (0,)), (b"a", (0,))], b""), max_elements=BOUND)
     with pytest.raises(CodecError, match="UTF-8"):
-        decode(_raw_update([(b"\xff", (0,))], b""))
+        decode(_raw_update([(b"\xff", (0,))], b""), max_elements=BOUND)
     with pytest.raises(CodecError, match="name length"):
-        decode(_raw_update([(b"", (0,))], b""))
+        decode(_raw_update([(b"", (0,))], b""), max_elements=BOUND)
     # Empty tensors are fine.
-    assert decode(_raw_update([(b"a", (0,)), (b"b", (2, 0))], b"")).tensors["b"].shape == (2, 0)
+    assert decode(_raw_update([(b"a", (0,)), (b"b", (2, 0))], b""), max_elements=BOUND).tensors[
+        "b"
+    ].shape == (2, 0)
 
 
 def _encoded(
@@ -367,53 +387,65 @@ def _encoded(
 
 def test_crafted_payloads() -> None:
     good = _encoded([0, 5, 9, 16, 17, 19], [2, 2, 1, 2, 3, 0])
-    out = decode(good).tensors["a"]
+    out = decode(good, max_elements=BOUND).tensors["a"]
     assert out[[0, 5, 9, 16, 17, 19]].tolist() == [1.0, 1.0, -0.5, 1.0, -1.0, 0.5]
     # Index 4 of the short last chunk (4 values) is past its end.
     with pytest.raises(CodecError, match="past the end"):
-        decode(_encoded([0, 5, 9, 16, 17, 20], [2, 2, 1, 2, 3, 0]))
+        decode(_encoded([0, 5, 9, 16, 17, 20], [2, 2, 1, 2, 3, 0]), max_elements=BOUND)
     with pytest.raises(CodecError, match="out of order"):
-        decode(_encoded([0, 9, 5, 16, 17, 19], [2, 2, 1, 2, 3, 0]))
+        decode(_encoded([0, 9, 5, 16, 17, 19], [2, 2, 1, 2, 3, 0]), max_elements=BOUND)
     with pytest.raises(CodecError, match="out of order"):
-        decode(_encoded([0, 5, 5, 16, 17, 19], [2, 2, 1, 2, 3, 0]))
+        decode(_encoded([0, 5, 5, 16, 17, 19], [2, 2, 1, 2, 3, 0]), max_elements=BOUND)
     with pytest.raises(CodecError, match="high/low"):
-        decode(_encoded([0, 5, 9, 16, 17, 19], [2, 2, 3, 2, 3, 0]))
+        decode(_encoded([0, 5, 9, 16, 17, 19], [2, 2, 3, 2, 3, 0]), max_elements=BOUND)
     with pytest.raises(CodecError, match="scale"):
-        decode(_encoded([0, 5, 9, 16, 17, 19], [2, 2, 1, 2, 3, 0], [0.5, -1.0, 0.5, 1.0]))
+        decode(
+            _encoded([0, 5, 9, 16, 17, 19], [2, 2, 1, 2, 3, 0], [0.5, -1.0, 0.5, 1.0]),
+            max_elements=BOUND,
+        )
     with pytest.raises(CodecError, match="scale"):
-        decode(_encoded([0, 5, 9, 16, 17, 19], [2, 2, 1, 2, 3, 0], [0.5, np.nan, 0.5, 1.0]))
+        decode(
+            _encoded([0, 5, 9, 16, 17, 19], [2, 2, 1, 2, 3, 0], [0.5, np.nan, 0.5, 1.0]),
+            max_elements=BOUND,
+        )
     with pytest.raises(CodecError, match="scale"):
-        decode(_encoded([0, 5, 9, 16, 17, 19], [2, 2, 1, 2, 3, 0], [-0.0, 1.0, 0.5, 1.0]))
+        decode(
+            _encoded([0, 5, 9, 16, 17, 19], [2, 2, 1, 2, 3, 0], [-0.0, 1.0, 0.5, 1.0]),
+            max_elements=BOUND,
+        )
     # The 6 codes take 12 bits: the last 4 bits of their byte must be zero.
     tampered = good[:-1] + bytes([good[-1] | 0x80])
     with pytest.raises(CodecError, match="padding"):
-        decode(tampered)
+        decode(tampered, max_elements=BOUND)
 
 
 def test_expected_shapes_checked() -> None:
     data, _ = _sample()
-    assert set(decode(data, expected={"a": (20,), "b": (2, 3)}).tensors) == {"a", "b"}
+    assert set(decode(data, expected={"a": (20,), "b": (2, 3)}, max_elements=BOUND).tensors) == {
+        "a",
+        "b",
+    }
     with pytest.raises(CodecError, match="do not match"):
-        decode(data, expected={"a": (20,), "b": (3, 2)})
+        decode(data, expected={"a": (20,), "b": (3, 2)}, max_elements=BOUND)
     with pytest.raises(CodecError, match="do not match"):
-        decode(data, expected={"a": (20,)})
+        decode(data, expected={"a": (20,)}, max_elements=BOUND)
 
 
 def test_dense_rejects_non_finite_and_bad_params() -> None:
     data = encode_dense({"a": np.ones(2, np.float32)})
     with pytest.raises(CodecError, match="NaN"):
-        decode(data[:-4] + struct.pack("<f", float("inf")))
+        decode(data[:-4] + struct.pack("<f", float("inf")), max_elements=BOUND)
     with pytest.raises(CodecError, match="non-canonical"):
-        decode(_with_fixed(data, k=1))
+        decode(_with_fixed(data, k=1), max_elements=BOUND)
     with pytest.raises(CodecError, match="dense update"):
-        decode_sparse(data)
+        decode_sparse(data, max_elements=BOUND)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_random_bytes_raise_only_codec_error(data: bytes) -> None:
     try:
-        decode(data)
+        decode(data, max_elements=BOUND)
     except CodecError:
         pass
 
@@ -433,7 +465,7 @@ def test_mutated_updates_raise_only_codec_error(
     mutated = data[:position] + bytes([value]) + data[position + 1 :]
     mutated = mutated[: len(mutated) - cut]
     try:
-        decoded = decode(mutated)
+        decoded = decode(mutated, max_elements=BOUND)
     except CodecError:
         return
     # Whatever survived validation is a well-formed update: finite float32 tensors.
@@ -459,16 +491,16 @@ def test_schema_reference_drops_names_and_shapes_and_checks_them() -> None:
     ref = ErrorFeedback(params, schema_ref=True).step(tensors)
     names_bytes = sum(2 + len(n) + 1 + 8 * 2 for n in tensors)
     assert len(full) - len(ref) == names_bytes - 32
-    a = decode(full, expected=shapes).tensors
-    b = decode(ref, expected=shapes).tensors
+    a = decode(full, expected=shapes, max_elements=BOUND).tensors
+    b = decode(ref, expected=shapes, max_elements=BOUND).tensors
     assert all(np.array_equal(a[n], b[n]) for n in tensors)
     with pytest.raises(CodecError, match="model's are needed"):
-        decode(ref)
+        decode(ref, max_elements=BOUND)
     other = {**shapes, next(iter(shapes)): (32, 128)}
     with pytest.raises(CodecError, match="another model"):
-        decode(ref, expected=other)
+        decode(ref, expected=other, max_elements=BOUND)
     with pytest.raises(CodecError, match="another model"):
-        decode(ref, expected=dict(list(shapes.items())[:-1]))
+        decode(ref, expected=dict(list(shapes.items())[:-1]), max_elements=BOUND)
 
 
 # --- Rice-coded positions (schemes 3 and 4) --------------------------------------------
@@ -494,7 +526,9 @@ def test_rice_positions_cost_a_third_less_and_decode_the_same() -> None:
     entropy = math.log2(math.comb(4096, 64)) / 64  # 7.36 bits per position
     assert _bits_per_kept(a, rice, values.size) < entropy + 0.5 + 2
     assert len(a) < 0.75 * len(b)  # scales (64 bits a chunk) are the same in both
-    np.testing.assert_array_equal(decode(a).tensors["w"], decode(b).tensors["w"])
+    np.testing.assert_array_equal(
+        decode(a, max_elements=BOUND).tensors["w"], decode(b, max_elements=BOUND).tensors["w"]
+    )
     assert rice.ratio_vs_fp32() > 1.3 * fixed.ratio_vs_fp32()  # a worst-case bound
 
 
@@ -505,10 +539,12 @@ def test_short_chunks_keep_the_density_of_a_full_one() -> None:
     params = CodecParams(4096, 48)
     norm = rng.standard_normal(64).astype(np.float32)
     mlp = rng.standard_normal(4096 + 2816).astype(np.float32)
-    _, sparse = decode_sparse(encode({"norm": norm, "mlp": mlp}, params))
+    _, sparse = decode_sparse(encode({"norm": norm, "mlp": mlp}, params), max_elements=BOUND)
     assert sparse["norm"].positions.tolist() == [int(np.argmax(np.abs(norm)))]
     assert sparse["mlp"].positions.size == 48 + 33
-    _, fixed = decode_sparse(encode({"norm": norm}, CodecParams(4096, 48, rice=False)))
+    _, fixed = decode_sparse(
+        encode({"norm": norm}, CodecParams(4096, 48, rice=False)), max_elements=BOUND
+    )
     assert fixed["norm"].positions.size == 48
 
 
@@ -532,7 +568,9 @@ def test_tiny_llama_update_is_146x_smaller_than_dense() -> None:
         grads = {n: (rng.standard_normal(s) * 1e-3).astype(np.float32) for n, s in shapes.items()}
         data = feedback.step(grads)
         assert len(data) * 146 <= 4 * 124224
-        assert decode(data, expected=shapes).params == CodecParams(SimConfig.chunk, SimConfig.k)
+        assert decode(data, expected=shapes, max_elements=BOUND).params == CodecParams(
+            SimConfig.chunk, SimConfig.k
+        )
 
 
 def _rice_update() -> tuple[bytes, int]:
@@ -551,7 +589,7 @@ def _rice_update() -> tuple[bytes, int]:
 
 def test_crafted_rice_streams() -> None:
     data, tail = _rice_update()
-    out = decode(data).tensors["a"]
+    out = decode(data, max_elements=BOUND).tensors["a"]
     assert out[[0, 5, 9, 19]].tolist() == [1.0, 1.0, -0.5, 1.0]
     assert data[tail] == 0b11101
 
@@ -559,9 +597,11 @@ def test_crafted_rice_streams() -> None:
         return data[:tail] + stream
 
     with pytest.raises(CodecError, match="holds 5 gaps"):
-        decode(with_stream(bytes([0b111101])))  # a one bit in the padding
+        decode(with_stream(bytes([0b111101])), max_elements=BOUND)  # a one bit in the padding
     with pytest.raises(CodecError, match="holds 3 gaps"):
-        decode(with_stream(bytes([0b01101])))  # the last gap's terminator dropped
+        decode(
+            with_stream(bytes([0b01101])), max_elements=BOUND
+        )  # the last gap's terminator dropped
     # Two full chunks keeping 0, 1, 2 each: 6 one bits; 12 bits would be the most.
     sparse = SparseTensor(
         (32,),
@@ -571,15 +611,15 @@ def test_crafted_rice_streams() -> None:
     )
     packed = encode_sparse({"a": sparse}, CodecParams(chunk=16, k=3))
     assert packed[-1] == 0b111111
-    assert decode(packed).tensors["a"][[0, 18]].tolist() == [1.0, 0.5]
+    assert decode(packed, max_elements=BOUND).tensors["a"][[0, 18]].tolist() == [1.0, 0.5]
     with pytest.raises(CodecError, match="padding past its last byte"):
-        decode(packed + b"\x00")
+        decode(packed + b"\x00", max_elements=BOUND)
     # The last chunk has 4 values: a gap of 4 (quotient 1, low bits 0) is past its end.
     with pytest.raises(CodecError, match="past the end"):
-        decode(with_stream(bytes([0b101101])))
+        decode(with_stream(bytes([0b101101])), max_elements=BOUND)
     # A stream longer than any valid one is refused before it is unpacked.
     with pytest.raises(CodecError, match="header allows"):
-        decode(with_stream(b"\x00" * 10_000 + bytes([0b11101])))
+        decode(with_stream(b"\x00" * 10_000 + bytes([0b11101])), max_elements=BOUND)
 
 
 @pytest.mark.parametrize(

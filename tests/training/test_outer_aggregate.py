@@ -24,6 +24,8 @@ from training.outer.codec import CodecParams, decode, encode, encode_dense
 from training.outer.loop import OuterConfig, OuterState, state_root
 
 CODEC = CodecParams(chunk=256, k=16)
+# Every decode names its bound (codec.MAX_ELEMENTS): far above these tests' updates.
+BOUND = 1 << 24
 CONFIG = OuterConfig(lr=0.7, momentum=0.9)
 ROOT = "ab" * 32
 
@@ -57,7 +59,7 @@ def honest(s: OuterState, peer: str, seed: int, scale: float = 1e-2) -> bytes:
 
 def at_norm(tensors: dict[str, np.ndarray], target: float) -> dict[str, np.ndarray]:
     """``tensors`` scaled so that their top-k encoding decodes to norm ``target``."""
-    decoded = decode(encode(tensors, CODEC)).tensors
+    decoded = decode(encode(tensors, CODEC), max_elements=BOUND).tensors
     got = np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in decoded.values()))
     return {n: v * np.float32(target / got) for n, v in tensors.items()}
 
@@ -71,7 +73,7 @@ BYZ = "12D3KooWbyzantine"
 
 
 def decoded_norm(blob: bytes) -> float:
-    tensors = decode(unwrap_update(blob).payload).tensors
+    tensors = decode(unwrap_update(blob).payload, max_elements=BOUND).tensors
     return float(
         np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in tensors.values()))
     )
@@ -284,7 +286,7 @@ def test_top_k_updates_aggregate_as_their_dense_decodings_do(
     def blob(peer: str, dense: bool) -> bytes:
         payload = encode(grads[peer], CODEC)
         if dense:  # the same tensors, as the top-k encoding decodes them
-            payload = encode_dense(decode(payload).tensors)
+            payload = encode_dense(decode(payload, max_elements=BOUND).tensors)
         return wrap_update(payload, round_=s.round, start_root=ROOT, author=peer)
 
     share = SPARSE_KEEP_SHARE if room is None else room
@@ -325,9 +327,9 @@ def test_the_first_pass_reads_a_top_k_update_at_its_kept_positions_alike() -> No
             for n, v in honest_grad(s, seed).items()
         }
         payload = encode(grad, CODEC)
-        sparse_norm, sparse_sketch, _ = _measured(parse(payload))
-        dense = decode(payload).tensors
-        dense_norm, dense_sketch, _ = _measured(parse(encode_dense(dense)))
+        sparse_norm, sparse_sketch, _ = _measured(parse(payload, max_elements=BOUND))
+        dense = decode(payload, max_elements=BOUND).tensors
+        dense_norm, dense_sketch, _ = _measured(parse(encode_dense(dense), max_elements=BOUND))
         assert sparse_norm == dense_norm
         all_squares = sum(
             float(np.sum(np.square(dense[n], dtype=np.float64))) for n in sorted(dense)

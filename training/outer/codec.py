@@ -110,10 +110,11 @@ MAX_TENSORS = 1 << 16
 MAX_NAME_LEN = 1024
 # Parameter tensors have at most a handful of dimensions (conv kernels have 5).
 MAX_NDIM = 8
-# Decoding allocates 4 bytes per element of every tensor, and a top-k payload can be up to
-# chunk/2 times smaller than that; this bounds what a hostile blob can make us allocate
-# (2^31 float32 = 8 GiB, the pseudo-gradient of a 2B-parameter model). Callers that know the
-# model pass its shapes and a tighter bound.
+# Decoding allocates 4 bytes per element of every tensor, and a top-k payload can be
+# thousands of times smaller than that (8 bytes of scales per chunk of up to 65536 values):
+# a 328 KiB update can name 2^31 values. So every decode names its bound (``max_elements``,
+# no default: the model's size, which its caller knows), and none may exceed this ceiling
+# (2^31 float32 = 8 GiB, the pseudo-gradient of a 2B-parameter model).
 MAX_ELEMENTS = 1 << 31
 
 _FIXED = struct.Struct("<4sBBBBIIII")
@@ -808,6 +809,12 @@ def _parse_payload(
     return out
 
 
+def _check_bound(max_elements: int) -> None:
+    """A caller's bound above the ceiling is our own misuse (MAX_ELEMENTS says why)."""
+    if not 0 <= max_elements <= MAX_ELEMENTS:
+        raise ValueError(f"max_elements {max_elements} is outside 0..{MAX_ELEMENTS}")
+
+
 @dataclass(frozen=True)
 class Parsed:
     """A parsed and validated update, not yet made dense: a top-k one's ``sparse``
@@ -830,12 +837,14 @@ class Parsed:
 def decode(
     data: bytes,
     *,
-    max_elements: int = MAX_ELEMENTS,
+    max_elements: int,
     expected: Mapping[str, tuple[int, ...]] | None = None,
 ) -> Decoded:
     """Parse, validate and decompress an update; raises ``CodecError`` if malformed.
 
-    ``expected`` (name -> shape), when given, must match the update's tensors exactly.
+    ``max_elements`` bounds the values it may hold (the model's parameter count; at most
+    ``MAX_ELEMENTS``), checked before anything is allocated. ``expected`` (name -> shape),
+    when given, must match the update's tensors exactly.
     """
     parsed = parse(data, max_elements=max_elements, expected=expected)
     return Decoded(parsed.scheme, parsed.params, parsed.tensors())
@@ -844,10 +853,11 @@ def decode(
 def parse(
     data: bytes,
     *,
-    max_elements: int = MAX_ELEMENTS,
+    max_elements: int,
     expected: Mapping[str, tuple[int, ...]] | None = None,
 ) -> Parsed:
     """Parse and validate an update as :func:`decode` does, leaving a top-k one sparse."""
+    _check_bound(max_elements)
     reader = ByteReader(bytes(data), _truncated_update)
     scheme, params, shapes = _parse_header(reader, max_elements, expected)
     if params is not None:
@@ -866,11 +876,12 @@ def parse(
 
 
 def decode_sparse(
-    data: bytes, expected: Mapping[str, tuple[int, ...]] | None = None
+    data: bytes, expected: Mapping[str, tuple[int, ...]] | None = None, *, max_elements: int
 ) -> tuple[CodecParams, dict[str, SparseTensor]]:
     """Parse a top-k update without decompressing it (for inspection and tests)."""
+    _check_bound(max_elements)
     reader = ByteReader(bytes(data), _truncated_update)
-    _scheme, params, shapes = _parse_header(reader, MAX_ELEMENTS, expected)
+    _scheme, params, shapes = _parse_header(reader, max_elements, expected)
     if params is None:
         raise CodecError("dense update where a top-k one was expected")
     return params, _parse_payload(reader, params, shapes)
