@@ -34,9 +34,11 @@ RECHECK_WINDOW = 5.0
 # Chunks a pipelined stream may have sent after the bad one before the reset arrives
 # (p2p.fetch's PIPELINE_DEPTH is 2, each `get` a few chunks at 1 MiB).
 RECHECK_PER_STREAM = 4
-# Hashing budget for re-checks: BLAKE3 runs at ~3.4 GB/s on one core here, so 64 MiB a
-# second is ~2% of a core whatever peers do; the burst lets one fetcher's whole stripe
-# (8 lanes x 4 chunks of 1 MiB, or four 16 MiB chunks) be checked at once.
+# Hashing budget for re-checks: BLAKE3 of 1 MiB chunks runs at 0.6 to 2.6 GiB/s on one
+# core of the 2-vCPU machine this is developed on (the low end when other work shares it),
+# so 64 MiB a second costs 2.5% to 10% of a core whatever peers do; the burst lets one
+# fetcher's whole stripe (8 lanes x 4 chunks of 1 MiB, or four 16 MiB chunks) be checked
+# at once.
 RECHECK_RATE = 64 * MiB
 RECHECK_BURST = 64 * MiB
 

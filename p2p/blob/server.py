@@ -37,16 +37,17 @@ Theory of operation
 5. The store is asked at request time: a blob removed by ``blob rm``/``gc`` since the last
    request is ``not_found`` at once. Chunks of partial blobs are served only when verified.
 6. Bit rot. The first time this process serves a chunk, it is read and hashed in a worker
-   thread (BLAKE3 runs at ~3.4 GB/s here and releases the GIL, so the event loop keeps
-   moving); later reads of it come from the page cache on the event loop, unhashed, or
-   from disk in a thread, hashed. (The page cache alone is no proof: readahead fills it
-   from disk unhashed.) ``verify_reads`` hashes every read. A chunk that fails is never
-   sent: the request is answered ``internal``, the blob is quarantined (the store's
-   ``quarantine`` when it has one, else this server's own list), one warning is logged,
-   and every later request for it is ``not_found``. A stream its peer ends (resets or
-   closes) soon after chunks went out, as a fetcher that found one bad does, gets its
-   last chunks hashed again, within a byte budget (p2p.blob.recheck), and a failure there
-   quarantines too.
+   thread: one of the server's own ``disk_threads``, as every read of the store is, so no
+   other thread pool of the process can make them wait (BLAKE3 runs at 0.6 to 2.6 GiB/s a
+   core here and releases the GIL, so the event loop keeps moving). Later reads of it come
+   from the page cache on the event loop, unhashed, or from disk in a thread, hashed. (The
+   page cache alone is no proof: readahead fills it from disk unhashed.) ``verify_reads``
+   hashes every read. A chunk that fails is never sent: the request is answered
+   ``internal``, the blob is quarantined (the store's ``quarantine`` when it has one, else
+   this server's own list), one warning is logged, and every later request for it is
+   ``not_found``. A stream its peer ends (resets or closes) soon after chunks went out, as
+   a fetcher that found one bad does, gets its last chunks hashed again, within a byte
+   budget (p2p.blob.recheck), and a failure there quarantines too.
 7. Each body is read into one buffer per request, right behind its header, and written from
    there in slices (no copy per chunk on the fast path).
 8. An upload limit (``upload_limit``, p2p.blob.pacing) paces chunks: each waits for its bytes'
@@ -60,7 +61,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 from libp2p.custom_types import TProtocol
@@ -86,6 +87,7 @@ from p2p.transport.fast import fast_stream_of
 from p2p.transport.host import remote_address_key
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Store errors that mean "not here (any more)": answered `not_found`, so the client moves on.
 # BlobQuarantined: a blob the store quarantined after it failed a re-hash.
@@ -149,6 +151,11 @@ REQUEST_READ_SIZE = 64 * 1024
 # Blobs whose verified-chunk bitmaps this server remembers (one bit per chunk: 128 KiB for a
 # 1 TiB blob at 1 MiB chunks); past it the oldest is forgotten and its chunks hashed again.
 MAX_VERIFIED_BLOBS = 1024
+# Worker threads that read the store for peers (manifests, bitmaps, chunks, re-checks): a
+# limiter of the server's own, so reads of the store never queue behind other threads of
+# the process (trio's default 40, which a daemon's puts of users' files or a hung mount
+# could fill). 16 keeps a disk's queue deep and every core hashing; more only queue.
+DISK_THREADS = 16
 # A `peers` answer lists each fellow's addresses from the peerstore, and a swarm asks for
 # them many times a second: each peer's are read (and turned into strings) at most this
 # often, for at most this many peers (p2p.blob.swarm's MAX_SWARM_PEERS per blob, a few blobs).
@@ -185,6 +192,7 @@ class ServerLimits:
     max_verified_blobs: int = MAX_VERIFIED_BLOBS
     addrs_cache_s: float = ADDRS_CACHE_S
     max_addrs_cached: int = MAX_ADDRS_CACHED
+    disk_threads: int = DISK_THREADS
 
     def with_(self, **changes: Any) -> ServerLimits:
         """A copy with ``changes`` (field names as above)."""
@@ -392,6 +400,8 @@ class BlobServer:
             light_ip=limits.light_ip_send_bytes,
         )
         self.idle = IdleStreams()
+        # The threads this server reads the store in (DISK_THREADS says why its own).
+        self.disk = trio.CapacityLimiter(limits.disk_threads)
         self.evicted = 0
         self.quarantined: set[str] = set()
         # Chunks hashed once by this process (theory, rule 6), by blob ID.
@@ -417,6 +427,10 @@ class BlobServer:
         self.host = host
         for protocol_id in proto.SERVED_PROTOCOL_IDS:
             host.set_stream_handler(TProtocol(protocol_id), self.handle_stream)
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in one of this server's disk threads."""
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.disk)
 
     @property
     def streams_per_peer(self) -> Counter[str]:
@@ -554,7 +568,7 @@ class BlobServer:
                 continue
             self.stats.rechecked += 1
             try:
-                await trio.to_thread.run_sync(self._reverify, chunk)
+                await self._in_thread(self._reverify, chunk)
             except _NOT_HERE:  # removed or quarantined since (another stream found it)
                 continue
             except CorruptChunk as exc:
@@ -653,24 +667,24 @@ class BlobServer:
     ) -> None:
         try:
             if isinstance(request, proto.ManifestRequest):
-                manifest = await trio.to_thread.run_sync(self._manifest, request.blob_id)
+                manifest = await self._in_thread(self._manifest, request.blob_id)
                 encoded = manifest.encode()
                 response: proto.ManifestResponse | proto.HaveResponse
                 response = proto.ManifestResponse(encoded)
                 await self._send_held(stream, conn, response, len(encoded), peer, ip)
             elif isinstance(request, proto.HaveRequest):
-                manifest, bitmap = await trio.to_thread.run_sync(self._have, request.blob_id)
+                manifest, bitmap = await self._in_thread(self._have, request.blob_id)
                 response = proto.HaveResponse(num_chunks=manifest.num_chunks, bitmap=bitmap)
                 await self._send_held(stream, conn, response, len(bitmap), peer, ip)
             elif isinstance(request, proto.StatusRequest):
-                manifest, bitmap = await trio.to_thread.run_sync(self._have, request.blob_id)
+                manifest, bitmap = await self._in_thread(self._have, request.blob_id)
                 n = manifest.num_chunks
                 soon = self.board.soon(request.blob_id, n, bitmap)
                 count = self._fellows(request.blob_id, peer) if conn.counts_fellows else None
                 status = proto.StatusResponse(num_chunks=n, bitmap=bitmap, soon=soon, fellows=count)
                 await self._send_held(stream, conn, status, 2 * len(bitmap), peer, ip)
             elif isinstance(request, proto.PeersRequest):
-                await trio.to_thread.run_sync(self._check_present, request.blob_id)
+                await self._in_thread(self._check_present, request.blob_id)
                 listed = listing(
                     self.swarm, request.blob_id, peer, trio.current_time(), self._addrs_of
                 )
@@ -779,7 +793,7 @@ class BlobServer:
         peer: str,
         ip: str,
     ) -> None:
-        manifest, bitmap = await trio.to_thread.run_sync(self._have, request.blob_id)
+        manifest, bitmap = await self._in_thread(self._have, request.blob_id)
         n = manifest.num_chunks
         for start, end in request.ranges:
             if end > n:
@@ -810,7 +824,7 @@ class BlobServer:
         copy_out = fast_stream_of(stream) is None
         sent = self._sent.get(id(stream))
         buf = memoryview(bytearray(size))
-        reader = await trio.to_thread.run_sync(self.store.open_reader, request.blob_id)
+        reader = await self._in_thread(self.store.open_reader, request.blob_id)
         try:
             for start, end in request.ranges:
                 for index in range(start, end):
@@ -827,7 +841,7 @@ class BlobServer:
                             index, body, verify=False, cached_only=True
                         )
                         if not inline:
-                            await trio.to_thread.run_sync(self._read_into, reader, index, body)
+                            await self._in_thread(self._read_into, reader, index, body)
                             verified[index // 8] |= 1 << (index % 8)
                     except ChunkUnavailable:
                         missing.append(index)

@@ -514,3 +514,34 @@ async def test_half_a_request_loses_its_stream_at_the_arrival_deadline(tmp_path:
         start = trio.current_time()
         assert await wait_for(lambda: target.server.streams.used == 0, 5.0)
         assert 0.9 < trio.current_time() - start < 5.0
+
+
+# --- Threads -----------------------------------------------------------------------------
+
+
+async def test_reads_of_the_store_never_wait_for_the_processs_other_threads(
+    tmp_path: Path,
+) -> None:
+    """Guards against serving on trio's default thread limiter: 42 of a daemon's puts
+    of FIFOs (or reads of a hung mount) held all 40 of its threads, and a peer's get then
+    waited 51 s. With every default thread held, manifests, bitmaps and chunks (read and
+    hashed in threads the first time) are still answered, from the server's own."""
+    import threading
+
+    release = threading.Event()
+    default = trio.to_thread.current_default_thread_limiter()
+    async with served(tmp_path) as target, client(target) as fetcher, trio.open_nursery() as hogs:
+        for _ in range(int(default.total_tokens)):
+            hogs.start_soon(trio.to_thread.run_sync, release.wait)
+        assert await wait_for(lambda: default.borrowed_tokens == default.total_tokens, 10)
+        try:
+            with trio.fail_after(10):
+                stream = await open_stream(fetcher, target)
+                manifest = await first_event(stream, proto.ManifestRequest(target.blob_id))
+                assert isinstance(manifest, proto.ManifestResponse)
+                have = await first_event(stream, proto.HaveRequest(target.blob_id))
+                assert isinstance(have, proto.HaveResponse)
+                chunk = await first_event(stream, proto.GetRequest(target.blob_id, ((0, 1),)))
+                assert isinstance(chunk, proto.Chunk), chunk
+        finally:
+            release.set()
