@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 import os
 import resource
 import signal
@@ -103,11 +104,26 @@ bootstrap_option = click.option(
 verbose_option = click.option(
     "-v", "--verbose", count=True, help="Warnings and progress notes on stderr (-vv: debug)."
 )
+
+
+class Rate(click.FloatRange):
+    """A rate in MB/s: a finite number at least ``min``. (click's FloatRange lets ``nan``
+    through, since no comparison with it is true, and ``inf`` is no rate.)"""
+
+    name = "rate"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a number of MB/s", param, ctx)
+        return number
+
+
 # MB/s on the command line (1e6 bytes), bytes/s in NodeConfig; p2p.blob.pacing's floor.
 upload_limit_option = click.option(
     "--upload-limit",
     "upload_limit",
-    type=click.FloatRange(min=MIN_UPLOAD_LIMIT / 1e6),
+    type=Rate(min=MIN_UPLOAD_LIMIT / 1e6),
     metavar="MB/S",
     help="Send at most this many MB/s to other peers, all together (default: no limit).",
 )

@@ -8,9 +8,10 @@ Rules
 2. Flags win: the file's values become the defaults of the command's options (click's
    ``default_map``), so an option given on the command line replaces the file's value,
    and global flags before the subcommand (``blob -v serve``) win over both.
-3. A file that cannot be read or parsed, an unknown table or key, or a value of the wrong
-   type is a usage error naming the file and the key, before anything starts; a file
-   that does not exist is not found (exit 3).
+3. A file that cannot be read or parsed (or is not a regular file: a FIFO would hang the
+   read), an unknown table or key, or a value of the wrong type or out of range (``nan``
+   for a rate) is a usage error naming the file and the key, before anything starts; a
+   file that does not exist is not found (exit 3).
 4. ``--print-config`` prints the merged result as TOML and exits: what the serve would
    run with, in the form the file takes.
 """
@@ -18,6 +19,7 @@ Rules
 from __future__ import annotations
 
 import os
+import stat
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +44,7 @@ SERVE_KEYS = {
     "metrics": "metrics",
     "api_listen": "api_listen",
     "api_allow_remote": "api_allow_remote",
+    "api_put_dir": "api_put_dirs",
 }
 # A configuration file is a few hundred bytes; anything far larger is not one.
 MAX_CONFIG_BYTES = 1 << 20
@@ -52,17 +55,35 @@ def default_config_path() -> Path:
     return Path(config_home) / "blobnet" / "config.toml"
 
 
-def read_config(path: Path) -> dict[str, Any]:
-    """The ``[serve]`` table of ``path`` as parameter defaults (rules 1 and 3)."""
+def _read_regular(path: Path) -> bytes:
+    """At most MAX_CONFIG_BYTES + 1 bytes of the regular file ``path``. Opened without
+    blocking and checked before reading: a FIFO (or a device) given as the file would
+    otherwise hang the command until something writes to it."""
     try:
-        with path.open("rb") as handle:
-            raw = handle.read(MAX_CONFIG_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise PathNotFound(f"no configuration file at {path}") from None  # README: exit 3
     except OSError as exc:
         raise click.BadParameter(
             f"cannot read {path}: {exc.strerror}", param_hint="--config"
         ) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise click.BadParameter(f"{path} is not a regular file", param_hint="--config")
+        os.set_blocking(fd, True)
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            return handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise click.BadParameter(
+            f"cannot read {path}: {exc.strerror}", param_hint="--config"
+        ) from None
+    finally:
+        os.close(fd)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The ``[serve]`` table of ``path`` as parameter defaults (rules 1 and 3)."""
+    raw = _read_regular(path)
     if len(raw) > MAX_CONFIG_BYTES:
         raise click.BadParameter(f"{path} is over {MAX_CONFIG_BYTES} bytes", param_hint="--config")
     try:
@@ -70,6 +91,13 @@ def read_config(path: Path) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise click.BadParameter(
             f"{path} is not valid TOML: {exc}", param_hint="--config"
+        ) from None
+    except RecursionError:
+        # tomllib parses nested arrays and tables recursively: a file of thousands of
+        # brackets (well under MAX_CONFIG_BYTES) runs out of stack. No option nests.
+        raise click.BadParameter(
+            f"{path} is not valid TOML: its arrays or tables nest too deeply",
+            param_hint="--config",
         ) from None
     unknown = sorted(set(doc) - {"serve"})
     if unknown:

@@ -56,3 +56,43 @@ def test_mistakes_in_the_file_are_usage_errors(tmp_path: Path, text: str, said: 
     config.write_text(text)
     err = _serve(tmp_path, "--config", str(config), "--print-config", code=2)
     assert said in err and str(config) in err
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("[serve]\nupload-limit = nan\n", "is not a number of MB/s"),
+        ("[serve]\ndownload-limit = inf\n", "is not a number of MB/s"),
+        ("[serve]\nlisten = " + "[" * 5000 + "]" * 5000 + "\n", "nest too deeply"),
+    ],
+)
+def test_values_no_parser_or_rate_can_take_are_usage_errors(
+    tmp_path: Path, text: str, said: str
+) -> None:
+    """Guards against a traceback: `upload-limit = nan` passed click's FloatRange (no
+    comparison with nan is true) and reached the Pacer, and 5,000-deep arrays ran tomllib
+    out of stack (RecursionError)."""
+    config = tmp_path / "c.toml"
+    config.write_text(text)
+    err = _serve(tmp_path, "--config", str(config), "--print-config", code=2)
+    assert said in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-nan"])
+def test_a_rate_flag_must_be_a_finite_number(tmp_path: Path, value: str) -> None:
+    """Guards against `serve --upload-limit nan` reaching the Pacer (a traceback)."""
+    err = _serve(tmp_path, "--upload-limit", value, "--print-config", code=2)
+    assert "is not a number of MB/s" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_as_the_config_file_is_refused_at_once(tmp_path: Path) -> None:
+    """Guards against a hang: the file was opened for a blocking read, and a FIFO with no
+    writer never answers."""
+    import os
+
+    fifo = tmp_path / "c.toml"
+    os.mkfifo(fifo)
+    err = _serve(tmp_path, "--config", str(fifo), "--print-config", code=2)
+    assert "is not a regular file" in err and str(fifo) in err
