@@ -15,14 +15,17 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from p2p.blob.pacing import MIN_UPLOAD_LIMIT
+from p2p.cli.common import Rate
 
 if TYPE_CHECKING:
     from identity import TrustStore
+    from p2p.daemon.scrape import Exposition
     from p2p.node.node import Node
 
 log = logging.getLogger("blobnet.serve")
@@ -43,6 +46,8 @@ class Fleet:
     metrics: str | None = None
     download_limit: float | None = None  # MB/s, as given
     api_listen: tuple[str, int] | None = None
+    # Where the TCP API's `put` may read (p2p.daemon.paths rule 2): absolute, links resolved.
+    api_put_dirs: tuple[Path, ...] = ()
 
     def download_rate(self) -> float | None:
         """Bytes per second for NodeConfig.download_limit."""
@@ -60,30 +65,28 @@ class Fleet:
     async def running(
         self, node: Node, reach: Any, role: str, relay: Any = None
     ) -> AsyncIterator[None]:
-        """The local API and the metrics endpoint beside ``node``; the summary at the end."""
+        """The local API and the metrics endpoint beside ``node`` (both listening before the
+        block, so a port taken ends the command before its ready line); the summary at the
+        end of a node that ran."""
         from p2p.daemon.server import serve_api
         from p2p.daemon.status import DaemonInfo
 
         trust = node.config.admission
         authorities = tuple(sorted(k.hex() for k in trust.authorities)) if trust else ()
         info = DaemonInfo(role, reach=reach, authorities=authorities, relay=relay)
-        started = time.monotonic()
-        stop_http: Callable[[], None] | None = None
-        try:
-            async with serve_api(node, info, self.api_listen):
-                if info.api_addr is not None:
-                    click.echo(
-                        f"local API at tcp {info.api_addr} (token in "
-                        f"{node.store.root / 'api.token'}; blob --api {info.api_addr})",
-                        err=True,
-                    )
-                if self.metrics is not None:
-                    stop_http = serve_metrics(node, self.metrics)
-                yield
-        finally:
-            if stop_http is not None:
-                stop_http()
-            click.echo(summary(node, time.monotonic() - started), err=True)
+        async with serve_api(node, info, self.api_listen, self.api_put_dirs) as daemon:
+            if info.api_addr is not None:
+                click.echo(
+                    f"local API at tcp {info.api_addr} (token in "
+                    f"{node.store.root / 'api.token'}; blob --api {info.api_addr})",
+                    err=True,
+                )
+            async with serve_metrics(daemon.exposition, self.metrics):
+                started = time.monotonic()
+                try:
+                    yield
+                finally:
+                    click.echo(summary(node, time.monotonic() - started), err=True)
 
 
 def parse_metrics_addr(value: str) -> tuple[str, int]:
@@ -128,27 +131,35 @@ def parse_api_listen(value: str, allow_remote: bool) -> tuple[str, int]:
     return host, number
 
 
-def serve_metrics(node: Node, addr: str) -> Callable[[], None]:
-    """Serve ``node``'s metrics at ``http://ADDR/metrics`` (a thread of prometheus-client's
-    own HTTP server); the function returned stops it."""
-    from prometheus_client import start_http_server
-
-    host, port = parse_metrics_addr(addr)
+def metrics_warning(value: str) -> str | None:
+    """The warning for ``--metrics`` beyond loopback (the operator's choice, said once, as
+    ``--api-allow-remote``'s is), or None."""
+    host, _port = parse_metrics_addr(value)
     try:
-        server, thread = start_http_server(port, addr=host, registry=node.metrics.registry)
-    except OSError as exc:
-        from p2p.errors import ListenFailed
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback:
+        return None
+    return (
+        f"blob: warning: metrics are served on {host}, beyond this machine: whoever reaches "
+        "it reads this node's counts and sizes"
+    )
 
-        raise ListenFailed(f"could not serve metrics on {addr}: {exc.strerror}") from None
-    bound = server.server_address
-    click.echo(f"metrics at http://{bound[0]!s}:{bound[1]}/metrics", err=True)
 
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+@asynccontextmanager
+async def serve_metrics(exposition: Exposition, addr: str | None) -> AsyncIterator[None]:
+    """Serve the metrics at ``http://ADDR/metrics`` for the block (p2p.daemon.scrape: on
+    the node's event loop, every wait bounded); nothing when ``addr`` is None."""
+    from p2p.daemon import scrape
 
-    return stop
+    if addr is None:
+        yield
+        return
+    host, port = parse_metrics_addr(addr)
+    async with scrape.serve_metrics(exposition, host, port) as bound:
+        click.echo(f"metrics at http://{bound[0]}:{bound[1]}/metrics", err=True)
+        yield
 
 
 def summary(node: Node, seconds: float) -> str:
@@ -164,8 +175,8 @@ def summary(node: Node, seconds: float) -> str:
 
 
 def fleet_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--authority``, ``--metrics``, ``--download-limit`` and ``--api-listen``, handed to
-    ``command`` as ``fleet``."""
+    """``--authority``, ``--metrics``, ``--download-limit``, ``--api-listen`` and
+    ``--api-put-dir``, handed to ``command`` as ``fleet``."""
 
     @functools.wraps(command)
     def wrapper(
@@ -175,16 +186,31 @@ def fleet_options(command: Callable[..., Any]) -> Callable[..., Any]:
         download_limit: float | None,
         api_listen: str | None,
         api_allow_remote: bool,
+        api_put_dirs: tuple[Path, ...],
         **kw: Any,
     ) -> Any:
         if metrics is not None:
-            parse_metrics_addr(metrics)  # a usage error before anything starts
+            warning = metrics_warning(metrics)  # a usage error before anything starts
+            if warning is not None:
+                click.echo(warning, err=True)
         if api_allow_remote and api_listen is None:
             raise click.UsageError("--api-allow-remote widens --api-listen: give that too")
+        if api_put_dirs and api_listen is None:
+            raise click.UsageError("--api-put-dir is for the TCP API: give --api-listen too")
         tcp = None if api_listen is None else parse_api_listen(api_listen, api_allow_remote)
-        fleet = Fleet(tuple(authorities), metrics, download_limit, tcp)
+        dirs = tuple(Path(d) for d in api_put_dirs)
+        fleet = Fleet(tuple(authorities), metrics, download_limit, tcp, dirs)
         return command(*args, fleet=fleet, **kw)
 
+    wrapper = click.option(
+        "--api-put-dir",
+        "api_put_dirs",
+        multiple=True,
+        metavar="DIR",
+        type=click.Path(exists=True, file_okay=False, resolve_path=True, path_type=Path),
+        help="Let the TCP API's put read files under DIR (repeatable; default: nowhere, so "
+        "TCP clients cannot have the daemon read this machine's files).",
+    )(wrapper)
     wrapper = click.option(
         "--api-allow-remote",
         "api_allow_remote",
@@ -202,7 +228,7 @@ def fleet_options(command: Callable[..., Any]) -> Callable[..., Any]:
     wrapper = click.option(
         "--download-limit",
         "download_limit",
-        type=click.FloatRange(min=MIN_UPLOAD_LIMIT / 1e6),
+        type=Rate(min=MIN_UPLOAD_LIMIT / 1e6),
         metavar="MB/S",
         help="Receive at most this many MB/s in this node's fetches, all together (default: "
         "no limit).",

@@ -8,12 +8,14 @@ program.
 Rules
 1. ``run(argv)`` returns an exit status when it handled the command, None when the full
    program must: no daemon answers (no socket file, or connecting is refused: nothing was
-   sent), or the command line holds anything this parser does not take (``--help``, an
-   option only the full command has, a malformed value). The full program then does what
-   it always did, its own daemon path included, with its own checks and messages.
-2. Once a request is sent, the daemon's answer is final: a result is printed as the full
-   command prints it (the same JSON, with ``"via": "daemon"``), an error as one line
-   ``blob: error: ...`` with the exit status the command would have had.
+   sent), the daemon answers its first request ``busy`` (it did nothing: the command runs
+   on a node of its own, or, for ``status``, asks again), or the command line holds
+   anything this parser does not take (``--help``, an option only the full command has, a
+   malformed value). The full program then does what it always did, its own daemon path
+   included, with its own checks and messages.
+2. Otherwise, once a request is sent, the daemon's answer is final: a result is printed as
+   the full command prints it (the same JSON, with ``"via": "daemon"``), an error as one
+   line ``blob: error: ...`` with the exit status the command would have had.
 3. Global options (``--store``, ``--key``, ``--json``, ``-v``) may stand before or after
    the command, as in the full program; ``--api`` and ``--api-token`` before it.
 4. Nothing here imports beyond the standard library, ``p2p.daemon.api`` and
@@ -34,6 +36,7 @@ from typing import Any
 
 from p2p.daemon import api
 from p2p.daemon.client import (
+    BUSY,
     BadEndpoint,
     DaemonClient,
     DaemonGone,
@@ -221,6 +224,8 @@ class Session:
                 if on_event is not None:
                     on_event(event)
             elif kind == "error":
+                if event.get("code") == BUSY:
+                    raise NotHere  # rule 1: nothing done yet; the full program's turn
                 raise DaemonRefused(
                     str(event.get("code")), str(event.get("message")),
                     int(event.get("exit_code", 1)),

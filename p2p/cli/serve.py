@@ -94,10 +94,12 @@ async def _serve_until_signal(
 
 
 def _serve_checks(ctx: click.Context, bootstrap: Sequence[str]) -> tuple[Store, MachineKey]:
+    from p2p.daemon.server import check_store_free
     from p2p.node.dial import check_not_self
 
     check_peer_addrs(bootstrap, "--bootstrap")
     store = store_of(ctx)
+    check_store_free(store.root)  # one daemon per store: refused before a node starts
     key_path = key_path_of(ctx)
     key = load_key(key_path, server=True)
     check_not_self(bootstrap, key.peer_id, key_path)

@@ -9,14 +9,18 @@ Rules
    parsed), an event by ``MAX_EVENT_BYTES``. A request that is not valid JSON, names
    another API version or an unknown op gets an ``error`` event with a code saying so.
 3. An ``error`` event says whose fault it was: ``code`` ``bad_request`` (the client's),
-   ``unsupported_version``, ``busy`` (the daemon's limits), ``internal`` (the daemon's
-   bug), ``unauthorized`` (a TCP request without the right token), or the name of the
-   blobnet error the operation raised (``NoProviders``, ``FetchFailed``, ...) with that
-   error's exit status, so a thin client exits as the command would have without a daemon.
+   ``unsupported_version``, ``busy`` (the daemon's limits: the client runs on its own),
+   ``internal`` (the daemon's bug), ``unauthorized`` (a TCP request without the right
+   token), ``forbidden`` (a ``put`` of a path this caller may not have the daemon read), or
+   the name of the blobnet error the operation raised (``NoProviders``, ``FetchFailed``,
+   ...) with that error's exit status, so a thin client exits as the command would have
+   without a daemon.
 4. The Unix socket needs no token: its mode lets only the store's owner connect. The TCP
    listener (``serve --api-listen``, loopback unless forced) takes a request only with the
    ``token`` held in ``<store>/api.token`` (mode 0600, so again only the owner can read
-   it), compared in constant time.
+   it), compared in constant time, and checked before anything else is read from the
+   request: on TCP, a line that is not a JSON object carrying that token is
+   ``unauthorized``, whatever else is wrong with it.
 5. This module and ``client`` import nothing beyond the standard library: ``blob get`` and
    friends on a store a daemon serves load only them (p2p.cli.light), so the exit statuses
    below are the values of blobstore.exitcodes.ExitCode (a test holds them equal) rather than
@@ -25,6 +29,7 @@ Rules
 
 from __future__ import annotations
 
+import hmac
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +45,9 @@ TOKEN_BYTES = 32
 SOCKET_MODE = 0o600
 # A request names a blob and at most MAX_PROVIDERS addresses of a few hundred bytes each.
 MAX_REQUEST_BYTES = 64 * 1024
+# A request is an object holding strings and lists of strings: two levels. Nesting is
+# bounded by the line's length and by the interpreter's recursion limit (json's decoder
+# counts its depth against it and raises RecursionError): such a line is a bad request.
 MAX_PROVIDERS = 64
 # The largest event: a status of a busy node (hundreds of connections, tens of transfers) or
 # the metrics text, a few hundred KiB; 16 MiB is far above and still bounds a client.
@@ -50,11 +58,14 @@ OPS = ("hello", "status", "metrics", "fetch", "announce", "resolve", "put", "pub
 # A resolve waits for peers and the DHT at most this long (blob resolve --wait's ceiling).
 MAX_RESOLVE_WAIT = 600.0
 MAX_AUTHORITIES = 64
-ERROR_CODES = ("bad_request", "unsupported_version", "busy", "internal", "unauthorized")
+ERROR_CODES = (
+    "bad_request", "unsupported_version", "busy", "internal", "unauthorized", "forbidden",
+)  # fmt: skip
 # blobstore.exitcodes.ExitCode's values (rule 5).
 EXIT_REJECTED = 1
 EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
+EXIT_LOCAL_IO = 5
 EXIT_NETWORK = 6
 EXIT_INTERRUPTED = 130
 
@@ -93,16 +104,40 @@ def encode_line(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
-def decode_request(line: bytes) -> Request:
-    """One request line (without its newline) as a Request; ApiError if it is not one."""
+UNAUTHORIZED = (
+    "the local API's TCP listener wants the token in the store's api.token (blob --api-token FILE)"
+)
+
+
+def _parse_object(line: bytes) -> dict[str, Any]:
     if len(line) > MAX_REQUEST_BYTES:
         raise ApiError("bad_request", f"request longer than {MAX_REQUEST_BYTES} bytes")
     try:
         obj = json.loads(line)
+    except RecursionError:
+        raise ApiError("bad_request", "request nests too deeply") from None
     except (ValueError, UnicodeDecodeError):
         raise ApiError("bad_request", "request is not a JSON object on one line") from None
     if not isinstance(obj, dict):
         raise ApiError("bad_request", "request is not a JSON object")
+    return obj
+
+
+def decode_request(line: bytes, token: str | None = None) -> Request:
+    """One request line (without its newline) as a Request; ApiError if it is not one.
+    With ``token`` (the TCP listener's), a line that is not an object carrying it is
+    ``unauthorized`` before anything else is judged (rule 4)."""
+    if token is None:
+        obj = _parse_object(line)
+    else:
+        try:
+            obj = _parse_object(line)
+        except ApiError:
+            obj = {}
+        given = obj.get("token")
+        given_bytes = given.encode(errors="replace") if isinstance(given, str) else b""
+        if not hmac.compare_digest(given_bytes, token.encode()):
+            raise ApiError("unauthorized", UNAUTHORIZED)
     version = obj.pop("api", None)
     if version != API_VERSION:
         raise ApiError(
@@ -111,8 +146,8 @@ def decode_request(line: bytes) -> Request:
     op = obj.pop("op", None)
     if op not in OPS:
         raise ApiError("bad_request", f"unknown op {op!r} (known: {', '.join(OPS)})")
-    token = obj.pop("token", None)
-    return Request(op, obj, token if isinstance(token, str) else None)
+    carried = obj.pop("token", None)
+    return Request(op, obj, carried if isinstance(carried, str) else None)
 
 
 def fetch_args(request: Request) -> tuple[str, list[str], bool]:

@@ -39,6 +39,9 @@ CONNECT_TIMEOUT = 1.0
 # Longest silence between two events (the daemon sends one every 0.2 s while it works).
 IDLE_TIMEOUT = 30.0
 READ_SIZE = 64 * 1024
+# The error code of a daemon at its limit of clients: it did nothing, so the command may run
+# on its own node instead (API.md).
+BUSY = "busy"
 
 
 class DaemonGone(Exception):
@@ -231,8 +234,9 @@ def connect(
     store_root: Path, api_addr: str | None = None, token_file: Path | None = None
 ) -> DaemonClient | None:
     """A client of the daemon serving ``store_root`` (or at ``api_addr``, see
-    ``endpoint``), or None when none answers there. A TCP daemon that refuses the token is
-    an error (DaemonRefused), not an absent daemon: the user asked for that one."""
+    ``endpoint``), or None when none answers there or it is ``busy`` (the command then runs
+    on a node of its own). A TCP daemon that refuses the token is an error
+    (DaemonRefused), not an absent daemon: the user asked for that one."""
     where = endpoint(Path(store_root), api_addr, token_file)
     if where.path is not None and not where.path.exists():
         return None
@@ -241,8 +245,8 @@ def connect(
         client.request("hello")
     except (OSError, DaemonGone):
         return None
-    except DaemonRefused:
-        if where.path is None:
+    except DaemonRefused as exc:
+        if where.path is None and exc.code != BUSY:
             raise
         return None
     return client

@@ -1,24 +1,34 @@
-"""The local API of a running node: a Unix socket in its store (``API.md``).
+"""The local API of a running node: a Unix socket in its store, and TCP when asked (``API.md``).
 
 Theory of operation
-1. The socket is bound under a temporary name, given mode 0600, then renamed to
-   ``<store>/api.sock``: no moment exists where another user could connect. It is
-   removed when the daemon stops. A socket file left by a killed daemon (connecting to it
-   is refused) is replaced; a live one (another daemon on this store) is left alone and
-   this node runs without an API, saying so once.
-2. Each connection carries one request (p2p.daemon.api rule 1), read within
-   ``REQUEST_TIMEOUT``; at most ``MAX_CLIENTS`` are served at once, the rest get ``busy``.
-3. ``fetch`` runs on the daemon's node (its connections, DHT table, banned peers) and
-   sends a ``progress`` event every ``PROGRESS_INTERVAL`` (also a heartbeat: a client
-   whose read waits longer knows the daemon is gone). A client that goes away cancels its
-   fetch; what verified stays in the store, so the next fetch resumes.
-4. Every failure of a request is one ``error`` event to that client (api rule 3); none
-   ends the daemon.
-5. ``put`` reads the client's file in a worker thread (the store's own put, with a lease
-   until it is tagged) and provides the blob on the DHT at once; ``publish`` and
-   ``catalog`` run on the daemon's node as the commands would on their own. Long ones send
-   ``progress`` events as ``fetch`` does (rule 3's heartbeat).
-6. With ``api_listen`` the same API also listens on TCP (loopback unless the operator
+1. One daemon per store. A daemon holds an exclusive lock on ``<store>/api.lock`` while it
+   runs (the kernel lets go when the process ends, however it ends); another ``serve`` on
+   the store finds it held and is refused (``DaemonRunning``, exit 5), leaving the first
+   untouched. Holding it, the daemon binds the socket under a temporary name, gives it
+   mode 0600 and renames it to ``<store>/api.sock`` (replacing one a killed daemon left):
+   no moment exists where another user could connect. It is removed when the daemon stops.
+2. Each connection carries one request (p2p.daemon.api rule 1), whose line must arrive
+   within ``REQUEST_TIMEOUT``. Each listener has budgets of its own (p2p.daemon.slots):
+   at most ``MAX_PENDING`` connections waiting for their line (a newcomer ends the oldest)
+   and ``MAX_CLIENTS`` requests served (one more is answered ``busy``), so a flood on the
+   TCP port never takes the socket's room. On TCP the token is checked first (api rule 4).
+3. Nothing a client does ends the daemon: every event is written within ``SEND_TIMEOUT``,
+   a client that left or stopped reading is taken for gone, and every failure of a request
+   is one ``error`` event to its client (api rule 3), or nothing if it is gone.
+4. A request runs while its client stays. The daemon watches each connection; a client
+   that closes it (Ctrl-C) cancels its request: a fetch stops (what verified stays, the
+   next resumes), a put stops reading at its next block and stores, tags and provides
+   nothing. Long requests send a ``progress`` event every ``PROGRESS_INTERVAL``, which is
+   also a heartbeat: a client whose read waits longer knows the daemon is gone.
+5. ``put`` reads only what p2p.daemon.paths allows (the socket caller's own files, the TCP
+   API's listed directories; regular files and directories), in threads of its own
+   limiter (``USER_PATH_THREADS``), never those the blob server reads the store with or
+   trio's default ones: a hung file system stalls at most those puts. A put whose client
+   is gone and whose thread is stuck in a read is left behind, holding its place in that
+   limiter, while the daemon answers on. The blob is provided on the DHT at once.
+6. ``fetch``, ``publish``, ``resolve`` and ``catalog`` run on the daemon's node (its
+   connections, DHT table, banned peers, key) as the commands would on their own.
+7. With ``api_listen`` the same API also listens on TCP (loopback unless the operator
    forces otherwise); a new token is written to ``<store>/api.token`` (mode 0600, through
    the store's durable write) before the listener opens, and every TCP request must carry
    it (api rule 4). The file is removed when the daemon stops.
@@ -26,20 +36,25 @@ Theory of operation
 
 from __future__ import annotations
 
-import errno
+import fcntl
 import logging
 import os
 import secrets
 import socket
+import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from p2p.daemon import api
+from blobstore.exitcodes import ExitCode
+from p2p.daemon import api, paths
+from p2p.daemon.scrape import Exposition
+from p2p.daemon.slots import ListenerSlots
 from p2p.daemon.status import DaemonInfo, NodeCollector, StoreCount, node_status
 
 if TYPE_CHECKING:
@@ -48,13 +63,95 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A local client sends its request line at once; a second covers a loaded machine.
-REQUEST_TIMEOUT = 5.0
-# Clients served at once: a few scripts and an operator's status calls.
+# A client sends its request line right after connecting: two seconds cover a loaded
+# machine and a remote client's round trips, and a silent connection goes that soon.
+REQUEST_TIMEOUT = 2.0
+# Connections waiting for their line, per listener: far more than clients connect at once;
+# past it a newcomer ends the oldest (p2p.daemon.slots rule 2).
+MAX_PENDING = 256
+# Requests served at once, per listener: a few scripts and an operator's status calls.
 MAX_CLIENTS = 64
-# Progress (and heartbeat) events of a fetch: 5 a second is smooth for a bar, and cheap.
+# An event a client does not take within this long (its socket buffer full) means it stopped
+# reading: it is taken for gone, and its request cancelled.
+SEND_TIMEOUT = 10.0
+# Progress (and heartbeat) events of a long request: 5 a second is smooth for a bar, and cheap.
 PROGRESS_INTERVAL = 0.2
 READ_SIZE = 64 * 1024
+# Threads that read files named by clients (rule 5): each put holds one while it reads.
+# A few puts run at once; a file system that hangs holds these and nothing else.
+USER_PATH_THREADS = 4
+LOCK_NAME = "api.lock"
+# The socket's listen backlog: accepts are immediate, this only absorbs a burst.
+LISTEN_BACKLOG = 128
+
+
+class DaemonRunning(Exception):
+    """Another daemon already serves this store (rule 1): exit 5, as a busy store."""
+
+    exit_code = ExitCode.LOCAL_IO
+
+
+class PutCancelled(Exception):
+    """Internal: a put's client left; its thread stops reading (rule 4)."""
+
+
+@dataclass(frozen=True)
+class Listener:
+    """One way in: the Unix socket (no token; puts checked by the caller's uid) or the
+    TCP port (its ``token``; puts only under ``put_dirs``)."""
+
+    slots: ListenerSlots
+    token: str | None = None
+    put_dirs: tuple[Path, ...] = ()
+
+    @property
+    def tcp(self) -> bool:
+        return self.token is not None
+
+
+def listener_slots(name: str) -> ListenerSlots:
+    return ListenerSlots(name, max_pending=MAX_PENDING, max_clients=MAX_CLIENTS)
+
+
+class Client:
+    """One connection's request while it runs: its stream, and whether its client left
+    (a ``threading.Event``, so a worker thread can see it too). Sending never raises: a
+    client that cannot be written to is gone, and its request's scope is cancelled."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.gone = threading.Event()
+        self.scope = trio.CancelScope()
+
+    def leave(self) -> None:
+        self.gone.set()
+        self.scope.cancel()
+
+    async def send(self, event: dict[str, Any]) -> None:
+        if self.gone.is_set():
+            return
+        with trio.move_on_after(SEND_TIMEOUT) as sending:
+            try:
+                await self.stream.send_all(api.encode_line(event))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self.leave()
+        if sending.cancelled_caught:
+            self.leave()
+
+    async def watch(self) -> None:
+        """Rule 4: the client sends nothing after its request; its end of the connection
+        closing means it left."""
+        try:
+            while await self.stream.receive_some(READ_SIZE):
+                pass  # not ours to read; dropped
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        self.leave()
+
+    def check(self) -> None:
+        """In a worker thread: stop if the client left (PutCancelled)."""
+        if self.gone.is_set():
+            raise PutCancelled
 
 
 class Daemon:
@@ -65,80 +162,105 @@ class Daemon:
         self.info = info
         self.store_count = StoreCount()
         node.metrics.registry.register(NodeCollector(node, self.store_count, info))
-        self._clients = 0
-        self.token: str | None = None  # the TCP listener's (rule 6)
+        self.exposition = Exposition(node.metrics)
+        self.socket = Listener(listener_slots("socket"))
+        self.tcp: Listener | None = None  # with api_listen (rule 7)
+        self.user_paths = trio.CapacityLimiter(USER_PATH_THREADS)
+        self._uid = os.geteuid()
+
+    @property
+    def token(self) -> str | None:
+        return None if self.tcp is None else self.tcp.token
 
     def status(self) -> dict[str, Any]:
         return node_status(self.node, self.info, self.store_count)
 
     async def handle(self, stream: trio.SocketStream) -> None:
-        await self._handle(stream, tcp=False)
+        await self._handle(stream, self.socket)
 
     async def handle_tcp(self, stream: trio.SocketStream) -> None:
-        await self._handle(stream, tcp=True)
+        assert self.tcp is not None
+        await self._handle(stream, self.tcp)
 
-    async def _handle(self, stream: trio.SocketStream, *, tcp: bool) -> None:
-        async with stream:
-            if self._clients >= MAX_CLIENTS:
-                busy = api.ApiError("busy", f"the daemon serves {MAX_CLIENTS} clients at once")
-                await _send(stream, api.error_event(busy))
-                return
-            self._clients += 1
+    async def _handle(self, stream: trio.SocketStream, listener: Listener) -> None:
+        """One connection (rules 2 to 4); nothing it does escapes into the listener."""
+        try:
+            async with stream:
+                await self._serve(Client(stream), listener)
+        except Exception as exc:  # rule 3: a daemon bug costs one connection
+            log.warning("local API connection failed: %r", exc)
+
+    async def _serve(self, client: Client, listener: Listener) -> None:
+        slots = listener.slots
+        with trio.CancelScope() as pending:
+            key = slots.arrive(pending.cancel)
             try:
-                request = await _read_request(stream)
-                if tcp:
-                    self._check_token(request)
-                await self._answer(stream, request)
+                line = await _read_line(client.stream)
             except api.ApiError as exc:
-                await _send(stream, api.error_event(exc))
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the client went away (rule 3)
-            except Exception as exc:  # rule 4: one client's failure is its own
-                from p2p.errors import unwrap_single
-
-                # An operation's own error comes out of its nursery (progress beside it)
-                # wrapped in a group.
-                error = unwrap_single(exc) if isinstance(exc, BaseExceptionGroup) else exc
-                log.info("local API request failed: %r", error)
-                try:
-                    await _send(stream, api.error_event(error))
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass
+                await client.send(api.error_event(exc))
+                return
             finally:
-                self._clients -= 1
-
-    def _check_token(self, request: api.Request) -> None:
-        """Rule 6: a TCP request without this daemon's token is refused, whatever it asks."""
-        given = (request.token or "").encode()
-        if self.token is None or not secrets.compare_digest(given, self.token.encode()):
-            raise api.ApiError(
-                "unauthorized",
-                "the local API's TCP listener wants the token in the store's api.token "
-                "(blob --api-token FILE)",
+                slots.read(key)
+        if line is None:
+            return  # gone, silent past REQUEST_TIMEOUT, or ended to make room: no answer
+        try:
+            request = api.decode_request(line, listener.token)
+        except api.ApiError as exc:
+            await client.send(api.error_event(exc))
+            return
+        if not slots.take():
+            busy = api.ApiError(
+                "busy", f"the daemon serves {slots.max_clients} clients at once on its {slots.name}"
             )
+            await client.send(api.error_event(busy))
+            return
+        try:
+            await self._run(client, request, listener)
+        finally:
+            slots.leave()
 
-    async def _answer(self, stream: trio.SocketStream, request: api.Request) -> None:
+    async def _run(self, client: Client, request: api.Request, listener: Listener) -> None:
+        """Rule 4: the request, cancelled when its client leaves; its result or error."""
+        event: dict[str, Any] | None = None
+        try:
+            with client.scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(client.watch)
+                    try:
+                        result = await self._answer(client, request, listener)
+                        event = {"event": "result", **result}
+                    except Exception as exc:
+                        error = _one(exc)
+                        event = api.error_event(error)
+                        if not isinstance(error, api.ApiError):
+                            log.info("local API request %s failed: %r", request.op, error)
+                    nursery.cancel_scope.cancel()
+            if event is not None:
+                await client.send(event)
+        finally:
+            client.gone.set()  # whatever ended it, a put's thread stops at its next block
+
+    async def _answer(
+        self, client: Client, request: api.Request, listener: Listener
+    ) -> dict[str, Any]:
         if request.op == "hello":
-            result = {"api": api.API_VERSION, "peer_id": self.node.peer_id}
-        elif request.op == "status":
-            result = await trio.to_thread.run_sync(self.status)
-        elif request.op == "metrics":
-            text = await trio.to_thread.run_sync(self.node.metrics.render)
-            result = {"text": text.decode()}
-        elif request.op == "resolve":
-            result = await self._resolve(request)
-        elif request.op == "announce":
+            return {"api": api.API_VERSION, "peer_id": self.node.peer_id}
+        if request.op == "status":
+            return await trio.to_thread.run_sync(self.status)
+        if request.op == "metrics":
+            return {"text": (await self.exposition.text()).decode()}
+        if request.op == "resolve":
+            return await self._resolve(request)
+        if request.op == "announce":
             blob_id, _providers, _recursive = api.fetch_args(request)
-            result = {"id": blob_id, "provided": await self.node.provide(blob_id)}
-        elif request.op == "put":
-            result = await self._put(stream, api.put_args(request))
-        elif request.op == "publish":
-            result = await self._publish(api.publish_args(request))
-        elif request.op == "catalog":
-            result = await self._catalog(request)
-        else:
-            result = await self._fetch(stream, request)
-        await _send(stream, {"event": "result", **result})
+            return {"id": blob_id, "provided": await self.node.provide(blob_id)}
+        if request.op == "put":
+            return await self._put(client, api.put_args(request), listener)
+        if request.op == "publish":
+            return await self._publish(api.publish_args(request))
+        if request.op == "catalog":
+            return await self._catalog(request)
+        return await self._fetch(client, request)
 
     async def _resolve(self, request: api.Request) -> dict[str, Any]:
         """The newest valid record for a name, found by the daemon's node (its peers, its
@@ -162,8 +284,9 @@ class Daemon:
             except P2PError as exc:
                 log.info("local API: %s", exc)
 
-    async def _put(self, stream: trio.SocketStream, args: api.PutArgs) -> dict[str, Any]:
-        """Rule 5: the store's put of the client's path, then a DHT provide."""
+    async def _put(self, client: Client, args: api.PutArgs, listener: Listener) -> dict[str, Any]:
+        """Rules 4 and 5: the store's put of a path this caller may have read, then a DHT
+        provide."""
         from blobstore.cli import parse_size
         from blobstore.errors import StoreError
         from blobstore.manifest import DEFAULT_CHUNK_SIZE, check_chunk_size
@@ -178,21 +301,30 @@ class Daemon:
                 check_chunk_size(chunk_size)
             except (ValueError, StoreError) as exc:
                 raise api.ApiError("bad_request", str(exc), api.EXIT_USAGE) from None
+        if listener.tcp:
+            if args.follow_symlinks:
+                raise api.ApiError(
+                    "forbidden", "the TCP API follows no symbolic links", api.EXIT_LOCAL_IO
+                )
+        else:
+            paths.check_caller(paths.peer_uid(client.stream.socket), self._uid)
         store = self.node.store
-        path = Path(args.path)
-        done = [0]
+        done, total = [0], [0]
 
         def progress(count: int) -> None:
             done[0] = count
-
-        total = await trio.to_thread.run_sync(_size_of, path)
+            client.check()
 
         def put() -> tuple[str, int, bool]:
-            is_dir = path.is_dir()
+            path = Path(args.path)
+            if listener.tcp:
+                path = paths.check_under(args.path, listener.put_dirs)
+            is_dir = paths.check_kind(path)
             if is_dir and args.move:
                 raise api.ApiError(
                     "bad_request", f"--move takes files, and {path} is a directory", api.EXIT_USAGE
                 )
+            total[0] = _size_of(path)
             with store.lease() as lease:
                 if is_dir:
                     blob_id = store.put_dir(
@@ -204,6 +336,7 @@ class Daemon:
                         path, chunk_size=chunk_size, move=args.move, progress=progress,
                         lease=lease,
                     )  # fmt: skip
+                client.check()  # gone before its tag: nothing tagged, nothing provided
                 if args.tag is not None:
                     store.tag(args.tag, blob_id)
             return blob_id, store.manifest(blob_id).size, is_dir
@@ -211,16 +344,20 @@ class Daemon:
         async def report() -> None:
             while True:
                 await trio.sleep(PROGRESS_INTERVAL)
-                event = {"event": "progress", "done_bytes": done[0], "total_bytes": total}
-                await _send(stream, event)
+                event = {"event": "progress", "done_bytes": done[0], "total_bytes": total[0]}
+                await client.send(event)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(report)
-            blob_id, size, is_dir = await trio.to_thread.run_sync(put)
+            blob_id, size, is_dir = await trio.to_thread.run_sync(
+                put,
+                limiter=self.user_paths,
+                abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-stubs predate it
+            )
             provided = await self.node.provide(blob_id)  # up to 30 s: progress goes on
             nursery.cancel_scope.cancel()
         return {
-            "id": blob_id, "path": str(path), "size": size, "collection": is_dir,
+            "id": blob_id, "path": args.path, "size": size, "collection": is_dir,
             "tag": args.tag, "provided": provided, "via": "daemon",
         }  # fmt: skip
 
@@ -278,7 +415,7 @@ class Daemon:
                 f"{local}; to fetch it from elsewhere, give its full 64-hex ID or a ticket"
             ) from None
 
-    async def _fetch(self, stream: trio.SocketStream, request: api.Request) -> dict[str, Any]:
+    async def _fetch(self, client: Client, request: api.Request) -> dict[str, Any]:
         ref, providers, recursive = api.fetch_args(request)
         _check_addrs(providers)
         blob_id, ticket_addrs = await self._blob_ref(ref)
@@ -299,7 +436,7 @@ class Daemon:
         async def report() -> None:
             while True:
                 await trio.sleep(PROGRESS_INTERVAL)
-                await _send(stream, progress_event(latest[0] if latest else None))
+                await client.send(progress_event(latest[0] if latest else None))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(report)
@@ -353,8 +490,11 @@ def _check_addrs(addrs: list[str]) -> None:
 
 def _size_of(path: Path) -> int:
     """Bytes a put of ``path`` reads (0 for what is missing: the put says why)."""
-    if path.is_file():
-        return path.stat().st_size
+    try:
+        if not path.is_dir():
+            return path.stat().st_size
+    except OSError:
+        return 0
     total = 0
     for dirpath, _dirs, files in os.walk(path):
         for name in files:
@@ -363,6 +503,14 @@ def _size_of(path: Path) -> int:
             except OSError:
                 pass
     return total
+
+
+def _one(exc: BaseException) -> BaseException:
+    """An operation's own error: it comes out of its nursery (progress beside it) wrapped
+    in a group."""
+    from p2p.errors import unwrap_single
+
+    return unwrap_single(exc) if isinstance(exc, BaseExceptionGroup) else exc
 
 
 def progress_event(progress: Progress | None) -> dict[str, Any]:
@@ -378,54 +526,64 @@ def progress_event(progress: Progress | None) -> dict[str, Any]:
     }
 
 
-async def _send(stream: trio.SocketStream, event: dict[str, Any]) -> None:
-    await stream.send_all(api.encode_line(event))
-
-
-async def _read_request(stream: trio.SocketStream) -> api.Request:
+async def _read_line(stream: trio.SocketStream) -> bytes | None:
+    """The request line (rule 2); None when the client left before it; ApiError for a
+    line too long or not whole within REQUEST_TIMEOUT."""
     reader = api.LineReader(api.MAX_REQUEST_BYTES)
     with trio.move_on_after(REQUEST_TIMEOUT):
-        while True:
-            data = await stream.receive_some(READ_SIZE)
-            if not data:
-                raise api.ApiError("bad_request", "connection closed before a whole request")
-            lines = reader.feed(data)
-            if lines:
-                return api.decode_request(lines[0])
+        try:
+            while data := await stream.receive_some(READ_SIZE):
+                lines = reader.feed(data)
+                if lines:
+                    return lines[0]
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        return None
     raise api.ApiError("bad_request", f"no whole request within {REQUEST_TIMEOUT:g} s")
 
 
-def _live(path: Path) -> bool:
-    """Whether a daemon answers at ``path`` (rule 1)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+@contextmanager
+def claim_store(store_root: Path) -> Iterator[None]:
+    """Hold the store's daemon lock for the block (rule 1); DaemonRunning when another
+    daemon holds it."""
+    root = Path(store_root)
+    fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        probe.settimeout(1.0)
-        probe.connect(str(path))
-    except OSError as exc:
-        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
-            return False
-        raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise DaemonRunning(
+                f"another daemon (pid {holder}) already serves the store {root}; stop it "
+                "first, or give this one a --store of its own"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
     finally:
-        probe.close()
-    return True
+        os.close(fd)
+
+
+def check_store_free(store_root: Path) -> None:
+    """DaemonRunning if a daemon serves ``store_root`` now: a serving command says so
+    before its node starts (rule 1; ``serve_api`` claims the store for good)."""
+    with claim_store(store_root):
+        pass
 
 
 def bind_socket(path: Path) -> socket.socket | None:
-    """The listening socket at ``path`` (rule 1), or None (said why in the log) when
-    another daemon holds it or the path is too long for a Unix socket."""
+    """The listening socket at ``path`` (rule 1; the caller holds the store's daemon
+    lock), or None (said why in the log) when the path is too long for a Unix socket."""
     staging = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
     if len(os.fsencode(staging)) > api.MAX_SOCKET_PATH:
         log.warning("local API off: the socket path %s is longer than a Unix socket takes", path)
-        return None
-    if path.exists() and _live(path):
-        log.warning("local API off: another daemon already answers at %s", path)
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(str(staging))
         os.chmod(staging, api.SOCKET_MODE)
         os.replace(staging, path)
-        sock.listen(MAX_CLIENTS)
+        sock.listen(LISTEN_BACKLOG)
     except BaseException:
         sock.close()
         staging.unlink(missing_ok=True)
@@ -434,7 +592,7 @@ def bind_socket(path: Path) -> socket.socket | None:
 
 
 def write_token(store_root: Path) -> str:
-    """A new token for the TCP listener, durably in ``<store>/api.token`` (rule 6)."""
+    """A new token for the TCP listener, durably in ``<store>/api.token`` (rule 7)."""
     from blobstore.durable import write_file_atomic
 
     token = secrets.token_hex(api.TOKEN_BYTES)
@@ -446,45 +604,53 @@ def write_token(store_root: Path) -> str:
 
 @asynccontextmanager
 async def serve_api(
-    node: Node, info: DaemonInfo, api_listen: tuple[str, int] | None = None
+    node: Node,
+    info: DaemonInfo,
+    api_listen: tuple[str, int] | None = None,
+    put_dirs: tuple[Path, ...] = (),
 ) -> AsyncIterator[Daemon]:
-    """Run ``node``'s local API for the ``async with`` block (off, with a warning, when
-    the socket cannot be had: the node serves peers either way), and on TCP at
-    ``api_listen`` (rule 6; ListenFailed when that address cannot be had)."""
+    """Run ``node``'s local API for the ``async with`` block: DaemonRunning when another
+    daemon serves the store (rule 1); off, with a warning, when the socket path is too
+    long (the node serves peers either way); on TCP at ``api_listen`` too (rule 7;
+    ListenFailed when that address cannot be had), reading paths for ``put`` only under
+    ``put_dirs`` there (absolute, links resolved; p2p.daemon.paths rule 2)."""
     daemon = Daemon(node, info)
-    path = api.socket_path(node.store.root)
-    sock = bind_socket(path)
-    listeners: list[trio.SocketListener] = []
-    if sock is not None:
-        listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
-    tcp: list[trio.SocketListener] = []
-    token_file = api.token_path(node.store.root)
-    try:
-        if api_listen is not None:
-            from p2p.errors import ListenFailed
-
-            daemon.token = await trio.to_thread.run_sync(write_token, node.store.root)
-            host, port = api_listen
-            try:
-                tcp = list(await trio.open_tcp_listeners(port, host=host))
-            except OSError as exc:
-                raise ListenFailed(
-                    f"the local API cannot listen on {host}:{port}: {exc.strerror or exc}"
-                ) from None
-            bound = tcp[0].socket.getsockname()
-            info.api_addr = f"{bound[0]}:{bound[1]}"
-            log.warning("local API on tcp %s (token in %s)", info.api_addr, token_file)
-        async with trio.open_nursery() as nursery:
-            if listeners:
-                nursery.start_soon(trio.serve_listeners, daemon.handle, listeners)
-            if tcp:
-                nursery.start_soon(trio.serve_listeners, daemon.handle_tcp, tcp)
-            try:
-                yield daemon
-            finally:
-                nursery.cancel_scope.cancel()
-    finally:
+    root = node.store.root
+    token_file = api.token_path(root)
+    with claim_store(root):
+        path = api.socket_path(root)
+        sock = bind_socket(path)
+        listeners: list[trio.SocketListener] = []
         if sock is not None:
-            path.unlink(missing_ok=True)
-        if api_listen is not None:
-            token_file.unlink(missing_ok=True)
+            listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+        tcp: list[trio.SocketListener] = []
+        try:
+            if api_listen is not None:
+                from p2p.errors import ListenFailed
+
+                token = await trio.to_thread.run_sync(write_token, root)
+                daemon.tcp = Listener(listener_slots("tcp port"), token, tuple(put_dirs))
+                host, port = api_listen
+                try:
+                    tcp = list(await trio.open_tcp_listeners(port, host=host))
+                except OSError as exc:
+                    raise ListenFailed(
+                        f"the local API cannot listen on {host}:{port}: {exc.strerror or exc}"
+                    ) from None
+                bound = tcp[0].socket.getsockname()
+                info.api_addr = f"{bound[0]}:{bound[1]}"
+                log.warning("local API on tcp %s (token in %s)", info.api_addr, token_file)
+            async with trio.open_nursery() as nursery:
+                if listeners:
+                    nursery.start_soon(trio.serve_listeners, daemon.handle, listeners)
+                if tcp:
+                    nursery.start_soon(trio.serve_listeners, daemon.handle_tcp, tcp)
+                try:
+                    yield daemon
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            if sock is not None:
+                path.unlink(missing_ok=True)
+            if api_listen is not None:
+                token_file.unlink(missing_ok=True)

@@ -93,9 +93,10 @@ def test_put_publish_and_catalog_run_in_the_daemon(cluster: Cluster, tmp_path: P
 def test_the_tcp_api_wants_the_token(cluster: Cluster, tmp_path: Path) -> None:
     """serve --api-listen opens the API on loopback TCP with a token file of mode 0600 in
     the store: a request without the token or with another is refused whatever it asks,
-    one with it is answered; a non-loopback address is refused unless forced."""
+    one with it is answered (a put reads under --api-put-dir only); a non-loopback
+    address is refused unless forced."""
     data = random_file(tmp_path / "w.bin", 4096, seed=12)
-    cluster.serve("b", "--api-listen", "127.0.0.1:0")
+    cluster.serve("b", "--api-listen", "127.0.0.1:0", "--api-put-dir", str(tmp_path))
     store, key = cluster.store("b"), cluster.key("b")
     local = connect(store)
     assert local is not None

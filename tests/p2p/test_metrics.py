@@ -104,6 +104,9 @@ def test_a_bad_chunk_is_counted_and_its_sender_named(cluster: Cluster, tmp_path:
 
     got = cluster.get("b", blob_id, "--peer", source.addr)
     assert got["via"] == "daemon"
+    # The exposition is cached for a second (p2p.daemon.scrape rule 3): the next scrape
+    # after that shows the fetch.
+    assert wait_until(lambda: _value(scrape(), "blobnet_fetches_total", outcome="ok") == 1, 10)
     text = scrape()
     assert _value(text, "blobnet_bytes_received_total", protocol="blob") >= 1 << 20
     assert _value(text, "blobnet_fetches_total", outcome="ok") == 1

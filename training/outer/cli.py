@@ -418,9 +418,11 @@ def worker_command(
     `blob train records --base`); --rounds then says when to leave. Without it, the
     built-in tiny model trains on synthetic data."""
     if metrics is not None:
-        from p2p.cli.fleet import parse_metrics_addr
+        from p2p.cli.fleet import metrics_warning
 
-        parse_metrics_addr(metrics)  # a malformed address is refused before any work
+        warning = metrics_warning(metrics)  # a malformed address is refused before any work
+        if warning is not None:
+            click.echo(warning, err=True)
     # So are the other mistakes of the command line: a malformed address (exit 2), a
     # missing (3) or malformed (4) certificate.
     check_peer_addrs(bootstrap, "--bootstrap")

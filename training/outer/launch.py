@@ -139,14 +139,9 @@ async def _observed(worker: Any, node: Any, metrics: str | None) -> dict[str, An
 
     info = DaemonInfo("outer-worker")
     info.extra["outer"] = worker.status
-    stop = serve_metrics(node, metrics) if metrics is not None else None
-    try:
-        async with serve_api(node, info):
-            result: dict[str, Any] = await worker.run()
-            return result
-    finally:
-        if stop is not None:
-            stop()
+    async with serve_api(node, info) as daemon, serve_metrics(daemon.exposition, metrics):
+        result: dict[str, Any] = await worker.run()
+        return result
 
 
 # --- the local launcher --------------------------------------------------------------
