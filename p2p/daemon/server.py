@@ -192,17 +192,23 @@ class Daemon:
 
     async def _serve(self, client: Client, listener: Listener) -> None:
         slots = listener.slots
+        line: bytes | None = None
+        refused: api.ApiError | None = None
         with trio.CancelScope() as pending:
             key = slots.arrive(pending.cancel)
             try:
                 line = await _read_line(client.stream)
             except api.ApiError as exc:
-                await client.send(api.error_event(exc))
-                return
+                refused = exc
             finally:
                 slots.read(key)
+        if refused is not None:
+            # On TCP nothing is said to a client that has not shown the token (api rule 4).
+            unauthorized = api.ApiError("unauthorized", api.UNAUTHORIZED)
+            await client.send(api.error_event(unauthorized if listener.tcp else refused))
+            return
         if line is None:
-            return  # gone, silent past REQUEST_TIMEOUT, or ended to make room: no answer
+            return  # gone, or ended to make room for a newer connection: no answer
         try:
             request = api.decode_request(line, listener.token)
         except api.ApiError as exc:
