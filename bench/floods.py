@@ -22,12 +22,30 @@ flooding address a 127.0.0.x of its own so the server sees other machines; the l
   names   4,176 valid, never-expiring name records from 17 free keys, pushed by 72 free
           identities (each under its per-minute rate) at the 4,096-name cache; then a new
           publisher's name.
+  combined
+          the greedy flood as the hostile round ran it: 1,000 silent sockets from 40
+          addresses plus the 64 greedy identities; the first legit get during it against
+          idle, the owner's `blob status`, the node's threads and descriptors after.
+  api-holders
+          70 tokenless connections to `serve --api-listen`'s TCP port, each replaced after
+          4.5 s, for 15 s; the owner's `blob status` on the socket throughout.
+  fifo-puts
+          42 local-API puts of FIFOs without a writer, their clients gone after 2 s; then
+          the owner's status and a peer's get.
+  metrics-slowloris
+          1,500 connections to `--metrics` that send `GET /metr` and stall; then 5 s of
+          scrapes from 8 scrapers as fast as they go.
+
+The last four report the first legit get against idle (goal: 2x), the owner's `blob status`
+(a real process; goal: each under 1 s) and the node's threads and descriptors back to their
+count before the flood within 10 s of its end.
 
 Goals: a legit get within 5 s after a flood stops (and within 2x the idle server's time
 during the greedy flood), the server under 1 GiB RSS during the greedy flood and under
 512 MiB after the DHT flood.
 
-    .venv/bin/python bench/floods.py [--pin] [burst|greedy|greedy-only|silent|dht|names ...]
+    .venv/bin/python bench/floods.py [--pin] [combined|api-holders|fifo-puts|metrics-slowloris|
+                                              burst|greedy|greedy-only|silent|dht|names ...]
 
 --pin stands the flooders on machines of their own: this process (every flooder) keeps to
 the last CPU, the server and the legit gets to the others, in the idle measurement as in
@@ -71,6 +89,10 @@ from serving import start_serve, stop_serve  # bench/serving.py, next to this fi
 MiB = 1024 * 1024
 CHUNK = 16 * MiB
 BLOB_SIZE = 64 * MiB
+# After a flood stops, the node's threads and descriptors must be back within this long.
+SETTLE_LIMIT = 10.0
+# The owner's `blob status` must answer within this long during every flood.
+STATUS_GOAL = 1.0
 # --pin: the CPUs the server and the legit gets keep to (None: no pinning).
 NODE_CPUS: set[int] | None = None
 KAD = TProtocol("/ipfs/kad/1.0.0")
@@ -111,7 +133,7 @@ def blob(store: Path, *args: str) -> list[str]:
 
 
 class Server:
-    def __init__(self, root: Path, *, dht: bool) -> None:
+    def __init__(self, root: Path, *, dht: bool, extra: tuple[str, ...] = ()) -> None:
         self.store = root / "server"
         source = root / "model.bin"
         with source.open("wb") as f:
@@ -121,7 +143,7 @@ class Server:
             capture_output=True, text=True, check=True, preexec_fn=_on_node_cpus,
         )  # fmt: skip
         self.blob_id = str(json.loads(put.stdout)[0]["id"])
-        args = ["serve", "--json", "--listen", "/ip4/127.0.0.1/tcp/0"]
+        args = ["serve", "--json", "--listen", "/ip4/127.0.0.1/tcp/0", *extra]
         if not dht:
             args.append("--no-dht")
         self.log = (root / "serve.log").open("wb")
@@ -137,20 +159,48 @@ class Server:
                 return int(line.split()[1]) / 1024
         return float("nan")
 
+    def counts(self) -> tuple[int, int]:
+        """The node's threads and open descriptors."""
+        pid = self.proc.pid
+        return len(os.listdir(f"/proc/{pid}/task")), len(os.listdir(f"/proc/{pid}/fd"))
+
+    def settle(self, baseline: tuple[int, int], limit: float = SETTLE_LIMIT) -> str:
+        """How long the node's threads and descriptors took to come back to ``baseline``
+        (polled every 0.2 s, at most ``limit`` seconds), said in words."""
+        start = time.monotonic()
+        while True:
+            now = self.counts()
+            back = now[0] <= baseline[0] and now[1] <= baseline[1]
+            if back or time.monotonic() - start >= limit:
+                break
+            time.sleep(0.2)
+        took = time.monotonic() - start
+        where = f"threads {baseline[0]} -> {now[0]}, descriptors {baseline[1]} -> {now[1]}"
+        return f"{where}: {'back' if back else 'NOT back'} in {took:.1f} s (goal: 10 s)"
+
     def stop(self) -> None:
         stop_serve(self.proc)
         self.log.close()
 
 
 @contextmanager
-def server(dht: bool = False) -> Iterator[tuple[Server, Path]]:
+def server(dht: bool = False, *extra: str) -> Iterator[tuple[Server, Path]]:
     root = Path(tempfile.mkdtemp(prefix="blobnet-floods-"))
-    srv = Server(root, dht=dht)
+    srv = Server(root, dht=dht, extra=extra)
     try:
         yield srv, root
     finally:
         srv.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+# tag -> (first byte, fetch seconds) of each successful legit get, as `blob get` reports them.
+GETS: dict[str, tuple[float, float]] = {}
+
+
+def detail(tag: str) -> str:
+    first_byte, fetch = GETS.get(tag, (float("nan"), float("nan")))
+    return f"(first byte at {first_byte:.1f} s, fetch {fetch:.1f} s)"
 
 
 def legit_get(srv: Server, root: Path, tag: str) -> tuple[bool, float]:
@@ -167,6 +217,11 @@ def legit_get(srv: Server, root: Path, tag: str) -> tuple[bool, float]:
     if done.returncode != 0 or os.environ.get("FLOODS_SHOW_GETS"):
         said = f"{done.stdout.strip()[-1500:]} {done.stderr.strip()[-800:]}"
         print(f"  get {tag}: rc {done.returncode}; {said}")
+    if done.returncode == 0:
+        # The wall time includes the interpreter's start (seconds on a loaded machine);
+        # the fetch's own figures say what the server cost it.
+        result = json.loads(done.stdout)
+        GETS[tag] = (float(result.get("first_byte_s", 0.0)), float(result["seconds"]))
     return done.returncode == 0, seconds
 
 
@@ -463,7 +518,286 @@ def names() -> None:
         )
 
 
+def connect_times(port: int, count: int = 5) -> str:
+    """How long plain TCP connects to the server's port take from 127.0.0.1 (a SYN the
+    kernel dropped for a full accept queue is sent again after 1 s, then 3 s)."""
+    import socket as stdsocket
+
+    took = []
+    for _ in range(count):
+        start = time.monotonic()
+        with stdsocket.create_connection(("127.0.0.1", port), timeout=30):
+            took.append(time.monotonic() - start)
+    return "TCP connects took " + ", ".join(f"{t * 1000:.0f}" for t in took) + " ms"
+
+
+def owner_status(srv: Server) -> tuple[str, float]:
+    """The owner's `blob status` (a real process, the light path): (outcome, seconds)."""
+    start = time.monotonic()
+    done = subprocess.run(
+        blob(srv.store, "status", "--json"), capture_output=True, text=True, timeout=60,
+        preexec_fn=_on_node_cpus,
+    )  # fmt: skip
+    seconds = time.monotonic() - start
+    if done.returncode == 0:
+        return "ok", seconds
+    return f"exit {done.returncode}: {done.stderr.strip()[-200:]}", seconds
+
+
+async def statuses(srv: Server, seconds: float, every: float = 0.5) -> list[tuple[str, float]]:
+    """The owner's `blob status`, one after another (``every`` apart) for ``seconds``."""
+    seen: list[tuple[str, float]] = []
+    end = trio.current_time() + seconds
+    while trio.current_time() < end:
+        seen.append(await trio.to_thread.run_sync(owner_status, srv))
+        await trio.sleep(every)
+    return seen
+
+
+def said(seen: list[tuple[str, float]]) -> str:
+    """Statuses in words: how many answered, the slowest, what failed."""
+    ok = [t for outcome, t in seen if outcome == "ok"]
+    failed = sorted({outcome for outcome, _ in seen if outcome != "ok"})
+    worst = max((t for _, t in seen), default=0.0)
+    return (
+        f"owner's blob status {len(ok)}/{len(seen)} ok, slowest {worst:.2f} s "
+        f"(goal: {STATUS_GOAL:g} s)" + (f"; failures: {failed}" if failed else "")
+    )
+
+
+def combined() -> None:
+    """The combined flood: 1,000 silent sockets from 40 addresses plus 64 identities x 16
+    unread 16 MiB gets from 8 addresses; the first legit get against idle, the owner's
+    status, and the node's threads and descriptors once the flood stops."""
+    with server() as (srv, root):
+        ok, idle = legit_get(srv, root, "idle")
+        baseline = srv.counts()
+        print(
+            f"combined: idle get {'ok' if ok else 'FAILED'} in {idle:.1f} s {detail('idle')}; "
+            f"{baseline[0]} threads, {baseline[1]} descriptors"
+        )
+        stats = {"gets": 0, "refused": 0, "settled": 0}
+        result: dict[str, Any] = {}
+
+        async def run() -> None:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(silent_sockets, srv.port, 40, 1000, 3600.0, 100)
+                for i in range(64):
+                    nursery.start_soon(greedy_identity, srv, f"127.0.0.{10 + i % 8}", 16, stats)
+                with trio.fail_after(120):
+                    while stats["settled"] < 64:  # noqa: ASYNC110 - our own counter
+                        await trio.sleep(0.2)
+                cpu, start = cpu_seconds(srv.proc.pid), time.monotonic()
+                result["first"] = await trio.to_thread.run_sync(legit_get, srv, root, "first")
+                took = time.monotonic() - start
+                result["cpu"] = (cpu_seconds(srv.proc.pid) - cpu) / took
+                result["status"] = await statuses(srv, 3.0)
+                result["connects"] = await trio.to_thread.run_sync(connect_times, srv.port)
+                result["second"] = await trio.to_thread.run_sync(legit_get, srv, root, "second")
+                result["peak"] = srv.rss_mib("VmHWM")
+                result["during"] = srv.counts()
+                nursery.cancel_scope.cancel()
+
+        trio.run(run)
+        for name in ("first", "second"):
+            ok, seconds = result[name]
+            print(
+                f"combined: {name} get during the flood {'ok' if ok else 'FAILED'} in "
+                f"{seconds:.1f} s {detail(name)} = {seconds / idle:.2f}x idle (goal: 2x)"
+                + (f"; server CPU meanwhile {result['cpu']:.0%}" if name == "first" else "")
+            )
+        threads, fds = result["during"]
+        print(
+            f"combined: {stats['gets']} unread gets held by {64 - stats['refused']} "
+            f"identities; {said(result['status'])}; {result['connects']}; peak RSS "
+            f"{result['peak']:.0f} MiB; during: {threads} threads, {fds} descriptors"
+        )
+        print(f"combined: after the flood, {srv.settle(baseline)}")
+
+
+def api_holders() -> None:
+    """70 tokenless TCP connections to the local API, each replaced after 4.5 s, for 15 s
+    (they took every client slot of both listeners): the owner's status on the socket
+    throughout, a legit get, and the node's threads and descriptors after."""
+    with server(False, "--api-listen", "127.0.0.1:0") as (srv, root):
+        ok, idle = legit_get(srv, root, "idle")
+        status = json.loads(subprocess.run(
+            blob(srv.store, "status", "--json"), capture_output=True, text=True, check=True,
+        ).stdout)  # fmt: skip
+        host, port = str(status["api_tcp"]).rsplit(":", 1)
+        baseline = srv.counts()
+        held = [0]
+        result: dict[str, Any] = {}
+
+        async def hold(end: float) -> None:
+            while trio.current_time() < end:
+                try:
+                    stream = await trio.open_tcp_stream(host, int(port))
+                except OSError:
+                    await trio.sleep(0.1)
+                    continue
+                held[0] += 1
+                async with stream:
+                    with trio.move_on_after(4.5):
+                        try:
+                            while await stream.receive_some(4096):
+                                pass
+                        except trio.BrokenResourceError:
+                            pass
+
+        async def run() -> None:
+            end = trio.current_time() + 15.0
+            async with trio.open_nursery() as nursery:
+                for _ in range(70):
+                    nursery.start_soon(hold, end)
+                await trio.sleep(1.0)
+                result["get"] = await trio.to_thread.run_sync(legit_get, srv, root, "held")
+                result["status"] = await statuses(srv, 12.0, every=0.1)
+                result["during"] = srv.counts()
+
+        trio.run(run)
+        ok, seconds = result["get"]
+        print(
+            f"api-holders: {held[0]} tokenless connections in 15 s; get during "
+            f"{'ok' if ok else 'FAILED'} in {seconds:.1f} s = {seconds / idle:.2f}x idle "
+            f"(goal: 2x); {said(result['status'])}; during: {result['during'][0]} threads, "
+            f"{result['during'][1]} descriptors"
+        )
+        print(f"api-holders: after, {srv.settle(baseline)}")
+
+
+def fifo_puts() -> None:
+    """42 API puts of FIFOs that have no writer, their clients gone after 2 s (they held
+    every thread the daemon and its blob server shared): what they were answered, then
+    the owner's status, a peer's get, and the node's threads and descriptors."""
+    import socket as stdsocket
+
+    from p2p.daemon import api
+
+    with server() as (srv, root):
+        ok, idle = legit_get(srv, root, "idle")
+        baseline = srv.counts()
+        fifos = []
+        for i in range(42):
+            fifo = root / f"fifo-{i}"
+            os.mkfifo(fifo)
+            fifos.append(fifo)
+        answers: dict[str, int] = {}
+        start = time.monotonic()
+        for fifo in fifos:
+            sock = stdsocket.socket(stdsocket.AF_UNIX)
+            sock.settimeout(2.0)
+            sock.connect(str(api.socket_path(srv.store)))
+            sock.sendall(api.Request("put", {"path": str(fifo)}).encode())
+            answer = "no answer in 2 s"
+            data = b""
+            deadline = time.monotonic() + 2.0
+            try:
+                # Progress events (heartbeats) may come forever: the client leaves at 2 s.
+                while b'"error"' not in data and b'"result"' not in data:
+                    if time.monotonic() > deadline:
+                        break
+                    more = sock.recv(65536)
+                    if not more:
+                        break
+                    data += more
+                for line in data.splitlines():
+                    event = json.loads(line)
+                    if event.get("event") in ("error", "result"):
+                        answer = str(event.get("code") or "stored")
+            except TimeoutError:
+                pass
+            sock.close()
+            answers[answer] = answers.get(answer, 0) + 1
+        took = time.monotonic() - start
+        seen = trio.run(statuses, srv, 2.0)
+        ok, seconds = legit_get(srv, root, "after")
+        print(
+            f"fifo-puts: 42 puts answered {answers} in {took:.1f} s; {said(seen)}; get after "
+            f"{'ok' if ok else 'FAILED'} in {seconds:.1f} s = {seconds / idle:.2f}x idle "
+            f"(goal: 2x)"
+        )
+        for fifo in fifos:  # a writer ends any read still waiting
+            os.close(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))
+        print(f"fifo-puts: after, {srv.settle(baseline)}")
+
+
+def metrics_slowloris() -> None:
+    """1,500 connections to --metrics that send `GET /metr` and stall (each held a thread
+    and a descriptor in the node for good): the node's threads and descriptors while they
+    stay, a scrape and a get meanwhile; then 5 s of scrapes as fast as 8 scrapers go (527
+    a second took 76% of a core), the node's CPU and a get during them."""
+    import re
+    import socket as stdsocket
+    import urllib.request
+
+    with server(False, "--metrics", "127.0.0.1:0") as (srv, root):
+        ok, idle = legit_get(srv, root, "idle")
+        deadline = time.monotonic() + 10
+        while "/metrics" not in (srv.store.parent / "serve.log").read_text():
+            if time.monotonic() > deadline:
+                raise SystemExit("no metrics line")
+            time.sleep(0.1)
+        url = re.findall(r"http://\S+/metrics", (srv.store.parent / "serve.log").read_text())[0]
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        baseline = srv.counts()
+        stalled = []
+        for _ in range(1500):
+            sock = stdsocket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(b"GET /metr")
+            stalled.append(sock)
+        opened = time.monotonic()
+        during = srv.counts()
+        start = time.monotonic()
+        with urllib.request.urlopen(url, timeout=30) as answer:
+            answer.read()
+        scrape_s = time.monotonic() - start
+        ok, seconds = legit_get(srv, root, "slowloris")
+        seen = trio.run(statuses, srv, 2.0)
+        back = srv.settle(baseline, max(0.0, 10.0 - (time.monotonic() - opened)) + 5.0)
+        print(
+            f"metrics-slowloris: 1,500 stalled requests; node {during[0]} threads, {during[1]} "
+            f"descriptors right after (baseline {baseline[0]}, {baseline[1]}); a scrape in "
+            f"{scrape_s:.2f} s; get {'ok' if ok else 'FAILED'} in {seconds:.1f} s = "
+            f"{seconds / idle:.2f}x idle; {said(seen)}"
+        )
+        print(f"metrics-slowloris: with the 1,500 still open, {back}")
+        for sock in stalled:
+            sock.close()
+        scrapes = [0]
+
+        async def scraper(end: float) -> None:
+            while trio.current_time() < end:
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                async with stream:
+                    await stream.send_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                    while await stream.receive_some(65536):
+                        pass
+                scrapes[0] += 1
+
+        async def flood() -> tuple[bool, float]:
+            async with trio.open_nursery() as nursery:
+                end = trio.current_time() + 5.0
+                for _ in range(8):
+                    nursery.start_soon(scraper, end)
+                return await trio.to_thread.run_sync(legit_get, srv, root, "scrapes")
+
+        cpu, start = cpu_seconds(srv.proc.pid), time.monotonic()
+        ok, seconds = trio.run(flood)
+        took = time.monotonic() - start
+        busy = (cpu_seconds(srv.proc.pid) - cpu) / took
+        print(
+            f"metrics-slowloris: then {scrapes[0] / took:.0f} scrapes a second for {took:.1f} s, "
+            f"node CPU {busy:.0%} (scrapes and the get together); get during them "
+            f"{'ok' if ok else 'FAILED'} in {seconds:.1f} s = {seconds / idle:.2f}x idle"
+        )
+
+
 SCENARIOS = {
+    "combined": combined,
+    "api-holders": api_holders,
+    "fifo-puts": fifo_puts,
+    "metrics-slowloris": metrics_slowloris,
     "burst": burst,
     "greedy": greedy,
     "greedy-only": functools.partial(greedy, silent=False),
