@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from p2p.blob.pacing import MIN_UPLOAD_LIMIT
-from p2p.cli.common import Rate
+from p2p.cli.common import InputPath, Rate
 
 if TYPE_CHECKING:
     from identity import TrustStore
@@ -207,7 +207,7 @@ def fleet_options(command: Callable[..., Any]) -> Callable[..., Any]:
         "api_put_dirs",
         multiple=True,
         metavar="DIR",
-        type=click.Path(exists=True, file_okay=False, resolve_path=True, path_type=Path),
+        type=InputPath(file_okay=False, resolve_path=True, path_type=Path),
         help="Let the TCP API's put read files under DIR (repeatable; default: nowhere, so "
         "TCP clients cannot have the daemon read this machine's files).",
     )(wrapper)
