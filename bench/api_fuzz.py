@@ -1,7 +1,8 @@
 """A fuzzing client of a running daemon's local API (p2p/daemon/API.md): its Unix socket
 and, when given, its TCP port, while the owner's `status` requests are timed.
 
-Attacks, each bounded in count and time, all at once:
+Attacks, each bounded in count and time: the malformed requests together, then the
+floods of connections together (which end the oldest waiting connections, by design):
 
   leave     connect and close at once
   half      half a request line, then leave
@@ -144,7 +145,9 @@ def _payloads(rng: random.Random) -> dict[str, bytes]:
 
 async def _attacks(report: Report, target: Target, tcp: bool, rng: random.Random) -> None:
     payloads = _payloads(rng)
-    counts = {"leave": 200, "half": 100, "garbage": 100, "oversize": 10, "deep": 10, "slow": 10}
+    # Fewer at once than a listener keeps waiting (256), so that each is answered: the
+    # 1,000-connection attack, which ends the oldest to make room, comes after.
+    counts = {"leave": 100, "half": 50, "garbage": 50, "oversize": 10, "deep": 10, "slow": 10}
     async with trio.open_nursery() as nursery:
         for attack, count in counts.items():
             for _ in range(count):
@@ -249,13 +252,18 @@ async def run_fuzz(target: Target, seconds: float = SECONDS, seed: int = 0) -> R
     status; returns what each attack was answered and the owner's latencies."""
     report = Report()
     rng = random.Random(seed)
+    listeners = (False, True) if target.tcp else (False,)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_owner, report, target, seconds + 1.0)
-        for tcp in (False, True) if target.tcp else (False,):
-            nursery.start_soon(_attacks, report, target, tcp, rng)
-            nursery.start_soon(_many, report, target, tcp, min(3.0, seconds / 2))
-        if target.tcp is not None:
-            nursery.start_soon(_holders, report, target, seconds)
+        nursery.start_soon(_owner, report, target, seconds + 4.0)
+        # First the malformed requests, each answered; then the floods of connections.
+        async with trio.open_nursery() as answered:
+            for tcp in listeners:
+                answered.start_soon(_attacks, report, target, tcp, rng)
+        async with trio.open_nursery() as floods:
+            for tcp in listeners:
+                floods.start_soon(_many, report, target, tcp, min(3.0, seconds / 2))
+            if target.tcp is not None:
+                floods.start_soon(_holders, report, target, seconds)
     return report
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,9 @@ MAX_TOKEN_FILE = 1024
 # Connecting to a local socket takes microseconds; a daemon too loaded to accept within
 # a second is treated as absent and the command runs on its own.
 CONNECT_TIMEOUT = 1.0
+# A socket whose backlog is full refuses a connect at once (EAGAIN); it is asked again
+# this often within CONNECT_TIMEOUT.
+CONNECT_RETRY = 0.01
 # Longest silence between two events (the daemon sends one every 0.2 s while it works).
 IDLE_TIMEOUT = 30.0
 READ_SIZE = 64 * 1024
@@ -160,18 +164,28 @@ class DaemonClient:
         raise DaemonGone(f"the daemon at {self.path} closed the connection without a result")
 
     def open(self) -> socket.socket:
-        """A connection to the daemon; OSError when none listens there."""
+        """A connection to the daemon; OSError when none listens there (or none accepts
+        within CONNECT_TIMEOUT)."""
         where = self.where
-        if where.path is not None:
+        if where.path is None:
+            return socket.create_connection((where.host, where.port), timeout=CONNECT_TIMEOUT)
+        deadline = time.monotonic() + CONNECT_TIMEOUT
+        while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.settimeout(CONNECT_TIMEOUT)
                 sock.connect(str(where.path))
+                return sock
+            except BlockingIOError:
+                # EAGAIN: the daemon is there, its backlog full (a burst of connections);
+                # it accepts within milliseconds, so ask again.
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(CONNECT_RETRY)
             except BaseException:
                 sock.close()
                 raise
-            return sock
-        return socket.create_connection((where.host, where.port), timeout=CONNECT_TIMEOUT)
 
     def _events(
         self, request: api.Request, sock: socket.socket | None = None

@@ -81,8 +81,9 @@ READ_SIZE = 64 * 1024
 # A few puts run at once; a file system that hangs holds these and nothing else.
 USER_PATH_THREADS = 4
 LOCK_NAME = "api.lock"
-# The socket's listen backlog: accepts are immediate, this only absorbs a burst.
-LISTEN_BACKLOG = 128
+# The socket's listen backlog: the daemon accepts at once, this absorbs a burst (a thousand
+# connections together; the kernel caps it at net.core.somaxconn, 4096 by default).
+LISTEN_BACKLOG = 1024
 
 
 class DaemonRunning(Exception):
