@@ -187,3 +187,32 @@ def test_a_state_with_buffers_is_a_version_2_blob_and_its_root_covers_them() -> 
             decode_state(data[:cut])
     with pytest.raises(BadStateBlob):
         decode_state(data + b"\x00")
+
+
+def test_a_state_streamed_as_safetensors_reads_back_through_the_library(tmp_path: Path) -> None:
+    """write_safetensors writes each tensor from its own memory; safetensors reads it."""
+    import os
+
+    from safetensors import safe_open
+
+    from training.outer.module_state import write_safetensors
+
+    tensors = {
+        "a": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "b": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+        "c": torch.tensor(7, dtype=torch.int64),  # 0-d
+        "d": torch.zeros(0, 4),  # empty
+    }
+    path = tmp_path / "x.safetensors"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        write_safetensors(fd, tensors, {"k": "v"})
+    finally:
+        os.close(fd)
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"k": "v"}
+        got = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+    assert np.array_equal(got["a"].numpy(), tensors["a"])
+    assert got["b"].dtype == torch.bfloat16 and torch.equal(got["b"], tensors["b"])
+    assert got["c"].shape == () and int(got["c"]) == 7
+    assert got["d"].shape == (0, 4)

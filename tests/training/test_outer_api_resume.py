@@ -15,8 +15,8 @@ from training.outer.api.resume import (
     ResumeRefused,
     check_optimizer,
     load_optimizer,
+    checkpoint_path,
     read_checkpoint,
-    resume_tag,
     write_checkpoint,
 )
 
@@ -47,14 +47,15 @@ def test_a_restart_takes_back_the_residual_and_the_optimizer_it_left(tmp_path: P
     store = Store.open(tmp_path / "store")
     model, opt = _trained()
     shapes = {n: tuple(v.shape) for n, v in _residual(model, 0).items()}
-    first = write_checkpoint(
+    write_checkpoint(
         store, run="r", peer=PEER, round_=1, residual=_residual(model, 0.5), optimizer=opt
     )
-    second = write_checkpoint(
+    path = write_checkpoint(
         store, run="r", peer=PEER, round_=2, residual=_residual(model, 0.25), optimizer=opt
     )
-    # One checkpoint: the newest, tagged; the one before it gone from the store.
-    assert store.tags()[resume_tag("r")] == second and not store.has(first)
+    # One checkpoint, the newest, in the worker's files inside its store; no temp left.
+    assert path == checkpoint_path(store, "r") and path.parent.parent == store.root
+    assert list(path.parent.iterdir()) == [path] and not list(store.tmp_dir.iterdir())
     saved = read_checkpoint(store, run="r", peer=PEER, shapes=shapes)
     assert saved is not None and saved.round == 2
     assert all(

@@ -5,9 +5,10 @@ own each round, and how a restarted one takes it back.
    back from the tip, as for any joiner. What only this worker holds is kept in its store
    after each update it makes: its error-feedback residual (what compression has not sent
    yet), the inner optimizer's state when the loop was given ``inner_optimizer``, and the
-   round that update was for. One safetensors blob, tagged ``outer-<run>-resume``; the
-   previous one is deleted once the new one is tagged, so a crash at any moment leaves one
-   whole checkpoint (a blob appears only whole, ``blobstore``).
+   round that update was for. One safetensors file, ``<store>/outer/<run>-resume.
+   safetensors``, replaced through the store's durable write (temp file, fsync, rename),
+   so a crash at any moment leaves one whole checkpoint. A file, not a blob: nobody
+   fetches it, and a blob would hash 12 bytes a parameter each round for nothing.
 2. **When.** In ``step()``, after the update is handed to the worker and while the round is
    agreed: the residual and the optimizer's state only change in the user's thread, which
    is inside ``step()`` until the next state is in the model, so the checkpoint is of one
@@ -27,10 +28,9 @@ own each round, and how a restarted one takes it back.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,12 +56,6 @@ class ResumeRefused(TrainingError):
     sort out: another store, another run)."""
 
     exit_code = ExitCode.USAGE
-
-
-def resume_tag(run: str) -> str:
-    from training.outer.milestones import tag
-
-    return tag(run, "resume")
 
 
 @dataclass(frozen=True)
@@ -115,6 +109,12 @@ def _kind(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
 
+def checkpoint_path(store: Any, run: str) -> Path:
+    from training.outer.runs import worker_files
+
+    return worker_files(Path(store.root)) / f"{run}-resume.safetensors"
+
+
 def write_checkpoint(
     store: Any,
     *,
@@ -123,34 +123,23 @@ def write_checkpoint(
     round_: int,
     residual: Mapping[str, F32],
     optimizer: torch.optim.Optimizer | None,
-) -> str:
-    """Point 1: the checkpoint blob, tagged ``outer-<run>-resume``, the previous one gone;
-    returns its ID. Written to a file in the store's own temporary directory and moved
-    in (no second copy of a model-sized buffer in memory)."""
-    import torch
-    from safetensors.torch import save_file
+) -> Path:
+    """Point 1: the checkpoint, durably replacing the one before; returns its path. Each
+    tensor is written from its own memory (``module_state.write_safetensors``)."""
+    from blobstore.durable import TempFile
+    from training.outer.module_state import write_safetensors
 
-    from training.outer.runs import drop_blob
-
-    tensors: dict[str, Any] = {f"residual/{n}": torch.from_numpy(v) for n, v in residual.items()}
+    tensors: dict[str, Any] = {f"residual/{n}": v for n, v in residual.items()}
     meta: dict[str, Any] = {"v": RESUME_VERSION, "run": run, "peer": peer, "round": round_}
     if optimizer is not None:
         held, rest = _split_optimizer(optimizer.state_dict())
         tensors.update(held)
         meta["optimizer"] = {**rest, "kind": _kind(optimizer)}
-    fd, path = tempfile.mkstemp(prefix="resume-", dir=store.tmp_dir)
-    os.close(fd)
-    try:
-        save_file(tensors, path, {RESUME_METADATA_KEY: json.dumps(meta, sort_keys=True)})
-        blob: str = store.put_path(path, move=True)
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
-    previous = store.tags().get(resume_tag(run))
-    store.tag(resume_tag(run), blob)
-    if previous is not None and previous != blob:
-        drop_blob(store, previous)
-    return blob
+    target = checkpoint_path(store, run)
+    with TempFile(Path(store.tmp_dir)) as tmp:
+        write_safetensors(tmp.fd, tensors, {RESUME_METADATA_KEY: json.dumps(meta, sort_keys=True)})
+        tmp.publish(target, replace=True, mode=0o600)
+    return target
 
 
 def read_checkpoint(
@@ -159,26 +148,25 @@ def read_checkpoint(
     """Point 3: this worker's checkpoint of ``run`` (None: the store holds none)."""
     from safetensors import SafetensorError, safe_open
 
-    blob = store.tags().get(resume_tag(run))
-    if blob is None:
+    path = checkpoint_path(store, run)
+    if not path.exists():
         return None
+    blob = path.name  # what messages call it
     try:
-        with safe_open(str(store.path(blob)), framework="pt") as f:
+        with safe_open(str(path), framework="pt") as f:
             raw = (f.metadata() or {}).get(RESUME_METADATA_KEY, "")
             tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     except (SafetensorError, OSError, ValueError) as exc:
-        raise ResumeRefused(
-            f"run {run}'s resume checkpoint {blob[:16]} is unreadable: {exc}"
-        ) from None
+        raise ResumeRefused(f"run {run}'s resume checkpoint {blob} is unreadable: {exc}") from None
     if len(raw) > MAX_RESUME_METADATA:
-        raise ResumeRefused(f"run {run}'s resume checkpoint {blob[:16]} is malformed")
+        raise ResumeRefused(f"run {run}'s resume checkpoint {blob} is malformed")
     try:
         meta = json.loads(raw)
         ok = meta.get("v") == RESUME_VERSION and isinstance(meta.get("round"), int)
     except (ValueError, AttributeError):
         ok = False
     if not ok:
-        raise ResumeRefused(f"run {run}'s resume checkpoint {blob[:16]} is malformed")
+        raise ResumeRefused(f"run {run}'s resume checkpoint {blob} is malformed")
     if meta.get("run") != run or meta.get("peer") != peer:
         raise ResumeRefused(
             f"the resume checkpoint in this store is {meta.get('peer', '?')[-6:]}'s of run "
