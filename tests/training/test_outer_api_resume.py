@@ -14,8 +14,8 @@ from tests.training.stranger import StrangerNet, images, loss_fn
 from training.outer.api.resume import (
     ResumeRefused,
     check_optimizer,
-    load_optimizer,
     checkpoint_path,
+    load_optimizer,
     read_checkpoint,
     write_checkpoint,
 )
