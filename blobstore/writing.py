@@ -203,7 +203,9 @@ class Writer:
         with os_errors(what):
             nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
             try:
-                src = os.open(path, os.O_RDONLY | os.O_CLOEXEC | nofollow)
+                # Non-blocking: a FIFO's open would wait for a writer before the type check
+                # below could refuse it (reads of a regular file are the same either way).
+                src = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | nofollow)
             except FileNotFoundError:
                 raise PathNotFound(f"no such file: {path}") from None
             except OSError as exc:

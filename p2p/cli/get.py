@@ -29,6 +29,7 @@ from p2p.blob.pacing import MIN_UPLOAD_LIMIT
 from p2p.blob.ticket import Ticket
 from p2p.cli.common import (
     Interrupted,
+    Rate,
     bootstrap_option,
     check_listen_addrs,
     check_peer_addrs,
@@ -208,7 +209,7 @@ def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
 @click.option(
     "--download-limit",
     "download_limit",
-    type=click.FloatRange(min=MIN_UPLOAD_LIMIT / 1e6),
+    type=Rate(min=MIN_UPLOAD_LIMIT / 1e6),
     metavar="MB/S",
     help="Receive at most this many MB/s (fetches with a node of this command's own: a "
     "`blob serve`'s cap is its --download-limit).",

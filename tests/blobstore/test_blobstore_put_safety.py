@@ -155,3 +155,29 @@ def test_a_move_written_late_with_a_new_file_in_its_place_keeps_both(
     assert src.read_bytes() == b"the next checkpoint"
     (kept,) = store.quarantined_ids()
     assert (store.root / "quarantine" / kept / "data").read_bytes().startswith(b"late step")
+
+
+def test_a_fifo_is_refused_before_its_open_waits_for_a_writer(tmp_path: Path) -> None:
+    """``put`` of a FIFO is refused at once: opening one blocks until a writer comes, and
+    the type check after the open must not wait for that."""
+    import threading
+
+    store = Store.open(tmp_path / "store")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    errors: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            store.put_path(fifo)
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=put, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    if worker.is_alive():  # blocked in open(): give it its writer so the thread ends
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(timeout=10)
+        pytest.fail("put of a FIFO waited for a writer")
+    assert len(errors) == 1 and "not a regular file" in str(errors[0])

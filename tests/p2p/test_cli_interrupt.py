@@ -13,6 +13,7 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 import trio
 
 from blobstore import Store
+from blobstore.store_lock import LOCK_TIMEOUT_ENV
 from p2p.cli.common import Interrupted, run_interruptible
 from p2p.fetch.chunk_writer import ChunkWriter
 
@@ -169,28 +171,50 @@ def test_ctrl_c_while_blob_is_still_importing_is_one_line(tmp_path: Path) -> Non
         assert err.strip().splitlines() == ["Interrupted."], err
 
 
-def _blocked_opening_a_fifo(pid: int) -> bool:
+# Holds the store's lock until killed, saying so once it does.
+_HOLD_LOCK = (
+    "import sys, time\n"
+    "from blobstore import Store\n"
+    "with Store.open(sys.argv[1]).lock.hold():\n"
+    "    print('held', flush=True)\n"
+    "    time.sleep(120)\n"
+)
+
+
+def _waiting_for_the_store_lock(pid: int, lock: Path) -> bool:
     try:
-        return Path(f"/proc/{pid}/wchan").read_text() == "wait_for_partner"  # fs/pipe.c
+        return any(os.readlink(fd) == str(lock) for fd in Path(f"/proc/{pid}/fd").iterdir())
     except OSError:
         return True  # gone: let the caller see how it ended
 
 
 def test_ctrl_c_inside_a_command_that_runs_no_node_says_interrupted(tmp_path: Path) -> None:
     """Ctrl-C printed `Interrupted.` or `Aborted.` depending on timing: click's word when it
-    landed in plain code (here `blob put` of a FIFO, waiting for a writer in open()), ours
-    in a networked command and during start-up. One word, whatever the timing."""
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    cmd = blob_cmd(tmp_path / "store", tmp_path / "key", "put", str(fifo))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    landed in plain code (here `blob put` waiting for the store lock another process holds),
+    ours in a networked command and during start-up. One word, whatever the timing."""
+    store = tmp_path / "store"
+    Store.open(store)
+    (tmp_path / "file").write_bytes(b"x" * 1000)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(store)], stdout=subprocess.PIPE, text=True
+    )
+    cmd = blob_cmd(store, tmp_path / "key", "put", str(tmp_path / "file"))
+    env = {**os.environ, LOCK_TIMEOUT_ENV: "60"}
+    proc = None
     try:
-        assert wait_until(functools.partial(_blocked_opening_a_fifo, proc.pid), 60, 0.01)
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        lock = store / "locks" / "store"
+        waiting = functools.partial(_waiting_for_the_store_lock, proc.pid, lock)
+        assert wait_until(waiting, 60, 0.01)
         proc.send_signal(signal.SIGINT)
         _out, err = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=10)
+        for p in (proc, holder):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.communicate(timeout=10)
     assert proc.returncode == 130, err
     assert err.split() == ["Interrupted."], err

@@ -84,6 +84,9 @@ def test_a_rate_flag_must_be_a_finite_number(tmp_path: Path, value: str) -> None
     """Guards against `serve --upload-limit nan` reaching the Pacer (a traceback)."""
     err = _serve(tmp_path, "--upload-limit", value, "--print-config", code=2)
     assert "is not a number of MB/s" in err and len(err.strip().splitlines()) == 1, err
+    # get's --download-limit is a rate too (it reaches the node's receive pacer).
+    got = blob_here(["--store", str(tmp_path / "s"), "get", "a" * 64, "--download-limit", value])
+    assert got.returncode == 2 and "is not a number of MB/s" in got.stderr, got
 
 
 @pytest.mark.timeout(30)

@@ -26,6 +26,16 @@ Modules, from the bottom up (the layers contract in pyproject.toml holds them to
   ``churn`` (workers that leave and join); ``cli`` (``blob outer``).
 """
 
-from training.outer.module_state import save_state
+from typing import Any
 
 __all__ = ["save_state"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: ``blob --help`` finds this package's command group and must not
+    # load numpy for it (tests/p2p/test_cli_imports.py).
+    if name == "save_state":
+        from training.outer.module_state import save_state
+
+        return save_state
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
