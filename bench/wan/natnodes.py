@@ -67,17 +67,19 @@ class NatNodes:
     logs: Path | None = None  # a directory for the agents' stderr (None: discarded)
     agents: list[Agent] = field(default_factory=list)
 
-    def _argv(self, role: str, host: str, *args: str) -> list[str]:
-        listen = f"/ip4/{self.tb.addr(host)}/tcp/{PORT}"
+    def _argv(self, role: str, host: str, *args: str, port: int = PORT) -> list[str]:
+        listen = f"/ip4/{self.tb.addr(host)}/tcp/{port}"
         return [sys.executable, "-m", "bench.wan.nat_agent", role, "--listen", listen, *args]
 
-    def _spawn(self, role: str, host: str, *args: str) -> tuple[subprocess.Popen[str], Path | None]:
+    def _spawn(
+        self, role: str, host: str, *args: str, port: int = PORT
+    ) -> tuple[subprocess.Popen[str], Path | None]:
         log = None if self.logs is None else self.logs / f"{host}-{role}.log"
         err: Any = subprocess.DEVNULL if log is None else log.open("ab")
         try:
             proc = self.tb.popen(
                 host,
-                self._argv(role, host, *args),
+                self._argv(role, host, *args, port=port),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
@@ -100,8 +102,8 @@ class NatNodes:
         self.agents.append(agent)
         return agent
 
-    def _start(self, role: str, host: str, *args: str) -> Agent:
-        return self._ready(role, host, *self._spawn(role, host, *args))
+    def _start(self, role: str, host: str, *args: str, port: int = PORT) -> Agent:
+        return self._ready(role, host, *self._spawn(role, host, *args, port=port))
 
     def relay(self, host: str, *extra: str) -> Agent:
         """A relay on a public host; admits everyone unless ``--trust HEX`` is given."""
@@ -159,15 +161,19 @@ class NatNodes:
         providers: Sequence[str],
         *extra: str,
         timeout: float = 120.0,
+        port: int = PORT,
     ) -> dict[str, Any]:
         """Run a fetcher on ``host`` to completion; its result line, plus ``spawned_at``
         (wall clock when its process was started: ``fetch_started_at`` and the result's
-        times measure from inside, so start-up is ``fetch_started_at - spawned_at``)."""
+        times measure from inside, so start-up is ``fetch_started_at - spawned_at``).
+        ``port``: the fetcher's listen port, which its hole punch dials from (a fresh one
+        per try makes tries independent: the routers and the kernels keep a closed
+        connection's state for a minute or two, by its addresses and ports)."""
         args = ["--blob", blob, *extra]
         for addr in providers:
             args += ["--provider", addr]
         spawned_at = time.time()
-        agent = self._start("fetcher", host, *args)
+        agent = self._start("fetcher", host, *args, port=port)
         line = _readline(agent.proc, timeout)
         stop_process(agent.proc)
         if not line:

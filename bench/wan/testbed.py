@@ -29,8 +29,17 @@ Theory of operation
    (``...-<host>-nat``), which holds the TUN device and the host's public address; the
    host reaches it over a veth pair on its own /24 (``10.77.<100 + index>.0/24``) with a
    default route through it. The router forwards, masquerades what leaves on ``wan0``
-   (nftables; ``NAT_KINDS``) and drops unsolicited inbound connections. The forwarder
-   sees only the router, so the host's link settings apply to the router's link.
+   (nftables; ``NAT_KINDS``) and turns away unsolicited inbound packets as
+   ``Host.nat_inbound`` says (``NAT_INBOUND``: silently, with a TCP reset, or with an
+   ICMP port unreachable). The forwarder sees only the router, so the host's link
+   settings apply to the router's link.
+6. Carrier-grade NAT (``Host(nat_layers=2)``): a third namespace (``...-<host>-cgn``)
+   holds the TUN device and the public address; the home router's ``wan0`` is then a
+   veth to it on ``100.64.<index>.0/24`` (RFC 6598's shared address space, inside the
+   testbed only). The carrier's router masquerades and filters as the home router does.
+7. ``Host.nat_idle_s`` sets the routers' conntrack timeouts for established TCP and for
+   UDP (per namespace): a mapping idle that long is forgotten, and the next inbound
+   packet of the flow is unsolicited.
 """
 
 from __future__ import annotations
@@ -76,8 +85,32 @@ LAN_BASE = 100
 # kernel keeps the source port where it can, so one socket maps to one public port
 # whatever it talks to: hole punching works). "symmetric": every connection gets a fresh
 # random port (endpoint-dependent: the port a peer saw is useless to a third party).
-# Both drop unsolicited inbound connections, as home routers do.
 NAT_KINDS = {"eim": "masquerade", "symmetric": "masquerade fully-random"}
+# What a router does with an unsolicited inbound packet (conntrack state new, or invalid:
+# a SYN that meets a mapping its own side just saw reset), as routers in the field do.
+# "drop": nothing (many home routers). "reset": a TCP SYN is answered with a TCP reset and
+# other packets with ICMP port unreachable (OpenWrt's default REJECT on its WAN zone, and
+# host firewalls). "icmp": ICMP port unreachable for a TCP SYN and for UDP. Other TCP
+# segments without a mapping are dropped by all three.
+NAT_INBOUND = {
+    "drop": ("drop", "drop"),
+    "reset": ("reject with tcp reset", "reject with icmp type port-unreachable"),
+    "icmp": (
+        "reject with icmp type port-unreachable",
+        "reject with icmp type port-unreachable",
+    ),
+}
+# Stacked NAT routers behind one host: 1 (a home router) or 2 (a home router behind a
+# carrier-grade NAT).
+MAX_NAT_LAYERS = 2
+# The carrier's inside network for host i: 100.64.<i>.0/24 (RFC 6598), router .1, home .2.
+CGN_NET = "100.64"
+# The conntrack timeouts a router's idle expiry (Host.nat_idle_s) sets.
+IDLE_SYSCTLS = (
+    "net.netfilter.nf_conntrack_tcp_timeout_established",
+    "net.netfilter.nf_conntrack_udp_timeout",
+    "net.netfilter.nf_conntrack_udp_timeout_stream",
+)
 TUN_PATH = "/dev/net/tun"
 
 # Seconds: how long setup steps and teardown may take before we call them stuck.
@@ -90,7 +123,7 @@ _TUNSETIFF = 0x400454CA
 _IFF_TUN = 0x0001
 _IFF_NO_PI = 0x1000
 _HOST_NAME = re.compile(r"[a-z][a-z0-9]{0,11}")
-_NETNS_NAME = re.compile(r"(?P<pid>\d+)-(?P<n>\d+)-(?P<host>[a-z][a-z0-9]*)(-nat)?")
+_NETNS_NAME = re.compile(r"(?P<pid>\d+)-(?P<n>\d+)-(?P<host>[a-z][a-z0-9]*)(-nat|-cgn)?")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _counter = itertools.count()
 
@@ -120,10 +153,21 @@ class Host:
     queue_ms: float = 50.0
     loss: float | None = None
     nat: str | None = None  # None (a public address), or one of NAT_KINDS
+    nat_inbound: str = "drop"  # one of NAT_INBOUND: how the routers turn away a stranger
+    nat_layers: int = 1  # 2: behind a carrier-grade NAT as well (rule 6)
+    nat_idle_s: int | None = None  # mappings idle this long are forgotten (None: Linux's)
 
     def __post_init__(self) -> None:
         if self.nat is not None and self.nat not in NAT_KINDS:
             raise ValueError(f"nat must be one of {sorted(NAT_KINDS)} or None, not {self.nat!r}")
+        if self.nat_inbound not in NAT_INBOUND:
+            raise ValueError(
+                f"nat_inbound must be one of {sorted(NAT_INBOUND)}, not {self.nat_inbound!r}"
+            )
+        if not 1 <= self.nat_layers <= MAX_NAT_LAYERS:
+            raise ValueError(f"nat_layers must be 1 to {MAX_NAT_LAYERS}, not {self.nat_layers}")
+        if self.nat_idle_s is not None and self.nat_idle_s < 1:
+            raise ValueError(f"nat_idle_s must be at least 1 s, not {self.nat_idle_s}")
 
 
 def _solve_three(rtt_ab: float, rtt_bc: float, rtt_ac: float) -> tuple[float, float, float]:
@@ -323,8 +367,17 @@ class Testbed:
         return self._public[host]
 
     def router_netns(self, host: str) -> str | None:
-        """The namespace of a NATed host's router (None for a public host)."""
+        """The namespace of a NATed host's (home) router (None for a public host)."""
         return None if self.hosts[host].nat is None else self._netns[host] + "-nat"
+
+    def carrier_netns(self, host: str) -> str | None:
+        """The namespace of a host's carrier-grade NAT (None unless ``nat_layers`` is 2)."""
+        spec = self.hosts[host]
+        return self._netns[host] + "-cgn" if spec.nat is not None and spec.nat_layers > 1 else None
+
+    def routers(self, host: str) -> list[str]:
+        """The namespaces of a host's routers, nearest first (none for a public host)."""
+        return [ns for ns in (self.router_netns(host), self.carrier_netns(host)) if ns]
 
     def netns(self, host: str) -> str:
         """The host's network namespace name (for ``ip netns exec``)."""
@@ -375,13 +428,13 @@ class Testbed:
         netns = self._netns[name]
         self._add_namespace(netns, tcp=True)
         _ip("-n", netns, "link", "set", "lo", "up")
-        router = self.router_netns(name)
         wan_side = netns
-        if router is not None:
+        inside = netns
+        for router in self.routers(name):
             self._add_namespace(router, tcp=False)
             _ip("-n", router, "link", "set", "lo", "up")
-            self._setup_lan(name, netns, router)
-            wan_side = router
+            self._setup_lan(name, inside, router)
+            inside = wan_side = router
         _ip("link", "set", device, "netns", wan_side)
         _ip("-n", wan_side, "link", "set", device, "name", DEVICE)
         cidr = f"{self._public[name]}/{SUBNET.prefixlen}"
@@ -408,18 +461,31 @@ class Testbed:
         if done.returncode != 0:
             raise TestbedError(f"{argv[0]} in {netns}: {done.stderr.strip()}")
 
-    def _setup_lan(self, name: str, netns: str, router: str) -> None:
-        """A veth pair from the host to its router, a default route through it, and
-        the router's masquerade and inbound filter."""
+    def _setup_lan(self, name: str, inside: str, router: str) -> None:
+        """A veth pair from ``inside`` (the host, or the home router in front of a carrier's
+        NAT) to ``router``, a default route through it, and the router's masquerade and
+        inbound filter. The home router's side is its LAN (``lan0``), or, towards a
+        carrier's NAT, its ``wan0``."""
         host = self.hosts[name]
         assert host.nat is not None
-        lan = self._addrs[name].rsplit(".", 1)[0]
+        if router == self.carrier_netns(name):
+            net, inner_device = f"{CGN_NET}.{self._names.index(name)}", DEVICE
+        else:
+            net, inner_device = self._addrs[name].rsplit(".", 1)[0], LAN_DEVICE
         _ip("-n", router, "link", "add", LAN_DEVICE, "type", "veth", "peer", "name",
-            LAN_DEVICE, "netns", netns)  # fmt: skip
-        for ns, addr in ((router, f"{lan}.1/24"), (netns, f"{lan}.2/24")):
-            _ip("-n", ns, "addr", "add", addr, "dev", LAN_DEVICE)
-            _ip("-n", ns, "link", "set", LAN_DEVICE, "mtu", str(self.mtu), "up")
-        _ip("-n", netns, "route", "add", "default", "via", f"{lan}.1")
+            inner_device, "netns", inside)  # fmt: skip
+        for ns, dev, addr in (
+            (router, LAN_DEVICE, f"{net}.1/24"),
+            (inside, inner_device, f"{net}.2/24"),
+        ):
+            _ip("-n", ns, "addr", "add", addr, "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "mtu", str(self.mtu), "up")
+        _ip("-n", inside, "route", "add", "default", "via", f"{net}.1")
+        syn, other = NAT_INBOUND[host.nat_inbound]
+        stranger = f"""
+                    iifname "{DEVICE}" ct state new,invalid tcp flags & (syn | ack) == syn {syn}
+                    iifname "{DEVICE}" ct state new meta l4proto udp {other}
+                    iifname "{DEVICE}" ct state new,invalid drop"""
         ruleset = f"""
             table ip blobwan_nat {{
                 chain postrouting {{
@@ -427,16 +493,17 @@ class Testbed:
                     oifname "{DEVICE}" {NAT_KINDS[host.nat]}
                 }}
                 chain forward {{
-                    type filter hook forward priority filter; policy accept;
-                    iifname "{DEVICE}" ct state new drop
+                    type filter hook forward priority filter; policy accept;{stranger}
                 }}
                 chain input {{
-                    type filter hook input priority filter; policy accept;
-                    iifname "{DEVICE}" ct state new drop
+                    type filter hook input priority filter; policy accept;{stranger}
                 }}
             }}
         """
         self._netns_run(router, ["nft", "-f", "-"], stdin=ruleset)
+        if host.nat_idle_s is not None:
+            settings = [f"{key}={host.nat_idle_s}" for key in IDLE_SYSCTLS]
+            self._netns_run(router, ["sysctl", "-q", "-w", *settings])
 
     def _link_config(self, name: str) -> dict[str, Any]:
         host = self.hosts[name]
