@@ -5,6 +5,8 @@ role, driven over stdin/stdout JSON lines by :mod:`bench.wan.natnodes`)::
     python -m bench.wan.nat_agent provider --listen ADDR [--relay RELAY] --size N [--seed S]
     python -m bench.wan.nat_agent fetcher  --listen ADDR --blob ID --provider ADDR ...
 
+(``--no-syn-retry`` on a provider or fetcher: hole punches send one SYN per window.)
+
 Every role prints ``{"ready": true, ...}`` when up. The relay then answers ``stats`` on
 stdin with its relayed byte count; the provider serves until killed; the fetcher dials
 its providers (circuit addresses through their relays, hole-punched), fetches the blob and
@@ -45,6 +47,15 @@ async def _lines() -> Any:
             yield line.decode().strip()
 
 
+def _configure_punch(host: Any, args: argparse.Namespace) -> None:
+    """``--no-syn-retry``: one SYN per punch window, as py-libp2p's own dial (a control)."""
+    if args.no_syn_retry:
+        from p2p.nat.holepunch import punch_book
+        from p2p.nat.syn import NO_RETRY
+
+        punch_book(host).schedule = NO_RETRY
+
+
 async def run_relay(args: argparse.Namespace, store: str) -> None:
     from identity import TrustStore
     from p2p.nat.relay import control_limits, relay_service
@@ -72,6 +83,7 @@ async def run_provider(args: argparse.Namespace, store: str) -> None:
     async with open_node(
         store, listen=[args.listen], dht=args.dht, bootstrap=args.bootstrap, fast=not args.slow
     ) as node:
+        _configure_punch(node.host, args)
         data = random.Random(args.seed).randbytes(args.size)
         blob_id = await node.add_bytes(data) if args.size else ""
         relays = [args.relay] if args.relay else []
@@ -102,6 +114,7 @@ async def run_fetcher(args: argparse.Namespace, store: str) -> None:
     async with open_node(
         store, listen=[args.listen], dht=args.dht, bootstrap=args.bootstrap, fast=not args.slow
     ) as node:
+        _configure_punch(node.host, args)
         _emit({"ready": True, "peer_id": node.peer_id})
         fetch_started_at = time.time()
         try:
@@ -143,6 +156,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--slow", action="store_true", help="py-libp2p's own Noise/yamux")
     parser.add_argument("--debug", action="store_true")
+    parser.add_argument(
+        "--no-syn-retry", action="store_true", help="one SYN per punch window (a control)"
+    )
     parser.add_argument("--dht", action="store_true", help="run the Kademlia DHT")
     parser.add_argument("--bootstrap", action="append", default=[])
     parser.add_argument("--discover", action="store_true", help="fetcher: ask the DHT too")

@@ -24,8 +24,10 @@ Reachability (:func:`reachable`, for a serving node): the node asks a relay to d
 back at the IP the relay sees it at and its listen port, on a fresh connection
 (:func:`check_reachability`; py-libp2p 0.8.1's AutoNAT cannot tell, see there). A NAT
 drops that SYN: the node is private, reserves on every configured relay (renewing before
-expiry) and advertises the circuit addresses (:func:`advertise`); its tickets name only
-those, so they stay short.
+expiry), pings each relay every ``RELAY_KEEPALIVE`` so its NAT keeps the relay
+connection's mapping (reserving anew over a fresh connection if a relay stops
+answering), and advertises the circuit addresses (:func:`advertise`); its tickets name
+only those, so they stay short.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from typing import Any
 
 import multiaddr
 import trio
+from libp2p.host.ping import ID as PING_PROTOCOL
+from libp2p.host.ping import perform_ping_roundtrip
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
@@ -46,6 +50,7 @@ from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_byt
 from blobstore.exitcodes import ExitCode
 from p2p.blob.ticket import TICKET_PREFIX, Ticket
 from p2p.fetch.downloader import Progress, ProgressCallback
+from p2p.nat.holepunch import punch_book
 from p2p.nat.relay import (
     EXCHANGE_TIMEOUT,
     MAX_ADMIT_REPLY,
@@ -61,10 +66,16 @@ from p2p.nat.relay import (
     present_certificate,
     reserve,
 )
+from p2p.nat.syn import SynTrace
 from p2p.transport import patches
 
 log = logging.getLogger(__name__)
 
+# A private node pings each relay it holds a reservation on this often. A NAT forgets a
+# mapping left idle: 30 s is common for UDP and some routers and carrier-grade NATs use
+# it for TCP too. Once the mapping of the relay connection is gone, the relay's CONNECT
+# for a fetcher never reaches us, and we would not know for minutes.
+RELAY_KEEPALIVE = 15.0
 # Reservations are renewed when this much of their life is left (py-libp2p's client
 # renews at 80% of the TTL too), and retried this soon after a failed renewal.
 RENEW_AT_FRACTION_LEFT = 0.2
@@ -88,6 +99,9 @@ MAX_PUNCH_JOBS = 64
 # A failed punch is not tried again for this long: a NAT that mapped symmetrically a
 # minute ago still does (PunchJobs).
 PUNCH_FAILURE_MEMORY = 60.0
+# A failed punch's line names what the SYNs to this many of the peer's addresses met
+# (the rest, its private addresses from identify, are silence by nature).
+MAX_DESCRIBED_ADDRS = 2
 # Closing a relayed connection sends a yamux GO_AWAY and a Noise frame through the relay:
 # a few RTTs at most; a dead relay must not hold a cancelled punch up.
 CLOSE_TIMEOUT = 5.0
@@ -238,6 +252,34 @@ async def _renew(
         await _reserve_all(host, relays, certificate, out)
 
 
+async def _keep_alive(
+    host: Any, relays: Sequence[str], certificate: bytes | None, out: Reachable
+) -> None:
+    """Ping every relay we hold a reservation on each ``RELAY_KEEPALIVE`` (a stream per
+    ping: py-libp2p's ping handler ends an idle stream), so our NAT keeps the relay
+    connection's mapping; when a relay does not answer, drop its connection and reserve
+    anew over a fresh one."""
+    while True:
+        await trio.sleep(RELAY_KEEPALIVE)
+        lost = []
+        for reservation in list(out.reservations):
+            relay = ID.from_base58(reservation.relay)
+            try:
+                with trio.fail_after(EXCHANGE_TIMEOUT):
+                    stream = await host.new_stream(relay, [PING_PROTOCOL])
+                    await perform_ping_roundtrip(stream)
+                    await stream.close()
+            except Exception as exc:  # a dead connection fails in many ways
+                log.warning("relay %s did not answer a keepalive ping: %r", relay, exc)
+                lost.append(relay)
+        if lost:
+            for relay in lost:
+                with trio.move_on_after(CLOSE_TIMEOUT):
+                    for conn in list(host.get_network().get_connections(relay)):
+                        await conn.close()
+            await _reserve_all(host, relays, certificate, out)
+
+
 @asynccontextmanager
 async def reachable(
     host: Any,
@@ -275,6 +317,7 @@ async def reachable(
             advertise(host, circuits)
             out.addrs = circuits or own
             nursery.start_soon(_renew, host, relays, certificate, out)
+            nursery.start_soon(_keep_alive, host, relays, certificate, out)
         else:
             out.addrs = own
         yield out
@@ -301,17 +344,53 @@ async def close_relayed(host: Any, peer: ID) -> int:
 
 async def upgrade_to_direct(host: Any, peer: ID, *, punch_timeout: float) -> str | None:
     """Hole-punch to ``peer`` (connected through a relay); None when a direct connection
-    is up, else the one-line reason it is not."""
+    is up, else the one-line reason it is not: what its SYNs met and how long it took."""
     async with _dcutr(host) as dcutr:
-        with trio.move_on_after(punch_timeout):
+        book = punch_book(host)
+        book.begin(peer)
+        started = trio.current_time()
+        with trio.move_on_after(punch_timeout) as scope:
             await dcutr.initiate_hole_punch(peer)
+        waited = trio.current_time() - started
     if direct_connection(host, peer) is not None:
         return None
-    return (
-        f"hole punching to {peer} failed (no direct connection within {punch_timeout:.0f} s; "
-        "the usual cause: a symmetric NAT on either side, which maps each connection to a "
-        "new port)"
+    return punch_failure(
+        str(peer),
+        waited,
+        timed_out=scope.cancelled_caught,
+        traces=book.traces(peer),
+        retried=book.schedule.max_syns > 1,
     )
+
+
+def punch_failure(
+    peer: str, waited: float, *, timed_out: bool, traces: list[SynTrace], retried: bool = True
+) -> str:
+    """The one line a failed punch says: how long it waited, why it stopped, what its
+    SYNs met (p2p.nat.syn rule 5) and what that leaves as causes. ``retried``: refused
+    SYNs were sent again (p2p.nat.syn rule 3), so refusals to the end mean their SYN
+    never opened a way in."""
+    ended = "the time allowed ran out" if timed_out else "DCUtR gave up after its rounds"
+    head = f"hole punching to {peer} failed after {waited:.1f} s ({ended})"
+    if not traces or not any(t.syns for t in traces):
+        return (
+            f"{head}: no SYN was sent (the DCUtR exchange through the relay did not "
+            "complete, or the peer gave no address to dial)"
+        )
+    seen = "; ".join(t.describe() for t in traces[:MAX_DESCRIBED_ADDRS])
+    if not retried:
+        meaning = "refused SYNs were not sent again: retries are off"
+    elif any(t.refusals_from_dest() for t in traces):
+        meaning = (
+            "their side refused our SYNs to the end, so no SYN of theirs opened its NAT to "
+            "us: a NAT that maps each connection to a new port, on either side, or a firewall"
+        )
+    else:
+        meaning = (
+            "no answer, and no SYN of theirs came through: a NAT that maps each connection "
+            "to a new port, on either side, or a firewall that drops them"
+        )
+    return f"{head}: {seen} ({meaning})"
 
 
 async def punch_through(

@@ -75,6 +75,7 @@ from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_byt
 from blobstore.exitcodes import ExitCode
 from identity import MAX_CERTIFICATE_SIZE, TrustStore, verify_certificate
 from identity.errors import IdentityError
+from p2p.nat.holepunch import install as install_punch_dial
 from p2p.transport import patches
 
 log = logging.getLogger(__name__)
@@ -617,6 +618,7 @@ async def nat_services(
     stop handler (accepts circuits the relay opens to us) and DCUtR."""
     stop = CircuitV2Protocol(host, limits=limits or control_limits(), allow_hop=False)
     dcutr = DCUtRProtocol(host)
+    install_punch_dial(host, dcutr)
     try:
         async with background_trio_service(stop), background_trio_service(dcutr):
             await stop.event_started.wait()

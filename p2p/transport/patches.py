@@ -24,6 +24,7 @@ from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.kad_dht.provider_store import ProviderStore
 from libp2p.network.swarm import Swarm
 from libp2p.rcmgr.manager import ResourceManager
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 
 
 class PatchTargetMissing(RuntimeError):
@@ -97,6 +98,12 @@ TARGETS: tuple[tuple[type, str, str], ...] = (
         BasicHost,
         "get_addrs",
         "a NATed node hands out relay circuit addresses that addrs_factory would mangle",
+    ),
+    (
+        DCUtRProtocol,
+        "_dial_peer",
+        "its hole-punch dial sends one SYN a window; p2p.nat.holepunch retries it after "
+        "a router's reset or ICMP refusal",
     ),
 )
 # Set at run time, so not in TARGETS: DCUtRProtocol registers itself on its host as
@@ -379,6 +386,19 @@ def advertise_interfaces(host: Any) -> None:
 def running_dcutr(host: Any) -> Any:
     """The DCUtR service registered on ``host``, or None."""
     return getattr(host, DCUTR_ATTRIBUTE, None)
+
+
+def replace_dcutr_dial(dcutr: Any, make: Callable[[Any], Any]) -> None:
+    """Make ``dcutr``'s hole-punch dials ``make(original)``: py-libp2p 0.8.1's
+    ``DCUtRProtocol._perform_hole_punch`` dials every address of a round through
+    ``self._dial_peer(peer_id, addr, source, as_responder)`` (and its unilateral upgrade
+    through the same, without ``source``). Once per service."""
+    original = _require(dcutr, "_dial_peer")
+    if getattr(original, "_blobnet", False):
+        return
+    dial = make(original)
+    dial._blobnet = True
+    dcutr._dial_peer = dial
 
 
 def forget_dcutr(host: Any, dcutr: Any) -> None:

@@ -1,0 +1,223 @@
+"""Hole-punch dials for py-libp2p's DCUtR: SYNs that outlive refusals, and a listener
+that completes the punch either way.
+
+Theory of operation
+===================
+
+1. py-libp2p 0.8.1's DCUtR runs the exchange (CONNECT, SYNC) and up to three dial
+   rounds, each a window of at most 5 s in which it dials every address the peer gave
+   from our TCP listen port and polls for a direct connection. Its dial connects once:
+   a router that refuses an early SYN (a reset, an ICMP error) ends that dial for the
+   window, and the peer's SYN, arriving just after, is turned away too (``p2p.nat.syn``
+   says why). Its dial is replaced (``install``): the SYNs are ``p2p.nat.syn.send_syns``
+   on the host's ``PunchBook.schedule``, the rest is as py-libp2p does it: the DCUtR
+   initiator upgrades its dial as the Noise responder and the other peer as the
+   initiator, so a simultaneous open, one TCP connection from two dials, agrees on roles.
+2. While a dial runs, the book expects the peer's address (its public IP and port) at
+   our listener. A socket accepted from there is the punched connection (the peer's SYN
+   reached our port between two SYNs of ours; ``p2p.nat.syn`` rule 4): it is upgraded in
+   the role of our dial. As the DCUtR initiator that is the responder role, which any
+   inbound socket gets; as the other peer it is the Noise initiator, which py-libp2p's
+   listener would never take, so the book claims the socket from the inbound handler.
+3. Each punch's SYNs are traced per address (``p2p.nat.syn.SynTrace``) in the book,
+   which ``p2p.nat.punch`` reads to say what a failed punch saw. The book is owned by
+   its host (one per host, made by the first ``nat_services``), bounded by
+   ``MAX_TRACED_PEERS`` peers and ``MAX_TRACED_ADDRS`` addresses each.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from libp2p.io.trio import TrioTCPStream
+from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.peer.id import ID
+
+from p2p.nat.syn import DEFAULT_SCHEDULE, SynSchedule, SynsRefused, SynTrace, send_syns
+from p2p.transport import patches
+
+log = logging.getLogger(__name__)
+
+# Peers whose punch traces a host keeps: a fetch punches at most 16 providers at once
+# (p2p.nat.punch.MAX_PUNCHES) and a node runs a few fetches.
+MAX_TRACED_PEERS = 64
+# Addresses traced per peer: DCUtR dials each address a peer gives (its predicted
+# public address, its private ones from identify); a peer that gives more is capped.
+MAX_TRACED_ADDRS = 8
+# A punched connection's Noise + yamux handshake: a few RTTs on a path DCUtR just timed.
+UPGRADE_TIMEOUT = 10.0
+BOOK_ATTRIBUTE = "_blobnet_punch_book"
+
+
+@dataclass
+class _Expected:
+    peer: ID
+    initiator: bool  # our dial would upgrade as the Noise initiator
+    dials: int = 0  # dials to this address running now
+
+
+class PunchBook:
+    """One host's punches under way and what their SYNs met (rules 2-3). Sans-IO."""
+
+    def __init__(self, schedule: SynSchedule = DEFAULT_SCHEDULE) -> None:
+        self.schedule = schedule
+        self._expected: dict[tuple[str, int], _Expected] = {}
+        self._traces: dict[str, dict[str, SynTrace]] = {}
+        self.claimed = 0  # punched connections our listener took (rule 2)
+
+    def begin(self, peer: ID) -> None:
+        """A new punch to ``peer``: forget what the last one saw."""
+        self._traces.pop(str(peer), None)
+
+    def start(self, peer: ID, dest: tuple[str, int], *, initiator: bool) -> SynTrace:
+        """A dial to ``dest`` begins a window: expect the peer there; its trace."""
+        expected = self._expected.get(dest)
+        if expected is None or expected.peer != peer:
+            expected = self._expected[dest] = _Expected(peer, initiator)
+        expected.initiator = initiator
+        expected.dials += 1
+        traces = self._traces.pop(str(peer), {})
+        self._traces[str(peer)] = traces  # the newest last: the oldest goes first
+        while len(self._traces) > MAX_TRACED_PEERS:
+            del self._traces[next(iter(self._traces))]
+        key = f"{dest[0]}:{dest[1]}"
+        trace = traces.get(key)
+        if trace is None:
+            trace = SynTrace(key)
+            if len(traces) < MAX_TRACED_ADDRS:
+                traces[key] = trace
+        trace.windows += 1
+        return trace
+
+    def dialling(self, dest: tuple[str, int]) -> bool:
+        """Whether a dial to ``dest`` runs now: a second one from the same port (two DCUtR
+        sessions at once, ours and the peer's) would find the port pair taken by the
+        first's SYN, again and again."""
+        expected = self._expected.get(dest)
+        return expected is not None and expected.dials > 0
+
+    def stop(self, dest: tuple[str, int]) -> None:
+        """A dial to ``dest`` ended (connected, refused for good or cancelled)."""
+        expected = self._expected.get(dest)
+        if expected is not None:
+            expected.dials -= 1
+            if expected.dials <= 0:
+                del self._expected[dest]
+
+    def claim(self, remote: tuple[str, int]) -> _Expected | None:
+        """The punch an inbound socket from ``remote`` belongs to, if any."""
+        return self._expected.get(remote)
+
+    def traces(self, peer: ID) -> list[SynTrace]:
+        """What the SYNs of the latest punch to ``peer`` met: addresses that connected or
+        whose side answered first (a private address from identify is silent or refused
+        by a router on the way), then by SYNs sent."""
+        found = self._traces.get(str(peer), {}).values()
+        return sorted(
+            found,
+            key=lambda t: (t.connected_at is None, t.refusals_from_dest() == 0, -t.syns),
+        )
+
+
+def punch_book(host: Any) -> PunchBook:
+    """The host's book, made (and its listener's claim installed, rule 2) on first use."""
+    book: PunchBook | None = getattr(host, BOOK_ATTRIBUTE, None)
+    if book is None:
+        book = PunchBook()
+        setattr(host, BOOK_ATTRIBUTE, book)
+        _claim_inbound(host, book)
+    return book
+
+
+def _tcp_dest(addr: Any) -> tuple[str, int] | None:
+    try:
+        ip = addr.value_for_protocol("ip4")
+        port = addr.value_for_protocol("tcp")
+    except Exception:  # not /ip4/.../tcp/...: QUIC, IPv6, DNS: py-libp2p's own dial
+        return None
+    if not ip or not port:
+        return None
+    return str(ip), int(port)
+
+
+async def _upgrade(
+    network: Any, stream: trio.SocketStream, peer: ID, addr: Any, *, initiator: bool
+) -> None:
+    raw = RawConnection(TrioTCPStream(stream), initiator)
+    with trio.fail_after(UPGRADE_TIMEOUT):
+        if initiator:
+            await network.upgrade_outbound_raw_conn(raw, peer)
+            return
+        muxed = await network.upgrade_inbound_raw_conn(raw, addr)
+    if getattr(muxed, "peer_id", None) != peer:
+        await muxed.close()
+        raise RuntimeError(f"the punched connection is not to {peer}")
+
+
+def install(host: Any, dcutr: Any) -> PunchBook:
+    """Give ``dcutr``'s hole-punch dials ``send_syns`` on the host's book (rule 1)."""
+    book = punch_book(host)
+    network = host.get_network()
+
+    def make(original: Any) -> Any:
+        async def dial_peer(
+            peer_id: ID, addr: Any, source: tuple[str, int] | None = None,
+            as_responder: bool = False,
+        ) -> None:  # fmt: skip
+            dest = _tcp_dest(addr)
+            if source is None or dest is None:
+                await original(peer_id, addr, source, as_responder)
+                return
+            if book.dialling(dest):
+                log.debug("hole punch to %s at %s: already dialling it", peer_id, addr)
+                return
+            trace = book.start(peer_id, dest, initiator=not as_responder)
+            try:
+                stream = await send_syns(source, dest, trace, schedule=book.schedule)
+            except SynsRefused as exc:
+                log.debug("hole punch to %s stopped: %s", peer_id, exc)
+                return
+            finally:
+                book.stop(dest)
+                log.debug("hole punch to %s: %s", peer_id, trace.describe())
+            try:
+                await _upgrade(network, stream, peer_id, addr, initiator=not as_responder)
+            except Exception as exc:  # py-libp2p raises many types for one failed upgrade
+                log.debug("hole punch to %s at %s: upgrade failed: %r", peer_id, addr, exc)
+
+        return dial_peer
+
+    patches.replace_dcutr_dial(dcutr, make)
+    return book
+
+
+def _claim_inbound(host: Any, book: PunchBook) -> None:
+    network = host.get_network()
+    previous: Any = None
+
+    async def handle(read_write_closer: Any, maddr: Any) -> None:
+        remote = None
+        try:
+            remote = read_write_closer.get_remote_address()
+        except Exception:  # not a socket that can say: not a punch
+            pass
+        expected = book.claim(tuple(remote)) if remote else None
+        if expected is None or not expected.initiator:
+            await previous(read_write_closer, maddr)
+            return
+        book.claimed += 1
+        try:
+            with trio.fail_after(UPGRADE_TIMEOUT):
+                conn = await network.upgrade_outbound_raw_conn(
+                    RawConnection(read_write_closer, True), expected.peer
+                )
+        except Exception as exc:  # py-libp2p raises many types for one failed upgrade
+            log.debug("punched connection from %s: upgrade failed: %r", remote, exc)
+            return
+        # The listener closes the socket when this handler returns: stay until it ends.
+        await conn.muxed_conn.event_closed.wait()
+
+    previous = patches.route_inbound(network, handle)

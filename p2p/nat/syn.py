@@ -1,0 +1,311 @@
+"""The TCP half of a hole punch: SYNs from our listen port that outlive a router's reset
+or ICMP refusal, and a record of what became of each.
+
+Theory of operation
+===================
+
+1. Both peers dial each other's public address from their own listen port at about the
+   same moment (DCUtR's SYNC: the responder on receipt, the initiator half a relay RTT
+   later). A SYN that reaches the other router before the other peer's SYN has left it
+   finds no mapping there: it is *early*. At most one side's SYN is early: if ours left
+   first, theirs leaves after our router already maps our port to theirs.
+2. A router that drops the early SYN silently leaves our socket in SYN_SENT and our own
+   router's mapping open: their SYN comes in through it into our socket (a simultaneous
+   open) and both connects succeed. So silence is waited out, never retried: a new
+   socket would leave a moment with no SYN_SENT socket on the port.
+3. A router that answers the early SYN with a TCP reset, or with an ICMP port (or host)
+   unreachable, ends our connect (ECONNREFUSED). The reset also moves our own router's
+   conntrack entry to CLOSE, in which state it turns their SYN away. So a new SYN leaves
+   from the same port at once, reopening our mapping (a SYN from our side of a closed
+   entry starts a new one) before their SYN, a few milliseconds behind ours, arrives;
+   and again after each refusal for half a second, then on a spaced, random schedule
+   until the punch window closes (``SynSchedule`` says why each number). Their router
+   stops refusing once their SYN has left (our next SYN then meets its mapping) or once
+   it rate-limits its ICMP errors (Linux sends about six at once, then one a second):
+   either way our SYN then waits in SYN_SENT for theirs, as in rule 2.
+4. Their SYN can still arrive while no SYN of ours is pending (between a refusal and our
+   next SYN). Our listener, on the same port (SO_REUSEPORT), then accepts it, and our
+   next SYN finds the port pair taken (EADDRNOTAVAIL, counted as ``busy``). That
+   connection is the punched one all the same; ``p2p.nat.holepunch`` upgrades it in the
+   role our dial would have had.
+5. Every SYN's fate is counted (``SynTrace``): connected, reset, ICMP (type, code and the
+   address that sent it: with ``IP_RECVERR`` Linux queues the ICMP error on the socket,
+   and a reset queues nothing), port busy, or unanswered when the window closed. A
+   failed punch reports those counts and how long it waited (``SynTrace.describe``),
+   never a guessed cause.
+
+The schedule and the trace are sans-IO (time is an argument); :func:`send_syns` is the
+thin trio layer that opens the sockets.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import socket
+import struct
+from collections import Counter
+from dataclasses import dataclass, field
+
+import trio
+
+# Linux's IP_RECVERR (linux/in.h); Python's socket module does not export it.
+IP_RECVERR = 11
+# struct sock_extended_err (linux/errqueue.h): errno, origin, ICMP type, ICMP code, pad,
+# info, data; then the offender's sockaddr_in.
+_EXTENDED_ERR = struct.Struct("=IBBBBII")
+_ORIGIN_ICMP = 2
+# One queued error: the 16-byte struct and a sockaddr_in (16 bytes); room to spare.
+_ERRQUEUE_ANCILLARY = 512
+
+# Connect errors after which a new SYN from the same port may still meet the peer's.
+# ECONNREFUSED: a reset, or ICMP port unreachable; EHOSTUNREACH/ENETUNREACH: ICMP host or
+# network unreachable, or administratively prohibited; EADDRNOTAVAIL: the port pair is
+# taken (our listener accepted their SYN, or a closed connection's TIME_WAIT holds it);
+# ECONNRESET/ETIMEDOUT for a SYN the kernel gave up on. Anything else (EACCES, EINVAL: a
+# local setup error) ends the punch at once.
+RETRYABLE = frozenset(
+    {
+        errno.ECONNREFUSED,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.EADDRNOTAVAIL,
+        errno.ECONNRESET,
+        errno.ETIMEDOUT,
+    }
+)
+
+
+@dataclass(frozen=True)
+class SynSchedule:
+    """When to send the next SYN after a refusal (rule 3).
+
+    During the burst (``burst_s`` from the window's first SYN, at most ``burst_syns``
+    SYNs) a refused SYN is followed by the next at once: a SYN is refused one round trip
+    after it left, so there is always one of ours on its way, and the moment with none
+    (between the refusal and the next SYN) is as short as the process makes it. Any gap
+    is a chance for the peer's SYN to arrive with no SYN of ours to meet it (rule 4), and
+    behind a Linux router a connection our listener accepts then rarely works: the
+    router tracked our last SYN's sequence number, and the listener's SYN-ACK carries
+    another. The burst ends after half a second: the peer's SYN left long since unless
+    its process stalled, and on a LAN-short path an unbounded burst is a SYN every 0.1
+    ms. Then each refusal waits a random delay in ``spaced`` (the randomness keeps two
+    peers whose SYNs are refused in turn from staying in lock step). A SYN that finds
+    the port pair taken (``busy``: our listener took their SYN, or a closed connection's
+    TIME_WAIT holds the pair) waits in ``busy_wait`` too: retrying at once would spin.
+    ``max_syns`` bounds the SYNs of one window whatever the clock does."""
+
+    burst_s: float = 0.5
+    burst_syns: int = 64
+    spaced: tuple[float, float] = (0.02, 0.06)
+    busy_wait: tuple[float, float] = (0.02, 0.06)
+    max_syns: int = 200
+
+    def __post_init__(self) -> None:
+        for low, high in (self.spaced, self.busy_wait):
+            if not 0 <= low <= high:
+                raise ValueError("a SYN schedule's delays are ranges (low, high), 0 <= low <= high")
+        if self.burst_s < 0 or self.burst_syns < 0 or self.max_syns < 1:
+            raise ValueError("burst_s and burst_syns must be >= 0 and max_syns >= 1")
+
+    def delay(self, outcome: str, syns: int, since_first: float, rng: random.Random) -> float:
+        """Seconds to wait before the next SYN, after the ``syns``-th SYN of the window
+        (``since_first`` seconds after the first) ended with ``outcome``."""
+        if outcome == "busy":
+            return rng.uniform(*self.busy_wait)
+        if since_first < self.burst_s and syns <= self.burst_syns:
+            return 0.0
+        return rng.uniform(*self.spaced)
+
+
+# Used when a punch is made with retries turned off (a test's and a bench's control).
+NO_RETRY = SynSchedule(max_syns=1)
+DEFAULT_SCHEDULE = SynSchedule()
+
+
+@dataclass
+class SynTrace:
+    """What became of the SYNs sent to one address (rule 5); times are ``now`` values."""
+
+    dest: str
+    syns: int = 0
+    resets: int = 0
+    icmp: Counter[str] = field(default_factory=Counter)  # "type/code from addr" -> count
+    busy: int = 0
+    other: Counter[str] = field(default_factory=Counter)  # errno name -> count
+    first_at: float | None = None
+    connected_at: float | None = None
+    pending_since: float | None = None  # the last SYN, not answered yet
+    unanswered: int = 0  # SYNs that were still pending when their dial was cancelled
+    windows: int = 0  # punch windows (dial rounds) that sent SYNs here
+
+    def sent(self, now: float) -> None:
+        self.syns += 1
+        if self.first_at is None:
+            self.first_at = now
+        self.pending_since = now
+
+    def connected(self, now: float) -> None:
+        self.connected_at = now
+        self.pending_since = None
+
+    def refused(self, outcome: str, now: float) -> None:
+        """``outcome``: "reset", "busy", "icmp <type>/<code> from <addr>" or an errno name."""
+        self.pending_since = None
+        if outcome == "reset":
+            self.resets += 1
+        elif outcome == "busy":
+            self.busy += 1
+        elif outcome.startswith("icmp "):
+            self.icmp[outcome[5:]] += 1
+        else:
+            self.other[outcome] += 1
+
+    def abandoned(self, now: float) -> None:
+        """The window closed with a SYN still unanswered (silence)."""
+        if self.pending_since is not None:
+            self.unanswered += 1
+            self.pending_since = None
+
+    def refusals_from_dest(self) -> int:
+        """Resets, and ICMP errors sent by the address we dialled (its router's public
+        address): the peer's side turning our SYN away, not a router on the way."""
+        ip = self.dest.rsplit(":", 1)[0]
+        return self.resets + sum(n for what, n in self.icmp.items() if what.endswith(f" {ip}"))
+
+    def describe(self) -> str:
+        """One clause: how many SYNs went to ``dest`` and what answered them."""
+        seen = []
+        if self.resets:
+            seen.append(f"{self.resets} TCP reset{_s(self.resets)}")
+        for what, n in sorted(self.icmp.items()):
+            seen.append(f"{n} ICMP {_icmp_name(what)}")
+        if self.busy:
+            seen.append(f"{self.busy} found the port pair taken")
+        for name, n in sorted(self.other.items()):
+            seen.append(f"{n} {name}")
+        if self.unanswered:
+            seen.append(f"{self.unanswered} unanswered (silence)")
+        if self.connected_at is not None:
+            seen.append("the last connected")
+        answers = ", ".join(seen) if seen else "no answer"
+        windows = f" in {self.windows} window{_s(self.windows)}" if self.windows > 1 else ""
+        return f"{self.syns} SYN{_s(self.syns)} to {self.dest}{windows}: {answers}"
+
+
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"
+
+
+_ICMP_NAMES = {"3/0": "net unreachable", "3/1": "host unreachable", "3/3": "port unreachable",
+               "3/10": "host prohibited", "3/13": "administratively prohibited"}  # fmt: skip
+
+
+def _icmp_name(what: str) -> str:
+    """``"3/3 from 10.77.0.12"`` -> ``"port unreachable from 10.77.0.12"``."""
+    code, _, origin = what.partition(" ")
+    name = _ICMP_NAMES.get(code, f"type/code {code}")
+    return f"{name} {origin}".strip()
+
+
+def classify(err: int, queued: bytes | None) -> str:
+    """A refused SYN's outcome from its errno and the ancillary data of the error the
+    kernel queued for the socket (None: nothing queued)."""
+    if queued is not None and len(queued) >= _EXTENDED_ERR.size:
+        _errno, origin, icmp_type, icmp_code, _pad, _info, _data = _EXTENDED_ERR.unpack_from(queued)
+        if origin == _ORIGIN_ICMP:
+            offender = ""
+            if len(queued) >= _EXTENDED_ERR.size + 8:
+                ip = queued[_EXTENDED_ERR.size + 4 : _EXTENDED_ERR.size + 8]
+                offender = f" from {socket.inet_ntoa(ip)}"
+            return f"icmp {icmp_type}/{icmp_code}{offender}"
+    if err == errno.ECONNREFUSED:
+        return "reset"
+    if err == errno.EADDRNOTAVAIL:
+        return "busy"
+    return errno.errorcode.get(err, str(err))
+
+
+def _queued_error(sock: socket.socket) -> bytes | None:
+    try:
+        _data, ancillary, _flags, _addr = sock.recvmsg(
+            0, _ERRQUEUE_ANCILLARY, socket.MSG_ERRQUEUE | socket.MSG_DONTWAIT
+        )
+    except OSError:  # nothing queued (a reset), or no error queue on this platform
+        return None
+    for level, kind, data in ancillary:
+        if level == socket.IPPROTO_IP and kind == IP_RECVERR:
+            return bytes(data)
+    return None
+
+
+class SynsRefused(OSError):
+    """Every SYN of a window was refused, or one failed for a local reason."""
+
+
+def _punch_socket(source: tuple[str, int]) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # The listener holds the port with SO_REUSEPORT (py-libp2p's TCP listener).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 1)
+        except OSError:  # not Linux: resets and ICMP errors are then counted together
+            pass
+        sock.bind(source)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def send_syns(
+    source: tuple[str, int],
+    dest: tuple[str, int],
+    trace: SynTrace,
+    *,
+    schedule: SynSchedule = DEFAULT_SCHEDULE,
+    rng: random.Random | None = None,
+) -> trio.SocketStream:
+    """A TCP connection from ``source`` (our listen address) to ``dest``, SYNs retried
+    after refusals on ``schedule`` (rules 2-3). Runs until connected, cancelled (the
+    punch window closed: a pending SYN is then counted unanswered), ``schedule.max_syns``
+    refusals, or a local error (SynsRefused)."""
+    rng = rng or random.Random()
+    syns = 0
+    started = trio.current_time()
+    while True:
+        try:
+            sock = _punch_socket(source)
+        except OSError as exc:
+            raise SynsRefused(exc.errno, f"cannot send a SYN from {source}: {exc}") from None
+        tsock = trio.socket.from_stdlib_socket(sock)
+        trace.sent(trio.current_time())
+        try:
+            await tsock.connect(dest)
+        except OSError as exc:
+            outcome = classify(exc.errno or 0, _queued_error(sock))
+            tsock.close()
+            trace.refused(outcome, trio.current_time())
+            syns += 1
+            if exc.errno not in RETRYABLE:
+                raise SynsRefused(exc.errno, f"a SYN to {dest} failed: {exc}") from None
+            if syns >= schedule.max_syns:
+                raise SynsRefused(exc.errno, f"{syns} SYNs to {dest} refused") from None
+            since_first = trio.current_time() - started
+            await trio.sleep(schedule.delay(outcome, syns, since_first, rng))
+            continue
+        except BaseException:
+            tsock.close()
+            trace.abandoned(trio.current_time())
+            raise
+        trace.connected(trio.current_time())
+        try:
+            # On a connected socket IP_RECVERR would turn a transient ICMP error (a
+            # route flapping) into a hard one that ends the connection.
+            sock.setsockopt(socket.IPPROTO_IP, IP_RECVERR, 0)
+        except OSError:
+            pass
+        return trio.SocketStream(tsock)
