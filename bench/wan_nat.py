@@ -2,6 +2,12 @@
 
     python bench/wan_nat.py [--tries 20] [--rtt-ms 80] [--size-mib 4] [--symmetric-tries 3]
                             [--cli-tries 20 [--cli-only]]
+    python bench/wan_nat.py --matrix [--matrix-tries 20] [--cells eimreset,eimicmp]
+                            [--no-syn-retry] [--json-out F] [--md-out F]
+
+``--matrix`` runs the router matrix instead (bench/wan/nat_matrix.py says what each cell
+is and what a try measures) and prints one table row per cell; ``--no-syn-retry`` is the
+control (one SYN per punch window, on both sides).
 
 On the WAN testbed: a public relay, a provider behind an endpoint-independent NAT, and a
 fetcher behind another, every pair at ``--rtt-ms``. Each try is a fresh fetcher process
@@ -198,6 +204,73 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _matrix(args: argparse.Namespace) -> None:
+    from bench.wan import nat_matrix
+
+    chosen = nat_matrix.cells()
+    if args.cells:
+        names = args.cells.split(",")
+        chosen = [c for c in chosen if c.name in names]
+        if len(chosen) != len(names):
+            sys.exit(f"unknown cell in {args.cells}: {[c.name for c in nat_matrix.cells()]}")
+    extra = ("--no-syn-retry",) if args.no_syn_retry else ()
+    started = time.monotonic()
+    summaries = []
+    rows: list[dict[str, Any]] = []
+    with (
+        Testbed(nat_matrix.matrix_hosts(chosen)) as tb,
+        tempfile.TemporaryDirectory(prefix="wan-nat-") as logs,
+    ):
+        nat = NatNodes(tb, logs=Path(logs))
+        try:
+            relay = nat_matrix.start_relay(nat)
+            for cell in chosen:
+                tries = args.matrix_tries
+                if cell.idle_wait_s or not cell.expect_direct:
+                    tries = min(tries, args.slow_cell_tries)
+                got = nat_matrix.run_cell(
+                    nat, relay, cell, tries, extra=extra,
+                    report=lambda row: print(json.dumps(row), file=sys.stderr),
+                )  # fmt: skip
+                rows += got
+                summaries.append(nat_matrix.summarize(cell, got))
+                print(json.dumps(summaries[-1]), file=sys.stderr)
+        finally:
+            nat.stop()
+    report = {
+        "no_syn_retry": args.no_syn_retry,
+        "cells": summaries,
+        "rows": rows,
+        "wall_s": time.monotonic() - started,
+    }
+    table = _matrix_table(summaries)
+    print(table)
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.md_out is not None:
+        args.md_out.write_text(table + "\n")
+
+
+def _matrix_table(summaries: list[dict[str, Any]]) -> str:
+    def secs(stats: dict[str, float] | None) -> str:
+        return "-" if stats is None else f"{stats['median']:.2f} / {stats['p90']:.2f}"
+
+    lines = [
+        "| cell | routers | direct | first try | first direct byte, s (median / p90) "
+        "| relay bytes when direct (max) | fallback: first relayed byte, s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in summaries:
+        when_direct = c["relayed_bytes_when_direct"]
+        lines.append(
+            f"| {c['cell']} | {c['title']} | {c['direct']}/{c['tries']} "
+            f"| {c['first_try']}/{c['direct']} | {secs(c['first_direct_byte_s'])} "
+            f"| {'-' if when_direct is None else f'{when_direct:,}'} "
+            f"| {secs(c['first_relayed_byte_s'])} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tries", type=int, default=20)
@@ -213,10 +286,22 @@ def main() -> None:
         help="then this many real `blob get TICKET` processes from a `blob serve --relay`",
     )
     parser.add_argument("--cli-only", action="store_true", help="only the --cli-tries")
+    parser.add_argument("--matrix", action="store_true", help="the router matrix instead")
+    parser.add_argument("--matrix-tries", type=int, default=20)
+    parser.add_argument(
+        "--slow-cell-tries", type=int, default=5,
+        help="tries in the matrix's idle and symmetric cells (each waits 30 s or more)",
+    )  # fmt: skip
+    parser.add_argument("--cells", default="", help="comma-separated cell names")
+    parser.add_argument("--no-syn-retry", action="store_true", help="the control")
+    parser.add_argument("--md-out", type=Path)
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason is not None:
         sys.exit(f"cannot run: {reason}")
+    if args.matrix:
+        _matrix(args)
+        return
     delay = args.rtt_ms / 4  # RTT(i, j) = 2 (delay_i + delay_j)
     hosts = {
         "relay": Host(delay_ms=delay),

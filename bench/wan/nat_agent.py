@@ -108,12 +108,16 @@ async def run_provider(args: argparse.Namespace, store: str) -> None:
 
 async def run_fetcher(args: argparse.Namespace, store: str) -> None:
     from p2p.nat.punch import NatUnreachable, fetch_with_nat
-    from p2p.node.node import open_node
+    from p2p.node.node import NodeConfig, open_node
 
     t0 = time.monotonic()
-    async with open_node(
-        store, listen=[args.listen], dht=args.dht, bootstrap=args.bootstrap, fast=not args.slow
-    ) as node:
+    # --allow-relayed: the node may fetch over a relayed connection too (as `blob get
+    # --allow-relayed` sets it), else it waits for a direct one that never comes.
+    config = NodeConfig(
+        listen=(args.listen,), bootstrap=tuple(args.bootstrap), dht=args.dht,
+        fast=not args.slow, relayed_fetch=args.allow_relayed,
+    )  # fmt: skip
+    async with open_node(store, config=config) as node:
         _configure_punch(node.host, args)
         _emit({"ready": True, "peer_id": node.peer_id})
         fetch_started_at = time.time()

@@ -112,13 +112,19 @@ class PunchBook:
         return self._expected.get(remote)
 
     def traces(self, peer: ID) -> list[SynTrace]:
-        """What the SYNs of the latest punch to ``peer`` met: addresses that connected or
-        whose side answered first (a private address from identify is silent or refused
-        by a router on the way), then by SYNs sent."""
+        """What the SYNs of the latest punch to ``peer`` met: addresses that connected,
+        then those whose side answered, then the silent ones, and last those a router
+        on the way called unreachable (a private address from identify), then by SYNs
+        sent."""
         found = self._traces.get(str(peer), {}).values()
         return sorted(
             found,
-            key=lambda t: (t.connected_at is None, t.refusals_from_dest() == 0, -t.syns),
+            key=lambda t: (
+                t.connected_at is None,
+                t.refusals_from_dest() == 0,
+                t.refusals_on_the_way() > 0,
+                -t.syns,
+            ),
         )
 
 

@@ -126,6 +126,11 @@ class Punch:
     relayed_s: float | None = None  # connected through the relay, from the start
     direct_s: float | None = None  # direct connection up, from the start
     relay_max_bytes: int = 0  # what the relay said one circuit may carry (0: unstated)
+    # Our SYNs (p2p.nat.syn): sent to the peer in all, the dial windows (DCUtR rounds)
+    # that sent them to the address that answered most, and what they met, in words.
+    syns: int = 0
+    windows: int = 0
+    seen: str = ""
 
 
 @dataclass
@@ -342,9 +347,12 @@ async def close_relayed(host: Any, peer: ID) -> int:
     return closed
 
 
-async def upgrade_to_direct(host: Any, peer: ID, *, punch_timeout: float) -> str | None:
-    """Hole-punch to ``peer`` (connected through a relay); None when a direct connection
-    is up, else the one-line reason it is not: what its SYNs met and how long it took."""
+async def upgrade_to_direct(
+    host: Any, peer: ID, *, punch_timeout: float
+) -> tuple[str | None, list[SynTrace]]:
+    """Hole-punch to ``peer`` (connected through a relay). None when a direct connection
+    is up, else the one-line reason it is not (what its SYNs met and how long it took);
+    and the traces of our SYNs, the address that answered most first."""
     async with _dcutr(host) as dcutr:
         book = punch_book(host)
         book.begin(peer)
@@ -352,15 +360,17 @@ async def upgrade_to_direct(host: Any, peer: ID, *, punch_timeout: float) -> str
         with trio.move_on_after(punch_timeout) as scope:
             await dcutr.initiate_hole_punch(peer)
         waited = trio.current_time() - started
+    traces = book.traces(peer)
     if direct_connection(host, peer) is not None:
-        return None
-    return punch_failure(
+        return None, traces
+    reason = punch_failure(
         str(peer),
         waited,
         timed_out=scope.cancelled_caught,
-        traces=book.traces(peer),
+        traces=traces,
         retried=book.schedule.max_syns > 1,
     )
+    return reason, traces
 
 
 def punch_failure(
@@ -432,7 +442,10 @@ async def punch_through(
         out.relay_max_bytes = circuit.max_bytes
         out.relayed_s = time.monotonic() - t0
         _unblock(host, peer)
-        reason = await upgrade_to_direct(host, peer, punch_timeout=punch_timeout)
+        reason, traces = await upgrade_to_direct(host, peer, punch_timeout=punch_timeout)
+        out.syns = sum(t.syns for t in traces)
+        if traces:
+            out.windows, out.seen = traces[0].windows, traces[0].describe()
         if reason is None:
             out.direct_s = time.monotonic() - t0
             out.path = "direct"

@@ -618,6 +618,7 @@ async def nat_services(
     stop handler (accepts circuits the relay opens to us) and DCUtR."""
     stop = CircuitV2Protocol(host, limits=limits or control_limits(), allow_hop=False)
     dcutr = DCUtRProtocol(host)
+    patches.stop_dcutr_auto_drive(dcutr)  # the dialler starts the one session
     install_punch_dial(host, dcutr)
     try:
         async with background_trio_service(stop), background_trio_service(dcutr):

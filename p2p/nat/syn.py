@@ -89,15 +89,17 @@ class SynSchedule:
     router tracked our last SYN's sequence number, and the listener's SYN-ACK carries
     another. The burst ends after half a second: the peer's SYN left long since unless
     its process stalled, and on a LAN-short path an unbounded burst is a SYN every 0.1
-    ms. Then each refusal waits a random delay in ``spaced`` (the randomness keeps two
-    peers whose SYNs are refused in turn from staying in lock step). A SYN that finds
+    ms. Then each refusal waits a random delay in ``spaced``, 0.1-0.3 s: about twenty
+    more SYNs in a 5 s window for a peer that is late, not a hundred at a router that
+    will refuse them all (an endpoint-dependent NAT); the randomness keeps two peers
+    whose SYNs are refused in turn from staying in lock step. A SYN that finds
     the port pair taken (``busy``: our listener took their SYN, or a closed connection's
     TIME_WAIT holds the pair) waits in ``busy_wait`` too: retrying at once would spin.
     ``max_syns`` bounds the SYNs of one window whatever the clock does."""
 
     burst_s: float = 0.5
     burst_syns: int = 64
-    spaced: tuple[float, float] = (0.02, 0.06)
+    spaced: tuple[float, float] = (0.1, 0.3)
     busy_wait: tuple[float, float] = (0.02, 0.06)
     max_syns: int = 200
 
@@ -172,6 +174,11 @@ class SynTrace:
         address): the peer's side turning our SYN away, not a router on the way."""
         ip = self.dest.rsplit(":", 1)[0]
         return self.resets + sum(n for what, n in self.icmp.items() if what.endswith(f" {ip}"))
+
+    def refusals_on_the_way(self) -> int:
+        """ICMP errors from a router on the way (our own, for a private address of the
+        peer that only its LAN can reach): the address is no way to the peer."""
+        return sum(self.icmp.values()) - (self.refusals_from_dest() - self.resets)
 
     def describe(self) -> str:
         """One clause: how many SYNs went to ``dest`` and what answered them."""

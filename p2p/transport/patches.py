@@ -19,6 +19,7 @@ import contextvars
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import trio
 from libp2p.host.basic_host import BasicHost
 from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.kad_dht.provider_store import ProviderStore
@@ -98,6 +99,12 @@ TARGETS: tuple[tuple[type, str, str], ...] = (
         BasicHost,
         "get_addrs",
         "a NATed node hands out relay circuit addresses that addrs_factory would mangle",
+    ),
+    (
+        DCUtRProtocol,
+        "_auto_drive_loop",
+        "it starts a second DCUtR session to a peer whose own session is on its way (every "
+        "2 s, to each relayed peer); blobnet's dialler starts the only one",
     ),
     (
         DCUtRProtocol,
@@ -399,6 +406,23 @@ def replace_dcutr_dial(dcutr: Any, make: Callable[[Any], Any]) -> None:
     dial = make(original)
     dial._blobnet = True
     dcutr._dial_peer = dial
+
+
+def stop_dcutr_auto_drive(dcutr: Any) -> None:
+    """Keep ``dcutr`` from starting hole punches on its own: py-libp2p 0.8.1's
+    ``DCUtRProtocol.run`` starts ``self._auto_drive_loop``, which every 2 s opens a DCUtR
+    session to each peer connected only through a relay, as the DCUtR spec has the
+    relayed connection's inbound peer do. blobnet's dialler opens one as soon as its
+    relayed connection is up (p2p.nat.punch), and a second session crossing it runs a
+    second punch with the opposite roles: each side may then dial as the Noise responder
+    of a different session, and the connection their SYNs make never finishes its
+    handshake. Before the service runs."""
+    _require(dcutr, "_auto_drive_loop")
+
+    async def idle() -> None:
+        await trio.sleep_forever()
+
+    dcutr._auto_drive_loop = idle
 
 
 def forget_dcutr(host: Any, dcutr: Any) -> None:
