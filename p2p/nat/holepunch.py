@@ -27,7 +27,10 @@ Theory of operation
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +50,15 @@ MAX_TRACED_PEERS = 64
 # Addresses traced per peer: DCUtR dials each address a peer gives (its predicted
 # public address, its private ones from identify); a peer that gives more is capped.
 MAX_TRACED_ADDRS = 8
-# A punched connection's Noise + yamux handshake: a few RTTs on a path DCUtR just timed.
-UPGRADE_TIMEOUT = 10.0
+# SYN threads a host runs at once (p2p.nat.syn.send_syns): one per address per punch,
+# p2p.nat.punch.MAX_PUNCHES (16) punches of a fetch, two addresses each. The book's own
+# limiter, so a punch neither waits on trio's default one (the store's file work shares
+# it) nor holds it.
+MAX_SYN_THREADS = 32
+# A punched connection's Noise + yamux handshake: a few RTTs on a path DCUtR just timed
+# (about 1.5 s at 300 ms). A failed one is aborted (``_abort``) within a punch window
+# (py-libp2p's DCUtR waits 5 s a window, 2 s between), so the next window can try again.
+UPGRADE_TIMEOUT = 4.0
 BOOK_ATTRIBUTE = "_blobnet_punch_book"
 
 
@@ -67,6 +77,7 @@ class PunchBook:
         self._expected: dict[tuple[str, int], _Expected] = {}
         self._traces: dict[str, dict[str, SynTrace]] = {}
         self.claimed = 0  # punched connections our listener took (rule 2)
+        self.threads = trio.CapacityLimiter(MAX_SYN_THREADS)
 
     def begin(self, peer: ID) -> None:
         """A new punch to ``peer``: forget what the last one saw."""
@@ -111,6 +122,10 @@ class PunchBook:
         """The punch an inbound socket from ``remote`` belongs to, if any."""
         return self._expected.get(remote)
 
+    def trace(self, peer: ID, dest: tuple[str, int]) -> SynTrace | None:
+        """The trace of the punch to ``peer`` at ``dest``, if one is kept."""
+        return self._traces.get(str(peer), {}).get(f"{dest[0]}:{dest[1]}")
+
     def traces(self, peer: ID) -> list[SynTrace]:
         """What the SYNs of the latest punch to ``peer`` met: addresses that connected,
         then those whose side answered, then the silent ones, and last those a router
@@ -149,15 +164,29 @@ def _tcp_dest(addr: Any) -> tuple[str, int] | None:
     return str(ip), int(port)
 
 
+def _abort(sock: Any) -> None:
+    """Close a punched socket whose handshake failed with a reset, not a FIN: a FIN would
+    leave the port pair in TIME_WAIT for a minute, and every later SYN of the punch would
+    find it taken. The reset also closes the routers' entries for the pair, so the next
+    window starts afresh."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+
+
 async def _upgrade(
     network: Any, stream: trio.SocketStream, peer: ID, addr: Any, *, initiator: bool
 ) -> None:
     raw = RawConnection(TrioTCPStream(stream), initiator)
-    with trio.fail_after(UPGRADE_TIMEOUT):
-        if initiator:
-            await network.upgrade_outbound_raw_conn(raw, peer)
-            return
-        muxed = await network.upgrade_inbound_raw_conn(raw, addr)
+    try:
+        with trio.fail_after(UPGRADE_TIMEOUT):
+            if initiator:
+                await network.upgrade_outbound_raw_conn(raw, peer)
+                return
+            muxed = await network.upgrade_inbound_raw_conn(raw, addr)
+    except BaseException:
+        _abort(stream.socket)
+        raise
     if getattr(muxed, "peer_id", None) != peer:
         await muxed.close()
         raise RuntimeError(f"the punched connection is not to {peer}")
@@ -182,7 +211,9 @@ def install(host: Any, dcutr: Any) -> PunchBook:
                 return
             trace = book.start(peer_id, dest, initiator=not as_responder)
             try:
-                stream = await send_syns(source, dest, trace, schedule=book.schedule)
+                stream = await send_syns(
+                    source, dest, trace, schedule=book.schedule, threads=book.threads
+                )
             except SynsRefused as exc:
                 log.debug("hole punch to %s stopped: %s", peer_id, exc)
                 return
@@ -192,6 +223,7 @@ def install(host: Any, dcutr: Any) -> PunchBook:
             try:
                 await _upgrade(network, stream, peer_id, addr, initiator=not as_responder)
             except Exception as exc:  # py-libp2p raises many types for one failed upgrade
+                trace.handshake_failed()
                 log.debug("hole punch to %s at %s: upgrade failed: %r", peer_id, addr, exc)
 
         return dial_peer
@@ -205,16 +237,20 @@ def _claim_inbound(host: Any, book: PunchBook) -> None:
     previous: Any = None
 
     async def handle(read_write_closer: Any, maddr: Any) -> None:
-        remote = None
+        remote: tuple[str, int] | None = None
         try:
-            remote = read_write_closer.get_remote_address()
+            address = read_write_closer.get_remote_address()
+            remote = (str(address[0]), int(address[1])) if address else None
         except Exception:  # not a socket that can say: not a punch
             pass
-        expected = book.claim(tuple(remote)) if remote else None
-        if expected is None or not expected.initiator:
+        expected = book.claim(remote) if remote is not None else None
+        if remote is None or expected is None or not expected.initiator:
             await previous(read_write_closer, maddr)
             return
         book.claimed += 1
+        trace = book.trace(expected.peer, remote)
+        if trace is not None:
+            trace.connected(trio.current_time())
         try:
             with trio.fail_after(UPGRADE_TIMEOUT):
                 conn = await network.upgrade_outbound_raw_conn(
@@ -222,6 +258,11 @@ def _claim_inbound(host: Any, book: PunchBook) -> None:
                 )
         except Exception as exc:  # py-libp2p raises many types for one failed upgrade
             log.debug("punched connection from %s: upgrade failed: %r", remote, exc)
+            if trace is not None:
+                trace.handshake_failed()
+            sock = getattr(getattr(read_write_closer, "stream", None), "socket", None)
+            if sock is not None:
+                _abort(sock)
             return
         # The listener closes the socket when this handler returns: stay until it ends.
         await conn.muxed_conn.event_closed.wait()

@@ -390,6 +390,11 @@ def punch_failure(
     seen = "; ".join(t.describe() for t in traces[:MAX_DESCRIBED_ADDRS])
     if not retried:
         meaning = "refused SYNs were not sent again: retries are off"
+    elif any(t.handshakes_failed for t in traces):
+        meaning = (
+            "a TCP connection came up but its handshake never finished: a router on the "
+            "way passed the SYNs but not what followed"
+        )
     elif any(t.refusals_from_dest() for t in traces):
         meaning = (
             "their side refused our SYNs to the end, so no SYN of theirs opened its NAT to "
