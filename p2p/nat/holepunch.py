@@ -13,13 +13,20 @@ Theory of operation
    on the host's ``PunchBook.schedule``, the rest is as py-libp2p does it: the DCUtR
    initiator upgrades its dial as the Noise responder and the other peer as the
    initiator, so a simultaneous open, one TCP connection from two dials, agrees on roles.
-2. While a dial runs, the book expects the peer's address (its public IP and port) at
+2. One DCUtR session per punch: the dialler's (``p2p.nat.punch``). py-libp2p's own
+   auto-drive, which opens a session to every relayed peer every 2 s, is stopped
+   (``p2p.transport.patches.stop_dcutr_auto_drive`` says what two crossing sessions did).
+   And one dial per address at a time: a second one from the same port would find the
+   port pair taken by the first's SYN.
+3. While a dial runs, the book expects the peer's address (its public IP and port) at
    our listener. A socket accepted from there is the punched connection (the peer's SYN
    reached our port between two SYNs of ours; ``p2p.nat.syn`` rule 4): it is upgraded in
    the role of our dial. As the DCUtR initiator that is the responder role, which any
    inbound socket gets; as the other peer it is the Noise initiator, which py-libp2p's
    listener would never take, so the book claims the socket from the inbound handler.
-3. Each punch's SYNs are traced per address (``p2p.nat.syn.SynTrace``) in the book,
+4. A punched connection whose handshake fails within ``UPGRADE_TIMEOUT`` is closed with
+   a reset (``_abort``), so the next window finds its port pair free.
+5. Each punch's SYNs are traced per address (``p2p.nat.syn.SynTrace``) in the book,
    which ``p2p.nat.punch`` reads to say what a failed punch saw. The book is owned by
    its host (one per host, made by the first ``nat_services``), bounded by
    ``MAX_TRACED_PEERS`` peers and ``MAX_TRACED_ADDRS`` addresses each.
@@ -70,13 +77,14 @@ class _Expected:
 
 
 class PunchBook:
-    """One host's punches under way and what their SYNs met (rules 2-3). Sans-IO."""
+    """One host's punches under way and what their SYNs met (rules 3, 5). Sans-IO but for
+    ``threads``, the limiter of its SYN threads."""
 
     def __init__(self, schedule: SynSchedule = DEFAULT_SCHEDULE) -> None:
         self.schedule = schedule
         self._expected: dict[tuple[str, int], _Expected] = {}
         self._traces: dict[str, dict[str, SynTrace]] = {}
-        self.claimed = 0  # punched connections our listener took (rule 2)
+        self.claimed = 0  # punched connections our listener took (rule 3)
         self.threads = trio.CapacityLimiter(MAX_SYN_THREADS)
 
     def begin(self, peer: ID) -> None:
@@ -144,7 +152,7 @@ class PunchBook:
 
 
 def punch_book(host: Any) -> PunchBook:
-    """The host's book, made (and its listener's claim installed, rule 2) on first use."""
+    """The host's book, made (and its listener's claim installed, rule 3) on first use."""
     book: PunchBook | None = getattr(host, BOOK_ATTRIBUTE, None)
     if book is None:
         book = PunchBook()
@@ -193,7 +201,7 @@ async def _upgrade(
 
 
 def install(host: Any, dcutr: Any) -> PunchBook:
-    """Give ``dcutr``'s hole-punch dials ``send_syns`` on the host's book (rule 1)."""
+    """Give ``dcutr``'s hole-punch dials ``send_syns`` on the host's book (rules 1, 2, 4)."""
     book = punch_book(host)
     network = host.get_network()
 

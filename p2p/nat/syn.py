@@ -11,31 +11,37 @@ Theory of operation
    first, theirs leaves after our router already maps our port to theirs.
 2. A router that drops the early SYN silently leaves our socket in SYN_SENT and our own
    router's mapping open: their SYN comes in through it into our socket (a simultaneous
-   open) and both connects succeed. So silence is waited out, never retried: a new
-   socket would leave a moment with no SYN_SENT socket on the port.
+   open) and both connects succeed. So a pending SYN is never replaced: closing it could
+   leave a moment with no SYN of ours on the port, and a SYN of ours that their side
+   already took would, replaced, reset the connection it began.
 3. A router that answers the early SYN with a TCP reset, or with an ICMP port (or host)
    unreachable, ends our connect (ECONNREFUSED). The reset also moves our own router's
    conntrack entry to CLOSE, in which state it turns their SYN away. So a new SYN leaves
-   from the same port at once, reopening our mapping (a SYN from our side of a closed
-   entry starts a new one) before their SYN, a few milliseconds behind ours, arrives;
+   from the same port at once (a SYN from our side of a closed entry starts a new one),
    and again after each refusal for half a second, then on a spaced, random schedule
    until the punch window closes (``SynSchedule`` says why each number). Their router
    stops refusing once their SYN has left (our next SYN then meets its mapping) or once
    it rate-limits its ICMP errors (Linux sends about six at once, then one a second):
    either way our SYN then waits in SYN_SENT for theirs, as in rule 2.
-4. Their SYN can still arrive while no SYN of ours is pending (between a refusal and our
-   next SYN). Our listener, on the same port (SO_REUSEPORT), then accepts it, and our
-   next SYN finds the port pair taken (EADDRNOTAVAIL, counted as ``busy``). That
-   connection is the punched one all the same; ``p2p.nat.holepunch`` upgrades it in the
-   role our dial would have had.
+4. The moment between a refusal and our next SYN must be as short as the machine
+   allows. A Linux router tracks the sequence number of our latest SYN; if their SYN
+   arrives in that moment, our listener (on the same port, SO_REUSEPORT) answers it with
+   a new sequence number, which the router takes for an invalid packet and drops, and
+   the pair is lost for the two minutes the router remembers it. So the SYNs of a window
+   run in a thread of their own that waits on the socket, the next socket is bound
+   beforehand and its SYN sent before the refused one is looked at, and while punches
+   run the GIL is handed between threads every ``PUNCH_SWITCH_INTERVAL``
+   (``QuickHandoff``). A connection our listener does take (a router that tracks less
+   strictly) is the punched one: ``p2p.nat.holepunch`` upgrades it in the role our dial
+   would have had, and our next SYNs find the port pair taken (``busy``).
 5. Every SYN's fate is counted (``SynTrace``): connected, reset, ICMP (type, code and the
    address that sent it: with ``IP_RECVERR`` Linux queues the ICMP error on the socket,
-   and a reset queues nothing), port busy, or unanswered when the window closed. A
-   failed punch reports those counts and how long it waited (``SynTrace.describe``),
-   never a guessed cause.
+   and a reset queues nothing), port busy, or unanswered when the window closed; and a
+   connection whose handshake then failed. A failed punch reports those counts and how
+   long it waited (``SynTrace.describe``), never a guessed cause.
 
 The schedule and the trace are sans-IO (time is an argument); :func:`send_syns` is the
-thin trio layer that opens the sockets.
+thin layer that opens the sockets.
 """
 
 from __future__ import annotations
@@ -263,6 +269,42 @@ def _queued_error(sock: socket.socket) -> bytes | None:
     return None
 
 
+# A SYN thread checks whether its window closed this often while it waits on a SYN.
+POLL_SLICE_MS = 20
+# How soon a woken SYN thread gets the GIL from a thread that holds it, while punches run
+# (Python's default is 5 ms). Measured on the testbed (EIM routers answering an early
+# SYN with ICMP, 30 punches each): 27 of 30 direct at the default, 30 of 30 at 0.2 ms;
+# the three failures were the peer's SYN arriving while our next SYN waited for the GIL.
+PUNCH_SWITCH_INTERVAL = 0.0002
+
+
+class QuickHandoff:
+    """Python's GIL switch interval at ``PUNCH_SWITCH_INTERVAL`` while any punch runs,
+    as it was once none does. The interval is the interpreter's, so this is one object
+    per process, counting the punches of every host in it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._saved = 0.0
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._running == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, PUNCH_SWITCH_INTERVAL))
+            self._running += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._running -= 1
+            if self._running == 0:
+                sys.setswitchinterval(self._saved)
+
+
+_QUICK_HANDOFF = QuickHandoff()
+
+
 class SynsRefused(OSError):
     """Every SYN of a window was refused, or one failed for a local reason."""
 
@@ -408,39 +450,3 @@ async def send_syns(
         raise SynsRefused(errno.ECANCELED, "stopped")
     sock.setblocking(False)
     return trio.SocketStream(trio.socket.from_stdlib_socket(sock))
-
-
-# A SYN thread checks whether its window closed this often while it waits on a SYN.
-POLL_SLICE_MS = 20
-# How soon a woken SYN thread gets the GIL from a thread that holds it, while punches run
-# (Python's default is 5 ms). Measured on the testbed (EIM routers answering an early
-# SYN with ICMP, 30 punches each): 27 of 30 direct at the default, 30 of 30 at 0.2 ms;
-# the three failures were the peer's SYN arriving while our next SYN waited for the GIL.
-PUNCH_SWITCH_INTERVAL = 0.0002
-
-
-class QuickHandoff:
-    """Python's GIL switch interval at ``PUNCH_SWITCH_INTERVAL`` while any punch runs,
-    as it was once none does. The interval is the interpreter's, so this is one object
-    per process, counting the punches of every host in it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running = 0
-        self._saved = 0.0
-
-    def __enter__(self) -> None:
-        with self._lock:
-            if self._running == 0:
-                self._saved = sys.getswitchinterval()
-                sys.setswitchinterval(min(self._saved, PUNCH_SWITCH_INTERVAL))
-            self._running += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._running -= 1
-            if self._running == 0:
-                sys.setswitchinterval(self._saved)
-
-
-_QUICK_HANDOFF = QuickHandoff()

@@ -53,6 +53,24 @@ def test_a_schedule_refuses_nonsense() -> None:
     assert NO_RETRY.max_syns == 1
 
 
+def test_punches_hand_the_gil_over_quickly_and_put_the_interval_back() -> None:
+    """While any punch runs, a woken SYN thread waits at most PUNCH_SWITCH_INTERVAL for
+    the GIL (p2p.nat.syn rule 4); the interpreter's own interval comes back after the
+    last one, however they nest."""
+    import sys
+
+    from p2p.nat.syn import PUNCH_SWITCH_INTERVAL, QuickHandoff
+
+    before = sys.getswitchinterval()
+    handoff = QuickHandoff()
+    with handoff:
+        assert sys.getswitchinterval() == pytest.approx(PUNCH_SWITCH_INTERVAL)
+        with handoff:
+            assert sys.getswitchinterval() == pytest.approx(PUNCH_SWITCH_INTERVAL)
+        assert sys.getswitchinterval() == pytest.approx(PUNCH_SWITCH_INTERVAL)
+    assert sys.getswitchinterval() == before
+
+
 def _icmp_queued(icmp_type: int, code: int, offender: str) -> bytes:
     err = struct.pack("=IBBBBII", errno.ECONNREFUSED, 2, icmp_type, code, 0, 0, 0)
     return err + struct.pack("=HH4s8x", socket.AF_INET, 0, socket.inet_aton(offender))
@@ -138,7 +156,9 @@ def test_a_failed_punch_says_how_long_it_waited_and_what_its_syns_met() -> None:
         refused.sent(0.0)
         refused.refused("reset", 0.01)
     line = punch_failure("P", 21.4, timed_out=False, traces=[refused])
-    assert line.startswith("hole punching to P failed after 21.4 s (DCUtR gave up after its rounds)")
+    assert line.startswith(
+        "hole punching to P failed after 21.4 s (DCUtR gave up after its rounds)"
+    )
     assert "30 SYNs to 10.77.0.12:4001: 30 TCP resets" in line
     assert "their side refused our SYNs to the end" in line
     assert "\n" not in line
@@ -161,7 +181,7 @@ def test_a_failed_punch_says_how_long_it_waited_and_what_its_syns_met() -> None:
 @pytest.mark.timeout(60)
 async def test_a_punched_socket_our_listener_accepts_is_upgraded_in_our_dial_role() -> None:
     """The peer's SYN reached our listener between two SYNs of ours (p2p.nat.holepunch
-    rule 2). Here we are the peer that dials as the Noise initiator and the other side
+    rule 3). Here we are the peer that dials as the Noise initiator and the other side
     dials as the responder: the listener's usual inbound upgrade would make both of us
     responders, each waiting for the other's first message, and the connection would
     never come up. The book claims the socket and upgrades it as our dial would have."""
@@ -177,22 +197,25 @@ async def test_a_punched_socket_our_listener_accepts_is_upgraded_in_our_dial_rol
 
     ours, theirs = (build_host(create_new_key_pair()) for _ in range(2))
     listen = [Multiaddr("/ip4/127.0.0.1/tcp/0")]
-    async with ours.run(listen_addrs=listen), theirs.run(listen_addrs=listen):
-        async with nat_services(ours):
-            our_addr = ours.get_addrs()[0].decapsulate(Multiaddr(f"/p2p/{ours.get_id()}"))
-            their_port = int(theirs.get_addrs()[0].value_for_protocol("tcp"))
-            book = punch_book(ours)
-            book.start(theirs.get_id(), ("127.0.0.1", their_port), initiator=True)
-            # Their punch dial: from their listen port, upgraded as the Noise responder.
-            with trio.fail_after(20):
-                await theirs.get_network().dial_addr_as_responder(
-                    our_addr, ours.get_id(), ("127.0.0.1", their_port)
-                )
-            # The connection works both ways: a ping each way over it.
-            with trio.fail_after(10):
-                for a, b in ((ours, theirs), (theirs, ours)):
-                    stream = await a.new_stream(b.get_id(), [PING_PROTOCOL])
-                    assert await perform_ping_roundtrip(stream) >= 0
-                    await stream.close()
-            assert direct_connection(ours, theirs.get_id()) is not None
-            assert book.claimed == 1
+    async with (
+        ours.run(listen_addrs=listen),
+        theirs.run(listen_addrs=listen),
+        nat_services(ours),
+    ):
+        our_addr = ours.get_addrs()[0].decapsulate(Multiaddr(f"/p2p/{ours.get_id()}"))
+        their_port = int(theirs.get_addrs()[0].value_for_protocol("tcp"))
+        book = punch_book(ours)
+        book.start(theirs.get_id(), ("127.0.0.1", their_port), initiator=True)
+        # Their punch dial: from their listen port, upgraded as the Noise responder.
+        with trio.fail_after(20):
+            await theirs.get_network().dial_addr_as_responder(
+                our_addr, ours.get_id(), ("127.0.0.1", their_port)
+            )
+        # The connection works both ways: a ping each way over it.
+        with trio.fail_after(10):
+            for a, b in ((ours, theirs), (theirs, ours)):
+                stream = await a.new_stream(b.get_id(), [PING_PROTOCOL])
+                assert await perform_ping_roundtrip(stream) >= 0
+                await stream.close()
+        assert direct_connection(ours, theirs.get_id()) is not None
+        assert book.claimed == 1

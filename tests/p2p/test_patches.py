@@ -18,11 +18,13 @@ from p2p.transport.host import build_host
 
 def instances() -> list[Any]:
     from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+    from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 
     host = build_host(create_new_key_pair(), fast=False)
     network = host.get_network()
     kad = KadDHT(host, DHTMode.SERVER)
-    return [host, network, patches.resource_manager(network), kad, kad.provider_store]
+    dcutr = DCUtRProtocol(host)
+    return [host, network, patches.resource_manager(network), kad, kad.provider_store, dcutr]
 
 
 @pytest.mark.parametrize(
