@@ -18,7 +18,7 @@ being up to the first verified byte, and the bytes the relay carried meanwhile.
 Why the NATed hosts are 1 ms from the core and the relay 20 ms: the two peers' SYNs
 leave at moments DCUtR derives from relay round trips; on a path much shorter than the
 relay's, a few milliseconds of scheduling noise make one SYN early, which is the case a
-resetting or refusing router punishes (the field study's and the issue's setting).
+resetting or refusing router punishes.
 """
 
 from __future__ import annotations
