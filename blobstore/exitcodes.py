@@ -17,6 +17,7 @@ class ExitCode(IntEnum):
     BAD_DATA = 4  # corrupt chunk, malformed manifest, ticket, certificate or key file
     LOCAL_IO = 5  # disk full, permission denied, store busy
     NETWORK = 6  # no provider, peer unreachable, transfer failed
+    NO_QUORUM = 7  # an outer-loop worker stopped: fewer of its run than the quorum came
     INTERRUPTED = 130  # Ctrl-C or SIGTERM
 
 

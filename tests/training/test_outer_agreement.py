@@ -111,7 +111,7 @@ def close(
     body, attestation = sign_closure(
         proposer.signer, closure, kernel_class=KC, certificate=proposer.cert, time=NOW
     )
-    return check_closure(body, attestation, run=RUN, trust=TRUST, now=NOW)
+    return check_closure(body, attestation, run=RUN, trust=TRUST, now=NOW, quorum=1)
 
 
 WORKERS = [machine(f"op-{i}") for i in range(3)]
@@ -145,7 +145,9 @@ def test_a_compact_closure_expands_to_the_signed_body_from_held_attestations() -
     held = {(u.peer, u.blob): u.attestation for u in updates}
     full = expand_body(compact, lambda p, b: held.get((p, b)))
     assert full == checked.body
-    assert check_closure(full, checked.attestation, run=RUN, trust=TRUST, now=NOW) == checked
+    assert (
+        check_closure(full, checked.attestation, run=RUN, trust=TRUST, now=NOW, quorum=1) == checked
+    )
     missing = dict(list(held.items())[1:])
     assert expand_body(compact, lambda p, b: missing.get((p, b))) is None
     other = update(B, 0, GENESIS, blob=blob_of(C, 0, GENESIS))  # another attestation
@@ -189,19 +191,21 @@ def test_bad_closures_are_refused_with_their_reason(
         good = dataclasses.replace(good, included=good.included[::-1])
     body, attestation = _resign(A, mutate(good))
     with pytest.raises(Refused, match=reason):
-        check_closure(body, attestation, run=RUN, trust=TRUST, now=NOW)
+        check_closure(body, attestation, run=RUN, trust=TRUST, now=NOW, quorum=1)
 
 
 def test_a_closure_signed_by_someone_else_or_for_another_body_is_refused() -> None:
     checked = close(A, 0, GENESIS, [update(A, 0, GENESIS)])
     other_body, _ = _resign(A, dataclasses.replace(checked.closure, round=1))
     with pytest.raises(Refused, match="digest"):
-        check_closure(other_body, checked.attestation, run=RUN, trust=TRUST, now=NOW)
+        check_closure(other_body, checked.attestation, run=RUN, trust=TRUST, now=NOW, quorum=1)
     _, by_b = _resign(B, checked.closure)
     with pytest.raises(Refused, match="proposer"):
-        check_closure(checked.body, by_b, run=RUN, trust=TRUST, now=NOW)
+        check_closure(checked.body, by_b, run=RUN, trust=TRUST, now=NOW, quorum=1)
     with pytest.raises(Refused, match="another run"):
-        check_closure(checked.body, checked.attestation, run="run-2", trust=TRUST, now=NOW)
+        check_closure(
+            checked.body, checked.attestation, run="run-2", trust=TRUST, now=NOW, quorum=1
+        )
 
 
 def test_one_operator_counts_once() -> None:

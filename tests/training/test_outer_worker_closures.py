@@ -42,6 +42,7 @@ def closures_of(tmp_path: Path) -> tuple[Closures, Tasks, Node]:
         fetcher,
         Changes(),
         tasks,
+        quorum=1,
         require_hardware=False,
         label="test",
     )

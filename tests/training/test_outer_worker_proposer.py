@@ -109,7 +109,9 @@ async def test_a_closure_names_one_blob_and_one_operator_once(tmp_path: Path) ->
     fetched = {p: c.blob for p, c in candidates.items()}
     fetched["peer-h"] = blob("peer-h", b"other")
     banned = {"op-d": "failed replay of round 0"}
-    included = await proposer.select(state(0), ROOT, own, candidates, fetched, banned)
+    included, left, passed = await proposer.select(
+        state(0), ROOT, own, candidates, fetched, {}, banned
+    )
     assert sorted(x.peer for x in included) == sorted([me.peer, "peer-a", "peer-g"])
     assert [(r["peer"], r["reason"]) for r in proposer.refused] == [
         ("peer-b", "one operator twice"),
@@ -118,17 +120,29 @@ async def test_a_closure_names_one_blob_and_one_operator_once(tmp_path: Path) ->
         ("peer-e", "a copy (the blob's envelope names another author)"),
         ("peer-f", "scored too low"),
     ]
+    # Each left out is named with its reason (its author was present: the quorum counts
+    # it), an operator's second key not at all; one not fetched is left out too.
+    assert [(x.peer, x.reason) for x in left] == [
+        ("peer-c", "a copy (blob already named)"),
+        ("peer-d", "failed replay of round 0"),
+        ("peer-e", "a copy (the blob's envelope names another author)"),
+        ("peer-f", "scored too low"),
+        ("peer-h", "not fetched in time"),
+    ]
+    assert passed == ()
 
 
 async def test_a_closure_is_held_announced_compact_and_its_aggregate_kept(
     tmp_path: Path,
 ) -> None:
     me = machine()
-    proposer, node = proposer_of(tmp_path, me)
+    alone = dataclasses.replace(PARAMS, quorum=1)  # a run whose quorum one worker meets
+    proposer, node = proposer_of(tmp_path, me, params=alone)
     own, _ = await proposer.commit(state(0), ROOT, trained(me, 0))
-    (included,) = await proposer.select(state(0), ROOT, own, {}, {me.peer: own.blob}, {})
+    named = await proposer.select(state(0), ROOT, own, {}, {me.peer: own.blob}, {}, {})
+    assert [x.peer for x in named[0]] == [me.peer]
     agg: Any = dataclasses.make_dataclass("Agg", ["state"])(state(1))
-    await proposer.close(state(0), ROOT, (included,), agg, "cd" * 32)
+    await proposer.close(state(0), ROOT, named, agg, "cd" * 32)
     tip = proposer.book.tip()
     assert tip is not None and tip.closure.proposer == me.peer
     assert node.store.has(tip.closure.state_blob)  # stored after the closure went out
@@ -140,6 +154,6 @@ async def test_a_closure_is_held_announced_compact_and_its_aggregate_kept(
     taken = proposer.taken(tip.digest)
     assert taken is not None and taken[1] == tip.closure.state_blob
     assert proposer.taken(tip.digest) is None  # once
-    await proposer.close(state(0), ROOT, (included,), agg, "ee" * 32)
+    await proposer.close(state(0), ROOT, named, agg, "ee" * 32)
     proposer.entered(1)  # another closure's round-1 state: ours of round 0 lost
     assert proposer.proposed == {}

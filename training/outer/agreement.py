@@ -12,9 +12,16 @@ named blobs (content-addressed, from anyone) and recompute R_{r+1}.
 1. **Validity** (:func:`check_closure`). The attestation (kind :data:`CLOSURE_KIND`,
    digest = :func:`closure_digest` of the body, subjects ``[R_r, R_{r+1}, state blob]``)
    verifies with a certificate of the run's authorities and is signed by the named
-   proposer; 1..``MAX_INCLUDED`` updates, in strictly increasing peer order, each with a
-   valid update attestation by that peer over ``[blob, R_r, commitment blob]``; no blob
-   named twice (a copy) and no operator twice (one operator's keys count once).
+   proposer. The closure names the round's workers in three lists, each in strictly
+   increasing peer order: ``included`` (the updates the aggregation takes in, each with a
+   valid update attestation by that peer over ``[blob, R_r, commitment blob]``), ``left``
+   (updates the proposer left out, each with such an attestation and the proposer's
+   reason: a banned operator, a level below the run's, the score, a copy, not fetched in
+   time) and ``passed`` (workers that sent no update this round, each with a valid pass
+   attestation, :data:`training.outer.messages.PASS_KIND`, over ``R_r``). 1..``MAX_INCLUDED``
+   entries in all, ``included`` possibly empty (the state then carries over: S_{r+1} is
+   S_r with the round counted); no peer in two lists, no blob named twice (a copy) and no
+   operator twice (one operator's keys count once); and the quorum (rule 7).
 2. **Who proposes.** The workers ranked for round r are those whose valid update for r a
    worker holds, plus itself, ordered by ``BLAKE3(R_r || peer)`` (:func:`rank`): a new,
    unpredictable order every round, so the duty rotates. The worker at position p
@@ -48,12 +55,12 @@ named blobs (content-addressed, from anyone) and recompute R_{r+1}.
    dropped as unavailable after the fetch bound and the next best one becomes the tip.
    A longer chain always beats a better sibling: once round r+1 is closed on top of one
    closure of round r, a late, better-ranked closure of round r changes nothing (no
-   reorganisation deeper than the tip). What rule 3 cannot survive: honest workers that
-   never hear each other (a partition that outlasts the run) end on different tips; the
-   result files then say so.
-5. **On the wire** a closure travels compact (:func:`compact_body`): each included
-   update's attestation replaced by its BLAKE3 digest, since every worker already heard
-   the attestations in the update announcements (they were two thirds of a closure's
+   reorganisation deeper than the tip). Honest workers that never hear each other (a
+   partition) cannot both go on: only a side holding the quorum closes rounds (rule 7);
+   the other waits, then stops, and catches up if the partition heals in time.
+5. **On the wire** a closure travels compact (:func:`compact_body`): each attestation it
+   names (included, left out, passed) replaced by its BLAKE3 digest, since every worker
+   already heard them in the update and pass announcements (they were two thirds of a closure's
    bytes at K = 3). A receiver restores the signed body from the attestations it holds
    (:func:`expand_body`; the digests pin them) or, missing one, fetches the full closure
    blob the announcement names. The proposer signs, and everyone checks and keeps, the
@@ -61,6 +68,17 @@ named blobs (content-addressed, from anyone) and recompute R_{r+1}.
 6. **Bounds.** Closures are kept for ``CLOSURE_WINDOW`` rounds below the tip and at most
    ``MAX_CLOSURES_PER_ROUND`` per round (the best ones by rule 3); older or extra ones
    cannot be the tip anyway.
+7. **Quorum** (:func:`quorum_of`, :func:`present_operators`). A closure is valid only if
+   the distinct admitted operators it names (included, left out or passed: each proved
+   present at R_r by its own signature) are at least the run's quorum (the spec's
+   ``quorum``; default :func:`majority`, floor(K/2)+1). Two groups of honest workers that
+   cannot hear each other are then never both able to close a round, whatever the
+   partition: one of them holds fewer than half of the run's operators. A proposer below
+   the quorum does not propose; it waits, saying whom it waits for, and stops after its
+   start timeout (``training.outer.worker``). What the majority does not guard against: a
+   byzantine operator present on both sides of a split counts on both (a run that fears
+   that sets a higher quorum), and a quorum set below a majority (``outer init --quorum``)
+   lets two groups fork, a documented choice.
 
 Time is an argument (``now``); nothing here reads a clock or does I/O.
 """
@@ -70,7 +88,7 @@ from __future__ import annotations
 import itertools
 import struct
 from collections.abc import Callable, Container, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import blake3
@@ -88,19 +106,32 @@ from identity import (
     verify_attestation,
 )
 from training.errors import TrainingError
-from training.outer.messages import RUN_ID_RE, UPDATE_KIND, Refused, update_subjects_ok
+from training.outer.messages import (
+    RUN_ID_RE,
+    UPDATE_KIND,
+    Refused,
+    check_pass_attestation,
+    update_subjects_ok,
+)
 
 CLOSURE_KIND = "blobnet/outer-closure"
 CLOSURE_DOMAIN = b"blobnet/outer-closure/v1"
 RANK_DOMAIN = b"blobnet/outer-rank/v1"
 ATTESTATION_REF_DOMAIN = b"blobnet/outer-attestation-ref/v1"
-CLOSURE_VERSION = 1
+CLOSURE_VERSION = 1  # included updates only, 1..MAX_INCLUDED of them
+# A closure that leaves an update out, names a pass, or includes nothing (rule 1). A
+# closure without any of these is version 1, so one closure has one spelling and those
+# made before keep their bytes.
+LISTS_CLOSURE_VERSION = 2
 # At most this many updates in one closure: p2p.node.gossip sizes its rate limits for a run of
 # at most MAX_RUN_WORKERS workers, and a closure never names more workers than the run has.
 MAX_INCLUDED = 64
 # An update attestation with its certificate is about 700 bytes: 64 of them, the closure's
 # fields and msgpack headers stay under 64 KiB.
 MAX_CLOSURE_SIZE = 64 * 1024
+# A left-out update's reason: a short text ("one operator twice", "offers verification
+# level 'bounded'; the run requires 'replayed'"); 64 of them stay within the size above.
+MAX_REASON_LEN = 96
 # Closures kept below the tip's round: a worker further behind catches up from the tip's
 # state blob (rule 3), so older closures are never needed to decide.
 CLOSURE_WINDOW = 4
@@ -127,6 +158,24 @@ class Included:
 
 
 @dataclass(frozen=True)
+class LeftOut:
+    """An update the proposer left out (rule 1), and why: its author was present."""
+
+    peer: str
+    blob: str
+    attestation: bytes
+    reason: str
+
+
+@dataclass(frozen=True)
+class Passed:
+    """A worker that sent no update this round, with its pass attestation (rule 1)."""
+
+    peer: str
+    attestation: bytes
+
+
+@dataclass(frozen=True)
 class Closure:
     run: str
     round: int
@@ -135,22 +184,39 @@ class Closure:
     included: tuple[Included, ...]
     result_root: str
     state_blob: str
+    left: tuple[LeftOut, ...] = ()
+    passed: tuple[Passed, ...] = ()
 
     def peers(self) -> list[str]:
+        """The included updates' authors, in order."""
         return [x.peer for x in self.included]
+
+    def present(self) -> list[str]:
+        """Every worker the closure names (included, left out, passed), by peer."""
+        named = [*self.peers(), *(x.peer for x in self.left), *(x.peer for x in self.passed)]
+        return sorted(named, key=str.encode)
+
+    @property
+    def version(self) -> int:
+        lists = self.left or self.passed or not self.included
+        return LISTS_CLOSURE_VERSION if lists else CLOSURE_VERSION
 
 
 def _fields(c: Closure) -> dict[str, Any]:
-    return {
-        "v": CLOSURE_VERSION,
+    out: dict[str, Any] = {
+        "v": c.version,
         "run": c.run,
         "round": c.round,
         "start": c.start_root,
         "proposer": c.proposer,
         "included": [[x.peer, x.blob, x.attestation] for x in c.included],
-        "result": c.result_root,
-        "state": c.state_blob,
     }
+    if c.version == LISTS_CLOSURE_VERSION:
+        out["left"] = [[x.peer, x.blob, x.attestation, x.reason] for x in c.left]
+        out["passed"] = [[x.peer, x.attestation] for x in c.passed]
+    out["result"] = c.result_root
+    out["state"] = c.state_blob
+    return out
 
 
 def encode_closure(c: Closure) -> bytes:
@@ -166,14 +232,34 @@ def _hex64(value: Any, what: str) -> str:
     return value
 
 
+def _peer(value: Any) -> str:
+    if type(value) is not str or not 0 < len(value) <= 128:
+        raise BadClosure("closure entry names no peer ID")
+    return value
+
+
+def _entries(obj: dict[str, Any], key: str, width: int) -> list[list[Any]]:
+    items = obj[key]
+    if type(items) is not list or len(items) > MAX_INCLUDED:
+        raise BadClosure(f"closure {key} must be a list of at most {MAX_INCLUDED} entries")
+    for item in items:
+        if type(item) is not list or len(item) != width:
+            raise BadClosure(f"closure {key} entries must have {width} fields")
+    return items
+
+
 def decode_closure(data: bytes) -> Closure:
     """Strictly parse a closure body; raises :class:`BadClosure` only."""
     obj = decode_msgpack_map(data, max_size=MAX_CLOSURE_SIZE, what="closure", error=BadClosure)
     try:
-        if obj["v"] != CLOSURE_VERSION:
+        version = obj["v"]
+        if version not in (CLOSURE_VERSION, LISTS_CLOSURE_VERSION):
             raise BadClosure("closure has an unknown version")
-        run, round_, proposer, items = obj["run"], obj["round"], obj["proposer"], obj["included"]
+        run, round_, proposer = obj["run"], obj["round"], obj["proposer"]
         start, result, state = obj["start"], obj["result"], obj["state"]
+        items = _entries(obj, "included", 3)
+        lefts = _entries(obj, "left", 4) if version == LISTS_CLOSURE_VERSION else []
+        passes = _entries(obj, "passed", 2) if version == LISTS_CLOSURE_VERSION else []
     except KeyError as exc:
         raise BadClosure(f"closure lacks the field {exc}") from None
     if type(run) is not str or not RUN_ID_RE.fullmatch(run):
@@ -182,19 +268,26 @@ def decode_closure(data: bytes) -> Closure:
         raise BadClosure("closure round is out of range")
     if type(proposer) is not str or not 0 < len(proposer) <= 128:
         raise BadClosure("closure proposer is not a peer ID")
-    if type(items) is not list or not 1 <= len(items) <= MAX_INCLUDED:
-        raise BadClosure(f"closure must include 1..{MAX_INCLUDED} updates")
+    if not 1 <= len(items) + len(lefts) + len(passes) <= MAX_INCLUDED:
+        raise BadClosure(f"closure must name 1..{MAX_INCLUDED} workers")
     included = []
     for item in items:
-        if (
-            type(item) is not list
-            or len(item) != 3
-            or type(item[0]) is not str
-            or not 0 < len(item[0]) <= 128
-            or type(item[2]) is not bytes
-        ):
+        if type(item[2]) is not bytes:
             raise BadClosure("closure entry must be [peer, blob, attestation]")
-        included.append(Included(item[0], _hex64(item[1], "blob"), item[2]))
+        included.append(Included(_peer(item[0]), _hex64(item[1], "blob"), item[2]))
+    left = []
+    for item in lefts:
+        reason = item[3]
+        if type(item[2]) is not bytes or type(reason) is not str:
+            raise BadClosure("closure left entry must be [peer, blob, attestation, reason]")
+        if not 0 < len(reason.encode()) <= MAX_REASON_LEN:
+            raise BadClosure(f"a left-out reason must be 1..{MAX_REASON_LEN} bytes")
+        left.append(LeftOut(_peer(item[0]), _hex64(item[1], "blob"), item[2], reason))
+    passed = []
+    for item in passes:
+        if type(item[1]) is not bytes:
+            raise BadClosure("closure passed entry must be [peer, attestation]")
+        passed.append(Passed(_peer(item[0]), item[1]))
     closure = Closure(
         run,
         round_,
@@ -203,6 +296,8 @@ def decode_closure(data: bytes) -> Closure:
         tuple(included),
         _hex64(result, "result"),
         _hex64(state, "state"),
+        tuple(left),
+        tuple(passed),
     )
     canonical: bytes = encode_canonical(_fields(closure))
     if canonical != bytes(data):
@@ -211,26 +306,30 @@ def decode_closure(data: bytes) -> Closure:
 
 
 def compact_body(body: bytes) -> bytes:
-    """A closure body with each included attestation replaced by its BLAKE3 digest (rule
+    """A closure body with each attestation it names replaced by its BLAKE3 digest (rule
     5); ``BadClosure`` if ``body`` is not a closure body."""
     c = decode_closure(body)
-    slim = tuple(Included(x.peer, x.blob, attestation_digest(x.attestation)) for x in c.included)
-    data: bytes = encode_canonical(_fields(_replace_included(c, slim)))
+    data: bytes = encode_canonical(_fields(_with_attestations(c, lambda x: attestation_digest(x))))
     return data
 
 
 def expand_body(compact: bytes, lookup: Callable[[str, str], bytes | None]) -> bytes | None:
     """The full body of a compact one (rule 5), taking each attestation from
-    ``lookup(peer, blob)`` where its digest is the one named; None if one is missing.
-    ``BadClosure`` if ``compact`` is malformed."""
+    ``lookup(peer, blob)`` (a pass's blob: "") where its digest is the one named; None if
+    one is missing. ``BadClosure`` if ``compact`` is malformed."""
     c = decode_closure(compact)
-    full = []
-    for x in c.included:
-        attestation = lookup(x.peer, x.blob)
-        if attestation is None or attestation_digest(attestation) != x.attestation:
+    wanted = [
+        *((x.peer, x.blob, x.attestation) for x in c.included),
+        *((x.peer, x.blob, x.attestation) for x in c.left),
+        *((x.peer, "", x.attestation) for x in c.passed),
+    ]
+    found: dict[bytes, bytes] = {}
+    for peer, blob, digest in wanted:
+        attestation = lookup(peer, blob)
+        if attestation is None or attestation_digest(attestation) != digest:
             return None
-        full.append(Included(x.peer, x.blob, attestation))
-    data: bytes = encode_canonical(_fields(_replace_included(c, tuple(full))))
+        found[digest] = attestation
+    data: bytes = encode_canonical(_fields(_with_attestations(c, found.__getitem__)))
     return data
 
 
@@ -238,8 +337,14 @@ def attestation_digest(attestation: bytes) -> bytes:
     return blake3.blake3(ATTESTATION_REF_DOMAIN + attestation).digest()
 
 
-def _replace_included(c: Closure, included: tuple[Included, ...]) -> Closure:
-    return Closure(c.run, c.round, c.start_root, c.proposer, included, c.result_root, c.state_blob)
+def _with_attestations(c: Closure, swap: Callable[[bytes], bytes]) -> Closure:
+    """``c`` with each attestation it names replaced by ``swap(attestation)``."""
+    return replace(
+        c,
+        included=tuple(replace(x, attestation=swap(x.attestation)) for x in c.included),
+        left=tuple(replace(x, attestation=swap(x.attestation)) for x in c.left),
+        passed=tuple(replace(x, attestation=swap(x.attestation)) for x in c.passed),
+    )
 
 
 def closure_digest(body: bytes) -> bytes:
@@ -295,19 +400,29 @@ def check_update_attestation(
 
 @dataclass(frozen=True)
 class CheckedClosure:
-    """A valid closure with its digest and the operators of its included updates."""
+    """A valid closure with its digest, the operators of its included updates (in their
+    order) and those of the workers it names otherwise (left out, then passed)."""
 
     closure: Closure
     body: bytes
     attestation: bytes
     digest: bytes
     operators: tuple[str, ...]
+    others: tuple[str, ...] = ()
+
+    def named(self) -> list[tuple[str, str]]:
+        """(peer, operator) of every worker the closure names, by peer."""
+        c = self.closure
+        peers = [*c.peers(), *(x.peer for x in c.left), *(x.peer for x in c.passed)]
+        pairs = zip(peers, (*self.operators, *self.others), strict=True)
+        return sorted(pairs, key=lambda e: e[0].encode())
 
 
 def check_closure(
-    body: bytes, attestation: bytes, *, run: str, trust: TrustStore, now: float
+    body: bytes, attestation: bytes, *, run: str, trust: TrustStore, now: float, quorum: int
 ) -> CheckedClosure:
-    """Rule 1: the closure if it is valid, else :class:`Refused` with the reason."""
+    """Rules 1 and 7: the closure if it is valid and names at least ``quorum`` distinct
+    operators (the run's, :func:`quorum_of`), else :class:`Refused` with the reason."""
     try:
         closure = decode_closure(body)
     except BadClosure as exc:
@@ -322,13 +437,18 @@ def check_closure(
         raise Refused("digest is not the closure's")
     if signed.subjects != (closure.start_root, closure.result_root, closure.state_blob):
         raise Refused("wrong subjects", "expected [start root, result root, state blob]")
-    peers = closure.peers()
-    if any(b <= a for a, b in itertools.pairwise(peers)):
-        raise Refused("included updates are not in strictly increasing peer order")
-    if len({x.blob for x in closure.included}) != len(closure.included):
+    lists = [closure.peers(), [x.peer for x in closure.left], [x.peer for x in closure.passed]]
+    for peers in lists:
+        if any(b <= a for a, b in itertools.pairwise(peers)):
+            raise Refused("named workers are not in strictly increasing peer order")
+    if len(set(closure.present())) != len(closure.present()):
+        raise Refused("a worker named twice", "one peer in two of included, left, passed")
+    blobs = [*(x.blob for x in closure.included), *(x.blob for x in closure.left)]
+    if len(set(blobs)) != len(blobs):
         raise Refused("a copy", "one update blob is named for two workers")
     operators = []
-    for entry in closure.included:
+    entries: list[Included | LeftOut] = [*closure.included, *closure.left]
+    for entry in entries:
         update = check_update_attestation(
             entry.attestation,
             peer=entry.peer,
@@ -339,9 +459,59 @@ def check_closure(
         )
         assert update.certificate is not None  # the trust store required one
         operators.append(update.certificate.operator)
+    for passed in closure.passed:
+        checked_pass = check_pass_attestation(
+            passed.attestation,
+            peer=passed.peer,
+            run=run,
+            round_=closure.round,
+            start_root=closure.start_root,
+            trust=trust,
+            now=now,
+        )
+        assert checked_pass.certificate is not None  # the trust store required one
+        operators.append(checked_pass.certificate.operator)
     if len(set(operators)) != len(operators):
         raise Refused("one operator twice", "an operator's keys count once per round")
-    return CheckedClosure(closure, bytes(body), bytes(attestation), digest, tuple(operators))
+    if len(operators) < quorum:
+        raise Refused(
+            "below the quorum",
+            f"names {len(operators)} operator(s), the run's quorum is {quorum}",
+        )
+    ours = tuple(operators[: len(closure.included)])
+    others = tuple(operators[len(closure.included) :])
+    return CheckedClosure(closure, bytes(body), bytes(attestation), digest, ours, others)
+
+
+# --- rule 7: the quorum ----------------------------------------------------------------
+
+
+def majority(workers: int) -> int:
+    """The default quorum of a run of ``workers`` (K): floor(K/2)+1 (rule 7)."""
+    return workers // 2 + 1
+
+
+def quorum_of(workers: int, quorum: int = 0) -> int:
+    """The quorum a run of K ``workers`` closes rounds with: ``quorum`` where set (the
+    spec's), else :func:`majority`."""
+    return quorum or majority(workers)
+
+
+def present_operators(
+    me: tuple[str, str] | None, heard: Iterable[tuple[str, str]]
+) -> dict[str, str]:
+    """Rule 7 as a proposer counts it before it selects: operator -> peer of ``me`` (peer,
+    operator; None when it has neither an update nor a pass for the round) and of each
+    (peer, operator) whose valid update or pass for the round it ``heard``, an operator's
+    first key (``me``'s, then in peer order) counting. A closure of them names exactly
+    these operators: every update it does not include it lists as left out (a banned
+    operator's too), every pass as passed."""
+    out: dict[str, str] = {}
+    if me is not None:
+        out[me[1]] = me[0]
+    for peer, operator in sorted(heard, key=lambda e: e[0].encode()):
+        out.setdefault(operator, peer)
+    return out
 
 
 # --- rule 2: who proposes, when --------------------------------------------------------
@@ -519,8 +689,27 @@ def next_step(book: ClosureBook, round_: int, root: str) -> Step:
 
 
 def select_for_closure(
-    updates: Mapping[str, tuple[str, bytes]], limit: int = MAX_INCLUDED
-) -> tuple[Included, ...]:
-    """The entries a proposer names: peer -> (blob, attestation), at most ``limit``."""
-    peers = sorted(updates, key=lambda p: p.encode())[:limit]
-    return tuple(Included(p, updates[p][0], updates[p][1]) for p in peers)
+    updates: Mapping[str, tuple[str, bytes]],
+    left: Mapping[str, tuple[str, bytes, str]] | None = None,
+    passed: Mapping[str, bytes] | None = None,
+) -> tuple[tuple[Included, ...], tuple[LeftOut, ...], tuple[Passed, ...]]:
+    """The lists a proposer names (rule 1), each in peer order: ``updates`` included (peer
+    -> (blob, attestation)), ``left`` out (peer -> (blob, attestation, reason), the reason
+    cut to ``MAX_REASON_LEN`` bytes) and ``passed`` (peer -> pass attestation); at most
+    ``MAX_INCLUDED`` in all, the included first."""
+
+    def order(keys: Iterable[str]) -> list[str]:
+        return sorted(keys, key=lambda p: p.encode())
+
+    def short(reason: str) -> str:
+        data = reason.encode()
+        if len(data) <= MAX_REASON_LEN:
+            return reason or "left out"
+        return data[: MAX_REASON_LEN - 3].decode(errors="ignore") + "..."
+
+    left, passed = left or {}, passed or {}
+    included = tuple(Included(p, *updates[p]) for p in order(updates))[:MAX_INCLUDED]
+    room = MAX_INCLUDED - len(included)
+    out = tuple(LeftOut(p, left[p][0], left[p][1], short(left[p][2])) for p in order(left))
+    out = out[:room]
+    return included, out, tuple(Passed(p, passed[p]) for p in order(passed))[: room - len(out)]

@@ -170,6 +170,14 @@ _REPLAY_RATE = click.option(
     show_default=True,
     help="Share of each round's updates another worker replays to verify them.",
 )
+_QUORUM = click.option(
+    "--quorum",
+    type=click.IntRange(1, 64),  # p2p.node.gossip.MAX_RUN_WORKERS
+    default=None,
+    help="Distinct operators every round's closure must name [default: a majority of K, "
+    "K/2+1, so two groups that cannot reach each other never both close a round]. Lower "
+    "it only knowing that split workers may then fork the run.",
+)
 
 
 def _run_options(f: Any) -> Any:
@@ -206,6 +214,7 @@ def _run_options(f: Any) -> Any:
             "--shard-sequences", type=click.IntRange(1, 1 << 20), default=512, show_default=True
         ),
         _REPLAY_RATE,
+        _QUORUM,
         click.option(
             "--fetch-floor",
             type=click.FloatRange(0.1, 86_400),
@@ -226,11 +235,28 @@ def _params(run_id: str, **kw: Any) -> Any:
     for name in ("workers", "rounds"):
         if kw[name] is None:
             raise click.UsageError(f"--{name} is required (or give the run's --spec)")
-
+    kw["quorum"] = _quorum(kw["quorum"], kw["workers"])
     try:
         return RunParams(run_id=run_id, **kw)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def _quorum(quorum: int | None, workers: int) -> int:
+    """The --quorum a run of K ``workers`` is given (0: the default, a majority)."""
+    if quorum is None:
+        return 0
+    if quorum > workers:
+        raise click.BadParameter(
+            f"{quorum} is more than the run's {workers} workers", param_hint="--quorum"
+        )
+    if quorum <= workers // 2:
+        click.echo(
+            f"blob: warning: --quorum {quorum} is at most half of the run's {workers} workers: "
+            "two groups of them that cannot reach each other may both close rounds (a fork)",
+            err=True,
+        )
+    return quorum
 
 
 # A .pub file is one line; anything longer is not one (and is not read whole).
@@ -325,6 +351,13 @@ def _authority(value: str) -> bytes:
 )
 @click.option("--initial", default=None, help="Blob ID of the run's initial global state.")
 @click.option("--join", is_flag=True, help="Join a running run at its next round.")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Restart where this worker stopped: its inner optimizer state, error-feedback "
+    "residual and batch sampler from its store's resume point, then catch up from the "
+    "run's tip (as --join).",
+)
 @click.option("--bootstrap", multiple=True, help="Peer multiaddr to dial (repeatable).")
 @click.option(
     "--listen",
@@ -359,6 +392,7 @@ def _authority(value: str) -> bytes:
 )
 @click.option("--stall-round", type=int, default=None, hidden=True)
 @click.option("--test-cheat-from-round", "cheat_from_round", type=int, default=None, hidden=True)
+@click.option("--test-pass-round", "pass_round", type=int, default=None, hidden=True)
 @click.option(
     "--publish",
     "publish_as",
@@ -396,6 +430,7 @@ def worker_command(
     require_hardware: bool,
     initial: str | None,
     join: bool,
+    resume: bool,
     bootstrap: tuple[str, ...],
     listen: str | None,
     relays: tuple[str, ...],
@@ -406,6 +441,7 @@ def worker_command(
     start_timeout: float,
     stall_round: int | None,
     cheat_from_round: int | None,
+    pass_round: int | None,
     publish_as: str | None,
     keep_states: int,
     metrics: str | None,
@@ -443,9 +479,16 @@ def worker_command(
     make_trainer = None
     level = "replayed"  # the built-in trainer's updates replay
     min_level = "bounded"
+    rendezvous = None
+    if resume:
+        if initial is not None:
+            raise click.UsageError("--resume continues from the run's tip: no --initial")
+        join = True
     if spec_ref is not None:
         from training.outer.runs import prepare_spec_worker
 
+        if run["quorum"] is not None:
+            raise click.UsageError("the run's quorum is its spec's (outer init --quorum)")
         prepared = prepare_spec_worker(
             Path_(obj["store_root"]),
             Path_(obj["key_path"]),
@@ -461,6 +504,7 @@ def worker_command(
         require_hardware = require_hardware or prepared.spec.require_hardware
         run_id = params.run_id
         initial = initial if join else prepared.spec.initial
+        rendezvous = _spec_blob(Path_(obj["store_root"]), spec_ref)
         authorities = authorities or prepared.spec.authorities
         shard = prepared.shard if shard is None else shard
     else:
@@ -475,6 +519,8 @@ def worker_command(
         raise click.UsageError("give the initial state (--initial BLOB_ID) or --join")
     if initial is not None:
         initial = parse_blob_id(initial)
+    if spec_ref is None:
+        rendezvous = initial  # every worker of a run without a spec starts from it
     config = WorkerConfig(
         params=params,
         shard=shard,
@@ -499,8 +545,13 @@ def worker_command(
         require_hardware=require_hardware,
         keep_states=keep_states,
         metrics=metrics,
+        rendezvous=rendezvous,
+        keep_resume=True,
+        resume=resume,
     )
-    faults = Faults(stall_round=stall_round, cheat_from_round=cheat_from_round)
+    faults = Faults(
+        stall_round=stall_round, cheat_from_round=cheat_from_round, pass_round=pass_round
+    )
     result = trio.run(run_worker, config, faults)
     # The result is written (durably) and the node closed: what is left is the
     # interpreter's exit, whose final collection over torch's and py-libp2p's objects
@@ -508,6 +559,14 @@ def worker_command(
     gc.freeze()
     if not result["agreed"]:
         raise _disagreed()
+
+
+def _spec_blob(store_root: Path_, ref: str) -> str:
+    """The blob ID of the spec ``ref`` names (the run's rendezvous)."""
+    from blobstore import Store
+    from training.outer.runs import read_spec
+
+    return read_spec(Store.open(store_root), ref)[0]
 
 
 def _disagreed() -> Exception:
@@ -708,7 +767,8 @@ def verify_command(
     run_id, signed = _run_of(store, run_id)
     if signed is not None and signed.spec.require_hardware:
         require_hardware = True
-    report = verify_run(store, run_id, trust, require_hardware=require_hardware)
+    quorum = None if signed is None else signed.spec.needed
+    report = verify_run(store, run_id, trust, require_hardware=require_hardware, quorum=quorum)
     # A run made from a spec (outer init) that asks more than bounded updates: every
     # applied update offered at least the spec's level (training.outer.levels).
     if signed is not None and signed.spec.level != "bounded":
@@ -841,6 +901,7 @@ def forget_command(ctx: click.Context, /, run_id: str, dry_run: bool, as_json: b
 @_DEADLINE
 @_PROPOSER_TIMEOUT
 @_REPLAY_RATE
+@_QUORUM
 @click.option("--data", "data_ref", default=None, help="The run's records blob (replay needs it).")
 @require_hardware_option(
     "Workers accept, and verify passes, only attestations co-signed by a TPM "
@@ -878,6 +939,7 @@ def init_command(
         CodecParams(chunk=options["chunk"], k=options["k"])
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+    options["quorum"] = _quorum(options["quorum"], options["workers"])
     store = _store(ctx)
     obj = ctx.ensure_object(dict)
     signer = SoftwareSigner(load_or_create_key(Path_(obj["key_path"])))

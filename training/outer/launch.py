@@ -294,6 +294,8 @@ def worker_argv(
         "--addr-file",
         str(w.addr_file),
     ]
+    if p.quorum:
+        argv += ["--quorum", str(p.quorum)]
     if join:
         argv.append("--join")
     else:

@@ -9,6 +9,12 @@ of canonical msgpack announcements (``encode_message`` / ``decode_message``):
   ``blobnet/outer-update`` over B with subjects ``[B, state_root(S_r), C]`` where C is the
   blob of B's commitment (how it was computed, ``training.outer.replay``), and the
   addresses where B can be fetched.
+- ``pass``: "I take part in round r and send no update": an attestation of kind
+  ``blobnet/outer-pass`` (:data:`PASS_KIND`) whose digest is :func:`pass_digest` of the
+  run, the round and ``state_root(S_r)``, subjects ``[state_root(S_r)]``, and the sender's
+  addresses. A closure names it among the round's passed workers, so a worker that skips
+  a round still counts toward the quorum (``training.outer.agreement`` rule 7), and the
+  others do not wait for its update.
 - ``state``: "after round r-1 the global state S_r has root R and is blob B"; carries an
   attestation of kind ``blobnet/outer-state`` with subjects ``[B, R]`` (sent at the end of
   a run, so workers compare their final roots).
@@ -32,17 +38,19 @@ events out, with time as an argument. It owns these rules:
    authorities at ``now`` (signature, certificate binding the signer's peer ID), the
    signer is the pubsub sender (pubsub messages are signed, so the sender is
    authenticated), the digest is the blob ID, and the subjects are exactly the blob, the
-   state root the round started from and a commitment blob ID. Anything else is a
-   :class:`Rejection` with a reason, recorded once per (round, sender, blob, reason).
+   state root the round started from and a commitment blob ID. A pass counts on the same
+   terms, its digest and subjects those of the round's pass. Anything else is a
+   :class:`Rejection` with a reason, recorded once per (round, sender, blob, reason); a
+   pass is judged, buffered and counted as an update whose blob is "" (rules 3-5).
 3. A round's update announcements may arrive before the worker reaches that round; they
    are buffered (a bounded window of rounds, a bounded count per round) and judged when
    the round opens, against the root the worker then holds.
-4. Per round, the first valid update of a sender is its update. A different valid blob
-   from the same sender in the same round is recorded as equivocation and ignored (honest
-   workers never send two; workers that heard them in different orders may then
-   disagree, which rule 6 makes loud).
+4. Per round, the first valid update (or pass) of a sender is its update. A different
+   valid blob, or a pass after an update or the reverse, from the same sender in the same
+   round is recorded as equivocation and ignored (honest workers never send two; workers
+   that heard them in different orders may then disagree, which rule 6 makes loud).
 5. Presence (for the start barrier) is an admitted sender heard: a hello with a valid
-   certificate for that sender, or any valid update or state announcement.
+   certificate for that sender, or any valid update, pass or state announcement.
 6. State announcements give every worker the roots the others reached; a root for a
    state round that differs from the worker's own is a :class:`Disagreement`, reported
    once per (round, sender).
@@ -59,9 +67,12 @@ events out, with time as an argument. It owns these rules:
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import blake3
 
 from blobstore.canonical import encode as encode_canonical
 from blobstore.exitcodes import ExitCode
@@ -80,6 +91,8 @@ from training.errors import TrainingError
 TOPIC_PREFIX = "blobnet/outer/"
 UPDATE_KIND = "blobnet/outer-update"
 STATE_KIND = "blobnet/outer-state"
+PASS_KIND = "blobnet/outer-pass"
+PASS_DOMAIN = b"blobnet/outer-pass/v1"
 MESSAGE_VERSION = 1
 
 # A closure body is at most 64 KiB (training.outer.agreement.MAX_CLOSURE_SIZE), its
@@ -102,7 +115,7 @@ MAX_REJECTIONS_PER_ROUND = 256
 
 RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEX = re.compile(r"[0-9a-f]{64}")
-_TYPES = ("hello", "update", "state", "closure", "closure-ref", "verdict")
+_TYPES = ("hello", "update", "pass", "state", "closure", "closure-ref", "verdict")
 # A verdict's outcome is a short text ("match", "mismatch: loss of step 0 differs").
 MAX_OUTCOME_LEN = 128
 # Rule 7's reason: the attestation's key is not vouched for by a TPM attestation key.
@@ -142,6 +155,14 @@ class UpdateAnnouncement:
     run: str
     round: int
     blob: str
+    attestation: bytes
+    addrs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PassAnnouncement:
+    run: str
+    round: int
     attestation: bytes
     addrs: tuple[str, ...]
 
@@ -187,6 +208,7 @@ class VerdictAnnouncement:
 Message = (
     Hello
     | UpdateAnnouncement
+    | PassAnnouncement
     | StateAnnouncement
     | ClosureAnnouncement
     | ClosureRefAnnouncement
@@ -205,6 +227,15 @@ def _fields(msg: Message) -> dict[str, Any]:
             "run": msg.run,
             "round": msg.round,
             "blob": msg.blob,
+            "attestation": msg.attestation,
+            "addrs": list(msg.addrs),
+        }
+    if isinstance(msg, PassAnnouncement):
+        return {
+            "v": MESSAGE_VERSION,
+            "type": "pass",
+            "run": msg.run,
+            "round": msg.round,
             "attestation": msg.attestation,
             "addrs": list(msg.addrs),
         }
@@ -313,6 +344,8 @@ def decode_message(data: bytes) -> Message:
         msg = UpdateAnnouncement(
             run, _round(obj), _hex64(obj, "blob"), _take(obj, "attestation", bytes), _addrs(obj)
         )
+    elif kind == "pass":
+        msg = PassAnnouncement(run, _round(obj), _take(obj, "attestation", bytes), _addrs(obj))
     elif kind == "closure-ref":
         msg = ClosureRefAnnouncement(
             run,
@@ -402,6 +435,42 @@ def update_subjects_ok(subjects: tuple[str, ...], blob: str) -> bool:
     )
 
 
+def pass_digest(run: str, round_: int, start_root: str) -> bytes:
+    """What a pass attestation signs: the run, the round and the state root it starts
+    from, domain-separated."""
+    return blake3.blake3(
+        PASS_DOMAIN
+        + struct.pack("<Q", round_)
+        + bytes.fromhex(start_root)
+        + check_run_id(run).encode()
+    ).digest()
+
+
+def check_pass_attestation(
+    data: bytes,
+    *,
+    peer: str,
+    run: str,
+    round_: int,
+    start_root: str,
+    trust: TrustStore,
+    now: float,
+) -> Attestation:
+    """``peer``'s pass attestation for round ``round_`` of ``run`` from ``start_root``, or
+    :class:`Refused`."""
+    attestation = _attestation(
+        data,
+        kind=PASS_KIND,
+        blob=pass_digest(run, round_, start_root).hex(),
+        sender=peer,
+        trust=trust,
+        now=now,
+    )
+    if attestation.subjects != (start_root,):
+        raise Refused("wrong state root", "a pass names the root its round starts from")
+    return attestation
+
+
 def check_state(
     msg: StateAnnouncement, *, sender: str, trust: TrustStore, now: float
 ) -> Attestation:
@@ -448,6 +517,17 @@ class Candidate:
     addrs: tuple[str, ...]
     operator: str
     attestation: bytes = b""
+
+
+@dataclass(frozen=True)
+class PassHeard:
+    """A valid pass: ``peer`` takes part in ``round`` without an update."""
+
+    round: int
+    peer: str
+    addrs: tuple[str, ...]
+    operator: str
+    attestation: bytes
 
 
 @dataclass(frozen=True)
@@ -511,6 +591,7 @@ class VerdictHeard:
 
 Event = (
     Candidate
+    | PassHeard
     | Rejection
     | StateHeard
     | Disagreement
@@ -523,8 +604,8 @@ Event = (
 @dataclass
 class _Round:
     root: str | None = None  # None until the worker opens the round
-    pending: list[tuple[UpdateAnnouncement, str]] = field(default_factory=list)
-    accepted: dict[str, str] = field(default_factory=dict)  # peer -> blob
+    pending: list[tuple[UpdateAnnouncement | PassAnnouncement, str]] = field(default_factory=list)
+    accepted: dict[str, str] = field(default_factory=dict)  # peer -> blob ("": a pass)
     seen: set[tuple[str, str, str]] = field(default_factory=set)  # (peer, blob, reason)
     rejections: list[Rejection] = field(default_factory=list)
     refused: set[tuple[str, str]] = field(default_factory=set)  # (peer, blob) for good
@@ -593,7 +674,7 @@ class Ledger:
         if msg.round == self.current - 1 and sender in self.present:
             late = self.late.setdefault(msg.round, {})
             if sender in late or len(late) < MAX_PENDING_PER_ROUND:
-                late[sender] = msg.blob
+                late[sender] = msg.blob if isinstance(msg, UpdateAnnouncement) else ""
             return []
         if msg.round < self.current or msg.round > self.current + ROUND_WINDOW:
             return []
@@ -609,37 +690,55 @@ class Ledger:
         return [] if event is None else [event]
 
     def _judge(
-        self, r: int, book: _Round, msg: UpdateAnnouncement, sender: str, now: float
-    ) -> Candidate | Rejection | None:
+        self,
+        r: int,
+        book: _Round,
+        msg: UpdateAnnouncement | PassAnnouncement,
+        sender: str,
+        now: float,
+    ) -> Candidate | PassHeard | Rejection | None:
         assert book.root is not None
-        if book.accepted.get(sender) == msg.blob or (sender, msg.blob) in book.refused:
+        blob = msg.blob if isinstance(msg, UpdateAnnouncement) else ""
+        if book.accepted.get(sender) == blob or (sender, blob) in book.refused:
             return None  # a re-publication of what we already judged
         try:
-            attestation = check_update(
-                msg, sender=sender, trust=self.trust, now=now, root=book.root
-            )
+            if isinstance(msg, UpdateAnnouncement):
+                attestation = check_update(
+                    msg, sender=sender, trust=self.trust, now=now, root=book.root
+                )
+            else:
+                attestation = check_pass_attestation(
+                    msg.attestation,
+                    peer=sender,
+                    run=self.run_id,
+                    round_=r,
+                    start_root=book.root,
+                    trust=self.trust,
+                    now=now,
+                )
             if self.require_hardware:
-                check_hardware(attestation, "update")
+                check_hardware(attestation, "update" if blob else "pass")
             if sender in book.accepted:
                 raise Refused("equivocation", f"{sender} already announced another update")
         except Refused as refused:
-            key = (sender, msg.blob, refused.reason)
+            key = (sender, blob, refused.reason)
             if key in book.seen:
                 return None
             book.seen.add(key)
             if len(book.rejections) >= MAX_REJECTIONS_PER_ROUND:
                 book.dropped += 1
                 return None
-            rejection = Rejection(r, sender, msg.blob, refused.reason)
+            rejection = Rejection(r, sender, blob, refused.reason)
             book.rejections.append(rejection)
             return rejection
-        book.accepted[sender] = msg.blob
+        book.accepted[sender] = blob
         self.present.add(sender)
         assert attestation.certificate is not None  # the trust store required one
-        self.operators[sender] = attestation.certificate.operator
-        return Candidate(
-            r, sender, msg.blob, msg.addrs, attestation.certificate.operator, msg.attestation
-        )
+        operator = attestation.certificate.operator
+        self.operators[sender] = operator
+        if isinstance(msg, PassAnnouncement):
+            return PassHeard(r, sender, msg.addrs, operator, msg.attestation)
+        return Candidate(r, sender, msg.blob, msg.addrs, operator, msg.attestation)
 
     def open_round(self, r: int, root: str, now: float) -> list[Event]:
         """Start judging round ``r``'s updates against ``root``; earlier rounds close."""

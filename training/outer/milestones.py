@@ -7,17 +7,18 @@ Theory of operation
    run, the round, the closure's digest, the start and result roots, the included
    ``(peer, blob)`` pairs (those the aggregation admitted), the excluded ones with their
    reasons, the run's **terms** (:class:`RunTerms`: how many rounds the run has, its
-   replay rate and its outer optimiser), the same for every worker of the run, and the
-   **absent** workers (:func:`absent_workers`): ``(peer, operator)`` of each worker the
-   previous round's closure named whose update this closure does not name (it left, or
-   missed the round), so a departure is signed, not only logged. Every
+   replay rate, its outer optimiser and its quorum), the same for every worker of the
+   run, and the **absent** workers (:func:`absent_workers`): ``(peer, operator)`` of each
+   worker the previous round's closure named (included, left out or passed) whom this
+   closure does not name at all (it left, or missed the round), so a departure is signed,
+   not only logged. Every
    honest worker that applied the closure computes the same milestone, so milestones from
    distinct admitted operators over one digest are the evidence a payment rail releases on
    (DESIGN 8's two-operator rule; the rail is out of scope). Kind :data:`MILESTONE_KIND`,
    digest = BLAKE3 of the canonical body, subjects ``[closure digest as hex, result
    root]``. None is signed for a round the worker skipped by catching up: it did not
-   recompute it. Version 3 added ``absent``; a version 2 record (no ``absent``) still
-   decodes and verifies.
+   recompute it. Version 3 added ``absent``, version 4 the quorum to the terms; version 2
+   and 3 records still decode and verify.
 2. A worker keeps, tagged in its store (:func:`keep_round`), ``outer-<run>-start`` (the
    state it started from), and per round ``outer-<run>-closure-<r>``,
    ``outer-<run>-milestone-<r>`` and ``outer-<run>-updates-<r>``: a collection blob naming
@@ -36,8 +37,10 @@ Theory of operation
    signatures: every round from the start state's to the last one the terms name must
    have its closure and its milestone (a missing or invalid one is named; deleting the
    last rounds is a missing round, not a shorter run); (b) each closure's signature
-   (against the run's authorities) and the chain (each closure starts from the previous
-   result); (c) each result recomputed from the start state and the named update blobs
+   (against the run's authorities), its quorum (``training.outer.agreement`` rule 7:
+   the spec's where the caller has the spec, which the terms must then state, else the
+   terms') and the chain (each closure starts from the previous result); (c) each result
+   recomputed from the start state and the named update blobs
    (``training.outer.aggregate``) with the terms' optimiser, and each milestone's
    signature and body against that recomputation; (d) every update the round's sample
    drew (``replay.sampled`` and ``replay.replayer_for`` from the closure's result) has a
@@ -105,10 +108,12 @@ from training.outer.state_blob import BadStateBlob, decode_state
 
 MILESTONE_KIND = "blobnet/outer-milestone"
 MILESTONE_DOMAIN = b"blobnet/outer-milestone/v1"
-# Version 3 names the absent workers (rule 1). Version 2 (the run's terms, no absent
-# workers) still decodes; version 1 does not say how long its run is, so nothing signed
-# would show a truncated run, and is refused.
-MILESTONE_VERSION = 3
+# Version 4 states the run's quorum in its terms, version 3 names the absent workers (rule
+# 1). Versions 3 and 2 (the run's terms, no absent workers) still decode; version 1 does
+# not say how long its run is, so nothing signed would show a truncated run, and is
+# refused.
+MILESTONE_VERSION = 4
+ABSENT_MILESTONE_VERSION = 3
 TERMS_MILESTONE_VERSION = 2
 CATCH_UP_KIND = "blobnet/outer-catch-up"
 CATCH_UP_DOMAIN = b"blobnet/outer-catch-up/v1"
@@ -134,9 +139,13 @@ class RunTerms:
     replay_rate: float
     outer_lr: float
     outer_momentum: float
+    # The distinct operators each closure names at least (outer_agreement rule 7); None
+    # in a version 2 or 3 record, which predates it.
+    quorum: int | None = None
 
     def fields(self) -> list[Any]:
-        return [self.rounds, self.replay_rate, self.outer_lr, self.outer_momentum]
+        out: list[Any] = [self.rounds, self.replay_rate, self.outer_lr, self.outer_momentum]
+        return out if self.quorum is None else [*out, self.quorum]
 
     def outer(self) -> OuterConfig:
         return OuterConfig(lr=self.outer_lr, momentum=self.outer_momentum)
@@ -156,9 +165,15 @@ class Milestone:
     # None only in a version 2 record, which predates the field.
     absent: tuple[tuple[str, str], ...] | None = ()
 
+    @property
+    def version(self) -> int:
+        if self.absent is None:
+            return TERMS_MILESTONE_VERSION
+        return ABSENT_MILESTONE_VERSION if self.terms.quorum is None else MILESTONE_VERSION
+
     def fields(self) -> dict[str, Any]:
         out = {
-            "v": MILESTONE_VERSION if self.absent is not None else TERMS_MILESTONE_VERSION,
+            "v": self.version,
             "run": self.run,
             "round": self.round,
             "closure": self.closure,
@@ -183,8 +198,8 @@ class Milestone:
     def to_json(self) -> dict[str, Any]:
         out = self.fields()
         out.pop("v")
-        out["terms"] = dict(zip(("rounds", "replay_rate", "outer_lr", "outer_momentum"),
-                                out["terms"], strict=True))  # fmt: skip
+        names = ("rounds", "replay_rate", "outer_lr", "outer_momentum", "quorum")
+        out["terms"] = dict(zip(names, out["terms"], strict=False))
         return out
 
 
@@ -200,9 +215,8 @@ def absent_workers(
         c.start_root,
     ):
         return ()
-    named = set(c.peers())
-    pairs = zip(previous.closure.peers(), previous.operators, strict=True)
-    return tuple(sorted((p, op) for p, op in pairs if p not in named))
+    named = set(c.present())
+    return tuple(sorted((p, op) for p, op in previous.named() if p not in named))
 
 
 def milestone_for(
@@ -284,12 +298,18 @@ def _milestone_from_body(body: bytes) -> Milestone:
             "be told from a finished one: verify takes version 2 or later (a run made by this "
             "release)"
         )
-    if version not in (MILESTONE_VERSION, TERMS_MILESTONE_VERSION):
+    if version not in (MILESTONE_VERSION, ABSENT_MILESTONE_VERSION, TERMS_MILESTONE_VERSION):
         raise BadMilestone(f"milestone version {version!r} is not {MILESTONE_VERSION}")
     try:
-        rounds, rate, lr, momentum = obj["terms"]
-        absent = None
+        quorum = None
         if version == MILESTONE_VERSION:
+            rounds, rate, lr, momentum, quorum = obj["terms"]
+            if type(quorum) is not int or quorum < 1:
+                raise ValueError("the quorum is a count of operators, at least 1")
+        else:
+            rounds, rate, lr, momentum = obj["terms"]
+        absent = None
+        if version != TERMS_MILESTONE_VERSION:
             absent = tuple((str(p), str(op)) for p, op in obj["absent"])
         m = Milestone(
             obj["run"],
@@ -299,7 +319,7 @@ def _milestone_from_body(body: bytes) -> Milestone:
             obj["result"],
             tuple((str(p), str(b)) for p, b in obj["included"]),
             tuple((str(p), str(b), str(r)) for p, b, r in obj["excluded"]),
-            RunTerms(int(rounds), float(rate), float(lr), float(momentum)),
+            RunTerms(int(rounds), float(rate), float(lr), float(momentum), quorum),
             absent,
         )
     except (KeyError, TypeError, ValueError) as exc:
@@ -463,9 +483,13 @@ def closure_hardware(checked: CheckedClosure) -> None:
     """Rule 6 (and ``training.outer.messages`` rule 7) for a closure already checked
     against the run's trust store: its proposer's attestation and every update attestation
     it names come from hardware signers; :class:`Refused` otherwise."""
+    c = checked.closure
     check_hardware(Attestation.decode(checked.attestation), "closure")
-    for x in checked.closure.included:
+    updates: list[Any] = [*c.included, *c.left]
+    for x in updates:
         check_hardware(Attestation.decode(x.attestation), "update")
+    for passed in c.passed:
+        check_hardware(Attestation.decode(passed.attestation), "pass")
 
 
 # --- listing and verifying a run ------------------------------------------------------
@@ -478,7 +502,8 @@ def tag(run: str, what: str, round_: int | None = None) -> str:
 # The tags a run's workers make (rule 2), after ``outer-<run>-``; a peer ID has no '-', so
 # run "a" never claims run "a-verdict-1"'s tags.
 _RUN_TAG = re.compile(
-    r"(start|end|fixed|base|data|(closure|milestone|updates|anchor|catchup|state)-\d+"
+    r"(start|end|fixed|base|data|resume|resume-inner"
+    r"|(closure|milestone|updates|anchor|catchup|state)-\d+"
     r"|verdict-\d+-[^-]+)"
 )
 
@@ -679,10 +704,12 @@ def verify_run(
     *,
     progress: Callable[[str], None] | None = None,
     require_hardware: bool = False,
+    quorum: int | None = None,
 ) -> Report:
     """Rules 4-6 of the module: re-check a run's closures, results, milestones, verdicts
     and catch-ups, from its start to the end its milestones sign (``require_hardware``:
-    every one of them signed by a hardware signer)."""
+    every one of them signed by a hardware signer; ``quorum``: the run's, from its spec,
+    else its milestones' terms say it)."""
     report = Report(run)
     tags = store.tags()
     start_tag = tag(run, "start")
@@ -710,6 +737,14 @@ def verify_run(
         return report
     report.rounds = terms.rounds
     report.anchors.append(f"the run has rounds 0..{terms.rounds - 1} (its milestones' terms)")
+    if quorum is not None and terms.quorum is not None and terms.quorum != quorum:
+        report.failures.append(
+            f"the milestones sign a quorum of {terms.quorum}, the run's spec says {quorum}"
+        )
+        return report
+    quorum = quorum or terms.quorum
+    if quorum is not None:
+        report.anchors.append(f"each closure names at least {quorum} operator(s) (its quorum)")
     # Rule 5: a round kept with a catch-up record or an anchor on its result and no
     # milestone was caught up over; only a valid signed record makes it so.
     anchors = _rounds(store, run, "anchor")
@@ -740,12 +775,13 @@ def verify_run(
     for r in sorted(x for x in closures if x >= terms.rounds):
         report.failures.append(f"round {r}: a closure past the run's last round")
     config = terms.outer()
-    previous = _previous_closure(store, closures, run, state.round, root, trust)
+    need = quorum or 1  # milestones before the quorum, and no spec: one operator, as ever
+    previous = _previous_closure(store, closures, run, state.round, root, trust, need)
     for r in sorted(x for x in closures if state.round <= x < terms.rounds):
         if r != state.round and r not in catch_ups:
             return report  # the chain is broken where a closure is missing (named above)
         try:
-            checked = _check_kept_closure(load(closures[r]), run, trust)
+            checked = _check_kept_closure(load(closures[r]), run, trust, need)
             if require_hardware:
                 closure_hardware(checked)
         except (BadMessage, Refused, Rejected, StoreError, OSError) as exc:
@@ -818,24 +854,31 @@ def verify_run(
     return report
 
 
-def _check_kept_closure(data: bytes, run: str, trust: TrustStore) -> CheckedClosure:
+def _check_kept_closure(data: bytes, run: str, trust: TrustStore, quorum: int) -> CheckedClosure:
     """A kept closure announcement, checked as of its proposer's signing time."""
     msg = decode_message(data)
     if not isinstance(msg, ClosureAnnouncement):
         raise Refused("not a closure announcement")
-    attestation_time = verify_attestation(msg.attestation).time
-    return check_closure(msg.body, msg.attestation, run=run, trust=trust, now=attestation_time)
+    when = verify_attestation(msg.attestation).time
+    return check_closure(msg.body, msg.attestation, run=run, trust=trust, now=when, quorum=quorum)
 
 
 def _previous_closure(
-    store: Store, closures: dict[int, str], run: str, round_: int, root: str, trust: TrustStore
+    store: Store,
+    closures: dict[int, str],
+    run: str,
+    round_: int,
+    root: str,
+    trust: TrustStore,
+    quorum: int,
 ) -> CheckedClosure | None:
     """The closure whose result the start state is (a joiner's), if kept and valid: the
     first milestone's absent workers are counted from it (rule 1)."""
     if round_ - 1 not in closures:
         return None
     try:
-        checked = _check_kept_closure(store.path(closures[round_ - 1]).read_bytes(), run, trust)
+        data = store.path(closures[round_ - 1]).read_bytes()
+        checked = _check_kept_closure(data, run, trust, quorum)
     except (BadMessage, Refused, Rejected, StoreError, OSError):
         return None
     return checked if checked.closure.result_root == root else None

@@ -19,6 +19,7 @@ from blobstore.durable import write_file_atomic
 from blobstore.exitcodes import ExitCode
 from p2p.node.gossip import MAX_RUN_WORKERS
 from training.errors import TrainingError
+from training.outer.agreement import quorum_of
 from training.outer.codec import CodecParams
 from training.outer.loop import (
     MODE_DEFAULTS,
@@ -38,6 +39,13 @@ class OuterNetError(TrainingError):
     never answered within its bound."""
 
     exit_code = ExitCode.REJECTED
+
+
+class NoQuorum(OuterNetError):
+    """Fewer of the run's workers than its quorum were present for the whole start timeout:
+    the worker closed no round with them (a partition, or peers that never came)."""
+
+    exit_code = ExitCode.NO_QUORUM
 
 
 class OuterRunFailed(TrainingError):
@@ -72,7 +80,7 @@ class RunParams:
     replay_rate: float = 0.25
     # The least time a worker gives one fetch (a closure's blobs, a state blob) on top of
     # three deadlines: dials, stream opens and slow links. It also bounds how long a
-    # finished worker lingers for a missing final root and how long one with nobody
+    # finished worker lingers for a missing final root, and is the least one with nobody
     # connected waits before it stops (training.outer.worker points 3 and 6).
     fetch_floor: float = 10.0
     # The outer optimiser and the error feedback's decay (None: MODE_DEFAULTS["sparseloco"]);
@@ -80,6 +88,9 @@ class RunParams:
     outer_lr: float | None = None
     outer_momentum: float | None = None
     feedback_decay: float | None = None
+    # The distinct operators a closure must name (training.outer.agreement rule 7); 0: a
+    # majority of ``workers``, so two groups that cannot hear each other never both close.
+    quorum: int = 0
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -95,7 +106,14 @@ class RunParams:
             raise ValueError("the replay rate must be in [0, 1]")
         if not self.fetch_floor > 0:
             raise ValueError("the fetch floor must be > 0")
+        if not 0 <= self.quorum <= self.workers:
+            raise ValueError(f"the quorum must be 1..{self.workers} (K), or 0 for a majority")
         self.codec()
+
+    @property
+    def needed(self) -> int:
+        """The distinct operators a round's closure must name (its quorum)."""
+        return quorum_of(self.workers, self.quorum)
 
     def codec(self) -> CodecParams:
         return CodecParams(chunk=self.chunk, k=self.k)
@@ -162,6 +180,14 @@ class WorkerConfig:
     keep_states: int = 3
     # Serve the node's metrics (p2p.metrics) at http://ADDR/metrics, as `serve --metrics`.
     metrics: str | None = None
+    # A blob every worker of the run holds (the spec's, else the initial state): the
+    # worker asks its bootstrap peers who else holds it (the rendezvous,
+    # training.outer.worker point 1). None: no rendezvous, the bootstrap peers only.
+    rendezvous: str | None = None
+    # Keep a resume point each round (training.outer.trainer), and start from the kept one:
+    # its inner state, then a catch-up from the run's tip (--resume).
+    keep_resume: bool = False
+    resume: bool = False
 
 
 def outer_kernel_class(device: str = "cpu", threads: int = 1) -> str:

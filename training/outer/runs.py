@@ -220,6 +220,7 @@ def params_from_spec(spec: RunSpec, *, rounds: int | None = None) -> RunParams:
         outer_lr=spec.outer_lr,
         outer_momentum=spec.outer_momentum,
         feedback_decay=spec.ef_decay,
+        quorum=spec.quorum,
     )
 
 

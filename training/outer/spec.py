@@ -27,6 +27,11 @@ Theory of operation
    Each is written only when the model has one, so specs without keep their bytes.
    ``overlap`` (written only when not 0): how many rounds a worker trains ahead of the state
    its next update is taken against (``training.outer.api`` point 9; 0 blocks).
+   ``quorum``: the distinct operators a round's closure must name
+   (``training.outer.agreement`` rule 7); written only when it is not the default, a
+   majority of K (floor(K/2)+1), so specs made before keep their bytes and one spec has one
+   spelling. Below a majority two groups of workers that cannot hear each other may both
+   close rounds (a fork): a documented choice of its maker.
 2. **Encoding.** The body is a canonical msgpack map (these keys, sorted; a decoder
    re-encodes and refuses anything that differs). A spec that requires hardware is body
    version 2, which adds ``require_hardware: true``; every other spec is version 1 without
@@ -62,6 +67,7 @@ from blobstore.canonical import encode as encode_canonical
 from blobstore.canonical import require_canonical
 from blobstore.exitcodes import ExitCode
 from training.errors import TrainingError
+from training.outer.agreement import majority, quorum_of
 from training.outer.loop import MODE_DEFAULTS
 from training.outer.module_state import Layout, check_layout
 
@@ -76,7 +82,9 @@ MAX_SPEC_SIZE = 4 << 20
 # A step name is a label ("tinylm-next-token/v1"), not code: 128 characters are plenty.
 MAX_STEP_NAME = 128
 # Body keys of either version written only when set.
-_OPTIONAL = frozenset({"step", "buffers", "fixed", "fixed_blob", "aliases", "overlap"})
+_OPTIONAL = frozenset(
+    {"step", "buffers", "fixed", "fixed_blob", "aliases", "overlap", "quorum"}
+)
 # Rounds a worker may train ahead of the state its next update is taken against
 # (training.outer.api point 9): one, the one-step-delayed outer step.
 MAX_OVERLAP = 1
@@ -127,6 +135,8 @@ class RunSpec:
     fixed_blob: str = ""
     aliases: tuple[tuple[str, str], ...] = ()  # alias, name stored
     overlap: int = 0
+    # The quorum (point 1); 0, and a majority of K written as 0: the default.
+    quorum: int = 0
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -153,6 +163,15 @@ class RunSpec:
         for alias, target in self.aliases:
             if alias in names or target not in names:
                 raise ValueError(f"alias {alias!r} must name a tensor of the state")
+        if type(self.quorum) is not int or not 0 <= self.quorum <= self.workers:
+            raise ValueError(f"the quorum must be 1..{self.workers} (K), or 0 for a majority")
+        if self.quorum == majority(self.workers):
+            object.__setattr__(self, "quorum", 0)  # the default has one spelling
+
+    @property
+    def needed(self) -> int:
+        """The distinct operators a closure of this run must name (point 1)."""
+        return quorum_of(self.workers, self.quorum)
 
     def layout(self) -> Layout:
         """The model state this run holds (``training.outer.module_state`` point 1)."""

@@ -1,15 +1,41 @@
 """A worker's torch side (:class:`Trainer`): model, inner AdamW kept across rounds as in
-DiLoCo, shard, batch sampler and error-feedback residual; and :class:`Trained`, what one
-round's training hands the update commitment."""
+DiLoCo, shard, batch sampler and error-feedback residual; :class:`Trained`, what one
+round's training hands the update commitment; and :class:`ResumePoint`, what a worker
+keeps to resume.
+
+Resume points
+-------------
+1. Each round it trains, a worker that keeps one (``blob outer worker``) stores its inner
+   state after the round (``Trainer.inner_state``: AdamW's moments and the error-feedback
+   residual, canonically encoded; the outer momentum is in the run's state) as a blob
+   tagged ``outer-<run>-resume-inner``, and a small record naming it
+   (:class:`ResumePoint`: the run, the worker's peer ID, the round it trained, the digest
+   of its model's trainable names and shapes, and its batch sampler's state) tagged
+   ``outer-<run>-resume`` (:func:`resume_tags`). The record before is deleted; the inner
+   state before is only untagged (it is the next round's inner state before, which the
+   worker keeps for replay, ``training.outer.runs`` point 4, and deletes in its time).
+2. ``--resume`` reads the record and refuses, in one line, one of another run, another
+   peer (another machine's key) or another model shape (:func:`check_resume`); it loads the
+   inner state and the sampler, then catches up from the run's tip as a joiner does. Its
+   next update continues from its own residual and moments.
+3. The inner state is what the trainer held after its last update, whether or not the
+   round's closure included that update: as in a run without a restart, a left-out
+   update's mass is not put back into the residual."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import numpy as np
 
+from blobstore.canonical import encode as encode_canonical
+from blobstore.exitcodes import ExitCode
+from identity import decode_msgpack_map
+from training.errors import TrainingError
 from training.outer.aggregate import wrap_update
 from training.outer.codec import ErrorFeedback
 from training.outer.inner import decode_inner, encode_inner
@@ -162,6 +188,37 @@ class Trainer:
             )
         return encode_inner(opt, self.feedback.residual)
 
+    def sampler_state(self) -> bytes:
+        """The batch sampler's position (its PCG64 state), canonically encoded."""
+        state = self.rng.bit_generator.state
+        inner = state["state"]
+        fields = [
+            int(inner["state"]).to_bytes(16, "little"),
+            int(inner["inc"]).to_bytes(16, "little"),
+            int(state["has_uint32"]),
+            int(state["uinteger"]),
+        ]
+        data: bytes = encode_canonical(fields)
+        return data
+
+    def load_sampler(self, data: bytes) -> None:
+        """Put the batch sampler where ``sampler_state`` says; BadResume if it cannot be."""
+        import msgpack
+
+        try:
+            state, inc, has, value = msgpack.unpackb(data, raw=False)
+            self.rng.bit_generator.state = {
+                "bit_generator": "PCG64",
+                "state": {
+                    "state": int.from_bytes(state, "little"),
+                    "inc": int.from_bytes(inc, "little"),
+                },
+                "has_uint32": int(has),
+                "uinteger": int(value),
+            }
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+            raise BadResume(f"the resume point's sampler state is malformed: {exc}") from None
+
     def load_inner(self, data: bytes) -> None:
         """Adopt an inner state (``inner_state``'s bytes); BadInnerState if it does not fit."""
         import torch
@@ -242,3 +299,88 @@ def _padded_steps(model: Any, optimizer: Any, batches: list[Any], pad_id: int) -
         losses.append(float(loss.item()))
     model.eval()
     return losses
+
+
+# --- resume points (the module's rules) -------------------------------------------------
+
+RESUME_VERSION = 1
+# A resume record is a few IDs, a digest and 34 bytes of sampler state.
+MAX_RESUME_RECORD = 4096
+
+
+class BadResume(TrainingError):
+    """A resume point that is not this worker's in this run (the user's to fix: another
+    store, or a restart with another key, run or model)."""
+
+    exit_code = ExitCode.USAGE
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Rule 1: what a worker keeps to resume."""
+
+    run: str
+    peer: str
+    round: int  # the round of the last update it trained
+    layout: str  # layout_digest of its model's trainable parameters
+    inner: str  # blob ID of its inner state after that round
+    sampler: bytes  # Trainer.sampler_state
+
+    def encode(self) -> bytes:
+        data: bytes = encode_canonical(
+            {
+                "v": RESUME_VERSION,
+                "run": self.run,
+                "peer": self.peer,
+                "round": self.round,
+                "layout": self.layout,
+                "inner": self.inner,
+                "sampler": self.sampler,
+            }
+        )
+        return data
+
+
+def decode_resume(data: bytes) -> ResumePoint:
+    """A resume record's fields; :class:`BadResume` if the bytes are not one."""
+    obj = decode_msgpack_map(data, max_size=MAX_RESUME_RECORD, what="resume point", error=BadResume)
+    try:
+        if obj["v"] != RESUME_VERSION:
+            raise BadResume(f"resume point version {obj['v']!r} is not {RESUME_VERSION}")
+        point = ResumePoint(
+            obj["run"], obj["peer"], obj["round"], obj["layout"], obj["inner"], obj["sampler"]
+        )
+    except KeyError as exc:
+        raise BadResume(f"the resume point lacks the field {exc}") from None
+    if point.encode() != bytes(data) or type(point.round) is not int:
+        raise BadResume("the resume point is not in canonical form")
+    return point
+
+
+def layout_digest(shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """A model's trainable names and shapes, as one hex digest (rule 2 compares them)."""
+    fields = [[name, list(shapes[name])] for name in sorted(shapes)]
+    return blake3.blake3(b"blobnet/outer-resume-layout/v1" + encode_canonical(fields)).hexdigest()
+
+
+def resume_tags(run: str) -> tuple[str, str]:
+    """Rule 1: the tags of a run's resume record and of its inner state."""
+    return f"outer-{run}-resume", f"outer-{run}-resume-inner"
+
+
+def check_resume(
+    point: ResumePoint, *, run: str, peer: str, shapes: Mapping[str, tuple[int, ...]]
+) -> None:
+    """Rule 2: refuse, in one line, a resume point of another run, peer or model shape."""
+    if point.run != run:
+        raise BadResume(f"the resume point in this store is run {point.run!r}'s, not {run!r}'s")
+    if point.peer != peer:
+        raise BadResume(
+            f"the resume point in this store is peer {point.peer[-8:]}'s, this key is "
+            f"{peer[-8:]}'s: resume with the key that made it (--key)"
+        )
+    if point.layout != layout_digest(shapes):
+        raise BadResume(
+            "the resume point was kept by a model of other parameter names or shapes than "
+            "this run's"
+        )

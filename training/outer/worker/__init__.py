@@ -13,7 +13,10 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
    of and is not connected to, for the whole run, with back-off
    (``training.outer.announce.PeerDialer``), so the TCP connections form a mesh whoever
    bootstrapped to whom, and a worker back from a pause finds the living peers even if
-   its bootstrap peers are dead; one samples the sockets' byte counts and notices a pause
+   its bootstrap peers are dead; one asks its bootstrap peers who else holds the run's spec
+   (or initial state) and dials whom they name, the rendezvous that puts workers given
+   only a peer they share (a ``blob serve`` node) on one topic (``links`` rule 7); one
+   samples the sockets' byte counts and notices a pause
    (the monotonic clock jumped): it keeps its live connections (the closures published
    meanwhile arrive over them) and dials every missing peer at once; only a state fetch
    that fails drops every connection to dial afresh; fetches run as tasks of the
@@ -21,22 +24,32 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
    nothing else ever sees a half-changed state. The hello (presence, for the start
    barrier) stays announced until a round closes and is re-sent at once whenever a worker
    is heard of for the first time: one that subscribed after it went out would otherwise
-   wait at the barrier for the first update announcement. A joiner says hello once it
-   has joined: the others count a late update (one that comes after its round's closure,
-   as a joiner's first ones do: it aggregates no round ahead) toward the next round's
-   wait only from a worker they hold present.
+   wait at the barrier for the first update announcement. The start barrier waits for the
+   run's K workers at most the start timeout, then goes on with those present if they
+   hold the run's quorum (``training.outer.agreement`` rule 7), else stops (exit code
+   ``NO_QUORUM``) having closed nothing. A joiner says hello once it has joined: the
+   others count a late update (one that comes after its round's closure, as a joiner's
+   first ones do: it aggregates no round ahead) toward the next round's wait only from a
+   worker they hold present.
 2. The driver, in a loop: (a) if it holds no update for its current state and round,
    trains one (torch in a thread; messages keep flowing), unless the state changed
-   meanwhile, then puts, attests and announces it; (b) asks ``next_step``: Apply (fetch the
+   meanwhile, then puts, attests and announces it (a trainer that returns None for the
+   round gets a pass announced instead: present, no update; the round's closure names it
+   and it applies that closure like any other); (b) asks ``next_step``: Apply (fetch the
    tip's named updates it lacks, aggregate, or take the aggregate made ahead of the
    closure, ``aggregator`` rule 2; check the result root, offer the state to a trainer
    that takes it ahead, then store the state blob and check its ID), CatchUp (fetch the
    tip's state blob, check round and root, adopt), or Stay; (c) on Stay, proposes a
    closure when its slot comes (rule 2 of ``outer_agreement``): updates of all K workers
-   fetched, or the deadline after its own announcement passed, plus its position in the
-   round's rank order times the proposer timeout. The proposer offers its state as soon
-   as it is aggregated and names the state blob by its hashed ID, storing it after the
-   closure is out.
+   fetched (a pass counts as one), or the deadline after its own announcement passed,
+   plus its position in the round's rank order times the proposer timeout. At its slot
+   it proposes only if its closure would name the run's quorum of operators (its own
+   update or pass, each update and pass heard: included, left out with a reason, passed);
+   below it, it says whom it waits for and waits, at most the start timeout, then stops
+   (``NoQuorum``); once the quorum is back, the updates heard since get a deadline to be
+   fetched before it proposes. A closure may include no update (every one scored worse, say): the
+   state then carries over. The proposer offers its state as soon as it is aggregated
+   and names the state blob by its hashed ID, storing it after the closure is out.
 3. After the last round it waits until the tip has not changed for a settle time (a better
    closure of the last round may still arrive, and rule 3 applies to it like any other),
    announces its final root, and waits (bounded by ``fetcher.fetch_bound``), serving
@@ -68,13 +81,18 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
    outer_agreement) and exiting 0 on a rival root, "agreed" because it heard no final
    root to compare, would be a silent fork. So a worker that trained with others
    proposes, and fetches the blobs a closure names, only while connected to an admitted
-   peer; with none for the fetch bound it stops with an error (a closure it heard whose
-   blobs nobody left can serve does not cost it ``UNAVAILABLE_TRIES`` fetch bounds
-   first). A SIGSTOPped peer's TCP
+   peer; with none for its start timeout (at least the fetch bound) it stops with an
+   error (a closure it heard whose blobs nobody left can serve does not cost it
+   ``UNAVAILABLE_TRIES`` fetch bounds first). The start timeout, not the fetch bound: a
+   peer that restarts (``--resume``) takes longer than a fetch to come back, and the quorum
+   keeps a lone worker from closing rounds meanwhile. A SIGSTOPped peer's TCP
    connections stay up, so the others do not stop while it is paused. The price: the
    last survivor of a run whose other workers all died stops too instead of finishing
    alone (it cannot tell them from a run that went on without it).
-7. Signing: everything the worker attests (updates, closures, verdicts, milestones,
+7. Resume (``training.outer.trainer``'s resume points): a CLI worker keeps, each round it
+   trains, its inner state after the round, tagged; ``--resume`` loads it, seeds the book
+   with the last closure its store kept, and catches up from the tip as a joiner does.
+8. Signing: everything the worker attests (updates, closures, verdicts, milestones,
    catch-ups, its final root) goes through the signer it is given, the machine's
    (``identity.machine_signer``): on a TPM-bound key each carries the AK's co-signature.
    In a run that requires hardware it refuses, before it starts, a signer that is not

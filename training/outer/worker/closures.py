@@ -1,11 +1,13 @@
 """The closures a worker hears, into its book (``agreement.ClosureBook``).
 
-1. A closure counts only as its proposer's own copy, checked (and, in a run that
-   requires hardware, TPM co-signed: messages rule 7) before it enters the book; refused
-   ones are listed, at most ``MAX_REFUSED``.
-2. A compact closure (outer_agreement rule 5) is expanded from the update attestations
-   held (at most ``MAX_ATTESTATIONS``, for the rounds a closure may still name), else its
-   full blob is fetched (at most ``MAX_CLOSURE_FETCHES`` at once) and must match it.
+1. A closure counts only as its proposer's own copy, checked (the run's quorum
+   included, outer_agreement rule 7; and, in a run that requires hardware, TPM co-signed:
+   messages rule 7) before it enters the book; refused ones are listed, at most
+   ``MAX_REFUSED``.
+2. A compact closure (outer_agreement rule 5) is expanded from the update and pass
+   attestations held (at most ``MAX_ATTESTATIONS``, for the rounds a closure may still
+   name), else its full blob is fetched (at most ``MAX_CLOSURE_FETCHES`` at once) and
+   must match it.
 3. A closure whose result this worker could not recompute is no tip
    (:meth:`Closures.mark_bad`), and listed with its reason.
 4. A closure whose blobs could not be fetched in time (the network's fault, or its
@@ -67,10 +69,13 @@ class Closures:
         changes: Changes,
         tasks: Tasks,
         *,
+        quorum: int,
         require_hardware: bool,
         label: str,
     ) -> None:
+        """``quorum``: the run's (outer_agreement rule 7), which every closure must meet."""
         self.run = run
+        self.quorum = quorum
         self.trust = trust
         self.book = book
         self.fetcher = fetcher
@@ -89,7 +94,12 @@ class Closures:
         at."""
         try:
             checked = check_closure(
-                event.body, event.attestation, run=self.run, trust=self.trust, now=now
+                event.body,
+                event.attestation,
+                run=self.run,
+                trust=self.trust,
+                now=now,
+                quorum=self.quorum,
             )
             if self.require_hardware:
                 closure_hardware(checked)  # messages rule 7
@@ -105,8 +115,9 @@ class Closures:
             self.fetcher.learn_closure(checked, event.addrs)
 
     def keep_attestation(self, round_: int, peer: str, blob: str, attestation: bytes) -> None:
-        """Update attestations heard, by (peer, blob): compact closures name them by
-        digest (rule 2). Kept for the rounds a closure may still name."""
+        """Update and pass attestations heard, by (peer, blob; a pass's blob is ""):
+        compact closures name them by digest (rule 2). Kept for the rounds a closure may
+        still name."""
         if len(self.attestations) >= MAX_ATTESTATIONS:
             for key in [k for k, (r, _) in self.attestations.items() if r < round_ - 1]:
                 del self.attestations[key]

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
+from blobstore import StoreError
 from identity import AdmissionCertificate, Attestation, Signer, TrustStore, sign_attestation
 from p2p.transport.meter import WireMeter
 from training.outer.aggregate import Aggregate
@@ -34,10 +35,12 @@ from training.outer.agreement import (
     CatchUp,
     CheckedClosure,
     ClosureBook,
+    decode_closure,
     distinct,
     expected,
     nameable,
     next_step,
+    present_operators,
     proposal_time,
     proposer_order,
 )
@@ -45,6 +48,7 @@ from training.outer.announce import Announcer, PeerDialer
 from training.outer.loop import OuterState, state_root
 from training.outer.messages import (
     STATE_KIND,
+    BadMessage,
     Candidate,
     ClosureAnnouncement,
     ClosureHeard,
@@ -52,19 +56,29 @@ from training.outer.messages import (
     Event,
     Hello,
     Ledger,
+    PassHeard,
     Rejection,
     StateAnnouncement,
     StateHeard,
     VerdictHeard,
+    decode_message,
     encode_message,
     topic,
 )
 from training.outer.milestones import absent_workers, tag
 from training.outer.observe import exclusion_label
-from training.outer.params import OuterNetError, WorkerConfig, write_json
+from training.outer.params import NoQuorum, OuterNetError, WorkerConfig, write_json
 from training.outer.runs import Retention
 from training.outer.state_blob import BadStateBlob, decode_state, state_blocks, state_size
-from training.outer.trainer import Trainer
+from training.outer.trainer import (
+    BadResume,
+    Trained,
+    Trainer,
+    check_resume,
+    decode_resume,
+    layout_digest,
+    resume_tags,
+)
 from training.outer.worker.aggregator import Aggregator
 from training.outer.worker.closures import Closures
 from training.outer.worker.faults import NO_FAULTS, Faults
@@ -83,6 +97,9 @@ if TYPE_CHECKING:
 # Before proposing, the worker lets messages already on the wire (buffered while it was
 # busy or paused) reach its book, so it does not propose for a round already closed.
 GATHER = 0.3
+# Below the quorum at its slot, the worker looks again at least this often (an update or
+# pass heard wakes it at once).
+QUORUM_TICK = 1.0
 
 
 class Worker:
@@ -132,7 +149,7 @@ class Worker:
             self.dialer,
             self.meter,
             changes,
-            alone_bound=fetch_bound(params),
+            alone_bound=max(fetch_bound(params), config.start_timeout),
             label=label,
         )
         self.closures = Closures(
@@ -142,6 +159,7 @@ class Worker:
             fetcher,
             changes,
             tasks,
+            quorum=params.needed,
             require_hardware=config.require_hardware,
             label=label,
         )
@@ -158,8 +176,16 @@ class Worker:
         self.state: OuterState | None = None
         self.root = ""
         self.candidates: dict[str, Candidate] = {}
+        self.passes: dict[str, PassHeard] = {}  # the others' passes, for the current round
         self.fetched: dict[str, str] = {}  # peer -> blob, for the current (round, root)
-        self.own: Own | None = None
+        self.own: Own | None = None  # our update, or our pass (blob ""), for the round
+        # Since when (trio time) our slot found fewer operators than the quorum, for the
+        # (round, root) it did, and who was present when we last said so.
+        self.short: tuple[tuple[int, str], float] | None = None
+        self.short_said: tuple[str, ...] = ()
+        # When the quorum came back for the (round, root) it was short for: the updates
+        # heard since get a deadline to be fetched before the closure names them.
+        self.regained: tuple[tuple[int, str], float] | None = None
         # The previous round's updates a closure could name, peer -> blob (rule 2 of
         # outer_agreement: a round is ready when it holds K or, if more, that many).
         self.previous: dict[str, str] = {}
@@ -170,6 +196,7 @@ class Worker:
         self.proposed_for: set[tuple[int, str]] = set()  # at most one closure each
         # The run.
         self.joined_at: int | None = None
+        self.resumed: dict[str, Any] | None = None  # the resume point taken up, if any
         self.start_blob = ""
         self.shapes: dict[str, tuple[int, ...]] = {}
         # The trainer's ``ready(state, root)``, where it has one (training.outer.api):
@@ -202,6 +229,11 @@ class Worker:
                     self.candidates[event.peer] = event
                     if self.fetch_nursery is not None:
                         self.fetch_nursery.start_soon(self._fetch_update, event, self.root)
+            elif isinstance(event, PassHeard):
+                self.dialer.learn(event.peer, event.addrs, trio.current_time())
+                self.closures.keep_attestation(event.round, event.peer, "", event.attestation)
+                if self.state is not None and event.round == self.state.round:
+                    self.passes[event.peer] = event
             elif isinstance(event, Rejection):
                 say(
                     self.label,
@@ -231,18 +263,45 @@ class Worker:
         the ledger's (from hellos and late updates)."""
         operators = dict(self.ledger.operators)
         operators.update((p, c.operator) for p, c in self.candidates.items())
+        operators.update((p, x.operator) for p, x in self.passes.items())
         operators[self.peer] = self.certificate.operator
         return operators
 
-    def _nameable(self) -> dict[str, str]:
+    def _own_now(self) -> Own | None:
+        """Our update or pass for the current (round, root), if it is out."""
+        own = self.own
+        if own is None or (own.round, own.root) != (self.state_round(), self.root):
+            return None
+        return own
+
+    def _nameable(self, *, passes: bool = False) -> dict[str, str]:
+        """The fetched updates a closure could name (peer -> blob); with ``passes``, the
+        round's passes too (blob ""), ours included: what makes a round ready."""
         announced = {p: c.blob for p, c in self.candidates.items()}
+        fetched = dict(self.fetched)
+        if passes:
+            own = self._own_now()
+            held = {p: "" for p in self.passes if p not in announced}
+            if own is not None and not own.blob:
+                held[self.peer] = ""
+            announced.update(held)
+            fetched.update(held)
         return nameable(
-            self.fetched,
+            fetched,
             announced,
             me=self.peer,
             operators=self._operators(),
             banned=self.replays.banned,
         )
+
+    def _present(self) -> dict[str, str]:
+        """Rule 7 of outer_agreement: operator -> peer of every worker a closure of ours
+        would name now (our update or pass, each update and pass heard)."""
+        own = self._own_now()
+        me = None if own is None else (self.peer, self.certificate.operator)
+        heard = [(p, c.operator) for p, c in self.candidates.items()]
+        heard += [(p, x.operator) for p, x in self.passes.items() if p not in self.candidates]
+        return present_operators(me, heard)
 
     def _expected(self) -> int:
         return expected(
@@ -256,16 +315,18 @@ class Worker:
 
     def _slot(self) -> float | None:
         """When this worker proposes for its current round (None: not yet known)."""
-        own = self.own
-        if own is None or (own.round, own.root) != (self.state_round(), self.root):
+        own = self._own_now()
+        if own is None:
             return None
         ready = own.announced_at + self.params.deadline
-        if len(self._nameable()) >= self._expected():
+        if self.regained is not None and self.regained[0] == (own.round, own.root):
+            ready = max(ready, self.regained[1] + self.params.deadline)
+        if len(self._nameable(passes=True)) >= self._expected():
             ready = min(ready, trio.current_time())
             self._mark("ready")
         if self.replays.pending(own.round - 1):
             ready = max(ready, self.round_started + self.replays.wait_bound())
-        ranked = proposer_order(self.root, [*self.candidates, self.peer])
+        ranked = proposer_order(self.root, [*self.candidates, *self.passes, self.peer])
         return proposal_time(ready, ranked.index(self.peer), self.params.proposer_timeout)
 
     # --- the round's phases (RoundRecord.phases) and the trainer's next state ----------
@@ -361,11 +422,61 @@ class Worker:
                 if not self.book.has_round(*start):
                     if await self.links.waited_for_peers(start[0]):
                         continue  # time passed: the tip may have moved
+                    if not self._quorum_held(start):
+                        await self.changes.wait(trio.current_time() + QUORUM_TICK)
+                        continue
                     self.proposed_for.add(start)  # at most one closure per (round, root)
                     await self._propose()
                 continue
             now = trio.current_time()
             await self.changes.wait(slot if slot is not None and slot > now else now + 1.0)
+
+    def _quorum_held(self, start: tuple[int, str]) -> bool:
+        """Rule 7 of outer_agreement at our slot for ``start`` (round, root): whether a
+        closure of ours would name the run's quorum of operators. Below it, say whom we
+        wait for (again whenever who is here changes), and stop with :class:`NoQuorum`
+        once that has lasted the start timeout: a closure of fewer could fork the run."""
+        present = self._present()
+        need = self.params.needed
+        now = trio.current_time()
+        if len(present) >= need:
+            if self.short is not None and self.short[0] == start:
+                # Back to the quorum (a partition healed, a peer restarted): its updates,
+                # heard just now, get a deadline to be fetched (``_slot``).
+                self.short, self.regained = None, (start, now)
+                return False
+            self.short = None
+            return True
+        if self.short is None or self.short[0] != start:
+            self.short = (start, now)
+        here = tuple(sorted(f"{op} {p[-6:]}" for op, p in present.items()))
+        bound = self.config.start_timeout
+        if now - self.short[1] >= bound:
+            closed = len(self.keeper.records)
+            raise NoQuorum(
+                f"round {start[0]}: only {len(present)} of the {need} operators the run's "
+                f"quorum needs were here for {bound:.0f}s ({', '.join(here)}); not closing the "
+                f"round: the run's other workers are cut off or gone ({closed} round(s) "
+                "closed before)"
+            )
+        if here != self.short_said:
+            self.short_said = here
+            say(
+                self.label,
+                f"round {start[0]}: {len(present)} of the {need} operators a closure needs "
+                f"(the run's quorum) are here ({', '.join(here)}); waiting for "
+                f"{self._missing(present)} (at most {bound - (now - self.short[1]):.0f}s)...",
+            )
+        return False
+
+    def _missing(self, present: dict[str, str]) -> str:
+        """Whom a worker below the quorum waits for: the run's workers it knows of (from
+        the closures it adopted, hellos and announcements) that are not ``present``."""
+        known = dict(self.ledger.operators)
+        for checked in self.keeper.adopted.values():
+            known.update(checked.named())
+        gone = sorted(f"{op} {p[-6:]}" for p, op in known.items() if op not in present)
+        return ", ".join(gone) if gone else "the run's other workers (none heard of yet)"
 
     # --- training and proposing (point 2a and 2c) ---------------------------------------
     async def _train(self, trainer: Trainer) -> None:
@@ -379,7 +490,7 @@ class Worker:
         cheat = self.faults.cheats(state.round)
         self.phase = "training"
         computing = time.monotonic()
-        trained = await trio.to_thread.run_sync(
+        trained: Trained | None = await trio.to_thread.run_sync(
             lambda: trainer.train(state, root, self.peer, cheat=cheat)
         )
         self.metrics.outer_compute.observe(time.monotonic() - computing)
@@ -387,41 +498,53 @@ class Worker:
         self.phase = "waiting for updates"
         if (self.state, self.root) != (state, root):
             return
+        if trained is None:  # the trainer skips the round: a pass (proposer rule 5)
+            own, message = await self.proposer.commit_pass(state, root)
+            self.own = own
+            self.closures.keep_attestation(state.round, self.peer, "", own.attestation)
+            say(self.label, f"round {state.round}: no update from the trainer; passing")
+            await self.links.announce("update", message)
+            self._mark("announced")
+            return
         own, message = await self.proposer.commit(state, root, trained)
         self.own = own
         self.closures.keep_attestation(state.round, self.peer, own.blob, own.attestation)
         self.fetched[self.peer] = own.blob
         await self.links.announce("update", message)
         self._mark("announced")
+        if self.config.keep_resume:
+            sampler = await trio.to_thread.run_sync(trainer.sampler_state)
+            layout = layout_digest(self.shapes)
+            await self.keeper.keep_resume(state.round, trained.inner_after, sampler, layout)
 
     async def _propose(self) -> None:
         state, root, own = self.state, self.root, self.own
         assert state is not None and own is not None
         self._mark("proposing")
-        included = await self.proposer.select(
-            state, root, own, self.candidates, self.fetched, self.replays.banned
+        named = await self.proposer.select(
+            state, root, own, self.candidates, self.fetched, self.passes, self.replays.banned
         )
         agg, result, _ = await self.aggregator.aggregate(
-            state, root, [(x.peer, x.blob) for x in included]
+            state, root, [(x.peer, x.blob) for x in named[0]]
         )
         if (self.state, self.root) != (state, root):
             return
         self._offer(agg.state, result)
-        await self.proposer.close(state, root, included, agg, result)
+        await self.proposer.close(state, root, named, agg, result)
 
     def _speculate(self) -> None:
         """Start this round's aggregate ahead of its closure, when it is due (aggregator
         rule 2): our update out, every update a closure could name fetched, and another
         worker first to propose."""
-        state, root, own = self.state, self.root, self.own
-        if state is None or own is None or (own.round, own.root) != (state.round, root):
+        state, root = self.state, self.root
+        if state is None or self._own_now() is None:
             return
         if not self.aggregator.may_start_ahead(state.round, root):
             return
-        ready = self._nameable()
-        if len(ready) < self._expected():
+        if len(self._nameable(passes=True)) < self._expected():
             return
-        if proposer_order(root, [*self.candidates, self.peer])[0] == self.peer:
+        ready = self._nameable()
+        if proposer_order(root, [*self.candidates, *self.passes, self.peer])[0] == self.peer:
             return  # we propose first, and _propose aggregates
         self.aggregator.start_ahead(state, root, tuple(ready.items()))
 
@@ -531,6 +654,8 @@ class Worker:
             how,
             included=[{"peer": p, "blob": b} for p, b, _ in agg.admitted] if agg else [],
             excluded=[e.to_json() for e in agg.excluded] if agg else [],
+            left=[{"peer": x.peer, "blob": x.blob, "reason": x.reason} for x in c.left],
+            passed=[x.peer for x in c.passed],
             rejected=[x.to_json() for x in self.ledger.rejections(c.round)],
             state_bytes=state_bytes,
             seconds=trio.current_time() - self.round_started,
@@ -545,7 +670,7 @@ class Worker:
         if agg is None:  # caught up: what the closure names, not recomputed here
             record.named = [{"peer": x.peer, "blob": x.blob} for x in c.included]
         own = self.own
-        if own is not None and own.round == c.round and own.root == c.start_root:
+        if own is not None and own.round == c.round and own.root == c.start_root and own.blob:
             record.mean_loss = float(np.mean(own.losses))
             record.update_bytes = own.size
         self.keeper.record(record)
@@ -581,8 +706,9 @@ class Worker:
         self.previous = {}
         if self.state is not None and state.round == self.state.round + 1:
             sent = {peer: c.blob for peer, c in self.candidates.items()}
-            own = self.own
-            if own is not None and (own.round, own.root) == (self.state.round, self.root):
+            sent.update((p, "") for p in self.passes if p not in sent)  # a pass: blob ""
+            own = self._own_now()
+            if own is not None:
                 sent[self.peer] = own.blob
             self.previous = distinct(
                 sent, me=self.peer, operators=self._operators(), banned=self.replays.banned
@@ -590,7 +716,9 @@ class Worker:
         self.state = state
         self.root = root
         self.candidates = {}
+        self.passes = {}
         self.fetched = {}
+        self.short = None
         self.round_started = trio.current_time()
         self.metrics.outer_round.set(state.round)
         self.aggregator.entered(state.round, root)
@@ -636,6 +764,9 @@ class Worker:
 
     # --- start, join, finish ---------------------------------------------------------
     async def _barrier(self) -> None:
+        """Wait for the run's K workers (or a closure: they started without us), at most
+        the start timeout; then go on with those here if they hold the run's quorum
+        (outer_agreement rule 7), else stop with :class:`NoQuorum`, having closed nothing."""
         need = self.params.workers - 1
         if len(self.ledger.present) < need and self.book.tip() is None:
             say(
@@ -649,11 +780,16 @@ class Worker:
                 await self.changes.wait(trio.current_time() + 1.0)
             return
         present = ", ".join(p[-6:] for p in sorted(self.ledger.present)) or "none"
-        say(
-            self.label,
-            f"start timeout: {len(self.ledger.present) + 1} of {self.params.workers} workers "
-            f"present (others: {present}); starting without the rest",
-        )
+        operators = {self.certificate.operator}
+        operators.update(self.ledger.operators.get(p, p) for p in self.ledger.present)
+        here = f"{len(self.ledger.present) + 1} of {self.params.workers} workers present"
+        if len(operators) < self.params.needed:
+            raise NoQuorum(
+                f"start timeout: {here} (others: {present}), {len(operators)} operator(s), "
+                f"fewer than the run's quorum of {self.params.needed}; closed no round (are "
+                "the workers bootstrapped to a peer they share? see --bootstrap)"
+            )
+        say(self.label, f"start timeout: {here} (others: {present}); starting without the rest")
 
     async def _initial(self) -> OuterState:
         initial = self.config.initial
@@ -698,6 +834,54 @@ class Worker:
                     return
             await self.changes.wait(deadline)
         raise OuterNetError("joining: heard no usable closure from an admitted worker")
+
+    def _all_here(self) -> bool:
+        """Every other worker of the run heard (the rendezvous then asks seldom)."""
+        return len(self.ledger.present) >= self.params.workers - 1
+
+    async def _resume(self, trainer: Trainer) -> None:
+        """Take up this worker's resume point (``training.outer.trainer`` rule 2): its inner
+        state and sampler into ``trainer``, and its last kept closure into the book, so it
+        catches up from its own store when nobody re-announces the tip."""
+        store = self.node.store
+        run = self.params.run_id
+        record_tag, _ = resume_tags(run)
+        blob = store.tags().get(record_tag)
+        if blob is None:
+            raise BadResume(
+                f"this store keeps no resume point of run {run} (a worker keeps one once it "
+                "has trained a round); start without --resume (--join) instead"
+            )
+        try:
+            point = decode_resume(await trio.to_thread.run_sync(self.fetcher.load, blob))
+            check_resume(point, run=run, peer=self.peer, shapes=self.shapes)
+            inner = await trio.to_thread.run_sync(self.fetcher.load, point.inner)
+        except (StoreError, OSError) as exc:
+            raise BadResume(f"the resume point cannot be read from this store: {exc}") from None
+        await trio.to_thread.run_sync(trainer.load_inner, inner)
+        await trio.to_thread.run_sync(trainer.load_sampler, point.sampler)
+        del inner
+        self.resumed = {"round": point.round, "inner": point.inner}
+        say(
+            self.label,
+            f"resuming after round {point.round}: inner state {point.inner[:12]} (its AdamW "
+            "moments and error-feedback residual) and batch sampler loaded",
+        )
+        closures = {
+            int(name.rsplit("-", 1)[1]): b
+            for name, b in store.tags().items()
+            if name.startswith(tag(run, "closure") + "-")
+        }
+        if closures:
+            data = await trio.to_thread.run_sync(self.fetcher.load, closures[max(closures)])
+            try:
+                msg = decode_message(data)
+            except BadMessage:
+                return
+            if isinstance(msg, ClosureAnnouncement):
+                body = decode_closure(msg.body)
+                heard = ClosureHeard(body.proposer, msg.body, msg.attestation, ())
+                self.closures.hear(heard, time.time())
 
     async def _finish(self) -> None:
         """Announce the final root; wait (bounded) for those of the last round's workers."""
@@ -767,11 +951,7 @@ class Worker:
 
     def _named(self, peers: Sequence[str]) -> list[str]:
         """Peers as logs name them: operator (from the closures adopted) and short ID."""
-        operators = {
-            p: op
-            for checked in self.keeper.adopted.values()
-            for p, op in zip(checked.closure.peers(), checked.operators, strict=True)
-        }
+        operators = {p: op for checked in self.keeper.adopted.values() for p, op in checked.named()}
         return [f"{operators.get(p, 'worker')} {p[-6:]}" for p in peers]
 
     async def run(self) -> dict[str, Any]:
@@ -788,9 +968,15 @@ class Worker:
             nursery.start_soon(self.links.announce_loop)
             nursery.start_soon(self.links.dial_loop)
             nursery.start_soon(self.links.meter_loop)
+            if self.config.rendezvous is not None:
+                points = [a.rsplit("/p2p/", 1)[-1] for a in self.config.bootstrap]
+                nursery.start_soon(
+                    self.links.rendezvous_loop, self.config.rendezvous, points, self._all_here
+                )
             self.tasks.open(nursery)
             make = self.config.make_trainer or Trainer
             trainer = await trio.to_thread.run_sync(make, self.params, self.config.shard)
+            trainer = self.faults.trainer(trainer)
             kernel_class = self.signing.kernel_class = trainer.kernel_class
             self.ready = getattr(trainer, "ready", None)
             if self.certificate.kernel_class != kernel_class:
@@ -800,6 +986,8 @@ class Worker:
                 )
             self.shapes = trainer.shapes()
             say(self.label, f"model ready (kernel class {kernel_class})")
+            if self.config.resume:
+                await self._resume(trainer)
             if self.config.join:
                 await self._join(hello)
             else:
@@ -824,6 +1012,7 @@ class Worker:
             "operator": self.certificate.operator,
             "kernel_class": self.signing.kernel_class,
             "joined_at": self.joined_at,
+            "resumed": self.resumed,
             "initial_root": initial_root,
             "start_state_blob": self.start_blob,
             "rounds": rounds,

@@ -1,4 +1,4 @@
-"""What a worker keeps of the rounds it adopted (points 5 and 7 of
+"""What a worker keeps of the rounds it adopted (points 5, 7 and 8 of
 :mod:`training.outer.worker`).
 
 1. The result file's rounds: one :class:`RoundRecord` a round; adopting a round of another
@@ -11,6 +11,9 @@
    (``training.outer.runs.Retention``).
 4. The closures of the last two rounds: a milestone names the workers the previous
    round's closure named and its own does not.
+5. Where the worker keeps one, its resume point after each round it trained
+   (``training.outer.trainer`` rule 1): the inner state and the record tagged, the record
+   before deleted, the inner state before untagged.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from training.outer.milestones import (
 )
 from training.outer.params import RunParams
 from training.outer.runs import Retention, drop_blob
+from training.outer.trainer import ResumePoint, resume_tags
 from training.outer.worker.records import RoundRecord
 from training.outer.worker.signing import Signing
 
@@ -58,8 +62,9 @@ class Keeper:
 
     def terms(self) -> RunTerms:
         """What this run's milestones sign of its parameters (outer_milestones rule 1)."""
-        outer = self.params.outer_config()
-        return RunTerms(self.params.rounds, self.params.replay_rate, outer.lr, outer.momentum)
+        p = self.params
+        outer = p.outer_config()
+        return RunTerms(p.rounds, p.replay_rate, outer.lr, outer.momentum, p.needed)
 
     def record(self, record: RoundRecord) -> None:
         """Rule 1."""
@@ -142,3 +147,19 @@ class Keeper:
         r = checked.closure.round
         self.adopted = {k: x for k, x in self.adopted.items() if r - 2 < k < r}
         self.adopted[r] = checked
+
+    async def keep_resume(self, round_: int, inner: bytes, sampler: bytes, layout: str) -> None:
+        """Rule 5: the resume point after this worker trained round ``round_``: its inner
+        state after it (``inner``), its sampler's state and its model's layout digest."""
+        store = self.node.store
+        record_tag, inner_tag = resume_tags(self.params.run_id)
+        inner_blob = await self.node.add_bytes(inner)
+        point = ResumePoint(
+            self.params.run_id, self.node.peer_id, round_, layout, inner_blob, sampler
+        )
+        blob = await self.node.add_bytes(point.encode())
+        before = store.tags().get(record_tag)
+        await trio.to_thread.run_sync(store.tag, inner_tag, inner_blob)
+        await trio.to_thread.run_sync(store.tag, record_tag, blob)
+        if before is not None and before != blob:
+            await trio.to_thread.run_sync(drop_blob, store, before)

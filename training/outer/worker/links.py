@@ -14,9 +14,22 @@ alone (points 1 and 6 of :mod:`training.outer.worker`).
    arrive over them. Only :meth:`Links.redial` (after a state fetch that failed, which
    shows a connection that only looks alive) drops them all.
 5. Alone (trained with others, connected to none): the worker waits for a peer before it
-   proposes or fetches a closure's blobs, and stops with an error after ``alone_bound``.
+   proposes or fetches a closure's blobs, and stops with an error after ``alone_bound``
+   (its start timeout, at least a fetch bound).
 6. Traffic: the sockets' bytes (``WireMeter``) and the announcement payloads published and
    delivered, counted since the last :meth:`Links.traffic`.
+7. The rendezvous: workers bootstrapped only to a peer they share (a ``blob serve`` node
+   that holds the run's spec, say) are not on each other's topic until they connect. So a
+   worker asks each bootstrap peer, with the blob protocol's ``peers`` request
+   (``p2p/blob/PROTOCOL.md`` section 5.3), who else asked it about a blob every worker of
+   the run holds (the spec's, else the initial state: asking is registering), and dials
+   whom it names; once connected, gossipsub puts them on one topic, and the worker
+   re-sends its hello a heartbeat later. It asks every ``RENDEZVOUS_FIRST`` seconds while
+   fewer than K workers are present, then every ``RENDEZVOUS_IDLE`` for the whole run (a
+   healed partition, a joiner). What the serving node holds for it is its swarm book,
+   bounded there (``p2p.blob.swarm``: 64 peers a blob, 256 blobs, 300 s), and gated to
+   admitted peers where the node has authorities; at most ``MAX_PEERS_LISTED`` peers an
+   answer, dialled ``MAX_CONCURRENT_DIALS`` at a time.
 """
 
 from __future__ import annotations
@@ -46,6 +59,16 @@ MAX_CONCURRENT_DIALS = 8
 # a thread (the GIL); a false alarm only costs a redial. Stops shorter than this are caught
 # by a fetch that fails (a catch-up then redials).
 PAUSE_GAP = 7.0
+# The rendezvous (rule 7): while workers of the run are missing a worker asks once a
+# second (a peer that starts a second later is found a second later); then seldom, for a
+# partition that heals or a joiner, at a cost of one small request a peer.
+RENDEZVOUS_FIRST = 1.0
+RENDEZVOUS_IDLE = 15.0
+# After dialling a peer the rendezvous named, the hello is re-sent this long after: one
+# gossipsub heartbeat (p2p.node.gossip.HEARTBEAT_S) grafts the new peer into the mesh.
+HELLO_AFTER_DIAL = 1.5
+# Peers the rendezvous connected to that the log names, once each, at most this many.
+MAX_SAID = 256
 
 
 class Links:
@@ -116,6 +139,13 @@ class Links:
             self.pubsub_bytes[1] += len(msg.data)
             present = len(ledger.present)
             handle(ledger.hear(msg.data, sender, time.time()))
+            if len(ledger.present) > present:
+                operator = ledger.operators.get(sender, "worker")
+                say(
+                    self.label,
+                    f"heard {operator} {sender[-6:]} of the run "
+                    f"({len(ledger.present)} other worker(s) heard)",
+                )
             hello = self.announcer.entries.get("hello")
             if hello is not None and len(ledger.present) > present:
                 # A worker new to us: our hello may have gone out before it subscribed,
@@ -155,6 +185,43 @@ class Links:
                     if peer != self.peer:
                         nursery.start_soon(dial, peer, addrs)
             await trio.sleep(DIAL_TICK)
+
+    async def rendezvous_loop(
+        self, key: str, points: Sequence[str], settled: Callable[[], bool]
+    ) -> None:
+        """Rule 7: ask each peer of ``points`` who else holds blob ``key``, and dial whom
+        it names; often until ``settled()`` (every worker of the run present), then seldom."""
+        if not points:
+            return
+        limit = trio.Semaphore(MAX_CONCURRENT_DIALS)
+        dialling: set[str] = set()  # at most MAX_PEERS_LISTED per point asked
+        said: set[str] = set()
+
+        async def dial(point: str, peer: str, addrs: tuple[str, ...]) -> None:
+            try:
+                async with limit:
+                    if not await self.node.dial_listed(peer, addrs):
+                        return  # a fetcher of the blob that has gone, say
+            finally:
+                dialling.discard(peer)
+            if peer not in said and len(said) < MAX_SAID:
+                said.add(peer)
+                say(self.label, f"rendezvous: {point[-6:]} named {peer[-6:]}; connected")
+            hello = self.announcer.entries.get("hello")
+            if hello is not None:
+                await trio.sleep(HELLO_AFTER_DIAL)
+                await self.publish(hello.data)
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                connected = set(self.node.connected_peers())
+                for point in points:
+                    for peer, addrs in await self.node.ask_peers(point, key):
+                        if peer == self.peer or peer in connected or peer in dialling:
+                            continue
+                        dialling.add(peer)
+                        nursery.start_soon(dial, point, peer, addrs)
+                await trio.sleep(RENDEZVOUS_IDLE if settled() else RENDEZVOUS_FIRST)
 
     async def _dial(self, addrs: Sequence[str]) -> bool:
         # Node.connect lifts py-libp2p's 60 s negative dial cache; PeerDialer's back-off

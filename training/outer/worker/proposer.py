@@ -5,10 +5,15 @@ and attested; a closure's updates chosen, signed and announced.
 1. An update's blobs are the update, the inner state before the round and the commitment
    naming both (``training.outer.replay`` rule 1); own inner states older than
    ``keep_states`` rounds are deleted.
-2. A closure names each blob and each operator at most once and no excluded operator's
-   update; in a run that asks more than bounded updates, none whose commitment offers
-   less than the run's level; and none the run's score refuses. Each update left out is
-   listed with its reason.
+2. A closure names each operator once and each blob at most once. It includes no
+   excluded operator's update; in a run that asks more than bounded updates, none whose
+   commitment offers less than the run's level; none the run's score refuses; none it
+   could not fetch by its slot. Each of these it names as left out, with its reason, so
+   its author counts toward the quorum (outer_agreement rule 7); each pass heard it names
+   as passed. A closure may include nothing: the state then carries over. The updates it
+   judged and left out are listed in ``refused`` (those merely not fetched are not).
+5. A pass (this worker's trainer had nothing for the round) is attested over the round's
+   start root (``training.outer.messages.PASS_KIND``) and announced in place of an update.
 3. The closure travels in compact form; its full form is a blob others may fetch. It names
    the state blob by its ID, hashed; the blob is stored after the closure is out (the
    others compute the state themselves, and a worker catching up retries a provider that
@@ -32,6 +37,8 @@ from training.outer.agreement import (
     Closure,
     ClosureBook,
     Included,
+    LeftOut,
+    Passed,
     check_closure,
     compact_body,
     select_for_closure,
@@ -39,13 +46,17 @@ from training.outer.agreement import (
 )
 from training.outer.loop import OuterState
 from training.outer.messages import (
+    PASS_KIND,
     UPDATE_KIND,
     Candidate,
     ClosureAnnouncement,
     ClosureRefAnnouncement,
+    PassAnnouncement,
+    PassHeard,
     Refused,
     UpdateAnnouncement,
     encode_message,
+    pass_digest,
 )
 from training.outer.params import WorkerConfig
 from training.outer.replay import (
@@ -146,6 +157,25 @@ class Proposer:
         )
         return own, encode_message(message)
 
+    async def commit_pass(self, state: OuterState, root: str) -> tuple[Own, bytes]:
+        """Attest a pass for ``state`` (of root ``root``; rule 5): this worker's place in
+        the round, without an update, and its announcement."""
+        s, run = self.signing, self.params.run_id
+        attestation = await s.sign(
+            lambda: sign_attestation(
+                s.signer,
+                kind=PASS_KIND,
+                digest=pass_digest(run, state.round, root),
+                kernel_class=s.kernel_class,
+                subjects=[root],
+                time=int(time.time()),
+                certificate=s.certificate,
+            ).encode()
+        )
+        own = Own(state.round, root, "", attestation, [], 0, trio.current_time())
+        message = PassAnnouncement(run, state.round, attestation, tuple(self.node.reachable_addrs))
+        return own, encode_message(message)
+
     async def select(
         self,
         state: OuterState,
@@ -153,36 +183,52 @@ class Proposer:
         own: Own,
         candidates: Mapping[str, Candidate],
         fetched: Mapping[str, str],
+        passes: Mapping[str, PassHeard],
         banned: Mapping[str, str],
-    ) -> tuple[Included, ...]:
-        """Rule 2: what our closure of ``state`` (of root ``root``) names, of our update,
-        the ``candidates`` announced and the blobs ``fetched`` (peer -> blob);
-        ``banned``: operator -> why it is excluded."""
-        updates = {self.peer: (own.blob, own.attestation)}
+    ) -> tuple[tuple[Included, ...], tuple[LeftOut, ...], tuple[Passed, ...]]:
+        """Rule 2: what our closure of ``state`` (of root ``root``) names, of our update
+        (or pass), the ``candidates`` announced, the blobs ``fetched`` (peer -> blob) and
+        the ``passes`` heard; ``banned``: operator -> why it is excluded."""
+        updates: dict[str, tuple[str, bytes]] = {}
+        left: dict[str, tuple[str, bytes, str]] = {}
+        passed: dict[str, bytes] = {}
+        if own.blob:
+            updates[self.peer] = (own.blob, own.attestation)
+        else:
+            passed[self.peer] = own.attestation
         operators = {self.signing.certificate.operator}
-        blobs = {own.blob}
-        for peer in sorted(fetched, key=lambda p: p.encode()):
-            candidate = candidates.get(peer)
-            if candidate is None or candidate.blob != fetched[peer]:
+        blobs = {own.blob} - {""}
+        for peer in sorted(candidates, key=lambda p: p.encode()):
+            candidate = candidates[peer]
+            if peer == self.peer or candidate.operator in operators:
+                # Rule 1 of outer_agreement: an operator's first key (in peer order) counts,
+                # its others are not named at all.
+                self._refuse(state.round, peer, candidate.blob, "one operator twice")
                 continue
-            # Rule 1 of outer_agreement: one blob and one operator once per closure. The
-            # author of a blob named twice is in its envelope; an operator's first key
-            # (in peer order) counts.
+            operators.add(candidate.operator)
+            # One blob once per closure: the author of a blob named twice is in its
+            # envelope.
             reason = ""
             if candidate.operator in banned:
                 reason = banned[candidate.operator]
-            elif candidate.operator in operators:
-                reason = "one operator twice"
             elif candidate.blob in blobs:
                 reason = "a copy (blob already named)"
+            elif fetched.get(peer) != candidate.blob:
+                left[peer] = (candidate.blob, candidate.attestation, "not fetched in time")
+                continue
             elif await trio.to_thread.run_sync(self.fetcher.author, candidate.blob) != peer:
                 reason = "a copy (the blob's envelope names another author)"
             if reason:
                 self._refuse(state.round, peer, candidate.blob, reason)
+                left[peer] = (candidate.blob, candidate.attestation, reason)
                 continue
             updates[peer] = (candidate.blob, candidate.attestation)
-            operators.add(candidate.operator)
             blobs.add(candidate.blob)
+        for peer in sorted(passes, key=lambda p: p.encode()):
+            heard = passes[peer]
+            if peer != self.peer and heard.operator not in operators:
+                operators.add(heard.operator)
+                passed[peer] = heard.attestation
         # Levels: only a run that asks more than bounded updates reads their commitments
         # (each read is a fetch a proposal waits on).
         leveled = updates if self.config.min_level != "bounded" else {}
@@ -190,17 +236,19 @@ class Proposer:
             reason = await self._level_refusal(peer, attestation)
             if reason:
                 self._refuse(state.round, peer, blob, reason)
+                left[peer] = (blob, attestation, reason)
                 del updates[peer]
         score = self.config.score
         if score is not None:  # the scored level (training.outer.api point 4)
-            for peer, (blob, _) in sorted(updates.items()):
+            for peer, (blob, attestation) in sorted(updates.items()):
                 data = await trio.to_thread.run_sync(self.fetcher.load, blob)
                 reason = await trio.to_thread.run_sync(score, state, root, peer, data)
                 if reason:
                     say(self.label, f"round {state.round}: left out {peer[-6:]}: {reason}")
                     self._refuse(state.round, peer, blob, reason)
+                    left[peer] = (blob, attestation, reason)
                     del updates[peer]
-        return select_for_closure(updates)
+        return select_for_closure(updates, left, passed)
 
     def _refuse(self, round_: int, peer: str, blob: str, reason: str) -> None:
         self.refused.append({"round": round_, "peer": peer, "blob": blob, "reason": reason})
@@ -227,16 +275,18 @@ class Proposer:
         self,
         state: OuterState,
         root: str,
-        included: tuple[Included, ...],
+        named: tuple[tuple[Included, ...], tuple[LeftOut, ...], tuple[Passed, ...]],
         agg: Aggregate,
         result: str,
     ) -> None:
-        """Propose the closure of ``state`` (of root ``root``) naming ``included``, whose
-        aggregate ``agg`` has root ``result`` (rules 3 and 4)."""
+        """Propose the closure of ``state`` (of root ``root``) naming ``named`` (what
+        :meth:`select` chose), whose aggregate ``agg`` has root ``result`` (rules 3 and
+        4)."""
         blocks = state_blocks(agg.state)
         blob = await trio.to_thread.run_sync(lambda: blob_id_of(blocks))
         run = self.params.run_id
-        closure = Closure(run, state.round, root, self.peer, included, result, blob)
+        included, left, passed = named
+        closure = Closure(run, state.round, root, self.peer, included, result, blob, left, passed)
         s = self.signing
         body, attestation = await s.sign(
             lambda: sign_closure(
@@ -248,7 +298,14 @@ class Proposer:
             )
         )
         try:
-            checked = check_closure(body, attestation, run=run, trust=self.trust, now=time.time())
+            checked = check_closure(
+                body,
+                attestation,
+                run=run,
+                trust=self.trust,
+                now=time.time(),
+                quorum=self.params.needed,
+            )
         except Refused as exc:  # our own closure: a bug, but one the run survives
             say(self.label, f"BUG: our own closure is invalid ({exc}); not proposing")
             return

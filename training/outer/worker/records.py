@@ -20,6 +20,10 @@ class RoundRecord:
     how: str  # "proposed", "applied" or "caught up"
     included: list[dict[str, str]] = field(default_factory=list)
     excluded: list[dict[str, str]] = field(default_factory=list)
+    # Updates the closure left out (peer, blob, the proposer's reason) and the workers it
+    # names as passed: present, each counted toward the quorum, nothing of theirs applied.
+    left: list[dict[str, str]] = field(default_factory=list)
+    passed: list[str] = field(default_factory=list)
     rejected: list[dict[str, str]] = field(default_factory=list)
     mean_loss: float = float("nan")
     update_bytes: int = 0
@@ -43,7 +47,7 @@ class RoundRecord:
 
 @dataclass
 class Own:
-    """This worker's update for one (round, root)."""
+    """This worker's update for one (round, root), or its pass (``blob`` "", no losses)."""
 
     round: int
     root: str
