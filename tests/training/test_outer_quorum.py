@@ -19,6 +19,7 @@ import pytest
 
 from blobstore import Store
 from identity import sign_attestation
+from tests.blob_cli import blob_here
 from tests.training.test_outer_evidence import RUN, TRUST, WORKERS, keep_run
 from tests.training.test_outer_worker_proposer import ROOT, proposer_of, state, trained
 from tests.training.worker_parts import KC, PARAMS, Machine, Node, machine, update
@@ -369,9 +370,10 @@ def test_pass_digests_bind_the_run_round_and_root() -> None:
 # --- the proposer: nothing left to include, a pass ----------------------------------------
 
 
-def candidate_of(node: Node, m: Machine, round_: int) -> Candidate:
-    """``m``'s update for ``round_`` from ROOT, held in ``node``'s store, as announced."""
-    blob = node.store.put_bytes(
+def candidate_of(node: Node, m: Machine, round_: int, blob: str = "") -> Candidate:
+    """``m``'s update for ``round_`` from ROOT, held in ``node``'s store, as announced
+    (``blob``: another's, re-signed by ``m``: a copy)."""
+    blob = blob or node.store.put_bytes(
         wrap_update(b"x" + m.peer.encode(), round_=round_, start_root=ROOT, author=m.peer)
     )
     attestation = sign_attestation(
@@ -384,6 +386,35 @@ def candidate_of(node: Node, m: Machine, round_: int) -> Candidate:
         certificate=m.cert,
     )
     return Candidate(round_, m.peer, blob, (), m.cert.operator, attestation.encode())
+
+
+async def test_a_copy_of_a_named_blob_is_not_named_so_the_closure_stays_valid(
+    tmp_path: Path,
+) -> None:
+    """An admitted worker re-signs another's blob (a copy), its operator banned or not: a
+    closure that listed it as left out would name one blob twice, and the proposer's own
+    closure would be invalid ("BUG: our own closure is invalid (a copy ...)", every round of
+    the churn test's byzantine worker). It is not named, nor counted toward the quorum."""
+    me, other, copier = machine("op-me"), machine("op-other"), machine("op-copier")
+    proposer, node = proposer_of(tmp_path, me)
+    own, _ = await proposer.commit(state(0), ROOT, trained(me, 0))
+    theirs = candidate_of(node, other, 0)
+    copy = candidate_of(node, copier, 0, blob=theirs.blob)
+    candidates = {other.peer: theirs, copier.peer: copy}
+    fetched = {me.peer: own.blob, other.peer: theirs.blob, copier.peer: theirs.blob}
+    for banned in ({}, {"op-copier": "failed replay of round 0"}):
+        named = await proposer.select(state(0), ROOT, own, candidates, fetched, {}, banned)
+        assert copier.peer not in [x.peer for x in (*named[0], *named[1], *named[2])]
+    agg = aggregate(
+        state(0),
+        [(x.peer, x.blob) for x in named[0]],
+        lambda b: node.store.path(b).read_bytes(),
+        PARAMS.outer_config(),
+        start_root=ROOT,
+    )
+    await proposer.close(state(0), ROOT, named, agg, state_root(agg.state))
+    tip = proposer.book.tip()
+    assert tip is not None and sorted(tip.closure.present()) == sorted([me.peer, other.peer])
 
 
 async def test_a_proposer_whose_score_leaves_out_everything_closes_the_round_empty(
@@ -437,3 +468,24 @@ async def test_a_worker_that_passes_is_named_and_counts(tmp_path: Path) -> None:
     await proposer.close(state(0), ROOT, named, agg, state_root(agg.state))
     tip = proposer.book.tip()
     assert tip is not None and [x.peer for x in tip.closure.passed] == [me.peer]
+
+
+def test_a_quorum_above_k_is_refused_and_one_of_half_or_less_warned(tmp_path: Path) -> None:
+    """``outer init --quorum``: more than K is the user's mistake (exit 2, nothing made);
+    half of K or less is a documented choice the command warns about; a worker given
+    the run's --spec takes the spec's quorum and refuses its own."""
+    state = tmp_path / "state.safetensors"
+    state.write_bytes(b"")
+    argv = ["--store", str(tmp_path / "s"), "outer", "init", "--state", str(state), "--run", "r"]
+    argv += ["--authority", "ab" * 32, "--workers", "4", "--inner-steps", "2"]
+    done = blob_here([*argv, "--quorum", "5"], code=2)
+    assert "--quorum" in done.stderr and "more than the run's 4 workers" in done.stderr
+    assert not (tmp_path / "s").exists() or not Store.open(tmp_path / "s").tags()
+    warned = blob_here([*argv, "--quorum", "2"])  # fails later: the state file is empty
+    assert "warning: --quorum 2 is at most half of the run's 4 workers" in warned.stderr
+    assert "fork" in warned.stderr
+    cert = tmp_path / "machine.cert"
+    cert.write_bytes(machine().cert.encode())
+    worker = ["--store", str(tmp_path / "s"), "outer", "worker", "--spec", "x", "--cert"]
+    done = blob_here([*worker, str(cert), "--quorum", "2"], code=2)
+    assert "the run's quorum is its spec's" in done.stderr, done.stderr

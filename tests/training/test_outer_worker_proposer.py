@@ -122,8 +122,8 @@ async def test_a_closure_names_one_blob_and_one_operator_once(tmp_path: Path) ->
     ]
     # Each left out is named with its reason (its author was present: the quorum counts
     # it), an operator's second key not at all; one not fetched is left out too.
+    # A copy of a blob the closure names otherwise is not named at all.
     assert [(x.peer, x.reason) for x in left] == [
-        ("peer-c", "a copy (blob already named)"),
         ("peer-d", "failed replay of round 0"),
         ("peer-e", "a copy (the blob's envelope names another author)"),
         ("peer-f", "scored too low"),

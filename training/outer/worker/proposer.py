@@ -9,8 +9,9 @@ and attested; a closure's updates chosen, signed and announced.
    excluded operator's update; in a run that asks more than bounded updates, none whose
    commitment offers less than the run's level; none the run's score refuses; none it
    could not fetch by its slot. Each of these it names as left out, with its reason, so
-   its author counts toward the quorum (outer_agreement rule 7); each pass heard it names
-   as passed. A closure may include nothing: the state then carries over. The updates it
+   its author counts toward the quorum (outer_agreement rule 7), unless its blob is named
+   otherwise (a copy: it shows a key was up, not that it did any work); each pass heard
+   it names as passed. A closure may include nothing: the state then carries over. The updates it
    judged and left out are listed in ``refused`` (those merely not fetched are not).
 5. A pass (this worker's trainer had nothing for the round) is attested over the round's
    start root (``training.outer.messages.PASS_KIND``) and announced in place of an update.
@@ -248,6 +249,14 @@ class Proposer:
                     self._refuse(state.round, peer, blob, reason)
                     left[peer] = (blob, attestation, reason)
                     del updates[peer]
+        # One blob once per closure, left out or not: a copy of a blob named otherwise
+        # shows its key was up, not that it did any work, and is not named (nor counted).
+        named = {blob for blob, _ in updates.values()}
+        for peer in sorted(left, key=lambda p: p.encode()):
+            if left[peer][0] in named:
+                del left[peer]
+            else:
+                named.add(left[peer][0])
         return select_for_closure(updates, left, passed)
 
     def _refuse(self, round_: int, peer: str, blob: str, reason: str) -> None:
