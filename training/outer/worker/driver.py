@@ -296,10 +296,17 @@ class Worker:
 
     def _present(self) -> dict[str, str]:
         """Rule 7 of outer_agreement: operator -> peer of every worker a closure of ours
-        would name now (our update or pass, each update and pass heard)."""
+        would name now (our update or pass, each update and pass heard; of updates of one
+        blob, one: a closure names a blob once, proposer rule 2)."""
         own = self._own_now()
         me = None if own is None else (self.peer, self.certificate.operator)
-        heard = [(p, c.operator) for p, c in self.candidates.items()]
+        blobs = {own.blob} - {""} if own is not None else set()
+        heard = []
+        for peer in sorted(self.candidates, key=lambda p: p.encode()):
+            candidate = self.candidates[peer]
+            if candidate.blob not in blobs:
+                blobs.add(candidate.blob)
+                heard.append((peer, candidate.operator))
         heard += [(p, x.operator) for p, x in self.passes.items() if p not in self.candidates]
         return present_operators(me, heard)
 
@@ -426,7 +433,9 @@ class Worker:
                         await self.changes.wait(trio.current_time() + QUORUM_TICK)
                         continue
                     self.proposed_for.add(start)  # at most one closure per (round, root)
-                    await self._propose()
+                    if not await self._propose():
+                        self.proposed_for.discard(start)
+                        await self.changes.wait(trio.current_time() + QUORUM_TICK)
                 continue
             now = trio.current_time()
             await self.changes.wait(slot if slot is not None and slot > now else now + 1.0)
@@ -517,20 +526,27 @@ class Worker:
             layout = layout_digest(self.shapes)
             await self.keeper.keep_resume(state.round, trained.inner_after, sampler, layout)
 
-    async def _propose(self) -> None:
+    async def _propose(self) -> bool:
+        """Propose our closure of the round; False if what it would name is below the
+        quorum after all (an operator's update named under another key than we counted)."""
         state, root, own = self.state, self.root, self.own
         assert state is not None and own is not None
         self._mark("proposing")
         named = await self.proposer.select(
             state, root, own, self.candidates, self.fetched, self.passes, self.replays.banned
         )
+        operators = self._operators()
+        count = {operators.get(x.peer) for group in named for x in group} - {None}
+        if len(count) < self.params.needed:
+            return False
         agg, result, _ = await self.aggregator.aggregate(
             state, root, [(x.peer, x.blob) for x in named[0]]
         )
         if (self.state, self.root) != (state, root):
-            return
+            return True
         self._offer(agg.state, result)
         await self.proposer.close(state, root, named, agg, result)
+        return True
 
     def _speculate(self) -> None:
         """Start this round's aggregate ahead of its closure, when it is due (aggregator

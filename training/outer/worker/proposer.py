@@ -81,6 +81,11 @@ if TYPE_CHECKING:
     from p2p.node.node import Node
 
 
+# Updates left out that the worker remembers (its result file lists the first 256): a
+# round's worth for the largest run, many times over.
+MAX_REFUSED = 4096
+
+
 class Proposer:
     """This worker's updates and closures (see the module's rules)."""
 
@@ -260,7 +265,10 @@ class Proposer:
         return select_for_closure(updates, left, passed)
 
     def _refuse(self, round_: int, peer: str, blob: str, reason: str) -> None:
-        self.refused.append({"round": round_, "peer": peer, "blob": blob, "reason": reason})
+        entry = {"round": round_, "peer": peer, "blob": blob, "reason": reason}
+        if entry not in self.refused[-MAX_REFUSED:]:  # a selection made again adds nothing
+            self.refused.append(entry)
+        del self.refused[:-MAX_REFUSED]
 
     async def _level_refusal(self, peer: str, attestation: bytes) -> str:
         """Why an update's commitment keeps it out of this run's closures ('' if it does
