@@ -82,9 +82,7 @@ MAX_SPEC_SIZE = 4 << 20
 # A step name is a label ("tinylm-next-token/v1"), not code: 128 characters are plenty.
 MAX_STEP_NAME = 128
 # Body keys of either version written only when set.
-_OPTIONAL = frozenset(
-    {"step", "buffers", "fixed", "fixed_blob", "aliases", "overlap", "quorum"}
-)
+_OPTIONAL = frozenset({"step", "buffers", "fixed", "fixed_blob", "aliases", "overlap", "quorum"})
 # Rounds a worker may train ahead of the state its next update is taken against
 # (training.outer.api point 9): one, the one-step-delayed outer step.
 MAX_OVERLAP = 1

@@ -869,7 +869,15 @@ class Worker:
                 "has trained a round); start without --resume (--join) instead"
             )
         try:
-            point = decode_resume(await trio.to_thread.run_sync(self.fetcher.load, blob))
+            data = await trio.to_thread.run_sync(self.fetcher.load, blob)
+            try:
+                point = decode_resume(data)
+            except BadResume as exc:
+                raise BadResume(
+                    f"{exc}: it is not a resume point `blob outer worker` keeps (one an "
+                    "OuterLoop kept resumes with OuterLoop(resume=True))"
+                ) from None
+            del data
             check_resume(point, run=run, peer=self.peer, shapes=self.shapes)
             inner = await trio.to_thread.run_sync(self.fetcher.load, point.inner)
         except (StoreError, OSError) as exc:
