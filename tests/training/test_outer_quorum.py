@@ -20,6 +20,7 @@ import pytest
 from blobstore import Store
 from identity import sign_attestation
 from tests.blob_cli import blob_here
+from tests.training.test_outer_evidence import KC as EVIDENCE_KC
 from tests.training.test_outer_evidence import RUN, TRUST, WORKERS, keep_run
 from tests.training.test_outer_worker_proposer import ROOT, proposer_of, state, trained
 from tests.training.worker_parts import KC, PARAMS, Machine, Node, machine, update
@@ -51,6 +52,7 @@ from training.outer.messages import (
     PASS_KIND,
     UPDATE_KIND,
     Candidate,
+    ClosureAnnouncement,
     Ledger,
     PassAnnouncement,
     PassHeard,
@@ -65,10 +67,14 @@ from training.outer.milestones import (
     Milestone,
     RunTerms,
     decode_milestone_record,
+    keep_round,
+    milestone_for,
     sign_milestone,
+    tag,
     verify_run,
 )
 from training.outer.spec import BadSpec, RunSpec, decode_body
+from training.outer.state_blob import encode_state
 
 RESULT = "cd" * 32
 STATE = "ef" * 32
@@ -489,3 +495,56 @@ def test_a_quorum_above_k_is_refused_and_one_of_half_or_less_warned(tmp_path: Pa
     worker = ["--store", str(tmp_path / "s"), "outer", "worker", "--spec", "x", "--cert"]
     done = blob_here([*worker, str(cert), "--quorum", "2"], code=2)
     assert "the run's quorum is its spec's" in done.stderr, done.stderr
+
+
+def test_verify_takes_a_round_closed_without_updates(tmp_path: Path) -> None:
+    """A round whose closure includes nothing (both updates left out, with the score's
+    reason) meets a quorum of 2 and verifies: its result is the state carried over, its
+    milestone names no update, and no verdict is due."""
+    from tests.training.test_outer_evidence import NOW
+
+    store = Store.open(tmp_path / "store")
+    w = np.ones((4, 8), np.float32)
+    state = OuterState(0, {"w": w}, {"w": np.zeros_like(w)})
+    store.tag(tag(RUN, "start"), store.put_bytes(encode_state(state)))
+    root = state_root(state)
+    a, b = WORKERS[0], WORKERS[1]
+    left = []
+    for m in (a, b):
+        blob = store.put_bytes(
+            wrap_update(b"u" + m.peer.encode(), round_=0, start_root=root, author=m.peer)
+        )
+        attestation = sign_attestation(
+            m.signer, kind=UPDATE_KIND, digest=bytes.fromhex(blob), kernel_class=EVIDENCE_KC,
+            subjects=[blob, root, "c0" * 32], time=NOW, certificate=m.cert,
+        )  # fmt: skip
+        left.append(LeftOut(m.peer, blob, attestation.encode(), "the loss rose"))
+    terms = RunTerms(rounds=1, replay_rate=0.0, outer_lr=0.7, outer_momentum=0.9, quorum=2)
+    agg = aggregate(state, [], store.path, terms.outer(), start_root=root)  # type: ignore[arg-type]
+    result = state_root(agg.state)
+    closure = Closure(
+        RUN, 0, root, a.peer, (), result, store.put_bytes(encode_state(agg.state)),
+        tuple(sorted(left, key=lambda x: x.peer.encode())),
+    )  # fmt: skip
+    body, attestation = sign_closure(
+        a.signer, closure, kernel_class=EVIDENCE_KC, certificate=a.cert, time=NOW
+    )
+    checked = check_closure(body, attestation, run=RUN, trust=TRUST, now=NOW, quorum=2)
+    milestone = sign_milestone(
+        a.signer, milestone_for(checked, agg, terms), kernel_class=EVIDENCE_KC,
+        certificate=a.cert, time=NOW,
+    )  # fmt: skip
+    keep_round(
+        store,
+        checked,
+        closure_blob=store.put_bytes(
+            encode_message(ClosureAnnouncement(RUN, body, attestation, ()))
+        ),
+        milestone_blob=store.put_bytes(milestone),
+    )
+    report = verify_run(store, RUN, TRUST, quorum=2)
+    assert report.ok, report.failures
+    assert report.checked_rounds == [0]
+    assert verify_run(store, RUN, TRUST, quorum=3).failures == [
+        "the milestones sign a quorum of 2, the run's spec says 3"
+    ]
