@@ -32,6 +32,7 @@ from p2p.transport.meter import WireMeter
 from training.outer.aggregate import Aggregate
 from training.outer.agreement import (
     Apply,
+    BadClosure,
     CatchUp,
     CheckedClosure,
     ClosureBook,
@@ -734,7 +735,7 @@ class Worker:
         self.candidates = {}
         self.passes = {}
         self.fetched = {}
-        self.short = None
+        self.short, self.short_said = None, ()
         self.round_started = trio.current_time()
         self.metrics.outer_round.set(state.round)
         self.aggregator.entered(state.round, root)
@@ -891,21 +892,23 @@ class Worker:
             f"resuming after round {point.round}: inner state {point.inner[:12]} (its AdamW "
             "moments and error-feedback residual) and batch sampler loaded",
         )
+        prefix = tag(run, "closure") + "-"
         closures = {
-            int(name.rsplit("-", 1)[1]): b
+            int(name[len(prefix) :]): b
             for name, b in store.tags().items()
-            if name.startswith(tag(run, "closure") + "-")
+            if name.startswith(prefix) and name[len(prefix) :].isdigit()
         }
-        if closures:
+        if not closures:
+            return
+        try:
             data = await trio.to_thread.run_sync(self.fetcher.load, closures[max(closures)])
-            try:
-                msg = decode_message(data)
-            except BadMessage:
+            msg = decode_message(data)
+            if not isinstance(msg, ClosureAnnouncement):
                 return
-            if isinstance(msg, ClosureAnnouncement):
-                body = decode_closure(msg.body)
-                heard = ClosureHeard(body.proposer, msg.body, msg.attestation, ())
-                self.closures.hear(heard, time.time())
+            proposer = decode_closure(msg.body).proposer
+        except (StoreError, OSError, BadMessage, BadClosure):
+            return  # nothing of ours to start from: the tip's proposer re-announces it
+        self.closures.hear(ClosureHeard(proposer, msg.body, msg.attestation, ()), time.time())
 
     async def _finish(self) -> None:
         """Announce the final root; wait (bounded) for those of the last round's workers."""
