@@ -42,13 +42,13 @@ def wait_for_line(log: Path, text: str, proc: subprocess.Popen[bytes]) -> None:
         time.sleep(0.05)
 
 
-# About 100 s on a loaded 2-vCPU machine: three worker starts, four short rounds.
+# About 55 s on a loaded 2-vCPU machine: three worker starts, three short rounds.
 @pytest.mark.timeout(3 * STEP_TIMEOUT)
 def test_a_worker_killed_in_round_1_resumes_from_its_own_state(tmp_path: Path) -> None:
     params = RunParams(
         run_id="resume",
         workers=2,
-        rounds=4,
+        rounds=3,
         inner_steps=2,
         deadline=3.0,
         proposer_timeout=1.0,

@@ -35,10 +35,10 @@ PORT = 4002
 # Bounds against a hang, not speed claims: four workers import torch on 2 vCPUs.
 STEP_TIMEOUT = 240.0
 # The split holds until every worker has waited at its slot below the quorum, and at
-# least this long: two rounds of this run (40 inner steps of the tiny model take 2-5 s
-# on a loaded 2-vCPU machine, the deadline 3 s), in which each side would have closed
-# its rounds alone without the rule.
-SPLIT_AT_LEAST = 2 * (5.0 + 3.0)
+# least this long: two rounds of this run (20 inner steps of the tiny model take 1-3 s
+# alone, 4-8 s for four workers on a loaded 2-vCPU machine; the deadline is 3 s), in which
+# each side would have closed its rounds alone without the rule.
+SPLIT_AT_LEAST = 2 * (3.0 + 3.0)
 WAITED = "operators a closure needs (the run's quorum)"
 _LINE = re.compile(r"^outer\[[^\]]+\] (\d\d):(\d\d):(\d\d\.\d) (.*)$")
 
@@ -92,15 +92,15 @@ def wait_until(what: str, done: Any, procs: list[subprocess.Popen[Any]], bound: 
         time.sleep(0.05)
 
 
-# About 150 s on a loaded 2-vCPU machine: four torch imports, a split of about 20 s, the
+# About 80 s on a loaded 2-vCPU machine: four torch imports, a split of about 15 s, the
 # recovery of connections whose packets were dropped (TCP's retransmission back-off).
 @pytest.mark.timeout(4 * STEP_TIMEOUT)
 def test_a_run_split_two_by_two_closes_nothing_until_it_heals(tmp_path: Path) -> None:
     params = RunParams(
         run_id="split",
         workers=4,
-        rounds=3,
-        inner_steps=40,
+        rounds=2,
+        inner_steps=20,
         deadline=3.0,
         proposer_timeout=1.0,
         replay_rate=0.0,
@@ -124,7 +124,7 @@ def test_a_run_split_two_by_two_closes_nothing_until_it_heals(tmp_path: Path) ->
                 return logs[i].read_text(errors="replace")
 
             # Split once round 0 has closed somewhere: round 1's updates are seconds away
-            # (40 inner steps), so none of them crosses before the links are cut.
+            # (20 inner steps), so none of them crosses before the links are cut.
             wait_until("round 0", lambda: any("round 0 closed" in text(i) for i in range(4)),
                        procs, STEP_TIMEOUT)  # fmt: skip
             split(tb)

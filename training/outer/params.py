@@ -80,8 +80,8 @@ class RunParams:
     replay_rate: float = 0.25
     # The least time a worker gives one fetch (a closure's blobs, a state blob) on top of
     # three deadlines: dials, stream opens and slow links. It also bounds how long a
-    # finished worker lingers for a missing final root, and is the least one with nobody
-    # connected waits before it stops (training.outer.worker points 3 and 6).
+    # finished worker lingers for a missing final root and how long one back from a pause
+    # with nobody connected waits before it stops (training.outer.worker points 3 and 6).
     fetch_floor: float = 10.0
     # The outer optimiser and the error feedback's decay (None: MODE_DEFAULTS["sparseloco"]);
     # a run spec sets them.

@@ -81,11 +81,12 @@ become the next state (``training.outer.aggregate``) and when to re-send an anno
    outer_agreement) and exiting 0 on a rival root, "agreed" because it heard no final
    root to compare, would be a silent fork. So a worker that trained with others
    proposes, and fetches the blobs a closure names, only while connected to an admitted
-   peer; with none for its start timeout (at least the fetch bound) it stops with an
-   error (a closure it heard whose blobs nobody left can serve does not cost it
-   ``UNAVAILABLE_TRIES`` fetch bounds first). The start timeout, not the fetch bound: a
-   peer that restarts (``--resume``) takes longer than a fetch to come back, and the quorum
-   keeps a lone worker from closing rounds meanwhile. A SIGSTOPped peer's TCP
+   peer; with none for the fetch bound after a pause of its own (the others most likely
+   went on or ended without it), or for its start timeout when its peers vanished while it
+   ran (one restarting with ``--resume`` takes longer than a fetch to come back, and the
+   quorum keeps it from closing rounds meanwhile), it stops with an error (a closure it
+   heard whose blobs nobody left can serve does not cost it ``UNAVAILABLE_TRIES`` fetch
+   bounds first). A SIGSTOPped peer's TCP
    connections stay up, so the others do not stop while it is paused. The price: the
    last survivor of a run whose other workers all died stops too instead of finishing
    alone (it cannot tell them from a run that went on without it).

@@ -150,7 +150,8 @@ class Worker:
             self.dialer,
             self.meter,
             changes,
-            alone_bound=max(fetch_bound(params), config.start_timeout),
+            alone_bound=fetch_bound(params),
+            peer_bound=max(fetch_bound(params), config.start_timeout),
             label=label,
         )
         self.closures = Closures(

@@ -14,8 +14,10 @@ alone (points 1 and 6 of :mod:`training.outer.worker`).
    arrive over them. Only :meth:`Links.redial` (after a state fetch that failed, which
    shows a connection that only looks alive) drops them all.
 5. Alone (trained with others, connected to none): the worker waits for a peer before it
-   proposes or fetches a closure's blobs, and stops with an error after ``alone_bound``
-   (its start timeout, at least a fetch bound).
+   proposes or fetches a closure's blobs, and stops with an error after ``alone_bound`` (a
+   fetch bound) if it was paused since it last had a peer (the run most likely went on or
+   ended without it), else after ``peer_bound`` (its start timeout: its peers vanished
+   while it ran, and one restarting with ``--resume`` takes that long to come back).
 6. Traffic: the sockets' bytes (``WireMeter``) and the announcement payloads published and
    delivered, counted since the last :meth:`Links.traffic`.
 7. The rendezvous: workers bootstrapped only to a peer they share (a ``blob serve`` node
@@ -84,6 +86,7 @@ class Links:
         changes: Changes,
         *,
         alone_bound: float,
+        peer_bound: float | None = None,
         label: str,
     ) -> None:
         self.node = node
@@ -94,6 +97,8 @@ class Links:
         self.meter = meter
         self.changes = changes
         self.alone_bound = alone_bound
+        self.peer_bound = alone_bound if peer_bound is None else peer_bound
+        self.woke = False  # paused since it last had a peer (rule 5)
         self.label = label
         # Peers whose updates this worker applied (rule 5: whom it trained with).
         self.ever_admitted: set[str] = set()
@@ -163,6 +168,7 @@ class Links:
             now = trio.current_time()
             if now - last > PAUSE_GAP:
                 say(self.label, f"woke after {now - last:.0f}s without running")
+                self.woke = True
                 self.dialer.all_due(now)
             last = now
 
@@ -267,15 +273,18 @@ class Links:
         """Before proposing for round ``r`` (or fetching a closure's blobs), wait while
         alone; False if there was no need. With nobody back within ``alone_bound`` it
         stops: every closure it made alone would be a fork of whatever the others agreed
-        on, and a closure's blobs cannot come from nobody."""
+        on, and a closure's blobs cannot come from nobody. The bound is rule 5's."""
         if not self.alone():
+            self.woke = False
             return False
-        say(self.label, f"round {r}: no worker of the run connected; {what}")
+        bound = self.alone_bound if self.woke else self.peer_bound
+        say(self.label, f"round {r}: no worker of the run connected; {what} (at most {bound:.0f}s)")
         self.dialer.all_due(trio.current_time())  # the wait is for them: dial all now
-        with trio.move_on_after(self.alone_bound):
+        with trio.move_on_after(bound):
             # The dial loop connects; the node has no event for a new connection.
             while self.alone():  # noqa: ASYNC110
                 await trio.sleep(DIAL_TICK)
+            self.woke = False
             return True
         raise OuterNetError(
             f"round {r}: no worker of the run is reachable, so the run went on or ended "
