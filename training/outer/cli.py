@@ -519,8 +519,6 @@ def worker_command(
         raise click.UsageError("give the initial state (--initial BLOB_ID) or --join")
     if initial is not None:
         initial = parse_blob_id(initial)
-    if spec_ref is None:
-        rendezvous = initial  # every worker of a run without a spec starts from it
     config = WorkerConfig(
         params=params,
         shard=shard,

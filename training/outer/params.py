@@ -180,9 +180,9 @@ class WorkerConfig:
     keep_states: int = 3
     # Serve the node's metrics (p2p.metrics) at http://ADDR/metrics, as `serve --metrics`.
     metrics: str | None = None
-    # A blob every worker of the run holds (the spec's, else the initial state): the
-    # worker asks its bootstrap peers who else holds it (the rendezvous,
-    # training.outer.worker point 1). None: no rendezvous, the bootstrap peers only.
+    # A blob every worker of the run holds (the spec's): the worker asks its bootstrap
+    # peers who else holds it (the rendezvous, training.outer.worker point 1). None: the
+    # initial state's (a joiner without it has no rendezvous, its bootstrap peers only).
     rendezvous: str | None = None
     # Keep a resume point each round (training.outer.trainer), and start from the kept one:
     # its inner state, then a catch-up from the run's tip (--resume).

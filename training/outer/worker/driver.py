@@ -996,11 +996,12 @@ class Worker:
             nursery.start_soon(self.links.announce_loop)
             nursery.start_soon(self.links.dial_loop)
             nursery.start_soon(self.links.meter_loop)
-            if self.config.rendezvous is not None:
+            # The run's blob every worker holds: its spec's where the caller names it, else
+            # the initial state (a joiner without the spec's ID has none to ask about).
+            key = self.config.rendezvous or self.config.initial
+            if key is not None:
                 points = [a.rsplit("/p2p/", 1)[-1] for a in self.config.bootstrap]
-                nursery.start_soon(
-                    self.links.rendezvous_loop, self.config.rendezvous, points, self._all_here
-                )
+                nursery.start_soon(self.links.rendezvous_loop, key, points, self._all_here)
             self.tasks.open(nursery)
             make = self.config.make_trainer or Trainer
             trainer = await trio.to_thread.run_sync(make, self.params, self.config.shard)
