@@ -319,6 +319,8 @@ class Core:
             initial=None if self.join else self.spec.initial,
             join=self.join,
             bootstrap=self.bootstrap,
+            # Workers meet through who holds the spec (a joiner holds no initial state).
+            rendezvous=self.spec_blob or None,
             make_trainer=make_trainer,
             score=trainer.scorer,
             level=self.level,
