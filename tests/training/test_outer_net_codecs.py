@@ -193,7 +193,7 @@ def _raw(msg: Message) -> dict[str, object]:
         (lambda m: m.update(v=2), "version"),
         (lambda m: m.update(addrs=["/ip4/1.2.3.4/tcp/1"]), "multiaddr"),
         (lambda m: m.update(addrs=[ADDR] * 9), "more than"),
-        (lambda m: m.update(extra=1), "canonical"),
+        (lambda m: m.update(extra=1), "unknown fields"),
         (lambda m: m.pop("attestation"), "lacks"),
     ],
 )

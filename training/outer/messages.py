@@ -68,14 +68,13 @@ from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
 
-from blobstore.canonical import encode as encode_canonical
 from blobstore.exitcodes import ExitCode
+from blobstore.schema import CodecError, Field, Schema
 from identity import (
     AdmissionCertificate,
     Attestation,
@@ -115,7 +114,6 @@ MAX_REJECTIONS_PER_ROUND = 256
 
 RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEX = re.compile(r"[0-9a-f]{64}")
-_TYPES = ("hello", "update", "pass", "state", "closure", "closure-ref", "verdict")
 # A verdict's outcome is a short text ("match", "mismatch: loss of step 0 differs").
 MAX_OUTCOME_LEN = 128
 # Rule 7's reason: the attestation's key is not vouched for by a TPM attestation key.
@@ -216,75 +214,96 @@ Message = (
 )
 
 
-def _fields(msg: Message) -> dict[str, Any]:
-    """The message as a map in its one canonical key order."""
-    if isinstance(msg, Hello):
-        return {"v": MESSAGE_VERSION, "type": "hello", "run": msg.run, "cert": msg.certificate}
-    if isinstance(msg, UpdateAnnouncement):
-        return {
-            "v": MESSAGE_VERSION,
-            "type": "update",
-            "run": msg.run,
-            "round": msg.round,
-            "blob": msg.blob,
-            "attestation": msg.attestation,
-            "addrs": list(msg.addrs),
-        }
-    if isinstance(msg, PassAnnouncement):
-        return {
-            "v": MESSAGE_VERSION,
-            "type": "pass",
-            "run": msg.run,
-            "round": msg.round,
-            "attestation": msg.attestation,
-            "addrs": list(msg.addrs),
-        }
-    if isinstance(msg, ClosureRefAnnouncement):
-        return {
-            "v": MESSAGE_VERSION,
-            "type": "closure-ref",
-            "run": msg.run,
-            "compact": msg.compact,
-            "attestation": msg.attestation,
-            "full": msg.full,
-            "addrs": list(msg.addrs),
-        }
-    if isinstance(msg, VerdictAnnouncement):
-        return {
-            "v": MESSAGE_VERSION,
-            "type": "verdict",
-            "run": msg.run,
-            "round": msg.round,
-            "author": msg.author,
-            "update": msg.update,
-            "commitment": msg.commitment,
-            "outcome": msg.outcome,
-            "attestation": msg.attestation,
-        }
-    if isinstance(msg, ClosureAnnouncement):
-        return {
-            "v": MESSAGE_VERSION,
-            "type": "closure",
-            "run": msg.run,
-            "body": msg.body,
-            "attestation": msg.attestation,
-            "addrs": list(msg.addrs),
-        }
-    return {
-        "v": MESSAGE_VERSION,
-        "type": "state",
-        "run": msg.run,
-        "round": msg.round,
-        "root": msg.root,
-        "blob": msg.blob,
-        "attestation": msg.attestation,
-        "addrs": list(msg.addrs),
-    }
+def _run(value: str) -> str:
+    if not RUN_ID_RE.fullmatch(value):
+        raise CodecError("announcement has a malformed run ID")
+    return value
+
+
+def _round(value: int) -> int:
+    if not 0 <= value < MAX_ROUND:
+        raise CodecError(f"round {value} is out of range")
+    return value
+
+
+def _hex64(value: str) -> str:
+    if not _HEX.fullmatch(value):
+        raise CodecError("an announcement's blob IDs and roots are 64 lowercase hex digits")
+    return value
+
+
+def _addrs(value: list[Any]) -> tuple[str, ...]:
+    if len(value) > MAX_ADDRS:
+        raise CodecError(f"announcement lists more than {MAX_ADDRS} addresses")
+    for addr in value:
+        if type(addr) is not str or not 0 < len(addr) <= MAX_ADDR_LEN or "/p2p/" not in addr:
+            raise CodecError("announcement address must be a multiaddr ending in /p2p/<id>")
+    return tuple(value)
+
+
+def _label(value: str) -> str:
+    """A verdict's author or outcome: a short label."""
+    if not 0 < len(value) <= MAX_OUTCOME_LEN:
+        raise CodecError("verdict author or outcome is empty or too long")
+    return value
+
+
+def _hex(key: str) -> Field:
+    return Field(key, str, into=_hex64)
+
+
+_ROUND = Field("round", int, into=_round)
+_ATTESTATION = Field("attestation", bytes)
+_ADDRS = Field("addrs", list, out=list, into=_addrs)
+
+
+def _schema(kind: str, *fields: Field) -> Schema:
+    """A message's schema: the version, its type and its run, then its own fields."""
+    head = (
+        Field("v", int, const=MESSAGE_VERSION),
+        Field("type", str, const=kind),
+        Field("run", str, into=_run),
+    )
+    return Schema(f"{kind} announcement", *head, *fields)
+
+
+# One schema per message (blobstore.schema), by its wire type: the key order is the one
+# canonical spelling, so the bytes and blob IDs are those of every earlier build.
+_SCHEMAS: dict[str, tuple[type[Any], Schema]] = {
+    "hello": (Hello, _schema("hello", Field("cert", bytes, attr="certificate"))),
+    "update": (UpdateAnnouncement, _schema("update", _ROUND, _hex("blob"), _ATTESTATION, _ADDRS)),
+    "pass": (PassAnnouncement, _schema("pass", _ROUND, _ATTESTATION, _ADDRS)),
+    "closure-ref": (
+        ClosureRefAnnouncement,
+        _schema("closure-ref", Field("compact", bytes), _ATTESTATION, _hex("full"), _ADDRS),
+    ),
+    "verdict": (
+        VerdictAnnouncement,
+        _schema(
+            "verdict",
+            _ROUND,
+            Field("author", str, into=_label),
+            _hex("update"),
+            _hex("commitment"),
+            Field("outcome", str, into=_label),
+            _ATTESTATION,
+        ),
+    ),
+    "closure": (
+        ClosureAnnouncement,
+        _schema("closure", Field("body", bytes), _ATTESTATION, _ADDRS),
+    ),
+    "state": (
+        StateAnnouncement,
+        _schema("state", _ROUND, _hex("root"), _hex("blob"), _ATTESTATION, _ADDRS),
+    ),
+}
+_KIND_OF = {cls: kind for kind, (cls, _) in _SCHEMAS.items()}
 
 
 def encode_message(msg: Message) -> bytes:
     """Canonical bytes of an announcement (``ValueError`` for a malformed one: our bug)."""
-    data: bytes = encode_canonical(_fields(msg))
+    data = _SCHEMAS[_KIND_OF[type(msg)]][1].encode(msg)
     try:
         if decode_message(data) != msg:
             raise ValueError("announcement does not round-trip")
@@ -293,95 +312,20 @@ def encode_message(msg: Message) -> bytes:
     return data
 
 
-def _take(fields: Mapping[str, Any], key: str, kind: type[Any]) -> Any:
-    if key not in fields:
-        raise BadMessage(f"announcement lacks the field {key!r}")
-    value = fields[key]
-    if type(value) is not kind:
-        raise BadMessage(f"announcement field {key!r} must be {kind.__name__}")
-    return value
-
-
-def _round(fields: Mapping[str, Any]) -> int:
-    value: int = _take(fields, "round", int)
-    if not 0 <= value < MAX_ROUND:
-        raise BadMessage(f"round {value} is out of range")
-    return value
-
-
-def _hex64(fields: Mapping[str, Any], key: str) -> str:
-    value: str = _take(fields, key, str)
-    if not _HEX.fullmatch(value):
-        raise BadMessage(f"announcement field {key!r} must be 64 lowercase hex digits")
-    return value
-
-
-def _addrs(fields: Mapping[str, Any]) -> tuple[str, ...]:
-    value: list[Any] = _take(fields, "addrs", list)
-    if len(value) > MAX_ADDRS:
-        raise BadMessage(f"announcement lists more than {MAX_ADDRS} addresses")
-    for addr in value:
-        if type(addr) is not str or not 0 < len(addr) <= MAX_ADDR_LEN or "/p2p/" not in addr:
-            raise BadMessage("announcement address must be a multiaddr ending in /p2p/<id>")
-    return tuple(value)
-
-
 def decode_message(data: bytes) -> Message:
     """Strictly parse an announcement; raises :class:`BadMessage` only."""
     obj = decode_msgpack_map(data, max_size=MAX_MESSAGE_SIZE, what="announcement", error=BadMessage)
-    if _take(obj, "v", int) != MESSAGE_VERSION:
+    version, kind = obj.get("v"), obj.get("type")
+    if type(version) is not int or version != MESSAGE_VERSION:
         raise BadMessage("announcement has an unknown version")
-    kind = _take(obj, "type", str)
-    if kind not in _TYPES:
+    if type(kind) is not str or kind not in _SCHEMAS:
         raise BadMessage(f"unknown announcement type {kind!r:.40}")
-    run = _take(obj, "run", str)
-    if not RUN_ID_RE.fullmatch(run):
-        raise BadMessage("announcement has a malformed run ID")
-    msg: Message
-    if kind == "hello":
-        msg = Hello(run, _take(obj, "cert", bytes))
-    elif kind == "update":
-        msg = UpdateAnnouncement(
-            run, _round(obj), _hex64(obj, "blob"), _take(obj, "attestation", bytes), _addrs(obj)
-        )
-    elif kind == "pass":
-        msg = PassAnnouncement(run, _round(obj), _take(obj, "attestation", bytes), _addrs(obj))
-    elif kind == "closure-ref":
-        msg = ClosureRefAnnouncement(
-            run,
-            _take(obj, "compact", bytes),
-            _take(obj, "attestation", bytes),
-            _hex64(obj, "full"),
-            _addrs(obj),
-        )
-    elif kind == "verdict":
-        author, outcome = _take(obj, "author", str), _take(obj, "outcome", str)
-        if not 0 < len(author) <= 128 or not 0 < len(outcome) <= MAX_OUTCOME_LEN:
-            raise BadMessage("verdict author or outcome is empty or too long")
-        msg = VerdictAnnouncement(
-            run,
-            _round(obj),
-            author,
-            _hex64(obj, "update"),
-            _hex64(obj, "commitment"),
-            outcome,
-            _take(obj, "attestation", bytes),
-        )
-    elif kind == "closure":
-        msg = ClosureAnnouncement(
-            run, _take(obj, "body", bytes), _take(obj, "attestation", bytes), _addrs(obj)
-        )
-    else:
-        msg = StateAnnouncement(
-            run,
-            _round(obj),
-            _hex64(obj, "root"),
-            _hex64(obj, "blob"),
-            _take(obj, "attestation", bytes),
-            _addrs(obj),
-        )
-    canonical: bytes = encode_canonical(_fields(msg))
-    if canonical != bytes(data):
+    cls, schema = _SCHEMAS[kind]
+    try:
+        msg: Message = cls(**schema.read(obj))
+    except CodecError as exc:
+        raise BadMessage(str(exc)) from None
+    if schema.encode(msg) != bytes(data):
         raise BadMessage("announcement is not in canonical form")
     return msg
 
