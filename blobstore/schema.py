@@ -71,6 +71,7 @@ class Field:
     const: Any = _NO_CONST
     out: Callable[[Any], Any] | None = None
     into: Callable[[Any], Any] | None = None
+    optional: bool = False
 
     @property
     def name(self) -> str:
@@ -128,6 +129,8 @@ class Schema:
                 value = f.const
             else:
                 value = getattr(record, f.name)
+            if f.optional and not value:
+                continue
             out[f.key] = value if f.out is None or value is None else f.out(value)
         return out
 
@@ -142,11 +145,13 @@ class Schema:
             raise CodecError(
                 f"{self.what} has unknown fields: {', '.join(sorted(map(str, extra)))}"
             )
-        missing = [k for k in self.keys if k not in fields]
+        missing = [f.key for f in self.fields if f.key not in fields and not f.optional]
         if missing:
             raise CodecError(f"{self.what} lacks the fields: {', '.join(missing)}")
         values: dict[str, Any] = {}
         for f in self.fields:
+            if f.key not in fields:
+                continue  # optional: the record's default
             value = fields[f.key]
             f.check(value, self.what)
             if f.const is not _NO_CONST:

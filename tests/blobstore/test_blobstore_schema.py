@@ -82,3 +82,23 @@ def test_select_picks_the_schema_its_tag_names_exactly() -> None:
         select({"v": True}, table, key="v", what="point")
     with pytest.raises(CodecError, match="'v' is 3"):
         select({"v": 3}, table, key="v", what="point")
+
+
+def test_an_optional_key_is_written_only_when_set_and_read_as_the_default() -> None:
+    """A field a record does not use is left out, so records from before it keep their
+    bytes; a decoder leaves a missing one to the record's default."""
+
+    @dataclass(frozen=True)
+    class Run:
+        name: str
+        step: str = ""
+
+    schema = Schema("run", Field("name", str), Field("step", str, optional=True))
+    plain = schema.encode(Run("r"))
+    assert plain == msgpack.packb({"name": "r"}, use_bin_type=True)
+    assert Run(**schema.decode(plain, max_size=100)) == Run("r")
+    named = schema.encode(Run("r", "s"))
+    assert named == msgpack.packb({"name": "r", "step": "s"}, use_bin_type=True)
+    assert Run(**schema.decode(named, max_size=100)) == Run("r", "s")
+    with pytest.raises(CodecError, match="lacks the fields: name"):
+        schema.decode(msgpack.packb({"step": "s"}), max_size=100)

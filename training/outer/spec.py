@@ -57,15 +57,15 @@ Nothing here does I/O or reads a clock.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
-import msgpack
 
 from blobstore.canonical import encode as encode_canonical
 from blobstore.canonical import require_canonical
 from blobstore.exitcodes import ExitCode
+from blobstore.schema import CodecError, Field, Schema, decode_map, select
 from training.errors import TrainingError
 from training.outer.agreement import majority, quorum_of
 from training.outer.loop import MODE_DEFAULTS
@@ -188,25 +188,8 @@ class RunSpec:
         return sum(math.prod(shape) for _, shape in self.tensors)
 
     def body(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "v": HARDWARE_SPEC_VERSION if self.require_hardware else SPEC_VERSION
-        }
-        for f in fields(self):
-            if f.name == "extra" or (f.name == "require_hardware" and not self.require_hardware):
-                continue
-            if f.name in _OPTIONAL and not getattr(self, f.name):
-                continue  # written only when set: specs that do not use it keep their bytes
-            value = getattr(self, f.name)
-            if f.name in ("tensors", "buffers"):
-                value = [[name, list(shape)] for name, shape in value]
-            elif f.name == "fixed":
-                value = [[name, dtype, list(shape)] for name, dtype, shape in value]
-            elif f.name == "aliases":
-                value = [list(pair) for pair in value]
-            elif f.name == "authorities":
-                value = list(value)
-            out[f.name] = value
-        return dict(sorted(out.items()))
+        """The body's wire map (point 2)."""
+        return _body_schema(self.require_hardware).wire(self)
 
 
 def _pack(obj: Any) -> bytes:
@@ -216,10 +199,10 @@ def _pack(obj: Any) -> bytes:
 
 def encode_spec(spec: RunSpec, signer: Any) -> bytes:
     """The signed spec blob (point 2); ``signer`` is an ``identity.Signer``."""
-    body = _pack(spec.body())
+    body = _body_schema(spec.require_hardware).encode(spec)
     decode_body(body)  # our own spec must parse: a bug otherwise
     sig = signer.sign(SPEC_DOMAIN + body)
-    return _pack({"v": SPEC_VERSION, "body": body, "key": signer.public_key_bytes, "sig": sig})
+    return _ENVELOPE.encode(_Envelope(SPEC_VERSION, body, signer.public_key_bytes, sig))
 
 
 def spec_digest(data: bytes) -> str:
@@ -227,36 +210,140 @@ def spec_digest(data: bytes) -> str:
 
 
 def decode_body(body: bytes) -> RunSpec:
+    """Parse and check a spec's body (point 2); raises :class:`BadSpec` only."""
     try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise BadSpec(f"run spec body is not msgpack: {exc}") from None
-    if not isinstance(obj, dict) or obj.get("v") not in (SPEC_VERSION, HARDWARE_SPEC_VERSION):
-        raise BadSpec("not a run spec of a known version")
-    names = {f.name for f in fields(RunSpec)} - {"extra"}
-    if obj["v"] == SPEC_VERSION:
-        names -= {"require_hardware"}
-    if not names - _OPTIONAL <= set(obj) - {"v"} <= names:
-        raise BadSpec("run spec has missing or unknown fields")
-    try:
-        kw = {n: obj[n] for n in names if n in obj}
-        kw["tensors"] = _shapes(obj["tensors"])
-        kw["buffers"] = _shapes(obj.get("buffers", []))
-        kw["fixed"] = tuple(
-            (str(n), str(d), tuple(int(x) for x in s)) for n, d, s in obj.get("fixed", [])
-        )
-        kw["aliases"] = tuple((str(a), str(t)) for a, t in obj.get("aliases", []))
-        kw["authorities"] = tuple(obj["authorities"])
-        spec = RunSpec(**kw)
+        obj = decode_map(body, max_size=MAX_SPEC_SIZE, what="run spec body")
+        schema = select(obj, _BODIES, key="v", what="run spec body")
+        spec = RunSpec(**schema.read(obj))
+    except CodecError as exc:
+        raise BadSpec(str(exc)) from None
     except (TypeError, ValueError) as exc:
         raise BadSpec(f"run spec is malformed: {exc}") from None
-    if _pack(spec.body()) != body:
+    if schema.encode(spec) != body:
         raise BadSpec("run spec body is not in canonical form")
     return spec
 
 
-def _shapes(entries: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple((str(n), tuple(int(d) for d in s)) for n, s in entries)
+def _shapes(entries: list[Any]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((_str(n), _dims(s)) for n, s in map(_pair, entries))
+
+
+def _pair(entry: Any) -> tuple[Any, Any]:
+    if type(entry) is not list or len(entry) != 2:
+        raise CodecError("a run spec's tensors are [name, shape] pairs")
+    return entry[0], entry[1]
+
+
+def _str(value: Any) -> str:
+    if type(value) is not str:
+        raise CodecError("a run spec's names are strings")
+    return value
+
+
+def _dims(value: Any) -> tuple[int, ...]:
+    if type(value) is not list or not all(type(d) is int for d in value):
+        raise CodecError("a run spec's shapes are lists of integers")
+    return tuple(value)
+
+
+def _fixed(entries: list[Any]) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    out = []
+    for entry in entries:
+        if type(entry) is not list or len(entry) != 3:
+            raise CodecError("a run spec's fixed tensors are [name, dtype, shape]")
+        out.append((_str(entry[0]), _str(entry[1]), _dims(entry[2])))
+    return tuple(out)
+
+
+def _names(entries: list[Any]) -> tuple[tuple[str, str], ...]:
+    return tuple((_str(a), _str(t)) for a, t in map(_pair, entries))
+
+
+def _strings(entries: list[Any]) -> tuple[str, ...]:
+    return tuple(map(_str, entries))
+
+
+def _listed(pairs: tuple[tuple[Any, ...], ...]) -> list[Any]:
+    """Tensors, fixed tensors or tied names as the wire's lists (shapes too)."""
+    return [[list(x) if isinstance(x, tuple) else x for x in entry] for entry in pairs]
+
+
+# Point 2's body, one schema per version: its keys in canonical (sorted) order, ``v`` among
+# them; the keys of _OPTIONAL are written only when set (blobstore.schema ``optional``).
+_BODY_FIELDS = (
+    Field("aliases", list, out=_listed, into=_names, optional=True),
+    Field("authorities", list, out=list, into=_strings),
+    Field("base", str),
+    Field("batch", int),
+    Field("buffers", list, out=_listed, into=_shapes, optional=True),
+    Field("chunk", int),
+    Field("data", str),
+    Field("deadline", float),
+    Field("ef_decay", float),
+    Field("fixed", list, out=_listed, into=_fixed, optional=True),
+    Field("fixed_blob", str, optional=True),
+    Field("initial", str),
+    Field("inner_lr", float),
+    Field("inner_steps", int),
+    Field("k", int),
+    Field("level", str),
+    Field("outer_lr", float),
+    Field("outer_momentum", float),
+    Field("overlap", int, optional=True),
+    Field("proposer_timeout", float),
+    Field("quorum", int, optional=True),
+    Field("replay_rate", float),
+    Field("require_hardware", bool),  # version 2 only, and then true (point 2)
+    Field("root", str),
+    Field("rounds", int),
+    Field("run", str),
+    Field("seed", int),
+    Field("step", str, optional=True),
+    Field("tensors", list, out=_listed, into=_shapes),
+    Field("v", int),
+    Field("workers", int),
+)
+assert [f.key for f in _BODY_FIELDS] == sorted(f.key for f in _BODY_FIELDS)
+assert {f.key for f in _BODY_FIELDS if f.optional} == _OPTIONAL
+
+
+def _body(version: int, *, hardware: bool) -> Schema:
+    return Schema(
+        "run spec body",
+        *(
+            Field("v", int, const=version) if f.key == "v" else f
+            for f in _BODY_FIELDS
+            if hardware or f.key != "require_hardware"
+        ),
+    )
+
+
+_BODIES = {
+    SPEC_VERSION: _body(SPEC_VERSION, hardware=False),
+    HARDWARE_SPEC_VERSION: _body(HARDWARE_SPEC_VERSION, hardware=True),
+}
+
+
+def _body_schema(require_hardware: bool) -> Schema:
+    return _BODIES[HARDWARE_SPEC_VERSION if require_hardware else SPEC_VERSION]
+
+
+@dataclass(frozen=True)
+class _Envelope:
+    v: int
+    body: bytes
+    key: bytes
+    sig: bytes
+
+
+# Point 2's envelope; ``v`` is the envelope's version, read as it is (every build writes 1).
+_ENVELOPE = Schema(
+    "run spec blob",
+    Field("v", int),
+    Field("body", bytes),
+    Field("key", bytes, size=32),
+    Field("sig", bytes),
+)
 
 
 @dataclass(frozen=True)
@@ -269,24 +356,13 @@ def decode_spec(data: bytes) -> SignedSpec:
     """Parse and check a spec blob (point 2); raises :class:`BadSpec` only."""
     from identity import verify_signature
 
-    if len(data) > MAX_SPEC_SIZE:
-        raise BadSpec(f"run spec is larger than {MAX_SPEC_SIZE} bytes")
-    try:
-        outer = msgpack.unpackb(data, raw=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise BadSpec(f"not a run spec blob: {exc}") from None
-    if not isinstance(outer, dict) or set(outer) != {"v", "body", "key", "sig"}:
-        raise BadSpec("not a run spec blob")
-    body, key, sig = outer["body"], outer["key"], outer["sig"]
-    if not all(isinstance(x, bytes) for x in (body, key, sig)) or len(key) != 32:
-        raise BadSpec("run spec blob fields have the wrong types")
-    if not verify_signature(key, SPEC_DOMAIN + body, sig):
+    envelope = _Envelope(**_ENVELOPE.decode(data, max_size=MAX_SPEC_SIZE, error=BadSpec))
+    if not verify_signature(envelope.key, SPEC_DOMAIN + envelope.body, envelope.sig):
         raise BadSpec("run spec signature does not verify")
-    spec = decode_body(body)
+    spec = decode_body(envelope.body)
     # One spelling per spec, so one blob ID per spec: the envelope is canonical too.
-    canonical = _pack({"v": outer["v"], "body": body, "key": key, "sig": sig})
-    require_canonical(data, canonical, what="run spec", error=BadSpec)
-    return SignedSpec(spec, key)
+    require_canonical(data, _ENVELOPE.encode(envelope), what="run spec", error=BadSpec)
+    return SignedSpec(spec, envelope.key)
 
 
 def check_model(spec: RunSpec, layout: Layout) -> None:
