@@ -185,6 +185,13 @@ def test_hf_directory_init_two_cli_workers_export_equals_the_tip(tmp_path: Path)
     assert {e["level"] for r in levels["rounds"].values() for e in r} == {"replayed"}
     start = decode_state(Store.open(w0.store).path(signed.spec.initial).read_bytes())
     assert any(not np.array_equal(start.params[n], tip.params[n]) for n in tip.params)
+    # The worker that joined by the spec's ID keeps its files inside its store (the base it
+    # unpacked), not beside it, and answers to the run's ID as the maker's store does.
+    w1 = plan.workers[1]
+    assert list((w1.store / "outer").glob("base-*"))
+    assert not list(w1.store.parent.glob(".outer-base-*"))
+    joined = json.loads(_blob(w1.store, w1.key, "outer", "levels", "own", "--json"))
+    assert joined["rounds"] == levels["rounds"]
 
 
 def _spec(**kw: Any) -> RunSpec:

@@ -191,7 +191,8 @@ def test_three_workers_of_a_strangers_model_end_on_one_whole_state(
         assert reasons and all(r.startswith("scored worse") for r in reasons), reasons
     obj = {"store_root": plan.workers[0].store, "key_path": plan.workers[0].key}
     verified = CliRunner().invoke(
-        outer_group, ["verify", "stranger", "--authority", plan.authority], obj=obj
+        outer_group,
+        ["verify", spec, "--authority", plan.authority],  # by the spec ID, obj=obj
     )
     assert verified.exit_code == 0, verified.output
     exported = CliRunner().invoke(
