@@ -190,10 +190,9 @@ def test_three_workers_of_a_strangers_model_end_on_one_whole_state(
         reasons = [u["reason"] for r in results for u in r["refused_updates"]]
         assert reasons and all(r.startswith("scored worse") for r in reasons), reasons
     obj = {"store_root": plan.workers[0].store, "key_path": plan.workers[0].key}
-    verified = CliRunner().invoke(
-        outer_group,
-        ["verify", spec, "--authority", plan.authority],  # by the spec ID, obj=obj
-    )
+    # By the spec's ID (the export below too), as by the run's.
+    argv = ["verify", spec, "--authority", plan.authority]
+    verified = CliRunner().invoke(outer_group, argv, obj=obj)
     assert verified.exit_code == 0, verified.output
     exported = CliRunner().invoke(
         outer_group, ["export", spec, "-o", str(tmp_path / "out")], obj=obj
