@@ -85,6 +85,14 @@ def try_lock_fd(fd: int) -> bool:
     return True
 
 
+def _names(path: Path, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
 def lock_path(path: Path) -> int | None:
     """Open (creating) ``path`` and hold an exclusive flock on it.
 
@@ -98,11 +106,7 @@ def lock_path(path: Path) -> int | None:
         if not try_lock_fd(fd):
             os.close(fd)
             return None
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
+        if _names(path, fd):
             return fd
         os.close(fd)
     raise StoreError(f"could not lock {path}: it keeps being replaced")
@@ -137,7 +141,9 @@ class TempFile:
         for _ in range(_OPEN_RETRIES):
             path = tmp_dir / f"{prefix}{secrets.token_hex(12)}"
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            if try_lock_fd(fd) and os.stat(path).st_ino == os.fstat(fd).st_ino:
+            # A sweeper may lock, unlink and release the new file before we lock it: the
+            # lock then succeeds on a file with no name, so the name is checked after it.
+            if try_lock_fd(fd) and _names(path, fd):
                 self.path = path
                 self.fd = fd
                 self._done = False

@@ -202,6 +202,35 @@ def test_open_sweeps_dead_temp_files_but_not_live_ones(tmp_path: Path) -> None:
     assert not live.exists()
 
 
+def test_a_put_outlives_a_sweep_that_takes_its_new_temp_file_before_it_locks_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process's open sweeps ``tmp/`` while a put creates its temp file: between
+    the put's create and its lock the sweeper can lock, unlink and release the file. The
+    put's lock then succeeds on a nameless file, so it must notice and take a new name."""
+    import blobstore.durable as durable
+
+    store = Store.open(tmp_path / "s")
+    real_lock = durable.try_lock_fd
+    swept: list[str] = []
+    sweeping = False
+
+    def lock_after_a_sweep(fd: int) -> bool:
+        nonlocal sweeping
+        if sweeping:  # the sweeper's own lock
+            return real_lock(fd)
+        if not swept:
+            sweeping = True
+            swept.extend(durable.sweep_temp_dir(store.root / "tmp"))
+            sweeping = False
+        return real_lock(fd)
+
+    monkeypatch.setattr(durable, "try_lock_fd", lock_after_a_sweep)
+    blob_id = store.put_bytes(b"a put racing a sweep")
+    assert len(swept) == 1  # the sweep did take the first temp file
+    assert store.path(blob_id).read_bytes() == b"a put racing a sweep"
+
+
 # ---------------------------------------------------------------- partial blobs
 def test_partial_out_of_order_resume_and_publish(store: Store, check_consistent: Check) -> None:
     data = os.urandom(5 * C + 17)
