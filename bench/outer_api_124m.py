@@ -66,6 +66,14 @@ FIRST_STEPS = 5
 HOSTS = ("eu", "us", "asia")
 # Bounds that only stop a hang.
 WORKER_TIMEOUT = 3600
+# --overlap: rounds of steps a worker trains on after its last update while the final
+# state is agreed (a round's communication up to this many times its compute).
+OVERLAP_TAIL = 4
+# --sleep-step: each inner step moves every parameter by SLEEP_DRIFT times a unit-variance
+# direction (norm: an H-step update stays far under the model's, MAX_PARAM_RATIO), drawn
+# from SLEEP_SEED.
+SLEEP_DRIFT = 1e-5
+SLEEP_SEED = 1234
 
 
 def build(size: str) -> Any:
@@ -167,6 +175,35 @@ def step_seconds(cfg: dict[str, Any]) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def directions(model: Any, index: int) -> list[Any]:
+    """--sleep-step: per parameter, SLEEP_DRIFT times a direction shared by the workers
+    plus one of worker ``index``'s own (equal parts: the signs of two workers' updates
+    agree at a cosine of about 1/3, as honest workers' do, and no two are near copies)."""
+    import torch
+
+    shared = torch.Generator().manual_seed(SLEEP_SEED)
+    own = torch.Generator().manual_seed(SLEEP_SEED + 1 + index)
+    out = []
+    for p in model.parameters():
+        d = torch.randn(p.shape, generator=shared) + torch.randn(p.shape, generator=own)
+        out.append(d.mul_(SLEEP_DRIFT).to(device=p.device, dtype=p.dtype))
+    return out
+
+
+def sleep_step(model: Any, drift: list[Any], seconds: float) -> None:
+    """--sleep-step: one inner step that moves the parameters by ``drift`` (one add each)
+    and sleeps out the rest of ``seconds``, leaving the CPU free as a GPU worker's is."""
+    import torch
+
+    began = time.perf_counter()
+    with torch.no_grad():
+        for p, d in zip(model.parameters(), drift, strict=True):
+            p.add_(d)
+    left = seconds - (time.perf_counter() - began)
+    if left > 0:
+        time.sleep(left)
+
+
 def worker(cfg_path: str) -> None:
     import torch
 
@@ -180,8 +217,13 @@ def worker(cfg_path: str) -> None:
     model = make_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     data = batches(cfg["size"], cfg["batch"], cfg["seq"], seed=cfg["index"])
+    sleeping = cfg.get("sleep_step")
+    drift = directions(model, cfg["index"]) if sleeping else []
     losses: list[float] = []
     applied: list[float] = []  # when each of its rounds' closures was applied (monotonic)
+    # Per inner step, seen from the user's loop: seconds in the step itself, seconds in
+    # loop.step(), and whether that step() ended a round (the loop's own utilisation).
+    steps: list[tuple[float, float, bool]] = []
     started = time.monotonic()
     with (
         BlockingNode(
@@ -204,12 +246,23 @@ def worker(cfg_path: str) -> None:
         Path(cfg["addrs"]).write_text(json.dumps(node.addrs))
         loop.join()
         joined = time.monotonic()
-        for _ in range(cfg["rounds"] * cfg["inner_steps"] + 1):  # bounded
+        # Overlapped, the loop trains on after its last update until the final state
+        # comes: OVERLAP_TAIL more rounds' steps at most.
+        tail = OVERLAP_TAIL if cfg.get("overlap") else 0
+        for _ in range((cfg["rounds"] + tail) * cfg["inner_steps"] + 1):  # bounded
             if loop.finished:  # a joiner that caught up with the run's last state
                 break
-            loss = train_step(model, opt, next(data).to(cfg["device"])).item()
-            losses.append(loss)
-            if loop.step(loss):
+            began = time.perf_counter()
+            loss: float | None = None
+            if sleeping:
+                sleep_step(model, drift, sleeping)
+            else:
+                loss = train_step(model, opt, next(data).to(cfg["device"])).item()
+                losses.append(loss)
+            stepped = time.perf_counter()
+            ended = loop.step(loss)
+            steps.append((stepped - began, time.perf_counter() - stepped, ended))
+            if ended:
                 applied.append(time.monotonic())
             if loop.finished:
                 break
@@ -226,6 +279,7 @@ def worker(cfg_path: str) -> None:
                     "peak_rss_bytes": result.get("peak_rss_bytes"),
                     "final_root": result.get("final_root"),
                     "losses": losses,
+                    "steps": steps,
                 }
             )
         )
@@ -258,6 +312,21 @@ def main() -> None:
         action="store_true",
         help="worker i on CPU i mod the CPU count, all its threads: with as many workers "
         "as CPUs, each a one-core machine of its own",
+    )
+    parser.add_argument(
+        "--overlap",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="the spec's overlap: 1 trains the next round while a round is agreed",
+    )
+    parser.add_argument(
+        "--sleep-step",
+        type=float,
+        default=None,
+        metavar="S",
+        help="inner steps that sleep S seconds (after one add of a drift to the "
+        "parameters) instead of training: the CPU left free, as a GPU worker's is",
     )
     parser.add_argument("--check", action="store_true", help="fail unless the run is sound")
     parser.add_argument("--json-out", type=Path, default=None)
@@ -342,8 +411,6 @@ def _finish(
 def _run(args: Any, tb: Any) -> tuple[list[dict[str, Any]], int, list[str]]:
     """Init the run, start the workers (in the testbed's hosts with ``tb``), wait for all;
     (their outputs, the parameter count, what --check found wrong)."""
-    from safetensors.torch import save_file
-
     from blobstore import Store
     from identity import SoftwareSigner, load_key_file
     from training.outer.launch import prepare_run, worker_env
@@ -360,18 +427,21 @@ def _run(args: Any, tb: Any) -> tuple[list[dict[str, Any]], int, list[str]]:
             slots=args.workers + 1,
             kernel_class=kernel_class(_settings(args)),
         )
-        state = root / "initial.safetensors"
-        save_file({n: p.detach().contiguous() for n, p in model.named_parameters()}, str(state))
-        del model
         w0 = plan.workers[0]
-        spec, _ = init_run(
+        spec, _ = init_run(  # from the module: its tied names are the spec's aliases
             Store.open(w0.store),
             SoftwareSigner(load_key_file(w0.key)),
-            state,
+            model,
             run_id="b124",
             authorities=(plan.authority,),
-            options={"workers": args.workers, "inner_steps": args.inner_steps, "deadline": 30.0},
+            options={
+                "workers": args.workers,
+                "inner_steps": args.inner_steps,
+                "deadline": 30.0,
+                **({"overlap": args.overlap} if args.overlap else {}),
+            },
         )
+        del model
         spec_bytes = Store.open(w0.store).path(spec).read_bytes()
         procs: list[Any] = []
         bootstrap: list[str] = []
@@ -395,6 +465,8 @@ def _run(args: Any, tb: Any) -> tuple[list[dict[str, Any]], int, list[str]]:
                 "inner_steps": args.inner_steps,
                 "bootstrap": bootstrap,
                 "late": i == k,
+                "overlap": args.overlap,
+                "sleep_step": args.sleep_step,
                 "addrs": str(w.dir / "addrs.json"),
                 "out": str(w.dir / "out.json"),
                 "listen": "/ip4/127.0.0.1/tcp/0" if tb is None else f"/ip4/{tb.addr(host)}/tcp/0",
@@ -434,6 +506,8 @@ def _check(outs: list[dict[str, Any]], args: Any, plan: Any) -> list[str]:
         failures.append(f"the workers ended on {len(roots)} final roots: {sorted(map(str, roots))}")
     h = args.inner_steps
     for i, out in enumerate(outs[: args.workers]):  # a joiner may train one round only
+        if args.sleep_step:
+            break  # sleeping steps have no loss
         losses = out.get("losses", [])
         if len(losses) < 2 * h:
             failures.append(f"worker {i} took {len(losses)} steps, fewer than two rounds")
