@@ -91,9 +91,10 @@ Where the code is
 One module per job, in import order: ``handoff`` (point 1: the hand-off and
 :class:`OuterLoopError`), ``model`` (the user's model as float32 arrays, in and out;
 point 6's gather), ``scoring`` (point 4), ``user_trainer`` (the worker's trainer for the
-user's loop), ``driven`` (point 7: :class:`InnerStep` and the trainers the library drives),
-``core`` (what both faces share, and the worker's task), ``blocking``
-(:class:`OuterLoop`) and ``trio_face`` (:func:`open_outer_loop`).
+user's loop), ``overlap`` (an overlapped round's end, on a thread of its own), ``driven``
+(point 7: :class:`InnerStep` and the trainers the library drives), ``core`` (what both
+faces share, and the worker's task), ``blocking`` (:class:`OuterLoop`) and ``trio_face``
+(:func:`open_outer_loop`).
 """
 
 from training.outer.api.blocking import OuterLoop

@@ -287,9 +287,7 @@ class OuterLoop:
                 core.wait_base()  # point 9: at most one round ahead
                 if core.finished:
                     return True
-            core.send()
-            core.keep(self._node.store)
-            core.launch()
+            core.launch(self._node.store)  # point 9: the round's end behind the steps
             return True
         sent = core.send(gathered_state(core.model.module) if self._sharded else None)
         if self._group is None:
@@ -316,6 +314,8 @@ class OuterLoop:
         core = self._core
         if core.driven is not None or self._group is not None:
             raise OuterLoopError("restore() is for a loop whose steps are yours, in one process")
+        if core.in_flight:
+            core.wait_base()  # point 9: the round's start state is the one to come
         core.restore()
 
     def _take_round(self, sent: tuple[float, float]) -> None:
@@ -359,5 +359,6 @@ class OuterLoop:
 
     def close(self) -> None:
         self._core.handoff.close()
+        self._core.close()
         if self._thread is not None:
             self._thread.join(timeout=60)

@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from training.outer.api.driven import DrivenTrainers, InnerStep, check_step, peer_shard
 from training.outer.api.handoff import HANDOFF_WAIT, Handoff, OuterLoopError
 from training.outer.api.model import UserModel
+from training.outer.api.overlap import RoundEnd
 from training.outer.api.resume import (
     check_optimizer,
+    copy_optimizer,
     load_optimizer,
     read_checkpoint,
     write_checkpoint,
@@ -32,9 +34,12 @@ if TYPE_CHECKING:
 
 
 class RoundTiming(NamedTuple):
-    """Point 9: one round of a loop, in seconds. Utilisation is compute / (compute +
-    waited); ``overlapped`` is the previous round's communication that ran while this
-    round's steps did (0 for blocking rounds)."""
+    """Point 9: one round of a loop, in seconds: ``compute``, the user's own time between
+    its ``step()`` calls; ``waited``, its time inside them on the round's end (blocking:
+    the update made, the round agreed, the state in the model; overlapped: the model
+    copied, the state waited for and added). Utilisation is compute / (compute + waited);
+    ``overlapped`` is the previous round's communication that ran while this round's
+    steps did (0 for blocking rounds)."""
 
     compute: float
     waited: float
@@ -114,14 +119,16 @@ class Core:
         self.timings: list[RoundTiming] = []
         self.adopted_at = 0.0
         self.steps_done_at = 0.0
-        # Point 9, overlapped rounds: what the model's drift is taken against (the end of
-        # the round sent, then each state moved to), whether a sent round's state is still
-        # to come, when it was sent, and the seconds waited in this round.
+        # Point 9, overlapped rounds: the round's end in flight (training.outer.api.overlap),
+        # what the model's drift is taken against once a state was moved to, when the
+        # round's end was started and its state taken, and this round's seconds in step()
+        # adding states (within its steps) and at its end (waiting, copying).
         self.overlap = spec.overlap
+        self.ending: RoundEnd | None = None
         self.base: tuple[dict[str, F32], dict[str, F32]] | None = None
-        self.in_flight = False
         self.sent_at = 0.0
         self.arrived_at = 0.0
+        self.applying = 0.0
         self.waited = 0.0
 
     @property
@@ -145,22 +152,51 @@ class Core:
         self.losses = []
         return True
 
+    @property
+    def in_flight(self) -> bool:
+        """Point 9: a round's end runs behind the user's steps."""
+        return self.ending is not None
+
     def poll(self) -> None:
         """Point 9, at a step boundary: take a state that has come, never waiting."""
-        if self.overlap and self.base is not None:
+        if not self.overlap:
+            return
+        began = time.monotonic()
+        if self.ending is not None:
+            if self.ending.done.is_set():
+                self.take_end(0.0)
+        elif self.base is not None:  # a state posted after the one moved to
             got = self.handoff.poll_state()
             if got is not None:
                 self.move_to(got)
             elif self.handoff.finished:
                 self.finished = True
+        self.applying += time.monotonic() - began
+
+    def take_end(self, timeout: float) -> None:
+        """Point 9: once the round's end has ended (waiting at most ``timeout``), its state
+        into the model (its shift added, or the run's final state whole)."""
+        assert self.ending is not None
+        got = self.ending.result(timeout)
+        ending, self.ending = self.ending, None
+        self.arrived_at = ending.arrived_at
+        if got is None:
+            self.finished = True
+            return
+        state, root = got
+        if ending.final:  # the run's end holds no drift
+            self.model.load(state)
+            self.finished = True
+        else:
+            self.model.add(ending.snapshot)  # S_{r+1} - E_r (overlap point 2)
+        self.state, self.root = state, root
+        self.base = (state.params, state.buffers)
 
     def move_to(self, got: tuple[OuterState, str]) -> None:
-        """Point 9: the model holds ``got``'s state plus its drift since the base; the
+        """Point 9: a state posted after the one the model moved to (that one's closure
+        was beaten): the model holds ``got``'s state plus its drift since the base; the
         run's final state replaces it whole (the run's end holds no drift)."""
         state, root = got
-        if self.in_flight:
-            self.arrived_at = time.monotonic()
-            self.in_flight = False
         with self.handoff.cond:
             final = self.handoff.finished and self.handoff.taken
         assert self.base is not None
@@ -174,24 +210,41 @@ class Core:
 
     def wait_base(self) -> None:
         """Point 9: this round's update is due and the state it is taken against has not
-        come (the overlap allowed is used up): wait for it, counting the wait."""
+        come (the overlap allowed is used up): wait for the round's end, counting the wait."""
         began = time.monotonic()
-        got = self.handoff.wait_state(HANDOFF_WAIT)
-        if got is None:
-            self.finished = True
-        else:
-            self.move_to(got)
+        self.take_end(HANDOFF_WAIT)
         self.waited += time.monotonic() - began
 
-    def launch(self) -> None:
-        """Point 9: the round's update is out; train on from here at once."""
-        self.base = self.model.snapshot()
-        self.in_flight = True
+    def launch(self, store: Any) -> None:
+        """Point 9: the round's H steps are done: copy the model (and the inner optimizer's
+        state), start the round's end behind the user's steps and train on at once."""
+        began = time.monotonic()
+        state, root, losses, author = self.state, self.root, self.losses, self.author
+        assert state is not None
+        snapshot = self.model.snapshot()
+        saved = None if self.optimizer is None else copy_optimizer(self.optimizer)
+        params, buffers = snapshot
+        trainer, run = self.trainer, self.spec.run
+        self.ending = RoundEnd(
+            self.handoff,
+            root,
+            make=lambda: trainer.make(state, root, author, losses, params, buffers),
+            keep=lambda: write_checkpoint(
+                store,
+                run=run,
+                peer=author,
+                round_=state.round,
+                residual=trainer.feedback.residual,
+                optimizer=saved,
+            ),
+            snapshot=snapshot,
+        )
+        self.ending.start()
         now = time.monotonic()
         self.timings.append(
             RoundTiming(
-                compute=self.steps_done_at - self.adopted_at - self.waited,
-                waited=self.waited,
+                compute=self.steps_done_at - self.adopted_at - self.applying,
+                waited=self.applying + self.waited + now - began,
                 overlapped=max(0.0, min(self.arrived_at, self.steps_done_at) - self.sent_at)
                 if self.sent_at
                 else 0.0,
@@ -199,9 +252,14 @@ class Core:
         )
         self.sent_at = self.adopted_at = now
         self.arrived_at = 0.0
-        self.waited = 0.0
+        self.applying = self.waited = 0.0
         self.steps = 0
         self.losses = []
+
+    def close(self) -> None:
+        """The round's end in flight, if any, ends (the hand-off is closed first)."""
+        if self.ending is not None:
+            self.ending.join(60)
 
     def count(self, loss: float | None) -> bool:
         """One inner step done; True when it was the H-th (the round's update is due)."""

@@ -60,16 +60,19 @@ class Handoff:
             self.cond.notify_all()
 
     def wait_state(self, timeout: float) -> tuple[OuterState, str] | None:
-        """The next state not yet taken (None: the run finished)."""
+        """The next state not yet taken (None: the run finished; :class:`Closed`: the loop
+        was closed first)."""
         give_up = time.monotonic() + timeout
         with self.cond:
-            while self.taken and not self.finished and self.error is None:
+            while self.taken and not self.finished and self.error is None and not self.closed:
                 left = give_up - time.monotonic()
                 if left <= 0:
                     raise OuterLoopError(f"no outer state within {timeout:.0f}s")
                 self.cond.wait(left)
             if self.error is not None:
                 raise OuterLoopError(f"the outer-loop worker stopped: {self.error}")
+            if self.taken and not self.finished:
+                raise Closed
             if self.taken:
                 return None
             assert self.state is not None

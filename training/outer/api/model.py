@@ -67,6 +67,20 @@ class UserModel:
         }
         load_into(self.module, moved, self.reset)
 
+    def add(self, shift: tuple[Mapping[str, F32], Mapping[str, F32]]) -> None:
+        """Point 9's correction, computed ahead (``training.outer.api.overlap``): the
+        parameters and floating buffers move by ``shift`` (float32 arrays of S_{r+1} - E_r);
+        the run's integer buffers are reset as with every state."""
+        import torch
+
+        params, buffers = shift
+        with torch.no_grad():
+            for name, p in trainable(self.module).items():
+                if not is_sharded(p):
+                    p.add_(torch.from_numpy(params[name]).to(p.device, p.dtype))
+        moved = {n: now + buffers[n] for n, now in self.buffers().items()}
+        load_into(self.module, moved, self.reset)
+
     def load_fixed(self, fixed: Mapping[str, Any]) -> None:
         load_into(self.module, {}, fixed)
         buffers = {name for name, _ in self.module.named_buffers()}

@@ -12,7 +12,11 @@ own each round, and how a restarted one takes it back.
 2. **When.** In ``step()``, after the update is handed to the worker and while the round is
    agreed: the residual and the optimizer's state only change in the user's thread, which
    is inside ``step()`` until the next state is in the model, so the checkpoint is of one
-   moment without a copy. Its write overlaps the round's communication.
+   moment without a copy. Its write overlaps the round's communication. An overlapped
+   round's end (``training.outer.api.overlap``) writes it on its own thread while the
+   user's loop steps the optimizer on: the optimizer's state is copied first
+   (:func:`copy_optimizer`, in the user's thread), and the residual is only changed by the
+   next round's end, which starts after this one ended.
 3. **Taking it back** (``resume=True``): the checkpoint must be of this run and this peer,
    and fit the model and optimizer (names, shapes; the optimizer's parameter groups); else
    one line says what differs. The worker then joins from the run's tip; its next update
@@ -105,6 +109,22 @@ def _split_optimizer(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
     return tensors, {"state": rest, "param_groups": groups}
 
 
+@dataclass(frozen=True)
+class OptimizerCopy:
+    """An inner optimizer's state at one moment (point 2): its tensors copied (by
+    ``optimizer/<index>/<key>``), the rest as JSON, and its kind."""
+
+    tensors: dict[str, Any]
+    rest: dict[str, Any]
+    kind: str
+
+
+def copy_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerCopy:
+    """Point 2: ``optimizer``'s state now, for a checkpoint written while it steps on."""
+    held, rest = _split_optimizer(optimizer.state_dict())
+    return OptimizerCopy({n: t.clone() for n, t in held.items()}, rest, _kind(optimizer))
+
+
 def _kind(optimizer: torch.optim.Optimizer) -> str:
     return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
 
@@ -122,19 +142,22 @@ def write_checkpoint(
     peer: str,
     round_: int,
     residual: Mapping[str, F32],
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: torch.optim.Optimizer | OptimizerCopy | None,
 ) -> Path:
     """Point 1: the checkpoint, durably replacing the one before; returns its path. Each
-    tensor is written from its own memory (``module_state.write_safetensors``)."""
+    tensor is written from its own memory (``module_state.write_safetensors``).
+    ``optimizer``: the inner optimizer, or a copy of its state (:func:`copy_optimizer`)."""
     from blobstore.durable import TempFile
     from training.outer.module_state import write_safetensors
 
     tensors: dict[str, Any] = {f"residual/{n}": v for n, v in residual.items()}
     meta: dict[str, Any] = {"v": RESUME_VERSION, "run": run, "peer": peer, "round": round_}
     if optimizer is not None:
-        held, rest = _split_optimizer(optimizer.state_dict())
-        tensors.update(held)
-        meta["optimizer"] = {**rest, "kind": _kind(optimizer)}
+        if not isinstance(optimizer, OptimizerCopy):
+            held, rest = _split_optimizer(optimizer.state_dict())
+            optimizer = OptimizerCopy(held, rest, _kind(optimizer))
+        tensors.update(optimizer.tensors)
+        meta["optimizer"] = {**optimizer.rest, "kind": optimizer.kind}
     target = checkpoint_path(store, run)
     with TempFile(Path(store.tmp_dir)) as tmp:
         write_safetensors(tmp.fd, tensors, {RESUME_METADATA_KEY: json.dumps(meta, sort_keys=True)})

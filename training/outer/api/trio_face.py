@@ -114,9 +114,7 @@ class AsyncOuterLoop:
                 )
                 if core.finished:
                     return True
-            core.send()
-            await trio.to_thread.run_sync(core.keep, self._node.store)
-            core.launch()
+            core.launch(self._node.store)  # point 9: the round's end behind the steps
             return True
         sent = core.send()
         await trio.to_thread.run_sync(core.keep, self._node.store)
@@ -194,3 +192,4 @@ async def open_outer_loop(
             yield AsyncOuterLoop(core, nursery, node, key, Path(certificate), out, resume)
         finally:
             core.handoff.close()
+            await trio.to_thread.run_sync(core.close)  # point 9: the round's end, if any

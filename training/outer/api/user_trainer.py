@@ -70,9 +70,11 @@ class LoopTrainer:
         author: str,
         losses: list[float],
         current: dict[str, F32] | None = None,
+        current_buffers: dict[str, F32] | None = None,
     ) -> Trained:
         """The user's side of a round's end: the update from S_r to the model now
-        (``current``: its parameters, where the caller gathered them)."""
+        (``current``: its parameters, where the caller gathered or copied them;
+        ``current_buffers``: its floating buffers, copied with them)."""
         from training.outer.aggregate import wrap_update
         from training.outer.loop import make_update
         from training.outer.trainer import Trained
@@ -80,7 +82,9 @@ class LoopTrainer:
         # Read in place: the user's loop waits in step() until the update is made.
         now = self.model.views() if current is None else current
         payload = make_update(state.params, now, self.feedback)
-        buffers = self.model.buffers() if state.buffers else None
+        buffers = None
+        if state.buffers:
+            buffers = self.model.buffers() if current_buffers is None else current_buffers
         update = wrap_update(
             payload, round_=state.round, start_root=root, author=author, buffers=buffers
         )
