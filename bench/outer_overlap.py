@@ -3,13 +3,15 @@ testbed, at compute-to-communication ratios set by H: the utilisation curve.
 
 Every point runs ``bench/outer_api_124m.py``'s workers (three ``OuterLoop`` processes, eu,
 us and asia, one each, the same model and data) twice at the same H and rounds: blocking
-(overlap 0) and overlapped (overlap 1). A round's communication, C, is what a blocking
-loop waits at a round's end (the update made, the round agreed, the state in the model),
-measured in a calibration run; ratio x runs H = round(x * C / t) steps of t seconds each.
-Two settings of the inner step, each printed with its name:
+(overlap 0) and overlapped (overlap 1). The ratio is set by H, the model and the links
+fixed: a round's communication, C, is what a blocking loop waits at a round's end (the
+update made, the round agreed, the state in the model), and t one inner step's seconds,
+both measured in a blocking calibration run of each setting; ratio x runs H = round(x * C /
+t) steps. Each point also prints the ratio it got (its compute over the blocking run's
+wait at that H). Two settings of the inner step, each printed with its name:
 
 - ``sleep``: each step adds a fixed drift to the parameters and sleeps for the rest of the
-  real step's time t (timed alone): the CPU is left to the worker's own work (encode,
+  real step's time (timed alone): the CPU is left to the worker's own work (encode,
   aggregate, apply), as a GPU worker's would be. The goals are read here. No loss.
 - ``cpu``: the real model's inner step (AdamW on Zipf tokens) on the CPU, the workers and
   their nodes sharing the machine's cores. The loss is this setting's.
@@ -53,6 +55,8 @@ SETTINGS = ("sleep", "cpu")
 # (long enough that the three workers' rounds start apart by less than a step).
 CALIBRATION_COMPUTE = 10.0
 CALIBRATION_ROUNDS = 4
+# Issue 46's goal where a round's communication is no longer than its compute.
+GOAL = 0.99
 
 
 def run_point(
@@ -163,6 +167,7 @@ def summarise(
         "util_loop": median("util_loop"),
         "util_timings": median("util_timings"),
         "min_util_loop": min((key_of(row, "util_loop") for row in inner), default=math.nan),
+        "at_goal": sum(key_of(row, "util_loop") >= GOAL for row in inner),
         "waited": median("waited"),
         "in_loop": median("in_loop"),
         "comm": median("comm"),
@@ -181,50 +186,58 @@ def key_of(row: dict[str, Any], key: str) -> float:
     return float(row[key])
 
 
-def calibrate(args: argparse.Namespace, tb: Any, done: dict[str, Any]) -> tuple[float, float]:
-    """(t, C): one real inner step's seconds alone, and a blocking round's communication
-    (the median seconds ``step()`` waited, sleeping steps)."""
-    step_s = args.step_seconds or done.get("step_s")
-    if not step_s:
-        cfg = {k: getattr(args, k) for k in ("size", "batch", "seq", "lr")}
-        step_s = api_bench.step_seconds({**cfg, "device": "cpu", "dtype": "float32", "threads": 1})
-        print(f"calibrated: one inner step alone {step_s:.3f} s", flush=True)
-    comm = args.comm_seconds or done.get("comm_s")
-    if not comm:
-        h = max(1, math.ceil(CALIBRATION_COMPUTE / step_s))
-        saved = args.rounds
-        args.rounds = CALIBRATION_ROUNDS
-        point = run_point(args, tb, setting="sleep", overlap=0, inner_steps=h, step_s=step_s)
+def step_alone(args: argparse.Namespace) -> float:
+    """One real inner step's seconds, alone on the machine (what a sleeping step sleeps)."""
+    if args.step_seconds:
+        return float(args.step_seconds)
+    cfg = {k: getattr(args, k) for k in ("size", "batch", "seq", "lr")}
+    step_s = api_bench.step_seconds({**cfg, "device": "cpu", "dtype": "float32", "threads": 1})
+    print(f"calibrated: one inner step alone {step_s:.3f} s", flush=True)
+    return step_s
+
+
+def calibrate(args: argparse.Namespace, tb: Any, setting: str, alone: float) -> dict[str, float]:
+    """``setting``'s t (an inner step's median seconds in a run) and C (the median seconds
+    a blocking ``step()`` waited at a round's end), from a blocking run of
+    CALIBRATION_ROUNDS rounds of about CALIBRATION_COMPUTE seconds (steps timed alone)."""
+    if args.comm_seconds:
+        return {"step_s": alone, "comm_s": args.comm_seconds}
+    h = max(1, math.ceil(CALIBRATION_COMPUTE / alone))
+    saved = args.rounds
+    args.rounds = CALIBRATION_ROUNDS
+    try:
+        point = run_point(args, tb, setting=setting, overlap=0, inner_steps=h, step_s=alone)
+    finally:
         args.rounds = saved
-        comm = point["waited"]
-        print(
-            f"calibrated: a blocking round waits {comm:.2f} s (H = {h}, sleeping steps, "
-            f"median of {point['samples']} rounds)",
-            flush=True,
-        )
-    return float(step_s), float(comm)
+    step_s = alone if setting == "sleep" else point["in_steps"] / h
+    print(
+        f"calibrated {setting}: an inner step {step_s:.2f} s, a blocking round waits "
+        f"{point['waited']:.2f} s (H = {h}, median of {point['samples']} rounds)",
+        flush=True,
+    )
+    return {"step_s": step_s, "comm_s": point["waited"]}
 
 
-def table(points: list[dict[str, Any]], comm_s: float) -> list[str]:
-    """The curve as a markdown table, one row per setting, ratio and mode."""
+def table(points: list[dict[str, Any]]) -> list[str]:
+    """The curve as a markdown table, one row per setting, ratio and mode; "got" is the
+    point's compute over the wait of the blocking run at the same H."""
+    blocking = {(p["setting"], p["ratio"]): p for p in points if not p["overlap"]}
     lines = [
-        "| setting | ratio | H | mode | compute_s | comm_s | waited_s | util (loop) | "
-        "util (timings) | min util (loop) | loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| setting | ratio | got | H | mode | compute_s | comm_s | waited_s | util (loop) | "
+        "util (timings) | min util (loop) | rounds >= 99% | loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in sorted(points, key=lambda p: (p["setting"] != "sleep", p["ratio"], p["overlap"])):
         mode = "overlap 1" if p["overlap"] else "blocking"
         loss = "-" if math.isnan(p["loss"]) else f"{p['loss']:.3f}"
+        base = blocking.get((p["setting"], p["ratio"]))
+        got = f"{p['in_steps'] / base['waited']:.2f}" if base else "-"
         lines.append(
-            f"| {p['setting']} | {p['ratio']:g} | {p['inner_steps']} | {mode} | "
+            f"| {p['setting']} | {p['ratio']:g} | {got} | {p['inner_steps']} | {mode} | "
             f"{p['in_steps']:.1f} | {p['comm']:.1f} | {p['waited']:.2f} | "
             f"{p['util_loop']:.1%} | {p['util_timings']:.1%} | {p['min_util_loop']:.1%} | "
-            f"{loss} |"
+            f"{p['at_goal']}/{p['samples']} | {loss} |"
         )
-    lines.append(
-        f"\nratio: compute / C, C = {comm_s:.2f} s (a blocking round's wait, calibrated); "
-        "medians over 3 workers x rounds 1..R-2"
-    )
     return lines
 
 
@@ -264,20 +277,29 @@ def main() -> None:
         if held.get("settings") == key:
             done = held
     points: list[dict[str, Any]] = list(done.get("points", []))
+    calibrations: dict[str, dict[str, float]] = dict(done.get("calibrations", {}))
+    alone = done.get("step_alone_s") or step_alone(args)
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    with Testbed(three_continents(mbit=args.wan_mbit)) as tb:
-        step_s, comm_s = calibrate(args, tb, done)
 
-        def save() -> None:
-            args.json_out.write_text(
-                json.dumps(
-                    {"settings": key, "step_s": step_s, "comm_s": comm_s, "points": points},
-                    indent=1,
-                )
+    def save() -> None:
+        args.json_out.write_text(
+            json.dumps(
+                {
+                    "settings": key,
+                    "step_alone_s": alone,
+                    "calibrations": calibrations,
+                    "points": points,
+                },
+                indent=1,
             )
+        )
 
-        save()
+    with Testbed(three_continents(mbit=args.wan_mbit)) as tb:
         for setting in settings:
+            if setting not in calibrations:
+                calibrations[setting] = calibrate(args, tb, setting, alone)
+                save()
+            step_s, comm_s = calibrations[setting]["step_s"], calibrations[setting]["comm_s"]
             for ratio in ratios:
                 h = max(1, round(ratio * comm_s / step_s))
                 for overlap in modes:
@@ -287,15 +309,20 @@ def main() -> None:
                     ):
                         continue
                     point = run_point(
-                        args, tb, setting=setting, overlap=overlap, inner_steps=h, step_s=step_s
+                        args, tb, setting=setting, overlap=overlap, inner_steps=h, step_s=alone
                     )
                     point["ratio"] = ratio
                     points.append(point)
                     save()
-                    print("\n".join(table([point], comm_s)[2:3]), flush=True)
+                    print("\n".join(table([point])[2:3]), flush=True)
                     for failure in point["failures"]:
                         print(f"  CHECK FAILED: {failure}", flush=True)
-    print("\n".join(table(points, comm_s)))
+    print("\n".join(table(points)))
+    for setting, cal in calibrations.items():
+        print(
+            f"{setting}: C = {cal['comm_s']:.2f} s, t = {cal['step_s']:.2f} s (calibrated); "
+            "medians over 3 workers x rounds 1..R-2"
+        )
     print(f"wrote {args.json_out}")
 
 
