@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextvars
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 from libp2p.custom_types import TProtocol
@@ -41,14 +41,12 @@ from p2p.blob.swarm import Listed
 from p2p.blob.ticket import validate_peer_addr
 from p2p.errors import BadAddress, PeerUnreachable
 from p2p.fetch.striping import StripeConfig
-from p2p.nat.punch import PunchJobs
-from p2p.nat.relay import nat_services, parse_circuit_addr
+from p2p.nat.punch import DEFAULT_PUNCH_TIMEOUT, PunchJobs
+from p2p.nat.relay import direct_connection, nat_services, parse_circuit_addr
 from p2p.node.admission import present
 from p2p.transport import patches
 from p2p.transport.fast import connection_rtt
-
-if TYPE_CHECKING:
-    from p2p.node.node import NodeConfig
+from p2p.transport.fast.upgrade import on_tcp_dialled
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +76,14 @@ PREFERRED_CONNECTION: contextvars.ContextVar[Any] = contextvars.ContextVar(
 
 
 def choose_connections(swarm: Any, control: Callable[[Any, list[Any]], Any] | None = None) -> bool:
-    """Let `Node.open_blob_stream` pick which of a peer's connections a new stream uses.
+    """Let `Connections.open_blob_stream` pick which of a peer's connections a new stream uses.
 
     py-libp2p 0.8.1's ``Swarm.new_stream`` picks one with ``_select_connection`` (by
     default the one with the most streams, which would pile every stream onto one TCP
     connection). Wrapping it keeps the rest of ``new_stream`` (resource accounting,
     retries, protocol negotiation) as py-libp2p does it. A stream with no preferred
     connection goes where ``control(peer_id, connections)`` says, when it names one:
-    the control lane, which carries no bulk data (`Node._control_connection`). False if
+    the control lane, which carries no bulk data (`Connections._control_connection`). False if
     this py-libp2p has no such hook: streams then go where it puts them, and fetches do
     not stripe."""
 
@@ -106,21 +104,45 @@ def choose_connections(swarm: Any, control: Callable[[Any, list[Any]], Any] | No
 
 
 class Connections:
-    """Dials, blob streams and lanes (see :mod:`p2p.node.connections`); a base of
-    :class:`p2p.node.node.Node`, which sets these attributes."""
+    """A node's dials, blob streams and lanes (see :mod:`p2p.node.connections`): it owns
+    the lanes each provider has, the addresses they are dialled at, and the hole punches
+    (``punches``). ``background``: the node's nursery, for lanes dialled beside a handshake
+    and the NAT services (None: neither outlives the call that needs it)."""
 
-    host: Any
-    config: NodeConfig
-    dht: KadDHT | None
-    punches: PunchJobs
-    _lanes: dict[str, list[Any]]
-    _striping: bool
-    _dialled: dict[str, Multiaddr]
-    _lanes_wanted: set[str]
-    _early_lanes: dict[str, trio.Event]
-    _unstripeable: set[str]
-    _background: trio.Nursery | None
-    _nat_up: trio.Event | None
+    def __init__(
+        self,
+        host: Any,
+        dht: KadDHT | None,
+        *,
+        stripe: StripeConfig,
+        certificate: bytes | None = None,
+        relayed_fetch: bool = False,
+        punch_timeout: float = DEFAULT_PUNCH_TIMEOUT,
+        background: trio.Nursery | None = None,
+    ) -> None:
+        self.host = host
+        self.dht = dht
+        self.stripe = stripe
+        self.certificate = certificate
+        self.relayed_fetch = relayed_fetch
+        self.punch_timeout = punch_timeout
+        self.punches = PunchJobs()
+        self._background = background
+        self._nat_up: trio.Event | None = None
+        # Extra connections per peer that fetches stripe streams over (lane 1, 2, ...);
+        # lane 0 is whichever connection the swarm had first.
+        self._lanes: dict[str, list[Any]] = {}
+        self._striping = choose_connections(host.get_network(), self._control_connection)
+        self._dialled: dict[str, Multiaddr] = {}
+        # Providers being dialled to fetch from (`connect(..., lanes=True)`): once the TCP
+        # connect of the first connection is up, its RTT says how many bulk lanes to dial
+        # (StripeConfig.early_lanes), beside its Noise handshake rather than after it.
+        self._lanes_wanted: set[str] = set()
+        self._early_lanes: dict[str, trio.Event] = {}  # peer -> those lanes are dialled
+        # Peers reached by hole punching or through a relay: no second connection can be
+        # dialled to them (their NAT drops unasked SYNs), so fetches do not stripe them.
+        self._unstripeable: set[str] = set()
+        on_tcp_dialled(host, self._on_tcp_dialled)
 
     @property
     def peer_id(self) -> str:
@@ -164,9 +186,9 @@ class Connections:
             self._lanes_wanted.discard(peer)
         if info.addrs:
             self._dialled[peer] = info.addrs[0]
-        if self.config.certificate is not None:
+        if self.certificate is not None:
             # Once per connection, to nodes that serve admitted peers only (admission rule 2).
-            await present(self.host, peer, self.config.certificate)
+            await present(self.host, peer, self.certificate)
         if self.dht is not None:
             try:
                 # Bounded: a full routing-table bucket makes py-libp2p ping its oldest peer.
@@ -187,9 +209,9 @@ class Connections:
             addr,
             self._background,
             now=trio.current_time(),
-            certificate=self.config.certificate,
-            allow_relayed=self.config.relayed_fetch,
-            punch_timeout=self.config.punch_timeout,
+            certificate=self.certificate,
+            allow_relayed=self.relayed_fetch,
+            punch_timeout=self.punch_timeout,
         )
         if punch.path == "failed":
             raise PeerUnreachable(punch.reason)
@@ -216,6 +238,26 @@ class Connections:
 
     def connected_peers(self) -> list[str]:
         return [str(p) for p in self.host.get_connected_peers()]
+
+    def may_fetch_from(self, peer: str) -> bool:
+        """Whether a provider candidate may be asked for blobs now: not while the only
+        connection to it runs through a relay (a punch still in flight keeps it open),
+        unless ``relayed_fetch``; else the blob would cross the relay. Once the punch
+        lands, a later discovery pass (or a retry) offers the peer again."""
+        if self.relayed_fetch or peer not in self.connected_peers():
+            return True
+        return direct_connection(self.host, ID.from_base58(peer)) is not None
+
+    def circuit_addrs(self, peer: str) -> list[str]:
+        """Circuit addresses a provider (found on the DHT) is known by, if we are not
+        connected to it: a NATed provider is reachable only through them."""
+        if peer in self.connected_peers():
+            return []
+        try:
+            addrs = [str(a) for a in self.host.get_peerstore().addrs(ID.from_base58(peer))]
+        except Exception:  # no addresses known
+            return []
+        return [a for a in addrs if "/p2p-circuit" in a and a.endswith(f"/p2p/{peer}")]
 
     async def open_blob_stream(
         self, peer: str, *, pipelined: bool = False, tentative: bool = False
@@ -361,7 +403,7 @@ class Connections:
         if peer not in self._lanes_wanted or self._background is None:
             return
         self._lanes_wanted.discard(peer)
-        count = self.config.stripe.early_lanes(rtt) - len(self._live_lanes(peer))
+        count = self.stripe.early_lanes(rtt) - len(self._live_lanes(peer))
         if count <= 0 or not self._striping or peer in self._unstripeable:
             return
         ms = (rtt or 0.0) * 1e3

@@ -15,36 +15,36 @@
    reachable only through a relay is not fetched from unless ``relayed_fetch``.
 6. Without a DHT, a fetch whose every provider refused us for want of admission ends at
    once, with each refusal's line.
+
+:class:`Fetches` runs fetches on the node's other parts (its connections and provider
+records, given to it); :class:`FetchRecords` keeps what they leave behind for the operator
+and for later errors; :class:`NodeNetwork` is what a download sees of the node.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import trio
-from libp2p.peer.id import ID
 
 from blobstore import BlobNotFound, Store, parse_blob_id
 from p2p.blob.pacing import Pacer
-from p2p.blob.server import BlobServer
-from p2p.blob.swarm import PEX_DIAL_PARALLELISM, PexBook
+from p2p.blob.swarm import PEX_DIAL_PARALLELISM, FetchingBoard, PexBook
 from p2p.blob.ticket import Ticket
 from p2p.errors import BadAddress, FetchFailed, NoProviders, PeerUnreachable, unwrap_single
-from p2p.fetch.downloader import Progress, ProgressCallback, download_blob
+from p2p.fetch.download_parts import Progress, ProgressCallback
+from p2p.fetch.downloader import download_blob
 from p2p.fetch.scheduler import SchedulerConfig
 from p2p.fetch.scores import PeerScores
+from p2p.fetch.striping import StripeConfig
 from p2p.metrics import Metrics
-from p2p.names import service as names
-from p2p.nat.relay import direct_connection
+from p2p.names.record import is_name_ref
 from p2p.node.admission import UNADMITTED
 from p2p.node.connections import Connections
-from p2p.node.providing import Providing
-
-if TYPE_CHECKING:
-    pass
+from p2p.node.providing import ProviderRecords
 
 log = logging.getLogger(__name__)
 
@@ -73,22 +73,187 @@ PEX_QUIET_GRACE = 3.0
 # per provider (its circuit addresses name one per relay).
 MAX_DHT_PUNCHES = 16
 MAX_RELAYS_PER_PROVIDER = 4
+# The first DHT lookups of a fetch come this soon after each other, then ever less often
+# (a provider may announce itself late), at most every MAX_DISCOVERY_PAUSE seconds.
+FIRST_DISCOVERY_PAUSE = 0.25
+MAX_DISCOVERY_PAUSE = 4.0
+
+# Resolves a ``PUBLISHER/NAME`` reference to the blob ID its newest record names.
+NameResolver = Callable[[str], Awaitable[str]]
 
 
-class Fetching(Connections, Providing):
-    """Fetches (see :mod:`p2p.node.fetching`); a base of :class:`p2p.node.node.Node`,
-    which sets these attributes."""
+@dataclass(frozen=True)
+class FetchSettings:
+    """The node's settings a fetch reads (their meaning: p2p.node.node.NodeConfig)."""
 
-    store: Store
-    server: BlobServer
-    scores: PeerScores
-    metrics: Metrics
-    transfers: dict[str, Progress]
-    refusals: dict[str, str]
-    bad_chunks_total: int
-    bad_chunks: dict[str, int]
-    download_pacer: Pacer | None
-    _refusal: trio.Event
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    stripe: StripeConfig = field(default_factory=StripeConfig)
+    discovery_timeout: float = 10.0
+    verify_local: bool = True
+    peer_exchange: bool = True
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's settings, with peer exchange's caps (SWARM_*) where they are
+        not set."""
+        config = self.scheduler
+        if not self.peer_exchange:
+            return config
+        return replace(
+            config,
+            max_request_seconds=config.max_request_seconds or SWARM_REQUEST_SECONDS,
+            unmeasured_batch_bytes=config.unmeasured_batch_bytes or SWARM_UNMEASURED_BATCH_BYTES,
+            defer_to_partial_holders=True,
+        )
+
+
+class FetchRecords:
+    """What a node's fetches leave for its operator (p2p.metrics, ``blob status``) and for
+    the errors of later fetches: the latest progress of each fetch in flight, the chunks
+    that failed their hash by sender, and the providers that refused us for want of
+    admission (p2p.node.admission rule 3), each bounded."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.transfers: dict[str, Progress] = {}  # blob ID -> its latest progress
+        self.refusals: dict[str, str] = {}  # peer -> its refusal's line
+        # Chunks received that failed their hash, in all and by the latest senders (at most
+        # MAX_BAD_PEERS named).
+        self.bad_chunks_total = 0
+        self.bad_chunks: dict[str, int] = {}
+        self._refusal = trio.Event()
+
+    def bad_chunk(self, peer: str) -> None:
+        """``peer`` sent a chunk that failed its hash (the download bans it)."""
+        self.bad_chunks_total += 1
+        self.bad_chunks[peer] = self.bad_chunks.pop(peer, 0) + 1
+        if len(self.bad_chunks) > MAX_BAD_PEERS:
+            del self.bad_chunks[next(iter(self.bad_chunks))]
+
+    def refused(self, peer: str, message: str) -> None:
+        """A provider answered an error (p2p.fetch.download_parts.RefusalAware): remember an
+        admission refusal (bounded: one line per peer, MAX_REFUSALS peers)."""
+        if not message.startswith(UNADMITTED):
+            return
+        if peer not in self.refusals and len(self.refusals) >= MAX_REFUSALS:
+            del self.refusals[next(iter(self.refusals))]
+        self.refusals[peer] = message
+        self._refusal.set()
+        self._refusal = trio.Event()
+
+    async def next_refusal(self) -> None:
+        """Until one more provider refuses us."""
+        await self._refusal.wait()
+
+    def refusal_lines(self, providers: Sequence[str]) -> list[str]:
+        """Why named providers refused us, if they did (admission rule 3): the one thing
+        a user who forgot --certificate needs to read."""
+        named = [a.rsplit("/p2p/", 1)[-1] for a in providers if "/p2p/" in a]
+        return [f"{p} refused us: {self.refusals[p]}" for p in named if p in self.refusals]
+
+    def counted(self, progress: ProgressCallback | None, tally: _Tally) -> ProgressCallback:
+        """``progress``, and the received-bytes counter, ``transfers`` and ``tally`` kept
+        up to date."""
+
+        def on_progress(update: Progress) -> None:
+            fetched = sum(update.new_bytes.values())
+            previous = tally.last.get(update.blob_id)
+            grown = fetched - (sum(previous.new_bytes.values()) if previous else 0)
+            tally.last[update.blob_id] = update
+            if grown > 0:
+                self.metrics.bytes_received.labels(protocol="blob").inc(grown)
+            if update.finished:
+                self.transfers.pop(update.blob_id, None)
+            else:
+                self.transfers[update.blob_id] = update
+            if progress is not None:
+                progress(update)
+
+        return on_progress
+
+    def ended(self, tally: _Tally, outcome: str, seconds: float) -> None:
+        """One fetch ended: counted, its transfers gone from the list, its lines logged."""
+        self.metrics.fetch_ended(outcome, seconds)
+        for seen in tally.last:
+            self.transfers.pop(seen, None)
+        for line in tally.lines(outcome, seconds):
+            log.info("%s", line)
+
+
+class NodeNetwork:
+    """What a download sees of its node (p2p.fetch.download_parts' network protocols): the
+    connections' streams and lanes, the node's download limit (``pacer``), and the records
+    where bad chunks and refusals are counted."""
+
+    def __init__(
+        self, connections: Connections, records: FetchRecords, pacer: Pacer | None
+    ) -> None:
+        self._connections = connections
+        self._records = records
+        self.download_pacer = pacer
+
+    async def open_blob_stream(
+        self, peer: str, *, pipelined: bool = False, tentative: bool = False
+    ) -> Any:
+        return await self._connections.open_blob_stream(
+            peer, pipelined=pipelined, tentative=tentative
+        )
+
+    async def open_blob_stream_on(
+        self, peer: str, lane: int, *, pipelined: bool = False, tentative: bool = False
+    ) -> Any:
+        return await self._connections.open_blob_stream_on(
+            peer, lane, pipelined=pipelined, tentative=tentative
+        )
+
+    async def add_connection(self, peer: str) -> bool:
+        return await self._connections.add_connection(peer)
+
+    def connection_count(self, peer: str) -> int:
+        return self._connections.connection_count(peer)
+
+    def connection_rtt(self, peer: str) -> float | None:
+        return self._connections.connection_rtt(peer)
+
+    async def wait_lanes(self, peer: str) -> None:
+        await self._connections.wait_lanes(peer)
+
+    def bad_chunk(self, peer: str) -> None:
+        self._records.bad_chunk(peer)
+
+    def refused(self, peer: str, message: str) -> None:
+        self._records.refused(peer, message)
+
+
+class Fetches:
+    """A node's fetches (see :mod:`p2p.node.fetching`). It finds providers through
+    ``connections`` (named and connected peers, peer exchange, hole punches) and
+    ``providers`` (the DHT), fetches into ``store`` with the download's ``network``, and
+    counts in ``records``. ``resolve_name``: how a ``PUBLISHER/NAME`` reference becomes a
+    blob ID. ``board``: where the downloads post what they have in flight (the node's
+    server answers fellows from it)."""
+
+    def __init__(
+        self,
+        store: Store,
+        connections: Connections,
+        providers: ProviderRecords,
+        records: FetchRecords,
+        *,
+        settings: FetchSettings,
+        scores: PeerScores,
+        board: FetchingBoard,
+        resolve_name: NameResolver,
+        pacer: Pacer | None = None,
+    ) -> None:
+        self.store = store
+        self.connections = connections
+        self.providers = providers
+        self.records = records
+        self.settings = settings
+        self.scores = scores
+        self.board = board
+        self.resolve_name = resolve_name
+        self.network = NodeNetwork(connections, records, pacer)
 
     async def fetch(
         self,
@@ -113,7 +278,7 @@ class Fetching(Connections, Providing):
             outcome = "ok"
         except (NoProviders, FetchFailed) as exc:
             outcome = "not_found" if isinstance(exc, NoProviders) else "failed"
-            reasons = self._refusals(providers)
+            reasons = self.records.refusal_lines(providers)
             if reasons:
                 raise type(exc)(f"{exc}; " + "; ".join(reasons)) from None
             raise
@@ -121,14 +286,9 @@ class Fetching(Connections, Providing):
             outcome = "cancelled"
             raise
         finally:
-            seconds = trio.current_time() - started
-            self.metrics.fetch_ended(outcome, seconds)
-            for seen in tally.last:
-                self.transfers.pop(seen, None)
-            for line in tally.lines(outcome, seconds):
-                log.info("%s", line)
+            self.records.ended(tally, outcome, trio.current_time() - started)
         if announce:
-            await self._announce(blob_id)
+            await self.providers.announce(blob_id)
         return blob_id
 
     async def _fetch_unwrapped(
@@ -140,64 +300,21 @@ class Fetching(Connections, Providing):
         recursive: bool,
     ) -> str:
         try:
-            return await self._fetch(ref, providers, self._counted(progress, tally), recursive)
+            counted = self.records.counted(progress, tally)
+            return await self._fetch(ref, providers, counted, recursive)
         except BaseExceptionGroup as group:
             raise unwrap_single(group) from None
-
-    def bad_chunk(self, peer: str) -> None:
-        """``peer`` sent a chunk that failed its hash (the download bans it)."""
-        self.bad_chunks_total += 1
-        self.bad_chunks[peer] = self.bad_chunks.pop(peer, 0) + 1
-        if len(self.bad_chunks) > MAX_BAD_PEERS:
-            del self.bad_chunks[next(iter(self.bad_chunks))]
-
-    def refused(self, peer: str, message: str) -> None:
-        """A provider answered an error (p2p.fetch.downloader.RefusalAware): remember an
-        admission refusal (bounded: one line per peer, MAX_REFUSALS peers)."""
-        if not message.startswith(UNADMITTED):
-            return
-        if peer not in self.refusals and len(self.refusals) >= MAX_REFUSALS:
-            del self.refusals[next(iter(self.refusals))]
-        self.refusals[peer] = message
-        self._refusal.set()
-        self._refusal = trio.Event()
-
-    def _refusals(self, providers: Sequence[str]) -> list[str]:
-        """Why named providers refused us, if they did (admission rule 3): the one thing
-        a user who forgot --certificate needs to read."""
-        named = [a.rsplit("/p2p/", 1)[-1] for a in providers if "/p2p/" in a]
-        return [f"{p} refused us: {self.refusals[p]}" for p in named if p in self.refusals]
 
     async def _end_when_all_refuse(self, dials: Dials, blob_id: str) -> None:
         """Without a DHT to find others, a fetch whose every provider refused us for want
         of admission is over: say so now rather than after the discovery timeout."""
-        if self.dht is not None:
+        if self.providers.dht is not None:
             return
         while True:
-            await self._refusal.wait()
-            peers = set(self.connected_peers()) | set(dials.peers)
-            if dials.pending == 0 and peers and peers <= set(self.refusals):
+            await self.records.next_refusal()
+            peers = set(self.connections.connected_peers()) | set(dials.peers)
+            if dials.pending == 0 and peers and peers <= set(self.records.refusals):
                 raise NoProviders(f"no provider of {blob_id} would serve us")
-
-    def _counted(self, progress: ProgressCallback | None, tally: _Tally) -> ProgressCallback:
-        """``progress``, and the received-bytes counter, ``transfers`` and ``tally`` kept
-        up to date."""
-
-        def on_progress(update: Progress) -> None:
-            fetched = sum(update.new_bytes.values())
-            previous = tally.last.get(update.blob_id)
-            grown = fetched - (sum(previous.new_bytes.values()) if previous else 0)
-            tally.last[update.blob_id] = update
-            if grown > 0:
-                self.metrics.bytes_received.labels(protocol="blob").inc(grown)
-            if update.finished:
-                self.transfers.pop(update.blob_id, None)
-            else:
-                self.transfers[update.blob_id] = update
-            if progress is not None:
-                progress(update)
-
-        return on_progress
 
     async def _fetch(
         self,
@@ -207,8 +324,8 @@ class Fetching(Connections, Providing):
         recursive: bool,
     ) -> str:
         addrs = list(providers)
-        if names.is_name_ref(ref):
-            ref = (await names.resolve(self, ref)).blob_id
+        if is_name_ref(ref):
+            ref = await self.resolve_name(ref)
         if ref.startswith("blob1"):
             ticket = Ticket.decode(ref)
             blob_id = ticket.blob_id
@@ -268,7 +385,7 @@ class Fetching(Connections, Providing):
 
     async def _dial_into(self, addr: str, dials: Dials) -> None:
         try:
-            dials.add(await self.connect(addr, lanes=True))
+            dials.add(await self.connections.connect(addr, lanes=True))
         except PeerUnreachable as exc:
             log.info("%s", exc)
             dials.errors.append(str(exc))
@@ -290,36 +407,25 @@ class Fetching(Connections, Providing):
             # From the count taken with ``providers``: a dial that ends before the feed's
             # first step is then handed on, not taken for one of them.
             nursery.start_soon(feed_dialled, dials, send_named, len(providers))
-            if self.config.peer_exchange:
+            if self.settings.peer_exchange:
                 nursery.start_soon(self._exchange, blob_id, dials, send.clone())
             nursery.start_soon(self._discover, blob_id, set(dials.peers), send)
             await download_blob(
-                self,
+                self.network,
                 self.store,
                 blob_id,
                 providers=providers,
                 more_providers=receive,
                 named_providers=receive_named,
                 progress=progress,
-                config=self._scheduler_config(),
-                discovery_timeout=self.config.discovery_timeout,
-                stripe_config=self.config.stripe,
+                config=self.settings.scheduler_config(),
+                discovery_timeout=self.settings.discovery_timeout,
+                stripe_config=self.settings.stripe,
                 scores=self.scores,
-                own_peer=self.peer_id,
-                board=self.server.board,
+                own_peer=self.connections.peer_id,
+                board=self.board,
             )
             nursery.cancel_scope.cancel()
-
-    def _scheduler_config(self) -> SchedulerConfig:
-        config = self.config.scheduler
-        if not self.config.peer_exchange:
-            return config
-        return replace(
-            config,
-            max_request_seconds=config.max_request_seconds or SWARM_REQUEST_SECONDS,
-            unmeasured_batch_bytes=config.unmeasured_batch_bytes or SWARM_UNMEASURED_BATCH_BYTES,
-            defer_to_partial_holders=True,
-        )
 
     async def _exchange(
         self, blob_id: str, dials: Dials, send: trio.MemorySendChannel[str]
@@ -327,12 +433,12 @@ class Fetching(Connections, Providing):
         """Peer exchange for one fetch (p2p.blob.swarm): ask its providers ``peers`` (each at
         most once per PEX_INTERVAL, backing off: `PexBook`), dial the new fellows they name
         (bounded), and hand each one reached to the download."""
-        book = PexBook(self.peer_id)
+        book = PexBook(self.connections.peer_id)
         dialling = trio.Semaphore(PEX_DIAL_PARALLELISM)
 
         async def dial(peer: str, addrs: tuple[str, ...]) -> None:
             async with dialling:
-                if not await self.dial_listed(peer, addrs):
+                if not await self.connections.dial_listed(peer, addrs):
                     return
             book.add_source(peer)
             try:
@@ -341,7 +447,7 @@ class Fetching(Connections, Providing):
                 pass  # the download is over
 
         async def ask(source: str) -> None:
-            fresh = book.to_dial(await self.ask_peers(source, blob_id))
+            fresh = book.to_dial(await self.connections.ask_peers(source, blob_id))
             for peer, addrs in fresh:
                 nursery.start_soon(dial, peer, addrs)
             book.answered(source, len(fresh))
@@ -378,7 +484,7 @@ class Fetching(Connections, Providing):
         fetch goes on, from its good chunks, rather than trusting it."""
         if not self.store.has(blob_id):
             return False
-        if not self.config.verify_local:
+        if not self.settings.verify_local:
             return True
         bad = self.store.verify(blob_id)
         if bad:
@@ -396,58 +502,40 @@ class Fetching(Connections, Providing):
         asked again with growing pauses (a provider may announce itself late) until the
         discovery timeout."""
         async with send:
-            for peer in self.connected_peers()[:MAX_CONNECTED_CANDIDATES]:
-                if peer not in seen and self._may_fetch_from(peer):
+            for peer in self.connections.connected_peers()[:MAX_CONNECTED_CANDIDATES]:
+                if peer not in seen and self.connections.may_fetch_from(peer):
                     seen.add(peer)
                     await send.send(peer)
-            if self.dht is None:
+            if self.providers.dht is None:
                 return
-            pause = 0.25
+            pause = FIRST_DISCOVERY_PAUSE
             # A NATed provider may first be found by a record from before its reservation
             # (its own addresses only), then by one naming its circuit: punch it then.
             punched: set[str] = set()
             async with trio.open_nursery() as punching:
-                with trio.move_on_after(self.config.discovery_timeout):
+                with trio.move_on_after(self.settings.discovery_timeout):
                     while True:
-                        for peer in await self.find_providers(blob_id):
-                            circuits = [] if peer in punched else self._circuit_addrs(peer)
+                        for peer in await self.providers.find_providers(blob_id):
+                            circuits = (
+                                [] if peer in punched else self.connections.circuit_addrs(peer)
+                            )
                             if circuits and len(punched) < MAX_DHT_PUNCHES:
                                 punched.add(peer)
                                 seen.add(peer)
                                 punching.start_soon(self._punch_into, circuits, send.clone())
-                            elif peer not in seen and self._may_fetch_from(peer):
+                            elif peer not in seen and self.connections.may_fetch_from(peer):
                                 seen.add(peer)
                                 await send.send(peer)
                         await trio.sleep(pause)
-                        pause = min(pause * 2, 4.0)
-
-    def _may_fetch_from(self, peer: str) -> bool:
-        """Whether a provider candidate may be asked for blobs now: not while the only
-        connection to it runs through a relay (a punch still in flight keeps it open),
-        unless ``relayed_fetch``; else the blob would cross the relay. Once the punch
-        lands, a later discovery pass (or a retry) offers the peer again."""
-        if self.config.relayed_fetch or peer not in self.connected_peers():
-            return True
-        return direct_connection(self.host, ID.from_base58(peer)) is not None
-
-    def _circuit_addrs(self, peer: str) -> list[str]:
-        """Circuit addresses a provider (found on the DHT) is known by, if we are not
-        connected to it: a NATed provider is reachable only through them."""
-        if peer in self.connected_peers():
-            return []
-        try:
-            addrs = [str(a) for a in self.host.get_peerstore().addrs(ID.from_base58(peer))]
-        except Exception:  # no addresses known
-            return []
-        return [a for a in addrs if "/p2p-circuit" in a and a.endswith(f"/p2p/{peer}")]
+                        pause = min(pause * 2, MAX_DISCOVERY_PAUSE)
 
     async def _punch_into(self, circuits: list[str], send: trio.MemorySendChannel[str]) -> None:
         """Reach a NATed provider through the first of its relays that works and hand it
-        to the download; a failure is in ``self.punches.failures``."""
+        to the download; a failure is in ``connections.punches.failures``."""
         async with send:
             for addr in circuits[:MAX_RELAYS_PER_PROVIDER]:
                 try:
-                    peer = await self.connect(addr)
+                    peer = await self.connections.connect(addr)
                 except (PeerUnreachable, BadAddress) as exc:
                     log.info("%s", exc)
                     continue
@@ -482,7 +570,7 @@ class _Tally:
 
 
 class Dials:
-    """The named providers of one fetch, dialled at once (``Node._dial_into``)."""
+    """The named providers of one fetch, dialled at once (``Fetches._dial_into``)."""
 
     def __init__(self) -> None:
         self.peers: list[str] = []  # connected, in the order they answered

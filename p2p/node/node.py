@@ -46,12 +46,16 @@ Swarming (``p2p.blob.swarm``): while a fetch runs, its providers are asked ``pee
 name are dialled (bounded) and join the fetch as partial providers. The node serves the
 blob protocol while it fetches (``NodeConfig.upload``, paced by ``upload_limit``), so
 fellows fetch from it in turn. Striped providers: a stream that names no connection goes on
-the first one, the control lane (``_control_connection``; p2p.fetch.downloader rule 9).
+the first one, the control lane (``Connections._control_connection``; p2p.fetch.downloader rule 9).
 
 Where the code is: :class:`Node` (this module, with ``open_node``, which starts and stops
-everything, and the names and pubsub glue) is built from :mod:`p2p.node.connections`
-(dials, punches, blob streams, lanes), :mod:`p2p.node.providing` (DHT provider records)
-and :mod:`p2p.node.fetching` (where providers come from, peer exchange, one fetch).
+everything, and the names and pubsub glue) owns one part per job, each an object with its
+own state, built by the node from what it needs and tested alone:
+:class:`~p2p.node.connections.Connections` (dials, punches, blob streams, lanes),
+:class:`~p2p.node.providing.ProviderRecords` (DHT provider records),
+:class:`~p2p.node.fetching.Fetches` (where providers come from, peer exchange, one fetch)
+and :class:`~p2p.node.fetching.FetchRecords` (what fetches leave for the operator: transfers
+in flight, bad chunks, refusals).
 """
 
 from __future__ import annotations
@@ -78,29 +82,26 @@ from p2p.blob.server import BlobServer, ServerLimits
 from p2p.blob.ticket import MAX_TICKET_ADDRS, Ticket
 from p2p.errors import BadAddress, ListenFailed, PeerUnreachable
 from p2p.fetch import peer_memory
-from p2p.fetch.downloader import Progress
 from p2p.fetch.scheduler import SchedulerConfig
 from p2p.fetch.scores import PeerScores
 from p2p.fetch.striping import StripeConfig
 from p2p.logs import no_handler_of_our_own, quiet_unless_chosen
 from p2p.metrics import Metrics
 from p2p.names import service as names
-from p2p.nat.punch import PunchJobs
 from p2p.node.admission import install_gate, open_answer
 from p2p.node.connections import (
     BLOB_PROPOSAL,
     DIAL_TIMEOUT,
     MAX_CONNECTIONS_PER_PROVIDER,
     PROPOSALS,
-    choose_connections,
+    Connections,
 )
 from p2p.node.dht_hygiene import forget_clients_on_disconnect
-from p2p.node.fetching import Fetching
+from p2p.node.fetching import Fetches, FetchRecords, FetchSettings
 from p2p.node.gossip import make_pubsub
-from p2p.node.providing import DHT_KEY_PREFIX, NEW_BLOB_POLL, dht_key
+from p2p.node.providing import DHT_KEY_PREFIX, NEW_BLOB_POLL, ProviderRecords, dht_key
 from p2p.transport import patches
 from p2p.transport.addresses import dialable_addrs
-from p2p.transport.fast.upgrade import on_tcp_dialled
 from p2p.transport.host import build_host
 from p2p.transport.providers import ProviderLimits, install_provider_guard
 
@@ -179,8 +180,17 @@ class NodeConfig:
     dht_server: bool = True
 
 
-class Node(Fetching):
-    """A running blobnet node. Create it with :func:`open_node`."""
+class Node:
+    """A running blobnet node. Create it with :func:`open_node`.
+
+    It owns its parts, each built here from what it needs: ``connections``
+    (:class:`~p2p.node.connections.Connections`), ``provider_records``
+    (:class:`~p2p.node.providing.ProviderRecords`), ``fetch_records``
+    (:class:`~p2p.node.fetching.FetchRecords`) and ``fetches``
+    (:class:`~p2p.node.fetching.Fetches`). Their public methods are named on the node
+    as attributes, so each has one body and one signature. ``background``: the node's
+    own nursery (``open_node``), for punches, lanes and NAT services that outlive the call
+    that started them."""
 
     def __init__(
         self,
@@ -190,6 +200,8 @@ class Node(Fetching):
         dht: KadDHT | None,
         config: NodeConfig,
         pubsub: Any = None,
+        *,
+        background: trio.Nursery | None = None,
     ) -> None:
         self.store = store
         self.host = host
@@ -197,49 +209,77 @@ class Node(Fetching):
         self.dht = dht
         self.config = config
         self.pubsub = pubsub
-        # Peers that sent bad data, remembered across this node's downloads.
-        self.scores = PeerScores()
-        # Extra connections per peer that fetches stripe streams over (lane 1, 2, ...);
-        # lane 0 is whichever connection the swarm had first.
-        self._lanes: dict[str, list[Any]] = {}
-        self._striping = choose_connections(host.get_network(), self._control_connection)
-        self._dialled: dict[str, Multiaddr] = {}
-        # Providers being dialled to fetch from (`connect(..., lanes=True)`): once the TCP
-        # connect of the first connection is up, its RTT says how many bulk lanes to dial
-        # (StripeConfig.early_lanes), beside its Noise handshake rather than after it.
-        self._lanes_wanted: set[str] = set()
-        self._early_lanes: dict[str, trio.Event] = {}  # peer -> those lanes are dialled
-        on_tcp_dialled(host, self._on_tcp_dialled)
         # Behind NAT: the circuit addresses this node hands out once it holds
         # reservations (``set_advertised``; None: its own listen addresses).
         self.advertised: list[str] | None = None
-        self.punches = PunchJobs()
-        # Peers reached by hole punching or through a relay: no second connection can be
-        # dialled to them (their NAT drops unasked SYNs), so fetches do not stripe them.
-        self._unstripeable: set[str] = set()
-        # The node's own nursery (open_node), for punches and NAT services that outlive
-        # the call that started them; None for a Node built by hand.
-        self._background: trio.Nursery | None = None
-        self._nat_up: trio.Event | None = None
-        self._reprovide_now = trio.Event()
-        # What an operator sees (p2p.metrics, ``blob status``): counters owned by this node,
-        # and the latest progress of each fetch in flight, by blob ID.
+        # Peers that sent bad data, remembered across this node's downloads.
+        self.scores = PeerScores()
+        # What an operator sees (p2p.metrics, ``blob status``): counters owned by this node.
         self.metrics = Metrics()
-        self.transfers: dict[str, Progress] = {}
-        # Providers that serve admitted peers only and refused us, with their one line
-        # (p2p.node.admission rule 3), and an event set when one more did.
-        self.refusals: dict[str, str] = {}
-        # Chunks received that failed their hash, in all and by the latest senders
-        # (p2p.fetch.downloader.BadDataAware; at most MAX_BAD_PEERS named).
-        self.bad_chunks_total = 0
-        self.bad_chunks: dict[str, int] = {}
-        # p2p.fetch.downloader.PacedNetwork: what NodeConfig.download_limit allows.
-        self.download_pacer = (
-            None
-            if config.download_limit is None
-            else Pacer(config.download_limit, trio.current_time())
+        self.connections = Connections(
+            host,
+            dht,
+            stripe=config.stripe,
+            certificate=config.certificate,
+            relayed_fetch=config.relayed_fetch,
+            punch_timeout=config.punch_timeout,
+            background=background,
         )
-        self._refusal = trio.Event()
+        self.provider_records = ProviderRecords(
+            store, host, dht, reprovide_interval=config.reprovide_interval
+        )
+        self.fetch_records = FetchRecords(self.metrics)
+        self.fetches = Fetches(
+            store,
+            self.connections,
+            self.provider_records,
+            self.fetch_records,
+            settings=FetchSettings(
+                scheduler=config.scheduler,
+                stripe=config.stripe,
+                discovery_timeout=config.discovery_timeout,
+                verify_local=config.verify_local,
+                peer_exchange=config.peer_exchange,
+            ),
+            scores=self.scores,
+            board=server.board,
+            resolve_name=self._resolve_blob_id,
+            # NodeConfig.download_limit: what all this node's fetches receive together.
+            pacer=None
+            if config.download_limit is None
+            else Pacer(config.download_limit, trio.current_time()),
+        )
+        # The public surface: each method is its part's own.
+        self.punches = self.connections.punches
+        self.connect = self.connections.connect
+        self.connected_peers = self.connections.connected_peers
+        self.open_blob_stream = self.connections.open_blob_stream
+        self.open_blob_stream_on = self.connections.open_blob_stream_on
+        self.ask_peers = self.connections.ask_peers
+        self.dial_listed = self.connections.dial_listed
+        self.add_connection = self.connections.add_connection
+        self.connection_count = self.connections.connection_count
+        self.connection_rtt = self.connections.connection_rtt
+        self.wait_lanes = self.connections.wait_lanes
+        self.provide = self.provider_records.provide
+        self.find_providers = self.provider_records.find_providers
+        self.fetch = self.fetches.fetch
+        self.transfers = self.fetch_records.transfers
+        self.refusals = self.fetch_records.refusals
+        self.bad_chunks = self.fetch_records.bad_chunks
+        self.download_pacer = self.fetches.network.download_pacer
+
+    @property
+    def peer_id(self) -> str:
+        return self.connections.peer_id
+
+    @property
+    def bad_chunks_total(self) -> int:
+        """Chunks received that failed their hash, from every sender."""
+        return self.fetch_records.bad_chunks_total
+
+    async def _resolve_blob_id(self, ref: str) -> str:
+        return (await names.resolve(self, ref)).blob_id
 
     # --- pubsub ----------------------------------------------------------------------
     async def subscribe(self, topic: str) -> Any:
@@ -282,11 +322,7 @@ class Node(Fetching):
         and provide every blob on the DHT again now, so provider records name them
         (``p2p.nat.punch.advertise`` already put them in ``host.get_addrs()``)."""
         self.advertised = list(addrs) if addrs else None
-        self._reprovide_now.set()
-
-    # --- connections -----------------------------------------------------------------
-
-    # --- DHT -------------------------------------------------------------------------
+        self.provider_records.provide_again()
 
     # --- blobs -----------------------------------------------------------------------
     async def add(self, path: str | os.PathLike[str], *, tag: str | None = None) -> str:
@@ -298,7 +334,7 @@ class Node(Fetching):
             blob_id = await trio.to_thread.run_sync(self.store.put_path, source)
         if tag is not None:
             await trio.to_thread.run_sync(self.store.tag, tag, blob_id)
-        await self._announce(blob_id)
+        await self.provider_records.announce(blob_id)
         return blob_id
 
     async def add_bytes(self, data: bytes) -> str:
@@ -307,7 +343,7 @@ class Node(Fetching):
     async def add_blocks(self, blocks: Iterable[bytes | memoryview]) -> str:
         """Store and announce the concatenation of ``blocks``, never joined in memory."""
         blob_id = await trio.to_thread.run_sync(lambda: self.store.put_blocks(blocks))
-        await self._announce(blob_id)
+        await self.provider_records.announce(blob_id)
         return blob_id
 
     # --- names (p2p/names/service.py, p2p/names/NAMES.md) -------------------------------
@@ -403,8 +439,7 @@ async def open_node(
         async with _maybe_service(kad), _maybe_service(floodsub), trio.open_nursery() as nursery:
             if floodsub is not None:
                 await floodsub.wait_until_ready()
-            node = Node(store, host, server, kad, config, floodsub)
-            node._background = nursery
+            node = Node(store, host, server, kad, config, floodsub, background=nursery)
             # Liars banned by earlier processes on this store start distrusted here too.
             await trio.to_thread.run_sync(peer_memory.load, store, node.scores, trio.current_time())
             names.install(node).admitted = None if server.gate is None else server.gate.admitted
@@ -415,7 +450,7 @@ async def open_node(
                 except (PeerUnreachable, BadAddress) as exc:
                     log.warning("bootstrap peer unusable: %s", exc)
             if kad is not None:
-                nursery.start_soon(node._reprovide_loop)
+                nursery.start_soon(node.provider_records.run)
             try:
                 yield node
             finally:

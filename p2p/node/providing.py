@@ -11,15 +11,13 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any
 
 import trio
 from libp2p.kad_dht.kad_dht import KadDHT
 
 from blobstore import Store
-
-if TYPE_CHECKING:
-    from p2p.node.node import NodeConfig
 
 log = logging.getLogger(__name__)
 
@@ -27,27 +25,56 @@ log = logging.getLogger(__name__)
 NEW_BLOB_POLL = 10.0
 # The multihash code of BLAKE3-256 (0x1e, length 0x20) prefixes blob IDs as DHT keys.
 DHT_KEY_PREFIX = "1e20"
+# How long one provide may take (a DHT walk to the closest peers); past it, rule 3.
+PROVIDE_TIMEOUT = 30.0
 
 
 def dht_key(blob_id: str) -> str:
     return DHT_KEY_PREFIX + blob_id
 
 
-class Providing:
-    """Provider records (see :mod:`p2p.node.providing`); a base of
-    :class:`p2p.node.node.Node`, which sets these attributes."""
+class ReprovideSchedule:
+    """Which complete blobs are due to be provided (rules 1 and 2), sans-IO: each blob
+    once when first seen, then every ``interval`` seconds; `forget` (new addresses) makes
+    every blob due again."""
 
-    store: Store
-    host: Any
-    config: NodeConfig
-    dht: KadDHT | None
-    _reprovide_now: trio.Event
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._provided: dict[str, float] = {}  # blob ID -> when it was last provided
+
+    def due(self, blob_ids: Iterable[str], now: float) -> list[str]:
+        """Those of ``blob_ids`` to provide now, each counted as provided at ``now``."""
+        out = []
+        for blob_id in blob_ids:
+            last = self._provided.get(blob_id)
+            if last is None or now - last >= self.interval:
+                self._provided[blob_id] = now
+                out.append(blob_id)
+        return out
+
+    def forget(self) -> None:
+        self._provided.clear()
+
+
+class ProviderRecords:
+    """A node's provider records (see :mod:`p2p.node.providing`): what it announces on
+    ``dht`` (None: no DHT, so nothing), and whom it finds there. ``host`` is asked for its
+    own peer ID, and its peerstore keeps the addresses of the providers found."""
+
+    def __init__(
+        self, store: Store, host: Any, dht: KadDHT | None, *, reprovide_interval: float
+    ) -> None:
+        self.store = store
+        self.host = host
+        self.dht = dht
+        self.schedule = ReprovideSchedule(reprovide_interval)
+        self._again = trio.Event()
 
     async def provide(self, blob_id: str) -> bool:
         if self.dht is None:
             return False
         try:
-            with trio.move_on_after(30):
+            with trio.move_on_after(PROVIDE_TIMEOUT):
                 return bool(await self.dht.provide(dht_key(blob_id)))
         except Exception as exc:  # provider records are best effort
             log.info("provide %s failed: %r", blob_id[:12], exc)
@@ -73,29 +100,29 @@ class Providing:
                 found.append(str(info.peer_id))
         return found
 
-    async def _reprovide_loop(self) -> None:
+    def provide_again(self) -> None:
+        """Provide every blob again now (rule 2: the node's addresses changed)."""
+        self._again.set()
+
+    async def run(self) -> None:
         """Provide every complete blob at start and each ``reprovide_interval``; blobs that
         appear meanwhile (a ``blob put`` beside a running ``blob serve``) are provided
-        within ``NEW_BLOB_POLL`` seconds."""
-        provided: dict[str, float] = {}
+        within ``NEW_BLOB_POLL`` seconds. Runs until cancelled."""
         while True:
-            if self._reprovide_now.is_set():  # our addresses changed (set_advertised)
-                self._reprovide_now = trio.Event()
-                provided.clear()
+            if self._again.is_set():
+                self._again = trio.Event()
+                self.schedule.forget()
             now = trio.current_time()
             ids = await trio.to_thread.run_sync(self._complete_ids)
-            for blob_id in ids:
-                last = provided.get(blob_id)
-                if last is None or now - last >= self.config.reprovide_interval:
-                    provided[blob_id] = now
-                    await self.provide(blob_id)
+            for blob_id in self.schedule.due(ids, now):
+                await self.provide(blob_id)
             with trio.move_on_after(NEW_BLOB_POLL):
-                await self._reprovide_now.wait()
+                await self._again.wait()
 
     def _complete_ids(self) -> list[str]:
         return [blob_id for blob_id in self.store.blob_ids() if self.store.has(blob_id)]
 
-    async def _announce(self, blob_id: str) -> None:
+    async def announce(self, blob_id: str) -> None:
+        """Provide ``blob_id`` now (a blob just added or fetched), if there is a DHT."""
         if self.dht is not None:
-            with trio.move_on_after(30):
-                await self.provide(blob_id)
+            await self.provide(blob_id)

@@ -36,7 +36,7 @@ async def test_lanes_are_dialled_beside_the_first_handshake_and_the_fetch_uses_t
     ):
         events: list[str] = []
         for node, name in ((early, "early"), (fetching, "fetching"), (plain, "plain")):
-            original = node.add_connection
+            original = node.connections.add_connection
 
             async def counting(peer: str, original: object = original, name: str = name) -> bool:
                 events.append(f"{name} lane")
@@ -44,7 +44,7 @@ async def test_lanes_are_dialled_beside_the_first_handshake_and_the_fetch_uses_t
                     await trio.sleep(0.5)  # lanes still coming when the fetch starts
                 return await original(peer)  # type: ignore[operator]
 
-            node.add_connection = counting  # type: ignore[method-assign]
+            node.connections.add_connection = counting  # type: ignore[method-assign]
         addr = str(seed.addrs[0])
         with trio.fail_after(30):
             peer = await early.connect(addr, lanes=True)
