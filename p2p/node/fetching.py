@@ -150,7 +150,7 @@ class FetchRecords:
         named = [a.rsplit("/p2p/", 1)[-1] for a in providers if "/p2p/" in a]
         return [f"{p} refused us: {self.refusals[p]}" for p in named if p in self.refusals]
 
-    def counted(self, progress: ProgressCallback | None, tally: _Tally) -> ProgressCallback:
+    def counted(self, progress: ProgressCallback | None, tally: Tally) -> ProgressCallback:
         """``progress``, and the received-bytes counter, ``transfers`` and ``tally`` kept
         up to date."""
 
@@ -170,7 +170,7 @@ class FetchRecords:
 
         return on_progress
 
-    def ended(self, tally: _Tally, outcome: str, seconds: float) -> None:
+    def ended(self, tally: Tally, outcome: str, seconds: float) -> None:
         """One fetch ended: counted, its transfers gone from the list, its lines logged."""
         self.metrics.fetch_ended(outcome, seconds)
         for seen in tally.last:
@@ -272,7 +272,7 @@ class Fetches:
         """
         started = trio.current_time()
         outcome = "failed"
-        tally = _Tally()
+        tally = Tally()
         try:
             blob_id = await self._fetch_unwrapped(ref, providers, progress, tally, recursive)
             outcome = "ok"
@@ -296,7 +296,7 @@ class Fetches:
         ref: str,
         providers: Sequence[str],
         progress: ProgressCallback | None,
-        tally: _Tally,
+        tally: Tally,
         recursive: bool,
     ) -> str:
         try:
@@ -546,7 +546,7 @@ class Fetches:
                 return
 
 
-class _Tally:
+class Tally:
     """What one fetch received, by blob: the latest progress of each (its log lines)."""
 
     def __init__(self) -> None:
