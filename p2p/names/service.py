@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import time as _time
-import weakref
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -83,6 +82,8 @@ class Node(Protocol):
     store: Store
     host: Any
     dht: Any
+    # The node's own names service: None until `install` builds it.
+    name_service: NameService | None
 
     @property
     def peer_id(self) -> str: ...
@@ -390,16 +391,12 @@ class NameService:
         return offer.accepted, offer.reason, offer.changed
 
 
-_SERVICES: weakref.WeakKeyDictionary[Node, NameService] = weakref.WeakKeyDictionary()
-
-
 def install(node: Node, *, clock: Callable[[], float] = _time.time) -> NameService:
-    """Attach the catalog to a running node: load its saved records, serve
-    ``/blobnet/names/1.0.0`` and validate ``/blobnet-name/`` DHT records. Idempotent;
+    """Attach the catalog to a running node (its ``name_service``): load its saved records,
+    serve ``/blobnet/names/1.0.0`` and validate ``/blobnet-name/`` DHT records. Idempotent;
     blocking for the (small, bounded) cache load."""
-    service = _SERVICES.get(node)
-    if service is not None:
-        return service
+    if node.name_service is not None:
+        return node.name_service
     store = node.store
     cache = NameCache.for_store_root(store.root, store.tmp_dir)
     service = NameService(node, cache, clock)
@@ -407,13 +404,13 @@ def install(node: Node, *, clock: Callable[[], float] = _time.time) -> NameServi
     node.host.set_stream_handler(TProtocol(PROTOCOL_ID), service.handle_stream)
     if node.dht is not None:
         node.dht.set_namespace_validator(DHT_NAMESPACE, NameValidator(clock))
-    _SERVICES[node] = service
+    node.name_service = service
     return service
 
 
 def service_of(node: Node) -> NameService:
     """The node's catalog, installed on first use."""
-    return _SERVICES.get(node) or install(node)
+    return node.name_service or install(node)
 
 
 # --- client side ----------------------------------------------------------------------

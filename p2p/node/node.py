@@ -216,6 +216,8 @@ class Node:
         self.scores = PeerScores()
         # What an operator sees (p2p.metrics, ``blob status``): counters owned by this node.
         self.metrics = Metrics()
+        # The catalog's side of this node (p2p.names.service.install builds it).
+        self.name_service: names.NameService | None = None
         self.connections = Connections(
             host,
             dht,

@@ -481,6 +481,7 @@ class _PeersHost:
 class _Node:
     def __init__(self, store: Store, host: _PeersHost) -> None:
         self.store, self.host, self.dht, self.peer_id = store, host, None, "me"
+        self.name_service = None  # the node holds its names service (install sets it)
 
     def connected_peers(self) -> list[str]:
         return list(self.host.answers)
