@@ -31,7 +31,7 @@ from typing import Protocol
 import msgpack
 from blake3 import blake3
 
-from p2p.blob.protocol import LENGTH_PREFIX_SIZE, encode_chunk_header
+from p2p.blob.messages import LENGTH_PREFIX_SIZE, encode_chunk_header
 from p2p.transport.fast.noise_frames import TAG_LEN, CipherState, FrameReader, FrameWriter
 from p2p.transport.fast.yamux_core import HEADER as YAMUX_HEADER
 from p2p.transport.fast.yamux_core import HEADER_LEN as YAMUX_HEADER_LEN

@@ -79,7 +79,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.transport.tcp.tcp import TCP
 from multiaddr import Multiaddr
 
-from p2p.blob import protocol as proto
+from p2p.blob import messages
 from p2p.transport.host import build_host
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -276,7 +276,7 @@ async def silent_sockets(
 
 async def greedy_identity(srv: Server, source: str, gets: int, stats: dict[str, int]) -> None:
     host = flooder_host(source)
-    request = proto.encode_request(proto.GetRequest(srv.blob_id, ((0, BLOB_SIZE // CHUNK),)))
+    request = messages.encode_request(messages.GetRequest(srv.blob_id, ((0, BLOB_SIZE // CHUNK),)))
     async with host.run(listen_addrs=[]):
         try:
             with trio.fail_after(60):
@@ -285,7 +285,7 @@ async def greedy_identity(srv: Server, source: str, gets: int, stats: dict[str, 
 
                 async def unread() -> None:
                     stream = await host.new_stream(
-                        info.peer_id, [TProtocol(proto.Version.V1_0.protocol_id)]
+                        info.peer_id, [TProtocol(messages.Version.V1_0.protocol_id)]
                     )
                     await stream.write(request)
                     stats["gets"] += 1

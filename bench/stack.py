@@ -210,7 +210,7 @@ async def _receive_into_store(stream: Any, size: int, directory: Path | None) ->
     from blobstore import Manifest, Store
     from p2p.blob.buffers import ChunkBuffers
     from p2p.fetch.chunk_writer import ChunkWriter
-    from p2p.fetch.downloader import BUFFER_POOL_BYTES, HASH_ON_ARRIVAL, MIN_BUFFERS
+    from p2p.fetch.download_parts import BUFFER_POOL_BYTES, HASH_ON_ARRIVAL, MIN_BUFFERS
     from p2p.transport.fast import read_exactly_into
 
     payload = _payload()

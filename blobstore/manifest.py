@@ -46,7 +46,7 @@ in-flight request and what a lying peer can make us buffer."""
 MAX_CHUNKS = 1 << 19
 """At most 2^19 chunks: 512 GiB at the default chunk size, 8 TiB at the largest, with a
 hash list of 16 MiB, which is also the most a peer's manifest can make us allocate. It is
-what one manifest frame of the wire protocol carries (``p2p.blob.protocol.MAX_MANIFEST_BYTES``),
+what one manifest frame of the wire protocol carries (``p2p.blob.messages.MAX_MANIFEST_BYTES``),
 so every blob this store accepts can also be served; a larger one is refused at ``put``
 with the advice to use larger chunks (or a collection of shards, as checkpoints usually
 are)."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from p2p.blob.ticket import Ticket
     from p2p.errors import BadTicket, FetchFailed, NoProviders, P2PError, PeerUnreachable
-    from p2p.fetch.downloader import Progress
+    from p2p.fetch.download_parts import Progress
     from p2p.fetch.tensors import TensorFetch, fetch_tensors
     from p2p.node.blocking import BlockingNode, NodeStopped
     from p2p.node.node import Node, NodeConfig, open_node
@@ -51,7 +51,7 @@ __all__ = [
 _WHERE = {
     "BlockingNode": "p2p.node.blocking",
     "NodeStopped": "p2p.node.blocking",
-    "Progress": "p2p.fetch.downloader",
+    "Progress": "p2p.fetch.download_parts",
     "BadTicket": "p2p.errors",
     "FetchFailed": "p2p.errors",
     "NoProviders": "p2p.errors",

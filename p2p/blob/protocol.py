@@ -52,192 +52,40 @@ from typing import Any, TypeAlias
 
 from p2p.blob.messages import (
     ALLOWED_RESPONSES,
+    LENGTH_PREFIX_SIZE,
+    MAX_HEADER_SIZE,
     T_CHUNK,
+    Chunk,
+    End,
+    ErrorCode,
+    GetRequest,
+    HaveRequest,
+    HaveResponse,
     Invalid,
+    LocalProtocolError,
+    ManifestRequest,
+    ManifestResponse,
+    PeersRequest,
+    PeersResponse,
+    RemoteProtocolError,
+    Request,
+    Response,
+    StatusRequest,
+    StatusResponse,
     Truncated,
+    Version,
     check_ranges,
     decode_request,
     decode_response,
+    encode_chunk_header,
+    encode_request,
+    encode_response_header,
     is_int,
+    max_response_header_size,
     to_remote_error,
 )
-from p2p.blob.messages import (  # re-exported: this module is the protocol's public face
-    BLOB_ID_BYTES as BLOB_ID_BYTES,
-)
-from p2p.blob.messages import (
-    CHUNK_HEADER_ROOM as CHUNK_HEADER_ROOM,
-)
-from p2p.blob.messages import (
-    HASH_SIZE as HASH_SIZE,
-)
-from p2p.blob.messages import (
-    LENGTH_PREFIX_SIZE as LENGTH_PREFIX_SIZE,
-)
-from p2p.blob.messages import (
-    MAX_ADDR_LEN as MAX_ADDR_LEN,
-)
-from p2p.blob.messages import (
-    MAX_ADDRS_PER_PEER as MAX_ADDRS_PER_PEER,
-)
-from p2p.blob.messages import (
-    MAX_BITMAP_BYTES as MAX_BITMAP_BYTES,
-)
-from p2p.blob.messages import (
-    MAX_CHUNK_SIZE as MAX_CHUNK_SIZE,
-)
-from p2p.blob.messages import (
-    MAX_CHUNKS_PER_REQUEST as MAX_CHUNKS_PER_REQUEST,
-)
-from p2p.blob.messages import (
-    MAX_ERROR_MESSAGE as MAX_ERROR_MESSAGE,
-)
-from p2p.blob.messages import (
-    MAX_FELLOWS_COUNTED as MAX_FELLOWS_COUNTED,
-)
-from p2p.blob.messages import (
-    MAX_HEADER_SIZE as MAX_HEADER_SIZE,
-)
-from p2p.blob.messages import (
-    MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES,
-)
-from p2p.blob.messages import (
-    MAX_NUM_CHUNKS as MAX_NUM_CHUNKS,
-)
-from p2p.blob.messages import (
-    MAX_PEER_ID_LEN as MAX_PEER_ID_LEN,
-)
-from p2p.blob.messages import (
-    MAX_PEERS_LISTED as MAX_PEERS_LISTED,
-)
-from p2p.blob.messages import (
-    MAX_PIPELINED_REQUESTS as MAX_PIPELINED_REQUESTS,
-)
-from p2p.blob.messages import (
-    MAX_RANGES_PER_REQUEST as MAX_RANGES_PER_REQUEST,
-)
-from p2p.blob.messages import (
-    SERVED_PROTOCOL_IDS as SERVED_PROTOCOL_IDS,
-)
-from p2p.blob.messages import (
-    Chunk as Chunk,
-)
-from p2p.blob.messages import (
-    End as End,
-)
-from p2p.blob.messages import (
-    ErrorCode as ErrorCode,
-)
-from p2p.blob.messages import (
-    ErrorResponse as ErrorResponse,
-)
-from p2p.blob.messages import (
-    GetRequest as GetRequest,
-)
-from p2p.blob.messages import (
-    HaveRequest as HaveRequest,
-)
-from p2p.blob.messages import (
-    HaveResponse as HaveResponse,
-)
-from p2p.blob.messages import (
-    LocalProtocolError as LocalProtocolError,
-)
-from p2p.blob.messages import (
-    ManifestRequest as ManifestRequest,
-)
-from p2p.blob.messages import (
-    ManifestResponse as ManifestResponse,
-)
-from p2p.blob.messages import (
-    PeersRequest as PeersRequest,
-)
-from p2p.blob.messages import (
-    PeersResponse as PeersResponse,
-)
-from p2p.blob.messages import (
-    ProtocolError as ProtocolError,
-)
-from p2p.blob.messages import (
-    RemoteProtocolError as RemoteProtocolError,
-)
-from p2p.blob.messages import (
-    Request as Request,
-)
-from p2p.blob.messages import (
-    Response as Response,
-)
-from p2p.blob.messages import (
-    StatusRequest as StatusRequest,
-)
-from p2p.blob.messages import (
-    StatusResponse as StatusResponse,
-)
-from p2p.blob.messages import (
-    TruncatedStreamError as TruncatedStreamError,
-)
-from p2p.blob.messages import (
-    Version as Version,
-)
-from p2p.blob.messages import (
-    encode_chunk_header as encode_chunk_header,
-)
-from p2p.blob.messages import (
-    encode_request as encode_request,
-)
-from p2p.blob.messages import (
-    encode_response_header as encode_response_header,
-)
-from p2p.blob.messages import (
-    max_response_header_size as max_response_header_size,
-)
 
-__all__ = [
-    "BLOB_ID_BYTES",
-    "CHUNK_HEADER_ROOM",
-    "HASH_SIZE",
-    "LENGTH_PREFIX_SIZE",
-    "MAX_ADDRS_PER_PEER",
-    "MAX_ADDR_LEN",
-    "MAX_BITMAP_BYTES",
-    "MAX_CHUNKS_PER_REQUEST",
-    "MAX_CHUNK_SIZE",
-    "MAX_ERROR_MESSAGE",
-    "MAX_FELLOWS_COUNTED",
-    "MAX_HEADER_SIZE",
-    "MAX_MANIFEST_BYTES",
-    "MAX_NUM_CHUNKS",
-    "MAX_PEERS_LISTED",
-    "MAX_PEER_ID_LEN",
-    "MAX_PIPELINED_REQUESTS",
-    "MAX_RANGES_PER_REQUEST",
-    "SERVED_PROTOCOL_IDS",
-    "Chunk",
-    "ClientConnection",
-    "End",
-    "ErrorCode",
-    "ErrorResponse",
-    "GetRequest",
-    "HaveRequest",
-    "HaveResponse",
-    "LocalProtocolError",
-    "ManifestRequest",
-    "ManifestResponse",
-    "PeersRequest",
-    "PeersResponse",
-    "ProtocolError",
-    "RemoteProtocolError",
-    "Request",
-    "Response",
-    "ServerConnection",
-    "StatusRequest",
-    "StatusResponse",
-    "TruncatedStreamError",
-    "Version",
-    "encode_chunk_header",
-    "encode_request",
-    "encode_response_header",
-    "max_response_header_size",
-]
+__all__ = ["BodyAllocator", "ClientConnection", "ServerConnection"]
 
 # Compact the receive buffer once the consumed prefix is at least this large and at least
 # half of the buffer, so a long stream of small frames costs amortised O(1) per byte.

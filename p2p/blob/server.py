@@ -6,7 +6,7 @@ Theory of operation
 1. One stream carries requests in sequence; the server answers each fully, in order,
    before it reads the next. On 1.0.0 a request sent before the previous response is
    complete is a violation; on 1.1.0 a client may pipeline up to
-   ``proto.MAX_PIPELINED_REQUESTS`` (the sans-IO ``ServerConnection`` enforces both).
+   ``messages.MAX_PIPELINED_REQUESTS`` (the sans-IO ``ServerConnection`` enforces both).
 2. Budgets, each counted in all, per peer identity and per source address (identities are
    free, addresses are not): open streams (``ServerLimits.max_streams*``) and send-buffer
    bytes (``max_send_bytes*``: each ``get`` holds one chunk-sized buffer plus
@@ -77,6 +77,7 @@ from blobstore import (
     Store,
     StoreError,
 )
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.pacing import Pacer
 from p2p.blob.recheck import Rechecks, Sent
@@ -109,13 +110,13 @@ MAX_STREAMS_PER_IP = 128
 MAX_STREAMS = 1024
 # Room for a chunk header in front of its body in the send buffer; a `get` is charged its
 # chunk size plus this.
-HEADER_ROOM = proto.CHUNK_HEADER_ROOM
+HEADER_ROOM = messages.CHUNK_HEADER_ROOM
 # Send-buffer bytes held by requests being answered. A `get` holds one chunk-sized buffer
 # (1 MiB by default, up to 16 MiB) plus HEADER_ROOM until its response ends. Per peer: 4
 # requests at the largest chunk size (64 MiB + 4 x 64 B), 63 at the default. Per address:
 # two such peers. In all: a quarter of the 1 GiB a serving node may use (16 identities x 16
 # unread gets reach 4.2 GiB without these).
-MAX_SEND_BYTES_PER_PEER = 4 * (proto.MAX_CHUNK_SIZE + HEADER_ROOM)
+MAX_SEND_BYTES_PER_PEER = 4 * (messages.MAX_CHUNK_SIZE + HEADER_ROOM)
 MAX_SEND_BYTES_PER_IP = 2 * MAX_SEND_BYTES_PER_PEER
 MAX_SEND_BYTES = 2 * MAX_SEND_BYTES_PER_IP
 # Kept for peers holding little (theory, rule 9): a fetch's control stream and 8 lanes,
@@ -127,7 +128,7 @@ RESERVED_SEND_BYTES = 64 * MiB
 # fetch's 8 lanes with a few 1 MiB requests each) per identity, two such per address.
 LIGHT_PEER_STREAMS = 10
 LIGHT_IP_STREAMS = 20
-LIGHT_PEER_SEND_BYTES = 2 * (proto.MAX_CHUNK_SIZE + HEADER_ROOM)
+LIGHT_PEER_SEND_BYTES = 2 * (messages.MAX_CHUNK_SIZE + HEADER_ROOM)
 LIGHT_IP_SEND_BYTES = 2 * LIGHT_PEER_SEND_BYTES
 # A stream with no request for this long is closed; downloaders open streams on demand.
 IDLE_TIMEOUT = 60.0
@@ -354,10 +355,10 @@ class ServerStats:
     rechecked: int = 0
 
 
-def error_frame(code: proto.ErrorCode, message: str) -> bytes:
+def error_frame(code: messages.ErrorCode, message: str) -> bytes:
     """An error reply outside the request state machine (refusals, protocol breaches)."""
-    return proto.encode_response_header(
-        proto.ErrorResponse(code, message[: proto.MAX_ERROR_MESSAGE // 4])
+    return messages.encode_response_header(
+        messages.ErrorResponse(code, message[: messages.MAX_ERROR_MESSAGE // 4])
     )
 
 
@@ -425,7 +426,7 @@ class BlobServer:
     def install(self, host: Any) -> None:
         """Serve every protocol version (PROTOCOL.md section 1) on ``host``."""
         self.host = host
-        for protocol_id in proto.SERVED_PROTOCOL_IDS:
+        for protocol_id in messages.SERVED_PROTOCOL_IDS:
             host.set_stream_handler(TProtocol(protocol_id), self.handle_stream)
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -440,9 +441,9 @@ class BlobServer:
     async def handle_stream(self, stream: Any) -> None:
         peer = str(stream.muxed_conn.peer_id)
         ip = remote_address_key(stream)
-        version = proto.Version.V1_0
+        version = messages.Version.V1_0
         try:
-            version = proto.Version.of(str(stream.get_protocol())) or version
+            version = messages.Version.of(str(stream.get_protocol())) or version
         except Exception:
             pass
         reason = self.streams.acquire(peer, ip, 1)
@@ -460,7 +461,9 @@ class BlobServer:
         try:
             if self.gate is not None and not self.gate.admitted(peer):
                 # Within the stream budget: a flood of unadmitted streams is bounded too.
-                await self._fail(stream, error_frame(proto.ErrorCode.NOT_FOUND, self.gate.message))
+                await self._fail(
+                    stream, error_frame(messages.ErrorCode.NOT_FOUND, self.gate.message)
+                )
                 return
             conn = proto.ServerConnection(version)
             await self._serve(stream, conn, slot)
@@ -501,12 +504,12 @@ class BlobServer:
                 try:
                     while (request := conn.next_request()) is None and not conn.eof_received:
                         conn.receive_data(await read_some(stream, self.limits.request_read_size))
-                except (StreamLost, proto.RemoteProtocolError):
+                except (StreamLost, messages.RemoteProtocolError):
                     request = None
             if request is None:
                 await reset_quietly(stream)
                 return
-            busy = proto.ErrorResponse.truncated(proto.ErrorCode.BUSY, reason)
+            busy = messages.ErrorResponse.truncated(messages.ErrorCode.BUSY, reason)
             await self._fail(stream, conn.send_response(busy))
         finally:
             self.refusing -= 1
@@ -541,12 +544,12 @@ class BlobServer:
                     return
                 self.stats.requests[type(request).__name__] += 1
                 self.swarm.seen(request.blob_id, peer, trio.current_time())
-                if not isinstance(request, proto.PeersRequest | proto.ManifestRequest):
+                if not isinstance(request, messages.PeersRequest | messages.ManifestRequest):
                     # Chunks wanted (p2p.blob.swarm rule 5); peer exchange asks every second
                     # for as long as a fetch runs, lingering included.
                     self.board.asked(request.blob_id, trio.current_time())
                 await self._answer(stream, conn, request, peer, ip)
-        except proto.RemoteProtocolError as exc:
+        except messages.RemoteProtocolError as exc:
             self.stats.protocol_errors += 1
             log.info("peer %s broke the protocol: %s", peer, exc)
             await self._fail(stream, error_frame(exc.code, str(exc)))
@@ -582,7 +585,7 @@ class BlobServer:
 
     async def _read_request(
         self, stream: Any, conn: proto.ServerConnection, slot: _Slot
-    ) -> proto.Request | None:
+    ) -> messages.Request | None:
         request = conn.next_request()
         if request is not None:
             return request
@@ -622,14 +625,14 @@ class BlobServer:
         self,
         stream: Any,
         conn: proto.ServerConnection,
-        response: proto.ManifestResponse | proto.HaveResponse | proto.StatusResponse,
+        response: messages.ManifestResponse | messages.HaveResponse | messages.StatusResponse,
         payload: int,
         peer: str,
         ip: str,
     ) -> None:
         """Send a whole-frame response (manifest, have) within the send budget. Frames up to
         MAX_HEADER_SIZE are not counted: the stream budget bounds them."""
-        size = payload + HEADER_ROOM if payload > proto.MAX_HEADER_SIZE else 0
+        size = payload + HEADER_ROOM if payload > messages.MAX_HEADER_SIZE else 0
         with self._hold_send_bytes(peer, ip, size) as refused:
             if refused is not None:
                 raise _Busy(refused)
@@ -661,53 +664,55 @@ class BlobServer:
         self,
         stream: Any,
         conn: proto.ServerConnection,
-        request: proto.Request,
+        request: messages.Request,
         peer: str,
         ip: str,
     ) -> None:
         try:
-            if isinstance(request, proto.ManifestRequest):
+            if isinstance(request, messages.ManifestRequest):
                 manifest = await self._in_thread(self._manifest, request.blob_id)
                 encoded = manifest.encode()
-                response: proto.ManifestResponse | proto.HaveResponse
-                response = proto.ManifestResponse(encoded)
+                response: messages.ManifestResponse | messages.HaveResponse
+                response = messages.ManifestResponse(encoded)
                 await self._send_held(stream, conn, response, len(encoded), peer, ip)
-            elif isinstance(request, proto.HaveRequest):
+            elif isinstance(request, messages.HaveRequest):
                 manifest, bitmap = await self._in_thread(self._have, request.blob_id)
-                response = proto.HaveResponse(num_chunks=manifest.num_chunks, bitmap=bitmap)
+                response = messages.HaveResponse(num_chunks=manifest.num_chunks, bitmap=bitmap)
                 await self._send_held(stream, conn, response, len(bitmap), peer, ip)
-            elif isinstance(request, proto.StatusRequest):
+            elif isinstance(request, messages.StatusRequest):
                 manifest, bitmap = await self._in_thread(self._have, request.blob_id)
                 n = manifest.num_chunks
                 soon = self.board.soon(request.blob_id, n, bitmap)
                 count = self._fellows(request.blob_id, peer) if conn.counts_fellows else None
-                status = proto.StatusResponse(num_chunks=n, bitmap=bitmap, soon=soon, fellows=count)
+                status = messages.StatusResponse(
+                    num_chunks=n, bitmap=bitmap, soon=soon, fellows=count
+                )
                 await self._send_held(stream, conn, status, 2 * len(bitmap), peer, ip)
-            elif isinstance(request, proto.PeersRequest):
+            elif isinstance(request, messages.PeersRequest):
                 await self._in_thread(self._check_present, request.blob_id)
                 listed = listing(
                     self.swarm, request.blob_id, peer, trio.current_time(), self._addrs_of
                 )
-                await self._send(stream, conn.send_response(proto.PeersResponse(listed)))
+                await self._send(stream, conn.send_response(messages.PeersResponse(listed)))
             elif request.tentative and self._fellows(request.blob_id, peer):
                 # A `try_get` while others fetch this blob from us (1.5.0): declined, so
                 # that N fetchers' first chunks, each asked with its manifest, do not
                 # cross our uplink N times; each fetcher takes it as the swarm shares.
                 self.stats.tentative_declined += 1
-                await self._send(stream, conn.send_response(proto.End(conn.unsent_indices())))
+                await self._send(stream, conn.send_response(messages.End(conn.unsent_indices())))
             else:
                 await self._send_chunks(stream, conn, request, peer, ip)
         except _Busy as exc:
             self.stats.busy_rejections += 1
-            await self._error(stream, conn, proto.ErrorCode.BUSY, str(exc))
+            await self._error(stream, conn, messages.ErrorCode.BUSY, str(exc))
         except _NOT_HERE:
-            await self._error(stream, conn, proto.ErrorCode.NOT_FOUND, "no such blob here")
+            await self._error(stream, conn, messages.ErrorCode.NOT_FOUND, "no such blob here")
         except CorruptChunk as exc:
             self._quarantine(request.blob_id, str(exc))
-            await self._error(stream, conn, proto.ErrorCode.INTERNAL, "chunk damaged on disk")
+            await self._error(stream, conn, messages.ErrorCode.INTERNAL, "chunk damaged on disk")
         except StoreError as exc:
             log.warning("store error while serving %s: %s", request, exc)
-            await self._error(stream, conn, proto.ErrorCode.INTERNAL, "store error")
+            await self._error(stream, conn, messages.ErrorCode.INTERNAL, "store error")
 
     def _fellows(self, blob_id: str, peer: str) -> int:
         """How many peers besides ``peer`` asked us about ``blob_id`` lately and are
@@ -715,16 +720,18 @@ class BlobServer:
         count = self.swarm.fellows(
             blob_id, trio.current_time(), peer, FELLOW_WINDOW, self._connected
         )
-        return min(proto.MAX_FELLOWS_COUNTED, count)
+        return min(messages.MAX_FELLOWS_COUNTED, count)
 
     async def _error(
-        self, stream: Any, conn: proto.ServerConnection, code: proto.ErrorCode, message: str
+        self, stream: Any, conn: proto.ServerConnection, code: messages.ErrorCode, message: str
     ) -> None:
         if conn.current_request is None:
             # The response was complete (manifest or have sent) when the error came;
             # nothing more may be said about this request.
             return
-        await self._send(stream, conn.send_response(proto.ErrorResponse.truncated(code, message)))
+        await self._send(
+            stream, conn.send_response(messages.ErrorResponse.truncated(code, message))
+        )
 
     def _quarantine(self, blob_id: str, why: str) -> None:
         """Stop serving a blob found rotten. The store's quarantine (when it has one) takes
@@ -789,7 +796,7 @@ class BlobServer:
         self,
         stream: Any,
         conn: proto.ServerConnection,
-        request: proto.GetRequest,
+        request: messages.GetRequest,
         peer: str,
         ip: str,
     ) -> None:
@@ -797,9 +804,9 @@ class BlobServer:
         n = manifest.num_chunks
         for start, end in request.ranges:
             if end > n:
-                raise proto.RemoteProtocolError(
+                raise messages.RemoteProtocolError(
                     f"range [{start}, {end}) beyond the blob's {n} chunks",
-                    code=proto.ErrorCode.BAD_REQUEST,
+                    code=messages.ErrorCode.BAD_REQUEST,
                 )
         size = HEADER_ROOM + min(manifest.chunk_size, manifest.size)
         with self._hold_send_bytes(peer, ip, size) as refused:
@@ -811,7 +818,7 @@ class BlobServer:
         self,
         stream: Any,
         conn: proto.ServerConnection,
-        request: proto.GetRequest,
+        request: messages.GetRequest,
         manifest: Manifest,
         bitmap: bytes,
         size: int,
@@ -859,7 +866,7 @@ class BlobServer:
                     self.served.sent(peer, request.blob_id, length, trio.current_time())
         finally:
             reader.close()
-        await self._send(stream, conn.send_response(proto.End(tuple(missing))))
+        await self._send(stream, conn.send_response(messages.End(tuple(missing))))
 
     def _verified_bits(self, blob_id: str, num_chunks: int) -> bytearray:
         bits = self.verified.pop(blob_id, None)

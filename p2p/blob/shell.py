@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import trio
 from libp2p.exceptions import BaseLibp2pError
 
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.buffers import ChunkBuffers
 from p2p.transport.fast import fast_stream_of, read_into
@@ -165,7 +166,7 @@ class BlobClient:
         stream: Stream,
         chunk_length: Callable[[int], int] | None = None,
         *,
-        version: proto.Version = proto.Version.V1_0,
+        version: messages.Version = messages.Version.V1_0,
         pipelined: bool = False,
     ) -> None:
         self.stream = stream
@@ -227,7 +228,7 @@ class BlobClient:
                 raise ProtocolRefused(f"peer refused the protocol proposed: answered {got[:64]!r}")
         self._expect = b""
 
-    async def _next_response(self) -> proto.Response:
+    async def _next_response(self) -> messages.Response:
         """The next response event; a stream that ends mid-response is StreamLost (a peer
         that went away), not a protocol breach."""
         if self._expect:
@@ -251,56 +252,56 @@ class BlobClient:
                     continue
                 # Headers are read exactly (the core knows each frame's length once its
                 # prefix is here), so no chunk body is pulled through the header buffer.
-                want = self.conn.bytes_needed() or proto.LENGTH_PREFIX_SIZE
+                want = self.conn.bytes_needed() or messages.LENGTH_PREFIX_SIZE
                 self.conn.receive_data(await read_some(self.stream, want))
-        except proto.TruncatedStreamError as exc:
+        except messages.TruncatedStreamError as exc:
             raise StreamLost(str(exc)) from exc
 
-    async def manifest(self, blob_id: str) -> bytes | proto.ErrorResponse:
+    async def manifest(self, blob_id: str) -> bytes | messages.ErrorResponse:
         await self.send_manifest(blob_id)
         return await self.read_manifest()
 
     async def send_manifest(self, blob_id: str) -> None:
         """Ask for the manifest; on a pipelined stream, `get` requests may follow at once."""
         self._check_usable()
-        await write_all(self.stream, self.conn.send_request(proto.ManifestRequest(blob_id)))
+        await write_all(self.stream, self.conn.send_request(messages.ManifestRequest(blob_id)))
 
-    async def read_manifest(self) -> bytes | proto.ErrorResponse:
+    async def read_manifest(self) -> bytes | messages.ErrorResponse:
         """The answer to the oldest request outstanding, a manifest request."""
         self._check_usable()
         response = await self._next_response()
-        if isinstance(response, proto.ManifestResponse):
+        if isinstance(response, messages.ManifestResponse):
             return response.manifest
-        if isinstance(response, proto.ErrorResponse):
+        if isinstance(response, messages.ErrorResponse):
             return response
-        raise proto.RemoteProtocolError(f"unexpected {type(response).__name__}")
+        raise messages.RemoteProtocolError(f"unexpected {type(response).__name__}")
 
-    async def have(self, blob_id: str) -> proto.HaveResponse | proto.ErrorResponse:
+    async def have(self, blob_id: str) -> messages.HaveResponse | messages.ErrorResponse:
         self._check_usable()
-        await write_all(self.stream, self.conn.send_request(proto.HaveRequest(blob_id)))
+        await write_all(self.stream, self.conn.send_request(messages.HaveRequest(blob_id)))
         response = await self._next_response()
-        if isinstance(response, proto.HaveResponse | proto.ErrorResponse):
+        if isinstance(response, messages.HaveResponse | messages.ErrorResponse):
             return response
-        raise proto.RemoteProtocolError(f"unexpected {type(response).__name__}")
+        raise messages.RemoteProtocolError(f"unexpected {type(response).__name__}")
 
-    async def peers(self, blob_id: str) -> proto.PeersResponse | proto.ErrorResponse:
+    async def peers(self, blob_id: str) -> messages.PeersResponse | messages.ErrorResponse:
         """(1.2.0) Who else fetches or holds ``blob_id``, as the server saw them."""
         self._check_usable()
-        await write_all(self.stream, self.conn.send_request(proto.PeersRequest(blob_id)))
+        await write_all(self.stream, self.conn.send_request(messages.PeersRequest(blob_id)))
         response = await self._next_response()
-        if isinstance(response, proto.PeersResponse | proto.ErrorResponse):
+        if isinstance(response, messages.PeersResponse | messages.ErrorResponse):
             return response
-        raise proto.RemoteProtocolError(f"unexpected {type(response).__name__}")
+        raise messages.RemoteProtocolError(f"unexpected {type(response).__name__}")
 
-    async def status(self, blob_id: str) -> proto.StatusResponse | proto.ErrorResponse:
+    async def status(self, blob_id: str) -> messages.StatusResponse | messages.ErrorResponse:
         """(1.3.0) The chunks the peer holds and those it is fetching now (and, 1.4.0,
         how many others fetch the blob from it)."""
         self._check_usable()
-        await write_all(self.stream, self.conn.send_request(proto.StatusRequest(blob_id)))
+        await write_all(self.stream, self.conn.send_request(messages.StatusRequest(blob_id)))
         response = await self._next_response()
-        if isinstance(response, proto.StatusResponse | proto.ErrorResponse):
+        if isinstance(response, messages.StatusResponse | messages.ErrorResponse):
             return response
-        raise proto.RemoteProtocolError(f"unexpected {type(response).__name__}")
+        raise messages.RemoteProtocolError(f"unexpected {type(response).__name__}")
 
     async def get(
         self,
@@ -309,7 +310,7 @@ class BlobClient:
         on_chunk: ChunkSink,
         *,
         buffers: ChunkBuffers | None = None,
-    ) -> tuple[int, ...] | proto.ErrorResponse:
+    ) -> tuple[int, ...] | messages.ErrorResponse:
         """Stream the chunks of ``ranges`` into ``on_chunk``; return the indices the peer
         reported missing, or its error reply (`send_get`, then `read_get`)."""
         await self.send_get(blob_id, ranges)
@@ -329,7 +330,7 @@ class BlobClient:
         ``tentative`` (a 1.5.0 stream): send it as a ``try_get``, which the server may
         decline (`read_get` then reports nothing missing)."""
         self._check_usable()
-        request = proto.GetRequest(blob_id, ranges, tentative)
+        request = messages.GetRequest(blob_id, ranges, tentative)
         await write_all(self.stream, self.conn.send_request(request))
         fast = fast_stream_of(self.stream)
         if fast is None:
@@ -337,7 +338,7 @@ class BlobClient:
         if answer_bytes is None and self._chunk_length is not None:
             length = self._chunk_length
             answer_bytes = sum(
-                length(i) + proto.CHUNK_HEADER_ROOM
+                length(i) + messages.CHUNK_HEADER_ROOM
                 for start, end in ranges
                 for i in range(start, end)
             )
@@ -348,7 +349,7 @@ class BlobClient:
 
     async def read_get(
         self, on_chunk: ChunkSink, *, buffers: ChunkBuffers | None = None
-    ) -> tuple[int, ...] | proto.ErrorResponse:
+    ) -> tuple[int, ...] | messages.ErrorResponse:
         """Read the response to the oldest ``get`` outstanding: its chunks go to
         ``on_chunk``; returns the indices the peer reported missing, or its error reply.
 
@@ -364,13 +365,13 @@ class BlobClient:
         """
         self._check_usable()
         asked = self.conn.outstanding_request
-        declinable = isinstance(asked, proto.GetRequest) and asked.tentative
+        declinable = isinstance(asked, messages.GetRequest) and asked.tentative
         try:
             while True:
                 if buffers is not None and self._spare is None:
                     self._spare = await buffers.acquire()
                 response = await self._next_response()
-                if isinstance(response, proto.Chunk):
+                if isinstance(response, messages.Chunk):
                     self._lent = None
                     try:
                         await on_chunk(response.index, response.data)
@@ -378,12 +379,12 @@ class BlobClient:
                         if buffers is not None:
                             buffers.release(response.data)
                         raise
-                elif isinstance(response, proto.End):
+                elif isinstance(response, messages.End):
                     return () if declinable else response.missing
-                elif isinstance(response, proto.ErrorResponse):
+                elif isinstance(response, messages.ErrorResponse):
                     return response
                 else:
-                    raise proto.RemoteProtocolError(f"unexpected {type(response).__name__}")
+                    raise messages.RemoteProtocolError(f"unexpected {type(response).__name__}")
         finally:
             if buffers is not None:
                 for buf in (self._spare, self._lent):

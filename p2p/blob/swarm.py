@@ -17,7 +17,7 @@ Theory of operation
    name nobody new), dials at most ``MAX_SWARM_DIALS`` of the peers it learns per download
    (``PEX_DIAL_PARALLELISM`` at a time) and hands each one it reaches to the download as a
    provider: a fellow fetcher is a partial provider, whose ``have`` the download asks again
-   as its chunks arrive (``p2p.fetch.downloader.HAVE_REFRESH_INTERVAL``). Everything a fellow
+   as its chunks arrive (``p2p.fetch.download_parts.HAVE_REFRESH_INTERVAL``). Everything a fellow
    sends is verified like any other provider's data; a liar is banned.
    `PexBook` is that bookkeeping, sans-IO.
 4. Chunks in flight are visible (``/blobnet/blob/1.3.0``'s ``status``): a download posts
@@ -41,7 +41,7 @@ Theory of operation
    opening caps there (``p2p.fetch.scheduler``'s ``set_alone``): a lone fetch across a
    continent needs many requests in flight at once to fill its striped connections, and
    the caps cost it a quarter of its rate (bench/figures/wan-opening-caps.md). Until the
-   seeder has said so twice in a row (``p2p.fetch.downloader.ALONE_ANSWERS``,
+   seeder has said so twice in a row (``p2p.fetch.download_parts.ALONE_ANSWERS``,
    ``HAVE_REFRESH_INTERVAL`` apart) it is owed at most an eighth of the blob at a time
    (``p2p.fetch.scheduler.ALONE_ONCE_SHARE``): of fetchers that start together the first to
    ask hears "alone" once, and uncapped on that answer it took a small blob nearly whole
@@ -58,7 +58,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
-from p2p.blob.protocol import MAX_ADDR_LEN, MAX_ADDRS_PER_PEER, MAX_PEER_ID_LEN, MAX_PEERS_LISTED
+from p2p.blob.messages import MAX_ADDR_LEN, MAX_ADDRS_PER_PEER, MAX_PEER_ID_LEN, MAX_PEERS_LISTED
 
 # One entry of a `peers` answer: a peer ID and its addresses.
 Listed = tuple[str, tuple[str, ...]]

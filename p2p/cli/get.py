@@ -55,7 +55,7 @@ from p2p.cli.status import fetch_via_daemon
 
 if TYPE_CHECKING:
     from identity import MachineKey
-    from p2p.fetch.downloader import Progress
+    from p2p.fetch.download_parts import Progress
     from p2p.node.node import Node
 
 # A second fetch of a blob into one store waits for the process already fetching it, and

@@ -1,7 +1,5 @@
 """``blob relay``: run a circuit relay v2 for admitted peers. The options that
-``blob serve`` and ``blob get`` take to work behind NAT live in :mod:`p2p.cli.nat`
-(re-exported here: :func:`serve_nat_options`, :func:`get_nat_options`,
-:func:`load_certificate`).
+``blob serve`` and ``blob get`` take to work behind NAT live in :mod:`p2p.cli.nat`.
 
 A relay is a blobnet node with a public address. It reserves slots only for peers that
 show an admission certificate from a trusted authority (``--authority``), answers their
@@ -34,9 +32,8 @@ from p2p.cli.common import (
     store_of,
     verbose_option,
 )
-from p2p.cli.nat import get_nat_options, load_certificate, serve_nat_options
 
-__all__ = ["get_nat_options", "load_certificate", "relay", "serve_nat_options"]
+__all__ = ["relay"]
 
 # p2p.nat.relay imports libp2p (seconds): it is imported inside the command, so `blob put`
 # stays fast. The option defaults are its constants, resolved there; their help states

@@ -58,7 +58,7 @@ from p2p.daemon.slots import ListenerSlots
 from p2p.daemon.status import DaemonInfo, NodeCollector, StoreCount, node_status
 
 if TYPE_CHECKING:
-    from p2p.fetch.downloader import Progress
+    from p2p.fetch.download_parts import Progress
     from p2p.node.node import Node
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from typing import Protocol
 import outcome
 import trio
 
-# Hashing, when left to the writer threads (see p2p.fetch.downloader.HASH_ON_ARRIVAL), runs at
+# Hashing, when left to the writer threads (see p2p.fetch.download_parts.HASH_ON_ARRIVAL), runs at
 # about 3 GB/s per thread; more threads also keep several writes in flight on fast disks.
 MAX_WRITER_THREADS = 4
 

@@ -13,7 +13,7 @@ import trio
 from blobstore import (
     DEFAULT_CHUNK_SIZE,
 )
-from p2p.blob import protocol as proto
+from p2p.blob import messages
 from p2p.blob.pacing import Pacer
 from p2p.fetch.chunk_writer import usable_cpus
 from p2p.fetch.scheduler import (
@@ -37,7 +37,7 @@ MANIFEST_FANOUT = 4
 # sooner. The `get` is granted credit for a chunk of the default size (the manifest,
 # which tells the real one, is not in yet).
 SPECULATIVE_CHUNK = 0
-SPECULATIVE_ANSWER_BYTES = DEFAULT_CHUNK_SIZE + proto.CHUNK_HEADER_ROOM
+SPECULATIVE_ANSWER_BYTES = DEFAULT_CHUNK_SIZE + messages.CHUNK_HEADER_ROOM
 # Pauses before a provider that was unreachable, busy or dropped is tried again.
 PEER_RETRY_PAUSES = (1.0, 3.0, 9.0)
 # Pauses before a provider that did not answer a manifest request is asked again (behind

@@ -15,7 +15,7 @@ from libp2p.peer.id import ID
 from blobstore import (
     Manifest,
 )
-from p2p.blob import protocol as proto
+from p2p.blob import messages
 from p2p.blob.shell import BlobClient, ProtocolRefused, StreamLost, open_optimistic, reset_quietly
 from p2p.fetch.download_parts import (
     CONTROL_TIMEOUT,
@@ -61,7 +61,7 @@ async def fetch_manifest(
                 reply = await _ask_manifest(network, blob_id, peer)
         else:
             reply = await _ask_manifest(network, blob_id, peer)
-        if isinstance(reply, proto.ErrorResponse) and isinstance(network, RefusalAware):
+        if isinstance(reply, messages.ErrorResponse) and isinstance(network, RefusalAware):
             network.refused(peer, reply.message)
         manifest = _checked_manifest(blob_id, peer, reply, unanswered)
         if client is not None and manifest is not None and manifest.num_chunks > 0:
@@ -69,7 +69,7 @@ async def fetch_manifest(
             probes.offer(peer, client)
             client = None
         return manifest
-    except proto.ProtocolError as exc:
+    except messages.ProtocolError as exc:
         log.info("manifest from %s failed: %r", peer, exc)
         return None
     finally:
@@ -80,18 +80,18 @@ async def fetch_manifest(
 def _checked_manifest(
     blob_id: str,
     peer: str,
-    reply: bytes | proto.ErrorResponse | _Unanswered,
+    reply: bytes | messages.ErrorResponse | _Unanswered,
     unanswered: dict[str, str] | None,
 ) -> Manifest | None:
     if isinstance(reply, _Unanswered):
         if unanswered is not None:
             unanswered[peer] = reply.why
         return None
-    if isinstance(reply, proto.ErrorResponse) and reply.code == proto.ErrorCode.BUSY:
+    if isinstance(reply, messages.ErrorResponse) and reply.code == messages.ErrorCode.BUSY:
         if unanswered is not None:
             unanswered[peer] = f"was busy: {reply.message}"
         return None
-    if isinstance(reply, proto.ErrorResponse):
+    if isinstance(reply, messages.ErrorResponse):
         return None
     if blake3.blake3(reply).hexdigest() != blob_id:
         log.warning("peer %s sent a manifest that does not match %s", peer, blob_id)
@@ -116,7 +116,7 @@ def _unanswered(exc: Exception) -> _Unanswered:
 
 async def _ask_manifest(
     network: Network, blob_id: str, peer: str
-) -> bytes | proto.ErrorResponse | _Unanswered:
+) -> bytes | messages.ErrorResponse | _Unanswered:
     """One manifest request; `_Unanswered` if the peer did not answer it. A protocol
     breach is raised (ProtocolError): that peer is not asked again."""
     stream = None
@@ -134,7 +134,7 @@ async def _ask_manifest(
 
 async def _ask_speculating(
     network: Network, blob_id: str, peer: str, tentative: bool = False
-) -> tuple[bytes | proto.ErrorResponse | _Unanswered, BlobClient | None]:
+) -> tuple[bytes | messages.ErrorResponse | _Unanswered, BlobClient | None]:
     """The manifest request and a `get` of SPECULATIVE_CHUNK sent together on one
     ``/blobnet/blob/1.1.0`` stream (``tentative``: a `try_get` on a 1.5.0 one): the
     manifest's answer, and the client whose `get` is still to be read (None unless a
@@ -145,7 +145,7 @@ async def _ask_speculating(
     try:
         with trio.fail_after(CONTROL_TIMEOUT):
             stream = await network.open_blob_stream_on(peer, 0, pipelined=True, tentative=tentative)
-            version = proto.Version.V1_5 if tentative else proto.Version.V1_1
+            version = messages.Version.V1_5 if tentative else messages.Version.V1_1
             client = BlobClient(stream, version=version, pipelined=True)
             await client.send_manifest(blob_id)
             span = ((SPECULATIVE_CHUNK, SPECULATIVE_CHUNK + 1),)
@@ -180,13 +180,13 @@ class _Asked:
 
 @dataclass
 class _Probe(_Asked):
-    have: proto.HaveResponse | proto.ErrorResponse | None = None
+    have: messages.HaveResponse | messages.ErrorResponse | None = None
     rtt: float = 0.0
 
 
 @dataclass
 class _CountProbe(_Asked):
-    status: proto.StatusResponse | proto.ErrorResponse | None = None
+    status: messages.StatusResponse | messages.ErrorResponse | None = None
 
 
 _A = TypeVar("_A", bound=_Asked)
@@ -213,7 +213,7 @@ async def open_status_client(
     host = getattr(network, "host", None)
     if host is None or not hasattr(host, "get_network"):
         return None
-    version = proto.Version.V1_4 if fellows else proto.Version.V1_3
+    version = messages.Version.V1_4 if fellows else messages.Version.V1_3
     try:
         stream = await open_optimistic(host, ID.from_base58(peer), version.protocol_id)
     except Exception as exc:  # libp2p raises many types for one failed open
@@ -317,7 +317,7 @@ class HaveProbes:
                     count.status = await client.status(self._blob_id)
                     count.client = client
                     client = None
-        except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
+        except (StreamLost, messages.ProtocolError, trio.TooSlowError, OSError) as exc:
             log.info("fetcher count from %s failed: %r", peer, exc)
         finally:
             if client is not None:
@@ -339,7 +339,7 @@ class HaveProbes:
                 probe.rtt = path_rtt(trio.current_time() - asked, stream)
                 probe.client = client
                 stream = None
-        except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
+        except (StreamLost, messages.ProtocolError, trio.TooSlowError, OSError) as exc:
             log.info("have from %s failed: %r", peer, exc)
         finally:
             if stream is not None:

@@ -12,7 +12,7 @@ import trio
 from blobstore import (
     CorruptChunk,
 )
-from p2p.blob import protocol as proto
+from p2p.blob import messages
 from p2p.blob.shell import BlobClient, ProtocolRefused, StreamLost, reset_quietly
 from p2p.fetch.download_parts import (
     HASH_ON_ARRIVAL,
@@ -159,7 +159,7 @@ class DownloadRequests(DownloadState):
                         )
                     else:
                         stream = await self.network.open_blob_stream(peer)
-                    version = proto.Version.V1_1 if pipelined else proto.Version.V1_0
+                    version = messages.Version.V1_1 if pipelined else messages.Version.V1_0
                     client = BlobClient(
                         stream, self.chunk_length, version=version, pipelined=pipelined
                     )
@@ -186,7 +186,7 @@ class DownloadRequests(DownloadState):
         or None if its stream is gone."""
         now = trio.current_time
         writes = _RequestWrites()
-        reply: tuple[int, ...] | proto.ErrorResponse | None = None
+        reply: tuple[int, ...] | messages.ErrorResponse | None = None
         failure: Exception | None = None
         try:
             with trio.fail_at(ticket.deadline):
@@ -196,7 +196,7 @@ class DownloadRequests(DownloadState):
         except (
             BadChunk,
             ObsoleteRequest,
-            proto.RemoteProtocolError,
+            messages.RemoteProtocolError,
             StreamLost,
             trio.TooSlowError,
             OSError,
@@ -240,7 +240,7 @@ class DownloadRequests(DownloadState):
             self._notify()
             await self._drop(client)
             return None
-        if isinstance(failure, proto.RemoteProtocolError):
+        if isinstance(failure, messages.RemoteProtocolError):
             log.warning("peer %s broke the protocol: %s", peer, failure)
             self.scheduler.on_protocol_error(ticket.request_id, now(), str(failure))
             self._penalize(peer)
@@ -254,8 +254,8 @@ class DownloadRequests(DownloadState):
             await self._drop(client)
             return None
         assert reply is not None
-        if isinstance(reply, proto.ErrorResponse):
-            if reply.code == proto.ErrorCode.BUSY:
+        if isinstance(reply, messages.ErrorResponse):
+            if reply.code == messages.ErrorCode.BUSY:
                 self.scheduler.on_request_busy(ticket.request_id, now())
                 await trio.sleep(0.2)
             else:

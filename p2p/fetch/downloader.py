@@ -98,42 +98,36 @@ from blobstore import (
     PartialBlob,
     Store,
 )
-from p2p.blob import protocol as proto
+from p2p.blob import messages
 from p2p.blob.buffers import ChunkBuffers
 from p2p.blob.shell import BlobClient, StreamLost, reset_quietly
 from p2p.blob.swarm import LINGER_MAX, LINGER_QUIET, FetchingBoard
 from p2p.errors import FetchFailed, NoProviders
 from p2p.fetch.chunk_writer import ChunkWriter
-from p2p.fetch.download_parts import ALONE_ANSWERS as ALONE_ANSWERS
-from p2p.fetch.download_parts import BUFFER_POOL_BYTES as BUFFER_POOL_BYTES
-from p2p.fetch.download_parts import CONTROL_TIMEOUT as CONTROL_TIMEOUT
 from p2p.fetch.download_parts import (
+    ALONE_ANSWERS,
+    BUFFER_POOL_BYTES,
+    CONTROL_TIMEOUT,
     DISTRUSTED_START_DELAY,
     FLUSH_INTERVAL,
+    HAVE_REFRESH_INTERVAL,
+    MANIFEST_FANOUT,
+    MANIFEST_RETRY_PAUSES,
     MAX_REASONS_SAID,
+    MIN_BUFFERS,
     NO_ANSWER,
     PEER_RETRY_PAUSES,
+    SPECULATIVE_CHUNK,
     STALL_GRACE,
     Network,
+    PacedNetwork,
+    ProgressCallback,
     StripedNetwork,
+    path_rtt,
 )
-from p2p.fetch.download_parts import HASH_ON_ARRIVAL as HASH_ON_ARRIVAL
-from p2p.fetch.download_parts import HAVE_REFRESH_INTERVAL as HAVE_REFRESH_INTERVAL
-from p2p.fetch.download_parts import IDLE_WAKE_S as IDLE_WAKE_S
-from p2p.fetch.download_parts import MANIFEST_FANOUT as MANIFEST_FANOUT
-from p2p.fetch.download_parts import MANIFEST_RETRY_PAUSES as MANIFEST_RETRY_PAUSES
-from p2p.fetch.download_parts import MIN_BUFFERS as MIN_BUFFERS
-from p2p.fetch.download_parts import SPECULATIVE_CHUNK as SPECULATIVE_CHUNK
-from p2p.fetch.download_parts import BadDataAware as BadDataAware
-from p2p.fetch.download_parts import PacedNetwork as PacedNetwork
-from p2p.fetch.download_parts import Progress as Progress
-from p2p.fetch.download_parts import ProgressCallback as ProgressCallback
-from p2p.fetch.download_parts import RefusalAware as RefusalAware
-from p2p.fetch.download_parts import path_rtt as path_rtt
-from p2p.fetch.download_probes import HaveProbes as HaveProbes
-from p2p.fetch.download_probes import _CountProbe as _CountProbe
-from p2p.fetch.download_probes import fetch_manifest as fetch_manifest
 from p2p.fetch.download_probes import (
+    HaveProbes,
+    fetch_manifest,
     open_status_client,
 )
 from p2p.fetch.download_requests import DownloadRequests
@@ -261,14 +255,14 @@ class Download(DownloadRequests):
                     asked = trio.current_time()
                     have = await client.have(self.blob_id)
                     rtt = path_rtt(trio.current_time() - asked, stream)
-        except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
+        except (StreamLost, messages.ProtocolError, trio.TooSlowError, OSError) as exc:
             log.info("provider %s unusable: %r", peer, exc)
             if stream is not None:
                 await reset_quietly(stream)
-            return not isinstance(exc, proto.RemoteProtocolError)
-        if isinstance(have, proto.ErrorResponse):
+            return not isinstance(exc, messages.RemoteProtocolError)
+        if isinstance(have, messages.ErrorResponse):
             await reset_quietly(stream)
-            return have.code in (proto.ErrorCode.BUSY, proto.ErrorCode.INTERNAL)
+            return have.code in (messages.ErrorCode.BUSY, messages.ErrorCode.INTERNAL)
         if have.num_chunks != self.manifest.num_chunks:
             log.warning(
                 "provider %s claims %d chunks, manifest has %d",
@@ -346,7 +340,7 @@ class Download(DownloadRequests):
                 if answered or not status:
                     await trio.sleep(HAVE_REFRESH_INTERVAL)
                 soon = None
-                have: proto.HaveResponse | proto.ErrorResponse
+                have: messages.HaveResponse | messages.ErrorResponse
                 with trio.fail_after(CONTROL_TIMEOUT):
                     if status:
                         try:
@@ -360,15 +354,15 @@ class Download(DownloadRequests):
                             client = BlobClient(stream, self.chunk_length)
                             status = False
                             continue
-                        if isinstance(reply, proto.StatusResponse):
+                        if isinstance(reply, messages.StatusResponse):
                             soon = reply.soon
-                            have = proto.HaveResponse(reply.num_chunks, reply.bitmap)
+                            have = messages.HaveResponse(reply.num_chunks, reply.bitmap)
                         else:
                             have = reply
                     else:
                         have = await client.have(self.blob_id)
                 answered = True
-                if isinstance(have, proto.ErrorResponse):
+                if isinstance(have, messages.ErrorResponse):
                     return
                 if have.num_chunks != self.manifest.num_chunks:
                     return
@@ -379,7 +373,7 @@ class Download(DownloadRequests):
                 self._notify()
                 if full:
                     return
-        except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
+        except (StreamLost, messages.ProtocolError, trio.TooSlowError, OSError) as exc:
             log.info("provider %s: have refresh ended: %r", peer, exc)
         finally:
             # Claims nobody refreshes are void: a fellow that went away (or stopped
@@ -410,7 +404,7 @@ class Download(DownloadRequests):
                 if reply is None:
                     with trio.fail_after(CONTROL_TIMEOUT):
                         reply = await client.status(self.blob_id)
-                if not (isinstance(reply, proto.StatusResponse) and reply.fellows == 0):
+                if not (isinstance(reply, messages.StatusResponse) and reply.fellows == 0):
                     self.scheduler.set_alone(peer, False)
                     self._notify()
                     return
@@ -420,7 +414,7 @@ class Download(DownloadRequests):
                     self._notify()
                 reply = None
                 await trio.sleep(HAVE_REFRESH_INTERVAL)
-        except (StreamLost, proto.ProtocolError, trio.TooSlowError, OSError) as exc:
+        except (StreamLost, messages.ProtocolError, trio.TooSlowError, OSError) as exc:
             log.info("provider %s: no fetcher count: %r", peer, exc)
             self.scheduler.set_alone(peer, False)
             self._notify()

@@ -9,7 +9,7 @@ import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from p2p.blob.protocol import MAX_CHUNKS_PER_REQUEST, MAX_RANGES_PER_REQUEST
+from p2p.blob.messages import MAX_CHUNKS_PER_REQUEST, MAX_RANGES_PER_REQUEST
 
 # The wire protocol's hard limits on one `get` request: a config can never build a request
 # that a server would refuse as `too_large` / `bad_request`.

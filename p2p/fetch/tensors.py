@@ -7,7 +7,7 @@ the tensors' bytes, their offsets counted from the end of the header. So which c
 the blob a tensor lives in follows from the header alone:
 
 1. The manifest comes from the local store (a complete or partial blob) or from the first
-   provider whose answer hashes to the blob ID (``p2p.fetch.downloader.fetch_manifest``).
+   provider whose answer hashes to the blob ID (``p2p.fetch.download_probes.fetch_manifest``).
 2. The chunk holding the 8-byte length, then the chunks spanning the header, are fetched;
    the header is parsed and checked against the blob's size.
 3. Only the chunks spanning the tensors asked for are fetched, with the blob protocol's
@@ -43,7 +43,7 @@ import trio
 from blobstore import BlobExists, BlobNotFound, CorruptChunk, Manifest, Store
 from blobstore.collection import COLLECTION_MAGIC, MAX_COLLECTION_SIZE, looks_like_collection
 from blobstore.exitcodes import ExitCode
-from p2p.blob import protocol as proto
+from p2p.blob import messages
 from p2p.blob.shell import BlobClient, StreamLost, reset_quietly
 from p2p.errors import FetchFailed, NoProviders
 
@@ -229,13 +229,13 @@ class ChunkSource:
                 timeout = REQUEST_GRACE + count * self.manifest.chunk_size / MIN_RATE_BYTES_PER_S
                 with trio.fail_after(timeout):
                     reply = await client.get(self.manifest.blob_id, ranges, on_chunk)
-                if isinstance(reply, proto.ErrorResponse):
+                if isinstance(reply, messages.ErrorResponse):
                     return f"answered {reply.code.name.lower()}"
         except CorruptChunk:
             return "sent a chunk that does not match its hash"
         except trio.TooSlowError:
             return "too slow"
-        except (StreamLost, proto.ProtocolError, OSError) as exc:
+        except (StreamLost, messages.ProtocolError, OSError) as exc:
             return str(exc) or type(exc).__name__
         finally:
             if stream is not None:
@@ -268,12 +268,12 @@ def _requests(indices: list[int]) -> Iterable[tuple[tuple[tuple[int, int], ...],
         if runs and runs[-1][1] == index:
             runs[-1] = (runs[-1][0], index + 1)
         else:
-            if len(runs) == proto.MAX_RANGES_PER_REQUEST:
+            if len(runs) == messages.MAX_RANGES_PER_REQUEST:
                 yield tuple(runs), count
                 runs, count = [], 0
             runs.append((index, index + 1))
         count += 1
-        if count == proto.MAX_CHUNKS_PER_REQUEST:
+        if count == messages.MAX_CHUNKS_PER_REQUEST:
             yield tuple(runs), count
             runs, count = [], 0
     if runs:
@@ -428,7 +428,7 @@ async def _open_source(
 
 
 async def _manifest(store: Store, network: Any, blob_id: str, peers: Sequence[str]) -> Manifest:
-    from p2p.fetch.downloader import fetch_manifest
+    from p2p.fetch.download_probes import fetch_manifest
 
     try:
         return await trio.to_thread.run_sync(store.manifest, blob_id)  # a partial's

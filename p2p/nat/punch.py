@@ -49,7 +49,7 @@ from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_byt
 
 from blobstore.exitcodes import ExitCode
 from p2p.blob.ticket import TICKET_PREFIX, Ticket
-from p2p.fetch.downloader import Progress, ProgressCallback
+from p2p.fetch.download_parts import Progress, ProgressCallback
 from p2p.nat.holepunch import punch_book
 from p2p.nat.relay import (
     EXCHANGE_TIMEOUT,

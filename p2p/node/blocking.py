@@ -25,7 +25,7 @@ import trio
 from blobstore import BadBlobId, BlobNotFound, Store, parse_blob_id
 from p2p.blob.ticket import MAX_TICKET_ADDRS, Ticket
 from p2p.errors import P2PError
-from p2p.fetch.downloader import ProgressCallback
+from p2p.fetch.download_parts import ProgressCallback
 from p2p.fetch.tensors import fetch_tensors
 from p2p.node.node import DEFAULT_LISTEN, Node, open_node
 from p2p.transport.addresses import dialable_addrs
@@ -247,7 +247,7 @@ class BlockingNode:
         store holds, complete or partial: a partial one is resumed). ``providers``:
         multiaddrs ending in ``/p2p/<id>``; connected peers and the DHT are asked too.
         ``progress`` is called from the node's thread with a
-        :class:`~p2p.fetch.downloader.Progress`. Raises NoProviders or FetchFailed (network),
+        :class:`~p2p.fetch.download_parts.Progress`. Raises NoProviders or FetchFailed (network),
         BlobNotFound (an unknown tag), NoSpace.
         """
         blob_id = self._local_ref(ref)

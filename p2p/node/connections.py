@@ -27,7 +27,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
-from p2p.blob import protocol as proto
+from p2p.blob import messages
 from p2p.blob.shell import (
     MULTISTREAM,
     BlobClient,
@@ -60,9 +60,9 @@ MAX_CONNECTIONS_PER_PROVIDER = StripeConfig().max_connections
 # multistream header and the version's protocol, echoed (p2p.blob.shell.OptimisticStream).
 PROPOSALS = {
     v: multistream_message(MULTISTREAM) + multistream_message(v.protocol_id.encode())
-    for v in proto.Version
+    for v in messages.Version
 }
-BLOB_PROPOSAL = PROPOSALS[proto.Version.V1_0]
+BLOB_PROPOSAL = PROPOSALS[messages.Version.V1_0]
 # A `peers` question (open, ask, answer) takes two round trips: 5 s covers a slow path.
 PEX_TIMEOUT = 5.0
 # A listed fellow is dialled for at most this long per address: it is a bonus, not a need.
@@ -270,11 +270,11 @@ class Connections:
         fails on it (a DHT query to a peer without the DHT, say); the swarm then redials
         from the peerstore, so a failed open is retried a few times before giving up."""
         version = (
-            proto.Version.V1_5
+            messages.Version.V1_5
             if tentative
-            else proto.Version.V1_1
+            else messages.Version.V1_1
             if pipelined
-            else proto.Version.V1_0
+            else messages.Version.V1_0
         )
         last: Exception | None = None
         for pause in STREAM_OPEN_RETRY_PAUSES:
@@ -286,7 +286,7 @@ class Connections:
         raise StreamLost(f"cannot open a stream to {peer}: {last}") from last
 
     async def _open_optimistic(
-        self, peer_id: ID, version: proto.Version = proto.Version.V1_0
+        self, peer_id: ID, version: messages.Version = messages.Version.V1_0
     ) -> OptimisticStream:
         """A muxed stream with the blob protocol proposed but not yet confirmed: the first
         request goes out in the same round trip (the client checks the answer)."""
@@ -310,16 +310,16 @@ class Connections:
         stream: Any = None
         try:
             with trio.fail_after(PEX_TIMEOUT):
-                version = proto.Version.V1_2
+                version = messages.Version.V1_2
                 stream = await self._open_optimistic(ID.from_base58(peer), version)
                 answer = await BlobClient(stream, version=version).peers(blob_id)
             await close_quietly(stream)
         except (BaseLibp2pError, OSError, trio.BrokenResourceError, trio.TooSlowError) as exc:
             log.debug("peers of %s from %s: %r", blob_id[:12], peer, exc)
-        except (StreamLost, proto.ProtocolError, ValueError) as exc:
+        except (StreamLost, messages.ProtocolError, ValueError) as exc:
             log.debug("peers of %s from %s: %r", blob_id[:12], peer, exc)
         else:
-            if isinstance(answer, proto.PeersResponse):
+            if isinstance(answer, messages.PeersResponse):
                 return answer.peers
             return ()
         if stream is not None:

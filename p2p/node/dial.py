@@ -117,9 +117,9 @@ async def dial_named(node: Any, addrs: Sequence[str]) -> Dialled:
     that accepts TCP and never handshakes delays nobody) or all have failed."""
     # libp2p (seconds): this module's checks run before any node, on commands that may
     # never start one; by the time a dial runs, a node has imported it already.
-    import p2p.node.node
+    from p2p.node.connections import DIAL_TIMEOUT
 
-    timeout = getattr(p2p.node.node, "DIAL_TIMEOUT", None)  # for the message only
+    timeout = DIAL_TIMEOUT  # for the message only
     unique = list(dict.fromkeys(addrs))
     reached: set[str] = set()
     failures: dict[str, str] = {}

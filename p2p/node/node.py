@@ -24,7 +24,7 @@ Round trips from ``blob get`` to the first verified chunk, from a named provider
 5. A blob stream needs no round trip of its own: the protocol proposal and the first
    request leave together (``p2p.blob.shell.OptimisticStream``; py-libp2p's ``new_stream``
    takes 2). ``manifest`` and ``have`` go out at the same time on two streams
-   (``p2p.fetch.downloader.HaveProbes``; ``have`` does not wait for the manifest): 1.
+   (``p2p.fetch.download_probes.HaveProbes``; ``have`` does not wait for the manifest): 1.
 6. ``get`` on the ``have`` stream: 1, plus the first chunk's own transfer time.
 
 So 6 round trips where there were 13 (two stream opens of 2 each, ``have`` after the
@@ -89,17 +89,11 @@ from p2p.logs import no_handler_of_our_own, quiet_unless_chosen
 from p2p.metrics import Metrics
 from p2p.names import service as names
 from p2p.node.admission import install_gate, open_answer
-from p2p.node.connections import (
-    BLOB_PROPOSAL,
-    DIAL_TIMEOUT,
-    MAX_CONNECTIONS_PER_PROVIDER,
-    PROPOSALS,
-    Connections,
-)
+from p2p.node.connections import MAX_CONNECTIONS_PER_PROVIDER, Connections
 from p2p.node.dht_hygiene import forget_clients_on_disconnect
 from p2p.node.fetching import Fetches, FetchRecords, FetchSettings
 from p2p.node.gossip import make_pubsub
-from p2p.node.providing import DHT_KEY_PREFIX, NEW_BLOB_POLL, ProviderRecords, dht_key
+from p2p.node.providing import ProviderRecords
 from p2p.transport import patches
 from p2p.transport.addresses import dialable_addrs
 from p2p.transport.host import build_host
@@ -510,15 +504,4 @@ async def _maybe_service(service: Any) -> AsyncIterator[None]:
         yield
 
 
-__all__ = [
-    "BLOB_PROPOSAL",
-    "DEFAULT_LISTEN",
-    "DHT_KEY_PREFIX",
-    "DIAL_TIMEOUT",
-    "NEW_BLOB_POLL",
-    "PROPOSALS",
-    "Node",
-    "NodeConfig",
-    "dht_key",
-    "open_node",
-]
+__all__ = ["DEFAULT_LISTEN", "Node", "NodeConfig", "open_node"]

@@ -150,11 +150,11 @@ def test_every_manifest_the_store_accepts_fits_one_protocol_frame() -> None:
     """A blob the store holds can also be served: its largest manifest is within what one
     manifest response of the wire protocol carries (else a peer could hold it and never
     hand it on)."""
-    from p2p.blob import protocol
+    from p2p.blob import messages
 
     m = Manifest(size=MAX_CHUNKS * C, chunk_size=C, hashes=bytes(32 * MAX_CHUNKS))
-    assert len(m.encode()) <= protocol.MAX_MANIFEST_BYTES
-    assert MAX_MANIFEST_SIZE <= protocol.MAX_MANIFEST_BYTES
+    assert len(m.encode()) <= messages.MAX_MANIFEST_BYTES
+    assert MAX_MANIFEST_SIZE <= messages.MAX_MANIFEST_BYTES
 
 
 @given(st.binary(max_size=512))

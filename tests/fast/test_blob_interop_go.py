@@ -24,6 +24,7 @@ from libp2p.peer.id import ID
 from p2pd_client import DaemonClient, DaemonConn, StreamInfo, run_daemon
 
 from blobstore import MIN_CHUNK_SIZE, Manifest, Store
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.server import BlobServer
 from p2p.blob.shell import BlobClient
@@ -73,7 +74,7 @@ async def test_blobnet_fetches_blob_go_serves(
         async with (
             run_daemon(p2pd_binary, short_dir) as daemon,
             daemon.stream_handler(
-                short_dir / "h.sock", [proto.Version.V1_0.protocol_id], go_blob_handler
+                short_dir / "h.sock", [messages.Version.V1_0.protocol_id], go_blob_handler
             ),
             open_node(tmp_path / "fetching-store", dht=False) as node,
         ):
@@ -94,7 +95,7 @@ async def test_blobnet_fetches_blob_go_serves(
 
     # Every stream came from the blobnet node, over go, for the blob protocol.
     assert {(info.peer, info.proto) for info in served} == {
-        (node.host.get_id().to_bytes(), proto.Version.V1_0.protocol_id)
+        (node.host.get_id().to_bytes(), messages.Version.V1_0.protocol_id)
     }
     # A manifest stream, then a `have` stream whose peer runs two request streams.
     assert len(served) >= 3, f"only {len(served)} streams served"
@@ -130,9 +131,9 @@ async def _go_fetch(daemon: DaemonClient, peer: bytes, blob_id: str, store: Stor
     opened: list[DaemonConn] = []
 
     async def open_client(chunk_length: proto.ExpectedLength | None = None) -> BlobClient:
-        info, conn = await daemon.stream_open(peer, [proto.Version.V1_0.protocol_id])
+        info, conn = await daemon.stream_open(peer, [messages.Version.V1_0.protocol_id])
         opened.append(conn)
-        assert info.proto == proto.Version.V1_0.protocol_id
+        assert info.proto == messages.Version.V1_0.protocol_id
         assert info.peer == peer
         return BlobClient(DaemonStream(conn, info.peer), chunk_length)
 
@@ -148,7 +149,7 @@ async def _go_fetch(daemon: DaemonClient, peer: bytes, blob_id: str, store: Stor
 
         first.conn.set_expected_chunk_length(chunk_length)
         have = await first.have(blob_id)
-        assert isinstance(have, proto.HaveResponse), have
+        assert isinstance(have, messages.HaveResponse), have
         assert have.num_chunks == manifest.num_chunks
         assert all(have.has(i) for i in range(have.num_chunks))
 

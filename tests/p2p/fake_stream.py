@@ -7,9 +7,10 @@ from collections.abc import Callable
 
 import trio
 
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 
-Serve = Callable[[proto.ServerConnection, proto.Request], tuple[bytes, bool]]
+Serve = Callable[[proto.ServerConnection, messages.Request], tuple[bytes, bool]]
 
 
 class FakeStream:

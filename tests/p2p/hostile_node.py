@@ -29,7 +29,7 @@ import trio
 from libp2p.custom_types import TProtocol
 
 from blobstore import ChunkReader, Store
-from p2p.blob import protocol as proto
+from p2p.blob import messages
 from p2p.node.node import open_node
 
 
@@ -105,8 +105,8 @@ async def main(args: argparse.Namespace) -> None:
     async with open_node(store, listen=["/ip4/127.0.0.1/tcp/0"], dht=False) as node:
         node.server.store = HostileStore(store, args.mode, args.after, args.delay, args.count_to)  # type: ignore[assignment]
         if args.mode == "old":
-            for protocol_id in proto.SERVED_PROTOCOL_IDS:
-                if protocol_id != proto.Version.V1_0.protocol_id:
+            for protocol_id in messages.SERVED_PROTOCOL_IDS:
+                if protocol_id != messages.Version.V1_0.protocol_id:
                     node.host.remove_stream_handler(TProtocol(protocol_id))
         print(json.dumps({"peer_id": node.peer_id, "addrs": node.addrs}), flush=True)
         await trio.sleep_forever()

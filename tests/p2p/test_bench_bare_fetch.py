@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p.blob.protocol import encode_chunk_header
+from p2p.blob.messages import encode_chunk_header
 from p2p.transport.fast.noise_frames import CipherState, FrameWriter
 from p2p.transport.fast.yamux_core import HEADER as YAMUX_HEADER
 from p2p.transport.fast.yamux_core import TYPE_DATA

@@ -11,6 +11,7 @@ import trio
 import trio.testing
 from fake_stream import FakeStream, Serve
 
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.buffers import ChunkBuffers
 from p2p.blob.shell import BlobClient, ChunkSink, StreamLost
@@ -128,13 +129,13 @@ def serve_chunks(
     the stream ends after the chunks, before End. ``error_after``: an error response
     follows that many chunks."""
 
-    def serve(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
-        if isinstance(req, proto.HaveRequest):
+    def serve(server: proto.ServerConnection, req: messages.Request) -> tuple[bytes, bool]:
+        if isinstance(req, messages.HaveRequest):
             bits = bytearray((len(lengths) + 7) // 8)
             for i in lengths:
                 bits[i // 8] |= 1 << (i % 8)
-            return server.send_response(proto.HaveResponse(len(lengths), bytes(bits))), False
-        assert isinstance(req, proto.GetRequest)
+            return server.send_response(messages.HaveResponse(len(lengths), bytes(bits))), False
+        assert isinstance(req, messages.GetRequest)
         out = b""
         sent = 0
         for start, stop in req.ranges:
@@ -142,7 +143,7 @@ def serve_chunks(
                 if i not in lengths:
                     continue
                 if error_after is not None and sent == error_after:
-                    err = proto.ErrorResponse(proto.ErrorCode.INTERNAL, "disk read failed")
+                    err = messages.ErrorResponse(messages.ErrorCode.INTERNAL, "disk read failed")
                     return out + server.send_response(err), False
                 data = body(i, lengths[i])
                 out += server.send_chunk_header(i, len(data))
@@ -152,7 +153,7 @@ def serve_chunks(
                 sent += 1
         if not end:
             return out, True
-        return out + server.send_response(proto.End(server.unsent_indices())), False
+        return out + server.send_response(messages.End(server.unsent_indices())), False
 
     return serve
 
@@ -340,9 +341,9 @@ async def test_a_client_abandoned_mid_body_never_reads_its_stream_again(cut: str
     reads = stream.reads
     got: Received = []
     with trio.fail_after(5):
-        with pytest.raises((StreamLost, proto.ProtocolError)):
+        with pytest.raises((StreamLost, messages.ProtocolError)):
             await client.have(BLOB)
-        with pytest.raises((StreamLost, proto.ProtocolError)):
+        with pytest.raises((StreamLost, messages.ProtocolError)):
             await client.get(BLOB, ((2, 3),), releasing_sink(pool, got), buffers=pool)
     assert stream.reads == reads
     assert got == []
@@ -385,7 +386,7 @@ async def test_an_error_response_after_some_chunks_returns_every_buffer() -> Non
     got: Received = []
     with trio.fail_after(5):
         reply = await client.get(BLOB, ((0, 4),), releasing_sink(pool, got), buffers=pool)
-    assert reply == proto.ErrorResponse(proto.ErrorCode.INTERNAL, "disk read failed")
+    assert reply == messages.ErrorResponse(messages.ErrorCode.INTERNAL, "disk read failed")
     assert [i for i, _ in got] == [0, 1]
     assert pool.in_use == 0
 
@@ -437,21 +438,21 @@ class Canned:
 
 def manifest_answer(body: bytes) -> bytes:
     server = proto.ServerConnection()
-    server.receive_data(proto.ClientConnection().send_request(proto.ManifestRequest(BLOB)))
+    server.receive_data(proto.ClientConnection().send_request(messages.ManifestRequest(BLOB)))
     assert server.next_request() is not None
-    return server.send_response(proto.ManifestResponse(body))
+    return server.send_response(messages.ManifestResponse(body))
 
 
 async def test_an_optimistic_stream_checks_the_echo_before_the_first_response() -> None:
     """The protocol is proposed and the first request sent without
     waiting; the client reads the peer's echo of the proposal, then the response."""
     from p2p.blob.shell import OptimisticStream
-    from p2p.node.node import BLOB_PROPOSAL
+    from p2p.node.connections import BLOB_PROPOSAL
 
     raw = Canned(BLOB_PROPOSAL + manifest_answer(b"the manifest"))
     client = BlobClient(OptimisticStream(raw, BLOB_PROPOSAL))
     assert await client.manifest(BLOB) == b"the manifest"
-    request = proto.ClientConnection().send_request(proto.ManifestRequest(BLOB))
+    request = proto.ClientConnection().send_request(messages.ManifestRequest(BLOB))
     assert raw.written.startswith(request)
 
 
@@ -461,7 +462,7 @@ async def test_an_optimistic_stream_checks_the_echo_before_the_first_response() 
 )
 async def test_a_peer_refusing_the_protocol_is_a_lost_stream_not_garbage(answer: bytes) -> None:
     from p2p.blob.shell import OptimisticStream
-    from p2p.node.node import BLOB_PROPOSAL
+    from p2p.node.connections import BLOB_PROPOSAL
 
     client = BlobClient(OptimisticStream(Canned(answer), BLOB_PROPOSAL))
     with pytest.raises(StreamLost, match=r"refused|negotiation"):

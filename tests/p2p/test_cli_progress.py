@@ -5,7 +5,7 @@ as if it arrived in the first instant)."""
 from __future__ import annotations
 
 from p2p.cli.get import ProgressBar
-from p2p.fetch.downloader import Progress
+from p2p.fetch.download_parts import Progress
 
 MiB = 1024 * 1024
 

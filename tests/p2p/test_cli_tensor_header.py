@@ -13,7 +13,7 @@ import pytest
 from safetensors.numpy import save
 
 from blobstore import Store
-from p2p.blob import protocol as proto
+from p2p.blob import messages
 from p2p.fetch.tensors import (
     BadSafetensors,
     TensorInfo,
@@ -58,8 +58,8 @@ def test_scattered_chunks_become_requests_within_the_protocols_limits() -> None:
     covered = [i for ranges, _ in requests for start, end in ranges for i in range(start, end)]
     assert covered == scattered + contiguous
     for ranges, count in requests:
-        assert len(ranges) <= proto.MAX_RANGES_PER_REQUEST
-        assert count == sum(end - start for start, end in ranges) <= proto.MAX_CHUNKS_PER_REQUEST
+        assert len(ranges) <= messages.MAX_RANGES_PER_REQUEST
+        assert count == sum(end - start for start, end in ranges) <= messages.MAX_CHUNKS_PER_REQUEST
 
 
 def _entry(

@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import save
 
 from blobstore import Store
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.errors import FetchFailed
 from p2p.fetch.tensors import fetch_tensors
@@ -34,11 +35,11 @@ class Providers:
         return []
 
     async def open_blob_stream(self, peer: str) -> FakeStream:
-        def serve(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
-            if isinstance(req, proto.ManifestRequest):
+        def serve(server: proto.ServerConnection, req: messages.Request) -> tuple[bytes, bool]:
+            if isinstance(req, messages.ManifestRequest):
                 manifest = self.source.manifest(req.blob_id).encode()
-                return server.send_response(proto.ManifestResponse(manifest)), False
-            assert isinstance(req, proto.GetRequest)
+                return server.send_response(messages.ManifestResponse(manifest)), False
+            assert isinstance(req, messages.GetRequest)
             out = b""
             for start, stop in req.ranges:
                 for index in range(start, stop):
@@ -47,7 +48,7 @@ class Providers:
                         data[0] ^= 0xFF
                     self.chunks_sent[peer] = self.chunks_sent.get(peer, 0) + 1
                     out += server.send_chunk_header(index, len(data)) + bytes(data)
-            return out + server.send_response(proto.End(server.unsent_indices())), False
+            return out + server.send_response(messages.End(server.unsent_indices())), False
 
         return FakeStream(serve)
 

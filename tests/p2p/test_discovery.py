@@ -31,7 +31,7 @@ def test_node_without_peers_finds_provider_through_dht(cluster: Cluster, tmp_pat
     n3, n5 = nodes[3], nodes[5]
 
     # A blob put beside a running node is provided without a restart: the node finds it
-    # in its store within p2p.node.node.NEW_BLOB_POLL. Two fresh nodes fetch at once: one the
+    # in its store within p2p.node.providing.NEW_BLOB_POLL. Two fresh nodes fetch at once: one the
     # blob n3 held from the start, one the new blob, searching the DHT until n5 provides it.
     later = random_file(tmp_path / "later.bin", 1024 * 1024, seed=2)
     later_id = cluster.put_here("n5", later)

@@ -16,11 +16,13 @@ import trio.testing
 from fake_stream import FakeStream
 
 from blobstore import Manifest, NoSpace, PartialBlob, Store
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.buffers import ChunkBuffers
 from p2p.errors import unwrap_single
 from p2p.fetch import download_parts, downloader
 from p2p.fetch.scheduler import SchedulerConfig
+from p2p.fetch.scores import PeerScores
 
 CHUNK = 64 * 1024
 DATA = os.urandom(40 * CHUNK + 123)  # 41 chunks: more than two 16-chunk requests
@@ -31,14 +33,14 @@ PARTS = [DATA[o : o + n] for o, n in (MANIFEST.chunk_span(i) for i in range(MANI
 def serving(flip: frozenset[int] = frozenset()) -> FakeStream:
     """A provider holding the whole blob; chunks in ``flip`` are sent corrupted."""
 
-    def serve(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
-        if isinstance(req, proto.ManifestRequest):
-            return server.send_response(proto.ManifestResponse(MANIFEST.encode())), False
+    def serve(server: proto.ServerConnection, req: messages.Request) -> tuple[bytes, bool]:
+        if isinstance(req, messages.ManifestRequest):
+            return server.send_response(messages.ManifestResponse(MANIFEST.encode())), False
         n = MANIFEST.num_chunks
-        if isinstance(req, proto.HaveRequest):
+        if isinstance(req, messages.HaveRequest):
             bits = bytes([0xFF] * (n // 8) + [(1 << (n % 8)) - 1])
-            return server.send_response(proto.HaveResponse(n, bits)), False
-        assert isinstance(req, proto.GetRequest)
+            return server.send_response(messages.HaveResponse(n, bits)), False
+        assert isinstance(req, messages.GetRequest)
         out = bytearray()
         for start, stop in req.ranges:
             for i in range(start, stop):
@@ -46,7 +48,7 @@ def serving(flip: frozenset[int] = frozenset()) -> FakeStream:
                 if i in flip:
                     body[0] ^= 0xFF
                 out += server.send_chunk_header(i, len(body)) + body
-        return bytes(out + server.send_response(proto.End(()))), False
+        return bytes(out + server.send_response(messages.End(()))), False
 
     return FakeStream(serve)
 
@@ -74,8 +76,8 @@ def track_pools(monkeypatch: pytest.MonkeyPatch) -> list[ChunkBuffers]:
 
 async def fetch(
     store: Store, network: Network, config: SchedulerConfig | None = None
-) -> list[downloader.Progress]:
-    reports: list[downloader.Progress] = []
+) -> list[download_parts.Progress]:
+    reports: list[download_parts.Progress] = []
     try:
         with trio.fail_after(20):
             await downloader.download_blob(
@@ -198,10 +200,10 @@ class Recording:
         await trio.lowlevel.checkpoint()
         inner = serving(self.flips[peer])
 
-        def serve(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
+        def serve(server: proto.ServerConnection, req: messages.Request) -> tuple[bytes, bool]:
             kind = type(req).__name__
             self.requests.append((peer, kind, trio.current_time()))
-            if isinstance(req, proto.GetRequest) and peer == self.stall_first_get:
+            if isinstance(req, messages.GetRequest) and peer == self.stall_first_get:
                 self.stall_first_get = None
                 return b"", False  # never answers: only the request deadline ends it
             return inner.serve(server, req)
@@ -223,7 +225,7 @@ async def test_a_get_that_never_answers_is_ended_by_its_deadline(
     gets = [t for _, kind, t in network.requests if kind == "GetRequest"]
     assert len(gets) >= 3  # the stalled one, and the retry of its chunks after it
     # It ended at its deadline (base + bytes / minimum rate), not much later.
-    limit = downloader.SchedulerConfig().request_timeout_base + len(DATA) / (256 * 1024)
+    limit = SchedulerConfig().request_timeout_base + len(DATA) / (256 * 1024)
     assert trio.current_time() - start < limit + 5
 
 
@@ -232,7 +234,7 @@ async def test_a_peer_that_lied_is_remembered_by_the_next_download(
 ) -> None:
     """A liar banned in one download gets no `get` in the next one while an
     honest provider can serve it; the memory decays (PeerScores)."""
-    scores = downloader.PeerScores()
+    scores = PeerScores()
     every_chunk = frozenset(range(MANIFEST.num_chunks))
     first = Recording({"liar": every_chunk, "honest": frozenset()})
     store = Store.open(tmp_path / "one")
@@ -286,4 +288,4 @@ def test_a_requests_round_trip_is_corrected_by_the_kernels_rtt(
     takes two round trips; the scheduler and stripe growth must see one (a 100 ms path
     read as 200 ms is striped eight ways instead of four)."""
     monkeypatch.setattr(download_parts, "kernel_rtt", lambda stream: kernel)
-    assert downloader.path_rtt(timed, object()) == pytest.approx(seen)
+    assert download_parts.path_rtt(timed, object()) == pytest.approx(seen)

@@ -1,5 +1,5 @@
 """A provider across an ocean: its extra connections are dialled beside the
-manifest request, not after it (p2p.fetch.downloader.HaveProbes), and its bulk streams carry
+manifest request, not after it (p2p.fetch.download_probes.HaveProbes), and its bulk streams carry
 pipelined requests (p2p.fetch.downloader rule 10): the next `get` is at the server before the
 current answer ends, so a lane does not idle a round trip between two requests. A provider
 that speaks only 1.0.0 refuses the 1.1.0 proposal; the fetch then goes on one request at a
@@ -22,9 +22,10 @@ import trio.testing
 from fake_stream import FakeStream
 
 from blobstore import Manifest, Store
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.shell import OptimisticStream, multistream_message, proposal
-from p2p.fetch import downloader
+from p2p.fetch import download_parts, downloader
 from p2p.fetch.scheduler import SchedulerConfig
 from p2p.fetch.striping import StripeConfig
 
@@ -38,25 +39,25 @@ CONFIG = SchedulerConfig(max_chunks_per_request=2)
 
 
 def serve_blob(
-    server: proto.ServerConnection, req: proto.Request, decline: bool = False
+    server: proto.ServerConnection, req: messages.Request, decline: bool = False
 ) -> tuple[bytes, bool]:
     """A provider holding the whole blob; ``decline``: one that others fetch from, which
     declines a `try_get` (1.5.0)."""
-    if isinstance(req, proto.ManifestRequest):
-        return server.send_response(proto.ManifestResponse(MANIFEST.encode())), False
+    if isinstance(req, messages.ManifestRequest):
+        return server.send_response(messages.ManifestResponse(MANIFEST.encode())), False
     n = MANIFEST.num_chunks
-    if isinstance(req, proto.HaveRequest):
+    if isinstance(req, messages.HaveRequest):
         bits = bytes([0xFF] * (n // 8) + ([(1 << (n % 8)) - 1] if n % 8 else []))
-        return server.send_response(proto.HaveResponse(n, bits)), False
-    assert isinstance(req, proto.GetRequest)
+        return server.send_response(messages.HaveResponse(n, bits)), False
+    assert isinstance(req, messages.GetRequest)
     if req.tentative and decline:
-        return server.send_response(proto.End(server.unsent_indices())), False
+        return server.send_response(messages.End(server.unsent_indices())), False
     out = bytearray()
     for start, stop in req.ranges:
         for i in range(start, stop):
             offset, length = MANIFEST.chunk_span(i)
             out += server.send_chunk_header(i, length) + DATA[offset : offset + length]
-    return bytes(out + server.send_response(proto.End(()))), False
+    return bytes(out + server.send_response(messages.End(()))), False
 
 
 class Lane(FakeStream):
@@ -69,7 +70,7 @@ class Lane(FakeStream):
         super().__init__(network.serve_as(self))
         if pipelined:
             self.server = proto.ServerConnection(
-                proto.Version.V1_5 if tentative else proto.Version.V1_1
+                messages.Version.V1_5 if tentative else messages.Version.V1_1
             )
         self.refused = pipelined and network.refuse
         self.reset_first = self.refused and network.reset_first
@@ -111,12 +112,12 @@ class StripedFake:
         self.sent: dict[int, int] = {}  # chunk index -> times sent
 
     def serve_as(self, lane: Lane | None) -> Any:
-        def serve(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
-            tentative = isinstance(req, proto.GetRequest) and req.tentative
+        def serve(server: proto.ServerConnection, req: messages.Request) -> tuple[bytes, bool]:
+            tentative = isinstance(req, messages.GetRequest) and req.tentative
             self.asked.append(("TryGet" if tentative else type(req).__name__, trio.current_time()))
             if tentative and self.decline:
                 return serve_blob(server, req, decline=True)
-            if isinstance(req, proto.GetRequest):
+            if isinstance(req, messages.GetRequest):
                 self.gets += 1
                 for start, stop in req.ranges:
                     for i in range(start, stop):
@@ -139,7 +140,7 @@ class StripedFake:
         if not pipelined:
             return Lane(self, False, b"")
         ask = proposal(
-            proto.Version.V1_5.protocol_id if tentative else proto.Version.V1_1.protocol_id
+            messages.Version.V1_5.protocol_id if tentative else messages.Version.V1_1.protocol_id
         )
         lane = Lane(self, True, REFUSAL if self.refuse else ask, tentative)
         return OptimisticStream(lane, ask)
@@ -231,7 +232,7 @@ async def test_the_first_chunk_is_asked_with_the_manifest(
     manifest_at = min(t for kind, t in network.asked if kind == "ManifestRequest")
     first_get = min(t for kind, t in network.asked if kind == "GetRequest")
     assert first_get == manifest_at
-    assert network.sent[downloader.SPECULATIVE_CHUNK] == 1
+    assert network.sent[download_parts.SPECULATIVE_CHUNK] == 1
     assert set(network.sent) == set(range(MANIFEST.num_chunks))
 
 
@@ -261,7 +262,7 @@ async def test_the_transfer_rate_counts_from_the_first_byte_like_raw_tcp(
     """The WAN bench compares a fetch's rate with raw TCP's, which runs from the first
     byte received to the last; a fetch's first byte comes a request's round trip after
     it starts, and that round trip is not part of the transfer rate."""
-    seen: list[downloader.Progress] = []
+    seen: list[download_parts.Progress] = []
     # Swarm mode, and a seeder that others fetch from: it declines the first chunk asked
     # with the manifest, so the first get is sent once the download has started.
     swarm = dataclasses.replace(CONFIG, defer_to_partial_holders=True)
@@ -295,8 +296,8 @@ class StuckFake(StripedFake):
     def _stall(self, lane: Lane) -> Lane:
         serve = lane.serve
 
-        def stalled(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
-            if isinstance(req, proto.GetRequest):
+        def stalled(server: proto.ServerConnection, req: messages.Request) -> tuple[bytes, bool]:
+            if isinstance(req, messages.GetRequest):
                 return b"", False
             return serve(server, req)  # type: ignore[no-any-return]
 
@@ -333,9 +334,9 @@ class ForgetfulFake(StripedFake):
             return lane
         serve = lane.serve
 
-        def forgetful(server: proto.ServerConnection, req: proto.Request) -> tuple[bytes, bool]:
-            if isinstance(req, proto.HaveRequest):
-                gone = proto.ErrorResponse(proto.ErrorCode.NOT_FOUND, "deleted meanwhile")
+        def forgetful(server: proto.ServerConnection, req: messages.Request) -> tuple[bytes, bool]:
+            if isinstance(req, messages.HaveRequest):
+                gone = messages.ErrorResponse(messages.ErrorCode.NOT_FOUND, "deleted meanwhile")
                 return server.send_response(gone), False
             return serve(server, req)  # type: ignore[no-any-return]
 
@@ -388,7 +389,7 @@ async def test_a_provider_that_stalls_does_not_hold_the_tail(
     alone = await took(StripedFake(), ["far"], "alone")
     with_stuck = await took(StuckFake(), ["far", "stuck"], "stuck")
     # The copies cost a round trip or two of far's, not the stalled requests' timeout.
-    assert with_stuck < alone + downloader.IDLE_WAKE_S / 2
+    assert with_stuck < alone + download_parts.IDLE_WAKE_S / 2
 
 
 async def test_a_far_providers_lanes_are_dialled_beside_the_manifest_request(

@@ -17,6 +17,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.server import MAX_STREAMS_PER_PEER
 from p2p.blob.shell import BlobClient
@@ -33,7 +34,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::ResourceWarning"),
 ]
 
-PROTOCOL = TProtocol(proto.Version.V1_0.protocol_id)
+PROTOCOL = TProtocol(messages.Version.V1_0.protocol_id)
 
 
 @asynccontextmanager
@@ -49,11 +50,11 @@ def frame(header: dict[str, Any]) -> bytes:
     return struct.pack(">I", len(body)) + body
 
 
-async def reply_or_reset(stream: Any) -> proto.Response | None:
+async def reply_or_reset(stream: Any) -> messages.Response | None:
     """The server's error reply, or None when it reset the stream without one."""
     client = proto.ClientConnection()
     # A dummy request lets the client-side parser accept the error reply.
-    client.send_request(proto.ManifestRequest("00" * 32))
+    client.send_request(messages.ManifestRequest("00" * 32))
     with trio.fail_after(20):
         while True:
             try:
@@ -84,7 +85,7 @@ def served(cluster: Cluster, tmp_path: Path) -> tuple[NodeProcess, str]:
 @pytest.mark.parametrize(
     ("payload", "code"),
     [
-        pytest.param(struct.pack(">I", 2**31), proto.ErrorCode.TOO_LARGE, id="oversized-prefix"),
+        pytest.param(struct.pack(">I", 2**31), messages.ErrorCode.TOO_LARGE, id="oversized-prefix"),
         pytest.param(frame({"t": "launch", "id": b"\0" * 32}), None, id="unknown-type"),
         pytest.param(
             frame({"t": "get", "id": b"\0" * 32, "r": [[i * 2, i * 2 + 1] for i in range(65)]}),
@@ -94,7 +95,7 @@ def served(cluster: Cluster, tmp_path: Path) -> tuple[NodeProcess, str]:
     ],
 )
 async def test_malformed_request_gets_error_and_reset(
-    served: tuple[NodeProcess, str], payload: bytes, code: proto.ErrorCode | None
+    served: tuple[NodeProcess, str], payload: bytes, code: messages.ErrorCode | None
 ) -> None:
     server, _ = served
     async with client_host(server) as host:
@@ -103,14 +104,14 @@ async def test_malformed_request_gets_error_and_reset(
         )
         await stream.write(payload)
         reply = await reply_or_reset(stream)
-        assert isinstance(reply, proto.ErrorResponse)
+        assert isinstance(reply, messages.ErrorResponse)
         assert (
             reply.code in (code,)
             if code
             else reply.code
             in (
-                proto.ErrorCode.BAD_REQUEST,
-                proto.ErrorCode.TOO_LARGE,
+                messages.ErrorCode.BAD_REQUEST,
+                messages.ErrorCode.TOO_LARGE,
             )
         )
         assert await stream_is_dead(stream)
@@ -125,8 +126,8 @@ async def test_unknown_blob_is_not_found_and_stream_stays_usable(
         client = BlobClient(await host.new_stream(peer, [PROTOCOL]))
         with trio.fail_after(20):
             reply = await client.manifest("ab" * 32)
-            assert isinstance(reply, proto.ErrorResponse)
-            assert reply.code == proto.ErrorCode.NOT_FOUND
+            assert isinstance(reply, messages.ErrorResponse)
+            assert reply.code == messages.ErrorCode.NOT_FOUND
             manifest = await client.manifest(blob_id)
         assert isinstance(manifest, bytes)
 
@@ -149,7 +150,10 @@ async def test_stream_flood_is_capped_and_others_still_served(
             refused = 0
             for stream in streams[MAX_STREAMS_PER_PEER:]:
                 reply = await reply_or_reset(stream)
-                busy = isinstance(reply, proto.ErrorResponse) and reply.code == proto.ErrorCode.BUSY
+                busy = (
+                    isinstance(reply, messages.ErrorResponse)
+                    and reply.code == messages.ErrorCode.BUSY
+                )
                 if busy or (reply is None and await stream_is_dead(stream)):
                     refused += 1
         assert refused == flood - MAX_STREAMS_PER_PEER

@@ -31,7 +31,7 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from blobstore import Store
-from p2p.blob import protocol as proto
+from p2p.blob import messages
 from p2p.blob.server import BlobServer
 from p2p.blob.shell import BlobClient
 from p2p.transport.host import InboundGate, build_host, resource_connections
@@ -44,7 +44,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::ResourceWarning"),
 ]
 
-PROTOCOL = TProtocol(proto.Version.V1_0.protocol_id)
+PROTOCOL = TProtocol(messages.Version.V1_0.protocol_id)
 # Short enough that a flood of timed-out handshakes ends in a second or two.
 HANDSHAKE_TIMEOUT = 0.5
 # How long the count may take to come back after the last flooder is gone.

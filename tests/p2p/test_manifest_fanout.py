@@ -18,9 +18,10 @@ import trio.testing
 from fake_stream import FakeStream
 
 from blobstore import Manifest, Store
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.errors import NoProviders
-from p2p.fetch import downloader
+from p2p.fetch import download_parts, downloader
 
 CHUNK = 64 * 1024
 DATA = os.urandom(3 * CHUNK + 5)
@@ -29,9 +30,9 @@ BLOB_ID = MANIFEST.blob_id
 
 
 def answering(manifest: bytes) -> FakeStream:
-    def serve(server: proto.ServerConnection, request: proto.Request) -> tuple[bytes, bool]:
-        assert isinstance(request, proto.ManifestRequest)
-        return server.send_response(proto.ManifestResponse(manifest)), False
+    def serve(server: proto.ServerConnection, request: messages.Request) -> tuple[bytes, bool]:
+        assert isinstance(request, messages.ManifestRequest)
+        return server.send_response(messages.ManifestResponse(manifest)), False
 
     return FakeStream(serve)
 
@@ -39,27 +40,27 @@ def answering(manifest: bytes) -> FakeStream:
 def holding() -> FakeStream:
     """A provider with the whole blob: manifest, ``have`` and chunks."""
 
-    def serve(server: proto.ServerConnection, request: proto.Request) -> tuple[bytes, bool]:
-        if isinstance(request, proto.ManifestRequest):
-            return server.send_response(proto.ManifestResponse(MANIFEST.encode())), False
+    def serve(server: proto.ServerConnection, request: messages.Request) -> tuple[bytes, bool]:
+        if isinstance(request, messages.ManifestRequest):
+            return server.send_response(messages.ManifestResponse(MANIFEST.encode())), False
         n = MANIFEST.num_chunks
-        if isinstance(request, proto.HaveRequest):
+        if isinstance(request, messages.HaveRequest):
             bits = bytes([0xFF] * (n // 8) + [(1 << (n % 8)) - 1])
-            return server.send_response(proto.HaveResponse(n, bits)), False
-        assert isinstance(request, proto.GetRequest)
+            return server.send_response(messages.HaveResponse(n, bits)), False
+        assert isinstance(request, messages.GetRequest)
         out = bytearray()
         for start, stop in request.ranges:
             for i in range(start, stop):
                 offset, length = MANIFEST.chunk_span(i)
                 out += server.send_chunk_header(i, length) + DATA[offset : offset + length]
-        return bytes(out + server.send_response(proto.End(()))), False
+        return bytes(out + server.send_response(messages.End(()))), False
 
     return FakeStream(serve)
 
 
 def not_held() -> FakeStream:
-    def serve(server: proto.ServerConnection, request: proto.Request) -> tuple[bytes, bool]:
-        error = proto.ErrorResponse(proto.ErrorCode.NOT_FOUND, "no such blob here")
+    def serve(server: proto.ServerConnection, request: messages.Request) -> tuple[bytes, bool]:
+        error = messages.ErrorResponse(messages.ErrorCode.NOT_FOUND, "no such blob here")
         return server.send_response(error), False
 
     return FakeStream(serve)
@@ -69,8 +70,10 @@ BUDGET_TAKEN = "streams: the server is at its limit of 256"
 
 
 def busy() -> FakeStream:
-    def serve(server: proto.ServerConnection, request: proto.Request) -> tuple[bytes, bool]:
-        return server.send_response(proto.ErrorResponse(proto.ErrorCode.BUSY, BUDGET_TAKEN)), False
+    def serve(server: proto.ServerConnection, request: messages.Request) -> tuple[bytes, bool]:
+        return server.send_response(
+            messages.ErrorResponse(messages.ErrorCode.BUSY, BUDGET_TAKEN)
+        ), False
 
     return FakeStream(serve)
 
@@ -110,18 +113,18 @@ async def fetch(network: Network, candidates: list[str], more: Any = None) -> Ma
 
 
 async def test_silent_peers_do_not_delay_the_manifest(autojump_clock: trio.abc.Clock) -> None:
-    silent = [f"silent{i}" for i in range(downloader.MANIFEST_FANOUT - 1)]
+    silent = [f"silent{i}" for i in range(download_parts.MANIFEST_FANOUT - 1)]
     network = Network({**dict.fromkeys(silent, "silent"), "liar": "liar", "good": "good"})
     start = trio.current_time()
     manifest = await fetch(network, [*silent, "liar", "good"])
     assert manifest.blob_id == BLOB_ID
     # One at a time, each silent peer would have cost CONTROL_TIMEOUT first.
-    assert trio.current_time() - start < downloader.CONTROL_TIMEOUT
+    assert trio.current_time() - start < download_parts.CONTROL_TIMEOUT
     assert "good" in network.opened
 
 
 async def test_at_most_fanout_peers_are_asked_at_once(autojump_clock: trio.abc.Clock) -> None:
-    silent = [f"silent{i}" for i in range(downloader.MANIFEST_FANOUT + 2)]
+    silent = [f"silent{i}" for i in range(download_parts.MANIFEST_FANOUT + 2)]
     network = Network({**dict.fromkeys(silent, "silent"), "good": "good"})
     start = trio.current_time()
     manifest = await fetch(network, [*silent, "good"])
@@ -129,8 +132,10 @@ async def test_at_most_fanout_peers_are_asked_at_once(autojump_clock: trio.abc.C
     # The first FANOUT silent peers held every slot until their timeout; only then were
     # the others (and the good one) asked.
     waited = trio.current_time() - start
-    assert downloader.CONTROL_TIMEOUT <= waited < 2 * downloader.CONTROL_TIMEOUT
-    assert network.opened[: downloader.MANIFEST_FANOUT] == silent[: downloader.MANIFEST_FANOUT]
+    assert download_parts.CONTROL_TIMEOUT <= waited < 2 * download_parts.CONTROL_TIMEOUT
+    assert (
+        network.opened[: download_parts.MANIFEST_FANOUT] == silent[: download_parts.MANIFEST_FANOUT]
+    )
 
 
 async def test_a_peer_found_later_by_discovery_is_asked(autojump_clock: trio.abc.Clock) -> None:
@@ -166,7 +171,7 @@ async def test_a_peer_that_did_not_answer_is_asked_again(autojump_clock: trio.ab
     manifest = await fetch(network, ["busy-seeder"])
     assert manifest.blob_id == BLOB_ID
     assert network.opened == ["busy-seeder", "busy-seeder"]
-    assert trio.current_time() - start >= downloader.CONTROL_TIMEOUT
+    assert trio.current_time() - start >= download_parts.CONTROL_TIMEOUT
 
 
 async def test_a_peer_that_never_answers_is_asked_a_bounded_number_of_times(
@@ -175,7 +180,7 @@ async def test_a_peer_that_never_answers_is_asked_a_bounded_number_of_times(
     network = Network({"silent": "silent", "liar": "liar"})
     with pytest.raises(NoProviders, match=r"\(3 tries each\): 1 did not answer within 15 s$"):
         await fetch(network, ["silent", "liar"])
-    assert network.opened.count("silent") == 1 + len(downloader.MANIFEST_RETRY_PAUSES)
+    assert network.opened.count("silent") == 1 + len(download_parts.MANIFEST_RETRY_PAUSES)
     assert network.opened.count("liar") == 1  # an answer, even a wrong one, is not retried
 
 
@@ -188,7 +193,7 @@ async def test_a_busy_peer_is_said_to_be_busy(autojump_clock: trio.abc.Clock) ->
     message = str(caught.value)
     assert f"saturated was busy: {BUDGET_TAKEN}" in message
     assert "1 did not answer within 15 s" in message
-    assert network.opened.count("saturated") == 1 + len(downloader.MANIFEST_RETRY_PAUSES)
+    assert network.opened.count("saturated") == 1 + len(download_parts.MANIFEST_RETRY_PAUSES)
 
 
 async def test_a_peer_that_ends_the_stream_at_once_is_not_said_to_be_silent(
@@ -203,7 +208,7 @@ async def test_a_peer_that_ends_the_stream_at_once_is_not_said_to_be_silent(
     message = str(caught.value)
     assert "1 did not answer within 15 s" in message  # only the silent one
     assert "resetting closed or reset the stream unanswered (" in message
-    assert network.opened.count("resetting") == 1 + len(downloader.MANIFEST_RETRY_PAUSES)
+    assert network.opened.count("resetting") == 1 + len(download_parts.MANIFEST_RETRY_PAUSES)
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from p2p.blob import protocol
-from p2p.blob.protocol import (
+from p2p.blob import messages, protocol
+from p2p.blob.messages import (
     MAX_CHUNK_SIZE,
     MAX_CHUNKS_PER_REQUEST,
     MAX_ERROR_MESSAGE,
@@ -23,7 +23,6 @@ from p2p.blob.protocol import (
     MAX_NUM_CHUNKS,
     MAX_RANGES_PER_REQUEST,
     Chunk,
-    ClientConnection,
     End,
     ErrorCode,
     ErrorResponse,
@@ -37,13 +36,13 @@ from p2p.blob.protocol import (
     RemoteProtocolError,
     Request,
     Response,
-    ServerConnection,
     TruncatedStreamError,
     Version,
     encode_chunk_header,
     encode_request,
     encode_response_header,
 )
+from p2p.blob.protocol import ClientConnection, ServerConnection
 
 BLOB = "0123456789abcdef" * 4
 RAW_BLOB = bytes.fromhex(BLOB)
@@ -548,8 +547,8 @@ def test_expected_length_check_can_be_turned_off() -> None:
 def test_oversized_response_header_is_refused_before_buffering() -> None:
     cases: list[tuple[Request, int]] = [
         (GET, MAX_HEADER_SIZE),
-        (ManifestRequest(BLOB), protocol.max_response_header_size(ManifestRequest(BLOB))),
-        (HaveRequest(BLOB), protocol.max_response_header_size(HaveRequest(BLOB))),
+        (ManifestRequest(BLOB), messages.max_response_header_size(ManifestRequest(BLOB))),
+        (HaveRequest(BLOB), messages.max_response_header_size(HaveRequest(BLOB))),
     ]
     for req, limit in cases:
         error = client_error(req, (limit + 1).to_bytes(4, "big"))
@@ -740,5 +739,5 @@ def test_the_largest_chunk_header_fits_the_servers_room_for_it() -> None:
     """The server writes each chunk header into HEADER_ROOM bytes just before the body."""
     from p2p.blob.server import HEADER_ROOM
 
-    largest = protocol.encode_chunk_header(protocol.MAX_NUM_CHUNKS - 1, MAX_CHUNK_SIZE)
+    largest = messages.encode_chunk_header(messages.MAX_NUM_CHUNKS - 1, MAX_CHUNK_SIZE)
     assert len(largest) <= HEADER_ROOM

@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 
-from p2p.blob.protocol import (
+from p2p.blob.messages import (
     Chunk,
-    ClientConnection,
     End,
     GetRequest,
     HaveRequest,
@@ -26,6 +25,7 @@ from p2p.blob.protocol import (
     encode_chunk_header,
     encode_response_header,
 )
+from p2p.blob.protocol import ClientConnection
 
 BLOB = "0123456789abcdef" * 4
 GET = GetRequest(BLOB, ((0, 4),))

@@ -14,11 +14,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2p.blob.protocol import (
+from p2p.blob.messages import (
     MAX_CHUNKS_PER_REQUEST,
     MAX_RANGES_PER_REQUEST,
     Chunk,
-    ClientConnection,
     End,
     ErrorCode,
     ErrorResponse,
@@ -29,13 +28,13 @@ from p2p.blob.protocol import (
     ManifestResponse,
     RemoteProtocolError,
     Request,
-    ServerConnection,
     StatusRequest,
     StatusResponse,
     Version,
     encode_chunk_header,
     encode_request,
 )
+from p2p.blob.protocol import ClientConnection, ServerConnection
 
 FUZZ = settings(
     max_examples=100,

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2p.blob.protocol import (
+from p2p.blob.messages import (
     MAX_PIPELINED_REQUESTS,
-    ClientConnection,
     End,
     ErrorCode,
     ErrorResponse,
@@ -18,12 +17,12 @@ from p2p.blob.protocol import (
     LocalProtocolError,
     ManifestRequest,
     RemoteProtocolError,
-    ServerConnection,
     Version,
     encode_chunk_header,
     encode_request,
     encode_response_header,
 )
+from p2p.blob.protocol import ClientConnection, ServerConnection
 
 BLOB = "ab" * 32
 

@@ -10,7 +10,7 @@ from blake3 import blake3
 
 from blobstore import CollectionEntry, Manifest
 from blobstore.collection import COLLECTION_MAGIC, encode_collection
-from p2p.blob import protocol
+from p2p.blob import messages, protocol
 
 SPEC = (Path(protocol.__file__).parent / "PROTOCOL.md").read_text()
 ID = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
@@ -37,7 +37,7 @@ def test_the_fellow_count_bound_is_the_wires_and_says_what_a_server_reaches() ->
     from p2p.blob.swarm import MAX_SWARM_PEERS
 
     section = SPEC[SPEC.index("### 5.5") : SPEC.index("### 5.6")]
-    assert protocol.MAX_FELLOWS_COUNTED == MAX_SWARM_PEERS == 64
+    assert messages.MAX_FELLOWS_COUNTED == MAX_SWARM_PEERS == 64
     assert "wins" in section and f"says {MAX_SWARM_PEERS - 1}" in section
 
 
@@ -58,10 +58,10 @@ def test_collection_example_matches_blobstore() -> None:
 
 
 def test_spec_states_the_protocol_ids_limits_and_security() -> None:
-    assert protocol.Version.V1_0.protocol_id == "/blobnet/blob/1.0.0"
-    assert protocol.Version.V1_1.protocol_id == "/blobnet/blob/1.1.0"
-    for protocol_id in protocol.SERVED_PROTOCOL_IDS:
+    assert messages.Version.V1_0.protocol_id == "/blobnet/blob/1.0.0"
+    assert messages.Version.V1_1.protocol_id == "/blobnet/blob/1.1.0"
+    for protocol_id in messages.SERVED_PROTOCOL_IDS:
         assert f"`{protocol_id}`" in SPEC
-    assert f"| `MAX_PIPELINED_REQUESTS` | {protocol.MAX_PIPELINED_REQUESTS} |" in SPEC
+    assert f"| `MAX_PIPELINED_REQUESTS` | {messages.MAX_PIPELINED_REQUESTS} |" in SPEC
     assert "DESIGN.md" not in SPEC  # the spec needs no other document
     assert "TLS" not in SPEC.replace("no TLS", "")

@@ -23,6 +23,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from blobstore import Store
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.recheck import Rechecks, Sent
 from p2p.blob.server import BlobServer
@@ -67,12 +68,12 @@ async def test_a_peer_resetting_after_good_chunks_quarantines_nothing(tmp_path: 
         await liar.connect(info_from_p2p_addr(addr))
         for _ in range(3):
             stream = await liar.new_stream(
-                host.get_id(), [TProtocol(proto.Version.V1_0.protocol_id)]
+                host.get_id(), [TProtocol(messages.Version.V1_0.protocol_id)]
             )
             conn = proto.ClientConnection()
-            await stream.write(conn.send_request(proto.GetRequest(blob_id, ((0, 4),))))
+            await stream.write(conn.send_request(messages.GetRequest(blob_id, ((0, 4),))))
             with trio.fail_after(20):
-                while not isinstance(conn.next_event(), proto.End):
+                while not isinstance(conn.next_event(), messages.End):
                     conn.receive_data(await stream.read(65536))
             await stream.reset()  # "that chunk was bad", four times over
         with trio.fail_after(20):
@@ -88,11 +89,11 @@ async def read_every_chunk(addr: str, blob_id: str, chunks: int) -> None:
     async with host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
         info = info_from_p2p_addr(Multiaddr(addr))
         await host.connect(info)
-        stream = await host.new_stream(info.peer_id, [TProtocol(proto.Version.V1_0.protocol_id)])
+        stream = await host.new_stream(info.peer_id, [TProtocol(messages.Version.V1_0.protocol_id)])
         conn = proto.ClientConnection()
-        await stream.write(conn.send_request(proto.GetRequest(blob_id, ((0, chunks),))))
+        await stream.write(conn.send_request(messages.GetRequest(blob_id, ((0, chunks),))))
         with trio.fail_after(30):
-            while not isinstance(event := conn.next_event(), proto.End):
+            while not isinstance(event := conn.next_event(), messages.End):
                 if event is None:
                     conn.receive_data(await stream.read(1 << 20))
         assert event.missing == ()

@@ -24,7 +24,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.transport.tcp.tcp import TCP
 from multiaddr import Multiaddr
 
-from p2p.blob import protocol as proto
+from p2p.blob import messages
 from p2p.transport.host import build_host
 
 from .conftest import Cluster, NodeProcess, last_json, random_file, run_blob
@@ -126,7 +126,7 @@ async def unread_gets(
     """One identity from 127.0.0.3: connect, open GETS_PER_IDENTITY streams, ask each for
     the whole blob, never read. Runs until cancelled."""
     host = flooder_host("127.0.0.3")
-    request = proto.encode_request(proto.GetRequest(blob_id, ((0, BLOB_SIZE // CHUNK),)))
+    request = messages.encode_request(messages.GetRequest(blob_id, ((0, BLOB_SIZE // CHUNK),)))
     async with host.run(listen_addrs=[]):
         task_status.started()
         try:
@@ -143,7 +143,7 @@ async def unread_gets(
 
                 async def unread_get() -> None:
                     stream = await host.new_stream(
-                        info.peer_id, [TProtocol(proto.Version.V1_0.protocol_id)]
+                        info.peer_id, [TProtocol(messages.Version.V1_0.protocol_id)]
                     )
                     await stream.write(request)
                     stats["gets"] += 1

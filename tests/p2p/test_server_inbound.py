@@ -22,13 +22,13 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from blobstore import Store
-from p2p.blob import protocol as proto
+from p2p.blob import messages
 from p2p.blob.server import BlobServer
 from p2p.blob.shell import BlobClient
 from p2p.transport import host as host_mod
 from p2p.transport.host import InboundGate, address_key, build_host
 
-PROTOCOL = TProtocol(proto.Version.V1_0.protocol_id)
+PROTOCOL = TProtocol(messages.Version.V1_0.protocol_id)
 
 
 # --- The gate's bookkeeping ---------------------------------------------------------------
@@ -148,7 +148,7 @@ def server_port(host: Any) -> int:
     return int(str(host.get_addrs()[0]).split("/")[4])
 
 
-async def fetch_manifest(server: Any, deadline: float = 20.0) -> bytes | proto.ErrorResponse:
+async def fetch_manifest(server: Any, deadline: float = 20.0) -> bytes | messages.ErrorResponse:
     client = build_host(create_new_key_pair(), fast=False)
     async with client.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
         with trio.fail_after(deadline):

@@ -29,6 +29,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from multiaddr import Multiaddr
 
 from blobstore import Store
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob import server as server_mod
 from p2p.blob.server import BlobServer, Budget, ServerLimits
@@ -119,12 +120,12 @@ async def client(target: Served, *, fast: bool = False) -> AsyncIterator[Any]:
 
 
 async def open_stream(
-    host: Any, target: Served, protocol: str = proto.Version.V1_0.protocol_id
+    host: Any, target: Served, protocol: str = messages.Version.V1_0.protocol_id
 ) -> Any:
     return await host.new_stream(target.host.get_id(), [TProtocol(protocol)])
 
 
-async def first_event(stream: Any, request: proto.Request) -> proto.Response | None:
+async def first_event(stream: Any, request: messages.Request) -> messages.Response | None:
     """Send ``request`` and return the first event of its response (None: reset/closed)."""
     conn = proto.ClientConnection()
     await stream.write(conn.send_request(request))
@@ -137,14 +138,14 @@ async def first_event(stream: Any, request: proto.Request) -> proto.Response | N
             conn.receive_data(data)
             try:
                 event = conn.next_event()
-            except proto.RemoteProtocolError:
+            except messages.RemoteProtocolError:
                 return None
             if event is not None:
                 return event
 
 
-def all_chunks(blob_id: str) -> proto.GetRequest:
-    return proto.GetRequest(blob_id, ((0, 8),))
+def all_chunks(blob_id: str) -> messages.GetRequest:
+    return messages.GetRequest(blob_id, ((0, 8),))
 
 
 async def unread_gets(host: Any, target: Served, count: int) -> list[Any]:
@@ -152,7 +153,7 @@ async def unread_gets(host: Any, target: Served, count: int) -> list[Any]:
     streams = []
     for _ in range(count):
         stream = await open_stream(host, target)
-        await stream.write(proto.encode_request(all_chunks(target.blob_id)))
+        await stream.write(messages.encode_request(all_chunks(target.blob_id)))
         streams.append(stream)
     return streams
 
@@ -177,12 +178,12 @@ async def test_unread_gets_hold_at_most_the_peer_budget_and_get_busy(tmp_path: P
         assert await wait_for(lambda: target.server.send_bytes.used == 3 * (CHUNK + 64), 10)
         stream = await open_stream(flooder, target)
         reply = await first_event(stream, all_chunks(target.blob_id))
-        assert isinstance(reply, proto.ErrorResponse)
-        assert reply.code == proto.ErrorCode.BUSY
+        assert isinstance(reply, messages.ErrorResponse)
+        assert reply.code == messages.ErrorCode.BUSY
         assert target.server.send_bytes.used == 3 * (CHUNK + 64)
         # The refused stream stays usable for what fits.
-        have = await first_event(stream, proto.HaveRequest(target.blob_id))
-        assert isinstance(have, proto.HaveResponse)
+        have = await first_event(stream, messages.HaveRequest(target.blob_id))
+        assert isinstance(have, messages.HaveResponse)
 
 
 async def test_identities_on_one_address_share_its_budget(tmp_path: Path) -> None:
@@ -197,8 +198,8 @@ async def test_identities_on_one_address_share_its_budget(tmp_path: Path) -> Non
         await unread_gets(second, target, 1)
         assert await wait_for(lambda: target.server.send_bytes.used == 2 * (CHUNK + 64), 10)
         reply = await first_event(await open_stream(third, target), all_chunks(target.blob_id))
-        assert isinstance(reply, proto.ErrorResponse)
-        assert reply.code == proto.ErrorCode.BUSY
+        assert isinstance(reply, messages.ErrorResponse)
+        assert reply.code == messages.ErrorCode.BUSY
         assert "address" in reply.message
 
 
@@ -220,9 +221,9 @@ async def test_streams_over_the_address_budget_get_busy_after_their_request(
         with trio.move_on_after(0.3):
             assert await refused.read(100) == b"", "the server spoke before a request"
         # ... and the request is answered `busy`.
-        reply = await first_event(refused, proto.HaveRequest(target.blob_id))
-        assert isinstance(reply, proto.ErrorResponse)
-        assert reply.code == proto.ErrorCode.BUSY
+        reply = await first_event(refused, messages.HaveRequest(target.blob_id))
+        assert isinstance(reply, messages.ErrorResponse)
+        assert reply.code == messages.ErrorCode.BUSY
 
 
 async def test_reader_that_stops_reading_loses_its_stream_at_the_send_deadline(
@@ -268,28 +269,28 @@ async def test_rotten_chunk_is_never_sent_and_quarantines_the_blob(
         stream = await open_stream(fetcher, target)
         conn = proto.ClientConnection()
         await stream.write(conn.send_request(all_chunks(target.blob_id)))
-        events: list[proto.Response] = []
+        events: list[messages.Response] = []
         with trio.fail_after(20), caplog.at_level(logging.WARNING, logger="p2p.blob.server"):
-            while not events or isinstance(events[-1], proto.Chunk):
+            while not events or isinstance(events[-1], messages.Chunk):
                 conn.receive_data(await stream.read(256 * 1024))
                 while (event := conn.next_event()) is not None:
                     events.append(event)
-                    if not isinstance(event, proto.Chunk):
+                    if not isinstance(event, messages.Chunk):
                         break
-        sent = [e.index for e in events if isinstance(e, proto.Chunk)]
+        sent = [e.index for e in events if isinstance(e, messages.Chunk)]
         assert 3 not in sent
         assert sent == [0, 1, 2]
         last = events[-1]
-        assert isinstance(last, proto.ErrorResponse)
-        assert last.code == proto.ErrorCode.INTERNAL
+        assert isinstance(last, messages.ErrorResponse)
+        assert last.code == messages.ErrorCode.INTERNAL
         # One clear line, then the blob is not served any more.
         lines = [r.getMessage() for r in caplog.records if "quarantined" in r.getMessage()]
         assert len(lines) == 1 and target.blob_id in lines[0]
         assert target.server.stats.quarantined == 1
-        for request in (proto.ManifestRequest(target.blob_id), all_chunks(target.blob_id)):
+        for request in (messages.ManifestRequest(target.blob_id), all_chunks(target.blob_id)):
             reply = await first_event(stream, request)
-            assert isinstance(reply, proto.ErrorResponse)
-            assert reply.code == proto.ErrorCode.NOT_FOUND
+            assert isinstance(reply, messages.ErrorResponse)
+            assert reply.code == messages.ErrorCode.NOT_FOUND
 
 
 async def test_blob_removed_by_another_process_is_not_found_at_once(tmp_path: Path) -> None:
@@ -298,18 +299,18 @@ async def test_blob_removed_by_another_process_is_not_found_at_once(tmp_path: Pa
     async with served(tmp_path) as target, client(target) as fetcher:
         stream = await open_stream(fetcher, target)
         assert isinstance(
-            await first_event(stream, proto.HaveRequest(target.blob_id)), (proto.HaveResponse)
+            await first_event(stream, messages.HaveRequest(target.blob_id)), (messages.HaveResponse)
         )
         Store.open(tmp_path / "server-store").rm(target.blob_id)
         for request in (
-            proto.ManifestRequest(target.blob_id),
-            proto.HaveRequest(target.blob_id),
+            messages.ManifestRequest(target.blob_id),
+            messages.HaveRequest(target.blob_id),
             all_chunks(target.blob_id),
         ):
             start = trio.current_time()
             reply = await first_event(stream, request)
-            assert isinstance(reply, proto.ErrorResponse), request
-            assert reply.code == proto.ErrorCode.NOT_FOUND
+            assert isinstance(reply, messages.ErrorResponse), request
+            assert reply.code == messages.ErrorCode.NOT_FOUND
             assert trio.current_time() - start < 2.0
 
 
@@ -325,12 +326,12 @@ async def test_error_frame_is_readable_after_the_server_gives_up(tmp_path: Path)
         await stream.write((2**31).to_bytes(4, "big"))  # header length over the limit
         await trio.sleep(server_mod.RESET_GRACE / 3)
         conn = proto.ClientConnection()
-        conn.send_request(proto.ManifestRequest(target.blob_id))  # lets the parser take it
+        conn.send_request(messages.ManifestRequest(target.blob_id))  # lets the parser take it
         with trio.fail_after(10):
             conn.receive_data(await stream.read(65536))
         reply = conn.next_event()
-        assert isinstance(reply, proto.ErrorResponse)
-        assert reply.code == proto.ErrorCode.TOO_LARGE
+        assert isinstance(reply, messages.ErrorResponse)
+        assert reply.code == messages.ErrorCode.TOO_LARGE
 
 
 # --- Mutation list: plaintext is never offered ---------------------------------------------
@@ -362,22 +363,24 @@ async def test_a_plaintext_only_peer_cannot_connect(tmp_path: Path) -> None:
 
 async def test_pipelined_requests_are_answered_in_order_on_1_1(tmp_path: Path) -> None:
     async with served(tmp_path) as target, client(target) as peer:
-        stream = await open_stream(peer, target, proto.Version.V1_1.protocol_id)
+        stream = await open_stream(peer, target, messages.Version.V1_1.protocol_id)
         conn = proto.ClientConnection(
-            proto.Version.V1_1, max_pipelined=proto.MAX_PIPELINED_REQUESTS
+            messages.Version.V1_1, max_pipelined=messages.MAX_PIPELINED_REQUESTS
         )
-        requests: list[proto.Request] = [
-            proto.GetRequest(target.blob_id, ((i, i + 1),)) for i in range(6)
+        requests: list[messages.Request] = [
+            messages.GetRequest(target.blob_id, ((i, i + 1),)) for i in range(6)
         ]
-        requests.insert(2, proto.HaveRequest(target.blob_id))
+        requests.insert(2, messages.HaveRequest(target.blob_id))
         await stream.write(b"".join(conn.send_request(r) for r in requests))
         kinds: list[str] = []
         with trio.fail_after(20):
             while conn.outstanding_count:
                 conn.receive_data(await stream.read(256 * 1024))
                 while (event := conn.next_event()) is not None:
-                    kinds.append(f"chunk{event.index}" if isinstance(event, proto.Chunk) else "ok")
-                    assert not isinstance(event, proto.ErrorResponse)
+                    kinds.append(
+                        f"chunk{event.index}" if isinstance(event, messages.Chunk) else "ok"
+                    )
+                    assert not isinstance(event, messages.ErrorResponse)
         assert kinds == [
             "chunk0", "ok", "chunk1", "ok", "ok", "chunk2", "ok",
             "chunk3", "ok", "chunk4", "ok", "chunk5", "ok",
@@ -386,24 +389,24 @@ async def test_pipelined_requests_are_answered_in_order_on_1_1(tmp_path: Path) -
 
 async def test_pipelining_on_1_0_is_still_a_violation(tmp_path: Path) -> None:
     async with served(tmp_path) as target, client(target) as peer:
-        stream = await open_stream(peer, target, proto.Version.V1_0.protocol_id)
-        two = proto.encode_request(proto.HaveRequest(target.blob_id)) * 2
+        stream = await open_stream(peer, target, messages.Version.V1_0.protocol_id)
+        two = messages.encode_request(messages.HaveRequest(target.blob_id)) * 2
         await stream.write(two)
         conn = proto.ClientConnection()
-        conn.send_request(proto.HaveRequest(target.blob_id))
+        conn.send_request(messages.HaveRequest(target.blob_id))
         with trio.fail_after(20):
             while (event := conn.next_event()) is None:
                 conn.receive_data(await stream.read(65536))
-        assert isinstance(event, proto.HaveResponse)
+        assert isinstance(event, messages.HaveResponse)
         # The second request was a violation: an error (or a reset), never an answer.
-        conn.send_request(proto.HaveRequest(target.blob_id))
+        conn.send_request(messages.HaveRequest(target.blob_id))
         with trio.fail_after(20):
             try:
                 while (event := conn.next_event()) is None:
                     conn.receive_data(await stream.read(65536))
             except Exception:
                 event = None
-        assert event is None or isinstance(event, proto.ErrorResponse)
+        assert event is None or isinstance(event, messages.ErrorResponse)
 
 
 def test_handshake_deadline_is_short() -> None:
@@ -456,8 +459,8 @@ async def hold_idle_streams(host: Any, target: Served, count: int) -> list[Any]:
     held = []
     for _ in range(count):
         stream = await open_stream(host, target)
-        reply = await first_event(stream, proto.HaveRequest(target.blob_id))
-        assert isinstance(reply, proto.HaveResponse)
+        reply = await first_event(stream, messages.HaveRequest(target.blob_id))
+        assert isinstance(reply, messages.HaveResponse)
         held.append(stream)
     return held
 
@@ -486,17 +489,17 @@ async def test_a_newcomer_is_served_when_greedy_peers_hold_the_stream_budget(
     ):
         await hold_idle_streams(greedy, target, 4)
         refused = await first_event(
-            await open_stream(greedy, target), proto.HaveRequest(target.blob_id)
+            await open_stream(greedy, target), messages.HaveRequest(target.blob_id)
         )
-        assert isinstance(refused, proto.ErrorResponse)
-        assert refused.code == proto.ErrorCode.BUSY and "keeps its last" in refused.message
+        assert isinstance(refused, messages.ErrorResponse)
+        assert refused.code == messages.ErrorCode.BUSY and "keeps its last" in refused.message
         assert await wait_for(lambda: target.server.streams.used == 4, 10)
         await hold_idle_streams(light, target, 2)
         assert target.server.streams.used == 6
         served_newcomer = await first_event(
-            await open_stream(newcomer, target), proto.HaveRequest(target.blob_id)
+            await open_stream(newcomer, target), messages.HaveRequest(target.blob_id)
         )
-        assert isinstance(served_newcomer, proto.HaveResponse)
+        assert isinstance(served_newcomer, messages.HaveResponse)
         assert target.server.evicted == 1
         assert target.server.streams.by_peer[str(greedy.get_id())] == 3
 
@@ -508,7 +511,7 @@ async def test_half_a_request_loses_its_stream_at_the_arrival_deadline(tmp_path:
     limits = ServerLimits().with_(request_timeout=1.0)
     async with served(tmp_path, limits=limits) as target, client(target) as loris:
         stream = await open_stream(loris, target)
-        header = proto.ClientConnection().send_request(proto.HaveRequest(target.blob_id))
+        header = proto.ClientConnection().send_request(messages.HaveRequest(target.blob_id))
         await stream.write(header[: len(header) // 2])
         assert await wait_for(lambda: target.server.streams.used == 1, 10)
         start = trio.current_time()
@@ -537,11 +540,11 @@ async def test_reads_of_the_store_never_wait_for_the_processs_other_threads(
         try:
             with trio.fail_after(10):
                 stream = await open_stream(fetcher, target)
-                manifest = await first_event(stream, proto.ManifestRequest(target.blob_id))
-                assert isinstance(manifest, proto.ManifestResponse)
-                have = await first_event(stream, proto.HaveRequest(target.blob_id))
-                assert isinstance(have, proto.HaveResponse)
-                chunk = await first_event(stream, proto.GetRequest(target.blob_id, ((0, 1),)))
-                assert isinstance(chunk, proto.Chunk), chunk
+                manifest = await first_event(stream, messages.ManifestRequest(target.blob_id))
+                assert isinstance(manifest, messages.ManifestResponse)
+                have = await first_event(stream, messages.HaveRequest(target.blob_id))
+                assert isinstance(have, messages.HaveResponse)
+                chunk = await first_event(stream, messages.GetRequest(target.blob_id, ((0, 1),)))
+                assert isinstance(chunk, messages.Chunk), chunk
         finally:
             release.set()

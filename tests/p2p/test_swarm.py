@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.swarm import PexBook, SwarmBook, listing, usable_addrs
 from p2p.fetch.scheduler import Scheduler, SchedulerConfig
@@ -17,46 +18,48 @@ ADDR = "/ip4/10.0.0.2/tcp/4001"
 
 
 def _server(peer_exchange: bool) -> proto.ServerConnection:
-    return proto.ServerConnection(proto.Version.V1_2 if peer_exchange else proto.Version.V1_1)
+    return proto.ServerConnection(messages.Version.V1_2 if peer_exchange else messages.Version.V1_1)
 
 
 def test_peers_round_trip_on_a_1_2_stream() -> None:
-    client = proto.ClientConnection(proto.Version.V1_2)
+    client = proto.ClientConnection(messages.Version.V1_2)
     server = _server(True)
-    server.receive_data(client.send_request(proto.PeersRequest(BLOB)))
-    assert server.next_request() == proto.PeersRequest(BLOB)
+    server.receive_data(client.send_request(messages.PeersRequest(BLOB)))
+    assert server.next_request() == messages.PeersRequest(BLOB)
     listed = (("12D3KooWfellow", (ADDR,)),)
-    client.receive_data(server.send_response(proto.PeersResponse(listed)))
-    assert client.next_event() == proto.PeersResponse(listed)
+    client.receive_data(server.send_response(messages.PeersResponse(listed)))
+    assert client.next_event() == messages.PeersResponse(listed)
 
 
 def test_peers_is_an_unknown_request_on_older_versions() -> None:
-    with pytest.raises(proto.LocalProtocolError, match=r"1\.2\.0"):
-        proto.ClientConnection().send_request(proto.PeersRequest(BLOB))
-    frame = proto.ClientConnection(proto.Version.V1_2).send_request(proto.PeersRequest(BLOB))
+    with pytest.raises(messages.LocalProtocolError, match=r"1\.2\.0"):
+        proto.ClientConnection().send_request(messages.PeersRequest(BLOB))
+    frame = proto.ClientConnection(messages.Version.V1_2).send_request(messages.PeersRequest(BLOB))
     server = _server(False)
     server.receive_data(frame)
-    with pytest.raises(proto.RemoteProtocolError, match="unknown message type"):
+    with pytest.raises(messages.RemoteProtocolError, match="unknown message type"):
         server.next_request()
 
 
 def test_a_peers_answer_over_its_bounds_is_refused() -> None:
-    too_many = tuple((f"peer{k}", (ADDR,)) for k in range(proto.MAX_PEERS_LISTED + 1))
-    with pytest.raises(proto.LocalProtocolError):
-        proto.encode_response_header(proto.PeersResponse(too_many))
-    too_many_addrs = (("peer", tuple(f"{ADDR}{k}" for k in range(proto.MAX_ADDRS_PER_PEER + 1))),)
-    with pytest.raises(proto.LocalProtocolError):
-        proto.encode_response_header(proto.PeersResponse(too_many_addrs))
-    with pytest.raises(proto.LocalProtocolError):
-        proto.encode_response_header(proto.PeersResponse((("p", (ADDR,)), ("p", (ADDR,)))))
+    too_many = tuple((f"peer{k}", (ADDR,)) for k in range(messages.MAX_PEERS_LISTED + 1))
+    with pytest.raises(messages.LocalProtocolError):
+        messages.encode_response_header(messages.PeersResponse(too_many))
+    too_many_addrs = (
+        ("peer", tuple(f"{ADDR}{k}" for k in range(messages.MAX_ADDRS_PER_PEER + 1))),
+    )
+    with pytest.raises(messages.LocalProtocolError):
+        messages.encode_response_header(messages.PeersResponse(too_many_addrs))
+    with pytest.raises(messages.LocalProtocolError):
+        messages.encode_response_header(messages.PeersResponse((("p", (ADDR,)), ("p", (ADDR,)))))
     # A hostile server's oversized list is a remote fault on the client's side.
-    client = proto.ClientConnection(proto.Version.V1_2)
-    client.send_request(proto.PeersRequest(BLOB))
+    client = proto.ClientConnection(messages.Version.V1_2)
+    client.send_request(messages.PeersRequest(BLOB))
     import msgpack
 
     body = msgpack.packb({"t": "peers", "p": [[f"p{k}", [ADDR]] for k in range(17)]})
     client.receive_data(len(body).to_bytes(4, "big") + body)
-    with pytest.raises(proto.RemoteProtocolError, match="at most 16"):
+    with pytest.raises(messages.RemoteProtocolError, match="at most 16"):
         client.next_event()
 
 
@@ -93,14 +96,14 @@ def test_the_book_is_bounded_in_peers_and_blobs() -> None:
 
 def test_the_answer_holds_only_peers_with_usable_addresses_and_is_bounded() -> None:
     book = SwarmBook()
-    for k in range(proto.MAX_PEERS_LISTED + 5):
+    for k in range(messages.MAX_PEERS_LISTED + 5):
         book.seen(BLOB, f"p{k}", now=float(k))
     book.seen(BLOB, "no-addr", now=100.0)
     addrs = {f"p{k}": [f"/ip4/10.0.0.{k}/tcp/1", "/ip4/0.0.0.0/tcp/1"] for k in range(21)}
     answer = listing(book, BLOB, "p20", 101.0, lambda peer: addrs.get(peer, []))
-    assert len(answer) == proto.MAX_PEERS_LISTED
+    assert len(answer) == messages.MAX_PEERS_LISTED
     assert answer[0] == ("p19", ("/ip4/10.0.0.19/tcp/1",))  # newest first, asker left out
-    proto.encode_response_header(proto.PeersResponse(answer))  # within the protocol's bounds
+    messages.encode_response_header(messages.PeersResponse(answer))  # within the protocol's bounds
 
 
 def test_usable_addrs_drops_wildcards_repeats_and_the_peer_suffix() -> None:
@@ -114,7 +117,7 @@ def test_usable_addrs_drops_wildcards_repeats_and_the_peer_suffix() -> None:
         ]
     )
     assert got[0] == "/ip4/10.0.0.1/tcp/1"
-    assert len(got) == proto.MAX_ADDRS_PER_PEER
+    assert len(got) == messages.MAX_ADDRS_PER_PEER
 
 
 def test_the_fetcher_asks_each_source_once_per_interval() -> None:

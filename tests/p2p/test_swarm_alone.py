@@ -20,10 +20,13 @@ from libp2p.peer.id import ID
 from seeded import seeder_and_two_fetchers
 
 from blobstore import Manifest, Store
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.shell import BlobClient, StreamLost, open_optimistic
 from p2p.blob.swarm import FELLOW_WINDOW, SwarmBook
-from p2p.fetch.downloader import ALONE_ANSWERS, Download, _CountProbe
+from p2p.fetch.download_parts import ALONE_ANSWERS
+from p2p.fetch.download_probes import _CountProbe
+from p2p.fetch.downloader import Download
 from p2p.fetch.scheduler import ALONE_ONCE_SHARE, Scheduler, SchedulerConfig, bitmap_of
 from p2p.node.node import open_node
 
@@ -40,24 +43,24 @@ SWARM = SchedulerConfig(
 
 
 def test_a_1_4_status_answer_carries_the_count_and_1_3_does_not() -> None:
-    client = proto.ClientConnection(proto.Version.V1_4)
-    server = proto.ServerConnection(proto.Version.V1_4)
+    client = proto.ClientConnection(messages.Version.V1_4)
+    server = proto.ServerConnection(messages.Version.V1_4)
     assert server.counts_fellows
-    server.receive_data(client.send_request(proto.StatusRequest(BLOB)))
-    assert server.next_request() == proto.StatusRequest(BLOB)
-    with pytest.raises(proto.LocalProtocolError, match=r"1\.4\.0"):
-        server.send_response(proto.StatusResponse(10, bytes(2), bytes(2)))  # no count
-    answer = proto.StatusResponse(10, b"\x05\x02", b"\x02\x00", fellows=3)
+    server.receive_data(client.send_request(messages.StatusRequest(BLOB)))
+    assert server.next_request() == messages.StatusRequest(BLOB)
+    with pytest.raises(messages.LocalProtocolError, match=r"1\.4\.0"):
+        server.send_response(messages.StatusResponse(10, bytes(2), bytes(2)))  # no count
+    answer = messages.StatusResponse(10, b"\x05\x02", b"\x02\x00", fellows=3)
     client.receive_data(server.send_response(answer))
     assert client.next_event() == answer
     # The same answer on a 1.3.0 stream is refused before it leaves.
-    old = proto.ServerConnection(proto.Version.V1_3)
+    old = proto.ServerConnection(messages.Version.V1_3)
     old.receive_data(
-        proto.ClientConnection(proto.Version.V1_3).send_request(proto.StatusRequest(BLOB))
+        proto.ClientConnection(messages.Version.V1_3).send_request(messages.StatusRequest(BLOB))
     )
     old.next_request()
     assert not old.counts_fellows
-    with pytest.raises(proto.LocalProtocolError, match=r"1\.4\.0"):
+    with pytest.raises(messages.LocalProtocolError, match=r"1\.4\.0"):
         old.send_response(answer)
 
 
@@ -67,20 +70,22 @@ def test_a_1_4_status_answer_carries_the_count_and_1_3_does_not() -> None:
         (True, {}, "missing keys"),  # a 1.4.0 answer without its count
         (False, {"f": 0}, "unexpected keys"),  # a 1.3.0 answer with one
         (True, {"f": -1}, "out of range"),
-        (True, {"f": proto.MAX_FELLOWS_COUNTED + 1}, "out of range"),
+        (True, {"f": messages.MAX_FELLOWS_COUNTED + 1}, "out of range"),
         (True, {"f": True}, "must be an integer"),
     ],
 )
 def test_a_count_that_breaks_the_rules_is_the_servers_fault(
     fellows_stream: bool, fields: dict[str, object], why: str
 ) -> None:
-    client = proto.ClientConnection(proto.Version.V1_4 if fellows_stream else proto.Version.V1_3)
-    client.send_request(proto.StatusRequest(BLOB))
+    client = proto.ClientConnection(
+        messages.Version.V1_4 if fellows_stream else messages.Version.V1_3
+    )
+    client.send_request(messages.StatusRequest(BLOB))
     body = msgpack.packb(
         {"t": "status", "n": 10, "bits": bytes(2), "soon": bytes(2), **fields}, use_bin_type=True
     )
     client.receive_data(len(body).to_bytes(4, "big") + body)
-    with pytest.raises(proto.RemoteProtocolError, match=why):
+    with pytest.raises(messages.RemoteProtocolError, match=why):
         client.next_event()
 
 
@@ -113,30 +118,31 @@ async def test_a_seeder_counts_the_askers_fellows_on_1_4_and_says_nothing_on_1_3
                 stream = await open_optimistic(host, ID.from_base58(peer), protocol_id)
                 try:
                     client = BlobClient(
-                        stream, version=(proto.Version.V1_4 if fellows else proto.Version.V1_3)
+                        stream,
+                        version=(messages.Version.V1_4 if fellows else messages.Version.V1_3),
                     )
                     return await client.status(blob_id)
                 finally:
                     await stream.reset()
 
             full = bitmap_of(range(4), 4)
-            alone = await ask(first, proto.Version.V1_4.protocol_id, fellows=True)
-            assert alone == proto.StatusResponse(4, full, bytes(1), fellows=0)
-            await ask(second, proto.Version.V1_3.protocol_id)  # a fellow asks, on any version
-            assert await ask(first, proto.Version.V1_4.protocol_id, fellows=True) == (
-                proto.StatusResponse(4, full, bytes(1), fellows=1)
+            alone = await ask(first, messages.Version.V1_4.protocol_id, fellows=True)
+            assert alone == messages.StatusResponse(4, full, bytes(1), fellows=0)
+            await ask(second, messages.Version.V1_3.protocol_id)  # a fellow asks, on any version
+            assert await ask(first, messages.Version.V1_4.protocol_id, fellows=True) == (
+                messages.StatusResponse(4, full, bytes(1), fellows=1)
             )
-            assert await ask(first, proto.Version.V1_3.protocol_id) == proto.StatusResponse(
+            assert await ask(first, messages.Version.V1_3.protocol_id) == messages.StatusResponse(
                 4, full, bytes(1)
             )
             # The fellow's fetch ends and it hangs up: the seeder no longer counts it.
             await second.host.disconnect(ID.from_base58(peer))
             for _ in range(100):
-                reply = await ask(first, proto.Version.V1_4.protocol_id, fellows=True)
-                if isinstance(reply, proto.StatusResponse) and reply.fellows == 0:
+                reply = await ask(first, messages.Version.V1_4.protocol_id, fellows=True)
+                if isinstance(reply, messages.StatusResponse) and reply.fellows == 0:
                     break
                 await trio.sleep(0.05)
-            assert reply == proto.StatusResponse(4, full, bytes(1), fellows=0)
+            assert reply == messages.StatusResponse(4, full, bytes(1), fellows=0)
 
 
 # --- what a fetcher does with it --------------------------------------------------------
@@ -168,7 +174,7 @@ def test_a_seeder_that_said_alone_once_is_owed_at_most_an_eighth_of_the_blob() -
     # Three fetchers started together: the first to ask hears "nobody else" and is not
     # alone. On that one answer it is owed at most an eighth of the blob, spread over its
     # connections (two full batches left six of eight lanes idle across an ocean); on
-    # the second (0.5 s later, p2p.fetch.downloader.ALONE_ANSWERS) the requests are full ones.
+    # the second (0.5 s later, p2p.fetch.download_parts.ALONE_ANSWERS) the requests are full ones.
     s = Scheduler(64, lambda i: 1, config=SWARM)
     s.add_peer("seed", 0.0)
     s.set_connections("seed", 4)
@@ -227,14 +233,14 @@ async def test_an_old_seeder_keeps_the_caps(tmp_path: Path) -> None:
         open_node(store, dht=False) as seed,
         open_node(tmp_path / "asker", dht=False) as asker,
     ):
-        seed.host.remove_stream_handler(proto.Version.V1_4.protocol_id)
+        seed.host.remove_stream_handler(messages.Version.V1_4.protocol_id)
         with trio.fail_after(30):
             peer = await asker.connect(seed.addrs[0])
             stream = await open_optimistic(
-                asker.host, ID.from_base58(peer), proto.Version.V1_4.protocol_id
+                asker.host, ID.from_base58(peer), messages.Version.V1_4.protocol_id
             )
             with pytest.raises(StreamLost):
-                await BlobClient(stream, version=proto.Version.V1_4).status(
+                await BlobClient(stream, version=messages.Version.V1_4).status(
                     Manifest.of_bytes(data, chunk).blob_id
                 )
 
@@ -247,10 +253,10 @@ class _Seeder:
         self.stream = self
         self.asked = 0
 
-    async def status(self, blob_id: str) -> proto.StatusResponse:
+    async def status(self, blob_id: str) -> messages.StatusResponse:
         await trio.lowlevel.checkpoint()
         self.asked += 1
-        return proto.StatusResponse(4, bytes([15]), bytes(1), fellows=self.counts.pop(0))
+        return messages.StatusResponse(4, bytes([15]), bytes(1), fellows=self.counts.pop(0))
 
     async def reset(self) -> None:
         await trio.lowlevel.checkpoint()

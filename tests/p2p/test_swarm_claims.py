@@ -13,6 +13,7 @@ import trio
 from libp2p.peer.id import ID
 
 from blobstore import Manifest, Store
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.shell import BlobClient, StreamLost, open_optimistic
 from p2p.blob.swarm import LINGER_MAX, LINGER_QUIET, FetchingBoard
@@ -33,24 +34,24 @@ def _chunks(ticket: object) -> set[int]:
 
 
 def test_status_round_trip_on_a_1_3_stream() -> None:
-    client = proto.ClientConnection(proto.Version.V1_3)
-    server = proto.ServerConnection(proto.Version.V1_3)
-    server.receive_data(client.send_request(proto.StatusRequest(BLOB)))
-    assert server.next_request() == proto.StatusRequest(BLOB)
-    answer = proto.StatusResponse(num_chunks=10, bitmap=b"\x05\x02", soon=b"\x02\x00")
+    client = proto.ClientConnection(messages.Version.V1_3)
+    server = proto.ServerConnection(messages.Version.V1_3)
+    server.receive_data(client.send_request(messages.StatusRequest(BLOB)))
+    assert server.next_request() == messages.StatusRequest(BLOB)
+    answer = messages.StatusResponse(num_chunks=10, bitmap=b"\x05\x02", soon=b"\x02\x00")
     client.receive_data(server.send_response(answer))
     assert client.next_event() == answer
     # A 1.3.0 stream still carries `peers`.
-    assert proto.ClientConnection(proto.Version.V1_3).send_request(proto.PeersRequest(BLOB))
+    assert proto.ClientConnection(messages.Version.V1_3).send_request(messages.PeersRequest(BLOB))
 
 
 def test_status_is_an_unknown_request_before_1_3() -> None:
-    with pytest.raises(proto.LocalProtocolError, match=r"1\.3\.0"):
-        proto.ClientConnection(proto.Version.V1_2).send_request(proto.StatusRequest(BLOB))
-    frame = proto.ClientConnection(proto.Version.V1_3).send_request(proto.StatusRequest(BLOB))
-    server = proto.ServerConnection(proto.Version.V1_2)
+    with pytest.raises(messages.LocalProtocolError, match=r"1\.3\.0"):
+        proto.ClientConnection(messages.Version.V1_2).send_request(messages.StatusRequest(BLOB))
+    frame = proto.ClientConnection(messages.Version.V1_3).send_request(messages.StatusRequest(BLOB))
+    server = proto.ServerConnection(messages.Version.V1_2)
     server.receive_data(frame)
-    with pytest.raises(proto.RemoteProtocolError, match="unknown message type"):
+    with pytest.raises(messages.RemoteProtocolError, match="unknown message type"):
         server.next_request()
 
 
@@ -67,14 +68,14 @@ def test_a_status_answer_that_breaks_its_rules_is_a_remote_fault(
 ) -> None:
     import msgpack
 
-    client = proto.ClientConnection(proto.Version.V1_3)
-    client.send_request(proto.StatusRequest(BLOB))
+    client = proto.ClientConnection(messages.Version.V1_3)
+    client.send_request(messages.StatusRequest(BLOB))
     body = msgpack.packb({"t": "status", "n": 10, "bits": bits, "soon": soon}, use_bin_type=True)
     client.receive_data(len(body).to_bytes(4, "big") + body)
-    with pytest.raises(proto.RemoteProtocolError, match=why):
+    with pytest.raises(messages.RemoteProtocolError, match=why):
         client.next_event()
-    with pytest.raises(proto.LocalProtocolError):
-        proto.encode_response_header(proto.StatusResponse(10, bits, soon))
+    with pytest.raises(messages.LocalProtocolError):
+        messages.encode_response_header(messages.StatusResponse(10, bits, soon))
 
 
 # --- what a server says -----------------------------------------------------------------
@@ -111,23 +112,24 @@ async def test_a_node_answers_status_with_its_chunks_in_flight_and_refuses_it_on
             fellow.server.board.posting(blob_id, lambda: [0, 2]),  # 0 is already held
         ):
             stream = await open_optimistic(
-                asker.host, ID.from_base58(peer), proto.Version.V1_3.protocol_id
+                asker.host, ID.from_base58(peer), messages.Version.V1_3.protocol_id
             )
-            answer = await BlobClient(stream, version=proto.Version.V1_3).status(blob_id)
-            assert answer == proto.StatusResponse(4, bitmap_of([0], 4), bitmap_of([2], 4))
+            answer = await BlobClient(stream, version=messages.Version.V1_3).status(blob_id)
+            assert answer == messages.StatusResponse(4, bitmap_of([0], 4), bitmap_of([2], 4))
             await stream.reset()
             # On 1.2.0 the same request is a protocol violation.
             stream = await open_optimistic(
-                asker.host, ID.from_base58(peer), proto.Version.V1_2.protocol_id
+                asker.host, ID.from_base58(peer), messages.Version.V1_2.protocol_id
             )
-            client = BlobClient(stream, version=proto.Version.V1_2)
-            client.conn = proto.ClientConnection(proto.Version.V1_3)  # say it anyway
+            client = BlobClient(stream, version=messages.Version.V1_2)
+            client.conn = proto.ClientConnection(messages.Version.V1_3)  # say it anyway
             try:
                 reply = await client.status(blob_id)
             except StreamLost:
                 reply = None  # the reset may beat the error frame (PROTOCOL.md 7.4)
             assert reply is None or (
-                isinstance(reply, proto.ErrorResponse) and reply.code == proto.ErrorCode.BAD_REQUEST
+                isinstance(reply, messages.ErrorResponse)
+                and reply.code == messages.ErrorCode.BAD_REQUEST
             )
             await stream.reset()
     partial.close()

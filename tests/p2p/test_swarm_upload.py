@@ -13,7 +13,7 @@ import trio
 
 from blobstore import Store
 from p2p.errors import P2PError
-from p2p.fetch.downloader import Progress
+from p2p.fetch.download_parts import Progress
 from p2p.node.node import NodeConfig, open_node
 
 MiB = 1 << 20

@@ -326,7 +326,7 @@ async def test_a_fetch_stripes_one_provider_over_several_tcp_connections(
     import trio
     from libp2p.peer.id import ID
 
-    from p2p.blob import protocol as proto
+    from p2p.blob import messages
     from p2p.fetch.scheduler import SchedulerConfig
     from p2p.fetch.striping import StripeConfig
     from p2p.node.node import NodeConfig, open_node
@@ -342,8 +342,8 @@ async def test_a_fetch_stripes_one_provider_over_several_tcp_connections(
     )
     carrying: list[int] = []  # connections with a blob stream open, sampled
     bulk = (
-        proto.Version.V1_0.protocol_id,
-        proto.Version.V1_1.protocol_id,
+        messages.Version.V1_0.protocol_id,
+        messages.Version.V1_1.protocol_id,
     )  # `get` streams: one at a time, pipelined
     async with open_node(tmp_path / "fetcher", config=config) as node:
         peer = ID.from_base58(a.peer_id)
@@ -409,7 +409,8 @@ async def test_a_provider_that_never_handshakes_does_not_hold_up_the_fetch(
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.peer.id import ID
 
-    from p2p.node.node import DIAL_TIMEOUT, open_node
+    from p2p.node.connections import DIAL_TIMEOUT
+    from p2p.node.node import open_node
 
     source = random_file(tmp_path / "w.bin", 4 * MiB)
     blob_id = cluster.put("good", source)

@@ -16,6 +16,7 @@ import trio
 from libp2p.peer.id import ID
 from seeded import CHUNK, DATA, seeder_and_two_fetchers
 
+from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.shell import BlobClient, open_optimistic
 
@@ -27,37 +28,39 @@ SPAN = ((0, 1),)
 
 
 def test_a_try_get_is_its_own_message_on_1_5_and_unknown_before() -> None:
-    client = proto.ClientConnection(proto.Version.V1_5, max_pipelined=proto.MAX_PIPELINED_REQUESTS)
-    server = proto.ServerConnection(proto.Version.V1_5)
-    frame = client.send_request(proto.GetRequest(BLOB, SPAN, tentative=True))
+    client = proto.ClientConnection(
+        messages.Version.V1_5, max_pipelined=messages.MAX_PIPELINED_REQUESTS
+    )
+    server = proto.ServerConnection(messages.Version.V1_5)
+    frame = client.send_request(messages.GetRequest(BLOB, SPAN, tentative=True))
     assert msgpack.unpackb(frame[4:])["t"] == "try_get"
     server.receive_data(frame)
     asked = server.next_request()
-    assert asked == proto.GetRequest(BLOB, SPAN, tentative=True)
+    assert asked == messages.GetRequest(BLOB, SPAN, tentative=True)
     # Declined: `end` lists every requested chunk, and nothing was sent.
-    client.receive_data(server.send_response(proto.End(server.unsent_indices())))
-    assert client.next_event() == proto.End((0,))
+    client.receive_data(server.send_response(messages.End(server.unsent_indices())))
+    assert client.next_event() == messages.End((0,))
     assert server.counts_fellows  # 1.5.0 keeps 1.4.0's count in `status`
 
     # A 1.4.0 server does not know the message: the client broke the protocol.
-    old = proto.ServerConnection(proto.Version.V1_4)
+    old = proto.ServerConnection(messages.Version.V1_4)
     old.receive_data(frame)
-    with pytest.raises(proto.RemoteProtocolError, match="unknown message type 'try_get'"):
+    with pytest.raises(messages.RemoteProtocolError, match="unknown message type 'try_get'"):
         old.next_request()
     # ... and our client does not send it there.
-    with pytest.raises(proto.LocalProtocolError, match=r"1\.5\.0"):
-        proto.ClientConnection(proto.Version.V1_4).send_request(
-            proto.GetRequest(BLOB, SPAN, tentative=True)
+    with pytest.raises(messages.LocalProtocolError, match=r"1\.5\.0"):
+        proto.ClientConnection(messages.Version.V1_4).send_request(
+            messages.GetRequest(BLOB, SPAN, tentative=True)
         )
 
 
 def test_a_try_get_is_checked_like_a_get() -> None:
-    server = proto.ServerConnection(proto.Version.V1_5)
+    server = proto.ServerConnection(messages.Version.V1_5)
     body = msgpack.packb(
         {"t": "try_get", "id": bytes.fromhex(BLOB), "r": [[2, 1]]}, use_bin_type=True
     )
     server.receive_data(len(body).to_bytes(4, "big") + body)
-    with pytest.raises(proto.RemoteProtocolError, match="range"):
+    with pytest.raises(messages.RemoteProtocolError, match="range"):
         server.next_request()
 
 
@@ -74,7 +77,7 @@ async def test_a_seeder_declines_a_try_get_while_others_fetch_from_it(tmp_path: 
                 the chunks that came, and what the answer called missing."""
                 host = node.host  # type: ignore[attr-defined]
                 peer = ID.from_base58(nodes.peer)
-                stream = await open_optimistic(host, peer, proto.Version.V1_5.protocol_id)
+                stream = await open_optimistic(host, peer, messages.Version.V1_5.protocol_id)
                 got: list[int] = []
 
                 async def sink(index: int, body: memoryview) -> None:
@@ -82,7 +85,7 @@ async def test_a_seeder_declines_a_try_get_while_others_fetch_from_it(tmp_path: 
                     got.append(index)
 
                 try:
-                    client = BlobClient(stream, version=proto.Version.V1_5, pipelined=True)
+                    client = BlobClient(stream, version=messages.Version.V1_5, pipelined=True)
                     await client.send_manifest(blob_id)
                     await client.send_get(blob_id, SPAN, tentative=tentative)
                     assert isinstance(await client.read_manifest(), bytes)

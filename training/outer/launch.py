@@ -114,7 +114,7 @@ async def run_worker(config: WorkerConfig, faults: Faults | None = None) -> dict
         open_node(config.store_root, key=key, config=node_config) as node,
         behind_nat(node, config.relays, certificate.encode(), config.assume_private),
     ):
-        from training.outer.worker import Worker
+        from training.outer.worker.driver import Worker
         from training.outer.worker.faults import NO_FAULTS
 
         # TPM-backed where the key is bound (`blob tpm bind`): its attestations then carry

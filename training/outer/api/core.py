@@ -412,7 +412,7 @@ async def run_worker(
     """The worker's task in the node's loop (point 1)."""
     from identity import AdmissionCertificate, TrustStore
     from training.outer.memory import limit_heap_growth
-    from training.outer.worker import Worker
+    from training.outer.worker.driver import Worker
 
     limit_heap_growth()  # flat RSS over a long run (training.outer.memory)
 

@@ -118,7 +118,3 @@ order:
   and the store: point 5), ``proposer`` (the worker's updates and closures: point 2);
 - ``driver`` (the Worker: the driver, start, join and finish).
 """
-
-from training.outer.worker.driver import Worker
-
-__all__ = ["Worker"]
