@@ -27,9 +27,9 @@ Round trips from ``blob get`` to the first verified chunk, from a named provider
    (``p2p.fetch.download_probes.HaveProbes``; ``have`` does not wait for the manifest): 1.
 6. ``get`` on the ``have`` stream: 1, plus the first chunk's own transfer time.
 
-So 6 round trips where there were 13 (two stream opens of 2 each, ``have`` after the
-manifest, and one round trip each of the Noise and yamux negotiations cut); without the
-fast path (``fast=False``) the two negotiations take their 2 each. Named providers are
+So 6 round trips; py-libp2p's own path takes 13 (two stream opens of 2 each, ``have``
+after the manifest, and 2 each for the Noise and yamux negotiations). Without the fast
+path (``fast=False``) the two negotiations take their 2 each. Named providers are
 dialled at once and each joins the fetch as soon as it is connected, so one that accepts
 TCP and never completes the handshake costs nothing (``HANDSHAKE_TIMEOUT`` ends its dial).
 
