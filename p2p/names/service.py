@@ -62,7 +62,6 @@ from p2p.names.record import (
     check_name,
     dht_key,
     dht_key_of,
-    is_name_ref,
     newest,
     order_key,
     parse_ref,
@@ -92,36 +91,21 @@ class Node(Protocol):
 
 
 __all__ = [
-    "DHT_NAMESPACE",
-    "PROTOCOL_ID",
-    "BadName",
-    "CatalogError",
     "HostKeySigner",
-    "NameNotFound",
-    "NameReason",
-    "NameRecord",
-    "NameRef",
-    "NameRejected",
     "NameService",
     "NameValidator",
     "Spread",
     "catalog",
-    "check_name",
     "install",
-    "is_name_ref",
-    "parse_ref",
     "publish_in_store",
     "publish_name",
     "publish_record",
     "resolve",
     "run_names",
-    "sign_record",
-    "verify",
 ]
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_ID = wire.PROTOCOL_ID
 # Resolving waits at most this long for peers and the DHT; what arrived by then counts.
 # py-libp2p's DHT queries each peer for up to 10 s, so one dead peer must not hold a
 # resolve for that long.
@@ -401,7 +385,7 @@ def install(node: Node, *, clock: Callable[[], float] = _time.time) -> NameServi
     cache = NameCache.for_store_root(store.root, store.tmp_dir)
     service = NameService(node, cache, clock)
     cache.load(now=clock(), own_publisher=service.own_publisher)
-    node.host.set_stream_handler(TProtocol(PROTOCOL_ID), service.handle_stream)
+    node.host.set_stream_handler(TProtocol(wire.PROTOCOL_ID), service.handle_stream)
     if node.dht is not None:
         node.dht.set_namespace_validator(DHT_NAMESPACE, NameValidator(clock))
     node.name_service = service
@@ -437,14 +421,14 @@ async def request(node: Node, peer: str, message: wire.Request) -> wire.Response
     stream: Any = None
     try:
         with trio.fail_after(PEER_TIMEOUT):
-            stream = await node.host.new_stream(ID.from_base58(peer), [TProtocol(PROTOCOL_ID)])
+            stream = await node.host.new_stream(ID.from_base58(peer), [TProtocol(wire.PROTOCOL_ID)])
             await write_all(stream, wire.encode(message))
             body = await _read_frame(stream, wire.MAX_RESPONSE_SIZE)
             response = wire.decode_response(body, message)
     except wire.NamesProtocolError as exc:
         if stream is not None:
             await reset_quietly(stream)
-        raise CatalogError(f"{peer} broke {PROTOCOL_ID}: {exc}") from None
+        raise CatalogError(f"{peer} broke {wire.PROTOCOL_ID}: {exc}") from None
     except trio.TooSlowError:
         if stream is not None:
             await reset_quietly(stream)

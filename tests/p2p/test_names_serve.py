@@ -18,6 +18,7 @@ import trio
 from blobstore import Store
 from identity import MachineKey, SoftwareSigner
 from p2p.names import service as names
+from p2p.names.record import NameNotFound
 from p2p.node.node import open_node
 
 POLL = 0.1
@@ -55,7 +56,7 @@ async def test_a_record_written_beside_a_serving_node_reaches_its_peers(tmp_path
                 try:
                     found = await names.resolve(peer, ref, use_peers=False, use_dht=False)
                     break
-                except names.NameNotFound:
+                except NameNotFound:
                     await trio.sleep(POLL)
         assert found == record
         again = names.publish_in_store(

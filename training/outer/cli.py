@@ -604,7 +604,7 @@ def run_command(
     from training.outer.params import OuterRunFailed
 
     if publish_as is not None:
-        from p2p.names.service import check_name
+        from p2p.names.record import check_name
 
         check_name(publish_as)  # refused before any worker starts
     run = {

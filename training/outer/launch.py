@@ -95,7 +95,7 @@ async def run_worker(config: WorkerConfig, faults: Faults | None = None) -> dict
 
     limit_heap_growth()  # flat RSS over a long run (training.outer.memory)
     if config.publish is not None:
-        from p2p.names.service import check_name
+        from p2p.names.record import check_name
 
         check_name(config.publish)  # a bad name is refused before any training
     key, certificate, trust = _load_identity(config)

@@ -375,7 +375,7 @@ def run_command(
     from training.rounds.round import RoundInputs, check_certificate, run_round
 
     if publish_as is not None:
-        from p2p.names.service import check_name  # libp2p: only when a name is published
+        from p2p.names.record import check_name  # libp2p: only when a name is published
 
         check_name(publish_as)  # refuse a bad name before any training
     check_peer_addrs(peers, "--peer")

@@ -32,8 +32,7 @@ from libp2p.security.base_session import BaseSession
 from libp2p.security.noise.patterns import PatternXX
 
 from .errors import FastPathError, LocalProtocolError
-from .noise_frames import MAX_FRAME, FrameReader, FrameWriter
-from .noise_frames import CipherState as CipherState
+from .noise_frames import CipherState, FrameReader, FrameWriter
 
 PROTOCOL_ID = TProtocol("/noise")
 
@@ -333,4 +332,4 @@ class FastNoiseTransport(ISecureTransport):
         )
 
 
-__all__ = ["MAX_FRAME", "PROTOCOL_ID", "FastNoiseTransport", "FastSecureConn", "trio_socket_of"]
+__all__ = ["PROTOCOL_ID", "FastNoiseTransport", "FastSecureConn", "trio_socket_of"]
