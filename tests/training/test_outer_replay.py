@@ -127,3 +127,128 @@ def test_an_honest_update_replays_bit_for_bit_and_a_cheat_does_not() -> None:
     c = _commit(trainer, 2, root, cheated)
     outcome = replay(PARAMS, c, cheated.inner_before, state, cheated.update)
     assert outcome == "mismatch: loss of step 0 differs"
+
+
+# --- overlapped rounds (training.outer.trainer rules 4 to 7) ----------------------------
+
+OVERLAPPED = RunParams(run_id="replay", workers=3, rounds=3, inner_steps=3, batch=2, overlap=1)
+
+
+def test_a_plain_commitment_keeps_its_bytes_and_an_overlapped_one_names_its_origin() -> None:
+    """Version 1 (no origin) is byte for byte what it was before overlapped rounds (its
+    digest, as the code before them encoded it); version 2 adds ``from`` and ``moved`` and
+    round-trips; neither decodes with the other's keys, nor a boundary past the last step."""
+    import msgpack
+
+    c = UpdateCommitment(
+        "run", 3, _root(0), AUTHOR, 2, 2, 4, bytes(32), bytes(8), 4096, 48, "aa" * 32,
+        "bb" * 32, "cc" * 32,
+    )  # fmt: skip
+    data = c.encode()
+    assert blake3.blake3(data).hexdigest() == (
+        "9f7a9fb48485a4bacd26d29d2957117e7e08f6a0f9cdd2c8051a6b1b139a63fb"
+    )
+    overlapped = dataclasses.replace(c, origin="dd" * 32, moved=2)
+    moved = overlapped.encode()
+    assert decode_commitment(moved) == overlapped and overlapped.overlapped
+    fields = msgpack.unpackb(moved)
+    assert (fields["v"], fields["from"], fields["moved"]) == (2, "dd" * 32, 2)
+    for bad, why in (
+        ({**fields, "moved": 3}, "moved must be a step boundary"),
+        ({k: v for k, v in fields.items() if k != "from"}, "lacks the field 'from'"),
+        ({**fields, "v": 1}, "not in canonical form"),
+        ({**msgpack.unpackb(data), "v": 2}, "lacks the field"),
+        ({**fields, "v": 3}, "unknown version"),
+    ):
+        with pytest.raises(BadCommitment, match=why):
+            decode_commitment(msgpack.packb(dict(sorted(bad.items()))))
+
+
+class _Gate:
+    """The causal-LM loss with dropout on the logits (so the steps draw from torch's
+    generator, and a replay must seed it as its author did), holding the call ``hold``
+    until the test lets it go on (so a state can be offered while a round trained ahead is
+    at a known step)."""
+
+    def __init__(self, hold: int | None = None) -> None:
+        import threading
+
+        self.hold = hold
+        self.calls = 0
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def __call__(self, model: object, batch: object) -> object:
+        if self.calls == self.hold:
+            self.reached.set()
+            assert self.go.wait(60)
+        self.calls += 1
+        import torch
+
+        logits = model(input_ids=batch).logits[:, :-1]  # type: ignore[operator]
+        dropped = torch.nn.functional.dropout(logits, 0.1, training=True)
+        return torch.nn.functional.cross_entropy(
+            dropped.reshape(-1, dropped.shape[-1]),
+            batch[:, 1:].reshape(-1),  # type: ignore[index]
+        )
+
+
+def _overlapped(trained: object, state_round: int, root: str, moved: int) -> UpdateCommitment:
+    c = _commit(Trainer(OVERLAPPED, 1), state_round, root, trained)
+    return dataclasses.replace(
+        c, steps=OVERLAPPED.inner_steps, batch=OVERLAPPED.batch, origin="22" * 32, moved=moved
+    )
+
+
+def test_an_overlapped_update_replays_bit_for_bit_from_the_state_its_steps_began() -> None:
+    """Round 0 is plain; round 1 is trained ahead from E_0 and moves to S_1 at the boundary
+    after the step it was offered in; a replay from E_0, the inner state and that boundary
+    gives the same losses, end state and update bytes. Another boundary, another E_0 or no
+    origin at all (a plain replay from S_1) does not. A state the trainer was not offered
+    (one caught up to) is trained plain, and replays so."""
+    import numpy as np
+
+    from training.model import make_tiny_llama
+    from training.outer.inner import decode_origin, encode_origin
+
+    def make(params: RunParams, shard: int) -> Trainer:
+        return Trainer(params, shard, step_fn=_Gate())
+
+    h = OVERLAPPED.inner_steps
+    model = make_tiny_llama(OVERLAPPED.model_size, seed=OVERLAPPED.seed)
+    s0 = initial_state(model_params(model))
+    gate = _Gate(hold=h + 1)  # round 1's step 1
+    trainer = Trainer(OVERLAPPED, 1, step_fn=gate)
+    plain = trainer.train(s0, state_root(s0), AUTHOR)
+    assert (plain.origin, plain.moved_at) == (b"", None)
+    s1 = dataclasses.replace(s0, round=1, params={n: v + 1e-3 for n, v in s0.params.items()})
+    r1 = state_root(s1)
+    assert gate.reached.wait(60)
+    trainer.ready(s1, r1)
+    gate.go.set()
+    ahead = trainer.train(s1, r1, AUTHOR)
+    assert ahead.moved_at == 2 and ahead.origin
+    assert ahead.inner_before == plain.inner_after
+    c = _overlapped(ahead, 1, r1, moved=2)
+    assert replay(OVERLAPPED, c, ahead.inner_before, s1, ahead.update, make, ahead.origin) == MATCH
+    other = dataclasses.replace(c, moved=1)
+    outcome = replay(OVERLAPPED, other, ahead.inner_before, s1, ahead.update, make, ahead.origin)
+    assert outcome == "mismatch: loss of step 1 differs"
+    e0, buffers = decode_origin(ahead.origin, trainer.shapes(), {})
+    name = "model.layers.0.mlp.up_proj.weight"
+    e0[name] = e0[name] + np.float32(1e-2)
+    forged = encode_origin(e0, buffers)
+    outcome = replay(OVERLAPPED, c, ahead.inner_before, s1, ahead.update, make, forged)
+    assert outcome == "mismatch: loss of step 0 differs"
+    outcome = replay(OVERLAPPED, c, ahead.inner_before, s1, ahead.update, make, b"\x80")
+    assert outcome.startswith("mismatch: ") and "origin state" in outcome
+    unmoved = dataclasses.replace(c, origin="", moved=0)
+    outcome = replay(OVERLAPPED, unmoved, ahead.inner_before, s1, ahead.update, make)
+    assert outcome.startswith("mismatch: ")
+    # Round 2 from a state never offered (a catch-up): the round ahead is dropped.
+    s2 = dataclasses.replace(s1, round=2)
+    caught = trainer.train(s2, state_root(s2), AUTHOR)
+    assert (caught.origin, caught.moved_at) == (b"", None)
+    c2 = dataclasses.replace(_overlapped(caught, 2, state_root(s2), 0), origin="", moved=0)
+    assert replay(OVERLAPPED, c2, caught.inner_before, s2, caught.update, make) == MATCH
+    assert trainer.ahead is None  # the last round: nothing is trained ahead of it

@@ -26,6 +26,7 @@ from training.outer.loop import (
     OuterConfig,
 )
 from training.outer.messages import check_run_id
+from training.outer.spec import MAX_OVERLAP
 
 OUTER_MODE = "sparseloco"
 DEFAULT_START_TIMEOUT = 300.0
@@ -91,6 +92,9 @@ class RunParams:
     # The distinct operators a closure must name (training.outer.agreement rule 7); 0: a
     # majority of ``workers``, so two groups that cannot hear each other never both close.
     quorum: int = 0
+    # Rounds a worker trains ahead of the state its next update is taken against (0
+    # blocks; 1: the one-step-delayed outer step, training.outer.trainer rule 5).
+    overlap: int = 0
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -108,6 +112,8 @@ class RunParams:
             raise ValueError("the fetch floor must be > 0")
         if not 0 <= self.quorum <= self.workers:
             raise ValueError(f"the quorum must be 1..{self.workers} (K), or 0 for a majority")
+        if not 0 <= self.overlap <= MAX_OVERLAP:
+            raise ValueError(f"overlap must be 0..{MAX_OVERLAP} rounds")
         self.codec()
 
     @property

@@ -11,6 +11,13 @@ Theory of operation
    ``training.outer.inner``), the BLAKE3 of its inner state after the round, and the
    update blob. Its update attestation's subjects are ``[update blob, R_r, commitment blob]``, so
    the closure that names the update names the commitment too, under the author's key.
+   An *overlapped* update (``training.outer.trainer`` rules 4 to 7: its steps began from the
+   worker's own end of round r-1, E_{r-1}, and moved by S_r - E_{r-1} at a step boundary)
+   is commitment version 2, which adds ``from`` (the blob of E_{r-1},
+   ``training.outer.inner`` rule 2, stored and kept by its author like its inner state) and
+   ``moved`` (the boundary it moved at, 0..H; H: after the last step); its steps' torch seed
+   comes from the run, the round and the author. Every other commitment is version 1
+   without those keys, so its bytes are as they were.
 2. **Sample.** Round r's admitted updates are sampled with R_{r+1}, the root that round
    r's closure produced (:func:`sampled`): peer p's update is replayed iff
    ``BLAKE3(SAMPLE_DOMAIN || R_{r+1} || p) < rate``. R_{r+1} depends on every included
@@ -19,9 +26,11 @@ Theory of operation
    rounds where it is not sampled.)
 3. **Replayer.** Among the closure's other admitted workers of another operator, the one
    with the lowest ``BLAKE3(REPLAYER_DOMAIN || R_{r+1} || p || q)`` replays p's update
-   (:func:`replayer_for`): it fetches the commitment and the inner-state blob, loads S_r
-   and the inner state into a fresh model, trains on the committed rows, and compares the
-   loss bits, the end inner state and the update's bytes (:func:`replay`). Every worker of
+   (:func:`replayer_for`): it fetches the commitment and the inner-state blob (and, for an
+   overlapped update, the ``from`` blob), loads S_r (or E_{r-1}) and the inner state into a
+   fresh model, trains on the committed rows (moving by S_r - E_{r-1} where the commitment
+   says), and compares the loss bits, the end inner state and the update's bytes
+   (:func:`replay`). Every worker of
    a run holds a certificate for the run's one kernel class, and deterministic mode makes
    equal inputs give equal bits there, so an honest update replays exactly.
 4. **Verdict.** The replayer signs a verdict (kind :data:`REPLAY_KIND`, digest
@@ -43,9 +52,10 @@ Theory of operation
    until the sample is known. A worker that cheats in n rounds escapes with probability
    (1 - q)^n; at q = 0.25 a cheat in 8 rounds is caught with probability 0.90.
 6. **What is not checked.** The inner state a worker starts from is committed, not
-   derived: a worker could start from a fabricated residual or optimizer state (what it
-   sends is still bounded by the aggregation rules); chaining each commitment's start to
-   the previous one's end would close that. The shard is the author's claim. A withheld
+   derived: a worker could start from a fabricated residual or optimizer state, or, in an
+   overlapped round, a fabricated E_{r-1} (what it sends is still bounded by the
+   aggregation rules, and taken against S_r like any update); chaining each commitment's
+   start to the previous one's end would close that. The shard is the author's claim. A withheld
    commitment or inner state gives the verdict ``unavailable``: not verified, not banned.
 
 Nothing here reads a clock or does I/O; :func:`replay` runs torch (in a worker thread).
@@ -87,6 +97,7 @@ VERDICT_DOMAIN = b"blobnet/outer-replay-verdict/v1"
 SAMPLE_DOMAIN = b"blobnet/outer-sample/v1"
 REPLAYER_DOMAIN = b"blobnet/outer-replayer/v1"
 COMMITMENT_VERSION = 1
+OVERLAPPED_VERSION = 2  # rule 1: with ``from`` and ``moved``
 # The levels a commitment may name (training.outer.spec.LEVELS, weakest first).
 COMMITTED_LEVELS = ("bounded", "scored", "replayed")
 MATCH = "match"
@@ -137,10 +148,18 @@ class UpdateCommitment:
     # The verification level the author's worker offered (training.outer.spec point 3):
     # written only when it is not "replayed", so a replayable update's bytes are as before.
     level: str = "replayed"
+    # An overlapped update (rule 1): the blob of the state its steps started from, E_{r-1},
+    # and the step boundary they moved by S_r - E_{r-1} at; "" and 0 otherwise.
+    origin: str = ""
+    moved: int = 0
+
+    @property
+    def overlapped(self) -> bool:
+        return bool(self.origin)
 
     def fields(self) -> dict[str, Any]:
         out = {
-            "v": COMMITMENT_VERSION,
+            "v": OVERLAPPED_VERSION if self.overlapped else COMMITMENT_VERSION,
             "run": self.run,
             "round": self.round,
             "start": self.start_root,
@@ -157,6 +176,9 @@ class UpdateCommitment:
         }
         if self.level != "replayed":
             out["level"] = self.level
+        if self.overlapped:
+            out["from"] = self.origin
+            out["moved"] = self.moved
         return out
 
     def encode(self) -> bytes:
@@ -180,8 +202,12 @@ def decode_commitment(data: bytes) -> UpdateCommitment:
         data, max_size=MAX_COMMITMENT_SIZE, what="update commitment", error=BadCommitment
     )
     try:
-        if obj["v"] != COMMITMENT_VERSION:
+        version = obj["v"]
+        if version not in (COMMITMENT_VERSION, OVERLAPPED_VERSION):
             raise BadCommitment("commitment has an unknown version")
+        overlapped = version == OVERLAPPED_VERSION
+        origin = _hex64(obj["from"], "from") if overlapped else ""
+        moved = obj["moved"] if overlapped else 0
         codec = obj["codec"]
         if type(codec) is not list or len(codec) != 2:
             raise BadCommitment("commitment codec must be [chunk, k]")
@@ -201,6 +227,8 @@ def decode_commitment(data: bytes) -> UpdateCommitment:
         raise BadCommitment("commitment rows must be steps x batch uint32")
     if type(losses) is not bytes or len(losses) != 4 * steps:
         raise BadCommitment("commitment losses must be one float32 per step")
+    if type(moved) is not int or not 0 <= moved <= steps:
+        raise BadCommitment("commitment moved must be a step boundary, 0..steps")
     c = UpdateCommitment(
         obj["run"],
         round_,
@@ -217,6 +245,8 @@ def decode_commitment(data: bytes) -> UpdateCommitment:
         _hex64(obj["inner_end"], "inner_end"),
         _hex64(obj["update"], "update"),
         obj.get("level", "replayed"),
+        origin,
+        moved,
     )
     if c.level not in COMMITTED_LEVELS:
         raise BadCommitment("commitment names an unknown verification level")
@@ -359,10 +389,12 @@ def replay(
     start: OuterState,
     update: bytes,
     make_trainer: Callable[[RunParams, int], Trainer] | None = None,
+    origin: bytes = b"",
 ) -> str:
-    """Rule 3: recompute ``c``'s update from S_r (``start``) and the inner state, and
-    compare with ``update`` (the included blob's bytes): :data:`MATCH` or
-    ``mismatch: <the first thing that differs>``."""
+    """Rule 3: recompute ``c``'s update from S_r (``start``), the inner state and, for an
+    overlapped update, the bytes of the state its steps started from (``origin``, the blob
+    ``c.origin`` names), and compare with ``update`` (the included blob's bytes):
+    :data:`MATCH` or ``mismatch: <the first thing that differs>``."""
     if (c.chunk, c.k) != (params.chunk, params.k):
         return f"{MISMATCH}: codec settings are not the run's"
     if c.steps != params.inner_steps or c.batch != params.batch:
@@ -373,9 +405,12 @@ def replay(
         return f"{MISMATCH}: a batch row is outside the shard"
     try:
         trainer.load_inner(inner)
+        began = trainer.origin_of(origin, start) if c.overlapped else None
     except BadInnerState as exc:
         return f"{MISMATCH}: {exc}"
-    ours, losses, end = trainer.train_rows(start, c.start_root, c.author, rows)
+    ours, losses, end = trainer.train_rows(
+        start, c.start_root, c.author, rows, origin=began, moved_at=c.moved
+    )
     bits = loss_bits(losses)
     if bits != c.losses:
         first = next(

@@ -20,12 +20,36 @@ Resume points
    next update continues from its own residual and moments.
 3. The inner state is what the trainer held after its last update, whether or not the
    round's closure included that update: as in a run without a restart, a left-out
-   update's mass is not put back into the residual."""
+   update's mass is not put back into the residual.
+
+Overlapped rounds
+-----------------
+4. A round's inner steps start from the round's state S_r (a *plain* round: its torch seed
+   from S_r's root and the author, :func:`round_seed`), or, in a run that overlaps rounds,
+   from the worker's own end of the round before, E_{r-1} (an *overlapped* round).
+5. With ``overlap`` 1, once it has made its update of round r (and unless r was the last
+   round) the trainer trains round r+1 on from E_r in a thread of its own
+   (``training.outer.ahead``), on rows its sampler draws then, seeded from the run, the
+   round and the author (:func:`ahead_seed`: what the commitment names; S_{r+1}'s root is
+   not known when the steps begin). The worker offers S_{r+1} as soon as it has it
+   (:meth:`Trainer.ready`); at the first step boundary after, the model moves by
+   S_{r+1} - E_r, parameters and floating buffers in float32, elementwise (the local drift
+   kept: theta <- S_{r+1} + (theta - E_r), as ``training.outer.loop.shift_params``), and the
+   step it moved at is recorded (H: after the last step, where the state came later). The
+   update is then taken against S_{r+1}, as a plain round's is against S_r.
+6. :meth:`Trainer.train` for S_{r+1} takes that round if it moved (or is to move) to that
+   very state; any other state (one caught up to, or of another root or round) drops it,
+   and the round is trained plain from the state adopted: a joiner's, a resumed worker's
+   and a caught-up worker's first round is plain, with no correction pending.
+7. What a replayer needs of an overlapped round (:class:`Trained`): the rows, the inner
+   state before (the inner state after round r), E_r (``training.outer.inner`` rule 2) and
+   the step the model moved at; :meth:`Trainer.train_rows` recomputes the round from them
+   with the same operations in the same order, so an honest update replays bit for bit."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,14 +61,16 @@ from blobstore.exitcodes import ExitCode
 from identity import decode_msgpack_map
 from training.errors import TrainingError
 from training.outer.aggregate import wrap_update
-from training.outer.codec import ErrorFeedback
-from training.outer.inner import decode_inner, encode_inner
+from training.outer.ahead import Ahead
+from training.outer.codec import F32, ErrorFeedback
+from training.outer.inner import decode_inner, decode_origin, encode_inner, encode_origin
 from training.outer.loop import (
     OuterState,
     load_params,
     make_update,
     model_params,
     run_inner_steps,
+    shift_params,
     synthetic_tokens,
 )
 from training.outer.module_state import floating_buffers, load_into
@@ -58,7 +84,10 @@ TORCH_RNG_LOCK = threading.Lock()
 
 class Trainer:
     """A worker's torch side: model, inner AdamW (local across rounds, as in DiLoCo),
-    shard, batch sampler and error-feedback residual. Every method runs in one thread."""
+    shard, batch sampler and error-feedback residual. Its methods run in one thread at a
+    time (the worker's training thread), but for :meth:`ready`, which any thread may call;
+    a round trained ahead (rule 5) runs in a thread of its own, which only :meth:`train`
+    and :meth:`close` wait for."""
 
     def __init__(
         self,
@@ -112,6 +141,7 @@ class Trainer:
         self.rng = np.random.default_rng([params.seed, shard])
         # Names and shapes travel once per run, in the state blob; updates carry a digest.
         self.feedback = ErrorFeedback(params.codec(), decay=params.ef_decay, schema_ref=True)
+        self.ahead: _RoundAhead | None = None  # rule 5
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(v.shape) for name, v in model_params(self.model).items()}
@@ -127,15 +157,82 @@ class Trainer:
         )
 
     def train(self, state: OuterState, root: str, author: str, *, cheat: bool = False) -> Trained:
-        """H inner steps from ``state`` (whose root is ``root``) on the sampler's next rows:
+        """H inner steps for ``state`` (whose root is ``root``) on the sampler's next rows:
         the update blob (in its envelope, ``training.outer.aggregate.wrap_update``), the
-        losses and what the update's commitment needs (``training.outer.replay``).
-        ``cheat`` (a test hook) trains on other rows than it reports."""
-        before = self.inner_state()
+        losses and what the update's commitment needs (``training.outer.replay``); the
+        round trained ahead where it serves ``state`` (rules 5 and 6), else a plain
+        round. ``cheat`` (a test hook) reports other rows than it trained on."""
+        trained = self._take_ahead(state, root, author, cheat=cheat)
+        if trained is None:
+            before = self.inner_state()
+            rows = self.next_rows()
+            used = self.next_rows() if cheat else rows
+            update, losses, after = self.train_rows(state, root, author, used)
+            trained = Trained(update, losses, rows, before, after)
+        if self.params.overlap and state.round + 1 < self.params.rounds:
+            self._train_ahead(state, author, trained.inner_after)
+        return trained
+
+    def ready(self, state: OuterState, root: str) -> None:
+        """Rule 5: the worker's next state, as soon as it is computed (any thread): the
+        round trained ahead moves to it at its next step boundary."""
+        held = self.ahead
+        if held is not None:
+            held.ahead.offer(state, root)
+
+    def close(self) -> None:
+        """Stop the round trained ahead, if any, and wait for its thread (the worker is
+        leaving)."""
+        held, self.ahead = self.ahead, None
+        if held is not None:
+            held.ahead.drop()
+            held.ahead.result()
+
+    def _train_ahead(self, state: OuterState, author: str, inner_before: bytes) -> None:
+        """Rule 5: start round ``state.round + 1`` from the model as this round left it."""
+        origin = Origin(
+            model_params(self.model), floating_buffers(self.model) if state.buffers else {}
+        )
         rows = self.next_rows()
-        used = self.next_rows() if cheat else rows
-        update, losses, after = self.train_rows(state, root, author, used)
-        return Trained(update, losses, rows, before, after)
+        round_ = state.round + 1
+        seed = ahead_seed(self.params.run_id, round_, author)
+
+        def steps(ahead: Ahead) -> list[float]:
+            def boundary(step: int) -> None:
+                target = ahead.at_boundary(step)
+                if target is not None:
+                    self._move(target, origin)
+
+            return self._steps(origin.params, origin.buffers, rows, seed, boundary)
+
+        ahead = Ahead(round_, steps)
+        self.ahead = _RoundAhead(ahead, origin, rows, inner_before)
+        ahead.start()
+
+    def _take_ahead(
+        self, state: OuterState, root: str, author: str, *, cheat: bool
+    ) -> Trained | None:
+        """Rule 6: the round trained ahead, if it serves ``state`` (None: it does not, or
+        there is none)."""
+        held, self.ahead = self.ahead, None
+        if held is None:
+            return None
+        ahead = held.ahead
+        if not ahead.claim(state.round, root):
+            ahead.result()  # its thread stops at its next step boundary
+            return None
+        losses = ahead.result()
+        if losses is None:
+            return None
+        target = ahead.at_boundary(len(held.rows))  # rule 4 of training.outer.ahead
+        if target is not None:
+            self._move(target, held.origin)
+        moved_at = ahead.moved_at()
+        assert moved_at is not None  # a claim holds only for a state it moved or moves to
+        update, losses, after = self._made(state, root, author, losses)
+        rows = self.next_rows() if cheat else held.rows
+        origin = encode_origin(held.origin.params, held.origin.buffers)
+        return Trained(update, losses, rows, held.inner_before, after, origin, moved_at)
 
     def train_rows(
         self,
@@ -143,33 +240,84 @@ class Trainer:
         root: str,
         author: str,
         rows: np.ndarray[Any, np.dtype[np.int64]],
+        *,
+        origin: Origin | None = None,
+        moved_at: int = 0,
     ) -> tuple[bytes, list[float], bytes]:
-        """H inner steps on these batch rows: (update blob, losses, inner state after)."""
+        """H inner steps on these batch rows: (update blob, losses, inner state after).
+        From ``state`` (a plain round), or from ``origin``, moving by ``state - origin``
+        before step ``moved_at`` (H: after the last; an overlapped round, rule 7)."""
+        if origin is None:
+            losses = self._steps(state.params, state.buffers, rows, round_seed(root, author))
+        else:
+            seed = ahead_seed(self.params.run_id, state.round, author)
+
+            def boundary(step: int) -> None:
+                if step == moved_at:
+                    self._move(state, origin)
+
+            losses = self._steps(origin.params, origin.buffers, rows, seed, boundary)
+            if moved_at == len(rows):
+                self._move(state, origin)
+        return self._made(state, root, author, losses)
+
+    def _steps(
+        self,
+        params: Mapping[str, F32],
+        buffers: Mapping[str, F32],
+        rows: np.ndarray[Any, np.dtype[np.int64]],
+        seed: int,
+        boundary: Callable[[int], None] | None = None,
+    ) -> list[float]:
+        """The inner steps on these batch rows from these parameters and buffers, under
+        ``seed``; ``boundary(i)`` before step i."""
         import torch
 
         torch.set_num_threads(self.threads)  # per OS thread under OpenMP: set where it runs
         batches = [torch.from_numpy(self.tokens[r]).to(self.device) for r in rows]
+        stream = batches if boundary is None else _boundaries(batches, boundary)
         # Dropout and other random ops draw from torch's one process-wide generator, seeded
-        # by what the commitment names (start root and author) so a replay in another
-        # process draws the same; the lock keeps a replay and the next round's training,
-        # each in its own thread, from drawing from it in turns (a replay of an honest
-        # GPT-2 update mismatched that way).
+        # by what the commitment names so a replay in another process draws the same; the
+        # lock keeps a replay and this worker's training, each in its own thread, from
+        # drawing from it in turns (a replay of an honest GPT-2 update mismatched that way).
         with TORCH_RNG_LOCK:
-            torch.manual_seed(round_seed(root, author))
-            load_params(self.model, state.params)
-            load_into(self.model, state.buffers, self.reset)
+            torch.manual_seed(seed)
+            load_params(self.model, params)
+            load_into(self.model, buffers, self.reset)
             if self.step_fn is not None:
-                losses = _user_steps(self.model, self.optimizer, batches, self.step_fn)
-            elif self.pad_id is None:
-                losses = run_inner_steps(self.model, self.optimizer, batches)
-            else:
-                losses = _padded_steps(self.model, self.optimizer, batches, self.pad_id)
+                return _user_steps(self.model, self.optimizer, stream, self.step_fn)
+            if self.pad_id is None:
+                return run_inner_steps(self.model, self.optimizer, stream)
+            return _padded_steps(self.model, self.optimizer, stream, self.pad_id)
+
+    def _move(self, state: OuterState, origin: Origin) -> None:
+        """Rule 5's correction: parameters and floating buffers by ``state - origin``; the
+        run's fixed buffers reset, as with every state."""
+        shift_params(self.model, state.params, origin.params)
+        moved = {
+            n: now + np.subtract(state.buffers[n], origin.buffers[n], dtype=np.float32)
+            for n, now in (floating_buffers(self.model) if origin.buffers else {}).items()
+        }
+        load_into(self.model, moved, self.reset)
+
+    def _made(
+        self, state: OuterState, root: str, author: str, losses: list[float]
+    ) -> tuple[bytes, list[float], bytes]:
+        """The update from ``state`` to the model now, its losses, and the inner state."""
         payload = make_update(state.params, model_params(self.model), self.feedback)
         buffers = floating_buffers(self.model) if state.buffers else None
         update = wrap_update(
             payload, round_=state.round, start_root=root, author=author, buffers=buffers
         )
         return update, losses, self.inner_state()
+
+    def origin_of(self, data: bytes, state: OuterState) -> Origin:
+        """Rule 7: the origin an overlapped commitment names, from its blob's bytes;
+        ``training.outer.inner.BadInnerState`` if they do not fit this model and ``state``'s
+        buffers."""
+        buffer_shapes = {n: tuple(v.shape) for n, v in state.buffers.items()}
+        params, buffers = decode_origin(data, self.shapes(), buffer_shapes)
+        return Origin(params, buffers)
 
     def inner_state(self) -> bytes:
         """The inner AdamW moments and the error-feedback residual, canonically encoded."""
@@ -243,28 +391,62 @@ class Trainer:
 
 @dataclass(frozen=True)
 class Trained:
-    """One round's training: what the update commitment records (training.outer.replay)."""
+    """One round's training: what the update commitment records (training.outer.replay).
+    An overlapped round (rule 7) also hands the state its steps started from (``origin``,
+    ``training.outer.inner`` rule 2) and the step the model moved at."""
 
     update: bytes
     losses: list[float]
     rows: np.ndarray[Any, np.dtype[np.int64]]
     inner_before: bytes
     inner_after: bytes
+    origin: bytes = b""
+    moved_at: int | None = None
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Rule 4: where an overlapped round's steps started, E_{r-1} (float32 copies)."""
+
+    params: dict[str, F32]
+    buffers: dict[str, F32]
+
+
+@dataclass(frozen=True)
+class _RoundAhead:
+    """Rule 5: the round trained ahead, and what its update's commitment will need."""
+
+    ahead: Ahead
+    origin: Origin
+    rows: np.ndarray[Any, np.dtype[np.int64]]
+    inner_before: bytes
 
 
 def round_seed(root: str, author: str) -> int:
-    """The torch seed of one worker's inner steps from root ``root``."""
-    import blake3
-
+    """Rule 4: the torch seed of one worker's plain round from root ``root``."""
     digest = blake3.blake3(b"blobnet/outer-inner-seed\x00" + bytes.fromhex(root) + author.encode())
     return int.from_bytes(digest.digest()[:8], "little") >> 1
+
+
+def ahead_seed(run: str, round_: int, author: str) -> int:
+    """Rule 5: the torch seed of one worker's overlapped round ``round_`` of run ``run``."""
+    body = encode_canonical([run, round_, author])
+    digest = blake3.blake3(b"blobnet/outer-ahead-seed\x00" + body)
+    return int.from_bytes(digest.digest()[:8], "little") >> 1
+
+
+def _boundaries(batches: list[Any], boundary: Callable[[int], None]) -> Any:
+    """``batches``, calling ``boundary(i)`` before batch i is handed to its step."""
+    for i, batch in enumerate(batches):
+        boundary(i)
+        yield batch
 
 
 # Labels the HF loss ignores (padding), as in training.rounds.trainer.
 IGNORE_INDEX = -100
 
 
-def _user_steps(model: Any, optimizer: Any, batches: list[Any], step_fn: Any) -> list[float]:
+def _user_steps(model: Any, optimizer: Any, batches: Any, step_fn: Any) -> list[float]:
     """``run_inner_steps`` with the user's loss: ``step_fn(model, batch)`` per batch."""
     import torch
 
@@ -281,7 +463,7 @@ def _user_steps(model: Any, optimizer: Any, batches: list[Any], step_fn: Any) ->
     return losses
 
 
-def _padded_steps(model: Any, optimizer: Any, batches: list[Any], pad_id: int) -> list[float]:
+def _padded_steps(model: Any, optimizer: Any, batches: Any, pad_id: int) -> list[float]:
     """``run_inner_steps`` on records that pad: padding is no label and reads as id 0."""
     import torch
 
