@@ -1,16 +1,19 @@
 """The replayed level from the Python API (training.outer.api point 7): a model class and
 a loss defined here, three worker processes through ``OuterLoop(inner_step=, data=).run()``
-over ``BlockingNode`` on 127.0.0.1 with real stores. The library drives the inner steps on
-rows it commits to; every update is sampled (rate 1) and replayed by another worker with
-its own step of the spec's name. Worker 2's step function, registered under the same
-name, adds a term to its loss (its updates are not what the step computes): replay
-catches it and the honest workers ban its operator. One round shows it (that a banned
-operator is left out of the rounds after is test_outer_replay_net's). This file is also
-the worker program (``python test_outer_api_replayed.py CONFIG``)."""
+over ``BlockingNode`` on 127.0.0.1 with real stores. The run overlaps its rounds (spec
+``overlap`` 1): after round 0 each worker trains every round ahead from its own end of the
+round before and moves by the delayed outer step (training.outer.trainer rules 4 to 7).
+The library drives the inner steps on rows it commits to; every update is sampled (rate 1)
+and replayed by another worker with its own step of the spec's name, from the state the
+commitment names. Worker 2's step function, registered under the same name, adds a term to
+its loss from its second round on (its overlapped updates are not what the step computes):
+replay catches it and the honest workers ban its operator. This file is also the worker
+program (``python test_outer_api_replayed.py CONFIG``)."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ from torch import nn
 VOCAB = 264  # the byte records' vocabulary (training.records) rounded up
 DIM = 16
 H = 3
-ROUNDS = 1
+ROUNDS = 3
 STEP_NAME = "tiny-next-token/v1"
 
 
@@ -41,9 +44,21 @@ def next_token_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
 
 
-def cheating_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Not the run's step: what it trains is not what a replay of the step computes."""
-    return next_token_loss(model, batch) + 0.01 * model.out.bias.square().sum()
+def cheating_step(own: nn.Module) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """Not the run's step on ``own`` (the worker's model) from its second round on: what it
+    trains then is not what a replay of the step computes. Replays, on copies of the model,
+    run the step as it is."""
+    calls = 0
+
+    def step(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        loss = next_token_loss(model, batch)
+        if model is not own:
+            return loss
+        calls += 1
+        return loss if calls <= H else loss + 0.01 * model.out.bias.square().sum()
+
+    return step
 
 
 def worker_main(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -53,8 +68,8 @@ def worker_main(cfg: dict[str, Any]) -> dict[str, Any]:
     from training.outer.api import InnerStep, OuterLoop
 
     determinism.enter("cpu", threads=1)  # the kernel class its certificate names
-    fn = cheating_loss if cfg["cheat"] else next_token_loss
     model = TinyLM()
+    fn = cheating_step(model) if cfg["cheat"] else next_token_loss
     with (
         BlockingNode(
             cfg["store"],
@@ -118,6 +133,7 @@ def _make_spec(tmp: Path, plan: Any, records: str) -> str:
             "replay_rate": 1.0,
             "data": records,
             "step": STEP_NAME,
+            "overlap": 1,
         },
     )
     return spec_id
@@ -126,7 +142,7 @@ def _make_spec(tmp: Path, plan: Any, records: str) -> str:
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.timeout(300)  # worker processes that each import torch: 40-70 s seen at load 7
-def test_three_api_workers_replayed_level_catch_a_step_that_is_not_the_runs(
+def test_three_api_workers_overlapped_and_replayed_catch_a_step_that_is_not_the_runs(
     tmp_path: Path,
 ) -> None:
     from blobstore import Store
@@ -136,6 +152,7 @@ def test_three_api_workers_replayed_level_catch_a_step_that_is_not_the_runs(
     from training.outer.levels import check_levels
     from training.outer.milestones import verify_run
     from training.outer.params import RunParams
+    from training.outer.replay import decode_commitment
     from training.outer.state_blob import decode_state
 
     plan = prepare_run(tmp_path / "run", RunParams("replayed", workers=3, rounds=1, inner_steps=H))
@@ -166,41 +183,52 @@ def test_three_api_workers_replayed_level_catch_a_step_that_is_not_the_runs(
     honest = results[:2]
     assert honest[0]["final_root"] == honest[1]["final_root"]
     assert all(r["final_round"] == ROUNDS for r in honest)
-    # Its round-0 update was included (nothing shows a cheat before a replay), and then
-    # the cheat is caught by its first step's loss: the assigned replayer's mismatch (and a
-    # confirmation by the other honest worker's own replay where it heard that verdict
-    # after applying the round); no honest operator is banned, whatever the cheater said
-    # of them.
+    # Round 0 trained from S_0; every later round ahead, from the worker's own end of the
+    # round before, moved by the delayed outer step at a step boundary (0..H).
+    for r in honest:
+        moved = {x["round"]: x["moved_at"] for x in r["rounds"]}
+        assert moved[0] is None and all(0 <= moved[i] <= H for i in range(1, ROUNDS)), moved
+    # Its round-0 update was honest and included (nothing shows a cheat before a replay);
+    # its round-1 update, trained ahead, is caught by its first step's loss: the assigned
+    # replayer's mismatch (and a confirmation by the other honest worker's own replay
+    # where it heard that verdict after applying the round); no honest operator is banned,
+    # whatever the cheater said of them.
     assert all(p[2] in {x["peer"] for x in r["rounds"][0]["included"]} for r in honest)
     caught = "mismatch: loss of step 0 differs"
     banned = [r["banned"] for r in honest]
     assert all(set(b) <= {"operator-2"} for b in banned), banned
     assert any(set(b) == {"operator-2"} for b in banned), [r["verdicts"] for r in honest]
-    assert all(why == f"failed replay of round 0 ({caught})" for b in banned for why in b.values())
+    assert all(why == f"failed replay of round 1 ({caught})" for b in banned for why in b.values())
     verdicts = [v for r in honest for v in r["verdicts"]]
-    on_cheat = [v for v in verdicts if v["author"] == p[2]]
-    assert on_cheat and all(v["outcome"] == caught for v in on_cheat), on_cheat
-    # Each honest update, replayed by an honest worker, matches bit for bit: as the verdict
-    # of its assigned replayer or, where the cheater was drawn to replay it (and says it
-    # mismatched), as the honest workers' confirming replays that answer the accusation.
-    accused = [a for r in honest for a in r["false_accusations"]]
-    assert all(a["by"] == p[2] for a in accused), accused
+    on_cheat = {v["round"]: v["outcome"] for v in verdicts if v["author"] == p[2]}
+    assert on_cheat.get(0) == "match" and on_cheat.get(1) == caught, on_cheat
+    assert all(outcome == caught for r, outcome in on_cheat.items() if r >= 1), on_cheat
+    # Each honest update of every round, plain (round 0) and overlapped alike, replays bit
+    # for bit in its replayer's process (the cheater's replays, on copies of its model, run
+    # the step as it is): nobody is accused.
+    assert not [a for r in honest for a in r["false_accusations"]]
     for author in p[:2]:
-        replays = [
-            v for v in [*verdicts, *accused] if v["author"] == author and v.get("replayer") != p[2]
-        ]
-        assert replays and all(v["outcome"] == "match" for v in replays), (author, verdicts)
+        replays = [v for v in verdicts if v["author"] == author]
+        assert all(v["outcome"] == "match" for v in replays), (author, verdicts)
+        assert {v["round"] for v in replays} == set(range(ROUNDS)), (author, verdicts)
     # The worker's model holds the final state.
     store = Store.open(plan.workers[0].store)
     tip = decode_state(store.path(honest[0]["rounds"][-1]["state_blob"]).read_bytes())
     for name, value in tip.params.items():
         assert np.array_equal(np.asarray(outs[0]["model"][name], dtype=np.float32), value)
+    # The commitments name what a replay needs: an overlapped one, the state its steps
+    # began from (kept in its author's store) and the boundary it moved at.
+    verdict = next(v for v in verdicts if v["author"] == p[0] and v["round"] == 1)
+    c = decode_commitment(store.path(verdict["commitment"]).read_bytes())
+    assert c.overlapped and c.moved == honest[0]["rounds"][1]["moved_at"]
+    assert store.has(c.origin) and store.has(c.inner)
     levels = check_levels(store, "replayed", "replayed")
     assert levels.ok, levels.failures
     assert {e["level"] for r in levels.rounds.values() for e in r} == {"replayed"}
     trust = TrustStore(frozenset({parse_public_key(plan.authority)}))
     report = verify_run(store, "replayed", trust)
     assert report.ok, report.failures
+    assert report.checked_rounds == list(range(ROUNDS))
 
 
 def test_a_step_the_spec_does_not_name_is_refused_before_step_0() -> None:

@@ -234,7 +234,8 @@ def test_three_workers_two_rounds_reach_the_same_state(tmp_path: Path) -> None:
 
 
 # --- churn: the first worker killed, one paused past the deadline, a late joiner, and a
-# --- byzantine admitted worker and an unadmitted forger on the topic, in one run --------
+# --- byzantine admitted worker and an unadmitted forger on the topic, in one run whose
+# --- rounds overlap ---------------------------------------------------------------------
 
 
 def _cert(plan: RunPlan, key: MachineKey, authority: Authority) -> AdmissionCertificate:
@@ -335,14 +336,18 @@ async def _adversaries(plan: RunPlan, byz_slot: int, stop: trio.Event) -> None:
 # imports in five processes; the bounds only stop a hang (CI once hung at 300 s).
 @pytest.mark.timeout(540)
 async def test_churn_and_byzantine_workers_leave_one_root(tmp_path: Path) -> None:
-    """K=3. Worker 0, the first started (what everyone bootstrapped to), is SIGKILLed after
-    round 0; a joiner (not in the start barrier) catches up from the tip's state blob and
-    takes part from there; worker 1 is stopped (SIGSTOP) after round 1 until worker 2 has
-    closed round 3 without it (at least two deadlines), and must rejoin although its only
-    bootstrap peer is dead (CI once saw a resumed worker never rejoin). An unadmitted
+    """K=3, rounds overlapped (``--overlap 1``: each worker trains every round ahead of the
+    state its update is taken against, training.outer.trainer rule 5). Worker 0, the first
+    started (what everyone bootstrapped to), is SIGKILLed after round 0, while training
+    round 1 ahead; a joiner (not in the start barrier) catches up from the tip's state blob
+    and takes part from there; worker 1 is stopped (SIGSTOP) after round 1 until worker 2
+    has closed round 3 without it (at least two deadlines), and must rejoin although its
+    only bootstrap peer is dead (CI once saw a resumed worker never rejoin). An unadmitted
     forger's updates are rejected with their reasons; an admitted byzantine worker's copy
     and huge update are excluded with theirs. Every honest survivor exits 0 on one final
-    root, and every root it applied is what this process recomputes."""
+    root, and every root it applied is what this process recomputes. A round after one a
+    worker caught up over (the joiner's first, say) is trained from the state it adopted,
+    with no correction pending (rule 6)."""
     params = RunParams(
         run_id="churn",
         workers=3,
@@ -350,7 +355,8 @@ async def test_churn_and_byzantine_workers_leave_one_root(tmp_path: Path) -> Non
         inner_steps=2,
         deadline=4.0,
         proposer_timeout=2.0,
-        replay_rate=0.0,  # replay has its own test (test_outer_replay_net.py)
+        replay_rate=0.0,  # replay has its own tests (test_outer_api_replayed.py)
+        overlap=1,
     )
     plan = prepare_run(tmp_path / "run", params, slots=5)  # slot 3: joiner, 4: byzantine
     churn = ChurnPlan(
@@ -386,6 +392,7 @@ async def test_churn_and_byzantine_workers_leave_one_root(tmp_path: Path) -> Non
     assert not res.forked(churn), logs
     p = [w.peer_id for w in plan.workers]
     honest = {i: res.results[i] for i in (1, 2, 3)}
+    after_catch_up: list[tuple[int, int]] = []  # (worker, round) trained after a catch-up
     for i, result in honest.items():
         assert result is not None
         records = result["rounds"]
@@ -395,6 +402,15 @@ async def test_churn_and_byzantine_workers_leave_one_root(tmp_path: Path) -> Non
         store = Store.open(plan.workers[i].store)
         recomputed = recompute_closures(result, store, params)
         assert recomputed == [rec["root"] for rec in records if rec["how"] != "caught up"]
+        # Rule 6: no correction pending after a catch-up (the joiner's first round, a round
+        # after worker 1's return); a moved update moved at a step boundary, 0..H.
+        by_round = {rec["round"]: rec for rec in records}
+        for r, rec in by_round.items():
+            before = by_round.get(r - 1)
+            if rec["update_bytes"] and before is not None and before["how"] == "caught up":
+                assert rec["moved_at"] is None, (i, r, records)
+                after_catch_up.append((i, r))
+            assert rec["moved_at"] is None or 0 <= rec["moved_at"] <= params.inner_steps
     w1, w2, joiner = honest[1], honest[2], honest[3]
     assert w1 is not None and w2 is not None and joiner is not None
     # Round 3 was closed while worker 1 was stopped (it was resumed only after worker 2
@@ -417,6 +433,9 @@ async def test_churn_and_byzantine_workers_leave_one_root(tmp_path: Path) -> Non
     }
     assert joiner["joined_at"] is not None and joiner["joined_at"] >= 1
     assert joiner["rounds"][0]["how"] == "caught up"
+    assert after_catch_up, (joiner["rounds"], w1["rounds"])  # the joiner's first, usually
+    # The rounds did overlap: worker 2, never stopped, trained rounds ahead and moved.
+    assert any(rec["moved_at"] is not None for rec in w2["rounds"]), w2["rounds"]
     reasons = {x["reason"] for rec in w2["rounds"] for x in rec["rejected"]}
     assert {"missing certificate", "unknown authority", "bad signature"} <= reasons
     excluded = {x["reason"].split(" (")[0] for rec in w2["rounds"] for x in rec["excluded"]}

@@ -216,6 +216,14 @@ def _run_options(f: Any) -> Any:
         _REPLAY_RATE,
         _QUORUM,
         click.option(
+            "--overlap",
+            type=click.IntRange(0, 1),  # training.outer.spec.MAX_OVERLAP
+            default=None,
+            help="Rounds a worker trains ahead of the state its next update is taken "
+            "against (1: the one-step-delayed outer step) [default: 0, blocking; with "
+            "--spec, the spec's].",
+        ),
+        click.option(
             "--fetch-floor",
             type=click.FloatRange(0.1, 86_400),
             default=10.0,
@@ -236,6 +244,7 @@ def _params(run_id: str, **kw: Any) -> Any:
         if kw[name] is None:
             raise click.UsageError(f"--{name} is required (or give the run's --spec)")
     kw["quorum"] = _quorum(kw["quorum"], kw["workers"])
+    kw["overlap"] = kw["overlap"] or 0
     try:
         return RunParams(run_id=run_id, **kw)
     except ValueError as exc:
@@ -489,6 +498,8 @@ def worker_command(
 
         if run["quorum"] is not None:
             raise click.UsageError("the run's quorum is its spec's (outer init --quorum)")
+        if run["overlap"] is not None:
+            raise click.UsageError("the run's overlap is its spec's (outer init --overlap)")
         prepared = prepare_spec_worker(
             Path_(obj["store_root"]),
             Path_(obj["key_path"]),
@@ -858,7 +869,7 @@ def forget_command(ctx: click.Context, /, run_id: str, dry_run: bool, as_json: b
     default=0,
     show_default=True,
     help="Rounds a worker trains ahead of the state its next update is taken against (1: "
-    "the one-step-delayed outer step; the Python API's loops; 0 blocks).",
+    "the one-step-delayed outer step; 0 blocks).",
 )
 @click.option(
     "--replace",

@@ -296,6 +296,8 @@ def worker_argv(
     ]
     if p.quorum:
         argv += ["--quorum", str(p.quorum)]
+    if p.overlap:
+        argv += ["--overlap", str(p.overlap)]
     if join:
         argv.append("--join")
     else:

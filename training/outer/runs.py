@@ -26,7 +26,8 @@ as a model directory (``blob outer export``), and what a worker builds from a sp
    needs for the whole run (closures, milestones, verdicts, the updates they name, the
    commitments, the start and anchor states: all tagged or in a tagged collection) and,
    of the rest, only the recent: the state blobs of the last ``keep`` rounds, and its own
-   inner-state blobs (what a replayer of its update fetches) of the last ``keep`` rounds.
+   inner-state blobs and, in overlapped rounds, the blobs of the states its rounds' steps
+   started from (what a replayer of its update fetches) of the last ``keep`` rounds.
    Older ones are deleted at once, not left for ``blob gc``, so a worker's disk is flat
    over a long run. A blob is deleted only if no tag names it (:func:`drop_blob`): a state
    that is also the run's start or an anchor stays.
@@ -221,6 +222,7 @@ def params_from_spec(spec: RunSpec, *, rounds: int | None = None) -> RunParams:
         outer_momentum=spec.outer_momentum,
         feedback_decay=spec.ef_decay,
         quorum=spec.quorum,
+        overlap=spec.overlap,
     )
 
 
@@ -393,11 +395,6 @@ def prepare_spec_worker(
             f"run {spec.run} trains with the inner step {spec.step!r}, the user's own code: "
             "take part through the Python API (training.outer.api.OuterLoop, inner_step=)"
         )
-    if spec.overlap:
-        raise RunNotFound(
-            f"run {spec.run} overlaps rounds, which the CLI worker does not do yet: take part "
-            "through the Python API (training.outer.api.OuterLoop)"
-        )
     data = data_ref or spec.data
     if not data:
         raise RunNotFound(f"run {spec.run} names no records: give --data RECORDS")
@@ -457,7 +454,8 @@ class Retention:
         return replaced + [(t, b) for _, t, b in self._old(self.states)]
 
     def inner(self, round_: int, blob: str) -> list[str]:
-        """This worker's inner state before round ``round_`` is ``blob``: blobs to drop."""
+        """This worker's inner state before round ``round_`` (or the state its steps started
+        from) is ``blob``: blobs to drop."""
         self.inners = [s for s in self.inners if s[1] != blob] + [(round_, blob)]
         return [b for _, b in self._old(self.inners)]
 

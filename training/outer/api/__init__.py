@@ -84,7 +84,11 @@ Theory of operation
    an author whose function differs (a cheat or a bug) fails replay like any mismatch.
    Records other than the spec's ``data`` offer ``bounded``. Not with a ``group``; the
    blocking face only (``open_outer_loop`` takes no ``inner_step``). The store must hold
-   the records blob (fetch it by ID first, as the spec).
+   the records blob (fetch it by ID first, as the spec). In a run that overlaps rounds
+   the library trains each round ahead in a thread of its own and moves by the delayed
+   outer step where the state comes (``training.outer.trainer`` rules 4 to 7); the
+   commitment names the state the steps began from and the step it moved at, so the
+   round replays as a blocking one does.
 
 Where the code is
 -----------------

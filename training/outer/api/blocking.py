@@ -146,10 +146,10 @@ class OuterLoop:
             keep_states=keep_states,
             optimizer=inner_optimizer if self._rank == 0 else None,
         )
-        if self._core.overlap and (inner_step is not None or group is not None):
+        if self._core.overlap and group is not None:
             raise OuterLoopError(
-                f"run {run_spec.run} overlaps rounds; that is built for a loop whose steps "
-                "are yours, in one process (not a library-driven loop or a group yet)"
+                f"run {run_spec.run} overlaps rounds; that is built for a loop in one process "
+                "(yours, or one the library drives), not a group yet"
             )
         if resume and (inner_step is not None or group is not None):
             raise OuterLoopError(

@@ -201,8 +201,9 @@ class Worker:
         self.resumed: dict[str, Any] | None = None  # the resume point taken up, if any
         self.start_blob = ""
         self.shapes: dict[str, tuple[int, ...]] = {}
-        # The trainer's ``ready(state, root)``, where it has one (training.outer.api):
-        # told each next state as soon as it is computed and its root checked.
+        # The trainer's ``ready(state, root)``, where it has one (training.outer.api, and
+        # the round a trainer trains ahead, training.outer.trainer rule 5): told each next
+        # state as soon as it is computed and its root checked.
         self.ready: Callable[[OuterState, str], None] | None = None
         # What `blob status` and the metrics show (training.outer.observe).
         self.phase = "joining"
@@ -355,9 +356,10 @@ class Worker:
     def _offer(self, state: OuterState, root: str) -> None:
         """``state`` is computed and its root checked, and will be adopted unless its
         closure turns out bad or loses: a trainer with ``ready`` starts the next round on
-        it while the state blob is kept and the milestone signed (its update is dropped
-        should another state be adopted instead). Not after the last round: the final
-        state goes to the trainer as the run's end."""
+        it while the state blob is kept and the milestone signed, or, training that round
+        ahead, moves to it (its update is dropped should another state be adopted
+        instead). Only a state computed here is offered, never one caught up to. Not
+        after the last round: the final state goes to the trainer as the run's end."""
         self._mark("applied")
         if self.ready is not None and state.round < self.params.rounds:
             self.ready(state, root)
@@ -691,6 +693,7 @@ class Worker:
         if own is not None and own.round == c.round and own.root == c.start_root and own.blob:
             record.mean_loss = float(np.mean(own.losses))
             record.update_bytes = own.size
+            record.moved_at = own.moved_at
         self.keeper.record(record)
         parent = self.keeper.adopted.get(c.round - 1)
         first = self.config.join and self.joined_at is None  # a joiner's first state
@@ -1026,7 +1029,15 @@ class Worker:
             assert self.state is not None
             initial_root = self.root
             say(self.label, f"starting at round {self.state.round} (root {self.root[:16]})")
-            await self._drive(trainer)
+            try:
+                await self._drive(trainer)
+            finally:
+                # A round trained ahead (training.outer.trainer rule 5) stops with the
+                # rounds: its thread holds the model, which the caller may take next.
+                close = getattr(trainer, "close", None)
+                if close is not None:
+                    with trio.CancelScope(shield=True):
+                        await trio.to_thread.run_sync(close)
             await self._finish()
             nursery.cancel_scope.cancel()
         assert self.state is not None

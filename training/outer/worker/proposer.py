@@ -2,8 +2,9 @@
 :mod:`training.outer.worker`): the update stored with its inner state and commitment,
 and attested; a closure's updates chosen, signed and announced.
 
-1. An update's blobs are the update, the inner state before the round and the commitment
-   naming both (``training.outer.replay`` rule 1); own inner states older than
+1. An update's blobs are the update, the inner state before the round, for an overlapped
+   round the state its steps started from, and the commitment naming them
+   (``training.outer.replay`` rule 1); own inner states and starting states older than
    ``keep_states`` rounds are deleted.
 2. A closure names each operator once and each blob at most once. It includes no
    excluded operator's update; in a run that asks more than bounded updates, none whose
@@ -123,8 +124,14 @@ class Proposer:
         node, params = self.node, self.params
         blob = await node.add_bytes(trained.update)
         inner = await node.add_bytes(trained.inner_before)
-        for old in self.retention.inner(state.round, inner):
-            await trio.to_thread.run_sync(drop_blob, node.store, old)
+        kept = [inner]
+        origin = ""
+        if trained.origin:
+            origin = await node.add_bytes(trained.origin)
+            kept.append(origin)
+        for held in kept:
+            for old in self.retention.inner(state.round, held):
+                await trio.to_thread.run_sync(drop_blob, node.store, old)
         commitment = UpdateCommitment(
             params.run_id,
             state.round,
@@ -141,6 +148,8 @@ class Proposer:
             inner_digest(trained.inner_after),
             blob,
             self.config.level,
+            origin,
+            trained.moved_at or 0,
         )
         commitment_blob = await node.add_bytes(commitment.encode())
         s = self.signing
@@ -157,7 +166,7 @@ class Proposer:
         )
         now = trio.current_time()
         size = len(trained.update)
-        own = Own(state.round, root, blob, attestation, trained.losses, size, now)
+        own = Own(state.round, root, blob, attestation, trained.losses, size, now, trained.moved_at)
         message = UpdateAnnouncement(
             params.run_id, state.round, blob, attestation, tuple(node.reachable_addrs)
         )

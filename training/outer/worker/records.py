@@ -43,6 +43,10 @@ class RoundRecord:
     # "proposing" (its own closure begun) or "closure" (another's checked), and "applied"
     # (the next state offered to the trainer). Rounds this worker sent an update in only.
     phases: dict[str, float] = field(default_factory=dict)
+    # An overlapped round (training.outer.trainer rule 5): the inner step at which this
+    # worker's own update of the round moved by the delayed outer step (H: after its last
+    # step); None for an update trained from the round's state, or none.
+    moved_at: int | None = None
 
 
 @dataclass
@@ -56,3 +60,4 @@ class Own:
     losses: list[float]
     size: int
     announced_at: float
+    moved_at: int | None = None  # RoundRecord.moved_at

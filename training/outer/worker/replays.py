@@ -247,16 +247,21 @@ class Replays:
         )
         if claim:
             return f"mismatch: {claim}"
-        had_inner = await trio.to_thread.run_sync(self.node.store.has, c.inner)
-        if not await fetcher.fetch(c.inner, providers, bound):
-            return UNAVAILABLE
-        inner = await trio.to_thread.run_sync(fetcher.load, c.inner)
-        if not had_inner:  # fetched for this replay only (a blob we held may be evidence)
-            await trio.to_thread.run_sync(drop_blob, self.node.store, c.inner)
+        # The inner state, and the state an overlapped update's steps started from.
+        needed = [c.inner, *([c.origin] if c.overlapped else [])]
+        loaded: list[bytes] = []
+        for blob in needed:
+            had = await trio.to_thread.run_sync(self.node.store.has, blob)
+            if not await fetcher.fetch(blob, providers, bound):
+                return UNAVAILABLE
+            loaded.append(await trio.to_thread.run_sync(fetcher.load, blob))
+            if not had:  # fetched for this replay only (a blob we held may be evidence)
+                await trio.to_thread.run_sync(drop_blob, self.node.store, blob)
+        inner, origin = loaded[0], loaded[1] if c.overlapped else b""
         update = await trio.to_thread.run_sync(fetcher.load, sample.blob)
         make = self.config.make_trainer
         return await trio.to_thread.run_sync(
-            lambda: replay(self.params, c, inner, start, update, make)
+            lambda: replay(self.params, c, inner, start, update, make, origin)
         )
 
     def hear(self, event: VerdictHeard, current_round: int | None, now: float) -> None:
