@@ -166,22 +166,21 @@ def test_a_plain_commitment_keeps_its_bytes_and_an_overlapped_one_names_its_orig
 
 class _Gate:
     """The causal-LM loss with dropout on the logits (so the steps draw from torch's
-    generator, and a replay must seed it as its author did), holding the call ``hold``
-    until the test lets it go on (so a state can be offered while a round trained ahead is
-    at a known step)."""
+    generator, and a replay must seed it as its author did), holding each call in
+    ``holds`` until the test lets it go on (so a state can be offered, or a round dropped,
+    while a round trained ahead is at a known step)."""
 
-    def __init__(self, hold: int | None = None) -> None:
+    def __init__(self, *holds: int) -> None:
         import threading
 
-        self.hold = hold
         self.calls = 0
-        self.reached = threading.Event()
-        self.go = threading.Event()
+        self.reached = {h: threading.Event() for h in holds}
+        self.go = {h: threading.Event() for h in holds}
 
     def __call__(self, model: object, batch: object) -> object:
-        if self.calls == self.hold:
-            self.reached.set()
-            assert self.go.wait(60)
+        if self.calls in self.reached:
+            self.reached[self.calls].set()
+            assert self.go[self.calls].wait(60)
         self.calls += 1
         import torch
 
@@ -217,16 +216,20 @@ def test_an_overlapped_update_replays_bit_for_bit_from_the_state_its_steps_began
     h = OVERLAPPED.inner_steps
     model = make_tiny_llama(OVERLAPPED.model_size, seed=OVERLAPPED.seed)
     s0 = initial_state(model_params(model))
-    gate = _Gate(hold=h + 1)  # round 1's step 1
+    gate = _Gate(h + 1, 2 * h + 1)  # round 1's step 1, round 2's step 1
     trainer = Trainer(OVERLAPPED, 1, step_fn=gate)
     plain = trainer.train(s0, state_root(s0), AUTHOR)
     assert (plain.origin, plain.moved_at) == (b"", None)
     s1 = dataclasses.replace(s0, round=1, params={n: v + 1e-3 for n, v in s0.params.items()})
     r1 = state_root(s1)
-    assert gate.reached.wait(60)
+    assert gate.reached[h + 1].wait(60)
     trainer.ready(s1, r1)
-    gate.go.set()
+    gate.go[h + 1].set()
     ahead = trainer.train(s1, r1, AUTHOR)
+    # Round 2 is trained ahead now; its thread holds the torch generator's lock until its
+    # steps end, so the replays below run after them (and after its step 0, for the drop).
+    assert gate.reached[2 * h + 1].wait(60)
+    gate.go[2 * h + 1].set()
     assert ahead.moved_at == 2 and ahead.origin
     assert ahead.inner_before == plain.inner_after
     c = _overlapped(ahead, 1, r1, moved=2)
@@ -245,10 +248,17 @@ def test_an_overlapped_update_replays_bit_for_bit_from_the_state_its_steps_began
     unmoved = dataclasses.replace(c, origin="", moved=0)
     outcome = replay(OVERLAPPED, unmoved, ahead.inner_before, s1, ahead.update, make)
     assert outcome.startswith("mismatch: ")
-    # Round 2 from a state never offered (a catch-up): the round ahead is dropped.
+    # The run's spec does not overlap: an overlapped commitment is refused untrained.
+    blocking = dataclasses.replace(OVERLAPPED, overlap=0)
+    outcome = replay(blocking, c, ahead.inner_before, s1, ahead.update, make, ahead.origin)
+    assert outcome == "mismatch: commitment is overlapped in a run that does not overlap rounds"
+    # Round 2 from a state never offered (a catch-up), once round 2's step 0 ran ahead:
+    # the round ahead is dropped, and the plain round starts from the inner state it began
+    # with (the moments of its step 0 discarded).
     s2 = dataclasses.replace(s1, round=2)
     caught = trainer.train(s2, state_root(s2), AUTHOR)
     assert (caught.origin, caught.moved_at) == (b"", None)
+    assert caught.inner_before == ahead.inner_after
     c2 = dataclasses.replace(_overlapped(caught, 2, state_root(s2), 0), origin="", moved=0)
     assert replay(OVERLAPPED, c2, caught.inner_before, s2, caught.update, make) == MATCH
     assert trainer.ahead is None  # the last round: nothing is trained ahead of it

@@ -16,8 +16,9 @@ Theory of operation
    is commitment version 2, which adds ``from`` (the blob of E_{r-1},
    ``training.outer.inner`` rule 2, stored and kept by its author like its inner state) and
    ``moved`` (the boundary it moved at, 0..H; H: after the last step); its steps' torch seed
-   comes from the run, the round and the author. Every other commitment is version 1
-   without those keys, so its bytes are as they were.
+   comes from the run, the round and the author; in a run that does not overlap rounds it
+   is a mismatch, found before any blob it names is fetched. Every other commitment is
+   version 1 without those keys, so its bytes are as they were.
 2. **Sample.** Round r's admitted updates are sampled with R_{r+1}, the root that round
    r's closure produced (:func:`sampled`): peer p's update is replayed iff
    ``BLAKE3(SAMPLE_DOMAIN || R_{r+1} || p) < rate``. R_{r+1} depends on every included
@@ -369,16 +370,32 @@ def check_verdict(
 
 
 def check_claims(
-    c: UpdateCommitment, *, run: str, round_: int, start_root: str, author: str, update: str
+    c: UpdateCommitment,
+    *,
+    run: str,
+    round_: int,
+    start_root: str,
+    author: str,
+    update: str,
+    overlap: int,
 ) -> str:
-    """What, if anything, the commitment claims differently from the closure ('' if
-    nothing): a mismatch found without training."""
+    """What, if anything, the commitment claims differently from the closure and the run
+    (whose spec's ``overlap`` is ``overlap``) ('' if nothing): a mismatch found without
+    training, before any blob the commitment names is fetched (an author cannot turn a
+    mismatch into ``unavailable`` by withholding a blob it need not have named)."""
     if (c.run, c.round, c.start_root) != (run, round_, start_root):
         return "commitment names another run, round or start root"
     if c.author != author:
         return "commitment names another author"
     if c.update != update:
         return "commitment names another update blob"
+    return _overlap_claim(c, overlap)
+
+
+def _overlap_claim(c: UpdateCommitment, overlap: int) -> str:
+    """An overlapped commitment (rule 1) only in a run that overlaps rounds."""
+    if c.overlapped and not overlap:
+        return "commitment is overlapped in a run that does not overlap rounds"
     return ""
 
 
@@ -399,6 +416,8 @@ def replay(
         return f"{MISMATCH}: codec settings are not the run's"
     if c.steps != params.inner_steps or c.batch != params.batch:
         return f"{MISMATCH}: inner steps or batch size are not the run's"
+    if claim := _overlap_claim(c, params.overlap):
+        return f"{MISMATCH}: {claim}"
     trainer = (make_trainer or Trainer)(params, c.shard)
     rows = c.row_array()
     if int(rows.max()) >= trainer.tokens.shape[0]:

@@ -39,8 +39,10 @@ Overlapped rounds
    update is then taken against S_{r+1}, as a plain round's is against S_r.
 6. :meth:`Trainer.train` for S_{r+1} takes that round if it moved (or is to move) to that
    very state; any other state (one caught up to, or of another root or round) drops it,
-   and the round is trained plain from the state adopted: a joiner's, a resumed worker's
-   and a caught-up worker's first round is plain, with no correction pending.
+   puts the inner state back as it was when that round began (the moments of however many
+   steps it ran are discarded), and the round is trained plain from the state adopted: a
+   joiner's, a resumed worker's and a caught-up worker's first round is plain, with no
+   correction pending.
 7. What a replayer needs of an overlapped round (:class:`Trained`): the rows, the inner
    state before (the inner state after round r), E_r (``training.outer.inner`` rule 2) and
    the step the model moved at; :meth:`Trainer.train_rows` recomputes the round from them
@@ -218,11 +220,13 @@ class Trainer:
         if held is None:
             return None
         ahead = held.ahead
-        if not ahead.claim(state.round, root):
-            ahead.result()  # its thread stops at its next step boundary
-            return None
-        losses = ahead.result()
+        losses = ahead.result() if ahead.claim(state.round, root) else None
         if losses is None:
+            # Dropped (its thread stopped at its next step boundary): the plain round
+            # starts from the inner state the round ahead began with, not from moments
+            # its unfinished steps left (how many ran is a matter of timing).
+            ahead.result()
+            self.load_inner(held.inner_before)
             return None
         target = ahead.at_boundary(len(held.rows))  # rule 4 of training.outer.ahead
         if target is not None:

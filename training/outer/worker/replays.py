@@ -244,6 +244,7 @@ class Replays:
             start_root=sample.start_root,
             author=sample.author,
             update=sample.blob,
+            overlap=self.params.overlap,
         )
         if claim:
             return f"mismatch: {claim}"
