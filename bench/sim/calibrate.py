@@ -1,0 +1,250 @@
+"""Calibration: the same fan-out as real processes on bench/wan's testbed and in the
+simulator, side by side.
+
+A real run is bench.wan.scenarios.fan_out's, with the links as parameters: a seeder on
+``seeder_mbit`` up (1 Gbit/s down, 20 ms one-way), N `blob get`s on ``worker_mbit`` links
+with one-way delays of 20-40 ms, every get given only the seeder, started together at a
+barrier after its imports, default options (no --listen). Each get's report gives the
+wall-clock time its download began (the manifest in: ``done_at - seconds``) and ended
+(``done_at``); the seeder's uplink bytes come from the forwarder.
+
+The simulated run has the same hosts, and each fetcher starts where the real one's
+manifest came in, less the dial and manifest round trips the simulation adds itself: the
+real start-up after the barrier (node, key, listen: CPU work on a loaded machine, not the
+network) is taken from the real run, and what follows is the model's. Compared: the time
+until every fetcher holds the blob, and the bytes that left the seeder.
+
+The machine's CPU is sampled (/proc/stat) over each real run: a run during which it had
+no idle time was CPU-bound, and its times say as much about the machine's other tenants
+as about the network.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+GATE_TIMEOUT = 60.0
+
+
+@dataclass
+class RealRun:
+    workers: int
+    size: int
+    seeder_mbit: float
+    worker_mbit: float
+    starts: list[float]  # barrier -> each get's manifest in
+    dones: list[float]  # barrier -> each get's blob complete
+    seeder_uplink: int
+    idle_share: float  # of the machine's CPU time over the run
+    failures: int
+
+    @property
+    def all_hold_s(self) -> float:
+        return max(self.dones)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workers": self.workers,
+            "size": self.size,
+            "seeder_mbit": self.seeder_mbit,
+            "worker_mbit": self.worker_mbit,
+            "starts": self.starts,
+            "dones": self.dones,
+            "seeder_uplink": self.seeder_uplink,
+            "idle_share": self.idle_share,
+            "failures": self.failures,
+        }
+
+
+def _cpu_times() -> tuple[float, float]:
+    """(idle, total) jiffies of the whole machine."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return idle, sum(fields[:8])
+
+
+def real_fan_out(
+    work: Path, workers: int, size: int, *, seeder_mbit: float, worker_mbit: float
+) -> RealRun:
+    """One fan-out as real processes (see the module docstring)."""
+    from bench.wan.blobnodes import Barrier, BlobNode, write_random_file
+    from bench.wan.testbed import Host, Testbed
+
+    data = work / "blob.bin"
+    write_random_file(data, size, seed=47)
+    seeder = BlobNode(work / "seeder", "seed")
+    blob_id = seeder.put(data)
+    nodes = [BlobNode(work / f"w{k}", f"w{k}") for k in range(workers)]
+    hosts = {"seed": Host(delay_ms=20.0, up_mbit=seeder_mbit, down_mbit=1000.0)}
+    for k in range(workers):
+        delay = 20.0 + 20.0 * k / max(1, workers - 1)
+        hosts[f"w{k}"] = Host(delay_ms=delay, up_mbit=worker_mbit, down_mbit=worker_mbit)
+    (work / "barrier").mkdir()
+    barrier = Barrier(work / "barrier", work / "barrier" / "go", GATE_TIMEOUT)
+    try:
+        with Testbed(hosts) as tb:
+            served = seeder.serve(tb)
+            gettings = [
+                n.start_get(tb, blob_id, [served.addr], barrier=barrier, default_listen=True)
+                for n in nodes
+            ]
+            deadline = time.monotonic() + GATE_TIMEOUT
+            while time.monotonic() < deadline and not all(
+                g.proc.poll() is not None or barrier.ready(n)
+                for n, g in zip(nodes, gettings, strict=True)
+            ):
+                time.sleep(0.02)
+            idle0, total0 = _cpu_times()
+            barrier.go.touch()
+            go = time.time()
+            results = [g.wait(60.0 + 40.0 * size / (seeder_mbit * 1e6 / 8)) for g in gettings]
+            idle1, total1 = _cpu_times()
+            uplink = int(tb.stats()["hosts"]["seed"]["uplink_bytes"])
+            seeder.stop()
+    finally:
+        for node in [seeder, *nodes]:
+            shutil.rmtree(node.root, ignore_errors=True)
+    starts, dones = [], []
+    for r in results:
+        done_at, seconds = r.report.get("done_at"), r.report.get("seconds")
+        if done_at is None or seconds is None:
+            continue
+        dones.append(float(done_at) - go)
+        starts.append(float(done_at) - float(seconds) - go)
+    return RealRun(
+        workers,
+        size,
+        seeder_mbit,
+        worker_mbit,
+        starts,
+        dones,
+        uplink,
+        (idle1 - idle0) / max(1.0, total1 - total0),
+        sum(1 for r in results if r.returncode != 0),
+    )
+
+
+def sim_fan_out(real: RealRun, *, seed: int = 0, **kwargs: Any) -> dict[str, Any]:
+    """The simulated twin of ``real`` (manifests aligned, see the module docstring)."""
+    from bench.sim.fanout import wan_fan_out
+
+    base = wan_fan_out(
+        real.workers,
+        real.size,
+        seeder_mbit=real.seeder_mbit,
+        worker_mbit=real.worker_mbit,
+        seed=seed,
+        **kwargs,
+    )
+    # Where the simulation's own dial and manifest put each fetcher's download start.
+    own = [f.manifest for f in base.fetchers]
+    starts = sorted(real.starts)
+    order = sorted(range(real.workers), key=lambda k: own[k] or 0.0)
+    offsets = [0.0] * real.workers
+    if len(starts) == real.workers:
+        for rank, k in enumerate(order):
+            offsets[k] = max(0.0, starts[rank] - (own[k] or 0.0))
+    aligned = wan_fan_out(
+        real.workers,
+        real.size,
+        seeder_mbit=real.seeder_mbit,
+        worker_mbit=real.worker_mbit,
+        seed=seed,
+        arrivals=offsets,
+        **kwargs,
+    )
+    hold = aligned.all_hold_s()
+    return {
+        "all_hold_s": hold,
+        "seeder_ratio": aligned.seeder_sent / real.size,
+        "hold_from_manifest_s": None if hold is None else hold - min(real.starts or [0.0]),
+        "wall_s": aligned.wall_s,
+    }
+
+
+def compare(real: RealRun, sim: dict[str, Any]) -> dict[str, Any]:
+    one = real.size / (real.seeder_mbit * 1e6 / 8)
+    return {
+        "workers": real.workers,
+        "size_mib": real.size // MiB,
+        "seeder_mbit": real.seeder_mbit,
+        "worker_mbit": real.worker_mbit,
+        "real_hold_s": round(real.all_hold_s, 2),
+        "sim_hold_s": round(sim["all_hold_s"], 2),
+        "hold_diff": round(sim["all_hold_s"] / real.all_hold_s - 1, 3),
+        "real_hold_ratio": round(real.all_hold_s / one, 2),
+        "sim_hold_ratio": round(sim["all_hold_s"] / one, 2),
+        "real_seeder": round(real.seeder_uplink / real.size, 3),
+        "sim_seeder": round(sim["seeder_ratio"], 3),
+        "seeder_diff": round(sim["seeder_ratio"] / (real.seeder_uplink / real.size) - 1, 3),
+        "real_start_s": round(statistics.median(real.starts), 2) if real.starts else None,
+        "idle_share": round(real.idle_share, 3),
+        "failures": real.failures,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--size-mib", type=int, default=32)
+    parser.add_argument("--seeder-mbit", type=float, default=20.0)
+    parser.add_argument("--worker-mbit", type=float, default=100.0)
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--json-out", type=Path)
+    parser.add_argument(
+        "--from",
+        dest="saved",
+        type=Path,
+        help="simulate again the real runs saved by an earlier --json-out (no testbed)",
+    )
+    args = parser.parse_args(argv)
+    rows = []
+    if args.saved is not None:
+        for old in json.loads(args.saved.read_text()):
+            real = RealRun(**old["real"])
+            row = compare(real, sim_fan_out(real)) | {"run": old["run"], "real": old["real"]}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "real"}), flush=True)
+        if args.json_out is not None:
+            args.json_out.write_text(json.dumps(rows, indent=1))
+        return 0
+    reals = []
+    for workers in args.workers:
+        for run in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix="simcal-") as tmp:
+                real = real_fan_out(
+                    Path(tmp),
+                    workers,
+                    args.size_mib * MiB,
+                    seeder_mbit=args.seeder_mbit,
+                    worker_mbit=args.worker_mbit,
+                )
+            reals.append({"run": run, "real": real.to_json()})
+            if args.json_out is not None:  # the real runs are the costly part: kept at once
+                args.json_out.write_text(json.dumps(reals, indent=1))
+            print(
+                json.dumps({"workers": workers, "run": run, "real_hold_s": real.all_hold_s}),
+                flush=True,
+            )
+    for saved in reals:
+        real = RealRun(**saved["real"])
+        row = compare(real, sim_fan_out(real)) | saved
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "real"}), flush=True)
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
