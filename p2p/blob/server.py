@@ -285,7 +285,7 @@ class Budget:
 
 
 @dataclass
-class _Slot:
+class StreamSlot:
     """One open stream's place in the stream budget."""
 
     peer: str
@@ -295,7 +295,7 @@ class _Slot:
 
 @dataclass
 class _Waiting:
-    slot: _Slot
+    slot: StreamSlot
     since: float
     evict: Callable[[], None]
 
@@ -307,10 +307,10 @@ class IdleStreams:
     def __init__(self) -> None:
         self.waiting: dict[int, _Waiting] = {}
 
-    def wait(self, slot: _Slot, now: float, evict: Callable[[], None]) -> None:
+    def wait(self, slot: StreamSlot, now: float, evict: Callable[[], None]) -> None:
         self.waiting[id(slot)] = _Waiting(slot, now, evict)
 
-    def working(self, slot: _Slot) -> None:
+    def working(self, slot: StreamSlot) -> None:
         self.waiting.pop(id(slot), None)
 
     def victim(
@@ -333,6 +333,49 @@ class IdleStreams:
                 if idle:
                     return self.waiting.pop(min(idle)[1])
         return None
+
+
+class ServingBudgets:
+    """Rules 2 and 9 in one part, sans-IO: the stream budget, the send-buffer budget and the
+    idle streams a light newcomer may evict, built from one :class:`ServerLimits`."""
+
+    def __init__(self, limits: ServerLimits) -> None:
+        self.streams = Budget(
+            "streams",
+            limits.max_streams,
+            limits.max_streams_per_peer,
+            limits.max_streams_per_ip,
+            reserved=limits.reserved_streams,
+            light_peer=limits.light_peer_streams,
+            light_ip=limits.light_ip_streams,
+        )
+        self.send_bytes = Budget(
+            "send buffers",
+            limits.max_send_bytes,
+            limits.max_send_bytes_per_peer,
+            limits.max_send_bytes_per_ip,
+            reserved=limits.reserved_send_bytes,
+            light_peer=limits.light_peer_send_bytes,
+            light_ip=limits.light_ip_send_bytes,
+        )
+        self.idle = IdleStreams()
+
+    def admit(self, peer: str, ip: str, evict: Callable[[_Waiting], None]) -> str | None:
+        """Take a stream for ``peer`` at ``ip``: None when it is held, else why not. A light
+        peer refused for want of room gets the slot of the stream idle longest of the
+        heaviest holder (rule 9), which ``evict`` ends (it must release that slot)."""
+        reason = self.streams.acquire(peer, ip, 1)
+        if reason is not None and self.streams.light(peer, ip):
+            victim = self.idle.victim(self.streams.by_ip, self.streams.by_peer, ip, peer)
+            if victim is not None:
+                evict(victim)
+                reason = self.streams.acquire(peer, ip, 1)
+        return reason
+
+    def hold_send(self, peer: str, ip: str, size: int) -> AbstractContextManager[str | None]:
+        """``send_bytes.hold``, with the send reserve kept from peers holding many streams
+        (rule 9)."""
+        return self.send_bytes.hold(peer, ip, size, heavy=self.streams.heaviness(peer, ip))
 
 
 class _Busy(Exception):
@@ -382,25 +425,12 @@ class BlobServer:
         # Chunks read from disk are always hashed (theory, rule 6); this hashes page-cache
         # reads as well, at the price of a BLAKE3 pass per byte served from memory.
         self.verify_reads = verify_reads
-        self.streams = Budget(
-            "streams",
-            limits.max_streams,
-            limits.max_streams_per_peer,
-            limits.max_streams_per_ip,
-            reserved=limits.reserved_streams,
-            light_peer=limits.light_peer_streams,
-            light_ip=limits.light_ip_streams,
-        )
-        self.send_bytes = Budget(
-            "send buffers",
-            limits.max_send_bytes,
-            limits.max_send_bytes_per_peer,
-            limits.max_send_bytes_per_ip,
-            reserved=limits.reserved_send_bytes,
-            light_peer=limits.light_peer_send_bytes,
-            light_ip=limits.light_ip_send_bytes,
-        )
-        self.idle = IdleStreams()
+        # Rules 2 and 9: the stream and send-buffer budgets, and the idle streams a newcomer
+        # may evict (a part of its own, which bench/sim drives in simulated time).
+        self.budgets = ServingBudgets(limits)
+        self.streams = self.budgets.streams
+        self.send_bytes = self.budgets.send_bytes
+        self.idle = self.budgets.idle
         # The threads this server reads the store in (DISK_THREADS says why its own).
         self.disk = trio.CapacityLimiter(limits.disk_threads)
         self.evicted = 0
@@ -446,17 +476,12 @@ class BlobServer:
             version = messages.Version.of(str(stream.get_protocol())) or version
         except Exception:
             pass
-        reason = self.streams.acquire(peer, ip, 1)
-        if reason is not None and self.streams.light(peer, ip):
-            victim = self.idle.victim(self.streams.by_ip, self.streams.by_peer, ip, peer)
-            if victim is not None:
-                self._evict(victim)
-                reason = self.streams.acquire(peer, ip, 1)
+        reason = self.budgets.admit(peer, ip, self._evict)
         if reason is not None:
             self.stats.busy_rejections += 1
             await self._refuse(stream, reason)
             return
-        slot = _Slot(peer, ip)
+        slot = StreamSlot(peer, ip)
         self.served.begin(peer)
         try:
             if self.gate is not None and not self.gate.admitted(peer):
@@ -478,7 +503,7 @@ class BlobServer:
             for line in self.served.end(peer):
                 log.info("%s", line)
 
-    def _release(self, slot: _Slot) -> None:
+    def _release(self, slot: StreamSlot) -> None:
         if slot.held:
             slot.held = False
             self.streams.release(slot.peer, slot.ip, 1)
@@ -531,7 +556,7 @@ class BlobServer:
                 pass
         await reset_quietly(stream)
 
-    async def _serve(self, stream: Any, conn: proto.ServerConnection, slot: _Slot) -> None:
+    async def _serve(self, stream: Any, conn: proto.ServerConnection, slot: StreamSlot) -> None:
         peer, ip = slot.peer, slot.ip
         sent = self._sent[id(stream)] = deque(maxlen=self.rechecks.per_stream)
         try:
@@ -584,7 +609,7 @@ class BlobServer:
             reader.read(chunk.index, verify=True)
 
     async def _read_request(
-        self, stream: Any, conn: proto.ServerConnection, slot: _Slot
+        self, stream: Any, conn: proto.ServerConnection, slot: StreamSlot
     ) -> messages.Request | None:
         request = conn.next_request()
         if request is not None:
@@ -639,9 +664,7 @@ class BlobServer:
             await self._send(stream, conn.send_response(response))
 
     def _hold_send_bytes(self, peer: str, ip: str, size: int) -> AbstractContextManager[str | None]:
-        """``send_bytes.hold``, with the send reserve kept from peers holding many streams
-        (theory, rule 9)."""
-        return self.send_bytes.hold(peer, ip, size, heavy=self.streams.heaviness(peer, ip))
+        return self.budgets.hold_send(peer, ip, size)
 
     def _check_present(self, blob_id: str) -> None:
         """Raise BlobNotFound unless the blob (complete or partial) is in the store now:

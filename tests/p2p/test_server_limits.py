@@ -432,14 +432,14 @@ def test_the_reserve_goes_only_to_peers_holding_little() -> None:
 def test_eviction_takes_the_longest_idle_stream_of_the_greediest_address() -> None:
     from collections import Counter
 
-    from p2p.blob.server import IdleStreams, _Slot
+    from p2p.blob.server import IdleStreams, StreamSlot
 
     idle = IdleStreams()
     evicted: list[str] = []
     slots = {
-        "a-old": _Slot("p1", "a"),
-        "a-new": _Slot("p2", "a"),
-        "b": _Slot("p3", "b"),
+        "a-old": StreamSlot("p1", "a"),
+        "a-new": StreamSlot("p2", "a"),
+        "b": StreamSlot("p3", "b"),
     }
     idle.wait(slots["a-new"], 5.0, lambda: evicted.append("a-new"))
     idle.wait(slots["a-old"], 1.0, lambda: evicted.append("a-old"))
