@@ -14,11 +14,12 @@ Theory of operation
    address instead (``p2p.node.node``).
 3. A fetcher (``p2p.node.node.Node``) asks each provider of a download ``peers`` at most once
    per ``PEX_INTERVAL`` (per source, doubling up to ``PEX_MAX_INTERVAL`` while its answers
-   name nobody new), dials at most ``MAX_SWARM_DIALS`` of the peers it learns per download
-   (``PEX_DIAL_PARALLELISM`` at a time) and hands each one it reaches to the download as a
-   provider: a fellow fetcher is a partial provider, whose ``have`` the download asks again
-   as its chunks arrive (``p2p.fetch.download_parts.HAVE_REFRESH_INTERVAL``). Everything a fellow
-   sends is verified like any other provider's data; a liar is banned.
+   name nobody new, once it has named somebody), dials at most ``MAX_SWARM_DIALS`` of the
+   peers it learns per download (``PEX_DIAL_PARALLELISM`` at a time) and hands each one it
+   reaches to the download as a provider: a fellow fetcher is a partial provider, whose
+   ``have`` the download asks again as its chunks arrive
+   (``p2p.fetch.download_parts.HAVE_REFRESH_INTERVAL``). Everything a fellow sends is verified
+   like any other provider's data; a liar is banned.
    `PexBook` is that bookkeeping, sans-IO.
 4. Chunks in flight are visible (``/blobnet/blob/1.3.0``'s ``status``): a download posts
    the chunks it has requested and not yet verified on its node's `FetchingBoard`; the
@@ -206,6 +207,7 @@ class PexBook:
         # Each source's own interval: doubles (to PEX_MAX_INTERVAL) while its answers name
         # nobody new, back to ``interval`` when one does (rule 3).
         self._every: dict[str, float] = {}
+        self._named: set[str] = set()  # sources that named someone (rule 3)
         self._sources: list[str] = []
 
     def add_source(self, peer: str) -> None:
@@ -252,10 +254,19 @@ class PexBook:
             out.append((peer, addrs))
         return out
 
-    def answered(self, source: str, new: int) -> None:
-        """``source`` answered ``peers``, naming ``new`` peers that `to_dial` took."""
+    def answered(self, source: str, new: int, listed: int | None = None) -> None:
+        """``source`` answered ``peers``, naming ``new`` peers that `to_dial` took (of
+        ``listed`` it named; None: not said, taken as some). A source that has named nobody
+        yet is asked again at the first interval: the first fetcher to reach a seeder asks
+        before its fellows have, and an empty first answer backed it off to 2 s, fetching
+        alone from a seeder its fellows shared (bench/figures/sim-calibration.md)."""
+        if listed is None or listed:
+            self._named.add(source)
         every = self._interval(source)
-        self._every[source] = self.interval if new else min(PEX_MAX_INTERVAL, 2 * every)
+        if new or source not in self._named:
+            self._every[source] = self.interval
+        else:
+            self._every[source] = min(PEX_MAX_INTERVAL, 2 * every)
 
     def _interval(self, source: str) -> float:
         return self._every.get(source, self.interval)

@@ -447,10 +447,11 @@ class Fetches:
                 pass  # the download is over
 
         async def ask(source: str) -> None:
-            fresh = book.to_dial(await self.connections.ask_peers(source, blob_id))
+            listed = await self.connections.ask_peers(source, blob_id)
+            fresh = book.to_dial(listed)
             for peer, addrs in fresh:
                 nursery.start_soon(dial, peer, addrs)
-            book.answered(source, len(fresh))
+            book.answered(source, len(fresh), len(listed))
 
         started = trio.current_time()
         async with send, trio.open_nursery() as nursery:

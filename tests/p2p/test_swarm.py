@@ -224,13 +224,32 @@ def test_a_seeder_leaves_chunks_a_fellow_holds_to_the_fellow_while_it_is_there()
 def test_a_source_that_names_nobody_new_is_asked_ever_less_often() -> None:
     pex = PexBook("me", interval=1.0)
     pex.add_source("seed")
-    asked_at = []
-    for tick in range(400):  # 40 s in 0.1 s steps
+    pex.due(0.0)
+    pex.answered("seed", 1, 1)  # it named a fellow once; from then on nobody new
+    asked_at = [0.0]
+    for tick in range(1, 400):  # 40 s in 0.1 s steps
         now = tick / 10
         for source in pex.due(now):
             asked_at.append(now)
-            pex.answered(source, 0)
+            pex.answered(source, 0, 1)
     gaps = [b - a for a, b in itertools.pairwise(asked_at)]
-    assert gaps[:4] == pytest.approx([2.0, 4.0, 8.0, 8.0])  # doubling, then PEX_MAX_INTERVAL
+    assert gaps[:5] == pytest.approx([1.0, 2.0, 4.0, 8.0, 8.0])  # doubling, then the cap
     pex.answered("seed", 1)  # a new fellow: back to the first interval
     assert pex.next_wake(asked_at[-1]) == pytest.approx(asked_at[-1] + 1.0)
+
+
+def test_a_source_that_has_named_nobody_yet_is_asked_every_interval() -> None:
+    """The first fetcher to reach a seeder asks `peers` before its fellows have asked
+    anything: the empty answer is no sign that nobody will come. Backed off to 2 s at
+    once, it fetched alone (its partition all its own) for two seconds of a five-second
+    fan-out while its fellows were there (bench/figures/sim-calibration.md)."""
+    pex = PexBook("me", interval=1.0)
+    pex.add_source("seed")
+    asked_at = []
+    for tick in range(100):  # 10 s in 0.1 s steps
+        now = tick / 10
+        for source in pex.due(now):
+            asked_at.append(now)
+            pex.answered(source, 0, 0)
+    gaps = [b - a for a, b in itertools.pairwise(asked_at)]
+    assert gaps == pytest.approx([1.0] * len(gaps)) and len(gaps) >= 9
