@@ -205,6 +205,8 @@ class Download(DownloadRequests):
         self.lane_load: dict[str, list[int]] = {}
         # Providers that refused 1.1.0: their streams carry one request at a time.
         self.serial: set[str] = set()
+        # Providers the caller named (the scheduler's origins, spared for finished fellows).
+        self.origins: set[str] = set()
 
     # --- helpers -------------------------------------------------------------------
     # --- providers -----------------------------------------------------------------
@@ -274,6 +276,7 @@ class Download(DownloadRequests):
             return False
         full = all(have.bitmap[i // 8] >> (i % 8) & 1 for i in range(have.num_chunks))
         self.scheduler.add_peer(peer, trio.current_time(), None if full else have.bitmap)
+        self.scheduler.set_origin(peer, peer in self.origins)
         self.scheduler.on_rtt(peer, rtt)
         self._notify()
         lanes = self.lane_load[peer] = [1]  # the first worker's stream, on lane 0
@@ -566,6 +569,9 @@ async def _download(
     named: trio.MemoryReceiveChannel[str] | None = None,
 ) -> None:
     candidates = list(dict.fromkeys(providers))
+    # The providers the caller named (the scheduler's origins): those given, and those
+    # that come through ``named`` (the manifest phase reads some of them).
+    origins = set(candidates)
     manifest = await _local_manifest(store, blob_id)
     asked: set[str] = set()
     if manifest is None:
@@ -578,6 +584,7 @@ async def _download(
             discovery_timeout,
             probes,
             named=named,
+            origins=origins,
         )
     missing_bytes = await trio.to_thread.run_sync(store.space_to_finish, manifest)
     free = await trio.to_thread.run_sync(store.free_bytes)
@@ -605,6 +612,7 @@ async def _download(
                 scores=scores,
                 own_peer=own_peer,
             )
+            download.origins = origins
             # What this download has in flight is what the node's server calls `soon`.
             with board.posting(blob_id, download.scheduler.in_flight):
                 await _run(download, candidates, more_providers, discovery_timeout, named)
@@ -648,12 +656,13 @@ async def _manifest_from_network(
     probes: HaveProbes | None = None,
     *,
     named: trio.MemoryReceiveChannel[str] | None = None,
+    origins: set[str] | None = None,
 ) -> Manifest:
     """The first valid manifest from the candidates, from peers that discovery sends
     within ``discovery_timeout``, and from the named providers whose dials succeed, however
     long that takes (``named`` closes once every dial has ended: rule 5); up to
     MANIFEST_FANOUT are asked at once, and each is asked ``have`` at the same time
-    (``probes``)."""
+    (``probes``). The named providers read from ``named`` go into ``origins``."""
     found: list[Manifest] = []
     unanswered: dict[str, str] = {}
     fanout = trio.Semaphore(MANIFEST_FANOUT)
@@ -685,10 +694,12 @@ async def _manifest_from_network(
                     probes.start(peer)
                 nursery.start_soon(ask, peer)
 
-        async def listen(channel: trio.MemoryReceiveChannel[str]) -> None:
+        async def listen(channel: trio.MemoryReceiveChannel[str], named_here: bool = False) -> None:
             try:
                 async for peer in channel:
                     candidates.append(peer)
+                    if named_here and origins is not None:
+                        origins.add(peer)
                     await start(peer)
             except trio.ClosedResourceError:
                 pass
@@ -700,7 +711,7 @@ async def _manifest_from_network(
         if more is not None:
             nursery.start_soon(listen_until_deadline, more)
         if named is not None:
-            nursery.start_soon(listen, named)
+            nursery.start_soon(listen, named, True)
         for peer in list(candidates):
             await start(peer)
     if found:
@@ -744,7 +755,7 @@ async def _run(
 
     async def join_named(named: trio.MemoryReceiveChannel[str]) -> None:
         nonlocal dialling
-        await _join_late_providers(download, nursery, named)
+        await _join_late_providers(download, nursery, named, origins=True)
         dialling = False
         download._notify()
 
@@ -789,7 +800,13 @@ async def _run(
 
 
 async def _join_late_providers(
-    download: Download, nursery: trio.Nursery, more: trio.MemoryReceiveChannel[str]
+    download: Download,
+    nursery: trio.Nursery,
+    more: trio.MemoryReceiveChannel[str],
+    *,
+    origins: bool = False,
 ) -> None:
     async for peer in more:
+        if origins:
+            download.origins.add(peer)
         download.add_provider(nursery, peer)

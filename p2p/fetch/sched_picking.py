@@ -141,7 +141,23 @@ class Picking(Availability):
             for q in self._partials.values()
         )
 
+    def _spares(self, p: _Peer) -> bool:
+        """Whether origin ``p`` is spared ("Origins last"): swarming, ``p`` has every chunk
+        and some other usable peer with every chunk that is no origin (a fellow that
+        finished) is at least ``DEFER_RATE_FRACTION`` as fast, or either is not measured."""
+        if not (self._cfg.defer_to_partial_holders and p.origin and p.bitmap is None):
+            return False
+        return any(
+            q.bitmap is None
+            and not q.origin
+            and q.usable
+            and (q.rate is None or p.rate is None or q.rate >= p.rate * DEFER_RATE_FRACTION)
+            for q in self._peers.values()
+        )
+
     def _pick_pool(self, p: _Peer, limit: int) -> list[int]:
+        if self._spares(p):
+            return []
         heap = self._full_heap if p.bitmap is None else p.heap
         orphans_only = self._defers(p)
         bm = p.bitmap

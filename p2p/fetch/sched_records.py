@@ -257,6 +257,7 @@ class _Peer:
     busy_limit: int | None = None  # live requests the server last took before saying busy
     alone: bool = False  # a seeder that said nobody else fetches from it (set_alone)
     alone_once: bool = False  # ... said so only once yet (set_alone)
+    origin: bool = False  # a provider the caller named (set_origin)
 
     @property
     def usable(self) -> bool:

@@ -63,6 +63,14 @@ Policy
   ``status``): they are not requested from it until its bitmap holds them, but they are
   left to it rather than asked of the seeder a second time. Among pool chunks of equal
   rarity an unclaimed one goes first (the hand-out key's rank is 2 x rarity + claimed).
+- Origins last (with ``defer_to_partial_holders``): a provider the caller named
+  (``set_origin``: a ticket's seeder) that has every chunk is handed no pool chunk while a
+  usable peer with every chunk that was not named (a fellow that finished, or one found
+  holding the blob) is at least ``DEFER_RATE_FRACTION`` as fast as it, or either is not
+  measured yet; endgame copies still go to it. A seeder's uplink then carries the blob
+  about once and its finished fellows carry the rest: left to rate-scaled batches, every
+  later fetcher kept asking it for its share, and a seeder shared by a thousand fetchers
+  sent the blob many times over (bench/figures/sim-fanout-1000.md).
 - Swarm partition (with ``defer_to_partial_holders`` and the fetcher's own peer name): the
   chunks nobody holds are split among the fetchers without a word exchanged, by
   rendezvous hashing: chunk i belongs to whichever of this fetcher and its fetching
@@ -242,6 +250,12 @@ class Scheduler(Picking):
         knows."""
         p = self._peer(peer)
         p.alone, p.alone_once = alone, alone and once
+
+    def set_origin(self, peer: str, origin: bool = True) -> None:
+        """`peer` is a provider the caller named (a ticket's, a worker's author of an
+        update): with every chunk it is the blob's origin, spared while a fellow that
+        finished can serve (the policy's "Origins last")."""
+        self._peer(peer).origin = origin
 
     def inflight_limit(self, peer: str) -> int:
         """Live requests `peer` may hold now: enough to cover its rate x RTT (see the

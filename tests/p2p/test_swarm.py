@@ -253,3 +253,47 @@ def test_a_source_that_has_named_nobody_yet_is_asked_every_interval() -> None:
             pex.answered(source, 0, 0)
     gaps = [b - a for a, b in itertools.pairwise(asked_at)]
     assert gaps == pytest.approx([1.0] * len(gaps)) and len(gaps) >= 9
+
+
+def test_an_origin_is_spared_while_a_fellow_that_finished_can_serve() -> None:
+    """Origins last: a ticket's seeder shared by a swarm kept being asked by every later
+    fetcher for its rate-scaled share once fellows had finished; a seeder shared by a
+    thousand simulated fetchers sent the blob many times over. With a finished fellow
+    around, the named seeder gets nothing from the pool; without it, it serves again."""
+    config = SchedulerConfig(max_chunks_per_request=8, defer_to_partial_holders=True)
+    s = Scheduler(8, lambda i: 1, config=config)
+    s.add_peer("seed", 0.0)
+    s.set_origin("seed")
+    s.add_peer("fellow", 0.0, bitmap=bytes([0b00001111]))
+    s.update_peer_bitmap("fellow", None)  # it finished
+    assert s.next_request("seed", 0.0) is None
+    tickets = []
+    while (ticket := s.next_request("fellow", 0.0)) is not None:
+        tickets.append(ticket)
+    assert tickets
+    # The fellow is at its request limit and chunks are left: still none for the origin.
+    assert s.fetchable_count > 0
+    assert s.next_request("seed", 0.0) is None
+    for t in tickets:
+        s.on_request_failed(t.request_id, 1.0, "gone")
+    s.remove_peer("fellow", "gone")
+    again = s.next_request("seed", 1.0)
+    assert again is not None and again.ranges[0][0] == 0
+
+
+def test_origins_are_not_spared_for_each_other_nor_without_swarming() -> None:
+    """Two named seeders (two mirrors of a ticket) both serve: each is an origin, and an
+    origin yields only to a fellow that is none; a plain fetch (no peer exchange) never
+    spares a peer it was given."""
+    swarm = SchedulerConfig(max_chunks_per_request=4, defer_to_partial_holders=True)
+    s = Scheduler(8, lambda i: 1, config=swarm)
+    for name in ("mirror-a", "mirror-b"):
+        s.add_peer(name, 0.0)
+        s.set_origin(name)
+    assert s.next_request("mirror-a", 0.0) is not None
+    assert s.next_request("mirror-b", 0.0) is not None
+    plain = Scheduler(8, lambda i: 1, config=SchedulerConfig(max_chunks_per_request=4))
+    plain.add_peer("seed", 0.0)
+    plain.set_origin("seed")
+    plain.add_peer("finished", 0.0)
+    assert plain.next_request("seed", 0.0) is not None
