@@ -36,6 +36,7 @@ def _fanout(args: argparse.Namespace) -> dict[str, Any]:
             seeder_leaves=args.seeder_leaves,
             seed=args.seed,
             exact_every=args.exact_every,
+            chunk=args.chunk_mib * MiB,
         )
     summary = result.summary()
     out = {
@@ -62,6 +63,7 @@ def _outer(args: argparse.Namespace) -> dict[str, Any]:
         proposer_timeout=args.proposer_timeout,
         churn=args.churn,
         fetch=args.fetch,
+        sample=args.sample,
         seed=args.seed,
         exact_every=args.exact_every,
     )
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     fan = sub.add_parser("fanout", help="one seeder to many fetchers")
     fan.add_argument("--fetchers", type=int, default=1000)
     fan.add_argument("--size-mib", type=int, default=1024)
+    fan.add_argument("--chunk-mib", type=int, default=1, help="the blob's chunk size")
     fan.add_argument("--seeder-mbit", type=float, default=1000.0)
     fan.add_argument("--down-mbit", type=float, nargs=2, default=[10.0, 1000.0])
     fan.add_argument("--up-ratio", type=float, default=1.0)
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     outer.add_argument("--proposer-timeout", type=float, default=3.0)
     outer.add_argument("--churn", type=float, default=0.0)
     outer.add_argument("--fetch", choices=("swarm", "direct"), default="swarm")
+    outer.add_argument("--sample", type=int, help="fetch and name a rotating sample (proposal)")
     outer.add_argument("--seed", type=int, default=0)
     outer.add_argument("--exact-every", type=float, default=1.0)
     outer.add_argument("--json-out", type=Path)

@@ -202,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--json-out", type=Path)
     parser.add_argument(
+        "--goal",
+        action="store_true",
+        help="the testbed goal instead: fan_out at --workers, --size-mib (64), in turn with --base",
+    )
+    parser.add_argument("--base", type=Path, help="a tree to compare against (PYTHONPATH)")
+    parser.add_argument(
         "--from",
         dest="saved",
         type=Path,
@@ -209,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     rows = []
+    if args.goal:
+        goal_runs(args.workers, args.runs, args.size_mib, args.base, args.json_out)
+        return 0
     if args.saved is not None:
         for old in json.loads(args.saved.read_text()):
             real = RealRun(**old["real"])
@@ -248,3 +257,52 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def goal_runs(
+    workers: list[int], runs: int, size_mib: int, base: Path | None, out: Path | None
+) -> list[dict[str, Any]]:
+    """The issue's testbed goal: bench.wan.scenarios.fan_out (a 100 Mbit/s seeder, 1 Gbit/s
+    fetchers given only the seeder, default options), this tree against ``base`` (a tree
+    put first on PYTHONPATH, e.g. ``git archive`` of the commit before), run after run in
+    turn so both see the same machine."""
+    import os
+    import tempfile
+
+    from bench.wan.scenarios import fan_out
+
+    rows: list[dict[str, Any]] = []
+    trees = [("this", None)] + ([("base", base)] if base is not None else [])
+    for run in range(runs):
+        for n in workers:
+            for name, tree in trees:
+                saved = os.environ.get("PYTHONPATH")
+                if tree is not None:
+                    os.environ["PYTHONPATH"] = str(tree)
+                idle0, total0 = _cpu_times()
+                try:
+                    with tempfile.TemporaryDirectory(prefix="simgoal-") as tmp:
+                        got = fan_out(Path(tmp), n, size_mib * MiB, default_listen=True)
+                finally:
+                    if saved is None:
+                        os.environ.pop("PYTHONPATH", None)
+                    else:
+                        os.environ["PYTHONPATH"] = saved
+                idle1, total1 = _cpu_times()
+                row = {
+                    "tree": name,
+                    "workers": n,
+                    "run": run,
+                    "hold_ratio": None
+                    if got.all_hold_s is None
+                    else got.all_hold_s / got.one_transfer_s,
+                    "total_ratio": got.total_s / got.one_transfer_s,
+                    "seeder": got.seeder_uplink_bytes / got.size,
+                    "failures": got.failures,
+                    "idle_share": (idle1 - idle0) / max(1.0, total1 - total0),
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if out is not None:
+                    out.write_text(json.dumps(rows, indent=1))
+    return rows

@@ -76,6 +76,7 @@ from training.outer.agreement import (
     next_step,
     proposal_time,
     proposer_order,
+    rank,
     select_for_closure,
     sign_closure,
 )
@@ -153,6 +154,10 @@ class OuterParams:
     proposer_timeout: float = 3.0
     churn: float = 0.0
     fetch: str = "swarm"  # or "direct"
+    # The proposal for K above MAX_INCLUDED (not the design today): each round only the
+    # workers whose rank(R_r, peer) falls in the lowest `sample` / K of the range are
+    # fetched, waited for and named; None: every update (the design).
+    sample: int | None = None
     seed: int = 0
     exact_every: float = 1.0
 
@@ -233,6 +238,7 @@ class OuterSim:
             for w in first:
                 w.join_mesh()
             for w in first:
+                w.hello()  # presence (training.outer.worker point 1)
                 w.start_round(0, GENESIS)
             horizon = until or (p.rounds + 2) * (p.compute_s * 1.1 + 600.0)
             env = self.world.env
@@ -475,7 +481,7 @@ class OuterWorker:
     def _event(self, event: Any) -> None:
         if isinstance(event, Candidate):
             self.attestations[(event.peer, event.blob)] = event.attestation
-            if event.round == self.round and not self.joining:
+            if event.round == self.round and not self.joining and self._sampled(event.peer):
                 self.candidates[event.peer] = event
                 self._fetch_update(event)
         elif isinstance(event, ClosureRefHeard):
@@ -529,14 +535,27 @@ class OuterWorker:
 
     # --- proposing ----------------------------------------------------------------------
 
+    def _sampled(self, peer: str) -> bool:
+        """Whether ``peer``'s update is this round's to fetch (every one without a sample)."""
+        sample = self.sim.p.sample
+        if sample is None:
+            return True
+        share = min(1.0, sample / self.sim.p.workers)
+        return int.from_bytes(rank(self.root, peer)[:8], "big") < share * 2.0**64
+
     def _nameable(self) -> int:
         return sum(
             1
             for peer, blob in self.fetched.items()
-            if peer == self.name or (peer in self.candidates and self.candidates[peer].blob == blob)
+            if (peer == self.name and self._sampled(peer))
+            or (peer in self.candidates and self.candidates[peer].blob == blob)
         )
 
     def _expected(self) -> int:
+        if self.sim.p.sample is not None:
+            # The round's sample among the workers known present (and this one).
+            known = {*self.ledger.present, *self.candidates, self.name}
+            return sum(1 for peer in known if self._sampled(peer))
         late = self.ledger.late.get(self.round - 1, {})
         heard = {**late, **self.previous}
         heard.setdefault(self.name, "")
@@ -563,11 +582,13 @@ class OuterWorker:
         if own is None or self.book.has_round(self.round, self.root):
             return
         self.proposed.add(self.round)
-        updates = {self.name: (own[2], own[3])}
+        updates = {self.name: (own[2], own[3])} if self._sampled(self.name) else {}
         for peer, blob in self.fetched.items():
             c = self.candidates.get(peer)
             if c is not None and c.blob == blob:
                 updates[peer] = (blob, c.attestation)
+        if not updates:
+            return
         included = select_for_closure(updates)
         result = _h("result", self.root, *(x.blob for x in included))
         state = _h("state", result)
