@@ -82,7 +82,7 @@ def plot_outer(runs: list[dict[str, Any]], out: Path) -> None:
         byts = sorted(r["bytes_in_median"] for r in rounds)[len(rounds) // 2]
         left.scatter([ks], [comm], label=label)
         right.scatter([ks], [byts / 1e6], label=label)
-    for ax, what in ((left, "s"), (right, "MB")):
+    for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("workers K")
         ax.grid(True, alpha=0.3)
