@@ -306,3 +306,93 @@ def goal_runs(
                 if out is not None:
                     out.write_text(json.dumps(rows, indent=1))
     return rows
+
+
+# The testbed's THREE_CONTINENTS one-way delays (bench.wan.testbed.three_continents: eu-us
+# 80 ms, us-asia 150 ms, eu-asia 200 ms RTT), worker i on host i mod 3, 1 Gbit/s.
+OUTER_HOSTS = (("eu", 0.0325), ("us", 0.0075), ("asia", 0.0675))
+
+
+def real_outer(work: Path, workers: int, rounds: int, model_size: str, inner_steps: int) -> dict[str, Any]:
+    """A real outer-loop run on the testbed: ``workers`` worker processes (``blob outer
+    worker``, as bench/outer_net.py --wan-runs places them), no churn, no replay; each
+    worker's round records (phases, bytes)."""
+    from bench.wan import THREE_CONTINENTS, Testbed
+    from training.outer.churn import ChurnPlan, churn_run
+    from training.outer.launch import prepare_run
+    from training.outer.params import RunParams
+
+    params = RunParams(
+        run_id="sim-calibration",
+        workers=workers,
+        rounds=rounds,
+        inner_steps=inner_steps,
+        deadline=8.0,
+        proposer_timeout=3.0,
+        replay_rate=0.0,
+        model_size=model_size,
+    )
+    hosts = [name for name, _ in OUTER_HOSTS]
+    with Testbed(THREE_CONTINENTS) as tb:
+        plan = prepare_run(work, params)
+
+        def place(i: int, argv: list[str], tb: Testbed = tb) -> list[str]:
+            host = hosts[i % len(hosts)]
+            return tb.argv(host, [*argv, "--listen", f"/ip4/{tb.addr(host)}/tcp/0"])
+
+        res = churn_run(plan, ChurnPlan(), timeout=1800, place=place)
+    return {
+        "params": params.__dict__,
+        "exits": res.returncodes,
+        "results": {i: r for i, r in res.results.items() if r is not None},
+    }
+
+
+def outer_rows(results: dict[Any, Any]) -> list[dict[str, Any]]:
+    """Per worker and round: the seconds from the update to the next state applied
+    (``phases["applied"]``), and bytes received."""
+    rows = []
+    for i, result in results.items():
+        for rec in result["rounds"]:
+            applied = rec.get("phases", {}).get("applied")
+            if applied is None:
+                continue
+            rows.append(
+                {
+                    "worker": int(i),
+                    "round": rec["round"],
+                    "comm_s": applied,
+                    "ready_s": rec["phases"].get("ready"),
+                    "update_bytes": rec["update_bytes"],
+                    "state_bytes": rec["state_bytes"],
+                    "received": rec["wire_received"],
+                }
+            )
+    return rows
+
+
+def sim_outer(real: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The simulated twin of a real outer run: the same K, rounds, update and state sizes,
+    hosts, deadline and proposer time-out; compute jitter as the real workers showed."""
+    from bench.sim.outer import OuterParams, OuterSim
+
+    p = real["params"]
+    update = int(statistics.median(r["update_bytes"] for r in rows))
+    state = int(statistics.median(r["state_bytes"] for r in rows))
+    params = OuterParams(
+        workers=p["workers"],
+        rounds=p["rounds"],
+        compute_s=30.0,
+        update_bytes=update,
+        state_bytes=state,
+        link_mbit=1000.0,
+        deadline=p["deadline"],
+        proposer_timeout=p["proposer_timeout"],
+        fetch="swarm",
+        hosts=tuple((delay, 1000.0) for _, delay in OUTER_HOSTS),
+        jitter=0.0,
+    )
+    sim = OuterSim(params)
+    report = sim.run()
+    comm = [x.adopted - x.announced for x in sim.logs if x.announced is not None and x.adopted is not None and x.how == "applied"]  # noqa: E501
+    return {"report": report, "comm_s": comm}

@@ -637,10 +637,7 @@ class SimFetch:
 
     # --- workers --------------------------------------------------------------------------
 
-    def _wanted(self, prov: Provider) -> int:
-        sched = self.scheduler
-        assert sched is not None
-        limit = sched.inflight_limit(prov.name)
+    def _wanted(self, prov: Provider, limit: int) -> int:
         lanes = prov.lane_load
         if self._lanes_coming(prov):
             return 1 - sum(lanes)
@@ -684,8 +681,11 @@ class SimFetch:
             if not sched.still_used(prov.name):
                 self._drop_provider(prov)
                 continue
-            for _ in range(self._wanted(prov)):
+            limit = sched.inflight_limit(prov.name)
+            for _ in range(self._wanted(prov, limit)):
                 prov.workers.append(Worker(prov, self._quiet_lane(prov.lane_load)))
+            if sum(len(w.pending) for w in prov.workers) >= limit:
+                continue  # next_request would say None to every one (its limit is met)
             for w in list(prov.workers):
                 if not w.gone and w.paused_until <= now:
                     self._work(w)

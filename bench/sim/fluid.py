@@ -499,7 +499,7 @@ class Network:
         idle = now - p.idle_since
         rto = p.rtt + RTO_MIN
         if p.cwnd > self.initial_window and idle > rto:
-            p.cwnd = max(self.initial_window, p.cwnd / 2 ** int(idle / rto))  # rule 3b
+            p.cwnd = max(self.initial_window, p.cwnd / 2.0 ** min(64, int(idle / rto)))  # 3b
         p.cap = min(self.window, p.cwnd) / p.rtt
         self.active[p] = None
         for x in p.links:

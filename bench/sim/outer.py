@@ -158,6 +158,10 @@ class OuterParams:
     # workers whose rank(R_r, peer) falls in the lowest `sample` / K of the range are
     # fetched, waited for and named; None: every update (the design).
     sample: int | None = None
+    # Hosts as (one-way delay s, Mbit/s) in turn (bench/wan's testbed, for calibration);
+    # None: three regions (world.INTERNET_REGIONS) with access delays of 2-10 ms.
+    hosts: tuple[tuple[float, float], ...] | None = None
+    jitter: float = 0.05  # compute time varies by this share each round
     seed: int = 0
     exact_every: float = 1.0
 
@@ -186,7 +190,9 @@ class OuterSim:
     def __init__(self, params: OuterParams) -> None:
         self.p = params
         self.world = World(
-            seed=params.seed, exact_every=params.exact_every, regions=INTERNET_REGIONS
+            seed=params.seed,
+            exact_every=params.exact_every,
+            regions={} if params.hosts else INTERNET_REGIONS,
         )
         rng = self.world.rng
         self.authority = Authority(SoftwareSigner(MachineKey(rng.randbytes(32))))
@@ -218,12 +224,11 @@ class OuterSim:
             serial=self.serial,
         )
         region = self.regions[self.serial % 3]
+        delay, mbit = rng.uniform(0.002, 0.010), self.p.link_mbit
+        if self.p.hosts:
+            delay, mbit = self.p.hosts[(self.serial - 1) % len(self.p.hosts)]
         host = self.world.host(
-            key.peer_id,
-            up_mbit=self.p.link_mbit,
-            down_mbit=self.p.link_mbit,
-            delay_s=rng.uniform(0.002, 0.010),
-            region=region,
+            key.peer_id, up_mbit=mbit, down_mbit=mbit, delay_s=delay, region=region
         )
         node = SimNode(self.world, key.peer_id, host)
         w = OuterWorker(self, key, cert, node, joiner=joiner)
@@ -425,7 +430,7 @@ class OuterWorker:
             self._event(event)
         if r >= self.sim.p.rounds:
             return
-        jitter = self.world.rng.uniform(0.95, 1.05)
+        jitter = self.world.rng.uniform(1 - self.sim.p.jitter, 1 + self.sim.p.jitter)
         call_later(self.world.env, self.sim.p.compute_s * jitter, self._trained, r, root)
 
     def _mark_round(self, r: int) -> None:

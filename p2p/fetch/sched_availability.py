@@ -79,6 +79,8 @@ class Availability:
         self._next_id = 1
         self._peers: dict[str, _Peer] = {}
         self._partials: dict[str, _Peer] = {}  # usable peers with a partial bitmap
+        # The usable peers, their rates and the best rate, until one changes (Picking).
+        self._rates: tuple[list[_Peer], list[float], float] | None = None
 
     def _check_index(self, i: int) -> None:
         if not 0 <= i < self._n:
@@ -145,6 +147,7 @@ class Availability:
     def _contribute(self, p: _Peer, sign: int) -> None:
         """Add (+1) or remove (-1) a usable peer's holdings from the rarity counts (and a
         partial peer's claims from the claim counts)."""
+        self._rates = None  # the usable peers change
         bm = p.bitmap
         if bm is None:
             self._full_usable += sign

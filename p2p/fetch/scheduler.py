@@ -623,11 +623,16 @@ class Scheduler(Picking):
             self._contribute(p, -1)
         p.banned = True
         p.rate = 0.0
+        self._rates = None
         p.last_error = reason
         self._release_all(p)
 
     def _check_invariants(self) -> None:
         """Recount every derived quantity from scratch (tests only: O(num_chunks))."""
+        if self._rates is not None:
+            usable = [q for q in self._peers.values() if q.usable]
+            rates = [q.rate for q in usable if q.rate is not None]
+            assert self._rates == (usable, rates, max(rates, default=0.0))
         state = self._state
         n = self._n
         assert self._verified_count == sum(1 for s in state if s == _VERIFIED)
