@@ -208,6 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--base", type=Path, help="a tree to compare against (PYTHONPATH)")
     parser.add_argument(
+        "--outer",
+        type=int,
+        metavar="K",
+        help="the outer loop instead: K real workers on the testbed against the simulator",
+    )
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--model-size", default="small")
+    parser.add_argument("--inner-steps", type=int, default=4)
+    parser.add_argument(
         "--from",
         dest="saved",
         type=Path,
@@ -217,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if args.goal:
         goal_runs(args.workers, args.runs, args.size_mib, args.base, args.json_out)
+        return 0
+    if args.outer:
+        outer_compare(args)
         return 0
     if args.saved is not None:
         for old in json.loads(args.saved.read_text()):
@@ -253,10 +265,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(rows, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 def goal_runs(
@@ -313,7 +321,9 @@ def goal_runs(
 OUTER_HOSTS = (("eu", 0.0325), ("us", 0.0075), ("asia", 0.0675))
 
 
-def real_outer(work: Path, workers: int, rounds: int, model_size: str, inner_steps: int) -> dict[str, Any]:
+def real_outer(
+    work: Path, workers: int, rounds: int, model_size: str, inner_steps: int
+) -> dict[str, Any]:
     """A real outer-loop run on the testbed: ``workers`` worker processes (``blob outer
     worker``, as bench/outer_net.py --wan-runs places them), no churn, no replay; each
     worker's round records (phases, bytes)."""
@@ -363,6 +373,8 @@ def outer_rows(results: dict[Any, Any]) -> list[dict[str, Any]]:
                     "round": rec["round"],
                     "comm_s": applied,
                     "ready_s": rec["phases"].get("ready"),
+                    "phases": rec["phases"],
+                    "how": rec["how"],
                     "update_bytes": rec["update_bytes"],
                     "state_bytes": rec["state_bytes"],
                     "received": rec["wire_received"],
@@ -371,12 +383,61 @@ def outer_rows(results: dict[Any, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def outer_compare(args: Any) -> None:
+    """``--outer K``: real runs, each with its simulated twin; per run the median worker's
+    seconds from its update to the next state, and bytes received per round."""
+    import tempfile
+
+    out = []
+    for run in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="simcal-outer-") as tmp:
+            real = real_outer(Path(tmp), args.outer, args.rounds, args.model_size, args.inner_steps)
+        rows = outer_rows(real["results"])
+        if not rows:
+            print(json.dumps({"run": run, "failed": real["exits"]}), flush=True)
+            continue
+        sim = sim_outer(real, rows)
+        row = {
+            "run": run,
+            "exits": real["exits"],
+            "update_bytes": statistics.median(r["update_bytes"] for r in rows),
+            "real_comm_s": statistics.median(r["comm_s"] for r in rows),
+            "sim_comm_s": statistics.median(sim["comm_s"]) if sim["comm_s"] else None,
+            # Comparable to the simulation's, where every update comes at once: per round,
+            # the worker whose updates were in first (the last to announce) waited least.
+            "real_comm_last_s": statistics.median(
+                min((r for r in rows if r["round"] == k), key=lambda r: r["ready_s"] or 0.0)[
+                    "comm_s"
+                ]
+                for k in {r["round"] for r in rows}
+            ),
+            "sim_apply_s": sim["apply_s"],
+            "real_received": statistics.median(r["received"] for r in rows),
+            "sim_received": statistics.median(
+                x["received_median"] for x in sim["report"]["rounds"]
+            ),
+            "sim_forks": sim["report"]["forks"],
+            "real_rows": rows,
+        }
+        out.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "real_rows"}), flush=True)
+        if args.json_out is not None:
+            args.json_out.write_text(json.dumps(out, indent=1))
+
+
 def sim_outer(real: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The simulated twin of a real outer run: the same K, rounds, update and state sizes,
     hosts, deadline and proposer time-out; compute jitter as the real workers showed."""
     from bench.sim.outer import OuterParams, OuterSim
 
     p = real["params"]
+    # The CPU work after a closure is in: its "closure" mark to "applied" where a worker
+    # applied another's closure (aggregating, storing the state blob).
+    applying = [
+        r["phases"]["applied"] - r["phases"]["closure"]
+        for r in rows
+        if "closure" in r["phases"] and r["how"] == "applied"
+    ]
     update = int(statistics.median(r["update_bytes"] for r in rows))
     state = int(statistics.median(r["state_bytes"] for r in rows))
     params = OuterParams(
@@ -391,8 +452,17 @@ def sim_outer(real: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any
         fetch="swarm",
         hosts=tuple((delay, 1000.0) for _, delay in OUTER_HOSTS),
         jitter=0.0,
+        apply_s=statistics.median(applying) if applying else 0.0,
     )
     sim = OuterSim(params)
     report = sim.run()
-    comm = [x.adopted - x.announced for x in sim.logs if x.announced is not None and x.adopted is not None and x.how == "applied"]  # noqa: E501
+    comm = [
+        x.adopted - x.announced
+        for x in sim.logs
+        if x.announced is not None and x.adopted is not None and x.how == "applied"
+    ]
     return {"report": report, "comm_s": comm}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from p2p.fetch.striping import StripeConfig
 
 MiB = 1 << 20
 GiB = 1 << 30
+# Events between progress lines on stderr (internet_fan_out, progress=True).
+PROGRESS_EVERY = 500_000
 
 
 @dataclass
@@ -126,6 +129,7 @@ def _run(
     until: float,
     seeder_leaves: bool = False,
     churn_at: Callable[[SimNode], float | None] = lambda node: None,
+    progress: bool = False,
 ) -> FanOutResult:
     """Start each fetcher at its time; run until every one is done, gone, or ``until``."""
     fetches: dict[str, SimFetch] = {}
@@ -166,6 +170,13 @@ def _run(
         except simpy.core.EmptySchedule:
             break
         events += 1
+        if progress and not events % PROGRESS_EVERY:
+            print(
+                f"[sim] t={env.now:.1f} s: {len(fetchers) - remaining[0]}/{len(fetchers)} "
+                f"done, {events} events, {time.process_time() - started:.0f} s CPU",
+                file=sys.stderr,
+                flush=True,
+            )
     wall = time.process_time() - started
     results = []
     for node, at, liar in fetchers:
@@ -340,6 +351,7 @@ def internet_fan_out(
         until=until,
         seeder_leaves=seeder_leaves,
         churn_at=lambda node: churners.get(node.name),
+        progress=True,
     )
     result.params = {
         "scenario": "internet",

@@ -162,6 +162,9 @@ class OuterParams:
     # None: three regions (world.INTERNET_REGIONS) with access delays of 2-10 ms.
     hosts: tuple[tuple[float, float], ...] | None = None
     jitter: float = 0.05  # compute time varies by this share each round
+    # Seconds to aggregate a closure's updates into the next state and store it (CPU work
+    # the network does not see; 0: instant). The proposer spends it before it proposes.
+    apply_s: float = 0.0
     seed: int = 0
     exact_every: float = 1.0
 
@@ -180,7 +183,8 @@ class RoundLog:
     bytes_out: float = 0.0
     gossip_in: int = 0
     gossip_out: int = 0
-    gossip_bytes: int = 0
+    gossip_bytes: int = 0  # in and out
+    gossip_bytes_in: int = 0
     updates_fetched: int = 0
 
 
@@ -319,6 +323,9 @@ class OuterSim:
                     "gossip_in_median": statistics.median(x.gossip_in for x in applied),
                     "gossip_out_median": statistics.median(x.gossip_out for x in applied),
                     "gossip_bytes_median": statistics.median(x.gossip_bytes for x in applied),
+                    "received_median": statistics.median(
+                        x.bytes_in + x.gossip_bytes_in for x in applied
+                    ),
                     "round_s": max(x.adopted for x in applied) - min(x.started for x in applied),  # type: ignore[type-var]
                     "utilisation": statistics.median(
                         p.compute_s / (x.adopted - x.started)
@@ -373,7 +380,7 @@ class OuterWorker:
         self.slot_at = math.inf
         self.proposed: set[int] = set()
         self.log: RoundLog | None = None
-        self.marks = (0.0, 0.0, 0, 0, 0)
+        self.marks: tuple[float, ...] = (0.0, 0.0, 0, 0, 0, 0)
         self.adopting = False
         self.closure_blobs: dict[bytes, tuple[str, int]] = {}
         self.closures_fetching: set[str] = set()
@@ -436,15 +443,21 @@ class OuterWorker:
     def _mark_round(self, r: int) -> None:
         host = self.node.host
         stats = self.sim.gossip.stats_of.get(self.name)
-        g = (0, 0, 0)
+        g = (0, 0, 0, 0)
         if stats is not None:
-            g = (stats.received, stats.sent + stats.control, stats.bytes_in + stats.bytes_out)
+            g = (
+                stats.received,
+                stats.sent + stats.control,
+                stats.bytes_in + stats.bytes_out,
+                stats.bytes_in,
+            )
         if self.log is not None:
             self.log.bytes_in = host.down.sent - self.marks[0]
             self.log.bytes_out = host.up.sent - self.marks[1]
             self.log.gossip_in = g[0] - self.marks[2]
             self.log.gossip_out = g[1] - self.marks[3]
             self.log.gossip_bytes = g[2] - self.marks[4]
+            self.log.gossip_bytes_in = g[3] - self.marks[5]
             self.log.updates_fetched = len(self.fetched) - 1
         self.marks = (host.down.sent, host.up.sent, *g)
         if r < self.sim.p.rounds:
@@ -587,6 +600,19 @@ class OuterWorker:
         if own is None or self.book.has_round(self.round, self.root):
             return
         self.proposed.add(self.round)
+        if self.sim.p.apply_s > 0:
+            # The proposer aggregates before it signs (training.outer.worker_propose).
+            r, root = self.round, self.root
+            call_later(self.world.env, self.sim.p.apply_s, self._propose_now, r, root)
+            return
+        self._propose_now(self.round, self.root)
+
+    def _propose_now(self, r: int, root: str) -> None:
+        own = self.own
+        if (self.round, self.root) != (r, root) or own is None or not self.node.alive:
+            return
+        if self.book.has_round(self.round, self.root):
+            return
         updates = {self.name: (own[2], own[3])} if self._sampled(self.name) else {}
         for peer, blob in self.fetched.items():
             c = self.candidates.get(peer)
@@ -699,6 +725,16 @@ class OuterWorker:
             return
         self.included[c.round] = len(c.included)
         self.previous = {x.peer: x.blob for x in c.included}
+        if self.sim.p.apply_s > 0 and c.proposer != self.name:
+            self.adopting = True  # aggregating (the proposer did before it proposed)
+
+            def done() -> None:
+                self.adopting = False
+                if self.node.alive and (self.round, self.root) == (c.round, c.start_root):
+                    self._adopt(c.round, c.result_root, c.state_blob, "applied")
+
+            call_later(self.world.env, self.sim.p.apply_s, done)
+            return
         self._adopt(c.round, c.result_root, c.state_blob, "applied")
 
     def _catch_up(self, checked: Any) -> None:
