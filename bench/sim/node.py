@@ -74,6 +74,7 @@ class ServerStream:
     serving_any: bool = False
     send_held: int = 0  # send-buffer bytes held for the `get` being answered
     idle_since: float = 0.0
+    idle_timer: bool = False
     closed: bool = False
     refused: str | None = None  # the stream budget refused it: one busy answer, then closed
 
@@ -190,12 +191,21 @@ class SimNode:
         """``ss`` waits for its next request: evictable, and closed if idle too long."""
         if ss.refused is None and not ss.closed:
             self.budgets.idle.wait(ss.slot, self.world.now, lambda: self._close(ss, tell=True))
-            ss.idle_since = since = self.world.now
-            call_later(self.world.env, self.limits.idle_timeout, self._idle_check, ss, since)
+            ss.idle_since = self.world.now
+            if not ss.idle_timer:
+                ss.idle_timer = True
+                call_later(self.world.env, self.limits.idle_timeout, self._idle_check, ss)
 
-    def _idle_check(self, ss: ServerStream, since: float) -> None:
-        if not ss.closed and not ss.serving_any and ss.idle_since == since:
+    def _idle_check(self, ss: ServerStream) -> None:
+        ss.idle_timer = False
+        if ss.closed or ss.serving_any:
+            return
+        idle = self.world.now - ss.idle_since
+        if idle >= self.limits.idle_timeout - 1e-9:
             self._close(ss, tell=True)
+        else:
+            ss.idle_timer = True
+            call_later(self.world.env, self.limits.idle_timeout - idle, self._idle_check, ss)
 
     def _evict(self, victim: Any) -> None:
         self.evictions += 1
@@ -292,7 +302,11 @@ class SimNode:
 
     def _done_answering(self, ss: ServerStream) -> None:
         # The next request on the stream is read once this answer is out (rule 1).
-        call_later(self.world.env, 0.0, self._next, ss)
+        if ss.queue:
+            call_later(self.world.env, 0.0, self._next, ss)
+        else:
+            ss.serving_any = False
+            self._waiting(ss)
 
     def _answer(self, ss: ServerStream, req: Any, kind: str, *args: Any) -> None:
         client = ss.client
