@@ -306,32 +306,48 @@ class IdleStreams:
 
     def __init__(self) -> None:
         self.waiting: dict[int, _Waiting] = {}
+        # The same streams by source address and by identity: a newcomer's eviction looks
+        # only at the holders with idle streams (scanning every waiting stream for every
+        # holder cost a seeder shared by a thousand simulated fetchers ~12 ms a newcomer).
+        self._by_ip: dict[str, dict[int, _Waiting]] = {}
+        self._by_peer: dict[str, dict[int, _Waiting]] = {}
 
     def wait(self, slot: StreamSlot, now: float, evict: Callable[[], None]) -> None:
-        self.waiting[id(slot)] = _Waiting(slot, now, evict)
+        self.working(slot)
+        entry = self.waiting[id(slot)] = _Waiting(slot, now, evict)
+        self._by_ip.setdefault(slot.ip, {})[id(slot)] = entry
+        self._by_peer.setdefault(slot.peer, {})[id(slot)] = entry
 
     def working(self, slot: StreamSlot) -> None:
-        self.waiting.pop(id(slot), None)
+        entry = self.waiting.pop(id(slot), None)
+        if entry is not None:
+            self._unindex(id(slot), entry)
+
+    def _unindex(self, key: int, entry: _Waiting) -> None:
+        for index, holder in ((self._by_ip, entry.slot.ip), (self._by_peer, entry.slot.peer)):
+            streams = index.get(holder)
+            if streams is not None:
+                streams.pop(key, None)
+                if not streams:
+                    del index[holder]
 
     def victim(
         self, by_ip: Counter[str], by_peer: Counter[str], ip: str, peer: str
     ) -> _Waiting | None:
         """The stream idle longest of the source address holding the most streams, among
         addresses holding more than ``ip`` will once served; failing that, of the identity
-        holding the most, among those holding more than ``peer`` will. None if there is
-        none; the victim is no longer listed as waiting."""
-        for holdings, mine, by_address in ((by_ip, ip, True), (by_peer, peer, False)):
+        holding the most, among those holding more than ``peer`` will (of equal holders, the
+        one ``holdings`` lists first). None if there is none; the victim is no longer
+        listed as waiting."""
+        for holdings, mine, index in ((by_ip, ip, self._by_ip), (by_peer, peer, self._by_peer)):
             floor = holdings[mine] + 1
-            for key in sorted(holdings, key=holdings.__getitem__, reverse=True):
-                if holdings[key] <= floor:
-                    break
-                idle = [
-                    (w.since, k)
-                    for k, w in self.waiting.items()
-                    if (w.slot.ip if by_address else w.slot.peer) == key
-                ]
-                if idle:
-                    return self.waiting.pop(min(idle)[1])
+            holders = [key for key in holdings if key in index and holdings[key] > floor]
+            if holders:
+                streams = index[max(holders, key=holdings.__getitem__)]
+                _, key = min((w.since, k) for k, w in streams.items())
+                entry = self.waiting.pop(key)
+                self._unindex(key, entry)
+                return entry
         return None
 
 
