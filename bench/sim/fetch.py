@@ -205,6 +205,7 @@ class Provider:
     workers: list[Worker] = field(default_factory=list)
     growth: StripeGrowth | None = None
     retries: int = 0
+    busy: bool = False  # its `have` was answered busy
     bytes: int = 0
 
 
@@ -319,6 +320,7 @@ class SimFetch:
                 prov.rtt = self.world.now - asked
             else:
                 prov.have = b""
+                prov.busy = kind == "busy"  # only a busy one is tried again (_run_peer)
             self._run(prov)
 
         hs.on_answer = have
@@ -410,6 +412,9 @@ class SimFetch:
     def _got_manifest(self) -> None:
         blob = self.blob
         self.manifest_at = self.world.now
+        # The partial blob exists from here (blobstore: begin_partial): fellows asking
+        # `have` get an empty bitmap, not not_found.
+        self.node.holds.setdefault(blob.blob_id, bytearray((blob.num_chunks + 7) // 8))
         own = self.node.name
         start = int.from_bytes(blake3.blake3(f"{own}/{blob.blob_id}".encode()).digest()[:8])
         have = self.node.holds.get(blob.blob_id)
@@ -430,8 +435,9 @@ class SimFetch:
         sched = self.scheduler
         if sched is None or prov.have is None or prov.running or self.stopped:
             return
-        if not prov.have:  # not found, busy, or unusable: maybe again later
-            self._retry(prov)
+        if not prov.have:  # busy: tried again later; not found: not used
+            if prov.busy:
+                self._retry(prov)
             return
         prov.running = True
         n = self.blob.num_chunks
@@ -759,6 +765,7 @@ class SimFetch:
                     sched.on_request_failed(ticket.request_id, now, "stream lost")
                 w.stream.reset()
                 w.stream = None
+                self._pump()  # the downloader's _notify: the other workers try (and fail) too
                 return
             w.pending.append(req)
             self._deadline(ticket)

@@ -165,11 +165,21 @@ class Picking(Availability):
             for q in self._peers.values()
         )
 
+    def _origins(self) -> bool:
+        """Whether any usable peer is an origin (set_origin)."""
+        return any(q.origin and q.usable for q in self._peers.values())
+
     def _pick_pool(self, p: _Peer, limit: int) -> list[int]:
         if self._spares(p):
             return []
         heap = self._full_heap if p.bitmap is None else p.heap
         orphans_only = self._defers(p)
+        # A chunk of rank 1 is only claimed (or in a fellow's share of the partition): an
+        # origin leaves it to the claimer, its uplink being the scarce one; a fellow that
+        # finished gives it at once, rather than let a fetcher wait for the claimer to
+        # fetch it, say so and serve it (a four-fetcher simulated fan-out's last chunk
+        # waited 1.3 s so). With no origin known, every full peer leaves it, as an origin.
+        after_rank = 1 if p.origin or not self._origins() else 2
         bm = p.bitmap
         state = self._state
         stride = self._stride
@@ -189,7 +199,7 @@ class Picking(Availability):
             ):
                 heapq.heappop(heap)  # stale entry
                 continue
-            if orphans_only and key >= stride:
+            if orphans_only and key >= after_rank * stride:
                 break  # held or claimed by a partial peer: left to it (keys go by rank)
             after = ranges + 1 - ((i - 1) in chosen) - ((i + 1) in chosen)
             if after > max_ranges:

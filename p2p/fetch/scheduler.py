@@ -63,6 +63,9 @@ Policy
   ``status``): they are not requested from it until its bitmap holds them, but they are
   left to it rather than asked of the seeder a second time. Among pool chunks of equal
   rarity an unclaimed one goes first (the hand-out key's rank is 2 x rarity + claimed).
+  Claims bind the origins (below; every peer with every chunk while no origin is known): a
+  fellow that finished leaves to partial peers only the chunks they hold, and gives a
+  claimed one at once rather than let the fetcher wait for the claimer.
 - Origins last (with ``defer_to_partial_holders``): a provider the caller named
   (``set_origin``: a ticket's seeder) that has every chunk is handed no pool chunk while a
   usable peer with every chunk that was not named (a fellow that finished, or one found
