@@ -30,10 +30,11 @@ What the shell does by hand (the I/O and the training of ``training.outer.worker
    round and as many new ones arrive; a newcomer joins the mesh, says hello, and catches
    up from the first closure it can check (fetching the closure blob and the state blob).
 
-Signature checks are memoised across the simulated workers (`shared_verification`): the
-same bytes against the same trust store give the same verdict in every worker (the
-certificates are valid over the whole run), and checking each one once per worker would
-cost minutes of CPU per round at K = 256. Each worker's ledger and book still call them.
+Signature checks and ranks are memoised across the simulated workers
+(`shared_verification`): the same bytes against the same trust store give the same verdict
+in every worker (the certificates are valid over the whole run), a rank is a hash of its
+inputs, and computing each once per worker would cost minutes of CPU per round at K = 256.
+Each worker's ledger, book and proposer order still call them.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -76,7 +78,6 @@ from training.outer.agreement import (
     next_step,
     proposal_time,
     proposer_order,
-    rank,
     select_for_closure,
     sign_closure,
 )
@@ -108,9 +109,35 @@ MAX_EXTRA_PROVIDERS = 8
 
 @contextlib.contextmanager
 def shared_verification() -> Iterator[None]:
-    """Memoise ``verify_attestation`` in the agreement modules (see the module docstring)."""
+    """Memoise ``verify_attestation`` and ``rank`` in the agreement modules (see the module
+    docstring): pure functions, the same inputs in every simulated worker."""
     real = messages_module.verify_attestation
+    real_cert = messages_module.verify_certificate
+    real_rank = agreement_module.rank
+    certs: dict[tuple[Any, ...], Any] = {}
+
+    def verify_cert(certificate: Any, **kwargs: Any) -> Any:
+        key = (certificate.encode(), id(kwargs.get("trust")), kwargs.get("peer_id"))
+        hit = certs.get(key)
+        if hit is None:
+            try:
+                hit = (True, real_cert(certificate, **kwargs))
+            except Exception as exc:
+                hit = (False, exc)
+            certs[key] = hit
+        if hit[0]:
+            return hit[1]
+        raise hit[1]
+
     cache: dict[tuple[Any, ...], Any] = {}
+    ranks: dict[tuple[str, str], bytes] = {}
+
+    def memo_rank(start_root: str, peer: str) -> bytes:
+        key = (start_root, peer)
+        value = ranks.get(key)
+        if value is None:
+            value = ranks[key] = real_rank(start_root, peer)
+        return value
 
     def verify(data: Any, **kwargs: Any) -> Any:
         key = (bytes(data), kwargs.get("kind"), id(kwargs.get("trust")))
@@ -127,11 +154,15 @@ def shared_verification() -> Iterator[None]:
 
     messages_module.verify_attestation = verify  # type: ignore[assignment]
     agreement_module.verify_attestation = verify  # type: ignore[assignment]
+    agreement_module.rank = memo_rank  # type: ignore[assignment]
+    messages_module.verify_certificate = verify_cert  # type: ignore[assignment]
     try:
         yield
     finally:
         messages_module.verify_attestation = real  # type: ignore[assignment]
         agreement_module.verify_attestation = real  # type: ignore[assignment]
+        agreement_module.rank = real_rank  # type: ignore[assignment]
+        messages_module.verify_certificate = real_cert  # type: ignore[assignment]
 
 
 def _median(values: list[float]) -> float:
@@ -260,6 +291,14 @@ class OuterSim:
                 except simpy.core.EmptySchedule:
                     break
                 events += 1
+                if not events % 1_000_000:
+                    top = max((w.round for w in self.workers.values()), default=0)
+                    print(
+                        f"[sim] t={env.now:.0f} s, round {top}, {events} events, "
+                        f"{time.process_time() - started:.0f} s CPU",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         return self.report(time.process_time() - started, events)
 
     def _finished(self) -> bool:
@@ -559,7 +598,7 @@ class OuterWorker:
         if sample is None:
             return True
         share = min(1.0, sample / self.sim.p.workers)
-        return int.from_bytes(rank(self.root, peer)[:8], "big") < share * 2.0**64
+        return int.from_bytes(agreement_module.rank(self.root, peer)[:8], "big") < share * 2.0**64
 
     def _nameable(self) -> int:
         return sum(
