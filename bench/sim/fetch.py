@@ -14,7 +14,10 @@ What the shell does by hand, mirroring ``p2p.fetch.downloader`` and ``p2p.node.f
    gives on one stream is the manifest and, riding with it, a `try_get` of chunk 0 [11];
    `have` and, when swarming, 1.4.0's fellow count are asked on streams of their own at
    the same time, and a far provider's extra connections are dialled at once (HaveProbes).
-2. Per provider: ``add_peer`` with its bitmap, ``on_rtt`` with the `have` round trip,
+   A manifest answered `busy` is asked again after ``MANIFEST_RETRY_PAUSES``; with none
+   the fetch fails (``NoProviders``), and one stalled for ``STALL_GRACE`` fails too.
+2. Per provider: ``add_peer`` with its bitmap, ``set_origin`` if it was named,
+   ``on_rtt`` with the `have` round trip,
    ``set_connections`` as lanes come up; stream workers as ``inflight_limit`` allows, one
    live request each, or ``PIPELINE_DEPTH`` on a striped provider's bulk lanes, where
    lane 0 is left to control streams [9, 10]. A request's answer: each chunk
@@ -23,8 +26,9 @@ What the shell does by hand, mirroring ``p2p.fetch.downloader`` and ``p2p.node.f
    (``on_request_busy``, the stream dropped, 0.2 s pause). A chunk that fails its hash
    (a liar's) bans the peer (``on_bad_chunk``) and penalises it in ``PeerScores``.
    A deadline passed, a stream closed under it, or a peer gone: ``on_request_failed``
-   (requests queued behind on the same stream are cancelled). A dropped peer is tried
-   again after ``PEER_RETRY_PAUSES``.
+   (requests queued behind on the same stream are cancelled). A dropped peer, or one whose
+   `have` was answered `busy`, is tried again after ``PEER_RETRY_PAUSES``; one that said
+   `not_found` is not.
 3. A partial provider is asked `status` every ``HAVE_REFRESH_INTERVAL`` (its bitmap and
    claims to ``update_peer_bitmap``) until it holds everything; a full one, when swarming,
    is asked its fellow count (``set_alone``, ``ALONE_ANSWERS``) [8]; a full one is striped
@@ -32,8 +36,12 @@ What the shell does by hand, mirroring ``p2p.fetch.downloader`` and ``p2p.node.f
 4. Peer exchange [node 4]: providers are asked `peers` when ``PexBook.due`` says, new
    fellows dialled (``PEX_DIAL_PARALLELISM`` at a time, ``MAX_SWARM_DIALS`` in all) and
    added as providers.
-5. Idle workers wake on every change, and at the scheduler's ``next_late_at`` (at most
-   ``IDLE_WAKE_S`` apart) for endgame copies.
+5. Idle workers wake on every change, once everything that happens at that instant has
+   (as trio runs the workers `_notify` woke after the task that woke them), and at the
+   scheduler's ``next_late_at`` (at most ``IDLE_WAKE_S`` apart) for endgame copies. After a
+   partial provider's `status`, only its own and the full providers' workers ask (the
+   downloader wakes every worker; the others' holdings did not change, and a simulated
+   fan-out gave the same figures either way at 4-16 fetchers).
 6. When every chunk is verified the fetch's streams close; a one-shot fetch (`blob get`)
    lingers while fellows ask within ``LINGER_QUIET`` (at most ``LINGER_MAX``) and then its
    node leaves; a long-lived node serves on.
