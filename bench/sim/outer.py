@@ -78,6 +78,7 @@ from training.outer.agreement import (
     next_step,
     proposal_time,
     proposer_order,
+    quorum_of,
     select_for_closure,
     sign_closure,
 )
@@ -94,7 +95,7 @@ from training.outer.messages import (
     UpdateAnnouncement,
     encode_message,
 )
-from training.outer.worker_blobs import FETCH_RETRY
+from training.outer.worker.fetcher import FETCH_RETRY
 
 RUN = "sim-run"
 KERNEL = "sim-kernel"
@@ -184,6 +185,10 @@ class OuterParams:
     deadline: float = 8.0
     proposer_timeout: float = 3.0
     churn: float = 0.0
+    # The run's quorum (rule 7: the distinct operators a closure must name); 0: a majority
+    # of ``workers``. A closure names at most MAX_INCLUDED workers, so a majority of more
+    # than 2 x MAX_INCLUDED - 1 workers cannot close a round: such runs must set it.
+    quorum: int = 0
     fetch: str = "swarm"  # or "direct"
     # The proposal for K above MAX_INCLUDED (not the design today): each round only the
     # workers whose rank(R_r, peer) falls in the lowest `sample` / K of the range are
@@ -242,6 +247,12 @@ class OuterSim:
         self.regions = ("eu", "us", "asia")
         self.serial = 0
         self.blob_sizes: dict[str, int] = {}  # closure blobs, by ID
+        self.quorum = quorum_of(params.workers, params.quorum)
+        if self.quorum > MAX_INCLUDED:
+            raise ValueError(
+                f"a quorum of {self.quorum} operators (of {params.workers} workers) exceeds "
+                f"the {MAX_INCLUDED} workers a closure can name (rule 7): set a quorum"
+            )
 
     def now_wall(self) -> int:
         return EPOCH + int(self.world.now)
@@ -410,6 +421,7 @@ class OuterWorker:
         self.joining = joiner
         self.own: tuple[int, str, str, bytes, float] | None = None  # round, root, blob, att, at
         self.candidates: dict[str, Candidate] = {}
+        self.heard: dict[str, Candidate] = {}  # every valid update of the round, sampled or not
         self.fetched: dict[str, str] = {}
         self.fetching: set[str] = set()
         self.attestations: dict[tuple[str, str], bytes] = {}
@@ -465,6 +477,7 @@ class OuterWorker:
         self.round, self.root = r, root
         self.own = None
         self.candidates = {}
+        self.heard = {}
         self.fetched = {}
         self.fetching = set()
         self.slot_at = math.inf
@@ -538,6 +551,8 @@ class OuterWorker:
     def _event(self, event: Any) -> None:
         if isinstance(event, Candidate):
             self.attestations[(event.peer, event.blob)] = event.attestation
+            if event.round == self.round:
+                self.heard[event.peer] = event
             if event.round == self.round and not self.joining and self._sampled(event.peer):
                 self.candidates[event.peer] = event
                 self._fetch_update(event)
@@ -657,12 +672,23 @@ class OuterWorker:
             c = self.candidates.get(peer)
             if c is not None and c.blob == blob:
                 updates[peer] = (blob, c.attestation)
-        if not updates:
-            return
-        included = select_for_closure(updates)
+        # Every other valid update heard is named as left out (rule 1: its author was
+        # present), so the closure counts towards the quorum (rule 7) whoever was fetched.
+        left = {}
+        if own[2] not in (blob for blob, _ in updates.values()):
+            left[self.name] = (own[2], own[3], "not in the round's sample")
+        for peer, c in self.heard.items():
+            if peer not in updates and peer != self.name:
+                why = "not fetched in time" if self._sampled(peer) else "not in the round's sample"
+                left[peer] = (c.blob, c.attestation, why)
+        included, out, passed = select_for_closure(updates, left)
+        if len(included) + len(out) + len(passed) < self.sim.quorum:
+            return  # below the quorum: no proposal (a later proposer takes over)
         result = _h("result", self.root, *(x.blob for x in included))
         state = _h("state", result)
-        closure = Closure(RUN, self.round, self.root, self.name, included, result, state)
+        closure = Closure(
+            RUN, self.round, self.root, self.name, included, result, state, out, passed
+        )
         body, attestation = sign_closure(
             self.signer,
             closure,
@@ -671,7 +697,12 @@ class OuterWorker:
             time=self.sim.now_wall(),
         )
         checked = check_closure(
-            body, attestation, run=RUN, trust=self.sim.trust, now=self.sim.now_wall()
+            body,
+            attestation,
+            run=RUN,
+            trust=self.sim.trust,
+            now=self.sim.now_wall(),
+            quorum=self.sim.quorum,
         )
         self.sim.closures.setdefault(self.round, set()).add(checked.digest)
         self.book.add(checked)
@@ -729,11 +760,16 @@ class OuterWorker:
             return
         try:
             checked = check_closure(
-                body, attestation, run=RUN, trust=self.sim.trust, now=self.sim.now_wall()
+                body,
+                attestation,
+                run=RUN,
+                trust=self.sim.trust,
+                now=self.sim.now_wall(),
+                quorum=self.sim.quorum,
             )
         except Refused:
             return
-        for x in checked.closure.included:
+        for x in (*checked.closure.included, *checked.closure.left):
             self.attestations[(x.peer, x.blob)] = x.attestation
         if self.book.add(checked):
             self._step()
