@@ -62,6 +62,7 @@ def _outer(args: argparse.Namespace) -> dict[str, Any]:
         deadline=args.deadline,
         proposer_timeout=args.proposer_timeout,
         churn=args.churn,
+        quorum=args.quorum,
         fetch=args.fetch,
         sample=args.sample,
         seed=args.seed,
@@ -101,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     outer.add_argument("--deadline", type=float, default=8.0)
     outer.add_argument("--proposer-timeout", type=float, default=3.0)
     outer.add_argument("--churn", type=float, default=0.0)
+    outer.add_argument(
+        "--quorum", type=int, default=0, help="the run's quorum (0: a majority of the workers)"
+    )
     outer.add_argument("--fetch", choices=("swarm", "direct"), default="swarm")
     outer.add_argument("--sample", type=int, help="fetch and name a rotating sample (proposal)")
     outer.add_argument("--seed", type=int, default=0)
