@@ -50,8 +50,8 @@ def region_delay(regions: Mapping[tuple[str, str], float], a: str, b: str) -> fl
 
 @dataclass
 class Costs:
-    """What the protocol's round trips cost the shells (measured on the testbed, see
-    bench/figures/sim-calibration.md)."""
+    """What the protocol's round trips cost the shells (bench.sim.calibrate sets them
+    against the testbed's real runs)."""
 
     # A new connection: TCP's handshake, Noise XX and the muxer's negotiation (the first
     # stream's protocol is proposed optimistically, with its first request).

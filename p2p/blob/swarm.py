@@ -258,8 +258,8 @@ class PexBook:
         """``source`` answered ``peers``, naming ``new`` peers that `to_dial` took (of
         ``listed`` it named; None: not said, taken as some). A source that has named nobody
         yet is asked again at the first interval: the first fetcher to reach a seeder asks
-        before its fellows have, and an empty first answer backed it off to 2 s, fetching
-        alone from a seeder its fellows shared (bench/figures/sim-calibration.md)."""
+        before its fellows have, so an empty first answer is no sign that none will come
+        (backed off, that fetcher would fetch alone from a seeder its fellows share)."""
         if listed is None or listed:
             self._named.add(source)
         every = self._interval(source)

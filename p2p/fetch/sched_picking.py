@@ -74,8 +74,8 @@ class Picking(Availability):
     def _usable_rates(self) -> tuple[list[_Peer], list[float], float]:
         """The usable peers, their measured rates and the best one, kept until a peer's
         rate or usability changes: every worker of every peer asks for them at each change
-        of the download (the simulator's profile of the real scheduler: a third of its CPU
-        rebuilt these lists, bench/figures/sim-fanout-1000.md)."""
+        of the download (rebuilding them each time cost a third of the CPU of bench/sim's
+        60-fetcher swarm)."""
         cached = self._rates
         if cached is None:
             usable = [q for q in self._peers.values() if q.usable]

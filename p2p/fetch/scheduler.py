@@ -72,8 +72,8 @@ Policy
   holding the blob) is at least ``DEFER_RATE_FRACTION`` as fast as it, or either is not
   measured yet; endgame copies still go to it. A seeder's uplink then carries the blob
   about once and its finished fellows carry the rest: left to rate-scaled batches, every
-  later fetcher kept asking it for its share, and a seeder shared by a thousand fetchers
-  sent the blob many times over (bench/figures/sim-fanout-1000.md).
+  later fetcher kept asking it for its share, and a seeder shared by hundreds of
+  fetchers sent the blob several times over (bench/sim's fan-outs).
 - Swarm partition (with ``defer_to_partial_holders`` and the fetcher's own peer name): the
   chunks nobody holds are split among the fetchers without a word exchanged, by
   rendezvous hashing: chunk i belongs to whichever of this fetcher and its fetching

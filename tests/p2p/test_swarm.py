@@ -242,7 +242,7 @@ def test_a_source_that_has_named_nobody_yet_is_asked_every_interval() -> None:
     """The first fetcher to reach a seeder asks `peers` before its fellows have asked
     anything: the empty answer is no sign that nobody will come. Backed off to 2 s at
     once, it fetched alone (its partition all its own) for two seconds of a five-second
-    fan-out while its fellows were there (bench/figures/sim-calibration.md)."""
+    fan-out while its fellows were there (bench/sim's testbed-shaped fan-out)."""
     pex = PexBook("me", interval=1.0)
     pex.add_source("seed")
     asked_at = []
