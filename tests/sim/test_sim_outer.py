@@ -4,6 +4,8 @@ with workers leaving and joining still never forks, its newcomers catching up.""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.sim.outer import OuterParams, OuterSim
 
 
@@ -55,3 +57,12 @@ def test_rival_proposers_at_once_still_leave_one_root_per_round() -> None:
     assert any(log.how == "caught up" for log in sim.logs)  # some were on a losing one
     assert report["forks"] == 0
     assert len({w.root for w in sim.workers.values()}) == 1
+
+
+def test_a_run_whose_majority_no_closure_can_name_is_refused() -> None:
+    """Rule 7 with MAX_INCLUDED: a closure names at most 64 workers, so a majority of 256
+    (129) can never be named; the simulator says so instead of running rounds that cannot
+    close, and runs with a quorum the closures can hold."""
+    with pytest.raises(ValueError, match="exceeds the 64 workers a closure can name"):
+        OuterSim(OuterParams(workers=256))
+    assert OuterSim(OuterParams(workers=256, quorum=64)).quorum == 64
