@@ -26,7 +26,7 @@ from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.shell import OptimisticStream, multistream_message, proposal
 from p2p.fetch import download_parts, downloader
-from p2p.fetch.scheduler import SchedulerConfig
+from p2p.fetch.scheduler import Scheduler, SchedulerConfig
 from p2p.fetch.striping import StripeConfig
 
 RTT = 0.2  # virtual seconds: an intercontinental path, so the fetch stripes at once
@@ -254,6 +254,31 @@ async def test_a_swarming_fetcher_asks_its_first_chunk_as_a_try_get(
     if others_fetch:
         assert first_get >= manifest_at + RTT
     assert network.sent == dict.fromkeys(range(MANIFEST.num_chunks), 1)
+
+
+async def test_the_providers_a_fetch_is_named_are_its_origins_and_found_ones_are_not(
+    tmp_path: Path, virtual_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler spares an origin while a finished fellow can serve ("Origins last"),
+    so the downloader must say which providers are origins: those the caller gave and
+    those it names later, not those discovery finds."""
+    marked: dict[str, bool] = {}
+    set_origin = Scheduler.set_origin
+
+    def spy(self: Scheduler, peer: str, origin: bool = True) -> None:
+        marked[peer] = origin
+        set_origin(self, peer, origin)
+
+    monkeypatch.setattr(Scheduler, "set_origin", spy)
+    found_in, found = trio.open_memory_channel[str](1)
+    named_in, named = trio.open_memory_channel[str](1)
+    found_in.send_nowait("found")
+    named_in.send_nowait("mirror")
+    found_in.close()
+    named_in.close()
+    config = dataclasses.replace(CONFIG, defer_to_partial_holders=True)
+    await fetch(tmp_path, StripedFake(), config, more_providers=found, named_providers=named)
+    assert marked == {"far": True, "mirror": True, "found": False}
 
 
 async def test_the_transfer_rate_counts_from_the_first_byte_like_raw_tcp(
