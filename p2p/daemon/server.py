@@ -581,8 +581,11 @@ def check_store_free(store_root: Path) -> None:
 def bind_socket(path: Path) -> socket.socket | None:
     """The listening socket at ``path`` (rule 1; the caller holds the store's daemon
     lock), or None (said why in the log) when the path is too long for a Unix socket."""
-    staging = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    if len(os.fsencode(staging)) > api.MAX_SOCKET_PATH:
+    # The staging name is no longer than the socket's own (".a" and 6 hex digits against
+    # "api.sock"), so every path that fits a Unix socket gets its API. One binder at a
+    # time (the daemon lock), so 24 random bits only have to miss a crash's leftover.
+    staging = path.with_name(f".a{secrets.token_hex(3)}")
+    if len(os.fsencode(path)) > api.MAX_SOCKET_PATH:
         log.warning("local API off: the socket path %s is longer than a Unix socket takes", path)
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

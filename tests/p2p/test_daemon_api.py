@@ -52,6 +52,27 @@ def test_a_socket_left_by_a_killed_daemon_is_no_daemon(tmp_path: Path) -> None:
     assert connect(tmp_path) is None
 
 
+def test_a_store_whose_socket_path_just_fits_gets_its_api(tmp_path: Path) -> None:
+    """The socket is bound under a staging name and renamed: a staging name longer than
+    ``api.sock`` turned the API off for stores whose socket path fit (a test's store
+    under pytest-xdist's longer temp paths lost its API)."""
+    from p2p.daemon.server import bind_socket
+
+    def root_for(length: int) -> Path:
+        pad = length - len(str(api.socket_path(tmp_path / "x")))
+        root = tmp_path / ("x" * (1 + pad))
+        root.mkdir()
+        assert len(str(api.socket_path(root))) == length
+        return root
+
+    fits = root_for(api.MAX_SOCKET_PATH)
+    sock = bind_socket(api.socket_path(fits))
+    assert sock is not None
+    sock.close()
+    assert [p.name for p in fits.iterdir()] == ["api.sock"]  # no staging name left
+    assert bind_socket(api.socket_path(root_for(api.MAX_SOCKET_PATH + 1))) is None
+
+
 def test_get_and_status_use_the_running_daemon(cluster: Cluster, tmp_path: Path) -> None:
     """The fetch runs in the store's `blob serve` (its JSON says "via": "daemon"), status
     names the provider it is connected to, and with the daemon stopped the same get runs
