@@ -29,3 +29,15 @@ def nat_capable(wan_capable: None) -> None:
 
     if shutil.which("nft") is None:
         pytest.skip("NAT hosts need the `nft` command (Debian package nftables)")
+
+
+WAN_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """One testbed at a time: every test in this directory goes to one pytest-xdist
+    worker (``--dist loadgroup``), so two testbeds never shape links side by side and a
+    test's timings are those of one testbed on the machine."""
+    for item in items:
+        if WAN_DIR in item.path.parents:
+            item.add_marker(pytest.mark.xdist_group("wan"))
