@@ -14,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 from fake_stream import FakeStream
+from thread_clock import thread_aware_clock
 
 from blobstore import Manifest, NoSpace, PartialBlob, Store
 from p2p.blob import messages
@@ -156,11 +157,10 @@ async def test_a_corrupt_chunk_bans_its_peer_and_the_other_completes_the_blob(
 
 
 @pytest.fixture
-def virtual_clock() -> trio.testing.MockClock:
-    """Virtual time that jumps only after 100 ms of real idleness: the chunk writes run in
-    real threads, and a jump while one runs would fire deadlines that real time never
-    reaches."""
-    return trio.testing.MockClock(autojump_threshold=0.1)
+def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> trio.testing.MockClock:
+    """Virtual time that jumps once every task has been blocked for 10 ms of real time,
+    and never while the store works in a thread (thread_clock says why)."""
+    return thread_aware_clock(monkeypatch, threshold=0.01).clock
 
 
 class Delayed(FakeStream):

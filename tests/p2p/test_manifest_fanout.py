@@ -16,6 +16,7 @@ import pytest
 import trio
 import trio.testing
 from fake_stream import FakeStream
+from thread_clock import thread_aware_clock
 
 from blobstore import Manifest, Store
 from p2p.blob import messages
@@ -212,10 +213,10 @@ async def test_a_peer_that_ends_the_stream_at_once_is_not_said_to_be_silent(
 
 
 @pytest.fixture
-def virtual_clock() -> trio.testing.MockClock:
-    """Virtual time that jumps only after 100 ms of real idleness: the store's work runs in
-    real threads, and a jump while one runs would fire deadlines real time never reaches."""
-    return trio.testing.MockClock(autojump_threshold=0.1)
+def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> trio.testing.MockClock:
+    """Virtual time that jumps once every task has been blocked for 10 ms of real time,
+    and never while the store works in a thread (thread_clock says why)."""
+    return thread_aware_clock(monkeypatch, threshold=0.01).clock
 
 
 @pytest.mark.parametrize("resumed", [False, True], ids=["manifest", "transfer"])
