@@ -46,6 +46,13 @@ made and closed over a node's life. blobnet replaces that handler with ``Inbound
    (the full accept queue, and closes retransmitted into it); each took a handshake
    attempt, and while the queue stays full a new peer's SYN is dropped and retried a
    second later, then three.
+6. Before the gate, each source address takes a turn to start its handshake
+   (``p2p.transport.handshake_turns``): past a burst, a few a second, a handshake that
+   connects giving its turn back; a socket over its address's rate is held unread until a
+   turn comes (woken as soon as one is given back), at most ``MAX_TURN_WAIT``, and the held
+   sockets are capped in number. Closed at once instead, a flooder's silent socket would
+   reconnect at once, and the server spend its CPU accepting, starting handshakes and
+   closing.
 Identities are free, so the gate counts by source address (an IPv6 source by its /64,
 since one host gets a whole /64), never by peer ID.
 """
@@ -77,6 +84,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from p2p.transport import patches
+from p2p.transport.handshake_turns import MAX_TURN_WAIT, HandshakePacer, HandshakeTurns
 
 # Connection and stream ceilings for the whole host. A blob node talks to tens of peers,
 # each with a handful of streams (DESIGN section 4); these leave room for a DHT as well.
@@ -164,7 +172,10 @@ class InboundGate:
         max_per_ip: int = MAX_CONNECTIONS_PER_IP,
         high_watermark: int = CONN_HIGH_WATERMARK,
         idle_evict_age: float = IDLE_EVICT_AGE,
+        pacer: HandshakePacer | None = None,
     ) -> None:
+        # Turns to start a handshake, per source address (rule 6).
+        self.pacer = pacer if pacer is not None else HandshakePacer()
         self.max_pending = max_pending
         self.max_pending_per_ip = max_pending_per_ip
         self.max_per_ip = max_per_ip
@@ -292,14 +303,19 @@ def remote_address_key(conn: Any) -> str:
 
 
 def install_inbound_gate(
-    host: IHost, gate: InboundGate | None = None, *, handshake_timeout: float = HANDSHAKE_TIMEOUT
+    host: IHost,
+    gate: InboundGate | None = None,
+    *,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    max_turn_wait: float = MAX_TURN_WAIT,
 ) -> InboundGate:
     """Route the host's inbound sockets through ``gate`` instead of py-libp2p's leaking
-    slot counter (module docstring, rules 1-4). ``handshake_timeout`` must be the host's
-    ``inbound_upgrade_timeout`` (``build_host`` sets both). Returns the gate (for tests and
-    stats)."""
+    slot counter (module docstring, rules 1-6). ``handshake_timeout`` must be the host's
+    ``inbound_upgrade_timeout`` (``build_host`` sets both); a socket waits at most
+    ``max_turn_wait`` for its turn to handshake. Returns the gate (for tests and stats)."""
     network: Any = host.get_network()
     gate = gate if gate is not None else InboundGate()
+    turns = HandshakeTurns(gate.pacer, max_wait=max_turn_wait)
     original: Callable[[Any, Any], Awaitable[None]] | None = None
 
     def streams_of(key: int) -> int:
@@ -324,7 +340,16 @@ def install_inbound_gate(
             await _close_quietly(read_write_closer)
             return
         ip = remote_address_key(read_write_closer)
+        arrived = trio.current_time()
+        if not await turns.wait_turn(ip):
+            log.debug("inbound from %s closed: over its rate of handshakes", ip)
+            await _close_quietly(read_write_closer)
+            return
         now = trio.current_time()
+        if now > arrived and peer_gone(read_write_closer):  # it gave up while held
+            gate.gone += 1
+            await _close_quietly(read_write_closer)
+            return
         # The backstop only (rule 4): py-libp2p's own timeout ends a silent handshake first.
         scope = trio.CancelScope(deadline=now + handshake_timeout + HANDSHAKE_ABORT_GRACE)
 
@@ -367,6 +392,7 @@ def install_inbound_gate(
             return
         key = id(muxed)
         gate.connected(key, ip, trio.current_time())
+        turns.connected(ip)  # its turn given back: a socket of its address held may go
         try:
             # The listener closes the socket when this handler returns: stay until the
             # connection is over, then give the slot back.
