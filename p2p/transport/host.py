@@ -47,7 +47,7 @@ made and closed over a node's life. blobnet replaces that handler with ``Inbound
    attempt, and while the queue stays full a new peer's SYN is dropped and retried a
    second later, then three.
 6. Before the gate, each source address takes a turn to start its handshake
-   (``p2p.transport.handshake_turns``): past a burst, a few a second, a handshake that
+   (``p2p.transport.handshake_turns``): past a burst of 16, one a second, a handshake that
    connects giving its turn back; a socket over its address's rate is held unread until a
    turn comes (woken as soon as one is given back), at most ``MAX_TURN_WAIT``, and the held
    sockets are capped in number. Closed at once instead, a flooder's silent socket would
