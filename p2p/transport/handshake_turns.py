@@ -6,9 +6,11 @@ and, when the inbound gate drops it, a close; its flooder reconnects at once. So
 source address may start handshakes at ``TURNS_PER_SECOND_PER_IP`` a second after a burst of
 ``TURN_BURST_PER_IP`` (a generic cell rate: ``HandshakePacer``), and:
 
-1. A handshake that ends in a connection gives its turn back (``HandshakePacer.connected``),
+1. A handshake that ends in a connection gives its turn back (``HandshakePacer.give_back``),
    so the rate binds only sockets that never handshake: peers behind one NAT, or a fetch
-   opening its stripes, connect as fast as their handshakes complete.
+   opening its stripes, connect as fast as their handshakes complete. (The caller gives
+   back, too, the turn of a socket it refused before any handshake for reasons of its own;
+   see ``p2p.transport.host``, rule 6.)
 2. A socket over its address's rate is not closed (its flooder would reconnect at once,
    and the server spend its time accepting and closing): it is *held* unread, in its
    address's queue, first come first served, until a turn comes, either by the rate or
@@ -149,9 +151,9 @@ class HandshakePacer:
             del self._queues[ip]
         return released
 
-    def connected(self, ip: str, now: float) -> list[int]:
-        """A handshake from ``ip`` ended in a connection: its turn is given back (rule 1),
-        and the held tickets that turn lets go are released (``release``)."""
+    def give_back(self, ip: str, now: float) -> list[int]:
+        """A turn of ``ip`` is given back (rule 1: its handshake ended in a connection), and
+        the held tickets it lets go are released (``release``)."""
         tat = self._tat.get(ip)
         if tat is not None:
             self._tat[ip] = max(now, tat - self.interval)
@@ -240,10 +242,10 @@ class HandshakeTurns:
             elif self.pacer.leave(ticket):
                 self._wake_head(ip)
 
-    def connected(self, ip: str) -> None:
-        """A handshake from ``ip`` ended in a connection: the held socket its turn lets go
-        is woken now."""
-        self._let_go(ip, self.pacer.connected(ip, trio.current_time()))
+    def give_back(self, ip: str) -> None:
+        """A turn of ``ip`` is given back (``HandshakePacer.give_back``): the held socket it
+        lets go is woken now."""
+        self._let_go(ip, self.pacer.give_back(ip, trio.current_time()))
 
     def _let_go(self, ip: str, released: list[int]) -> None:
         for ticket in released:

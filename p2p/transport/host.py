@@ -47,12 +47,15 @@ made and closed over a node's life. blobnet replaces that handler with ``Inbound
    attempt, and while the queue stays full a new peer's SYN is dropped and retried a
    second later, then three.
 6. Before the gate, each source address takes a turn to start its handshake
-   (``p2p.transport.handshake_turns``): past a burst of 16, one a second, a handshake that
-   connects giving its turn back; a socket over its address's rate is held unread until a
-   turn comes (woken as soon as one is given back), at most ``MAX_TURN_WAIT``, and the held
-   sockets are capped in number. Closed at once instead, a flooder's silent socket would
-   reconnect at once, and the server spend its CPU accepting, starting handshakes and
-   closing.
+   (``p2p.transport.handshake_turns``): past a burst of 16, one a second. A handshake that
+   connects gives its turn back, as does a socket refused by rule 2 (its address at its
+   connection cap, nothing idle to evict: refused before any handshake, for want of room,
+   not for being silent; kept, the turn would hold the address's further dials a second
+   apart instead of refusing them at once). A socket over its address's rate is held
+   unread until a turn comes (woken as soon as one is given back), at most
+   ``MAX_TURN_WAIT``, and the held sockets are capped in number. Closed at once instead, a
+   flooder's silent socket would reconnect at once, and the server spend its CPU
+   accepting, starting handshakes and closing.
 Identities are free, so the gate counts by source address (an IPv6 source by its /64,
 since one host gets a whole /64), never by peer ID.
 """
@@ -369,6 +372,7 @@ def install_inbound_gate(
                 gate.handshake_over(admission.token)
                 gate.refused += 1
                 log.debug("inbound from %s refused: %s has no idle connection", ip, crowded)
+                turns.give_back(ip)  # refused for want of room, not for silence (rule 6)
                 await _close_quietly(read_write_closer)
                 return
             gate.evicted += 1
@@ -392,7 +396,7 @@ def install_inbound_gate(
             return
         key = id(muxed)
         gate.connected(key, ip, trio.current_time())
-        turns.connected(ip)  # its turn given back: a socket of its address held may go
+        turns.give_back(ip)  # a socket of its address held for a turn may go
         try:
             # The listener closes the socket when this handler returns: stay until the
             # connection is over, then give the slot back.

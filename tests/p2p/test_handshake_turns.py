@@ -46,16 +46,16 @@ def test_a_handshake_that_connects_releases_the_first_held_socket_at_once() -> N
     assert [pacer.arrive("nat", 0.0) for _ in range(2)] == [GO, GO]
     tickets = [pacer.arrive("nat", 0.0).ticket for _ in range(3)]
     assert tickets == [1, 2, 3]
-    assert pacer.connected("nat", 0.1) == [1]
-    assert pacer.connected("nat", 0.1) == [2]
-    assert pacer.connected("nat", 0.2) == [3]
+    assert pacer.give_back("nat", 0.1) == [1]
+    assert pacer.give_back("nat", 0.1) == [2]
+    assert pacer.give_back("nat", 0.2) == [3]
     assert pacer.arrive("nat", 0.2).ticket == 4  # 2 and 3 are handshaking: the burst's 2
-    assert pacer.connected("nat", 0.3) == [4]
+    assert pacer.give_back("nat", 0.3) == [4]
     for _ in range(3):  # 2, 3 and 4 connect
-        assert pacer.connected("nat", 0.3) == []
+        assert pacer.give_back("nat", 0.3) == []
     for _ in range(100):  # connected as fast as they come: never held
         assert pacer.arrive("nat", 0.3) == GO
-        assert pacer.connected("nat", 0.3) == []
+        assert pacer.give_back("nat", 0.3) == []
     assert pacer.held == 0
 
 
@@ -128,7 +128,7 @@ async def test_held_sockets_go_as_soon_as_their_address_connects(
         assert await turns.wait_turn("nat")
         started.append(trio.current_time())
         await trio.lowlevel.checkpoint()  # the handshake's round trips
-        turns.connected("nat")
+        turns.give_back("nat")
 
     async with trio.open_nursery() as nursery:
         for _ in range(20):
