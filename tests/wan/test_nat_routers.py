@@ -31,10 +31,14 @@ pytestmark = [pytest.mark.usefixtures("nat_capable"), pytest.mark.slow, pytest.m
 
 SIZE = 1 * MiB
 NEAR_MS = 1.0
-# Tries per router: with one SYN a window (retries off) 4 of 10 punches got through a
-# resetting router, and 4 of 10 an ICMP one (bench/figures/nat-matrix.md): three tries in
-# a row, each in its first window, then pass by chance once in sixteen.
-TRIES = 3
+# Tries per router, and how many must land in their first window. With one SYN a window
+# (retries off) 4 of 10 punches got through a resetting router, and 4 of 10 an ICMP one
+# (bench/figures/nat-matrix.md): 4 of 5 then pass by chance once in eleven. With the
+# retries about 1 punch in 20 still fails under CPU load, the port pair lost to a peer SYN
+# that came between two of ours (p2p/blob/PROTOCOL.md section 11): one miss is allowed,
+# and it must say what its SYNs met.
+TRIES = 5
+LANDED = 4
 # One punch window (5 s, py-libp2p's round) and a margin: these tests ask for the first.
 PUNCH_TIMEOUT = "6"
 # The failing punch's timeout: short, the line is what is tested.
@@ -163,14 +167,19 @@ def _fetch(net: Net, kind: str, port: int, timeout: str) -> tuple[dict[str, Any]
 def test_a_punch_through_routers_that_refuse_an_early_syn_lands_in_its_first_window(
     net: Net, kind: str
 ) -> None:
+    landed = 0
     for attempt in range(TRIES):
         result, relayed = _fetch(net, kind, 4100 + attempt, PUNCH_TIMEOUT)
-        assert "error" not in result, result
+        assert relayed < SIGNALLING_BYTES
+        if "error" in result:  # the one miss allowed: a line that says what was seen
+            assert "\n" not in result["error"]
+            assert re.search(r"\d+ SYNs? to ", result["error"]), result
+            continue
         [punch] = result["punches"]
         assert punch["path"] == "direct", punch
-        assert punch["windows"] == 1, punch  # the first window of the first exchange
         assert result["bytes"] == SIZE
-        assert relayed < SIGNALLING_BYTES
+        landed += punch["windows"] == 1  # the first window of the first exchange
+    assert landed >= LANDED, f"{landed} of {TRIES} punches landed in their first window"
 
 
 def test_a_failed_punch_says_what_its_syns_met_and_how_long_it_waited(net: Net) -> None:
