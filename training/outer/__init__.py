@@ -5,10 +5,11 @@ Users start at ``training.outer.api`` (``OuterLoop``, ``open_outer_loop``) and
 
 Modules, from the bottom up (the layers contract in pyproject.toml holds them to it):
 
-- the sans-IO cores: ``codec`` (SparseLoCo's top-k, 2-bit codec and error feedback) and
+- the sans-IO cores: ``codec`` (SparseLoCo's top-k, 2-bit codec and error feedback),
   ``module_state`` (a model's whole ``state_dict`` by role: trainable, buffers, fixed,
-  tied); ``loop`` (outer optimiser, states, inner steps); ``aggregate`` (bounded, robust
-  aggregation), ``messages`` (announcements, the update ledger), ``announce`` (when to
+  tied) and ``verification`` (the verification levels, weakest first); ``loop`` (outer
+  optimiser, states, inner steps); ``aggregate`` (bounded, robust aggregation),
+  ``messages`` (announcements, the update ledger), ``announce`` (when to
   re-send), ``observe`` (what ``blob status`` and the metrics show), ``memory`` (the
   allocator's bound), ``inner`` (a worker's inner state as bytes), ``simconfig`` (the
   simulation's settings); ``params`` (what every worker is given), ``spec`` (the signed run

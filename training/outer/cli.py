@@ -21,6 +21,7 @@ from identity.cli_common import make_trust_options, read_input, require_hardware
 from p2p.cli.common import InputPath, check_listen_addrs, check_peer_addrs
 from p2p.cli.nat import NAT_DEFAULT_LISTEN, check_relays, relay_options
 from training.outer.simconfig import MODES, SimConfig, SimResult
+from training.outer.verification import Level
 
 _DEFAULTS = SimConfig()
 # H for `outer run` and a worker without a spec when not given: the README's quick demo.
@@ -486,8 +487,8 @@ def worker_command(
         listen = NAT_DEFAULT_LISTEN[0] if relays else "/ip4/127.0.0.1/tcp/0"
     obj = ctx.ensure_object(dict)
     make_trainer = None
-    level = "replayed"  # the built-in trainer's updates replay
-    min_level = "bounded"
+    level = Level.REPLAYED  # the built-in trainer's updates replay
+    min_level = Level.BOUNDED
     rendezvous = None
     if resume:
         if initial is not None:
@@ -780,7 +781,7 @@ def verify_command(
     report = verify_run(store, run_id, trust, require_hardware=require_hardware, quorum=quorum)
     # A run made from a spec (outer init) that asks more than bounded updates: every
     # applied update offered at least the spec's level (training.outer.levels).
-    if signed is not None and signed.spec.level != "bounded":
+    if signed is not None and signed.spec.level != Level.BOUNDED:
         levels = check_levels(store, run_id, signed.spec.level)
         report.anchors.append(f"verification: each update at least {signed.spec.level}")
         report.failures.extend(f"level: {failure}" for failure in levels.failures)
@@ -887,8 +888,9 @@ def forget_command(ctx: click.Context, /, run_id: str, dry_run: bool, as_json: b
 @click.option(
     "--min-verification",
     "level",
-    type=click.Choice(["bounded", "scored", "replayed"]),
-    default="bounded",
+    type=click.Choice([level.value for level in Level]),
+    default=Level.BOUNDED.value,
+    callback=lambda _ctx, _param, value: Level(value),
     show_default=True,
     help="The least verification an update may offer.",
 )
@@ -1069,7 +1071,8 @@ def levels_command(ctx: click.Context, /, run_ref: str, as_json: bool) -> None:
             click.echo(f"FAILED {failure}")
     if not report.ok:
         raise OuterRunFailed(
-            f"run {spec.run}: {len(report.failures)} update(s) below {spec.level!r} or unknown"
+            f"run {spec.run}: {len(report.failures)} update(s) below {spec.level.value!r} or "
+            "unknown"
             if report.failures
             else f"run {spec.run}: no closures in this store"
         )

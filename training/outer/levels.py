@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from training.outer.spec import LEVELS
+from training.outer.verification import Level
 
 if TYPE_CHECKING:
     from blobstore import Store
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class LevelReport:
-    minimum: str
+    minimum: Level
     rounds: dict[int, list[dict[str, str]]] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
 
@@ -42,7 +42,7 @@ class LevelReport:
         }
 
 
-def check_levels(store: Store, run: str, minimum: str) -> LevelReport:
+def check_levels(store: Store, run: str, minimum: Level) -> LevelReport:
     """Point 2: each applied update's level in this store, against ``minimum``."""
     from identity import Attestation
     from training.outer.agreement import BadClosure, decode_closure
@@ -77,9 +77,9 @@ def check_levels(store: Store, run: str, minimum: str) -> LevelReport:
                 )
                 continue
             entries.append({"peer": item.peer, "update": item.blob, "level": level})
-            if LEVELS.index(level) < LEVELS.index(minimum):
+            if not level.at_least(minimum):
                 report.failures.append(
                     f"round {round_}: update {item.blob[:12]} of {item.peer[-8:]} offers "
-                    f"{level!r}; the run requires {minimum!r}"
+                    f"{level.value!r}; the run requires {minimum.value!r}"
                 )
     return report

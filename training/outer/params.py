@@ -27,6 +27,7 @@ from training.outer.loop import (
 )
 from training.outer.messages import check_run_id
 from training.outer.spec import MAX_OVERLAP
+from training.outer.verification import Level
 
 OUTER_MODE = "sparseloco"
 DEFAULT_START_TIMEOUT = 300.0
@@ -172,10 +173,10 @@ class WorkerConfig:
     score: Callable[[Any, str, str, bytes], str] | None = None
     # The verification level this worker offers, named in each update's commitment
     # (training.outer.spec point 3): the built-in trainer's updates replay.
-    level: str = "replayed"
+    level: Level = Level.REPLAYED
     # The least level an update may offer to be named in a closure this worker proposes
-    # (the run spec's minimum; "bounded": every update).
-    min_level: str = "bounded"
+    # (the run spec's minimum; bounded: every update).
+    min_level: Level = Level.BOUNDED
     # Accept only hardware-signed updates, closures, verdicts and final roots (the run
     # spec's require_hardware; training.outer.messages rule 7). This worker's own key must
     # then be TPM-bound and admitted on its TPM.

@@ -87,6 +87,7 @@ from identity import (
 from training.errors import TrainingError
 from training.outer.inner import BadInnerState
 from training.outer.trainer import Trainer
+from training.outer.verification import Level
 
 if TYPE_CHECKING:
     from training.outer.loop import OuterState
@@ -99,8 +100,6 @@ SAMPLE_DOMAIN = b"blobnet/outer-sample/v1"
 REPLAYER_DOMAIN = b"blobnet/outer-replayer/v1"
 COMMITMENT_VERSION = 1
 OVERLAPPED_VERSION = 2  # rule 1: with ``from`` and ``moved``
-# The levels a commitment may name (training.outer.spec.LEVELS, weakest first).
-COMMITTED_LEVELS = ("bounded", "scored", "replayed")
 MATCH = "match"
 UNAVAILABLE = "unavailable"
 MISMATCH = "mismatch"
@@ -148,11 +147,17 @@ class UpdateCommitment:
     update: str  # the update blob
     # The verification level the author's worker offered (training.outer.spec point 3):
     # written only when it is not "replayed", so a replayable update's bytes are as before.
-    level: str = "replayed"
+    level: Level = Level.REPLAYED
     # An overlapped update (rule 1): the blob of the state its steps started from, E_{r-1},
     # and the step boundary they moved by S_r - E_{r-1} at; "" and 0 otherwise.
     origin: str = ""
     moved: int = 0
+
+    def __post_init__(self) -> None:
+        # A level given as its string becomes the member; an unknown one stays as given, for
+        # decode_commitment to refuse (BadCommitment) and encode to refuse in turn.
+        if self.level in tuple(Level):
+            object.__setattr__(self, "level", Level(self.level))
 
     @property
     def overlapped(self) -> bool:
@@ -175,7 +180,7 @@ class UpdateCommitment:
             "inner_end": self.inner_end,
             "update": self.update,
         }
-        if self.level != "replayed":
+        if self.level != Level.REPLAYED:
             out["level"] = self.level
         if self.overlapped:
             out["from"] = self.origin
@@ -245,11 +250,11 @@ def decode_commitment(data: bytes) -> UpdateCommitment:
         _hex64(obj["inner"], "inner"),
         _hex64(obj["inner_end"], "inner_end"),
         _hex64(obj["update"], "update"),
-        obj.get("level", "replayed"),
+        obj.get("level", Level.REPLAYED),
         origin,
         moved,
     )
-    if c.level not in COMMITTED_LEVELS:
+    if not isinstance(c.level, Level):
         raise BadCommitment("commitment names an unknown verification level")
     if encode_canonical(c.fields()) != bytes(data):
         raise BadCommitment("commitment is not in canonical form")

@@ -48,6 +48,7 @@ import numpy as np
 from blobstore.exitcodes import ExitCode
 from training.errors import TrainingError
 from training.outer.spec import BadSpec, RunSpec, SignedSpec, decode_spec
+from training.outer.verification import Level
 
 if TYPE_CHECKING:
     from blobstore import Store
@@ -217,7 +218,7 @@ def params_from_spec(spec: RunSpec, *, rounds: int | None = None) -> RunParams:
         inner_lr=spec.inner_lr,
         chunk=spec.chunk,
         k=spec.k,
-        replay_rate=spec.replay_rate if spec.level == "replayed" else 0.0,
+        replay_rate=spec.replay_rate if spec.level == Level.REPLAYED else 0.0,
         outer_lr=spec.outer_lr,
         outer_momentum=spec.outer_momentum,
         feedback_decay=spec.ef_decay,
@@ -359,7 +360,7 @@ class SpecWorker:
     spec: RunSpec
     params: RunParams
     shard: int
-    level: str
+    level: Level
     make_trainer: SpecTrainer
 
 
@@ -404,7 +405,7 @@ def prepare_spec_worker(
         if not bootstrap:
             raise RunNotFound(f"this store lacks {missing[0]} and no --bootstrap peer was given")
         _fetch_all(store_root, missing, bootstrap)
-    level = "replayed" if spec.data and data == spec.data else "bounded"
+    level = Level.REPLAYED if spec.data and data == spec.data else Level.BOUNDED
     check_level(spec, level)
     records = decode_records(store.path(data).read_bytes())
     keep_spec_blob(store, spec, read_spec(store, spec_ref)[0])

@@ -41,12 +41,13 @@ Theory of operation
    is the blob's ID, so a worker given the ID knows it holds exactly the spec its peers
    hold; the signature says who made it (an operator trusts a spec by its maker, or by
    its ID from a trusted place).
-3. **Verification levels**, weakest first (:data:`LEVELS`): ``bounded`` (norm and direction
-   bounds only: what every update gets, ``training.outer.aggregate``), ``scored`` (as well,
-   the loss change each included update makes on rows drawn from the round's root), and
-   ``replayed`` (as well, a sample of updates recomputed from the rows they commit to on a
-   deterministic kernel class, ``training.outer.replay``). A worker that offers less than
-   the spec's minimum is refused before it trains (:func:`check_level`).
+3. **Verification levels**, weakest first (``training.outer.verification.Level``):
+   ``bounded`` (norm and direction bounds only: what every update gets,
+   ``training.outer.aggregate``), ``scored`` (as well, the loss change each included update
+   makes on rows drawn from the round's root), and ``replayed`` (as well, a sample of
+   updates recomputed from the rows they commit to on a deterministic kernel class,
+   ``training.outer.replay``). A worker that offers less than the spec's minimum is refused
+   before it trains (:func:`check_level`).
 4. **Refusing a model.** A model whose state differs from the spec's (names, roles,
    shapes, fixed dtypes, tied names) is refused before step 0, with one line naming the
    first difference (:func:`check_model`).
@@ -70,11 +71,11 @@ from training.errors import TrainingError
 from training.outer.agreement import majority, quorum_of
 from training.outer.loop import MODE_DEFAULTS
 from training.outer.module_state import Layout, check_layout
+from training.outer.verification import Level
 
 SPEC_VERSION = 1  # the envelope's version, and the body's without require_hardware
 HARDWARE_SPEC_VERSION = 2  # a body with require_hardware: true (point 2)
 SPEC_DOMAIN = b"blobnet/outer-spec/v1\x00"
-LEVELS = ("bounded", "scored", "replayed")
 # A spec lists every parameter tensor; a model of more tensors than the state blob holds
 # (training.outer.codec.MAX_TENSORS) could not be a run anyway. This bounds the blob before
 # it is parsed: 4096 tensors with 200-byte names and 8 dims is under 2 MiB.
@@ -111,7 +112,7 @@ class RunSpec:
     inner_steps: int
     workers: int
     authorities: tuple[str, ...]
-    level: str = "bounded"
+    level: Level = Level.BOUNDED
     rounds: int = 0
     chunk: int = 4096
     k: int = 80
@@ -138,8 +139,10 @@ class RunSpec:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.level not in LEVELS:
-            raise ValueError(f"verification level must be one of {', '.join(LEVELS)}")
+        try:  # a level given as its string (the decoded body's) becomes the member
+            object.__setattr__(self, "level", Level(self.level))
+        except ValueError:
+            raise ValueError(f"verification level must be one of {Level.names()}") from None
         if self.inner_steps < 1 or self.workers < 1 or self.rounds < 0 or self.batch < 1:
             raise ValueError("inner steps, workers and batch must be >= 1, rounds >= 0")
         if not self.tensors:
@@ -370,16 +373,21 @@ def check_model(spec: RunSpec, layout: Layout) -> None:
     check_layout(spec.layout(), layout, run=spec.run)
 
 
-def check_level(spec: RunSpec, offered: str) -> None:
+def check_level(spec: RunSpec, offered: Level) -> None:
     """Point 3: refuse a worker that offers less verification than the spec's minimum."""
-    if offered not in LEVELS:
-        raise LevelRefused(f"unknown verification level {offered!r}; one of {', '.join(LEVELS)}")
-    if LEVELS.index(offered) < LEVELS.index(spec.level):
+    try:
+        level = Level(offered)
+    except ValueError:
+        raise LevelRefused(
+            f"unknown verification level {offered!r}; one of {Level.names()}"
+        ) from None
+    if not level.at_least(spec.level):
         need = {
-            "replayed": "an inner_step and the run's records (the library drives the inner steps)",
-            "scored": "an eval_fn and an evaluation records blob",
+            Level.REPLAYED: "an inner_step and the run's records (the library drives the inner "
+            "steps)",
+            Level.SCORED: "an eval_fn and an evaluation records blob",
         }[spec.level]
         raise LevelRefused(
-            f"run {spec.run} requires verification level {spec.level!r}, this worker offers "
-            f"{offered!r}: give {need}"
+            f"run {spec.run} requires verification level {spec.level.value!r}, this worker "
+            f"offers {level.value!r}: give {need}"
         )

@@ -22,6 +22,7 @@ from training.outer.api.handoff import HANDOFF_WAIT, OuterLoopError, describe
 from training.outer.api.model import gathered_state, is_sharded, trainable
 from training.outer.api.scoring import eval_data_of
 from training.outer.spec import RunSpec
+from training.outer.verification import Level
 
 if TYPE_CHECKING:
     import torch
@@ -169,7 +170,7 @@ class OuterLoop:
         self._thread: threading.Thread | None = None
 
     @property
-    def level(self) -> str:
+    def level(self) -> Level:
         return self._core.level
 
     @property

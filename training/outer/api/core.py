@@ -23,6 +23,7 @@ from training.outer.api.resume import (
 from training.outer.api.scoring import EvalBatches, Scorer
 from training.outer.api.user_trainer import LoopTrainer
 from training.outer.spec import RunSpec, check_level, check_model
+from training.outer.verification import Level
 
 if TYPE_CHECKING:
     import torch
@@ -78,14 +79,14 @@ class Core:
         self.optimizer = optimizer
 
         check_model(spec, layout_of(model))
-        self.level = "scored" if eval_fn is not None else "bounded"
+        self.level = Level.SCORED if eval_fn is not None else Level.BOUNDED
         self.driven: DrivenTrainers | None = None
         if inner_step is not None:
             check_step(spec, inner_step)
             assert records is not None
             data, tokens = records
             if data and data == spec.data:
-                self.level = "replayed"
+                self.level = Level.REPLAYED
             self.driven = DrivenTrainers(model, inner_step, tokens)
         self.keep_states = keep_states
         if level is None:  # the group's rank 0 offers the level; other ranks follow it

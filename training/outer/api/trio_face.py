@@ -18,6 +18,7 @@ from training.outer.api.core import (
 )
 from training.outer.api.handoff import HANDOFF_WAIT, OuterLoopError, describe
 from training.outer.api.scoring import eval_data_of
+from training.outer.verification import Level
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +48,7 @@ class AsyncOuterLoop:
         self._result_path = result_path
 
     @property
-    def level(self) -> str:
+    def level(self) -> Level:
         """The verification level this worker offers (``bounded``, ``scored``)."""
         return self._core.level
 

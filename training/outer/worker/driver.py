@@ -80,6 +80,7 @@ from training.outer.trainer import (
     layout_digest,
     resume_tags,
 )
+from training.outer.verification import Level
 from training.outer.worker.aggregator import Aggregator
 from training.outer.worker.closures import Closures
 from training.outer.worker.faults import NO_FAULTS, Faults
@@ -595,7 +596,7 @@ class Worker:
         # check them from this store (a missing one is only reported there: the state does
         # not depend on it). A bounded run needs none of them, and fetches none: an
         # update whose commitment nobody serves would stall every apply.
-        if self.config.min_level != "bounded":
+        if self.config.min_level != Level.BOUNDED:
             for x in c.included:
                 commitment = Attestation.decode(x.attestation).subjects[2]
                 providers = self.fetcher.providers(checked, [x.peer])

@@ -69,9 +69,9 @@ from training.outer.replay import (
     loss_bits,
 )
 from training.outer.runs import Retention, drop_blob
-from training.outer.spec import LEVELS
 from training.outer.state_blob import state_blocks, state_size
 from training.outer.trainer import Trained
+from training.outer.verification import Level
 from training.outer.worker.fetcher import BlobFetcher
 from training.outer.worker.links import Links
 from training.outer.worker.records import Own
@@ -246,7 +246,7 @@ class Proposer:
                 passed[peer] = heard.attestation
         # Levels: only a run that asks more than bounded updates reads their commitments
         # (each read is a fetch a proposal waits on).
-        leveled = updates if self.config.min_level != "bounded" else {}
+        leveled = updates if self.config.min_level != Level.BOUNDED else {}
         for peer, (blob, attestation) in sorted(leveled.items()):
             reason = await self._level_refusal(peer, attestation)
             if reason:
@@ -293,8 +293,8 @@ class Proposer:
         except (BadCommitment, OSError) as exc:
             return f"bad commitment: {exc}"
         least = self.config.min_level
-        if LEVELS.index(level) < LEVELS.index(least):
-            return f"offers verification level {level!r}; the run requires {least!r}"
+        if not level.at_least(least):
+            return f"offers verification level {level.value!r}; the run requires {least.value!r}"
         return ""
 
     async def close(
