@@ -20,6 +20,7 @@ keeps what a running operation needs safe from gc, and :meth:`Store.export` take
 
 from __future__ import annotations
 
+from blobstore.catalog import BlobInfo
 from blobstore.collection import CollectionEntry
 from blobstore.errors import (
     AmbiguousPrefix,
@@ -40,6 +41,8 @@ from blobstore.errors import (
     StoreCorrupt,
     StoreError,
 )
+from blobstore.exporting import ExportLink
+from blobstore.layout import FileModes
 from blobstore.lease import Lease
 from blobstore.manifest import (
     DEFAULT_CHUNK_SIZE,
@@ -53,15 +56,9 @@ from blobstore.manifest import (
 )
 from blobstore.partial import PartialBlob
 from blobstore.reader import ChunkReader
-from blobstore.store import (
-    DEFAULT_GC_GRACE,
-    LOCK_TIMEOUT_ENV,
-    STORE_LOCK_TIMEOUT,
-    BlobInfo,
-    ExportLink,
-    FileModes,
-    Store,
-)
+from blobstore.removal import DEFAULT_GC_GRACE
+from blobstore.store import Store
+from blobstore.store_lock import LOCK_TIMEOUT_ENV, STORE_LOCK_TIMEOUT
 from blobstore.writing import blob_id_of
 
 __all__ = [

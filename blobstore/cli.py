@@ -20,11 +20,13 @@ from typing import Any
 
 import click
 
+from blobstore.catalog import BlobInfo
 from blobstore.collection import CollectionEntry
 from blobstore.errors import BadCollection, CorruptChunk, StoreCorrupt, StoreError
 from blobstore.manifest import DEFAULT_CHUNK_SIZE, check_chunk_size
 from blobstore.options import json_option
-from blobstore.store import DEFAULT_GC_GRACE, BlobInfo, Store
+from blobstore.removal import DEFAULT_GC_GRACE
+from blobstore.store import Store
 
 PROGRESS_MIN_BYTES = 32 * 1024 * 1024
 """Below this a put or get finishes in well under a second: no bar, no flicker."""

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from blobstore.canonical import CodecError, decode_map, encode, require_canonical
+from blobstore.canonical import CodecError, decode_map, encode
 
 _NO_CONST = object()
 
@@ -187,12 +187,4 @@ def select(
     raise CodecError(f"{what} field {key!r} is {tag!r:.40}, not one this build reads ({known})")
 
 
-__all__ = [
-    "CodecError",
-    "Field",
-    "Schema",
-    "decode_map",
-    "encode",
-    "require_canonical",
-    "select",
-]
+__all__ = ["Field", "Schema", "select"]

@@ -113,10 +113,10 @@ import shutil
 import stat
 from pathlib import Path
 
-from blobstore.catalog import MIN_PREFIX, TAG_NAME_RE, BlobInfo, Catalog, check_tag_name
+from blobstore.catalog import Catalog
 from blobstore.durable import fsync_dir, lock_path, os_errors, sweep_temp_dir, write_file_atomic
 from blobstore.errors import StoreError
-from blobstore.exporting import Exporter, ExportLink
+from blobstore.exporting import Exporter
 from blobstore.layout import (
     DIRS,
     IO_BUFFER_SIZE,
@@ -124,15 +124,14 @@ from blobstore.layout import (
     SHARED_MODES,
     FileModes,
     Layout,
-    Progress,
 )
 from blobstore.lease import Leases
-from blobstore.manifest import HASH_SIZE, MIN_CHUNK_SIZE
+from blobstore.manifest import MIN_CHUNK_SIZE
 from blobstore.manifests import Manifests
 from blobstore.partial import OpenPartials
 from blobstore.quarantine import Quarantine
 from blobstore.reading import Reader
-from blobstore.removal import DEFAULT_GC_GRACE, Collector
+from blobstore.removal import Collector
 from blobstore.space import Space
 from blobstore.store_lock import LOCK_TIMEOUT_ENV, STORE_LOCK_TIMEOUT, StoreLock
 from blobstore.writing import Writer
@@ -388,20 +387,4 @@ def _lock_timeout(given: float | None) -> float:
     return value
 
 
-__all__ = [
-    "DEFAULT_GC_GRACE",
-    "HASH_SIZE",
-    "IO_BUFFER_SIZE",
-    "LOCK_TIMEOUT_ENV",
-    "MIN_PREFIX",
-    "PRIVATE_MODES",
-    "SHARED_MODES",
-    "STORE_LOCK_TIMEOUT",
-    "TAG_NAME_RE",
-    "BlobInfo",
-    "ExportLink",
-    "FileModes",
-    "Progress",
-    "Store",
-    "check_tag_name",
-]
+__all__ = ["Store"]

@@ -27,7 +27,8 @@
 
 from __future__ import annotations
 
-from ._codec import decode_map as decode_msgpack_map
+from blobstore.canonical import decode_map as decode_msgpack_map
+
 from ._files import PUBLIC_FILE_MODE, write_file
 from .attestation import (
     ATTESTATION_DOMAIN,

@@ -1,14 +1,15 @@
 """The field checks of the identity formats (key files, certificates, attestations), over
-the project's canonical msgpack (:mod:`blobstore.canonical`, re-exported here): a decoder
-parses with :func:`decode_map`, checks every field's exact type with :func:`take` and its
-kin, rebuilds the object and hands both encodings to :func:`require_canonical`.
+the project's canonical msgpack (:mod:`blobstore.canonical`): a decoder parses with
+:func:`~blobstore.canonical.decode_map`, checks every field's exact type with :func:`take`
+and its kin, rebuilds the object and hands both encodings to
+:func:`~blobstore.canonical.require_canonical`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from blobstore.canonical import CodecError, decode_map, encode, require_canonical
+from blobstore.canonical import CodecError
 
 
 def take(fields: dict[str, Any], key: str, kind: type[Any], *, what: str) -> Any:
@@ -69,6 +70,3 @@ def check_uint(value: int, what: str, *, bits: int = 63) -> None:
     """Raise :class:`CodecError` unless ``value`` is an int in [0, 2**bits)."""
     if type(value) is not int or not 0 <= value < (1 << bits):
         raise CodecError(f"{what} must be an integer from 0 to 2**{bits}-1: {value!r:.80}")
-
-
-__all__ = ["CodecError", "decode_map", "encode", "require_canonical"]

@@ -41,7 +41,8 @@ import dataclasses
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from blobstore.schema import Field, Schema, decode_map, select
+from blobstore.canonical import CodecError, decode_map, require_canonical
+from blobstore.schema import Field, Schema, select
 
 from . import _codec
 from .certificate import (
@@ -90,7 +91,7 @@ def _embedded_certificate(raw: bytes) -> AdmissionCertificate:
     try:
         return AdmissionCertificate.decode(raw)
     except BadCertificate as exc:
-        raise _codec.CodecError(f"embedded {exc}") from None
+        raise CodecError(f"embedded {exc}") from None
 
 
 _CLAIMS = (
@@ -133,7 +134,7 @@ _HEX = frozenset("0123456789abcdef")
 
 def _check_blob_id(value: object, what: str) -> None:
     if type(value) is not str or len(value) != _BLOB_ID_LENGTH or not set(value) <= _HEX:
-        raise _codec.CodecError(f"{what} must be a blob ID (64 lowercase hex): {value!r:.80}")
+        raise CodecError(f"{what} must be a blob ID (64 lowercase hex): {value!r:.80}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,35 +162,35 @@ class Attestation:
         what = "attestation"
         _codec.check_name(self.kind, MAX_KIND_LENGTH, f"{what} kind")
         if type(self.digest) is not bytes or len(self.digest) != DIGEST_SIZE:
-            raise _codec.CodecError(f"{what} digest must be {DIGEST_SIZE} bytes")
+            raise CodecError(f"{what} digest must be {DIGEST_SIZE} bytes")
         _codec.check_name(self.kernel_class, MAX_KERNEL_CLASS_LENGTH, f"{what} kernel class")
         object.__setattr__(self, "subjects", tuple(self.subjects))
         if len(self.subjects) > MAX_SUBJECTS:
-            raise _codec.CodecError(f"{what} has more than {MAX_SUBJECTS} subjects")
+            raise CodecError(f"{what} has more than {MAX_SUBJECTS} subjects")
         for subject in self.subjects:
             _check_blob_id(subject, f"{what} subject")
         _codec.check_uint(self.time, f"{what} time")
         try:
             parse_peer_id(self.signer_peer_id)
         except BadPeerId as exc:
-            raise _codec.CodecError(f"{what} signer: {exc}") from None
+            raise CodecError(f"{what} signer: {exc}") from None
         _codec.check_name(self.signer_kind, MAX_SIGNER_KIND_LENGTH, f"{what} signer kind")
         if self.certificate is not None and not isinstance(self.certificate, AdmissionCertificate):
-            raise _codec.CodecError(f"{what} certificate must be an AdmissionCertificate")
+            raise CodecError(f"{what} certificate must be an AdmissionCertificate")
         if type(self.signature) is not bytes or len(self.signature) != ED25519_SIGNATURE_SIZE:
-            raise _codec.CodecError(f"{what} signature must be {ED25519_SIGNATURE_SIZE} bytes")
+            raise CodecError(f"{what} signature must be {ED25519_SIGNATURE_SIZE} bytes")
         if (self.ak is None) != (self.ak_signature is None):
-            raise _codec.CodecError(f"{what} carries an AK without its signature or vice versa")
+            raise CodecError(f"{what} carries an AK without its signature or vice versa")
         if self.ak is not None:
             if self.signer_kind != TPM_SIGNER_KIND:
-                raise _codec.CodecError(f"{what} carries an AK but its signer kind is not 'tpm'")
+                raise CodecError(f"{what} carries an AK but its signer kind is not 'tpm'")
             try:
                 parse_ak_point(self.ak)
             except ValueError as exc:
-                raise _codec.CodecError(f"{what} ak: {exc}") from None
+                raise CodecError(f"{what} ak: {exc}") from None
             sig = self.ak_signature
             if type(sig) is not bytes or len(sig) != AK_SIGNATURE_SIZE:
-                raise _codec.CodecError(f"{what} AK signature must be {AK_SIGNATURE_SIZE} bytes")
+                raise CodecError(f"{what} AK signature must be {AK_SIGNATURE_SIZE} bytes")
 
     @property
     def version(self) -> int:
@@ -223,8 +224,8 @@ class Attestation:
         try:
             fields = decode_map(data, max_size=MAX_ATTESTATION_SIZE, what=what)
             attestation = cls(**select(fields, _SIGNED, key="v", what=what).read(fields))
-            _codec.require_canonical(data, attestation.encode(), what=what)
-        except _codec.CodecError as exc:
+            require_canonical(data, attestation.encode(), what=what)
+        except CodecError as exc:
             raise BadAttestation(f"bad attestation: {exc}") from None
         return attestation
 

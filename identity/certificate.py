@@ -38,7 +38,8 @@ import dataclasses
 import datetime
 from typing import Any
 
-from blobstore.schema import Field, Schema, decode_map, select
+from blobstore.canonical import CodecError, decode_map, require_canonical
+from blobstore.schema import Field, Schema, select
 
 from . import _codec
 from .errors import (
@@ -125,31 +126,31 @@ class AdmissionCertificate:
         try:
             parse_peer_id(self.peer_id)
         except BadPeerId as exc:
-            raise _codec.CodecError(f"{what} peer: {exc}") from None
+            raise CodecError(f"{what} peer: {exc}") from None
         _codec.check_text(self.operator, MAX_OPERATOR_LENGTH, f"{what} operator")
         _codec.check_name(self.kernel_class, MAX_KERNEL_CLASS_LENGTH, f"{what} kernel class")
         _codec.check_uint(self.not_before, f"{what} not_before")
         _codec.check_uint(self.not_after, f"{what} not_after")
         if self.not_after <= self.not_before:
-            raise _codec.CodecError(f"{what} validity window is empty (not_after <= not_before)")
+            raise CodecError(f"{what} validity window is empty (not_after <= not_before)")
         _codec.check_uint(self.serial, f"{what} serial", bits=64)
         if type(self.authority) is not bytes or len(self.authority) != ED25519_PUBLIC_KEY_SIZE:
-            raise _codec.CodecError(f"{what} authority must be a 32-byte Ed25519 public key")
+            raise CodecError(f"{what} authority must be a 32-byte Ed25519 public key")
         _codec.check_name(self.authority_kind, MAX_SIGNER_KIND_LENGTH, f"{what} authority kind")
         if type(self.signature) is not bytes or len(self.signature) != ED25519_SIGNATURE_SIZE:
-            raise _codec.CodecError(f"{what} signature must be {ED25519_SIGNATURE_SIZE} bytes")
+            raise CodecError(f"{what} signature must be {ED25519_SIGNATURE_SIZE} bytes")
         if self.machine_kind == "software":
             if self.ak is not None or self.ek_hash is not None:
-                raise _codec.CodecError(f"{what} of a software machine carries no AK or EK")
+                raise CodecError(f"{what} of a software machine carries no AK or EK")
         elif self.machine_kind == TPM_SIGNER_KIND:
             try:
                 parse_ak_point(self.ak or b"")
             except ValueError as exc:
-                raise _codec.CodecError(f"{what} ak: {exc}") from None
+                raise CodecError(f"{what} ak: {exc}") from None
             if type(self.ek_hash) is not bytes or len(self.ek_hash) != EK_HASH_SIZE:
-                raise _codec.CodecError(f"{what} ek must be a {EK_HASH_SIZE}-byte hash")
+                raise CodecError(f"{what} ek must be a {EK_HASH_SIZE}-byte hash")
         else:
-            raise _codec.CodecError(
+            raise CodecError(
                 f"{what} machine kind must be 'software' or 'tpm', not {self.machine_kind!r:.40}"
             )
 
@@ -181,8 +182,8 @@ class AdmissionCertificate:
         try:
             fields = decode_map(data, max_size=MAX_CERTIFICATE_SIZE, what=what)
             cert = cls(**select(fields, _SIGNED, key="v", what=what).read(fields))
-            _codec.require_canonical(data, cert.encode(), what=what)
-        except _codec.CodecError as exc:
+            require_canonical(data, cert.encode(), what=what)
+        except CodecError as exc:
             raise BadCertificate(f"bad admission certificate: {exc}") from None
         return cert
 

@@ -35,6 +35,9 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
+from blobstore.canonical import CodecError, decode_map, require_canonical
+from blobstore.canonical import encode as encode_canonical
+
 from . import _codec
 from ._files import PRIVATE_FILE_MODE, make_private_dir, write_file
 from .errors import (
@@ -109,7 +112,7 @@ def encode_key_file(
             "public": key.public_key_bytes,
             "seed": key.seed,
         }
-        return MAGIC + _codec.encode(fields)
+        return MAGIC + encode_canonical(fields)
     if not passphrase:
         raise ValueError("an empty passphrase protects nothing; pass None for no encryption")
     salt, nonce = os.urandom(SALT_SIZE), os.urandom(NONCE_SIZE)
@@ -125,9 +128,9 @@ def encode_key_file(
         "nonce": nonce,
     }
     kek = _derive(passphrase, salt, cost.log_n, cost.r, cost.p)
-    aad = MAGIC + _codec.encode(header)
+    aad = MAGIC + encode_canonical(header)
     sealed = ChaCha20Poly1305(kek).encrypt(nonce, key.seed, aad)
-    return MAGIC + _codec.encode({**header, "sealed": sealed})
+    return MAGIC + encode_canonical({**header, "sealed": sealed})
 
 
 def decode_key_file(
@@ -142,24 +145,24 @@ def decode_key_file(
     body = data[len(MAGIC) :]
     what = name
     try:
-        fields = _codec.decode_map(body, max_size=MAX_KEY_FILE_SIZE, what=what)
+        fields = decode_map(body, max_size=MAX_KEY_FILE_SIZE, what=what)
         version = _codec.take(fields, "v", int, what=what)
         if version != FORMAT_VERSION:
-            raise _codec.CodecError(
+            raise CodecError(
                 f"{what} has format version {version}; this blobnet reads version "
                 f"{FORMAT_VERSION} (upgrade blobnet)"
             )
         if _codec.take(fields, "alg", str, what=what) != "ed25519":
-            raise _codec.CodecError(f"{what} holds a {fields['alg']!r} key, not ed25519")
+            raise CodecError(f"{what} holds a {fields['alg']!r} key, not ed25519")
         public = _codec.take_bytes(fields, "public", ED25519_PUBLIC_KEY_SIZE, what=what)
         if "seed" in fields:
             _codec.check_keys(fields, _PLAIN_KEYS, what=what)
             seed = _codec.take_bytes(fields, "seed", ED25519_SEED_SIZE, what=what)
-            rebuilt = _codec.encode({k: fields[k] for k in _PLAIN_KEYS})
+            rebuilt = encode_canonical({k: fields[k] for k in _PLAIN_KEYS})
         else:
             _codec.check_keys(fields, _SEALED_KEYS, what=what)
             if _codec.take(fields, "kdf", str, what=what) != "scrypt":
-                raise _codec.CodecError(f"{what} uses the unknown KDF {fields['kdf']!r}")
+                raise CodecError(f"{what} uses the unknown KDF {fields['kdf']!r}")
             log_n = _codec.take(fields, "log_n", int, what=what)
             r = _codec.take(fields, "r", int, what=what)
             p = _codec.take(fields, "p", int, what=what)
@@ -169,13 +172,13 @@ def decode_key_file(
                 or p not in _SCRYPT_P_RANGE
                 or 128 * r * (1 << log_n) > _SCRYPT_MAX_MEMORY
             ):
-                raise _codec.CodecError(f"{what} has out-of-range scrypt parameters")
+                raise CodecError(f"{what} has out-of-range scrypt parameters")
             salt = _codec.take_bytes(fields, "salt", SALT_SIZE, what=what)
             nonce = _codec.take_bytes(fields, "nonce", NONCE_SIZE, what=what)
             sealed = _codec.take_bytes(fields, "sealed", _SEALED_SIZE, what=what)
-            rebuilt = _codec.encode({k: fields[k] for k in _SEALED_KEYS})
-        _codec.require_canonical(body, rebuilt, what=what)
-    except _codec.CodecError as exc:
+            rebuilt = encode_canonical({k: fields[k] for k in _SEALED_KEYS})
+        require_canonical(body, rebuilt, what=what)
+    except CodecError as exc:
         raise BadKeyFile(f"{exc}; the key file is damaged") from None
 
     if "seed" not in fields:
@@ -185,7 +188,7 @@ def decode_key_file(
                 "the command in a terminal to be asked)"
             )
         header = {k: fields[k] for k in _SEALED_KEYS if k != "sealed"}
-        aad = MAGIC + _codec.encode(header)
+        aad = MAGIC + encode_canonical(header)
         kek = _derive(passphrase, salt, log_n, r, p)
         try:
             seed = ChaCha20Poly1305(kek).decrypt(nonce, sealed, aad)

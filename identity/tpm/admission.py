@@ -41,6 +41,9 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from blobstore.canonical import CodecError, decode_map
+from blobstore.canonical import encode as encode_canonical
+
 from .. import _codec
 from ..errors import AdmissionReason, AdmissionRefused, BadTpmData
 from ..hardware import AK_POINT_SIZE, binding_message, verify_ak_signature
@@ -383,7 +386,7 @@ class Registry:
         return dataclasses.replace(self, admitted=(*self.admitted, admitted))
 
     def encode(self) -> bytes:
-        return _codec.encode(
+        return encode_canonical(
             {
                 "v": REGISTRY_VERSION,
                 "pending": [
@@ -413,10 +416,10 @@ class Registry:
     def decode(cls, data: bytes, *, source: str = "TPM registry") -> Registry:
         what = source
         try:
-            fields = _codec.decode_map(data, max_size=MAX_REGISTRY_SIZE, what=what)
+            fields = decode_map(data, max_size=MAX_REGISTRY_SIZE, what=what)
             _codec.check_keys(fields, ("v", "pending", "admitted"), what=what)
             if _codec.take(fields, "v", int, what=what) != REGISTRY_VERSION:
-                raise _codec.CodecError(f"{what} has an unknown version")
+                raise CodecError(f"{what} has an unknown version")
             pending = []
             for raw in _codec.take(fields, "pending", list, what=what):
                 entry = _entry(raw, _PENDING_FIELDS, what)
@@ -443,14 +446,14 @@ class Registry:
                         not_after=_codec.take(entry, "not_after", int, what=what),
                     )
                 )
-        except _codec.CodecError as exc:
+        except CodecError as exc:
             raise BadTpmData(f"bad {what}: {exc}") from None
         return cls(tuple(pending), tuple(admitted))
 
 
 def _entry(raw: object, expected: tuple[str, ...], what: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
-        raise _codec.CodecError(f"{what} entries must be maps")
+        raise CodecError(f"{what} entries must be maps")
     _codec.check_keys(raw, expected, what=what)
     return raw
 

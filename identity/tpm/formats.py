@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from blobstore.canonical import CodecError, require_canonical
 from blobstore.schema import Field, Schema
 
 from .. import _codec
@@ -92,12 +93,12 @@ def _peer(value: str, what: str) -> None:
     try:
         parse_peer_id(value)
     except BadPeerId as exc:
-        raise _codec.CodecError(f"{what} peer: {exc}") from None
+        raise CodecError(f"{what} peer: {exc}") from None
 
 
 def _bounded(value: bytes, limit: int, what: str) -> None:
     if type(value) is not bytes or not 0 < len(value) <= limit:
-        raise _codec.CodecError(f"{what} must be 1 to {limit} bytes")
+        raise CodecError(f"{what} must be 1 to {limit} bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +118,7 @@ class Evidence:
         _bounded(self.ek_cert, MAX_EK_CERT_SIZE, f"{what} EK certificate")
         object.__setattr__(self, "ek_chain", tuple(self.ek_chain))
         if len(self.ek_chain) > MAX_EK_CHAIN:
-            raise _codec.CodecError(f"{what} has more than {MAX_EK_CHAIN} chain certificates")
+            raise CodecError(f"{what} has more than {MAX_EK_CHAIN} chain certificates")
         for cert in self.ek_chain:
             _bounded(cert, MAX_EK_CERT_SIZE, f"{what} chain certificate")
         _bounded(self.ek_public, MAX_TPM_PUBLIC_SIZE, f"{what} EK public area")
@@ -131,8 +132,8 @@ class Evidence:
     def decode(cls, data: bytes) -> Evidence:
         try:
             evidence = cls(**_EVIDENCE.decode(data, max_size=MAX_EVIDENCE_SIZE))
-            _codec.require_canonical(data, evidence.encode(), what=_EVIDENCE.what)
-        except _codec.CodecError as exc:
+            require_canonical(data, evidence.encode(), what=_EVIDENCE.what)
+        except CodecError as exc:
             raise BadTpmData(f"bad TPM evidence: {exc}") from None
         return evidence
 
@@ -151,11 +152,11 @@ class Challenge:
     def __post_init__(self) -> None:
         what = "TPM challenge"
         if type(self.nonce) is not bytes or len(self.nonce) != NONCE_SIZE:
-            raise _codec.CodecError(f"{what} nonce must be {NONCE_SIZE} bytes")
+            raise CodecError(f"{what} nonce must be {NONCE_SIZE} bytes")
         _codec.check_uint(self.expires, f"{what} expiry")
         for value, name in ((self.evidence_hash, "evidence hash"), (self.authority, "authority")):
             if type(value) is not bytes or len(value) != HASH_SIZE:
-                raise _codec.CodecError(f"{what} {name} must be {HASH_SIZE} bytes")
+                raise CodecError(f"{what} {name} must be {HASH_SIZE} bytes")
         _bounded(self.credential_blob, MAX_CREDENTIAL_BLOB_SIZE, f"{what} credential")
         _bounded(self.encrypted_secret, MAX_CREDENTIAL_BLOB_SIZE, f"{what} secret")
 
@@ -166,8 +167,8 @@ class Challenge:
     def decode(cls, data: bytes) -> Challenge:
         try:
             challenge = cls(**_CHALLENGE.decode(data, max_size=MAX_CHALLENGE_SIZE))
-            _codec.require_canonical(data, challenge.encode(), what=_CHALLENGE.what)
-        except _codec.CodecError as exc:
+            require_canonical(data, challenge.encode(), what=_CHALLENGE.what)
+        except CodecError as exc:
             raise BadTpmData(f"bad TPM challenge: {exc}") from None
         return challenge
 
@@ -184,12 +185,12 @@ class Answer:
     def __post_init__(self) -> None:
         what = "TPM answer"
         if type(self.nonce) is not bytes or len(self.nonce) != NONCE_SIZE:
-            raise _codec.CodecError(f"{what} nonce must be {NONCE_SIZE} bytes")
+            raise CodecError(f"{what} nonce must be {NONCE_SIZE} bytes")
         _peer(self.peer_id, what)
         if type(self.credential) is not bytes or len(self.credential) != CREDENTIAL_SIZE:
-            raise _codec.CodecError(f"{what} credential must be {CREDENTIAL_SIZE} bytes")
+            raise CodecError(f"{what} credential must be {CREDENTIAL_SIZE} bytes")
         if type(self.signature) is not bytes or len(self.signature) != ED25519_SIGNATURE_SIZE:
-            raise _codec.CodecError(f"{what} signature must be {ED25519_SIGNATURE_SIZE} bytes")
+            raise CodecError(f"{what} signature must be {ED25519_SIGNATURE_SIZE} bytes")
 
     def signed_message(self) -> bytes:
         return ANSWER_DOMAIN + _ANSWER_UNSIGNED.encode(self)
@@ -210,7 +211,7 @@ class Answer:
     def decode(cls, data: bytes) -> Answer:
         try:
             answer = cls(**_ANSWER.decode(data, max_size=MAX_ANSWER_SIZE))
-            _codec.require_canonical(data, answer.encode(), what=_ANSWER.what)
-        except _codec.CodecError as exc:
+            require_canonical(data, answer.encode(), what=_ANSWER.what)
+        except CodecError as exc:
             raise BadTpmData(f"bad TPM answer: {exc}") from None
         return answer

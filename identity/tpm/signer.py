@@ -20,6 +20,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from blobstore.canonical import CodecError, decode_map, require_canonical
+from blobstore.canonical import encode as encode_canonical
+
 from .. import _codec
 from ..errors import BadPeerId, BadTpmData, KeyFileIOError, TpmRefused
 from ..hardware import AK_POINT_SIZE, TPM_SIGNER_KIND, parse_ak_point
@@ -57,32 +60,32 @@ class MachineBinding:
         try:
             parse_peer_id(self.peer_id)
         except BadPeerId as exc:
-            raise _codec.CodecError(f"{what} peer: {exc}") from None
+            raise CodecError(f"{what} peer: {exc}") from None
         _codec.check_text(self.tcti, MAX_TCTI_LENGTH, f"{what} tcti")
         try:
             parse_ak_point(self.ak)
         except ValueError as exc:
-            raise _codec.CodecError(f"{what} ak: {exc}") from None
+            raise CodecError(f"{what} ak: {exc}") from None
 
     def encode(self) -> bytes:
-        return _codec.encode(
+        return encode_canonical(
             {"v": BINDING_VERSION, "peer": self.peer_id, "tcti": self.tcti, "ak": self.ak}
         )
 
     @classmethod
     def decode(cls, data: bytes, *, source: str) -> MachineBinding:
         try:
-            fields = _codec.decode_map(data, max_size=MAX_BINDING_FILE_SIZE, what=source)
+            fields = decode_map(data, max_size=MAX_BINDING_FILE_SIZE, what=source)
             _codec.check_keys(fields, _FIELDS, what=source)
             if _codec.take(fields, "v", int, what=source) != BINDING_VERSION:
-                raise _codec.CodecError(f"{source} has an unknown version")
+                raise CodecError(f"{source} has an unknown version")
             binding = cls(
                 peer_id=_codec.take(fields, "peer", str, what=source),
                 tcti=_codec.take(fields, "tcti", str, what=source),
                 ak=_codec.take_bytes(fields, "ak", AK_POINT_SIZE, what=source),
             )
-            _codec.require_canonical(data, binding.encode(), what=source)
-        except _codec.CodecError as exc:
+            require_canonical(data, binding.encode(), what=source)
+        except CodecError as exc:
             raise BadTpmData(f"bad TPM binding file: {exc}") from None
         return binding
 

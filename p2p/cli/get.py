@@ -21,10 +21,10 @@ import click
 import trio
 
 from blobstore import BadBlobId, BlobNotFound, Store, parse_blob_id
+from blobstore.catalog import check_tag_name
 from blobstore.errors import StoreError
 from blobstore.export import check_output
 from blobstore.options import json_option
-from blobstore.store import check_tag_name
 from p2p.blob.pacing import MIN_UPLOAD_LIMIT
 from p2p.blob.ticket import Ticket
 from p2p.cli.common import (

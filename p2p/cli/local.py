@@ -56,8 +56,8 @@ def export_cmd(
     transformers' from_pretrained(DEST) and safetensors load as they are. The links are
     pinned by a tag, so blob gc never leaves them dangling; of a collection fetched in
     part (get --include), the files that are here are exported."""
+    from blobstore.catalog import check_tag_name
     from blobstore.export import export_files, export_tag, present_entries, select_entries
-    from blobstore.store import check_tag_name
 
     check_output(dest)
     if tag_name is not None:

@@ -12,8 +12,8 @@ import click
 import trio
 
 from blobstore import Store
+from blobstore.catalog import check_tag_name
 from blobstore.options import json_option
-from blobstore.store import check_tag_name
 from p2p.blob.ticket import MAX_TICKET_ADDRS, Ticket
 from p2p.cli.common import (
     DEFAULT_LISTEN,

@@ -294,10 +294,10 @@ class Daemon:
     async def _put(self, client: Client, args: api.PutArgs, listener: Listener) -> dict[str, Any]:
         """Rules 4 and 5: the store's put of a path this caller may have read, then a DHT
         provide."""
+        from blobstore.catalog import check_tag_name
         from blobstore.cli import parse_size
         from blobstore.errors import StoreError
         from blobstore.manifest import DEFAULT_CHUNK_SIZE, check_chunk_size
-        from blobstore.store import check_tag_name
 
         if args.tag is not None:
             check_tag_name(args.tag)

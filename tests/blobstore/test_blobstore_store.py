@@ -12,7 +12,6 @@ import pytest
 from blake3 import blake3
 
 import blobstore.removal as removal_mod
-import blobstore.store as store_mod
 from blobstore import (
     AmbiguousPrefix,
     BadCollection,
@@ -31,6 +30,7 @@ from blobstore import (
     blob_id_of,
 )
 from blobstore.collection import decode_collection, encode_collection
+from blobstore.layout import IO_BUFFER_SIZE
 from blobstore.space import Space
 from tests.blobstore.conftest import Parts
 
@@ -646,4 +646,4 @@ def test_collection_good_form_decodes() -> None:
 
 
 def test_io_buffer_is_a_chunk_multiple() -> None:
-    assert store_mod.IO_BUFFER_SIZE % C == 0
+    assert IO_BUFFER_SIZE % C == 0

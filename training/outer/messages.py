@@ -73,8 +73,9 @@ from typing import Any
 
 import blake3
 
+from blobstore.canonical import CodecError
 from blobstore.exitcodes import ExitCode
-from blobstore.schema import CodecError, Field, Schema
+from blobstore.schema import Field, Schema
 from identity import (
     AdmissionCertificate,
     Attestation,

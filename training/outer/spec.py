@@ -63,10 +63,10 @@ from typing import Any
 
 import blake3
 
+from blobstore.canonical import CodecError, decode_map, require_canonical
 from blobstore.canonical import encode as encode_canonical
-from blobstore.canonical import require_canonical
 from blobstore.exitcodes import ExitCode
-from blobstore.schema import CodecError, Field, Schema, decode_map, select
+from blobstore.schema import Field, Schema, select
 from training.errors import TrainingError
 from training.outer.agreement import majority, quorum_of
 from training.outer.loop import MODE_DEFAULTS

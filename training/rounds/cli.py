@@ -20,10 +20,10 @@ from typing import Any
 import click
 
 from blobstore import Store, parse_blob_id
+from blobstore.catalog import check_tag_name
 from blobstore.exitcodes import ExitCode
 from blobstore.export import check_output
 from blobstore.options import json_option
-from blobstore.store import check_tag_name
 from identity import (
     PUBLIC_FILE_MODE,
     AdmissionCertificate,
