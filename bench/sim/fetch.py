@@ -37,7 +37,7 @@ What the shell does by hand, mirroring ``p2p.fetch.downloader`` and ``p2p.node.f
    fellows dialled (``PEX_DIAL_PARALLELISM`` at a time, ``MAX_SWARM_DIALS`` in all) and
    added as providers.
 5. Idle workers wake on every change, once everything that happens at that instant has
-   (as trio runs the workers `_notify` woke after the task that woke them), and at the
+   (as trio runs the workers `Changes.notify` woke after the task that woke them), and at the
    scheduler's ``next_late_at`` (at most ``IDLE_WAKE_S`` apart) for endgame copies. After a
    partial provider's `status`, only its own and the full providers' workers ask (the
    downloader wakes every worker; the others' holdings did not change, and a simulated
@@ -564,7 +564,8 @@ class SimFetch:
     # --- status polls ---------------------------------------------------------------------
 
     def _refresh(self, prov: Provider, first: bool = False) -> None:
-        """``_refresh_have``: a partial provider's `status`, every HAVE_REFRESH_INTERVAL."""
+        """``ProviderWatch.refresh_have``: a partial provider's `status`, every
+        HAVE_REFRESH_INTERVAL."""
         stream = self._stream(prov, 0, lambda req, kind, *a: None)
         last: list[tuple[bytes, bytes | None] | None] = [None]
 
@@ -667,7 +668,7 @@ class SimFetch:
         return lane
 
     def _pump(self, only: Provider | None = None) -> None:
-        """Every idle worker asks for work (the downloader's `_notify`), once all that
+        """Every idle worker asks for work (the downloader's `Changes.notify`), once all that
         happens at this instant has happened. ``only``: a partial provider's status
         changed; its workers and the full providers' ask (the others' holdings did not
         change: what they could be given is what they were given before)."""
@@ -773,7 +774,7 @@ class SimFetch:
                     sched.on_request_failed(ticket.request_id, now, "stream lost")
                 w.stream.reset()
                 w.stream = None
-                self._pump()  # the downloader's _notify: the other workers try (and fail) too
+                self._pump()  # the downloader's notify: the other workers try (and fail) too
                 return
             w.pending.append(req)
             self._deadline(ticket)

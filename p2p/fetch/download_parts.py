@@ -72,14 +72,14 @@ DISTRUSTED_START_DELAY = 5.0
 # second per partial peer is cheap next to the chunks.
 HAVE_REFRESH_INTERVAL = 0.5
 # A seeder must count nobody else this many times in a row, HAVE_REFRESH_INTERVAL apart,
-# before its opening caps come off for good (_watch_alone). Fetchers started together reach
-# it tens to hundreds of milliseconds apart, so the first to ask hears 0: uncapped on that
-# one answer, it asked for 16 MiB per request and took a 32 MiB blob nearly whole from a
-# 100 Mbit/s seeder, which sent 1.7-3.0x the blob to three fetchers (8 runs; 1.5-1.8x
-# without the rule). After the first answer only the seeder's share of the blob is capped
-# (Scheduler.set_alone's ``once``): 1.5-1.8x again, and a lone eu->asia fetch keeps most
-# of what the rule gained (49.9-50.9 MB/s against 52-55 uncapped at once; 45-48 when the
-# caps stayed until the second answer).
+# before its opening caps come off for good (ProviderWatch.watch_alone). Fetchers started
+# together reach it tens to hundreds of milliseconds apart, so the first to ask hears 0:
+# uncapped on that one answer, it asked for 16 MiB per request and took a 32 MiB blob
+# nearly whole from a 100 Mbit/s seeder, which sent 1.7-3.0x the blob to three fetchers
+# (8 runs; 1.5-1.8x without the rule). After the first answer only the seeder's share of
+# the blob is capped (Scheduler.set_alone's ``once``): 1.5-1.8x again, and a lone
+# eu->asia fetch keeps most of what the rule gained (49.9-50.9 MB/s against 52-55
+# uncapped at once; 45-48 when the caps stayed until the second answer).
 ALONE_ANSWERS = 2
 # Requests a worker keeps outstanding on a striped provider's bulk stream (rule 10): the
 # next is at the server before the current answer ends, so the connection does not idle
@@ -88,11 +88,12 @@ ALONE_ANSWERS = 2
 # several round trips of its lane's share (p2p.fetch.scheduler.STRIPED_REQUEST_RTTS).
 PIPELINE_DEPTH = 2
 # An idle stream worker (no request to send) or worker spawner waits for the next change
-# the downloader reports (`_notify`: every request's end, chunk, claim and peer change), or
-# at most this long: the scheduler's only condition that ripens with time alone is the
-# swarm endgame's patience, so waking sooner finds nothing new. At 0.5 s the ~50 idle
-# tasks of a 16-fellow swarm fetch woke ~6400 times per fetch, ~10% of its CPU (16-worker
-# fan-out of 256 MiB: 2.89-3.06x one transfer -> 2.50-2.57x, CPU per get 5.0-5.4 s -> 4.7-4.8).
+# the downloader reports (`Changes.notify`: every request's end, chunk, claim and peer
+# change), or at most this long: the scheduler's only condition that ripens with time
+# alone is the swarm endgame's patience, so waking sooner finds nothing new. At 0.5 s the
+# ~50 idle tasks of a 16-fellow swarm fetch woke ~6400 times per fetch, ~10% of its CPU
+# (16-worker fan-out of 256 MiB: 2.89-3.06x one transfer -> 2.50-2.57x, CPU per get
+# 5.0-5.4 s -> 4.7-4.8).
 IDLE_WAKE_S = SWARM_ENDGAME_PATIENCE_S
 # Progress callbacks are rate-limited so a fast transfer does not spend time reporting.
 PROGRESS_INTERVAL = 0.25
@@ -226,3 +227,26 @@ class RefusalAware(Protocol):
     a provider that serves admitted peers only says so in its ``not_found``)."""
 
     def refused(self, peer: str, message: str) -> None: ...
+
+
+class Changes:
+    """What a download's idle tasks wait on: every request's end, chunk, claim and peer
+    change is announced here (`notify`) and wakes them all (an event per generation)."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait(self, seconds: float = IDLE_WAKE_S) -> None:
+        """Until the next `notify`, or ``seconds`` at most."""
+        with trio.move_on_after(seconds):
+            await self._event.wait()
+
+
+def idle_wait(late_at: float | None, now: float) -> float:
+    """How long an idle worker may sleep: until the next request turns late (``late_at``,
+    the scheduler's; an endgame copy may be due then), at most IDLE_WAKE_S."""
+    return IDLE_WAKE_S if late_at is None else min(IDLE_WAKE_S, late_at - now)

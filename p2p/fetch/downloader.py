@@ -73,20 +73,23 @@ Theory of operation
 Where the code is
 -----------------
 
-This module holds :class:`Download`'s providers (their tasks, ``have``/``status`` refreshes,
-striping growth) and the fetch as a whole (:func:`download_blob`, the manifest from the
-store or the network, lingering). The rest is built from one part per job, from the bottom
-up: :mod:`p2p.fetch.download_parts` (bounds, :class:`Progress`, the network protocols),
-:mod:`p2p.fetch.download_probes` (manifests, rule 11's speculation, :class:`HaveProbes`),
-:mod:`p2p.fetch.download_state` (the transfer's state and progress reports) and
-:mod:`p2p.fetch.download_requests` (stream workers, pipelining, chunk verification and
-writes: rules 4, 9 and 10).
+This module holds :class:`Download`, a small owner: its providers' tasks (``have``, the
+first chunk's stream, retries) and the parts it builds and hands each other, and the
+fetch as a whole (:func:`download_blob`, the manifest from the store or the network,
+lingering). From the bottom up: :mod:`p2p.fetch.download_parts` (bounds,
+:class:`Progress`, the network protocols, ``Changes``), :mod:`p2p.fetch.download_probes`
+(manifests, rule 11's speculation, :class:`HaveProbes`), :mod:`p2p.fetch.download_tally`
+(bytes delivered and progress reports), :mod:`p2p.fetch.download_lanes` (each provider's
+connections, pipelining depth and striping growth: rules 9 and 10),
+:mod:`p2p.fetch.download_watch` (a provider's ``status``/``have`` refreshes and fetcher
+counts: rule 8) and :mod:`p2p.fetch.download_requests` (stream workers, chunk
+verification and writes: rules 4, 9 and 10).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import blake3
 import trio
@@ -104,13 +107,12 @@ from p2p.blob.shell import BlobClient, StreamLost, reset_quietly
 from p2p.blob.swarm import LINGER_MAX, LINGER_QUIET, FetchingBoard
 from p2p.errors import FetchFailed, NoProviders
 from p2p.fetch.chunk_writer import ChunkWriter
+from p2p.fetch.download_lanes import Lanes
 from p2p.fetch.download_parts import (
-    ALONE_ANSWERS,
     BUFFER_POOL_BYTES,
     CONTROL_TIMEOUT,
     DISTRUSTED_START_DELAY,
     FLUSH_INTERVAL,
-    HAVE_REFRESH_INTERVAL,
     MANIFEST_FANOUT,
     MANIFEST_RETRY_PAUSES,
     MAX_REASONS_SAID,
@@ -119,8 +121,8 @@ from p2p.fetch.download_parts import (
     PEER_RETRY_PAUSES,
     SPECULATIVE_CHUNK,
     STALL_GRACE,
+    Changes,
     Network,
-    PacedNetwork,
     ProgressCallback,
     StripedNetwork,
     path_rtt,
@@ -128,27 +130,43 @@ from p2p.fetch.download_parts import (
 from p2p.fetch.download_probes import (
     HaveProbes,
     fetch_manifest,
-    open_status_client,
 )
-from p2p.fetch.download_requests import DownloadRequests
+from p2p.fetch.download_requests import Requests
+from p2p.fetch.download_tally import Tally
+from p2p.fetch.download_watch import ProviderWatch
 from p2p.fetch.scheduler import (
     RequestTicket,
     Scheduler,
     SchedulerConfig,
 )
 from p2p.fetch.scores import PeerScores
-from p2p.fetch.striping import StripeConfig, StripeGrowth
+from p2p.fetch.striping import StripeConfig
 
 log = logging.getLogger(__name__)
 
 
-class Download(DownloadRequests):
-    """One blob's transfer. Use :func:`download_blob`."""
+def chunk_lengths(manifest: Manifest) -> Callable[[int], int]:
+    """The length of each chunk of ``manifest``, by index."""
+    span = manifest.chunk_span
+
+    def chunk_length(index: int) -> int:
+        return span(index)[1]
+
+    return chunk_length
+
+
+class Download:
+    """One blob's transfer: its providers' tasks, and the parts that do the work. Use
+    :func:`download_blob`.
+
+    Parts: ``scheduler`` (which chunks from whom), ``changes`` (what idle tasks wait on),
+    ``tally`` (bytes delivered, progress), ``lanes`` (each provider's connections and
+    striping), ``requests`` (the stream workers) and ``watch`` (a provider's control
+    streams beside them)."""
 
     def __init__(
         self,
         network: Network,
-        store: Store,
         manifest: Manifest,
         partial: PartialBlob,
         writer: ChunkWriter,
@@ -159,56 +177,59 @@ class Download(DownloadRequests):
         probes: HaveProbes | None = None,
         scores: PeerScores | None = None,
         own_peer: str = "",
+        origins: set[str] | None = None,
     ) -> None:
         self.network = network
         self.probes = probes
         self.scores = scores
-        self.pacer = network.download_pacer if isinstance(network, PacedNetwork) else None
-        self.store = store
         self.manifest = manifest
-        self.blob_id = manifest.blob_id
+        self.blob_id = blob_id = manifest.blob_id
         self.partial = partial
-        self.writer = writer
         self.config = config
-        self.progress = progress
+        # Providers the caller named (the scheduler's origins, spared for finished fellows).
+        self.origins: set[str] = set() if origins is None else origins
+        # A chunk's length, for the parts and the streams (not a method: they hold no
+        # pointer back to the owner).
+        self.chunk_length = chunk_length = chunk_lengths(manifest)
         verified = set(range(manifest.num_chunks)) - set(partial.missing())
         # Fetchers of one blob start at different chunks (by peer ID), so a sole seeder
         # hands different chunks to each first and they can trade the rest.
-        start = int.from_bytes(blake3.blake3(f"{own_peer}/{self.blob_id}".encode()).digest()[:8])
-        self.scheduler = Scheduler(
+        start = int.from_bytes(blake3.blake3(f"{own_peer}/{blob_id}".encode()).digest()[:8])
+        self.scheduler = scheduler = Scheduler(
             manifest.num_chunks,
-            self.chunk_length,
+            chunk_length,
             verified,
             config,
             start=start if own_peer else 0,
             own=own_peer,
         )
-        self.buffers = ChunkBuffers(
+        buffers = ChunkBuffers(
             manifest.chunk_size, max(MIN_BUFFERS, BUFFER_POOL_BYTES // manifest.chunk_size)
         )
-        # Chunks being hashed and written now, each with an event set when its write ends.
-        self.writing: dict[int, trio.Event] = {}
-        self.changed = trio.Event()
+        self.changes = changes = Changes()
+        self.tally = tally = Tally(manifest, scheduler, progress, trio.current_time())
+        striped = network if isinstance(network, StripedNetwork) else None
+        self.lanes = lanes = Lanes(scheduler, changes, striped, stripe_config, probes)
+        self.requests = Requests(
+            network,
+            blob_id,
+            chunk_length,
+            scheduler,
+            config,
+            lanes=lanes,
+            changes=changes,
+            tally=tally,
+            buffers=buffers,
+            writer=writer,
+            partial=partial,
+            scores=scores,
+        )
+        self.watch = ProviderWatch(
+            network, blob_id, manifest.num_chunks, chunk_length, scheduler, changes, probes
+        )
         self.peers_seen: set[str] = set()
         self.peer_tasks = 0
-        self.started = trio.current_time()
-        self.first_body_at: float | None = None  # see Progress.transfer_rate_bytes_per_s
-        self.start_bytes = self._done_bytes()
-        self.last_progress = 0.0
-        self.new_bytes: dict[str, int] = {}
-        self.duplicate_bytes = 0
-        self.penalized: set[str] = set()
-        self.striped = network if isinstance(network, StripedNetwork) else None
-        self.stripe_config = stripe_config
-        self.growth: dict[str, StripeGrowth] = {}
-        # Streams each provider's workers hold open, per connection (lane).
-        self.lane_load: dict[str, list[int]] = {}
-        # Providers that refused 1.1.0: their streams carry one request at a time.
-        self.serial: set[str] = set()
-        # Providers the caller named (the scheduler's origins, spared for finished fellows).
-        self.origins: set[str] = set()
 
-    # --- helpers -------------------------------------------------------------------
     # --- providers -----------------------------------------------------------------
     def add_provider(self, nursery: trio.Nursery, peer: str) -> None:
         if peer in self.peers_seen:
@@ -239,7 +260,7 @@ class Download(DownloadRequests):
                 log.info("provider %s failed; trying it again in a moment", peer)
         finally:
             self.peer_tasks -= 1
-            self._notify()
+            self.changes.notify()
 
     async def _run_peer(self, peer: str) -> bool:
         """Use ``peer`` until the blob is done or the peer is lost; True if worth retrying."""
@@ -278,30 +299,28 @@ class Download(DownloadRequests):
         self.scheduler.add_peer(peer, trio.current_time(), None if full else have.bitmap)
         self.scheduler.set_origin(peer, peer in self.origins)
         self.scheduler.on_rtt(peer, rtt)
-        self._notify()
-        lanes = self.lane_load[peer] = [1]  # the first worker's stream, on lane 0
-        if self.probes is not None and peer in self.probes.serial:
-            self.serial.add(peer)  # it refused to pipeline the manifest request
-        self._set_connections(peer)
+        self.changes.notify()
+        lanes, requests, watch = self.lanes, self.requests, self.watch
+        lanes.start(peer)  # the first worker's stream, on lane 0
         client, first = await self._speculated(peer, client)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._stream_worker, peer, client, 0, first)
+            nursery.start_soon(requests.stream_worker, peer, client, 0, first)
             if not full:
-                nursery.start_soon(self._refresh_have, peer)
+                nursery.start_soon(watch.refresh_have, peer)
             elif self.config.defer_to_partial_holders:
-                nursery.start_soon(self._watch_alone, peer)
+                nursery.start_soon(watch.watch_alone, peer)
             # Only a provider with every chunk is striped: a partial one (a fellow in a
             # swarm) is one source among several, and eight fellows each dialled four
             # times cost a loaded machine ~200 handshakes for nothing.
-            if full and self.striped is not None and self.stripe_config is not None:
-                nursery.start_soon(self._grow, peer)
+            if full and lanes.grows:
+                nursery.start_soon(lanes.grow, peer)
             # More workers as the peer's limit grows (rate x RTT, connections): each
-            # holds at most one live request (or `_depth`), so the scheduler's limit is
-            # the brake.
-            while not self.scheduler.done and self._peer_usable(peer):
-                for _ in range(self._workers_wanted(peer)):
-                    nursery.start_soon(self._stream_worker, peer, None, self._quiet_lane(lanes))
-                await self._wait_change()
+            # holds at most one live request (or `Lanes.depth`), so the scheduler's limit
+            # is the brake.
+            while not self.scheduler.done and self.scheduler.still_used(peer):
+                for _ in range(lanes.workers_wanted(peer)):
+                    nursery.start_soon(requests.stream_worker, peer, None, lanes.take(peer))
+                await self.changes.wait()
         return not self.scheduler.done
 
     async def _drop_speculation(self, peer: str) -> None:
@@ -325,163 +344,8 @@ class Download(DownloadRequests):
             return client, []
         await reset_quietly(client.stream)
         spec.set_chunk_length(self.chunk_length)
-        self._notify()
+        self.changes.notify()
         return spec, [ticket]
-
-    async def _refresh_have(self, peer: str) -> None:
-        """Ask a partial provider what it holds every HAVE_REFRESH_INTERVAL while it may
-        gain chunks we lack, on a stream of its own: 1.3.0's ``status`` (what it holds and
-        what it is fetching now, p2p.blob.swarm rule 4) where the peer speaks it, else ``have``.
-        Stops at the first failure (the peer's workers notice a lost peer by themselves)."""
-        client = await open_status_client(self.network, peer, self.chunk_length)
-        status = client is not None
-        try:
-            if client is None:
-                client = BlobClient(await self.network.open_blob_stream(peer), self.chunk_length)
-            answered = False
-            while not self.scheduler.done and self._peer_usable(peer):
-                if answered or not status:
-                    await trio.sleep(HAVE_REFRESH_INTERVAL)
-                soon = None
-                have: messages.HaveResponse | messages.ErrorResponse
-                with trio.fail_after(CONTROL_TIMEOUT):
-                    if status:
-                        try:
-                            reply = await client.status(self.blob_id)
-                        except StreamLost:
-                            if answered:
-                                raise
-                            # A server before 1.3.0 refuses the proposal: ask `have`.
-                            await reset_quietly(client.stream)
-                            stream = await self.network.open_blob_stream(peer)
-                            client = BlobClient(stream, self.chunk_length)
-                            status = False
-                            continue
-                        if isinstance(reply, messages.StatusResponse):
-                            soon = reply.soon
-                            have = messages.HaveResponse(reply.num_chunks, reply.bitmap)
-                        else:
-                            have = reply
-                    else:
-                        have = await client.have(self.blob_id)
-                answered = True
-                if isinstance(have, messages.ErrorResponse):
-                    return
-                if have.num_chunks != self.manifest.num_chunks:
-                    return
-                if not self._peer_usable(peer):
-                    return
-                full = all(have.bitmap[i // 8] >> (i % 8) & 1 for i in range(have.num_chunks))
-                self.scheduler.update_peer_bitmap(peer, None if full else have.bitmap, soon)
-                self._notify()
-                if full:
-                    return
-        except (StreamLost, messages.ProtocolError, trio.TooSlowError, OSError) as exc:
-            log.info("provider %s: have refresh ended: %r", peer, exc)
-        finally:
-            # Claims nobody refreshes are void: a fellow that went away (or stopped
-            # answering) must not keep chunks from the seeder; what it held stays, and
-            # its workers find out by asking for it.
-            self.scheduler.drop_claims(peer)
-            self._notify()
-            if client is not None:
-                await reset_quietly(client.stream)
-
-    async def _watch_alone(self, peer: str) -> None:
-        """Ask a seeder whether anyone else fetches the blob from it (1.4.0's ``status``,
-        p2p.blob.swarm rule 6), at once and then every HAVE_REFRESH_INTERVAL while it says
-        nobody: meanwhile the swarm's opening caps are off for it (Scheduler.set_alone),
-        within a share of the blob until the ALONE_ANSWERS-th such answer.
-        The first answer that counts anyone, a server before 1.4.0, or any failure puts
-        them back for the rest of the download."""
-        probe = None if self.probes is None else await self.probes.take_count(peer)
-        reply = None if probe is None else probe.status
-        client = None if probe is None else probe.client
-        if client is None:
-            client = await open_status_client(self.network, peer, self.chunk_length, fellows=True)
-        if client is None:
-            return
-        zeros = 0
-        try:
-            while not self.scheduler.done and self._peer_usable(peer):
-                if reply is None:
-                    with trio.fail_after(CONTROL_TIMEOUT):
-                        reply = await client.status(self.blob_id)
-                if not (isinstance(reply, messages.StatusResponse) and reply.fellows == 0):
-                    self.scheduler.set_alone(peer, False)
-                    self._notify()
-                    return
-                zeros += 1
-                if zeros <= ALONE_ANSWERS:
-                    self.scheduler.set_alone(peer, True, once=zeros < ALONE_ANSWERS)
-                    self._notify()
-                reply = None
-                await trio.sleep(HAVE_REFRESH_INTERVAL)
-        except (StreamLost, messages.ProtocolError, trio.TooSlowError, OSError) as exc:
-            log.info("provider %s: no fetcher count: %r", peer, exc)
-            self.scheduler.set_alone(peer, False)
-            self._notify()
-        finally:
-            await reset_quietly(client.stream)
-
-    def _workers_wanted(self, peer: str) -> int:
-        """Stream workers ``peer`` lacks: it should have one per live request it may hold,
-        or on a pipelined striped provider one per bulk lane (rule 10)."""
-        limit = self.scheduler.inflight_limit(peer)
-        lanes = self.lane_load[peer]
-        if self._lanes_coming(peer):
-            # One chunk on the control lane meanwhile: a second would halve the speed
-            # of the first through a new connection's slow start.
-            return 1 - sum(lanes)
-        if self._depth(peer) == 1:
-            return limit - sum(lanes)
-        return min(limit, len(lanes) - 1) - sum(lanes[1:])
-
-    async def _grow(self, peer: str) -> None:
-        """Open more connections to ``peer`` while they raise its rate (StripeGrowth)."""
-        assert self.striped is not None and self.stripe_config is not None
-        striped = self.striped
-        if self.probes is not None:
-            await self.probes.lanes_dialled(peer)
-            self._set_connections(peer)
-            self._notify()
-        now = trio.current_time()
-        # Growth counts bulk lanes; the first connection is one until the first step.
-        count = striped.connection_count(peer)
-        growth = StripeGrowth(self.stripe_config, now, count - 1 if count > 1 else 1)
-        self.growth[peer] = growth
-
-        async def dial(counted: bool = True) -> None:
-            ok = await striped.add_connection(peer)
-            if counted:
-                growth.on_dialled(ok, trio.current_time())
-            self._set_connections(peer)
-            self._notify()
-
-        async with trio.open_nursery() as dials:
-            while not growth.stopped and not self.scheduler.done:
-                stats = self.scheduler.stats_of(peer)
-                if stats is None or stats.banned or stats.dropped:
-                    return
-                now = trio.current_time()
-                busy = stats.inflight > 0 and self.scheduler.fetchable_count > 0
-                more = growth.decide(now, stats.rtt_s, busy)
-                if more:
-                    log.info(
-                        "provider %s: %d more connection(s) at %.1f MB/s, RTT %.0f ms",
-                        peer,
-                        more,
-                        stats.rate_bytes_per_s / 1e6,
-                        (stats.rtt_s or 0.0) * 1e3,
-                    )
-                if more and striped.connection_count(peer) == 1:
-                    # The first step: lane 0 becomes the control lane, so one more
-                    # connection than the step's bulk ones (growth counts bulk lanes).
-                    dials.start_soon(dial, False)
-                for _ in range(more):
-                    dials.start_soon(dial)
-                wake = growth.next_check(now, stats.rtt_s)
-                await trio.sleep(max(wake - now, self.stripe_config.min_settle_s / 4))
 
     async def flush(self) -> None:
         """Make what verified durable (the partial takes care of concurrent writes)."""
@@ -601,7 +465,6 @@ async def _download(
         async with ChunkWriter(partial) as writer:
             download = Download(
                 network,
-                store,
                 manifest,
                 partial,
                 writer,
@@ -611,14 +474,14 @@ async def _download(
                 probes=probes,
                 scores=scores,
                 own_peer=own_peer,
+                origins=origins,
             )
-            download.origins = origins
             # What this download has in flight is what the node's server calls `soon`.
             with board.posting(blob_id, download.scheduler.in_flight):
                 await _run(download, candidates, more_providers, discovery_timeout, named)
         await download.flush()
         await trio.to_thread.run_sync(partial.publish)
-        download._report(force=True)
+        download.tally.report(trio.current_time(), force=True)
     finally:
         # Shielded: a cancelled or interrupted fetch still flushes what verified (data
         # fsync, then bitmap), so the next attempt resumes from it.
@@ -757,7 +620,7 @@ async def _run(
         nonlocal dialling
         await _join_late_providers(download, nursery, named, origins=True)
         dialling = False
-        download._notify()
+        download.changes.notify()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(download.flusher)
@@ -769,8 +632,8 @@ async def _run(
             nursery.start_soon(join_named, named)
         stalled_since: float | None = None
         while not scheduler.done:
-            await download._wait_change(0.5)
-            download._report()
+            await download.changes.wait(0.5)
+            download.tally.report(trio.current_time())
             idle = not dialling and (download.peer_tasks == 0 or scheduler.stalled())
             if not idle:
                 stalled_since = None

@@ -9,7 +9,6 @@ so does the first fellow the fetcher learns of."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -24,9 +23,9 @@ from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.shell import BlobClient, StreamLost, open_optimistic
 from p2p.blob.swarm import FELLOW_WINDOW, SwarmBook
-from p2p.fetch.download_parts import ALONE_ANSWERS
+from p2p.fetch.download_parts import ALONE_ANSWERS, Changes
 from p2p.fetch.download_probes import _CountProbe
-from p2p.fetch.downloader import Download
+from p2p.fetch.download_watch import ProviderWatch
 from p2p.fetch.scheduler import ALONE_ONCE_SHARE, Scheduler, SchedulerConfig, bitmap_of
 from p2p.node.node import open_node
 
@@ -283,15 +282,18 @@ def test_a_fetcher_takes_alone_from_two_answers_and_a_count_ends_it() -> None:
         def set_alone(self, peer: str, alone: bool, *, once: bool = False) -> None:
             calls.append((alone, once))
 
-    download = SimpleNamespace(
-        probes=_Probes(seeder),
-        scheduler=Recorder(),
+        def still_used(self, peer: str) -> bool:
+            return True
+
+    watch = ProviderWatch(
+        network=None,  # type: ignore[arg-type]  # the count probe brings the stream
         blob_id=BLOB,
-        _peer_usable=lambda peer: True,
-        _notify=lambda: None,
+        num_chunks=4,
+        chunk_length=lambda index: 1,
+        scheduler=Recorder(),  # type: ignore[arg-type]
+        changes=Changes(),
+        probes=_Probes(seeder),  # type: ignore[arg-type]
     )
-    trio.run(
-        Download._watch_alone, download, "seed", clock=trio.testing.MockClock(autojump_threshold=0)
-    )
+    trio.run(watch.watch_alone, "seed", clock=trio.testing.MockClock(autojump_threshold=0))
     assert calls == [(True, True), (True, False), (False, False)]
     assert seeder.asked == 4 and ALONE_ANSWERS == 2
