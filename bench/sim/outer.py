@@ -44,7 +44,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +108,28 @@ MB = 1_000_000
 MAX_EXTRA_PROVIDERS = 8
 
 
+def _memoised(
+    real: Callable[..., Any], key_of: Callable[[Any, dict[str, Any]], tuple[Any, ...]]
+) -> Callable[..., Any]:
+    """``real(arg, **kwargs)`` answered once per key: its result, or its error raised again."""
+    hits: dict[tuple[Any, ...], tuple[bool, Any]] = {}
+
+    def call(arg: Any, **kwargs: Any) -> Any:
+        key = key_of(arg, kwargs)
+        hit = hits.get(key)
+        if hit is None:
+            try:
+                hit = (True, real(arg, **kwargs))
+            except Exception as exc:
+                hit = (False, exc)
+            hits[key] = hit
+        if hit[0]:
+            return hit[1]
+        raise hit[1]
+
+    return call
+
+
 @contextlib.contextmanager
 def shared_verification() -> Iterator[None]:
     """Memoise ``verify_attestation`` and ``rank`` in the agreement modules (see the module
@@ -115,22 +137,9 @@ def shared_verification() -> Iterator[None]:
     real = messages_module.verify_attestation
     real_cert = messages_module.verify_certificate
     real_rank = agreement_module.rank
-    certs: dict[tuple[Any, ...], Any] = {}
-
-    def verify_cert(certificate: Any, **kwargs: Any) -> Any:
-        key = (certificate.encode(), id(kwargs.get("trust")), kwargs.get("peer_id"))
-        hit = certs.get(key)
-        if hit is None:
-            try:
-                hit = (True, real_cert(certificate, **kwargs))
-            except Exception as exc:
-                hit = (False, exc)
-            certs[key] = hit
-        if hit[0]:
-            return hit[1]
-        raise hit[1]
-
-    cache: dict[tuple[Any, ...], Any] = {}
+    verify_cert = _memoised(
+        real_cert, lambda c, kw: (c.encode(), id(kw.get("trust")), kw.get("peer_id"))
+    )
     ranks: dict[tuple[str, str], bytes] = {}
 
     def memo_rank(start_root: str, peer: str) -> bytes:
@@ -140,18 +149,7 @@ def shared_verification() -> Iterator[None]:
             value = ranks[key] = real_rank(start_root, peer)
         return value
 
-    def verify(data: Any, **kwargs: Any) -> Any:
-        key = (bytes(data), kwargs.get("kind"), id(kwargs.get("trust")))
-        hit = cache.get(key)
-        if hit is None:
-            try:
-                hit = (True, real(data, **kwargs))
-            except Exception as exc:
-                hit = (False, exc)
-            cache[key] = hit
-        if hit[0]:
-            return hit[1]
-        raise hit[1]
+    verify = _memoised(real, lambda d, kw: (bytes(d), kw.get("kind"), id(kw.get("trust"))))
 
     messages_module.verify_attestation = verify  # type: ignore[assignment]
     agreement_module.verify_attestation = verify  # type: ignore[assignment]
