@@ -808,5 +808,12 @@ SCENARIOS = {
 
 
 if __name__ == "__main__":
-    for name in pin(sys.argv[1:]) or list(SCENARIOS):
+    chosen = pin(sys.argv[1:]) or list(SCENARIOS)
+    unknown = [name for name in chosen if name not in SCENARIOS]
+    if unknown:
+        sys.exit(
+            f"floods: no scenario {unknown[0]!r}; usage: floods.py [--pin] "
+            f"[{' | '.join(SCENARIOS)}] ..."
+        )
+    for name in chosen:
         SCENARIOS[name]()

@@ -344,7 +344,7 @@ def install_inbound_gate(
             return
         ip = remote_address_key(read_write_closer)
         arrived = trio.current_time()
-        if not await turns.wait_turn(ip):
+        if not await turns.wait_turn(ip, lambda: peer_gone(read_write_closer)):
             log.debug("inbound from %s closed: over its rate of handshakes", ip)
             await _close_quietly(read_write_closer)
             return

@@ -187,3 +187,30 @@ async def test_a_held_socket_that_gives_up_lets_the_next_in_line_wait_for_the_ra
         first.cancel()
     assert went == [1.0]
     assert turns.pacer.paced_out == 1
+
+
+async def test_a_held_socket_whose_peer_left_is_let_go_within_the_check_interval(
+    clock: trio.testing.MockClock,
+) -> None:
+    """A flooder that hangs up while its socket is held: the socket goes within
+    GONE_CHECK_INTERVAL (the node's descriptors back soon after a flood), not after
+    MAX_TURN_WAIT, and takes no turn from the one behind it."""
+    from p2p.transport.handshake_turns import GONE_CHECK_INTERVAL
+
+    turns = HandshakeTurns(HandshakePacer(per_second=0.01, burst=1, max_held=100), max_wait=30)
+    assert await turns.wait_turn("a")
+    left_at = 1.0
+    ended: dict[str, tuple[bool, float]] = {}
+
+    async def held(name: str, gone: bool) -> None:
+        went = await turns.wait_turn("a", lambda: gone and trio.current_time() >= left_at)
+        ended[name] = (went, trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(held, "hung up", True)
+        nursery.start_soon(held, "stays", False)
+    went, at = ended["hung up"]
+    assert not went
+    assert left_at <= at <= left_at + GONE_CHECK_INTERVAL
+    assert ended["stays"] == (False, 30.0)  # no turn at 1 a 100 s: its own wait ran out
+    assert turns.pacer.held == 0
