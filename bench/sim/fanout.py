@@ -25,7 +25,7 @@ from bench.sim.fetch import SimFetch, swarm_config
 from bench.sim.fluid import TESTBED_INITIAL_WINDOW, call_later
 from bench.sim.node import Blob, SimNode
 from bench.sim.world import INTERNET_REGIONS, MBIT, Costs, World
-from p2p.fetch.scheduler import SchedulerConfig
+from p2p.fetch.sched_records import SchedulerConfig
 from p2p.fetch.striping import StripeConfig
 
 MiB = 1 << 20

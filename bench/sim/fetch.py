@@ -73,7 +73,8 @@ from p2p.fetch.download_parts import (
     SPECULATIVE_CHUNK,
     STALL_GRACE,
 )
-from p2p.fetch.scheduler import RequestTicket, Scheduler, SchedulerConfig
+from p2p.fetch.sched_records import RequestTicket, SchedulerConfig
+from p2p.fetch.scheduler import Scheduler
 from p2p.fetch.scores import PeerScores
 from p2p.fetch.striping import StripeConfig, StripeGrowth
 from p2p.node.fetching import SWARM_REQUEST_SECONDS, SWARM_UNMEASURED_BATCH_BYTES

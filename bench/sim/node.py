@@ -31,7 +31,7 @@ from p2p.blob.server import (
     StreamSlot,
 )
 from p2p.blob.swarm import FELLOW_WINDOW, SwarmBook, listing
-from p2p.fetch.scheduler import bitmap_of
+from p2p.fetch.sched_records import bitmap_of
 
 if TYPE_CHECKING:
     from bench.sim.fetch import SimFetch

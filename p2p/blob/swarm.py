@@ -44,7 +44,7 @@ Theory of operation
    the caps cost it a quarter of its rate (bench/figures/wan-opening-caps.md). Until the
    seeder has said so twice in a row (``p2p.fetch.download_parts.ALONE_ANSWERS``,
    ``HAVE_REFRESH_INTERVAL`` apart) it is owed at most an eighth of the blob at a time
-   (``p2p.fetch.scheduler.ALONE_ONCE_SHARE``): of fetchers that start together the first to
+   (``p2p.fetch.sched_records.ALONE_ONCE_SHARE``): of fetchers that start together the first to
    ask hears "alone" once, and uncapped on that answer it took a small blob nearly whole
    from the seeder before the next answer counted the others. It keeps asking every
    ``HAVE_REFRESH_INTERVAL`` and keeps the caps for good from the first answer that

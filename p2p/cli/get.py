@@ -405,7 +405,7 @@ def get(
                 )
             key_path = key_path_of(ctx)
             key = load_key(key_path)
-            from p2p.fetch.scheduler import SchedulerConfig
+            from p2p.fetch.sched_records import SchedulerConfig
             from p2p.node.dial import check_not_self
 
             check_not_self([*named, *bootstrap], key.peer_id, key_path)

@@ -16,10 +16,7 @@ from blobstore import (
 from p2p.blob import messages
 from p2p.blob.pacing import Pacer
 from p2p.fetch.chunk_writer import usable_cpus
-from p2p.fetch.scheduler import (
-    SWARM_ENDGAME_PATIENCE_S,
-    PeerStats,
-)
+from p2p.fetch.sched_records import SWARM_ENDGAME_PATIENCE_S, PeerStats
 from p2p.transport.fast import kernel_rtt
 
 log = logging.getLogger(__name__)

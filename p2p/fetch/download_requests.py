@@ -33,11 +33,8 @@ from p2p.fetch.download_parts import (
     idle_wait,
 )
 from p2p.fetch.download_tally import Tally
-from p2p.fetch.scheduler import (
-    RequestTicket,
-    Scheduler,
-    SchedulerConfig,
-)
+from p2p.fetch.sched_records import RequestTicket, SchedulerConfig
+from p2p.fetch.scheduler import Scheduler
 from p2p.fetch.scores import PeerScores
 
 log = logging.getLogger(__name__)

@@ -134,11 +134,8 @@ from p2p.fetch.download_probes import (
 from p2p.fetch.download_requests import Requests
 from p2p.fetch.download_tally import Tally
 from p2p.fetch.download_watch import ProviderWatch
-from p2p.fetch.scheduler import (
-    RequestTicket,
-    Scheduler,
-    SchedulerConfig,
-)
+from p2p.fetch.sched_records import RequestTicket, SchedulerConfig
+from p2p.fetch.scheduler import Scheduler
 from p2p.fetch.scores import PeerScores
 from p2p.fetch.striping import StripeConfig
 

@@ -1,38 +1,68 @@
-"""Choosing requests for :mod:`p2p.fetch.scheduler`: how many requests and chunks each
-peer may hold (its "Rate-scaled batches" and "Requests sized to the path"), its rate,
-which pool chunks it is handed, endgame copies of late requests (invariant 2), and the
-tickets issued.
+"""Choosing requests, a part of :class:`p2p.fetch.scheduler.Scheduler`: how many
+requests and chunks each peer may hold (the scheduler's "Rate-scaled batches" and
+"Requests sized to the path"), each peer's rate, which pool chunks a peer is handed
+("Swarming", "Origins last") and endgame copies of late requests (invariant 2).
+
+It reads the scheduler's peers and live requests (mappings the scheduler owns and hands
+it) and the chunks' `Availability`, and owns the rates: each peer's average
+(`observe`) and the usable peers' ranking, kept until a rate or the usable set changes
+(`forget_rates`).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
+from collections.abc import Callable, Mapping
 
 from p2p.fetch.sched_availability import Availability
 from p2p.fetch.sched_records import (
     _INFLIGHT,
-    _POOL,
     DEFER_RATE_FRACTION,
     ENDGAME_MIN_PATIENCE_S,
     ENDGAME_PATIENCE_RTTS,
     STRIPED_REQUEST_RTTS,
     SWARM_ENDGAME_PATIENCE_S,
-    RequestTicket,
+    SchedulerConfig,
     _Peer,
     _Request,
-    _to_ranges,
 )
 
 
-class Picking(Availability):
-    """Request sizing, pacing and chunk choice per peer, on top of chunk availability."""
+class Picking:
+    """Request sizing, pacing and chunk choice per peer, over the `chunks` of one blob
+    (chunk i `chunk_length(i)` bytes long), the known `peers` by name and the live
+    `requests` by id."""
 
-    def _uncapped(self, p: _Peer) -> bool:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        chunks: Availability,
+        peers: Mapping[str, _Peer],
+        requests: Mapping[int, _Request],
+        chunk_length: Callable[[int], int],
+    ) -> None:
+        self._cfg = config
+        self._chunks = chunks
+        self._peers = peers
+        self._requests = requests
+        self._chunk_length = chunk_length
+        self._n = chunks.n
+        # The usable peers, their rates and the best rate, until one changes.
+        self._rates: tuple[list[_Peer], list[float], float] | None = None
+
+    def forget_rates(self) -> None:
+        """A peer became usable or stopped being so: rank the usable peers afresh."""
+        self._rates = None
+
+    def cached_rates(self) -> tuple[list[_Peer], list[float], float] | None:
+        """The usable peers' ranking as kept now (None: to be made afresh); for checks."""
+        return self._rates
+
+    def uncapped(self, p: _Peer) -> bool:
         """The swarm's opening caps are off for `p` (see set_alone)."""
-        return p.alone and p.bitmap is None and not self._partials
+        return p.alone and p.bitmap is None and not self._chunks.partials
 
-    def _inflight_limit(self, p: _Peer) -> int:
+    def inflight_limit(self, p: _Peer) -> int:
         cfg = self._cfg
         cap = cfg.max_inflight_requests_per_peer
         # A seeder shared with fellows (swarming, not alone) gets what its rate and the
@@ -40,7 +70,7 @@ class Picking(Availability):
         # seconds of a slow uplink that its other fetchers wait behind, and which they
         # may have to take from it again (three fetchers of a 32 MiB blob from a 100
         # Mbit/s seeder striped four ways: it sent 1.45-2.29x the blob, median 1.86).
-        shared_seeder = cfg.defer_to_partial_holders and p.bitmap is None and not self._uncapped(p)
+        shared_seeder = cfg.defer_to_partial_holders and p.bitmap is None and not self.uncapped(p)
         if shared_seeder:
             want = 1
         elif p.connections > 1 and p.depth > 1:
@@ -66,12 +96,12 @@ class Picking(Availability):
             cfg.defer_to_partial_holders
             and p.bitmap is None
             and p.rate is None
-            and not self._uncapped(p)
+            and not self.uncapped(p)
         ):
             want = min(want, cfg.swarm_unmeasured_inflight_requests)
         return min(cap, want)
 
-    def _usable_rates(self) -> tuple[list[_Peer], list[float], float]:
+    def usable_rates(self) -> tuple[list[_Peer], list[float], float]:
         """The usable peers, their measured rates and the best one, kept until a peer's
         rate or usability changes: every worker of every peer asks for them at each change
         of the download (rebuilding them each time cost a third of the CPU of bench/sim's
@@ -87,7 +117,7 @@ class Picking(Availability):
         """The peer's batch scaled by its rate (and the usable peers, their rates, the
         best rate, which the tail rule below needs too)."""
         m = self._cfg.max_chunks_per_request
-        usable, rates, best = self._usable_rates()
+        usable, rates, best = self.usable_rates()
         if p.rate is None:
             size = max(1, m // 4) if rates else m
         elif best <= 0.0:
@@ -96,7 +126,7 @@ class Picking(Availability):
             size = max(1, min(m, math.ceil(m * p.rate / best)))
         cfg = self._cfg
         chunk = max(1, self._chunk_length(0)) if self._n else 1
-        if self._uncapped(p):
+        if self.uncapped(p):
             pass
         elif p.rate is None and cfg.unmeasured_batch_bytes is not None:
             size = min(size, max(1, cfg.unmeasured_batch_bytes // chunk))
@@ -111,9 +141,9 @@ class Picking(Availability):
             size = min(size, max(2, math.ceil(per_conn / chunk)))
         return size, usable, rates, best
 
-    def _batch_size(self, p: _Peer) -> int:
+    def batch_size(self, p: _Peer) -> int:
         size, usable, rates, best = self._rate_batch(p)
-        fetchable = self._fetchable_pool()
+        fetchable = self._chunks.fetchable_pool()
         if 0 < fetchable < size * 2:
             # The tail of the pool: take only p's rate-weighted share of it next to the
             # idle peers that may still want some (a partial peer's heap may hold stale
@@ -148,7 +178,7 @@ class Picking(Availability):
         return any(
             (q.heap or q.soon_count)
             and (q.rate is None or p.rate is None or q.rate >= p.rate * DEFER_RATE_FRACTION)
-            for q in self._partials.values()
+            for q in self._chunks.partials.values()
         )
 
     def _spares(self, p: _Peer) -> bool:
@@ -169,10 +199,12 @@ class Picking(Availability):
         """Whether any usable peer is an origin (set_origin)."""
         return any(q.origin and q.usable for q in self._peers.values())
 
-    def _pick_pool(self, p: _Peer, limit: int) -> list[int]:
+    def pick_pool(self, p: _Peer, limit: int) -> list[int]:
+        """Up to `limit` pool chunks for `p`, best first, as the policy leaves them to it."""
         if self._spares(p):
             return []
-        heap = self._full_heap if p.bitmap is None else p.heap
+        chunks = self._chunks
+        heap = chunks.full_heap if p.bitmap is None else p.heap
         orphans_only = self._defers(p)
         # A chunk of rank 1 is only claimed (or in a fellow's share of the partition): an
         # origin leaves it to the claimer, its uplink being the scarce one; a fellow that
@@ -180,35 +212,7 @@ class Picking(Availability):
         # fetch it, say so and serve it (a four-fetcher simulated fan-out's last chunk
         # waited 1.3 s so). With no origin known, every full peer leaves it, as an origin.
         after_rank = 1 if p.origin or not self._origins() else 2
-        bm = p.bitmap
-        state = self._state
-        stride = self._stride
-        max_ranges = self._cfg.max_ranges_per_request
-        picked: list[int] = []
-        chosen: set[int] = set()
-        ranges = 0
-        start = self._start
-        while heap and len(picked) < limit:
-            key = heap[0]
-            i = (key % stride + start) % stride
-            if (
-                state[i] != _POOL
-                or key // stride != self._rank(i)
-                or i in chosen
-                or (bm is not None and not bm[i >> 3] >> (i & 7) & 1)
-            ):
-                heapq.heappop(heap)  # stale entry
-                continue
-            if orphans_only and key >= after_rank * stride:
-                break  # held or claimed by a partial peer: left to it (keys go by rank)
-            after = ranges + 1 - ((i - 1) in chosen) - ((i + 1) in chosen)
-            if after > max_ranges:
-                break  # leave it for the next request
-            heapq.heappop(heap)
-            picked.append(i)
-            chosen.add(i)
-            ranges = after
-        return picked
+        return chunks.pick(heap, p.bitmap, limit, after_rank if orphans_only else None)
 
     def _late_at(self, r: _Request) -> float:
         """When ``r`` will have been out longer than its peer should need for it (see
@@ -223,15 +227,14 @@ class Picking(Availability):
         return r.issued_at + max(ENDGAME_MIN_PATIENCE_S, patience)
 
     def next_late_at(self, now: float) -> float | None:
-        """The soonest time after ``now`` at which a live request becomes late, so an
-        endgame copy of it may be handed out (None: none will, or the endgame has not
-        begun). An idle worker sleeps until then at most, not a whole idle period."""
-        if self._fetchable_pool():
+        """The soonest time after ``now`` at which a live request becomes late (None: none
+        will, or the endgame has not begun: some pool chunk is still fetchable)."""
+        if self._chunks.fetchable_pool():
             return None
         times = [t for r in self._requests.values() if (t := self._late_at(r)) > now]
         return min(times, default=None)
 
-    def _pick_endgame(self, p: _Peer, limit: int, now: float) -> list[int]:
+    def pick_endgame(self, p: _Peer, limit: int, now: float) -> list[int]:
         if self._cfg.endgame_duplicates <= 0:
             return []
         copies = 1 + self._cfg.endgame_duplicates
@@ -247,6 +250,8 @@ class Picking(Availability):
         # Oldest first: the request most likely stuck; then the slowest peer's.
         others.sort(key=lambda r: (r.issued_at, r.peer.rate or 0.0, r.ticket.request_id))
         max_ranges = self._cfg.max_ranges_per_request
+        state = self._chunks.state
+        inflight = self._chunks.inflight
         picked: list[int] = []
         chosen: set[int] = set()
         ranges = 0
@@ -256,8 +261,8 @@ class Picking(Availability):
                     return picked
                 if (
                     i in chosen
-                    or self._state[i] != _INFLIGHT
-                    or len(self._inflight[i]) >= copies
+                    or state[i] != _INFLIGHT
+                    or len(inflight[i]) >= copies
                     or not p.holds(i)
                 ):
                     continue
@@ -269,46 +274,7 @@ class Picking(Availability):
                 ranges = after
         return picked
 
-    def _issue(self, p: _Peer, picked: list[int], now: float, endgame: bool) -> RequestTicket:
-        rid = self._next_id
-        self._next_id += 1
-        picked.sort()
-        nbytes = 0
-        state = self._state
-        for i in picked:
-            nbytes += self._chunk_length(i)
-            if state[i] == _POOL:
-                state[i] = _INFLIGHT
-                self._pool_count -= 1
-                if self._rarity[i] == 0:
-                    self._orphans -= 1
-            self._inflight.setdefault(i, set()).add(rid)
-        if not p.requests:
-            # The peer was idle: its rate clock starts now, not at its last chunk.
-            p.mark = now
-            p.unfolded_bytes = 0
-        deadline = (
-            now
-            + self._cfg.request_timeout_base
-            + (p.outstanding_bytes + nbytes) / self._cfg.min_rate_bytes_per_s
-        )
-        p.outstanding_bytes += nbytes
-        ticket = RequestTicket(
-            request_id=rid,
-            peer=p.name,
-            ranges=_to_ranges(picked),
-            deadline=deadline,
-            indices=frozenset(picked),
-            endgame=endgame,
-        )
-        req = _Request(ticket, p, now, set(picked))
-        self._requests[rid] = req
-        p.requests[rid] = req
-        self._request_peer[rid] = p.name
-        heapq.heappush(self._deadlines, (deadline, rid))
-        return ticket
-
-    def _observe(self, p: _Peer, nbytes: int, now: float) -> None:
+    def observe(self, p: _Peer, nbytes: int, now: float) -> None:
         """Fold `nbytes` delivered at `now` into the peer's rate: a time-weighted EWMA of
         bytes/s over the time the peer has had requests in flight."""
         p.unfolded_bytes += nbytes
@@ -316,7 +282,7 @@ class Picking(Availability):
         if dt <= 0.0:
             return
         sample = p.unfolded_bytes / dt
-        self._rates = None  # the rate moves (_usable_rates)
+        self._rates = None  # the rate moves (usable_rates)
         if p.rate is None:
             p.rate = sample
         else:

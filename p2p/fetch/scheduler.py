@@ -130,64 +130,77 @@ missing) are applied per chunk.
 Where the code is
 -----------------
 
-:class:`Scheduler` (this module: peers, requests, events, timers, inspection, and the
-invariant check) is built from one part per job, each a base class in its own module, from
-the bottom up: :mod:`p2p.fetch.sched_records` (the config, tickets, stats, per-peer and
-per-request records, named bounds, bitmap and partition-hash helpers),
-:mod:`p2p.fetch.sched_availability` (chunk state, rarity, claims, the swarm partition and
-the hand-out heaps: "Rarest first", "Swarm partition" and "Cost") and
-:mod:`p2p.fetch.sched_picking` (request sizing and pacing per peer, choosing chunks, the
-endgame, issuing tickets: "Rate-scaled batches", "Requests sized to the path", invariant 2).
+:class:`Scheduler` (this module) owns the peers, the live requests and their deadlines,
+and answers the shell's events, timers and questions; it holds two parts, each an object
+with its own state and its own tests:
+
+- :class:`~p2p.fetch.sched_availability.Availability` owns the chunks: each chunk's state
+  and the live requests that owe it, rarity, claims, the swarm partition and the hand-out
+  heaps ("Rarest first", "Swarm partition", "Cost"). The scheduler tells it which peers
+  become usable and what they hold, and which chunks each request takes and releases.
+- :class:`~p2p.fetch.sched_picking.Picking` owns the rates and decides per peer: how many
+  requests and chunks it may hold, which pool chunks it is handed and which endgame
+  copies ("Rate-scaled batches", "Requests sized to the path", "Swarming", "Origins last",
+  invariant 2). It reads the scheduler's peers and live requests and the `Availability`.
+
+:mod:`p2p.fetch.sched_records` holds what all three share: the config, tickets, stats,
+per-peer and per-request records, named bounds, bitmap and partition-hash helpers; callers
+import those names from there.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+from p2p.fetch.sched_availability import Availability
 from p2p.fetch.sched_picking import Picking
 from p2p.fetch.sched_records import (
-    _INFLIGHT,
     _POOL,
     _VERIFIED,
     ALONE_ONCE_SHARE,
-    DEFER_RATE_FRACTION,
-    ENDGAME_MIN_PATIENCE_S,
-    ENDGAME_PATIENCE_RTTS,
-    MAX_PARTITION_CHUNKS,
-    PROTOCOL_MAX_CHUNKS_PER_REQUEST,
-    PROTOCOL_MAX_RANGES_PER_REQUEST,
-    STRIPED_REQUEST_RTTS,
-    SWARM_ENDGAME_PATIENCE_S,
     PeerStats,
     RequestTicket,
     SchedulerConfig,
     _Peer,
     _Request,
-    _set_bits,
-    bitmap_of,
+    _to_ranges,
 )
 
-__all__ = [
-    "ALONE_ONCE_SHARE",
-    "DEFER_RATE_FRACTION",
-    "ENDGAME_MIN_PATIENCE_S",
-    "ENDGAME_PATIENCE_RTTS",
-    "MAX_PARTITION_CHUNKS",
-    "PROTOCOL_MAX_CHUNKS_PER_REQUEST",
-    "PROTOCOL_MAX_RANGES_PER_REQUEST",
-    "STRIPED_REQUEST_RTTS",
-    "SWARM_ENDGAME_PATIENCE_S",
-    "PeerStats",
-    "RequestTicket",
-    "Scheduler",
-    "SchedulerConfig",
-    "bitmap_of",
-]
+__all__ = ["Scheduler"]
 
 
-class Scheduler(Picking):
-    """Chunk scheduling for one blob of `num_chunks` chunks; see the module docstring."""
+class Scheduler:
+    """Chunk scheduling for one blob of `num_chunks` chunks, chunk i `chunk_length(i)`
+    bytes long, `verified` ones held already (resume); `start`: where equal rarity begins
+    (see "Rarest first"), `own`: this fetcher's peer name (see "Swarm partition"). See
+    the module docstring."""
+
+    def __init__(
+        self,
+        num_chunks: int,
+        chunk_length: Callable[[int], int],
+        verified: Iterable[int] = (),
+        config: SchedulerConfig = SchedulerConfig(),  # noqa: B008 (frozen: safe to share)
+        start: int = 0,
+        own: str = "",
+    ) -> None:
+        self._chunks = chunks = Availability(num_chunks, chunk_length, verified, config, start, own)
+        self._n = num_chunks
+        self._cfg = config
+        self._chunk_length = chunk_length
+        self._peers: dict[str, _Peer] = {}
+        self._requests: dict[int, _Request] = {}  # live requests by id
+        self._request_peer: dict[int, str] = {}  # every id ever issued -> its peer
+        self._deadlines: list[tuple[float, int]] = []  # (deadline, id), a min-heap
+        self._overdue: set[int] = set()  # live ids past their deadline (`expired`)
+        self._next_id = 1
+        self._picking = Picking(config, chunks, self._peers, self._requests, chunk_length)
+        # Called once per chunk (on_chunk): bound here, so that a chunk costs no more
+        # attribute lookups than a method of the scheduler's own.
+        self._check_index = chunks.check_index
+        self._verify = chunks.verify
+        self._observe = self._picking.observe
 
     # ----------------------------------------------------------------- peers
 
@@ -199,26 +212,26 @@ class Scheduler(Picking):
 
         A dropped or removed peer becomes usable again; a banned one stays banned.
         """
-        parsed = self._parse_bitmap(bitmap)
-        claims = self._parse_soon(soon, parsed)
+        parsed = self._chunks.parse_bitmap(bitmap)
+        claims = self._chunks.parse_soon(soon, parsed)
         p = self._peers.get(peer)
         if p is None:
             p = _Peer(peer, parsed, mark=now)
-            self._set_soon_unused(p, claims)
+            self._chunks.set_soon_unused(p, claims)
             self._peers[peer] = p
             self._contribute(p, +1)
             return
         if not p.usable:
             p.bitmap = parsed
-            self._set_soon_unused(p, claims)
+            self._chunks.set_soon_unused(p, claims)
             p.connected = True
             p.dropped = False
             p.streak = 0
             if p.usable:
                 self._contribute(p, +1)
             return
-        self._replace_bitmap(p, parsed)
-        self._replace_soon(p, claims)
+        self._chunks.replace_bitmap(p, parsed)
+        self._chunks.replace_soon(p, claims)
 
     def on_rtt(self, peer: str, rtt: float) -> None:
         """A round trip to `peer` took `rtt` seconds (a small request answered, timed by the
@@ -263,7 +276,7 @@ class Scheduler(Picking):
     def inflight_limit(self, peer: str) -> int:
         """Live requests `peer` may hold now: enough to cover its rate x RTT (see the
         module docstring), at least one per connection, within the configured bounds."""
-        return self._inflight_limit(self._peer(peer))
+        return self._picking.inflight_limit(self._peer(peer))
 
     def update_peer_bitmap(
         self, peer: str, bitmap: bytes | None, soon: bytes | None = None
@@ -271,19 +284,19 @@ class Scheduler(Picking):
         """The peer's have-bitmap changed (a partial peer fetched more chunks); `soon`:
         what it is fetching now (None: nothing, or it does not say)."""
         p = self._peer(peer)
-        parsed = self._parse_bitmap(bitmap)
-        self._replace_bitmap(p, parsed)
-        self._replace_soon(p, self._parse_soon(soon, parsed))
+        parsed = self._chunks.parse_bitmap(bitmap)
+        self._chunks.replace_bitmap(p, parsed)
+        self._chunks.replace_soon(p, self._chunks.parse_soon(soon, parsed))
 
     def drop_claims(self, peer: str) -> None:
         """Forget what `peer` said it is fetching (its status is no longer refreshed)."""
         p = self._peers.get(peer)
         if p is not None:
-            self._replace_soon(p, None)
+            self._chunks.replace_soon(p, None)
 
     def in_flight(self) -> list[int]:
         """Chunks requested and not verified yet (what a ``status`` answer calls soon)."""
-        return list(self._inflight)
+        return list(self._chunks.inflight)
 
     def remove_peer(self, peer: str, reason: str) -> None:
         """The peer disconnected or was killed: release its requests (no penalty)."""
@@ -306,14 +319,13 @@ class Scheduler(Picking):
         p = self._peers.get(peer)
         if p is None or not p.usable:
             return None
-        if len(p.requests) >= self._inflight_limit(p):
+        if len(p.requests) >= self._picking.inflight_limit(p):
             return None
-        if self._dirty:
-            self._rebuild()
-        limit = self._batch_size(p)
+        self._chunks.refresh()
+        limit = self._picking.batch_size(p)
         if max_chunks is not None:
             limit = min(limit, max(1, max_chunks))
-        if p.alone_once and self._uncapped(p):
+        if p.alone_once and self._picking.uncapped(p):
             chunk = max(1, self._chunk_length(0))
             room = self._n * chunk // ALONE_ONCE_SHARE - p.outstanding_bytes
             if room < chunk and p.requests:
@@ -322,10 +334,10 @@ class Scheduler(Picking):
             # that all its connections ramp up together rather than two of them.
             spread = self._n // ALONE_ONCE_SHARE // max(1, p.connections * p.depth)
             limit = min(limit, max(1, room // chunk), max(1, spread))
-        picked = self._pick_pool(p, limit)
+        picked = self._picking.pick_pool(p, limit)
         endgame = False
-        if not picked and not p.requests and self._fetchable_pool() == 0:
-            picked = self._pick_endgame(p, limit, now)
+        if not picked and not p.requests and self._chunks.fetchable_pool() == 0:
+            picked = self._picking.pick_endgame(p, limit, now)
             endgame = True
         if not picked:
             return None
@@ -340,7 +352,8 @@ class Scheduler(Picking):
         picked = sorted(set(indices))
         if p is None or not p.usable or not picked:
             return None
-        if any(not 0 <= i < self._n or self._state[i] != _POOL or not p.holds(i) for i in picked):
+        state = self._chunks.state
+        if any(not 0 <= i < self._n or state[i] != _POOL or not p.holds(i) for i in picked):
             return None
         return self._issue(p, picked, now, False)
 
@@ -356,7 +369,7 @@ class Scheduler(Picking):
         req = self._requests.get(request_id)
         if req is None:
             return False
-        state = self._state
+        state = self._chunks.state
         return all(state[i] == _VERIFIED for i in req.unreceived)
 
     # ---------------------------------------------------------------- events
@@ -372,7 +385,7 @@ class Scheduler(Picking):
             p = self._peers[name]
             p.bytes_received += nbytes
             p.chunks_received += 1
-            return self._mark_verified(index)
+            return self._verify(index)
         if index not in req.ticket.indices:
             raise ValueError(
                 f"chunk {index} is not part of request {request_id} (a server sending it "
@@ -386,7 +399,7 @@ class Scheduler(Picking):
         p.chunks_received += 1
         p.streak = 0
         self._observe(p, nbytes, now)
-        return self._mark_verified(index)
+        return self._verify(index)
 
     def on_bad_chunk(self, request_id: int, index: int, now: float) -> None:
         """The chunk failed its hash: ban the peer for this download."""
@@ -422,7 +435,7 @@ class Scheduler(Picking):
             if p.busy_limit >= self._cfg.max_inflight_requests_per_peer:
                 p.busy_limit = None
         if lacked:
-            self._forget_chunks(p, lacked)
+            self._chunks.forget_chunks(p, lacked)
         self._release(req)
 
     def on_request_failed(self, request_id: int, now: float, reason: str) -> None:
@@ -483,6 +496,12 @@ class Scheduler(Picking):
         tickets.sort(key=lambda t: (t.deadline, t.request_id))
         return tickets
 
+    def next_late_at(self, now: float) -> float | None:
+        """The soonest time after ``now`` at which a live request becomes late, so an
+        endgame copy of it may be handed out (None: none will, or the endgame has not
+        begun). An idle worker sleeps until then at most, not a whole idle period."""
+        return self._picking.next_late_at(now)
+
     def next_deadline(self) -> float | None:
         """The earliest deadline of a live request, or None when nothing is in flight."""
         if self._overdue:
@@ -496,11 +515,11 @@ class Scheduler(Picking):
 
     @property
     def done(self) -> bool:
-        return self._verified_count == self._n
+        return self._chunks.verified_count == self._n
 
     @property
     def verified_count(self) -> int:
-        return self._verified_count
+        return self._chunks.verified_count
 
     @property
     def num_chunks(self) -> int:
@@ -509,24 +528,24 @@ class Scheduler(Picking):
     @property
     def unheld_count(self) -> int:
         """Unrequested chunks that no usable peer holds (waiting for a new provider)."""
-        return 0 if self._full_usable else self._orphans
+        return 0 if self._chunks.full_usable else self._chunks.orphans
 
     def missing(self) -> list[int]:
         """Indices not yet verified, ascending (O(num_chunks): for reports, not hot paths)."""
-        state = self._state
+        state = self._chunks.state
         return [i for i in range(self._n) if state[i] != _VERIFIED]
 
     @property
     def fetchable_count(self) -> int:
         """Unrequested chunks that some usable peer holds (work still to hand out)."""
-        return self._fetchable_pool()
+        return self._chunks.fetchable_pool()
 
     def stalled(self) -> bool:
         """Not done, and no usable peer can make progress: nothing is in flight and no
         usable peer holds a missing chunk (every holder banned, dropped or gone)."""
-        if self.done or self._requests or self._full_usable:
+        if self.done or self._requests or self._chunks.full_usable:
             return False
-        return self._pool_count == self._orphans
+        return self._chunks.pool_count == self._chunks.orphans
 
     def peer_stats(self) -> dict[str, PeerStats]:
         return {name: self._stats(p) for name, p in self._peers.items()}
@@ -555,7 +574,7 @@ class Scheduler(Picking):
             connected=p.connected,
             last_error=p.last_error,
             rtt_s=p.rtt,
-            inflight_limit=self._inflight_limit(p) if p.usable else 0,
+            inflight_limit=self._picking.inflight_limit(p) if p.usable else 0,
             connections=p.connections,
         )
 
@@ -576,23 +595,42 @@ class Scheduler(Picking):
             raise ValueError(f"request {request_id} was never issued by this scheduler")
         return name
 
-    # Chunk and request state changes.
+    # Request state changes.
 
-    def _mark_verified(self, i: int) -> bool:
-        s = self._state[i]
-        if s == _VERIFIED:
-            return False
-        if s == _POOL:
-            self._pool_count -= 1
-            if self._rarity[i] == 0:
-                self._orphans -= 1
-        else:
-            # Other live requests still owe it (endgame copies); they will deliver a
-            # duplicate that on_chunk reports as not new.
-            del self._inflight[i]
-        self._state[i] = _VERIFIED
-        self._verified_count += 1
-        return True
+    def _contribute(self, p: _Peer, sign: int) -> None:
+        """`p` becomes usable (+1) or stops being so (-1)."""
+        self._chunks.contribute(p, sign)
+        self._picking.forget_rates()
+
+    def _issue(self, p: _Peer, picked: list[int], now: float, endgame: bool) -> RequestTicket:
+        rid = self._next_id
+        self._next_id += 1
+        picked.sort()
+        nbytes = self._chunks.take(picked, rid)
+        if not p.requests:
+            # The peer was idle: its rate clock starts now, not at its last chunk.
+            p.mark = now
+            p.unfolded_bytes = 0
+        deadline = (
+            now
+            + self._cfg.request_timeout_base
+            + (p.outstanding_bytes + nbytes) / self._cfg.min_rate_bytes_per_s
+        )
+        p.outstanding_bytes += nbytes
+        ticket = RequestTicket(
+            request_id=rid,
+            peer=p.name,
+            ranges=_to_ranges(picked),
+            deadline=deadline,
+            indices=frozenset(picked),
+            endgame=endgame,
+        )
+        req = _Request(ticket, p, now, set(picked))
+        self._requests[rid] = req
+        p.requests[rid] = req
+        self._request_peer[rid] = p.name
+        heapq.heappush(self._deadlines, (deadline, rid))
+        return ticket
 
     def _release(self, req: _Request) -> None:
         rid = req.ticket.request_id
@@ -600,20 +638,7 @@ class Scheduler(Picking):
         del self._requests[rid]
         del p.requests[rid]
         self._overdue.discard(rid)
-        state = self._state
-        for i in sorted(req.unreceived):
-            p.outstanding_bytes -= self._chunk_length(i)
-            if state[i] != _INFLIGHT:
-                continue
-            owers = self._inflight[i]
-            owers.discard(rid)
-            if not owers:
-                del self._inflight[i]
-                state[i] = _POOL
-                self._pool_count += 1
-                if self._rarity[i] == 0:
-                    self._orphans += 1
-                self._offer(i)
+        p.outstanding_bytes -= self._chunks.release(rid, req.unreceived)
         req.unreceived.clear()
 
     def _release_all(self, p: _Peer) -> None:
@@ -626,33 +651,20 @@ class Scheduler(Picking):
             self._contribute(p, -1)
         p.banned = True
         p.rate = 0.0
-        self._rates = None
+        self._picking.forget_rates()
         p.last_error = reason
         self._release_all(p)
 
     def _check_invariants(self) -> None:
         """Recount every derived quantity from scratch (tests only: O(num_chunks))."""
-        if self._rates is not None:
-            usable = [q for q in self._peers.values() if q.usable]
+        peers = self._peers.values()
+        cached = self._picking.cached_rates()
+        if cached is not None:
+            usable = [q for q in peers if q.usable]
             rates = [q.rate for q in usable if q.rate is not None]
-            assert self._rates == (usable, rates, max(rates, default=0.0))
-        state = self._state
-        n = self._n
-        assert self._verified_count == sum(1 for s in state if s == _VERIFIED)
-        assert self._pool_count == sum(1 for s in state if s == _POOL)
-        rarity = [0] * n
-        claims = [0] * n
-        for p in self._peers.values():
-            if p.usable and p.bitmap is not None:
-                assert self._partials.get(p.name) is p
-                for i in _set_bits(p.bitmap):
-                    rarity[i] += 1
-                if p.soon is not None:
-                    assert not int.from_bytes(p.soon, "little") & int.from_bytes(p.bitmap, "little")
-                    for i in _set_bits(p.soon):
-                        claims[i] += 1
-            else:
-                assert p.name not in self._partials
+            assert cached == (usable, rates, max(rates, default=0.0))
+        state = self._chunks.state
+        for p in peers:
             if not p.usable:
                 assert not p.requests
             owed = sum(self._chunk_length(i) for r in p.requests.values() for i in r.unreceived)
@@ -660,27 +672,10 @@ class Scheduler(Picking):
             assert len(p.requests) <= max(
                 self._cfg.max_inflight_requests_per_peer, p.depth * p.connections
             )
-        assert rarity == self._rarity
-        assert claims == self._claims
-        assert self._full_usable == sum(
-            1 for p in self._peers.values() if p.usable and p.bitmap is None
-        )
-        assert self._orphans == sum(1 for i in range(n) if state[i] == _POOL and rarity[i] == 0)
         owers: dict[int, set[int]] = {}
         for rid, r in self._requests.items():
             assert r.peer.requests.get(rid) is r
             for i in r.unreceived:
                 if state[i] != _VERIFIED:
                     owers.setdefault(i, set()).add(rid)
-        assert owers == self._inflight
-        assert all(state[i] == _INFLIGHT for i in owers)
-        assert all(s != _INFLIGHT or i in owers for i, s in enumerate(state))
-        if not self._dirty:
-            full = set(self._full_heap)
-            for i in range(n):
-                if state[i] == _POOL:
-                    key = self._key(i)
-                    assert key in full, i
-                    for p in self._partials.values():
-                        if p.holds(i):
-                            assert key in p.heap, (p.name, i)
+        self._chunks.check_invariants(peers, owers)

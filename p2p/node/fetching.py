@@ -37,7 +37,7 @@ from p2p.blob.ticket import Ticket
 from p2p.errors import BadAddress, FetchFailed, NoProviders, PeerUnreachable, unwrap_single
 from p2p.fetch.download_parts import Progress, ProgressCallback
 from p2p.fetch.downloader import download_blob
-from p2p.fetch.scheduler import SchedulerConfig
+from p2p.fetch.sched_records import SchedulerConfig
 from p2p.fetch.scores import PeerScores
 from p2p.fetch.striping import StripeConfig
 from p2p.metrics import Metrics

@@ -82,7 +82,7 @@ from p2p.blob.server import BlobServer, ServerLimits
 from p2p.blob.ticket import MAX_TICKET_ADDRS, Ticket
 from p2p.errors import BadAddress, ListenFailed, PeerUnreachable
 from p2p.fetch import peer_memory
-from p2p.fetch.scheduler import SchedulerConfig
+from p2p.fetch.sched_records import SchedulerConfig
 from p2p.fetch.scores import PeerScores
 from p2p.fetch.striping import StripeConfig
 from p2p.logs import no_handler_of_our_own, quiet_unless_chosen

@@ -23,7 +23,8 @@ from p2p.fetch.download_lanes import Lanes
 from p2p.fetch.download_parts import Changes
 from p2p.fetch.download_requests import Requests
 from p2p.fetch.download_tally import Tally
-from p2p.fetch.scheduler import Scheduler, SchedulerConfig
+from p2p.fetch.sched_records import SchedulerConfig
+from p2p.fetch.scheduler import Scheduler
 from p2p.fetch.scores import PeerScores
 
 CHUNK = 64 * 1024

@@ -15,7 +15,8 @@ from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.fetch.download_parts import HAVE_REFRESH_INTERVAL, Changes
 from p2p.fetch.download_watch import ProviderWatch
-from p2p.fetch.scheduler import Scheduler, bitmap_of
+from p2p.fetch.sched_records import bitmap_of
+from p2p.fetch.scheduler import Scheduler
 
 BLOB = "ab" * 32
 N = 8

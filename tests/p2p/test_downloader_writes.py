@@ -22,7 +22,7 @@ from p2p.blob import protocol as proto
 from p2p.blob.buffers import ChunkBuffers
 from p2p.errors import unwrap_single
 from p2p.fetch import download_parts, downloader
-from p2p.fetch.scheduler import SchedulerConfig
+from p2p.fetch.sched_records import SchedulerConfig
 from p2p.fetch.scores import PeerScores
 
 CHUNK = 64 * 1024

@@ -29,7 +29,8 @@ from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.shell import OptimisticStream, multistream_message, proposal
 from p2p.fetch import download_parts, downloader
-from p2p.fetch.scheduler import Scheduler, SchedulerConfig
+from p2p.fetch.sched_records import SchedulerConfig
+from p2p.fetch.scheduler import Scheduler
 from p2p.fetch.striping import StripeConfig
 
 RTT = 0.2  # virtual seconds: an intercontinental path, so the fetch stripes at once

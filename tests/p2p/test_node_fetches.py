@@ -17,7 +17,7 @@ from blobstore import Store
 from identity import MachineKey
 from p2p.blob.server import BlobServer
 from p2p.blob.swarm import FetchingBoard
-from p2p.fetch.scheduler import SchedulerConfig
+from p2p.fetch.sched_records import SchedulerConfig
 from p2p.fetch.scores import PeerScores
 from p2p.fetch.striping import StripeConfig
 from p2p.metrics import Metrics

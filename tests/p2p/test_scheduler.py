@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from p2p.fetch.scheduler import (
+from p2p.fetch.sched_records import (
     ENDGAME_MIN_PATIENCE_S,
     PROTOCOL_MAX_CHUNKS_PER_REQUEST,
     RequestTicket,
-    Scheduler,
     SchedulerConfig,
     bitmap_of,
 )
+from p2p.fetch.scheduler import Scheduler
 
 CHUNK = 1 << 20
 

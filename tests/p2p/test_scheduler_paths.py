@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from p2p.fetch.scheduler import Scheduler, SchedulerConfig
+from p2p.fetch.sched_records import SchedulerConfig
+from p2p.fetch.scheduler import Scheduler
 from p2p.fetch.scores import PeerScores, ScoreConfig
 from p2p.fetch.striping import StripeConfig, StripeGrowth
 

@@ -21,14 +21,14 @@ from hypothesis.stateful import (
     rule,
 )
 
-from p2p.fetch.scheduler import (
+from p2p.fetch.sched_records import (
     ENDGAME_MIN_PATIENCE_S,
     ENDGAME_PATIENCE_RTTS,
     RequestTicket,
-    Scheduler,
     SchedulerConfig,
     bitmap_of,
 )
+from p2p.fetch.scheduler import Scheduler
 
 N = 10  # small, so that runs often reach the endgame and the drained tail
 PEERS = ("a", "b", "c", "d")

@@ -11,7 +11,8 @@ import pytest
 from p2p.blob import messages
 from p2p.blob import protocol as proto
 from p2p.blob.swarm import PexBook, SwarmBook, listing, usable_addrs
-from p2p.fetch.scheduler import Scheduler, SchedulerConfig
+from p2p.fetch.sched_records import SchedulerConfig
+from p2p.fetch.scheduler import Scheduler
 
 BLOB = "ab" * 32
 ADDR = "/ip4/10.0.0.2/tcp/4001"

@@ -26,7 +26,8 @@ from p2p.blob.swarm import FELLOW_WINDOW, SwarmBook
 from p2p.fetch.download_parts import ALONE_ANSWERS, Changes
 from p2p.fetch.download_probes import _CountProbe
 from p2p.fetch.download_watch import ProviderWatch
-from p2p.fetch.scheduler import ALONE_ONCE_SHARE, Scheduler, SchedulerConfig, bitmap_of
+from p2p.fetch.sched_records import ALONE_ONCE_SHARE, SchedulerConfig, bitmap_of
+from p2p.fetch.scheduler import Scheduler
 from p2p.node.node import open_node
 
 BLOB = "ef" * 32

@@ -18,7 +18,8 @@ from p2p.blob import protocol as proto
 from p2p.blob.shell import BlobClient, StreamLost, open_optimistic
 from p2p.blob.swarm import LINGER_MAX, LINGER_QUIET, FetchingBoard
 from p2p.fetch.downloader import _linger
-from p2p.fetch.scheduler import Scheduler, SchedulerConfig, bitmap_of
+from p2p.fetch.sched_records import SchedulerConfig, bitmap_of
+from p2p.fetch.scheduler import Scheduler
 from p2p.node.node import open_node
 
 BLOB = "cd" * 32

@@ -327,7 +327,7 @@ async def test_a_fetch_stripes_one_provider_over_several_tcp_connections(
     from libp2p.peer.id import ID
 
     from p2p.blob import messages
-    from p2p.fetch.scheduler import SchedulerConfig
+    from p2p.fetch.sched_records import SchedulerConfig
     from p2p.fetch.striping import StripeConfig
     from p2p.node.node import NodeConfig, open_node
 
