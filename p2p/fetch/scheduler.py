@@ -319,13 +319,16 @@ class Scheduler:
         p = self._peers.get(peer)
         if p is None or not p.usable:
             return None
-        if len(p.requests) >= self._picking.inflight_limit(p):
+        picking = self._picking
+        if len(p.requests) >= picking.inflight_limit(p):
             return None
-        self._chunks.refresh()
-        limit = self._picking.batch_size(p)
+        chunks = self._chunks
+        if chunks.dirty:
+            chunks.refresh()
+        limit = picking.batch_size(p)
         if max_chunks is not None:
             limit = min(limit, max(1, max_chunks))
-        if p.alone_once and self._picking.uncapped(p):
+        if p.alone_once and picking.uncapped(p):
             chunk = max(1, self._chunk_length(0))
             room = self._n * chunk // ALONE_ONCE_SHARE - p.outstanding_bytes
             if room < chunk and p.requests:
@@ -334,10 +337,10 @@ class Scheduler:
             # that all its connections ramp up together rather than two of them.
             spread = self._n // ALONE_ONCE_SHARE // max(1, p.connections * p.depth)
             limit = min(limit, max(1, room // chunk), max(1, spread))
-        picked = self._picking.pick_pool(p, limit)
+        picked = picking.pick_pool(p, limit)
         endgame = False
-        if not picked and not p.requests and self._chunks.fetchable_pool() == 0:
-            picked = self._picking.pick_endgame(p, limit, now)
+        if not picked and not p.requests and chunks.fetchable_pool() == 0:
+            picked = picking.pick_endgame(p, limit, now)
             endgame = True
         if not picked:
             return None
