@@ -35,9 +35,9 @@ WAN_DIR = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """One testbed at a time: every test in this directory goes to one pytest-xdist
-    worker (``--dist loadgroup``), so two testbeds never shape links side by side and a
-    test's timings are those of one testbed on the machine."""
+    """One testbed at a time where this directory runs under pytest-xdist with the rest
+    (``make test`` runs it alone, after the rest): every test here goes to one worker
+    (``--dist loadgroup``), so two testbeds never shape links side by side."""
     for item in items:
         if WAN_DIR in item.path.parents:
             item.add_marker(pytest.mark.xdist_group("wan"))
