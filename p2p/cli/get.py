@@ -5,6 +5,11 @@ Everything that can be checked without the network is checked before a node star
 addresses, output paths, tag names, a named peer with our own peer ID, and whether the
 command names anywhere to fetch from at all. Named peers are dialled first, so a failure
 says which peer and why.
+
+The command's options are the rows of p2p.fetch.options (the light path's parser reads the
+same table; ``check_table`` refuses a command that differs from it). The command line
+becomes one FetchRequest (p2p.node.request: options checked, the reference parsed or the
+name resolved, once), which the rest reads and which goes to the daemon or the node.
 """
 
 from __future__ import annotations
@@ -20,13 +25,10 @@ from typing import TYPE_CHECKING, Any
 import click
 import trio
 
-from blobstore import BadBlobId, BlobNotFound, Store, parse_blob_id
-from blobstore.catalog import check_tag_name
+from blobstore import BlobNotFound, Store
 from blobstore.errors import StoreError
-from blobstore.export import check_output
 from blobstore.options import json_option
 from p2p.blob.pacing import MIN_UPLOAD_LIMIT
-from p2p.blob.ticket import Ticket
 from p2p.cli.common import (
     Interrupted,
     Rate,
@@ -52,6 +54,18 @@ from p2p.cli.nat import (
     load_certificate,
 )
 from p2p.cli.status import fetch_via_daemon
+from p2p.fetch.options import (
+    COUNT,
+    FLAG,
+    GET_OPTIONS,
+    MULTI,
+    NUMBER,
+    PATH,
+    RATE,
+    VALUE,
+    Option,
+)
+from p2p.node.request import BadRequest, FetchOptions, FetchRequest, Reference
 
 if TYPE_CHECKING:
     from identity import MachineKey
@@ -69,10 +83,6 @@ WRITER_NOTE_EVERY = 10.0
 # Waits for other writers one get makes before it gives up: a collection's files may each
 # be fetched by another process, and a writer can finish one file and start the next.
 MAX_WRITER_WAITS = 256
-# --seed-for's ceiling: a day; a longer-lived seeder is `blob serve`.
-MAX_SEED_SECONDS = 86400.0
-# A punch longer than this is not going to work (py-libp2p's DCUtR gives up after 25 s).
-MAX_PUNCH_TIMEOUT = 300.0
 
 
 class ProgressBar:
@@ -130,143 +140,128 @@ def _locally_complete(store: Store, blob_id: str, include: Sequence[str]) -> boo
     return all(store.has(child) for _path, child in wanted)
 
 
-def _resolve_ref(store: Store, ref: str) -> tuple[str | None, tuple[str, ...]]:
-    """``(blob ID or None if unknown here, ticket addresses)``."""
-    if ref.startswith("blob1"):
-        ticket = Ticket.decode(ref)
-        return ticket.blob_id, ticket.addrs
+# The decorators of options `blob get` shares with other commands (p2p.fetch.options'
+# ``shared`` rows); get_nat_options declares two rows.
+SHARED_OPTIONS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "bootstrap_option": bootstrap_option,
+    "upload_limit_option": upload_limit_option,
+    "get_nat_options": get_nat_options,
+    "json_option": json_option(),
+    "verbose_option": verbose_option,
+}
+
+
+def _click_option(option: Option) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """One row of the option table as a click option."""
+    kwargs: dict[str, Any] = {"help": option.help, "metavar": option.metavar}
+    if option.kind == FLAG:
+        kwargs["is_flag"] = True
+    elif option.kind == MULTI:
+        kwargs["multiple"] = True
+    elif option.kind == COUNT:
+        kwargs["count"] = True
+    elif option.value == PATH:
+        kwargs["type"] = click.Path()
+    elif option.value == RATE:
+        kwargs["type"] = Rate(min=MIN_UPLOAD_LIMIT / 1e6)
+    elif option.value == NUMBER:
+        bounded = option.low is not None or option.high is not None
+        kwargs["type"] = click.FloatRange(min=option.low, max=option.high) if bounded else float
+    if option.default is not None:
+        kwargs["default"] = option.default
+        kwargs["show_default"] = option.show_default
+    return click.option(*option.names, option.dest, **kwargs)
+
+
+def with_options(
+    table: Sequence[Option],
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options of ``table`` on a click command, in the table's order; each shared
+    decorator once, where its first row stands."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        decorators: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = []
+        shared: set[str] = set()
+        for option in table:
+            if option.shared is None:
+                decorators.append(_click_option(option))
+            elif option.shared not in shared:
+                shared.add(option.shared)
+                decorators.append(SHARED_OPTIONS[option.shared])
+        for decorator in reversed(decorators):
+            command = decorator(command)
+        return command
+
+    return decorate
+
+
+def check_table(command: click.Command, table: Sequence[Option]) -> None:
+    """Whether ``command``'s options are ``table``'s, name, destination and kind (a shared
+    decorator changed apart from its row would make the light path read another option
+    than the full one): a RuntimeError when they are not, as the command is built."""
+    declared = {}
+    for param in command.params:
+        if isinstance(param, click.Option):
+            kind = (
+                FLAG if param.is_flag else MULTI if param.multiple
+                else COUNT if param.count else VALUE
+            )  # fmt: skip
+            declared[param.name] = (tuple(sorted(param.opts)), kind)
+    wanted = {o.dest: (tuple(sorted(o.names)), o.kind) for o in table}
+    if declared != wanted:
+        differ = sorted(
+            str(d) for d in declared.keys() | wanted.keys() if declared.get(d) != wanted.get(d)
+        )
+        raise RuntimeError(f"blob get's options differ from p2p.fetch.options: {differ}")
+
+
+def fetch_request(
+    ctx: click.Context, ref: str, given: dict[str, Any]
+) -> tuple[Store, FetchRequest]:
+    """``blob get``'s command line as a request, and the store it reads: options checked,
+    then addresses, then the store opened and the reference read (a name resolved) once
+    (p2p.node.request)."""
+    values: dict[str, Any] = {
+        k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in given.items()
+    }
+    output = values.pop("output")
+    certificate = load_certificate(values.pop("certificate_path"))
     try:
-        return store.resolve(ref), ()
-    except BlobNotFound as exc:
-        local = exc  # says why (a prefix too short, no such tag)
-    try:
-        return parse_blob_id(ref), ()
-    except BadBlobId:
-        raise BlobNotFound(
-            f"{local}; to fetch it from elsewhere, give its full 64-hex ID or a ticket"
-        ) from None
+        options = FetchOptions(
+            **values,
+            output=None if output is None else Path(output),
+            into_dir=output is not None and output.endswith("/"),
+            certificate=certificate,
+        )
+    except BadRequest as exc:
+        raise click.UsageError(str(exc)) from None
+    check_peer_addrs(options.peers, "--peer")
+    check_peer_addrs(options.bootstrap, "--bootstrap")
+    check_listen_addrs(options.listen)
+    store = store_of(ctx)
+    from p2p.names.record import is_name_ref
+
+    if not is_name_ref(ref):
+        return store, FetchRequest(Reference.parse(ref, store.resolve), options)
+    from p2p.cli.names import resolve_name
+
+    blob_id = resolve_name(
+        ctx,
+        ref,
+        peers=options.peers,
+        bootstrap=options.bootstrap,
+        listen=options.listen,
+        no_dht=options.no_dht,
+        verbose=options.verbose,
+    )
+    return store, FetchRequest(Reference.named(ref, blob_id), options)
 
 
 @click.command()
 @click.argument("ref")
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(),
-    help="Write the blob (or a collection's directory) here; PATH/ (a trailing slash) is a "
-    "directory, which a one-file blob goes into under its name or ID.",
-)
-@click.option("--peer", "peers", multiple=True, metavar="MADDR", help="Provider (repeatable).")
-@bootstrap_option
-@click.option(
-    "--listen",
-    "listen",
-    multiple=True,
-    metavar="MADDR",
-    help="Address to serve fellow fetchers and hole-punch from (repeatable; default "
-    "/ip4/127.0.0.1/tcp/0 when every peer named is on this machine, else "
-    "/ip4/0.0.0.0/tcp/0).",
-)
-@click.option("--no-dht", is_flag=True, help="Do not use the DHT even with --bootstrap.")
-@click.option(
-    "--force", is_flag=True, help="With -o: replace an existing file that holds other data."
-)
-@click.option("--tag", "tag_name", metavar="NAME", help="Tag what was fetched (pins it).")
-@click.option(
-    "--include",
-    "include",
-    multiple=True,
-    metavar="GLOB",
-    help="Only a collection's files whose path matches (fnmatch, repeatable).",
-)
-@click.option(
-    "--tensor",
-    "tensors",
-    multiple=True,
-    metavar="NAME",
-    help="Only this tensor of a safetensors blob (or of a sharded model's collection), "
-    "fetching just its chunks (repeatable); -o FILE.npy (one) or FILE.npz.",
-)
-@click.option(
-    "--link",
-    is_flag=True,
-    help="With -o: symlinks to the store's read-only files instead of copies.",
-)
-@click.option(
-    "--discovery-timeout",
-    type=float,
-    default=10.0,
-    show_default=True,
-    help="Seconds to keep looking for providers on the DHT when none can serve.",
-)
-@click.option(
-    "--no-upload",
-    is_flag=True,
-    help="Serve nothing while fetching (by default fellow fetchers of the blob may fetch "
-    "what has arrived, so a checkpoint crosses its seeder's uplink about once).",
-)
-@upload_limit_option
-@click.option(
-    "--download-limit",
-    "download_limit",
-    type=Rate(min=MIN_UPLOAD_LIMIT / 1e6),
-    metavar="MB/S",
-    help="Receive at most this many MB/s (fetches with a node of this command's own: a "
-    "`blob serve`'s cap is its --download-limit).",
-)
-@click.option(
-    "--seed-for",
-    type=click.FloatRange(min=0, max=MAX_SEED_SECONDS),
-    default=None,
-    metavar="SECONDS",
-    help="Once fetched (and written to -o), keep serving it to fellow fetchers this long; "
-    "Ctrl-C ends that early (exit 0).",
-)
-@get_nat_options
-@click.option(
-    "--punch-timeout",
-    type=click.FloatRange(min=1, max=MAX_PUNCH_TIMEOUT),
-    default=30.0,
-    show_default=True,
-    metavar="SECONDS",
-    help="How long hole punching to one NATed provider may take (a failing punch waits "
-    "it out; one that works takes a few round trips).",
-)
-@click.option(
-    "--no-daemon",
-    is_flag=True,
-    help="Fetch with a node of this command's own even when a `blob serve` runs on the store.",
-)
-@json_option()
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
-@verbose_option
+@with_options(GET_OPTIONS)
 @click.pass_context
-def get(
-    ctx: click.Context,
-    ref: str,
-    output: str | None,
-    peers: Sequence[str],
-    bootstrap: Sequence[str],
-    listen: Sequence[str],
-    no_dht: bool,
-    force: bool,
-    tag_name: str | None,
-    include: Sequence[str],
-    tensors: Sequence[str],
-    link: bool,
-    discovery_timeout: float,
-    no_upload: bool,
-    upload_limit: float | None,
-    download_limit: float | None,
-    seed_for: float | None,
-    via_relay: bool,
-    certificate_path: Path | None,
-    punch_timeout: float,
-    no_daemon: bool,
-    as_json: bool,
-    no_progress: bool,
-    verbose: int,
-) -> None:
+def get(ctx: click.Context, /, ref: str, **given: Any) -> None:
     """Get a blob by ID, 8+ character prefix, tag or ticket: from the local store if it is
     there, else from the network (named peers, a ticket's peers, the DHT through
     --bootstrap peers).
@@ -275,60 +270,22 @@ def get(
     NAT (circuit addresses) are reached through their relay and hole-punched; the blob
     crosses the direct connection, or, with --via-relay, the relay when the punch fails.
     """
-    setup_logging(verbose)
+    setup_logging(given["verbose"])
     started_at = time.time()
-    # -o DIR/ (a trailing slash) names a directory even when the blob is one file.
-    into_dir = output is not None and output.endswith("/")
-    out = None if output is None else Path(output)
-    # Everything checkable without the network, first.
-    if tag_name is not None:
-        check_tag_name(tag_name)
-    if upload_limit is not None and no_upload:
-        raise click.UsageError("--upload-limit limits what --no-upload switches off: give one")
-    if seed_for is not None and (no_upload or tensors):
-        raise click.UsageError(
-            "--seed-for serves what was fetched: not with --no-upload or --tensor"
-        )
-    certificate = load_certificate(certificate_path)
-    if tensors and (include or link):
-        raise click.UsageError("--tensor takes a single safetensors blob: no --include or --link")
-    if link and out is None:
-        raise click.UsageError("--link makes links at -o PATH: give -o")
-    if out is not None:
-        check_output(out)
-    check_peer_addrs(peers, "--peer")
-    check_peer_addrs(bootstrap, "--bootstrap")
-    check_listen_addrs(listen)
-    store = store_of(ctx)
-    from p2p.names.record import is_name_ref
-
-    ticket_addrs: tuple[str, ...] = ()
-    if is_name_ref(ref):
-        from p2p.cli.names import resolve_name
-
-        blob_id: str | None = resolve_name(
-            ctx,
-            ref,
-            peers=peers,
-            bootstrap=bootstrap,
-            listen=listen,
-            no_dht=no_dht,
-            verbose=verbose,
-        )
-    else:
-        blob_id, ticket_addrs = _resolve_ref(store, ref)
-    assert blob_id is not None
+    store, request = fetch_request(ctx, ref, given)
+    opts = request.options
+    blob_id, out = request.blob_id, opts.output
     # -o onto an existing file: compared now when the blob's manifest is here (nothing is
     # fetched before a refusal), else once the blob has arrived; `kept` when the file
     # holds the blob's bytes already (nothing to write).
-    compare_later = out is not None and not tensors and not link and not force
+    compare_later = out is not None and not opts.tensors and not opts.link and not opts.force
     kept = False
-    if compare_later and out is not None and not into_dir and _manifest_known(store, blob_id):
+    if compare_later and out is not None and not opts.into_dir and _manifest_known(store, blob_id):
         kept = _check_not_overwriting(store, blob_id, out, fetched=False)
         compare_later = False
     stats: dict[str, Any] = {"source": "local"}
-    if tensors:
-        _get_tensors(ctx, store, blob_id, [*peers, *ticket_addrs], tensors, out, listen, as_json)
+    if opts.tensors:
+        _get_tensors(ctx, store, request)
         return
     # A lease keeps gc off what this get still needs (a collection's children included),
     # however long the fetch and the export take.
@@ -338,9 +295,9 @@ def get(
         def finish(stats: dict[str, Any], fetched: bool) -> None:
             """Tag, write -o and print the result line. Links into the store are pinned
             as `blob export` pins them, when --tag names no pin of the user's own."""
-            target = None if out is None else _target(store, blob_id, ref, out, into_dir)
-            pin = tag_name
-            if link and pin is None and target is not None:
+            target = None if out is None else _target(store, blob_id, ref, out, opts.into_dir)
+            pin = opts.tag_name
+            if opts.link and pin is None and target is not None:
                 from blobstore.export import export_tag
 
                 pin = export_tag(target)
@@ -363,19 +320,20 @@ def get(
                             store,
                             blob_id,
                             target,
-                            include,
-                            link,
-                            show_progress=not as_json,
+                            opts.include,
+                            opts.link,
+                            show_progress=not opts.as_json,
                             verify=not fetched,
                         )
-            if as_json:
+            if opts.as_json:
                 where = str(target) if target else None
                 click.echo(json.dumps({"id": blob_id, "path": where, "tag": pin, **stats}))
             else:
                 click.echo(f"{blob_id}  {target if target else store.path(blob_id)}")
             sys.stdout.flush()
 
-        if (peers or ticket_addrs) and store.has(blob_id) and store.verify(blob_id):
+        named = request.providers
+        if named and store.has(blob_id) and store.verify(blob_id):
             # Sources were named, so a rotten local copy is repaired from them instead of
             # being exported (verify has quarantined it; only its bad chunks travel).
             click.echo(
@@ -384,21 +342,14 @@ def get(
                 err=True,
             )
         _wait_for_writer(store, blob_id)
-        if not _locally_complete(store, blob_id, include):
-            named = [*peers, *ticket_addrs]
-            use_dht = bool(bootstrap) and not no_dht
+        if not _locally_complete(store, blob_id, opts.include):
             # A `blob serve` on this store fetches on its warm connections and DHT table.
-            own_node = (
-                no_daemon or include or seed_for is not None or via_relay or certificate
-            ) or download_limit is not None
-            bar_on = not no_progress and not as_json and sys.stderr.isatty()
-            by_daemon = (
-                None if own_node else fetch_via_daemon(daemon_of(ctx), blob_id, named, bar_on)
-            )
+            bar_on = not opts.no_progress and not opts.as_json and sys.stderr.isatty()
+            by_daemon = None if opts.own_node else fetch_via_daemon(daemon_of(ctx), request, bar_on)
             if by_daemon is not None:
                 finish(by_daemon, True)
                 return
-            if not named and not use_dht:
+            if not named and not opts.use_dht:
                 raise click.UsageError(
                     f"{blob_id[:12]} is not complete in this store, and nothing says where to "
                     "fetch it from: give --peer MADDR, --bootstrap MADDR or a ticket"
@@ -408,33 +359,30 @@ def get(
             from p2p.fetch.sched_records import SchedulerConfig
             from p2p.node.dial import check_not_self
 
-            check_not_self([*named, *bootstrap], key.peer_id, key_path)
+            check_not_self([*named, *opts.bootstrap], key.peer_id, key_path)
             config = node_config(
-                fetch_listen(listen, [*named, *bootstrap]),
-                bootstrap,
-                use_dht,
-                discovery_timeout=discovery_timeout,
-                upload=not no_upload,
-                upload_limit=upload_rate(upload_limit),
-                download_limit=None if download_limit is None else download_limit * 1e6,
-                relayed_fetch=via_relay,
-                certificate=certificate,
-                punch_timeout=punch_timeout,
+                fetch_listen(opts.listen, [*named, *opts.bootstrap]),
+                opts.bootstrap,
+                opts.use_dht,
+                discovery_timeout=opts.discovery_timeout,
+                upload=not opts.no_upload,
+                upload_limit=upload_rate(opts.upload_limit),
+                download_limit=upload_rate(opts.download_limit),
+                relayed_fetch=opts.via_relay,
+                certificate=opts.certificate,
+                punch_timeout=opts.punch_timeout,
                 # A one-shot get's node ends with its fetch: while fellows still ask it
                 # for chunks it stays a little (p2p.blob.swarm rule 5), so the tail of the
                 # swarm is not left to the seeder alone.
-                scheduler=SchedulerConfig(linger_while_asked=not no_upload),
+                scheduler=SchedulerConfig(linger_while_asked=not opts.no_upload),
                 dht_server=False,  # gone in a moment: servers must not keep it in their tables
             )
-            bar = ProgressBar(enabled=not no_progress and not as_json and sys.stderr.isatty())
-            seed = None if seed_for is None else Seeding(seed_for, bar, finish)
+            bar = ProgressBar(enabled=bar_on)
+            seed = None if opts.seed_for is None else Seeding(opts.seed_for, bar, finish)
             try:
                 for waits in range(MAX_WRITER_WAITS + 1):
                     try:
-                        stats = _fetch(
-                            store, key, config, blob_id, named, include, bar, verbose,
-                            started_at, seed,
-                        )  # fmt: skip
+                        stats = _fetch(store, key, config, request, bar, started_at, seed)
                         fetched = True
                         break
                     except BaseException as exc:
@@ -445,7 +393,7 @@ def get(
                         if busy is None or waits == MAX_WRITER_WAITS:
                             raise
                         _wait_for_writer(store, busy)
-                        if _locally_complete(store, blob_id, include):
+                        if _locally_complete(store, blob_id, opts.include):
                             break
             except Interrupted as exc:
                 if seed is None or not seed.started:
@@ -458,13 +406,16 @@ def get(
                 bar.close()
             if seed is not None:
                 return  # finished inside, before seeding
-        elif seed_for is not None:
+        elif opts.seed_for is not None:
             click.echo(
                 f"blob: note: {blob_id[:12]} was already here; nothing fetched, so nothing "
                 "to seed (blob serve serves it)",
                 err=True,
             )
         finish(stats, fetched)
+
+
+check_table(get, GET_OPTIONS)
 
 
 def _manifest_known(store: Store, blob_id: str) -> bool:
@@ -597,18 +548,12 @@ def _wait_for_writer(store: Store, blob_id: str) -> None:
         writer = store.partial_writer(blob_id)
 
 
-def _get_tensors(
-    ctx: click.Context,
-    store: Store,
-    blob_id: str,
-    named: Sequence[str],
-    names: Sequence[str],
-    output: Path | None,
-    listen: Sequence[str],
-    as_json: bool,
-) -> None:
+def _get_tensors(ctx: click.Context, store: Store, request: FetchRequest) -> None:
     """``blob get REF --tensor NAME...``: only those tensors, saved with numpy."""
     from p2p.fetch.tensors import TensorFetch, fetch_tensors, read_local_tensors
+
+    blob_id, named, names = request.blob_id, request.providers, request.options.tensors
+    output, as_json = request.options.output, request.options.as_json
 
     if output is not None and output.suffix not in (".npy", ".npz"):
         raise click.UsageError("--tensor writes numpy files: give -o NAME.npy or -o NAME.npz")
@@ -631,7 +576,7 @@ def _get_tensors(
         from p2p.node.node import open_node
 
         check_not_self(named, key.peer_id, key_path)
-        config = node_config(listen, (), False)
+        config = node_config(request.options.listen, (), False)
 
         async def main() -> TensorFetch:
             async with open_node(store, key=key, config=config) as node:
@@ -726,15 +671,12 @@ def _fetch(
     store: Store,
     key: MachineKey,
     config: Any,
-    blob_id: str,
-    named: Sequence[str],
-    include: Sequence[str],
+    request: FetchRequest,
     bar: ProgressBar,
-    verbose: int,
     started_at: float | None = None,
     seed: Seeding | None = None,
 ) -> dict[str, Any]:
-    """Dial the named peers, then fetch ``blob_id`` (and the wanted files of a
+    """Dial the named peers, then fetch the request's blob (and the wanted files of a
     collection); the fetch's figures for ``--json``. A failed hole punch is one note on
     stderr (the fetch goes on with other providers) and part of the error when no
     provider is left. With ``seed``, it finishes and seeds inside the node."""
@@ -773,16 +715,16 @@ def _fetch(
         async with open_node(store, key=key, config=config) as node:
             try:
                 # The first named peer to answer starts the fetch; if none can, say why.
-                dialled = await dial_named(node, named)
+                dialled = await dial_named(node, request.providers)
                 if dialled.failures and not dialled.reached and not config.dht:
                     raise unreachable_error(dialled.failures)
-                if dialled.failures and verbose:
+                if dialled.failures and request.options.verbose:
                     for line in dialled.failures:
                         click.echo(f"blob: note: cannot reach {line}", err=True)
                 note_punches(node)
                 cpu_marks.append(own_cpu_seconds())
                 # A one-shot fetcher does not announce: it is gone once the blob is here.
-                await _fetch_wanted(node, blob_id, dialled.usable, include, on_progress)
+                await _fetch_wanted(node, request, dialled.usable, on_progress)
             except P2PError as exc:
                 punches = [r for r in node.punches.failures if r not in str(exc)]
                 if not punches:
@@ -792,7 +734,7 @@ def _fetch(
             note_punches(node)
             if seed is not None:
                 stats = _fetch_stats(final, cpu_marks, first_byte_at, started_at, done_at)
-                await seed.run(node, blob_id, stats)
+                await seed.run(node, request.blob_id, stats)
 
     run_interruptible(main)
     return _fetch_stats(final, cpu_marks, first_byte_at, started_at, done_at)
@@ -834,15 +776,17 @@ INCLUDE_PARALLELISM = 4
 
 async def _fetch_wanted(
     node: Node,
-    blob_id: str,
+    request: FetchRequest,
     providers: Sequence[str],
-    include: Sequence[str],
     on_progress: Callable[[Progress], None],
 ) -> None:
+    """The request's blob, or with --include its collection's matching files, from
+    ``providers`` (the named ones dialled, the ticket's among them)."""
+    blob_id, include, reference = request.blob_id, request.options.include, request.reference
     if not include:
-        await node.fetch(blob_id, providers=providers, progress=on_progress, announce=False)
+        await node.fetch(reference, providers=providers, progress=on_progress, announce=False)
         return
-    await node.fetch(blob_id, providers=providers, recursive=False, announce=False)
+    await node.fetch(reference, providers=providers, recursive=False, announce=False)
     if not await trio.to_thread.run_sync(node.store.is_collection, blob_id):
         raise click.UsageError(f"--include picks files of a collection; {blob_id[:12]} is a file")
     from blobstore.export import select_entries
@@ -853,7 +797,7 @@ async def _fetch_wanted(
     async def child(child_id: str) -> None:
         async with limiter:
             await node.fetch(
-                child_id, providers=providers, progress=on_progress, recursive=False,
+                Reference.of(child_id), providers=providers, progress=on_progress, recursive=False,
                 announce=False,
             )  # fmt: skip
 

@@ -18,9 +18,9 @@ Rules
    line ``blob: error: ...`` with the exit status the command would have had.
 3. Global options (``--store``, ``--key``, ``--json``, ``-v``) may stand before or after
    the command, as in the full program; ``--api`` and ``--api-token`` before it.
-4. Nothing here imports beyond the standard library, ``p2p.daemon.api`` and
-   ``p2p.daemon.client`` at module level; tqdm is loaded only for a progress bar on a
-   terminal. tests/p2p/test_cli_imports.py holds it so.
+4. Nothing here imports beyond the standard library, ``p2p.daemon.api``,
+   ``p2p.daemon.client`` and ``p2p.fetch.options`` (the option table) at module level;
+   tqdm is loaded only for a progress bar on a terminal. tests/p2p/test_cli_imports.py holds it so.
 """
 
 from __future__ import annotations
@@ -43,16 +43,15 @@ from p2p.daemon.client import (
     DaemonRefused,
     endpoint,
 )
+from p2p.fetch.options import COUNT, FLAG, GET_OPTIONS, MULTI, VALUE
 
-FLAG, VALUE, MULTI, COUNT = "flag", "value", "multi", "count"
 GLOBAL_ANYWHERE = {"--store": VALUE, "--key": VALUE, "--json": FLAG, "-v": COUNT,
                    "--verbose": COUNT}  # fmt: skip
 GLOBAL_BEFORE = {**GLOBAL_ANYWHERE, "--api": VALUE, "--api-token": VALUE}
 # Each command's options this path takes (rule 1), and its positional arguments (min, max).
 COMMANDS: dict[str, tuple[dict[str, str], int, int]] = {
-    "get": (
-        {"--peer": MULTI, "--bootstrap": MULTI, "--no-progress": FLAG, "--no-dht": FLAG}, 1, 1
-    ),
+    # get's from the one table the click command is built from too (p2p.fetch.options).
+    "get": ({o.name: o.kind for o in GET_OPTIONS if o.light}, 1, 1),
     "put": (
         {"--tag": VALUE, "--chunk-size": VALUE, "--move": FLAG, "--follow-symlinks": FLAG},
         1, 1 << 16,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,7 @@ from p2p.cli.light import Bar, render
 
 if TYPE_CHECKING:
     from p2p.daemon.client import DaemonClient
+    from p2p.node.request import FetchRequest
 
 
 # A daemon answers `busy` while it serves its limit of clients (p2p.daemon.slots); a status
@@ -86,10 +87,11 @@ def status_of(
 
 
 def fetch_via_daemon(
-    client: DaemonClient | None, blob_id: str, providers: Sequence[str], show_progress: bool
+    client: DaemonClient | None, request: FetchRequest, show_progress: bool
 ) -> dict[str, Any] | None:
-    """Fetch ``blob_id`` in the daemon serving the store, on its warm connections and DHT
-    table; its result (``"via": "daemon"``), or None when no daemon serves the store."""
+    """Fetch the request's blob (by its ID, from its named providers) in the daemon serving
+    the store, on its warm connections and DHT table; its result (``"via": "daemon"``), or
+    None when no daemon serves the store."""
     from p2p import errors
     from p2p.daemon.client import BUSY, DaemonRefused
 
@@ -97,7 +99,7 @@ def fetch_via_daemon(
         return None
     bar = Bar(show_progress)
     try:
-        result = client.fetch(blob_id, providers, bar)
+        result = client.fetch(request.blob_id, list(request.providers), bar)
     except DaemonRefused as exc:
         if exc.code == BUSY:
             return None  # it did nothing: the get runs on a node of its own

@@ -30,10 +30,9 @@ from typing import Any
 
 import trio
 
-from blobstore import BlobNotFound, Store, parse_blob_id
+from blobstore import BlobNotFound, Store
 from p2p.blob.pacing import Pacer
 from p2p.blob.swarm import PEX_DIAL_PARALLELISM, FetchingBoard, PexBook
-from p2p.blob.ticket import Ticket
 from p2p.errors import BadAddress, FetchFailed, NoProviders, PeerUnreachable, unwrap_single
 from p2p.fetch.download_parts import Progress, ProgressCallback
 from p2p.fetch.downloader import download_blob
@@ -45,6 +44,7 @@ from p2p.names.record import is_name_ref
 from p2p.node.admission import UNADMITTED
 from p2p.node.connections import Connections
 from p2p.node.providing import ProviderRecords
+from p2p.node.request import Reference
 
 log = logging.getLogger(__name__)
 
@@ -257,14 +257,15 @@ class Fetches:
 
     async def fetch(
         self,
-        ref: str,
+        ref: str | Reference,
         *,
         providers: Sequence[str] = (),
         progress: ProgressCallback | None = None,
         recursive: bool = True,
         announce: bool = True,
     ) -> str:
-        """Fetch a blob (by ID or ticket) and, for a collection, its children.
+        """Fetch a blob (by ID, ticket or published name, or a Reference already parsed)
+        and, for a collection, its children.
 
         ``providers`` are multiaddrs ending in ``/p2p/<id>``; connected peers and the DHT
         are asked as well. With ``announce`` the blob is then provided on the DHT.
@@ -293,7 +294,7 @@ class Fetches:
 
     async def _fetch_unwrapped(
         self,
-        ref: str,
+        ref: str | Reference,
         providers: Sequence[str],
         progress: ProgressCallback | None,
         tally: Tally,
@@ -316,22 +317,24 @@ class Fetches:
             if dials.pending == 0 and peers and peers <= set(self.records.refusals):
                 raise NoProviders(f"no provider of {blob_id} would serve us")
 
+    async def _reference(self, ref: str | Reference) -> Reference:
+        """``ref`` parsed, unless it is already (p2p.node.request rule 1)."""
+        if isinstance(ref, Reference):
+            return ref
+        if is_name_ref(ref):
+            return Reference.named(ref, await self.resolve_name(ref))
+        return Reference.parse(ref)
+
     async def _fetch(
         self,
-        ref: str,
+        ref: str | Reference,
         providers: Sequence[str],
         progress: ProgressCallback | None,
         recursive: bool,
     ) -> str:
-        addrs = list(providers)
-        if is_name_ref(ref):
-            ref = await self.resolve_name(ref)
-        if ref.startswith("blob1"):
-            ticket = Ticket.decode(ref)
-            blob_id = ticket.blob_id
-            addrs.extend(ticket.addrs)
-        else:
-            blob_id = parse_blob_id(ref)
+        reference = await self._reference(ref)
+        blob_id = reference.blob_id
+        addrs = [*providers, *reference.ticket_addrs]
         dials = Dials()
         # The lease keeps gc off the parent and, once it is here, its children, however long
         # the fetch runs (gc's grace period alone would not).
