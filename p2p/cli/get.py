@@ -201,7 +201,8 @@ def check_table(command: click.Command, table: Sequence[Option]) -> None:
     than the full one): a RuntimeError when they are not, as the command is built."""
     declared = {}
     for param in command.params:
-        if isinstance(param, click.Option):
+        # The app's --store and --key (p2p.cli.app.add_global_options) arrive in no keyword.
+        if isinstance(param, click.Option) and param.expose_value:
             kind = (
                 FLAG if param.is_flag else MULTI if param.multiple
                 else COUNT if param.count else VALUE

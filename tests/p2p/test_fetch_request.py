@@ -70,7 +70,10 @@ def test_options_that_fit_together_make_a_request(tmp_path: Path) -> None:
 
 
 def test_the_click_command_is_the_option_table() -> None:
-    check_table(get, GET_OPTIONS)  # as when the command was built
+    from p2p.cli.app import add_global_options
+
+    add_global_options(get)  # as the app does, idempotent: --store and --key, in no keyword
+    check_table(get, GET_OPTIONS)
     rows = list(GET_OPTIONS)
     at = next(i for i, o in enumerate(rows) if o.name == "--bootstrap")
     rows[at] = replace(rows[at], kind=FLAG)  # a shared decorator drifted from its row
