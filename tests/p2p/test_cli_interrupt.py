@@ -182,10 +182,21 @@ _HOLD_LOCK = (
 
 
 def _waiting_for_the_store_lock(pid: int, lock: Path) -> bool:
+    """Whether ``pid`` holds the store's lock file open (it waits on it), or is gone (the
+    caller then sees how it ended). A descriptor closed while they are listed is neither:
+    a process starting up opens and closes many, and a SIGINT sent before its interpreter
+    set up its handler kills it outright."""
     try:
-        return any(os.readlink(fd) == str(lock) for fd in Path(f"/proc/{pid}/fd").iterdir())
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
     except OSError:
-        return True  # gone: let the caller see how it ended
+        return True  # gone
+    for fd in fds:
+        try:
+            if os.readlink(fd) == str(lock):
+                return True
+        except OSError:
+            continue  # closed meanwhile
+    return False
 
 
 def test_ctrl_c_inside_a_command_that_runs_no_node_says_interrupted(tmp_path: Path) -> None:
