@@ -335,7 +335,7 @@ async def test_a_circuit_that_ends_leaves_another_circuit_to_the_same_peer_alone
 
     async with (
         _host() as relay_host, _host() as a, _host() as b, _host() as c,
-        relay_service(relay_host, trust=trust, limits=control_limits()),
+        relay_service(relay_host, trust=trust, limits=control_limits()) as relay,
         background_trio_service(CircuitV2Protocol(a, allow_hop=False)),  # stop side only
     ):  # fmt: skip
         relay_addr = _addr(relay_host)
@@ -353,7 +353,11 @@ async def test_a_circuit_that_ends_leaves_another_circuit_to_the_same_peer_alone
             for conn in a.get_network().get_connections(b.get_id()):
                 await conn.close()
             assert first.conn is not None
-            await trio.sleep(0.5)  # the relay's clean-up of b's circuit runs
+            for _ in range(500):  # the relay's clean-up of b's circuit runs
+                if relay.open_circuits() <= 1:
+                    break
+                await trio.sleep(0.01)
+            assert relay.open_circuits() == 1  # c's, which must outlive b's
             # Only the circuit leads to a (no DCUtR here, and c forgets a's own
             # addresses), so the echo below crosses c's circuit or nothing.
             c.get_peerstore().clear_addrs(a.get_id())
