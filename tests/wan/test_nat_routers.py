@@ -6,8 +6,8 @@ SYN has left it. A router that drops it silently is the easy case (tests/wan/
 test_nat_relay.py). One that answers it with a TCP reset (OpenWrt's default) or an ICMP
 port unreachable kills the early dial, and a reset also closes the early side's own
 mapping, so the late SYN is turned away too. The punch sends its SYN again at once after
-each refusal (p2p.nat.syn), so each fetch here is direct within its first punch window,
-with the relay carrying signalling only. Behind endpoint-dependent NATs that reset, the
+each refusal (p2p.nat.syn), so each fetch here ends direct, through a resetting router in
+its first punch window, with the relay carrying signalling only. Behind endpoint-dependent NATs that reset, the
 punch fails, and says so: how long it waited, and the resets its SYNs met.
 
 The routers themselves come first: what a stranger's SYN meets at each kind, and a
@@ -31,17 +31,20 @@ pytestmark = [pytest.mark.usefixtures("nat_capable"), pytest.mark.slow, pytest.m
 
 SIZE = 1 * MiB
 NEAR_MS = 1.0
-# Tries per router, and how many must land in their first window. With one SYN a window
-# (retries off) 4 of 10 punches got through a resetting router, and 4 of 10 an ICMP one
-# (bench/figures/nat-matrix.md; 0 and 1 of 5 in this test): 4 of 6 then pass by chance
-# about one run in six. With the retries about 1 punch in 20 still fails (the port pair
-# lost to a peer SYN that came between two of ours, p2p/blob/PROTOCOL.md section 11), and
-# a clean-clone run once saw 2 misses of 5: two misses are allowed, each saying what its
-# SYNs met.
+# Tries per router, how many must end direct, and how many in their first window. With
+# one SYN a window (retries off) 4 of 10 punches got through a resetting router and 4 of 10
+# an ICMP one (bench/figures/nat-matrix.md; 0 and 1 of 5 in this test): 5 of 6 direct then
+# pass by chance once in 25. With the retries, measured 2026-12-08 on a quiet machine
+# (`bench/wan_nat.py --matrix --cells eimreset,eimicmp --matrix-tries 12`): resets 12 of
+# 12 direct, all in the first window; ICMP 12 of 12 direct, 8 of them in the first window
+# (a first window whose connection came up but whose handshake never finished), and 11 of
+# 12 in two other runs. So one miss is allowed, it must say what its SYNs met, and the
+# first window is asked of the resetting router only.
 TRIES = 6
-LANDED = 4
-# One punch window (5 s, py-libp2p's round) and a margin: these tests ask for the first.
-PUNCH_TIMEOUT = "6"
+DIRECT = 5
+FIRST_WINDOW = {"reset": 5, "icmp": 0}
+# The punch's three windows (5 s each, py-libp2p's rounds) and a margin.
+PUNCH_TIMEOUT = "16"
 # The failing punch's timeout: short, the line is what is tested.
 FAILING_PUNCH_TIMEOUT = 4.0
 # What a relayed connection carries besides the blob: ~3 KB measured; one chunk is 1 MiB.
@@ -165,10 +168,8 @@ def _fetch(net: Net, kind: str, port: int, timeout: str) -> tuple[dict[str, Any]
 
 
 @pytest.mark.parametrize("kind", ["reset", "icmp"])
-def test_a_punch_through_routers_that_refuse_an_early_syn_lands_in_its_first_window(
-    net: Net, kind: str
-) -> None:
-    landed = 0
+def test_a_punch_through_routers_that_refuse_an_early_syn_ends_direct(net: Net, kind: str) -> None:
+    direct = first_window = 0
     for attempt in range(TRIES):
         result, relayed = _fetch(net, kind, 4100 + attempt, PUNCH_TIMEOUT)
         assert relayed < SIGNALLING_BYTES
@@ -179,8 +180,10 @@ def test_a_punch_through_routers_that_refuse_an_early_syn_lands_in_its_first_win
         [punch] = result["punches"]
         assert punch["path"] == "direct", punch
         assert result["bytes"] == SIZE
-        landed += punch["windows"] == 1  # the first window of the first exchange
-    assert landed >= LANDED, f"{landed} of {TRIES} punches landed in their first window"
+        direct += 1
+        first_window += punch["windows"] == 1  # the first window of the first exchange
+    assert direct >= DIRECT, f"{direct} of {TRIES} punches ended direct"
+    assert first_window >= FIRST_WINDOW[kind], f"{first_window} of {TRIES} in the first window"
 
 
 def test_a_failed_punch_says_what_its_syns_met_and_how_long_it_waited(net: Net) -> None:
