@@ -7,8 +7,9 @@ test_nat_relay.py). One that answers it with a TCP reset (OpenWrt's default) or 
 port unreachable kills the early dial, and a reset also closes the early side's own
 mapping, so the late SYN is turned away too. The punch sends its SYN again at once after
 each refusal (p2p.nat.syn), so each fetch here ends direct, through a resetting router in
-its first punch window, with the relay carrying signalling only. Behind endpoint-dependent NATs that reset, the
-punch fails, and says so: how long it waited, and the resets its SYNs met.
+its first punch window, with the relay carrying signalling only. Behind endpoint-dependent
+NATs that reset, the punch fails, and says so: how long it waited, and the resets its SYNs
+met.
 
 The routers themselves come first: what a stranger's SYN meets at each kind, and a
 carrier-grade NAT in front of a home router keeping the port through both.
