@@ -24,7 +24,7 @@ import simpy.core
 from bench.sim.fetch import SimFetch, swarm_config
 from bench.sim.fluid import TESTBED_INITIAL_WINDOW, call_later
 from bench.sim.node import Blob, SimNode
-from bench.sim.world import INTERNET_REGIONS, MBIT, Costs, World
+from bench.sim.world import INTERNET_REGIONS, MBIT, Costs, World, sim_gc
 from p2p.fetch.sched_records import SchedulerConfig
 from p2p.fetch.striping import StripeConfig
 
@@ -162,21 +162,22 @@ def _run(
     started = time.process_time()
     env = world.env
     events = 0
-    while remaining[0] > 0:
-        try:
-            if env.peek() > until:
+    with sim_gc():
+        while remaining[0] > 0:
+            try:
+                if env.peek() > until:
+                    break
+                env.step()
+            except simpy.core.EmptySchedule:
                 break
-            env.step()
-        except simpy.core.EmptySchedule:
-            break
-        events += 1
-        if progress and not events % PROGRESS_EVERY:
-            print(
-                f"[sim] t={env.now:.1f} s: {len(fetchers) - remaining[0]}/{len(fetchers)} "
-                f"done, {events} events, {time.process_time() - started:.0f} s CPU",
-                file=sys.stderr,
-                flush=True,
-            )
+            events += 1
+            if progress and not events % PROGRESS_EVERY:
+                print(
+                    f"[sim] t={env.now:.1f} s: {len(fetchers) - remaining[0]}/{len(fetchers)} "
+                    f"done, {events} events, {time.process_time() - started:.0f} s CPU",
+                    file=sys.stderr,
+                    flush=True,
+                )
     wall = time.process_time() - started
     results = []
     for node, at, liar in fetchers:

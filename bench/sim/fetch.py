@@ -261,6 +261,7 @@ class SimFetch:
         self.duplicate_bytes = 0
         self.bad_chunks = 0
         self.wake_at = math.inf
+        self.deadline_at = math.inf
         self.pex_wake_at = math.inf
         self.pump_due = False
         self.pump_all = False
@@ -703,8 +704,11 @@ class SimFetch:
             if sum(len(w.pending) for w in prov.workers) >= limit:
                 continue  # next_request would say None to every one (its limit is met)
             for w in list(prov.workers):
-                if not w.gone and w.paused_until <= now:
-                    self._work(w)
+                if not w.gone and w.paused_until <= now and not self._work(w):
+                    # ``next_request(peer, now)`` said None and nothing changed since: it
+                    # says None to this provider's other idle workers too (they would ask
+                    # and be told so, as the downloader's do).
+                    break
         self._wake()
 
     def _wake(self) -> None:
@@ -740,7 +744,9 @@ class SimFetch:
             for p in self.providers.values()
         )
 
-    def _work(self, w: Worker) -> None:
+    def _work(self, w: Worker) -> bool:
+        """``w`` asks for work until it holds its depth; False where the scheduler had
+        nothing for its provider (or its stream was lost)."""
         sched = self.scheduler
         assert sched is not None
         prov = w.provider
@@ -754,7 +760,7 @@ class SimFetch:
                 lanes[0] -= 1
                 w.gone = True
                 prov.workers.remove(w)
-                return
+                return True
             lanes[0] -= 1
             w.lane = self._quiet_lane(lanes)
         depth = 1 if w.lane == 0 else self._depth(prov)
@@ -763,7 +769,7 @@ class SimFetch:
         while len(w.pending) < depth:
             ticket = sched.next_request(prov.name, now, max_chunks=most)
             if ticket is None:
-                return
+                return False
             req = Req("get", self.blob, tuple(sorted(ticket.indices)), ticket=ticket)
             if w.stream is None or w.stream.closed:
                 self._attach(w, self._stream(prov, w.lane, lambda *a: None))
@@ -776,9 +782,10 @@ class SimFetch:
                 w.stream.reset()
                 w.stream = None
                 self._pump()  # the downloader's notify: the other workers try (and fail) too
-                return
+                return False
             w.pending.append(req)
             self._deadline(ticket)
+        return True
 
     def _attach(self, w: Worker, stream: Stream) -> None:
         w.stream = stream
@@ -787,20 +794,38 @@ class SimFetch:
         stream.on_closed = lambda: self._stream_lost(w, stream, "closed by the peer")
 
     def _deadline(self, ticket: RequestTicket) -> None:
-        call_later(self.world.env, max(0.0, ticket.deadline - self.world.now), self._expire, ticket)
+        """One timer per fetch, at the earliest deadline of a live request (the scheduler's
+        ``next_deadline``), rather than one per request: most requests end before theirs,
+        and a timer apiece filled SimPy's queue at 1,000 fetchers."""
+        if ticket.deadline < self.deadline_at - 1e-9 or self.deadline_at <= self.world.now:
+            self.deadline_at = at = ticket.deadline
+            call_later(self.world.env, max(0.0, at - self.world.now), self._expire, at)
 
-    def _expire(self, ticket: RequestTicket) -> None:
+    def _expire(self, at: float) -> None:
+        if at != self.deadline_at:
+            return  # moved earlier since
+        self.deadline_at = math.inf
         sched = self.scheduler
         if sched is None or sched.done or self.stopped:
             return
-        for t in sched.expired(self.world.now):
-            if t.request_id == ticket.request_id:
-                w = self._worker_of(t)
-                if w is not None and w.stream is not None:
-                    self._stream_lost(w, w.stream, "deadline")
-                else:
-                    sched.on_request_failed(t.request_id, self.world.now, "deadline")
-                self._pump()
+        now = self.world.now
+        seen: set[int] = set()
+        while True:
+            late = [t for t in sched.expired(now) if t.request_id not in seen]
+            if not late:
+                break
+            t = late[0]
+            seen.add(t.request_id)
+            w = self._worker_of(t)
+            if w is not None and w.stream is not None:
+                self._stream_lost(w, w.stream, "deadline")
+            else:
+                sched.on_request_failed(t.request_id, now, "deadline")
+            self._pump()
+        nxt = sched.next_deadline()
+        if nxt is not None and nxt > now and nxt < self.deadline_at:
+            self.deadline_at = nxt
+            call_later(self.world.env, nxt - now, self._expire, nxt)
 
     def _worker_of(self, ticket: RequestTicket) -> Worker | None:
         prov = self.providers.get(ticket.peer)

@@ -57,7 +57,7 @@ from bench.sim.fetch import Req, SimFetch, Stream, swarm_config
 from bench.sim.fluid import call_later
 from bench.sim.gossip import Gossip
 from bench.sim.node import Blob, SimNode
-from bench.sim.world import INTERNET_REGIONS, World
+from bench.sim.world import INTERNET_REGIONS, World, sim_gc
 from identity import (
     Authority,
     MachineKey,
@@ -282,7 +282,7 @@ class OuterSim:
     def run(self, until: float | None = None) -> dict[str, Any]:
         p = self.p
         started = time.process_time()
-        with shared_verification():
+        with shared_verification(), sim_gc():
             first = [self.new_worker() for _ in range(p.workers)]
             for w in first:
                 w.join_mesh()
