@@ -44,6 +44,9 @@ class RealRun:
     seeder_uplink: int
     idle_share: float  # of the machine's CPU time over the run
     failures: int
+    # Per get: bytes it took from the seeder, and its process's CPU seconds (its report).
+    from_seeder: list[int] | None = None
+    cpu_s: list[float] | None = None
 
     @property
     def all_hold_s(self) -> float:
@@ -60,6 +63,8 @@ class RealRun:
             "seeder_uplink": self.seeder_uplink,
             "idle_share": self.idle_share,
             "failures": self.failures,
+            "from_seeder": self.from_seeder,
+            "cpu_s": self.cpu_s,
         }
 
 
@@ -111,8 +116,12 @@ def real_fan_out(
     finally:
         for node in [seeder, *nodes]:
             shutil.rmtree(node.root, ignore_errors=True)
-    starts, dones = [], []
+    starts, dones, from_seeder, cpu_s = [], [], [], []
+    seeder_id = served.peer_id
     for r in results:
+        peers = r.report.get("peers", {})
+        from_seeder.append(sum(int(v.get("bytes", 0)) for k, v in peers.items() if k == seeder_id))
+        cpu_s.append(float(r.report.get("cpu_s", 0.0)))
         done_at, seconds = r.report.get("done_at"), r.report.get("seconds")
         if done_at is None or seconds is None:
             continue
@@ -128,6 +137,8 @@ def real_fan_out(
         uplink,
         (idle1 - idle0) / max(1.0, total1 - total0),
         sum(1 for r in results if r.returncode != 0),
+        from_seeder,
+        cpu_s,
     )
 
 
@@ -217,12 +228,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-size", default="small")
     parser.add_argument("--inner-steps", type=int, default=4)
     parser.add_argument(
+        "--cpu-mbyte",
+        type=float,
+        help="the simulated testbed's shared CPU: MB/s of payload all its processes move",
+    )
+    parser.add_argument(
+        "--handling-ms", type=float, default=0.0, help="a message's wait for a CPU, ms"
+    )
+    parser.add_argument(
         "--from",
         dest="saved",
         type=Path,
         help="simulate again the real runs saved by an earlier --json-out (no testbed)",
     )
     args = parser.parse_args(argv)
+    from bench.sim.world import Costs
+
+    model: dict[str, Any] = {
+        "cpu_bytes_per_s": None if args.cpu_mbyte is None else args.cpu_mbyte * 1e6,
+        "costs": Costs(handling_s=args.handling_ms / 1000.0),
+    }
     rows = []
     if args.goal:
         goal_runs(args.workers, args.runs, args.size_mib, args.base, args.json_out)
@@ -233,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.saved is not None:
         for old in json.loads(args.saved.read_text()):
             real = RealRun(**old["real"])
-            row = compare(real, sim_fan_out(real)) | {"run": old["run"], "real": old["real"]}
+            sim = sim_fan_out(real, **model)
+            row = compare(real, sim) | {"run": old["run"], "real": old["real"]}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "real"}), flush=True)
         if args.json_out is not None:
@@ -259,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     for saved in reals:
         real = RealRun(**saved["real"])
-        row = compare(real, sim_fan_out(real)) | saved
+        row = compare(real, sim_fan_out(real, **model)) | saved
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "real"}), flush=True)
     if args.json_out is not None:
@@ -393,6 +419,9 @@ def outer_compare(args: Any) -> None:
         with tempfile.TemporaryDirectory(prefix="simcal-outer-") as tmp:
             real = real_outer(Path(tmp), args.outer, args.rounds, args.model_size, args.inner_steps)
         rows = outer_rows(real["results"])
+        if args.json_out is not None:  # the real run is the costly part: kept at once
+            saved = args.json_out.with_suffix(".real.json")
+            saved.write_text(json.dumps([*out, {"run": run, "real": real}], default=str))
         if not rows:
             print(json.dumps({"run": run, "failed": real["exits"]}), flush=True)
             continue
@@ -461,7 +490,7 @@ def sim_outer(real: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any
         for x in sim.logs
         if x.announced is not None and x.adopted is not None and x.how == "applied"
     ]
-    return {"report": report, "comm_s": comm}
+    return {"report": report, "comm_s": comm, "apply_s": params.apply_s}
 
 
 if __name__ == "__main__":
