@@ -975,6 +975,10 @@ class SimFetch:
             if prov is None or not prov.node.alive:
                 continue
             self._ask_peers(prov)
+        if book.dialled >= book.max_dials:
+            # ``due`` says nothing from now on (the dial budget only grows spent): the real
+            # loop wakes every 0.05 s to no effect until the download ends; not simulated.
+            return
         self._pex_soon(max(book.next_wake(now) - now, 0.05))
 
     def _ask_peers(self, prov: Provider) -> None:
