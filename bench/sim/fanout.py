@@ -218,7 +218,8 @@ def _run(
 def _seeder_watch(
     world: World, seeder: SimNode, blob: Blob, fetchers: list[SimNode], left: list[float | None]
 ) -> Any:
-    """The seeder leaves once every chunk is held by some other live node."""
+    """The seeder leaves once every chunk is held by some other live honest node (a
+    liar's copy is no copy)."""
     n = blob.num_chunks
     full = (1 << n) - 1
     while True:
@@ -226,7 +227,7 @@ def _seeder_watch(
         bits = 0
         for node in fetchers:
             held = node.holds.get(blob.blob_id)
-            if node.alive and held is not None:
+            if node.alive and not node.liar and held is not None:
                 bits |= int.from_bytes(held, "little")
         if bits == full:
             left[0] = world.now
