@@ -30,6 +30,9 @@ from p2p.fetch.striping import StripeConfig
 
 MiB = 1 << 20
 GiB = 1 << 30
+# Providers a DHT lookup returns (Kademlia's k), for fetchers that arrive after the seeder
+# left (`_run`).
+DHT_PROVIDERS = 20
 # Events between progress lines on stderr (internet_fan_out, progress=True).
 PROGRESS_EVERY = 500_000
 
@@ -139,8 +142,17 @@ def _run(
     def done(fetch: SimFetch) -> None:
         remaining[0] -= 1
 
+    def entry() -> list[str]:
+        """Whom a new fetcher is given: the seeder; once it has left, what a DHT lookup
+        of the blob's providers would return instead (the DHT is not simulated): up to
+        ``DHT_PROVIDERS`` live nodes, at random, that hold some of the blob."""
+        if seeder.alive:
+            return [seeder.name]
+        holders = [n.name for n, _, _ in fetchers if n.alive and n.held.get(blob.blob_id, 0)]
+        return world.rng.sample(holders, min(DHT_PROVIDERS, len(holders)))
+
     def start(node: SimNode) -> None:
-        fetch = SimFetch(node, blob, [seeder.name], config=config, stripes=stripes, on_done=done)
+        fetch = SimFetch(node, blob, entry(), config=config, stripes=stripes, on_done=done)
         fetches[node.name] = fetch
         fetch.start()
         leave = churn_at(node)
