@@ -6,7 +6,9 @@ it), every fetch driven by the real scheduler (bench.sim.fetch).
   calibration against the real processes.
 - `internet_fan_out`: a checkpoint from one seeder to many long-lived nodes on mixed links
   in three regions, arriving at once or over a window, with fetchers that leave mid-fetch,
-  liars that serve bad chunks, and a seeder that leaves once every chunk is held elsewhere.
+  liars that serve bad chunks, and a seeder that leaves once every chunk is held elsewhere
+  (a fetcher arriving after that is given what a DHT lookup would return: up to
+  ``DHT_PROVIDERS`` live holders, at random; the DHT itself is not simulated).
 """
 
 from __future__ import annotations

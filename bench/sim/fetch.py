@@ -35,13 +35,17 @@ What the shell does by hand, mirroring ``p2p.fetch.downloader`` and ``p2p.node.f
    by ``StripeGrowth`` [9].
 4. Peer exchange [node 4]: providers are asked `peers` when ``PexBook.due`` says, new
    fellows dialled (``PEX_DIAL_PARALLELISM`` at a time, ``MAX_SWARM_DIALS`` in all) and
-   added as providers.
+   added as providers. Once the dial budget is spent the loop ends (the real one wakes
+   every 0.05 s to no effect until the download ends).
 5. Idle workers wake on every change, once everything that happens at that instant has
    (as trio runs the workers `Changes.notify` woke after the task that woke them), and at the
    scheduler's ``next_late_at`` (at most ``IDLE_WAKE_S`` apart) for endgame copies. After a
    partial provider's `status`, only its own and the full providers' workers ask (the
    downloader wakes every worker; the others' holdings did not change, and a simulated
-   fan-out gave the same figures either way at 4-16 fetchers).
+   fan-out gave the same figures either way at 4-16 fetchers). Of one provider's idle
+   workers, those after the first told None by ``next_request`` do not ask (nothing
+   changed in between: they would be told None too). Deadlines: one timer per fetch, at
+   the scheduler's earliest (``next_deadline``), reporting every request ``expired``.
 6. When every chunk is verified the fetch's streams close; a one-shot fetch (`blob get`)
    lingers while fellows ask within ``LINGER_QUIET`` (at most ``LINGER_MAX``) and then its
    node leaves; a long-lived node serves on.
