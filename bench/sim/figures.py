@@ -20,7 +20,7 @@ from typing import Any
 
 def _label(run: dict[str, Any]) -> str:
     p = run["summary"]["params"]
-    parts = [f"{p['fetchers']} fetchers"]
+    parts = [f"{p['size'] / (1 << 20):g} MiB to {p['fetchers']} fetchers"]
     if p.get("stagger_s"):
         parts.append(f"over {p['stagger_s']:g} s")
     if p.get("churn"):
@@ -55,7 +55,8 @@ def plot_fanout(runs: list[dict[str, Any]], out: Path) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("share of its own downlink a fetcher got (one transfer / its time)")
     ax.set_ylabel("fraction of honest fetchers")
-    ax.set_title("1 GiB from one 1 Gbit/s seeder, simulated (bench/sim)")
+    mbit = runs[0]["summary"]["params"].get("seeder_up_mbit", 1000.0)
+    ax.set_title(f"One {mbit:g} Mbit/s seeder, links of 10 Mbit/s-1 Gbit/s, simulated (bench/sim)")
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
