@@ -161,6 +161,10 @@ def main() -> None:
     parser.add_argument("--slow", action="store_true", help="py-libp2p's own Noise/yamux")
     parser.add_argument("--debug", action="store_true")
     parser.add_argument(
+        "--debug-logger", action="append", default=[],
+        help="this logger (and its children) at DEBUG, the rest as --debug says",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-syn-retry", action="store_true", help="one SYN per punch window (a control)"
     )
     parser.add_argument("--dht", action="store_true", help="run the Kademlia DHT")
@@ -170,8 +174,13 @@ def main() -> None:
     args.cert_bytes = Path(args.cert).read_bytes() if args.cert else None
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING,
-        format="%(relativeCreated)d %(name)s %(levelname)s %(message)s",
+        format="%(created).6f %(name)s %(levelname)s %(message)s",
     )
+    for name in args.debug_logger:  # py-libp2p's loggers do not propagate: a handler each
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.DEBUG)
+        logger.handlers = logging.getLogger().handlers
+        logger.propagate = False
     with tempfile.TemporaryDirectory(prefix="blobnat-") as store:
         runner = {"relay": run_relay, "provider": run_provider, "fetcher": run_fetcher}
         try:

@@ -30,6 +30,23 @@ Theory of operation
    which ``p2p.nat.punch`` reads to say what a failed punch saw. The book is owned by
    its host (one per host, made by the first ``nat_services``), bounded by
    ``MAX_TRACED_PEERS`` peers and ``MAX_TRACED_ADDRS`` addresses each.
+6. The DCUtR initiator punches from ``PUNCH_PORTS`` local ports at once: before its
+   first exchange it listens on more TCP ports beside its own (``open_punch_ports``,
+   once per host), py-libp2p's CONNECT advertises every listen port at our public IP,
+   the peer dials each from its one port, and we dial the peer from each: independent
+   port pairs, any one of which makes the connection. Why: one pair can be lost for
+   minutes by a race no process can win. When the peer's SYN reaches us within tens of
+   microseconds after our router delivered the refusal of our early SYN (an ICMP error,
+   which crossed their SYN on the way), our listener answers it before our next SYN
+   leaves. A Linux router tracked our refused SYN's sequence number; the listener's
+   SYN-ACK carries one a round trip of the ISN clock later (64 ns a step; more than a
+   64 KiB window past it once the round trip exceeds 4 ms), so the router marks it and
+   every later packet of ours on that pair invalid and forwards them unmasqueraded:
+   the pair's entry stays in SYN_SENT2 for two minutes (seen on the testbed: the TCP
+   connection may even come up when their SYN is resent, and then its handshake never
+   finishes, as our side's packets never arrive). Only another port pair avoids it,
+   and a second pair from the start costs one more listener and SYN thread, not a
+   second exchange's round trips and windows.
 """
 
 from __future__ import annotations
@@ -45,6 +62,7 @@ import trio
 from libp2p.io.trio import TrioTCPStream
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
+from multiaddr import Multiaddr
 
 from p2p.nat.syn import DEFAULT_SCHEDULE, SynSchedule, SynsRefused, SynTrace, send_syns
 from p2p.transport import patches
@@ -66,6 +84,10 @@ MAX_SYN_THREADS = 32
 # (about 1.5 s at 300 ms). A failed one is aborted (``_abort``) within a punch window
 # (py-libp2p's DCUtR waits 5 s a window, 2 s between), so the next window can try again.
 UPGRADE_TIMEOUT = 4.0
+# Local ports the DCUtR initiator punches from at once (rule 6): two pairs lose the
+# first window only when the race is lost on both (measured on the testbed: about one
+# pair in twelve through routers that answer an early SYN with ICMP).
+PUNCH_PORTS = 2
 BOOK_ATTRIBUTE = "_blobnet_punch_book"
 
 
@@ -86,6 +108,13 @@ class PunchBook:
         self._traces: dict[str, dict[str, SynTrace]] = {}
         self.claimed = 0  # punched connections our listener took (rule 3)
         self.threads = trio.CapacityLimiter(MAX_SYN_THREADS)
+        self.extra_ports: list[int] = []  # listen ports opened for punching (rule 6)
+        self._opening = trio.Lock()
+
+    def sources(self, source: tuple[str, int]) -> list[tuple[str, int]]:
+        """The local addresses a dial from ``source`` (our first listen address) leaves
+        from: it and the extra punch ports on the same IP (rule 6)."""
+        return [source, *((source[0], port) for port in self.extra_ports if port != source[1])]
 
     def begin(self, peer: ID) -> None:
         """A new punch to ``peer``: forget what the last one saw."""
@@ -161,6 +190,37 @@ def punch_book(host: Any) -> PunchBook:
     return book
 
 
+def _free_port(ip: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((ip, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+async def open_punch_ports(host: Any) -> list[int]:
+    """Listen on ``PUNCH_PORTS - 1`` more TCP ports, on the IP of the host's first TCP
+    listen address, once per host (rule 6); the extra ports. A port that cannot be had
+    is left out: the punch then has fewer pairs, nothing else changes."""
+    book = punch_book(host)
+    async with book._opening:
+        if book.extra_ports:
+            return book.extra_ports
+        first = next((d for d in map(_tcp_dest, host.get_transport_addrs()) if d is not None), None)
+        if first is None:
+            return []
+        network = host.get_network()
+        for _ in range(PUNCH_PORTS - 1):
+            try:
+                port = _free_port(first[0])
+                listening = await network.listen(Multiaddr(f"/ip4/{first[0]}/tcp/{port}"))
+            except OSError as exc:
+                log.debug("no extra punch port on %s: %r", first[0], exc)
+                continue
+            if listening:
+                book.extra_ports.append(port)
+        return book.extra_ports
+
+
 def _tcp_dest(addr: Any) -> tuple[str, int] | None:
     try:
         ip = addr.value_for_protocol("ip4")
@@ -218,21 +278,33 @@ def install(host: Any, dcutr: Any) -> PunchBook:
                 log.debug("hole punch to %s at %s: already dialling it", peer_id, addr)
                 return
             trace = book.start(peer_id, dest, initiator=not as_responder)
+            initiator = not as_responder
+
+            async def one_pair(local: tuple[str, int], pairs: trio.CancelScope) -> None:
+                """One port pair (rule 6): SYNs, then the upgrade; the first pair whose
+                connection is upgraded ends the others."""
+                try:
+                    stream = await send_syns(
+                        local, dest, trace, schedule=book.schedule, threads=book.threads
+                    )
+                except SynsRefused as exc:
+                    log.debug("hole punch from %s to %s stopped: %s", local, dest, exc)
+                    return
+                try:
+                    await _upgrade(network, stream, peer_id, addr, initiator=initiator)
+                except Exception as exc:  # py-libp2p raises many types for one upgrade
+                    trace.handshake_failed()
+                    log.debug("hole punch from %s to %s: upgrade failed: %r", local, dest, exc)
+                    return
+                pairs.cancel()
+
             try:
-                stream = await send_syns(
-                    source, dest, trace, schedule=book.schedule, threads=book.threads
-                )
-            except SynsRefused as exc:
-                log.debug("hole punch to %s stopped: %s", peer_id, exc)
-                return
+                async with trio.open_nursery() as nursery:
+                    for local in book.sources(source):
+                        nursery.start_soon(one_pair, local, nursery.cancel_scope)
             finally:
                 book.stop(dest)
                 log.debug("hole punch to %s: %s", peer_id, trace.describe())
-            try:
-                await _upgrade(network, stream, peer_id, addr, initiator=not as_responder)
-            except Exception as exc:  # py-libp2p raises many types for one failed upgrade
-                trace.handshake_failed()
-                log.debug("hole punch to %s at %s: upgrade failed: %r", peer_id, addr, exc)
 
         return dial_peer
 

@@ -50,7 +50,7 @@ from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_byt
 from blobstore.exitcodes import ExitCode
 from p2p.blob.ticket import TICKET_PREFIX, Ticket
 from p2p.fetch.download_parts import Progress, ProgressCallback
-from p2p.nat.holepunch import punch_book
+from p2p.nat.holepunch import open_punch_ports, punch_book
 from p2p.nat.relay import (
     EXCHANGE_TIMEOUT,
     MAX_ADMIT_REPLY,
@@ -355,6 +355,7 @@ async def upgrade_to_direct(
     and the traces of our SYNs, the address that answered most first."""
     async with _dcutr(host) as dcutr:
         book = punch_book(host)
+        await open_punch_ports(host)  # before the exchange: its CONNECT names them
         book.begin(peer)
         started = trio.current_time()
         with trio.move_on_after(punch_timeout) as scope:

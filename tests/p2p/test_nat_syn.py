@@ -219,3 +219,36 @@ async def test_a_punched_socket_our_listener_accepts_is_upgraded_in_our_dial_rol
                 await stream.close()
         assert direct_connection(ours, theirs.get_id()) is not None
         assert book.claimed == 1
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+async def test_the_dcutr_initiator_punches_from_a_second_listen_port_it_advertises() -> None:
+    """p2p.nat.holepunch rule 6: before its first exchange the initiator listens on one
+    more port, once; its CONNECT (py-libp2p's observed addresses) names both ports, and
+    each dial leaves from both."""
+    import trio
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from multiaddr import Multiaddr
+
+    from p2p.nat.holepunch import PUNCH_PORTS, open_punch_ports, punch_book
+    from p2p.nat.relay import nat_services
+    from p2p.transport.host import build_host
+
+    ours = build_host(create_new_key_pair())
+    async with ours.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]), nat_services(ours):
+        [first] = [int(a.value_for_protocol("tcp")) for a in ours.get_transport_addrs()]
+        extra = await open_punch_ports(ours)
+        assert len(extra) == PUNCH_PORTS - 1 and first not in extra
+        assert await open_punch_ports(ours) == extra  # once per host
+        with trio.fail_after(5):
+            stream = await trio.open_tcp_stream("127.0.0.1", extra[0])  # it listens
+            await stream.aclose()
+        from p2p.transport import patches
+
+        dcutr = patches.running_dcutr(ours)
+        advertised = [Multiaddr(a) for a in await dcutr._get_observed_addrs()]
+        ports = {int(a.value_for_protocol("tcp")) for a in advertised}
+        assert ports == {first, *extra}
+        sources = punch_book(ours).sources(("127.0.0.1", first))
+        assert sources == [("127.0.0.1", first), *(("127.0.0.1", p) for p in extra)]

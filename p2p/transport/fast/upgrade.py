@@ -25,6 +25,7 @@ and we take the dialler's role (`answer_or_dial`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,8 @@ from libp2p.utils import encode_delim
 from .errors import LocalProtocolError, RemoteProtocolError
 from .noise import FastNoiseTransport, FastSecureConn, socket_rtt, trio_socket_of
 from .yamux import PROTOCOL_ID, FastYamuxConn
+
+log = logging.getLogger(__name__)
 
 MULTISTREAM = "/multistream/1.0.0"
 # How long a dial made as the responder waits, after the peer's multistream header, for a
@@ -93,6 +96,7 @@ async def answer_or_dial(
     with trio.move_on_after(silent_s) as waiting:
         await trio.lowlevel.wait_readable(sock)  # reads nothing: the answer below does
     if waiting.cancelled_caught:
+        log.debug("responder dial: the peer stayed silent %.1f s: dialling", silent_s)
         return True
     for _ in range(MAX_PROPOSALS):
         proposal = await communicator.read()
