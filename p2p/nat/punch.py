@@ -7,7 +7,9 @@ provider of a fetch at once; each step is bounded, and the result says which end
 1. Dial the provider's circuit address (``p2p.nat.relay.dial_via_relay``): TCP + Noise to the
    relay, ``CONNECT``, then Noise + yamux end to end through it.
 2. Hole-punch (py-libp2p's ``DCUtRProtocol.initiate_hole_punch``): a direct dial first
-   (the provider may be reachable after all), then up to three simultaneous-open rounds.
+   (the provider may be reachable after all), then up to three simultaneous-open rounds,
+   each from two local ports (``p2p.nat.holepunch`` rule 6; the second is opened before
+   step 1, so the identify push that announces it does not cross the circuit).
 3. With a direct connection: close the relayed one (so no blob byte can take it) and
    fetch from the provider as a connected peer. Without one: say why in one line; fetch
    through the relay only when the caller allows it (and the relay's limits will cut a
@@ -441,6 +443,9 @@ async def punch_through(
                 await node.connect(relay_addr)
                 await present_certificate(host, relay_id, certificate)
             _unblock(host, peer)
+            # Before the circuit: a new listen address is pushed to connected peers
+            # (identify), and through the circuit that would be relay bytes.
+            await open_punch_ports(host)
             circuit = await dial_via_relay(host, circuit_addr)
         except Exception as exc:  # RelayError, PeerUnreachable, ...: one line either way
             out.reason = str(exc)

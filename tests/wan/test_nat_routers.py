@@ -7,9 +7,10 @@ test_nat_relay.py). One that answers it with a TCP reset (OpenWrt's default) or 
 port unreachable kills the early dial, and a reset also closes the early side's own
 mapping, so the late SYN is turned away too. The punch sends its SYN again at once after
 each refusal (p2p.nat.syn), so each fetch here ends direct, through a resetting router in
-its first punch window, with the relay carrying signalling only. Behind endpoint-dependent
-NATs that reset, the punch fails, and says so: how long it waited, and the resets its SYNs
-met.
+its first punch window, with the relay carrying signalling only. A port pair lost to the
+race no retry wins (p2p.nat.holepunch rule 6, staged here) leaves the fetch its second
+port pair, still in the first window. Behind endpoint-dependent NATs that reset, the
+punch fails, and says so: how long it waited, and the resets its SYNs met.
 
 The routers themselves come first: what a stranger's SYN meets at each kind, and a
 carrier-grade NAT in front of a home router keeping the port through both.
@@ -185,6 +186,53 @@ def test_a_punch_through_routers_that_refuse_an_early_syn_ends_direct(net: Net, 
         first_window += punch["windows"] == 1  # the first window of the first exchange
     assert direct >= DIRECT, f"{direct} of {TRIES} punches ended direct"
     assert first_window >= FIRST_WINDOW[kind], f"{first_window} of {TRIES} in the first window"
+
+
+_SYN = r"""
+import socket, sys
+local, port, dest, dest_port = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+wait = float(sys.argv[5])
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+s.bind((local, port))
+s.settimeout(wait)
+try:
+    s.connect((dest, dest_port))
+except OSError as exc:
+    print(type(exc).__name__)
+s.close()
+"""
+
+
+def _syn(net: Net, host: str, port: int, to: str, to_port: int, wait: float) -> str:
+    done = net.tb.run(
+        host, [sys.executable, "-c", _SYN, net.tb.addr(host), str(port),
+               net.tb.public_addr(to), str(to_port), str(wait)],
+        timeout=30, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return str(done.stdout.strip())
+
+
+def test_a_port_pair_lost_to_the_syn_sent2_race_leaves_the_punch_its_second_pair(
+    net: Net,
+) -> None:
+    """The race p2p.nat.holepunch rule 6 describes, lost on purpose before the fetch: the
+    provider's SYN from its port to the fetcher's is refused (ICMP), then the fetcher's
+    SYN to it arrives more than 4 ms of ISN clock later and the provider's listener
+    answers; its router now holds that port pair in SYN_SENT2 and forwards nothing of the
+    provider's on it. The fetch from that port still ends direct in its first window, over
+    the second port pair the fetcher punches from."""
+    port = 4150
+    provider = net.providers["icmpp"]
+    assert _syn(net, "icmpp", 4001, "icmpf", port, 2.0) == "ConnectionRefusedError"
+    assert _syn(net, "icmpf", port, "icmpp", 4001, 0.5) == "TimeoutError"  # answer dropped
+    result = net.nat.fetch(
+        "icmpf", provider.blob, provider.circuit_addrs, "--timeout", PUNCH_TIMEOUT, port=port
+    )
+    assert "error" not in result, result
+    [punch] = result["punches"]
+    assert punch["path"] == "direct" and punch["windows"] == 1, punch
 
 
 def test_a_failed_punch_says_what_its_syns_met_and_how_long_it_waited(net: Net) -> None:
