@@ -35,18 +35,23 @@ Theory of operation
    once per host), py-libp2p's CONNECT advertises every listen port at our public IP,
    the peer dials each from its one port, and we dial the peer from each: independent
    port pairs, any one of which makes the connection. Why: one pair can be lost for
-   minutes by a race no process can win. When the peer's SYN reaches us within tens of
-   microseconds after our router delivered the refusal of our early SYN (an ICMP error,
-   which crossed their SYN on the way), our listener answers it before our next SYN
-   leaves. A Linux router tracked our refused SYN's sequence number; the listener's
-   SYN-ACK carries one a round trip of the ISN clock later (64 ns a step; more than a
-   64 KiB window past it once the round trip exceeds 4 ms), so the router marks it and
-   every later packet of ours on that pair invalid and forwards them unmasqueraded:
-   the pair's entry stays in SYN_SENT2 for two minutes (seen on the testbed: the TCP
+   minutes by a race no process always wins. When the peer's SYN reaches us after our
+   router delivered the refusal of our early SYN (an ICMP error, which crossed their SYN
+   on the way) but before our next SYN leaves (tens of microseconds on an idle host,
+   milliseconds when the SYN thread waits for the GIL), our listener answers it. A
+   Linux router tracked our refused SYN's sequence number; the listener's SYN-ACK
+   carries one a round trip of the ISN clock later (64 ns a step; more than a 64 KiB
+   window past it once the round trip exceeds 4 ms), so the router marks it and every
+   later packet of ours on that pair invalid and forwards them unmasqueraded: the
+   pair's entry stays in SYN_SENT2 for two minutes (seen on the testbed: the TCP
    connection may even come up when their SYN is resent, and then its handshake never
-   finishes, as our side's packets never arrive). Only another port pair avoids it,
-   and a second pair from the start costs one more listener and SYN thread, not a
-   second exchange's round trips and windows.
+   finishes, as our side's packets never arrive). No packet of ours repairs it within a
+   window, so only another port pair avoids it, and a second pair from the start costs
+   one more listener and SYN thread, not a second exchange's round trips and windows.
+   The pairs to one peer IP start
+   ``PAIR_STAGGER_S`` apart on each side: started together, their refusals arrive in
+   the same instant and their SYN threads wait on each other for the GIL, so they lose
+   the race together. The first pair whose connection is upgraded ends the others.
 """
 
 from __future__ import annotations
