@@ -36,15 +36,15 @@ NEAR_MS = 1.0
 # Tries per router, how many must end direct, and how many in their first window. With
 # one SYN a window (retries off) 4 of 10 punches got through a resetting router and 4 of 10
 # an ICMP one (bench/figures/nat-matrix.md; 0 and 1 of 5 in this test): 5 of 6 direct then
-# pass by chance once in 25. With the retries, measured 2026-12-08 on a quiet machine
-# (`bench/wan_nat.py --matrix --cells eimreset,eimicmp --matrix-tries 12`): resets 12 of
-# 12 direct, all in the first window; ICMP 12 of 12 direct, 8 of them in the first window
-# (a first window whose connection came up but whose handshake never finished), and 11 of
-# 12 in two other runs. So one miss is allowed, it must say what its SYNs met, and the
-# first window is asked of the resetting router only.
+# pass by chance once in 25. With the retries and two port pairs (p2p.nat.holepunch rule
+# 6), measured 2026-12-08 (`bench/wan_nat.py --matrix --cells eimicmp --matrix-tries 36`,
+# shared machine): ICMP 35 of 36 direct, all 35 in the first window (one pair only, in the
+# same session: 32 of 36 in the first window); resets 12 of 12, all in the first window.
+# One miss is allowed, and it must say what its SYNs met. The loss that the second pair
+# is for is staged in its own test (fails with one pair).
 TRIES = 6
 DIRECT = 5
-FIRST_WINDOW = {"reset": 5, "icmp": 0}
+FIRST_WINDOW = {"reset": 5, "icmp": 5}
 # The punch's three windows (5 s each, py-libp2p's rounds) and a margin.
 PUNCH_TIMEOUT = "16"
 # The failing punch's timeout: short, the line is what is tested.
