@@ -291,7 +291,7 @@ async def _upgrade(
 
 
 def install(host: Any, dcutr: Any) -> PunchBook:
-    """Give ``dcutr``'s hole-punch dials ``send_syns`` on the host's book (rules 1, 2, 4)."""
+    """Give ``dcutr``'s hole-punch dials ``send_syns`` on the host's book (rules 1, 2, 4, 6)."""
     book = punch_book(host)
     network = host.get_network()
 
