@@ -310,15 +310,22 @@ def install(host: Any, dcutr: Any) -> PunchBook:
             trace = book.start(peer_id, dest, initiator=not as_responder)
             initiator = not as_responder
 
-            async def one_pair(local: tuple[str, int], pairs: trio.CancelScope) -> None:
-                """One port pair (rule 6): SYNs, then the upgrade; the first pair whose
-                connection is upgraded ends the others."""
+            syns: list[trio.CancelScope] = []  # each pair's SYN phase
+
+            async def one_pair(local: tuple[str, int]) -> None:
+                """One port pair (rule 6): SYNs, then the upgrade. The first pair whose
+                connection is upgraded stops the others' SYNs; one already upgrading
+                goes on (cut short, its peer may have counted it up)."""
                 place = book.pair_started(peer_id, dest[0])
                 try:
-                    await trio.sleep(place * PAIR_STAGGER_S)
-                    stream = await send_syns(
-                        local, dest, trace, schedule=book.schedule, threads=book.threads
-                    )
+                    with trio.CancelScope() as scope:
+                        syns.append(scope)
+                        await trio.sleep(place * PAIR_STAGGER_S)
+                        stream = await send_syns(
+                            local, dest, trace, schedule=book.schedule, threads=book.threads
+                        )
+                    if scope.cancelled_caught:
+                        return
                 except SynsRefused as exc:
                     log.debug("hole punch from %s to %s stopped: %s", local, dest, exc)
                     return
@@ -330,12 +337,13 @@ def install(host: Any, dcutr: Any) -> PunchBook:
                     trace.handshake_failed()
                     log.debug("hole punch from %s to %s: upgrade failed: %r", local, dest, exc)
                     return
-                pairs.cancel()
+                for scope in syns:
+                    scope.cancel()
 
             try:
                 async with trio.open_nursery() as nursery:
                     for local in book.sources(source):
-                        nursery.start_soon(one_pair, local, nursery.cancel_scope)
+                        nursery.start_soon(one_pair, local)
             finally:
                 book.stop(dest)
                 log.debug("hole punch to %s: %s", peer_id, trace.describe())
