@@ -51,7 +51,8 @@ Theory of operation
    The pairs to one peer IP start
    ``PAIR_STAGGER_S`` apart on each side: started together, their refusals arrive in
    the same instant and their SYN threads wait on each other for the GIL, so they lose
-   the race together. The first pair whose connection is upgraded ends the others.
+   the race together. The first pair whose connection is upgraded stops the others'
+   SYNs; one already upgrading finishes (cut short, the peer may have counted it up).
 """
 
 from __future__ import annotations
