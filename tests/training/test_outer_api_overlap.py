@@ -54,15 +54,18 @@ def _state(round_: int, model: torch.nn.Module, offset: float) -> OuterState:
 
 
 def _steps(core: Core, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    """One round of the user's steps: each moves the model, and step() polls and counts."""
+    """One round of the user's steps: each moves the model, and step() polls and counts;
+    the H-th step() is left open (entered, not left): the caller ends the round in it."""
     for _ in range(H):
         threading.Event().wait(STEP)  # the user's step (time the loop is not waiting)
         model(torch.ones(1, 3)).sum().backward()
         opt.step()
         opt.zero_grad()
+        core.enter()
         core.poll()
         if core.count(None):
             return
+        core.leave()
     raise AssertionError("H steps did not end the round")
 
 
@@ -93,6 +96,7 @@ def test_an_overlapped_round_ends_behind_the_steps_and_counts_what_the_loop_wait
     side.start()
     _steps(core, model, opt)
     core.launch(store)  # round 0's end, behind the steps from here
+    core.leave()
     e0 = {n: v.copy() for n, v in model_views(model).items()}
     moments = {k: v.clone() for k, v in opt.state[model.weight].items()}
     with torch.no_grad():  # the user's loop trains on at once
@@ -126,6 +130,7 @@ def test_an_overlapped_round_ends_behind_the_steps_and_counts_what_the_loop_wait
     for key, value in moments.items():
         assert torch.equal(saved.optimizer["state"][index][key], value), key
     core.launch(store)  # round 1's end: its timing is complete
+    core.leave()
     compute, waited, overlapped = core.timings[1]
     assert compute >= H * STEP  # the user's own steps, none of the wait
     assert waited >= HOLD  # what step() waited for S_1 after the steps were done

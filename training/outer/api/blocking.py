@@ -9,14 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blobstore.canonical import encode as encode_canonical
-from training.outer.api.core import (
-    JOIN_WAIT,
-    Core,
-    RoundTiming,
-    load_spec,
-    run_worker,
-    wants_fetch,
-)
+from training.outer.api.clock import RoundTiming
+from training.outer.api.core import JOIN_WAIT, Core, load_spec, run_worker, wants_fetch
 from training.outer.api.driven import InnerStep
 from training.outer.api.handoff import HANDOFF_WAIT, OuterLoopError, describe
 from training.outer.api.model import gathered_state, is_sharded, trainable
@@ -189,12 +183,14 @@ class OuterLoop:
 
     @property
     def timings(self) -> list[RoundTiming]:
-        """Per round this loop took part in (point 9): ``compute``, the seconds of its H
-        steps; ``waited``, the seconds ``step()`` waited on the network (blocking: from the
-        H-th step's end until the next state was in the model; overlapped: only when the
-        state its update is taken against had not come by then); ``overlapped``, the
-        seconds of the round before's communication that ran during these steps.
-        Utilisation is compute / (compute + waited)."""
+        """Per round this loop took part in (point 9, ``training.outer.api.clock``):
+        ``compute``, the user's own seconds (outside ``step()``, ``skip()`` and
+        ``restore()``) since the round before ended; ``waited``, every second spent inside
+        them in that span, whatever the cause (blocking: mostly the round's closure;
+        overlapped: the model copied, states added at step boundaries, and a wait where the
+        state the update is taken against had not come); ``overlapped``, the seconds of the
+        round before's communication that ran during these steps. Utilisation is
+        compute / (compute + waited)."""
         return self._core.timings
 
     def __enter__(self) -> OuterLoop:
@@ -267,6 +263,14 @@ class OuterLoop:
         At the H-th: send the update, wait for the round's closure and copy the new state
         into the model; True then. ``finished`` turns true after the worker's last round."""
         core = self._core
+        core.enter()  # point 9: every second in here is the loop's
+        try:
+            return self._step(loss)
+        finally:
+            core.leave()
+
+    def _step(self, loss: float | None) -> bool:
+        core = self._core
         if core.driven is not None:
             raise OuterLoopError("the library drives this loop's inner steps: call run()")
         if self._rank != 0:
@@ -290,10 +294,10 @@ class OuterLoop:
                     return True
             core.launch(self._node.store)  # point 9: the round's end behind the steps
             return True
-        sent = core.send(gathered_state(core.model.module) if self._sharded else None)
+        core.send(gathered_state(core.model.module) if self._sharded else None)
         if self._group is None:
             core.keep(self._node.store)  # point 8, while the round is agreed
-        self._take_round(sent)
+        self._take_round()
         return True
 
     def skip(self) -> bool:
@@ -303,9 +307,14 @@ class OuterLoop:
         core = self._core
         if core.driven is not None or self._group is not None:
             raise OuterLoopError("skip() is for a loop whose steps are yours, in one process")
-        if core.in_flight:
-            core.wait_base()
-        self._take_round(core.skip())
+        core.enter()
+        try:
+            if core.in_flight:
+                core.wait_base()
+            core.skip()
+            self._take_round()
+        finally:
+            core.leave()
         return True
 
     def restore(self) -> None:
@@ -315,14 +324,17 @@ class OuterLoop:
         core = self._core
         if core.driven is not None or self._group is not None:
             raise OuterLoopError("restore() is for a loop whose steps are yours, in one process")
-        if core.in_flight:
-            core.wait_base()  # point 9: the round's start state is the one to come
-        core.restore()
+        core.enter()
+        try:
+            if core.in_flight:
+                core.wait_base()  # point 9: the round's start state is the one to come
+            core.restore()
+        finally:
+            core.leave()
 
-    def _take_round(self, sent: tuple[float, float]) -> None:
+    def _take_round(self) -> None:
         core = self._core
         core.adopt(HANDOFF_WAIT)
-        core.timed(sent)
         core.rounds_applied += 1
         if core.finished and self._thread is not None:
             self._thread.join(timeout=60)

@@ -7,8 +7,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
+from training.outer.api.clock import LoopClock, RoundTiming
 from training.outer.api.driven import DrivenTrainers, InnerStep, check_step, peer_shard
 from training.outer.api.handoff import HANDOFF_WAIT, Handoff, OuterLoopError
 from training.outer.api.model import UserModel
@@ -32,19 +33,6 @@ if TYPE_CHECKING:
     from training.outer.codec import F32
     from training.outer.loop import OuterState
     from training.outer.params import RunParams
-
-
-class RoundTiming(NamedTuple):
-    """Point 9: one round of a loop, in seconds: ``compute``, the user's own time between
-    its ``step()`` calls; ``waited``, its time inside them on the round's end (blocking:
-    the update made, the round agreed, the state in the model; overlapped: the model
-    copied, the state waited for and added). Utilisation is compute / (compute + waited);
-    ``overlapped`` is the previous round's communication that ran while this round's
-    steps did (0 for blocking rounds)."""
-
-    compute: float
-    waited: float
-    overlapped: float
 
 
 # How long join() waits for the worker to hold a state: its start barrier (all K workers
@@ -115,22 +103,39 @@ class Core:
         self.rounds_applied = 0
         self.result: dict[str, Any] | None = None
         self.join = False
-        # Per round this loop took part in (point 9): its compute, the seconds the user's
-        # loop waited, and the seconds of communication that overlapped compute.
-        self.timings: list[RoundTiming] = []
+        # Per round this loop took part in (point 9, training.outer.api.clock): its
+        # compute, the seconds the user's loop spent in the loop's calls, and the seconds
+        # of communication that overlapped compute; whether the call running ended a round.
+        self.clock = LoopClock()
+        self.ended = False
         self.adopted_at = 0.0
         self.steps_done_at = 0.0
         # Point 9, overlapped rounds: the round's end in flight (training.outer.api.overlap),
         # what the model's drift is taken against once a state was moved to, when the
-        # round's end was started and its state taken, and this round's seconds in step()
-        # adding states (within its steps) and at its end (waiting, copying).
+        # round's end was started and its state taken, the overlap the round that ends
+        # next reports, and the arrays the last round's end is done with (the next
+        # round's copy goes into them).
         self.overlap = spec.overlap
         self.ending: RoundEnd | None = None
         self.base: tuple[dict[str, F32], dict[str, F32]] | None = None
         self.sent_at = 0.0
         self.arrived_at = 0.0
-        self.applying = 0.0
-        self.waited = 0.0
+        self.overlapped = 0.0
+        self.spare: dict[str, F32] | None = None
+
+    @property
+    def timings(self) -> list[RoundTiming]:
+        return self.clock.rounds
+
+    def enter(self) -> None:
+        """Point 9: one of the loop's calls that may wait began (``LoopClock``)."""
+        self.clock.enter(time.monotonic())
+
+    def leave(self) -> None:
+        """Point 9: the call entered last returned or raised; the round it ended, timed."""
+        ended, self.ended = self.ended, False
+        overlapped, self.overlapped = self.overlapped, 0.0
+        self.clock.leave(time.monotonic(), ended, overlapped)
 
     @property
     def round(self) -> int:
@@ -146,6 +151,8 @@ class Core:
         self.state, self.root = got
         self.model.load(self.state)
         self.adopted_at = time.monotonic()
+        if not self.clock.started:  # join: the first round's span begins
+            self.clock.start(self.adopted_at)
         with self.handoff.cond:
             # The worker's final state, taken: this worker's rounds are over.
             self.finished = self.handoff.finished and self.handoff.taken
@@ -162,7 +169,6 @@ class Core:
         """Point 9, at a step boundary: take a state that has come, never waiting."""
         if not self.overlap:
             return
-        began = time.monotonic()
         if self.ending is not None:
             if self.ending.done.is_set():
                 self.take_end(0.0)
@@ -172,7 +178,6 @@ class Core:
                 self.move_to(got)
             elif self.handoff.finished:
                 self.finished = True
-        self.applying += time.monotonic() - began
 
     def take_end(self, timeout: float) -> None:
         """Point 9: once the round's end has ended (waiting at most ``timeout``), its state
@@ -190,6 +195,7 @@ class Core:
             self.finished = True
         else:
             self.model.add(ending.snapshot)  # S_{r+1} - E_r (overlap point 2)
+        self.spare = ending.snapshot[0]  # the thread is done with it
         self.state, self.root = state, root
         self.base = (state.params, state.buffers)
 
@@ -211,18 +217,16 @@ class Core:
 
     def wait_base(self) -> None:
         """Point 9: this round's update is due and the state it is taken against has not
-        come (the overlap allowed is used up): wait for the round's end, counting the wait."""
-        began = time.monotonic()
+        come (the overlap allowed is used up): wait for the round's end."""
         self.take_end(HANDOFF_WAIT)
-        self.waited += time.monotonic() - began
 
     def launch(self, store: Any) -> None:
         """Point 9: the round's H steps are done: copy the model (and the inner optimizer's
         state), start the round's end behind the user's steps and train on at once."""
-        began = time.monotonic()
         state, root, losses, author = self.state, self.root, self.losses, self.author
         assert state is not None
-        snapshot = self.model.snapshot()
+        snapshot = self.model.snapshot(into=self.spare)
+        self.spare = None
         saved = None if self.optimizer is None else copy_optimizer(self.optimizer)
         params, buffers = snapshot
         trainer, run = self.trainer, self.spec.run
@@ -241,19 +245,11 @@ class Core:
             snapshot=snapshot,
         )
         self.ending.start()
-        now = time.monotonic()
-        self.timings.append(
-            RoundTiming(
-                compute=self.steps_done_at - self.adopted_at - self.applying,
-                waited=self.applying + self.waited + now - began,
-                overlapped=max(0.0, min(self.arrived_at, self.steps_done_at) - self.sent_at)
-                if self.sent_at
-                else 0.0,
-            )
-        )
-        self.sent_at = self.adopted_at = now
+        if self.sent_at:
+            self.overlapped = max(0.0, min(self.arrived_at, self.steps_done_at) - self.sent_at)
+        self.ended = True
+        self.sent_at = self.adopted_at = time.monotonic()
         self.arrived_at = 0.0
-        self.applying = self.waited = 0.0
         self.steps = 0
         self.losses = []
 
@@ -276,24 +272,22 @@ class Core:
         self.steps_done_at = time.monotonic()
         return True
 
-    def send(self, current: dict[str, F32] | None = None) -> tuple[float, float]:
-        """Post the round's update; returns when the round's steps began and when its
-        H-th step ended (monotonic)."""
+    def send(self, current: dict[str, F32] | None = None) -> None:
+        """Post the round's update."""
         assert self.state is not None
         trained = self.trainer.make(self.state, self.root, self.author, self.losses, current)
         self.handoff.post_trained(trained, self.root)
-        return self.adopted_at, self.steps_done_at
+        self.ended = True
 
-    def skip(self) -> tuple[float, float]:
-        """Point 8: this round sends nothing (the worker takes the round's result); returns
-        as :meth:`send`."""
+    def skip(self) -> None:
+        """Point 8: this round sends nothing (the worker takes the round's result)."""
         if self.state is None:
             raise OuterLoopError("call join() before skip()")
         if self.finished:
             raise OuterLoopError(f"run {self.spec.run}: this worker's rounds are over")
         self.steps_done_at = time.monotonic()
         self.handoff.post_trained(None, self.root)
-        return self.adopted_at, self.steps_done_at
+        self.ended = True
 
     def restore(self) -> None:
         """Point 8: the round's start state back into the model, its steps from 0."""
@@ -346,13 +340,6 @@ class Core:
             "joining from the run's tip",
             file=sys.stderr,
         )
-
-    def timed(self, marks: tuple[float, float]) -> None:
-        """A blocking round's timing: the H steps alone, then everything from the H-th
-        step's end until the next state is in the model (making the update, the round's
-        closure, the apply, the copy into the model), all of it waited for."""
-        began, done = marks
-        self.timings.append(RoundTiming(done - began, time.monotonic() - done, 0.0))
 
     def config(
         self, store_root: Path, key_path: Path, cert_path: Path, result_path: Path | None

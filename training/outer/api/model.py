@@ -44,10 +44,27 @@ class UserModel:
         load_state(self.module, state.params)
         load_into(self.module, state.buffers, self.reset)
 
-    def snapshot(self) -> tuple[dict[str, F32], dict[str, F32]]:
-        """Copies of the trainable parameters and floating buffers (float32): the end of a
-        round a worker trains on from (point 9)."""
-        return {n: v.copy() for n, v in self.views().items()}, self.buffers()
+    def snapshot(
+        self, into: Mapping[str, F32] | None = None
+    ) -> tuple[dict[str, F32], dict[str, F32]]:
+        """Copies of the trainable parameters (float32; into ``into``'s arrays where given,
+        a spare snapshot of this model, so a round allocates nothing) and floating buffers:
+        the end of a round a worker trains on from (point 9). One torch call copies every
+        parameter, so the user's thread takes the interpreter lock back once, not once a
+        tensor (each time, another thread of the process may hold it a switch interval)."""
+        import torch
+
+        params = trainable(self.module)
+        held = (
+            {n: np.empty(tuple(p.shape), dtype=np.float32) for n, p in params.items()}
+            if into is None
+            else dict(into)
+        )
+        with torch.no_grad():
+            torch._foreach_copy_(
+                [torch.from_numpy(held[n]) for n in params], [p.detach() for p in params.values()]
+            )
+        return held, self.buffers()
 
     def shift(self, state: OuterState, base: tuple[Mapping[str, F32], Mapping[str, F32]]) -> None:
         """Point 9's correction: the parameters and buffers move by ``state - base``
@@ -70,14 +87,18 @@ class UserModel:
     def add(self, shift: tuple[Mapping[str, F32], Mapping[str, F32]]) -> None:
         """Point 9's correction, computed ahead (``training.outer.api.overlap``): the
         parameters and floating buffers move by ``shift`` (float32 arrays of S_{r+1} - E_r);
-        the run's integer buffers are reset as with every state."""
+        the run's integer buffers are reset as with every state. One torch call adds to
+        every parameter (as ``snapshot`` copies them): each parameter's sum is the same
+        float32 addition ``p.add_`` makes."""
         import torch
 
         params, buffers = shift
+        held = {n: p for n, p in trainable(self.module).items() if not is_sharded(p)}
         with torch.no_grad():
-            for name, p in trainable(self.module).items():
-                if not is_sharded(p):
-                    p.add_(torch.from_numpy(params[name]).to(p.device, p.dtype))
+            torch._foreach_add_(
+                list(held.values()),
+                [torch.from_numpy(params[n]).to(p.device, p.dtype) for n, p in held.items()],
+            )
         moved = {n: now + buffers[n] for n, now in self.buffers().items()}
         load_into(self.module, moved, self.reset)
 

@@ -8,14 +8,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from training.outer.api.core import (
-    JOIN_WAIT,
-    Core,
-    RoundTiming,
-    load_spec,
-    run_worker,
-    wants_fetch,
-)
+from training.outer.api.clock import RoundTiming
+from training.outer.api.core import JOIN_WAIT, Core, load_spec, run_worker, wants_fetch
 from training.outer.api.handoff import HANDOFF_WAIT, OuterLoopError, describe
 from training.outer.api.scoring import eval_data_of
 from training.outer.verification import Level
@@ -99,6 +93,14 @@ class AsyncOuterLoop:
 
     async def step(self, loss: float | None = None) -> bool:
         """As :meth:`OuterLoop.step <training.outer.api.OuterLoop.step>`."""
+        core = self._core
+        core.enter()  # point 9: every second in here is the loop's
+        try:
+            return await self._step(loss)
+        finally:
+            core.leave()
+
+    async def _step(self, loss: float | None) -> bool:
         import trio
 
         core = self._core
@@ -117,25 +119,31 @@ class AsyncOuterLoop:
                     return True
             core.launch(self._node.store)  # point 9: the round's end behind the steps
             return True
-        sent = core.send()
+        core.send()
         await trio.to_thread.run_sync(core.keep, self._node.store)
-        await self._take_round(sent)
+        await self._take_round()
         return True
 
     async def skip(self) -> bool:
         """As :meth:`OuterLoop.skip <training.outer.api.OuterLoop.skip>`."""
         import trio
 
-        if self._core.in_flight:
-            await trio.to_thread.run_sync(self._core.wait_base)
-        await self._take_round(self._core.skip())
+        core = self._core
+        core.enter()
+        try:
+            if core.in_flight:
+                await trio.to_thread.run_sync(core.wait_base)
+            core.skip()
+            await self._take_round()
+        finally:
+            core.leave()
         return True
 
     def restore(self) -> None:
         """As :meth:`OuterLoop.restore <training.outer.api.OuterLoop.restore>`."""
         self._core.restore()
 
-    async def _take_round(self, sent: tuple[float, float]) -> None:
+    async def _take_round(self) -> None:
         import trio
 
         core = self._core
@@ -143,7 +151,6 @@ class AsyncOuterLoop:
             partial(core.adopt, HANDOFF_WAIT),
             abandon_on_cancel=True,  # type: ignore[call-arg]  # trio-stubs predate it (trio 0.23)
         )
-        core.timed(sent)
         core.rounds_applied += 1
 
 
