@@ -129,8 +129,16 @@ def test_an_overlapped_round_ends_behind_the_steps_and_counts_what_the_loop_wait
     index = [id(p) for p in model.parameters()].index(id(model.weight))
     for key, value in moments.items():
         assert torch.equal(saved.optimizer["state"][index][key], value), key
+    spare = core.spare  # round 0's copy, the thread done with it
+    assert spare is not None
     core.launch(store)  # round 1's end: its timing is complete
     core.leave()
+    # Round 1's copy went into round 0's arrays (no new model-sized arrays a round).
+    assert core.ending is not None
+    copied = core.ending.snapshot[0]
+    assert all(copied[n] is spare[n] for n in spare)
+    for name, value in model_views(model).items():
+        assert np.array_equal(copied[name], value), name
     compute, waited, overlapped = core.timings[1]
     assert compute >= H * STEP  # the user's own steps, none of the wait
     assert waited >= HOLD  # what step() waited for S_1 after the steps were done
