@@ -19,8 +19,9 @@ wait at that H). Two settings of the inner step, each printed with its name:
 Per point and mode it prints the medians over the workers' rounds 1..R-2 (round 0 holds
 the start, the last round the run's end) of: the utilisation the user's loop saw (seconds
 in its inner steps over seconds in its inner steps and in ``loop.step()``), the
-utilisation by ``loop.timings`` (compute / (compute + waited)), the seconds ``step()``
-waited, the round's communication (seconds from the update handed to the worker to the
+utilisation by ``loop.timings`` (compute / (compute + waited); the loop's own clock of
+the same seconds, so the two agree unless the loop's accounting is wrong), the seconds
+``step()`` waited, the round's communication (seconds from the update handed to the worker to the
 next state offered: ``RoundRecord.phases["applied"]``) and the round's compute; and the
 mean training loss of the last round (the median over workers).
 
@@ -99,6 +100,9 @@ def run_point(
         "wall_s": time.monotonic() - began,
         "failures": failures,
         "rows": rows,
+        # Per worker, per step: (seconds in the step, seconds in step(), whether it ended
+        # a round): where inside a round the loop's seconds went.
+        "steps": [out.get("steps", []) for out in outs],
         **summary,
     }
 

@@ -152,7 +152,9 @@ def test_an_error_on_the_round_ends_thread_is_raised_in_the_users_thread() -> No
     def refused() -> object:
         raise ValueError("error feedback: tensor names changed between rounds")
 
-    ending = RoundEnd(Handoff(), R0, make=refused, keep=lambda: None, snapshot=({}, {}))  # type: ignore[arg-type]
+    handoff = Handoff()
+    handoff.wanted = R0  # the worker waits for this round's update
+    ending = RoundEnd(handoff, R0, make=refused, keep=lambda: None, snapshot=({}, {}))  # type: ignore[arg-type]
     ending.start()
     with pytest.raises(ValueError, match="tensor names changed"):
         ending.result(WAIT)
@@ -165,3 +167,23 @@ def test_a_loop_closed_while_the_round_ends_thread_waits_ends_it() -> None:
     handoff.close()
     with pytest.raises(OuterLoopError, match="closed mid-round"):
         ending.result(WAIT)
+
+
+def test_a_rounds_update_is_made_once_the_worker_asks_for_it() -> None:
+    """Point 2: not while the worker still keeps the state just taken (the two would take
+    the interpreter lock from each other at every array operation)."""
+    handoff = Handoff()
+    asked: list[str | None] = []
+
+    def make() -> str:
+        asked.append(handoff.wanted)
+        return "update"
+
+    ending = RoundEnd(handoff, R0, make=make, keep=lambda: None, snapshot=({}, {}))  # type: ignore[arg-type]
+    ending.start()
+    with handoff.cond:  # the worker is keeping the state: no update is made meanwhile
+        assert not handoff.cond.wait_for(lambda: handoff.trained is not None, timeout=0.5)
+    assert handoff.wait_trained(WAIT, R0) == "update"  # the worker asks
+    assert asked == [R0]
+    handoff.close()
+    ending.join(WAIT)

@@ -49,6 +49,7 @@ class Handoff:
         self.finished = False
         self.error: str | None = None
         self.closed = False
+        self.wanted: str | None = None  # the root the worker waits for an update from
 
     def post_state(self, state: OuterState, root: str) -> None:
         """Offer ``state`` to the user's loop, once: a state of the root posted last (ahead
@@ -104,17 +105,36 @@ class Handoff:
         and dropped."""
         give_up = time.monotonic() + timeout
         with self.cond:
-            while True:
-                if self.trained is not None:
-                    (trained, made_from), self.trained = self.trained, None
-                    if made_from == root:
-                        return trained
-                    continue
-                if self.closed:
-                    raise Closed
+            self.wanted = root
+            self.cond.notify_all()
+            try:
+                while True:
+                    if self.trained is not None:
+                        (trained, made_from), self.trained = self.trained, None
+                        if made_from == root:
+                            return trained
+                        continue
+                    if self.closed:
+                        raise Closed
+                    left = give_up - time.monotonic()
+                    if left <= 0:
+                        raise OuterLoopError(
+                            f"the user's loop sent no update within {timeout:.0f}s"
+                        )
+                    self.cond.wait(left)
+            finally:
+                self.wanted = None
+
+    def wait_wanted(self, root: str, timeout: float) -> None:
+        """Until the worker waits for an update from the state of root ``root`` (it has
+        kept that state and is ready for the round), or cannot (it waits for another, it
+        ended, the loop closed), or ``timeout`` passed: whichever first."""
+        give_up = time.monotonic() + timeout
+        with self.cond:
+            while self.wanted is None and not (self.finished or self.closed):
                 left = give_up - time.monotonic()
                 if left <= 0:
-                    raise OuterLoopError(f"the user's loop sent no update within {timeout:.0f}s")
+                    return
                 self.cond.wait(left)
 
     def end(self, error: str | None, final: tuple[OuterState, str] | None = None) -> None:

@@ -8,7 +8,10 @@ copy the model, and move it.
 1. **At the H-th step** the user's thread copies the model's trainable parameters and
    floating buffers (float32: E_r) and, where the loop keeps one, the inner optimizer's
    state, starts a :class:`RoundEnd` and returns to its steps.
-2. **The round's end's thread**, in order: makes the update from S_r and that copy (the
+2. **The round's end's thread**, in order: waits until the worker asks for the round's
+   update (it has kept the state the user's thread just took: stored, signed; at most
+   ``KEEP_WAIT``), so the two do not run side by side, each taking the interpreter lock
+   from the other at every array operation; makes the update from S_r and that copy (the
    error feedback's residual changes here only) and hands it to the worker; writes this
    worker's resume checkpoint (``training.outer.api.resume`` point 2); takes the next
    state the worker posts; and, unless it is the run's final state, turns the copy into
@@ -41,6 +44,11 @@ if TYPE_CHECKING:
     from training.outer.trainer import Trained
 
 Snapshot = tuple[dict[str, "F32"], dict[str, "F32"]]
+
+# The longest a round's end waits for the worker to ask for its update (point 2) before
+# making it anyway: the worker keeps a state in well under this (it stores one state blob
+# and signs a milestone); past it, it is busy with something else, not keeping.
+KEEP_WAIT = 30.0
 
 
 def into_shift(state: OuterState, snapshot: Snapshot) -> None:
@@ -84,6 +92,10 @@ class RoundEnd:
 
     def _run(self) -> None:
         try:
+            # Point 2: made once the worker asks for it, not while it still keeps the state
+            # just taken (hashing, storing, signing): the two, side by side in one process,
+            # take the interpreter lock from each other at every array operation.
+            self.handoff.wait_wanted(self.root, KEEP_WAIT)
             self.handoff.post_trained(self.make(), self.root)
             self.keep()
             got = self.handoff.wait_state(HANDOFF_WAIT)
