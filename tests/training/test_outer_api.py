@@ -594,7 +594,9 @@ def _states_alive(round_: int) -> int:
     from training.outer.loop import OuterState
 
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, OuterState) and o.round == round_)
+    # type(), not isinstance(): isinstance reads each object's __class__, and some of the
+    # process's objects (torch.distributed's deprecated aliases) warn when touched.
+    return sum(1 for o in gc.get_objects() if type(o) is OuterState and o.round == round_)
 
 
 if __name__ == "__main__":
