@@ -222,6 +222,10 @@ def punch_book(host: Any) -> PunchBook:
 
 
 def _free_port(ip: str) -> int:
+    """A TCP port free on ``ip`` now. Probed rather than listened on at port 0:
+    py-libp2p's ``Swarm.listen`` answers only whether it listened, and keys its listeners
+    by the address asked for. Another process may take the port before our listen does;
+    ``open_punch_ports`` then goes without it (an ``OSError``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((ip, 0))
         port: int = probe.getsockname()[1]
